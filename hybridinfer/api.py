@@ -1,0 +1,198 @@
+"""The public API: `Engine.load(path, backend=...)`, then logits / generate / stream."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import BackendNotAvailableError, ContextLengthError, HybridInferError
+from .gguf_model import GGUFModel
+from .models import model_args
+from .sampling import Sampler, SamplingParams
+from .state import DecoderState
+
+BACKENDS = ("reference", "cpu", "gpu", "auto")
+
+
+@dataclass
+class Generation:
+    text: str
+    tokens: list[int]
+    prompt_tokens: int
+    finish_reason: str  # "stop" (EOS or a stop string) | "length"
+    timings: dict = field(default_factory=dict)
+
+
+def _make_backend(name: str, gm: GGUFModel, args, options: dict):
+    if name not in BACKENDS:
+        raise BackendNotAvailableError(f"unknown backend {name!r} (choose from {', '.join(BACKENDS)})")
+    if name in ("cpu", "gpu", "auto"):
+        raise BackendNotAvailableError(
+            f"backend {name!r} is not built yet; use backend='reference' (the numpy oracle)")
+    from .reference import ReferenceModel
+
+    return ReferenceModel(gm, args, cache_weights=options.pop("cache_weights", True))
+
+
+class Engine:
+    """A loaded model. `backend` computes; the tokenizer and chat template come from the GGUF."""
+
+    def __init__(self, gm: GGUFModel, args, backend, tokenizer, n_ctx: int, progress: bool,
+                 prefill_chunk: int):
+        self.gm, self.args, self.backend, self.tokenizer = gm, args, backend, tokenizer
+        self.n_ctx, self.progress, self.prefill_chunk = n_ctx, progress, prefill_chunk
+
+    @classmethod
+    def load(cls, path: str | None = None, backend: str = "reference", *, n_ctx: int = 4096,
+             progress: bool = False, prefill_chunk: int = 512, **options) -> Engine:
+        """Open a GGUF (default: the embedded SmolLM2-135M-Instruct) on `backend`.
+
+        n_ctx caps the context (at most the model's trained context_length); prefill_chunk is the number
+        of prompt tokens processed per forward call. Unknown options raise TypeError.
+        """
+        from .tokenizer import Tokenizer
+
+        if path is None:
+            from .default_model import default_model_path
+
+            path = default_model_path()
+        gm = GGUFModel(path)
+        args = model_args(gm)
+        n_ctx = int(min(n_ctx, args.context_length))
+        be = _make_backend(backend, gm, args, options)
+        if options:
+            raise TypeError(f"unknown Engine option(s): {', '.join(sorted(options))}")
+        if progress and hasattr(be, "preload"):
+            be.preload(progress=True)
+        return cls(gm, args, be, Tokenizer.from_gguf(gm), n_ctx, progress, prefill_chunk)
+
+    # tokens ---------------------------------------------------------------------------------------
+    def _tok(self):
+        if self.tokenizer is None:
+            raise HybridInferError(f"{self.gm.path!r} has no vocabulary; pass token ids instead of text")
+        return self.tokenizer
+
+    def tokenize(self, text: str, add_bos: bool | None = None, parse_special: bool = True) -> list[int]:
+        return self._tok().encode(text, add_bos=add_bos, parse_special=parse_special)
+
+    def detokenize(self, ids) -> str:
+        return self._tok().decode([int(i) for i in ids])
+
+    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
+                    enable_thinking: bool | None = None, tools=None) -> str:
+        from .chat_template import default_template, render_chat
+
+        tok = self._tok()
+        template = self.gm.meta("tokenizer.chat_template", None) or default_template()
+        return render_chat(template, messages, add_generation_prompt=add_generation_prompt,
+                           bos_token=tok.token_text(tok.bos_id) if tok.bos_id is not None else "",
+                           eos_token=tok.token_text(tok.eos_id) if tok.eos_id is not None else "",
+                           enable_thinking=enable_thinking, tools=tools)
+
+    def encode_prompt(self, prompt, enable_thinking: bool | None = None) -> list[int]:
+        """A str is completed raw; a list of {role, content} messages is chat-templated; a list of ints
+        is taken as token ids."""
+        if isinstance(prompt, str):
+            return self.tokenize(prompt)
+        if isinstance(prompt, list | tuple) and all(isinstance(t, int | np.integer) for t in prompt):
+            return [int(t) for t in prompt]
+        if isinstance(prompt, list | tuple) and all(isinstance(m, dict) for m in prompt):
+            text = self.chat_prompt(list(prompt), enable_thinking=enable_thinking)
+            tok = self._tok()
+            bos_text = tok.token_text(tok.bos_id) if tok.bos_id is not None else None
+            add_bos = False if bos_text and text.startswith(bos_text) else None
+            return self.tokenize(text, add_bos=add_bos)
+        raise TypeError(f"prompt must be a str, a list of messages or a list of token ids, not "
+                        f"{type(prompt).__name__}")
+
+    # compute --------------------------------------------------------------------------------------
+    def new_state(self) -> DecoderState:
+        return self.backend.new_state(self.n_ctx)
+
+    def prefill(self, ids: list[int], state: DecoderState, all_logits: bool = False) -> np.ndarray:
+        """Feed prompt tokens in chunks; returns logits of every token (all_logits) or of the last."""
+        state.check_room(len(ids))
+        chunks = range(0, len(ids), self.prefill_chunk)
+        if self.progress and len(ids) > self.prefill_chunk:
+            from tqdm import tqdm
+
+            chunks = tqdm(chunks, desc="prefill", unit="chunk", leave=False)
+        outs = []
+        for s in chunks:
+            lg = self.backend.forward(ids[s : s + self.prefill_chunk], state, all_logits=all_logits)
+            outs.append(lg)
+        return np.concatenate(outs, axis=0) if all_logits else outs[-1]
+
+    def logits(self, ids) -> np.ndarray:
+        """Logits (len(ids), n_vocab) float32 for every position, from a fresh state."""
+        ids = [int(i) for i in ids]
+        if not ids:
+            raise ValueError("logits() needs at least one token id")
+        if len(ids) > self.n_ctx:
+            raise ContextLengthError(f"{len(ids)} tokens exceed the context size n_ctx={self.n_ctx}")
+        return self.prefill(ids, self.new_state(), all_logits=True)
+
+    # generation -----------------------------------------------------------------------------------
+    def stream(self, prompt, max_tokens: int = 128, temperature: float = 0.8, top_k: int = 40,
+               top_p: float = 0.95, seed: int | None = None, stop: list[str] | str | None = None,
+               min_p: float = 0.05, repeat_penalty: float = 1.0, enable_thinking: bool | None = None,
+               _result: Generation | None = None) -> Iterator[str]:
+        """Yield text pieces as they are generated (stop strings are never emitted)."""
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                                repeat_penalty=repeat_penalty, seed=seed)
+        if max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        ids = self.encode_prompt(prompt, enable_thinking)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if len(ids) + max_tokens > self.n_ctx:
+            raise ContextLengthError(
+                f"prompt of {len(ids)} tokens + max_tokens {max_tokens} exceeds the context size "
+                f"n_ctx={self.n_ctx}")
+        res = _result if _result is not None else Generation("", [], len(ids), "length")
+        res.prompt_tokens = len(ids)
+        t0 = time.perf_counter()
+        state = self.new_state()
+        logits = self.prefill(ids, state)[-1]
+        t1 = time.perf_counter()
+        sampler = Sampler(params)
+        tok = self._tok()
+        dec = tok.stream_decoder()
+        text, emitted = "", 0
+        hold = max((len(s) for s in stops), default=0)
+        for _ in range(max_tokens):
+            t = sampler(logits, state.token_ids)
+            if t in tok.stop_ids:
+                res.finish_reason = "stop"
+                break
+            res.tokens.append(t)
+            text += dec.feed(t)
+            cut = min((text.find(s) for s in stops if s in text), default=-1)
+            if cut >= 0:
+                text = text[:cut]
+                res.finish_reason = "stop"
+                break
+            safe = len(text) - hold if hold else len(text)
+            if safe > emitted:
+                yield text[emitted:safe]
+                emitted = safe
+            if len(res.tokens) == max_tokens:
+                break
+            logits = self.backend.forward([t], state, all_logits=False)[-1]
+        if len(text) > emitted:
+            yield text[emitted:]
+        t2 = time.perf_counter()
+        res.text = text
+        n = max(len(res.tokens), 1)
+        res.timings = {"prefill_s": t1 - t0, "decode_s": t2 - t1, "prompt_tok_per_s": len(ids) / (t1 - t0),
+                       "decode_tok_per_s": n / (t2 - t1) if t2 > t1 else 0.0}
+
+    def generate(self, prompt, max_tokens: int = 128, **kw) -> Generation:
+        res = Generation("", [], 0, "length")
+        for _ in self.stream(prompt, max_tokens, _result=res, **kw):
+            pass
+        return res

@@ -1,0 +1,173 @@
+"""`hybridinfer run|logits|info|synth`: the command line. The only place that reads flags and the
+environment."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections import Counter
+
+from .errors import HybridInferError
+
+
+def _add_model(p: argparse.ArgumentParser, required: bool = False) -> None:
+    p.add_argument("-m", "--model", required=required,
+                   help="GGUF file (default: the embedded SmolLM2-135M-Instruct Q4_1)")
+    p.add_argument("--backend", default=os.environ.get("HYBRIDINFER_BACKEND", "reference"),
+                   choices=["reference", "cpu", "gpu", "auto"], help="compute backend (default: reference)")
+    p.add_argument("--n-ctx", type=int, default=4096, help="context size in tokens (default 4096)")
+
+
+def _engine(a):
+    from .api import Engine
+
+    return Engine.load(a.model, backend=a.backend, n_ctx=a.n_ctx, progress=sys.stderr.isatty())
+
+
+def cmd_run(a) -> int:
+    eng = _engine(a)
+    if a.raw:
+        prompt = a.prompt
+    else:
+        prompt = ([{"role": "system", "content": a.system}] if a.system else []) + [
+            {"role": "user", "content": a.prompt}]
+    kw = dict(max_tokens=a.n, temperature=a.temp, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p,
+              repeat_penalty=a.repeat_penalty, seed=a.seed, stop=a.stop or None,
+              enable_thinking=False if a.no_think else None)
+    for piece in eng.stream(prompt, **kw):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def _parse_tokens(s: str) -> list[int]:
+    try:
+        return [int(x) for x in s.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise HybridInferError(f"--tokens must be comma-separated integers, got {s!r}") from None
+
+
+def cmd_logits(a) -> int:
+    import numpy as np
+
+    eng = _engine(a)
+    ids = _parse_tokens(a.tokens) if a.tokens else eng.tokenize(a.text)
+    lg = eng.logits(ids)
+    np.save(a.output, lg)
+    print(f"wrote {a.output}: logits {lg.shape} float32 for {len(ids)} tokens")
+    return 0
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return ""
+
+
+def cmd_info(a) -> int:
+    from .default_model import default_model_path
+    from .gguf_model import GGUFModel
+    from .models import model_args
+    from .models.base import describe
+
+    gm = GGUFModel(a.model or default_model_path())
+    args = model_args(gm)
+    print(f"file:          {gm.path} ({_fmt_bytes(gm.file_size)})")
+    print(f"architecture:  {gm.arch}   name: {gm.meta('general.name', '?')}")
+    pattern = "".join({"gdn": "G", "attention": "A"}[k] for k in args.layer_types)
+    print(f"layers:        {args.n_layer}  pattern {pattern}")
+    for k, v in describe(args).items():
+        if k != "layer_types":
+            print(f"  {k:<18} {v}")
+    by_type: Counter = Counter()
+    n_by_type: Counter = Counter()
+    for t in gm.tensors.values():
+        by_type[t.type_name] += t.nbytes
+        n_by_type[t.type_name] += 1
+    print(f"tensors:       {len(gm.tensors)}, {_fmt_bytes(sum(by_type.values()))}")
+    for name, nb in by_type.most_common():
+        print(f"  {name:<6} {n_by_type[name]:>5} tensors  {_fmt_bytes(nb):>12}")
+    toks = gm.meta("tokenizer.ggml.tokens", None)
+    print(f"tokenizer:     {gm.meta('tokenizer.ggml.model', 'none')} / pre "
+          f"{gm.meta('tokenizer.ggml.pre', '-')}, {len(toks) if toks else 0} tokens; chat template: "
+          f"{'yes' if gm.meta('tokenizer.chat_template', None) else 'no'}")
+    if a.tensors:
+        for t in gm.tensors.values():
+            print(f"  {t.name:<40} {t.type_name:<6} {list(t.ne)}  {_fmt_bytes(t.nbytes)}")
+    return 0
+
+
+def cmd_synth(a) -> int:
+    from .synth import synth_model
+
+    summary = synth_model(a.output, a.arch, a.shape, quant=a.quant, seed=a.seed, vocab_from=a.vocab_from,
+                          progress=sys.stderr.isatty())
+    print(f"wrote {a.output}: {summary}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="hybridinfer", description="Qwen3.5 hybrid MoE inference for old GPUs")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("run", help="generate a completion (chat-templated unless --raw)")
+    _add_model(p)
+    p.add_argument("-p", "--prompt", required=True)
+    p.add_argument("-n", type=int, default=64, help="max new tokens (default 64)")
+    p.add_argument("--temp", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--min-p", type=float, default=0.05)
+    p.add_argument("--repeat-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--raw", action="store_true", help="complete the prompt as is, no chat template")
+    p.add_argument("--system", default=None, help="system message (chat mode)")
+    p.add_argument("--no-think", action="store_true", help="enable_thinking=false for Qwen templates")
+    p.set_defaults(fn=cmd_run)
+
+    p = sub.add_parser("logits", help="write logits of every position to a .npy file")
+    _add_model(p)
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--tokens", help="comma-separated token ids")
+    g.add_argument("--text", help="text to tokenize")
+    p.add_argument("-o", "--output", required=True)
+    p.set_defaults(fn=cmd_logits)
+
+    p = sub.add_parser("info", help="architecture, shapes, layer pattern, tensor types and bytes")
+    p.add_argument("-m", "--model")
+    p.add_argument("--tensors", action="store_true", help="list every tensor")
+    p.set_defaults(fn=cmd_info)
+
+    p = sub.add_parser("synth", help="write a synthetic GGUF with published (or custom) shapes")
+    p.add_argument("--arch", required=True, help="qwen35 | qwen35moe | llama")
+    p.add_argument("--shape", required=True, help="e.g. 0.8b, 9b, 35b-a3b, 122b-a10b, or a JSON dict")
+    p.add_argument("--quant", default="q4_k_m", help="q4_k_m | q8_0 | q4_0 | f16 | f32")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vocab-from", default=None, help="borrow tokens from this GGUF")
+    p.add_argument("-o", "--output", required=True)
+    p.set_defaults(fn=cmd_synth)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    if getattr(a, "shape", None) and a.shape.lstrip().startswith("{"):
+        import json
+
+        a.shape = json.loads(a.shape)
+    try:
+        return a.fn(a)
+    except HybridInferError as e:
+        print(f"hybridinfer: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""Typed errors. Each names the bad value so a user can act on it."""
+
+
+class HybridInferError(Exception):
+    """Base class of every error this package raises on bad input."""
+
+
+class GGUFError(HybridInferError):
+    """The file is not a readable GGUF."""
+
+
+class NotGGUFError(GGUFError):
+    """The file does not start with the GGUF magic."""
+
+
+class TruncatedGGUFError(GGUFError):
+    """The file ends before the data its header promises."""
+
+
+class MissingMetadataError(GGUFError):
+    """A metadata key the architecture needs is absent."""
+
+
+class UnsupportedArchitectureError(HybridInferError):
+    """`general.architecture` names an architecture this engine does not run."""
+
+
+class UnsupportedTensorTypeError(HybridInferError):
+    """A tensor is stored in a ggml type this engine cannot read."""
+
+
+class MissingTensorError(HybridInferError):
+    """A tensor the architecture needs is absent."""
+
+
+class TensorShapeError(HybridInferError):
+    """A tensor's shape disagrees with the shape the metadata implies."""
+
+
+class ContextLengthError(HybridInferError):
+    """A prompt (plus requested tokens) does not fit in the context."""
+
+
+class BackendNotAvailableError(HybridInferError):
+    """The requested backend is not built or cannot run on this machine."""
+
+
+class TemplateError(HybridInferError):
+    """The chat template failed to render (including `raise_exception` calls in it)."""
+
+
+class TokenizerError(HybridInferError):
+    """The GGUF's vocabulary cannot be used (unknown tokenizer model or pre-tokenizer, bad token id)."""
+
+
+class ShapeError(HybridInferError):
+    """A synthetic-model shape, architecture or quantization name is unknown, or a custom shape is invalid."""

@@ -1,0 +1,94 @@
+"""`llama`: dense pre-norm transformer (SmolLM2, Llama 2/3 style), GQA, RoPE on adjacent pairs.
+
+llama.cpp's converter permutes HF q/k rows so that its NORM RoPE (pairs 2i, 2i+1) equals HF's
+rotate-half RoPE; GGUF weights are therefore used with the pairwise rotation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..gguf_model import GGUFModel
+from .base import Meta, TensorSpec, check_tensors, n_vocab_of, require
+
+ARCH = "llama"
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    arch: str
+    n_vocab: int
+    n_embd: int
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_ff: int
+    n_rot: int
+    rope_theta: float
+    rms_eps: float
+    context_length: int
+    tied_output: bool
+    has_rope_freqs: bool
+
+    # the shared vocabulary of every ModelArgs the engine reads
+    @property
+    def layer_types(self) -> tuple[str, ...]:
+        return ("attention",) * self.n_layer
+
+    rope_neox = False
+    attn_gate = False
+    qk_norm = False
+    is_moe = False
+
+    @classmethod
+    def from_gguf(cls, gm: GGUFModel) -> ModelArgs:
+        m = Meta(gm, ARCH)
+        n_embd = m.int("embedding_length")
+        n_head = m.int("attention.head_count")
+        head_dim = m.int("attention.key_length", n_embd // n_head)
+        require(head_dim * n_head == n_embd or gm.has("blk.0.attn_q.weight"), gm, "head_count")
+        args = cls(
+            arch=ARCH,
+            n_vocab=n_vocab_of(gm),
+            n_embd=n_embd,
+            n_layer=m.int("block_count"),
+            n_head=n_head,
+            n_head_kv=m.int("attention.head_count_kv", n_head),
+            head_dim=head_dim,
+            n_ff=m.int("feed_forward_length"),
+            n_rot=m.int("rope.dimension_count", head_dim),
+            rope_theta=m.float("rope.freq_base", 10000.0),
+            rms_eps=m.float("attention.layer_norm_rms_epsilon", 1e-5),
+            context_length=m.int("context_length", 2048),
+            tied_output=not gm.has("output.weight"),
+            has_rope_freqs=gm.has("rope_freqs.weight"),
+        )
+        require(args.n_head % args.n_head_kv == 0, gm, f"head_count {n_head} not a multiple of "
+                f"head_count_kv {args.n_head_kv}")
+        check_tensors(gm, tensor_specs(args))
+        return args
+
+
+def tensor_specs(a: ModelArgs) -> list[TensorSpec]:
+    D, hd = a.n_embd, a.head_dim
+    specs = [
+        TensorSpec("token_embd.weight", (D, a.n_vocab)),
+        TensorSpec("output_norm.weight", (D,)),
+        TensorSpec("output.weight", (D, a.n_vocab), optional=True),
+        TensorSpec("rope_freqs.weight", (a.n_rot // 2,), optional=True),
+    ]
+    for i in range(a.n_layer):
+        b = f"blk.{i}."
+        specs += [
+            TensorSpec(b + "attn_norm.weight", (D,)),
+            TensorSpec(b + "attn_q.weight", (D, a.n_head * hd)),
+            TensorSpec(b + "attn_k.weight", (D, a.n_head_kv * hd)),
+            TensorSpec(b + "attn_v.weight", (D, a.n_head_kv * hd)),
+            TensorSpec(b + "attn_output.weight", (a.n_head * hd, D)),
+            TensorSpec(b + "ffn_norm.weight", (D,)),
+            TensorSpec(b + "ffn_gate.weight", (D, a.n_ff)),
+            TensorSpec(b + "ffn_up.weight", (D, a.n_ff)),
+            TensorSpec(b + "ffn_down.weight", (a.n_ff, D)),
+        ]
+    return specs

@@ -1,0 +1,178 @@
+"""`qwen35`: Qwen3.5 / 3.6 dense hybrid. Gated DeltaNet layers and gated full-attention layers
+(see shared/spec/qwen35.md). `qwen35moe` reuses this module with a MoE FFN in every layer.
+
+Traps handled here (spec §8): block_count counts MTP blocks; value heads are tiled so GGUF value head j
+reads key head j mod H_k; norms already carry +1 (except ssm_norm); ssm_a is already -exp(A_log).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..gguf_model import GGUFModel
+from .base import Meta, TensorSpec, check_tensors, n_vocab_of, require
+
+ARCH = "qwen35"
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    arch: str
+    n_vocab: int
+    n_embd: int
+    n_layer: int  # trunk layers only (block_count - nextn_predict_layers)
+    n_layer_mtp: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_rot: int
+    rope_theta: float
+    rope_sections: tuple[int, ...]
+    rms_eps: float
+    context_length: int
+    tied_output: bool
+    layer_types: tuple[str, ...]  # "gdn" | "attention" per trunk layer
+    # Gated DeltaNet
+    ssm_conv_kernel: int  # K
+    ssm_d_k: int  # state_size
+    ssm_n_k_heads: int  # group_count, H_k
+    ssm_n_v_heads: int  # time_step_rank, H_v
+    ssm_d_v: int  # inner_size / H_v
+    gdn_head_map: str  # "mod" (qwen35*: tiled V heads) | "div" (qwen3next / HF order)
+    # FFN
+    n_ff: int  # dense width (0 for MoE)
+    n_expert: int = 0
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
+    n_ff_shexp: int = 0
+
+    rope_neox = True
+    attn_gate = True
+    qk_norm = True
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_expert > 0
+
+    @property
+    def ssm_conv_channels(self) -> int:
+        return 2 * self.ssm_n_k_heads * self.ssm_d_k + self.ssm_n_v_heads * self.ssm_d_v
+
+    @classmethod
+    def from_gguf(cls, gm: GGUFModel, arch: str = ARCH) -> ModelArgs:
+        m = Meta(gm, arch)
+        block_count = m.int("block_count")
+        n_mtp = m.int("nextn_predict_layers", 0)
+        n_layer = block_count - n_mtp
+        require(n_layer > 0, gm, f"block_count {block_count} - nextn_predict_layers {n_mtp} <= 0")
+        rec = m.get("attention.recurrent_layers", None)
+        if rec is not None:
+            require(len(rec) >= n_layer, gm, f"attention.recurrent_layers has {len(rec)} entries for "
+                    f"{n_layer} layers")
+            is_gdn = [bool(x) for x in rec[:n_layer]]
+        else:
+            interval = m.int("full_attention_interval", 4)
+            is_gdn = [(i + 1) % interval != 0 for i in range(n_layer)]
+        n_head = m.int("attention.head_count")
+        head_dim = m.int("attention.key_length")
+        n_v = m.int("ssm.time_step_rank")
+        n_k = m.int("ssm.group_count")
+        inner = m.int("ssm.inner_size")
+        require(inner % n_v == 0, gm, f"ssm.inner_size {inner} not a multiple of time_step_rank {n_v}")
+        require(n_v % n_k == 0, gm, f"ssm.time_step_rank {n_v} not a multiple of group_count {n_k}")
+        sections = m.get("rope.dimension_sections", None)
+        moe = arch != "qwen35"
+        args = cls(
+            arch=arch,
+            n_vocab=n_vocab_of(gm),
+            n_embd=m.int("embedding_length"),
+            n_layer=n_layer,
+            n_layer_mtp=n_mtp,
+            n_head=n_head,
+            n_head_kv=m.int("attention.head_count_kv"),
+            head_dim=head_dim,
+            n_rot=m.int("rope.dimension_count", head_dim),
+            rope_theta=m.float("rope.freq_base", 1e7),
+            rope_sections=tuple(int(x) for x in sections) if sections is not None else (),
+            rms_eps=m.float("attention.layer_norm_rms_epsilon", 1e-6),
+            context_length=m.int("context_length", 262144),
+            tied_output=not gm.has("output.weight"),
+            layer_types=tuple("gdn" if g else "attention" for g in is_gdn),
+            ssm_conv_kernel=m.int("ssm.conv_kernel"),
+            ssm_d_k=m.int("ssm.state_size"),
+            ssm_n_k_heads=n_k,
+            ssm_n_v_heads=n_v,
+            ssm_d_v=inner // n_v,
+            gdn_head_map="div" if arch == "qwen3next" else "mod",
+            n_ff=0 if moe else m.int("feed_forward_length"),
+            n_expert=m.int("expert_count") if moe else 0,
+            n_expert_used=m.int("expert_used_count") if moe else 0,
+            n_ff_exp=m.int("expert_feed_forward_length") if moe else 0,
+            n_ff_shexp=m.int("expert_shared_feed_forward_length", 0) if moe else 0,
+        )
+        require(n_head % args.n_head_kv == 0, gm, f"head_count {n_head} not a multiple of head_count_kv "
+                f"{args.n_head_kv}")
+        check_tensors(gm, tensor_specs(args))
+        return args
+
+
+def tensor_specs(a: ModelArgs) -> list[TensorSpec]:
+    D, hd, C = a.n_embd, a.head_dim, a.ssm_conv_channels
+    vd = a.ssm_n_v_heads * a.ssm_d_v
+    specs = [
+        TensorSpec("token_embd.weight", (D, a.n_vocab)),
+        TensorSpec("output_norm.weight", (D,)),
+        TensorSpec("output.weight", (D, a.n_vocab), optional=True),
+    ]
+    for i, kind in enumerate(a.layer_types):
+        b = f"blk.{i}."
+        specs += [TensorSpec(b + "attn_norm.weight", (D,)), TensorSpec(b + "post_attention_norm.weight", (D,))]
+        if kind == "gdn":
+            specs += [
+                TensorSpec(b + "attn_qkv.weight", (D, C)),
+                TensorSpec(b + "attn_gate.weight", (D, vd)),
+                TensorSpec(b + "ssm_beta.weight", (D, a.ssm_n_v_heads)),
+                TensorSpec(b + "ssm_alpha.weight", (D, a.ssm_n_v_heads)),
+                TensorSpec(b + "ssm_dt.bias", (a.ssm_n_v_heads,)),
+                TensorSpec(b + "ssm_a", (a.ssm_n_v_heads,)),
+                TensorSpec(b + "ssm_conv1d.weight", (a.ssm_conv_kernel, C)),
+                TensorSpec(b + "ssm_norm.weight", (a.ssm_d_v,)),
+                TensorSpec(b + "ssm_out.weight", (vd, D)),
+            ]
+        else:
+            specs += [
+                TensorSpec(b + "attn_q.weight", (D, 2 * a.n_head * hd)),
+                TensorSpec(b + "attn_k.weight", (D, a.n_head_kv * hd)),
+                TensorSpec(b + "attn_v.weight", (D, a.n_head_kv * hd)),
+                TensorSpec(b + "attn_q_norm.weight", (hd,)),
+                TensorSpec(b + "attn_k_norm.weight", (hd,)),
+                TensorSpec(b + "attn_output.weight", (a.n_head * hd, D)),
+            ]
+        specs += ffn_specs(a, b)
+    return specs
+
+
+def ffn_specs(a: ModelArgs, b: str) -> list[TensorSpec]:
+    D = a.n_embd
+    if not a.is_moe:
+        return [
+            TensorSpec(b + "ffn_gate.weight", (D, a.n_ff)),
+            TensorSpec(b + "ffn_up.weight", (D, a.n_ff)),
+            TensorSpec(b + "ffn_down.weight", (a.n_ff, D)),
+        ]
+    E, F = a.n_expert, a.n_ff_exp
+    specs = [
+        TensorSpec(b + "ffn_gate_inp.weight", (D, E)),
+        TensorSpec(b + "ffn_gate_exps.weight", (D, F, E)),
+        TensorSpec(b + "ffn_up_exps.weight", (D, F, E)),
+        TensorSpec(b + "ffn_down_exps.weight", (F, D, E)),
+    ]
+    if a.n_ff_shexp:
+        S = a.n_ff_shexp
+        specs += [
+            TensorSpec(b + "ffn_gate_inp_shexp.weight", (D, 1)),
+            TensorSpec(b + "ffn_gate_shexp.weight", (D, S)),
+            TensorSpec(b + "ffn_up_shexp.weight", (D, S)),
+            TensorSpec(b + "ffn_down_shexp.weight", (S, D)),
+        ]
+    return specs

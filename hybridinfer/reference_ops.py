@@ -1,0 +1,142 @@
+"""The numpy maths of the reference forward pass, one function per op, slow and obvious on purpose.
+
+Activations are float32 (T, ...) arrays for T tokens; norms accumulate in float64.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """y = x / sqrt(mean(x^2) + eps) * w over the last axis."""
+    x64 = x.astype(np.float64)
+    inv = 1.0 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + eps)
+    return (x64 * inv).astype(np.float32) * w
+
+
+def rms_norm_ggml(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """rms_norm rounded as ggml does: float32 squares summed in float64, scale = 1/sqrtf(mean + eps) in
+    float32, then (x * scale) * w in float32. Used where activations are quantized next, since one ulp
+    can flip a Q8 rounding."""
+    x = x.astype(np.float32)
+    mean = np.sum((x * x).astype(np.float64), axis=-1, keepdims=True) / x.shape[-1]
+    scale = (np.float32(1.0) / np.sqrt((mean + eps).astype(np.float32))).astype(np.float32)
+    return (x * scale) * w
+
+
+def l2_norm(x: np.ndarray, eps: float) -> np.ndarray:
+    """y = x / sqrt(sum(x^2) + eps) over the last axis (spec §3 step 4)."""
+    x64 = x.astype(np.float64)
+    return (x64 / np.sqrt(np.sum(x64 * x64, axis=-1, keepdims=True) + eps)).astype(np.float32)
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def softplus(x: np.ndarray) -> np.ndarray:
+    """log(1 + e^x), linear above 20 as in both torch and ggml."""
+    return np.where(x > 20.0, x, np.log1p(np.exp(np.minimum(x, 20.0)))).astype(np.float32)
+
+
+def rope_freqs(n_rot: int, theta: float, freq_factors: np.ndarray | None = None) -> np.ndarray:
+    """w_i = theta^(-2i/n_rot), i < n_rot/2, optionally divided by per-frequency factors."""
+    w = theta ** (-np.arange(0, n_rot, 2, dtype=np.float64) / n_rot)
+    if freq_factors is not None:
+        w = w / freq_factors.astype(np.float64)
+    return w
+
+
+def rope(x: np.ndarray, positions: np.ndarray, n_rot: int, theta: float, neox: bool,
+         freq_factors: np.ndarray | None = None) -> np.ndarray:
+    """Rotate the first n_rot dims of x (T, H, hd) by angle pos*w_i; the rest pass through.
+
+    neox: pairs (i, i + n_rot/2) (Qwen); otherwise adjacent pairs (2i, 2i+1) (llama.cpp's NORM mode).
+    """
+    ang = positions.astype(np.float64)[:, None] * rope_freqs(n_rot, theta, freq_factors)[None, :]
+    cos = np.cos(ang).astype(np.float32)[:, None, :]  # (T, 1, n_rot/2)
+    sin = np.sin(ang).astype(np.float32)[:, None, :]
+    out = x.copy()
+    half = n_rot // 2
+    if neox:
+        a, b = x[..., :half], x[..., half:n_rot]
+        out[..., :half] = a * cos - b * sin
+        out[..., half:n_rot] = b * cos + a * sin
+    else:
+        a, b = x[..., 0:n_rot:2], x[..., 1:n_rot:2]
+        out[..., 0:n_rot:2] = a * cos - b * sin
+        out[..., 1:n_rot:2] = b * cos + a * sin
+    return out
+
+
+def causal_attention(q: np.ndarray, k_all: np.ndarray, v_all: np.ndarray, pos0: int) -> np.ndarray:
+    """Softmax attention of T queries at positions pos0..pos0+T-1 over keys 0..pos0+T-1.
+
+    q (T, H, hd); k_all, v_all (pos0+T, H_kv, hd). Query head h reads KV head h // (H / H_kv).
+    Returns (T, H, hd). Scale 1/sqrt(hd); scores and softmax in float64.
+    """
+    T, H, hd = q.shape
+    n_kv = k_all.shape[1]
+    group = H // n_kv
+    kv_of_head = np.arange(H) // group
+    k = k_all[:, kv_of_head].astype(np.float64)  # (S, H, hd)
+    v = v_all[:, kv_of_head].astype(np.float64)
+    s = np.einsum("thd,shd->hts", q.astype(np.float64), k) / np.sqrt(hd)
+    S = k_all.shape[0]
+    mask = np.arange(S)[None, :] > (pos0 + np.arange(T))[:, None]
+    s[:, mask] = -np.inf
+    s -= s.max(axis=-1, keepdims=True)
+    p = np.exp(s)
+    p /= p.sum(axis=-1, keepdims=True)
+    return np.einsum("hts,shd->thd", p, v).astype(np.float32)
+
+
+def causal_conv(u: np.ndarray, conv_state: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Depthwise causal conv over time: c[t, ch] = sum_tau w[ch, tau] * win[t + tau, ch], where
+    win = [conv_state; u] (oldest first) and w[:, K-1] multiplies the current token.
+
+    u (T, C); conv_state (K-1, C); w (C, K). Returns c (T, C) and the new state win[-(K-1):].
+    """
+    K = w.shape[1]
+    win = np.concatenate([conv_state, u], axis=0)  # (K-1+T, C)
+    T = u.shape[0]
+    c = np.zeros_like(u)
+    for tau in range(K):
+        c += win[tau : tau + T] * w[:, tau][None, :]
+    return c, win[win.shape[0] - (K - 1):].copy()
+
+
+def delta_rule(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray,
+               S: np.ndarray) -> np.ndarray:
+    """Gated delta rule, token by token, all value heads at once (spec §3 step 7).
+
+    q, k (T, H_v, d_k) already L2-normed and mapped to value heads, q scaled by 1/sqrt(d_k);
+    v (T, H_v, d_v); g, beta (T, H_v); S (H_v, d_k, d_v) updated in place. Returns o (T, H_v, d_v):
+      S <- e^g S;  delta = beta (v - S^T k);  S <- S + k delta^T;  o = S^T q.
+    """
+    T = q.shape[0]
+    o = np.empty_like(v)
+    for t in range(T):
+        S *= np.exp(g[t])[:, None, None]
+        kv = np.einsum("hk,hkv->hv", k[t], S)
+        delta = beta[t][:, None] * (v[t] - kv)
+        S += k[t][:, :, None] * delta[:, None, :]
+        o[t] = np.einsum("hk,hkv->hv", q[t], S)
+    return o
+
+
+def moe_route(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Softmax over all experts, top-k, renormalise (denominator clamped as llama.cpp does).
+    logits (T, E) -> (idx (T, k) int, weights (T, k) float32)."""
+    lg = logits.astype(np.float64)
+    p = np.exp(lg - lg.max(axis=-1, keepdims=True))
+    p /= p.sum(axis=-1, keepdims=True)
+    idx = np.argsort(-p, axis=-1, kind="stable")[:, :k]
+    w = np.take_along_axis(p, idx, axis=-1)
+    w /= np.maximum(w.sum(axis=-1, keepdims=True), 6.103515625e-5)
+    return idx, w.astype(np.float32)

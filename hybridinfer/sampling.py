@@ -1,0 +1,65 @@
+"""Token sampling over one row of logits: greedy, temperature, top-k, top-p, min-p, repetition and
+presence penalties, seeded. llama.cpp's order: penalties, top-k, top-p, min-p, temperature, draw."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    repeat_last_n: int = 64
+    seed: int | None = None
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p < 1.0:
+            raise ValueError(f"min_p must be in [0, 1), got {self.min_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if self.repeat_penalty <= 0:
+            raise ValueError(f"repeat_penalty must be > 0, got {self.repeat_penalty}")
+
+
+class Sampler:
+    def __init__(self, params: SamplingParams):
+        self.p = params
+        self.rng = np.random.default_rng(params.seed)
+
+    def __call__(self, logits: np.ndarray, history: np.ndarray | None = None) -> int:
+        p = self.p
+        x = logits.astype(np.float64, copy=True)
+        if history is not None and len(history) and (p.repeat_penalty != 1.0 or p.presence_penalty):
+            recent = np.unique(history[-p.repeat_last_n :]) if p.repeat_last_n > 0 else np.unique(history)
+            r = x[recent]
+            x[recent] = np.where(r > 0, r / p.repeat_penalty, r * p.repeat_penalty) - p.presence_penalty
+        if p.temperature == 0.0:
+            return int(np.argmax(x))
+        cand = np.argsort(-x, kind="stable")
+        if p.top_k > 0:
+            cand = cand[: p.top_k]
+        lg = x[cand]
+        prob = np.exp(lg - lg[0])
+        prob /= prob.sum()
+        if p.top_p < 1.0:
+            keep = int(np.searchsorted(np.cumsum(prob), p.top_p) + 1)
+            cand, lg = cand[:keep], lg[:keep]
+            prob = prob[:keep] / prob[:keep].sum()
+        if p.min_p > 0.0:
+            keep = prob >= p.min_p * prob[0]
+            cand, lg = cand[keep], lg[keep]
+        z = lg / p.temperature
+        w = np.exp(z - z.max())
+        w /= w.sum()
+        return int(cand[self.rng.choice(len(cand), p=w)])

@@ -1,0 +1,25 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="hybridinfer",
+    version="0.1.0",
+    description="Hybrid MoE (Qwen3.5/3.6) inference for pre-DP4A GPUs and big-RAM hosts",
+    packages=find_packages(include=["hybridinfer", "hybridinfer.*"]),
+    python_requires=">=3.11",
+    install_requires=[
+        "numpy>=1.26",
+        "numba>=0.60",
+        "cffi>=1.16",
+        "gguf>=0.17",
+        "py-cpuinfo>=9",
+        "tokenizers>=0.20",
+        "jinja2>=3.1",
+        "tqdm>=4.60",
+    ],
+    extras_require={
+        "gpu": ["pycuda"],
+        "test": ["pytest", "ruff"],
+        "oracles": ["transformers", "llama-cpp-python", "torch"],
+    },
+    entry_points={"console_scripts": ["hybridinfer=hybridinfer.cli:main"]},
+)
