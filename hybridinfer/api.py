@@ -34,7 +34,8 @@ def _make_backend(name: str, gm: GGUFModel, args, options: dict):
             f"backend {name!r} is not built yet; use backend='reference' (the numpy oracle)")
     from .reference import ReferenceModel
 
-    return ReferenceModel(gm, args, cache_weights=options.pop("cache_weights", True))
+    return ReferenceModel(gm, args, cache_weights=options.pop("cache_weights", True),
+                          act_quant=options.pop("act_quant", False), kv_f16=options.pop("kv_f16", False))
 
 
 class Engine:
