@@ -184,6 +184,8 @@ class Engine:
             if len(res.tokens) == max_tokens:
                 break
             logits = self.backend.forward([t], state, all_logits=False)[-1]
+        if res.finish_reason == "length":
+            text += dec.flush()  # bytes of a character cut off by the token limit
         if len(text) > emitted:
             yield text[emitted:]
         t2 = time.perf_counter()

@@ -118,7 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model(p)
     p.add_argument("-p", "--prompt", required=True)
     p.add_argument("-n", type=int, default=64, help="max new tokens (default 64)")
-    p.add_argument("--temp", type=float, default=0.8)
+    p.add_argument("--temp", type=float, default=0.0,
+                   help="sampling temperature (default 0: greedy, reproducible; e.g. 0.8 to sample)")
     p.add_argument("--top-k", type=int, default=40)
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--min-p", type=float, default=0.05)

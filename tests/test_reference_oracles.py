@@ -68,8 +68,9 @@ def test_reference_vs_llama_cpp_quantized(arch, quant, oracle_gguf):
     With act_quant=True the reference repeats llama.cpp's Q8_0 activation rounding, which must bring it
     measurably closer on Q8_0 files (K-quants have no emulated path: they stay exact)."""
     pytest.importorskip("llama_cpp")
-    from hybridinfer.api import Engine
     from oracle_models import llama_logits
+
+    from hybridinfer.api import Engine
 
     path = oracle_gguf(arch, quant)
     eng = _engine(path)

@@ -1,0 +1,113 @@
+"""Engine API and CLI on the embedded default model and tiny models; architecture-level load errors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from gguf_edit import rewrite
+
+from hybridinfer.api import Engine
+from hybridinfer.errors import (
+    BackendNotAvailableError,
+    ContextLengthError,
+    MissingMetadataError,
+    MissingTensorError,
+    TensorShapeError,
+    UnsupportedArchitectureError,
+)
+
+
+def _cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hybridinfer", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def test_cli_run_default_model_says_paris():
+    r = _cli("run", "--raw", "-p", "The capital of France is", "-n", "8", "--temp", "0")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout, r.stdout
+
+
+def test_cli_info_and_logits(tmp_path, smollm_path, smollm_ref):
+    r = _cli("info")
+    assert r.returncode == 0, r.stderr
+    assert "architecture:  llama" in r.stdout and "pattern AAAA" in r.stdout and "Q4_1" in r.stdout
+    out = tmp_path / "l.npy"
+    r = _cli("logits", "-m", smollm_path, "--tokens", "1,504,3458", "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    lg = np.load(out)
+    assert lg.shape == (3, smollm_ref.args.n_vocab) and lg.dtype == np.float32
+    assert np.allclose(lg, smollm_ref.logits([1, 504, 3458]), atol=1e-4)
+
+
+def test_cli_errors_are_clean(tmp_path):
+    bad = tmp_path / "x.gguf"
+    bad.write_text("hello")
+    r = _cli("info", "-m", str(bad))
+    assert r.returncode == 2 and "not a GGUF" in r.stderr and "Traceback" not in r.stderr
+    r = _cli("logits", "-m", str(bad), "--tokens", "1,x", "-o", str(tmp_path / "o.npy"))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+
+
+def test_generate_stream_and_stop(smollm_ref):
+    eng = smollm_ref
+    g = eng.generate("Once upon a time", max_tokens=12, temperature=0.7, seed=3)
+    pieces = list(eng.stream("Once upon a time", max_tokens=12, temperature=0.7, seed=3))
+    assert "".join(pieces) == g.text and len(g.tokens) == 12 and g.finish_reason == "length"
+    assert eng.detokenize(g.tokens) == g.text
+    g2 = eng.generate("Once upon a time", max_tokens=12, temperature=0.7, seed=3)
+    assert g2.tokens == g.tokens  # seeded
+    # a stop string cuts the text before it and ends generation
+    word = g.text.strip().split()[1] if len(g.text.split()) > 1 else g.text.strip()[:3]
+    g3 = eng.generate("Once upon a time", max_tokens=12, temperature=0.7, seed=3, stop=[word])
+    assert word not in g3.text and g3.finish_reason == "stop"
+    assert g.text.startswith(g3.text)
+
+
+def test_chat_messages_are_templated(smollm_ref):
+    eng = smollm_ref
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    text = eng.chat_prompt(msgs)
+    assert "<|im_start|>user" in text and text.rstrip().endswith("assistant")
+    g = eng.generate(msgs, max_tokens=16, temperature=0.0)
+    assert "Paris" in g.text, g.text
+    assert g.prompt_tokens == len(eng.encode_prompt(msgs))
+
+
+def test_engine_bad_input(smollm_ref, smollm_path):
+    eng = smollm_ref
+    with pytest.raises(ContextLengthError, match="n_ctx=1024"):
+        eng.generate([1] * 1000, max_tokens=100)
+    with pytest.raises(ContextLengthError):
+        eng.logits([1] * 1025)
+    with pytest.raises(ValueError, match="token id 999999"):
+        eng.logits([1, 999999])
+    with pytest.raises(ValueError, match="temperature"):
+        eng.generate("hi", temperature=-1)
+    with pytest.raises(BackendNotAvailableError, match="not built yet"):
+        Engine.load(smollm_path, backend="cpu")
+    with pytest.raises(BackendNotAvailableError, match="unknown backend 'tpu'"):
+        Engine.load(smollm_path, backend="tpu")
+    with pytest.raises(TypeError, match="bogus"):
+        Engine.load(smollm_path, bogus=1)
+
+
+def test_architecture_level_errors(tmp_path, oracle_gguf):
+    src = oracle_gguf("qwen35")
+    p = tmp_path / "a.gguf"
+    rewrite(src, str(p), arch="mamba3")
+    with pytest.raises(UnsupportedArchitectureError, match="'mamba3'"):
+        Engine.load(str(p))
+    rewrite(src, str(p), drop={"blk.1.ssm_a"})
+    with pytest.raises(MissingTensorError, match="blk.1.ssm_a"):
+        Engine.load(str(p))
+    rewrite(src, str(p), replace={"blk.3.attn_k.weight": np.zeros((5, 64), np.float32)})
+    with pytest.raises(TensorShapeError, match="blk.3.attn_k.weight"):
+        Engine.load(str(p))
+    rewrite(src, str(p), meta={"qwen35.ssm.state_size": None})
+    with pytest.raises(MissingMetadataError, match="qwen35.ssm.state_size"):
+        Engine.load(str(p))

