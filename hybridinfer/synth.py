@@ -39,6 +39,7 @@ from .synth_shapes import (
     tensor_specs,
 )
 from .synth_shapes import list_shapes as list_shapes  # re-exported for the CLI
+from .tokenizer import bytes_to_unicode
 
 T = GGMLQuantizationType
 SIGMA = 0.02  # target std of every weight matrix's values
@@ -117,26 +118,13 @@ def _small_values(s: TensorSpec, rng: np.random.Generator) -> np.ndarray:
 
 # ---- vocabulary ----------------------------------------------------------------------------------------------
 
-def _bytes_to_unicode() -> list[str]:
-    """GPT-2's byte -> printable character map, indexed by byte value."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    table = dict(zip(bs, cs, strict=True))
-    return [chr(table[b]) for b in range(256)]
-
-
 def _synthetic_vocab(n_vocab: int) -> dict:
     """Byte-level BPE: the 256 byte tokens, one merge ('Ġ Ġ'), the Qwen special tokens, unique fillers."""
     if n_vocab < 256 + 1 + len(_SPECIALS):
         raise ShapeError(f"n_vocab {n_vocab} is too small for a synthetic byte-level vocabulary "
                          f"(at least {256 + 1 + len(_SPECIALS)})")
-    tokens = _bytes_to_unicode() + ["ĠĠ"]
+    byte_chars = bytes_to_unicode()
+    tokens = [byte_chars[b] for b in range(256)] + ["ĠĠ"]
     types = [int(TokenType.NORMAL)] * n_vocab
     tokens += [f"[PAD{i}]" for i in range(len(tokens), n_vocab)]
     ids = {}

@@ -154,7 +154,7 @@ _SPECIAL_KEYS = (
 )
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character table used by byte-level BPE vocabularies."""
     bs = list(range(0x21, 0x7F)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
     cs = list(bs)
@@ -167,7 +167,7 @@ def _bytes_to_unicode() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(bs, cs, strict=True)}
 
 
-_BYTE_TO_CHAR = _bytes_to_unicode()
+_BYTE_TO_CHAR = bytes_to_unicode()
 _CHAR_TO_BYTE_TABLE = {ord(c): chr(b) for b, c in _BYTE_TO_CHAR.items()}  # str.translate -> latin-1 chars
 
 
