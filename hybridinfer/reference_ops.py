@@ -16,12 +16,12 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
 
 
 def rms_norm_ggml(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    """rms_norm rounded as ggml does: float32 squares summed in float64, scale = 1/sqrtf(mean + eps) in
-    float32, then (x * scale) * w in float32. Used where activations are quantized next, since one ulp
-    can flip a Q8 rounding."""
+    """rms_norm rounded as ggml does: float32 squares summed in float64, the mean narrowed to float32,
+    scale = 1/sqrtf(mean + eps) in float32, then (x * scale) * w in float32. Used where activations are
+    quantized next, since one ulp can flip a Q8 rounding."""
     x = x.astype(np.float32)
-    mean = np.sum((x * x).astype(np.float64), axis=-1, keepdims=True) / x.shape[-1]
-    scale = (np.float32(1.0) / np.sqrt((mean + eps).astype(np.float32))).astype(np.float32)
+    mean = (np.sum((x * x).astype(np.float64), axis=-1, keepdims=True) / x.shape[-1]).astype(np.float32)
+    scale = (np.float32(1.0) / np.sqrt(mean + np.float32(eps))).astype(np.float32)
     return (x * scale) * w
 
 
