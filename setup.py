@@ -22,4 +22,7 @@ setup(
         "oracles": ["transformers", "llama-cpp-python", "torch"],
     },
     entry_points={"console_scripts": ["hybridinfer=hybridinfer.cli:main"]},
+    # the native SIMD library hybridinfer._simd (cffi API mode; sources and flags in native/simd/build.py)
+    cffi_modules=["native/simd/build.py:ffibuilder"],
+    zip_safe=False,
 )

@@ -1,20 +1,27 @@
 """llama.cpp's activation quantization for 32-wide weight blocks, as a numpy reference.
 
 llama.cpp multiplies a quantized weight row by an activation row that it first quantizes to its
-`vec_dot_type`: Q8_0 for Q4_0/Q5_0/Q8_0 weights, Q8_1 for Q4_1/Q5_1 weights. Per 32-value block:
-    d = amax / 127  (float32; stored as fp16),  q_i = roundf(x_i / d)  (computed as x_i * (1/d)),
-    Q8_1 also stores s = fp16(d * sum_i q_i).
-and the dot product of weight block (d_w, m_w, q_w) with it is
+`vec_dot_type`: Q8_0 for Q4_0/Q5_0/Q8_0 weights, Q8_1 for Q4_1/Q5_1 weights, Q8_K for K-quants, fp16 for
+F16 weights. Per 32-value block, as llama.cpp's x86 (AVX/AVX2) build quantizes:
+    amax = max |x_i|,  d = amax / 127,  id = 127 / amax (0 if amax = 0)   (float32, two divisions)
+    q_i = round_half_even(x_i * id)       (_mm256_round_ps; not roundf: ties go to even)
+    stored d = fp16(d) (round to nearest even); Q8_1 also s = fp16(d * sum_i q_i) (d unrounded).
+Q8_K (256-value blocks, the rule of every x86 build) is `quantize_q8_K`, shared with actquant_k.
+The dot product of weight block (d_w, m_w, q_w) with an activation block is
     Q8_0: d_w * d_a * sum_i q_w,i q_a,i
     Q8_1: d_w * d_a * sum_i q_w,i q_a,i + m_w * s_a
 with the integer sums exact. `qmatmul` computes x @ W.T this way; the per-block integer sums are formed
-by float32 matmuls of integer-valued arrays, exact because |sum| <= 32 * 31 * 127 < 2^24.
+by float32 matmuls of integer-valued arrays, exact because |sum| <= 32 * 31 * 127 < 2^24; its float sum
+over blocks is numpy's. `qmatmul_ggml` adds the block terms in the order of ggml's AVX2 kernels (8 lanes
+of 4 values, one fused multiply-add per lane and block, emulated exactly), which reproduces llama.cpp's
+float32 results bit for bit; the native kernels (native/simd) are tested against both.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from .actquant_k import fma32, quantize_q8_K  # noqa: F401  (Q8_K: one implementation, re-exported here)
 from .quant import SUPPORTED_TYPES
 
 # ggml type ids
@@ -31,13 +38,52 @@ def quantize_q8(x: np.ndarray, with_sum: bool) -> tuple[np.ndarray, np.ndarray, 
     amax = np.abs(xb).max(axis=-1)
     d = (amax / np.float32(127)).astype(np.float32)
     with np.errstate(divide="ignore"):
-        inv = np.where(d > 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
-    v = xb * inv[..., None]
-    q = np.where(v >= 0, np.floor(v + np.float32(0.5)), np.ceil(v - np.float32(0.5))).astype(np.float32)  # roundf
+        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    q = np.rint(xb * inv[..., None]).astype(np.float32)  # round half to even, as _mm256_round_ps
     s = None
     if with_sum:
         s = (q.sum(axis=-1) * d).astype(np.float16).astype(np.float32)
     return q, d.astype(np.float16).astype(np.float32), s
+
+
+_ACT_BLOCK = {"q8_0": (32, 34), "q8_1": (32, 36), "q8_K": (256, 292)}
+
+
+def quantize_act(x: np.ndarray, kind: str) -> np.ndarray:
+    """Activation rows x (T, n) float32 -> their bytes (T, row bytes) in ggml's layout for `kind`:
+    "q8_0" / "q8_1" (block_q8_0 / block_q8_1), "q8_K", "f16" (fp16, round to nearest even) or "f32"."""
+    x = np.asarray(x, dtype=np.float32)
+    if x.ndim == 1:
+        x = x[None]
+    T, n = x.shape
+    if kind == "f32":
+        return np.ascontiguousarray(x).view(np.uint8).reshape(T, 4 * n)
+    if kind == "f16":
+        return np.ascontiguousarray(x.astype(np.float16)).view(np.uint8).reshape(T, 2 * n)
+    if kind == "q8_K":
+        return quantize_q8_K(x)
+    if kind not in ("q8_0", "q8_1"):
+        raise ValueError(f"unknown activation kind {kind!r}")
+    q, d, s = quantize_q8(x, with_sum=kind == "q8_1")
+    nb = n // QK
+    bb = _ACT_BLOCK[kind][1]
+    out = np.empty((T, nb, bb), np.uint8)
+    out[..., 0:2] = d.astype(np.float16)[..., None].view(np.uint8)
+    if s is not None:
+        out[..., 2:4] = s.astype(np.float16)[..., None].view(np.uint8)
+    out[..., bb - 32:] = q.astype(np.int8).view(np.uint8)
+    return out.reshape(T, nb * bb)
+
+
+def unpack_act(xq: np.ndarray, kind: str, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Q8_0 / Q8_1 activation bytes (T, row bytes) -> q (T, n/32, 32) float32 (int values), d (T, n/32)
+    float32, s (T, n/32) float32 or None."""
+    bb = _ACT_BLOCK[kind][1]
+    b = np.ascontiguousarray(xq, dtype=np.uint8).reshape(-1, n // QK, bb)
+    d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    s = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if kind == "q8_1" else None
+    q = b[..., bb - 32:].copy().view(np.int8).astype(np.float32)
+    return q, d, s
 
 
 def weight_ints(raw: np.ndarray, qtype: int, rows: int, cols: int):
@@ -94,3 +140,34 @@ def qmatmul(x: np.ndarray, raw: np.ndarray, qtype: int, rows: int, cols: int, ro
             acc += xs @ wm.T
         out[:, r0:r1] = acc
     return out
+
+
+def qmatmul_ggml(xq: np.ndarray, raw: np.ndarray, qtype: int, rows: int, cols: int) -> np.ndarray:
+    """x @ W.T from activation rows already quantized (xq: (T, row bytes) Q8_0/Q8_1 as `quantize_act`
+    gives), with the float operations of ggml's AVX2 vec_dot kernels, so the float32 result equals
+    llama.cpp's bit for bit:
+        lane_k = sum_{j=4k}^{4k+3} q_w,j q_a,j   (exact; k = 0..7 over the 32 values of a block)
+        acc_k = fma(d_w * d_a, lane_k, acc_k)    over the blocks of the row, in order
+        summs = fma(m_w, s_a, summs)             (Q4_1 / Q5_1)
+        row = ((acc0+acc4) + (acc2+acc6)) + ((acc1+acc5) + (acc3+acc7)) [+ summs]
+    Vectorized over rows, tokens and lanes; one Python step per block. Returns (T, rows) float32."""
+    if qtype not in LEGACY:
+        raise ValueError(f"qmatmul_ggml has no path for ggml type {qtype} (supported: {sorted(LEGACY)})")
+    kind = LEGACY[qtype][1]
+    qa, da, sa = unpack_act(xq, kind, cols)
+    wq, wd, wm = weight_ints(np.ascontiguousarray(raw).reshape(-1), qtype, rows, cols)
+    T, nb = da.shape
+    lanes = np.einsum("tbkj,rbkj->btrk", qa.reshape(T, nb, 8, 4).astype(np.float64),
+                      wq.reshape(rows, nb, 8, 4).astype(np.float64)).astype(np.float32)  # exact integers
+    acc = np.zeros((T, rows, 8), np.float32)
+    summs = np.zeros((T, rows), np.float32)
+    for b in range(nb):
+        dd = (wd[None, :, b] * da[:, b, None]).astype(np.float32)  # (T, rows), one float product
+        acc = fma32(dd[..., None], lanes[b], acc)
+        if wm is not None:
+            summs = fma32(wm[None, :, b], sa[:, b, None], summs)
+    a = acc
+    r = ((a[..., 0] + a[..., 4]) + (a[..., 2] + a[..., 6])) + ((a[..., 1] + a[..., 5]) + (a[..., 3] + a[..., 7]))
+    if wm is not None:
+        r = r + summs
+    return r.astype(np.float32)

@@ -1,0 +1,440 @@
+"""The one launcher of the native SIMD library `hybridinfer._simd` (C, built by setup.py through cffi).
+
+The library multiplies GGUF weight rows, in their stored bytes, by activation rows quantized the way
+llama.cpp quantizes them (Q8_0 for Q4_0/Q5_0/Q8_0 weights, Q8_1 for Q4_1/Q5_1, Q8_K for K-quants, fp16 for
+F16, float32 for F32), with integer sums exact and llama.cpp's float operations (see the first comment of
+native/simd/kernels_body.h). One binary holds every ISA level (scalar, ssse3, avx2, avx512vnni); a
+`SimdLib` uses the best one this CPU runs unless told otherwise, and owns a persistent C thread pool.
+
+Every array is checked here before C sees it: dtype, shape, and contiguity (a 2-D array may be a view of
+wider rows, e.g. `buf[:T, :n]`: its rows may be strided, each row must be contiguous). Bad arrays raise
+TypeError / ValueError naming the argument; a weight type without a kernel raises
+`UnsupportedTensorTypeError` naming the ggml type. Settings come in as arguments; nothing reads the
+environment.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from ..errors import BackendNotAvailableError, UnsupportedTensorTypeError
+from ..quant import type_name
+
+ISAS: tuple[str, ...] = ("scalar", "ssse3", "avx2", "avx512vnni")
+ACT_KINDS: tuple[str, ...] = ("f32", "f16", "q8_0", "q8_1", "q8_K")
+# weight types with a kernel -> activation kind
+KERNEL_TYPES: dict[int, str] = {0: "f32", 1: "f16", 2: "q8_0", 3: "q8_1", 6: "q8_0", 7: "q8_1", 8: "q8_0",
+                                12: "q8_K", 13: "q8_K", 14: "q8_K"}
+_FLOAT_DTYPES = {0: np.dtype(np.float32), 1: np.dtype(np.float16)}
+_F32 = np.dtype(np.float32)
+_U8 = np.dtype(np.uint8)
+_I32 = np.dtype(np.int32)
+
+_mod = None
+
+
+def _native():
+    global _mod
+    if _mod is None:
+        try:
+            from .. import _simd
+        except ImportError as e:  # pragma: no cover - depends on the build
+            raise BackendNotAvailableError(
+                "the native SIMD library hybridinfer._simd is not built: `pip install -e .` (or "
+                f"`python native/simd/build.py`) builds it ({e})") from e
+        _mod = _simd
+    return _mod
+
+
+def supported_isas() -> list[str]:
+    """The ISA levels this CPU runs, lowest first (always starts with "scalar")."""
+    lib = _native().lib
+    return [name for i, name in enumerate(ISAS) if lib.hi_isa_supported(i)]
+
+
+def best_isa() -> str:
+    """The widest ISA level this CPU (and OS) supports."""
+    return ISAS[_native().lib.hi_best_isa()]
+
+
+def _qtype(qtype) -> int:
+    try:
+        q = int(qtype)
+    except (TypeError, ValueError):
+        raise TypeError(f"qtype must be a ggml type id (int), got {qtype!r}") from None
+    if q not in KERNEL_TYPES:
+        names = ", ".join(type_name(t) for t in sorted(KERNEL_TYPES))
+        raise UnsupportedTensorTypeError(
+            f"ggml type {type_name(q)} (id {q}) has no SIMD kernel (kernels exist for {names})")
+    return q
+
+
+def act_kind(qtype) -> str:
+    """The activation format a weight type multiplies: "f32", "f16", "q8_0", "q8_1" or "q8_K"."""
+    return KERNEL_TYPES[_qtype(qtype)]
+
+
+def act_row_bytes(qtype, n: int) -> int:
+    """Bytes of one activation row of `n` values for weight type `qtype`."""
+    q = _qtype(qtype)
+    r = _native().lib.hi_act_row_bytes(q, int(n))
+    if r < 0:
+        raise ValueError(f"a row of {n} values is not a whole number of {act_kind(q)} blocks "
+                         f"(weight type {type_name(q)})")
+    return int(r)
+
+
+def weight_row_bytes(qtype, n: int) -> int:
+    """Bytes of one weight row of `n` values stored as `qtype`."""
+    q = _qtype(qtype)
+    r = _native().lib.hi_weight_row_bytes(q, int(n))
+    if r < 0:
+        raise ValueError(f"a {type_name(q)} row of {n} values is not a whole number of blocks")
+    return int(r)
+
+
+_SIZES: dict[tuple[int, int], tuple[int, int, int]] = {}
+
+
+def _sizes(qtype, cols) -> tuple[int, int, int]:
+    """(qtype as int, weight row bytes, activation row bytes) for a (qtype, cols) pair, cached."""
+    try:
+        return _SIZES[(qtype, cols)]
+    except (KeyError, TypeError):
+        pass
+    q = _qtype(qtype)
+    c = int(cols)
+    if c < 1:
+        raise ValueError(f"cols must be positive, got {cols}")
+    r = (q, weight_row_bytes(q, c), act_row_bytes(q, c))
+    if len(_SIZES) < 4096:
+        _SIZES[(qtype, cols)] = r
+    return r
+
+
+# ------------------------------------------------------------------------------------------------
+# argument checks
+
+
+def _array(name: str, a, dtypes) -> np.ndarray:
+    if not isinstance(a, np.ndarray):
+        raise TypeError(f"{name} must be a numpy array, got {type(a).__name__}")
+    if a.dtype not in dtypes:
+        want = " or ".join(str(d) for d in dtypes)
+        raise TypeError(f"{name} must have dtype {want}, got {a.dtype}")
+    return a
+
+
+def _rows(name: str, a: np.ndarray, width: int, T: int | None = None, writable: bool = False) -> tuple[int, int]:
+    """Check a (T, width) array (or one (width,) row) whose rows are contiguous; returns (T, row stride in
+    elements)."""
+    if writable and not a.flags.writeable:
+        raise ValueError(f"{name} is read-only")
+    if a.ndim == 1:
+        n, stride = 1, width
+        if a.shape[0] != width:
+            raise ValueError(f"{name} has shape {a.shape}, expected ({width},)")
+        if a.strides[0] != a.itemsize:
+            raise ValueError(f"{name} is not contiguous (strides {a.strides})")
+    elif a.ndim == 2:
+        n = a.shape[0]
+        if a.shape[1] != width or (T is not None and n != T):
+            raise ValueError(f"{name} has shape {a.shape}, expected ({T if T is not None else 'T'}, {width})")
+        if n == 0:
+            raise ValueError(f"{name} has no rows")
+        if a.strides[1] != a.itemsize and width > 1:
+            raise ValueError(f"{name} is not C-contiguous within rows (strides {a.strides})")
+        stride = a.strides[0] // a.itemsize
+        if n > 1 and (a.strides[0] % a.itemsize or stride < width):
+            raise ValueError(f"{name} rows overlap or are not contiguous (strides {a.strides})")
+        if n == 1:
+            stride = width
+    else:
+        raise ValueError(f"{name} must be 1-D or 2-D, got shape {a.shape}")
+    return n, stride
+
+
+def _rows_fast(name: str, a, dtype: np.dtype, width: int, T: int | None = None,
+               writable: bool = False) -> tuple[int, int]:
+    """`_rows` with the dtype check, quick for well-formed arrays; the full checks (and their messages) on
+    anything unusual."""
+    if type(a) is np.ndarray and a.dtype is dtype and (not writable or a.flags.writeable):
+        sh, st = a.shape, a.strides
+        if len(sh) == 2:
+            n = sh[0]
+            if sh[1] == width and n and (T is None or n == T) and st[1] == a.itemsize:
+                if n == 1:
+                    return 1, width
+                if st[0] >= width * a.itemsize and st[0] % a.itemsize == 0:
+                    return n, st[0] // a.itemsize
+        elif len(sh) == 1 and sh[0] == width and st[0] == a.itemsize and T in (None, 1):
+            return 1, width
+    return _rows(name, _array(name, a, (dtype,)), width, T, writable)
+
+
+def _ptr(ffi, ctype: str, a: np.ndarray):
+    """A C pointer to a's first element (ctype "float *" etc.); from_buffer (fast, keeps a alive for the
+    call) for contiguous arrays, the address for row-strided views."""
+    if a.flags.c_contiguous:
+        return ffi.from_buffer(ctype[:-1] + "[]", a, require_writable=False)
+    return ffi.cast(ctype, a.ctypes.data)
+
+
+def _weights(name: str, w, qtype: int, row_bytes: int, rows: int) -> tuple[np.ndarray, int]:
+    """Check a weight buffer holding a whole number of `rows`-row matrices; returns (w, number of them)."""
+    dtypes = (_U8, np.dtype(np.int8)) + ((_FLOAT_DTYPES[qtype],) if qtype in _FLOAT_DTYPES else ())
+    w = _array(name, w, dtypes)
+    if not w.flags.c_contiguous:
+        raise ValueError(f"{name} is not C-contiguous")
+    per = rows * row_bytes
+    if w.nbytes == 0 or w.nbytes % per:
+        raise ValueError(f"{name} has {w.nbytes} bytes, not a whole number of {rows} x {row_bytes}-byte "
+                         f"{type_name(qtype)} matrices")
+    return w, w.nbytes // per
+
+
+def _ids(name: str, ids, n_expert: int) -> np.ndarray:
+    a = np.asarray(ids)
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"{name} must hold integer expert ids, got dtype {a.dtype}")
+    if a.ndim != 1 or a.size == 0:
+        raise ValueError(f"{name} must be a non-empty 1-D array of expert ids, got shape {a.shape}")
+    if a.size > 64:
+        raise ValueError(f"{name} selects {a.size} experts, at most 64 are supported")
+    if a.dtype != _I32 or not a.flags.c_contiguous:
+        a = np.ascontiguousarray(a, dtype=np.int32)
+    bad = (a < 0) | (a >= n_expert)
+    if bad.any():
+        raise ValueError(f"{name} holds expert id {int(a[bad][0])}, outside [0, {n_expert})")
+    return a
+
+
+def _check_rc(rc: int, what: str) -> None:
+    if rc == 0:
+        return
+    if rc == -3:
+        raise MemoryError(f"{what}: out of memory")
+    raise ValueError(f"{what}: the native library rejected the arguments (code {rc})")
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+class SimdLib:
+    """The native kernels at one ISA level with a persistent pool of `n_threads` threads (the caller
+    included). `isa`: one of `supported_isas()`, or None for `best_isa()`. Calls on one object are
+    serialized; use one object per concurrent caller."""
+
+    def __init__(self, isa: str | None = None, n_threads: int | None = None, spin_us: int = 200):
+        mod = _native()
+        self._ffi, self._lib = mod.ffi, mod.lib
+        if isa is None:
+            level = self._lib.hi_best_isa()
+        else:
+            if isa not in ISAS:
+                raise ValueError(f"unknown ISA {isa!r} (known: {', '.join(ISAS)})")
+            level = ISAS.index(isa)
+            if not self._lib.hi_isa_supported(level):
+                raise BackendNotAvailableError(
+                    f"ISA {isa!r} is not supported by this CPU (supported: {', '.join(supported_isas())})")
+        n = (os.cpu_count() or 1) if n_threads is None else n_threads
+        if not isinstance(n, int | np.integer) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"n_threads must be a positive int, got {n_threads!r}")
+        if not isinstance(spin_us, int | np.integer) or spin_us < 0:
+            raise ValueError(f"spin_us must be a non-negative int, got {spin_us!r}")
+        ctx = self._lib.hi_ctx_new(level, int(n), int(spin_us))
+        if ctx == self._ffi.NULL:
+            raise BackendNotAvailableError(f"could not start the SIMD library ({ISAS[level]}, {n} threads)")
+        self._ctx = self._ffi.gc(ctx, self._lib.hi_ctx_free)
+        self.isa: str = ISAS[level]
+        self.n_threads: int = int(n)
+
+    def __repr__(self) -> str:
+        return f"SimdLib(isa={self.isa!r}, n_threads={self.n_threads})"
+
+    def close(self) -> None:
+        """Stop the thread pool now (otherwise it stops when the object is collected)."""
+        if self._ctx is not None:
+            ctx, self._ctx = self._ctx, None
+            self._ffi.release(ctx)
+
+    @property
+    def _c(self):
+        if self._ctx is None:
+            raise ValueError("this SimdLib is closed")
+        return self._ctx
+
+    # types ------------------------------------------------------------------------------------------
+    act_kind = staticmethod(act_kind)
+    act_row_bytes = staticmethod(act_row_bytes)
+    weight_row_bytes = staticmethod(weight_row_bytes)
+
+    # calls ------------------------------------------------------------------------------------------
+    def quantize(self, x: np.ndarray, qtype, out: np.ndarray | None = None) -> np.ndarray:
+        """Quantize activation rows x (T, n) or (n,) float32 to the format weight type `qtype` multiplies,
+        into out (T, act_row_bytes(qtype, n)) or (act_row_bytes,) uint8 (allocated if None)."""
+        x = _array("x", x, (_F32,))
+        if x.ndim not in (1, 2):
+            raise ValueError(f"x must be 1-D or 2-D, got shape {x.shape}")
+        n = x.shape[-1]
+        q, _, rb = _sizes(qtype, n)
+        T, xs = _rows_fast("x", x, _F32, n)
+        if out is None:
+            out = np.empty((T, rb) if x.ndim == 2 else (rb,), np.uint8)
+        elif getattr(out, "ndim", x.ndim) != x.ndim:
+            raise ValueError(f"out has shape {out.shape}, expected {(T, rb) if x.ndim == 2 else (rb,)}")
+        _, os_ = _rows_fast("out", out, _U8, rb, T, writable=True)
+        ffi = self._ffi
+        rc = self._lib.hi_quantize(self._c, q, _ptr(ffi, "float *", x), xs, T, n, _ptr(ffi, "uint8_t *", out), os_)
+        if rc:
+            _check_rc(rc, "quantize")
+        return out
+
+    def matmul(self, w: np.ndarray, qtype, rows: int, cols: int, xq: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """out[t, r] = W[r] . x[t] for the weight W (rows x cols, ggml type `qtype`, its raw bytes) and
+        activation rows xq (T, act_row_bytes) from `quantize`; out (T, rows) float32 (1-D xq/out: T = 1).
+        T = 1 is the GEMV; larger T reads each weight row once per block of tokens."""
+        q, rb, ab = _sizes(qtype, cols)
+        if not (type(w) is np.ndarray and w.dtype is _U8 and w.flags.c_contiguous and w.nbytes == rows * rb
+                and rows > 0):
+            rows = int(rows)
+            if rows < 1:
+                raise ValueError(f"rows must be positive, got {rows}")
+            w, n_mat = _weights("w", w, q, rb, rows)
+            if n_mat != 1:
+                raise ValueError(f"w has {w.nbytes} bytes, expected {rows * rb} for {rows} x {cols} {type_name(q)}")
+        T, xs = _rows_fast("xq", xq, _U8, ab)
+        if getattr(out, "ndim", None) != xq.ndim:
+            _array("out", out, (_F32,))
+            raise ValueError(f"out has shape {out.shape}, expected {(T, rows) if xq.ndim == 2 else (rows,)}")
+        _, os_ = _rows_fast("out", out, _F32, rows, T, writable=True)
+        ffi = self._ffi
+        rc = self._lib.hi_matmul(self._c, q, _ptr(ffi, "uint8_t *", w), rows, int(cols), _ptr(ffi, "uint8_t *", xq),
+                                 xs, T, _ptr(ffi, "float *", out), os_)
+        if rc:
+            _check_rc(rc, "matmul")
+        return out
+
+    def matmul_many(self, xq: np.ndarray, cols: int, items) -> None:
+        """Several products of the same activation rows in one call (one task for the thread pool, which
+        balances small matrices better and wakes the threads once): for each (w, qtype, rows, out) in
+        `items`, out[t, r] = W[r] . x[t], as `matmul` computes it. Every qtype must take the activation
+        format of xq (the same `act_kind`); at most 64 items."""
+        items = list(items)
+        if not 1 <= len(items) <= 64:
+            raise ValueError(f"matmul_many takes 1 to 64 matrices, got {len(items)}")
+        ffi = self._ffi
+        kinds = set()
+        qts, wps, rws, ops, ors = [], [], [], [], []
+        T = None
+        xs = 0
+        for j, it in enumerate(items):
+            try:
+                w, qtype, rows, out = it
+            except (TypeError, ValueError):
+                raise TypeError(f"items[{j}] must be a (w, qtype, rows, out) tuple") from None
+            q, rb, ab = _sizes(qtype, cols)
+            kinds.add(KERNEL_TYPES[q])
+            rows = int(rows)
+            if rows < 1:
+                raise ValueError(f"items[{j}]: rows must be positive, got {rows}")
+            w, n_mat = _weights(f"items[{j}] w", w, q, rb, rows)
+            if n_mat != 1:
+                raise ValueError(f"items[{j}] w has {w.nbytes} bytes, expected {rows * rb}")
+            if T is None:
+                T, xs = _rows_fast("xq", xq, _U8, ab)
+            if getattr(out, "ndim", None) != xq.ndim:
+                _array(f"items[{j}] out", out, (_F32,))
+                raise ValueError(f"items[{j}] out has shape {out.shape}, expected "
+                                 f"{(T, rows) if xq.ndim == 2 else (rows,)}")
+            _, os_ = _rows_fast(f"items[{j}] out", out, _F32, rows, T, writable=True)
+            qts.append(q)
+            wps.append(_ptr(ffi, "uint8_t *", w))
+            rws.append(rows)
+            ops.append(_ptr(ffi, "float *", out))
+            ors.append(os_)
+        if len(kinds) != 1:
+            raise ValueError(f"matmul_many: the weight types take different activation formats {sorted(kinds)}")
+        rc = self._lib.hi_matmul_many(self._c, len(items), qts, wps, rws, int(cols), _ptr(ffi, "uint8_t *", xq), xs,
+                                      T, ops, ors)
+        if rc:
+            _check_rc(rc, "matmul_many")
+
+    def moe_gate_up(self, w_gate: np.ndarray, gate_qtype, w_up: np.ndarray, up_qtype, rows: int, cols: int,
+                    xq: np.ndarray, experts, gate_out: np.ndarray, up_out: np.ndarray) -> None:
+        """MoE decode, gate and up fused in one call: for i < k, e = experts[i],
+        gate_out[i] = W_gate[e] . x and up_out[i] = W_up[e] . x. W_gate, W_up are stacked expert tensors
+        (ggml {cols, rows, E}: the raw bytes of all E experts, expert e's rows contiguous); xq is the one
+        quantized input row (act_row_bytes(gate_qtype, cols),); gate_out, up_out (k, rows) float32."""
+        gq, uq = _qtype(gate_qtype), _qtype(up_qtype)
+        if act_kind(gq) != act_kind(uq):
+            raise ValueError(f"gate type {type_name(gq)} and up type {type_name(uq)} take different activation "
+                             f"formats ({act_kind(gq)} vs {act_kind(uq)}); use two matmul calls")
+        rows, cols = int(rows), int(cols)
+        if rows < 1 or cols < 1:
+            raise ValueError(f"rows and cols must be positive, got {rows} x {cols}")
+        wg, ne_g = _weights("w_gate", w_gate, gq, weight_row_bytes(gq, cols), rows)
+        wu, ne_u = _weights("w_up", w_up, uq, weight_row_bytes(uq, cols), rows)
+        if ne_g != ne_u:
+            raise ValueError(f"w_gate holds {ne_g} experts but w_up holds {ne_u}")
+        ids = _ids("experts", experts, ne_g)
+        k = ids.size
+        xq = _array("xq", xq, (_U8,))
+        ab = act_row_bytes(gq, cols)
+        if xq.ndim == 2 and xq.shape[0] == 1:
+            xq = xq[0]
+        if xq.ndim != 1:
+            raise ValueError(f"xq must be one quantized row of shape ({ab},), got {xq.shape}")
+        _rows("xq", xq, ab)
+        gate_out = _array("gate_out", gate_out, (_F32,))
+        up_out = _array("up_out", up_out, (_F32,))
+        for name, o in (("gate_out", gate_out), ("up_out", up_out)):
+            if o.ndim != 2:
+                raise ValueError(f"{name} must have shape ({k}, {rows}), got {o.shape}")
+        _, gs = _rows("gate_out", gate_out, rows, k, writable=True)
+        _, us = _rows("up_out", up_out, rows, k, writable=True)
+        ffi = self._ffi
+        rc = self._lib.hi_moe_gate_up(self._c, gq, _ptr(ffi, "uint8_t *", wg), uq, _ptr(ffi, "uint8_t *", wu), ne_g,
+                                      rows, cols, _ptr(ffi, "uint8_t *", xq), _ptr(ffi, "int32_t *", ids), k,
+                                      _ptr(ffi, "float *", gate_out), gs, _ptr(ffi, "float *", up_out), us)
+        _check_rc(rc, "moe_gate_up")
+
+    def moe_down(self, w: np.ndarray, qtype, rows: int, cols: int, xq: np.ndarray, experts,
+                 out: np.ndarray) -> None:
+        """MoE decode, down projections of all k experts in one call: out[i] = W[experts[i]] . x[i], with
+        xq (k, act_row_bytes(qtype, cols)) each expert's own quantized input and out (k, rows) float32."""
+        q = _qtype(qtype)
+        rows, cols = int(rows), int(cols)
+        if rows < 1 or cols < 1:
+            raise ValueError(f"rows and cols must be positive, got {rows} x {cols}")
+        w, ne = _weights("w", w, q, weight_row_bytes(q, cols), rows)
+        ids = _ids("experts", experts, ne)
+        k = ids.size
+        xq = _array("xq", xq, (_U8,))
+        ab = act_row_bytes(q, cols)
+        if xq.ndim != 2:
+            raise ValueError(f"xq must have shape ({k}, {ab}), got {xq.shape}")
+        _, xs = _rows("xq", xq, ab, k)
+        out = _array("out", out, (_F32,))
+        if out.ndim != 2:
+            raise ValueError(f"out must have shape ({k}, {rows}), got {out.shape}")
+        _, os_ = _rows("out", out, rows, k, writable=True)
+        ffi = self._ffi
+        rc = self._lib.hi_moe_down(self._c, q, _ptr(ffi, "uint8_t *", w), ne, rows, cols, _ptr(ffi, "uint8_t *", xq),
+                                   xs, _ptr(ffi, "int32_t *", ids), k, _ptr(ffi, "float *", out), os_)
+        _check_rc(rc, "moe_down")
+
+    def read_bandwidth(self, nbytes: int = 1 << 30, reps: int = 5) -> float:
+        """Measured memory read bandwidth in bytes/s: every thread of the pool streams its slice of a fresh
+        buffer of `nbytes` (make it much larger than the caches), best of `reps` passes."""
+        nbytes, reps = int(nbytes), int(reps)
+        if nbytes < 1 << 20:
+            raise ValueError(f"nbytes must be at least 1 MiB, got {nbytes}")
+        if reps < 1:
+            raise ValueError(f"reps must be positive, got {reps}")
+        bw = self._lib.hi_read_bandwidth(self._c, nbytes, reps)
+        if bw <= 0:
+            raise MemoryError(f"read_bandwidth: could not allocate or read {nbytes} bytes")
+        return float(bw)

@@ -1,0 +1,75 @@
+"""cffi build script of the compiled module `hybridinfer._simd` (API mode), run by setup.py through
+`cffi_modules=["native/simd/build.py:ffibuilder"]` (or directly: `python native/simd/build.py` builds it in
+place for development).
+
+One extension holds every ISA level: isa_scalar.c, isa_ssse3.c, isa_avx2.c and isa_avx512vnni.c include the
+same kernel bodies (kernels_body.h, dot_kquants.h) under a `#pragma GCC target(...)` of their own, so every
+source file is compiled with the same (baseline x86-64) flags and no per-file flags are needed; hi_simd.c
+picks the level at run time from cpuid. The C declarations come from hi_simd.h, the one header cffi and the
+C side share.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from cffi import FFI
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_SOURCES = ["hi_simd.c", "isa_scalar.c", "isa_ssse3.c", "isa_avx2.c", "isa_avx512vnni.c"]
+_HEADERS = ["hi_simd.h", "hi_internal.h", "blocks.h", "kernels_body.h", "dot_kquants.h"]
+COMPILE_ARGS = ["-std=gnu11", "-O3", "-ffp-contract=off", "-fno-math-errno", "-pthread", "-Wno-unused-function"]
+
+
+def _path(name: str, absolute: bool = False) -> str:
+    """Relative to the working directory when below it (setuptools' preference), else absolute."""
+    p = os.path.join(_HERE, name)
+    rel = os.path.relpath(p)
+    return p if absolute or rel.startswith("..") else rel
+
+
+def _cdef() -> str:
+    with open(os.path.join(_HERE, "hi_simd.h")) as f:
+        text = f.read()
+    text = re.sub(r"/\*.*?\*/", "", text, flags=re.S)
+    lines = [ln for ln in text.splitlines() if not ln.lstrip().startswith("#")]
+    return "\n".join(lines)
+
+
+def make_ffi(absolute: bool = False) -> FFI:
+    ffi = FFI()
+    ffi.cdef(_cdef())
+    ffi.set_source(
+        "hybridinfer._simd",
+        '#include "hi_simd.h"\n',
+        sources=[_path(s, absolute) for s in _SOURCES],
+        depends=[_path(h, absolute) for h in _HEADERS],
+        include_dirs=[_path(".", absolute)],
+        extra_compile_args=COMPILE_ARGS,
+        extra_link_args=["-pthread"],
+        libraries=["m"],
+    )
+    return ffi
+
+
+ffibuilder = make_ffi()
+
+if __name__ == "__main__":
+    # development build (what `pip install -e .` also does): objects under build/simd-dev, the module
+    # copied to hybridinfer/_simd*.so next to the package sources
+    import shutil
+
+    root = os.path.dirname(os.path.dirname(_HERE))
+    os.chdir(root)
+    built = make_ffi(absolute=True).compile(tmpdir=os.path.join("build", "simd-dev"), verbose=False)
+    dest = os.path.join(root, "hybridinfer", os.path.basename(built))
+    tmp = dest + ".tmp"
+    shutil.copyfile(built, tmp)
+    os.replace(tmp, dest)  # a new inode: processes that loaded the old module keep it intact
+    # another build of the module (pip's _simd.abi3.so) would compete with this one: keep one
+    pkg = os.path.dirname(dest)
+    for f in os.listdir(pkg):
+        if f.startswith("_simd.") and f.endswith(".so") and f != os.path.basename(dest):
+            os.remove(os.path.join(pkg, f))
+    print(dest)

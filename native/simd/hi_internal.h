@@ -1,0 +1,108 @@
+/* Shared definitions of the SIMD library: type ids, the matmul job, the per-ISA kernel table, and exact
+ * fp16 <-> fp32 conversions.
+ *
+ * Maths of the conversions (IEEE binary16 <-> binary32, no approximation):
+ *   fp16 -> fp32 is exact: normals re-bias the exponent (e - 15 + 127), subnormals are m * 2^-24 (computed
+ *   as (float)m * 2^-24, exact, and without touching float denormals, so DAZ/FTZ modes cannot change it).
+ *   fp32 -> fp16 rounds to nearest, ties to even (as F16C's vcvtps2ph with imm 0 and numpy's astype):
+ *   normals add 0xfff plus the lowest kept mantissa bit before truncating 13 bits; results below 2^-14
+ *   are formed by a float addition of 0.5 whose rounding is the wanted one; >= 65520 becomes inf.
+ */
+#ifndef HI_INTERNAL_H
+#define HI_INTERNAL_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "blocks.h"
+
+/* ggml type ids */
+enum {
+    HI_T_F32 = 0, HI_T_F16 = 1, HI_T_Q4_0 = 2, HI_T_Q4_1 = 3, HI_T_Q5_0 = 6, HI_T_Q5_1 = 7, HI_T_Q8_0 = 8,
+    HI_T_Q4_K = 12, HI_T_Q5_K = 13, HI_T_Q6_K = 14, HI_T_COUNT = 15
+};
+
+/* activation kinds (the format a weight type's input row is quantized to) */
+enum { HI_ACT_NONE = -1, HI_ACT_F32 = 0, HI_ACT_F16 = 1, HI_ACT_Q8_0 = 2, HI_ACT_Q8_1 = 3, HI_ACT_Q8_K = 4 };
+
+enum { HI_ISA_SCALAR = 0, HI_ISA_SSSE3 = 1, HI_ISA_AVX2 = 2, HI_ISA_AVX512VNNI = 3, HI_N_ISA = 4 };
+
+/* One matrix product: out[t][r] = dot(weight row r, activation row t) for r < rows, t < T.
+ * Weight row r starts at w + r * w_row; activation row t at x + t * x_row (bytes); out row t at
+ * out + t * out_row (floats). corr/dy/sy are prepared from the activation rows by the ISA's `prep`
+ * (legacy types only): corr[t][b][8] the negated lane corrections, dy[t][b] the block scales as float,
+ * sy[t][b] the q8_1 sums as float. */
+typedef struct hi_mm {
+    int qtype;
+    const uint8_t *w;
+    size_t w_row;
+    int64_t rows, cols;
+    const uint8_t *x;
+    size_t x_row;
+    int64_t T;
+    float *out;
+    size_t out_row;
+    const int32_t *corr;
+    const float *dy;
+    const float *sy;
+} hi_mm;
+
+typedef struct hi_kernels {
+    int isa;
+    const char *name;
+    /* one activation row of n values -> act kind `kind` (HI_ACT_*) */
+    void (*quantize)(int kind, const float *x, int64_t n, void *y);
+    /* per-block data of one quantized activation row for weight type qtype (see hi_mm) */
+    void (*prep)(int qtype, const uint8_t *xq, int64_t nb, int32_t *corr, float *dy, float *sy);
+    int needs_corr[HI_T_COUNT]; /* prep must fill corr for this weight type */
+    /* rows [r0, r1) of job m for all of its T tokens */
+    void (*mm)(const hi_mm *m, int64_t r0, int64_t r1);
+    /* streaming read of n bytes (n a multiple of 256, p 64-byte aligned); returns a checksum */
+    uint64_t (*read_sum)(const void *p, size_t n);
+} hi_kernels;
+
+extern const hi_kernels hi_kernels_scalar;
+extern const hi_kernels hi_kernels_ssse3;
+extern const hi_kernels hi_kernels_avx2;
+extern const hi_kernels hi_kernels_avx512vnni;
+
+static inline uint32_t hi_fbits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline float hi_bitsf(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+
+static inline float hi_h2f_soft(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    const uint32_t em = h & 0x7fffu;
+    if (em >= 0x7c00u) /* inf, nan */
+        return hi_bitsf(sign | 0x7f800000u | ((em & 0x3ffu) << 13));
+    if (em >= 0x0400u) /* normal */
+        return hi_bitsf(sign | ((em + ((127u - 15u) << 10)) << 13));
+    const float v = (float)em * 0x1p-24f; /* zero or subnormal: exact */
+    return sign ? -v : v;
+}
+
+static inline uint16_t hi_f2h_soft(float f) {
+    uint32_t u = hi_fbits(f);
+    const uint32_t sign = (u >> 16) & 0x8000u;
+    u &= 0x7fffffffu;
+    uint32_t o;
+    if (u >= 0x47800000u) { /* >= 65536, inf, nan */
+        o = u > 0x7f800000u ? 0x7e00u : 0x7c00u;
+    } else if (u < 0x38800000u) { /* below 2^-14: subnormal half or zero */
+        const float t = hi_bitsf(u) + 0.5f;
+        o = hi_fbits(t) - 0x3f000000u;
+    } else {
+        const uint32_t odd = (u >> 13) & 1u;
+        u += ((uint32_t)(15 - 127) << 23) + 0xfffu + odd;
+        o = u >> 13;
+    }
+    return (uint16_t)(o | sign);
+}
+
+/* round to nearest, ties to even, for |v| < 2^22 (ggml's nearest_int) */
+static inline int hi_nearest_int(float v) {
+    const float t = v + 12582912.f;
+    return (int)(hi_fbits(t) & 0x007fffffu) - 0x00400000;
+}
+
+#endif

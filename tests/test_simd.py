@@ -1,0 +1,471 @@
+"""The native SIMD library (hybridinfer._simd through hybridinfer.cpu.simd): quantizers, dot products,
+GEMV/GEMM, MoE calls, threads, argument checks.
+
+Oracles: llama.cpp's own CPU kernels (libggml-cpu from llama-cpp-python, built for this CPU: its
+q8_0/q8_1/q8_K quantizers and vec_dot kernels) and the numpy reference (hybridinfer.actquant: its
+`qmatmul_ggml` emulates ggml's AVX2 float order exactly; `qmatmul` is the plain formula).
+Every ISA path this CPU runs is checked: the quantizers give identical bytes everywhere; the dot products
+give the same integers everywhere (checked exactly with unit scales, where every float operation is
+exact); the float results of the FMA paths (scalar via fmaf, avx2, avx512vnni) equal ggml's bit for bit,
+the SSSE3 path (multiply then add, for hosts without FMA) only in the last bits.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+
+from hybridinfer import actquant as aq
+from hybridinfer import actquant_k as ak
+from hybridinfer.cpu import simd
+from hybridinfer.cpu.simd import SimdLib, best_isa, supported_isas
+from hybridinfer.errors import BackendNotAvailableError, UnsupportedTensorTypeError
+from hybridinfer.quant import random_blocks
+
+LEGACY = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0"}
+KQUANT = {12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
+ISAS = supported_isas()
+FMA_ISAS = [i for i in ISAS if i != "ssse3"]  # same float operations as ggml's AVX2 kernels
+
+
+@pytest.fixture(scope="module")
+def ggml():
+    pytest.importorskip("llama_cpp")
+    import ggml_kernels
+
+    lib = ggml_kernels.load()
+    lib.quantize_row_q8_K.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    lib.ggml_vec_dot_f16.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p,
+                                     ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return lib
+
+
+@pytest.fixture(scope="module")
+def libs():
+    """One SimdLib per ISA this CPU runs, 2 threads each."""
+    out = {isa: SimdLib(isa, n_threads=2) for isa in ISAS}
+    yield out
+    for lib in out.values():
+        lib.close()
+
+
+def _ggml_act(ggml, x: np.ndarray, kind: str) -> np.ndarray:
+    import ggml_kernels
+
+    if kind != "q8_K":
+        return np.stack([ggml_kernels.quantize_act(ggml, r, kind) for r in x])
+    out = np.zeros((x.shape[0], x.shape[1] // 256 * 292), np.uint8)  # zeroed: ggml skips bsums of zero blocks
+    for t, r in enumerate(np.ascontiguousarray(x)):
+        ggml.quantize_row_q8_K(r.ctypes.data, out[t].ctypes.data, r.size)
+    return out
+
+
+def _ggml_matmul(ggml, raw, qtype, rows, cols, x) -> np.ndarray:
+    import ggml_kernels
+
+    return np.stack([ggml_kernels.matvec(ggml, raw, qtype, rows, cols, r) for r in x])
+
+
+def _activations(rng, T: int, n: int) -> np.ndarray:
+    """Rows of very different scales, with an all-zero block, exact rounding ties, a subnormal block, an inf."""
+    x = (rng.standard_normal((T, n)) * rng.uniform(0.01, 50, (T, 1))).astype(np.float32)
+    x[0, :32] = 0.0
+    if T > 1:
+        x[1, :32] = np.arange(-15.5, 16.5, dtype=np.float32)  # amax 127 below: id = 1, every value a tie
+        x[1, 5] = 127.0
+    if T > 2 and n >= 512:
+        x[2, 256:288] = np.arange(-15.5, 16.5, dtype=np.float32)
+        x[2, 260] = -127.0  # Q8_K: iscale = 1 on that block, ties again
+        x[2, 300:320] = np.float32(1e-41)
+    return x
+
+
+# ------------------------------------------------------------------------------------------------
+# the library
+
+
+def test_isas_and_threads():
+    assert ISAS[0] == "scalar" and best_isa() in ISAS
+    assert set(ISAS) <= set(simd.ISAS)
+    lib = SimdLib()
+    assert lib.isa == best_isa() and lib.n_threads >= 1
+    lib.close()
+    lib = SimdLib("scalar", 3)
+    assert (lib.isa, lib.n_threads) == ("scalar", 3)
+    with pytest.raises(ValueError, match="'avx9'"):
+        SimdLib("avx9")
+    with pytest.raises(ValueError, match="n_threads"):
+        SimdLib(None, 0)
+    missing = [i for i in simd.ISAS if i not in ISAS]
+    if missing:
+        with pytest.raises(BackendNotAvailableError, match=missing[0]):
+            SimdLib(missing[0])
+
+
+def test_act_kinds_and_sizes():
+    assert [simd.act_kind(q) for q in (0, 1, 2, 3, 6, 7, 8, 12, 13, 14)] == \
+        ["f32", "f16", "q8_0", "q8_1", "q8_0", "q8_1", "q8_0", "q8_K", "q8_K", "q8_K"]
+    assert simd.act_row_bytes(2, 4096) == 128 * 34 and simd.act_row_bytes(3, 64) == 72
+    assert simd.act_row_bytes(12, 512) == 584 and simd.act_row_bytes(1, 10) == 20
+    assert simd.weight_row_bytes(2, 4096) == 128 * 18 and simd.weight_row_bytes(14, 256) == 210
+    with pytest.raises(ValueError, match="100"):
+        simd.act_row_bytes(2, 100)
+    with pytest.raises(UnsupportedTensorTypeError, match="Q2_K"):
+        simd.act_kind(10)
+
+
+def test_read_bandwidth(libs):
+    bw = libs[ISAS[-1]].read_bandwidth(32 << 20, reps=2)
+    assert 1e8 < bw < 1e13
+
+
+# ------------------------------------------------------------------------------------------------
+# activation quantizers
+
+
+@pytest.mark.parametrize("kind,qtype", [("q8_0", 2), ("q8_1", 3), ("q8_K", 12)])
+def test_quantizers_match_ggml_and_numpy(ggml, libs, kind, qtype):
+    rng = np.random.default_rng(11)
+    x = _activations(rng, 5, 768)
+    theirs = _ggml_act(ggml, x, kind)
+    ref = aq.quantize_act(x, kind)
+    assert np.array_equal(ref, theirs)  # the numpy reference is llama.cpp's rounding
+    for isa, lib in libs.items():
+        ours = lib.quantize(x, qtype)
+        assert ours.shape == theirs.shape and np.array_equal(ours, theirs), isa
+        one = lib.quantize(x[3], qtype)  # a 1-D row
+        assert np.array_equal(one, theirs[3]), isa
+
+
+def test_f16_activations_round_to_nearest_even(libs):
+    rng = np.random.default_rng(3)
+    bits = rng.integers(0, 1 << 32, 4099, dtype=np.uint64).astype(np.uint32)
+    x = bits.view(np.float32)
+    x = np.where(np.isfinite(x) & (np.abs(x) < 1e30), x, np.float32(1.0)).astype(np.float32)
+    x[:20] = [0, -0.0, 65504, 65519.99, 65520, -65520, 6e-8, 2.98e-8, 2.99e-8, 1e-5, 6.1e-5, 1.5e-7, 1, 2049,
+              2051, 1e-45, 3.0e5, 0.1, -0.3, 1e-3]
+    with np.errstate(over="ignore"):
+        want = x.astype(np.float16).view(np.uint8)
+    for isa, lib in libs.items():
+        assert np.array_equal(lib.quantize(x, 1), want), isa
+        assert np.array_equal(lib.quantize(x, 0), x.view(np.uint8)), isa
+
+
+# ------------------------------------------------------------------------------------------------
+# dot products, GEMV and GEMM
+
+
+@pytest.mark.parametrize("qtype", sorted(LEGACY))
+def test_legacy_matmul_matches_ggml(ggml, libs, qtype):
+    rng = np.random.default_rng(qtype)
+    rows, cols = 37, 32 * 9  # rows: not a multiple of threads or tiles; cols: an odd number of blocks
+    raw = random_blocks(qtype, rows * cols // 32, rng).reshape(-1)
+    x = _activations(rng, 17, cols)
+    theirs = _ggml_matmul(ggml, raw, qtype, rows, cols, x)
+    kind = aq.LEGACY[qtype][1]
+    xq_ref = aq.quantize_act(x, kind)
+    exact = aq.qmatmul_ggml(xq_ref, raw, qtype, rows, cols)
+    assert np.array_equal(exact, theirs)  # the numpy ggml-order reference
+    plain = aq.qmatmul(x, raw, qtype, rows, cols)
+    scale = np.abs(theirs).max()
+    assert np.allclose(plain, theirs, rtol=1e-5, atol=1e-5 * scale)
+    for isa, lib in libs.items():
+        for T in (1, 3, 17):
+            xq = lib.quantize(x[:T], qtype)
+            out = np.full((T, rows), np.nan, np.float32)
+            lib.matmul(raw, qtype, rows, cols, xq, out)
+            if isa in FMA_ISAS:
+                assert np.array_equal(out, theirs[:T]), (isa, T)
+            else:
+                assert np.allclose(out, theirs[:T], rtol=1e-5, atol=2e-6 * scale), (isa, T)
+        gemv = np.zeros(rows, np.float32)  # 1-D: T = 1
+        lib.matmul(raw, qtype, rows, cols, lib.quantize(x[5], qtype), gemv)
+        assert np.array_equal(gemv, out[5]), isa
+
+
+def _unit_scale_blocks(qtype: int, rows: int, nb: int, rng) -> np.ndarray:
+    blk = random_blocks(qtype, rows * nb, rng)
+    blk[:, 0:2] = np.frombuffer(np.float16(1).tobytes(), np.uint8)
+    if qtype in (3, 7):
+        blk[:, 2:4] = np.frombuffer(np.float16(1).tobytes(), np.uint8)  # m = 1
+    return blk.reshape(-1)
+
+
+def _unit_scale_acts(kind: str, T: int, nb: int, rng) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    bb = 36 if kind == "q8_1" else 34
+    q = rng.integers(-127, 128, (T, nb, 32)).astype(np.int8)
+    s = rng.integers(-2048, 2049, (T, nb)).astype(np.float16)  # any integer fp16 holds exactly
+    b = np.zeros((T, nb, bb), np.uint8)
+    b[..., 0:2] = np.frombuffer(np.float16(1).tobytes(), np.uint8)
+    if kind == "q8_1":
+        b[..., 2:4] = s[..., None].view(np.uint8)
+    b[..., bb - 32:] = q.view(np.uint8)
+    return b.reshape(T, nb * bb), q, s.astype(np.int64)
+
+
+@pytest.mark.parametrize("qtype", sorted(LEGACY))
+def test_every_isa_gives_the_same_integers(libs, qtype):
+    """With every scale 1 (and m = 1, integer s) each row is an exact integer in every float operation, so
+    all paths must return exactly sum_blocks(sum_i w_i q_i) [+ sum_blocks s]: the integer dot itself."""
+    rng = np.random.default_rng(100 + qtype)
+    rows, nb, T = 29, 11, 5
+    cols = 32 * nb
+    raw = _unit_scale_blocks(qtype, rows, nb, rng)
+    kind = aq.LEGACY[qtype][1]
+    xq, q, s = _unit_scale_acts(kind, T, nb, rng)
+    wq, _, _ = aq.weight_ints(raw, qtype, rows, cols)
+    want = np.einsum("tbj,rbj->tr", q.astype(np.int64), wq.astype(np.int64))
+    if qtype in (3, 7):
+        want = want + s.sum(axis=1)[:, None]
+    assert np.abs(want).max() < 2**24
+    for isa, lib in libs.items():
+        out = np.zeros((T, rows), np.float32)
+        lib.matmul(raw, qtype, rows, cols, xq, out)
+        assert np.array_equal(out.astype(np.int64), want) and np.array_equal(out, want.astype(np.float32)), isa
+
+
+@pytest.mark.parametrize("qtype", sorted(KQUANT))
+def test_kquant_matmul(libs, qtype):
+    """The K-quant dots (dot_kquants.h) wired into the GEMV/GEMM drivers, against the numpy reference."""
+    rng = np.random.default_rng(qtype)
+    rows, cols = 13, 256 * 3
+    raw = random_blocks(qtype, rows * cols // 256, rng).reshape(-1)
+    x = _activations(rng, 3, cols)
+    xq = ak.quantize_q8_K(x)
+    want = ak.kquant_matmul_q8(xq, raw, qtype, rows, cols)
+    scale = np.abs(want).max()
+    for isa, lib in libs.items():
+        assert np.array_equal(lib.quantize(x, qtype), xq), isa
+        out = np.zeros((3, rows), np.float32)
+        lib.matmul(raw, qtype, rows, cols, xq, out)
+        if isa in FMA_ISAS:
+            assert np.array_equal(out, want), isa
+        else:
+            assert np.allclose(out, want, rtol=1e-5, atol=2e-6 * scale), isa
+
+
+@pytest.mark.parametrize("qtype", [0, 1])
+def test_float_matmul(ggml, libs, qtype):
+    rng = np.random.default_rng(7 + qtype)
+    rows, cols, T = 9, 32 * 5 + 13, 4  # a tail of 13 after the 32-wide steps
+    w = random_blocks(qtype, rows * cols, rng).reshape(-1).view(np.float32 if qtype == 0 else np.float16)
+    w = w.reshape(rows, cols)
+    x = rng.standard_normal((T, cols)).astype(np.float32)
+    xa = x if qtype == 0 else x.astype(np.float16).astype(np.float32)  # F16: activations rounded to fp16
+    want = (xa.astype(np.float64) @ w.astype(np.float64).T)
+    scale = np.abs(want).max()
+    results = {}
+    for isa, lib in libs.items():
+        xq = lib.quantize(x, qtype)
+        out = np.zeros((T, rows), np.float32)
+        lib.matmul(w, qtype, rows, cols, xq, out)
+        assert np.allclose(out, want, rtol=1e-5, atol=1e-5 * scale), isa
+        results[isa] = out
+    for isa in FMA_ISAS:
+        assert np.array_equal(results[isa], results["scalar"]), isa
+    if qtype == 1:  # ggml's f16 dot (its vector width is its build's, so only close)
+        xh = x.astype(np.float16)
+        o = np.zeros(1, np.float32)
+        for t in range(T):
+            for r in range(rows):
+                ggml.ggml_vec_dot_f16(cols, o.ctypes.data, 0, w[r].ctypes.data, 0, xh[t].ctypes.data, 0, 1)
+                assert np.isclose(results[ISAS[-1]][t, r], o[0], rtol=1e-5, atol=1e-5 * scale)
+
+
+def test_gemm_token_blocks_and_chunks(libs):
+    """T beyond one token block (32) and rows beyond one work chunk: the GEMM equals row-by-row GEMVs."""
+    rng = np.random.default_rng(5)
+    rows, cols, T = 203, 32 * 7, 45
+    for qtype in (2, 7):
+        raw = random_blocks(qtype, rows * cols // 32, rng).reshape(-1)
+        x = rng.standard_normal((T, cols)).astype(np.float32)
+        for isa, lib in libs.items():
+            xq = lib.quantize(x, qtype)
+            out = np.zeros((T, rows), np.float32)
+            lib.matmul(raw, qtype, rows, cols, xq, out)
+            for t in (0, 31, 32, 44):
+                one = np.zeros(rows, np.float32)
+                lib.matmul(raw, qtype, rows, cols, xq[t], one)
+                assert np.array_equal(out[t], one), (isa, t)
+
+
+def test_strided_views(libs):
+    """Rows of a wider buffer (what a reused workspace hands in) give the same results as compact arrays."""
+    rng = np.random.default_rng(9)
+    rows, cols, T = 21, 64, 3
+    raw = random_blocks(8, rows * cols // 32, rng).reshape(-1)
+    x = rng.standard_normal((T, cols)).astype(np.float32)
+    lib = libs[ISAS[-1]]
+    xq = lib.quantize(x, 8)
+    out = np.zeros((T, rows), np.float32)
+    lib.matmul(raw, 8, rows, cols, xq, out)
+    xbuf = np.zeros((8, 200), np.float32)
+    xbuf[:T, :cols] = x
+    qbuf = np.zeros((8, 300), np.uint8)
+    lib.quantize(xbuf[:T, :cols], 8, qbuf[:T, :68])
+    obuf = np.zeros((8, 50), np.float32)
+    lib.matmul(raw, 8, rows, cols, qbuf[:T, :68], obuf[:T, :rows])
+    assert np.array_equal(qbuf[:T, :68], xq) and np.array_equal(obuf[:T, :rows], out)
+    assert not obuf[:T, rows:].any() and not obuf[T:].any()
+
+
+# ------------------------------------------------------------------------------------------------
+# MoE and threads
+
+
+@pytest.mark.parametrize("gate_type,down_type", [(2, 8), (3, 7), (12, 14)])
+def test_moe_calls_equal_separate_matmuls(libs, gate_type, down_type):
+    rng = np.random.default_rng(gate_type)
+    E, F, D, k = 6, 64, 512 if gate_type >= 12 else 96, 4
+    qk = 256 if gate_type >= 12 else 32
+    wg = random_blocks(gate_type, E * F * D // qk, rng).reshape(-1)
+    wu = random_blocks(gate_type, E * F * D // qk, rng).reshape(-1)
+    dk = 256 if down_type >= 12 else 32
+    Fd = 256 if down_type >= 12 else F  # the down projection's input width
+    wd = random_blocks(down_type, E * D * Fd // dk, rng).reshape(-1)
+    ids = np.array([4, 0, 5, 2], np.int32)
+    x = rng.standard_normal(D).astype(np.float32)
+    h = rng.standard_normal((k, Fd)).astype(np.float32)
+    gpe, dpe = wg.size // E, wd.size // E
+    for isa, lib in libs.items():
+        xq = lib.quantize(x, gate_type)
+        g, u = np.zeros((k, F), np.float32), np.zeros((k, F), np.float32)
+        lib.moe_gate_up(wg, gate_type, wu, gate_type, F, D, xq, ids, g, u)
+        hq = lib.quantize(h, down_type)
+        d = np.zeros((k, D), np.float32)
+        lib.moe_down(wd, down_type, D, Fd, hq, ids, d)
+        for i, e in enumerate(ids):
+            one = np.zeros(F, np.float32)
+            lib.matmul(wg[e * gpe:(e + 1) * gpe], gate_type, F, D, xq, one)
+            assert np.array_equal(g[i], one), (isa, i)
+            lib.matmul(wu[e * gpe:(e + 1) * gpe], gate_type, F, D, xq, one)
+            assert np.array_equal(u[i], one), (isa, i)
+            od = np.zeros(D, np.float32)
+            lib.matmul(wd[e * dpe:(e + 1) * dpe], down_type, D, Fd, hq[i], od)
+            assert np.array_equal(d[i], od), (isa, i)
+
+
+def test_thread_counts_give_identical_results():
+    rng = np.random.default_rng(21)
+    rows, cols = 301, 32 * 5
+    raw = random_blocks(6, rows * cols // 32, rng).reshape(-1)
+    x = rng.standard_normal((17, cols)).astype(np.float32)
+    wg = random_blocks(2, 5 * 50 * cols // 32, rng).reshape(-1)
+    results = []
+    for n in (1, 2, 3):
+        lib = SimdLib(best_isa(), n_threads=n)
+        xq = lib.quantize(x, 6)
+        out = np.zeros((17, rows), np.float32)
+        lib.matmul(raw, 6, rows, cols, xq, out)
+        g, u = np.zeros((3, 50), np.float32), np.zeros((3, 50), np.float32)
+        lib.moe_gate_up(wg, 2, wg, 2, 50, cols, lib.quantize(x[0], 2), [1, 4, 3], g, u)
+        results.append((xq, out, g, u))
+        lib.close()
+    for r in results[1:]:
+        assert all(np.array_equal(a, b) for a, b in zip(r, results[0], strict=True))
+
+
+def test_sleeping_workers_and_lm_head_rows():
+    """Workers that sleep between calls (spin_us=0) wake for each call; a 248,320-row head is one call."""
+    rng = np.random.default_rng(22)
+    rows, cols = 248_320, 64
+    raw = random_blocks(8, rows * cols // 32, rng).reshape(-1)
+    x = rng.standard_normal((2, cols)).astype(np.float32)
+    lib = SimdLib(best_isa(), n_threads=3, spin_us=0)
+    xq = lib.quantize(x, 8)
+    want = aq.qmatmul_ggml(xq, raw, 8, rows, cols)
+    for _ in range(3):
+        out = np.zeros((2, rows), np.float32)
+        lib.matmul(raw, 8, rows, cols, xq, out)
+        assert np.array_equal(out, want)
+        one = np.zeros(rows, np.float32)
+        lib.matmul(raw, 8, rows, cols, xq[1], one)
+        assert np.array_equal(one, want[1])
+    lib.close()
+
+
+# ------------------------------------------------------------------------------------------------
+# bad input
+
+
+def test_bad_inputs_raise_typed_errors(libs):
+    lib = libs["scalar"]
+    rng = np.random.default_rng(0)
+    rows, cols = 8, 64
+    raw = random_blocks(2, rows * cols // 32, rng).reshape(-1)
+    x = rng.standard_normal((2, cols)).astype(np.float32)
+    xq = lib.quantize(x, 2)
+    out = np.zeros((2, rows), np.float32)
+    with pytest.raises(UnsupportedTensorTypeError, match="Q2_K"):
+        lib.matmul(raw, 10, rows, cols, xq, out)
+    with pytest.raises(UnsupportedTensorTypeError, match="BF16"):
+        lib.quantize(x, 30)
+    with pytest.raises(TypeError, match="x must have dtype float32, got float64"):
+        lib.quantize(x.astype(np.float64), 2)
+    with pytest.raises(TypeError, match="xq must have dtype uint8"):
+        lib.matmul(raw, 2, rows, cols, xq.view(np.int8), out)
+    with pytest.raises(TypeError, match="out must have dtype float32"):
+        lib.matmul(raw, 2, rows, cols, xq, out.astype(np.float64))
+    with pytest.raises(TypeError, match="w must be a numpy array"):
+        lib.matmul(list(raw), 2, rows, cols, xq, out)
+    with pytest.raises(ValueError, match="x is not C-contiguous"):
+        lib.quantize(np.zeros((3, 128), np.float32)[:, ::2], 2)
+    with pytest.raises(ValueError, match="out is not C-contiguous"):
+        lib.matmul(raw, 2, rows, cols, xq, np.zeros((rows, 2), np.float32).T)
+    with pytest.raises(ValueError, match="w is not C-contiguous"):
+        lib.matmul(raw.reshape(rows, -1)[:, ::2], 2, rows, cols // 2, xq, out)
+    with pytest.raises(ValueError, match=r"out has shape \(2, 7\)"):
+        lib.matmul(raw, 2, rows, cols, xq, np.zeros((2, 7), np.float32))
+    with pytest.raises(ValueError, match=r"xq has shape \(2, 67\)"):
+        lib.matmul(raw, 2, rows, cols, xq[:, :67], out)
+    with pytest.raises(ValueError, match="w has 144 bytes"):
+        lib.matmul(raw[:144], 2, rows, cols, xq, out)
+    with pytest.raises(ValueError, match="not a whole number"):
+        lib.quantize(x[:, :40], 2)
+    with pytest.raises(ValueError, match="out is read-only"):
+        ro = np.zeros((2, rows), np.float32)
+        ro.flags.writeable = False
+        lib.matmul(raw, 2, rows, cols, xq, ro)
+    ids = np.array([0, 3], np.int32)
+    g = np.zeros((2, rows), np.float32)
+    with pytest.raises(ValueError, match="expert id 3, outside"):
+        lib.moe_gate_up(raw, 2, raw, 2, 4, cols, xq[0], ids, g, g.copy())
+    with pytest.raises(TypeError, match="experts must hold integer"):
+        lib.moe_gate_up(raw, 2, raw, 2, 4, cols, xq[0], np.array([0.0, 1.0]), g[:, :4], g[:, :4].copy())
+    with pytest.raises(ValueError, match="different activation formats"):
+        lib.moe_gate_up(raw, 2, raw, 3, 4, cols, xq[0], [0, 1], g[:, :4], g[:, :4].copy())
+    with pytest.raises(ValueError, match=r"xq must have shape \(2, 68\)"):
+        lib.moe_down(raw, 2, 4, cols, xq[0], [0, 1], g[:, :4])
+
+
+def test_closed_lib_refuses_calls():
+    lib = SimdLib("scalar", 2)
+    x = np.zeros((1, 64), np.float32)
+    lib.quantize(x, 8)
+    lib.close()
+    lib.close()
+    with pytest.raises(ValueError, match="closed"):
+        lib.quantize(x, 8)
+
+
+def test_matmul_many_equals_separate_matmuls(libs):
+    rng = np.random.default_rng(31)
+    cols, T = 96, 3
+    shapes = [(2, 40), (6, 7), (8, 129), (2, 5)]  # Q4_0, Q5_0, Q8_0 share Q8_0 activations
+    ws = [random_blocks(q, r * cols // 32, rng).reshape(-1) for q, r in shapes]
+    x = rng.standard_normal((T, cols)).astype(np.float32)
+    for isa, lib in libs.items():
+        xq = lib.quantize(x, 2)
+        outs = [np.zeros((T, r), np.float32) for _, r in shapes]
+        lib.matmul_many(xq, cols, [(w, q, r, o) for w, (q, r), o in zip(ws, shapes, outs, strict=True)])
+        for w, (q, r), o in zip(ws, shapes, outs, strict=True):
+            one = np.zeros((T, r), np.float32)
+            lib.matmul(w, q, r, cols, xq, one)
+            assert np.array_equal(o, one), (isa, q)
+    with pytest.raises(ValueError, match="different activation formats"):
+        lib.matmul_many(xq, cols, [(ws[0], 2, 40, outs[0]), (random_blocks(3, 40 * cols // 32, rng).reshape(-1), 3,
+                                                              40, outs[0].copy())])
+    with pytest.raises(TypeError, match=r"items\[0\] must be"):
+        lib.matmul_many(xq, cols, [(ws[0], 2, 40)])
