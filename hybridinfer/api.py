@@ -29,9 +29,14 @@ class Generation:
 def _make_backend(name: str, gm: GGUFModel, args, options: dict):
     if name not in BACKENDS:
         raise BackendNotAvailableError(f"unknown backend {name!r} (choose from {', '.join(BACKENDS)})")
-    if name in ("cpu", "gpu", "auto"):
-        raise BackendNotAvailableError(
-            f"backend {name!r} is not built yet; use backend='reference' (the numpy oracle)")
+    if name == "gpu":
+        raise BackendNotAvailableError("backend 'gpu' is not built yet; use backend='cpu' or 'reference'")
+    if name in ("cpu", "auto"):
+        from .cpu.backend import CPUModel
+        from .cpu.simd import SimdLib
+
+        simd = SimdLib(isa=options.pop("isa", None), n_threads=options.pop("n_threads", None))
+        return CPUModel(gm, args, simd)
     from .reference import ReferenceModel
 
     return ReferenceModel(gm, args, cache_weights=options.pop("cache_weights", True),
@@ -124,7 +129,7 @@ class Engine:
         outs = []
         for s in chunks:
             lg = self.backend.forward(ids[s : s + self.prefill_chunk], state, all_logits=all_logits)
-            outs.append(lg)
+            outs.append(lg.copy() if all_logits else lg)  # a backend may return a view of its buffers
         return np.concatenate(outs, axis=0) if all_logits else outs[-1]
 
     def logits(self, ids) -> np.ndarray:
@@ -183,7 +188,7 @@ class Engine:
                 emitted = safe
             if len(res.tokens) == max_tokens:
                 break
-            logits = self.backend.forward([t], state, all_logits=False)[-1]
+            logits = self.backend.forward([t], state, all_logits=False)[-1]  # valid until the next call
         if res.finish_reason == "length":
             text += dec.flush()  # bytes of a character cut off by the token limit
         if len(text) > emitted:

@@ -17,12 +17,18 @@ def _add_model(p: argparse.ArgumentParser, required: bool = False) -> None:
     p.add_argument("--backend", default=os.environ.get("HYBRIDINFER_BACKEND", "reference"),
                    choices=["reference", "cpu", "gpu", "auto"], help="compute backend (default: reference)")
     p.add_argument("--n-ctx", type=int, default=4096, help="context size in tokens (default 4096)")
+    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    p.add_argument("--isa", default=os.environ.get("HYBRIDINFER_ISA"),
+                   help="force the SIMD path: scalar | ssse3 | avx2 | avx512vnni (env HYBRIDINFER_ISA)")
 
 
 def _engine(a):
     from .api import Engine
 
-    return Engine.load(a.model, backend=a.backend, n_ctx=a.n_ctx, progress=sys.stderr.isatty())
+    opts = {}
+    if a.backend in ("cpu", "auto"):
+        opts = {"isa": a.isa, "n_threads": a.threads}
+    return Engine.load(a.model, backend=a.backend, n_ctx=a.n_ctx, progress=sys.stderr.isatty(), **opts)
 
 
 def cmd_run(a) -> int:
@@ -95,10 +101,29 @@ def cmd_info(a) -> int:
     print(f"tokenizer:     {gm.meta('tokenizer.ggml.model', 'none')} / pre "
           f"{gm.meta('tokenizer.ggml.pre', '-')}, {len(toks) if toks else 0} tokens; chat template: "
           f"{'yes' if gm.meta('tokenizer.chat_template', None) else 'no'}")
+    _print_cpu(os.environ.get("HYBRIDINFER_ISA"))
     if a.tensors:
         for t in gm.tensors.values():
             print(f"  {t.name:<40} {t.type_name:<6} {list(t.ne)}  {_fmt_bytes(t.nbytes)}")
     return 0
+
+
+def _print_cpu(forced: str | None) -> None:
+    import cpuinfo
+
+    info = cpuinfo.get_cpu_info()
+    flags = set(info.get("flags", []))
+    shown = [f for f in ("ssse3", "sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
+                         "avx512_vnni", "avx_vnni") if f in flags]
+    print(f"cpu:           {info.get('brand_raw', '?')}, {os.cpu_count()} threads; flags: {' '.join(shown)}")
+    try:
+        from .cpu.simd import best_isa, supported_isas
+
+        path = forced or best_isa()
+        print(f"simd path:     {path}{' (forced by HYBRIDINFER_ISA)' if forced else ''}; "
+              f"available: {', '.join(supported_isas())}")
+    except ImportError as e:
+        print(f"simd path:     unavailable ({e})")
 
 
 def cmd_synth(a) -> int:
@@ -107,6 +132,23 @@ def cmd_synth(a) -> int:
     summary = synth_model(a.output, a.arch, a.shape, quant=a.quant, seed=a.seed, vocab_from=a.vocab_from,
                           progress=sys.stderr.isatty())
     print(f"wrote {a.output}: {summary}")
+    return 0
+
+
+def cmd_bench_decode(a) -> int:
+    import json
+
+    from .benchmarks import decode
+
+    isas = tuple(x.strip() for x in a.isa.split(",") if x.strip())
+    res = decode.run(a.model, a.threads, a.n, a.context, isas, a.llama_bench, a.llama_bench_sse)
+    print(decode.markdown(res))
+    os.makedirs(a.out_dir, exist_ok=True)
+    stem = os.path.join(a.out_dir, "decode-" + os.path.splitext(os.path.basename(a.model))[0])
+    with open(stem + ".json", "w") as f:
+        json.dump(res, f, indent=1)
+    decode.plot(res, stem + ".png")
+    print(f"\nwrote {stem}.json and {stem}.png")
     return 0
 
 
@@ -152,6 +194,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab-from", default=None, help="borrow tokens from this GGUF")
     p.add_argument("-o", "--output", required=True)
     p.set_defaults(fn=cmd_synth)
+    p = sub.add_parser("bench", help="benchmarks (markdown table + PNG)")
+    bsub = p.add_subparsers(dest="bench", required=True)
+    b = bsub.add_parser("decode", help="decode tok/s vs the memory-bandwidth floor, and llama.cpp")
+    b.add_argument("-m", "--model", required=True)
+    b.add_argument("-t", "--threads", type=int, default=os.cpu_count())
+    b.add_argument("-n", type=int, default=32, help="decode steps timed")
+    b.add_argument("--context", type=int, default=0, help="prompt tokens before timing")
+    b.add_argument("--isa", default=os.environ.get("HYBRIDINFER_ISA", "native"),
+                   help="comma-separated: native,scalar,ssse3,avx2,avx512vnni")
+    b.add_argument("--llama-bench", default=None, help="llama.cpp's llama-bench (native build)")
+    b.add_argument("--llama-bench-sse", default=None, help="llama-bench built without AVX")
+    b.add_argument("--out-dir", default="bench/results")
+    b.set_defaults(fn=cmd_bench_decode)
     return ap
 
 

@@ -43,10 +43,10 @@ def oracle_gguf(tmp_path_factory):
     d = tmp_path_factory.mktemp("oracle")
     cache: dict = {}
 
-    def get(arch: str, quant: str | None = None, seed: int = 0):
-        key = (arch, quant, seed)
+    def get(arch: str, quant: str | None = None, seed: int = 0, layers: int | None = None):
+        key = (arch, quant, seed, layers)
         if key not in cache:
-            cache[key] = make_oracle_gguf(arch, str(d), seed=seed, quant=quant)
+            cache[key] = make_oracle_gguf(arch, str(d), seed=seed, quant=quant, layers=layers)
         return cache[key]
 
     return get

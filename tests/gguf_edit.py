@@ -22,7 +22,8 @@ def rewrite(src: str, dst: str, *, arch: str | None = None, drop: set[str] = fro
             meta: dict | None = None, replace: dict[str, np.ndarray] | None = None) -> None:
     """Write `dst` = `src` with `general.architecture` set to `arch` (other keys keep their prefix),
     tensors in `drop` removed, metadata keys in `meta` overwritten (value None deletes), and tensors in
-    `replace` swapped for F32 arrays (numpy order)."""
+    `replace` swapped for F32 arrays (numpy order) or
+    (array, ggml type) pairs."""
     r = GGUFReader(src)
     src_arch = r.fields["general.architecture"].contents()
     w = GGUFWriter(dst, arch or src_arch)
@@ -44,7 +45,11 @@ def rewrite(src: str, dst: str, *, arch: str | None = None, drop: set[str] = fro
         if t.name in drop:
             continue
         if t.name in replace:
-            w.add_tensor(t.name, np.ascontiguousarray(replace[t.name], dtype=np.float32))
+            new = replace[t.name]
+            if isinstance(new, tuple):  # (stored array, ggml type): e.g. BF16 bits as uint16
+                w.add_tensor(t.name, np.ascontiguousarray(new[0]), raw_dtype=new[1])
+            else:
+                w.add_tensor(t.name, np.ascontiguousarray(new, dtype=np.float32))
             continue
         w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
     w.write_header_to_file()

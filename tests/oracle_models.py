@@ -44,8 +44,15 @@ VOCAB = 256
 HEAD_GAIN = 1.5  # LM head std = HEAD_GAIN / sqrt(D)
 
 
-def tiny_config(arch: str, *, wide: bool = False, tied: bool = False):
-    """transformers config of the tiny (or, with ``wide``, K-quant-compatible) model for ``arch``."""
+def _layer_types(n: int) -> list[str]:
+    """Qwen3.5's pattern (three GDN layers, then full attention), ending on attention when n < 4."""
+    return ["full_attention" if (i + 1) % 4 == 0 or (n < 4 and i == n - 1) else "linear_attention"
+            for i in range(n)]
+
+
+def tiny_config(arch: str, *, wide: bool = False, tied: bool = False, layers: int | None = None):
+    """transformers config of the tiny (or, with ``wide``, K-quant-compatible) model for ``arch``;
+    ``layers`` overrides the depth (default 4 for qwen, 2 for llama)."""
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
     d, hd, ffn = (256, 64, 512) if wide else (64, 16, 128)
@@ -65,13 +72,13 @@ def tiny_config(arch: str, *, wide: bool = False, tied: bool = False):
         return LlamaConfig(
             **common,
             intermediate_size=ffn,
-            num_hidden_layers=2,
+            num_hidden_layers=layers or 2,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         )
     qwen = dict(
         common,
-        num_hidden_layers=4,
-        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        num_hidden_layers=layers or 4,
+        layer_types=_layer_types(layers or 4),
         linear_conv_kernel_dim=4,
         linear_num_key_heads=2,
         linear_num_value_heads=8 if wide else 6,
@@ -143,12 +150,12 @@ def _randomize(model, arch: str, seed: int) -> None:
         model.tie_weights()
 
 
-def build_tiny_hf(arch: str, seed: int = 0, *, wide: bool = False, tied: bool = False):
+def build_tiny_hf(arch: str, seed: int = 0, *, wide: bool = False, tied: bool = False, layers: int | None = None):
     """Tiny random transformers model (float32, eval mode, eager attention, torch GDN fallback)."""
     import torch
     import transformers
 
-    cfg = tiny_config(arch, wide=wide, tied=tied)
+    cfg = tiny_config(arch, wide=wide, tied=tied, layers=layers)
     cls = {
         "qwen35": transformers.Qwen3_5ForCausalLM,
         "qwen35moe": transformers.Qwen3_5MoeForCausalLM,
@@ -175,8 +182,10 @@ def oracle_ids(n: int = 72, seed: int = 1234, vocab: int = VOCAB) -> list[int]:
     return [int(t) for t in np.random.default_rng(seed).integers(0, vocab, size=n)]
 
 
-def gguf_name(arch: str, seed: int, quant: str | None = None, *, wide: bool = False, tied: bool = False) -> str:
-    return f"{arch}{'-wide' if wide else ''}{'-tied' if tied else ''}-s{seed}-{quant or 'f32'}.gguf"
+def gguf_name(arch: str, seed: int, quant: str | None = None, *, wide: bool = False, tied: bool = False,
+              layers: int | None = None) -> str:
+    depth = f"-L{layers}" if layers else ""
+    return f"{arch}{'-wide' if wide else ''}{'-tied' if tied else ''}{depth}-s{seed}-{quant or 'f32'}.gguf"
 
 
 def quantize_gguf(src: str | os.PathLike[str], dst: str | os.PathLike[str], quant: str, nthread: int = 2) -> None:
@@ -203,6 +212,7 @@ def make_oracle_gguf(
     *,
     wide: bool | None = None,
     tied: bool = False,
+    layers: int | None = None,
 ) -> Path:
     """Path of the oracle GGUF for (arch, seed[, quant]), created in ``dir`` unless already there.
 
@@ -216,14 +226,14 @@ def make_oracle_gguf(
         wide = quant is not None
     d = Path(dir)
     d.mkdir(parents=True, exist_ok=True)
-    out = d / gguf_name(arch, seed, quant, wide=wide, tied=tied)
+    out = d / gguf_name(arch, seed, quant, wide=wide, tied=tied, layers=layers)
     if out.exists():
         return out
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     if quant is None:
-        convert_hf(build_tiny_hf(arch, seed, wide=wide, tied=tied), None, tmp, outtype="f32")
+        convert_hf(build_tiny_hf(arch, seed, wide=wide, tied=tied, layers=layers), None, tmp, outtype="f32")
     else:
-        src = make_oracle_gguf(arch, d, seed, None, wide=wide, tied=tied)
+        src = make_oracle_gguf(arch, d, seed, None, wide=wide, tied=tied, layers=layers)
         quantize_gguf(src, tmp, quant)
     os.replace(tmp, out)
     return out

@@ -89,7 +89,7 @@ def test_engine_bad_input(smollm_ref, smollm_path):
     with pytest.raises(ValueError, match="temperature"):
         eng.generate("hi", temperature=-1)
     with pytest.raises(BackendNotAvailableError, match="not built yet"):
-        Engine.load(smollm_path, backend="cpu")
+        Engine.load(smollm_path, backend="gpu")
     with pytest.raises(BackendNotAvailableError, match="unknown backend 'tpu'"):
         Engine.load(smollm_path, backend="tpu")
     with pytest.raises(TypeError, match="bogus"):

@@ -1,0 +1,145 @@
+"""Decode benchmark: tokens/s against the memory-bandwidth floor, side by side with llama.cpp.
+
+floor = (bytes of weights one token reads) / (measured read bandwidth, all threads). One token reads every
+dense matrix, the k routed experts' share of each expert tensor, the shared expert and the LM head; the
+embedding contributes one row.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from ..gguf_model import GGUFModel
+from ..models import model_args
+
+
+def bytes_per_token(gm: GGUFModel, args) -> int:
+    """Weight bytes one decode step reads."""
+    k = getattr(args, "n_expert_used", 0)
+    E = getattr(args, "n_expert", 0)
+    total = 0
+    for name, t in gm.tensors.items():
+        if name == "token_embd.weight":
+            total += t.nbytes if args.tied_output else t.nbytes // t.ne[1]
+        elif name.endswith("_exps.weight"):
+            total += t.nbytes * k // E
+        elif name.startswith("blk."):
+            layer = int(name.split(".")[1])
+            if layer < args.n_layer:
+                total += t.nbytes
+        else:
+            total += t.nbytes
+    return total
+
+
+@dataclass
+class Row:
+    engine: str
+    isa: str
+    threads: int
+    tok_s: float
+    gb_s: float  # weight bytes per token * tok/s
+    floor_frac: float
+    note: str = ""
+
+
+def measure_ours(path: str, isa: str | None, threads: int, n_tokens: int, context: int, seed: int = 0) -> float:
+    """Decode tokens/s of the CPU backend after a `context`-token prompt (greedy; time of n_tokens steps)."""
+    from ..api import Engine
+
+    eng = Engine.load(path, backend="cpu", isa=isa, n_threads=threads, n_ctx=context + n_tokens + 8)
+    rng = np.random.default_rng(seed)
+    ids = [int(x) for x in rng.integers(0, min(eng.args.n_vocab, 32000), max(context, 1))]
+    st = eng.new_state()
+    logits = eng.prefill(ids, st)[-1]
+    be = eng.backend
+    t = int(np.argmax(logits))
+    be.forward([t], st, all_logits=False)  # warm-up step (numba, caches)
+    t0 = time.perf_counter()
+    for _ in range(n_tokens):
+        lg = be.forward([t], st, all_logits=False)
+        t = int(np.argmax(lg[-1]))
+    return n_tokens / (time.perf_counter() - t0)
+
+
+def measure_llama(llama_bench: str, path: str, threads: int, n_tokens: int, context: int) -> float | None:
+    """llama.cpp's `llama-bench -p 0 -n N -t T [-d ctx]` tokens/s, or None if it is missing or fails."""
+    exe = shutil.which(llama_bench) or (llama_bench if llama_bench and shutil.os.path.exists(llama_bench) else None)
+    if not exe:
+        return None
+    cmd = [exe, "-m", path, "-p", "0", "-n", str(n_tokens), "-t", str(threads), "-o", "json", "-r", "2"]
+    if context:
+        cmd += ["-d", str(context)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        return None
+    try:
+        rows = json.loads(r.stdout)
+        return float(rows[-1]["avg_ts"])
+    except (ValueError, KeyError, IndexError):
+        return None
+
+
+def run(path: str, threads: int, n_tokens: int = 32, context: int = 0, isas: tuple[str, ...] = ("native",),
+        llama_bench: str | None = None, llama_bench_sse: str | None = None, bw_bytes: int = 1 << 30) -> dict:
+    from ..cpu.simd import SimdLib, best_isa
+
+    gm = GGUFModel(path)
+    args = model_args(gm)
+    bpt = bytes_per_token(gm, args)
+    bw = SimdLib(n_threads=threads).read_bandwidth(bw_bytes)
+    floor = bw / bpt
+    rows: list[Row] = []
+
+    def add(engine, isa, tok_s, note=""):
+        if tok_s is not None:
+            rows.append(Row(engine, isa, threads, tok_s, tok_s * bpt / 1e9, tok_s / floor, note))
+
+    for isa in isas:
+        real = best_isa() if isa == "native" else isa
+        add("hybridinfer", real, measure_ours(path, None if isa == "native" else isa, threads, n_tokens, context))
+    if llama_bench:
+        add("llama.cpp", "native", measure_llama(llama_bench, path, threads, n_tokens, context))
+    if llama_bench_sse:
+        add("llama.cpp", "sse4.2 (no AVX)", measure_llama(llama_bench_sse, path, threads, n_tokens, context))
+    return {"model": path, "arch": args.arch, "bytes_per_token": bpt, "read_bw_gb_s": bw / 1e9,
+            "floor_tok_s": floor, "threads": threads, "context": context, "rows": [asdict(r) for r in rows]}
+
+
+def markdown(res: dict) -> str:
+    out = [f"model `{res['model']}` ({res['arch']}); {res['bytes_per_token'] / 1e9:.3f} GB of weights per token; "
+           f"read bandwidth {res['read_bw_gb_s']:.1f} GB/s with {res['threads']} threads -> floor "
+           f"{res['floor_tok_s']:.2f} tok/s; context {res['context']}", "",
+           "| engine | ISA | threads | tok/s | weight GB/s | % of floor | vs llama.cpp (same ISA class) |",
+           "|---|---|---|---|---|---|---|"]
+    base = {r["isa"]: r["tok_s"] for r in res["rows"] if r["engine"] == "llama.cpp"}
+    for r in res["rows"]:
+        ref = base.get("sse4.2 (no AVX)") if r["isa"] in ("ssse3", "scalar") else base.get("native")
+        vs = f"{r['tok_s'] / ref:.2f}x" if ref and r["engine"] != "llama.cpp" else ""
+        out.append(f"| {r['engine']} | {r['isa']} | {r['threads']} | {r['tok_s']:.2f} | {r['gb_s']:.1f} | "
+                   f"{100 * r['floor_frac']:.0f}% | {vs} |")
+    return "\n".join(out)
+
+
+def plot(res: dict, png: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = res["rows"]
+    labels = [f"{r['engine']}\n{r['isa']}" for r in rows]
+    fig, ax = plt.subplots(figsize=(1.6 * len(rows) + 2, 4))
+    ax.bar(labels, [r["tok_s"] for r in rows], color=["C0" if r["engine"] == "hybridinfer" else "C1" for r in rows])
+    ax.axhline(res["floor_tok_s"], color="k", ls="--", label=f"bandwidth floor {res['floor_tok_s']:.1f} tok/s")
+    ax.set_ylabel("decode tok/s")
+    ax.set_title(f"{res['arch']} decode, {res['threads']} threads")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)

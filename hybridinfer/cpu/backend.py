@@ -1,0 +1,260 @@
+"""The CPU backend: quantized matrix products in C (simd.py), everything else in numba (ops*.py).
+
+Weights stay in their GGUF bytes (memory-mapped); activations are quantized once per input and weight
+kind, as llama.cpp does. One `forward(tokens, state)` serves decode (T = 1) and chunked prefill
+(T > 1, a GEMM over the chunk; MoE tokens grouped by expert). Work buffers live in a `Workspace` made once
+per chunk-size class and context size and reused, so the decode loop allocates no arrays.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import UnsupportedTensorTypeError
+from ..gguf_model import GGUFModel
+from ..quant import dequantize, row_nbytes, type_name
+from ..state import DecoderState
+from . import ops, ops_gdn
+from .simd import KERNEL_TYPES, SimdLib
+
+
+@dataclass(frozen=True)
+class Mat:
+    """A weight matrix (rows, cols) in its stored bytes (a uint8 view of the file). For a stacked expert
+    tensor, `raw` holds all `n_expert` matrices back to back and `expert(e)` views one of them."""
+
+    name: str
+    raw: np.ndarray
+    qtype: int
+    rows: int
+    cols: int
+    n_expert: int = 1
+
+    def expert(self, e: int) -> Mat:
+        per = self.raw.size // self.n_expert
+        return Mat(f"{self.name}[{e}]", self.raw[e * per : (e + 1) * per], self.qtype, self.rows, self.cols)
+
+
+def _mat(gm: GGUFModel, name: str) -> Mat:
+    t = gm.tensor(name)
+    if t.qtype not in KERNEL_TYPES:
+        raise UnsupportedTensorTypeError(
+            f"{gm.path!r}: tensor {name!r} has type {t.type_name}, which the CPU backend has no kernel for "
+            f"(kernels: {', '.join(type_name(q) for q in sorted(KERNEL_TYPES))}); use backend='reference'")
+    ne = [int(x) for x in t.ne]
+    return Mat(name, t.raw(), t.qtype, ne[1], ne[0], ne[2] if len(ne) == 3 else 1)
+
+
+class Layer:
+    """Block i by GGUF names: `L.attn_q` is `blk.i.attn_q.weight` (a Mat), `L.ssm_dt_bias` is
+    `blk.i.ssm_dt.bias`; vectors (norms, ssm_a, the shared-expert gate) and ssm_conv1d are float32."""
+
+    def __init__(self, gm: GGUFModel, args, i: int):
+        p = f"blk.{i}."
+        self.kind = args.layer_types[i]
+        for name, t in gm.tensors.items():
+            if not name.startswith(p):
+                continue
+            short = name[len(p) :].removesuffix(".weight").replace(".", "_")
+            if short == "ssm_conv1d":
+                setattr(self, short, np.ascontiguousarray(gm.dequant(name), dtype=np.float32))  # (C, K)
+            elif len(t.ne) == 1 or (len(t.ne) == 2 and 1 in t.ne):
+                setattr(self, short, np.ascontiguousarray(gm.dequant(name).reshape(-1), dtype=np.float32))
+            else:
+                setattr(self, short, _mat(gm, name))
+
+    def mats(self) -> list[Mat]:
+        return [v for v in vars(self).values() if isinstance(v, Mat)]
+
+
+class Workspace:
+    """Every activation buffer of one forward pass over up to T tokens with a cache of n_ctx rows."""
+
+    def __init__(self, model: CPUModel, T: int, n_ctx: int):
+        a, simd = model.args, model.simd
+        f = lambda *s: np.zeros(s, np.float32)  # noqa: E731
+        D = a.n_embd
+        self.T, self.n_ctx = T, n_ctx
+        self.h, self.x, self.mix, self.ffn = f(T, D), f(T, D), f(T, D), f(T, D)
+        mats = model.mats
+        widest = max(m.rows for m in mats if m is not model.out)
+        self.out_a, self.out_b = f(T, widest), f(T, widest)
+        self.xq: dict[str, np.ndarray] = {}
+        for m in mats:
+            kind, nb = simd.act_kind(m.qtype), simd.act_row_bytes(m.qtype, max(m.cols, D))
+            if kind not in self.xq or self.xq[kind].shape[1] < nb:
+                self.xq[kind] = np.zeros((max(T, getattr(a, "n_expert_used", 1) * T), nb), np.uint8)
+        self.logits = f(T, model.out.rows)
+        if "attention" in a.layer_types:
+            hd = a.head_dim
+            self.q, self.gate = f(T, a.n_head, hd), f(T, a.n_head * hd)
+            self.attn = f(T, a.n_head * hd)
+            self.attn_scratch = f(ops.attention_scratch_size(n_ctx, a.n_head, a.n_head_kv, hd))
+        if "gdn" in a.layer_types:
+            self.gdn_b, self.gdn_a = f(T, a.ssm_n_v_heads), f(T, a.ssm_n_v_heads)
+            self.gdn_y = f(T, a.ssm_n_v_heads * a.ssm_d_v)
+            self.gdn_scratch = f(ops_gdn.gdn_scratch_size(a.ssm_conv_channels, a.ssm_n_v_heads, a.ssm_d_v))
+        if a.is_moe:
+            k = a.n_expert_used
+            self.router = f(T, a.n_expert)
+            self.route_idx, self.route_w = np.zeros((T, k), np.int32), f(T, k)
+            self.eg, self.eu, self.ed = f(T * k, a.n_ff_exp), f(T * k, a.n_ff_exp), f(T * k, D)
+
+
+class CPUModel:
+    """backend="cpu": the whole engine on the host CPU."""
+
+    def __init__(self, gm: GGUFModel, args, simd: SimdLib):
+        self.gm, self.args, self.simd = gm, args, simd
+        a = args
+        self.tok_embd = gm.tensor("token_embd.weight")
+        self._embd_row = row_nbytes(self.tok_embd.qtype, self.tok_embd.ne[0])
+        self.out = _mat(gm, "token_embd.weight" if a.tied_output else "output.weight")
+        self.out_norm = np.ascontiguousarray(gm.dequant("output_norm.weight"), dtype=np.float32)
+        self.layers = [Layer(gm, a, i) for i in range(a.n_layer)]
+        self.freq_factors = (np.ascontiguousarray(gm.dequant("rope_freqs.weight"), dtype=np.float32)
+                             if getattr(a, "has_rope_freqs", False) else ops.NO_FREQS)
+        self.mats = [self.out] + [m for L in self.layers for m in L.mats()]
+        self._ws: dict[tuple[int, int], Workspace] = {}
+
+    def new_state(self, n_ctx: int) -> DecoderState:
+        return DecoderState.new(self.args, n_ctx)
+
+    def workspace(self, T: int, n_ctx: int) -> Workspace:
+        cap = 1 if T == 1 else max(16, 1 << (T - 1).bit_length())
+        ws = self._ws.get((cap, n_ctx))
+        if ws is None:
+            ws = self._ws[(cap, n_ctx)] = Workspace(self, cap, n_ctx)
+        return ws
+
+    # matrix products ------------------------------------------------------------------------------
+    def quantize(self, m: Mat, x: np.ndarray, ws: Workspace) -> np.ndarray:
+        xq = ws.xq[self.simd.act_kind(m.qtype)][: x.shape[0], : self.simd.act_row_bytes(m.qtype, m.cols)]
+        self.simd.quantize(x, m.qtype, xq)
+        return xq
+
+    def mm(self, m: Mat, x: np.ndarray, out: np.ndarray, ws: Workspace, xq: np.ndarray | None = None) -> np.ndarray:
+        """out[:T, :rows] = x @ W.T with llama.cpp's activation rounding (pass xq to reuse a quantized x)."""
+        if xq is None:
+            xq = self.quantize(m, x, ws)
+        o = out[: xq.shape[0], : m.rows]
+        self.simd.matmul(m.raw, m.qtype, m.rows, m.cols, xq, o)
+        return o
+
+    # forward --------------------------------------------------------------------------------------
+    def forward(self, tokens, state: DecoderState, all_logits: bool = True) -> np.ndarray:
+        ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        T = len(ids)
+        a = self.args
+        if T == 0:
+            raise ValueError("forward() needs at least one token")
+        if ids.min() < 0 or ids.max() >= a.n_vocab:
+            bad = int(ids[(ids < 0) | (ids >= a.n_vocab)][0])
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {a.n_vocab})")
+        state.check_room(T)
+        ws = self.workspace(T, state.n_ctx)
+        h, x = ws.h[:T], ws.x[:T]
+        self._embed(ids, h)
+        for i, L in enumerate(self.layers):
+            ops.rms_norm(h, L.attn_norm, a.rms_eps, x)
+            mix = self._gdn(L, i, x, state, ws) if L.kind == "gdn" else self._attention(L, i, x, state, ws)
+            ops.add_inplace(h, mix)
+            ops.rms_norm(h, L.ffn_norm if a.arch == "llama" else L.post_attention_norm, a.rms_eps, x)
+            ops.add_inplace(h, self._moe(L, x, ws) if a.is_moe else self._ffn(L, x, ws))
+        state.tokens[state.pos : state.pos + T] = ids
+        state.pos += T
+        hs = h if all_logits else h[T - 1 :]
+        xs = ws.x[: hs.shape[0]]
+        ops.rms_norm(hs, self.out_norm, a.rms_eps, xs)
+        return self.mm(self.out, xs, ws.logits, ws)
+
+    def _embed(self, ids: np.ndarray, h: np.ndarray) -> None:
+        t, rb = self.tok_embd, self._embd_row
+        raw = t.raw()
+        for j in range(len(ids)):
+            r = int(ids[j])
+            dequantize(raw[r * rb : (r + 1) * rb], t.qtype, (t.ne[0],), out=h[j])
+
+    def _swiglu_ffn(self, gate: Mat, up: Mat, down: Mat, x: np.ndarray, out: np.ndarray, ws: Workspace):
+        xq = self.quantize(gate, x, ws)
+        g = self.mm(gate, x, ws.out_a, ws, xq)
+        u = self.mm(up, x, ws.out_b, ws, xq if self.simd.act_kind(up.qtype) == self.simd.act_kind(gate.qtype)
+                    else None)
+        ops.swiglu(g, u, g)
+        return self.mm(down, g, out, ws)
+
+    def _ffn(self, L: Layer, x: np.ndarray, ws: Workspace) -> np.ndarray:
+        return self._swiglu_ffn(L.ffn_gate, L.ffn_up, L.ffn_down, x, ws.ffn, ws)
+
+    def _attention(self, L: Layer, i: int, x: np.ndarray, st: DecoderState, ws: Workspace) -> np.ndarray:
+        a = self.args
+        T, hd, p0 = x.shape[0], a.head_dim, st.pos
+        q = ws.q[:T]
+        qg = self.mm(L.attn_q, x, ws.out_a, ws)
+        if a.attn_gate:
+            gate = ws.gate[:T]
+            ops.split_qgate(qg, q, gate)
+        else:
+            q[...] = qg.reshape(T, a.n_head, hd)
+            gate = ops.NO_GATE
+        k = self.mm(L.attn_k, x, ws.out_b, ws).reshape(T, a.n_head_kv, hd)
+        kc, vc = st.k[i], st.v[i]
+        if a.qk_norm:
+            ops.rms_norm_heads(q, L.attn_q_norm, a.rms_eps, q)
+            ops.rms_norm_heads(k, L.attn_k_norm, a.rms_eps, k)
+        ops.rope(q, p0, a.n_rot, a.rope_theta, a.rope_neox, self.freq_factors)
+        ops.rope(k, p0, a.n_rot, a.rope_theta, a.rope_neox, self.freq_factors)
+        kc[p0 : p0 + T] = k
+        vc[p0 : p0 + T] = self.mm(L.attn_v, x, ws.out_b, ws).reshape(T, a.n_head_kv, hd)
+        o = ws.attn[:T]
+        ops.attention(q, kc, vc, p0, gate, o, ws.attn_scratch)
+        return self.mm(L.attn_output, o, ws.mix, ws)
+
+    def _gdn(self, L: Layer, i: int, x: np.ndarray, st: DecoderState, ws: Workspace) -> np.ndarray:
+        a = self.args
+        T = x.shape[0]
+        u = self.mm(L.attn_qkv, x, ws.out_a, ws)
+        z = self.mm(L.attn_gate, x, ws.out_b, ws)
+        b = self.mm(L.ssm_beta, x, ws.gdn_b, ws)
+        al = self.mm(L.ssm_alpha, x, ws.gdn_a, ws)
+        y = ws.gdn_y[:T]
+        ops_gdn.gdn_layer(u, z, b, al, L.ssm_conv1d, L.ssm_a, L.ssm_dt_bias, L.ssm_norm, st.conv[i], st.ssm[i],
+                          a.ssm_n_k_heads, a.gdn_head_map == "mod", a.rms_eps, y, ws.gdn_scratch)
+        return self.mm(L.ssm_out, y, ws.mix, ws)
+
+    def _moe(self, L: Layer, x: np.ndarray, ws: Workspace) -> np.ndarray:
+        a = self.args
+        T, k = x.shape[0], a.n_expert_used
+        router = self.mm(L.ffn_gate_inp, x, ws.router, ws)
+        idx, w = ws.route_idx[:T], ws.route_w[:T]
+        ops.moe_route(router, k, idx, w)
+        ys = ws.ed[: T * k]
+        G, U, Dn = L.ffn_gate_exps, L.ffn_up_exps, L.ffn_down_exps
+        if T == 1:  # decode: all k experts in two calls
+            xq = self.quantize(G, x, ws)
+            eg, eu = ws.eg[:k], ws.eu[:k]
+            self.simd.moe_gate_up(G.raw, G.qtype, U.raw, U.qtype, G.rows, G.cols, xq[0], idx[0], eg, eu)
+            ops.swiglu(eg, eu, eg)
+            hq = self.quantize(Dn, eg, ws)
+            self.simd.moe_down(Dn.raw, Dn.qtype, Dn.rows, Dn.cols, hq, idx[0], ys)
+        else:  # prefill: tokens grouped by expert, one GEMM per expert over its tokens
+            flat = idx.reshape(-1)
+            order = np.argsort(flat, kind="stable")
+            bounds = np.searchsorted(flat[order], np.arange(a.n_expert + 1))
+            for e in range(a.n_expert):
+                sel = order[bounds[e] : bounds[e + 1]]
+                if sel.size == 0:
+                    continue
+                xe = np.ascontiguousarray(x[sel // k])
+                g = self.mm(G.expert(e), xe, ws.eg, ws)
+                u = self.mm(U.expert(e), xe, ws.eu, ws)
+                ops.swiglu(g, u, g)
+                ys[sel] = self.mm(Dn.expert(e), g, ws.out_a, ws)[:, : a.n_embd]
+        out = ws.ffn[:T]
+        ops.moe_combine(ys, w, out)
+        if a.n_ff_shexp:
+            s = self._swiglu_ffn(L.ffn_gate_shexp, L.ffn_up_shexp, L.ffn_down_shexp, x, ws.mix, ws)
+            ops.gated_add(out, s, x, L.ffn_gate_inp_shexp)
+        return out

@@ -1,0 +1,160 @@
+"""backend="cpu" against the numpy reference and against llama.cpp on the same GGUFs.
+
+Random models amplify every rounding difference, so llama.cpp is first measured against itself (its batch
+and token-by-token paths) and this backend is held to that standard, as issue 3 asks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hybridinfer.api import Engine
+
+N_POS = 90
+
+
+def _ids(n_vocab: int, n: int = N_POS, seed: int = 11) -> list[int]:
+    return [int(x) for x in np.random.default_rng(seed).integers(0, n_vocab, n)]
+
+
+def _cpu(path, **kw):
+    return Engine.load(str(path), backend="cpu", n_ctx=256, **kw)
+
+
+def _stats(a: np.ndarray, b: np.ndarray) -> tuple[float, float, float]:
+    d = float(np.abs(a - b).max())
+    return d, float(np.abs(b).max()), float(np.mean(a.argmax(-1) == b.argmax(-1)))
+
+
+def _decode_logits(eng, ids) -> np.ndarray:
+    st = eng.new_state()
+    return np.stack([eng.backend.forward([t], st, all_logits=False)[0].copy() for t in ids])
+
+
+@pytest.mark.parametrize("arch", ["qwen35", "qwen35moe", "llama"])
+def test_cpu_f32_equals_reference(arch, oracle_gguf):
+    """F32 weights: no activation rounding in either engine, so only float32 summation order differs."""
+    path = oracle_gguf(arch)
+    ref = Engine.load(str(path), backend="reference", n_ctx=256)
+    cpu = _cpu(path)
+    ids = _ids(ref.args.n_vocab, 72)
+    want = ref.logits(ids)
+    for name, got in (("prefill", cpu.logits(ids)), ("decode", _decode_logits(cpu, ids))):
+        d, scale, agree = _stats(got, want)
+        print(f"cpu {name} vs reference F32 [{arch}]: max|d| {d:.2e} of {scale:.2f}, top-1 {agree:.1%}")
+        assert d <= 1e-4 * scale and agree == 1.0
+
+
+@pytest.mark.parametrize("arch", ["qwen35", "qwen35moe"])
+def test_cpu_q8_0_close_to_reference_rounding_mode(arch, oracle_gguf):
+    """On Q8_0 files the reference's llama.cpp-rounding mode quantizes activations as the C kernels do; its
+    other float ops are plain numpy, so Q8 roundings still flip now and then (routing on MoE amplifies it)."""
+    path = oracle_gguf(arch, "q8_0")
+    emu = Engine.load(str(path), backend="reference", n_ctx=256, act_quant=True)
+    ids = _ids(emu.args.n_vocab, 72)
+    d, scale, agree = _stats(_cpu(path).logits(ids), emu.logits(ids))
+    print(f"cpu vs reference(act_quant) q8_0 [{arch}]: max|d| {d:.3g} of {scale:.2f}, top-1 {agree:.1%}")
+    assert agree >= 0.93 and d <= 0.1 * scale
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("quant", ["q8_0", "q4_k_m"])
+def test_shallow_moe_vs_llama_cpp(quant, oracle_gguf):
+    """2-layer random qwen35moe: top-1 agreement >= 95% over 90 positions, max |dlogit| <= 5% of max |logit|."""
+    pytest.importorskip("llama_cpp")
+    from oracle_models import llama_logits
+
+    path = oracle_gguf("qwen35moe", quant, layers=2)
+    cpu = _cpu(path)
+    ids = _ids(cpu.args.n_vocab)
+    ll = llama_logits(path, ids, batch=True)
+    for name, got in (("prefill", cpu.logits(ids)), ("decode", _decode_logits(cpu, ids))):
+        d, scale, agree = _stats(got, ll)
+        print(f"cpu {name} vs llama.cpp {quant} 2-layer qwen35moe: max|d| {d:.3g} of {scale:.2f}, top-1 {agree:.1%}")
+        assert agree >= 0.95
+        assert d <= 0.05 * scale
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("arch", ["qwen35", "qwen35moe"])
+def test_deep_models_vs_llama_cpp_self_agreement(arch, oracle_gguf):
+    """8-layer random Q4_K_M models: agreement no lower than llama.cpp's batch-vs-token self-agreement - 5."""
+    pytest.importorskip("llama_cpp")
+    from oracle_models import llama_logits
+
+    path = oracle_gguf(arch, "q4_k_m", layers=8)
+    cpu = _cpu(path)
+    ids = _ids(cpu.args.n_vocab)
+    ll_batch = llama_logits(path, ids, batch=True)
+    ll_tok = llama_logits(path, ids, batch=False)
+    self_agree = float(np.mean(ll_batch.argmax(-1) == ll_tok.argmax(-1)))
+    _, _, agree_p = _stats(cpu.logits(ids), ll_batch)
+    _, _, agree_d = _stats(_decode_logits(cpu, ids), ll_tok)
+    print(f"8-layer {arch} q4_k_m: llama.cpp self-agreement {self_agree:.1%}; cpu prefill vs llama batch "
+          f"{agree_p:.1%}; cpu decode vs llama token-by-token {agree_d:.1%}")
+    assert agree_p >= self_agree - 0.05 and agree_d >= self_agree - 0.05
+
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village by the sea,",
+    "The three primary colors are",
+    "Water boils at a temperature of",
+    "1, 2, 3, 4, 5,",
+]
+
+
+@pytest.mark.oracle
+def test_smollm_greedy_continuations_equal_llama_cpp(smollm_path):
+    """The real model: greedy raw continuations of 24 tokens identical to llama.cpp's."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    cpu = Engine.load(smollm_path, backend="cpu", n_ctx=512)
+    # F32 K/V like this engine (llama.cpp defaults to F16)
+    llm = llama_cpp.Llama(model_path=smollm_path, n_ctx=512, verbose=False, seed=0, type_k=0, type_v=0)
+    for prompt in PROMPTS:
+        ids = cpu.tokenize(prompt)
+        ours = cpu.generate(ids, max_tokens=24, temperature=0.0).tokens
+        llm.reset()
+        theirs = []
+        for t in llm.generate(ids, temp=0.0, top_k=1, reset=True):
+            if t in cpu.tokenizer.stop_ids or len(theirs) == 24:
+                break
+            theirs.append(int(t))
+        assert ours == theirs, (prompt, cpu.detokenize(ours), cpu.detokenize(theirs))
+
+
+def test_type_without_kernel_is_named(tmp_path, oracle_gguf):
+    from gguf import GGMLQuantizationType
+    from gguf_edit import rewrite
+
+    from hybridinfer.errors import UnsupportedTensorTypeError
+    from hybridinfer.gguf_model import GGUFModel
+
+    src = str(oracle_gguf("qwen35"))
+    w = GGUFModel(src).dequant("blk.0.ssm_out.weight")
+    p = tmp_path / "bf16.gguf"
+    bf16 = (w.view(np.uint32) >> 16).astype(np.uint16)  # readable by the reference, no CPU kernel
+    rewrite(src, str(p), replace={"blk.0.ssm_out.weight": (bf16, GGMLQuantizationType.BF16)})
+    Engine.load(str(p), backend="reference")
+    with pytest.raises(UnsupportedTensorTypeError, match=r"blk\.0\.ssm_out\.weight") as e:
+        _cpu(p)
+    assert "BF16" in str(e.value)
+
+
+def test_decode_step_allocates_no_buffers(oracle_gguf):
+    import tracemalloc
+
+    cpu = _cpu(oracle_gguf("qwen35moe"))
+    st = cpu.new_state()
+    cpu.backend.forward([1, 2, 3], st)
+    for t in (4, 5):  # warm-up: workspaces, numba compilation
+        cpu.backend.forward([t], st, all_logits=False)
+    tracemalloc.start()
+    base = tracemalloc.take_snapshot()
+    for t in range(6, 16):
+        cpu.backend.forward([t], st, all_logits=False)
+    grown = sum(s.size_diff for s in tracemalloc.take_snapshot().compare_to(base, "filename") if s.size_diff > 0)
+    tracemalloc.stop()
+    assert grown < 64 * 1024, f"decode steps allocated {grown} bytes"
