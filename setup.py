@@ -15,6 +15,7 @@ setup(
         "tokenizers>=0.20",
         "jinja2>=3.1",
         "tqdm>=4.60",
+        "matplotlib>=3.7",
     ],
     extras_require={
         "gpu": ["pycuda"],

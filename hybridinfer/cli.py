@@ -147,8 +147,8 @@ def cmd_bench_decode(a) -> int:
     stem = os.path.join(a.out_dir, "decode-" + os.path.splitext(os.path.basename(a.model))[0])
     with open(stem + ".json", "w") as f:
         json.dump(res, f, indent=1)
-    decode.plot(res, stem + ".png")
-    print(f"\nwrote {stem}.json and {stem}.png")
+    plotted = decode.plot(res, stem + ".png")
+    print(f"\nwrote {stem}.json" + (f" and {stem}.png" if plotted else " (no plot: matplotlib missing)"))
     return 0
 
 

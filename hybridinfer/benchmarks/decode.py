@@ -78,6 +78,7 @@ def measure_llama(llama_bench: str, path: str, threads: int, n_tokens: int, cont
         cmd += ["-d", str(context)]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
+        print(f"{exe} failed ({r.returncode}): {r.stderr.strip()[-300:]}")
         return None
     try:
         rows = json.loads(r.stdout)
@@ -127,8 +128,12 @@ def markdown(res: dict) -> str:
     return "\n".join(out)
 
 
-def plot(res: dict, png: str) -> None:
-    import matplotlib
+def plot(res: dict, png: str) -> bool:
+    """Bar chart of tok/s with the floor; False when matplotlib is not installed."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -143,3 +148,4 @@ def plot(res: dict, png: str) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(png, dpi=100)
+    return True
