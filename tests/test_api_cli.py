@@ -36,6 +36,10 @@ def test_cli_info_and_logits(tmp_path, smollm_path, smollm_ref):
     r = _cli("info")
     assert r.returncode == 0, r.stderr
     assert "architecture:  llama" in r.stdout and "pattern AAAA" in r.stdout and "Q4_1" in r.stdout
+    assert "simd path:" in r.stdout and "cpu:" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "hybridinfer", "info"], capture_output=True, text=True,
+                       env={**os.environ, "HYBRIDINFER_ISA": "ssse3"})
+    assert "simd path:     ssse3 (forced by HYBRIDINFER_ISA)" in r.stdout, r.stdout
     out = tmp_path / "l.npy"
     r = _cli("logits", "-m", smollm_path, "--tokens", "1,504,3458", "-o", str(out))
     assert r.returncode == 0, r.stderr
