@@ -95,7 +95,8 @@ class Workspace:
         if "gdn" in a.layer_types:
             self.gdn_b, self.gdn_a = f(T, a.ssm_n_v_heads), f(T, a.ssm_n_v_heads)
             self.gdn_y = f(T, a.ssm_n_v_heads * a.ssm_d_v)
-            self.gdn_scratch = f(ops_gdn.gdn_scratch_size(a.ssm_conv_channels, a.ssm_n_v_heads, a.ssm_d_v))
+            self.gdn_scratch = f(ops_gdn.gdn_scratch_size(a.ssm_conv_channels, a.ssm_n_v_heads, a.ssm_d_v,
+                                                          min(T, 16)))
         if a.is_moe:
             k = a.n_expert_used
             self.router = f(T, a.n_expert)
@@ -233,9 +234,9 @@ class CPUModel:
         u, z, b, al = self.mm_many([L.attn_qkv, L.attn_gate, L.ssm_beta, L.ssm_alpha], x,
                                    [ws.out_a, ws.out_b, ws.gdn_b, ws.gdn_a], ws)
         y = ws.gdn_y[:T]
-        # single-threaded on purpose: numba's parallel version (gdn_layer_mt) fights the C pool for the cores
-        # (measured on the 16-core host: 2.0 tok/s instead of 14.4)
-        ops_gdn.gdn_layer(u, z, b, al, L.ssm_conv1d, L.ssm_a, L.ssm_dt_bias, L.ssm_norm, st.conv[i], st.ssm[i],
+        # in C on the library's thread pool (heads in parallel), bit-identical to ops_gdn.gdn_layer; numba's own
+        # parallel version fought the C pool for the cores (measured on the 16-core host: 2.0 tok/s vs 14.4)
+        self.simd.gdn_layer(u, z, b, al, L.ssm_conv1d, L.ssm_a, L.ssm_dt_bias, L.ssm_norm, st.conv[i], st.ssm[i],
                           a.ssm_n_k_heads, a.gdn_head_map == "mod", a.rms_eps, y, ws.gdn_scratch)
         return self.mm(L.ssm_out, y, ws.mix, ws)
 

@@ -6,7 +6,7 @@ One extension holds every ISA level: isa_scalar.c, isa_ssse3.c, isa_avx2.c and i
 same kernel bodies (kernels_body.h, dot_kquants.h) under a `#pragma GCC target(...)` of their own, so every
 source file is compiled with the same (baseline x86-64) flags and no per-file flags are needed; hi_simd.c
 picks the level at run time from cpuid. The C declarations come from hi_simd.h, the one header cffi and the
-C side share.
+C side share. gdn.c (the Gated DeltaNet layer, plain float code) picks its avx2 or baseline loops itself.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import re
 from cffi import FFI
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_SOURCES = ["hi_simd.c", "isa_scalar.c", "isa_ssse3.c", "isa_avx2.c", "isa_avx512vnni.c"]
+_SOURCES = ["hi_simd.c", "isa_scalar.c", "isa_ssse3.c", "isa_avx2.c", "isa_avx512vnni.c", "gdn.c"]
 _HEADERS = ["hi_simd.h", "hi_internal.h", "blocks.h", "kernels_body.h", "dot_kquants.h"]
 COMPILE_ARGS = ["-std=gnu11", "-O3", "-ffp-contract=off", "-fno-math-errno", "-pthread", "-Wno-unused-function"]
 

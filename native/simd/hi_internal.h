@@ -99,6 +99,13 @@ static inline uint16_t hi_f2h_soft(float f) {
     return (uint16_t)(o | sign);
 }
 
+/* a context's mutex and pool, for drivers outside hi_simd.c (gdn.c): hi_ctx_run runs fn(arg, i) for
+ * i < total on the pool and the caller, returning when all are done; call it with the context locked */
+struct hi_ctx;
+void hi_ctx_lock(struct hi_ctx *c);
+void hi_ctx_unlock(struct hi_ctx *c);
+void hi_ctx_run(struct hi_ctx *c, void (*fn)(void *arg, int64_t chunk), void *arg, int64_t total);
+
 /* round to nearest, ties to even, for |v| < 2^22 (ggml's nearest_int) */
 static inline int hi_nearest_int(float v) {
     const float t = v + 12582912.f;

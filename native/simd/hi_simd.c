@@ -675,3 +675,12 @@ double hi_read_bandwidth(hi_ctx *c, int64_t nbytes, int reps) {
     /* the checksum keeps the reads alive; it is never 0 for a buffer of non-zero bytes */
     return chk == 0 ? -1.0 : best;
 }
+
+/* ================================================================================================ */
+/* for the library's other drivers (gdn.c): the context's mutex and its pool */
+
+void hi_ctx_lock(hi_ctx *c) { pthread_mutex_lock(&c->mu); }
+void hi_ctx_unlock(hi_ctx *c) { pthread_mutex_unlock(&c->mu); }
+void hi_ctx_run(hi_ctx *c, void (*fn)(void *arg, int64_t chunk), void *arg, int64_t total) {
+    hi_pool_run(c->pool, fn, arg, total);
+}

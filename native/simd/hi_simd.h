@@ -64,4 +64,17 @@ int hi_moe_down(hi_ctx *c, int qtype, const void *w, int64_t n_expert, int64_t r
  * reader); best of reps timed passes; returns bytes per second (<= 0 on failure) */
 double hi_read_bandwidth(hi_ctx *c, int64_t nbytes, int reps);
 
+/* Gated DeltaNet layer after its projections (spec §3 steps 2-8) for T tokens, state in place; the C twin of
+ * hybridinfer/cpu/ops_gdn.py:gdn_layer, bit-identical to it, value heads split across the pool.
+ * u (T rows of C floats, row stride u_row), z (T x Hv*d_v, z_row), b, a (T x Hv, b_row, a_row), y (T x
+ * Hv*d_v, y_row) <- gated-normed output; contiguous: conv_w (C, K), ssm_a, dt_bias (Hv), norm_w (d_v),
+ * conv (K-1, C) (oldest row first), S (Hv, d_k, d_v); C = 2*n_k_heads*d_k + Hv*d_v; head_map_mod: value
+ * head j reads key head j % n_k_heads, else j / (Hv / n_k_heads); scratch of scratch_len >= Hv*d_v + C
+ * floats (the conv outputs of (scratch_len - Hv*d_v) / C tokens per chunk). No allocation. */
+int hi_gdn_layer(hi_ctx *ctx, const float *u, int64_t u_row, const float *z, int64_t z_row, const float *b,
+                 int64_t b_row, const float *a, int64_t a_row, const float *conv_w, const float *ssm_a,
+                 const float *dt_bias, const float *norm_w, float *conv, float *S, int64_t T, int64_t C, int64_t K,
+                 int64_t n_v_heads, int64_t d_k, int64_t d_v, int64_t n_k_heads, int head_map_mod, double eps,
+                 float *y, int64_t y_row, float *scratch, int64_t scratch_len);
+
 #endif
