@@ -77,6 +77,7 @@ class Workspace:
         f = lambda *s: np.zeros(s, np.float32)  # noqa: E731
         D = a.n_embd
         self.T, self.n_ctx = T, n_ctx
+        self.calls: dict[tuple, object] = {}  # decode (T = 1): native calls bound to these buffers
         self.h, self.x, self.mix, self.ffn = f(T, D), f(T, D), f(T, D), f(T, D)
         mats = model.mats
         widest = max(m.rows for m in mats if m is not model.out)
@@ -131,9 +132,19 @@ class CPUModel:
         return ws
 
     # matrix products ------------------------------------------------------------------------------
+    def call(self, ws: Workspace, key: tuple, method: str, *args) -> None:
+        """A native call; at T = 1 (decode, fixed buffers) bound once per workspace and call site."""
+        if ws.T != 1:
+            getattr(self.simd, method)(*args)
+            return
+        c = ws.calls.get(key)
+        if c is None:
+            c = ws.calls[key] = self.simd.bind(method, *args)
+        c()
+
     def quantize(self, m: Mat, x: np.ndarray, ws: Workspace) -> np.ndarray:
         xq = ws.xq[self.simd.act_kind(m.qtype)][: x.shape[0], : self.simd.act_row_bytes(m.qtype, m.cols)]
-        self.simd.quantize(x, m.qtype, xq)
+        self.call(ws, ("q", id(m)), "quantize", x, m.qtype, xq)  # each matrix has one input per layer
         return xq
 
     def mm_many(self, mats: list[Mat], x: np.ndarray, outs: list[np.ndarray], ws: Workspace) -> list[np.ndarray]:
@@ -151,7 +162,7 @@ class CPUModel:
             for j in idx:
                 res[j] = outs[j][:T, : mats[j].rows]
                 items.append((mats[j].raw, mats[j].qtype, mats[j].rows, res[j]))
-            self.simd.matmul_many(xq, m0.cols, items)
+            self.call(ws, ("many", id(m0)), "matmul_many", xq, m0.cols, items)
         return res
 
     def mm(self, m: Mat, x: np.ndarray, out: np.ndarray, ws: Workspace, xq: np.ndarray | None = None) -> np.ndarray:
@@ -159,7 +170,7 @@ class CPUModel:
         if xq is None:
             xq = self.quantize(m, x, ws)
         o = out[: xq.shape[0], : m.rows]
-        self.simd.matmul(m.raw, m.qtype, m.rows, m.cols, xq, o)
+        self.call(ws, ("mm", id(m)), "matmul", m.raw, m.qtype, m.rows, m.cols, xq, o)
         return o
 
     # forward --------------------------------------------------------------------------------------
@@ -251,10 +262,11 @@ class CPUModel:
         if T == 1:  # decode: all k experts in two calls
             xq = self.quantize(G, x, ws)
             eg, eu = ws.eg[:k], ws.eu[:k]
-            self.simd.moe_gate_up(G.raw, G.qtype, U.raw, U.qtype, G.rows, G.cols, xq[0], idx[0], eg, eu)
+            self.call(ws, ("gate_up", id(G)), "moe_gate_up", G.raw, G.qtype, U.raw, U.qtype, G.rows, G.cols, xq[0],
+                      idx[0], eg, eu)
             ops.swiglu(eg, eu, eg)
             hq = self.quantize(Dn, eg, ws)
-            self.simd.moe_down(Dn.raw, Dn.qtype, Dn.rows, Dn.cols, hq, idx[0], ys)
+            self.call(ws, ("down", id(Dn)), "moe_down", Dn.raw, Dn.qtype, Dn.rows, Dn.cols, hq, idx[0], ys)
         else:  # prefill: tokens grouped by expert, one GEMM per expert over its tokens
             flat = idx.reshape(-1)
             order = np.argsort(flat, kind="stable")

@@ -222,6 +222,22 @@ def _check_rc(rc: int, what: str) -> None:
 # ------------------------------------------------------------------------------------------------
 
 
+class _Recorder:
+    """Stands in for the native library while `SimdLib.bind` runs a method: records its one call."""
+
+    def __init__(self, lib):
+        self._real, self.call = lib, None
+
+    def __getattr__(self, name):
+        fn = getattr(self._real, name)
+
+        def record(*cargs):
+            self.call = (fn, cargs, name.removeprefix("hi_"))
+            return 0
+
+        return record
+
+
 class SimdLib:
     """The native kernels at one ISA level with a persistent pool of `n_threads` threads (the caller
     included). `isa`: one of `supported_isas()`, or None for `best_isa()`. Calls on one object are
@@ -272,6 +288,27 @@ class SimdLib:
     weight_row_bytes = staticmethod(weight_row_bytes)
 
     # calls ------------------------------------------------------------------------------------------
+    def bind(self, method: str, *args):
+        """Check the arguments of `method` once and return a no-argument callable that repeats the call with
+        everything resolved. For a decode loop over fixed work buffers: the arrays must stay alive (the
+        callable keeps references) and keep their shapes; their contents may change between calls."""
+        rec = _Recorder(self._lib)
+        real, self._lib = self._lib, rec
+        try:
+            getattr(self, method)(*args)
+        finally:
+            self._lib = real
+        if rec.call is None:
+            raise ValueError(f"{method} made no native call to bind")
+        fn, cargs, what = rec.call
+
+        def call(_keep=args):
+            rc = fn(*cargs)
+            if rc:
+                _check_rc(rc, what)
+
+        return call
+
     def quantize(self, x: np.ndarray, qtype, out: np.ndarray | None = None) -> np.ndarray:
         """Quantize activation rows x (T, n) or (n,) float32 to the format weight type `qtype` multiplies,
         into out (T, act_row_bytes(qtype, n)) or (act_row_bytes,) uint8 (allocated if None)."""
