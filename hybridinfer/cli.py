@@ -144,7 +144,7 @@ def cmd_bench_decode(a) -> int:
     res = decode.run(a.model, a.threads, a.n, a.context, isas, a.llama_bench, a.llama_bench_sse)
     print(decode.markdown(res))
     os.makedirs(a.out_dir, exist_ok=True)
-    stem = os.path.join(a.out_dir, "decode-" + os.path.splitext(os.path.basename(a.model))[0])
+    stem = os.path.join(a.out_dir, f"decode-{os.path.splitext(os.path.basename(a.model))[0]}-t{a.threads}")
     with open(stem + ".json", "w") as f:
         json.dump(res, f, indent=1)
     plotted = decode.plot(res, stem + ".png")
