@@ -285,3 +285,13 @@ def random_blocks(qtype: int, n_blocks: int, rng: np.random.Generator, std: floa
         else:
             _fill_simple(q, blk[s:s + step], std)
     return blk
+
+
+def dequantize_rows(raw: np.ndarray, qtype: int, row_len: int, ids, out: np.ndarray) -> np.ndarray:
+    """Rows `ids` of a 2-D tensor stored row after row in `raw`, dequantized into out (len(ids), row_len)
+    float32; only those rows are read (an embedding lookup)."""
+    rb = row_nbytes(qtype, row_len)
+    for j in range(len(ids)):
+        r = int(ids[j])
+        dequantize(raw[r * rb : (r + 1) * rb], qtype, (row_len,), out=out[j])
+    return out

@@ -12,7 +12,7 @@ import numpy as np
 from . import actquant
 from . import reference_ops as op
 from .gguf_model import GGUFModel
-from .quant import dequantize, row_nbytes
+from .quant import dequantize, dequantize_rows
 from .state import DecoderState
 
 F16 = 1  # ggml type id
@@ -61,13 +61,7 @@ class Weights:
         if (name,) in self._c:
             return self._c[(name,)][ids]
         t = self.gm.tensor(name)
-        n = t.ne[0]
-        rb = row_nbytes(t.qtype, n)
-        raw = t.raw()
-        out = np.empty((len(ids), n), np.float32)
-        for j, r in enumerate(np.asarray(ids, dtype=np.int64)):
-            out[j] = dequantize(raw[r * rb : (r + 1) * rb], t.qtype, (n,))
-        return out
+        return dequantize_rows(t.raw(), t.qtype, t.ne[0], ids, np.empty((len(ids), t.ne[0]), np.float32))
 
     def expert(self, name: str, e: int) -> np.ndarray:
         """Expert e of a stacked tensor {in, out, E}: a (out, in) float32 matrix."""

@@ -14,7 +14,7 @@ import numpy as np
 
 from ..errors import UnsupportedTensorTypeError
 from ..gguf_model import GGUFModel
-from ..quant import dequantize, row_nbytes, type_name
+from ..quant import dequantize_rows, type_name
 from ..state import DecoderState
 from . import ops, ops_gdn
 from .simd import KERNEL_TYPES, SimdLib
@@ -112,7 +112,6 @@ class CPUModel:
         self.gm, self.args, self.simd = gm, args, simd
         a = args
         self.tok_embd = gm.tensor("token_embd.weight")
-        self._embd_row = row_nbytes(self.tok_embd.qtype, self.tok_embd.ne[0])
         self.out = _mat(gm, "token_embd.weight" if a.tied_output else "output.weight")
         self.out_norm = np.ascontiguousarray(gm.dequant("output_norm.weight"), dtype=np.float32)
         self.layers = [Layer(gm, a, i) for i in range(a.n_layer)]
@@ -201,11 +200,8 @@ class CPUModel:
         return self.mm(self.out, xs, ws.logits, ws)
 
     def _embed(self, ids: np.ndarray, h: np.ndarray) -> None:
-        t, rb = self.tok_embd, self._embd_row
-        raw = t.raw()
-        for j in range(len(ids)):
-            r = int(ids[j])
-            dequantize(raw[r * rb : (r + 1) * rb], t.qtype, (t.ne[0],), out=h[j])
+        t = self.tok_embd
+        dequantize_rows(t.raw(), t.qtype, t.ne[0], ids, h)
 
     def _swiglu_ffn(self, gate: Mat, up: Mat, down: Mat, x: np.ndarray, out: np.ndarray, ws: Workspace):
         g, u = self.mm_many([gate, up], x, [ws.out_a, ws.out_b], ws)
