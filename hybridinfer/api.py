@@ -11,7 +11,7 @@ import numpy as np
 from .errors import BackendNotAvailableError, ContextLengthError, HybridInferError
 from .gguf_model import GGUFModel
 from .models import model_args
-from .sampling import Sampler, SamplingParams
+from .sampling import SamplingParams
 from .state import DecoderState
 
 BACKENDS = ("reference", "cpu", "gpu", "auto")
@@ -165,13 +165,18 @@ class Engine:
         state = self.new_state()
         logits = self.prefill(ids, state)[-1]
         t1 = time.perf_counter()
-        sampler = Sampler(params)
+        # numba sampler (tested against sampling.Sampler): scratch made once, no per-token float64 copy or sort
+        from .cpu.sampling_nb import SampleScratch, rng_new, sample
+
+        scratch, rng = SampleScratch(logits.shape[-1]), rng_new(params.seed)
         tok = self._tok()
         dec = tok.stream_decoder()
         text, emitted = "", 0
         hold = max((len(s) for s in stops), default=0)
         for _ in range(max_tokens):
-            t = sampler(logits, state.token_ids)
+            t = int(sample(logits, params.temperature, params.top_k, params.top_p, params.min_p,
+                           params.repeat_penalty, params.presence_penalty, state.tokens, state.pos,
+                           params.repeat_last_n, rng, scratch.xs, scratch.idx))
             if t in tok.stop_ids:
                 res.finish_reason = "stop"
                 break
