@@ -55,3 +55,7 @@ class TokenizerError(HybridInferError):
 
 class ShapeError(HybridInferError):
     """A synthetic-model shape, architecture or quantization name is unknown, or a custom shape is invalid."""
+
+
+class KernelArgumentError(HybridInferError):
+    """A GPU kernel was called with a buffer of the wrong dtype, shape or layout, or a launch too large."""
