@@ -47,6 +47,7 @@ class Row:
     gb_s: float  # weight bytes per token * tok/s
     floor_frac: float
     note: str = ""
+    python_share: float | None = None  # of decode time, upper bound (cProfile)
 
 
 def measure_ours(path: str, isa: str | None, threads: int, n_tokens: int, context: int, seed: int = 0) -> float:
@@ -65,7 +66,28 @@ def measure_ours(path: str, isa: str | None, threads: int, n_tokens: int, contex
     for _ in range(n_tokens):
         lg = be.forward([t], st, all_logits=False)
         t = int(np.argmax(lg[-1]))
-    return n_tokens / (time.perf_counter() - t0)
+    tok_s = n_tokens / (time.perf_counter() - t0)
+    return tok_s, python_share(be, st, t, max(4, n_tokens // 4))
+
+
+def python_share(be, st, t: int, n: int) -> float:
+    """Share of decode time spent in Python code (an upper bound: the profiler's own cost lands there too).
+    Time inside native calls (cffi functions, numba's compiled code, numpy) is what cProfile books to
+    built-ins (file '~'); everything else is interpreter time."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    for _ in range(n):
+        lg = be.forward([t], st, all_logits=False)
+        t = int(np.argmax(lg[-1]))
+    prof.disable()
+    wall = time.perf_counter() - t0
+    stats = pstats.Stats(prof).stats  # {(file, line, name): (cc, nc, tottime, cumtime, callers)}
+    py = sum(v[2] for k, v in stats.items() if k[0] != "~")
+    return min(1.0, py / wall)
 
 
 def measure_llama(llama_bench: str, path: str, threads: int, n_tokens: int, context: int) -> float | None:
@@ -98,13 +120,13 @@ def run(path: str, threads: int, n_tokens: int = 32, context: int = 0, isas: tup
     floor = bw / bpt
     rows: list[Row] = []
 
-    def add(engine, isa, tok_s, note=""):
+    def add(engine, isa, tok_s, py=None):
         if tok_s is not None:
-            rows.append(Row(engine, isa, threads, tok_s, tok_s * bpt / 1e9, tok_s / floor, note))
+            rows.append(Row(engine, isa, threads, tok_s, tok_s * bpt / 1e9, tok_s / floor, python_share=py))
 
     for isa in isas:
         real = best_isa() if isa == "native" else isa
-        add("hybridinfer", real, measure_ours(path, None if isa == "native" else isa, threads, n_tokens, context))
+        add("hybridinfer", real, *measure_ours(path, None if isa == "native" else isa, threads, n_tokens, context))
     if llama_bench:
         add("llama.cpp", "native", measure_llama(llama_bench, path, threads, n_tokens, context))
     if llama_bench_sse:
@@ -117,15 +139,19 @@ def markdown(res: dict) -> str:
     out = [f"model `{res['model']}` ({res['arch']}); {res['bytes_per_token'] / 1e9:.3f} GB of weights per token; "
            f"read bandwidth {res['read_bw_gb_s']:.1f} GB/s with {res['threads']} threads -> floor "
            f"{res['floor_tok_s']:.2f} tok/s; context {res['context']}", "",
-           "| engine | ISA | threads | tok/s | weight GB/s | % of floor | vs llama.cpp (same ISA class) |",
-           "|---|---|---|---|---|---|---|"]
+           "| engine | ISA | threads | tok/s | weight GB/s | % of floor | vs llama.cpp (same ISA) | Python share |",
+           "|---|---|---|---|---|---|---|---|"]
     base = {r["isa"]: r["tok_s"] for r in res["rows"] if r["engine"] == "llama.cpp"}
     for r in res["rows"]:
         ref = base.get("sse4.2 (no AVX)") if r["isa"] in ("ssse3", "scalar") else base.get("native")
         vs = f"{r['tok_s'] / ref:.2f}x" if ref and r["engine"] != "llama.cpp" else ""
         out.append(f"| {r['engine']} | {r['isa']} | {r['threads']} | {r['tok_s']:.2f} | {r['gb_s']:.1f} | "
-                   f"{100 * r['floor_frac']:.0f}% | {vs} |")
+                   f"{100 * r['floor_frac']:.0f}% | {vs} | {_pct(r.get('python_share'))} |")
     return "\n".join(out)
+
+
+def _pct(x) -> str:
+    return "" if x is None else f"<= {100 * x:.1f}%"
 
 
 def plot(res: dict, png: str) -> bool:
