@@ -1,0 +1,149 @@
+"""What stays resident on the card and what streams, under a VRAM budget. Pure functions, no GPU.
+
+Budget arithmetic (every term in bytes, all counted against `vram_budget`):
+
+    resident weights + 2 x (largest streamed set of one layer)   [double-buffered staging on the card]
+    + activations (per prompt chunk) + state (K/V rows of the prompt, GDN S and conv)  <= vram_budget
+
+Order of residency, most useful first: small tensors (norms, biases, gates: needed by every layer, costly
+to stream as many tiny copies), then attention and GDN projections and dense / shared-expert FFNs (every
+token uses them), then routed experts ranked by how many tokens they took in the prompts seen so far
+("expert pinning"; unseen experts rank by layer order). A streamed layer uploads its non-resident tensors;
+an expert tensor streams as its non-resident experts' slabs (each expert's rows are contiguous in GGUF).
+The embedding and the output head stay on the host: prefill needs only one row per token and the last
+token's logits, both cheap on the CPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+SMALL_BYTES = 1 << 20  # tensors below this are "small"
+HOST_ONLY = ("token_embd.weight", "output.weight")
+
+
+@dataclass(frozen=True)
+class WeightInfo:
+    name: str
+    nbytes: int
+    layer: int  # -1 for tensors outside the blocks
+    n_expert: int = 0  # > 0 for routed-expert tensors [E, N, K]: nbytes = n_expert * slab
+
+    @property
+    def slab(self) -> int:
+        return self.nbytes // self.n_expert if self.n_expert else self.nbytes
+
+
+@dataclass
+class Placement:
+    vram_budget: int
+    resident: set[str] = field(default_factory=set)  # whole tensors kept on the card
+    pinned_experts: dict[str, set[int]] = field(default_factory=dict)  # expert tensor -> resident experts
+    streamed: dict[int, list[str]] = field(default_factory=dict)  # layer -> tensors (partly) streamed
+    resident_bytes: int = 0
+    staging_bytes: int = 0  # both staging buffers
+    reserved_bytes: int = 0  # activations + state
+    stream_bytes_per_pass: int = 0  # bytes crossing the bus per prompt
+
+    @property
+    def total_bytes(self) -> int:
+        return self.resident_bytes + self.staging_bytes + self.reserved_bytes
+
+    def layer_stream_bytes(self, weights: Mapping[str, WeightInfo], layer: int) -> int:
+        return sum(streamed_bytes(weights[n], self) for n in self.streamed.get(layer, []))
+
+
+def streamed_bytes(w: WeightInfo, p: Placement) -> int:
+    if w.name in p.resident:
+        return 0
+    if w.n_expert:
+        return w.slab * (w.n_expert - len(p.pinned_experts.get(w.name, ())))
+    return w.nbytes
+
+
+class BudgetError(ValueError):
+    """The budget cannot hold even the minimum (staging for the largest layer + activations + state)."""
+
+
+def plan_placement(weights: Iterable[WeightInfo], vram_budget: int, reserved: int = 0,
+                   expert_counts: Mapping[tuple[int, int], int] | None = None) -> Placement:
+    """Decide residency for `weights` under `vram_budget`, keeping `reserved` bytes (activations, state).
+
+    expert_counts[(layer, e)]: tokens routed to expert e of layer `layer` so far (missing = 0).
+    Greedy by usefulness; each candidate is accepted only if the total (resident + the double staging that
+    the remaining streamed layers still need + reserved) stays within the budget.
+    """
+    ws = {w.name: w for w in weights if w.name not in HOST_ONLY}
+    counts = expert_counts or {}
+    p = Placement(vram_budget, reserved_bytes=reserved)
+    for w in ws.values():
+        p.streamed.setdefault(w.layer, []).append(w.name)
+
+    layer_bytes = {lay: p.layer_stream_bytes(ws, lay) for lay in p.streamed}  # kept current below
+
+    def staging() -> int:
+        return 2 * max(layer_bytes.values(), default=0)
+
+    def move(w: WeightInfo, nbytes: int) -> None:  # nbytes of w go resident (negative: back to the stream)
+        p.resident_bytes += nbytes
+        layer_bytes[w.layer] -= nbytes
+
+    def total() -> int:
+        return p.resident_bytes + staging() + reserved
+
+    def fits(before: int) -> bool:  # within budget, or closer to it (residency can shrink the staging)
+        t = total()
+        return t <= vram_budget or t < before
+
+
+    dense = [w for w in ws.values() if not w.n_expert]
+    small = sorted((w for w in dense if w.nbytes < SMALL_BYTES), key=lambda w: (w.layer, w.name))
+    big = sorted((w for w in dense if w.nbytes >= SMALL_BYTES), key=lambda w: (w.layer, w.name))
+    for w in small + big:
+        # a tensor leaving the stream may shrink staging, so test with the staging it would leave behind
+        before = total()
+        p.resident.add(w.name)
+        move(w, w.nbytes)
+        if not fits(before):
+            p.resident.discard(w.name)
+            move(w, -w.nbytes)
+    experts = [(counts.get((w.layer, e), 0), -w.layer, -e, w.name, e)
+               for w in ws.values() if w.n_expert for e in range(w.n_expert)]
+    experts.sort(reverse=True)
+    for _, _, _, name, e in experts:
+        w = ws[name]
+        pin = p.pinned_experts.setdefault(name, set())
+        before = total()
+        pin.add(e)
+        move(w, w.slab)
+        if not fits(before):
+            pin.discard(e)
+            move(w, -w.slab)
+        elif len(pin) == w.n_expert:  # the whole tensor is resident
+            del p.pinned_experts[name]
+            p.resident.add(name)
+    p.pinned_experts = {k: v for k, v in p.pinned_experts.items() if v}
+    p.streamed = {lay: [n for n in names if streamed_bytes(ws[n], p)] for lay, names in p.streamed.items()}
+    p.streamed = {lay: names for lay, names in p.streamed.items() if names}
+    p.staging_bytes = staging()
+    p.stream_bytes_per_pass = sum(p.layer_stream_bytes(ws, lay) for lay in p.streamed)
+    if p.total_bytes > vram_budget:
+        largest = max(p.streamed, key=lambda lay: p.layer_stream_bytes(ws, lay))
+        raise BudgetError(
+            f"vram budget {vram_budget} B cannot hold the double staging of layer {largest} ({p.staging_bytes} B "
+            f"for both buffers) plus {p.resident_bytes} B resident and {reserved} B of activations and state; "
+            f"raise --vram-budget or use smaller prompt chunks")
+    return p
+
+
+def weights_of(gm, args) -> list[WeightInfo]:
+    """WeightInfo for every tensor of a GGUFModel (expert tensors carry their expert count)."""
+    out = []
+    for name, t in gm.tensors.items():
+        layer = int(name.split(".")[1]) if name.startswith("blk.") else -1
+        if layer >= args.n_layer:
+            continue  # MTP blocks: not used by prefill
+        n_exp = int(t.ne[2]) if name.endswith("_exps.weight") and len(t.ne) == 3 else 0
+        out.append(WeightInfo(name, int(t.nbytes), layer, n_exp))
+    return out
