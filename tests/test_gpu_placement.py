@@ -24,11 +24,12 @@ def _check(p, ws, budget, reserved):
     resident = sum(by[n].nbytes for n in p.resident)
     resident += sum(by[n].slab * len(es) for n, es in p.pinned_experts.items())
     assert resident == p.resident_bytes
-    per_layer = {}
+    per_layer, staged = {}, {}
     for w in ws:
         if w.name not in ("token_embd.weight", "output.weight"):
             per_layer[w.layer] = per_layer.get(w.layer, 0) + streamed_bytes(w, p)
-    assert p.staging_bytes == 2 * max(per_layer.values())
+            staged[w.layer] = staged.get(w.layer, 0) + (0 if w.name in p.resident else w.nbytes)
+    assert p.staging_bytes == 2 * max(staged.values())
     assert p.stream_bytes_per_pass == sum(per_layer.values())
     assert p.reserved_bytes == reserved
     assert p.total_bytes <= budget

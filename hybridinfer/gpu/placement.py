@@ -51,7 +51,13 @@ class Placement:
         return self.resident_bytes + self.staging_bytes + self.reserved_bytes
 
     def layer_stream_bytes(self, weights: Mapping[str, WeightInfo], layer: int) -> int:
+        """Bytes of `layer` that cross the bus per pass."""
         return sum(streamed_bytes(weights[n], self) for n in self.streamed.get(layer, []))
+
+    def layer_staged_bytes(self, weights: Mapping[str, WeightInfo], layer: int) -> int:
+        """Bytes of one staging buffer for `layer`: every tensor not wholly resident, at full size (pinned
+        experts are copied into their slot on the card, so a grouped GEMM sees one [E, N, K] tensor)."""
+        return sum(weights[n].nbytes for n in self.streamed.get(layer, []) if n not in self.resident)
 
 
 def streamed_bytes(w: WeightInfo, p: Placement) -> int:
@@ -80,14 +86,15 @@ def plan_placement(weights: Iterable[WeightInfo], vram_budget: int, reserved: in
     for w in ws.values():
         p.streamed.setdefault(w.layer, []).append(w.name)
 
-    layer_bytes = {lay: p.layer_stream_bytes(ws, lay) for lay in p.streamed}  # kept current below
+    layer_bytes = {lay: p.layer_staged_bytes(ws, lay) for lay in p.streamed}  # kept current below
 
     def staging() -> int:
         return 2 * max(layer_bytes.values(), default=0)
 
     def move(w: WeightInfo, nbytes: int) -> None:  # nbytes of w go resident (negative: back to the stream)
         p.resident_bytes += nbytes
-        layer_bytes[w.layer] -= nbytes
+        if not w.n_expert or w.name in p.resident:
+            layer_bytes[w.layer] -= w.nbytes if nbytes > 0 else -w.nbytes
 
     def total() -> int:
         return p.resident_bytes + staging() + reserved
@@ -120,13 +127,14 @@ def plan_placement(weights: Iterable[WeightInfo], vram_budget: int, reserved: in
         if not fits(before):
             pin.discard(e)
             move(w, -w.slab)
-        elif len(pin) == w.n_expert:  # the whole tensor is resident
+        elif len(pin) == w.n_expert:  # the whole tensor is resident: no staging slot any more
             del p.pinned_experts[name]
             p.resident.add(name)
+            layer_bytes[w.layer] -= w.nbytes
     p.pinned_experts = {k: v for k, v in p.pinned_experts.items() if v}
     p.streamed = {lay: [n for n in names if streamed_bytes(ws[n], p)] for lay, names in p.streamed.items()}
     p.streamed = {lay: names for lay, names in p.streamed.items() if names}
-    p.staging_bytes = staging()
+    p.staging_bytes = 2 * max((p.layer_staged_bytes(ws, lay) for lay in p.streamed), default=0)
     p.stream_bytes_per_pass = sum(p.layer_stream_bytes(ws, lay) for lay in p.streamed)
     if p.total_bytes > vram_budget:
         largest = max(p.streamed, key=lambda lay: p.layer_stream_bytes(ws, lay))
