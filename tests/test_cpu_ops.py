@@ -160,13 +160,6 @@ def test_attention(T, pos0, gated):
     out = np.full((T, H * hd), np.nan, np.float32)
     ops.attention(q, kc, vc, pos0, g, out, np.zeros(ops.attention_scratch_size(kc.shape[0], H, 2, hd), np.float32))
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
-    for n_split in (1, 3, 8):
-        out2 = np.full_like(out, np.nan)
-        scr = np.zeros(ops.attention_mt_scratch_shape(T, kc.shape[0], H, 2, hd, n_split), np.float32)
-        ops.attention_mt(q, kc, vc, pos0, g, out2, scr, n_split)
-        np.testing.assert_allclose(out2, want, rtol=1e-5, atol=1e-6)
-        if n_split == 1:
-            np.testing.assert_array_equal(out2, out)
 
 
 def test_split_qgate():
@@ -216,26 +209,26 @@ def test_gdn_layer(head_map):
     fake_ref = SimpleNamespace(args=args)
     st = SimpleNamespace(conv=[np.zeros((K - 1, C), np.float32)], ssm=[np.zeros((Hv, dk, dv), np.float32)])
     conv, S = st.conv[0].copy(), st.ssm[0].copy()
-    conv_mt, S_mt = conv.copy(), S.copy()
+    conv_ch, S_ch = conv.copy(), S.copy()
     scratch = np.zeros(ops_gdn.gdn_scratch_size(C, Hv, dv), np.float32)  # one token at a time
-    scratch_mt = np.zeros(ops_gdn.gdn_scratch_size(C, Hv, dv, 16), np.float32)  # chunks of 16 tokens
+    scratch_ch = np.zeros(ops_gdn.gdn_scratch_size(C, Hv, dv, 16), np.float32)  # chunks of 16 tokens
     for T in (3, 70, 1, 1):  # crosses the conv window start, a long chunk, then decode steps
         proj = _gdn_inputs(rs, T, C, Hv, dv)
         L = _FakeLayer(proj, **w)
         want = ReferenceModel.gdn(fake_ref, L, 0, np.zeros((T, 1), np.float32), st)
         y = np.full((T, Hv * dv), np.nan, np.float32)
-        y_mt = np.full_like(y, np.nan)
+        y_ch = np.full_like(y, np.nan)
         call = (proj["attn_qkv"], proj["attn_gate"], proj["ssm_beta"], proj["ssm_alpha"], w["ssm_conv1d"],
                 w["ssm_a"], w["ssm_dt_bias"], w["ssm_norm"])
         ops_gdn.gdn_layer(*call, conv, S, Hk, head_map == "mod", eps, y, scratch)
-        ops_gdn.gdn_layer_mt(*call, conv_mt, S_mt, Hk, head_map == "mod", eps, y_mt, scratch_mt)
+        ops_gdn.gdn_layer(*call, conv_ch, S_ch, Hk, head_map == "mod", eps, y_ch, scratch_ch)
         assert rel_err(y, want) < 1e-5, rel_err(y, want)
         np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
         np.testing.assert_array_equal(conv, st.conv[0])
         assert rel_err(S, st.ssm[0]) < 1e-5
-        np.testing.assert_array_equal(y_mt, y)  # threads and token chunking change nothing
-        np.testing.assert_array_equal(S_mt, S)
-        np.testing.assert_array_equal(conv_mt, conv)
+        np.testing.assert_array_equal(y_ch, y)  # token chunking changes nothing
+        np.testing.assert_array_equal(S_ch, S)
+        np.testing.assert_array_equal(conv_ch, conv)
 
 
 def test_gdn_head_map_matters():
@@ -312,7 +305,6 @@ def test_decode_calls_allocate_nothing():
     q, kc, vc = rnd(rs, 1, H, hd), rnd(rs, n_ctx, Hkv, hd), rnd(rs, n_ctx, Hkv, hd)
     gate, ao = rnd(rs, 1, H * hd), np.zeros((1, H * hd), np.float32)
     ascr = np.zeros(ops.attention_scratch_size(n_ctx, H, Hkv, hd), np.float32)
-    mscr = np.zeros(ops.attention_mt_scratch_shape(1, n_ctx, H, Hkv, hd, 4), np.float32)
     Hk, Hv, dk, dv = 2, 6, 32, 32
     C, w = _gdn_case(rs, Hk, Hv, dk, dv)
     p = _gdn_inputs(rs, 1, C, Hv, dv)
@@ -330,9 +322,7 @@ def test_decode_calls_allocate_nothing():
         (ops.rope, (q, 500, 32, 1e7, True, ops.NO_FREQS)),
         (ops.kv_append, (q[:, :Hkv], q[:, :Hkv], kc, vc, 500)),
         (ops.attention, (q, kc, vc, 500, gate, ao, ascr)),
-        (ops.attention_mt, (q, kc, vc, 500, gate, ao, mscr, 4)),
         (ops_gdn.gdn_layer, gdn),
-        (ops_gdn.gdn_layer_mt, gdn),
         (ops.moe_route, (lg, k, idx, rw)),
         (ops.swiglu, (x, out, out)),
         (ops.add_inplace, (out, x)),

@@ -12,8 +12,8 @@ Pass Python ints/floats for scalars and C-contiguous arrays: other types compile
 Vectorization without reassociation: numba leaves LLVM's SLP vectorizer off, so only loops along the
 last axis with independent lanes vectorize. Dot products are therefore never vectorized along their
 own length: attention transposes K in blocks and accumulates scores for 64 keys at a time, each score
-summed over d in plain order. `attention_mt` / `ops_gdn.gdn_layer_mt` are prange versions (numba's
-own thread pool, separate from the C GEMV pool) for long contexts and wide machines.
+summed over d in plain order. The ops are single-threaded (the backend runs the GDN layer in C,
+`SimdLib.gdn_layer`, on the library's thread pool; ops_gdn.gdn_layer is its reference twin).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 NO_GATE = np.zeros((0, 0), np.float32)  # attention without an output gate
 NO_FREQS = np.zeros(0, np.float32)  # rope without frequency factors
@@ -240,7 +240,6 @@ def attention(q, k_cache, v_cache, pos0, gate, out, scratch):
     q (T, H, hd); k_cache, v_cache (n_ctx, H_kv, hd) with rows < pos0+T filled (kv_append first);
     query head h reads KV head h // (H/H_kv); scale 1/sqrtf(hd); gate (T, H*hd) or NO_GATE: the output
     is multiplied by sigmoid(gate). out (T, H*hd). scratch: float32 (>= attention_scratch_size).
-    Single-threaded; attention_mt splits the keys over threads for long contexts.
     """
     T, H, hd = q.shape
     Hkv = k_cache.shape[1]
@@ -265,72 +264,6 @@ def attention(q, k_cache, v_cache, pos0, gate, out, scratch):
 def attention_scratch_size(n_ctx: int, n_head: int, n_head_kv: int, head_dim: int) -> int:
     """float32 elements of `attention`'s scratch for a cache of n_ctx rows."""
     return _row_size(n_head // n_head_kv, n_ctx, head_dim)
-
-
-@njit(parallel=True, **_jit)
-def attention_mt(q, k_cache, v_cache, pos0, gate, out, scratch, n_split):
-    """`attention` with the key rows of each (token, KV head) split into n_split chunks run in
-    parallel (numba prange), then merged: o = sum_c e^(m_c-M) acc_c / sum_c e^(m_c-M) l_c.
-
-    scratch: float32 (>= T*H_kv*n_split, attention_mt_scratch_shape()[1]), one row per task. Rounding
-    differs from `attention` only by the chunked sums (n_split = 1 gives the same result).
-    """
-    T, H, hd = q.shape
-    Hkv = k_cache.shape[1]
-    G = H // Hkv
-    scale = np.float32(1.0) / np.float32(math.sqrt(np.float32(hd)))
-    has_gate = gate.shape[0] > 0
-    chunk = (pos0 + T + n_split - 1) // n_split
-    for task in prange(T * Hkv * n_split):
-        t = task // (Hkv * n_split)
-        kvh = (task // n_split) % Hkv
-        c = task % n_split
-        n = pos0 + t + 1
-        s0 = min(c * chunk, n)
-        s1 = min(s0 + chunk, n)
-        row = scratch[task]
-        kT, acc, ml = _carve(row, G, chunk, hd)
-        if s1 > s0:
-            _attn_part(q, t, k_cache, v_cache, kvh, G, s0, s1, scale, row, kT, acc, ml)
-        else:
-            for j in range(G):
-                ml[j, 0] = 0.0
-                ml[j, 1] = 0.0
-    for th in prange(T * H):
-        t = th // H
-        h = th % H
-        kvh = h // G
-        j = h % G
-        base = (t * Hkv + kvh) * n_split
-        M = np.float32(-np.inf)
-        for c in range(n_split):
-            _, acc, ml = _carve(scratch[base + c], G, chunk, hd)
-            if ml[j, 1] > 0.0 and ml[j, 0] > M:
-                M = ml[j, 0]
-        o = out[t, h * hd : (h + 1) * hd]
-        for d in range(hd):
-            o[d] = 0.0
-        tot = 0.0
-        for c in range(n_split):
-            _, acc, ml = _carve(scratch[base + c], G, chunk, hd)
-            if ml[j, 1] == 0.0:
-                continue
-            f = np.float32(math.exp(ml[j, 0] - M))
-            tot += f * ml[j, 1]
-            a = acc[j]
-            for d in range(hd):
-                o[d] = o[d] + f * a[d]
-        inv = np.float32(1.0 / tot)
-        for d in range(hd):
-            o[d] = o[d] * inv
-        _attn_finish(o, gate[t, h * hd : (h + 1) * hd] if has_gate else o, has_gate)
-
-
-def attention_mt_scratch_shape(T: int, n_ctx: int, n_head: int, n_head_kv: int, head_dim: int,
-                               n_split: int) -> tuple[int, int]:
-    """Shape of `attention_mt`'s float32 scratch for T queries and a cache of n_ctx rows."""
-    chunk = (n_ctx + n_split - 1) // n_split
-    return T * n_head_kv * n_split, _row_size(n_head // n_head_kv, chunk, head_dim)
 
 
 # FFN / MoE helpers ---------------------------------------------------------------------------------
@@ -441,8 +374,6 @@ def warmup() -> None:
     out = f(1, 32)
     attention(q, kc, vc, 0, gate, out, f(attention_scratch_size(4, 4, 2, 8)))
     attention(q, kc, vc, 0, NO_GATE, out, f(attention_scratch_size(4, 4, 2, 8)))
-    attention_mt(q, kc, vc, 0, gate, out, f(*attention_mt_scratch_shape(1, 4, 4, 2, 8, 2)), 2)
-    attention_mt(q, kc, vc, 0, NO_GATE, out, f(*attention_mt_scratch_shape(1, 4, 4, 2, 8, 2)), 2)
     swiglu(x, x, x)
     add_inplace(x, x)
     gated_add(x, x, x, f(8))

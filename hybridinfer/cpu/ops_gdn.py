@@ -11,12 +11,11 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 from .ops import rms_scale
 
 _jit = dict(cache=True, fastmath=False)
-_CONV_CHUNK = 512  # channels per parallel conv task
 
 
 def gdn_scratch_size(conv_channels: int, n_v_heads: int, d_v: int, T: int = 1) -> int:
@@ -118,7 +117,8 @@ def gdn_layer(u, z, b, a, conv_w, ssm_a, dt_bias, norm_w, conv, S, n_k_heads, he
     eps (L2 and gated norms); y (T, H_v*d_v) <- gated-normed output (input of ssm_out);
     scratch float32 >= gdn_scratch_size(C, H_v, d_v) (more: see there). Per chunk of tokens the
     conv runs first, then each value head runs its steps, so that S[j] stays in cache during prefill;
-    the results do not depend on the chunking. Single-threaded; gdn_layer_mt is the same in parallel.
+    the results do not depend on the chunking. Single-threaded; the backend runs its C twin
+    (`SimdLib.gdn_layer`, bit-identical) on the library's thread pool.
     """
     T, C = u.shape
     Hv, dk, dv = S.shape
@@ -137,34 +137,9 @@ def gdn_layer(u, z, b, a, conv_w, ssm_a, dt_bias, norm_w, conv, S, n_k_heads, he
                           head_map_mod, eps, y[t0 + t], dbuf)
 
 
-@njit(parallel=True, **_jit)
-def gdn_layer_mt(u, z, b, a, conv_w, ssm_a, dt_bias, norm_w, conv, S, n_k_heads, head_map_mod, eps, y,
-                 scratch):
-    """gdn_layer with conv channel blocks, q/k heads and value heads run in parallel (numba prange);
-    bit-identical to gdn_layer."""
-    T, C = u.shape
-    Hv, dk, dv = S.shape
-    dbuf = scratch[: Hv * dv]
-    Tc = max(1, (scratch.shape[0] - Hv * dv) // C)
-    nb = (C + _CONV_CHUNK - 1) // _CONV_CHUNK
-    nk = 2 * n_k_heads
-    for t0 in range(0, T, Tc):
-        t1 = min(T, t0 + Tc)
-        c = scratch[Hv * dv : Hv * dv + (t1 - t0) * C].reshape((t1 - t0, C))
-        for blk in prange(nb):
-            _conv_silu(u[t0:t1], conv_w, conv, c, blk * _CONV_CHUNK, min(C, (blk + 1) * _CONV_CHUNK))
-        for ti in prange((t1 - t0) * nk):
-            _l2_norm_head(c[ti // nk], ti % nk, n_k_heads, dk, eps)
-        for j in prange(Hv):
-            for t in range(t1 - t0):
-                _gdn_head(j, c[t], z[t0 + t], b[t0 + t], a[t0 + t], ssm_a, dt_bias, norm_w, S, n_k_heads,
-                          head_map_mod, eps, y[t0 + t], dbuf)
-
-
 def warmup() -> None:
     f = lambda *s: np.zeros(s, np.float32)  # noqa: E731
     Hk, Hv, dk, dv, K = 1, 2, 4, 4, 4
     C = 2 * Hk * dk + Hv * dv
-    for fn in (gdn_layer, gdn_layer_mt):
-        fn(f(1, C), f(1, Hv * dv), f(1, Hv), f(1, Hv), f(C, K), f(Hv), f(Hv), f(dv), f(K - 1, C),
-           f(Hv, dk, dv), Hk, True, 1e-6, f(1, Hv * dv), f(gdn_scratch_size(C, Hv, dv)))
+    gdn_layer(f(1, C), f(1, Hv * dv), f(1, Hv), f(1, Hv), f(C, K), f(Hv), f(Hv), f(dv), f(K - 1, C),
+              f(Hv, dk, dv), Hk, True, 1e-6, f(1, Hv * dv), f(gdn_scratch_size(C, Hv, dv)))

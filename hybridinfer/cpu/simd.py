@@ -6,11 +6,14 @@ F16, float32 for F32), with integer sums exact and llama.cpp's float operations 
 native/simd/kernels_body.h). One binary holds every ISA level (scalar, ssse3, avx2, avx512vnni); a
 `SimdLib` uses the best one this CPU runs unless told otherwise, and owns a persistent C thread pool.
 
-Every array is checked here before C sees it: dtype, shape, and contiguity (a 2-D array may be a view of
+Every array is checked before C sees it: dtype, shape, and contiguity (a 2-D array may be a view of
 wider rows, e.g. `buf[:T, :n]`: its rows may be strided, each row must be contiguous). Bad arrays raise
 TypeError / ValueError naming the argument; a weight type without a kernel raises
 `UnsupportedTensorTypeError` naming the ggml type. Settings come in as arguments; nothing reads the
 environment.
+
+The library loading, the ISA and type tables and the argument checks are in `hybridinfer.cpu.simd_native`;
+this module holds `SimdLib` (the checked wrappers of the C calls) and re-exports their public names.
 """
 
 from __future__ import annotations
@@ -19,207 +22,42 @@ import os
 
 import numpy as np
 
-from ..errors import BackendNotAvailableError, UnsupportedTensorTypeError
+from ..errors import BackendNotAvailableError
 from ..quant import type_name
+from .simd_native import (
+    _F32,
+    _U8,
+    ACT_KINDS,
+    ISAS,
+    KERNEL_TYPES,
+    _array,
+    _check_rc,
+    _ids,
+    _native,
+    _ptr,
+    _qtype,
+    _rows,
+    _rows_fast,
+    _sizes,
+    _weights,
+    act_kind,
+    act_row_bytes,
+    best_isa,
+    supported_isas,
+    weight_row_bytes,
+)
 
-ISAS: tuple[str, ...] = ("scalar", "ssse3", "avx2", "avx512vnni")
-ACT_KINDS: tuple[str, ...] = ("f32", "f16", "q8_0", "q8_1", "q8_K")
-# weight types with a kernel -> activation kind
-KERNEL_TYPES: dict[int, str] = {0: "f32", 1: "f16", 2: "q8_0", 3: "q8_1", 6: "q8_0", 7: "q8_1", 8: "q8_0",
-                                12: "q8_K", 13: "q8_K", 14: "q8_K"}
-_FLOAT_DTYPES = {0: np.dtype(np.float32), 1: np.dtype(np.float16)}
-_F32 = np.dtype(np.float32)
-_U8 = np.dtype(np.uint8)
-_I32 = np.dtype(np.int32)
-
-_mod = None
-
-
-def _native():
-    global _mod
-    if _mod is None:
-        try:
-            from .. import _simd
-        except ImportError as e:  # pragma: no cover - depends on the build
-            raise BackendNotAvailableError(
-                "the native SIMD library hybridinfer._simd is not built: `pip install -e .` (or "
-                f"`python native/simd/build.py`) builds it ({e})") from e
-        _mod = _simd
-    return _mod
-
-
-def supported_isas() -> list[str]:
-    """The ISA levels this CPU runs, lowest first (always starts with "scalar")."""
-    lib = _native().lib
-    return [name for i, name in enumerate(ISAS) if lib.hi_isa_supported(i)]
-
-
-def best_isa() -> str:
-    """The widest ISA level this CPU (and OS) supports."""
-    return ISAS[_native().lib.hi_best_isa()]
-
-
-def _qtype(qtype) -> int:
-    try:
-        q = int(qtype)
-    except (TypeError, ValueError):
-        raise TypeError(f"qtype must be a ggml type id (int), got {qtype!r}") from None
-    if q not in KERNEL_TYPES:
-        names = ", ".join(type_name(t) for t in sorted(KERNEL_TYPES))
-        raise UnsupportedTensorTypeError(
-            f"ggml type {type_name(q)} (id {q}) has no SIMD kernel (kernels exist for {names})")
-    return q
-
-
-def act_kind(qtype) -> str:
-    """The activation format a weight type multiplies: "f32", "f16", "q8_0", "q8_1" or "q8_K"."""
-    return KERNEL_TYPES[_qtype(qtype)]
-
-
-def act_row_bytes(qtype, n: int) -> int:
-    """Bytes of one activation row of `n` values for weight type `qtype`."""
-    q = _qtype(qtype)
-    r = _native().lib.hi_act_row_bytes(q, int(n))
-    if r < 0:
-        raise ValueError(f"a row of {n} values is not a whole number of {act_kind(q)} blocks "
-                         f"(weight type {type_name(q)})")
-    return int(r)
-
-
-def weight_row_bytes(qtype, n: int) -> int:
-    """Bytes of one weight row of `n` values stored as `qtype`."""
-    q = _qtype(qtype)
-    r = _native().lib.hi_weight_row_bytes(q, int(n))
-    if r < 0:
-        raise ValueError(f"a {type_name(q)} row of {n} values is not a whole number of blocks")
-    return int(r)
-
-
-_SIZES: dict[tuple[int, int], tuple[int, int, int]] = {}
-
-
-def _sizes(qtype, cols) -> tuple[int, int, int]:
-    """(qtype as int, weight row bytes, activation row bytes) for a (qtype, cols) pair, cached."""
-    try:
-        return _SIZES[(qtype, cols)]
-    except (KeyError, TypeError):
-        pass
-    q = _qtype(qtype)
-    c = int(cols)
-    if c < 1:
-        raise ValueError(f"cols must be positive, got {cols}")
-    r = (q, weight_row_bytes(q, c), act_row_bytes(q, c))
-    if len(_SIZES) < 4096:
-        _SIZES[(qtype, cols)] = r
-    return r
-
-
-# ------------------------------------------------------------------------------------------------
-# argument checks
-
-
-def _array(name: str, a, dtypes) -> np.ndarray:
-    if not isinstance(a, np.ndarray):
-        raise TypeError(f"{name} must be a numpy array, got {type(a).__name__}")
-    if a.dtype not in dtypes:
-        want = " or ".join(str(d) for d in dtypes)
-        raise TypeError(f"{name} must have dtype {want}, got {a.dtype}")
-    return a
-
-
-def _rows(name: str, a: np.ndarray, width: int, T: int | None = None, writable: bool = False) -> tuple[int, int]:
-    """Check a (T, width) array (or one (width,) row) whose rows are contiguous; returns (T, row stride in
-    elements)."""
-    if writable and not a.flags.writeable:
-        raise ValueError(f"{name} is read-only")
-    if a.ndim == 1:
-        n, stride = 1, width
-        if a.shape[0] != width:
-            raise ValueError(f"{name} has shape {a.shape}, expected ({width},)")
-        if a.strides[0] != a.itemsize:
-            raise ValueError(f"{name} is not contiguous (strides {a.strides})")
-    elif a.ndim == 2:
-        n = a.shape[0]
-        if a.shape[1] != width or (T is not None and n != T):
-            raise ValueError(f"{name} has shape {a.shape}, expected ({T if T is not None else 'T'}, {width})")
-        if n == 0:
-            raise ValueError(f"{name} has no rows")
-        if a.strides[1] != a.itemsize and width > 1:
-            raise ValueError(f"{name} is not C-contiguous within rows (strides {a.strides})")
-        stride = a.strides[0] // a.itemsize
-        if n > 1 and (a.strides[0] % a.itemsize or stride < width):
-            raise ValueError(f"{name} rows overlap or are not contiguous (strides {a.strides})")
-        if n == 1:
-            stride = width
-    else:
-        raise ValueError(f"{name} must be 1-D or 2-D, got shape {a.shape}")
-    return n, stride
-
-
-def _rows_fast(name: str, a, dtype: np.dtype, width: int, T: int | None = None,
-               writable: bool = False) -> tuple[int, int]:
-    """`_rows` with the dtype check, quick for well-formed arrays; the full checks (and their messages) on
-    anything unusual."""
-    if type(a) is np.ndarray and a.dtype is dtype and (not writable or a.flags.writeable):
-        sh, st = a.shape, a.strides
-        if len(sh) == 2:
-            n = sh[0]
-            if sh[1] == width and n and (T is None or n == T) and st[1] == a.itemsize:
-                if n == 1:
-                    return 1, width
-                if st[0] >= width * a.itemsize and st[0] % a.itemsize == 0:
-                    return n, st[0] // a.itemsize
-        elif len(sh) == 1 and sh[0] == width and st[0] == a.itemsize and T in (None, 1):
-            return 1, width
-    return _rows(name, _array(name, a, (dtype,)), width, T, writable)
-
-
-def _ptr(ffi, ctype: str, a: np.ndarray):
-    """A C pointer to a's first element (ctype "float *" etc.); from_buffer (fast, keeps a alive for the
-    call) for contiguous arrays, the address for row-strided views."""
-    if a.flags.c_contiguous:
-        return ffi.from_buffer(ctype[:-1] + "[]", a, require_writable=False)
-    return ffi.cast(ctype, a.ctypes.data)
-
-
-def _weights(name: str, w, qtype: int, row_bytes: int, rows: int) -> tuple[np.ndarray, int]:
-    """Check a weight buffer holding a whole number of `rows`-row matrices; returns (w, number of them)."""
-    dtypes = (_U8, np.dtype(np.int8)) + ((_FLOAT_DTYPES[qtype],) if qtype in _FLOAT_DTYPES else ())
-    w = _array(name, w, dtypes)
-    if not w.flags.c_contiguous:
-        raise ValueError(f"{name} is not C-contiguous")
-    per = rows * row_bytes
-    if w.nbytes == 0 or w.nbytes % per:
-        raise ValueError(f"{name} has {w.nbytes} bytes, not a whole number of {rows} x {row_bytes}-byte "
-                         f"{type_name(qtype)} matrices")
-    return w, w.nbytes // per
-
-
-def _ids(name: str, ids, n_expert: int) -> np.ndarray:
-    a = np.asarray(ids)
-    if a.dtype.kind not in "iu":
-        raise TypeError(f"{name} must hold integer expert ids, got dtype {a.dtype}")
-    if a.ndim != 1 or a.size == 0:
-        raise ValueError(f"{name} must be a non-empty 1-D array of expert ids, got shape {a.shape}")
-    if a.size > 64:
-        raise ValueError(f"{name} selects {a.size} experts, at most 64 are supported")
-    if a.dtype != _I32 or not a.flags.c_contiguous:
-        a = np.ascontiguousarray(a, dtype=np.int32)
-    bad = (a < 0) | (a >= n_expert)
-    if bad.any():
-        raise ValueError(f"{name} holds expert id {int(a[bad][0])}, outside [0, {n_expert})")
-    return a
-
-
-def _check_rc(rc: int, what: str) -> None:
-    if rc == 0:
-        return
-    if rc == -3:
-        raise MemoryError(f"{what}: out of memory")
-    raise ValueError(f"{what}: the native library rejected the arguments (code {rc})")
-
-
-# ------------------------------------------------------------------------------------------------
+__all__ = [
+    "ACT_KINDS",
+    "ISAS",
+    "KERNEL_TYPES",
+    "SimdLib",
+    "act_kind",
+    "act_row_bytes",
+    "best_isa",
+    "supported_isas",
+    "weight_row_bytes",
+]
 
 
 class _Recorder:

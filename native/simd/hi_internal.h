@@ -67,6 +67,9 @@ extern const hi_kernels hi_kernels_ssse3;
 extern const hi_kernels hi_kernels_avx2;
 extern const hi_kernels hi_kernels_avx512vnni;
 
+/* the kernel table of ISA level isa, 0 <= isa < HI_N_ISA (hi_cpu.c) */
+const hi_kernels *hi_isa_table(int isa);
+
 static inline uint32_t hi_fbits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 static inline float hi_bitsf(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 

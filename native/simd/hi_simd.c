@@ -1,313 +1,27 @@
-/* The library's entry points: CPU detection, the persistent thread pool, and the drivers that split a
- * matrix product (or the k experts of a MoE layer) into row chunks for the pool.
+/* The library's entry points on a context: the drivers that split a matrix product (or the k experts of a
+ * MoE layer) into row chunks for the context's thread pool (hi_pool.c), activation quantization, and the
+ * read-bandwidth probe. CPU detection, the kernel tables and the row sizes are in hi_cpu.c.
  *
  * No arithmetic of the results happens here (kernels_body.h has the maths); this file only decides which
  * rows each thread computes. Rows are independent, so the result does not depend on the thread count.
- *
- * Thread pool: n-1 workers created once per context (no thread creation per call). A call publishes a
- * task of `total` chunks and bumps a generation counter; idle workers spin (pause) for spin_us after
- * their last task, then sleep on a condition variable. Every thread, the caller included, claims chunks
- * by a compare-and-swap on one (task id, next chunk) word, and the caller returns once every chunk is
- * done: a worker the OS has not scheduled yet is not waited for, and when it runs it finds the task over.
  * Compiled for the baseline target: it calls the per-ISA tables, it holds no SIMD code.
  */
 #define _GNU_SOURCE
 #include "hi_simd.h"
 
-#include <cpuid.h>
 #include <errno.h>
 #include <pthread.h>
-#include <sched.h>
-#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
-#include <time.h>
-#include <unistd.h>
 
 #include "hi_internal.h"
+#include "hi_pool.h"
 
-/* ================================================================================================ */
-/* CPU detection (cpuid + xgetbv: the CPU has the instructions and the OS saves their registers) */
-
-static uint64_t hi_xgetbv0(void) {
-    uint32_t eax, edx;
-    __asm__ volatile("xgetbv" : "=a"(eax), "=d"(edx) : "c"(0));
-    return ((uint64_t)edx << 32) | eax;
-}
-
-static int hi_detect(void) {
-    unsigned a, b, c, d;
-    if (!__get_cpuid(1, &a, &b, &c, &d)) return HI_ISA_SCALAR;
-    const int ssse3 = (c >> 9) & 1, fma = (c >> 12) & 1, osxsave = (c >> 27) & 1, avx = (c >> 28) & 1,
-              f16c = (c >> 29) & 1;
-    int level = ssse3 ? HI_ISA_SSSE3 : HI_ISA_SCALAR;
-    if (!osxsave || !avx) return level;
-    const uint64_t xcr0 = hi_xgetbv0();
-    if ((xcr0 & 0x6) != 0x6) return level; /* xmm, ymm state */
-    if (__get_cpuid_max(0, NULL) < 7) return level;
-    __cpuid_count(7, 0, a, b, c, d);
-    const int avx2 = (b >> 5) & 1, avx512f = (b >> 16) & 1, avx512bw = (b >> 30) & 1, avx512vl = (b >> 31) & 1,
-              vnni = (c >> 11) & 1;
-    if (!(avx2 && fma && f16c)) return level;
-    level = HI_ISA_AVX2;
-    if (avx512f && avx512bw && avx512vl && vnni && (xcr0 & 0xe6) == 0xe6) level = HI_ISA_AVX512VNNI;
-    return level;
-}
-
-static int hi_level = -1;
-
-int hi_best_isa(void) {
-    if (hi_level < 0) hi_level = hi_detect();
-    return hi_level;
-}
-
-int hi_isa_supported(int isa) { return isa >= 0 && isa < HI_N_ISA && isa <= hi_best_isa(); }
-
-static const hi_kernels *const hi_tables[HI_N_ISA] = {&hi_kernels_scalar, &hi_kernels_ssse3, &hi_kernels_avx2,
-                                                      &hi_kernels_avx512vnni};
-
-const char *hi_isa_name(int isa) { return isa >= 0 && isa < HI_N_ISA ? hi_tables[isa]->name : "?"; }
-
-/* ================================================================================================ */
-/* types */
-
-int hi_act_kind(int qtype) {
-    switch (qtype) {
-    case HI_T_F32: return HI_ACT_F32;
-    case HI_T_F16: return HI_ACT_F16;
-    case HI_T_Q4_0: case HI_T_Q5_0: case HI_T_Q8_0: return HI_ACT_Q8_0;
-    case HI_T_Q4_1: case HI_T_Q5_1: return HI_ACT_Q8_1;
-    case HI_T_Q4_K: case HI_T_Q5_K: case HI_T_Q6_K: return HI_ACT_Q8_K;
-    default: return HI_ACT_NONE;
-    }
-}
-
+/* the legacy 32-element types, whose activation rows are prepared per call (hi_prep_rows) */
 static int hi_is_legacy(int qtype) {
     return qtype == HI_T_Q4_0 || qtype == HI_T_Q4_1 || qtype == HI_T_Q5_0 || qtype == HI_T_Q5_1 ||
            qtype == HI_T_Q8_0;
-}
-
-int64_t hi_act_row_bytes(int qtype, int64_t n) {
-    if (n <= 0) return -1;
-    switch (hi_act_kind(qtype)) {
-    case HI_ACT_F32: return 4 * n;
-    case HI_ACT_F16: return 2 * n;
-    case HI_ACT_Q8_0: return n % 32 ? -1 : n / 32 * (int64_t)sizeof(block_q8_0);
-    case HI_ACT_Q8_1: return n % 32 ? -1 : n / 32 * (int64_t)sizeof(block_q8_1);
-    case HI_ACT_Q8_K: return n % 256 ? -1 : n / 256 * (int64_t)sizeof(block_q8_K);
-    default: return -1;
-    }
-}
-
-int64_t hi_weight_row_bytes(int qtype, int64_t n) {
-    if (n <= 0) return -1;
-    int qk, bs;
-    switch (qtype) {
-    case HI_T_F32: return 4 * n;
-    case HI_T_F16: return 2 * n;
-    case HI_T_Q4_0: qk = 32; bs = sizeof(block_q4_0); break;
-    case HI_T_Q4_1: qk = 32; bs = sizeof(block_q4_1); break;
-    case HI_T_Q5_0: qk = 32; bs = sizeof(block_q5_0); break;
-    case HI_T_Q5_1: qk = 32; bs = sizeof(block_q5_1); break;
-    case HI_T_Q8_0: qk = 32; bs = sizeof(block_q8_0); break;
-    case HI_T_Q4_K: qk = 256; bs = sizeof(block_q4_K); break;
-    case HI_T_Q5_K: qk = 256; bs = sizeof(block_q5_K); break;
-    case HI_T_Q6_K: qk = 256; bs = sizeof(block_q6_K); break;
-    default: return -1;
-    }
-    return n % qk ? -1 : n / qk * (int64_t)bs;
-}
-
-/* ================================================================================================ */
-/* thread pool */
-
-/* a task is `total` chunks; chunk i runs fn(arg, i) on whichever thread claims it */
-typedef void (*hi_chunk_fn)(void *arg, int64_t chunk);
-
-typedef struct hi_pool hi_pool;
-typedef struct {
-    hi_pool *pool;
-    int tid;
-} hi_warg;
-
-struct hi_pool {
-    int n; /* threads, the caller included */
-    int started;
-    pthread_t *th;
-    hi_warg *wargs;
-    /* wake-up: workers wait for gen to change (spin, then sleep on cv) */
-    atomic_uint gen;
-    atomic_int n_sleeping;
-    atomic_int stop;
-    pthread_mutex_t mu;
-    pthread_cond_t cv;
-    /* the current task: (task id << 32) | next unclaimed chunk; a chunk is claimed by a CAS on this word,
-     * so a thread never runs a chunk of a task that has ended, and the caller waits only for `done` */
-    _Atomic uint64_t state;
-    _Atomic(hi_chunk_fn) fn;
-    _Atomic(void *) arg;
-    atomic_uint total;
-    atomic_uint done;
-    uint32_t task_id;
-    int64_t spin_ns;
-    pid_t pid;
-};
-
-static inline void hi_relax(void) {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#endif
-}
-
-static int64_t hi_now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
-
-/* claim and run chunks of the current task until none is left */
-static void hi_pool_work(hi_pool *p) {
-    for (;;) {
-        uint64_t cur = atomic_load_explicit(&p->state, memory_order_acquire);
-        const uint32_t i = (uint32_t)cur;
-        const hi_chunk_fn fn = atomic_load_explicit(&p->fn, memory_order_relaxed);
-        void *arg = atomic_load_explicit(&p->arg, memory_order_relaxed);
-        const uint32_t total = atomic_load_explicit(&p->total, memory_order_relaxed);
-        if (i >= total || !fn) return;
-        /* success means chunk i of this very task was still free, so the task is live and fn/arg are its own
-         * (the caller rewrites them only after every chunk is done) */
-        if (!atomic_compare_exchange_weak_explicit(&p->state, &cur, cur + 1, memory_order_acq_rel,
-                                                   memory_order_acquire))
-            continue;
-        fn(arg, (int64_t)i);
-        atomic_fetch_add_explicit(&p->done, 1, memory_order_release);
-    }
-}
-
-static void *hi_worker(void *v) {
-    hi_warg *wa = (hi_warg *)v;
-    hi_pool *p = wa->pool;
-    unsigned seen = 0;
-    for (;;) {
-        unsigned g = atomic_load_explicit(&p->gen, memory_order_acquire);
-        if (g == seen) {
-            const int64_t t0 = hi_now_ns();
-            for (unsigned k = 1;; k++) {
-                hi_relax();
-                g = atomic_load_explicit(&p->gen, memory_order_acquire);
-                if (g != seen) break;
-                if ((k & 63) == 0 && hi_now_ns() - t0 > p->spin_ns) break;
-            }
-            if (g == seen) {
-                pthread_mutex_lock(&p->mu);
-                atomic_fetch_add(&p->n_sleeping, 1);
-                while ((g = atomic_load(&p->gen)) == seen) pthread_cond_wait(&p->cv, &p->mu);
-                atomic_fetch_sub(&p->n_sleeping, 1);
-                pthread_mutex_unlock(&p->mu);
-            }
-        }
-        seen = g;
-        if (atomic_load(&p->stop)) break;
-        hi_pool_work(p);
-    }
-    return NULL;
-}
-
-static int hi_pool_start(hi_pool *p) {
-    atomic_store(&p->gen, 0);
-    atomic_store(&p->n_sleeping, 0);
-    atomic_store(&p->stop, 0);
-    atomic_store(&p->state, 0);
-    atomic_store(&p->fn, NULL);
-    atomic_store(&p->arg, NULL);
-    atomic_store(&p->total, 0);
-    atomic_store(&p->done, 0);
-    pthread_mutex_init(&p->mu, NULL);
-    pthread_cond_init(&p->cv, NULL);
-    p->pid = getpid();
-    p->started = 0;
-    for (int i = 1; i < p->n; i++) {
-        p->wargs[i].pool = p;
-        p->wargs[i].tid = i;
-        if (pthread_create(&p->th[i], NULL, hi_worker, &p->wargs[i]) != 0) return -1;
-        p->started = i;
-    }
-    return 0;
-}
-
-static void hi_pool_stop(hi_pool *p) {
-    if (p->started > 0) {
-        atomic_store(&p->stop, 1);
-        pthread_mutex_lock(&p->mu);
-        atomic_fetch_add(&p->gen, 1);
-        pthread_cond_broadcast(&p->cv);
-        pthread_mutex_unlock(&p->mu);
-        for (int i = 1; i <= p->started; i++) pthread_join(p->th[i], NULL);
-    }
-    p->started = 0;
-    pthread_mutex_destroy(&p->mu);
-    pthread_cond_destroy(&p->cv);
-}
-
-static hi_pool *hi_pool_new(int n, int spin_us) {
-    hi_pool *p = (hi_pool *)calloc(1, sizeof(hi_pool));
-    if (!p) return NULL;
-    p->n = n;
-    p->spin_ns = (int64_t)(spin_us < 0 ? 0 : spin_us) * 1000;
-    p->th = (pthread_t *)calloc((size_t)n, sizeof(pthread_t));
-    p->wargs = (hi_warg *)calloc((size_t)n, sizeof(hi_warg));
-    if (!p->th || !p->wargs || hi_pool_start(p) != 0) {
-        if (p->th && p->wargs) hi_pool_stop(p);
-        free(p->th);
-        free(p->wargs);
-        free(p);
-        return NULL;
-    }
-    return p;
-}
-
-static void hi_pool_free(hi_pool *p) {
-    if (!p) return;
-    if (p->pid == getpid()) hi_pool_stop(p);
-    free(p->th);
-    free(p->wargs);
-    free(p);
-}
-
-/* run fn(arg, i) for i < total on the pool and the caller; returns when every chunk is done (workers
- * that wake up late find nothing left and are not waited for) */
-static void hi_pool_run(hi_pool *p, hi_chunk_fn fn, void *arg, int64_t total) {
-    if (total <= 0) return;
-    if (p->n == 1 || total == 1 || total >= (int64_t)UINT32_MAX) {
-        for (int64_t i = 0; i < total; i++) fn(arg, i);
-        return;
-    }
-    if (p->pid != getpid() && hi_pool_start(p) != 0) { /* forked child: the workers stayed in the parent */
-        for (int64_t i = 0; i < total; i++) fn(arg, i);
-        return;
-    }
-    /* publish: first a state whose next chunk exceeds any total, so that a thread still holding the old
-     * state fails its CAS and a thread reading the new fields meanwhile finds nothing to claim; then the
-     * fields; then the real state (release: whoever acquires it sees the fields) */
-    p->task_id++;
-    atomic_store_explicit(&p->state, ((uint64_t)p->task_id << 32) | UINT32_MAX, memory_order_seq_cst);
-    atomic_store_explicit(&p->fn, fn, memory_order_relaxed);
-    atomic_store_explicit(&p->arg, arg, memory_order_relaxed);
-    atomic_store_explicit(&p->total, (uint32_t)total, memory_order_relaxed);
-    atomic_store_explicit(&p->done, 0, memory_order_relaxed);
-    atomic_store_explicit(&p->state, (uint64_t)p->task_id << 32, memory_order_release);
-    atomic_fetch_add(&p->gen, 1);
-    if (atomic_load(&p->n_sleeping) > 0) {
-        pthread_mutex_lock(&p->mu);
-        pthread_cond_broadcast(&p->cv);
-        pthread_mutex_unlock(&p->mu);
-    }
-    hi_pool_work(p);
-    for (unsigned k = 0; atomic_load_explicit(&p->done, memory_order_acquire) < (uint32_t)total; k++) {
-        if (k < 4096) hi_relax();
-        else sched_yield();
-    }
 }
 
 /* ================================================================================================ */
@@ -326,7 +40,7 @@ hi_ctx *hi_ctx_new(int isa, int n_threads, int spin_us) {
     if (!hi_isa_supported(isa) || n_threads < 1 || n_threads > 4096) return NULL;
     hi_ctx *c = (hi_ctx *)calloc(1, sizeof(hi_ctx));
     if (!c) return NULL;
-    c->k = hi_tables[isa];
+    c->k = hi_isa_table(isa);
     c->pool = hi_pool_new(n_threads, spin_us);
     if (!c->pool) {
         free(c);
@@ -345,7 +59,7 @@ void hi_ctx_free(hi_ctx *c) {
 }
 
 int hi_ctx_isa(const hi_ctx *c) { return c->k->isa; }
-int hi_ctx_threads(const hi_ctx *c) { return c->pool->n; }
+int hi_ctx_threads(const hi_ctx *c) { return hi_pool_size(c->pool); }
 
 static uint8_t *hi_scratch(hi_ctx *c, size_t n) {
     if (n > c->scratch_cap) {
@@ -411,7 +125,7 @@ static void hi_run_jobs(hi_ctx *c, const hi_mm *jobs, int njobs, int64_t *starts
         bytes += jobs[j].rows * (int64_t)jobs[j].w_row * jobs[j].T;
         if (jobs[j].T > T) T = jobs[j].T;
     }
-    const int nth = bytes < HI_INLINE_BYTES ? 1 : c->pool->n;
+    const int nth = bytes < HI_INLINE_BYTES ? 1 : hi_pool_size(c->pool);
     /* about 8 chunks per thread for balance; for several tokens at most 64 rows, so that a chunk's weight
      * rows stay in cache while the token blocks sweep over them */
     int64_t chunk = (total_rows + 8 * nth - 1) / (8 * nth);
@@ -617,7 +331,7 @@ int hi_quantize(hi_ctx *c, int qtype, const float *x, int64_t x_row, int64_t T, 
     hi_qjob q = {.k = c->k, .kind = kind, .x = x, .x_row = (size_t)x_row, .T = T, .cols = cols,
                  .out = (uint8_t *)out, .out_row = (size_t)out_row};
     pthread_mutex_lock(&c->mu);
-    if (c->pool->n == 1 || T < 2 || T * cols < (1 << 15)) {
+    if (hi_pool_size(c->pool) == 1 || T < 2 || T * cols < (1 << 15)) {
         for (int64_t t = 0; t < T; t++) hi_quant_chunk(&q, t);
     } else {
         hi_pool_run(c->pool, hi_quant_chunk, &q, T);
@@ -644,7 +358,7 @@ static void hi_bw_chunk(void *a, int64_t i) {
 }
 
 double hi_read_bandwidth(hi_ctx *c, int64_t nbytes, int reps) {
-    const int nth = c->pool->n;
+    const int nth = hi_pool_size(c->pool);
     if (nbytes < (int64_t)(1 << 20) || reps < 1) return -1.0;
     size_t slice = (size_t)nbytes / (size_t)nth;
     slice &= ~(size_t)4095; /* whole pages: a multiple of the kernels' 256-byte step */

@@ -1,0 +1,140 @@
+/* The Q4_K x Q8_K dot product, hi_dot_Q4_K_q8_K: one path per ISA (VNNI, AVX2, SSSE3, scalar).
+ * A part of dot_kquants.h (which has the maths, the helpers and the scalar definitions); include that. */
+#ifndef HI_DOT_KQUANTS_H
+#error "dot_q4_K.h is a part of dot_kquants.h; include that"
+#endif
+
+/* ------------------------------------------------------------------------------------------------ */
+/* Q4_K                                                                                              */
+
+static inline float hi_dot_q4_K_q8_K(int n, const void *restrict vx, const void *restrict vy) {
+    const block_q4_K *restrict x = (const block_q4_K *)vx;
+    const block_q8_K *restrict y = (const block_q8_K *)vy;
+    const int nb = n / HI_QK_K;
+#if HI_KQ_VNNI
+    /* AVX2's structure with vpdpbusd for pmaddubsw and vpdpwssd (against the scale zero-extended to 32 bits:
+     * the 4-element sums fit in 16 bits) for pmaddwd + add. 256-bit: on Zen 4 and Sapphire Rapids this beats
+     * a 512-bit version, whose nibble split needs a lane insert and whose scales need a cross-lane permute. */
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    const __m256i zero = _mm256_setzero_si256();
+    __m256 acc = _mm256_setzero_ps();
+    __m128 accm = _mm_setzero_ps();
+    for (int i = 0; i < nb; ++i) {
+        const __m128 dd = hi_kq_d_dmin(&x[i].d, y[i].d);
+        const float d = _mm_cvtss_f32(dd), dmin = _mm_cvtss_f32(_mm_shuffle_ps(dd, dd, 0x55));
+        const __m128i sm = hi_kq_scales_mins_v(x[i].scales);
+        const __m128i mins16 = _mm_unpackhi_epi8(sm, _mm_setzero_si128());
+        accm = HI_KQ_FMA4(_mm_set1_ps(dmin), _mm_cvtepi32_ps(hi_kq_min_lanes(mins16, y[i].bsums)), accm);
+        const __m256i scales = _mm256_broadcastsi128_si256(sm); /* bytes: sc0..7 m0..7 */
+        const uint8_t *q4 = x[i].qs;
+        const int8_t *q8 = y[i].qs;
+        __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+#define HI_KQ_SC32(s) _mm256_shuffle_epi8(scales, _mm256_set1_epi32((int)(0x80808000u | (s))))
+#define HI_KQ_Q4_STEP(j)                                                                                   \
+        {                                                                                                  \
+            const __m256i bits = _mm256_loadu_si256((const __m256i *)(q4 + 32 * (j)));                     \
+            const __m256i lo = _mm256_and_si256(bits, m4);                                                 \
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);                           \
+            const __m256i pl = _mm256_dpbusd_epi32(zero, lo, _mm256_loadu_si256((const __m256i *)(q8 + 64 * (j))));      \
+            const __m256i ph = _mm256_dpbusd_epi32(zero, hi, _mm256_loadu_si256((const __m256i *)(q8 + 64 * (j) + 32))); \
+            s0 = _mm256_dpwssd_epi32(s0, pl, HI_KQ_SC32(2 * (j)));                                         \
+            s1 = _mm256_dpwssd_epi32(s1, ph, HI_KQ_SC32(2 * (j) + 1));                                     \
+        }
+        HI_KQ_Q4_STEP(0)
+        HI_KQ_Q4_STEP(1)
+        HI_KQ_Q4_STEP(2)
+        HI_KQ_Q4_STEP(3)
+#undef HI_KQ_Q4_STEP
+#undef HI_KQ_SC32
+        acc = HI_KQ_FMA8(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), acc);
+    }
+    return hi_kq_hsum8_ps(acc) + hi_kq_hsum4_ps(accm);
+#elif defined(__AVX2__)
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    __m256 acc = _mm256_setzero_ps();
+    __m128 accm = _mm_setzero_ps();
+    for (int i = 0; i < nb; ++i) {
+        const __m128 dd = hi_kq_d_dmin(&x[i].d, y[i].d);
+        const float d = _mm_cvtss_f32(dd), dmin = _mm_cvtss_f32(_mm_shuffle_ps(dd, dd, 0x55));
+        const __m128i sm = hi_kq_scales_mins_v(x[i].scales);
+        const __m128i mins16 = _mm_unpackhi_epi8(sm, _mm_setzero_si128());
+        accm = HI_KQ_FMA4(_mm_set1_ps(dmin), _mm_cvtepi32_ps(hi_kq_min_lanes(mins16, y[i].bsums)), accm);
+        const __m128i sc16 = _mm_unpacklo_epi8(sm, _mm_setzero_si128());
+        const __m256i scales = _mm256_broadcastsi128_si256(sc16);
+        const uint8_t *q4 = x[i].qs;
+        const int8_t *q8 = y[i].qs;
+        __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+#define HI_KQ_Q4_STEP(j)                                                                                   \
+        {                                                                                                  \
+            const __m256i sl = _mm256_shuffle_epi8(scales, _mm256_set1_epi16((4 * (j) + 1) << 8 | 4 * (j)));     \
+            const __m256i sh = _mm256_shuffle_epi8(scales, _mm256_set1_epi16((4 * (j) + 3) << 8 | (4 * (j) + 2))); \
+            const __m256i bits = _mm256_loadu_si256((const __m256i *)(q4 + 32 * (j)));                     \
+            const __m256i lo = _mm256_and_si256(bits, m4);                                                 \
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);                           \
+            const __m256i pl = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(q8 + 64 * (j))));      \
+            const __m256i ph = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(q8 + 64 * (j) + 32))); \
+            s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(sl, pl));                                          \
+            s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(sh, ph));                                          \
+        }
+        HI_KQ_Q4_STEP(0)
+        HI_KQ_Q4_STEP(1)
+        HI_KQ_Q4_STEP(2)
+        HI_KQ_Q4_STEP(3)
+#undef HI_KQ_Q4_STEP
+        acc = HI_KQ_FMA8(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), acc);
+    }
+    return hi_kq_hsum8_ps(acc) + hi_kq_hsum4_ps(accm);
+#elif defined(__SSSE3__)
+    /* two 4-lane halves: s0 = lanes 0..3 (bytes 0..15 of each 32-element group), s1 = lanes 4..7 */
+    const __m128i m4 = _mm_set1_epi8(0x0f);
+    const __m128i zero = _mm_setzero_si128();
+    __m128 acc0 = _mm_setzero_ps(), acc1 = _mm_setzero_ps(), accm = _mm_setzero_ps();
+    for (int i = 0; i < nb; ++i) {
+        const __m128 dd = hi_kq_d_dmin(&x[i].d, y[i].d);
+        const float d = _mm_cvtss_f32(dd), dmin = _mm_cvtss_f32(_mm_shuffle_ps(dd, dd, 0x55));
+        const __m128i sm = hi_kq_scales_mins_v(x[i].scales);
+        const __m128i sc16 = _mm_unpacklo_epi8(sm, zero);
+        const __m128i mins16 = _mm_unpackhi_epi8(sm, zero);
+        /* scale s broadcast to 8 int16: pairs by unpack, then a (non-destructive) dword shuffle */
+        const __m128i sc03 = _mm_unpacklo_epi16(sc16, sc16), sc47 = _mm_unpackhi_epi16(sc16, sc16);
+#define HI_KQ_BCAST(s) _mm_shuffle_epi32((s) < 4 ? sc03 : sc47, ((s) & 3) * 0x55)
+        const __m128i bs = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)y[i].bsums),
+                                          _mm_loadu_si128((const __m128i *)(y[i].bsums + 8)));
+        const __m128i ml = _mm_madd_epi16(mins16, bs);
+        const uint8_t *q4 = x[i].qs;
+        const int8_t *q8 = y[i].qs;
+        __m128i s0 = zero, s1 = zero;
+#define HI_KQ_Q4_STEP(j)                                                                                   \
+        {                                                                                                  \
+            const __m128i sl = HI_KQ_BCAST(2 * (j));                                                      \
+            const __m128i sh = HI_KQ_BCAST(2 * (j) + 1);                                                  \
+            const __m128i b0 = _mm_loadu_si128((const __m128i *)(q4 + 32 * (j)));                          \
+            const __m128i b1 = _mm_loadu_si128((const __m128i *)(q4 + 32 * (j) + 16));                     \
+            const __m128i p0 = _mm_maddubs_epi16(_mm_and_si128(b0, m4), _mm_loadu_si128((const __m128i *)(q8 + 64 * (j)))); \
+            const __m128i p1 = _mm_maddubs_epi16(_mm_and_si128(b1, m4), _mm_loadu_si128((const __m128i *)(q8 + 64 * (j) + 16))); \
+            const __m128i p2 = _mm_maddubs_epi16(_mm_and_si128(_mm_srli_epi16(b0, 4), m4),                 \
+                                                 _mm_loadu_si128((const __m128i *)(q8 + 64 * (j) + 32)));  \
+            const __m128i p3 = _mm_maddubs_epi16(_mm_and_si128(_mm_srli_epi16(b1, 4), m4),                 \
+                                                 _mm_loadu_si128((const __m128i *)(q8 + 64 * (j) + 48)));  \
+            s0 = _mm_add_epi32(s0, _mm_add_epi32(_mm_madd_epi16(sl, p0), _mm_madd_epi16(sh, p2)));         \
+            s1 = _mm_add_epi32(s1, _mm_add_epi32(_mm_madd_epi16(sl, p1), _mm_madd_epi16(sh, p3)));         \
+        }
+        HI_KQ_Q4_STEP(0)
+        HI_KQ_Q4_STEP(1)
+        HI_KQ_Q4_STEP(2)
+        HI_KQ_Q4_STEP(3)
+#undef HI_KQ_Q4_STEP
+#undef HI_KQ_BCAST
+        const __m128 vd = _mm_set1_ps(d);
+        acc0 = HI_KQ_SSE_FMA(vd, _mm_cvtepi32_ps(s0), acc0);
+        acc1 = HI_KQ_SSE_FMA(vd, _mm_cvtepi32_ps(s1), acc1);
+        accm = HI_KQ_SSE_FMA(_mm_set1_ps(dmin), _mm_cvtepi32_ps(ml), accm);
+    }
+    return hi_kq_hsum4_ps(_mm_add_ps(acc1, acc0)) + hi_kq_hsum4_ps(accm);
+#else
+    (void)x;
+    (void)y;
+    (void)nb;
+    return hi_dot_q4_K_q8_K_scalar(n, vx, vy);
+#endif
+}

@@ -1,0 +1,237 @@
+/* Tiles (R weight rows x C activation rows) of the legacy, float and K-quant types, and the driver that
+ * sweeps a job's rows over token blocks (hi_mm_run, the table's `mm`).
+ * A part of kernels_body.h (which has the maths and the ISA macros), included by it once per ISA unit. */
+#ifndef HI_INLINE
+#error "kernels_tiles.h is a part of kernels_body.h; include that"
+#endif
+
+/* ================================================================================================ */
+/* tiles */
+
+HI_INLINE int hi_wbs(const int qt) {
+    return qt == HI_T_Q4_0 ? 18 : qt == HI_T_Q4_1 ? 20 : qt == HI_T_Q5_0 ? 22 : qt == HI_T_Q5_1 ? 24 : 34;
+}
+
+/* R weight rows from r x C activation rows from t, legacy 32-element types */
+HI_INLINE void hi_tile_legacy(const int qt, const int R, const int C, const hi_mm *m, int64_t r, int64_t t) {
+    const int bs = hi_wbs(qt);
+    const int has_min = qt == HI_T_Q4_1 || qt == HI_T_Q5_1;
+    const int ybs = has_min ? 36 : 34;
+    const int need_corr = HI_CORR(qt) != 0;
+    const int64_t nb = m->cols / 32;
+    const uint8_t *wr[HI_MAXR];
+    const uint8_t *xr[HI_MAXC];
+    const int32_t *cr[HI_MAXC];
+    const float *dyr[HI_MAXC];
+    const float *syr[HI_MAXC];
+    hi_fv acc[HI_MAXR][HI_MAXC];
+    hi_sv summs[HI_MAXC]; /* lane i: row r + i */
+    HI_UNROLL for (int i = 0; i < R; i++) wr[i] = m->w + (size_t)(r + i) * m->w_row;
+    HI_UNROLL for (int c = 0; c < C; c++) {
+        xr[c] = m->x + (size_t)(t + c) * m->x_row + (ybs - 32);
+        cr[c] = need_corr ? m->corr + (size_t)(t + c) * nb * 8 : NULL;
+        dyr[c] = m->dy + (size_t)(t + c) * nb;
+        syr[c] = has_min ? m->sy + (size_t)(t + c) * nb : NULL;
+        summs[c] = hi_sv_zero();
+    }
+    HI_UNROLL for (int i = 0; i < R; i++) {
+        HI_UNROLL for (int c = 0; c < C; c++) acc[i][c] = hi_fzero();
+    }
+    /* the rows of a tile are one contiguous region, and the next tiles follow it: while this tile's blocks
+     * are read as R interleaved streams (too short for the hardware prefetcher), fetch what lies one tile
+     * (at least 2 KiB) ahead as one linear stream at the same pace; successive tiles continue that stream */
+    const size_t tile = (size_t)R * m->w_row;
+    const uint8_t *pf = wr[0] + (tile > 2048 ? tile : 2048), *pf_end = pf;
+    const size_t pf_step = (size_t)R * bs;
+    for (int64_t b = 0; b < nb; b++) {
+        for (pf_end += pf_step; pf < pf_end; pf += 64) __builtin_prefetch(pf, 0, 3);
+        const uint8_t *blk[HI_MAXR];
+        HI_UNROLL for (int i = 0; i < R; i++) blk[i] = wr[i] + b * bs;
+        const hi_sv dm = hi_load_sv_m(R, has_min, blk); /* d (and m) of the R rows */
+        hi_yv y[HI_MAXC];
+        hi_iv nc[HI_MAXC];
+        hi_sv dd[HI_MAXC];
+        HI_UNROLL for (int c = 0; c < C; c++) {
+            y[c] = hi_load_y(xr[c] + b * ybs);
+            nc[c] = need_corr ? hi_load_corr(cr[c] + 8 * b) : hi_izero();
+            dd[c] = hi_sv_mul(dm, dyr[c][b]); /* d_w * d_a, one float product per row */
+            if (has_min) summs[c] = hi_sv_fma_m(dm, syr[c][b], summs[c]);
+        }
+        HI_UNROLL for (int i = 0; i < R; i++) {
+            const hi_wv w = hi_load_w(qt, blk[i]);
+            HI_UNROLL for (int c = 0; c < C; c++) acc[i][c] = hi_fmadd8_sv(dd[c], i, hi_lanes(qt, w, y[c], nc[c]), acc[i][c]);
+        }
+    }
+    HI_UNROLL for (int i = 0; i < R; i++) {
+        HI_UNROLL for (int c = 0; c < C; c++) {
+            float s = hi_hsum8(acc[i][c]);
+            if (has_min) s = s + hi_sv_get_m(summs[c], i);
+            m->out[(size_t)(t + c) * m->out_row + (size_t)(r + i)] = s;
+        }
+    }
+}
+
+/* ---- F32 / F16 weights ------------------------------------------------------------------------- */
+
+#if defined(HI_AVX2)
+typedef __m256 hi_f8;
+HI_INLINE hi_f8 hi_f8_load(const int f16, const void *p, int64_t i) {
+    return f16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)))
+               : _mm256_loadu_ps((const float *)p + i);
+}
+HI_INLINE hi_f8 hi_f8_zero(void) { return _mm256_setzero_ps(); }
+HI_INLINE hi_f8 hi_f8_fma(hi_f8 a, hi_f8 b, hi_f8 c) { return _mm256_fmadd_ps(a, b, c); }
+HI_INLINE hi_f8 hi_f8_add(hi_f8 a, hi_f8 b) { return _mm256_add_ps(a, b); }
+HI_INLINE float hi_f8_reduce(hi_f8 x) {
+    const __m128 t0 = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    const __m128 t1 = _mm_hadd_ps(t0, t0);
+    return _mm_cvtss_f32(_mm_hadd_ps(t1, t1));
+}
+#elif defined(HI_SSSE3)
+typedef struct { __m128 lo, hi; } hi_f8;
+HI_INLINE hi_f8 hi_f8_load(const int f16, const void *p, int64_t i) {
+    hi_f8 v;
+    if (f16) {
+        const uint16_t *h = (const uint16_t *)p + i;
+        v.lo = _mm_setr_ps(hi_h2f(h[0]), hi_h2f(h[1]), hi_h2f(h[2]), hi_h2f(h[3]));
+        v.hi = _mm_setr_ps(hi_h2f(h[4]), hi_h2f(h[5]), hi_h2f(h[6]), hi_h2f(h[7]));
+    } else {
+        v.lo = _mm_loadu_ps((const float *)p + i);
+        v.hi = _mm_loadu_ps((const float *)p + i + 4);
+    }
+    return v;
+}
+HI_INLINE hi_f8 hi_f8_zero(void) { hi_f8 v = {_mm_setzero_ps(), _mm_setzero_ps()}; return v; }
+HI_INLINE hi_f8 hi_f8_fma(hi_f8 a, hi_f8 b, hi_f8 c) {
+    c.lo = _mm_add_ps(_mm_mul_ps(a.lo, b.lo), c.lo);
+    c.hi = _mm_add_ps(_mm_mul_ps(a.hi, b.hi), c.hi);
+    return c;
+}
+HI_INLINE hi_f8 hi_f8_add(hi_f8 a, hi_f8 b) { a.lo = _mm_add_ps(a.lo, b.lo); a.hi = _mm_add_ps(a.hi, b.hi); return a; }
+HI_INLINE float hi_f8_reduce(hi_f8 x) {
+    const __m128 t0 = _mm_add_ps(x.lo, x.hi);
+    const __m128 t1 = _mm_hadd_ps(t0, t0);
+    return _mm_cvtss_f32(_mm_hadd_ps(t1, t1));
+}
+#else
+typedef struct { float v[8]; } hi_f8;
+HI_INLINE hi_f8 hi_f8_load(const int f16, const void *p, int64_t i) {
+    hi_f8 v;
+    for (int k = 0; k < 8; k++) v.v[k] = f16 ? hi_h2f(((const uint16_t *)p)[i + k]) : ((const float *)p)[i + k];
+    return v;
+}
+HI_INLINE hi_f8 hi_f8_zero(void) { hi_f8 v; for (int k = 0; k < 8; k++) v.v[k] = 0.0f; return v; }
+HI_INLINE hi_f8 hi_f8_fma(hi_f8 a, hi_f8 b, hi_f8 c) { for (int k = 0; k < 8; k++) c.v[k] = fmaf(a.v[k], b.v[k], c.v[k]); return c; }
+HI_INLINE hi_f8 hi_f8_add(hi_f8 a, hi_f8 b) { for (int k = 0; k < 8; k++) a.v[k] += b.v[k]; return a; }
+HI_INLINE float hi_f8_reduce(hi_f8 x) {
+    const float t0 = x.v[0] + x.v[4], t1 = x.v[1] + x.v[5], t2 = x.v[2] + x.v[6], t3 = x.v[3] + x.v[7];
+    return (t0 + t1) + (t2 + t3);
+}
+#endif
+
+HI_INLINE float hi_ldf(const int f16, const void *p, int64_t i) {
+    return f16 ? hi_h2f(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+HI_INLINE void hi_tile_float(const int f16, const hi_mm *m, int64_t r, int64_t t) {
+    const void *w = m->w + (size_t)r * m->w_row;
+    const void *x = m->x + (size_t)t * m->x_row;
+    const int64_t n = m->cols, n32 = n & ~(int64_t)31;
+    hi_f8 a0 = hi_f8_zero(), a1 = hi_f8_zero(), a2 = hi_f8_zero(), a3 = hi_f8_zero();
+    for (int64_t i = 0; i < n32; i += 32) {
+        a0 = hi_f8_fma(hi_f8_load(f16, w, i), hi_f8_load(f16, x, i), a0);
+        a1 = hi_f8_fma(hi_f8_load(f16, w, i + 8), hi_f8_load(f16, x, i + 8), a1);
+        a2 = hi_f8_fma(hi_f8_load(f16, w, i + 16), hi_f8_load(f16, x, i + 16), a2);
+        a3 = hi_f8_fma(hi_f8_load(f16, w, i + 24), hi_f8_load(f16, x, i + 24), a3);
+    }
+    a0 = hi_f8_add(a0, a2);
+    a1 = hi_f8_add(a1, a3);
+    a0 = hi_f8_add(a0, a1);
+    double s = (double)hi_f8_reduce(a0);
+    for (int64_t i = n32; i < n; i++) s += (double)(hi_ldf(f16, w, i) * hi_ldf(f16, x, i));
+    m->out[(size_t)t * m->out_row + (size_t)r] = (float)s;
+}
+
+/* ---- K-quants ---------------------------------------------------------------------------------- */
+
+HI_INLINE void hi_tile_kquant(const int qt, const hi_mm *m, int64_t r, int64_t t) {
+    const void *w = m->w + (size_t)r * m->w_row;
+    const void *x = m->x + (size_t)t * m->x_row;
+    const int n = (int)m->cols;
+    float v;
+    if (qt == HI_T_Q4_K) v = hi_dot_q4_K_q8_K(n, w, x);
+    else if (qt == HI_T_Q5_K) v = hi_dot_q5_K_q8_K(n, w, x);
+    else v = hi_dot_q6_K_q8_K(n, w, x);
+    m->out[(size_t)t * m->out_row + (size_t)r] = v;
+}
+
+/* ---- driver ------------------------------------------------------------------------------------ */
+
+HI_INLINE void hi_tile(const int qt, const int R, const int C, const hi_mm *m, int64_t r, int64_t t) {
+    if (qt == HI_T_F32 || qt == HI_T_F16 || qt == HI_T_Q4_K || qt == HI_T_Q5_K || qt == HI_T_Q6_K) {
+        HI_UNROLL for (int i = 0; i < R; i++) {
+            HI_UNROLL for (int c = 0; c < C; c++) {
+                if (qt == HI_T_F32 || qt == HI_T_F16) hi_tile_float(qt == HI_T_F16, m, r + i, t + c);
+                else hi_tile_kquant(qt, m, r + i, t + c);
+            }
+        }
+    } else {
+        hi_tile_legacy(qt, R, C, m, r, t);
+    }
+}
+
+HI_INLINE void hi_drive(const int qt, const hi_mm *m, int64_t r0, int64_t r1) {
+    /* the float and K-quant tiles gain nothing from wide tiles: use 1 x 1 for them */
+    const int legacy = !(qt == HI_T_F32 || qt == HI_T_F16 || qt == HI_T_Q4_K || qt == HI_T_Q5_K || qt == HI_T_Q6_K);
+    for (int64_t tb = 0; tb < m->T; tb += HI_TB) {
+        const int64_t te = tb + HI_TB < m->T ? tb + HI_TB : m->T;
+        int64_t r = r0;
+        if (!legacy) {
+            for (; r < r1; r++)
+                for (int64_t t = tb; t < te; t++) hi_tile(qt, 1, 1, m, r, t);
+        } else if (te - tb == 1) {
+            for (; r + HI_RV <= r1; r += HI_RV) hi_tile(qt, HI_RV, 1, m, r, tb);
+            for (; r < r1; r++) hi_tile(qt, 1, 1, m, r, tb);
+        } else {
+            for (; r + HI_RG <= r1; r += HI_RG) {
+                int64_t t = tb;
+                for (; t + HI_CG <= te; t += HI_CG) hi_tile(qt, HI_RG, HI_CG, m, r, t);
+                for (; t < te; t++) hi_tile(qt, HI_RG, 1, m, r, t);
+            }
+            for (; r < r1; r++) {
+                int64_t t = tb;
+                for (; t + HI_CG <= te; t += HI_CG) hi_tile(qt, 1, HI_CG, m, r, t);
+                for (; t < te; t++) hi_tile(qt, 1, 1, m, r, t);
+            }
+        }
+    }
+}
+
+#define HI_DEF_MM(NAME, QT) \
+    static __attribute__((noinline)) void NAME(const hi_mm *m, int64_t r0, int64_t r1) { hi_drive(QT, m, r0, r1); }
+HI_DEF_MM(hi_mm_f32, HI_T_F32)
+HI_DEF_MM(hi_mm_f16, HI_T_F16)
+HI_DEF_MM(hi_mm_q4_0, HI_T_Q4_0)
+HI_DEF_MM(hi_mm_q4_1, HI_T_Q4_1)
+HI_DEF_MM(hi_mm_q5_0, HI_T_Q5_0)
+HI_DEF_MM(hi_mm_q5_1, HI_T_Q5_1)
+HI_DEF_MM(hi_mm_q8_0, HI_T_Q8_0)
+HI_DEF_MM(hi_mm_q4_K, HI_T_Q4_K)
+HI_DEF_MM(hi_mm_q5_K, HI_T_Q5_K)
+HI_DEF_MM(hi_mm_q6_K, HI_T_Q6_K)
+
+static void hi_mm_run(const hi_mm *m, int64_t r0, int64_t r1) {
+    switch (m->qtype) {
+    case HI_T_F32: hi_mm_f32(m, r0, r1); break;
+    case HI_T_F16: hi_mm_f16(m, r0, r1); break;
+    case HI_T_Q4_0: hi_mm_q4_0(m, r0, r1); break;
+    case HI_T_Q4_1: hi_mm_q4_1(m, r0, r1); break;
+    case HI_T_Q5_0: hi_mm_q5_0(m, r0, r1); break;
+    case HI_T_Q5_1: hi_mm_q5_1(m, r0, r1); break;
+    case HI_T_Q8_0: hi_mm_q8_0(m, r0, r1); break;
+    case HI_T_Q4_K: hi_mm_q4_K(m, r0, r1); break;
+    case HI_T_Q5_K: hi_mm_q5_K(m, r0, r1); break;
+    case HI_T_Q6_K: hi_mm_q6_K(m, r0, r1); break;
+    default: break;
+    }
+}
