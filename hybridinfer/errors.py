@@ -59,3 +59,8 @@ class ShapeError(HybridInferError):
 
 class KernelArgumentError(HybridInferError):
     """A GPU kernel was called with a buffer of the wrong dtype, shape or layout, or a launch too large."""
+
+
+class SnapshotError(HybridInferError):
+    """A prefix-cache snapshot cannot be used: it belongs to another layer layout or state shape, it is no longer
+    cached, or its file is corrupt (the cache itself treats a corrupt file as a miss)."""
