@@ -15,6 +15,32 @@ from .sampling import SamplingParams
 from .state import DecoderState
 
 BACKENDS = ("reference", "cpu", "gpu", "auto")
+# measured in bench/prefix_reuse.py (see its docstring): a snapshot of a 35B-A3B state (61 MiB of recurrent
+# state) costs ~10 ms to copy, re-prefilling 256 tokens on the CPU costs seconds; 256 keeps the expected
+# re-prefill after a divergence at 128 tokens while a 4k prompt holds 16 snapshots (~1 GiB)
+DEFAULT_SNAPSHOT_STRIDE = 256
+
+
+def model_cache_fingerprint(gm: GGUFModel) -> str:
+    """The GGUF's metadata/layout fingerprint plus a sample of tensor data, so two files of one layout but
+    different weights (random models of one shape) never share snapshots."""
+    import hashlib
+
+    h = hashlib.sha256(gm.fingerprint().encode())
+    for t in list(gm.tensors.values())[:: max(1, len(gm.tensors) // 8)]:
+        h.update(np.asarray(t.raw()[:4096]).tobytes())
+    return h.hexdigest()[:32]
+
+
+def _make_prefix_cache(spec, gm: GGUFModel, args):
+    if spec is None or spec is False:
+        return None
+    from .prefix import PrefixCache
+
+    if isinstance(spec, PrefixCache):
+        return spec
+    opts = {} if spec is True else dict(spec)
+    return PrefixCache(model_cache_fingerprint(gm), tuple(args.layer_types), **opts)
 
 
 @dataclass
@@ -47,17 +73,26 @@ class Engine:
     """A loaded model. `backend` computes; the tokenizer and chat template come from the GGUF."""
 
     def __init__(self, gm: GGUFModel, args, backend, tokenizer, n_ctx: int, progress: bool,
-                 prefill_chunk: int):
+                 prefill_chunk: int, prefix_cache=None, snapshot_stride: int = DEFAULT_SNAPSHOT_STRIDE):
         self.gm, self.args, self.backend, self.tokenizer = gm, args, backend, tokenizer
         self.n_ctx, self.progress, self.prefill_chunk = n_ctx, progress, prefill_chunk
+        if snapshot_stride < 0:
+            raise ValueError(f"snapshot_stride must be >= 0 (0: no stride snapshots), got {snapshot_stride}")
+        self.snapshot_stride = snapshot_stride
+        self.prefix_cache = _make_prefix_cache(prefix_cache, gm, args)
 
     @classmethod
     def load(cls, path: str | None = None, backend: str = "reference", *, n_ctx: int = 4096,
-             progress: bool = False, prefill_chunk: int = 512, **options) -> Engine:
+             progress: bool = False, prefill_chunk: int = 512, prefix_cache=None,
+             snapshot_stride: int = DEFAULT_SNAPSHOT_STRIDE, **options) -> Engine:
         """Open a GGUF (default: the embedded SmolLM2-135M-Instruct) on `backend`.
 
         n_ctx caps the context (at most the model's trained context_length); prefill_chunk is the number
-        of prompt tokens processed per forward call. Unknown options raise TypeError.
+        of prompt tokens processed per forward call. prefix_cache: None (off), True (RAM, 2 GiB), a dict of
+        PrefixCache options (ram_bytes, disk_dir, disk_bytes, block_size) or a PrefixCache; prompts then reuse
+        the longest cached prefix, and snapshots are taken every `snapshot_stride` prompt tokens, at the end
+        of each prompt, before a chat's generation prompt and at the end of generation. Unknown options
+        raise TypeError.
         """
         from .tokenizer import Tokenizer
 
@@ -73,7 +108,8 @@ class Engine:
             raise TypeError(f"unknown Engine option(s): {', '.join(sorted(options))}")
         if progress and hasattr(be, "preload"):
             be.preload(progress=True)
-        return cls(gm, args, be, Tokenizer.from_gguf(gm), n_ctx, progress, prefill_chunk)
+        return cls(gm, args, be, Tokenizer.from_gguf(gm), n_ctx, progress, prefill_chunk, prefix_cache,
+                   snapshot_stride)
 
     # tokens ---------------------------------------------------------------------------------------
     def _tok(self):
@@ -106,31 +142,84 @@ class Engine:
         if isinstance(prompt, list | tuple) and all(isinstance(t, int | np.integer) for t in prompt):
             return [int(t) for t in prompt]
         if isinstance(prompt, list | tuple) and all(isinstance(m, dict) for m in prompt):
-            text = self.chat_prompt(list(prompt), enable_thinking=enable_thinking)
-            tok = self._tok()
-            bos_text = tok.token_text(tok.bos_id) if tok.bos_id is not None else None
-            add_bos = False if bos_text and text.startswith(bos_text) else None
-            return self.tokenize(text, add_bos=add_bos)
+            return self._encode_chat(prompt, enable_thinking)
         raise TypeError(f"prompt must be a str, a list of messages or a list of token ids, not "
                         f"{type(prompt).__name__}")
+
+    def _encode_chat(self, messages, enable_thinking, add_generation_prompt: bool = True) -> list[int]:
+        text = self.chat_prompt(list(messages), add_generation_prompt=add_generation_prompt,
+                                enable_thinking=enable_thinking)
+        tok = self._tok()
+        bos_text = tok.token_text(tok.bos_id) if tok.bos_id is not None else None
+        return self.tokenize(text, add_bos=False if bos_text and text.startswith(bos_text) else None)
+
+    def _turn_boundary(self, prompt, ids: list[int], enable_thinking) -> int | None:
+        """For a chat prompt: the token position where the generation prompt starts (the history before it
+        is the next turn's prefix), when the history's tokens are a prefix of `ids`."""
+        if not (isinstance(prompt, list | tuple) and prompt and all(isinstance(m, dict) for m in prompt)):
+            return None
+        hist = self._encode_chat(prompt, enable_thinking, add_generation_prompt=False)
+        return len(hist) if 0 < len(hist) < len(ids) and ids[: len(hist)] == hist else None
 
     # compute --------------------------------------------------------------------------------------
     def new_state(self) -> DecoderState:
         return self.backend.new_state(self.n_ctx)
 
-    def prefill(self, ids: list[int], state: DecoderState, all_logits: bool = False) -> np.ndarray:
-        """Feed prompt tokens in chunks; returns logits of every token (all_logits) or of the last."""
+    def prefill(self, ids: list[int], state: DecoderState, all_logits: bool = False,
+                snapshot_at=(), on_snapshot=None) -> np.ndarray:
+        """Feed prompt tokens in chunks; returns logits of every token (all_logits) or of the last.
+
+        snapshot_at: absolute positions (state.pos < p <= state.pos + len(ids)) where the state is handed to
+        on_snapshot(state, last_logits) as prefill passes them: chunks end there, so no second pass."""
         state.check_room(len(ids))
-        chunks = range(0, len(ids), self.prefill_chunk)
+        p0 = state.pos
+        cuts = set(range(self.prefill_chunk, len(ids), self.prefill_chunk)) | {len(ids)}
+        cuts |= {p - p0 for p in snapshot_at if p0 < p <= p0 + len(ids)}
+        bounds = sorted(cuts)
+        it = zip([0] + bounds[:-1], bounds, strict=True)
         if self.progress and len(ids) > self.prefill_chunk:
             from tqdm import tqdm
 
-            chunks = tqdm(chunks, desc="prefill", unit="chunk", leave=False)
-        outs = []
-        for s in chunks:
-            lg = self.backend.forward(ids[s : s + self.prefill_chunk], state, all_logits=all_logits)
+            it = tqdm(it, total=len(bounds), desc="prefill", unit="chunk", leave=False)
+        outs, snaps = [], set(snapshot_at)
+        for a, b in it:
+            lg = self.backend.forward(ids[a:b], state, all_logits=all_logits)
             outs.append(lg.copy() if all_logits else lg)  # a backend may return a view of its buffers
+            if on_snapshot is not None and p0 + b in snaps:
+                on_snapshot(state, lg[-1])
         return np.concatenate(outs, axis=0) if all_logits else outs[-1]
+
+    def start(self, ids: list[int], state: DecoderState, turn_boundary: int | None = None) -> tuple[np.ndarray, dict]:
+        """Bring a fresh `state` to the end of `ids` and return (last-token logits, stats), reusing the longest
+        cached prefix and taking snapshots on the way when a prefix cache is on."""
+        t0 = time.perf_counter()
+        stats = {"prompt_tokens": len(ids), "reused_tokens": 0, "restore_s": 0.0}
+        cache = self.prefix_cache
+        if cache is None:
+            lg = self.prefill(ids, state)[-1]
+            stats["prefilled_tokens"] = len(ids)
+            return lg, stats
+        state.check_room(len(ids))
+        hit = cache.lookup(ids, max_pos=len(ids))
+        if hit is not None and hit.pos == len(ids) and not hit.has_logits:
+            hit = cache.lookup(ids, max_pos=len(ids) - 1)
+        lg = None
+        if hit is not None:
+            lg = cache.restore(hit, state)
+            stats["reused_tokens"] = hit.pos
+            stats["restore_s"] = time.perf_counter() - t0
+        n = len(ids)
+        stats["prefilled_tokens"] = n - state.pos
+        if state.pos < n:
+            stride = self.snapshot_stride
+            at = set(range(stride, n, stride)) if stride else set()
+            if turn_boundary is not None:
+                at.add(turn_boundary)
+            at.add(n)
+            lg = self.prefill(ids[state.pos :], state, snapshot_at=sorted(at),
+                              on_snapshot=lambda st, last: cache.save(st, last if st.pos == n else None))
+            lg = lg[-1]
+        return lg, stats
 
     def logits(self, ids) -> np.ndarray:
         """Logits (len(ids), n_vocab) float32 for every position, from a fresh state."""
@@ -163,7 +252,7 @@ class Engine:
         res.prompt_tokens = len(ids)
         t0 = time.perf_counter()
         state = self.new_state()
-        logits = self.prefill(ids, state)[-1]
+        logits, cstats = self.start(ids, state, self._turn_boundary(prompt, ids, enable_thinking))
         t1 = time.perf_counter()
         # numba sampler (tested against sampling.Sampler): scratch made once, no per-token float64 copy or sort
         from .cpu.sampling_nb import SampleScratch, rng_new, sample
@@ -198,10 +287,12 @@ class Engine:
             text += dec.flush()  # bytes of a character cut off by the token limit
         if len(text) > emitted:
             yield text[emitted:]
+        if self.prefix_cache is not None and state.pos > len(ids):
+            self.prefix_cache.save(state, logits)  # end of generation: the next turn starts from the reply
         t2 = time.perf_counter()
         res.text = text
         n = max(len(res.tokens), 1)
-        res.timings = {"prefill_s": t1 - t0, "decode_s": t2 - t1, "prompt_tok_per_s": len(ids) / (t1 - t0),
+        res.timings = {**cstats, "prefill_s": t1 - t0, "decode_s": t2 - t1, "prompt_tok_per_s": len(ids) / (t1 - t0),
                        "decode_tok_per_s": n / (t2 - t1) if t2 > t1 else 0.0}
 
     def generate(self, prompt, max_tokens: int = 128, **kw) -> Generation:

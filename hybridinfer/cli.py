@@ -22,13 +22,61 @@ def _add_model(p: argparse.ArgumentParser, required: bool = False) -> None:
                    help="force the SIMD path: scalar | ssse3 | avx2 | avx512vnni (env HYBRIDINFER_ISA)")
 
 
+def _add_cache(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("prefix cache (reuse of repeated prompt prefixes)")
+    g.add_argument("--prefix-cache-ram", type=parse_size, default=parse_size("2GiB"),
+                   help="RAM budget for state snapshots, e.g. 2GiB, 512MiB; 0 turns the cache off (default 2GiB)")
+    g.add_argument("--prefix-cache-dir", default=os.environ.get("HYBRIDINFER_PREFIX_CACHE_DIR"),
+                   help="directory of an on-disk snapshot store shared by processes (default: none)")
+    g.add_argument("--prefix-cache-disk", type=parse_size, default=parse_size("16GiB"),
+                   help="disk budget of --prefix-cache-dir (default 16GiB)")
+    g.add_argument("--snapshot-stride", type=int, default=None,
+                   help="snapshot the state every N prompt tokens during prefill (default 256; 0: only at prompt "
+                        "ends and chat turns)")
+
+
+def parse_size(s: str) -> int:
+    """'2GiB', '512MiB', '1.5GB', '4096' -> bytes."""
+    units = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
+             "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "t": 1000**4, "tb": 1000**4, "tib": 1 << 40}
+    t = str(s).strip().lower()
+    num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
+    try:
+        v = float(num) * units[t[len(num):].strip()]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"not a size: {s!r} (e.g. 2GiB, 512MiB, 1e9)") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"a size must be >= 0, got {s!r}")
+    return int(v)
+
+
 def _engine(a):
-    from .api import Engine
+    from .api import DEFAULT_SNAPSHOT_STRIDE, Engine
 
     opts = {}
     if a.backend in ("cpu", "auto"):
         opts = {"isa": a.isa, "n_threads": a.threads}
-    return Engine.load(a.model, backend=a.backend, n_ctx=a.n_ctx, progress=sys.stderr.isatty(), **opts)
+    cache = None
+    if getattr(a, "prefix_cache_ram", 0) or getattr(a, "prefix_cache_dir", None):
+        cache = {"ram_bytes": a.prefix_cache_ram, "disk_dir": a.prefix_cache_dir,
+                 "disk_bytes": a.prefix_cache_disk if a.prefix_cache_dir else None}
+        opts["snapshot_stride"] = DEFAULT_SNAPSHOT_STRIDE if a.snapshot_stride is None else a.snapshot_stride
+    return Engine.load(a.model, backend=a.backend, n_ctx=a.n_ctx, progress=sys.stderr.isatty(),
+                       prefix_cache=cache, **opts)
+
+
+def _sampling(a) -> dict:
+    return dict(max_tokens=a.n, temperature=a.temp, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p,
+                repeat_penalty=a.repeat_penalty, seed=a.seed, stop=a.stop or None,
+                enable_thinking=False if a.no_think else None)
+
+
+def _print_stats(res, eng) -> None:
+    t = res.timings
+    line = (f"[prompt {t.get('prompt_tokens', res.prompt_tokens)} tok, reused {t.get('reused_tokens', 0)}, "
+            f"prefilled {t.get('prefilled_tokens', res.prompt_tokens)} in {t['prefill_s'] * 1e3:.0f} ms; "
+            f"{len(res.tokens)} generated at {t['decode_tok_per_s']:.1f} tok/s]")
+    print(line, file=sys.stderr)
 
 
 def cmd_run(a) -> int:
@@ -38,13 +86,62 @@ def cmd_run(a) -> int:
     else:
         prompt = ([{"role": "system", "content": a.system}] if a.system else []) + [
             {"role": "user", "content": a.prompt}]
-    kw = dict(max_tokens=a.n, temperature=a.temp, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p,
-              repeat_penalty=a.repeat_penalty, seed=a.seed, stop=a.stop or None,
-              enable_thinking=False if a.no_think else None)
-    for piece in eng.stream(prompt, **kw):
+    from .api import Generation
+
+    res = Generation("", [], 0, "length")
+    for piece in eng.stream(prompt, _result=res, **_sampling(a)):
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
+    if a.stats:
+        _print_stats(res, eng)
+    return 0
+
+
+def cmd_chat(a) -> int:
+    """An interactive multi-turn chat; each turn re-uses the cached history (only new tokens are processed)."""
+    from .api import Generation
+
+    eng = _engine(a)
+    system = [{"role": "system", "content": a.system}] if a.system else []
+    history: list[dict] = []
+    tty = sys.stdin.isatty()
+    if tty:
+        print("hybridinfer chat: /reset clears the history, /stats shows the prefix cache, /exit quits",
+              file=sys.stderr)
+    while True:
+        if tty:
+            sys.stderr.write("> ")
+            sys.stderr.flush()
+        line = sys.stdin.readline()
+        if not line:
+            break
+        text = line.rstrip("\n")
+        if not text.strip():
+            continue
+        if text.strip() in ("/exit", "/quit"):
+            break
+        if text.strip() == "/reset":
+            history.clear()
+            continue
+        if text.strip() == "/stats":
+            print(eng.prefix_cache.stats if eng.prefix_cache is not None else "prefix cache off", file=sys.stderr)
+            continue
+        history.append({"role": "user", "content": text})
+        res = Generation("", [], 0, "length")
+        try:
+            for piece in eng.stream(system + history, _result=res, **_sampling(a)):
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+        except HybridInferError as e:  # e.g. the history outgrew the context: say so, keep the session
+            history.pop()
+            print(f"hybridinfer: error: {e}", file=sys.stderr)
+            continue
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        history.append({"role": "assistant", "content": res.text})
+        if a.stats:
+            _print_stats(res, eng)
     return 0
 
 
@@ -152,13 +249,7 @@ def cmd_bench_decode(a) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="hybridinfer", description="Qwen3.5 hybrid MoE inference for old GPUs")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-
-    p = sub.add_parser("run", help="generate a completion (chat-templated unless --raw)")
-    _add_model(p)
-    p.add_argument("-p", "--prompt", required=True)
+def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("-n", type=int, default=64, help="max new tokens (default 64)")
     p.add_argument("--temp", type=float, default=0.0,
                    help="sampling temperature (default 0: greedy, reproducible; e.g. 0.8 to sample)")
@@ -168,10 +259,49 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeat-penalty", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
-    p.add_argument("--raw", action="store_true", help="complete the prompt as is, no chat template")
     p.add_argument("--system", default=None, help="system message (chat mode)")
     p.add_argument("--no-think", action="store_true", help="enable_thinking=false for Qwen templates")
+    p.add_argument("--stats", action="store_true",
+                   help="print prompt/reused/prefilled tokens and speeds to stderr after each answer")
+
+def cmd_bench_prefix(a) -> int:
+    from .benchmarks import prefix
+
+    wl = tuple(w.strip() for w in a.workloads.split(",") if w.strip())
+    bad = [w for w in wl if w not in prefix.WORKLOADS]
+    if bad:
+        raise HybridInferError(f"unknown workload(s) {bad}; choose from {','.join(prefix.WORKLOADS)}")
+    rows, meta = prefix.run(a.model, wl, a.n_prompts, a.threads, a.llama_server, a.cache_dir, a.backend,
+                            a.snapshot_stride)
+    print(prefix.markdown(rows, meta))
+    os.makedirs(a.out_dir, exist_ok=True)
+    stem = os.path.join(a.out_dir, f"prefix-{os.path.splitext(os.path.basename(a.model))[0]}")
+    with open(stem + ".json", "w") as f:
+        f.write(prefix.to_json(rows, meta))
+    plotted = prefix.plot(rows, stem + ".png")
+    print(f"\nwrote {stem}.json" + (f" and {stem}.png" if plotted else ""))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="hybridinfer", description="Qwen3.5 hybrid MoE inference for old GPUs")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("run", help="generate a completion (chat-templated unless --raw)")
+    _add_model(p)
+    _add_cache(p)
+    _add_sampling(p)
+    p.add_argument("-p", "--prompt", required=True)
+    p.add_argument("--raw", action="store_true", help="complete the prompt as is, no chat template")
     p.set_defaults(fn=cmd_run)
+
+    p = sub.add_parser("chat", help="interactive multi-turn chat on stdin/stdout (history reused from the cache)")
+    _add_model(p)
+    _add_cache(p)
+    _add_sampling(p)
+    p.set_defaults(fn=cmd_chat)
+
+
 
     p = sub.add_parser("logits", help="write logits of every position to a .npy file")
     _add_model(p)
@@ -207,6 +337,17 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--llama-bench-sse", default=None, help="llama-bench built without AVX")
     b.add_argument("--out-dir", default="bench/results")
     b.set_defaults(fn=cmd_bench_decode)
+    b = bsub.add_parser("prefix", help="time to first token cold/warm with the prefix cache, and llama.cpp's server")
+    b.add_argument("-m", "--model", required=True)
+    b.add_argument("-t", "--threads", type=int, default=os.cpu_count())
+    b.add_argument("--backend", default="cpu", choices=["reference", "cpu", "gpu", "auto"])
+    b.add_argument("--workloads", default="a,b,c,d", help="comma-separated subset of a,b,c,d")
+    b.add_argument("--n-prompts", type=int, default=100, help="prompts in workload d (default 100)")
+    b.add_argument("--snapshot-stride", type=int, default=None)
+    b.add_argument("--cache-dir", default=None, help="also write snapshots to an on-disk store under this dir")
+    b.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary, run on the same GGUF")
+    b.add_argument("--out-dir", default="bench/results")
+    b.set_defaults(fn=cmd_bench_prefix)
     return ap
 
 
