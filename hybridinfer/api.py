@@ -215,6 +215,9 @@ class Engine:
             at = set(range(stride, n, stride)) if stride else set()
             if turn_boundary is not None:
                 at.add(turn_boundary)
+            shared = cache.known_prefix(ids)  # where this prompt leaves a cached one: the next may share it too
+            if state.pos < shared < n:
+                at.add(shared)
             at.add(n)
             lg = self.prefill(ids[state.pos :], state, snapshot_at=sorted(at),
                               on_snapshot=lambda st, last: cache.save(st, last if st.pos == n else None))

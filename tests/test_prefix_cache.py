@@ -354,3 +354,16 @@ def test_threads_share_one_cache():
         t.join()
     assert not errors, errors
     check_invariants(cache)
+
+
+
+def test_known_prefix_reports_the_shared_block_aligned_prefix(tmp_path):
+    for disk in (None, str(tmp_path)):
+        c = PrefixCache(FP, ARGS.layer_types, block_size=B, ram_bytes=0 if disk else 1 << 30, disk_dir=disk)
+        base = list(range(100, 100 + 5 * B + 7))
+        assert c.known_prefix(base) == 0  # empty cache
+        c.save(run(base))
+        assert c.known_prefix(base) == 5 * B  # the tail past the last whole block is not a block
+        assert c.known_prefix(base[: 3 * B + 4] + [1, 2, 3] + base[3 * B + 7 :]) == 3 * B  # diverges in block 4
+        assert c.known_prefix(base[: 2 * B]) == 2 * B
+        assert c.known_prefix([7] + base[1:]) == 0

@@ -121,3 +121,17 @@ def test_cli_chat_multi_turn(tmp_path):
     reused = [int(x.split("reused ")[1].split(",")[0]) for x in lines]
     assert reused[0] == 0 and reused[1] > 0
     assert "hits" in r.stderr  # /stats printed the cache's counters
+
+
+def test_shared_system_prompt_gets_its_own_snapshot(oracle_gguf):
+    """Prompts sharing a system prompt: the second snapshots where it leaves the first, so the third and later
+    re-process only their own question (stride snapshots off, so only that snapshot can serve)."""
+    eng = _cpu(oracle_gguf("qwen35moe", "q8_0"), prefix_cache={"block_size": BLOCK}, snapshot_stride=0)
+    rng = np.random.default_rng(5)
+    system = [int(x) for x in rng.integers(0, eng.args.n_vocab, 6 * BLOCK)]
+    done = []
+    for _ in range(4):
+        q = [int(x) for x in rng.integers(0, eng.args.n_vocab, 9)]
+        _, s = eng.start(system + q, eng.new_state())
+        done.append(s["prefilled_tokens"])
+    assert done == [len(system) + 9, len(system) + 9, 9, 9]

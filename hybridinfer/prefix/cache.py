@@ -118,6 +118,21 @@ class PrefixCache:
             self._counters["misses"] += 1
             return None
 
+    def known_prefix(self, tokens: Sequence[int] | np.ndarray) -> int:
+        """Length (a multiple of block_size) of the longest prefix of `tokens` that a cached snapshot's tokens
+        also start with. Where a new prompt leaves such a prefix, another prompt shared it: a snapshot there
+        serves the next prompt that shares it too (a system prompt followed by varied questions)."""
+        t = as_tokens(tokens)
+        kc = KeyChain(self.root, t, self.block_size)
+        with self._lock:
+            if self.disk is not None:
+                self.disk.refresh()
+            indexes = [self.ram.index] + ([self.disk.index] if self.disk is not None else [])
+            j = 0
+            while (j + 1) * self.block_size <= len(t) and any(kc.key(j + 1) in ix.known for ix in indexes):
+                j += 1
+            return j * self.block_size
+
     def restore(self, hit: Hit, state) -> np.ndarray | None:
         """Write the snapshot's tokens, K/V rows, conv and S states and pos into `state`'s existing buffers;
         returns a copy of the stored logits of token hit.pos - 1, or None."""
