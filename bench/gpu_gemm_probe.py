@@ -1,0 +1,104 @@
+"""Time gemm.cu on the card: GFLOP/s (2 T N K / time) of the dequantizing GEMM per weight type and token
+tile, and of the expert-grouped form on an MoE-like shape.
+
+    python3 bench/gpu_gemm_probe.py [--T 947 --N 2048 --K 2048] [--reps 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from hybridinfer import quant  # noqa: E402
+
+
+def _time(fn, reps: int) -> float:
+    """Median seconds per call (events around each call, after 3 warm-up calls)."""
+    import pycuda.driver as drv
+
+    for _ in range(3):
+        fn()
+    ts = []
+    for _ in range(reps):
+        a, b = drv.Event(), drv.Event()
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(b.time_since(a) / 1e3)
+    return float(np.median(ts))
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--T", type=int, default=947)
+    ap.add_argument("--N", type=int, default=2048)
+    ap.add_argument("--K", type=int, default=2048)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--types", default="Q4_K,Q5_K,Q6_K,Q8_0,Q4_0,F16,F32")
+    ap.add_argument("--also-T", default="1,64,4096", help="further token counts timed for Q4_K")
+    a = ap.parse_args(argv)
+
+    from pycuda import gpuarray
+
+    from hybridinfer.gpu import k_gemm, loader
+
+    loader.init()
+    import pycuda.driver as drv
+
+    print(f"device: {drv.Context.get_device().name()}")
+    rng = np.random.default_rng(0)
+    T, N, K = a.T, a.N, a.K
+    x = gpuarray.to_gpu(rng.standard_normal((T, K), dtype=np.float32))
+    out = gpuarray.empty((T, N), np.float32)
+    flops = 2.0 * T * N * K
+    for name in a.types.split(","):
+        q = getattr(quant, name)
+        qk, _ = quant.block_info(q)
+        w = k_gemm.DeviceWeight.upload(quant.random_blocks(q, N * K // qk, rng), q, (N, K))
+        row = []
+        for bm in k_gemm.TILE_T:
+            s = _time(lambda w=w, bm=bm: k_gemm.gemm(x, w, out=out, bm=bm), a.reps)
+            row.append(f"b{bm} {flops / s / 1e9:8.0f} GFLOP/s ({s * 1e3:.3f} ms)")
+        print(f"gemm {name:5s} T={T} N={N} K={K}: " + " | ".join(row))
+        auto = k_gemm.pick_tile(T, T, N)
+        s = _time(lambda w=w: k_gemm.gemm(x, w, out=out), a.reps)
+        print(f"    default tile b{auto}: {flops / s / 1e9:.0f} GFLOP/s")
+
+    q = quant.Q4_K
+    w = k_gemm.DeviceWeight.upload(quant.random_blocks(q, N * K // 256, rng), q, (N, K))
+    for t2 in (int(v) for v in a.also_T.split(",") if v):
+        x2 = gpuarray.to_gpu(rng.standard_normal((t2, K), dtype=np.float32))
+        o2 = gpuarray.empty((t2, N), np.float32)
+        f2 = 2.0 * t2 * N * K
+        row = []
+        for bm in k_gemm.TILE_T:
+            s = _time(lambda bm=bm, x2=x2, o2=o2: k_gemm.gemm(x2, w, out=o2, bm=bm), a.reps)
+            row.append(f"b{bm} {f2 / s / 1e9:8.0f} GFLOP/s ({s * 1e3:.3f} ms)")
+        print(f"gemm Q4_K  T={t2} N={N} K={K}: " + " | ".join(row))
+
+    # MoE: 256 experts, 8 per token, gate projection [E, 512, K]
+    E, top, F = 256, 8, 512
+    ids = np.stack([rng.permutation(E)[:top] for _ in range(T)])
+    order = np.argsort(ids.reshape(-1), kind="stable")
+    counts = np.bincount(ids.reshape(-1), minlength=E)
+    offs = gpuarray.to_gpu(np.concatenate([[0], np.cumsum(counts)]).astype(np.int32))
+    idx = gpuarray.to_gpu((order // top).astype(np.int32))
+    M = T * top
+    w = k_gemm.DeviceWeight.upload(quant.random_blocks(q, E * F * K // 256, rng), q, (E, F, K))
+    yo = gpuarray.empty((M, F), np.float32)
+    gflop = 2.0 * M * F * K
+    row = []
+    for bm in k_gemm.TILE_T:
+        s = _time(lambda bm=bm: k_gemm.gemm_grouped(x, w, offs, idx, out=yo, bm=bm), a.reps)
+        row.append(f"b{bm} {gflop / s / 1e9:8.0f} GFLOP/s ({s * 1e3:.3f} ms)")
+    print(f"grouped Q4_K E={E} top{top} M={M} N={F} K={K}: " + " | ".join(row))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,174 @@
+"""Launchers of native/cuda_sm20/gemm.cu: Y = X W^T with W in GGUF form (dequantized in the kernel).
+
+A weight on the card is a `DeviceWeight`: the raw GGUF bytes of a [N, K] matrix or an [E, N, K] stack of
+expert matrices, one row of `row_nbytes` after another. `gemm` multiplies all tokens by one matrix;
+`gemm_grouped` multiplies, for each expert e, the token rows listed in idx[offs[e]:offs[e+1]].
+"""
+
+from __future__ import annotations
+
+import math
+from functools import cache
+
+import numpy as np
+
+from .. import quant
+from ..errors import KernelArgumentError
+from . import loader
+
+FAMILY = "gemm"
+TILE_N = 128
+TILE_T = (16, 32, 64, 128)  # token tile heights compiled into gemm.cu (kernel suffix _b<BM>)
+GEMM_TYPES = {quant.F32: "f32", quant.F16: "f16", quant.Q4_0: "q4_0", quant.Q8_0: "q8_0", quant.Q4_K: "q4_k",
+              quant.Q5_K: "q5_k", quant.Q6_K: "q6_k"}
+# base-pointer alignment the kernels' vector loads need, by type
+_ALIGN = {quant.F32: 16, quant.F16: 16, quant.Q4_K: 16, quant.Q5_K: 16, quant.Q4_1: 4}
+_NULL = np.uintp(0)
+
+
+class DeviceWeight:
+    """GGUF weight bytes on the card.
+
+    qtype: ggml type id; shape: (N, K) or (E, N, K) in numpy order (K, the row, holds whole blocks);
+    data: pycuda GPUArray of uint8 holding prod(shape[:-1]) * row_nbytes bytes (any shape, C order).
+    """
+
+    def __init__(self, qtype: int, shape: tuple, data):
+        self.qtype = int(qtype)
+        self.shape = tuple(int(s) for s in shape)
+        if len(self.shape) not in (2, 3):
+            raise KernelArgumentError(f"DeviceWeight: shape {self.shape} is neither (N, K) nor (E, N, K)")
+        self.row_nbytes = quant.row_nbytes(self.qtype, self.shape[-1])
+        need = math.prod(self.shape[:-1]) * self.row_nbytes
+        if data.dtype != np.uint8 or data.size != need or not data.flags.c_contiguous:
+            raise KernelArgumentError(
+                f"DeviceWeight {quant.type_name(self.qtype)} {self.shape}: data must be {need} contiguous uint8 "
+                f"bytes, got {data.dtype} {data.shape}")
+        self.data = data.reshape(need) if data.shape != (need,) else data
+
+    @classmethod
+    def upload(cls, raw: np.ndarray, qtype: int, shape: tuple) -> DeviceWeight:
+        """Copy host bytes (e.g. a GGUF tensor's raw view) to the card."""
+        from pycuda import gpuarray
+
+        return cls(qtype, shape, gpuarray.to_gpu(np.ascontiguousarray(np.asarray(raw).view(np.uint8).reshape(-1))))
+
+    @property
+    def n_expert(self) -> int:
+        return self.shape[0] if len(self.shape) == 3 else 1
+
+    def __repr__(self) -> str:
+        return f"DeviceWeight({quant.type_name(self.qtype)}, {self.shape})"
+
+
+def _aligned(ptr, n: int, what: str):
+    if int(ptr) % n:
+        raise KernelArgumentError(f"{what}: device pointer {int(ptr):#x} is not {n}-byte aligned")
+    return ptr
+
+
+def _check_weight(w: DeviceWeight, ndim: int, table: dict) -> str:
+    if not isinstance(w, DeviceWeight):
+        raise KernelArgumentError(f"weight: expected a DeviceWeight, got {type(w).__name__}")
+    if len(w.shape) != ndim:
+        raise KernelArgumentError(f"weight {w}: expected {ndim} dimensions")
+    if w.qtype not in table:
+        names = ", ".join(quant.type_name(q) for q in table)
+        raise KernelArgumentError(f"weight {w}: type {quant.type_name(w.qtype)} has no kernel (have {names})")
+    if w.shape[-1] % 32:
+        raise KernelArgumentError(f"weight {w}: K = {w.shape[-1]} is not a multiple of 32")
+    return table[w.qtype]
+
+
+@cache
+def _sm_count() -> int:
+    import pycuda.driver as drv
+
+    loader.init()
+    return int(drv.Context.get_device().get_attribute(drv.device_attribute.MULTIPROCESSOR_COUNT))
+
+
+def pick_tile(rows_per_group: float, n_rows: int, n_cols: int, sm_count: int | None = None) -> int:
+    """Token tile height: the tallest tile that is at least 40% full on average (rows_per_group) and
+    still gives every multiprocessor a block (n_rows rows in all, n_cols outputs per row); else 16.
+
+    Measured on an H100 (bench/gpu_gemm_probe.py): T=947, N=K=2048 runs best at 128, T=64 at 16 (latency
+    bound: the most blocks win), MoE groups of ~30 rows at 64.
+    """
+    sms = sm_count or _sm_count()
+    n_tiles = loader.grid_for(n_cols, TILE_N)
+    for bm in sorted(TILE_T, reverse=True):
+        if bm <= 2.5 * rows_per_group and n_tiles * loader.grid_for(n_rows, bm) >= 0.9 * sms:
+            return bm
+    return TILE_T[0]
+
+
+def _launch(name: str, bm: int, x_ptr, w: DeviceWeight, y_ptr, offs_ptr, idx_ptr, n_group: int, m: int,
+            n_tiles_t: int, stream):
+    N, K = w.shape[-2], w.shape[-1]
+    if bm not in TILE_T:
+        raise KernelArgumentError(f"gemm: token tile {bm} not compiled (have {TILE_T})")
+    if max(m, N, K) >= 2**31 or w.row_nbytes >= 2**31:
+        raise KernelArgumentError(f"gemm: extents M={m} N={N} K={K} exceed int32")
+    wptr = _aligned(w.data.gpudata, _ALIGN.get(w.qtype, 2), "weight")
+    grid = (min(loader.grid_for(N, TILE_N), loader.MAX_GRID), max(1, min(n_tiles_t, loader.MAX_GRID)))
+    args = [x_ptr, wptr, y_ptr, offs_ptr, idx_ptr, np.int32(n_group), np.int32(m), np.int32(N), np.int32(K),
+            np.int32(w.row_nbytes)]
+    loader.launch(FAMILY, f"gemm_{name}_b{bm}", grid, (256,), args, stream=stream)
+
+
+def _out(out, shape: tuple, what: str):
+    if out is None:
+        from pycuda import gpuarray
+
+        return gpuarray.empty(shape, np.float32)
+    loader.arg(out, np.float32, shape, what)
+    return out
+
+
+def gemm(x, w: DeviceWeight, out=None, bm: int | None = None, stream=None):
+    """out[T, N] = x[T, K] @ W[N, K]^T.
+
+    x: float32 (T, K) C-contiguous, 16-byte aligned; w: DeviceWeight of shape (N, K), type F32, F16, Q4_0,
+    Q8_0, Q4_K, Q5_K or Q6_K; out: float32 (T, N) (allocated when None; must not overlap x).
+    bm: token tile height (16, 32, 64 or 128; chosen from T when None). Returns out.
+    """
+    name = _check_weight(w, 2, GEMM_TYPES)
+    N, K = w.shape
+    T = int(x.shape[0]) if len(x.shape) == 2 else -1
+    xp = _aligned(loader.arg(x, np.float32, (T, K), "gemm x"), 16, "gemm x")
+    out = _out(out, (T, N), "gemm out")
+    yp = _aligned(out.gpudata, 16, "gemm out")
+    if T == 0:
+        return out
+    bm = bm or pick_tile(T, T, N)
+    _launch(name, bm, xp, w, yp, _NULL, _NULL, 1, T, loader.grid_for(T, bm), stream)
+    return out
+
+
+def gemm_grouped(x, w: DeviceWeight, offs, idx=None, out=None, bm: int | None = None, stream=None):
+    """Expert-grouped GEMM: out[r, :] = x[idx[r], :] @ W[e]^T for offs[e] <= r < offs[e+1].
+
+    x: float32 (T, K) (T = M when idx is None: rows already in grouped order); w: DeviceWeight (E, N, K);
+    offs: int32 (E+1,) on the card, non-decreasing from 0 with offs[E] == M (not checked: it stays on the
+    card); idx: int32 (M,) row indices into x, or None; out: float32 (M, N), rows beyond offs[E] untouched.
+    Experts with no rows cost one idle block each. Returns out.
+    """
+    name = _check_weight(w, 3, GEMM_TYPES)
+    E, N, K = w.shape
+    T = int(x.shape[0]) if len(x.shape) == 2 else -1
+    xp = _aligned(loader.arg(x, np.float32, (T, K), "gemm_grouped x"), 16, "gemm_grouped x")
+    op = loader.arg(offs, np.int32, (E + 1,), "gemm_grouped offs")
+    if idx is None:
+        M, ip = T, _NULL
+    else:
+        M = int(idx.shape[0]) if len(idx.shape) == 1 else -1
+        ip = loader.arg(idx, np.int32, (M,), "gemm_grouped idx")
+    out = _out(out, (M, N), "gemm_grouped out")
+    yp = _aligned(out.gpudata, 16, "gemm_grouped out")
+    if M == 0:
+        return out
+    bm = bm or pick_tile(M / E, M, N)
+    # expert e owns ceil(n_e / bm) tiles: at most M / bm + E in all; blocks past the last tile exit
+    _launch(name, bm, xp, w, yp, op, ip, E, M, loader.grid_for(M, bm) + E, stream)
+    return out

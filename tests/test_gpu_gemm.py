@@ -1,0 +1,146 @@
+"""gemm.cu against numpy: dequantize exactly (hybridinfer.quant), multiply in float64, compare with a bound
+scaled by sum_k |x w| (fp32 accumulation over K). Outputs are poisoned with NaN before every launch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hybridinfer import quant
+
+pytestmark = pytest.mark.gpu
+
+TYPES = [quant.F32, quant.F16, quant.Q4_0, quant.Q8_0, quant.Q4_K, quant.Q5_K, quant.Q6_K]
+KQUANTS = {quant.Q4_K, quant.Q5_K, quant.Q6_K}
+IDS = [quant.type_name(q) for q in TYPES]
+
+
+@pytest.fixture(scope="module")
+def gpu():
+    from pycuda import gpuarray
+
+    from hybridinfer.gpu import k_gemm, loader
+
+    loader.init()
+    return gpuarray, k_gemm
+
+
+def _weight(qtype, shape, rng):
+    """Random valid GGUF bytes for `shape` and their exact float32 dequantization."""
+    qk, _ = quant.block_info(qtype)
+    n = int(np.prod(shape))
+    raw = quant.random_blocks(qtype, n // qk, rng).reshape(-1)
+    return raw, quant.dequantize(raw, qtype, shape)
+
+
+def _k_for(qtype, small=False):
+    return (256 if small else 512) if qtype in KQUANTS else 96
+
+
+def _check(y, x, w_f32, what):
+    """y (M, N) against x (M, K) @ w (N, K)^T in float64."""
+    x64, w64 = x.astype(np.float64), w_f32.astype(np.float64)
+    ref = x64 @ w64.T
+    bound = 1e-5 * (np.abs(x64) @ np.abs(w64).T) + 1e-30
+    assert np.isfinite(y).all(), f"{what}: non-finite outputs (unwritten rows/columns?)"
+    err = np.abs(y.astype(np.float64) - ref)
+    worst = np.unravel_index(np.argmax(err / bound), err.shape)
+    assert (err <= bound).all(), f"{what}: |err| {err[worst]:.3g} > bound {bound[worst]:.3g} at {worst}"
+
+
+def _poisoned(gpuarray, shape):
+    return gpuarray.to_gpu(np.full(shape, np.nan, np.float32))
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=IDS)
+@pytest.mark.parametrize("T", [1, 7, 65, 300])
+@pytest.mark.parametrize("N", [197, 256])
+def test_gemm(gpu, qtype, T, N):
+    gpuarray, k_gemm = gpu
+    rng = np.random.default_rng(1000 * qtype + 10 * T + N)
+    K = _k_for(qtype)
+    raw, wf = _weight(qtype, (N, K), rng)
+    x = rng.standard_normal((T, K), dtype=np.float32)
+    w = k_gemm.DeviceWeight.upload(raw, qtype, (N, K))
+    out = _poisoned(gpuarray, (T, N))
+    k_gemm.gemm(gpuarray.to_gpu(x), w, out=out)
+    _check(out.get(), x, wf, f"{w} T={T}")
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=IDS)
+@pytest.mark.parametrize("bm", [16, 32, 64, 128])
+def test_gemm_every_tile(gpu, qtype, bm):
+    gpuarray, k_gemm = gpu
+    rng = np.random.default_rng(7 * qtype + bm)
+    T, N, K = 83, 130, _k_for(qtype, small=True)
+    raw, wf = _weight(qtype, (N, K), rng)
+    x = rng.standard_normal((T, K), dtype=np.float32)
+    w = k_gemm.DeviceWeight.upload(raw, qtype, (N, K))
+    out = _poisoned(gpuarray, (T, N))
+    k_gemm.gemm(gpuarray.to_gpu(x), w, out=out, bm=bm)
+    _check(out.get(), x, wf, f"{w} bm={bm}")
+
+
+def _grouping(counts, T, rng):
+    offs = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    idx = rng.integers(0, T, offs[-1]).astype(np.int32)
+    return offs, idx
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=IDS)
+@pytest.mark.parametrize("bm", [None, 16, 64, 128])
+def test_gemm_grouped(gpu, qtype, bm):
+    gpuarray, k_gemm = gpu
+    rng = np.random.default_rng(31 * qtype + (bm or 0))
+    counts = [3, 0, 70, 1, 130, 0, 17]  # uneven, two experts without tokens
+    E, N, K, T = len(counts), 197, _k_for(qtype, small=True), 50
+    raw, wf = _weight(qtype, (E, N, K), rng)
+    w = k_gemm.DeviceWeight.upload(raw, qtype, (E, N, K))
+    offs, idx = _grouping(counts, T, rng)
+    x = rng.standard_normal((T, K), dtype=np.float32)
+    out = _poisoned(gpuarray, (offs[-1], N))
+    k_gemm.gemm_grouped(gpuarray.to_gpu(x), w, gpuarray.to_gpu(offs), gpuarray.to_gpu(idx), out=out, bm=bm)
+    y = out.get()
+    for e in range(E):
+        rows = slice(offs[e], offs[e + 1])
+        if counts[e]:
+            _check(y[rows], x[idx[rows]], wf[e], f"{w} expert {e}")
+
+
+@pytest.mark.parametrize("qtype", [quant.Q4_K, quant.Q8_0])
+def test_gemm_grouped_without_idx_many_experts(gpu, qtype):
+    """Rows already in grouped order (a down projection) and more experts than threads per block, so the
+    tile lookup's prefix sum runs over several chunks; most experts have no rows."""
+    gpuarray, k_gemm = gpu
+    rng = np.random.default_rng(qtype)
+    E, N, K = 300, 64, _k_for(qtype, small=True)
+    counts = np.zeros(E, np.int64)
+    for e, c in [(0, 5), (17, 33), (255, 1), (256, 40), (299, 9)]:
+        counts[e] = c
+    offs = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    M = int(offs[-1])
+    raw, wf = _weight(qtype, (E, N, K), rng)
+    w = k_gemm.DeviceWeight.upload(raw, qtype, (E, N, K))
+    x = rng.standard_normal((M, K), dtype=np.float32)
+    out = _poisoned(gpuarray, (M, N))
+    k_gemm.gemm_grouped(gpuarray.to_gpu(x), w, gpuarray.to_gpu(offs), None, out=out)
+    y = out.get()
+    for e in np.nonzero(counts)[0]:
+        rows = slice(offs[e], offs[e + 1])
+        _check(y[rows], x[rows], wf[e], f"{w} expert {e}")
+
+
+def test_argument_checks(gpu):
+    gpuarray, k_gemm = gpu
+    from hybridinfer.errors import KernelArgumentError
+
+    rng = np.random.default_rng(0)
+    raw, _ = _weight(quant.Q4_K, (8, 256), rng)
+    w = k_gemm.DeviceWeight.upload(raw, quant.Q4_K, (8, 256))
+    with pytest.raises(KernelArgumentError, match="shape"):
+        k_gemm.gemm(gpuarray.zeros((3, 128), np.float32), w)
+    with pytest.raises(KernelArgumentError, match="dtype"):
+        k_gemm.gemm(gpuarray.zeros((3, 256), np.float64), w)
+    with pytest.raises(KernelArgumentError, match="no kernel"):
+        k_gemm.gemm(gpuarray.zeros((3, 32), np.float32),
+                    k_gemm.DeviceWeight(quant.Q4_1, (8, 32), gpuarray.zeros(8 * 20, np.uint8)))
