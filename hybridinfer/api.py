@@ -8,13 +8,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .errors import BackendNotAvailableError, ContextLengthError, HybridInferError
+from .backends import BACKENDS, make_backend  # noqa: F401  (BACKENDS: re-exported)
+from .errors import ContextLengthError, HybridInferError
 from .gguf_model import GGUFModel
 from .models import model_args
 from .sampling import SamplingParams
 from .state import DecoderState
 
-BACKENDS = ("reference", "cpu", "gpu", "auto")
 # measured in bench/prefix_reuse.py (see its docstring): a snapshot of a 35B-A3B state (61 MiB of recurrent
 # state) costs ~10 ms to copy, re-prefilling 256 tokens on the CPU costs seconds; 256 keeps the expected
 # re-prefill after a divergence at 128 tokens while a 4k prompt holds 16 snapshots (~1 GiB)
@@ -52,23 +52,6 @@ class Generation:
     timings: dict = field(default_factory=dict)
 
 
-def _make_backend(name: str, gm: GGUFModel, args, options: dict):
-    if name not in BACKENDS:
-        raise BackendNotAvailableError(f"unknown backend {name!r} (choose from {', '.join(BACKENDS)})")
-    if name == "gpu":
-        raise BackendNotAvailableError("backend 'gpu' is not built yet; use backend='cpu' or 'reference'")
-    if name in ("cpu", "auto"):
-        from .cpu.backend import CPUModel
-        from .cpu.simd import SimdLib
-
-        simd = SimdLib(isa=options.pop("isa", None), n_threads=options.pop("n_threads", None))
-        return CPUModel(gm, args, simd)
-    from .reference import ReferenceModel
-
-    return ReferenceModel(gm, args, cache_weights=options.pop("cache_weights", True),
-                          act_quant=options.pop("act_quant", False), kv_f16=options.pop("kv_f16", False))
-
-
 class Engine:
     """A loaded model. `backend` computes; the tokenizer and chat template come from the GGUF."""
 
@@ -103,7 +86,7 @@ class Engine:
         gm = GGUFModel(path)
         args = model_args(gm)
         n_ctx = int(min(n_ctx, args.context_length))
-        be = _make_backend(backend, gm, args, options)
+        be = make_backend(backend, gm, args, options, n_ctx)
         if options:
             raise TypeError(f"unknown Engine option(s): {', '.join(sorted(options))}")
         if progress and hasattr(be, "preload"):
@@ -173,6 +156,12 @@ class Engine:
         on_snapshot(state, last_logits) as prefill passes them: chunks end there, so no second pass."""
         state.check_room(len(ids))
         p0 = state.pos
+        if getattr(self.backend, "single_pass", False):  # the GPU: one pass, chunking inside each layer
+            lg = self.backend.forward(ids, state, all_logits=all_logits, snapshot_at=snapshot_at,
+                                      on_snapshot=on_snapshot)
+            if on_snapshot is not None and state.pos in set(snapshot_at):
+                on_snapshot(state, lg[-1])
+            return lg
         cuts = set(range(self.prefill_chunk, len(ids), self.prefill_chunk)) | {len(ids)}
         cuts |= {p - p0 for p in snapshot_at if p0 < p <= p0 + len(ids)}
         bounds = sorted(cuts)

@@ -18,6 +18,8 @@ def _add_model(p: argparse.ArgumentParser, required: bool = False) -> None:
                    choices=["reference", "cpu", "gpu", "auto"], help="compute backend (default: reference)")
     p.add_argument("--n-ctx", type=int, default=4096, help="context size in tokens (default 4096)")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    p.add_argument("--vram-budget", type=parse_size, default=None,
+                   help="GPU memory the gpu backend may use, e.g. 6GiB (default: the card's free memory - 512MiB)")
     p.add_argument("--isa", default=os.environ.get("HYBRIDINFER_ISA"),
                    help="force the SIMD path: scalar | ssse3 | avx2 | avx512vnni (env HYBRIDINFER_ISA)")
 
@@ -54,8 +56,10 @@ def _engine(a):
     from .api import DEFAULT_SNAPSHOT_STRIDE, Engine
 
     opts = {}
-    if a.backend in ("cpu", "auto"):
+    if a.backend in ("cpu", "auto", "gpu"):
         opts = {"isa": a.isa, "n_threads": a.threads}
+    if a.backend in ("auto", "gpu") and a.vram_budget is not None:
+        opts["vram_budget"] = a.vram_budget
     cache = None
     if getattr(a, "prefix_cache_ram", 0) or getattr(a, "prefix_cache_dir", None):
         cache = {"ram_bytes": a.prefix_cache_ram, "disk_dir": a.prefix_cache_dir,

@@ -40,7 +40,8 @@ def oracle_gguf(tmp_path_factory):
     """oracle_gguf(arch, quant=None) -> path of a tiny random model converted from transformers."""
     from oracle_models import make_oracle_gguf
 
-    d = tmp_path_factory.mktemp("oracle")
+    # HYBRIDINFER_ORACLE_CACHE: a directory of models made earlier (the GPU machine has no llama.cpp quantizer)
+    d = os.environ.get("HYBRIDINFER_ORACLE_CACHE") or tmp_path_factory.mktemp("oracle")
     cache: dict = {}
 
     def get(arch: str, quant: str | None = None, seed: int = 0, layers: int | None = None):

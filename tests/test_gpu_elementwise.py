@@ -66,17 +66,18 @@ def test_rms_norm_head_rows(gpu, T):
     assert np.array_equal(got[:, hd:], q[:, hd:])
 
 
+@pytest.mark.parametrize("neox", [True, False], ids=["neox", "norm"])
 @pytest.mark.parametrize("T", [1, 7, 65, 300])
 @pytest.mark.parametrize("H,S,n_rot", [(4, 256, 64), (2, 256, 256), (3, 96, 32)])
-def test_rope_neox(gpu, T, H, S, n_rot):
+def test_rope_neox(gpu, T, H, S, n_rot, neox):
     gpuarray, ke, _ = gpu
     rng = np.random.default_rng(T + S + n_rot)
     x = rng.standard_normal((T, H, S), dtype=np.float32)
     pos = rng.integers(0, 300_000, T).astype(np.int32)
     pos[0] = 0
     xg = gpuarray.to_gpu(x)
-    ke.rope_neox(xg, gpuarray.to_gpu(pos), n_rot, 1e7)
-    ref = ref_rope(x, pos, n_rot, 1e7, neox=True)
+    ke.rope_neox(xg, gpuarray.to_gpu(pos), n_rot, 1e7, neox=neox)
+    ref = ref_rope(x, pos, n_rot, 1e7, neox=neox)
     got = xg.get()
     _close(got, ref, 1e-5, 2e-6, f"rope T={T} H={H} S={S} n_rot={n_rot}")
     assert np.array_equal(got[..., n_rot:], x[..., n_rot:])

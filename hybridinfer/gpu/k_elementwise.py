@@ -69,8 +69,9 @@ def rms_norm(x, w, eps: float, out=None, stream=None):
     return out
 
 
-def rope_neox(x, pos, n_rot: int, theta: float, stream=None):
-    """In place: rotate dims (i, i + n_rot/2), i < n_rot/2, of every head by pos[t] * theta^(-2i/n_rot).
+def rope_neox(x, pos, n_rot: int, theta: float, stream=None, neox: bool = True):
+    """In place: rotate dims (i, i + n_rot/2), i < n_rot/2, of every head by pos[t] * theta^(-2i/n_rot)
+    (neox=False: dims (2i, 2i+1), llama.cpp's NORM mode).
 
     x: (T, H, S) float32 with n_rot <= S (dims >= n_rot untouched); pos: (T,) int32 absolute positions;
     n_rot even, at most 512. Returns x.
@@ -84,7 +85,8 @@ def rope_neox(x, pos, n_rot: int, theta: float, stream=None):
         raise KernelArgumentError(f"rope_neox: n_rot {n_rot} must be even and in 2..min({S}, 512)")
     if T:
         loader.launch(FAMILY, "rope_neox_f32", (min(T, loader.MAX_GRID),), (_row_threads(H * n_rot // 2),),
-                      [xp, pp, np.int32(T), np.int32(H), np.int32(S), np.int32(n_rot), np.float64(theta)],
+                      [xp, pp, np.int32(T), np.int32(H), np.int32(S), np.int32(n_rot), np.float64(theta),
+                       np.int32(bool(neox))],
                       stream=stream)
     return x
 

@@ -64,7 +64,7 @@ class DeviceWeight:
 def _aligned(ptr, n: int, what: str):
     if int(ptr) % n:
         raise KernelArgumentError(f"{what}: device pointer {int(ptr):#x} is not {n}-byte aligned")
-    return ptr
+    return np.uintp(int(ptr))
 
 
 def _check_weight(w: DeviceWeight, ndim: int, table: dict) -> str:

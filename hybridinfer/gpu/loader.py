@@ -90,7 +90,7 @@ def arg(a, dtype, shape: tuple, what: str):
         raise KernelArgumentError(f"{what}: shape {a.shape}, expected {shape}")
     if not a.flags.c_contiguous:
         raise KernelArgumentError(f"{what}: not C-contiguous (strides {a.strides})")
-    return a.gpudata
+    return np.uintp(int(a.gpudata))  # views (slices) carry a plain int, which kernels do not take
 
 
 def grid_for(n: int, per_block: int) -> int:

@@ -10,8 +10,8 @@ to stream as many tiny copies), then attention and GDN projections and dense / s
 token uses them), then routed experts ranked by how many tokens they took in the prompts seen so far
 ("expert pinning"; unseen experts rank by layer order). A streamed layer uploads its non-resident tensors;
 an expert tensor streams as its non-resident experts' slabs (each expert's rows are contiguous in GGUF).
-The embedding and the output head stay on the host: prefill needs only one row per token and the last
-token's logits, both cheap on the CPU.
+The embedding stays on the host (prefill needs one row per token); the output head is planned as one more
+layer after the last block (index n_layer).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 SMALL_BYTES = 1 << 20  # tensors below this are "small"
-HOST_ONLY = ("token_embd.weight", "output.weight")
+HOST_ONLY = ("token_embd.weight",)
 
 
 @dataclass(frozen=True)
@@ -73,14 +73,15 @@ class BudgetError(ValueError):
 
 
 def plan_placement(weights: Iterable[WeightInfo], vram_budget: int, reserved: int = 0,
-                   expert_counts: Mapping[tuple[int, int], int] | None = None) -> Placement:
+                   expert_counts: Mapping[tuple[int, int], int] | None = None,
+                   host_only: tuple[str, ...] = HOST_ONLY) -> Placement:
     """Decide residency for `weights` under `vram_budget`, keeping `reserved` bytes (activations, state).
 
     expert_counts[(layer, e)]: tokens routed to expert e of layer `layer` so far (missing = 0).
     Greedy by usefulness; each candidate is accepted only if the total (resident + the double staging that
     the remaining streamed layers still need + reserved) stays within the budget.
     """
-    ws = {w.name: w for w in weights if w.name not in HOST_ONLY}
+    ws = {w.name: w for w in weights if w.name not in host_only}
     counts = expert_counts or {}
     p = Placement(vram_budget, reserved_bytes=reserved)
     for w in ws.values():
@@ -145,13 +146,18 @@ def plan_placement(weights: Iterable[WeightInfo], vram_budget: int, reserved: in
     return p
 
 
-def weights_of(gm, args) -> list[WeightInfo]:
-    """WeightInfo for every tensor of a GGUFModel (expert tensors carry their expert count)."""
+def weights_of(gm, args, matrices_only: bool = False) -> list[WeightInfo]:
+    """WeightInfo for every tensor of a GGUFModel (expert tensors carry their expert count). The output head
+    (output.weight, or token_embd.weight when tied) is layer n_layer. matrices_only: skip 1-D tensors and
+    the conv kernels (the GPU backend keeps those as float32 vectors of its own)."""
+    head = "token_embd.weight" if args.tied_output else "output.weight"
     out = []
     for name, t in gm.tensors.items():
         layer = int(name.split(".")[1]) if name.startswith("blk.") else -1
         if layer >= args.n_layer:
             continue  # MTP blocks: not used by prefill
+        if matrices_only and (len(t.ne) < 2 or name.endswith("ssm_conv1d.weight")):
+            continue
         n_exp = int(t.ne[2]) if name.endswith("_exps.weight") and len(t.ne) == 3 else 0
-        out.append(WeightInfo(name, int(t.nbytes), layer, n_exp))
+        out.append(WeightInfo(name, int(t.nbytes), args.n_layer if name == head else layer, n_exp))
     return out

@@ -9,6 +9,7 @@
 //                numpy reference; cos and sin are rounded to fp32 once):
 //                x'_i = x_i cos - x_{i+n_rot/2} sin,  x'_{i+n_rot/2} = x_{i+n_rot/2} cos + x_i sin.
 //                Dimensions >= n_rot pass through. x is [T, H, S] (head pitch S >= n_rot), in place.
+//                neox = 0 (llama.cpp's NORM mode, llama): the pairs are (2i, 2i+1) instead of (i, i+n_rot/2).
 //   embed_<type>: out[t, :] = dequantize(table[ids[t], :])   (table rows in GGUF form, D % 32 == 0).
 //   add:         y += a * x                (a = 1: the residual add, exact)
 //   scale:       x *= s
@@ -34,7 +35,7 @@ extern "C" __global__ void __launch_bounds__(HI_THREADS)
 #define ROPE_MAX_HALF 256
 
 extern "C" __global__ void __launch_bounds__(HI_THREADS)
-    rope_neox_f32(float* x, const int* __restrict__ pos, int T, int H, int S, int n_rot, double theta) {
+    rope_neox_f32(float* x, const int* __restrict__ pos, int T, int H, int S, int n_rot, double theta, int neox) {
     __shared__ float cs[ROPE_MAX_HALF], sn[ROPE_MAX_HALF];
     const int half = n_rot >> 1;
     for (int t = blockIdx.x; t < T; t += gridDim.x) {
@@ -51,9 +52,10 @@ extern "C" __global__ void __launch_bounds__(HI_THREADS)
         for (int p = threadIdx.x; p < H * half; p += blockDim.x) {
             const int h = p / half, i = p - h * half;
             float* xh = xt + (size_t)h * S;
-            const float a = xh[i], b = xh[i + half];
-            xh[i] = __fsub_rn(__fmul_rn(a, cs[i]), __fmul_rn(b, sn[i]));
-            xh[i + half] = __fadd_rn(__fmul_rn(b, cs[i]), __fmul_rn(a, sn[i]));
+            const int ia = neox ? i : 2 * i, ib = neox ? i + half : 2 * i + 1;
+            const float a = xh[ia], b = xh[ib];
+            xh[ia] = __fsub_rn(__fmul_rn(a, cs[i]), __fmul_rn(b, sn[i]));
+            xh[ib] = __fadd_rn(__fmul_rn(b, cs[i]), __fmul_rn(a, sn[i]));
         }
     }
 }

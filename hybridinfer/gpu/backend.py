@@ -1,0 +1,353 @@
+"""backend="gpu": prompt prefill on the card, one pass over the layers, then decode on the CPU backend.
+
+forward(tokens) runs layer-major: every token of the call goes through layer L before layer L+1's weights
+are used, so each streamed weight crosses the bus once per call. Inside a layer the tokens go in chunks of
+`chunk` rows (the activation budget); attention chunks read the card's K/V cache, GDN chunks carry conv
+and S. The state lives on the host (`DecoderState`); the card keeps a copy (K/V cache, conv, S) that is
+uploaded when the host state is not the one this backend last wrote, and written back after each call.
+GDN kernels also write S and conv at requested positions, so the prefix cache gets snapshots from the
+same single pass.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from ..quant import dequantize_rows
+from ..state import DecoderState
+from . import k_attention as ka
+from . import k_elementwise as ke
+from . import k_gdn as kg
+from . import k_gemm as kgm
+from . import k_moe as km
+from . import loader
+from .placement import plan_placement, weights_of
+from .streamer import Streamer
+
+MAX_SNAPS = 16
+
+
+def _f32(gm, name):
+    from pycuda import gpuarray
+
+    return gpuarray.to_gpu(np.ascontiguousarray(gm.dequant(name), dtype=np.float32))
+
+
+class Buffers:
+    """Activation buffers for `C` tokens per kernel call and the card's copy of one sequence's state."""
+
+    def __init__(self, a, C: int, n_ctx: int):
+        from pycuda import gpuarray
+
+        f = lambda *s: gpuarray.empty(s, np.float32)  # noqa: E731
+        self.C, self.n_ctx = C, n_ctx
+        D = a.n_embd
+        self.h = f(n_ctx, D)
+        self.x, self.mix, self.ffn = f(C, D), f(C, D), f(C, D)
+        self.pos = gpuarray.empty((C,), np.int32)
+        gated = 2 if a.attn_gate else 1
+        self.qg, self.q = f(C, a.n_head * a.head_dim * gated), f(C, a.n_head, a.head_dim)
+        self.k, self.v = f(C, a.n_head_kv, a.head_dim), f(C, a.n_head_kv, a.head_dim)
+        self.o = f(C, a.n_head, a.head_dim)
+        self.kc = {i: f(n_ctx, a.n_head_kv, a.head_dim) for i, t in enumerate(a.layer_types) if t != "gdn"}
+        self.vc = {i: f(n_ctx, a.n_head_kv, a.head_dim) for i in self.kc}
+        if "gdn" in a.layer_types:
+            Cc, Hv = a.ssm_conv_channels, a.ssm_n_v_heads
+            self.u, self.c, self.z = f(C, Cc), f(C, Cc), f(C, Hv * a.ssm_d_v)
+            self.ga, self.gb, self.y = f(C, Hv), f(C, Hv), f(C, Hv, a.ssm_d_v)
+            gdn = [i for i, t in enumerate(a.layer_types) if t == "gdn"]
+            self.conv = {i: f(a.ssm_conv_kernel - 1, Cc) for i in gdn}
+            self.S = {i: f(Hv, a.ssm_d_k, a.ssm_d_v) for i in gdn}
+            self.snap_conv = f(MAX_SNAPS, a.ssm_conv_kernel - 1, Cc)
+            self.snap_S = f(MAX_SNAPS, Hv, a.ssm_d_k, a.ssm_d_v)
+            self.snap_pos = gpuarray.empty((MAX_SNAPS,), np.int32)
+        if a.is_moe:
+            k, E, F = a.n_expert_used, a.n_expert, a.n_ff_exp
+            self.router = f(C, E)
+            self.ids, self.wts = gpuarray.empty((C, k), np.int32), f(C, k)
+            self.counts, self.offs = gpuarray.empty((E,), np.int32), gpuarray.empty((E + 1,), np.int32)
+            self.perm_tok, self.perm_w = gpuarray.empty((C * k,), np.int32), f(C * k)
+            self.row_of_pair = gpuarray.empty((C, k), np.int32)
+            self.scratch = gpuarray.empty(km.group_scratch_shape(C * k, E), np.int32)
+            self.eg, self.eu, self.ed = f(C * k, F), f(C * k, F), f(C * k, D)
+            if a.n_ff_shexp:
+                self.sg, self.su, self.sgate = f(C, a.n_ff_shexp), f(C, a.n_ff_shexp), f(C, 1)
+        else:
+            self.fg, self.fu = f(C, a.n_ff), f(C, a.n_ff)
+
+    @staticmethod
+    def nbytes(a, C: int, n_ctx: int) -> int:
+        """Bytes Buffers(a, C, n_ctx) allocates (for the placement's reserve), computed without a card."""
+        D, hd = a.n_embd, a.head_dim
+        n = n_ctx * D + 3 * C * D + C
+        n += C * a.n_head * hd * (2 if a.attn_gate else 1) + 2 * C * a.n_head * hd + 2 * C * a.n_head_kv * hd
+        n_attn = sum(t != "gdn" for t in a.layer_types)
+        n += 2 * n_attn * n_ctx * a.n_head_kv * hd
+        if "gdn" in a.layer_types:
+            Cc, Hv, S = a.ssm_conv_channels, a.ssm_n_v_heads, a.ssm_n_v_heads * a.ssm_d_k * a.ssm_d_v
+            n_gdn = sum(t == "gdn" for t in a.layer_types)
+            n += 2 * C * Cc + C * Hv * a.ssm_d_v * 2 + 2 * C * Hv
+            n += n_gdn * ((a.ssm_conv_kernel - 1) * Cc + S) + MAX_SNAPS * ((a.ssm_conv_kernel - 1) * Cc + S + 1)
+        if a.is_moe:
+            k, E = a.n_expert_used, a.n_expert
+            n += C * E + 2 * C * k + 2 * E + 1 + 3 * C * k
+            n += int(np.prod(km.group_scratch_shape(C * k, E)))
+            n += C * k * (2 * a.n_ff_exp + D) + (C * (2 * a.n_ff_shexp + 1) if a.n_ff_shexp else 0)
+        else:
+            n += 2 * C * a.n_ff
+        return 4 * n
+
+
+class GPUModel:
+    """Prefill on the card under `vram_budget` bytes (None: the card's free memory less 512 MiB)."""
+
+    single_pass = True
+
+    def __init__(self, gm, args, n_ctx: int, vram_budget: int | None = None, chunk: int = 512, device: int = 0,
+                 expert_counts=None):
+        loader.init(device)  # BackendNotAvailableError without pycuda or a card
+        import pycuda.driver as drv
+
+        self.gm, self.args, self.n_ctx, self.chunk = gm, args, n_ctx, int(chunk)
+        a = args
+        _check_supported(gm, args)
+        self.stream = drv.Stream()
+        vec_names = [n for n, t in gm.tensors.items() if (len(t.ne) < 2 or n.endswith("ssm_conv1d.weight"))
+                     and not (n.startswith("blk.") and int(n.split(".")[1]) >= a.n_layer)]
+        self.vec = {n: _f32(gm, n) for n in vec_names}  # norms, ssm_a, dt bias, conv kernels: float32
+        vec_bytes = sum(v.nbytes for v in self.vec.values())
+        self.infos = {w.name: w for w in weights_of(gm, args, matrices_only=True)}
+        free, total = drv.mem_get_info()
+        self.vram_budget = int(vram_budget) if vram_budget is not None else int(free) - (512 << 20)
+        self.reserved = Buffers.nbytes(a, self.chunk, n_ctx) + vec_bytes
+        self.placement = plan_placement(self.infos.values(), self.vram_budget, self.reserved, expert_counts)
+        self.streamer = Streamer(gm, self.placement, self.infos, self.stream)
+        self.buf = Buffers(a, self.chunk, n_ctx)
+        self.head = "token_embd.weight" if a.tied_output else "output.weight"
+        self.tok_embd = gm.tensor("token_embd.weight")
+        self._owner: tuple[int, int] | None = None  # (id(state), pos) whose copy the card holds
+        self.last_timing: dict = {}
+        self.allocated_bytes = self.streamer.device_bytes + Buffers.nbytes(a, self.chunk, n_ctx) + vec_bytes
+
+    def new_state(self, n_ctx: int) -> DecoderState:
+        return DecoderState.new(self.args, n_ctx)
+
+    # state hand-off ------------------------------------------------------------------------------------
+    def _upload_state(self, st: DecoderState) -> None:
+        b, p = self.buf, st.pos
+        for i in b.kc:
+            if p:
+                b.kc[i][:p].set(np.ascontiguousarray(st.k[i][:p]))
+                b.vc[i][:p].set(np.ascontiguousarray(st.v[i][:p]))
+        for i in getattr(b, "S", {}):
+            b.S[i].set(st.ssm[i])
+            b.conv[i].set(st.conv[i])
+
+    def _download_state(self, st: DecoderState, p0: int, p1: int) -> None:
+        b = self.buf
+        for i in b.kc:
+            st.k[i][p0:p1] = b.kc[i][p0:p1].get()
+            st.v[i][p0:p1] = b.vc[i][p0:p1].get()
+        for i in getattr(b, "S", {}):
+            b.S[i].get(ary=st.ssm[i])
+            b.conv[i].get(ary=st.conv[i])
+
+    # forward -------------------------------------------------------------------------------------------
+    def forward(self, tokens, state: DecoderState, all_logits: bool = True, snapshot_at=(), on_snapshot=None):
+        ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        T, a = len(ids), self.args
+        if T == 0:
+            raise ValueError("forward() needs at least one token")
+        if ids.min() < 0 or ids.max() >= a.n_vocab:
+            bad = int(ids[(ids < 0) | (ids >= a.n_vocab)][0])
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {a.n_vocab})")
+        state.check_room(T)
+        if state.n_ctx > self.n_ctx:
+            raise ValueError(f"state n_ctx {state.n_ctx} exceeds the GPU backend's n_ctx {self.n_ctx}")
+        p0 = state.pos
+        snaps = sorted({int(p) - p0 for p in snapshot_at if p0 < int(p) < p0 + T})[:MAX_SNAPS]
+        t0 = time.perf_counter()
+        if self._owner != (id(state), p0):
+            self._upload_state(state)
+        b, st = self.buf, self.streamer
+        st.reset_timing()
+        h = b.h[:T]
+        emb = np.empty((T, a.n_embd), np.float32)
+        dequantize_rows(self.tok_embd.raw(), self.tok_embd.qtype, self.tok_embd.ne[0], ids, emb)
+        h.set(emb)
+        snap_host = [(DecoderState(n_ctx=state.n_ctx, layer_types=state.layer_types, pos=p0 + s,
+                                   tokens=state.tokens, k=state.k, v=state.v,
+                                   conv=[None if c is None else np.empty_like(c) for c in state.conv],
+                                   ssm=[None if c is None else np.empty_like(c) for c in state.ssm]))
+                     for s in snaps]
+        ev0, ev1 = self._event(), self._event()
+        ev0.record(self.stream)
+        st.prefetch(0)
+        for i in range(a.n_layer):
+            st.prefetch(i + 1)  # the next layer's upload overlaps this layer's compute
+            W = st.weights(i, [n for n in self.infos if n.startswith(f"blk.{i}.")])
+            L = _Names(i, W, self.vec)
+            for c0 in range(0, T, self.chunk):
+                c1 = min(T, c0 + self.chunk)
+                x = b.x[: c1 - c0]
+                ke.rms_norm(h[c0:c1], L.v("attn_norm"), a.rms_eps, out=x, stream=self.stream)
+                if a.layer_types[i] == "gdn":
+                    mix = self._gdn(L, i, x, c0, snaps, snap_host)
+                else:
+                    mix = self._attention(L, i, x, p0 + c0)
+                ke.add(h[c0:c1], mix, stream=self.stream)
+                post = "ffn_norm" if a.arch == "llama" else "post_attention_norm"
+                ke.rms_norm(h[c0:c1], L.v(post), a.rms_eps, out=x, stream=self.stream)
+                ke.add(h[c0:c1], self._moe(L, x) if a.is_moe else self._ffn(L, x), stream=self.stream)
+            st.release(i)
+        logits = self._head(h, T, all_logits)
+        ev1.record(self.stream)
+        self.stream.synchronize()
+        state.tokens[p0 : p0 + T] = ids
+        state.pos = p0 + T
+        self._download_state(state, p0, p0 + T)
+        self._owner = (id(state), state.pos)
+        wall = time.perf_counter() - t0
+        self.last_timing = {"wall_s": wall, "gpu_s": ev1.time_since(ev0) / 1e3, "copy_s": st.copy_seconds(),
+                            "bytes_h2d": st.bytes_h2d, "tokens": T}
+        if on_snapshot is not None:
+            for s in snap_host:
+                on_snapshot(s, None)
+        return logits
+
+    @staticmethod
+    def _event():
+        import pycuda.driver as drv
+
+        return drv.Event()
+
+    def _head(self, h, T: int, all_logits: bool) -> np.ndarray:
+        a, b = self.args, self.buf
+        W = self.streamer.weights(a.n_layer, [self.head])[self.head]
+        rows = range(0, T, self.chunk) if all_logits else [T - 1]
+        out = []
+        for r0 in rows:
+            r1 = min(T, r0 + self.chunk) if all_logits else T
+            x = b.x[: r1 - r0]
+            ke.rms_norm(h[r0:r1], self.vec["output_norm.weight"], a.rms_eps, out=x, stream=self.stream)
+            lg = kgm.gemm(x, W, stream=self.stream)
+            out.append(lg.get(stream=self.stream))
+        self.streamer.release(a.n_layer)
+        return np.concatenate(out, axis=0)
+
+    # mixers --------------------------------------------------------------------------------------------
+    def _attention(self, L, i: int, x, pos0: int):
+        a, b, s = self.args, self.buf, self.stream
+        n, hd = x.shape[0], a.head_dim
+        b.pos[:n].set(np.arange(pos0, pos0 + n, dtype=np.int32))
+        qg = kgm.gemm(x, L.w("attn_q"), out=b.qg[:n], stream=s)
+        k = kgm.gemm(x, L.w("attn_k"), out=b.k[:n].reshape(n, a.n_head_kv * hd), stream=s)
+        v = kgm.gemm(x, L.w("attn_v"), out=b.v[:n].reshape(n, a.n_head_kv * hd), stream=s)
+        q = b.q[:n]
+        pitch = 2 * hd if a.attn_gate else hd
+        q2, qg2 = q.reshape(n * a.n_head, hd), qg.reshape(n * a.n_head, pitch)
+        if a.qk_norm:  # also drops the gate halves of Qwen3.5's [query(hd), gate(hd)] heads
+            ke.rms_norm(qg2, L.v("attn_q_norm"), a.rms_eps, out=q2, stream=s)
+            kk = k.reshape(n * a.n_head_kv, hd)
+            ke.rms_norm(kk, L.v("attn_k_norm"), a.rms_eps, out=kk, stream=s)
+        else:  # llama: no gate, no norm; the projection is the query
+            q = qg.reshape(n, a.n_head, hd)
+        ke.rope_neox(q, b.pos[:n], a.n_rot, a.rope_theta, stream=s, neox=a.rope_neox)
+        k3 = k.reshape(n, a.n_head_kv, hd)
+        ke.rope_neox(k3, b.pos[:n], a.n_rot, a.rope_theta, stream=s, neox=a.rope_neox)
+        ka.kv_append(k3, v.reshape(n, a.n_head_kv, hd), b.kc[i], b.vc[i], pos0, stream=s)
+        o = b.o[:n]
+        ka.attention_prefill(q, b.kc[i], b.vc[i], o, pos0, stream=s)
+        if a.attn_gate:
+            ke.sigmoid_mul(o.reshape(n * a.n_head, hd), qg2, g_off=hd, stream=s)
+        return kgm.gemm(o.reshape(n, a.n_head * hd), L.w("attn_output"), out=b.mix[:n], stream=s)
+
+    def _gdn(self, L, i: int, x, c0: int, snaps: list[int], snap_host: list):
+        a, b, s = self.args, self.buf, self.stream
+        n = x.shape[0]
+        u = kgm.gemm(x, L.w("attn_qkv"), out=b.u[:n], stream=s)
+        z = kgm.gemm(x, L.w("attn_gate"), out=b.z[:n], stream=s)
+        gb = kgm.gemm(x, L.w("ssm_beta"), out=b.gb[:n], stream=s)
+        ga = kgm.gemm(x, L.w("ssm_alpha"), out=b.ga[:n], stream=s)
+        mine = [(j, p - c0) for j, p in enumerate(snaps) if c0 < p <= c0 + n]
+        sp = sc = sS = None
+        if mine:
+            b.snap_pos[: len(mine)].set(np.array([p for _, p in mine], np.int32))
+            sp, sc, sS = b.snap_pos[: len(mine)], b.snap_conv[: len(mine)], b.snap_S[: len(mine)]
+        y = b.y[:n]
+        kg.gdn_prefill(u, z, ga, gb, L.v("ssm_conv1d"), L.v("ssm_a"), L.v("ssm_dt.bias"),
+                       L.v("ssm_norm"), b.conv[i], b.S[i], y, a.ssm_n_k_heads, a.ssm_d_k, a.rms_eps,
+                       a.gdn_head_map, sp, sc, sS, c=b.c[:n], stream=s)
+        for r, (j, _) in enumerate(mine):
+            sc[r].get(ary=snap_host[j].conv[i], stream=s)
+            sS[r].get(ary=snap_host[j].ssm[i], stream=s)
+        return kgm.gemm(y.reshape(n, -1), L.w("ssm_out"), out=b.mix[:n], stream=s)
+
+    def _ffn(self, L, x):
+        b, s, n = self.buf, self.stream, x.shape[0]
+        g = kgm.gemm(x, L.w("ffn_gate"), out=b.fg[:n], stream=s)
+        u = kgm.gemm(x, L.w("ffn_up"), out=b.fu[:n], stream=s)
+        ke.swiglu(g, u, out=g, stream=s)
+        return kgm.gemm(g, L.w("ffn_down"), out=b.ffn[:n], stream=s)
+
+    def _moe(self, L, x):
+        a, b, s, n = self.args, self.buf, self.stream, x.shape[0]
+        k, E = a.n_expert_used, a.n_expert
+        router = kgm.gemm(x, L.w("ffn_gate_inp"), out=b.router[:n], stream=s)
+        ids, wts = b.ids[:n], b.wts[:n]
+        km.route(router, k, ids, wts, stream=s)
+        P = n * k
+        km.group(ids, wts, E, b.counts, b.offs, b.perm_tok[:P], b.perm_w[:P], b.row_of_pair[:n],
+                 scratch=b.scratch[: km.group_scratch_shape(P, E)[0]], stream=s)
+        eg = kgm.gemm_grouped(x, L.w("ffn_gate_exps"), b.offs, idx=b.perm_tok[:P], out=b.eg[:P], stream=s)
+        eu = kgm.gemm_grouped(x, L.w("ffn_up_exps"), b.offs, idx=b.perm_tok[:P], out=b.eu[:P], stream=s)
+        ke.swiglu(eg, eu, out=eg, stream=s)
+        ed = kgm.gemm_grouped(eg, L.w("ffn_down_exps"), b.offs, out=b.ed[:P], stream=s)
+        out = b.ffn[:n]
+        if a.n_ff_shexp:
+            sg = kgm.gemm(x, L.w("ffn_gate_shexp"), out=b.sg[:n], stream=s)
+            su = kgm.gemm(x, L.w("ffn_up_shexp"), out=b.su[:n], stream=s)
+            ke.swiglu(sg, su, out=sg, stream=s)
+            sh = kgm.gemm(sg, L.w("ffn_down_shexp"), out=b.mix[:n], stream=s)
+            gl = kgm.gemm(x, L.w("ffn_gate_inp_shexp"), out=b.sgate[:n], stream=s)
+            km.combine(ed, b.row_of_pair[:n], wts, out, shared_out=sh, shared_gate_logit=gl.reshape(n), stream=s)
+        else:
+            km.combine(ed, b.row_of_pair[:n], wts, out, stream=s)
+        return out
+
+
+def _check_supported(gm, args) -> None:
+    from ..errors import UnsupportedArchitectureError, UnsupportedTensorTypeError
+    from ..quant import type_name
+
+    if getattr(args, "has_rope_freqs", False):
+        raise UnsupportedArchitectureError(f"{gm.path!r}: rope frequency factors are not supported on the GPU yet")
+    for w in weights_of(gm, args, matrices_only=True):
+        t = gm.tensor(w.name)
+        if t.qtype not in kgm.GEMM_TYPES:
+            raise UnsupportedTensorTypeError(
+                f"{gm.path!r}: tensor {w.name!r} has type {t.type_name}, which the GPU kernels do not handle "
+                f"(they do {', '.join(type_name(q) for q in kgm.GEMM_TYPES)}); use backend='cpu'")
+
+
+class _Names:
+    """Block i's tensors by short GGUF name: w("attn_q") -> DeviceWeight, v("attn_norm") -> f32 vector."""
+
+    def __init__(self, i: int, W: dict, vec: dict):
+        self.p, self.W, self.vec = f"blk.{i}.", W, vec
+
+    def w(self, short: str):
+        name = f"{self.p}{short}.weight"
+        if name not in self.W:  # a vector used as a 1-row matrix (ffn_gate_inp_shexp)
+            from ..quant import F32
+
+            v = self.vec[name]
+            self.W[name] = kgm.DeviceWeight(F32, (1, v.size), v.reshape(v.size).view(np.uint8))
+        return self.W[name]
+
+    def v(self, short: str):
+        """GGUF names some vectors without ".weight" (ssm_a, ssm_dt.bias)."""
+        name = f"{self.p}{short}.weight"
+        return self.vec[name] if name in self.vec else self.vec[f"{self.p}{short}"]

@@ -1,0 +1,144 @@
+"""Weights on the card under a Placement: resident tensors uploaded once; streamed layers pass through two
+staging buffers on the card, filled from pinned host copies on their own copy stream while the previous
+layer computes (double buffering). Pinned experts of a streamed expert tensor are copied card-to-card into
+their slot, so kernels always see whole [E, N, K] tensors.
+
+Order of events for layer L in slot s = L % 2:
+  copy stream:    wait free[s]  -> H2D (streamed bytes) + D2D (pinned experts) -> record ready[L]
+  compute stream: wait ready[L] -> the layer's kernels -> record free[s]
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .k_gemm import DeviceWeight
+from .placement import Placement, WeightInfo
+
+ALIGN = 256
+
+
+def _shape(t) -> tuple:
+    return tuple(int(x) for x in reversed(t.ne))  # numpy order: (E, N, K) or (N, K) or (K,)
+
+
+class Streamer:
+    def __init__(self, gm, placement: Placement, infos: dict[str, WeightInfo], compute_stream, progress=None):
+        import pycuda.driver as drv
+        from pycuda import gpuarray
+
+        self.drv, self.gm, self.p, self.infos = drv, gm, placement, infos
+        self.compute = compute_stream
+        self.copy = drv.Stream()
+        self.resident: dict[str, DeviceWeight] = {}
+        self.pinned: dict[str, tuple] = {}  # expert tensor -> (DeviceWeight of its pinned slabs, {e: slot})
+        self.host: dict[str, np.ndarray] = {}  # streamed tensor -> pinned host copy (uint8)
+        self.device_bytes = 0
+        for name in sorted(placement.resident):
+            t = gm.tensor(name)
+            self.resident[name] = DeviceWeight.upload(t.raw(), t.qtype, _shape(t))
+            self.device_bytes += t.nbytes
+        for name, es in placement.pinned_experts.items():
+            t = gm.tensor(name)
+            order = sorted(es)
+            slab = infos[name].slab
+            raw = np.asarray(t.raw()).view(np.uint8).reshape(-1)
+            packed = np.concatenate([raw[e * slab : (e + 1) * slab] for e in order])
+            shp = _shape(t)
+            self.pinned[name] = (DeviceWeight(t.qtype, (len(order),) + shp[1:], gpuarray.to_gpu(packed)),
+                                 {e: i for i, e in enumerate(order)})
+            self.device_bytes += packed.nbytes
+        # per streamed layer: slot layout (offsets of its tensors) and pinned host copies
+        self.layout: dict[int, list[tuple[str, int]]] = {}
+        slot_bytes = 0
+        for layer, names in placement.streamed.items():
+            off, lay = 0, []
+            for n in names:
+                if n in placement.resident:
+                    continue
+                lay.append((n, off))
+                off += (infos[n].nbytes + ALIGN - 1) // ALIGN * ALIGN
+                h = drv.pagelocked_empty(infos[n].nbytes, np.uint8)
+                np.copyto(h, np.asarray(gm.tensor(n).raw()).view(np.uint8).reshape(-1))
+                self.host[n] = h
+                if progress is not None:
+                    progress(infos[n].nbytes)
+            self.layout[layer] = lay
+            slot_bytes = max(slot_bytes, off)
+        self.slots = [gpuarray.empty(max(slot_bytes, 1), np.uint8) for _ in range(2)]
+        self.device_bytes += 2 * max(slot_bytes, 1) if slot_bytes else 0
+        self.free = [drv.Event(), drv.Event()]
+        for e in self.free:
+            e.record(self.compute)
+        self.ready: dict[int, object] = {}
+        self.timing: list[tuple[int, object, object]] = []  # (layer, start, end) events of copies
+        self.bytes_h2d = 0
+
+    def is_streamed(self, layer: int) -> bool:
+        return bool(self.layout.get(layer))
+
+    def prefetch(self, layer: int) -> None:
+        """Queue the upload of `layer`'s streamed tensors into its slot (no-op for resident layers)."""
+        if not self.is_streamed(layer) or layer in self.ready:
+            return
+        drv, s = self.drv, layer % 2
+        self.copy.wait_for_event(self.free[s])
+        start, end = drv.Event(), drv.Event()
+        start.record(self.copy)
+        base = int(self.slots[s].gpudata)
+        for name, off in self.layout[layer]:
+            info = self.infos[name]
+            host = self.host[name]
+            pin = self.pinned.get(name)
+            if pin is None:
+                drv.memcpy_htod_async(base + off, host, self.copy)
+                self.bytes_h2d += host.nbytes
+                continue
+            dw, slot_of = pin
+            slab = info.slab
+            e = 0
+            while e < info.n_expert:  # runs of streamed experts in one copy each
+                if e in slot_of:
+                    drv.memcpy_dtod_async(base + off + e * slab, int(dw.data.gpudata) + slot_of[e] * slab, slab,
+                                          self.copy)
+                    e += 1
+                    continue
+                e2 = e
+                while e2 < info.n_expert and e2 not in slot_of:
+                    e2 += 1
+                drv.memcpy_htod_async(base + off + e * slab, host[e * slab : e2 * slab], self.copy)
+                self.bytes_h2d += (e2 - e) * slab
+                e = e2
+        end.record(self.copy)
+        self.ready[layer] = end
+        self.timing.append((layer, start, end))
+
+    def weights(self, layer: int, names) -> dict[str, DeviceWeight]:
+        """DeviceWeights of `names` for `layer`; the compute stream waits for the layer's upload."""
+        out = {}
+        if self.is_streamed(layer):
+            self.prefetch(layer)
+            self.compute.wait_for_event(self.ready.pop(layer))
+            slot = self.slots[layer % 2]
+            offs = dict(self.layout[layer])
+        for n in names:
+            if n in self.resident:
+                out[n] = self.resident[n]
+            else:
+                t = self.gm.tensor(n)
+                nb = self.infos[n].nbytes
+                out[n] = DeviceWeight(t.qtype, _shape(t), slot[offs[n] : offs[n] + nb])
+        return out
+
+    def release(self, layer: int) -> None:
+        """The compute stream is done with `layer`'s slot once the work queued so far has run."""
+        if self.is_streamed(layer):
+            self.free[layer % 2].record(self.compute)
+
+    def copy_seconds(self) -> float:
+        """Time the copy stream spent on uploads since the last reset (call after synchronising)."""
+        return sum(end.time_since(start) for _, start, end in self.timing) / 1e3
+
+    def reset_timing(self) -> None:
+        self.timing.clear()
+        self.bytes_h2d = 0

@@ -1,0 +1,256 @@
+// Gated DeltaNet layer over a prompt chunk of T tokens (spec §3; reference.py ReferenceModel.gdn),
+// fp32, sm_20 subset. The projections (u = W_qkv x, z, b, a) and ssm_out are GEMMs done elsewhere.
+//
+// Maths, per chunk, with the carried state (conv (K-1, C), S (H_v, d_k, d_v)):
+//   win = [conv; u] (oldest first);  c[t,ch] = SiLU(sum_tau w[ch,tau] win[t+tau,ch]);  conv <- win[T:]
+//   q_i = c[:, i d_k ...], k_i = c[:, H_k d_k + i d_k ...], v_j = c[:, 2 H_k d_k + j d_v ...]
+//   q^ = q / sqrt(sum q^2 + eps) / sqrt(d_k),   k^ = k / sqrt(sum k^2 + eps)
+//   value head j reads key head kappa(j) = j mod H_k (qwen35 GGUF, "mod") or j / (H_v/H_k) ("div")
+//   g = ssm_a[j] softplus(a + dt_bias[j])   (ssm_a is already -exp(A_log): no further exp or sign)
+//   beta = sigma(b)
+//   per token: S <- e^g S;  delta = beta (v - S^T k^);  S <- S + k^ delta^T;  o = S^T q^
+//   y_j = o_j / sqrt(mean(o_j^2) + eps) * w_norm * SiLU(z_j)
+// Snapshots: for each requested position p (ascending, 0 <= p <= T, counted in tokens of this chunk)
+// the conv state and S after the first p tokens are also written to [n_snap, ...] buffers in the
+// same pass.
+//
+// Kernels, in launch order: gdn_conv_silu, gdn_conv_state, gdn_l2norm_qk, gdn_delta_rule,
+// gdn_gated_norm (hybridinfer/gpu/k_gdn.py runs them).
+#include "prefill_common.cuh"
+
+#define GDN_MAXK 8     // conv kernel width K <= GDN_MAXK
+#define GDN_TC 16      // tokens staged in shared memory per step of gdn_delta_rule
+#define GDN_MAXR 16    // S rows per thread in gdn_delta_rule: ceil(d_k / blockDim.y) <= GDN_MAXR
+
+// c[t, ch] = SiLU(sum_tau w[ch, tau] * win[t + tau, ch]) with win = [conv_state; u].
+// u, c [T, C]; conv_state [K-1, C]; w [C, K]. One thread per channel and a run of tchunk tokens:
+// grid (ceil(C / blockDim.x), ceil(T / tchunk)). The K-tap window slides in registers (K is a
+// template argument of the device function so that the window is not spilled to local memory).
+template <int K>
+__device__ __forceinline__ void gdn_conv_run(const float* __restrict__ u, const float* __restrict__ conv_state,
+                                             const float* __restrict__ w, float* __restrict__ c, int ch, int t0,
+                                             int t1, int C) {
+    float wr[K], win[K];
+#pragma unroll
+    for (int tau = 0; tau < K; ++tau) wr[tau] = w[(size_t)ch * K + tau];
+#pragma unroll
+    for (int tau = 0; tau < K - 1; ++tau) {  // window rows t0 .. t0+K-2 of win
+        const int i = t0 + tau;
+        win[tau] = i < K - 1 ? conv_state[(size_t)i * C + ch] : u[(size_t)(i - (K - 1)) * C + ch];
+    }
+    for (int t = t0; t < t1; ++t) {
+        win[K - 1] = u[(size_t)t * C + ch];
+        float acc = 0.0f;
+#pragma unroll
+        for (int tau = 0; tau < K; ++tau) acc = fmaf(wr[tau], win[tau], acc);
+        c[(size_t)t * C + ch] = pf_silu(acc);
+#pragma unroll
+        for (int tau = 0; tau < K - 1; ++tau) win[tau] = win[tau + 1];
+    }
+}
+
+extern "C" __global__ void gdn_conv_silu(const float* __restrict__ u, const float* __restrict__ conv_state,
+                                         const float* __restrict__ w, float* __restrict__ c, int T, int C, int K,
+                                         int tchunk) {
+    const int ch = blockIdx.x * blockDim.x + threadIdx.x;
+    if (ch >= C) return;
+    const int t0 = blockIdx.y * tchunk;
+    const int t1 = min(T, t0 + tchunk);
+    switch (K) {
+        case 1: gdn_conv_run<1>(u, conv_state, w, c, ch, t0, t1, C); break;
+        case 2: gdn_conv_run<2>(u, conv_state, w, c, ch, t0, t1, C); break;
+        case 3: gdn_conv_run<3>(u, conv_state, w, c, ch, t0, t1, C); break;
+        case 4: gdn_conv_run<4>(u, conv_state, w, c, ch, t0, t1, C); break;
+        case 5: gdn_conv_run<5>(u, conv_state, w, c, ch, t0, t1, C); break;
+        case 6: gdn_conv_run<6>(u, conv_state, w, c, ch, t0, t1, C); break;
+        case 7: gdn_conv_run<7>(u, conv_state, w, c, ch, t0, t1, C); break;
+        default: gdn_conv_run<GDN_MAXK>(u, conv_state, w, c, ch, t0, t1, C); break;
+    }
+}
+
+// After gdn_conv_silu: snapshots and the new conv state. snap_conv[s, r, ch] = win[p_s + r, ch] and
+// conv_state[r, ch] <- win[T + r, ch] for r < K-1 (win = [old conv_state; u]). One thread per
+// channel reads and writes only its own column, rows in increasing order, so the in-place update
+// is safe (row T + r > r is read before it is overwritten). snap_pos [n_snap] int32 ascending in
+// [0, T]; snap_conv [n_snap, K-1, C] (may be NULL when n_snap == 0).
+extern "C" __global__ void gdn_conv_state(const float* __restrict__ u, float* __restrict__ conv_state,
+                                          const int* __restrict__ snap_pos, int n_snap,
+                                          float* __restrict__ snap_conv, int T, int C, int K) {
+    const int ch = blockIdx.x * blockDim.x + threadIdx.x;
+    if (ch >= C) return;
+    const int km1 = K - 1;
+    for (int s = 0; s < n_snap; ++s) {
+        const int p = snap_pos[s];
+        if (p < 0 || p > T) continue;
+        for (int r = 0; r < km1; ++r) {
+            const int i = p + r;
+            snap_conv[((size_t)s * km1 + r) * C + ch] =
+                i < km1 ? conv_state[(size_t)i * C + ch] : u[(size_t)(i - km1) * C + ch];
+        }
+    }
+    for (int r = 0; r < km1; ++r) {
+        const int i = T + r;
+        conv_state[(size_t)r * C + ch] = i < km1 ? conv_state[(size_t)i * C + ch] : u[(size_t)(i - km1) * C + ch];
+    }
+}
+
+// L2-normalise the 2*H_k q and k heads of c [T, C] in place (the first 2*H_k*d_k channels):
+// x <- x / sqrt(sum x^2 + eps), and q additionally times q_scale (= 1/sqrt(d_k)).
+// grid (2*H_k, min(T, 65535)) looping over tokens; blockDim.x a power of two.
+extern "C" __global__ void gdn_l2norm_qk(float* __restrict__ c, int T, int C, int H_k, int d_k, float eps,
+                                         float q_scale) {
+    __shared__ float red[1024];
+    const int hh = blockIdx.x;
+    for (int t = blockIdx.y; t < T; t += gridDim.y) {
+        float* x = c + (size_t)t * C + (size_t)hh * d_k;
+        float ss = 0.0f;
+        for (int i = threadIdx.x; i < d_k; i += blockDim.x) ss = fmaf(x[i], x[i], ss);
+        ss = pf_block_sum(ss, red);
+        float inv = 1.0f / sqrtf(ss + eps);
+        if (hh < H_k) inv *= q_scale;
+        for (int i = threadIdx.x; i < d_k; i += blockDim.x) x[i] *= inv;
+    }
+}
+
+// The delta-rule recurrence over the chunk. One block per (slice of VB = blockDim.x value columns,
+// value head j): grid (ceil(d_v / VB), H_v), block (VB, NG). Thread (x, y) keeps rows
+// i = y + NG r (r < GDN_MAXR) of column blockIdx.x*VB + x of S_j in registers; sums over d_k go
+// through shared memory (partials of the NG row groups), two __syncthreads per token.
+// c [T, C]: q, k normalised by gdn_l2norm_qk, v raw (post-SiLU); a, b [T, H_v] (alpha and beta
+// projections); ssm_a, dt_bias [H_v]; S [H_v, d_k, d_v] read and written back; o [T, H_v, d_v].
+// snap_S [n_snap, H_v, d_k, d_v]: S after snap_pos[s] tokens (snap_pos ascending, 0 <= p <= T).
+// Dynamic shared memory: (2 GDN_TC d_k + GDN_TC VB + 2 GDN_TC + 2 NG VB) floats.
+extern "C" __global__ void gdn_delta_rule(const float* __restrict__ c, const float* __restrict__ a,
+                                          const float* __restrict__ b, const float* __restrict__ ssm_a,
+                                          const float* __restrict__ dt_bias, float* __restrict__ S,
+                                          float* __restrict__ o, const int* __restrict__ snap_pos, int n_snap,
+                                          float* __restrict__ snap_S, int T, int C, int H_k, int H_v, int d_k,
+                                          int d_v, int head_mod) {
+    extern __shared__ float sm[];
+    const int VB = blockDim.x, NG = blockDim.y;
+    float* qs = sm;                    // GDN_TC x d_k
+    float* ks = qs + GDN_TC * d_k;     // GDN_TC x d_k
+    float* vs = ks + GDN_TC * d_k;     // GDN_TC x VB
+    float* gs = vs + GDN_TC * VB;      // GDN_TC: decay e^g
+    float* bs = gs + GDN_TC;           // GDN_TC: beta
+    float* pa = bs + GDN_TC;           // NG x VB: partials of k.S
+    float* pb = pa + NG * VB;          // NG x VB: partials of q.S
+
+    const int x = threadIdx.x, y = threadIdx.y;
+    const int tid = y * VB + x, nth = VB * NG;
+    const int j = blockIdx.y;
+    const int c0 = blockIdx.x * VB;
+    const int col = c0 + x;
+    const int kh = head_mod ? j % H_k : j / (H_v / H_k);
+    const size_t qoff = (size_t)kh * d_k, koff = (size_t)(H_k + kh) * d_k;
+    const size_t voff = (size_t)2 * H_k * d_k + (size_t)j * d_v;
+    const float a_j = ssm_a[j], dt_j = dt_bias[j];
+
+    float s[GDN_MAXR];
+    float* Sj = S + (size_t)j * d_k * d_v;
+#pragma unroll
+    for (int r = 0; r < GDN_MAXR; ++r) {
+        const int i = y + NG * r;
+        s[r] = (i < d_k && col < d_v) ? Sj[(size_t)i * d_v + col] : 0.0f;
+    }
+
+    int ns = 0;
+    int next = n_snap > 0 ? snap_pos[0] : -1;
+    while (next == 0) {  // snapshot of the incoming state
+#pragma unroll
+        for (int r = 0; r < GDN_MAXR; ++r) {
+            const int i = y + NG * r;
+            if (i < d_k && col < d_v) snap_S[(((size_t)ns * H_v + j) * d_k + i) * d_v + col] = s[r];
+        }
+        ++ns;
+        next = ns < n_snap ? snap_pos[ns] : -1;
+    }
+
+    for (int t0 = 0; t0 < T; t0 += GDN_TC) {
+        const int nt = min(GDN_TC, T - t0);
+        __syncthreads();
+        for (int p = tid; p < nt * d_k; p += nth) {
+            const int tt = p / d_k, i = p - (p / d_k) * d_k;
+            const float* row = c + (size_t)(t0 + tt) * C;
+            qs[p] = row[qoff + i];
+            ks[p] = row[koff + i];
+        }
+        for (int p = tid; p < nt * VB; p += nth) {
+            const int tt = p / VB, xx = p - (p / VB) * VB;
+            vs[p] = c0 + xx < d_v ? c[(size_t)(t0 + tt) * C + voff + c0 + xx] : 0.0f;
+        }
+        if (tid < nt) {
+            const size_t ti = (size_t)(t0 + tid) * H_v + j;
+            gs[tid] = expf(a_j * pf_softplus(a[ti] + dt_j));
+            bs[tid] = pf_sigmoid(b[ti]);
+        }
+        __syncthreads();
+        for (int tt = 0; tt < nt; ++tt) {
+            const float dec = gs[tt], beta = bs[tt];
+            const float* kt = ks + tt * d_k;
+            const float* qt = qs + tt * d_k;
+            float part = 0.0f;
+#pragma unroll
+            for (int r = 0; r < GDN_MAXR; ++r) {
+                const int i = y + NG * r;
+                if (i < d_k) {
+                    s[r] *= dec;
+                    part = fmaf(kt[i], s[r], part);
+                }
+            }
+            pa[y * VB + x] = part;
+            __syncthreads();
+            float kv = 0.0f;
+            for (int g = 0; g < NG; ++g) kv += pa[g * VB + x];
+            const float delta = beta * (vs[tt * VB + x] - kv);
+            part = 0.0f;
+#pragma unroll
+            for (int r = 0; r < GDN_MAXR; ++r) {
+                const int i = y + NG * r;
+                if (i < d_k) {
+                    s[r] = fmaf(kt[i], delta, s[r]);
+                    part = fmaf(qt[i], s[r], part);
+                }
+            }
+            pb[y * VB + x] = part;
+            __syncthreads();
+            const int t = t0 + tt;
+            if (y == 0 && col < d_v) {
+                float acc = 0.0f;
+                for (int g = 0; g < NG; ++g) acc += pb[g * VB + x];
+                o[((size_t)t * H_v + j) * d_v + col] = acc;
+            }
+            while (next == t + 1) {
+#pragma unroll
+                for (int r = 0; r < GDN_MAXR; ++r) {
+                    const int i = y + NG * r;
+                    if (i < d_k && col < d_v) snap_S[(((size_t)ns * H_v + j) * d_k + i) * d_v + col] = s[r];
+                }
+                ++ns;
+                next = ns < n_snap ? snap_pos[ns] : -1;
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < GDN_MAXR; ++r) {
+        const int i = y + NG * r;
+        if (i < d_k && col < d_v) Sj[(size_t)i * d_v + col] = s[r];
+    }
+}
+
+// Gated RMSNorm per (token, value head): y = o / sqrt(mean(o^2) + eps) * w * SiLU(z).
+// o, y [T, H_v, d_v] (y may alias o); z [T, H_v * d_v]; w [d_v].
+// grid (H_v, min(T, 65535)) looping over tokens; blockDim.x a power of two.
+extern "C" __global__ void gdn_gated_norm(const float* o, const float* __restrict__ z, const float* __restrict__ w,
+                                          float* y, int T, int H_v, int d_v, float eps) {
+    __shared__ float red[1024];
+    const int j = blockIdx.x;
+    for (int t = blockIdx.y; t < T; t += gridDim.y) {
+        const size_t row = ((size_t)t * H_v + j) * d_v;
+        float ss = 0.0f;
+        for (int d = threadIdx.x; d < d_v; d += blockDim.x) ss = fmaf(o[row + d], o[row + d], ss);
+        ss = pf_block_sum(ss, red);
+        const float inv = 1.0f / sqrtf(ss / (float)d_v + eps);
+        for (int d = threadIdx.x; d < d_v; d += blockDim.x) y[row + d] = o[row + d] * inv * w[d] * pf_silu(z[row + d]);
+    }
+}
