@@ -287,6 +287,24 @@ def cmd_bench_prefix(a) -> int:
     return 0
 
 
+def cmd_bench_prefill(a) -> int:
+    import json
+
+    from .benchmarks import prefill
+
+    prompts = tuple(int(x) for x in a.prompts.split(","))
+    res = prefill.run(a.model, prompts, a.vram_budget or None, not a.no_resident, a.threads, a.llama_bench,
+                      a.llama_bench_cuda)
+    print(prefill.markdown(res))
+    os.makedirs(a.out_dir, exist_ok=True)
+    stem = os.path.join(a.out_dir, f"prefill-{os.path.splitext(os.path.basename(a.model))[0]}")
+    with open(stem + ".json", "w") as f:
+        json.dump(res, f, indent=1)
+    plotted = prefill.plot(res, stem + ".png")
+    print(f"\nwrote {stem}.json" + (f" and {stem}.png" if plotted else ""))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="hybridinfer", description="Qwen3.5 hybrid MoE inference for old GPUs")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -352,6 +370,16 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary, run on the same GGUF")
     b.add_argument("--out-dir", default="bench/results")
     b.set_defaults(fn=cmd_bench_prefix)
+    b = bsub.add_parser("prefill", help="GPU prefill tok/s vs transfer and compute floors, and llama.cpp")
+    b.add_argument("-m", "--model", required=True)
+    b.add_argument("-t", "--threads", type=int, default=os.cpu_count(), help="threads for llama.cpp's CPU runs")
+    b.add_argument("--prompts", default="128,947,4096")
+    b.add_argument("--vram-budget", type=parse_size, default=parse_size("6GiB"), help="0: skip the budget run")
+    b.add_argument("--no-resident", action="store_true", help="skip the whole-model-resident run")
+    b.add_argument("--llama-bench", default=None, help="llama-bench, CPU build")
+    b.add_argument("--llama-bench-cuda", default=None, help="llama-bench, CUDA build")
+    b.add_argument("--out-dir", default="bench/results")
+    b.set_defaults(fn=cmd_bench_prefill)
     return ap
 
 

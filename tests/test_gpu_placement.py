@@ -28,7 +28,7 @@ def _check(p, ws, budget, reserved):
     for w in ws:
         if w.name != "token_embd.weight":
             per_layer[w.layer] = per_layer.get(w.layer, 0) + streamed_bytes(w, p)
-            staged[w.layer] = staged.get(w.layer, 0) + (0 if w.name in p.resident else w.nbytes)
+            staged[w.layer] = staged.get(w.layer, 0) + (0 if w.name in p.resident else -(-w.nbytes // 256) * 256)
     assert p.staging_bytes == 2 * max(staged.values())
     assert p.stream_bytes_per_pass == sum(per_layer.values())
     assert p.reserved_bytes == reserved

@@ -127,3 +127,42 @@ def test_gpu_buffers_accounting_matches_allocation(oracle_gguf):
         for v in vars(b).values():
             arrays += list(v.values()) if isinstance(v, dict) else [v] if hasattr(v, "gpudata") else []
         assert sum(x.nbytes for x in arrays) == Buffers.nbytes(eng.args, 48, 256), arch
+
+
+def test_expert_counts_and_replan(oracle_gguf):
+    """Routed tokens are counted per (layer, expert); replan() pins the most used ones and results stay right."""
+    path = oracle_gguf("qwen35moe", "q8_0")
+    ref = Engine.load(str(path), backend="reference", n_ctx=256)
+    ids = _ids(ref.args.n_vocab)
+    want = ref.prefill(ids, ref.new_state(), all_logits=True)
+    budget = _streaming_budget(path)
+    eng = _gpu(path, budget, chunk=32)
+    gm = eng.backend.gpu
+    eng.prefill(ids, eng.new_state())
+    a = eng.args
+    assert sum(gm.expert_counts.values()) == a.n_layer * len(ids) * a.n_expert_used
+    gm.replan()
+    p = gm.placement
+    pinned = {(int(n.split(".")[1]), e) for n, es in p.pinned_experts.items() for e in es}
+    pinned |= {(int(n.split(".")[1]), e) for n in p.resident if "_exps" in n for e in range(a.n_expert)}
+    if pinned and len(pinned) < a.n_layer * a.n_expert:  # the pinned ones are the most used of their layer
+        for (lay, e) in pinned:
+            others = [gm.expert_counts.get((lay, x), 0) for x in range(a.n_expert) if (lay, x) not in pinned]
+            assert not others or gm.expert_counts.get((lay, e), 0) >= min(others)
+    assert gm.allocated_bytes <= budget
+    _close(eng.prefill(ids, eng.new_state(), all_logits=True), want, "after replan")
+
+
+def test_bench_prefill_runs(oracle_gguf, tmp_path):
+    from hybridinfer.benchmarks import prefill
+    from hybridinfer.gpu.backend import Buffers
+
+    path = oracle_gguf("qwen35moe", "q4_k_m")
+    eng = Engine.load(str(path), backend="reference")
+    budget = _streaming_budget(path) + Buffers.nbytes(eng.args, 512, 48)
+    res = prefill.run(str(path), prompts=(16, 40), budget=budget, resident=True, threads=2)
+    print(prefill.markdown(res))
+    assert res["pinned_h2d_gb_s"] > 1 and res["fma_peak_tflops"] > 0.1
+    rows = [r for r in res["rows"] if r["engine"] == "hybridinfer"]
+    assert len(rows) == 4 and all(r["tok_s"] > 0 and r["floor_ratio"] >= 1.0 for r in rows)
+    assert prefill.plot(res, str(tmp_path / "p.png"))

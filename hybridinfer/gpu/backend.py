@@ -122,17 +122,35 @@ class GPUModel:
         free, total = drv.mem_get_info()
         self.vram_budget = int(vram_budget) if vram_budget is not None else int(free) - (512 << 20)
         self.reserved = Buffers.nbytes(a, self.chunk, n_ctx) + vec_bytes
-        self.placement = plan_placement(self.infos.values(), self.vram_budget, self.reserved, expert_counts)
+        # tokens routed to each (layer, expert) over the prompts seen: replan() pins the most used experts
+        self.expert_counts: dict[tuple[int, int], int] = dict(expert_counts or {})
+        self.placement = plan_placement(self.infos.values(), self.vram_budget, self.reserved, self.expert_counts)
         self.streamer = Streamer(gm, self.placement, self.infos, self.stream)
         self.buf = Buffers(a, self.chunk, n_ctx)
         self.head = "token_embd.weight" if a.tied_output else "output.weight"
         self.tok_embd = gm.tensor("token_embd.weight")
         self._owner: tuple[int, int] | None = None  # (id(state), pos) whose copy the card holds
         self.last_timing: dict = {}
-        self.allocated_bytes = self.streamer.device_bytes + Buffers.nbytes(a, self.chunk, n_ctx) + vec_bytes
+        self.drv = drv
+        if a.is_moe:
+            n_chunks = -(-n_ctx // self.chunk)
+            self.counts_host = drv.pagelocked_zeros((a.n_layer, n_chunks, a.n_expert), np.int32)
+        self._chunk_no = 0
+        self._fixed_bytes = Buffers.nbytes(a, self.chunk, n_ctx) + vec_bytes
 
     def new_state(self, n_ctx: int) -> DecoderState:
         return DecoderState.new(self.args, n_ctx)
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Card memory this backend holds: weights, staging, activation and state buffers, vectors."""
+        return self.streamer.device_bytes + self._fixed_bytes
+
+    def replan(self) -> None:
+        """Re-decide residency with the expert counts seen so far (expert pinning), and re-stage the weights."""
+        self.streamer = None  # free the old buffers before allocating the new ones
+        self.placement = plan_placement(self.infos.values(), self.vram_budget, self.reserved, self.expert_counts)
+        self.streamer = Streamer(self.gm, self.placement, self.infos, self.stream)
 
     # state hand-off ------------------------------------------------------------------------------------
     def _upload_state(self, st: DecoderState) -> None:
@@ -191,6 +209,7 @@ class GPUModel:
             L = _Names(i, W, self.vec)
             for c0 in range(0, T, self.chunk):
                 c1 = min(T, c0 + self.chunk)
+                self._chunk_no = c0 // self.chunk
                 x = b.x[: c1 - c0]
                 ke.rms_norm(h[c0:c1], L.v("attn_norm"), a.rms_eps, out=x, stream=self.stream)
                 if a.layer_types[i] == "gdn":
@@ -208,6 +227,10 @@ class GPUModel:
         state.tokens[p0 : p0 + T] = ids
         state.pos = p0 + T
         self._download_state(state, p0, p0 + T)
+        if a.is_moe:
+            used = self.counts_host[:, : -(-T // self.chunk)].sum(axis=1)  # (n_layer, E)
+            for i, e in zip(*np.nonzero(used), strict=True):
+                self.expert_counts[(int(i), int(e))] = self.expert_counts.get((int(i), int(e)), 0) + int(used[i, e])
         self._owner = (id(state), state.pos)
         wall = time.perf_counter() - t0
         self.last_timing = {"wall_s": wall, "gpu_s": ev1.time_since(ev0) / 1e3, "copy_s": st.copy_seconds(),
@@ -301,6 +324,8 @@ class GPUModel:
         P = n * k
         km.group(ids, wts, E, b.counts, b.offs, b.perm_tok[:P], b.perm_w[:P], b.row_of_pair[:n],
                  scratch=b.scratch[: km.group_scratch_shape(P, E)[0]], stream=s)
+        # per-expert token counts for expert pinning: copied to pinned memory now, summed after the pass
+        self.drv.memcpy_dtoh_async(self.counts_host[L.i, self._chunk_no], b.counts.gpudata, s)
         eg = kgm.gemm_grouped(x, L.w("ffn_gate_exps"), b.offs, idx=b.perm_tok[:P], out=b.eg[:P], stream=s)
         eu = kgm.gemm_grouped(x, L.w("ffn_up_exps"), b.offs, idx=b.perm_tok[:P], out=b.eu[:P], stream=s)
         ke.swiglu(eg, eu, out=eg, stream=s)
@@ -336,7 +361,7 @@ class _Names:
     """Block i's tensors by short GGUF name: w("attn_q") -> DeviceWeight, v("attn_norm") -> f32 vector."""
 
     def __init__(self, i: int, W: dict, vec: dict):
-        self.p, self.W, self.vec = f"blk.{i}.", W, vec
+        self.i, self.p, self.W, self.vec = i, f"blk.{i}.", W, vec
 
     def w(self, short: str):
         name = f"{self.p}{short}.weight"

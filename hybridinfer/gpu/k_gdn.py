@@ -24,6 +24,16 @@ NORM_THREADS = 128
 _NULL = np.intp(0)
 
 
+def _ptr(a, dtype, shape: tuple, what: str):
+    """loader.arg(), except that an empty array (pycuda gives it no pointer) passes as NULL after the
+    same dtype and shape checks."""
+    if int(np.prod(a.shape)) == 0:
+        if a.dtype != np.dtype(dtype) or tuple(a.shape) != tuple(shape):
+            raise KernelArgumentError(f"{what}: {a.dtype} {a.shape}, expected {np.dtype(dtype)} {shape}")
+        return _NULL
+    return loader.arg(a, dtype, shape, what)
+
+
 def _snap(snap_pos, snap, shape_tail: tuple, what: str):
     """(pointer to positions, count, pointer to snapshot buffer) for optional snapshot arguments."""
     if snap_pos is None and snap is None:
@@ -31,10 +41,9 @@ def _snap(snap_pos, snap, shape_tail: tuple, what: str):
     if snap_pos is None or snap is None:
         raise KernelArgumentError(f"{what}: snap_pos and the snapshot buffer go together")
     n = snap_pos.shape[0] if len(snap_pos.shape) == 1 else -1
-    pp = loader.arg(snap_pos, np.int32, (n,), "snap_pos")
-    if n == 0:
-        return _NULL, np.int32(0), _NULL
-    return pp, np.int32(n), loader.arg(snap, np.float32, (n, *shape_tail), what)
+    pp = _ptr(snap_pos, np.int32, (n,), "snap_pos")
+    sp = _ptr(snap, np.float32, (n, *shape_tail), what)
+    return (pp, np.int32(n), sp) if n > 0 else (_NULL, np.int32(0), _NULL)
 
 
 def conv_silu(u, conv_state, conv_w, c, stream=None) -> None:
@@ -47,10 +56,9 @@ def conv_silu(u, conv_state, conv_w, c, stream=None) -> None:
     K = conv_w.shape[1] if len(conv_w.shape) == 2 else 0
     if not 1 <= K <= MAXK:
         raise KernelArgumentError(f"gdn conv: kernel width {K} outside 1..{MAXK}")
-    state = loader.arg(conv_state, np.float32, (K - 1, C), "conv_state")
     args = [
         loader.arg(u, np.float32, (T, C), "u"),
-        state if K > 1 else _NULL,  # K = 1: no state rows (an empty GPUArray has no pointer)
+        _ptr(conv_state, np.float32, (K - 1, C), "conv_state"),  # K = 1: no rows, NULL
         loader.arg(conv_w, np.float32, (C, K), "conv_w"),
         loader.arg(c, np.float32, (T, C), "c"),
         np.int32(T), np.int32(C), np.int32(K), np.int32(CONV_TCHUNK),
@@ -73,7 +81,7 @@ def conv_state_update(u, conv_state, snap_pos=None, snap_conv=None, stream=None)
     pp, n, sp = _snap(snap_pos, snap_conv, (km1, C), "snap_conv")
     if km1 == 0:
         return  # K = 1: the conv keeps no state
-    args = [loader.arg(u, np.float32, (T, C), "u"), loader.arg(conv_state, np.float32, (km1, C), "conv_state"),
+    args = [loader.arg(u, np.float32, (T, C), "u"), _ptr(conv_state, np.float32, (km1, C), "conv_state"),
             pp, n, sp, np.int32(T), np.int32(C), np.int32(km1 + 1)]
     loader.launch(FAMILY, "gdn_conv_state", (loader.grid_for(C, CONV_THREADS),), (CONV_THREADS,), args,
                   stream=stream)

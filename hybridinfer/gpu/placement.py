@@ -20,6 +20,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 SMALL_BYTES = 1 << 20  # tensors below this are "small"
+STAGE_ALIGN = 256  # each tensor's offset in a staging buffer
 HOST_ONLY = ("token_embd.weight",)
 
 
@@ -57,7 +58,11 @@ class Placement:
     def layer_staged_bytes(self, weights: Mapping[str, WeightInfo], layer: int) -> int:
         """Bytes of one staging buffer for `layer`: every tensor not wholly resident, at full size (pinned
         experts are copied into their slot on the card, so a grouped GEMM sees one [E, N, K] tensor)."""
-        return sum(weights[n].nbytes for n in self.streamed.get(layer, []) if n not in self.resident)
+        return sum(staged(weights[n]) for n in self.streamed.get(layer, []) if n not in self.resident)
+
+
+def staged(w: WeightInfo) -> int:
+    return -(-w.nbytes // STAGE_ALIGN) * STAGE_ALIGN
 
 
 def streamed_bytes(w: WeightInfo, p: Placement) -> int:
@@ -95,7 +100,7 @@ def plan_placement(weights: Iterable[WeightInfo], vram_budget: int, reserved: in
     def move(w: WeightInfo, nbytes: int) -> None:  # nbytes of w go resident (negative: back to the stream)
         p.resident_bytes += nbytes
         if not w.n_expert or w.name in p.resident:
-            layer_bytes[w.layer] -= w.nbytes if nbytes > 0 else -w.nbytes
+            layer_bytes[w.layer] -= staged(w) if nbytes > 0 else -staged(w)
 
     def total() -> int:
         return p.resident_bytes + staging() + reserved
@@ -131,7 +136,7 @@ def plan_placement(weights: Iterable[WeightInfo], vram_budget: int, reserved: in
         elif len(pin) == w.n_expert:  # the whole tensor is resident: no staging slot any more
             del p.pinned_experts[name]
             p.resident.add(name)
-            layer_bytes[w.layer] -= w.nbytes
+            layer_bytes[w.layer] -= staged(w)
     p.pinned_experts = {k: v for k, v in p.pinned_experts.items() if v}
     p.streamed = {lay: [n for n in names if streamed_bytes(ws[n], p)] for lay, names in p.streamed.items()}
     p.streamed = {lay: names for lay, names in p.streamed.items() if names}

@@ -13,9 +13,8 @@ from __future__ import annotations
 import numpy as np
 
 from .k_gemm import DeviceWeight
+from .placement import STAGE_ALIGN as ALIGN
 from .placement import Placement, WeightInfo
-
-ALIGN = 256
 
 
 def _shape(t) -> tuple:

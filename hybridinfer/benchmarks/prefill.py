@@ -1,0 +1,183 @@
+"""GPU prefill benchmark: tokens/s of one-pass prefill under a VRAM budget and with the whole model resident;
+time split into transfer, compute and idle; achieved host-to-device GB/s against measured pinned bandwidth;
+GEMM FLOP/s against the card's measured fp32 FMA peak; llama.cpp (CPU-only, and CUDA) in the same run.
+
+Floors: transfer = bytes streamed per prompt / pinned H2D bandwidth; compute = GEMM FLOPs / FMA peak
+(GEMM FLOPs = 2 * N * K per token per matrix, experts at k/E of their tensor, the head once). The target is
+wall time / max(transfer, compute).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import shutil
+import subprocess
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+
+@dataclass
+class Row:
+    engine: str
+    config: str
+    tokens: int
+    tok_s: float
+    wall_s: float = 0.0
+    transfer_s: float = 0.0  # copy stream busy
+    compute_s: float = 0.0  # compute stream span (kernels and waits for uploads)
+    idle_s: float = 0.0  # wall - compute span: host work (embedding, launches, state hand-off)
+    h2d_gb_s: float = 0.0
+    h2d_frac: float = 0.0  # of pinned bandwidth, over the copy stream's busy time
+    gemm_tflops: float = 0.0
+    fma_frac: float = 0.0
+    floor_ratio: float = 0.0  # wall / max(transfer floor, compute floor)
+    vram_peak_gib: float = 0.0
+
+
+def gemm_flops(gm, args, T: int) -> float:
+    """FLOPs of the prompt's matrix products (head: last token only)."""
+    from ..gpu.placement import weights_of
+
+    head = "token_embd.weight" if args.tied_output else "output.weight"
+    total = 0.0
+    for w in weights_of(gm, args, matrices_only=True):
+        t = gm.tensor(w.name)
+        n_k = float(t.ne[0]) * float(t.ne[1])
+        if w.name == head:
+            total += 2 * n_k
+        elif w.n_expert:
+            total += 2 * n_k * T * args.n_expert_used
+        else:
+            total += 2 * n_k * T
+    return total
+
+
+def run_ours(path: str, prompts, budget: int | None, config: str, bw: float, peak: float, seed: int = 0):
+    import pycuda.driver as drv
+
+    from ..gguf_model import GGUFModel
+    from ..gpu.backend import GPUModel
+    from ..models import model_args
+
+    gm = GGUFModel(path)
+    args = model_args(gm)
+    n_ctx = max(prompts) + 8
+    t0 = time.perf_counter()
+    free0, _ = drv.mem_get_info() if _ctx_ready() else (None, None)
+    m = GPUModel(gm, args, n_ctx, vram_budget=budget)
+    load_s = time.perf_counter() - t0
+    rows = []
+    rng = np.random.default_rng(seed)
+    for T in prompts:
+        ids = [int(x) for x in rng.integers(0, args.n_vocab, T)]
+        for _ in range(2):  # the first pass compiles kernels and warms the caches
+            st = m.new_state(n_ctx)
+            m.forward(ids, st, all_logits=False)
+        t = m.last_timing
+        free1, _ = drv.mem_get_info()
+        flops = gemm_flops(gm, args, T)
+        floor = max(t["bytes_h2d"] / bw, flops / peak)
+        rows.append(Row("hybridinfer", config, T, T / t["wall_s"], t["wall_s"], t["copy_s"], t["gpu_s"],
+                        max(0.0, t["wall_s"] - t["gpu_s"]), t["bytes_h2d"] / max(t["copy_s"], 1e-9) / 1e9,
+                        (t["bytes_h2d"] / max(t["copy_s"], 1e-9)) / bw if t["bytes_h2d"] else 0.0,
+                        flops / t["gpu_s"] / 1e12, flops / t["gpu_s"] / peak, t["wall_s"] / floor,
+                        (free0 - free1) / 2**30 if free0 else m.allocated_bytes / 2**30))
+    info = {"config": config, "budget": budget, "load_s": load_s, "allocated_gib": m.allocated_bytes / 2**30,
+            "stream_gib_per_pass": m.placement.stream_bytes_per_pass / 2**30,
+            "resident_gib": m.placement.resident_bytes / 2**30}
+    del m
+    gc.collect()
+    return rows, info
+
+
+def _ctx_ready() -> bool:
+    from ..gpu import loader
+
+    loader.init()
+    return True
+
+
+def llama_bench(exe: str | None, path: str, T: int, threads: int, extra: list[str], label: str) -> Row | None:
+    exe = shutil.which(exe) or exe if exe else None
+    if not exe:
+        return None
+    cmd = [exe, "-m", path, "-p", str(T), "-n", "0", "-t", str(threads), "-o", "json", "-r", "1", *extra]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        print(f"{label}: {exe} failed ({r.returncode}): {r.stderr.strip()[-400:]}")
+        return None
+    try:
+        return Row("llama.cpp", label, T, float(json.loads(r.stdout)[-1]["avg_ts"]))
+    except (ValueError, KeyError, IndexError):
+        return None
+
+
+def run(path: str, prompts=(128, 947, 4096), budget: int | None = 6 << 30, resident: bool = True,
+        threads: int = 16, llama_cpu: str | None = None, llama_cuda: str | None = None) -> dict:
+    from ..gpu.k_peak import fma_peak_flops, pinned_h2d_bytes_per_s
+
+    bw, peak = pinned_h2d_bytes_per_s(), fma_peak_flops()
+    rows, infos = [], []
+    configs = ([(budget, f"--vram-budget {budget / 2**30:g}GiB")] if budget else []) + (
+        [(None, "whole model resident")] if resident else [])
+    for b, label in configs:
+        r, info = run_ours(path, prompts, b, label, bw, peak)
+        rows += r
+        infos.append(info)
+    for T in prompts:
+        for exe, extra, label in ((llama_cpu, [], f"CPU only, {threads} threads"),
+                                  (llama_cuda, ["-ngl", "99", "-ot", "exps=CPU"], "CUDA, experts on CPU"),
+                                  (llama_cuda, ["-ngl", "99"], "CUDA, all resident")):
+            row = llama_bench(exe, path, T, threads, extra, label)
+            if row:
+                rows.append(row)
+    return {"model": path, "pinned_h2d_gb_s": bw / 1e9, "fma_peak_tflops": peak / 1e12, "configs": infos,
+            "rows": [asdict(r) for r in rows]}
+
+
+def markdown(res: dict) -> str:
+    out = [f"model `{res['model']}`; pinned H2D {res['pinned_h2d_gb_s']:.1f} GB/s; fp32 FMA peak "
+           f"{res['fma_peak_tflops']:.1f} TFLOP/s (measured)"]
+    for c in res["configs"]:
+        out.append(f"- {c['config']}: {c['resident_gib']:.2f} GiB resident, {c['stream_gib_per_pass']:.2f} GiB "
+                   f"streamed per prompt, {c['allocated_gib']:.2f} GiB allocated, load {c['load_s']:.1f} s")
+    out += ["", "| engine | config | prompt | tok/s | wall s | transfer s | compute s | idle s | H2D GB/s "
+            "(% pinned) | GEMM TFLOP/s (% peak) | wall / floor | VRAM GiB |", "|---" * 12 + "|"]
+    for r in res["rows"]:
+        if r["engine"] == "llama.cpp":
+            out.append(f"| llama.cpp | {r['config']} | {r['tokens']} | {r['tok_s']:.0f} | | | | | | | | |")
+            continue
+        out.append(f"| hybridinfer | {r['config']} | {r['tokens']} | {r['tok_s']:.0f} | {r['wall_s']:.3f} | "
+                   f"{r['transfer_s']:.3f} | {r['compute_s']:.3f} | {r['idle_s']:.3f} | {r['h2d_gb_s']:.1f} "
+                   f"({100 * r['h2d_frac']:.0f}%) | {r['gemm_tflops']:.2f} ({100 * r['fma_frac']:.0f}%) | "
+                   f"{r['floor_ratio']:.2f} | {r['vram_peak_gib']:.2f} |")
+    return "\n".join(out)
+
+
+def plot(res: dict, png: str) -> bool:
+    try:
+        import matplotlib
+    except ImportError:
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 4))
+    labels = sorted({(r["engine"], r["config"]) for r in res["rows"]})
+    prompts = sorted({r["tokens"] for r in res["rows"]})
+    width = 0.8 / max(1, len(labels))
+    for j, (eng, cfg) in enumerate(labels):
+        ys = [next((r["tok_s"] for r in res["rows"] if (r["engine"], r["config"], r["tokens"]) == (eng, cfg, T)), 0)
+              for T in prompts]
+        ax.bar(np.arange(len(prompts)) + j * width, ys, width, label=f"{eng}: {cfg}")
+    ax.set_xticks(np.arange(len(prompts)) + 0.4 - width / 2, [str(T) for T in prompts])
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("prefill tok/s")
+    ax.set_yscale("log")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    return True

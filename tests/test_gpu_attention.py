@@ -1,0 +1,160 @@
+"""GPU prefill attention (native/cuda_sm20/attention.cu via hybridinfer.gpu.k_attention) against the numpy
+reference reference_ops.causal_attention: odd sizes, pos0 > 0, GQA, hd up to 256, with and without
+the output gate; outputs and unused cache rows poisoned with NaN."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hybridinfer import reference_ops as op
+from hybridinfer.errors import KernelArgumentError
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def ga():
+    from hybridinfer.gpu import loader
+
+    loader.init()
+    from pycuda import gpuarray
+
+    return gpuarray
+
+
+def rel_err(x, ref) -> float:
+    assert np.all(np.isfinite(x)), "non-finite output (poison left or NaN produced)"
+    return float(np.max(np.abs(x - ref)) / max(float(np.max(np.abs(ref))), 1e-30))
+
+
+def _inputs(rs, T, pos0, H, H_kv, hd, sharp=1.0):
+    n_ctx = pos0 + T + 7
+    q = (sharp * rs.standard_normal((T, H, hd))).astype(np.float32)
+    k = np.full((n_ctx, H_kv, hd), np.nan, np.float32)  # rows >= pos0+T must never be read
+    v = np.full((n_ctx, H_kv, hd), np.nan, np.float32)
+    k[: pos0 + T] = rs.standard_normal((pos0 + T, H_kv, hd))
+    v[: pos0 + T] = rs.standard_normal((pos0 + T, H_kv, hd))
+    gate = rs.standard_normal((T, H * hd)).astype(np.float32)
+    return q, k, v, gate
+
+
+CASES = [  # T, pos0, H, H_kv, hd
+    (1, 0, 4, 2, 16),
+    (5, 0, 4, 1, 64),
+    (67, 13, 8, 2, 128),
+    (300, 0, 2, 2, 256),
+    (300, 517, 4, 2, 80),
+    (1, 1000, 4, 4, 256),
+    (67, 0, 6, 3, 32),
+    (17, 40, 2, 1, 100),
+]
+
+
+@pytest.mark.parametrize("use_gate", [True, False])
+@pytest.mark.parametrize("T,pos0,H,H_kv,hd", CASES)
+def test_attention_prefill(ga, T, pos0, H, H_kv, hd, use_gate):
+    from hybridinfer.gpu import k_attention
+
+    rs = np.random.default_rng(T * 1000 + pos0 + hd)
+    q, k, v, gate = _inputs(rs, T, pos0, H, H_kv, hd)
+    ref = op.causal_attention(q, k[: pos0 + T], v[: pos0 + T], pos0).reshape(T, H * hd)
+    if use_gate:
+        ref = ref * op.sigmoid(gate)
+    out = ga.to_gpu(np.full((T, H, hd), np.nan, np.float32))
+    k_attention.attention_prefill(ga.to_gpu(q), ga.to_gpu(k), ga.to_gpu(v), out, pos0,
+                                  gate=ga.to_gpu(gate) if use_gate else None)
+    assert rel_err(out.get().reshape(T, H * hd), ref) < 1e-4
+
+
+@pytest.mark.parametrize("sharp", [8.0, 30.0])
+def test_attention_sharp_scores(ga, sharp):
+    """Large score ranges: the running maximum changes between key tiles and e^(s - m) underflows."""
+    from hybridinfer.gpu import k_attention
+
+    T, pos0, H, H_kv, hd = 67, 100, 2, 1, 64
+    rs = np.random.default_rng(7)
+    q, k, v, _ = _inputs(rs, T, pos0, H, H_kv, hd, sharp=sharp)
+    ref = op.causal_attention(q, k[: pos0 + T], v[: pos0 + T], pos0)
+    out = ga.to_gpu(np.full((T, H, hd), np.nan, np.float32))
+    k_attention.attention_prefill(ga.to_gpu(q), ga.to_gpu(k), ga.to_gpu(v), out, pos0)
+    assert rel_err(out.get(), ref) < 1e-4
+
+
+def test_attention_long_prompt(ga):
+    """A prompt spanning many query and key tiles at a large offset."""
+    from hybridinfer.gpu import k_attention
+
+    T, pos0, H, H_kv, hd = 1200, 2100, 2, 1, 64
+    rs = np.random.default_rng(11)
+    q, k, v, gate = _inputs(rs, T, pos0, H, H_kv, hd)
+    ref = op.causal_attention(q, k[: pos0 + T], v[: pos0 + T], pos0).reshape(T, H * hd) * op.sigmoid(gate)
+    out = ga.to_gpu(np.full((T, H, hd), np.nan, np.float32))
+    k_attention.attention_prefill(ga.to_gpu(q), ga.to_gpu(k), ga.to_gpu(v), out, pos0, gate=ga.to_gpu(gate))
+    assert rel_err(out.get().reshape(T, H * hd), ref) < 1e-4
+
+
+def test_gate_mul(ga):
+    from hybridinfer.gpu import k_attention
+
+    rs = np.random.default_rng(3)
+    o = rs.standard_normal((67, 3, 16)).astype(np.float32)
+    g = rs.standard_normal((67, 48)).astype(np.float32)
+    d = ga.to_gpu(o)
+    k_attention.gate_mul(d, ga.to_gpu(g))
+    assert rel_err(d.get().reshape(67, 48), o.reshape(67, 48) * op.sigmoid(g)) < 1e-6
+
+
+@pytest.mark.parametrize("T,pos0", [(1, 0), (5, 3), (67, 100)])
+def test_kv_append(ga, T, pos0):
+    from hybridinfer.gpu import k_attention
+
+    rs = np.random.default_rng(T + pos0)
+    n_ctx, H_kv, hd = pos0 + T + 5, 2, 24
+    kc = rs.standard_normal((n_ctx, H_kv, hd)).astype(np.float32)
+    vc = rs.standard_normal((n_ctx, H_kv, hd)).astype(np.float32)
+    kn = rs.standard_normal((T, H_kv, hd)).astype(np.float32)
+    vn = rs.standard_normal((T, H_kv, hd)).astype(np.float32)
+    dk, dv = ga.to_gpu(kc), ga.to_gpu(vc)
+    k_attention.kv_append(ga.to_gpu(kn), ga.to_gpu(vn), dk, dv, pos0)
+    kc[pos0 : pos0 + T], vc[pos0 : pos0 + T] = kn, vn
+    np.testing.assert_array_equal(dk.get(), kc)
+    np.testing.assert_array_equal(dv.get(), vc)
+
+
+def test_attention_then_append_matches_reference_step(ga):
+    """Two chunks through the GPU cache (append, then attend) equal one reference pass."""
+    from hybridinfer.gpu import k_attention
+
+    rs = np.random.default_rng(5)
+    H, H_kv, hd, n_ctx = 4, 2, 32, 128
+    T1, T2 = 37, 5
+    q = rs.standard_normal((T1 + T2, H, hd)).astype(np.float32)
+    k = rs.standard_normal((T1 + T2, H_kv, hd)).astype(np.float32)
+    v = rs.standard_normal((T1 + T2, H_kv, hd)).astype(np.float32)
+    ref = op.causal_attention(q, k, v, 0)
+    kc = ga.to_gpu(np.full((n_ctx, H_kv, hd), np.nan, np.float32))
+    vc = ga.to_gpu(np.full((n_ctx, H_kv, hd), np.nan, np.float32))
+    outs = []
+    for a, b in ((0, T1), (T1, T1 + T2)):
+        k_attention.kv_append(ga.to_gpu(k[a:b]), ga.to_gpu(v[a:b]), kc, vc, a)
+        out = ga.to_gpu(np.full((b - a, H, hd), np.nan, np.float32))
+        k_attention.attention_prefill(ga.to_gpu(q[a:b]), kc, vc, out, a)
+        outs.append(out.get())
+    assert rel_err(np.concatenate(outs), ref) < 1e-4
+
+
+def test_attention_bad_arguments(ga):
+    from hybridinfer.gpu import k_attention
+
+    q = ga.zeros((5, 4, 16), np.float32)
+    kc = ga.zeros((8, 2, 16), np.float32)
+    out = ga.zeros((5, 4, 16), np.float32)
+    with pytest.raises(KernelArgumentError):
+        k_attention.attention_prefill(q, kc, kc, out, 4)  # rows [4, 9) outside 8
+    with pytest.raises(KernelArgumentError):
+        k_attention.attention_prefill(q, kc, kc, ga.zeros((5, 4, 8), np.float32), 0)
+    with pytest.raises(KernelArgumentError):
+        k_attention.attention_prefill(q, ga.zeros((8, 3, 16), np.float32), kc, out, 0)  # H % H_kv
+    with pytest.raises(KernelArgumentError):
+        k_attention.attention_prefill(q.astype(np.float64), kc, kc, out, 0)
