@@ -54,7 +54,7 @@ def measure_ours(path: str, isa: str | None, threads: int, n_tokens: int, contex
     """Decode tokens/s of the CPU backend after a `context`-token prompt (greedy; time of n_tokens steps)."""
     from ..api import Engine
 
-    eng = Engine.load(path, backend="cpu", isa=isa, n_threads=threads, n_ctx=context + n_tokens + 8)
+    eng = Engine.load(path, backend="cpu", isa=isa, n_threads=threads, n_ctx=context + 2 * n_tokens + 16)
     rng = np.random.default_rng(seed)
     ids = [int(x) for x in rng.integers(0, min(eng.args.n_vocab, 32000), max(context, 1))]
     st = eng.new_state()
