@@ -166,3 +166,5 @@ def test_bench_prefill_runs(oracle_gguf, tmp_path):
     rows = [r for r in res["rows"] if r["engine"] == "hybridinfer"]
     assert len(rows) == 4 and all(r["tok_s"] > 0 and r["floor_ratio"] >= 1.0 for r in rows)
     assert prefill.plot(res, str(tmp_path / "p.png"))
+    phases = res["configs"][0]["phases_s"][40]
+    assert {"gdn", "attention", "moe"} <= set(phases) and all(v > 0 for v in phases.values())

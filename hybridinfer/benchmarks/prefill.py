@@ -69,6 +69,7 @@ def run_ours(path: str, prompts, budget: int | None, config: str, bw: float, pea
     free0, _ = drv.mem_get_info() if _ctx_ready() else (None, None)
     m = GPUModel(gm, args, n_ctx, vram_budget=budget)
     load_s = time.perf_counter() - t0
+    phases = {}
     rows = []
     rng = np.random.default_rng(seed)
     for T in prompts:
@@ -77,6 +78,10 @@ def run_ours(path: str, prompts, budget: int | None, config: str, bw: float, pea
             st = m.new_state(n_ctx)
             m.forward(ids, st, all_logits=False)
         t = m.last_timing
+        m.profile = True  # one more pass with phase events (they add sync points, so not the timed one)
+        m.forward(ids, m.new_state(n_ctx), all_logits=False)
+        m.profile = False
+        phases[T] = {k: round(v, 4) for k, v in m.last_timing["phases"].items()}
         free1, _ = drv.mem_get_info()
         flops = gemm_flops(gm, args, T)
         floor = max(t["bytes_h2d"] / bw, flops / peak)
@@ -87,7 +92,7 @@ def run_ours(path: str, prompts, budget: int | None, config: str, bw: float, pea
                         (free0 - free1) / 2**30 if free0 else m.allocated_bytes / 2**30))
     info = {"config": config, "budget": budget, "load_s": load_s, "allocated_gib": m.allocated_bytes / 2**30,
             "stream_gib_per_pass": m.placement.stream_bytes_per_pass / 2**30,
-            "resident_gib": m.placement.resident_bytes / 2**30}
+            "resident_gib": m.placement.resident_bytes / 2**30, "phases_s": phases}
     del m
     gc.collect()
     return rows, info
@@ -143,7 +148,8 @@ def markdown(res: dict) -> str:
            f"{res['fma_peak_tflops']:.1f} TFLOP/s (measured)"]
     for c in res["configs"]:
         out.append(f"- {c['config']}: {c['resident_gib']:.2f} GiB resident, {c['stream_gib_per_pass']:.2f} GiB "
-                   f"streamed per prompt, {c['allocated_gib']:.2f} GiB allocated, load {c['load_s']:.1f} s")
+                   f"streamed per prompt, {c['allocated_gib']:.2f} GiB allocated, load {c['load_s']:.1f} s; "
+                   f"GPU time by phase (s): {c['phases_s']}")
     out += ["", "| engine | config | prompt | tok/s | wall s | transfer s | compute s | idle s | H2D GB/s "
             "(% pinned) | GEMM TFLOP/s (% peak) | wall / floor | VRAM GiB |", "|---" * 12 + "|"]
     for r in res["rows"]:

@@ -136,6 +136,7 @@ class GPUModel:
             n_chunks = -(-n_ctx // self.chunk)
             self.counts_host = drv.pagelocked_zeros((a.n_layer, n_chunks, a.n_expert), np.int32)
         self._chunk_no = 0
+        self.profile, self._marks = False, []  # profile: time gdn / attention / moe / ffn phases with events
         self._fixed_bytes = Buffers.nbytes(a, self.chunk, n_ctx) + vec_bytes
 
     def new_state(self, n_ctx: int) -> DecoderState:
@@ -212,14 +213,18 @@ class GPUModel:
                 self._chunk_no = c0 // self.chunk
                 x = b.x[: c1 - c0]
                 ke.rms_norm(h[c0:c1], L.v("attn_norm"), a.rms_eps, out=x, stream=self.stream)
-                if a.layer_types[i] == "gdn":
+                kind = a.layer_types[i]
+                self._mark(kind)
+                if kind == "gdn":
                     mix = self._gdn(L, i, x, c0, snaps, snap_host)
                 else:
                     mix = self._attention(L, i, x, p0 + c0)
                 ke.add(h[c0:c1], mix, stream=self.stream)
                 post = "ffn_norm" if a.arch == "llama" else "post_attention_norm"
                 ke.rms_norm(h[c0:c1], L.v(post), a.rms_eps, out=x, stream=self.stream)
+                self._mark("moe" if a.is_moe else "ffn")
                 ke.add(h[c0:c1], self._moe(L, x) if a.is_moe else self._ffn(L, x), stream=self.stream)
+                self._mark(None)
             st.release(i)
         logits = self._head(h, T, all_logits)
         ev1.record(self.stream)
@@ -234,11 +239,26 @@ class GPUModel:
         self._owner = (id(state), state.pos)
         wall = time.perf_counter() - t0
         self.last_timing = {"wall_s": wall, "gpu_s": ev1.time_since(ev0) / 1e3, "copy_s": st.copy_seconds(),
-                            "bytes_h2d": st.bytes_h2d, "tokens": T}
+                            "bytes_h2d": st.bytes_h2d, "tokens": T, "phases": self._phase_seconds()}
         if on_snapshot is not None:
             for s in snap_host:
                 on_snapshot(s, None)
         return logits
+
+    def _mark(self, phase: str | None) -> None:
+        """With profile on: an event where `phase` (gdn / attention / moe / ffn) starts (None: ends)."""
+        if self.profile:
+            ev = self._event()
+            ev.record(self.stream)
+            self._marks.append((phase, ev))
+
+    def _phase_seconds(self) -> dict:
+        out: dict = {}
+        for (ph, a), (_, b) in zip(self._marks, self._marks[1:], strict=False):
+            if ph is not None:
+                out[ph] = out.get(ph, 0.0) + b.time_since(a) / 1e3
+        self._marks.clear()
+        return out
 
     @staticmethod
     def _event():
