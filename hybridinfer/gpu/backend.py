@@ -46,7 +46,7 @@ class Buffers:
         D = a.n_embd
         self.h = f(n_ctx, D)
         self.x, self.mix, self.ffn = f(C, D), f(C, D), f(C, D)
-        self.pos = gpuarray.empty((C,), np.int32)
+        self.pos = gpuarray.empty((n_ctx,), np.int32)  # absolute positions of the call's tokens, set once
         gated = 2 if a.attn_gate else 1
         self.qg, self.q = f(C, a.n_head * a.head_dim * gated), f(C, a.n_head, a.head_dim)
         self.k, self.v = f(C, a.n_head_kv, a.head_dim), f(C, a.n_head_kv, a.head_dim)
@@ -81,7 +81,7 @@ class Buffers:
     def nbytes(a, C: int, n_ctx: int) -> int:
         """Bytes Buffers(a, C, n_ctx) allocates (for the placement's reserve), computed without a card."""
         D, hd = a.n_embd, a.head_dim
-        n = n_ctx * D + 3 * C * D + C
+        n = n_ctx * D + 3 * C * D + n_ctx
         n += C * a.n_head * hd * (2 if a.attn_gate else 1) + 2 * C * a.n_head * hd + 2 * C * a.n_head_kv * hd
         n_attn = sum(t != "gdn" for t in a.layer_types)
         n += 2 * n_attn * n_ctx * a.n_head_kv * hd
@@ -196,6 +196,12 @@ class GPUModel:
         emb = np.empty((T, a.n_embd), np.float32)
         dequantize_rows(self.tok_embd.raw(), self.tok_embd.qtype, self.tok_embd.ne[0], ids, emb)
         h.set(emb)
+        # everything the layers need from the host goes up now: a synchronous copy inside the loop would wait
+        # for the copy stream too (legacy default stream) and undo the overlap of uploads and compute
+        b.pos[:T].set(np.arange(p0, p0 + T, dtype=np.int32))
+        if snaps:
+            b.snap_pos[: len(snaps)].set(np.array([sp - (sp - 1) // self.chunk * self.chunk for sp in snaps],
+                                                  np.int32))
         snap_host = [(DecoderState(n_ctx=state.n_ctx, layer_types=state.layer_types, pos=p0 + s,
                                    tokens=state.tokens, k=state.k, v=state.v,
                                    conv=[None if c is None else np.empty_like(c) for c in state.conv],
@@ -218,7 +224,7 @@ class GPUModel:
                 if kind == "gdn":
                     mix = self._gdn(L, i, x, c0, snaps, snap_host)
                 else:
-                    mix = self._attention(L, i, x, p0 + c0)
+                    mix = self._attention(L, i, x, p0 + c0, b.pos[c0:c1])
                 ke.add(h[c0:c1], mix, stream=self.stream)
                 post = "ffn_norm" if a.arch == "llama" else "post_attention_norm"
                 ke.rms_norm(h[c0:c1], L.v(post), a.rms_eps, out=x, stream=self.stream)
@@ -281,10 +287,9 @@ class GPUModel:
         return np.concatenate(out, axis=0)
 
     # mixers --------------------------------------------------------------------------------------------
-    def _attention(self, L, i: int, x, pos0: int):
+    def _attention(self, L, i: int, x, pos0: int, pos):
         a, b, s = self.args, self.buf, self.stream
         n, hd = x.shape[0], a.head_dim
-        b.pos[:n].set(np.arange(pos0, pos0 + n, dtype=np.int32))
         qg = kgm.gemm(x, L.w("attn_q"), out=b.qg[:n], stream=s)
         k = kgm.gemm(x, L.w("attn_k"), out=b.k[:n].reshape(n, a.n_head_kv * hd), stream=s)
         v = kgm.gemm(x, L.w("attn_v"), out=b.v[:n].reshape(n, a.n_head_kv * hd), stream=s)
@@ -297,9 +302,9 @@ class GPUModel:
             ke.rms_norm(kk, L.v("attn_k_norm"), a.rms_eps, out=kk, stream=s)
         else:  # llama: no gate, no norm; the projection is the query
             q = qg.reshape(n, a.n_head, hd)
-        ke.rope_neox(q, b.pos[:n], a.n_rot, a.rope_theta, stream=s, neox=a.rope_neox)
+        ke.rope_neox(q, pos, a.n_rot, a.rope_theta, stream=s, neox=a.rope_neox)
         k3 = k.reshape(n, a.n_head_kv, hd)
-        ke.rope_neox(k3, b.pos[:n], a.n_rot, a.rope_theta, stream=s, neox=a.rope_neox)
+        ke.rope_neox(k3, pos, a.n_rot, a.rope_theta, stream=s, neox=a.rope_neox)
         ka.kv_append(k3, v.reshape(n, a.n_head_kv, hd), b.kc[i], b.vc[i], pos0, stream=s)
         o = b.o[:n]
         ka.attention_prefill(q, b.kc[i], b.vc[i], o, pos0, stream=s)
@@ -314,16 +319,16 @@ class GPUModel:
         z = kgm.gemm(x, L.w("attn_gate"), out=b.z[:n], stream=s)
         gb = kgm.gemm(x, L.w("ssm_beta"), out=b.gb[:n], stream=s)
         ga = kgm.gemm(x, L.w("ssm_alpha"), out=b.ga[:n], stream=s)
-        mine = [(j, p - c0) for j, p in enumerate(snaps) if c0 < p <= c0 + n]
+        mine = [j for j, p in enumerate(snaps) if c0 < p <= c0 + n]  # positions relative to c0 are in snap_pos
         sp = sc = sS = None
         if mine:
-            b.snap_pos[: len(mine)].set(np.array([p for _, p in mine], np.int32))
-            sp, sc, sS = b.snap_pos[: len(mine)], b.snap_conv[: len(mine)], b.snap_S[: len(mine)]
+            j0, j1 = mine[0], mine[-1] + 1
+            sp, sc, sS = b.snap_pos[j0:j1], b.snap_conv[j0:j1], b.snap_S[j0:j1]
         y = b.y[:n]
         kg.gdn_prefill(u, z, ga, gb, L.v("ssm_conv1d"), L.v("ssm_a"), L.v("ssm_dt.bias"),
                        L.v("ssm_norm"), b.conv[i], b.S[i], y, a.ssm_n_k_heads, a.ssm_d_k, a.rms_eps,
                        a.gdn_head_map, sp, sc, sS, c=b.c[:n], stream=s)
-        for r, (j, _) in enumerate(mine):
+        for r, j in enumerate(mine):  # synchronous, but only when the prefix cache asks for snapshots
             sc[r].get(ary=snap_host[j].conv[i], stream=s)
             sS[r].get(ary=snap_host[j].ssm[i], stream=s)
         return kgm.gemm(y.reshape(n, -1), L.w("ssm_out"), out=b.mix[:n], stream=s)
