@@ -89,6 +89,7 @@ def run_ours(path: str, workloads, n_prompts: int, threads: int | None, cache_di
         opts = {"n_threads": threads} if backend in ("cpu", "auto") else {}
         cache = {"ram_bytes": 4 << 30, "disk_dir": None}
         if cache_dir:
+            os.makedirs(cache_dir, exist_ok=True)
             d = tempfile.mkdtemp(dir=cache_dir, prefix=f"prefix-{w}-")
             cache.update(disk_dir=d, disk_bytes=64 << 30)
         eng = Engine.load(path, backend=backend, n_ctx=8192, prefix_cache=cache,
