@@ -135,3 +135,21 @@ def test_shared_system_prompt_gets_its_own_snapshot(oracle_gguf):
         _, s = eng.start(system + q, eng.new_state())
         done.append(s["prefilled_tokens"])
     assert done == [len(system) + 9, len(system) + 9, 9, 9]
+
+
+def test_bench_prefix_workloads(oracle_gguf, tmp_path):
+    """`hybridinfer bench prefix` on a tiny model (our engine; llama.cpp's server is not part of CI)."""
+    from hybridinfer.benchmarks import prefix
+
+    rows, meta = prefix.run(str(oracle_gguf("qwen35", "q8_0")), n_prompts=3, threads=2,
+                            cache_dir=str(tmp_path / "disk"))
+    got = {r.workload: r for r in rows}
+    print(prefix.markdown(rows, meta))
+    assert got["a"].reprocessed == 947 and got["a"].warm_ttft_ms < got["a"].cold_ttft_ms
+    assert got["b"].reprocessed == 900 + 47
+    assert got["c"].turns == [40] * 10
+    # the second prompt re-processes from the last stride snapshot (1792) and snapshots where it leaves the
+    # first (2000); the third re-processes only its question
+    assert got["d"].reprocessed == 2030 + (2030 - 1792) + 30
+    assert all(r.ram_bytes > 0 and r.disk_bytes > 0 for r in rows)
+    assert prefix.plot(rows, str(tmp_path / "p.png"))
