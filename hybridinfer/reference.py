@@ -13,7 +13,7 @@ from . import actquant
 from . import reference_ops as op
 from .gguf_model import GGUFModel
 from .quant import dequantize, dequantize_rows
-from .state import DecoderState
+from .state import DecoderState, check_tokens
 
 F16 = 1  # ggml type id
 
@@ -136,13 +136,8 @@ class ReferenceModel:
     def forward(self, tokens, state: DecoderState, all_logits: bool = True) -> np.ndarray:
         """Consume `tokens` from `state` (advancing it); logits (T, n_vocab), or (1, n_vocab) for the
         last token when all_logits is False."""
-        ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        ids = check_tokens(tokens, self.args.n_vocab)
         T = len(ids)
-        if T == 0:
-            raise ValueError("forward() needs at least one token")
-        if ids.min() < 0 or ids.max() >= self.args.n_vocab:
-            bad = int(ids[(ids < 0) | (ids >= self.args.n_vocab)][0])
-            raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.args.n_vocab})")
         state.check_room(T)
         a = self.args
         h = self.w.rows("token_embd.weight", ids)

@@ -106,3 +106,15 @@ class DecoderState:
         n = sum(a.nbytes for a in (*self.conv, *self.ssm) if a is not None)
         n += sum(a[: self.pos].nbytes for a in (*self.k, *self.v) if a is not None)
         return n
+
+
+def check_tokens(tokens, n_vocab: int) -> np.ndarray:
+    """The token ids of one forward call as int64, after checking there is at least one and each is in the
+    vocabulary (a ValueError naming the first bad id)."""
+    ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
+    if len(ids) == 0:
+        raise ValueError("forward() needs at least one token")
+    if ids.min() < 0 or ids.max() >= n_vocab:
+        bad = int(ids[(ids < 0) | (ids >= n_vocab)][0])
+        raise ValueError(f"token id {bad} is outside the vocabulary [0, {n_vocab})")
+    return ids

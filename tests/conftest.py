@@ -51,3 +51,14 @@ def oracle_gguf(tmp_path_factory):
         return cache[key]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def ga():
+    """pycuda's gpuarray module once a context is up (gpu-marked kernel tests)."""
+    from hybridinfer.gpu import loader
+
+    loader.init()
+    from pycuda import gpuarray
+
+    return gpuarray

@@ -92,8 +92,23 @@ def test_engine_bad_input(smollm_ref, smollm_path):
         eng.logits([1, 999999])
     with pytest.raises(ValueError, match="temperature"):
         eng.generate("hi", temperature=-1)
-    with pytest.raises(BackendNotAvailableError, match="not built yet"):
-        Engine.load(smollm_path, backend="gpu")
+    from hybridinfer_gpu_probe import has_gpu
+
+    if not has_gpu():  # backend="gpu" says why it cannot run; "auto" falls back to the CPU, saying so once
+        with pytest.raises(BackendNotAvailableError, match="pycuda|CUDA"):
+            Engine.load(smollm_path, backend="gpu")
+        import hybridinfer.backends as bk
+
+        bk._warned = False
+        with pytest.warns(UserWarning, match="prefill runs on the CPU"):
+            auto = Engine.load(smollm_path, backend="auto")
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # only once
+            Engine.load(smollm_path, backend="auto")
+        assert type(auto.backend).__name__ == "CPUModel"
+        assert auto.generate("The capital of France is", max_tokens=3, temperature=0).text
     with pytest.raises(BackendNotAvailableError, match="unknown backend 'tpu'"):
         Engine.load(smollm_path, backend="tpu")
     with pytest.raises(TypeError, match="bogus"):

@@ -13,16 +13,6 @@ from hybridinfer.errors import KernelArgumentError
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module")
-def ga():
-    from hybridinfer.gpu import loader
-
-    loader.init()
-    from pycuda import gpuarray
-
-    return gpuarray
-
-
 def rel_err(x, ref) -> float:
     assert np.all(np.isfinite(x)), "non-finite output (poison left or NaN produced)"
     return float(np.max(np.abs(x - ref)) / max(float(np.max(np.abs(ref))), 1e-30))

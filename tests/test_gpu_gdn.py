@@ -14,16 +14,6 @@ pytestmark = pytest.mark.gpu
 EPS = 1e-6
 
 
-@pytest.fixture(scope="module")
-def ga():
-    from hybridinfer.gpu import loader
-
-    loader.init()
-    from pycuda import gpuarray
-
-    return gpuarray
-
-
 def rel_err(x, ref) -> float:
     assert np.all(np.isfinite(x)), "non-finite output (poison left or NaN produced)"
     if ref.size == 0:

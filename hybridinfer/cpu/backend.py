@@ -15,7 +15,7 @@ import numpy as np
 from ..errors import UnsupportedTensorTypeError
 from ..gguf_model import GGUFModel
 from ..quant import dequantize_rows, type_name
-from ..state import DecoderState
+from ..state import DecoderState, check_tokens
 from . import ops, ops_gdn
 from .simd import KERNEL_TYPES, SimdLib
 
@@ -174,14 +174,9 @@ class CPUModel:
 
     # forward --------------------------------------------------------------------------------------
     def forward(self, tokens, state: DecoderState, all_logits: bool = True) -> np.ndarray:
-        ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        ids = check_tokens(tokens, self.args.n_vocab)
         T = len(ids)
         a = self.args
-        if T == 0:
-            raise ValueError("forward() needs at least one token")
-        if ids.min() < 0 or ids.max() >= a.n_vocab:
-            bad = int(ids[(ids < 0) | (ids >= a.n_vocab)][0])
-            raise ValueError(f"token id {bad} is outside the vocabulary [0, {a.n_vocab})")
         state.check_room(T)
         ws = self.workspace(T, state.n_ctx)
         h, x = ws.h[:T], ws.x[:T]

@@ -16,7 +16,7 @@ import time
 import numpy as np
 
 from ..quant import dequantize_rows
-from ..state import DecoderState
+from ..state import DecoderState, check_tokens
 from . import k_attention as ka
 from . import k_elementwise as ke
 from . import k_gdn as kg
@@ -175,13 +175,8 @@ class GPUModel:
 
     # forward -------------------------------------------------------------------------------------------
     def forward(self, tokens, state: DecoderState, all_logits: bool = True, snapshot_at=(), on_snapshot=None):
-        ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        ids = check_tokens(tokens, self.args.n_vocab)
         T, a = len(ids), self.args
-        if T == 0:
-            raise ValueError("forward() needs at least one token")
-        if ids.min() < 0 or ids.max() >= a.n_vocab:
-            bad = int(ids[(ids < 0) | (ids >= a.n_vocab)][0])
-            raise ValueError(f"token id {bad} is outside the vocabulary [0, {a.n_vocab})")
         state.check_room(T)
         if state.n_ctx > self.n_ctx:
             raise ValueError(f"state n_ctx {state.n_ctx} exceeds the GPU backend's n_ctx {self.n_ctx}")

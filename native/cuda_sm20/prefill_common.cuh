@@ -12,20 +12,10 @@ __device__ __forceinline__ float pf_silu(float x) { return x / (1.0f + expf(-x))
 // softplus(x) = log(1 + e^x), linear above 20 (torch and ggml), as reference_ops.softplus
 __device__ __forceinline__ float pf_softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
-// Sum of v over the block's threads (blockDim.x a power of two, 1-D block); red holds blockDim.x
-// floats. Every thread gets the result. Must be reached by all threads of the block (it syncs).
-__device__ __forceinline__ float pf_block_sum(float v, float* red) {
-    const int tid = threadIdx.x;
-    red[tid] = v;
-    __syncthreads();
-    for (int s = blockDim.x >> 1; s > 0; s >>= 1) {
-        if (tid < s) red[tid] += red[tid + s];
-        __syncthreads();
-    }
-    const float r = red[0];
-    __syncthreads();
-    return r;
-}
+#include "common.cuh"
+
+// Sum of v over the block's threads (blockDim.x a power of two, 1-D block): common.cuh's reduction.
+__device__ __forceinline__ float pf_block_sum(float v, float* red) { return hi_block_sum(v, red); }
 
 // Maximum of v over the block, same contract as pf_block_sum.
 __device__ __forceinline__ float pf_block_max(float v, float* red) {
