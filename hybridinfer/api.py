@@ -15,10 +15,14 @@ from .models import model_args
 from .sampling import SamplingParams
 from .state import DecoderState
 
-# measured in bench/prefix_reuse.py (see its docstring): a snapshot of a 35B-A3B state (61 MiB of recurrent
-# state) costs ~10 ms to copy, re-prefilling 256 tokens on the CPU costs seconds; 256 keeps the expected
-# re-prefill after a divergence at 128 tokens while a 4k prompt holds 16 snapshots (~1 GiB)
-DEFAULT_SNAPSHOT_STRIDE = 256
+# Snapshot stride by measurement (2026-11-21). CPU prefill, Qwen3.5-0.8B-shaped Q4_K_M on 2 cores: a snapshot
+# (18 MiB of recurrent state + its K/V segment) costs 16.6 ms to take = 1.6 tokens of prefill (10.7 ms/token),
+# so every 256 tokens costs 0.6% of prefill and a prompt diverging between snapshots re-processes at most 255
+# tokens (1.4 s on average there). GPU prefill of the 35B-A3B (0.63 ms/token under a 6 GiB budget on an H100)
+# against a ~64 ms snapshot (61 MiB recurrent + K/V): one snapshot costs ~100 tokens, so the GPU default is 1024
+# (~10% of prefill). None picks by backend.
+DEFAULT_SNAPSHOT_STRIDE = None
+CPU_SNAPSHOT_STRIDE, GPU_SNAPSHOT_STRIDE = 256, 1024
 
 
 def model_cache_fingerprint(gm: GGUFModel) -> str:
@@ -56,9 +60,11 @@ class Engine:
     """A loaded model. `backend` computes; the tokenizer and chat template come from the GGUF."""
 
     def __init__(self, gm: GGUFModel, args, backend, tokenizer, n_ctx: int, progress: bool,
-                 prefill_chunk: int, prefix_cache=None, snapshot_stride: int = DEFAULT_SNAPSHOT_STRIDE):
+                 prefill_chunk: int, prefix_cache=None, snapshot_stride: int | None = DEFAULT_SNAPSHOT_STRIDE):
         self.gm, self.args, self.backend, self.tokenizer = gm, args, backend, tokenizer
         self.n_ctx, self.progress, self.prefill_chunk = n_ctx, progress, prefill_chunk
+        if snapshot_stride is None:
+            snapshot_stride = GPU_SNAPSHOT_STRIDE if getattr(backend, "single_pass", False) else CPU_SNAPSHOT_STRIDE
         if snapshot_stride < 0:
             raise ValueError(f"snapshot_stride must be >= 0 (0: no stride snapshots), got {snapshot_stride}")
         self.snapshot_stride = snapshot_stride
@@ -67,15 +73,15 @@ class Engine:
     @classmethod
     def load(cls, path: str | None = None, backend: str = "reference", *, n_ctx: int = 4096,
              progress: bool = False, prefill_chunk: int = 512, prefix_cache=None,
-             snapshot_stride: int = DEFAULT_SNAPSHOT_STRIDE, **options) -> Engine:
+             snapshot_stride: int | None = DEFAULT_SNAPSHOT_STRIDE, **options) -> Engine:
         """Open a GGUF (default: the embedded SmolLM2-135M-Instruct) on `backend`.
 
         n_ctx caps the context (at most the model's trained context_length); prefill_chunk is the number
         of prompt tokens processed per forward call. prefix_cache: None (off), True (RAM, 2 GiB), a dict of
         PrefixCache options (ram_bytes, disk_dir, disk_bytes, block_size) or a PrefixCache; prompts then reuse
-        the longest cached prefix, and snapshots are taken every `snapshot_stride` prompt tokens, at the end
-        of each prompt, before a chat's generation prompt and at the end of generation. Unknown options
-        raise TypeError.
+        the longest cached prefix, and snapshots are taken every `snapshot_stride` prompt tokens (None: 256
+        on the CPU, 1024 with GPU prefill), at the end of each prompt, before a chat's generation prompt,
+        where a prompt leaves a cached one, and at the end of generation. Unknown options raise TypeError.
         """
         from .tokenizer import Tokenizer
 

@@ -33,8 +33,8 @@ def _add_cache(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefix-cache-disk", type=parse_size, default=parse_size("16GiB"),
                    help="disk budget of --prefix-cache-dir (default 16GiB)")
     g.add_argument("--snapshot-stride", type=int, default=None,
-                   help="snapshot the state every N prompt tokens during prefill (default 256; 0: only at prompt "
-                        "ends and chat turns)")
+                   help="snapshot the state every N prompt tokens during prefill (default 256 on the CPU, 1024 with "
+                        "GPU prefill; 0: only at prompt ends, chat turns and shared prefixes)")
 
 
 def parse_size(s: str) -> int:
@@ -53,7 +53,7 @@ def parse_size(s: str) -> int:
 
 
 def _engine(a):
-    from .api import DEFAULT_SNAPSHOT_STRIDE, Engine
+    from .api import Engine
 
     opts = {}
     if a.backend in ("cpu", "auto", "gpu"):
@@ -64,7 +64,7 @@ def _engine(a):
     if getattr(a, "prefix_cache_ram", 0) or getattr(a, "prefix_cache_dir", None):
         cache = {"ram_bytes": a.prefix_cache_ram, "disk_dir": a.prefix_cache_dir,
                  "disk_bytes": a.prefix_cache_disk if a.prefix_cache_dir else None}
-        opts["snapshot_stride"] = DEFAULT_SNAPSHOT_STRIDE if a.snapshot_stride is None else a.snapshot_stride
+        opts["snapshot_stride"] = a.snapshot_stride
     return Engine.load(a.model, backend=a.backend, n_ctx=a.n_ctx, progress=sys.stderr.isatty(),
                        prefix_cache=cache, **opts)
 

@@ -82,7 +82,7 @@ def _one(eng, res: Result, prompt: list[int], n_gen: int = 1):
 
 def run_ours(path: str, workloads, n_prompts: int, threads: int | None, cache_dir: str | None,
              backend: str = "cpu", reply_tokens: int = 16, stride: int | None = None) -> list[Result]:
-    from ..api import DEFAULT_SNAPSHOT_STRIDE, Engine
+    from ..api import Engine
 
     out = []
     for w in workloads:
@@ -93,7 +93,7 @@ def run_ours(path: str, workloads, n_prompts: int, threads: int | None, cache_di
             d = tempfile.mkdtemp(dir=cache_dir, prefix=f"prefix-{w}-")
             cache.update(disk_dir=d, disk_bytes=64 << 30)
         eng = Engine.load(path, backend=backend, n_ctx=8192, prefix_cache=cache,
-                          snapshot_stride=DEFAULT_SNAPSHOT_STRIDE if stride is None else stride, **opts)
+                          snapshot_stride=stride, **opts)
         res = Result("hybridinfer", w, 0.0, 0.0, 0, 0)
         ttfts, restores = [], []
 
@@ -261,14 +261,13 @@ def plot(rows: list[Result], path: str) -> bool:
 def run(path: str, workloads=WORKLOADS, n_prompts: int = 100, threads: int | None = None,
         llama_server: str | None = None, cache_dir: str | None = None, backend: str = "cpu",
         stride: int | None = None) -> tuple[list[Result], dict]:
-    from ..api import DEFAULT_SNAPSHOT_STRIDE
     from ..gguf_model import GGUFModel
     from ..models import model_args
 
     threads = threads or os.cpu_count()
     args = model_args(GGUFModel(path))
     meta = {"model": os.path.basename(path), "arch": args.arch, "n_layer": args.n_layer, "threads": threads,
-            "backend": backend, "stride": DEFAULT_SNAPSHOT_STRIDE if stride is None else stride}
+            "backend": backend, "stride": "default" if stride is None else stride}
     rows = run_ours(path, workloads, n_prompts, threads, cache_dir, backend, stride=stride)
     if llama_server:
         if not (os.path.exists(llama_server) or shutil.which(llama_server)):
