@@ -168,3 +168,17 @@ def test_decode_step_allocates_no_buffers(oracle_gguf):
     grown = sum(s.size_diff for s in tracemalloc.take_snapshot().compare_to(base, "filename") if s.size_diff > 0)
     tracemalloc.stop()
     assert grown < 64 * 1024, f"decode steps allocated {grown} bytes"
+
+
+def test_decode_two_sequences_interleaved(oracle_gguf):
+    """Decode calls are bound once per workspace; the GDN call is rebound when another sequence's state comes
+    in, so two sequences decoded in turns give exactly what each gives alone."""
+    eng = _cpu(oracle_gguf("qwen35moe", "q8_0"))
+    a_ids, b_ids = _ids(eng.args.n_vocab, 12, seed=1), _ids(eng.args.n_vocab, 12, seed=2)
+    alone = [_decode_logits(eng, ids) for ids in (a_ids, b_ids)]
+    sa, sb = eng.new_state(), eng.new_state()
+    got_a, got_b = [], []
+    for ta, tb in zip(a_ids, b_ids, strict=True):
+        got_a.append(eng.backend.forward([ta], sa, all_logits=False)[0].copy())
+        got_b.append(eng.backend.forward([tb], sb, all_logits=False)[0].copy())
+    assert np.array_equal(np.stack(got_a), alone[0]) and np.array_equal(np.stack(got_b), alone[1])

@@ -142,15 +142,31 @@ class CPUModel:
         c()
 
     def quantize(self, m: Mat, x: np.ndarray, ws: Workspace) -> np.ndarray:
+        if ws.T == 1:  # decode: the quantized buffer of this matrix's input and its bound call, found once
+            hit = ws.calls.get(("q", id(m)))
+            if hit is not None:
+                hit[0]()
+                return hit[1]
         xq = ws.xq[self.simd.act_kind(m.qtype)][: x.shape[0], : self.simd.act_row_bytes(m.qtype, m.cols)]
-        self.call(ws, ("q", id(m)), "quantize", x, m.qtype, xq)  # each matrix has one input per layer
+        if ws.T == 1:  # each matrix has one input buffer per layer
+            ws.calls[("q", id(m))] = c = (self.simd.bind("quantize", x, m.qtype, xq), xq)
+            c[0]()
+        else:
+            self.simd.quantize(x, m.qtype, xq)
         return xq
 
     def mm_many(self, mats: list[Mat], x: np.ndarray, outs: list[np.ndarray], ws: Workspace) -> list[np.ndarray]:
         """Products of one input with several matrices: one quantization and one pooled call per activation
         kind (the thread pool wakes once)."""
         T = x.shape[0]
+        if T == 1:  # decode: the whole call site replayed from bound calls
+            plan = ws.calls.get(("many-plan", id(mats[0]), len(mats)))
+            if plan is not None:
+                for f in plan[0]:
+                    f()
+                return plan[1]
         res: list[np.ndarray] = [None] * len(mats)  # type: ignore[list-item]
+        steps = []
         groups: dict[str, list[int]] = {}
         for j, m in enumerate(mats):
             groups.setdefault(self.simd.act_kind(m.qtype), []).append(j)
@@ -162,6 +178,10 @@ class CPUModel:
                 res[j] = outs[j][:T, : mats[j].rows]
                 items.append((mats[j].raw, mats[j].qtype, mats[j].rows, res[j]))
             self.call(ws, ("many", id(m0)), "matmul_many", xq, m0.cols, items)
+            if T == 1:
+                steps += [ws.calls[("q", id(m0))][0], ws.calls[("many", id(m0))]]
+        if T == 1:
+            ws.calls[("many-plan", id(mats[0]), len(mats))] = (steps, res)
         return res
 
     def mm(self, m: Mat, x: np.ndarray, out: np.ndarray, ws: Workspace, xq: np.ndarray | None = None) -> np.ndarray:
@@ -238,8 +258,15 @@ class CPUModel:
         y = ws.gdn_y[:T]
         # in C on the library's thread pool (heads in parallel), bit-identical to ops_gdn.gdn_layer; numba's own
         # parallel version fought the C pool for the cores (measured on the 16-core host: 2.0 tok/s vs 14.4)
-        self.simd.gdn_layer(u, z, b, al, L.ssm_conv1d, L.ssm_a, L.ssm_dt_bias, L.ssm_norm, st.conv[i], st.ssm[i],
-                          a.ssm_n_k_heads, a.gdn_head_map == "mod", a.rms_eps, y, ws.gdn_scratch)
+        args = (u, z, b, al, L.ssm_conv1d, L.ssm_a, L.ssm_dt_bias, L.ssm_norm, st.conv[i], st.ssm[i],
+                a.ssm_n_k_heads, a.gdn_head_map == "mod", a.rms_eps, y, ws.gdn_scratch)
+        if T == 1:  # decode: bound once per layer and state (a new sequence's arrays rebind it)
+            hit = ws.calls.get(("gdn", i))
+            if hit is None or hit[0] is not st.conv[i] or hit[1] is not st.ssm[i]:
+                ws.calls[("gdn", i)] = hit = (st.conv[i], st.ssm[i], self.simd.bind("gdn_layer", *args))
+            hit[2]()
+        else:
+            self.simd.gdn_layer(*args)
         return self.mm(L.ssm_out, y, ws.mix, ws)
 
     def _moe(self, L: Layer, x: np.ndarray, ws: Workspace) -> np.ndarray:
