@@ -14,8 +14,10 @@ from .errors import HybridInferError
 def _add_model(p: argparse.ArgumentParser, required: bool = False) -> None:
     p.add_argument("-m", "--model", required=required,
                    help="GGUF file (default: the embedded SmolLM2-135M-Instruct Q4_1)")
-    p.add_argument("--backend", default=os.environ.get("HYBRIDINFER_BACKEND", "reference"),
-                   choices=["reference", "cpu", "gpu", "auto"], help="compute backend (default: reference)")
+    p.add_argument("--backend", default=os.environ.get("HYBRIDINFER_BACKEND"),
+                   choices=["reference", "cpu", "gpu", "auto"],
+                   help="compute backend (default: reference for GGUFs under 256 MiB, where the exact numpy "
+                        "reference answers quickly, else auto: GPU prefill if a card is there, CPU decode)")
     p.add_argument("--n-ctx", type=int, default=4096, help="context size in tokens (default 4096)")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
     p.add_argument("--vram-budget", type=parse_size, default=None,
@@ -52,9 +54,16 @@ def parse_size(s: str) -> int:
     return int(v)
 
 
+SMALL_MODEL_BYTES = 256 << 20
+
+
 def _engine(a):
     from .api import Engine
 
+    if a.backend is None:
+        from .default_model import default_model_path
+
+        a.backend = "reference" if os.path.getsize(a.model or default_model_path()) < SMALL_MODEL_BYTES else "auto"
     opts = {}
     if a.backend in ("cpu", "auto", "gpu"):
         opts = {"isa": a.isa, "n_threads": a.threads}

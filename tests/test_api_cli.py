@@ -130,3 +130,18 @@ def test_architecture_level_errors(tmp_path, oracle_gguf):
     rewrite(src, str(p), meta={"qwen35.ssm.state_size": None})
     with pytest.raises(MissingMetadataError, match="qwen35.ssm.state_size"):
         Engine.load(str(p))
+
+
+def test_cli_default_backend_by_model_size(monkeypatch):
+    """No --backend: the exact reference for small GGUFs (the embedded model), auto for large ones."""
+    import hybridinfer.api as api
+    from hybridinfer import cli
+
+    seen = []
+    monkeypatch.setattr(api.Engine, "load", classmethod(lambda c, path, backend, **kw: seen.append(backend)))
+    a = cli.build_parser().parse_args(["run", "-p", "x"])
+    cli._engine(a)
+    monkeypatch.setattr(cli, "SMALL_MODEL_BYTES", 1)
+    a = cli.build_parser().parse_args(["run", "-p", "x"])
+    cli._engine(a)
+    assert seen == ["reference", "auto"]
