@@ -1,6 +1,25 @@
+import glob
+import os
+import shutil
+
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
+
+
+class BuildPyWithKernels(build_py):
+    """Ship native/cuda_sm20 (compiled at run time for the card by PyCUDA) inside the package as
+    hybridinfer/_cuda_sm20, so a non-editable install finds its kernel sources."""
+
+    def run(self):
+        super().run()
+        dst = os.path.join(self.build_lib, "hybridinfer", "_cuda_sm20")
+        os.makedirs(dst, exist_ok=True)
+        for f in glob.glob(os.path.join(os.path.dirname(os.path.abspath(__file__)), "native", "cuda_sm20", "*.cu*")):
+            shutil.copy(f, dst)
+
 
 setup(
+    cmdclass={"build_py": BuildPyWithKernels},
     name="hybridinfer",
     version="0.1.0",
     description="Hybrid MoE (Qwen3.5/3.6) inference for pre-DP4A GPUs and big-RAM hosts",

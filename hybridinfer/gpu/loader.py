@@ -16,15 +16,17 @@ import numpy as np
 
 from ..errors import BackendNotAvailableError, KernelArgumentError
 
-SRC_DIR = Path(__file__).resolve().parents[2] / "native" / "cuda_sm20"
+SRC_DIR = Path(__file__).resolve().parents[2] / "native" / "cuda_sm20"  # a source tree (editable install)
+PKG_SRC_DIR = Path(__file__).resolve().parents[1] / "_cuda_sm20"  # copied there by setup.py for a wheel
 MAX_GRID = 65535  # sm_20: grid x, y and z
 MAX_BLOCK = 1024
 
 
 def source_dir() -> Path:
-    if not SRC_DIR.is_dir():
-        raise BackendNotAvailableError(f"CUDA kernel sources not found at {SRC_DIR} (install from a source tree)")
-    return SRC_DIR
+    for d in (SRC_DIR, PKG_SRC_DIR):
+        if d.is_dir() and any(d.glob("*.cu")):
+            return d
+    raise BackendNotAvailableError(f"CUDA kernel sources not found at {SRC_DIR} or {PKG_SRC_DIR}")
 
 
 _ctx = None

@@ -1,0 +1,39 @@
+"""The loader's CPU-side parts: where kernel sources are found (source tree or the copy a wheel ships), and that
+setup.py's build step puts every kernel source into the package."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hybridinfer.errors import BackendNotAvailableError
+from hybridinfer.gpu import loader
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_source_dir_prefers_the_tree_then_the_packaged_copy(monkeypatch, tmp_path):
+    assert loader.source_dir() == ROOT / "native" / "cuda_sm20"
+    pkg = tmp_path / "_cuda_sm20"
+    pkg.mkdir()
+    (pkg / "gemm.cu").write_text("// x\n")
+    monkeypatch.setattr(loader, "SRC_DIR", tmp_path / "missing")
+    monkeypatch.setattr(loader, "PKG_SRC_DIR", pkg)
+    assert loader.source_dir() == pkg
+    monkeypatch.setattr(loader, "PKG_SRC_DIR", tmp_path / "also-missing")
+    with pytest.raises(BackendNotAvailableError, match="kernel sources not found"):
+        loader.source_dir()
+
+
+def test_build_py_ships_the_kernel_sources(tmp_path):
+    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
+    r = subprocess.run([sys.executable, "setup.py", "-q", "build_py", "--build-lib", str(tmp_path)], cwd=ROOT,
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    shipped = {p.name for p in (tmp_path / "hybridinfer" / "_cuda_sm20").iterdir()}
+    want = {p.name for p in (ROOT / "native" / "cuda_sm20").glob("*.cu*")}
+    assert want and shipped == want
