@@ -186,7 +186,8 @@ class Engine:
 
     def start(self, ids: list[int], state: DecoderState, turn_boundary: int | None = None) -> tuple[np.ndarray, dict]:
         """Bring a fresh `state` to the end of `ids` and return (last-token logits, stats), reusing the longest
-        cached prefix and taking snapshots on the way when a prefix cache is on."""
+        cached prefix and taking snapshots on the way when a prefix cache is on. Their disk copies (with a disk
+        store) wait for `prefix_cache.flush()`, which `stream` calls once the answer is out."""
         t0 = time.perf_counter()
         stats = {"prompt_tokens": len(ids), "reused_tokens": 0, "restore_s": 0.0}
         cache = self.prefix_cache
@@ -215,7 +216,8 @@ class Engine:
                 at.add(shared)
             at.add(n)
             lg = self.prefill(ids[state.pos :], state, snapshot_at=sorted(at),
-                              on_snapshot=lambda st, last: cache.save(st, last if st.pos == n else None))
+                              on_snapshot=lambda st, last: cache.save(st, last if st.pos == n else None,
+                                                                      defer_disk=True))
             lg = lg[-1]
         return lg, stats
 
@@ -285,8 +287,10 @@ class Engine:
             text += dec.flush()  # bytes of a character cut off by the token limit
         if len(text) > emitted:
             yield text[emitted:]
-        if self.prefix_cache is not None and state.pos > len(ids):
-            self.prefix_cache.save(state, logits)  # end of generation: the next turn starts from the reply
+        if self.prefix_cache is not None:
+            if state.pos > len(ids):  # end of generation: the next turn starts from the reply
+                self.prefix_cache.save(state, logits, defer_disk=True)
+            self.prefix_cache.flush()  # disk copies, after the answer (not in the time to first token)
         t2 = time.perf_counter()
         res.text = text
         n = max(len(res.tokens), 1)

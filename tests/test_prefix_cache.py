@@ -367,3 +367,24 @@ def test_known_prefix_reports_the_shared_block_aligned_prefix(tmp_path):
         assert c.known_prefix(base[: 3 * B + 4] + [1, 2, 3] + base[3 * B + 7 :]) == 3 * B  # diverges in block 4
         assert c.known_prefix(base[: 2 * B]) == 2 * B
         assert c.known_prefix([7] + base[1:]) == 0
+
+
+def test_deferred_disk_copies_are_written_by_flush(tmp_path):
+    base = list(range(300, 300 + 5 * B + 3))
+    c = PrefixCache(FP, ARGS.layer_types, block_size=B, ram_bytes=1 << 30, disk_dir=str(tmp_path))
+    for p in (2 * B, 4 * B, len(base)):  # a chain: each snapshot's K/V segment continues its parent's
+        c.save(run(base[:p]), defer_disk=True)
+    assert not list(tmp_path.glob("*.snap"))  # nothing written yet
+    assert c.flush() == 3 and c.flush() == 0
+    assert len(list(tmp_path.glob("*.snap"))) == 3
+    other = PrefixCache(FP, ARGS.layer_types, block_size=B, ram_bytes=0, disk_dir=str(tmp_path))
+    for p in (2 * B, 4 * B, len(base)):
+        hit = other.lookup(base[:p])
+        assert hit is not None and hit.pos == p
+        st = garbage()
+        other.restore(hit, st)
+        assert_same(st, run(base[:p]))
+    # the disk copies share K/V along the chain as the RAM ones do: rows stored once
+    rows = sum(s.pos - s.kv_from for s in (other.disk.load(bytes.fromhex(h.key)) for h in
+                                           [other.lookup(base[:p]) for p in (2 * B, 4 * B, len(base))]))
+    assert rows == len(base)

@@ -74,7 +74,8 @@ def _one(eng, res: Result, prompt: list[int], n_gen: int = 1):
         gen.append(t)
         lg = eng.backend.forward([t], st, all_logits=False)[-1]
     if gen:
-        eng.prefix_cache.save(st, lg)
+        eng.prefix_cache.save(st, lg, defer_disk=True)
+    eng.prefix_cache.flush()  # disk copies after the first token, as Engine.stream does
     res.prompt_tokens += len(prompt)
     res.reprocessed += s["prefilled_tokens"]
     return ttft, s, gen

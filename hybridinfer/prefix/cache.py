@@ -55,6 +55,7 @@ class PrefixCache:
             self.disk = DiskStore(str(disk_dir), self.fingerprint, self.layer_types, self.block_size, disk_bytes,
                                   rescan_s=disk_rescan_s, tmp_max_age_s=tmp_max_age_s)
         self._lock = threading.RLock()
+        self._pending: list[bytes] = []  # keys whose disk copy waits for flush()
         self._counters = self._zero()
 
     @staticmethod
@@ -155,10 +156,11 @@ class PrefixCache:
         return None if lg is None else np.array(lg)
 
     # save ------------------------------------------------------------------------------------------------
-    def save(self, state, logits: np.ndarray | None = None) -> str | None:
+    def save(self, state, logits: np.ndarray | None = None, defer_disk: bool = False) -> str | None:
         """Snapshot `state` at state.pos (its data is copied) with the logits of its last token (optional);
         returns the key (hex), or None at pos 0. Already cached: only touched (and given the logits if it had
-        none)."""
+        none). defer_disk: when the snapshot is in RAM, its disk copy is written by the next flush() (so a
+        prompt's time to first token does not include file writes and fsyncs)."""
         self._check_layout(state)
         p = int(state.pos)
         if p <= 0:
@@ -171,10 +173,37 @@ class PrefixCache:
             if self.ram.budget > 0:
                 created |= self._save_ram(state, kc, bkey, tail, key, logits)
             if self.disk is not None:
-                created |= self._save_disk(state, kc, bkey, tail, key, logits)
+                if defer_disk and key in self.ram:
+                    self._pending.append(key)
+                else:
+                    created |= self._save_disk(state, kc, bkey, tail, key, logits)
             self._counters["saves"] += int(created)
             self._counters["save_s"] += time.perf_counter() - t0
         return key.hex()
+
+    def flush(self) -> int:
+        """Write the deferred disk copies (oldest first, each after its RAM ancestors); returns how many files
+        were written. Snapshots evicted from RAM meanwhile are skipped."""
+        if self.disk is None:
+            return 0
+        with self._lock:
+            keys, self._pending = self._pending, []
+            written = 0
+            for key in keys:
+                chain = []
+                k = key
+                while k is not None and (s := self.ram.get(k)) is not None:
+                    chain.append(s)
+                    k = s.parent
+                if k is not None:  # an ancestor left RAM: this chain cannot be written as it is
+                    continue
+                for s in reversed(chain):
+                    if s.key in self.disk:
+                        continue
+                    if not self.disk.write(s):
+                        break
+                    written += 1
+            return written
 
     def _save_ram(self, state, kc, bkey, tail, key, logits) -> bool:
         ram, p = self.ram, state.pos
@@ -232,6 +261,7 @@ class PrefixCache:
 
     def clear(self) -> None:
         """Drop every snapshot in RAM and this model's snapshot files on disk; zero the counters."""
+        self._pending.clear()
         with self._lock:
             self.ram.clear()
             if self.disk is not None:
