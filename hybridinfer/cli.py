@@ -245,6 +245,20 @@ def cmd_synth(a) -> int:
     return 0
 
 
+def _save_bench(out_dir: str, name: str, text: str, plot) -> None:
+    """Write a benchmark's JSON (`text`) and PNG (plot(path) -> False without matplotlib) as out_dir/name.*"""
+    os.makedirs(out_dir, exist_ok=True)
+    stem = os.path.join(out_dir, name)
+    with open(stem + ".json", "w") as f:
+        f.write(text)
+    plotted = plot(stem + ".png")
+    print(f"\nwrote {stem}.json" + (f" and {stem}.png" if plotted else " (no plot: matplotlib missing)"))
+
+
+def _model_stem(path: str) -> str:
+    return os.path.splitext(os.path.basename(path))[0]
+
+
 def cmd_bench_decode(a) -> int:
     import json
 
@@ -253,12 +267,8 @@ def cmd_bench_decode(a) -> int:
     isas = tuple(x.strip() for x in a.isa.split(",") if x.strip())
     res = decode.run(a.model, a.threads, a.n, a.context, isas, a.llama_bench, a.llama_bench_sse)
     print(decode.markdown(res))
-    os.makedirs(a.out_dir, exist_ok=True)
-    stem = os.path.join(a.out_dir, f"decode-{os.path.splitext(os.path.basename(a.model))[0]}-t{a.threads}")
-    with open(stem + ".json", "w") as f:
-        json.dump(res, f, indent=1)
-    plotted = decode.plot(res, stem + ".png")
-    print(f"\nwrote {stem}.json" + (f" and {stem}.png" if plotted else " (no plot: matplotlib missing)"))
+    _save_bench(a.out_dir, f"decode-{_model_stem(a.model)}-t{a.threads}", json.dumps(res, indent=1),
+                lambda png: decode.plot(res, png))
     return 0
 
 
@@ -287,12 +297,8 @@ def cmd_bench_prefix(a) -> int:
     rows, meta = prefix.run(a.model, wl, a.n_prompts, a.threads, a.llama_server, a.cache_dir, a.backend,
                             a.snapshot_stride)
     print(prefix.markdown(rows, meta))
-    os.makedirs(a.out_dir, exist_ok=True)
-    stem = os.path.join(a.out_dir, f"prefix-{os.path.splitext(os.path.basename(a.model))[0]}")
-    with open(stem + ".json", "w") as f:
-        f.write(prefix.to_json(rows, meta))
-    plotted = prefix.plot(rows, stem + ".png")
-    print(f"\nwrote {stem}.json" + (f" and {stem}.png" if plotted else ""))
+    _save_bench(a.out_dir, f"prefix-{_model_stem(a.model)}", prefix.to_json(rows, meta),
+                lambda png: prefix.plot(rows, png))
     return 0
 
 
@@ -305,12 +311,8 @@ def cmd_bench_prefill(a) -> int:
     res = prefill.run(a.model, prompts, a.vram_budget or None, not a.no_resident, a.threads, a.llama_bench,
                       a.llama_bench_cuda)
     print(prefill.markdown(res))
-    os.makedirs(a.out_dir, exist_ok=True)
-    stem = os.path.join(a.out_dir, f"prefill-{os.path.splitext(os.path.basename(a.model))[0]}")
-    with open(stem + ".json", "w") as f:
-        json.dump(res, f, indent=1)
-    plotted = prefill.plot(res, stem + ".png")
-    print(f"\nwrote {stem}.json" + (f" and {stem}.png" if plotted else ""))
+    _save_bench(a.out_dir, f"prefill-{_model_stem(a.model)}", json.dumps(res, indent=1),
+                lambda png: prefill.plot(res, png))
     return 0
 
 

@@ -145,3 +145,18 @@ def test_cli_default_backend_by_model_size(monkeypatch):
     a = cli.build_parser().parse_args(["run", "-p", "x"])
     cli._engine(a)
     assert seen == ["reference", "auto"]
+
+
+def test_cli_bench_commands_write_tables(tmp_path, oracle_gguf, capsys):
+    """`hybridinfer bench decode` and `bench prefix` on a tiny model (no llama.cpp binaries): table, JSON, PNG."""
+    from hybridinfer.cli import main
+
+    path = str(oracle_gguf("qwen35", "q8_0"))
+    assert main(["bench", "decode", "-m", path, "-t", "2", "-n", "4", "--out-dir", str(tmp_path)]) == 0
+    assert main(["bench", "prefix", "-m", path, "-t", "2", "--workloads", "a", "--out-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "% of floor" in out and "| a | hybridinfer |" in out
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["decode-qwen35-wide-s0-q8_0-t2.json", "decode-qwen35-wide-s0-q8_0-t2.png",
+                     "prefix-qwen35-wide-s0-q8_0.json", "prefix-qwen35-wide-s0-q8_0.png"]
+    assert main(["bench", "prefix", "-m", path, "--workloads", "z"]) == 2  # a clear error, not a traceback
