@@ -37,3 +37,29 @@ def test_build_py_ships_the_kernel_sources(tmp_path):
     shipped = {p.name for p in (tmp_path / "hybridinfer" / "_cuda_sm20").iterdir()}
     want = {p.name for p in (ROOT / "native" / "cuda_sm20").glob("*.cu*")}
     assert want and shipped == want
+
+
+def test_gpu_backend_knows_when_its_copy_of_the_state_is_stale():
+    """The card's copy is reused only for the very state object it wrote, at the same position and tokens; a
+    new state (even one reusing a freed object's id), CPU decode or a restore makes it upload again."""
+    import weakref
+
+    import numpy as np
+
+    from hybridinfer.gpu.backend import GPUModel, _tokens_hash
+    from hybridinfer.state import DecoderState
+
+    m = GPUModel.__new__(GPUModel)  # no card needed for the bookkeeping
+    m._owner = None
+    st = DecoderState(n_ctx=8, layer_types=("gdn",), tokens=np.zeros(8, np.int32), pos=3)
+    st.tokens[:3] = [5, 6, 7]
+    assert not m._holds(st)
+    m._owner = (weakref.ref(st), st.pos, _tokens_hash(st))
+    assert m._holds(st)
+    other = DecoderState(n_ctx=8, layer_types=("gdn",), tokens=st.tokens.copy(), pos=3)
+    assert not m._holds(other)
+    st.tokens[3], st.pos = 9, 4  # a CPU decode step
+    assert not m._holds(st)
+    st.pos = 3
+    st.tokens[1] = 1  # restored to another prefix of the same length
+    assert not m._holds(st)

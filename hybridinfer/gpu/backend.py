@@ -12,6 +12,7 @@ same single pass.
 from __future__ import annotations
 
 import time
+import weakref
 
 import numpy as np
 
@@ -129,7 +130,7 @@ class GPUModel:
         self.buf = Buffers(a, self.chunk, n_ctx)
         self.head = "token_embd.weight" if a.tied_output else "output.weight"
         self.tok_embd = gm.tensor("token_embd.weight")
-        self._owner: tuple[int, int] | None = None  # (id(state), pos) whose copy the card holds
+        self._owner = None  # the state whose copy the card holds: (weakref, pos, hash of its tokens)
         self.last_timing: dict = {}
         self.drv = drv
         if a.is_moe:
@@ -154,6 +155,14 @@ class GPUModel:
         self.streamer = Streamer(self.gm, self.placement, self.infos, self.stream)
 
     # state hand-off ------------------------------------------------------------------------------------
+    def _holds(self, st: DecoderState) -> bool:
+        """Whether the card's copy is this state as it is now: the same object (not one reusing a freed
+        object's id), at the same position, after the same tokens (CPU decode or a restore changes them)."""
+        if self._owner is None:
+            return False
+        ref, pos, h = self._owner
+        return ref() is st and pos == st.pos and h == _tokens_hash(st)
+
     def _upload_state(self, st: DecoderState) -> None:
         b, p = self.buf, st.pos
         for i in b.kc:
@@ -183,7 +192,7 @@ class GPUModel:
         p0 = state.pos
         snaps = sorted({int(p) - p0 for p in snapshot_at if p0 < int(p) < p0 + T})[:MAX_SNAPS]
         t0 = time.perf_counter()
-        if self._owner != (id(state), p0):
+        if not self._holds(state):
             self._upload_state(state)
         b, st = self.buf, self.streamer
         st.reset_timing()
@@ -237,7 +246,7 @@ class GPUModel:
             used = self.counts_host[:, : -(-T // self.chunk)].sum(axis=1)  # (n_layer, E)
             for i, e in zip(*np.nonzero(used), strict=True):
                 self.expert_counts[(int(i), int(e))] = self.expert_counts.get((int(i), int(e)), 0) + int(used[i, e])
-        self._owner = (id(state), state.pos)
+        self._owner = (weakref.ref(state), state.pos, _tokens_hash(state))
         wall = time.perf_counter() - t0
         self.last_timing = {"wall_s": wall, "gpu_s": ev1.time_since(ev0) / 1e3, "copy_s": st.copy_seconds(),
                             "bytes_h2d": st.bytes_h2d, "tokens": T, "phases": self._phase_seconds()}
@@ -361,6 +370,10 @@ class GPUModel:
         else:
             km.combine(ed, b.row_of_pair[:n], wts, out, stream=s)
         return out
+
+
+def _tokens_hash(st: DecoderState) -> int:
+    return hash(st.tokens[: st.pos].tobytes())
 
 
 def _check_supported(gm, args) -> None:
