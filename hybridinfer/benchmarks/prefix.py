@@ -13,6 +13,7 @@ TTFT is the time until the first token's logits are ready (our Engine.start; lla
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -62,23 +63,47 @@ def _requests(workload: str, n_vocab: int, n_prompts: int, seed: int = 0):
     raise ValueError(workload)
 
 
-def _one(eng, res: Result, prompt: list[int], n_gen: int = 1):
-    """TTFT of one request (and a greedy reply of n_gen - 1 tokens, snapshotted at its end, for chats)."""
+def _drive(res: Result, workload: str, n_vocab: int, n_prompts: int, reply_tokens: int, ask) -> None:
+    """Run one workload through ask(prompt, n_reply) -> (ttft ms, prompt tokens processed, reply ids, restore ms),
+    filling `res`; the same driver serves both engines, so they see the same requests."""
+    chat = workload == "c"
+    rng = np.random.default_rng(1)
+    hist: list[int] = []
+    warm, restores = [], []
+    for i, prompt in enumerate(range(10) if chat else _requests(workload, n_vocab, n_prompts)):
+        if chat:  # the whole history (earlier prompts and replies) + 40 new user tokens
+            hist = hist + [int(x) for x in rng.integers(10, n_vocab - 10, 40)]
+            prompt = hist
+        ms, n, reply, restore_ms = ask(prompt, reply_tokens if chat else 0)
+        res.prompt_tokens += len(prompt)
+        res.reprocessed += n
+        if chat:
+            res.turns.append(n)
+            hist = hist + reply
+        if i == 0:
+            res.cold_ttft_ms = ms
+        else:
+            warm.append(ms)
+            restores.append(restore_ms)
+    res.warm_ttft_ms = float(np.mean(warm)) if warm else 0.0
+    res.restore_ms = float(np.mean(restores)) if restores else 0.0
+
+
+def _ask_ours(eng, prompt: list[int], n_reply: int):
+    """TTFT of one request, then a greedy reply of n_reply tokens snapshotted at its end (chats)."""
     st = eng.new_state()
     t0 = time.perf_counter()
     lg, s = eng.start(prompt, st)
     ttft = time.perf_counter() - t0
-    gen = []
-    for _ in range(n_gen - 1):
+    reply = []
+    for _ in range(n_reply):
         t = int(np.argmax(lg))
-        gen.append(t)
+        reply.append(t)
         lg = eng.backend.forward([t], st, all_logits=False)[-1]
-    if gen:
+    if reply:
         eng.prefix_cache.save(st, lg, defer_disk=True)
     eng.prefix_cache.flush()  # disk copies after the first token, as Engine.stream does
-    res.prompt_tokens += len(prompt)
-    res.reprocessed += s["prefilled_tokens"]
-    return ttft, s, gen
+    return ttft * 1e3, s["prefilled_tokens"], reply, s["restore_s"] * 1e3
 
 
 def run_ours(path: str, workloads, n_prompts: int, threads: int | None, cache_dir: str | None,
@@ -96,32 +121,8 @@ def run_ours(path: str, workloads, n_prompts: int, threads: int | None, cache_di
         eng = Engine.load(path, backend=backend, n_ctx=8192, prefix_cache=cache,
                           snapshot_stride=stride, **opts)
         res = Result("hybridinfer", w, 0.0, 0.0, 0, 0)
-        ttfts, restores = [], []
-
-        if w == "c":
-            rng = np.random.default_rng(1)
-            hist: list[int] = []
-            for turn in range(10):
-                hist = hist + [int(x) for x in rng.integers(10, eng.args.n_vocab - 10, 40)]
-                ttft, s, gen = _one(eng, res, hist, reply_tokens + 1)
-                res.turns.append(s["prefilled_tokens"])
-                if turn == 0:
-                    res.cold_ttft_ms = ttft * 1e3
-                else:
-                    ttfts.append(ttft)
-                    restores.append(s["restore_s"])
-                hist = hist + gen
-        else:
-            for i, prompt in enumerate(_requests(w, eng.args.n_vocab, n_prompts)):
-                ttft, s, _ = _one(eng, res, prompt)
-                if i == 0:
-                    res.cold_ttft_ms = ttft * 1e3
-                else:
-                    ttfts.append(ttft)
-                    restores.append(s["restore_s"])
+        _drive(res, w, eng.args.n_vocab, n_prompts, reply_tokens, functools.partial(_ask_ours, eng))
         st = eng.prefix_cache.stats
-        res.warm_ttft_ms = float(np.mean(ttfts)) * 1e3 if ttfts else 0.0
-        res.restore_ms = float(np.mean(restores)) * 1e3 if restores else 0.0
         res.ram_bytes, res.disk_bytes = int(st.get("bytes_ram", 0)), int(st.get("bytes_disk", 0))
         out.append(res)
     return out
@@ -183,31 +184,12 @@ def run_llama(binary: str, path: str, workloads, n_prompts: int, threads: int, n
         srv = LlamaServer(binary, path, threads)
         try:
             res = Result("llama.cpp server", w, 0.0, 0.0, 0, 0)
-            ttfts = []
-            if w == "c":
-                rng = np.random.default_rng(1)
-                hist: list[int] = []
-                for turn in range(10):
-                    hist = hist + [int(x) for x in rng.integers(10, n_vocab - 10, 40)]
-                    ms, n, gen = srv.complete(hist, reply_tokens)
-                    res.prompt_tokens += len(hist)
-                    res.reprocessed += n
-                    res.turns.append(n)
-                    if turn == 0:
-                        res.cold_ttft_ms = ms
-                    else:
-                        ttfts.append(ms)
-                    hist = hist + gen[: reply_tokens]
-            else:
-                for i, prompt in enumerate(_requests(w, n_vocab, n_prompts)):
-                    ms, n, _ = srv.complete(prompt, 1)
-                    res.prompt_tokens += len(prompt)
-                    res.reprocessed += n
-                    if i == 0:
-                        res.cold_ttft_ms = ms
-                    else:
-                        ttfts.append(ms)
-            res.warm_ttft_ms = float(np.mean(ttfts)) if ttfts else 0.0
+
+            def ask(prompt, n_reply, srv=srv):
+                ms, n, gen = srv.complete(prompt, max(n_reply, 1))
+                return ms, n, gen[:n_reply], 0.0
+
+            _drive(res, w, n_vocab, n_prompts, reply_tokens, ask)
             out.append(res)
         finally:
             srv.close()
