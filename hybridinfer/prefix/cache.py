@@ -24,7 +24,7 @@ import numpy as np
 
 from ..errors import SnapshotError
 from .disk import DiskStore
-from .index import KeyChain, as_tokens, root_key, walk
+from .index import KeyChain, as_tokens, known_blocks, root_key, walk
 from .ram import RamStore
 from .snapshot import Snapshot, from_state, recurrent_bytes, restore_chain, row_bytes
 
@@ -67,6 +67,12 @@ class PrefixCache:
             raise SnapshotError(f"the state's layer layout {tuple(state.layer_types)} is not this cache's "
                                 f"{self.layer_types}")
 
+    def _indexes(self) -> list:
+        """The RAM index and (re-scanned if the directory changed) the disk index; call with the lock held."""
+        if self.disk is not None:
+            self.disk.refresh()
+        return [self.ram.index] + ([self.disk.index] if self.disk is not None else [])
+
     # lookup ----------------------------------------------------------------------------------------------
     def _resolve(self, key: bytes) -> list[Snapshot] | None:
         """The snapshot `key` and its ancestors, root first, each from RAM or else from disk (verified); None
@@ -102,9 +108,7 @@ class PrefixCache:
         mp = len(t) if max_pos is None else min(int(max_pos), len(t))
         with self._lock:
             if mp >= 1:
-                if self.disk is not None:
-                    self.disk.refresh()
-                indexes = [self.ram.index] + ([self.disk.index] if self.disk is not None else [])
+                indexes = self._indexes()
                 for e in walk(indexes, KeyChain(self.root, t, self.block_size), mp):
                     chain = self._resolve(e.key)
                     if chain is None:
@@ -126,13 +130,7 @@ class PrefixCache:
         t = as_tokens(tokens)
         kc = KeyChain(self.root, t, self.block_size)
         with self._lock:
-            if self.disk is not None:
-                self.disk.refresh()
-            indexes = [self.ram.index] + ([self.disk.index] if self.disk is not None else [])
-            j = 0
-            while (j + 1) * self.block_size <= len(t) and any(kc.key(j + 1) in ix.known for ix in indexes):
-                j += 1
-            return j * self.block_size
+            return known_blocks(self._indexes(), kc, len(t)) * self.block_size
 
     def restore(self, hit: Hit, state) -> np.ndarray | None:
         """Write the snapshot's tokens, K/V rows, conv and S states and pos into `state`'s existing buffers;

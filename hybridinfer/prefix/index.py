@@ -127,14 +127,21 @@ class BlockIndex:
         self.entries.clear()
 
 
+def known_blocks(indexes, kc: KeyChain, max_pos: int) -> int:
+    """How many whole blocks of kc.tokens[:max_pos] some indexed prefix passes through (one lookup per block)."""
+    j, max_pos = 0, min(max_pos, len(kc.tokens))
+    while (j + 1) * kc.B <= max_pos and any(kc.key(j + 1) in ix.known for ix in indexes):
+        j += 1
+    return j
+
+
 def walk(indexes, kc: KeyChain, max_pos: int) -> list[Entry]:
     """Entries of `indexes` whose prefix is kc.tokens[:pos] with 1 <= pos <= max_pos, deepest first (one entry
     per key). Walks block keys while one of the indexes knows them."""
     tokens, B = kc.tokens, kc.B
     max_pos = min(max_pos, len(tokens))
     found: dict[bytes, Entry] = {}
-    j = 0
-    while True:
+    for j in range(known_blocks(indexes, kc, max_pos) + 1):
         bkey = kc.key(j)
         lvl = [ix.at[bkey] for ix in indexes if bkey in ix.at]
         if lvl:
@@ -144,10 +151,4 @@ def walk(indexes, kc: KeyChain, max_pos: int) -> list[Entry]:
                     n = len(e.tail)
                     if 1 <= e.pos <= max_pos and n <= len(blk) and tuple(blk[:n]) == e.tail:
                         found.setdefault(e.key, e)
-        if (j + 1) * B > max_pos:
-            break
-        nxt = kc.key(j + 1)
-        if not any(nxt in ix.known for ix in indexes):
-            break
-        j += 1
     return sorted(found.values(), key=lambda e: -e.pos)
