@@ -359,39 +359,39 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_synth)
     p = sub.add_parser("bench", help="benchmarks (markdown table + PNG)")
     bsub = p.add_subparsers(dest="bench", required=True)
-    b = bsub.add_parser("decode", help="decode tok/s vs the memory-bandwidth floor, and llama.cpp")
-    b.add_argument("-m", "--model", required=True)
-    b.add_argument("-t", "--threads", type=int, default=os.cpu_count())
+    b = _bench_parser(bsub, "decode", "decode tok/s vs the memory-bandwidth floor, and llama.cpp", cmd_bench_decode)
     b.add_argument("-n", type=int, default=32, help="decode steps timed")
     b.add_argument("--context", type=int, default=0, help="prompt tokens before timing")
     b.add_argument("--isa", default=os.environ.get("HYBRIDINFER_ISA", "native"),
                    help="comma-separated: native,scalar,ssse3,avx2,avx512vnni")
     b.add_argument("--llama-bench", default=None, help="llama.cpp's llama-bench (native build)")
     b.add_argument("--llama-bench-sse", default=None, help="llama-bench built without AVX")
-    b.add_argument("--out-dir", default="bench/results")
-    b.set_defaults(fn=cmd_bench_decode)
-    b = bsub.add_parser("prefix", help="time to first token cold/warm with the prefix cache, and llama.cpp's server")
-    b.add_argument("-m", "--model", required=True)
-    b.add_argument("-t", "--threads", type=int, default=os.cpu_count())
+    b = _bench_parser(bsub, "prefix", "time to first token cold/warm with the prefix cache, and llama.cpp's server",
+                      cmd_bench_prefix)
     b.add_argument("--backend", default="cpu", choices=["reference", "cpu", "gpu", "auto"])
     b.add_argument("--workloads", default="a,b,c,d", help="comma-separated subset of a,b,c,d")
     b.add_argument("--n-prompts", type=int, default=100, help="prompts in workload d (default 100)")
     b.add_argument("--snapshot-stride", type=int, default=None)
     b.add_argument("--cache-dir", default=None, help="also write snapshots to an on-disk store under this dir")
     b.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary, run on the same GGUF")
-    b.add_argument("--out-dir", default="bench/results")
-    b.set_defaults(fn=cmd_bench_prefix)
-    b = bsub.add_parser("prefill", help="GPU prefill tok/s vs transfer and compute floors, and llama.cpp")
-    b.add_argument("-m", "--model", required=True)
-    b.add_argument("-t", "--threads", type=int, default=os.cpu_count(), help="threads for llama.cpp's CPU runs")
+    b = _bench_parser(bsub, "prefill", "GPU prefill tok/s vs transfer and compute floors, and llama.cpp",
+                      cmd_bench_prefill, threads_help="threads for llama.cpp's CPU runs")
     b.add_argument("--prompts", default="128,947,4096")
     b.add_argument("--vram-budget", type=parse_size, default=parse_size("6GiB"), help="0: skip the budget run")
     b.add_argument("--no-resident", action="store_true", help="skip the whole-model-resident run")
     b.add_argument("--llama-bench", default=None, help="llama-bench, CPU build")
     b.add_argument("--llama-bench-cuda", default=None, help="llama-bench, CUDA build")
-    b.add_argument("--out-dir", default="bench/results")
-    b.set_defaults(fn=cmd_bench_prefill)
     return ap
+
+
+def _bench_parser(bsub, name: str, help: str, fn, threads_help: str | None = None) -> argparse.ArgumentParser:
+    """A `bench` subcommand with the options every benchmark takes: the model, threads and output folder."""
+    b = bsub.add_parser(name, help=help)
+    b.add_argument("-m", "--model", required=True)
+    b.add_argument("-t", "--threads", type=int, default=os.cpu_count(), help=threads_help)
+    b.add_argument("--out-dir", default="bench/results")
+    b.set_defaults(fn=fn)
+    return b
 
 
 def main(argv: list[str] | None = None) -> int:
