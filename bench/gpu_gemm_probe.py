@@ -62,13 +62,13 @@ def main(argv=None) -> None:
         qk, _ = quant.block_info(q)
         w = k_gemm.DeviceWeight.upload(quant.random_blocks(q, N * K // qk, rng), q, (N, K))
         row = []
-        for bm in k_gemm.TILE_T:
-            s = _time(lambda w=w, bm=bm: k_gemm.gemm(x, w, out=out, bm=bm), a.reps)
-            row.append(f"b{bm} {flops / s / 1e9:8.0f} GFLOP/s ({s * 1e3:.3f} ms)")
+        for tile in k_gemm.TILES:
+            s = _time(lambda w=w, tile=tile: k_gemm.gemm(x, w, out=out, tile=tile), a.reps)
+            row.append(f"{tile} {flops / s / 1e9:6.0f}")
         print(f"gemm {name:5s} T={T} N={N} K={K}: " + " | ".join(row))
         auto = k_gemm.pick_tile(T, T, N)
         s = _time(lambda w=w: k_gemm.gemm(x, w, out=out), a.reps)
-        print(f"    default tile b{auto}: {flops / s / 1e9:.0f} GFLOP/s")
+        print(f"    default tile {auto}: {flops / s / 1e9:.0f} GFLOP/s")
 
     q = quant.Q4_K
     w = k_gemm.DeviceWeight.upload(quant.random_blocks(q, N * K // 256, rng), q, (N, K))
@@ -77,9 +77,9 @@ def main(argv=None) -> None:
         o2 = gpuarray.empty((t2, N), np.float32)
         f2 = 2.0 * t2 * N * K
         row = []
-        for bm in k_gemm.TILE_T:
-            s = _time(lambda bm=bm, x2=x2, o2=o2: k_gemm.gemm(x2, w, out=o2, bm=bm), a.reps)
-            row.append(f"b{bm} {f2 / s / 1e9:8.0f} GFLOP/s ({s * 1e3:.3f} ms)")
+        for tile in k_gemm.TILES:
+            s = _time(lambda tile=tile, x2=x2, o2=o2: k_gemm.gemm(x2, w, out=o2, tile=tile), a.reps)
+            row.append(f"{tile} {f2 / s / 1e9:6.0f}")
         print(f"gemm Q4_K  T={t2} N={N} K={K}: " + " | ".join(row))
 
     # MoE: 256 experts, 8 per token, gate projection [E, 512, K]
@@ -94,10 +94,25 @@ def main(argv=None) -> None:
     yo = gpuarray.empty((M, F), np.float32)
     gflop = 2.0 * M * F * K
     row = []
-    for bm in k_gemm.TILE_T:
-        s = _time(lambda bm=bm: k_gemm.gemm_grouped(x, w, offs, idx, out=yo, bm=bm), a.reps)
-        row.append(f"b{bm} {gflop / s / 1e9:8.0f} GFLOP/s ({s * 1e3:.3f} ms)")
-    print(f"grouped Q4_K E={E} top{top} M={M} N={F} K={K}: " + " | ".join(row))
+    for tile in k_gemm.TILES:
+        s = _time(lambda tile=tile: k_gemm.gemm_grouped(x, w, offs, idx, out=yo, tile=tile), a.reps)
+        row.append(f"{tile} {gflop / s / 1e9:6.0f}")
+    s = _time(lambda: k_gemm.gemm_grouped(x, w, offs, idx, out=yo), a.reps)
+    row.append(f"default {k_gemm.pick_tile(M / E, M, F)} {gflop / s / 1e9:6.0f}")
+    print(f"grouped Q4_K E={E} top{top} M={M} N={F} K={K} (GFLOP/s by tile): " + " | ".join(row))
+
+    # MoE down projection: grouped rows in order (no idx), [E, K, F] Q6_K
+    q = quant.Q6_K
+    xd = gpuarray.to_gpu(rng.standard_normal((M, F), dtype=np.float32))
+    wd = k_gemm.DeviceWeight.upload(quant.random_blocks(q, E * K * F // 256, rng), q, (E, K, F))
+    yd = gpuarray.empty((M, K), np.float32)
+    row = []
+    for tile in k_gemm.TILES:
+        s = _time(lambda tile=tile: k_gemm.gemm_grouped(xd, wd, offs, None, out=yd, tile=tile), a.reps)
+        row.append(f"{tile} {gflop / s / 1e9:6.0f}")
+    s = _time(lambda: k_gemm.gemm_grouped(xd, wd, offs, None, out=yd), a.reps)
+    row.append(f"default {k_gemm.pick_tile(M / E, M, K)} {gflop / s / 1e9:6.0f}")
+    print(f"grouped Q6_K E={E} top{top} M={M} N={K} K={F} (GFLOP/s by tile): " + " | ".join(row))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from hybridinfer import quant
+from hybridinfer.gpu.k_gemm import TILES
 
 pytestmark = pytest.mark.gpu
 
@@ -68,17 +69,17 @@ def test_gemm(gpu, qtype, T, N):
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=IDS)
-@pytest.mark.parametrize("bm", [16, 32, 64, 128])
-def test_gemm_every_tile(gpu, qtype, bm):
+@pytest.mark.parametrize("tile", TILES, ids=[f"b{m}n{n}" for m, n in TILES])
+def test_gemm_every_tile(gpu, qtype, tile):
     gpuarray, k_gemm = gpu
-    rng = np.random.default_rng(7 * qtype + bm)
-    T, N, K = 83, 130, _k_for(qtype, small=True)
+    rng = np.random.default_rng(7 * qtype + tile[0] + tile[1])
+    T, N, K = 83, 290, _k_for(qtype, small=True)  # partial tiles in both directions
     raw, wf = _weight(qtype, (N, K), rng)
     x = rng.standard_normal((T, K), dtype=np.float32)
     w = k_gemm.DeviceWeight.upload(raw, qtype, (N, K))
     out = _poisoned(gpuarray, (T, N))
-    k_gemm.gemm(gpuarray.to_gpu(x), w, out=out, bm=bm)
-    _check(out.get(), x, wf, f"{w} bm={bm}")
+    k_gemm.gemm(gpuarray.to_gpu(x), w, out=out, tile=tile)
+    _check(out.get(), x, wf, f"{w} tile={tile}")
 
 
 def _grouping(counts, T, rng):
@@ -88,10 +89,10 @@ def _grouping(counts, T, rng):
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=IDS)
-@pytest.mark.parametrize("bm", [None, 16, 64, 128])
-def test_gemm_grouped(gpu, qtype, bm):
+@pytest.mark.parametrize("tile", [None, (16, 128), (64, 128), (128, 128), (16, 256), (32, 256), (64, 256)])
+def test_gemm_grouped(gpu, qtype, tile):
     gpuarray, k_gemm = gpu
-    rng = np.random.default_rng(31 * qtype + (bm or 0))
+    rng = np.random.default_rng(31 * qtype + sum(tile or ()))
     counts = [3, 0, 70, 1, 130, 0, 17]  # uneven, two experts without tokens
     E, N, K, T = len(counts), 197, _k_for(qtype, small=True), 50
     raw, wf = _weight(qtype, (E, N, K), rng)
@@ -99,7 +100,7 @@ def test_gemm_grouped(gpu, qtype, bm):
     offs, idx = _grouping(counts, T, rng)
     x = rng.standard_normal((T, K), dtype=np.float32)
     out = _poisoned(gpuarray, (offs[-1], N))
-    k_gemm.gemm_grouped(gpuarray.to_gpu(x), w, gpuarray.to_gpu(offs), gpuarray.to_gpu(idx), out=out, bm=bm)
+    k_gemm.gemm_grouped(gpuarray.to_gpu(x), w, gpuarray.to_gpu(offs), gpuarray.to_gpu(idx), out=out, tile=tile)
     y = out.get()
     for e in range(E):
         rows = slice(offs[e], offs[e + 1])

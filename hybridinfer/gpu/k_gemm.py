@@ -17,8 +17,8 @@ from ..errors import KernelArgumentError
 from . import loader
 
 FAMILY = "gemm"
-TILE_N = 128
-TILE_T = (16, 32, 64, 128)  # token tile heights compiled into gemm.cu (kernel suffix _b<BM>)
+# (tokens, weight rows) of a block's output tile, compiled into gemm.cu (kernel suffix _b<BM>_n<BN>)
+TILES = ((16, 128), (32, 128), (64, 128), (128, 128), (16, 256), (32, 256), (64, 256))
 GEMM_TYPES = {quant.F32: "f32", quant.F16: "f16", quant.Q4_0: "q4_0", quant.Q8_0: "q8_0", quant.Q4_K: "q4_k",
               quant.Q5_K: "q5_k", quant.Q6_K: "q6_k"}
 # base-pointer alignment the kernels' vector loads need, by type
@@ -88,33 +88,42 @@ def _sm_count() -> int:
     return int(drv.Context.get_device().get_attribute(drv.device_attribute.MULTIPROCESSOR_COUNT))
 
 
-def pick_tile(rows_per_group: float, n_rows: int, n_cols: int, sm_count: int | None = None) -> int:
-    """Token tile height: the tallest tile that is at least 40% full on average (rows_per_group) and
-    still gives every multiprocessor a block (n_rows rows in all, n_cols outputs per row); else 16.
+def pick_tile(rows_per_group: float, n_rows: int, n_cols: int, sm_count: int | None = None) -> tuple[int, int]:
+    """(BM, BN) output tile: rows_per_group tokens per group (expert) on average, n_rows rows in all, n_cols
+    outputs per row.
 
-    Measured on an H100 (bench/gpu_gemm_probe.py): T=947, N=K=2048 runs best at 128, T=64 at 16 (latency
-    bound: the most blocks win), MoE groups of ~30 rows at 64.
+    Long runs of rows (plain GEMMs of 128 tokens and more) take the 128 x 128 tile, the fastest per FLOP
+    when it gives every multiprocessor a block; groups of a few dozen rows (MoE experts) the 32 x 256 tile
+    (4 tokens x 8 rows per thread, 32 rows tall). Measured on an H100 and an H200 (bench/gpu_gemm_probe.py:
+    947 tokens x 8192 x 2048 Q4_K at 128 x 128 ~31 TFLOP/s; 256 experts x 512 x 2048, ~30 tokens each, at
+    32 x 256 ~12 TFLOP/s, at 16 x 128 ~7).
     """
     sms = sm_count or _sm_count()
-    n_tiles = loader.grid_for(n_cols, TILE_N)
-    for bm in sorted(TILE_T, reverse=True):
-        if bm <= 2.5 * rows_per_group and n_tiles * loader.grid_for(n_rows, bm) >= 0.9 * sms:
-            return bm
-    return TILE_T[0]
+
+    def enough(bm: int, bn: int) -> bool:
+        return loader.grid_for(n_cols, bn) * loader.grid_for(n_rows, bm) >= 0.9 * sms
+
+    if rows_per_group >= 128 and enough(128, 128):
+        return 128, 128
+    for tile in ((64, 128), (32, 256), (32, 128)):
+        if rows_per_group >= 0.6 * tile[0] and enough(*tile):
+            return tile
+    return 16, 128
 
 
-def _launch(name: str, bm: int, x_ptr, w: DeviceWeight, y_ptr, offs_ptr, idx_ptr, n_group: int, m: int,
-            n_tiles_t: int, stream):
+def _launch(name: str, tile: tuple[int, int], x_ptr, w: DeviceWeight, y_ptr, offs_ptr, idx_ptr, n_group: int,
+            m: int, n_tiles_t: int, stream):
     N, K = w.shape[-2], w.shape[-1]
-    if bm not in TILE_T:
-        raise KernelArgumentError(f"gemm: token tile {bm} not compiled (have {TILE_T})")
+    if tuple(tile) not in TILES:
+        raise KernelArgumentError(f"gemm: tile {tile} not compiled (have {TILES})")
     if max(m, N, K) >= 2**31 or w.row_nbytes >= 2**31:
         raise KernelArgumentError(f"gemm: extents M={m} N={N} K={K} exceed int32")
+    bm, bn = tile
     wptr = _aligned(w.data.gpudata, _ALIGN.get(w.qtype, 2), "weight")
-    grid = (min(loader.grid_for(N, TILE_N), loader.MAX_GRID), max(1, min(n_tiles_t, loader.MAX_GRID)))
+    grid = (min(loader.grid_for(N, bn), loader.MAX_GRID), max(1, min(n_tiles_t, loader.MAX_GRID)))
     args = [x_ptr, wptr, y_ptr, offs_ptr, idx_ptr, np.int32(n_group), np.int32(m), np.int32(N), np.int32(K),
             np.int32(w.row_nbytes)]
-    loader.launch(FAMILY, f"gemm_{name}_b{bm}", grid, (256,), args, stream=stream)
+    loader.launch(FAMILY, f"gemm_{name}_b{bm}_n{bn}", grid, (256,), args, stream=stream)
 
 
 def _out(out, shape: tuple, what: str):
@@ -126,12 +135,12 @@ def _out(out, shape: tuple, what: str):
     return out
 
 
-def gemm(x, w: DeviceWeight, out=None, bm: int | None = None, stream=None):
+def gemm(x, w: DeviceWeight, out=None, tile: tuple[int, int] | None = None, stream=None):
     """out[T, N] = x[T, K] @ W[N, K]^T.
 
     x: float32 (T, K) C-contiguous, 16-byte aligned; w: DeviceWeight of shape (N, K), type F32, F16, Q4_0,
     Q8_0, Q4_K, Q5_K or Q6_K; out: float32 (T, N) (allocated when None; must not overlap x).
-    bm: token tile height (16, 32, 64 or 128; chosen from T when None). Returns out.
+    tile: (tokens, rows) of a block's output tile, one of TILES (chosen from T and N when None). Returns out.
     """
     name = _check_weight(w, 2, GEMM_TYPES)
     N, K = w.shape
@@ -141,12 +150,12 @@ def gemm(x, w: DeviceWeight, out=None, bm: int | None = None, stream=None):
     yp = _aligned(out.gpudata, 16, "gemm out")
     if T == 0:
         return out
-    bm = bm or pick_tile(T, T, N)
-    _launch(name, bm, xp, w, yp, _NULL, _NULL, 1, T, loader.grid_for(T, bm), stream)
+    tile = tile or pick_tile(T, T, N)
+    _launch(name, tile, xp, w, yp, _NULL, _NULL, 1, T, loader.grid_for(T, tile[0]), stream)
     return out
 
 
-def gemm_grouped(x, w: DeviceWeight, offs, idx=None, out=None, bm: int | None = None, stream=None):
+def gemm_grouped(x, w: DeviceWeight, offs, idx=None, out=None, tile: tuple[int, int] | None = None, stream=None):
     """Expert-grouped GEMM: out[r, :] = x[idx[r], :] @ W[e]^T for offs[e] <= r < offs[e+1].
 
     x: float32 (T, K) (T = M when idx is None: rows already in grouped order); w: DeviceWeight (E, N, K);
@@ -168,7 +177,7 @@ def gemm_grouped(x, w: DeviceWeight, offs, idx=None, out=None, bm: int | None = 
     yp = _aligned(out.gpudata, 16, "gemm_grouped out")
     if M == 0:
         return out
-    bm = bm or pick_tile(M / E, M, N)
+    tile = tile or pick_tile(M / E, M, N)
     # expert e owns ceil(n_e / bm) tiles: at most M / bm + E in all; blocks past the last tile exit
-    _launch(name, bm, xp, w, yp, op, ip, E, M, loader.grid_for(M, bm) + E, stream)
+    _launch(name, tile, xp, w, yp, op, ip, E, M, loader.grid_for(M, tile[0]) + E, stream)
     return out

@@ -1,31 +1,29 @@
 // Dequantize-and-multiply GEMM, fp32, sm_20 subset.
 //
 // Maths. Y[t, n] = sum_k X[t, k] * W[n, k]  (Y = X W^T), X [T, K] float32 row-major, W [N, K] stored as
-// GGUF rows (row_nbytes bytes per row of K weights, whole blocks), dequantized exactly as
-// hybridinfer.quant.dequantize does (common.cuh hi_deq16). Sums are fp32 FMA chains over k in order
-// within each thread, so the result is the float64 product of the dequantized operands to within
-// about sqrt(K) fp32 roundings of sum_k |X[t,k] W[n,k]|.
+// GGUF rows (row_nbytes bytes per row of K weights, whole blocks), dequantized as hybridinfer.quant.dequantize
+// does (to within one rounding of each weight: gemm_deq). Sums are fp32 FMA chains over k in order within
+// each thread, so the result is the float64 product of the dequantized operands to within about sqrt(K)
+// fp32 roundings of sum_k |X[t,k] W[n,k]|.
 //
 // Grouped form (MoE): W is [E, N, K]; expert e multiplies the rows r = offs[e] .. offs[e+1]-1 of the
 // grouped order, reading input row X[idx[r]] (X[r] where idx is NULL) and writing Y[r]:
 //   Y[r, n] = sum_k X[idx[r], k] * W[e, n, k]   for offs[e] <= r < offs[e+1].
 // The plain GEMM is the grouped one with E = 1, offs = {0, T} (passed as NULL, M = T), idx = NULL.
 //
-// Tiling. A block of 256 threads computes a BM x 128 tile of Y (BM = 16 TM tokens x 128 weight rows,
-// TM = 1, 2, 4, 8): thread (ty, tx) = (tid / 16, tid % 16) holds TM tokens ty*TM + i and 8 rows
-// tx*4 + j, 64 + tx*4 + j in registers. K advances by 32 (one quant chunk): the X tile (BM x 32, rows
-// padded to 36 floats) and the dequantized W tile (32 x 128, k-major) are staged in shared memory, W by
-// two threads per row (16 weights each). The global loads of chunk c+1 (X rows and raw W bytes, kept in
-// registers) are issued before chunk c is multiplied, and dequantized into shared memory after it.
+// Tiling. A block of 256 threads computes a BM x BN tile of Y: TYN x TXN threads (TYN * TXN = 256),
+// each holding TM tokens ty + TYN i and 8 weight rows 4 tx + j, 4 TXN + 4 tx + j in registers (a warp
+// spans 4 ty x 8 tx, so every float4 shared load reads 128 distinct bytes). K advances by BK = 32: the
+// X tile (BM x BK, rows padded to BK + 4 floats) and the dequantized W tile
+// (BK x BN, k-major) are staged in shared memory, W in pieces of 16 weights of a row. The global loads
+// of chunk c+1 (X rows and raw W bytes, kept in registers) are issued before chunk c is multiplied, and
+// dequantized into shared memory after it.
 // Grid x walks the N tiles, grid y the "virtual" T tiles: expert e owns ceil(cnt_e / BM) consecutive
 // tiles; a block finds its (e, tile) by a block prefix sum over the experts' tile counts. Both grid
 // dimensions loop (stride gridDim), so any T and N fit sm_20's 65535 limit. Shared memory: at most
-// 128 x 36 + 32 x 128 floats + 256 ints = 36 KB (BM = 128).
+// 36 KB (BM = 128: 128 x 36 + 32 x 128 floats + 256 ints).
 #include "common.cuh"
 
-#define GEMM_BK 32
-#define GEMM_BN 128
-#define GEMM_XLD (GEMM_BK + 4)  // X tile row pitch (floats): 16-byte aligned rows, fewer bank conflicts
 
 // Find the expert and tile of virtual tile v: returns false when v is past the last tile.
 __device__ __forceinline__ bool gemm_find_tile(const int* __restrict__ offs, int E, int M, int BM, int v,
@@ -72,48 +70,160 @@ __device__ __forceinline__ bool gemm_find_tile(const int* __restrict__ offs, int
     return true;
 }
 
-// X rows of chunk c into registers: float4 p = tid + i*256 is row p / 8, columns 4 (p % 8) .. +3
-template <int XL>
+// X rows of k-chunk c (BK columns) into registers: float4 p = tid + i*256 is row p / (BK/4), columns
+// 4 (p % (BK/4)) .. +3 of the chunk
+template <int XL, int BK>
 __device__ __forceinline__ void gemm_load_x(float4 xr[XL], const float* const xrow[XL], int c, int cnt, int BM) {
 #pragma unroll
     for (int i = 0; i < XL; ++i) {
         const int p = threadIdx.x + i * HI_THREADS;
-        const int m = p >> 3, q4 = p & 7;
+        const int m = p / (BK / 4), q4 = p % (BK / 4);
         xr[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        if (p < BM * 8 && m < cnt) xr[i] = *(const float4*)(xrow[i] + c * GEMM_BK + 4 * q4);
+        if (p < BM * (BK / 4) && m < cnt) xr[i] = *(const float4*)(xrow[i] + c * BK + 4 * q4);
     }
 }
 
-// staged registers -> shared tiles: X row-major (pitch GEMM_XLD), W k-major (row wn, k = 16 wh + j)
-template <int QT, int XL>
-__device__ __forceinline__ void gemm_store(const float4 xr[XL], const HiQ<QT>& wq, float* Xs, float* Ws, int BM,
-                                           int wn, int wh, bool wok) {
+// Dequantization for the GEMM's W tile: v[j] = weight j of the piece, or 0 where !ok (a row past N).
+// Unlike HiQ::get (bit-equal to quant.dequantize, for the embedding), the K-quants here use one FMA for
+// scale and min (as nvcc's default contraction does to llama.cpp's CUDA dequantizers) and turn a small
+// integer q into a float as 2^23 + q (its bits 0x4B000000 | q) minus 2^23, both exact, instead of a
+// slower int-to-float conversion; a row past N gets zero scales instead of a select per weight.
+__device__ __forceinline__ float hi_small_u2f(u32 q) { return __int_as_float(0x4B000000u | q) - 8388608.0f; }
+
+template <int QT>
+__device__ __forceinline__ void gemm_deq(const HiQ<QT>& q, float v[16], bool ok) {
+    q.get(v);
+#pragma unroll
+    for (int j = 0; j < 16; ++j) v[j] = ok ? v[j] : 0.0f;
+}
+
+template <>
+__device__ __forceinline__ void gemm_deq<HI_Q4_K>(const HiQ<HI_Q4_K>& q, float v[16], bool ok) {
+    float sc, mn;
+    hi_scale_min_k4(q.scw, q.s, &sc, &mn);
+    const float ds = ok ? hi_h2f((u16)(q.dd & 0xffffu)) * sc : 0.0f;
+    const float dm = ok ? hi_h2f((u16)(q.dd >> 16)) * mn : 0.0f;
+    const int sh = 4 * (q.s & 1);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const u32 w = q.w[i] >> sh;
+#pragma unroll
+        for (int b = 0; b < 4; ++b) v[4 * i + b] = fmaf(ds, hi_small_u2f((w >> (8 * b)) & 15u), -dm);
+    }
+}
+
+template <>
+__device__ __forceinline__ void gemm_deq<HI_Q5_K>(const HiQ<HI_Q5_K>& q, float v[16], bool ok) {
+    float sc, mn;
+    hi_scale_min_k4(q.scw, q.s, &sc, &mn);
+    const float ds = ok ? hi_h2f((u16)(q.dd & 0xffffu)) * sc : 0.0f;
+    const float dm = ok ? hi_h2f((u16)(q.dd >> 16)) * mn : 0.0f;
+    const int sh = 4 * (q.s & 1);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const u32 w = q.w[i] >> sh, h = q.qh[i] >> q.s;
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {
+            const u32 x = ((w >> (8 * b)) & 15u) | (((h >> (8 * b)) & 1u) << 4);
+            v[4 * i + b] = fmaf(ds, hi_small_u2f(x), -dm);
+        }
+    }
+}
+
+template <>
+__device__ __forceinline__ void gemm_deq<HI_Q6_K>(const HiQ<HI_Q6_K>& q, float v[16], bool ok) {
+    const float ds = ok ? hi_h2f((u16)q.d) * (float)q.sc : 0.0f;
+    const int shl = 4 * (q.s >> 1), shh = 2 * q.s;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const u32 lo = q.ql[i] >> shl, hi = q.qh[i] >> shh;
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {
+            const u32 x = ((lo >> (8 * b)) & 15u) | (((hi >> (8 * b)) & 3u) << 4);
+            v[4 * i + b] = ds * (__int_as_float(0x4B000000u | x) - 8388640.0f);  // q - 32, exact
+        }
+    }
+}
+
+template <>
+__device__ __forceinline__ void gemm_deq<HI_Q8_0>(const HiQ<HI_Q8_0>& q, float v[16], bool ok) {
+    const float d = ok ? hi_h2f((u16)q.d) : 0.0f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {  // int8 q as the byte q + 128 (flipped sign bit), less 128
+            const u32 x = ((q.w[i] >> (8 * b)) & 255u) ^ 128u;
+            v[4 * i + b] = (__int_as_float(0x4B000000u | x) - 8388736.0f) * d;
+        }
+}
+
+template <>
+__device__ __forceinline__ void gemm_deq<HI_Q4_0>(const HiQ<HI_Q4_0>& q, float v[16], bool ok) {
+    const float d = ok ? hi_h2f((u16)q.d) : 0.0f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const u32 w = q.w[i] >> q.sh;
+#pragma unroll
+        for (int b = 0; b < 4; ++b)  // q - 8
+            v[4 * i + b] = d * (__int_as_float(0x4B000000u | ((w >> (8 * b)) & 15u)) - 8388616.0f);
+    }
+}
+
+// staged registers -> shared tiles: X row-major (pitch BK + 4: 16-byte aligned rows, fewer bank
+// conflicts), W k-major (row wn[r], k = 16 wh[r] + j of the chunk)
+template <int QT, int XL, int WH, int BN, int BK>
+__device__ __forceinline__ void gemm_store(const float4 xr[XL], const HiQ<QT> wq[WH], float* Xs, float* Ws, int BM,
+                                           const int wn[WH], const int wh[WH], const bool wok[WH]) {
 #pragma unroll
     for (int i = 0; i < XL; ++i) {
         const int p = threadIdx.x + i * HI_THREADS;
-        if (p < BM * 8) *(float4*)(Xs + (p >> 3) * GEMM_XLD + 4 * (p & 7)) = xr[i];
+        if (p < BM * (BK / 4)) *(float4*)(Xs + (p / (BK / 4)) * (BK + 4) + 4 * (p % (BK / 4))) = xr[i];
     }
-    float wv[16];
-    wq.get(wv);
 #pragma unroll
-    for (int j = 0; j < 16; ++j) Ws[(16 * wh + j) * GEMM_BN + wn] = wok ? wv[j] : 0.0f;
+    for (int r = 0; r < WH; ++r) {
+        float wv[16];
+        gemm_deq<QT>(wq[r], wv, wok[r]);
+#pragma unroll
+        for (int j = 0; j < 16; ++j) Ws[(16 * wh[r] + j) * BN + wn[r]] = wv[j];
+    }
 }
 
-template <int QT, int TM>
+// the raw bytes of this thread's W pieces of k-chunk c: piece r is weights c*BK + 16 wh[r] .. +15 of its row,
+// i.e. half ((c*BK)/16 + wh[r]) & 1 of 32-weight quant chunk (c*BK + 16 wh[r]) / 32
+template <int QT, int WH, int BK>
+__device__ __forceinline__ void gemm_load_w(HiQ<QT> wq[WH], const u8* const wptr[WH], const int wh[WH], int c) {
+#pragma unroll
+    for (int r = 0; r < WH; ++r) {
+        const int h16 = c * (BK / 16) + wh[r];
+        wq[r].load(wptr[r], h16 >> 1, h16 & 1);
+    }
+}
+
+template <int QT, int TM, int TXN, int BK>
 __device__ __forceinline__ void gemm_body(const float* __restrict__ X, const u8* __restrict__ W,
                                           float* __restrict__ Y, const int* __restrict__ offs,
                                           const int* __restrict__ idx, int E, int M, int N, int K, int row_nbytes) {
-    const int BM = 16 * TM;
-    const int XL = (BM * 8 + HI_THREADS - 1) / HI_THREADS;  // float4 X loads per thread per k step
-    __shared__ __align__(16) float Xs[BM * GEMM_XLD];
-    __shared__ __align__(16) float Ws[GEMM_BK * GEMM_BN];
+    const int TYN = HI_THREADS / TXN;                       // thread rows along tokens: 16 or 8
+    const int BM = TYN * TM, BN = 8 * TXN;                  // the block's tile: BM tokens x BN weight rows
+    const int XL = (BM * BK / 4 + HI_THREADS - 1) / HI_THREADS;  // float4 X loads per thread per k chunk
+    const int WH = BN * BK / 16 / HI_THREADS;                      // W pieces (16 weights) staged per thread
+    __shared__ __align__(16) float Xs[BM * (BK + 4)];
+    __shared__ __align__(16) float Ws[BK * BN];
     __shared__ int scan[HI_THREADS];
 
     const int tid = threadIdx.x;
-    const int tx = tid & 15, ty = tid >> 4;
-    const int wn = tid & (GEMM_BN - 1), wh = tid >> 7;  // W staging: row and half-chunk of this thread
-    const int n_tiles = (N + GEMM_BN - 1) / GEMM_BN;
-    const int n_chunks = K / GEMM_BK;
+    // a warp is 8 row groups x 4 token groups, so each float4 shared load of a k step reads 128 distinct
+    // bytes (one wavefront: W rows 4tx.. of 8 consecutive tx, X rows of 4 consecutive ty at pitch 36)
+    const int lane = tid & 31, warp = tid >> 5;
+    const int tx = (lane & 7) | ((warp % (TXN / 8)) << 3), ty = (lane >> 3) | ((warp / (TXN / 8)) << 2);
+    int wn[WH], wh[WH];  // W staging: row and half-chunk of each of this thread's pieces
+#pragma unroll
+    for (int r = 0; r < WH; ++r) {
+        wn[r] = (tid + r * HI_THREADS) % BN;
+        wh[r] = (tid + r * HI_THREADS) / BN;
+    }
+    const int n_tiles = (N + BN - 1) / BN;
+    const int n_chunks = K / BK;
 
     for (int v = blockIdx.y;; v += gridDim.y) {
         int e, r0, cnt;
@@ -122,17 +232,21 @@ __device__ __forceinline__ void gemm_body(const float* __restrict__ X, const u8*
         const float* xrow[XL];
 #pragma unroll
         for (int i = 0; i < XL; ++i) {
-            const int m = (tid + i * HI_THREADS) >> 3;
+            const int m = (tid + i * HI_THREADS) / (BK / 4);
             const int r = r0 + min(m, cnt - 1);
             xrow[i] = X + (size_t)(idx ? idx[r] : r) * K;
         }
         const u8* Wexp = W + (size_t)e * N * row_nbytes;
 
         for (int nt = blockIdx.x; nt < n_tiles; nt += gridDim.x) {
-            const int n0 = nt * GEMM_BN;
-            const int wrow = n0 + wn;
-            const bool wok = wrow < N;
-            const u8* wptr = Wexp + (size_t)min(wrow, N - 1) * row_nbytes;
+            const int n0 = nt * BN;
+            bool wok[WH];
+            const u8* wptr[WH];
+#pragma unroll
+            for (int r = 0; r < WH; ++r) {
+                wok[r] = n0 + wn[r] < N;
+                wptr[r] = Wexp + (size_t)min(n0 + wn[r], N - 1) * row_nbytes;
+            }
             float acc[TM][8];
 #pragma unroll
             for (int i = 0; i < TM; ++i)
@@ -142,26 +256,26 @@ __device__ __forceinline__ void gemm_body(const float* __restrict__ X, const u8*
             // software pipeline: the global loads of chunk c+1 (X rows, raw W bytes) are in flight while
             // chunk c is multiplied out of shared memory
             float4 xr[XL];
-            HiQ<QT> wq;
-            gemm_load_x<XL>(xr, xrow, 0, cnt, BM);
-            wq.load(wptr, 0, wh);
-            gemm_store<QT, XL>(xr, wq, Xs, Ws, BM, wn, wh, wok);
+            HiQ<QT> wq[WH];
+            gemm_load_x<XL, BK>(xr, xrow, 0, cnt, BM);
+            gemm_load_w<QT, WH, BK>(wq, wptr, wh, 0);
+            gemm_store<QT, XL, WH, BN, BK>(xr, wq, Xs, Ws, BM, wn, wh, wok);
             __syncthreads();
             for (int c = 0; c < n_chunks; ++c) {
                 const bool more = c + 1 < n_chunks;
                 if (more) {
-                    gemm_load_x<XL>(xr, xrow, c + 1, cnt, BM);
-                    wq.load(wptr, c + 1, wh);
+                    gemm_load_x<XL, BK>(xr, xrow, c + 1, cnt, BM);
+                    gemm_load_w<QT, WH, BK>(wq, wptr, wh, c + 1);
                 }
 #pragma unroll
-                for (int kk = 0; kk < GEMM_BK; kk += 4) {
+                for (int kk = 0; kk < BK; kk += 4) {
                     float4 xa[TM];
 #pragma unroll
-                    for (int i = 0; i < TM; ++i) xa[i] = *(const float4*)(Xs + (ty * TM + i) * GEMM_XLD + kk);
+                    for (int i = 0; i < TM; ++i) xa[i] = *(const float4*)(Xs + (ty + TYN * i) * (BK + 4) + kk);
 #pragma unroll
                     for (int q = 0; q < 4; ++q) {
-                        const float4 b0 = *(const float4*)(Ws + (kk + q) * GEMM_BN + 4 * tx);
-                        const float4 b1 = *(const float4*)(Ws + (kk + q) * GEMM_BN + 64 + 4 * tx);
+                        const float4 b0 = *(const float4*)(Ws + (kk + q) * BN + 4 * tx);
+                        const float4 b1 = *(const float4*)(Ws + (kk + q) * BN + 4 * TXN + 4 * tx);
 #pragma unroll
                         for (int i = 0; i < TM; ++i) {
                             const float a = q == 0 ? xa[i].x : q == 1 ? xa[i].y : q == 2 ? xa[i].z : xa[i].w;
@@ -177,19 +291,19 @@ __device__ __forceinline__ void gemm_body(const float* __restrict__ X, const u8*
                     }
                 }
                 __syncthreads();  // every thread is done reading chunk c
-                if (more) gemm_store<QT, XL>(xr, wq, Xs, Ws, BM, wn, wh, wok);
+                if (more) gemm_store<QT, XL, WH, BN, BK>(xr, wq, Xs, Ws, BM, wn, wh, wok);
                 __syncthreads();
             }
 
-            // write Y rows r0 + m, columns n0 + 4tx + j and n0 + 64 + 4tx + j
+            // write Y rows r0 + m, columns n0 + 4tx + j and n0 + 4 TXN + 4tx + j
 #pragma unroll
             for (int i = 0; i < TM; ++i) {
-                const int m = ty * TM + i;
+                const int m = ty + TYN * i;
                 if (m >= cnt) continue;
                 float* yrow = Y + (size_t)(r0 + m) * N;
 #pragma unroll
                 for (int half = 0; half < 2; ++half) {
-                    const int n = n0 + 64 * half + 4 * tx;
+                    const int n = n0 + 4 * TXN * half + 4 * tx;
                     if ((N & 3) == 0 && n + 3 < N) {
                         *(float4*)(yrow + n) = make_float4(acc[i][4 * half], acc[i][4 * half + 1],
                                                            acc[i][4 * half + 2], acc[i][4 * half + 3]);
@@ -204,23 +318,30 @@ __device__ __forceinline__ void gemm_body(const float* __restrict__ X, const u8*
     }
 }
 
-// One entry point per (weight type, BM): name gemm_<type>_b<BM>.
+// One entry point per (weight type, tile): name gemm_<type>_b<BM>_n<BN>.
 //   X [*, K] f32; W [E, N, K] GGUF rows; Y [M, N] f32; offs [E+1] int32, non-decreasing, offs[E] <= M,
 //   or NULL for one group of M rows (E = 1, the plain GEMM); idx [M] int32 row indices into X, or NULL
 //   for X rows in grouped order.
-#define GEMM_KERNEL(NAME, QT, TM)                                                                              \
+#define GEMM_KERNEL(NAME, QT, TM, TXN, BK)                                                                     \
     extern "C" __global__ void __launch_bounds__(HI_THREADS)                                                  \
         NAME(const float* __restrict__ X, const u8* __restrict__ W, float* __restrict__ Y,                    \
              const int* __restrict__ offs, const int* __restrict__ idx, int E, int M, int N, int K,          \
              int row_nbytes) {                                                                                 \
-        gemm_body<QT, TM>(X, W, Y, offs, idx, E, M, N, K, row_nbytes);                                        \
+        gemm_body<QT, TM, TXN, BK>(X, W, Y, offs, idx, E, M, N, K, row_nbytes);                               \
     }
 
-#define GEMM_TYPE(name, QT)                 \
-    GEMM_KERNEL(gemm_##name##_b16, QT, 1)   \
-    GEMM_KERNEL(gemm_##name##_b32, QT, 2)   \
-    GEMM_KERNEL(gemm_##name##_b64, QT, 4)   \
-    GEMM_KERNEL(gemm_##name##_b128, QT, 8)
+// 128-row tiles (16 x 16 threads) for long token runs; 256-row tiles (8 x 32 threads) keep 4 tokens per
+// thread at 32-token tiles, for MoE groups of a few dozen tokens. (A 32 x 512 tile with 8 x 8 outputs
+// per thread and k chunks of 16 measured no faster than 32 x 256: at 32 tokens per dequantized weight
+// the dequantization and staging, not shared-memory reads, bound it.)
+#define GEMM_TYPE(name, QT)                             \
+    GEMM_KERNEL(gemm_##name##_b16_n128, QT, 1, 16, 32)  \
+    GEMM_KERNEL(gemm_##name##_b32_n128, QT, 2, 16, 32)  \
+    GEMM_KERNEL(gemm_##name##_b64_n128, QT, 4, 16, 32)  \
+    GEMM_KERNEL(gemm_##name##_b128_n128, QT, 8, 16, 32) \
+    GEMM_KERNEL(gemm_##name##_b16_n256, QT, 2, 32, 32)  \
+    GEMM_KERNEL(gemm_##name##_b32_n256, QT, 4, 32, 32)  \
+    GEMM_KERNEL(gemm_##name##_b64_n256, QT, 8, 32, 32)
 
 GEMM_TYPE(f32, HI_F32)
 GEMM_TYPE(f16, HI_F16)
