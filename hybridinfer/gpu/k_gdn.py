@@ -18,6 +18,7 @@ FAMILY = "gdn"
 MAXK = 8  # GDN_MAXK
 TC = 16  # GDN_TC
 MAXR = 16  # GDN_MAXR
+MAX_THREADS = 512  # GDN_MAX_THREADS (its __launch_bounds__)
 CONV_THREADS = 128
 CONV_TCHUNK = 64
 NORM_THREADS = 128
@@ -103,8 +104,9 @@ def delta_rule_shape(d_k: int, d_v: int) -> tuple[int, int]:
     """(VB, NG): value columns per block and row groups (block = VB x NG threads)."""
     vb = 32 if d_v >= 32 else max(1, 1 << (d_v - 1).bit_length())
     ng = max(8, -(-d_k // MAXR))
-    if vb * ng > loader.MAX_BLOCK:
-        raise KernelArgumentError(f"gdn delta rule: d_k={d_k} needs {ng} row groups of {vb} threads (> 1024)")
+    if vb * ng > MAX_THREADS:
+        raise KernelArgumentError(f"gdn delta rule: d_k={d_k} needs {ng} row groups of {vb} threads "
+                                  f"(> {MAX_THREADS})")
     return vb, ng
 
 

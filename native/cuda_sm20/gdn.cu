@@ -21,6 +21,7 @@
 #define GDN_MAXK 8     // conv kernel width K <= GDN_MAXK
 #define GDN_TC 16      // tokens staged in shared memory per step of gdn_delta_rule
 #define GDN_MAXR 16    // S rows per thread in gdn_delta_rule: ceil(d_k / blockDim.y) <= GDN_MAXR
+#define GDN_MAX_THREADS 512  // block size bound of gdn_delta_rule
 
 // c[t, ch] = SiLU(sum_tau w[ch, tau] * win[t + tau, ch]) with win = [conv_state; u].
 // u, c [T, C]; conv_state [K-1, C]; w [C, K]. One thread per channel and a run of tchunk tokens:
@@ -120,12 +121,24 @@ extern "C" __global__ void gdn_l2norm_qk(float* __restrict__ c, int T, int C, in
 // projections); ssm_a, dt_bias [H_v]; S [H_v, d_k, d_v] read and written back; o [T, H_v, d_v].
 // snap_S [n_snap, H_v, d_k, d_v]: S after snap_pos[s] tokens (snap_pos ascending, 0 <= p <= T).
 // Dynamic shared memory: (2 GDN_TC d_k + GDN_TC VB + 2 GDN_TC + 2 NG VB) floats.
-extern "C" __global__ void gdn_delta_rule(const float* __restrict__ c, const float* __restrict__ a,
-                                          const float* __restrict__ b, const float* __restrict__ ssm_a,
-                                          const float* __restrict__ dt_bias, float* __restrict__ S,
-                                          float* __restrict__ o, const int* __restrict__ snap_pos, int n_snap,
-                                          float* __restrict__ snap_S, int T, int C, int H_k, int H_v, int d_k,
-                                          int d_v, int head_mod) {
+// sum over g < NG of p[g * VB + x]; pairwise for NG = 8 (d_k = 128), a shorter dependent chain
+__device__ __forceinline__ float pf_group_sum(const float* p, int NG, int VB, int x) {
+    if (NG == 8) {
+        const float a0 = p[x] + p[VB + x], a1 = p[2 * VB + x] + p[3 * VB + x];
+        const float a2 = p[4 * VB + x] + p[5 * VB + x], a3 = p[6 * VB + x] + p[7 * VB + x];
+        return (a0 + a1) + (a2 + a3);
+    }
+    float acc = 0.0f;
+    for (int g = 0; g < NG; ++g) acc += p[g * VB + x];
+    return acc;
+}
+
+// At most GDN_MAX_THREADS threads per block (d_k <= 256), so the registers fit any card's register file.
+extern "C" __global__ void __launch_bounds__(GDN_MAX_THREADS)
+    gdn_delta_rule(const float* __restrict__ c, const float* __restrict__ a, const float* __restrict__ b,
+                   const float* __restrict__ ssm_a, const float* __restrict__ dt_bias, float* __restrict__ S,
+                   float* __restrict__ o, const int* __restrict__ snap_pos, int n_snap, float* __restrict__ snap_S,
+                   int T, int C, int H_k, int H_v, int d_k, int d_v, int head_mod) {
     extern __shared__ float sm[];
     const int VB = blockDim.x, NG = blockDim.y;
     float* qs = sm;                    // GDN_TC x d_k
@@ -189,36 +202,35 @@ extern "C" __global__ void gdn_delta_rule(const float* __restrict__ c, const flo
             const float dec = gs[tt], beta = bs[tt];
             const float* kt = ks + tt * d_k;
             const float* qt = qs + tt * d_k;
-            float part = 0.0f;
+            // this thread's rows of k, used twice; two partial sums halve the dependent FMA chains
+            float kr[GDN_MAXR];
+            float p0 = 0.0f, p1 = 0.0f;
 #pragma unroll
             for (int r = 0; r < GDN_MAXR; ++r) {
                 const int i = y + NG * r;
-                if (i < d_k) {
-                    s[r] *= dec;
-                    part = fmaf(kt[i], s[r], part);
-                }
+                kr[r] = i < d_k ? kt[i] : 0.0f;
+                s[r] *= dec;
+                if (r & 1) p1 = fmaf(kr[r], s[r], p1);
+                else p0 = fmaf(kr[r], s[r], p0);
             }
-            pa[y * VB + x] = part;
+            pa[y * VB + x] = p0 + p1;
             __syncthreads();
-            float kv = 0.0f;
-            for (int g = 0; g < NG; ++g) kv += pa[g * VB + x];
+            const float kv = pf_group_sum(pa, NG, VB, x);
             const float delta = beta * (vs[tt * VB + x] - kv);
-            part = 0.0f;
+            p0 = p1 = 0.0f;
 #pragma unroll
             for (int r = 0; r < GDN_MAXR; ++r) {
                 const int i = y + NG * r;
-                if (i < d_k) {
-                    s[r] = fmaf(kt[i], delta, s[r]);
-                    part = fmaf(qt[i], s[r], part);
-                }
+                s[r] = fmaf(kr[r], delta, s[r]);
+                const float qi = i < d_k ? qt[i] : 0.0f;
+                if (r & 1) p1 = fmaf(qi, s[r], p1);
+                else p0 = fmaf(qi, s[r], p0);
             }
-            pb[y * VB + x] = part;
+            pb[y * VB + x] = p0 + p1;
             __syncthreads();
             const int t = t0 + tt;
             if (y == 0 && col < d_v) {
-                float acc = 0.0f;
-                for (int g = 0; g < NG; ++g) acc += pb[g * VB + x];
-                o[((size_t)t * H_v + j) * d_v + col] = acc;
+                o[((size_t)t * H_v + j) * d_v + col] = pf_group_sum(pb, NG, VB, x);
             }
             while (next == t + 1) {
 #pragma unroll
