@@ -49,10 +49,10 @@ def make_backend(name: str, gm, args, options: dict, n_ctx: int):
     if name == "cpu":
         return cpu
     try:
-        from .gpu.backend import GPUModel
+        from .gpu.backend import DEFAULT_CHUNK, GPUModel
 
         gpu = GPUModel(gm, args, n_ctx, vram_budget=gpu_opts.get("vram_budget"),
-                       chunk=gpu_opts.get("gpu_chunk", 512), device=gpu_opts.get("device", 0))
+                       chunk=gpu_opts.get("gpu_chunk", DEFAULT_CHUNK), device=gpu_opts.get("device", 0))
     except BackendNotAvailableError as e:
         if name == "gpu":
             raise

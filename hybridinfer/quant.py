@@ -291,7 +291,11 @@ def dequantize_rows(raw: np.ndarray, qtype: int, row_len: int, ids, out: np.ndar
     """Rows `ids` of a 2-D tensor stored row after row in `raw`, dequantized into out (len(ids), row_len)
     float32; only those rows are read (an embedding lookup)."""
     rb = row_nbytes(qtype, row_len)
-    for j in range(len(ids)):
-        r = int(ids[j])
-        dequantize(raw[r * rb : (r + 1) * rb], qtype, (row_len,), out=out[j])
+    if len(ids) == 1:  # decode: a slice, no gather copy
+        r = int(ids[0])
+        dequantize(raw[r * rb : (r + 1) * rb], qtype, (row_len,), out=out[0])
+        return out
+    flat = np.asarray(raw).reshape(-1).view(np.uint8)
+    # one gather of the rows' bytes (a memmap reads only those pages), then one vectorized dequantization
+    dequantize(flat.reshape(-1, rb)[np.asarray(ids, dtype=np.int64)], qtype, (len(ids), row_len), out=out)
     return out

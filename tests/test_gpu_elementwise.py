@@ -147,3 +147,22 @@ def test_sigmoid_mul(gpu, T):
     yg = gpuarray.to_gpu(y)
     ke.sigmoid_mul(yg, gpuarray.to_gpu(s), per_row=True)
     _close(yg.get(), y * ref_sigmoid(s), 2e-6, 1e-7, "shared-expert gate")
+
+
+@pytest.mark.parametrize("T", [1, 7, 300])
+@pytest.mark.parametrize("D", [64, 1000, 2048])
+def test_dot_rows(gpu, T, D):
+    gpuarray, ke, _ = gpu
+    rng = np.random.default_rng(T + D)
+    x = rng.standard_normal((T, D), dtype=np.float32)
+    w = rng.standard_normal(D, dtype=np.float32)
+    out = _nan(gpuarray, (T, 1))
+    ke.dot_rows(gpuarray.to_gpu(x), gpuarray.to_gpu(w), out=out)
+    want = x.astype(np.float64) @ w.astype(np.float64)
+    bound = 1e-6 * np.sqrt(D) * (np.abs(x) @ np.abs(w))  # fp32 sums of D terms
+    got = out.get()[:, 0]
+    assert np.isfinite(got).all() and (np.abs(got - want) <= bound).all()
+    from hybridinfer.errors import KernelArgumentError
+
+    with pytest.raises(KernelArgumentError, match="dot_rows out"):
+        ke.dot_rows(gpuarray.to_gpu(x), gpuarray.to_gpu(w), out=_nan(gpuarray, (T, 2)))

@@ -155,11 +155,11 @@ def test_expert_counts_and_replan(oracle_gguf):
 
 def test_bench_prefill_runs(oracle_gguf, tmp_path):
     from hybridinfer.benchmarks import prefill
-    from hybridinfer.gpu.backend import Buffers
+    from hybridinfer.gpu.backend import DEFAULT_CHUNK, Buffers
 
     path = oracle_gguf("qwen35moe", "q4_k_m")
     eng = Engine.load(str(path), backend="reference")
-    budget = _streaming_budget(path) + Buffers.nbytes(eng.args, 512, 48)
+    budget = _streaming_budget(path) + Buffers.nbytes(eng.args, DEFAULT_CHUNK, 48)
     res = prefill.run(str(path), prompts=(16, 40), budget=budget, resident=True, threads=2)
     print(prefill.markdown(res))
     assert res["pinned_h2d_gb_s"] > 1 and res["fma_peak_tflops"] > 0.1

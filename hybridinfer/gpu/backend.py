@@ -24,16 +24,22 @@ from . import k_gdn as kg
 from . import k_gemm as kgm
 from . import k_moe as km
 from . import loader
-from .placement import plan_placement, weights_of
+from .handoff import StateHandoff
+from .placement import is_vector, plan_placement, weights_of
 from .streamer import Streamer
 
 MAX_SNAPS = 16
+# tokens per kernel call inside a layer: MoE groups of ~30 rows per expert at 8 of 256 experts (a 947-token
+# prompt in one call; 512 halved them and cost 30% of GPU time on the 35B-A3B, bench/gpu_kernel_profile.py)
+DEFAULT_CHUNK = 1024
 
 
 def _f32(gm, name):
     from pycuda import gpuarray
 
-    return gpuarray.to_gpu(np.ascontiguousarray(gm.dequant(name), dtype=np.float32))
+    v = np.ascontiguousarray(gm.dequant(name), dtype=np.float32)
+    t = gm.tensor(name)
+    return gpuarray.to_gpu(v.reshape(-1) if len(t.ne) > 1 and all(int(n) == 1 for n in t.ne[1:]) else v)
 
 
 class Buffers:
@@ -106,20 +112,21 @@ class GPUModel:
 
     single_pass = True
 
-    def __init__(self, gm, args, n_ctx: int, vram_budget: int | None = None, chunk: int = 512, device: int = 0,
-                 expert_counts=None):
+    def __init__(self, gm, args, n_ctx: int, vram_budget: int | None = None, chunk: int = DEFAULT_CHUNK,
+                 device: int = 0, expert_counts=None):
         loader.init(device)  # BackendNotAvailableError without pycuda or a card
         import pycuda.driver as drv
 
         self.gm, self.args, self.n_ctx, self.chunk = gm, args, n_ctx, int(chunk)
         a = args
-        _check_supported(gm, args)
         self.stream = drv.Stream()
-        vec_names = [n for n, t in gm.tensors.items() if (len(t.ne) < 2 or n.endswith("ssm_conv1d.weight"))
+        vec_names = [n for n, t in gm.tensors.items() if is_vector(n, t)
                      and not (n.startswith("blk.") and int(n.split(".")[1]) >= a.n_layer)]
         self.vec = {n: _f32(gm, n) for n in vec_names}  # norms, ssm_a, dt bias, conv kernels: float32
         vec_bytes = sum(v.nbytes for v in self.vec.values())
         self.infos = {w.name: w for w in weights_of(gm, args, matrices_only=True)}
+        self.layer_names = [tuple(n for n, w in self.infos.items() if w.layer == i) for i in range(a.n_layer)]
+        _check_supported(gm, args, self.infos.values())
         free, total = drv.mem_get_info()
         self.vram_budget = int(vram_budget) if vram_budget is not None else int(free) - (512 << 20)
         self.reserved = Buffers.nbytes(a, self.chunk, n_ctx) + vec_bytes
@@ -128,6 +135,7 @@ class GPUModel:
         self.placement = plan_placement(self.infos.values(), self.vram_budget, self.reserved, self.expert_counts)
         self.streamer = Streamer(gm, self.placement, self.infos, self.stream)
         self.buf = Buffers(a, self.chunk, n_ctx)
+        self.handoff = StateHandoff(self.buf, self.chunk)
         self.head = "token_embd.weight" if a.tied_output else "output.weight"
         self.tok_embd = gm.tensor("token_embd.weight")
         self._owner = None  # the state whose copy the card holds: (weakref, pos, hash of its tokens)
@@ -163,25 +171,6 @@ class GPUModel:
         ref, pos, h = self._owner
         return ref() is st and pos == st.pos and h == _tokens_hash(st)
 
-    def _upload_state(self, st: DecoderState) -> None:
-        b, p = self.buf, st.pos
-        for i in b.kc:
-            if p:
-                b.kc[i][:p].set(np.ascontiguousarray(st.k[i][:p]))
-                b.vc[i][:p].set(np.ascontiguousarray(st.v[i][:p]))
-        for i in getattr(b, "S", {}):
-            b.S[i].set(st.ssm[i])
-            b.conv[i].set(st.conv[i])
-
-    def _download_state(self, st: DecoderState, p0: int, p1: int) -> None:
-        b = self.buf
-        for i in b.kc:
-            st.k[i][p0:p1] = b.kc[i][p0:p1].get()
-            st.v[i][p0:p1] = b.vc[i][p0:p1].get()
-        for i in getattr(b, "S", {}):
-            b.S[i].get(ary=st.ssm[i])
-            b.conv[i].get(ary=st.conv[i])
-
     # forward -------------------------------------------------------------------------------------------
     def forward(self, tokens, state: DecoderState, all_logits: bool = True, snapshot_at=(), on_snapshot=None):
         ids = check_tokens(tokens, self.args.n_vocab)
@@ -193,7 +182,8 @@ class GPUModel:
         snaps = sorted({int(p) - p0 for p in snapshot_at if p0 < int(p) < p0 + T})[:MAX_SNAPS]
         t0 = time.perf_counter()
         if not self._holds(state):
-            self._upload_state(state)
+            self.handoff.upload(state, self.stream)
+        t_up = time.perf_counter()
         b, st = self.buf, self.streamer
         st.reset_timing()
         h = b.h[:T]
@@ -211,12 +201,14 @@ class GPUModel:
                                    conv=[None if c is None else np.empty_like(c) for c in state.conv],
                                    ssm=[None if c is None else np.empty_like(c) for c in state.ssm]))
                      for s in snaps]
+        t_emb = time.perf_counter()
         ev0, ev1 = self._event(), self._event()
         ev0.record(self.stream)
         st.prefetch(0)
+        self.handoff.begin(T)
         for i in range(a.n_layer):
             st.prefetch(i + 1)  # the next layer's upload overlaps this layer's compute
-            W = st.weights(i, [n for n in self.infos if n.startswith(f"blk.{i}.")])
+            W = st.weights(i, self.layer_names[i])
             L = _Names(i, W, self.vec)
             for c0 in range(0, T, self.chunk):
                 c1 = min(T, c0 + self.chunk)
@@ -235,13 +227,17 @@ class GPUModel:
                 self._mark("moe" if a.is_moe else "ffn")
                 ke.add(h[c0:c1], self._moe(L, x) if a.is_moe else self._ffn(L, x), stream=self.stream)
                 self._mark(None)
+            self.handoff.layer_done(i, a.layer_types[i], p0, self.stream)
             st.release(i)
         logits = self._head(h, T, all_logits)
         ev1.record(self.stream)
+        t_queued = time.perf_counter()
         self.stream.synchronize()
+        t_sync = time.perf_counter()
         state.tokens[p0 : p0 + T] = ids
         state.pos = p0 + T
-        self._download_state(state, p0, p0 + T)
+        self.handoff.finish(state, p0, p0 + T)
+        t_down = time.perf_counter()
         if a.is_moe:
             used = self.counts_host[:, : -(-T // self.chunk)].sum(axis=1)  # (n_layer, E)
             for i, e in zip(*np.nonzero(used), strict=True):
@@ -249,7 +245,11 @@ class GPUModel:
         self._owner = (weakref.ref(state), state.pos, _tokens_hash(state))
         wall = time.perf_counter() - t0
         self.last_timing = {"wall_s": wall, "gpu_s": ev1.time_since(ev0) / 1e3, "copy_s": st.copy_seconds(),
-                            "bytes_h2d": st.bytes_h2d, "tokens": T, "phases": self._phase_seconds()}
+                            "bytes_h2d": st.bytes_h2d, "tokens": T, "phases": self._phase_seconds(),
+                            # host: state upload, embedding lookup, launching (ends before the GPU does when
+                            # the host keeps ahead), waiting for the card, state download (the rest of it)
+                            "host_s": {"upload": t_up - t0, "embed": t_emb - t_up, "launch": t_queued - t_emb,
+                                       "wait": t_sync - t_queued, "download": t_down - t_sync}}
         if on_snapshot is not None:
             for s in snap_host:
                 on_snapshot(s, None)
@@ -365,7 +365,7 @@ class GPUModel:
             su = kgm.gemm(x, L.w("ffn_up_shexp"), out=b.su[:n], stream=s)
             ke.swiglu(sg, su, out=sg, stream=s)
             sh = kgm.gemm(sg, L.w("ffn_down_shexp"), out=b.mix[:n], stream=s)
-            gl = kgm.gemm(x, L.w("ffn_gate_inp_shexp"), out=b.sgate[:n], stream=s)
+            gl = ke.dot_rows(x, L.v("ffn_gate_inp_shexp"), out=b.sgate[:n], stream=s)
             km.combine(ed, b.row_of_pair[:n], wts, out, shared_out=sh, shared_gate_logit=gl.reshape(n), stream=s)
         else:
             km.combine(ed, b.row_of_pair[:n], wts, out, stream=s)
@@ -376,13 +376,13 @@ def _tokens_hash(st: DecoderState) -> int:
     return hash(st.tokens[: st.pos].tobytes())
 
 
-def _check_supported(gm, args) -> None:
+def _check_supported(gm, args, infos) -> None:
     from ..errors import UnsupportedArchitectureError, UnsupportedTensorTypeError
     from ..quant import type_name
 
     if getattr(args, "has_rope_freqs", False):
         raise UnsupportedArchitectureError(f"{gm.path!r}: rope frequency factors are not supported on the GPU yet")
-    for w in weights_of(gm, args, matrices_only=True):
+    for w in infos:
         t = gm.tensor(w.name)
         if t.qtype not in kgm.GEMM_TYPES:
             raise UnsupportedTensorTypeError(
@@ -397,13 +397,7 @@ class _Names:
         self.i, self.p, self.W, self.vec = i, f"blk.{i}.", W, vec
 
     def w(self, short: str):
-        name = f"{self.p}{short}.weight"
-        if name not in self.W:  # a vector used as a 1-row matrix (ffn_gate_inp_shexp)
-            from ..quant import F32
-
-            v = self.vec[name]
-            self.W[name] = kgm.DeviceWeight(F32, (1, v.size), v.reshape(v.size).view(np.uint8))
-        return self.W[name]
+        return self.W[f"{self.p}{short}.weight"]
 
     def v(self, short: str):
         """GGUF names some vectors without ".weight" (ssm_a, ssm_dt.bias)."""

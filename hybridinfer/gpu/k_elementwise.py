@@ -1,5 +1,5 @@
 """Launchers of native/cuda_sm20/elementwise.cu: RMSNorm, NEOX RoPE, embedding gather, residual add,
-scale, SwiGLU and sigmoid gating. Every buffer is a float32 (int32 for ids and positions) C-contiguous
+scale, SwiGLU, sigmoid gating and row dot products. Every buffer is a float32 (int32 for ids and positions) C-contiguous
 pycuda GPUArray; shapes are in each docstring. Ops marked "in place" overwrite their first argument.
 """
 
@@ -169,4 +169,21 @@ def sigmoid_mul(out, g, g_off: int = 0, per_row: bool = False, stream=None):
         loader.launch(FAMILY, "sigmoid_mul_f32", _flat_grid(R * D), (THREADS,),
                       [op, gp, np.int32(R), np.int32(D), np.int32(Sg), np.int32(g_off), np.int32(0 if per_row else 1)],
                       stream=stream)
+    return out
+
+
+def dot_rows(x, w, out=None, stream=None):
+    """out[r] = x[r, :] . w: a one-row matrix times every token (the shared-expert gate logit), where a GEMM
+    would fill one of its 128 tile rows. x: (R, D); w: (D,); out: (R,) or (R, 1), default new (R,).
+    Returns out."""
+    R, D = _dims2(x, "dot_rows x")
+    xp = loader.arg(x, np.float32, (R, D), "dot_rows x")
+    wp = loader.arg(w, np.float32, (D,), "dot_rows w")
+    out = _empty((R,)) if out is None else out
+    if tuple(out.shape) not in ((R,), (R, 1)):
+        raise KernelArgumentError(f"dot_rows out: shape {tuple(out.shape)}, expected ({R},) or ({R}, 1)")
+    op = loader.arg(out, np.float32, tuple(out.shape), "dot_rows out")
+    if R:
+        loader.launch(FAMILY, "dot_rows_f32", (min(R, loader.MAX_GRID),), (_row_threads(D),),
+                      [xp, wp, op, np.int32(R), np.int32(D)], stream=stream)
     return out

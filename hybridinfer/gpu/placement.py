@@ -151,17 +151,23 @@ def plan_placement(weights: Iterable[WeightInfo], vram_budget: int, reserved: in
     return p
 
 
+def is_vector(name: str, t) -> bool:
+    """Tensors the GPU backend keeps as float32 vectors, not GEMM weights: 1-D ones (norms, ssm_a, dt bias),
+    one-row matrices (ffn_gate_inp_shexp, stored [D] or [D, 1]) and the conv kernels."""
+    return len(t.ne) < 2 or all(int(n) == 1 for n in t.ne[1:]) or name.endswith("ssm_conv1d.weight")
+
+
 def weights_of(gm, args, matrices_only: bool = False) -> list[WeightInfo]:
     """WeightInfo for every tensor of a GGUFModel (expert tensors carry their expert count). The output head
-    (output.weight, or token_embd.weight when tied) is layer n_layer. matrices_only: skip 1-D tensors and
-    the conv kernels (the GPU backend keeps those as float32 vectors of its own)."""
+    (output.weight, or token_embd.weight when tied) is layer n_layer. matrices_only: skip what is_vector()
+    names (the GPU backend keeps those as float32 vectors of its own)."""
     head = "token_embd.weight" if args.tied_output else "output.weight"
     out = []
     for name, t in gm.tensors.items():
         layer = int(name.split(".")[1]) if name.startswith("blk.") else -1
         if layer >= args.n_layer:
             continue  # MTP blocks: not used by prefill
-        if matrices_only and (len(t.ne) < 2 or name.endswith("ssm_conv1d.weight")):
+        if matrices_only and is_vector(name, t):
             continue
         n_exp = int(t.ne[2]) if name.endswith("_exps.weight") and len(t.ne) == 3 else 0
         out.append(WeightInfo(name, int(t.nbytes), args.n_layer if name == head else layer, n_exp))

@@ -65,6 +65,7 @@ class Streamer:
             self.layout[layer] = lay
             slot_bytes = max(slot_bytes, off)
         self.slots = [gpuarray.empty(max(slot_bytes, 1), np.uint8) for _ in range(2)]
+        self._views: dict[tuple, dict[str, DeviceWeight]] = {}  # weights() results by (layer, names)
         self.device_bytes += 2 * max(slot_bytes, 1) if slot_bytes else 0
         self.free = [drv.Event(), drv.Event()]
         for e in self.free:
@@ -114,20 +115,22 @@ class Streamer:
 
     def weights(self, layer: int, names) -> dict[str, DeviceWeight]:
         """DeviceWeights of `names` for `layer`; the compute stream waits for the layer's upload."""
-        out = {}
         if self.is_streamed(layer):
             self.prefetch(layer)
             self.compute.wait_for_event(self.ready.pop(layer))
-            slot = self.slots[layer % 2]
-            offs = dict(self.layout[layer])
-        for n in names:
-            if n in self.resident:
-                out[n] = self.resident[n]
-            else:
-                t = self.gm.tensor(n)
-                nb = self.infos[n].nbytes
-                out[n] = DeviceWeight(t.qtype, _shape(t), slot[offs[n] : offs[n] + nb])
-        return out
+        key = (layer, tuple(names))
+        if key not in self._views:  # the slot views of a layer stay valid for this Streamer's life
+            out = {}
+            offs = dict(self.layout.get(layer, ()))
+            for n in names:
+                if n in self.resident:
+                    out[n] = self.resident[n]
+                else:
+                    t = self.gm.tensor(n)
+                    nb = self.infos[n].nbytes
+                    out[n] = DeviceWeight(t.qtype, _shape(t), self.slots[layer % 2][offs[n] : offs[n] + nb])
+            self._views[key] = out
+        return self._views[key]
 
     def release(self, layer: int) -> None:
         """The compute stream is done with `layer`'s slot once the work queued so far has run."""

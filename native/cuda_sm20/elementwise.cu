@@ -15,6 +15,8 @@
 //   scale:       x *= s
 //   swiglu:      out[r, j] = silu(g[r, goff + j]) * u[r, uoff + j],  silu(z) = z / (1 + e^-z)
 //   sigmoid_mul: out[r, j] *= sigmoid(g[r, goff + j * gcs])   (gcs = 0: one gate per row)
+//   dot_rows:    y[r] = sum_j x[r, j] * w[j]   (a one-row matrix: the shared-expert gate), fp32 per thread,
+//                then a shared-memory tree over the block.
 // Row-wise kernels run one block per row (grid x loops over rows); flat kernels use grid-stride loops.
 #include "common.cuh"
 
@@ -29,6 +31,18 @@ extern "C" __global__ void __launch_bounds__(HI_THREADS)
         ss = hi_block_sum(ss, red);
         const float inv = 1.0f / sqrtf(ss / (float)D + eps);
         for (int j = threadIdx.x; j < D; j += blockDim.x) yr[j] = __fmul_rn(__fmul_rn(xr[j], inv), w[j]);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(HI_THREADS)
+    dot_rows_f32(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ y, int R, int D) {
+    __shared__ float red[HI_THREADS];
+    for (int r = blockIdx.x; r < R; r += gridDim.x) {
+        const float* xr = x + (size_t)r * D;
+        float s = 0.0f;
+        for (int j = threadIdx.x; j < D; j += blockDim.x) s = fmaf(xr[j], w[j], s);
+        s = hi_block_sum(s, red);
+        if (threadIdx.x == 0) y[r] = s;
     }
 }
 

@@ -1,0 +1,79 @@
+"""The decoder state between the host `DecoderState` and the card's copy (Buffers), for the GPU backend.
+
+Up: a state at position 0 has no history, so the card's conv and S are zeroed in place (no copy); a state
+further on (a prefix-cache restore, or CPU decode since the last prefill) is copied up.
+Down: each layer's final conv and S (GDN) or its new K/V rows (attention) are queued for copy into pinned
+host memory as soon as the layer's last chunk is queued, so the copies overlap the later layers' compute;
+after the pass they are copied into the host state. K/V rows beyond one chunk come down synchronously.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..state import DecoderState
+
+
+class StateHandoff:
+    """Pinned host mirrors of one sequence's conv and S (every GDN layer) and `chunk` K/V rows (every
+    attention layer): one page-locked allocation, made once."""
+
+    def __init__(self, buf, chunk: int):
+        import pycuda.driver as drv
+
+        self.drv, self.buf, self.chunk = drv, buf, chunk
+        parts = [(("S", i), a) for i, a in getattr(buf, "S", {}).items()]
+        parts += [(("conv", i), a) for i, a in getattr(buf, "conv", {}).items()]
+        parts += [((kind, i), a[:chunk]) for kind, d in (("k", buf.kc), ("v", buf.vc)) for i, a in d.items()]
+        total = sum(a.size for _, a in parts)
+        self.pinned = drv.pagelocked_empty(max(total, 1), np.float32)  # float32 [total]
+        self.host: dict[tuple[str, int], np.ndarray] = {}
+        off = 0
+        for key, a in parts:
+            self.host[key] = self.pinned[off : off + a.size].reshape(a.shape)
+            off += a.size
+        self.nbytes = self.pinned.nbytes
+        self._kv_rows = 0  # K/V rows queued into the mirrors by the current pass
+
+    def upload(self, st: DecoderState, stream) -> None:
+        """Make the card's copy equal `st` (zeroing in place at position 0)."""
+        b, p = self.buf, st.pos
+        for i in getattr(b, "S", {}):
+            if p == 0:
+                self.drv.memset_d32_async(b.S[i].gpudata, 0, b.S[i].size, stream)
+                self.drv.memset_d32_async(b.conv[i].gpudata, 0, b.conv[i].size, stream)
+            else:
+                b.S[i].set(st.ssm[i])
+                b.conv[i].set(st.conv[i])
+        if p:
+            for i in b.kc:
+                b.kc[i][:p].set(np.ascontiguousarray(st.k[i][:p]))
+                b.vc[i][:p].set(np.ascontiguousarray(st.v[i][:p]))
+
+    def begin(self, T: int) -> None:
+        self._kv_rows = T if T <= self.chunk else 0
+
+    def layer_done(self, i: int, kind: str, p0: int, stream) -> None:
+        """Queue layer i's final state for the host (call after its last chunk is queued on `stream`)."""
+        b, d = self.buf, self.drv
+        if kind == "gdn":
+            d.memcpy_dtoh_async(self.host[("S", i)], b.S[i].gpudata, stream)
+            d.memcpy_dtoh_async(self.host[("conv", i)], b.conv[i].gpudata, stream)
+        elif self._kv_rows:
+            n = self._kv_rows
+            d.memcpy_dtoh_async(self.host[("k", i)][:n], b.kc[i][p0 : p0 + n].gpudata, stream)
+            d.memcpy_dtoh_async(self.host[("v", i)][:n], b.vc[i][p0 : p0 + n].gpudata, stream)
+
+    def finish(self, st: DecoderState, p0: int, p1: int) -> None:
+        """After the stream is synchronised: the queued copies into `st`; long K/V runs straight from the card."""
+        b = self.buf
+        for i in getattr(b, "S", {}):
+            np.copyto(st.ssm[i], self.host[("S", i)])
+            np.copyto(st.conv[i], self.host[("conv", i)])
+        for i in b.kc:
+            if self._kv_rows:
+                st.k[i][p0:p1] = self.host[("k", i)][: p1 - p0]
+                st.v[i][p0:p1] = self.host[("v", i)][: p1 - p0]
+            else:
+                st.k[i][p0:p1] = b.kc[i][p0:p1].get()
+                st.v[i][p0:p1] = b.vc[i][p0:p1].get()
