@@ -59,6 +59,7 @@ def run_ours(path: str, prompts, budget: int | None, config: str, bw: float, pea
     import pycuda.driver as drv
 
     from ..gguf_model import GGUFModel
+    from ..gpu import loader
     from ..gpu.backend import GPUModel
     from ..models import model_args
 
@@ -66,10 +67,11 @@ def run_ours(path: str, prompts, budget: int | None, config: str, bw: float, pea
     args = model_args(gm)
     n_ctx = max(prompts) + 8
     t0 = time.perf_counter()
-    free0, _ = drv.mem_get_info() if _ctx_ready() else (None, None)
+    loader.init()
+    free0, _ = drv.mem_get_info()
     m = GPUModel(gm, args, n_ctx, vram_budget=budget)
     load_s = time.perf_counter() - t0
-    phases = {}
+    phases, host = {}, {}
     rows = []
     rng = np.random.default_rng(seed)
     for T in prompts:
@@ -78,6 +80,7 @@ def run_ours(path: str, prompts, budget: int | None, config: str, bw: float, pea
             st = m.new_state(n_ctx)
             m.forward(ids, st, all_logits=False)
         t = m.last_timing
+        host[T] = {k: round(v, 4) for k, v in t["host_s"].items()}
         m.profile = True  # one more pass with phase events (they add sync points, so not the timed one)
         m.forward(ids, m.new_state(n_ctx), all_logits=False)
         m.profile = False
@@ -89,20 +92,14 @@ def run_ours(path: str, prompts, budget: int | None, config: str, bw: float, pea
                         max(0.0, t["wall_s"] - t["gpu_s"]), t["bytes_h2d"] / max(t["copy_s"], 1e-9) / 1e9,
                         (t["bytes_h2d"] / max(t["copy_s"], 1e-9)) / bw if t["bytes_h2d"] else 0.0,
                         flops / t["gpu_s"] / 1e12, flops / t["gpu_s"] / peak, t["wall_s"] / floor,
-                        (free0 - free1) / 2**30 if free0 else m.allocated_bytes / 2**30))
+                        (free0 - free1) / 2**30))
     info = {"config": config, "budget": budget, "load_s": load_s, "allocated_gib": m.allocated_bytes / 2**30,
             "stream_gib_per_pass": m.placement.stream_bytes_per_pass / 2**30,
-            "resident_gib": m.placement.resident_bytes / 2**30, "phases_s": phases}
+            "resident_gib": m.placement.resident_bytes / 2**30, "phases_s": phases, "host_s": host,
+            "chunk": m.chunk}
     del m
     gc.collect()
     return rows, info
-
-
-def _ctx_ready() -> bool:
-    from ..gpu import loader
-
-    loader.init()
-    return True
 
 
 def llama_bench(exe: str | None, path: str, T: int, threads: int, extra: list[str], label: str) -> Row | None:
@@ -149,7 +146,8 @@ def markdown(res: dict) -> str:
     for c in res["configs"]:
         out.append(f"- {c['config']}: {c['resident_gib']:.2f} GiB resident, {c['stream_gib_per_pass']:.2f} GiB "
                    f"streamed per prompt, {c['allocated_gib']:.2f} GiB allocated, load {c['load_s']:.1f} s; "
-                   f"GPU time by phase (s): {c['phases_s']}")
+                   f"{c.get('chunk')} tokens per kernel call; GPU time by phase (s): {c['phases_s']}; host time "
+                   f"(s): {c.get('host_s')}")
     out += ["", "| engine | config | prompt | tok/s | wall s | transfer s | compute s | idle s | H2D GB/s "
             "(% pinned) | GEMM TFLOP/s (% peak) | wall / floor | VRAM GiB |", "|---" * 12 + "|"]
     for r in res["rows"]:
