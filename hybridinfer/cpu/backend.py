@@ -1,4 +1,8 @@
-"""The CPU backend: quantized matrix products in C (simd.py), everything else in numba (ops*.py).
+"""The CPU backend: quantized matrix products, attention, RoPE, SwiGLU and the GDN layer in C (simd.py), the rest
+in numba (ops*.py). The products, attention, RoPE and SwiGLU follow llama.cpp's float operations for the ISA
+level they run at (each
+product is called with the llama.cpp operation it stands for, MUL_MAT or MUL_MAT_ID, which decides the K-quant
+kernel shape), so that greedy decoding agrees with llama.cpp token for token.
 
 Weights stay in their GGUF bytes (memory-mapped); activations are quantized once per input and weight
 kind, as llama.cpp does. One `forward(tokens, state)` serves decode (T = 1) and chunked prefill
@@ -17,7 +21,7 @@ from ..gguf_model import GGUFModel
 from ..quant import dequantize_rows, type_name
 from ..state import DecoderState, check_tokens
 from . import ops, ops_gdn
-from .simd import KERNEL_TYPES, SimdLib
+from .simd import GGML_MUL_MAT, GGML_MUL_MAT_ID, KERNEL_TYPES, SimdLib
 
 
 @dataclass(frozen=True)
@@ -92,7 +96,7 @@ class Workspace:
             hd = a.head_dim
             self.q, self.gate = f(T, a.n_head, hd), f(T, a.n_head * hd)
             self.attn = f(T, a.n_head * hd)
-            self.attn_scratch = f(ops.attention_scratch_size(n_ctx, a.n_head, a.n_head_kv, hd))
+            self.attn_scratch = f(simd.attention_scratch_size(n_ctx, hd))
         if "gdn" in a.layer_types:
             self.gdn_b, self.gdn_a = f(T, a.ssm_n_v_heads), f(T, a.ssm_n_v_heads)
             self.gdn_y = f(T, a.ssm_n_v_heads * a.ssm_d_v)
@@ -177,19 +181,21 @@ class CPUModel:
             for j in idx:
                 res[j] = outs[j][:T, : mats[j].rows]
                 items.append((mats[j].raw, mats[j].qtype, mats[j].rows, res[j]))
-            self.call(ws, ("many", id(m0)), "matmul_many", xq, m0.cols, items)
+            self.call(ws, ("many", id(m0)), "matmul_many", xq, m0.cols, items, GGML_MUL_MAT)
             if T == 1:
                 steps += [ws.calls[("q", id(m0))][0], ws.calls[("many", id(m0))]]
         if T == 1:
             ws.calls[("many-plan", id(mats[0]), len(mats))] = (steps, res)
         return res
 
-    def mm(self, m: Mat, x: np.ndarray, out: np.ndarray, ws: Workspace, xq: np.ndarray | None = None) -> np.ndarray:
-        """out[:T, :rows] = x @ W.T with llama.cpp's activation rounding (pass xq to reuse a quantized x)."""
+    def mm(self, m: Mat, x: np.ndarray, out: np.ndarray, ws: Workspace, xq: np.ndarray | None = None,
+           op: int = GGML_MUL_MAT) -> np.ndarray:
+        """out[:T, :rows] = x @ W.T with llama.cpp's activation rounding (pass xq to reuse a quantized x) and
+        the float shape llama.cpp's `op` (MUL_MAT, or MUL_MAT_ID for one expert's tokens) gives it."""
         if xq is None:
             xq = self.quantize(m, x, ws)
         o = out[: xq.shape[0], : m.rows]
-        self.call(ws, ("mm", id(m)), "matmul", m.raw, m.qtype, m.rows, m.cols, xq, o)
+        self.call(ws, ("mm", id(m)), "matmul", m.raw, m.qtype, m.rows, m.cols, xq, o, op)
         return o
 
     # forward --------------------------------------------------------------------------------------
@@ -220,7 +226,7 @@ class CPUModel:
 
     def _swiglu_ffn(self, gate: Mat, up: Mat, down: Mat, x: np.ndarray, out: np.ndarray, ws: Workspace):
         g, u = self.mm_many([gate, up], x, [ws.out_a, ws.out_b], ws)
-        ops.swiglu(g, u, g)
+        self.call(ws, ("swiglu", id(gate)), "swiglu", g, u, g)
         return self.mm(down, g, out, ws)
 
     def _ffn(self, L: Layer, x: np.ndarray, ws: Workspace) -> np.ndarray:
@@ -242,12 +248,21 @@ class CPUModel:
         if a.qk_norm:
             ops.rms_norm_heads(q, L.attn_q_norm, a.rms_eps, q)
             ops.rms_norm_heads(k, L.attn_k_norm, a.rms_eps, k)
-        ops.rope(q, p0, a.n_rot, a.rope_theta, a.rope_neox, self.freq_factors)
-        ops.rope(k, p0, a.n_rot, a.rope_theta, a.rope_neox, self.freq_factors)
         kc[p0 : p0 + T] = k
         vc[p0 : p0 + T] = v.reshape(T, a.n_head_kv, hd)
         o = ws.attn[:T]
-        ops.attention(q, kc, vc, p0, gate, o, ws.attn_scratch)
+        rot = (a.n_rot, a.rope_theta, a.rope_neox, self.freq_factors)
+        if T == 1:  # decode: bound once per layer and state, as the GDN call
+            hit = ws.calls.get(("attn", i))
+            if hit is None or hit[0] is not kc or hit[1] is not vc:
+                ws.calls[("attn", i)] = hit = (kc, vc, self.simd.bind_attention(q, kc, vc, o, ws.attn_scratch, *rot))
+            hit[2](p0)
+        else:  # K is rotated in the cache, where its rows are contiguous (k is a view of wider rows)
+            self.simd.rope(q, p0, *rot)
+            self.simd.rope(kc[p0 : p0 + T], p0, *rot)
+            self.simd.attention(q, kc, vc, p0, o, ws.attn_scratch)
+        if a.attn_gate:
+            ops.attn_gate(o, gate)
         return self.mm(L.attn_output, o, ws.mix, ws)
 
     def _gdn(self, L: Layer, i: int, x: np.ndarray, st: DecoderState, ws: Workspace) -> np.ndarray:
@@ -281,10 +296,11 @@ class CPUModel:
             xq = self.quantize(G, x, ws)
             eg, eu = ws.eg[:k], ws.eu[:k]
             self.call(ws, ("gate_up", id(G)), "moe_gate_up", G.raw, G.qtype, U.raw, U.qtype, G.rows, G.cols, xq[0],
-                      idx[0], eg, eu)
-            ops.swiglu(eg, eu, eg)
+                      idx[0], eg, eu, GGML_MUL_MAT_ID)
+            self.call(ws, ("swiglu", id(G)), "swiglu", eg, eu, eg)
             hq = self.quantize(Dn, eg, ws)
-            self.call(ws, ("down", id(Dn)), "moe_down", Dn.raw, Dn.qtype, Dn.rows, Dn.cols, hq, idx[0], ys)
+            self.call(ws, ("down", id(Dn)), "moe_down", Dn.raw, Dn.qtype, Dn.rows, Dn.cols, hq, idx[0], ys,
+                      GGML_MUL_MAT_ID)
         else:  # prefill: tokens grouped by expert, one GEMM per expert over its tokens
             flat = idx.reshape(-1)
             order = np.argsort(flat, kind="stable")
@@ -294,10 +310,10 @@ class CPUModel:
                 if sel.size == 0:
                     continue
                 xe = np.ascontiguousarray(x[sel // k])
-                g = self.mm(G.expert(e), xe, ws.eg, ws)
-                u = self.mm(U.expert(e), xe, ws.eu, ws)
-                ops.swiglu(g, u, g)
-                ys[sel] = self.mm(Dn.expert(e), g, ws.out_a, ws)[:, : a.n_embd]
+                g = self.mm(G.expert(e), xe, ws.eg, ws, op=GGML_MUL_MAT_ID)
+                u = self.mm(U.expert(e), xe, ws.eu, ws, op=GGML_MUL_MAT_ID)
+                self.simd.swiglu(g, u, g)
+                ys[sel] = self.mm(Dn.expert(e), g, ws.out_a, ws, op=GGML_MUL_MAT_ID)[:, : a.n_embd]
         out = ws.ffn[:T]
         ops.moe_combine(ys, w, out)
         if a.n_ff_shexp:

@@ -6,7 +6,9 @@ Optional inputs are empty arrays (`NO_GATE`, `NO_FREQS`). All functions are `@nj
 fastmath=False)`: no reassociation and no FMA contraction, so results are reproducible and follow the
 rounding written here (ggml's where the brief asks for it, see each docstring).
 
-The GDN layer is in ops_gdn.py, sampling in sampling_nb.py; `warmup()` compiles all three modules.
+The GDN layer is in ops_gdn.py, sampling in sampling_nb.py; `warmup()` compiles all three modules. The backend
+runs attention, rope and swiglu in C with llama.cpp's float order (native/simd/kernels_attn.h); the numba
+versions here stay as the plain-order references.
 Pass Python ints/floats for scalars and C-contiguous arrays: other types compile new specialisations.
 
 Vectorization without reassociation: numba leaves LLVM's SLP vectorizer off, so only loops along the
@@ -215,6 +217,13 @@ def _attn_finish(o, gate_h, has_gate):
             o[d] = o[d] * (np.float32(1.0) / (np.float32(1.0) + np.float32(math.exp(-gate_h[d]))))
 
 
+@njit(**_jit)
+def attn_gate(o, gate):
+    """o (T, H*hd) *= sigmoid(gate) = 1/(1+expf(-g)) in place (Qwen's attention output gate)."""
+    for t in range(o.shape[0]):
+        _attn_finish(o[t], gate[t], True)
+
+
 def _carve(buf, G, n_sc, hd):
     """Views of one attention scratch row: scores (G*n_sc), kT (hd, ATTN_BLOCK), acc (G, hd), ml (G, 2)."""
     o = G * n_sc
@@ -374,6 +383,7 @@ def warmup() -> None:
     out = f(1, 32)
     attention(q, kc, vc, 0, gate, out, f(attention_scratch_size(4, 4, 2, 8)))
     attention(q, kc, vc, 0, NO_GATE, out, f(attention_scratch_size(4, 4, 2, 8)))
+    attn_gate(out, gate)
     swiglu(x, x, x)
     add_inplace(x, x)
     gated_add(x, x, x, f(8))

@@ -28,12 +28,16 @@ from .simd_native import (
     _F32,
     _U8,
     ACT_KINDS,
+    GGML_MUL_MAT,
+    GGML_MUL_MAT_ID,
+    GGML_NONE,
     ISAS,
     KERNEL_TYPES,
     _array,
     _check_rc,
     _ids,
     _native,
+    _op,
     _ptr,
     _qtype,
     _rows,
@@ -49,6 +53,9 @@ from .simd_native import (
 
 __all__ = [
     "ACT_KINDS",
+    "GGML_MUL_MAT",
+    "GGML_MUL_MAT_ID",
+    "GGML_NONE",
     "ISAS",
     "KERNEL_TYPES",
     "SimdLib",
@@ -167,10 +174,13 @@ class SimdLib:
             _check_rc(rc, "quantize")
         return out
 
-    def matmul(self, w: np.ndarray, qtype, rows: int, cols: int, xq: np.ndarray, out: np.ndarray) -> np.ndarray:
+    def matmul(self, w: np.ndarray, qtype, rows: int, cols: int, xq: np.ndarray, out: np.ndarray,
+               ggml_op: int = GGML_NONE) -> np.ndarray:
         """out[t, r] = W[r] . x[t] for the weight W (rows x cols, ggml type `qtype`, its raw bytes) and
         activation rows xq (T, act_row_bytes) from `quantize`; out (T, rows) float32 (1-D xq/out: T = 1).
-        T = 1 is the GEMV; larger T reads each weight row once per block of tokens."""
+        T = 1 is the GEMV; larger T reads each weight row once per block of tokens. `ggml_op`
+        (GGML_NONE, GGML_MUL_MAT, GGML_MUL_MAT_ID): the llama.cpp operation whose K-quant float shape the
+        product takes (native/simd/dot_kq_shapes.h); GGML_NONE is ggml_vec_dot's shape everywhere."""
         q, rb, ab = _sizes(qtype, cols)
         if not (type(w) is np.ndarray and w.dtype is _U8 and w.flags.c_contiguous and w.nbytes == rows * rb
                 and rows > 0):
@@ -187,12 +197,12 @@ class SimdLib:
         _, os_ = _rows_fast("out", out, _F32, rows, T, writable=True)
         ffi = self._ffi
         rc = self._lib.hi_matmul(self._c, q, _ptr(ffi, "uint8_t *", w), rows, int(cols), _ptr(ffi, "uint8_t *", xq),
-                                 xs, T, _ptr(ffi, "float *", out), os_)
+                                 xs, T, _ptr(ffi, "float *", out), os_, _op(ggml_op))
         if rc:
             _check_rc(rc, "matmul")
         return out
 
-    def matmul_many(self, xq: np.ndarray, cols: int, items) -> None:
+    def matmul_many(self, xq: np.ndarray, cols: int, items, ggml_op: int = GGML_NONE) -> None:
         """Several products of the same activation rows in one call (one task for the thread pool, which
         balances small matrices better and wakes the threads once): for each (w, qtype, rows, out) in
         `items`, out[t, r] = W[r] . x[t], as `matmul` computes it. Every qtype must take the activation
@@ -233,12 +243,13 @@ class SimdLib:
         if len(kinds) != 1:
             raise ValueError(f"matmul_many: the weight types take different activation formats {sorted(kinds)}")
         rc = self._lib.hi_matmul_many(self._c, len(items), qts, wps, rws, int(cols), _ptr(ffi, "uint8_t *", xq), xs,
-                                      T, ops, ors)
+                                      T, ops, ors, _op(ggml_op))
         if rc:
             _check_rc(rc, "matmul_many")
 
     def moe_gate_up(self, w_gate: np.ndarray, gate_qtype, w_up: np.ndarray, up_qtype, rows: int, cols: int,
-                    xq: np.ndarray, experts, gate_out: np.ndarray, up_out: np.ndarray) -> None:
+                    xq: np.ndarray, experts, gate_out: np.ndarray, up_out: np.ndarray,
+                    ggml_op: int = GGML_NONE) -> None:
         """MoE decode, gate and up fused in one call: for i < k, e = experts[i],
         gate_out[i] = W_gate[e] . x and up_out[i] = W_up[e] . x. W_gate, W_up are stacked expert tensors
         (ggml {cols, rows, E}: the raw bytes of all E experts, expert e's rows contiguous); xq is the one
@@ -273,11 +284,12 @@ class SimdLib:
         ffi = self._ffi
         rc = self._lib.hi_moe_gate_up(self._c, gq, _ptr(ffi, "uint8_t *", wg), uq, _ptr(ffi, "uint8_t *", wu), ne_g,
                                       rows, cols, _ptr(ffi, "uint8_t *", xq), _ptr(ffi, "int32_t *", ids), k,
-                                      _ptr(ffi, "float *", gate_out), gs, _ptr(ffi, "float *", up_out), us)
+                                      _ptr(ffi, "float *", gate_out), gs, _ptr(ffi, "float *", up_out), us,
+                                      _op(ggml_op))
         _check_rc(rc, "moe_gate_up")
 
     def moe_down(self, w: np.ndarray, qtype, rows: int, cols: int, xq: np.ndarray, experts,
-                 out: np.ndarray) -> None:
+                 out: np.ndarray, ggml_op: int = GGML_NONE) -> None:
         """MoE decode, down projections of all k experts in one call: out[i] = W[experts[i]] . x[i], with
         xq (k, act_row_bytes(qtype, cols)) each expert's own quantized input and out (k, rows) float32."""
         q = _qtype(qtype)
@@ -298,8 +310,108 @@ class SimdLib:
         _, os_ = _rows("out", out, rows, k, writable=True)
         ffi = self._ffi
         rc = self._lib.hi_moe_down(self._c, q, _ptr(ffi, "uint8_t *", w), ne, rows, cols, _ptr(ffi, "uint8_t *", xq),
-                                   xs, _ptr(ffi, "int32_t *", ids), k, _ptr(ffi, "float *", out), os_)
+                                   xs, _ptr(ffi, "int32_t *", ids), k, _ptr(ffi, "float *", out), os_, _op(ggml_op))
         _check_rc(rc, "moe_down")
+
+    def attention_scratch_size(self, n_ctx: int, head_dim: int) -> int:
+        """float32 elements of `attention`'s scratch for a cache of n_ctx rows."""
+        return int(self._lib.hi_attention_scratch(self._c, int(n_ctx), int(head_dim)))
+
+    def attention(self, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, pos0: int, out: np.ndarray,
+                  scratch: np.ndarray) -> None:
+        """Causal softmax attention of the T queries q (T, H, hd) at positions pos0..pos0+T-1 over cache rows
+        0..pos0+T-1 of k_cache, v_cache (n_ctx, H_kv, hd), scale 1/sqrtf(hd), with llama.cpp's float operations
+        (native/simd/kernels_attn.h); out (T, H*hd) may be a view of wider rows; scratch (>=
+        attention_scratch_size(n_ctx, hd),) float32. All float32, q and the caches C-contiguous."""
+        for name, arr in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+            if not (type(arr) is np.ndarray and arr.dtype is _F32 and arr.ndim == 3 and arr.flags.c_contiguous):
+                arr = _array(name, arr, (_F32,))
+                raise ValueError(f"{name} must be a C-contiguous 3-D array, got shape {arr.shape}")
+        T, H, hd = q.shape
+        n_ctx, Hkv, hd_kv = k_cache.shape
+        if v_cache.shape != k_cache.shape or hd_kv != hd or H % Hkv:
+            raise ValueError(f"q {q.shape}, k_cache {k_cache.shape} and v_cache {v_cache.shape} do not fit")
+        pos0 = int(pos0)
+        if pos0 < 0 or pos0 + T > n_ctx:
+            raise ValueError(f"positions {pos0}..{pos0 + T - 1} are outside the cache of {n_ctx} rows")
+        if getattr(out, "ndim", None) != 2:
+            _array("out", out, (_F32,))
+            raise ValueError(f"out must have shape ({T}, {H * hd}), got {out.shape}")
+        _, os_ = _rows_fast("out", out, _F32, H * hd, T, writable=True)
+        if not (type(scratch) is np.ndarray and scratch.dtype is _F32 and scratch.ndim == 1
+                and scratch.flags.c_contiguous and scratch.flags.writeable):
+            _array("scratch", scratch, (_F32,))
+            raise ValueError(f"scratch must be a writable contiguous 1-D array, got shape {scratch.shape}")
+        ffi = self._ffi
+        rc = self._lib.hi_attention(self._c, _ptr(ffi, "float *", q), H * hd, T, H, hd, _ptr(ffi, "float *", k_cache),
+                                    _ptr(ffi, "float *", v_cache), Hkv * hd, Hkv, pos0,
+                                    float(np.float32(1.0) / np.sqrt(np.float32(hd))), _ptr(ffi, "float *", out), os_,
+                                    _ptr(ffi, "float *", scratch), scratch.shape[0])
+        if rc:
+            _check_rc(rc, "attention")
+
+    def bind_attention(self, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, out: np.ndarray,
+                       scratch: np.ndarray, n_rot: int, theta_base: float, neox: bool, freq_factors: np.ndarray):
+        """For a decode loop over fixed buffers: check the arguments of `rope` and `attention` once and return
+        run(pos0), which ropes q and the cache's K rows pos0..pos0+T-1 (written there already) and then runs
+        `attention` at pos0 (the Python checks cost more than the kernels at small T)."""
+        self.rope(q, 0, n_rot, theta_base, neox, freq_factors)  # argument checks (q's values are rewritten later)
+        self.attention(q, k_cache, v_cache, 0, out, scratch)
+        T, H, hd = q.shape
+        n_ctx, Hkv, _ = k_cache.shape
+        ffi, lib, c = self._ffi, self._lib, self._c
+        qp, kp, vp = (ffi.cast("float *", a.ctypes.data) for a in (q, k_cache, v_cache))
+        op, sp = ffi.cast("float *", out.ctypes.data), ffi.cast("float *", scratch.ctypes.data)
+        os_ = out.strides[0] // 4 if T > 1 else H * hd
+        ff = ffi.cast("float *", freq_factors.ctypes.data) if freq_factors.shape[0] else ffi.NULL
+        rot = (int(n_rot), float(np.float32(theta_base)), 1 if neox else 0, ff)
+        scale = float(np.float32(1.0) / np.sqrt(np.float32(hd)))
+        n_scr = scratch.shape[0]
+
+        def run(pos0: int, _keep=(q, k_cache, v_cache, out, scratch, freq_factors)) -> None:
+            if not 0 <= pos0 <= n_ctx - T:
+                raise ValueError(f"positions {pos0}..{pos0 + T - 1} are outside the cache of {n_ctx} rows")
+            rc = (lib.hi_rope(c, qp, T, H, hd, pos0, *rot)
+                  or lib.hi_rope(c, kp + pos0 * Hkv * hd, T, Hkv, hd, pos0, *rot)
+                  or lib.hi_attention(c, qp, H * hd, T, H, hd, kp, vp, Hkv * hd, Hkv, pos0, scale, op, os_, sp, n_scr))
+            if rc:
+                _check_rc(rc, "attention")
+
+        return run
+
+    def rope(self, x: np.ndarray, pos0: int, n_rot: int, theta_base: float, neox: bool,
+             freq_factors: np.ndarray) -> None:
+        """Rotate the first n_rot dims of every head of x (T, H, hd), C-contiguous float32, in place; token t at
+        position pos0 + t; neox pairs (i, i + n_rot/2), else (2i, 2i+1); freq_factors (n_rot/2,) or empty. As
+        `ops.rope`, with llama.cpp's float operations (its powf/cosf/sinf and its contracted rotation)."""
+        if not (type(x) is np.ndarray and x.dtype is _F32 and x.ndim == 3 and x.flags.c_contiguous
+                and x.flags.writeable):
+            x = _array("x", x, (_F32,))
+            raise ValueError(f"x must be a writable C-contiguous (T, H, hd) array, got shape {x.shape}")
+        T, H, hd = x.shape
+        ffi = self._ffi
+        ff = ffi.NULL
+        if freq_factors.shape[0]:
+            if freq_factors.dtype != _F32 or freq_factors.shape != (n_rot // 2,) or not freq_factors.flags.c_contiguous:
+                raise ValueError(f"freq_factors must be ({n_rot // 2},) float32, got {freq_factors.shape}")
+            ff = _ptr(ffi, "float *", freq_factors)
+        rc = self._lib.hi_rope(self._c, _ptr(ffi, "float *", x), T, H, hd, int(pos0), int(n_rot),
+                               float(np.float32(theta_base)), 1 if neox else 0, ff)
+        if rc:
+            _check_rc(rc, "rope")
+
+    def swiglu(self, g: np.ndarray, u: np.ndarray, out: np.ndarray) -> None:
+        """out = silu(g) * u for (T, n) float32 rows (each row contiguous; out may be g or u), with llama.cpp's
+        vector exp (ggml_vec_swiglu_f32 of this ISA's build)."""
+        T, gs = _rows_fast("g", g, _F32, g.shape[-1])
+        n = g.shape[-1]
+        _, us = _rows_fast("u", u, _F32, n, T)
+        _, os_ = _rows_fast("out", out, _F32, n, T, writable=True)
+        ffi = self._ffi
+        rc = self._lib.hi_swiglu(self._c, _ptr(ffi, "float *", g), gs, _ptr(ffi, "float *", u), us,
+                                 _ptr(ffi, "float *", out), os_, T, n)
+        if rc:
+            _check_rc(rc, "swiglu")
 
     def read_bandwidth(self, nbytes: int = 1 << 30, reps: int = 5) -> float:
         """Measured memory read bandwidth in bytes/s: every thread of the pool streams its slice of a fresh

@@ -16,6 +16,8 @@ ACT_KINDS: tuple[str, ...] = ("f32", "f16", "q8_0", "q8_1", "q8_K")
 # weight types with a kernel -> activation kind
 KERNEL_TYPES: dict[int, str] = {0: "f32", 1: "f16", 2: "q8_0", 3: "q8_1", 6: "q8_0", 7: "q8_1", 8: "q8_0",
                                 12: "q8_K", 13: "q8_K", 14: "q8_K"}
+# the llama.cpp operation a product stands for: decides the float shape of its K-quant rows (hi_simd.h)
+GGML_NONE, GGML_MUL_MAT, GGML_MUL_MAT_ID = 0, 1, 2
 _FLOAT_DTYPES = {0: np.dtype(np.float32), 1: np.dtype(np.float16)}
 _F32 = np.dtype(np.float32)
 _U8 = np.dtype(np.uint8)
@@ -46,6 +48,12 @@ def supported_isas() -> list[str]:
 def best_isa() -> str:
     """The widest ISA level this CPU (and OS) supports."""
     return ISAS[_native().lib.hi_best_isa()]
+
+
+def _op(ggml_op) -> int:
+    if type(ggml_op) is not int or not GGML_NONE <= ggml_op <= GGML_MUL_MAT_ID:
+        raise ValueError(f"ggml_op must be GGML_NONE, GGML_MUL_MAT or GGML_MUL_MAT_ID (0, 1, 2), got {ggml_op!r}")
+    return ggml_op
 
 
 def _qtype(qtype) -> int:

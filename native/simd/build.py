@@ -8,7 +8,7 @@ under a `#pragma GCC target(...)` of their own, so every source file is compiled
 x86-64) flags and no per-file flags are needed; hi_cpu.c picks the level at run time from cpuid, hi_pool.c
 is the thread pool and hi_simd.c the entry points that split the work over it. The C declarations come from
 hi_simd.h, the one header cffi and the C side share. gdn.c (the Gated DeltaNet layer, plain float code)
-picks its avx2 or baseline loops itself.
+picks its avx2 or baseline loops itself; attn.c splits attention over the pool and runs the ISA table's `attn`.
 """
 
 from __future__ import annotations
@@ -21,11 +21,12 @@ from cffi import FFI
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _SOURCES = [
     "hi_simd.c", "hi_cpu.c", "hi_pool.c", "isa_scalar.c", "isa_ssse3.c", "isa_avx2.c", "isa_avx512vnni.c", "gdn.c",
+    "attn.c",
 ]
 _HEADERS = [
     "hi_simd.h", "hi_internal.h", "hi_pool.h", "blocks.h",
-    "kernels_body.h", "kernels_quant.h", "kernels_lanes.h", "kernels_tiles.h",
-    "dot_kquants.h", "dot_q4_K.h", "dot_q5_K.h", "dot_q6_K.h",
+    "kernels_body.h", "kernels_quant.h", "kernels_lanes.h", "kernels_tiles.h", "kernels_attn.h",
+    "dot_kquants.h", "dot_q4_K.h", "dot_q5_K.h", "dot_q6_K.h", "dot_kq_shapes.h",
 ]
 COMPILE_ARGS = ["-std=gnu11", "-O3", "-ffp-contract=off", "-fno-math-errno", "-pthread", "-Wno-unused-function"]
 

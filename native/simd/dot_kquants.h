@@ -41,7 +41,8 @@
  * -ffast-math: the float operations and their order are the definition.
  *
  * This file has the helpers and the scalar versions; the SIMD dot products are in dot_q4_K.h, dot_q5_K.h and
- * dot_q6_K.h, included at its end (include only this file).
+ * dot_q6_K.h, and llama.cpp's repacked and tiled shapes of the same products in dot_kq_shapes.h, included at
+ * its end (include only this file).
  */
 #ifndef HI_DOT_KQUANTS_H
 #define HI_DOT_KQUANTS_H
@@ -377,5 +378,6 @@ static inline __m256i hi_kq_q6_offset_lanes(const int8_t *scales, const int16_t 
 #include "dot_q4_K.h"
 #include "dot_q5_K.h"
 #include "dot_q6_K.h"
+#include "dot_kq_shapes.h"
 
 #endif /* HI_DOT_KQUANTS_H */

@@ -46,7 +46,22 @@ typedef struct hi_mm {
     const int32_t *corr;
     const float *dy;
     const float *sy;
+    int kshape; /* K-quants: the float shape of llama.cpp's kernel (HI_KS_*, dot_kq_shapes.h) */
 } hi_mm;
+
+/* K-quant float shapes: ggml_vec_dot's; the repacked Q4_K gemv (per block) and gemm (per quarter block for
+ * tokens t < T - T % 4, per block after); the tiled kernels' */
+enum { HI_KS_VEC = 0, HI_KS_REPACK = 1, HI_KS_REPACK_GEMM = 2, HI_KS_TILED = 3 };
+
+/* One causal attention over an F32 K/V cache (kernels_attn.h): T query tokens at positions pos0.. of H heads of
+ * hd values (row t at q + t * q_row floats), cache rows 0..pos0+T-1 (position s of KV head g at k + s * kv_row +
+ * g * hd, likewise v), out row t at out + t * out_row (H * hd floats); query head h reads KV head h / (H / Hkv). */
+typedef struct hi_attn {
+    const float *q, *k, *v;
+    float *out;
+    int64_t T, H, Hkv, hd, pos0, q_row, kv_row, out_row;
+    float scale;
+} hi_attn;
 
 typedef struct hi_kernels {
     int isa;
@@ -60,6 +75,11 @@ typedef struct hi_kernels {
     void (*mm)(const hi_mm *m, int64_t r0, int64_t r1);
     /* streaming read of n bytes (n a multiple of 256, p 64-byte aligned); returns a checksum */
     uint64_t (*read_sum)(const void *p, size_t n);
+    /* query rows [r0, r1) (row r: token r / H, head r % H) of job a, with attn_scratch(n_ctx, hd) floats */
+    void (*attn)(const hi_attn *a, int64_t r0, int64_t r1, float *scratch);
+    int64_t (*attn_scratch)(int64_t n_ctx, int64_t hd);
+    /* out[0..n) = silu(g) * u, ggml's vector SwiGLU (out may alias g or u) */
+    void (*swiglu)(const float *g, const float *u, float *out, int64_t n);
 } hi_kernels;
 
 extern const hi_kernels hi_kernels_scalar;
@@ -108,6 +128,7 @@ struct hi_ctx;
 void hi_ctx_lock(struct hi_ctx *c);
 void hi_ctx_unlock(struct hi_ctx *c);
 void hi_ctx_run(struct hi_ctx *c, void (*fn)(void *arg, int64_t chunk), void *arg, int64_t total);
+const hi_kernels *hi_ctx_kernels(const struct hi_ctx *c);
 
 /* round to nearest, ties to even, for |v| < 2^22 (ggml's nearest_int) */
 static inline int hi_nearest_int(float v) {

@@ -142,6 +142,14 @@ static void hi_run_jobs(hi_ctx *c, const hi_mm *jobs, int njobs, int64_t *starts
     }
 }
 
+/* the float shape llama.cpp's CPU backend gives a K-quant product (see dot_kq_shapes.h for the rules) */
+static int hi_kshape(const hi_ctx *c, int ggml_op, int qtype, int64_t rows, int64_t T) {
+    if (ggml_op == HI_GGML_NONE || c->k->isa < HI_ISA_AVX2) return HI_KS_VEC;
+    if (qtype == HI_T_Q4_K && rows % 8 == 0) return ggml_op == HI_GGML_MUL_MAT ? HI_KS_REPACK_GEMM : HI_KS_REPACK;
+    if ((qtype == HI_T_Q4_K || qtype == HI_T_Q5_K || qtype == HI_T_Q6_K) && T >= 8) return HI_KS_TILED;
+    return HI_KS_VEC;
+}
+
 static int hi_check_type(int qtype, int64_t cols) {
     if (hi_act_kind(qtype) == HI_ACT_NONE) return -1;
     if (hi_weight_row_bytes(qtype, cols) < 0) return -2;
@@ -150,14 +158,14 @@ static int hi_check_type(int qtype, int64_t cols) {
 }
 
 int hi_matmul(hi_ctx *c, int qtype, const void *w, int64_t rows, int64_t cols, const void *xq, int64_t xq_row,
-              int64_t T, float *out, int64_t out_row) {
+              int64_t T, float *out, int64_t out_row, int ggml_op) {
     int e = hi_check_type(qtype, cols);
     if (e) return e;
-    if (rows < 1 || T < 1 || !w || !xq || !out) return -2;
+    if (rows < 1 || T < 1 || !w || !xq || !out || ggml_op < 0 || ggml_op > 2) return -2;
     if (T > 1 && (xq_row < hi_act_row_bytes(qtype, cols) || out_row < rows)) return -2;
     hi_mm m = {.qtype = qtype, .w = (const uint8_t *)w, .w_row = (size_t)hi_weight_row_bytes(qtype, cols),
                .rows = rows, .cols = cols, .x = (const uint8_t *)xq, .x_row = (size_t)xq_row, .T = T,
-               .out = out, .out_row = (size_t)out_row};
+               .out = out, .out_row = (size_t)out_row, .kshape = hi_kshape(c, ggml_op, qtype, rows, T)};
     pthread_mutex_lock(&c->mu);
     if (hi_is_legacy(qtype)) {
         const int64_t nb = cols / 32;
@@ -177,8 +185,9 @@ int hi_matmul(hi_ctx *c, int qtype, const void *w, int64_t rows, int64_t cols, c
 #define HI_MAX_K 64
 
 int hi_matmul_many(hi_ctx *c, int n, const int *qtypes, const void *const *ws, const int64_t *rows, int64_t cols,
-                   const void *xq, int64_t xq_row, int64_t T, float *const *outs, const int64_t *out_rows) {
-    if (n < 1 || n > HI_MAX_K || T < 1 || !xq) return -2;
+                   const void *xq, int64_t xq_row, int64_t T, float *const *outs, const int64_t *out_rows,
+                   int ggml_op) {
+    if (n < 1 || n > HI_MAX_K || T < 1 || !xq || ggml_op < 0 || ggml_op > 2) return -2;
     const int kind = hi_act_kind(qtypes[0]);
     for (int j = 0; j < n; j++) {
         const int e = hi_check_type(qtypes[j], cols);
@@ -203,7 +212,8 @@ int hi_matmul_many(hi_ctx *c, int n, const int *qtypes, const void *const *ws, c
     for (int j = 0; j < n; j++) {
         hi_mm m = {.qtype = qtypes[j], .w = (const uint8_t *)ws[j], .w_row = (size_t)hi_weight_row_bytes(qtypes[j], cols),
                    .rows = rows[j], .cols = cols, .x = (const uint8_t *)xq, .x_row = (size_t)xq_row, .T = T,
-                   .out = outs[j], .out_row = (size_t)out_rows[j]};
+                   .out = outs[j], .out_row = (size_t)out_rows[j],
+                   .kshape = hi_kshape(c, ggml_op, qtypes[j], rows[j], T)};
         if (s) {
             /* one preparation per weight type (the lane correction depends on it) */
             int same = -1;
@@ -226,12 +236,14 @@ int hi_matmul_many(hi_ctx *c, int n, const int *qtypes, const void *const *ws, c
 
 int hi_moe_gate_up(hi_ctx *c, int gate_qtype, const void *wg, int up_qtype, const void *wu, int64_t n_expert,
                    int64_t rows, int64_t cols, const void *xq, const int32_t *ids, int k, float *gate_out,
-                   int64_t gate_row, float *up_out, int64_t up_row) {
+                   int64_t gate_row, float *up_out, int64_t up_row, int ggml_op) {
     int e = hi_check_type(gate_qtype, cols);
     if (!e) e = hi_check_type(up_qtype, cols);
     if (e) return e;
     if (hi_act_kind(gate_qtype) != hi_act_kind(up_qtype)) return -2;
-    if (k < 1 || k > HI_MAX_K || rows < 1 || n_expert < 1 || gate_row < rows || up_row < rows) return -2;
+    if (k < 1 || k > HI_MAX_K || rows < 1 || n_expert < 1 || gate_row < rows || up_row < rows || ggml_op < 0 ||
+        ggml_op > 2)
+        return -2;
     for (int i = 0; i < k; i++)
         if (ids[i] < 0 || ids[i] >= n_expert) return -2;
     const size_t grb = (size_t)hi_weight_row_bytes(gate_qtype, cols), urb = (size_t)hi_weight_row_bytes(up_qtype, cols);
@@ -255,10 +267,12 @@ int hi_moe_gate_up(hi_ctx *c, int gate_qtype, const void *wg, int up_qtype, cons
         const int64_t ex = ids[i];
         hi_mm g = {.qtype = gate_qtype, .w = (const uint8_t *)wg + (size_t)ex * (size_t)rows * grb, .w_row = grb,
                    .rows = rows, .cols = cols, .x = (const uint8_t *)xq, .x_row = 0, .T = 1,
-                   .out = gate_out + (size_t)i * (size_t)gate_row, .out_row = 0, .corr = cg, .dy = dg, .sy = sg};
+                   .out = gate_out + (size_t)i * (size_t)gate_row, .out_row = 0, .corr = cg, .dy = dg, .sy = sg,
+                   .kshape = hi_kshape(c, ggml_op, gate_qtype, rows, 1)};
         hi_mm u = {.qtype = up_qtype, .w = (const uint8_t *)wu + (size_t)ex * (size_t)rows * urb, .w_row = urb,
                    .rows = rows, .cols = cols, .x = (const uint8_t *)xq, .x_row = 0, .T = 1,
-                   .out = up_out + (size_t)i * (size_t)up_row, .out_row = 0, .corr = cu, .dy = du, .sy = su};
+                   .out = up_out + (size_t)i * (size_t)up_row, .out_row = 0, .corr = cu, .dy = du, .sy = su,
+                   .kshape = hi_kshape(c, ggml_op, up_qtype, rows, 1)};
         jobs[2 * i] = g;
         jobs[2 * i + 1] = u;
     }
@@ -268,11 +282,11 @@ int hi_moe_gate_up(hi_ctx *c, int gate_qtype, const void *wg, int up_qtype, cons
 }
 
 int hi_moe_down(hi_ctx *c, int qtype, const void *w, int64_t n_expert, int64_t rows, int64_t cols, const void *xq,
-                int64_t xq_row, const int32_t *ids, int k, float *out, int64_t out_row) {
+                int64_t xq_row, const int32_t *ids, int k, float *out, int64_t out_row, int ggml_op) {
     int e = hi_check_type(qtype, cols);
     if (e) return e;
     if (k < 1 || k > HI_MAX_K || rows < 1 || n_expert < 1 || out_row < rows ||
-        xq_row < hi_act_row_bytes(qtype, cols))
+        xq_row < hi_act_row_bytes(qtype, cols) || ggml_op < 0 || ggml_op > 2)
         return -2;
     for (int i = 0; i < k; i++)
         if (ids[i] < 0 || ids[i] >= n_expert) return -2;
@@ -296,7 +310,7 @@ int hi_moe_down(hi_ctx *c, int qtype, const void *w, int64_t n_expert, int64_t r
                    .rows = rows, .cols = cols, .x = (const uint8_t *)xq + (size_t)i * (size_t)xq_row, .x_row = 0,
                    .T = 1, .out = out + (size_t)i * (size_t)out_row, .out_row = 0,
                    .corr = cr ? cr + (size_t)i * nb * 8 : NULL, .dy = dy ? dy + i * nb : NULL,
-                   .sy = sy ? sy + i * nb : NULL};
+                   .sy = sy ? sy + i * nb : NULL, .kshape = hi_kshape(c, ggml_op, qtype, rows, 1)};
         jobs[i] = m;
     }
     hi_run_jobs(c, jobs, k, starts);
@@ -398,3 +412,4 @@ void hi_ctx_unlock(hi_ctx *c) { pthread_mutex_unlock(&c->mu); }
 void hi_ctx_run(hi_ctx *c, void (*fn)(void *arg, int64_t chunk), void *arg, int64_t total) {
     hi_pool_run(c->pool, fn, arg, total);
 }
+const hi_kernels *hi_ctx_kernels(const hi_ctx *c) { return c->k; }

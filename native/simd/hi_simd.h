@@ -39,26 +39,55 @@ int hi_ctx_threads(const hi_ctx *c);
 int hi_quantize(hi_ctx *c, int qtype, const float *x, int64_t x_row, int64_t T, int64_t cols, void *out,
                 int64_t out_row);
 
+/* ggml_op: which llama.cpp operation the product stands for, and so which float shape its K-quant rows
+ * take (dot_kq_shapes.h): 0 none (ggml_vec_dot's shape everywhere), 1 MUL_MAT (a dense matrix over T
+ * tokens), 2 MUL_MAT_ID (one expert over the T tokens routed to it). On ISA levels below avx2, where
+ * llama.cpp neither repacks nor tiles, every op takes vec_dot's shape. Other weight types ignore it. */
+enum { HI_GGML_NONE = 0, HI_GGML_MUL_MAT = 1, HI_GGML_MUL_MAT_ID = 2 };
+
 /* out[t][r] = W[r] . x[t]: W (rows x cols, type qtype), xq T activation rows, out T rows of >= rows floats */
 int hi_matmul(hi_ctx *c, int qtype, const void *w, int64_t rows, int64_t cols, const void *xq, int64_t xq_row,
-              int64_t T, float *out, int64_t out_row);
+              int64_t T, float *out, int64_t out_row, int ggml_op);
 
 /* several products of the same activation rows in one call (one pool task): for j < n,
  * out_j[t][r] = W_j[r] . xq[t], W_j of type qtypes[j] with rows[j] rows of cols values; every qtypes[j] must
  * take the activation format of xq (the same act_kind); at most 64 matrices */
 int hi_matmul_many(hi_ctx *c, int n, const int *qtypes, const void *const *ws, const int64_t *rows, int64_t cols,
-                   const void *xq, int64_t xq_row, int64_t T, float *const *outs, const int64_t *out_rows);
+                   const void *xq, int64_t xq_row, int64_t T, float *const *outs, const int64_t *out_rows,
+                   int ggml_op);
 
 /* MoE decode, gate and up fused: for i < k, e = ids[i] (0 <= e < n_expert):
  *   gate_out[i] = Wg[e] . xq,  up_out[i] = Wu[e] . xq
  * Wg, Wu stacked expert tensors (ggml {cols, rows, n_expert}: expert e's rows contiguous), one xq row. */
 int hi_moe_gate_up(hi_ctx *c, int gate_qtype, const void *wg, int up_qtype, const void *wu, int64_t n_expert,
                    int64_t rows, int64_t cols, const void *xq, const int32_t *ids, int k, float *gate_out,
-                   int64_t gate_row, float *up_out, int64_t up_row);
+                   int64_t gate_row, float *up_out, int64_t up_row, int ggml_op);
 
 /* MoE decode, down: out[i] = Wd[ids[i]] . xq[i] for i < k (each expert its own activation row) */
 int hi_moe_down(hi_ctx *c, int qtype, const void *w, int64_t n_expert, int64_t rows, int64_t cols, const void *xq,
-                int64_t xq_row, const int32_t *ids, int k, float *out, int64_t out_row);
+                int64_t xq_row, const int32_t *ids, int k, float *out, int64_t out_row, int ggml_op);
+
+/* Causal softmax attention of T query tokens at positions pos0..pos0+T-1 over an F32 K/V cache, with
+ * llama.cpp's float operations (its CPU backend without flash attention, built for this ISA level:
+ * kernels_attn.h). q: T rows of H*hd floats (stride q_row); k, v: cache rows 0..pos0+T-1 of Hkv*hd floats
+ * (stride kv_row, position-major); out: T rows of H*hd floats (stride out_row); query head h reads KV head
+ * h / (H / Hkv); scores scaled by `scale`. scratch: scratch_len >= hi_attention_scratch(c, n_ctx, hd) floats
+ * for pos0 + T <= n_ctx. No allocation. */
+int hi_attention(hi_ctx *c, const float *q, int64_t q_row, int64_t T, int64_t H, int64_t hd, const float *k,
+                 const float *v, int64_t kv_row, int64_t Hkv, int64_t pos0, float scale, float *out, int64_t out_row,
+                 float *scratch, int64_t scratch_len);
+int64_t hi_attention_scratch(const hi_ctx *c, int64_t n_ctx, int64_t hd);
+
+/* RoPE in place on x (T, H, hd) contiguous, token t at position pos0 + t, the first n_rot dims of each head:
+ * pairs (i, i + n_rot/2) (neox) or (2i, 2i+1); freq_factors (n_rot/2) or NULL; llama.cpp's float operations
+ * (powf, cosf, sinf, the contracted rotation). On the calling thread. */
+int hi_rope(hi_ctx *c, float *x, int64_t T, int64_t H, int64_t hd, int64_t pos0, int64_t n_rot, float theta_base,
+            int neox, const float *freq_factors);
+
+/* SwiGLU of T rows of n values, out = silu(g) * u as llama.cpp's ggml_vec_swiglu_f32 (this ISA's build);
+ * row strides in floats; out may alias g or u. On the calling thread. */
+int hi_swiglu(hi_ctx *c, const float *g, int64_t g_row, const float *u, int64_t u_row, float *out, int64_t out_row,
+              int64_t T, int64_t n);
 
 /* all threads stream-read a fresh buffer of about nbytes (split in equal slices, first touched by their
  * reader); best of reps timed passes; returns bytes per second (<= 0 on failure) */

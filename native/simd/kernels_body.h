@@ -113,6 +113,7 @@ HI_INLINE uint32_t hi_rd32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); ret
 #include "kernels_quant.h"
 #include "kernels_lanes.h"
 #include "kernels_tiles.h"
+#include "kernels_attn.h"
 
 /* ================================================================================================ */
 /* memory read bandwidth: sum of 64-bit words, several independent accumulators */
@@ -180,4 +181,7 @@ const hi_kernels HI_TABLE = {
     },
     .mm = hi_mm_run,
     .read_sum = hi_read_sum,
+    .attn = hi_attn_run,
+    .attn_scratch = hi_attn_scratch_row,
+    .swiglu = hi_swiglu_row,
 };

@@ -159,7 +159,10 @@ HI_INLINE void hi_tile_kquant(const int qt, const hi_mm *m, int64_t r, int64_t t
     const void *x = m->x + (size_t)t * m->x_row;
     const int n = (int)m->cols;
     float v;
-    if (qt == HI_T_Q4_K) v = hi_dot_q4_K_q8_K(n, w, x);
+    if (m->kshape == HI_KS_TILED) v = hi_dot_kq_tiled(qt, n, w, x);
+    else if (m->kshape != HI_KS_VEC && qt == HI_T_Q4_K)
+        v = hi_dot_q4_K_rp(n, w, x, m->kshape == HI_KS_REPACK_GEMM && t < m->T - m->T % 4);
+    else if (qt == HI_T_Q4_K) v = hi_dot_q4_K_q8_K(n, w, x);
     else if (qt == HI_T_Q5_K) v = hi_dot_q5_K_q8_K(n, w, x);
     else v = hi_dot_q6_K_q8_K(n, w, x);
     m->out[(size_t)t * m->out_row + (size_t)r] = v;

@@ -1,0 +1,103 @@
+/* hi_attention (with hi_swiglu, which shares its exp, and hi_rope): causal attention over an F32 K/V cache on the context's thread pool. The arithmetic is the ISA
+ * table's `attn` (kernels_attn.h: llama.cpp's float operations); this file only splits the (token, head)
+ * query rows into contiguous ranges, one per pool chunk, each with its own slice of the caller's scratch.
+ * Every row is computed by one thread in a fixed order, so the result does not depend on the thread count.
+ */
+#include <math.h>
+
+#include "hi_internal.h"
+#include "hi_simd.h"
+
+#define HI_ATTN_MAX_CHUNKS 64
+/* products below which one thread does the whole call (waking the pool costs more) */
+#define HI_ATTN_INLINE_MACS (1 << 16)
+
+typedef struct {
+    const hi_kernels *k;
+    hi_attn a;
+    int64_t rows, per, chunks, row_scratch;
+    float *scratch;
+} attn_job;
+
+static void attn_chunk(void *arg, int64_t i) {
+    const attn_job *j = (const attn_job *)arg;
+    const int64_t r0 = i * j->per, r1 = r0 + j->per < j->rows ? r0 + j->per : j->rows;
+    if (r0 < r1) j->k->attn(&j->a, r0, r1, j->scratch + i * j->row_scratch);
+}
+
+static int64_t attn_max_chunks(const hi_ctx *c) {
+    const int64_t n = 2 * (int64_t)hi_ctx_threads(c);
+    return n < HI_ATTN_MAX_CHUNKS ? n : HI_ATTN_MAX_CHUNKS;
+}
+
+int64_t hi_attention_scratch(const hi_ctx *c, int64_t n_ctx, int64_t hd) {
+    if (!c || n_ctx < 1 || hd < 1) return -2;
+    return attn_max_chunks(c) * hi_ctx_kernels(c)->attn_scratch(n_ctx, hd);
+}
+
+int hi_attention(hi_ctx *c, const float *q, int64_t q_row, int64_t T, int64_t H, int64_t hd, const float *k,
+                 const float *v, int64_t kv_row, int64_t Hkv, int64_t pos0, float scale, float *out, int64_t out_row,
+                 float *scratch, int64_t scratch_len) {
+    if (!c || !q || !k || !v || !out || !scratch || T < 1 || H < 1 || hd < 1 || Hkv < 1 || H % Hkv || pos0 < 0)
+        return -2;
+    if (q_row < H * hd || out_row < H * hd || kv_row < Hkv * hd) return -2;
+    const hi_kernels *kt = hi_ctx_kernels(c);
+    const int64_t row_scratch = kt->attn_scratch(pos0 + T, hd);
+    int64_t chunks = scratch_len / row_scratch;
+    if (chunks < 1) return -2;
+    const int64_t rows = T * H, n = pos0 + T;
+    const int64_t max_chunks = (n * rows * hd < HI_ATTN_INLINE_MACS) ? 1 : attn_max_chunks(c);
+    if (chunks > max_chunks) chunks = max_chunks;
+    if (chunks > rows) chunks = rows;
+    attn_job j = {.k = kt,
+                  .a = {.q = q, .k = k, .v = v, .out = out, .T = T, .H = H, .Hkv = Hkv, .hd = hd, .pos0 = pos0,
+                        .q_row = q_row, .kv_row = kv_row, .out_row = out_row, .scale = scale},
+                  .rows = rows, .per = (rows + chunks - 1) / chunks, .chunks = chunks, .row_scratch = row_scratch,
+                  .scratch = scratch};
+    hi_ctx_lock(c);
+    if (chunks == 1) attn_chunk(&j, 0);
+    else hi_ctx_run(c, attn_chunk, &j, chunks);
+    hi_ctx_unlock(c);
+    return 0;
+}
+
+int hi_swiglu(hi_ctx *c, const float *g, int64_t g_row, const float *u, int64_t u_row, float *out, int64_t out_row,
+              int64_t T, int64_t n) {
+    if (!c || !g || !u || !out || T < 1 || n < 1 || g_row < n || u_row < n || out_row < n) return -2;
+    const hi_kernels *kt = hi_ctx_kernels(c);
+    for (int64_t t = 0; t < T; t++) kt->swiglu(g + t * g_row, u + t * u_row, out + t * out_row, n);
+    return 0;
+}
+
+/* ggml's rope (ggml_rope_cache_init + rotate_pairs, no YaRN scaling): theta_scale = powf(base, -2/n_rot);
+ * theta starts at (float)pos and is multiplied by theta_scale once per pair; cosf / sinf of theta / ff; the
+ * rotation as the llama.cpp build contracts it: x0' = fmaf(x0, c, -(x1 * s)), x1' = fmaf(x0, s, x1 * c). */
+#define HI_ROPE_MAX_PAIRS 1024
+
+int hi_rope(hi_ctx *c, float *x, int64_t T, int64_t H, int64_t hd, int64_t pos0, int64_t n_rot, float theta_base,
+            int neox, const float *freq_factors) {
+    if (!c || !x || T < 1 || H < 1 || hd < 1 || n_rot < 2 || n_rot > hd || n_rot % 2 || n_rot / 2 > HI_ROPE_MAX_PAIRS)
+        return -2;
+    const int64_t half = n_rot / 2;
+    const float theta_scale = powf(theta_base, -2.0f / (float)n_rot);
+    float cs[HI_ROPE_MAX_PAIRS], sn[HI_ROPE_MAX_PAIRS];
+    for (int64_t t = 0; t < T; t++) {
+        float theta = (float)(pos0 + t);
+        for (int64_t i = 0; i < half; i++) {
+            const float th = freq_factors ? theta / freq_factors[i] : theta;
+            cs[i] = cosf(th);
+            sn[i] = sinf(th);
+            theta *= theta_scale;
+        }
+        for (int64_t h = 0; h < H; h++) {
+            float *r = x + (t * H + h) * hd;
+            for (int64_t i = 0; i < half; i++) {
+                const int64_t i0 = neox ? i : 2 * i, i1 = neox ? i + half : 2 * i + 1;
+                const float x0 = r[i0], x1 = r[i1];
+                r[i0] = fmaf(x0, cs[i], -(x1 * sn[i]));
+                r[i1] = fmaf(x0, sn[i], x1 * cs[i]);
+            }
+        }
+    }
+    return 0;
+}

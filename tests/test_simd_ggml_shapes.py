@@ -1,0 +1,126 @@
+"""The native kernels that follow llama.cpp's own float order (ggml-cpu built for this ISA level) against their
+numpy references (hybridinfer.cpu.ggml_ref), on every ISA level this CPU runs:
+
+- K-quant products with ggml_op MUL_MAT / MUL_MAT_ID take llama.cpp's shape (repacked Q4_K gemv / gemm, tiled
+  kernels, or vec_dot), chosen as llama.cpp chooses (native/simd/dot_kq_shapes.h);
+- attention (dot, softmax with ggml's vector exp, the two output sums), SwiGLU and RoPE (kernels_attn.h, attn.c).
+
+Levels below avx2 mirror a ggml build without SIMD. That these shapes are llama.cpp's is checked end to end by
+tests/test_cpu_backend.py (bit-identical logits, greedy continuations) on the host's llama.cpp.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hybridinfer import actquant_k as ak
+from hybridinfer.cpu import ggml_ref as gr
+from hybridinfer.cpu import ops
+from hybridinfer.cpu.simd import GGML_MUL_MAT, GGML_MUL_MAT_ID, GGML_NONE, SimdLib, supported_isas
+from hybridinfer.quant import random_blocks
+
+WIDTH = {"scalar": 1, "ssse3": 1, "avx2": 8, "avx512vnni": 16}
+ISAS = supported_isas()
+
+
+@pytest.fixture(scope="module")
+def libs():
+    out = {isa: SimdLib(isa, n_threads=2) for isa in ISAS}
+    yield out
+    for lib in out.values():
+        lib.close()
+
+
+def _want(isa, op, qtype, xq, raw, rows, cols, T):
+    """llama.cpp's choice of kernel shape (hi_kshape in hi_simd.c) and that shape's numpy reference."""
+    if op == GGML_NONE or WIDTH[isa] < 8:
+        return "vec_dot", ak.kquant_matmul_q8(xq, raw, qtype, rows, cols)
+    if qtype == ak.Q4_K and rows % 8 == 0:
+        gemm = T - T % 4 if op == GGML_MUL_MAT else 0
+        return "repack", gr.kq_repack_matmul(xq, raw, rows, cols, gemm)
+    if T >= 8:
+        return "tiled", gr.kq_tiled_matmul(xq, raw, qtype, rows, cols)
+    return "vec_dot", ak.kquant_matmul_q8(xq, raw, qtype, rows, cols)
+
+
+@pytest.mark.parametrize("qtype", [ak.Q4_K, ak.Q5_K, ak.Q6_K])
+def test_kquant_products_take_llama_cpp_shapes(libs, qtype):
+    rng = np.random.default_rng(qtype)
+    cols = 256 * 3
+    shapes_seen = set()
+    for rows in (16, 12):
+        raw = random_blocks(qtype, rows * cols // 256, rng).reshape(-1)
+        for T in (1, 6, 9):
+            x = (rng.standard_normal((T, cols)) * rng.uniform(0.1, 20, (T, 1))).astype(np.float32)
+            xq = ak.quantize_q8_K(x)
+            vec = ak.kquant_matmul_q8(xq, raw, qtype, rows, cols)
+            for isa, lib in libs.items():
+                for op in (GGML_NONE, GGML_MUL_MAT, GGML_MUL_MAT_ID):
+                    shape, want = _want(isa, op, qtype, xq, raw, rows, cols, T)
+                    out = np.zeros((T, rows), np.float32)
+                    lib.matmul(raw, qtype, rows, cols, xq, out, op)
+                    if isa == "ssse3":  # no FMA: last bits only (test_simd.py)
+                        assert np.allclose(out, want, rtol=1e-5, atol=1e-6 * np.abs(want).max()), (isa, op, T)
+                    else:
+                        assert np.array_equal(out, want), (isa, op, rows, T, shape)
+                    if shape != "vec_dot" and not np.array_equal(want, vec):
+                        shapes_seen.add(shape)
+    # the shapes are real alternatives: they round differently from vec_dot on these rows
+    if any(WIDTH[i] >= 8 for i in ISAS):
+        assert shapes_seen == ({"repack", "tiled"} if qtype == ak.Q4_K else {"tiled"})
+
+
+def test_moe_calls_take_the_expert_shape(libs):
+    rng = np.random.default_rng(5)
+    E, F, D = 3, 16, 256
+    wg = random_blocks(ak.Q4_K, E * F * D // 256, rng).reshape(-1)
+    x = rng.standard_normal(D).astype(np.float32)
+    xq = ak.quantize_q8_K(x[None])
+    for isa, lib in libs.items():
+        g, u = np.zeros((2, F), np.float32), np.zeros((2, F), np.float32)
+        lib.moe_gate_up(wg, ak.Q4_K, wg, ak.Q4_K, F, D, xq[0], [2, 0], g, u, GGML_MUL_MAT_ID)
+        per = wg.size // E
+        for i, e in enumerate((2, 0)):
+            _, want = _want(isa, GGML_MUL_MAT_ID, ak.Q4_K, xq, wg[e * per:(e + 1) * per], F, D, 1)
+            assert np.array_equal(g[i], want[0]) and np.array_equal(u[i], want[0]), isa
+
+
+@pytest.mark.parametrize("T, pos0, hd", [(1, 0, 64), (1, 70, 64), (5, 3, 64), (4, 20, 24), (2, 0, 16)])
+def test_attention_matches_reference(libs, T, pos0, hd):
+    rng = np.random.default_rng(T * 100 + pos0)
+    H, Hkv, n_ctx = 4, 2, 96
+    q = (rng.standard_normal((T, H, hd)) * 2).astype(np.float32)
+    kc = rng.standard_normal((n_ctx, Hkv, hd)).astype(np.float32)
+    vc = rng.standard_normal((n_ctx, Hkv, hd)).astype(np.float32)
+    kc[pos0 + T:] = np.nan  # rows past the causal window are never read
+    for isa, lib in libs.items():
+        out = np.full((T, H * hd), -1.0, np.float32)
+        lib.attention(q, kc, vc, pos0, out, np.zeros(lib.attention_scratch_size(n_ctx, hd), np.float32))
+        want = gr.attention(q, kc, vc, pos0, WIDTH[isa])
+        assert np.array_equal(out, want), (isa, np.abs(out - want).max())
+        # and it is attention: close to the plain-order numba op
+        plain = np.zeros_like(out)
+        scratch = np.zeros(ops.attention_scratch_size(n_ctx, H, Hkv, hd), np.float32)
+        ops.attention(q, kc, vc, pos0, ops.NO_GATE, plain, scratch)
+        assert np.allclose(out, plain, rtol=1e-4, atol=1e-5)
+
+
+def test_swiglu_and_rope_match_reference(libs):
+    rng = np.random.default_rng(9)
+    g = (rng.standard_normal((3, 53)) * 6).astype(np.float32)
+    g[0, :4] = [-200.0, 200.0, 0.0, -90.0]  # exp overflow / underflow lanes
+    u = rng.standard_normal((3, 53)).astype(np.float32)
+    x = rng.standard_normal((3, 4, 32)).astype(np.float32)
+    ff = rng.uniform(0.5, 2.0, 8).astype(np.float32)
+    for isa, lib in libs.items():
+        out = np.zeros_like(g)
+        lib.swiglu(g, u, out)
+        assert np.array_equal(out, gr.swiglu(g, u, WIDTH[isa])), isa
+        for neox, freqs in ((False, ops.NO_FREQS), (True, ff)):
+            y = x.copy()
+            lib.rope(y, 7, 16, 10000.0, neox, freqs)
+            assert np.array_equal(y, gr.rope(x, 7, 16, 10000.0, neox, freqs)), (isa, neox)
+            z = x.copy()
+            ops.rope(z, 7, 16, 10000.0, neox, freqs)
+            assert np.allclose(y, z, atol=1e-5)
