@@ -42,10 +42,25 @@ __device__ __forceinline__ float hi_h2f(u16 h) {
 __device__ __forceinline__ u16 hi_ld16(const u8* p) { return *(const u16*)p; }  // p 2-byte aligned
 __device__ __forceinline__ u32 hi_ld32(const u8* p) { return *(const u32*)p; }  // p 4-byte aligned
 
-// 16 bytes from a 2-byte aligned address as four little-endian words
+// 16 bytes from a 2-byte aligned address as four little-endian words: four aligned 32-bit loads (and
+// one 16-bit load for the last two bytes when p is 2 mod 4, so nothing outside [p - 2, p + 16) is read)
+// instead of eight 16-bit ones; the words are then shifted into place
 __device__ __forceinline__ void hi_ld16b_a2(const u8* p, u32 w[4]) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) w[i] = (u32)hi_ld16(p + 4 * i) | ((u32)hi_ld16(p + 4 * i + 2) << 16);
+    const size_t mis = (size_t)p & 2;
+    const u32* a = (const u32*)(p - mis);
+    const u32 a0 = a[0], a1 = a[1], a2 = a[2], a3 = a[3];
+    if (mis) {
+        const u32 t = hi_ld16(p + 14);
+        w[0] = (a0 >> 16) | (a1 << 16);
+        w[1] = (a1 >> 16) | (a2 << 16);
+        w[2] = (a2 >> 16) | (a3 << 16);
+        w[3] = (a3 >> 16) | (t << 16);
+    } else {
+        w[0] = a0;
+        w[1] = a1;
+        w[2] = a2;
+        w[3] = a3;
+    }
 }
 
 // 16 bytes from a 16-byte aligned address
