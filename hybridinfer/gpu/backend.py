@@ -120,6 +120,9 @@ class GPUModel:
         self.gm, self.args, self.n_ctx, self.chunk = gm, args, n_ctx, int(chunk)
         a = args
         self.stream = drv.Stream()
+        # small GEMMs that leave most of the card idle (the shared expert, GDN's alpha and beta) run on a side
+        # stream beside the main stream's larger ones; the side stream forks after and joins before main work
+        self.side = drv.Stream()
         vec_names = [n for n, t in gm.tensors.items() if is_vector(n, t)
                      and not (n.startswith("blk.") and int(n.split(".")[1]) >= a.n_layer)]
         self.vec = {n: _f32(gm, n) for n in vec_names}  # norms, ssm_a, dt bias, conv kernels: float32
@@ -205,7 +208,7 @@ class GPUModel:
         ev0, ev1 = self._event(), self._event()
         ev0.record(self.stream)
         st.prefetch(0)
-        self.handoff.begin(T)
+        self.handoff.begin(state, p0, T)
         for i in range(a.n_layer):
             st.prefetch(i + 1)  # the next layer's upload overlaps this layer's compute
             W = st.weights(i, self.layer_names[i])
@@ -227,8 +230,9 @@ class GPUModel:
                 self._mark("moe" if a.is_moe else "ffn")
                 ke.add(h[c0:c1], self._moe(L, x) if a.is_moe else self._ffn(L, x), stream=self.stream)
                 self._mark(None)
-            self.handoff.layer_done(i, a.layer_types[i], p0, self.stream)
+            self.handoff.layer_done(i, a.layer_types[i], self.stream)
             st.release(i)
+            self.handoff.drain()
         logits = self._head(h, T, all_logits)
         ev1.record(self.stream)
         t_queued = time.perf_counter()
@@ -236,7 +240,7 @@ class GPUModel:
         t_sync = time.perf_counter()
         state.tokens[p0 : p0 + T] = ids
         state.pos = p0 + T
-        self.handoff.finish(state, p0, p0 + T)
+        self.handoff.finish()
         t_down = time.perf_counter()
         if a.is_moe:
             used = self.counts_host[:, : -(-T // self.chunk)].sum(axis=1)  # (n_layer, E)
@@ -254,6 +258,19 @@ class GPUModel:
             for s in snap_host:
                 on_snapshot(s, None)
         return logits
+
+    def _fork(self):
+        """The side stream starts after the work queued on the main stream so far; returns it."""
+        ev = self.drv.Event()
+        ev.record(self.stream)
+        self.side.wait_for_event(ev)
+        return self.side
+
+    def _join(self) -> None:
+        """The main stream continues after the work queued on the side stream so far."""
+        ev = self.drv.Event()
+        ev.record(self.side)
+        self.stream.wait_for_event(ev)
 
     def _mark(self, phase: str | None) -> None:
         """With profile on: an event where `phase` (gdn / attention / moe / ffn) starts (None: ends)."""
@@ -319,10 +336,12 @@ class GPUModel:
     def _gdn(self, L, i: int, x, c0: int, snaps: list[int], snap_host: list):
         a, b, s = self.args, self.buf, self.stream
         n = x.shape[0]
+        side = self._fork()
+        gb = kgm.gemm(x, L.w("ssm_beta"), out=b.gb[:n], stream=side)
+        ga = kgm.gemm(x, L.w("ssm_alpha"), out=b.ga[:n], stream=side)
         u = kgm.gemm(x, L.w("attn_qkv"), out=b.u[:n], stream=s)
         z = kgm.gemm(x, L.w("attn_gate"), out=b.z[:n], stream=s)
-        gb = kgm.gemm(x, L.w("ssm_beta"), out=b.gb[:n], stream=s)
-        ga = kgm.gemm(x, L.w("ssm_alpha"), out=b.ga[:n], stream=s)
+        self._join()
         mine = [j for j, p in enumerate(snaps) if c0 < p <= c0 + n]  # positions relative to c0 are in snap_pos
         sp = sc = sS = None
         if mine:
@@ -347,6 +366,13 @@ class GPUModel:
     def _moe(self, L, x):
         a, b, s, n = self.args, self.buf, self.stream, x.shape[0]
         k, E = a.n_expert_used, a.n_expert
+        if a.n_ff_shexp:  # the gated shared expert, beside the routed experts
+            side = self._fork()
+            sg = kgm.gemm(x, L.w("ffn_gate_shexp"), out=b.sg[:n], stream=side)
+            su = kgm.gemm(x, L.w("ffn_up_shexp"), out=b.su[:n], stream=side)
+            ke.swiglu(sg, su, out=sg, stream=side)
+            sh = kgm.gemm(sg, L.w("ffn_down_shexp"), out=b.mix[:n], stream=side)
+            gl = ke.dot_rows(x, L.v("ffn_gate_inp_shexp"), out=b.sgate[:n], stream=side)
         router = kgm.gemm(x, L.w("ffn_gate_inp"), out=b.router[:n], stream=s)
         ids, wts = b.ids[:n], b.wts[:n]
         km.route(router, k, ids, wts, stream=s)
@@ -361,11 +387,7 @@ class GPUModel:
         ed = kgm.gemm_grouped(eg, L.w("ffn_down_exps"), b.offs, out=b.ed[:P], stream=s)
         out = b.ffn[:n]
         if a.n_ff_shexp:
-            sg = kgm.gemm(x, L.w("ffn_gate_shexp"), out=b.sg[:n], stream=s)
-            su = kgm.gemm(x, L.w("ffn_up_shexp"), out=b.su[:n], stream=s)
-            ke.swiglu(sg, su, out=sg, stream=s)
-            sh = kgm.gemm(sg, L.w("ffn_down_shexp"), out=b.mix[:n], stream=s)
-            gl = ke.dot_rows(x, L.v("ffn_gate_inp_shexp"), out=b.sgate[:n], stream=s)
+            self._join()
             km.combine(ed, b.row_of_pair[:n], wts, out, shared_out=sh, shared_gate_logit=gl.reshape(n), stream=s)
         else:
             km.combine(ed, b.row_of_pair[:n], wts, out, stream=s)

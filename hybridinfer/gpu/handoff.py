@@ -3,8 +3,9 @@
 Up: a state at position 0 has no history, so the card's conv and S are zeroed in place (no copy); a state
 further on (a prefix-cache restore, or CPU decode since the last prefill) is copied up.
 Down: each layer's final conv and S (GDN) or its new K/V rows (attention) are queued for copy into pinned
-host memory as soon as the layer's last chunk is queued, so the copies overlap the later layers' compute;
-after the pass they are copied into the host state. K/V rows beyond one chunk come down synchronously.
+host memory as soon as the layer's last chunk is queued, and copied on into the host state between later
+layers once they have arrived, so both copies overlap the card's work. K/V rows beyond one chunk come down
+synchronously after the pass.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ class StateHandoff:
             self.host[key] = self.pinned[off : off + a.size].reshape(a.shape)
             off += a.size
         self.nbytes = self.pinned.nbytes
-        self._kv_rows = 0  # K/V rows queued into the mirrors by the current pass
+        self._st, self._p0, self._T, self._kv_rows = None, 0, 0, 0  # the pass in progress
+        self._pending: list[tuple[int, str, object]] = []  # (layer, kind, event after its copies)
 
     def upload(self, st: DecoderState, stream) -> None:
         """Make the card's copy equal `st` (zeroing in place at position 0)."""
@@ -50,12 +52,15 @@ class StateHandoff:
                 b.kc[i][:p].set(np.ascontiguousarray(st.k[i][:p]))
                 b.vc[i][:p].set(np.ascontiguousarray(st.v[i][:p]))
 
-    def begin(self, T: int) -> None:
+    def begin(self, st: DecoderState, p0: int, T: int) -> None:
+        """A pass of T tokens from position p0 into `st` starts."""
+        self._st, self._p0, self._T = st, p0, T
         self._kv_rows = T if T <= self.chunk else 0
+        self._pending: list[tuple[int, str, object]] = []
 
-    def layer_done(self, i: int, kind: str, p0: int, stream) -> None:
+    def layer_done(self, i: int, kind: str, stream) -> None:
         """Queue layer i's final state for the host (call after its last chunk is queued on `stream`)."""
-        b, d = self.buf, self.drv
+        b, d, p0 = self.buf, self.drv, self._p0
         if kind == "gdn":
             d.memcpy_dtoh_async(self.host[("S", i)], b.S[i].gpudata, stream)
             d.memcpy_dtoh_async(self.host[("conv", i)], b.conv[i].gpudata, stream)
@@ -63,17 +68,37 @@ class StateHandoff:
             n = self._kv_rows
             d.memcpy_dtoh_async(self.host[("k", i)][:n], b.kc[i][p0 : p0 + n].gpudata, stream)
             d.memcpy_dtoh_async(self.host[("v", i)][:n], b.vc[i][p0 : p0 + n].gpudata, stream)
+        else:
+            return
+        ev = d.Event()
+        ev.record(stream)
+        self._pending.append((i, kind, ev))
 
-    def finish(self, st: DecoderState, p0: int, p1: int) -> None:
-        """After the stream is synchronised: the queued copies into `st`; long K/V runs straight from the card."""
-        b = self.buf
-        for i in getattr(b, "S", {}):
-            np.copyto(st.ssm[i], self.host[("S", i)])
-            np.copyto(st.conv[i], self.host[("conv", i)])
-        for i in b.kc:
-            if self._kv_rows:
-                st.k[i][p0:p1] = self.host[("k", i)][: p1 - p0]
-                st.v[i][p0:p1] = self.host[("v", i)][: p1 - p0]
+    def drain(self, wait: bool = False) -> None:
+        """Copy the layers whose state has arrived into the host state, in order; with wait, all of them.
+        Called between layers, the host copies overlap the card's work on later layers."""
+        while self._pending:
+            i, kind, ev = self._pending[0]
+            if not wait and not ev.query():
+                return
+            if wait:
+                ev.synchronize()
+            self._pending.pop(0)
+            st = self._st
+            if kind == "gdn":
+                np.copyto(st.ssm[i], self.host[("S", i)])
+                np.copyto(st.conv[i], self.host[("conv", i)])
             else:
+                p0, n = self._p0, self._kv_rows
+                st.k[i][p0 : p0 + n] = self.host[("k", i)][:n]
+                st.v[i][p0 : p0 + n] = self.host[("v", i)][:n]
+
+    def finish(self) -> None:
+        """After the pass: the rest of the queued copies; K/V runs longer than a chunk straight from the card."""
+        self.drain(wait=True)
+        if not self._kv_rows:
+            st, p0, p1, b = self._st, self._p0, self._p0 + self._T, self.buf
+            for i in b.kc:
                 st.k[i][p0:p1] = b.kc[i][p0:p1].get()
                 st.v[i][p0:p1] = b.vc[i][p0:p1].get()
+        self._st = None
