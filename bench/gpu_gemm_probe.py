@@ -91,29 +91,28 @@ def main(argv=None) -> None:
     idx = gpuarray.to_gpu((order // top).astype(np.int32))
     M = T * top
     w = k_gemm.DeviceWeight.upload(quant.random_blocks(q, E * F * K // 256, rng), q, (E, F, K))
-    yo = gpuarray.empty((M, F), np.float32)
     gflop = 2.0 * M * F * K
-    row = []
-    for tile in k_gemm.TILES:
-        s = _time(lambda tile=tile: k_gemm.gemm_grouped(x, w, offs, idx, out=yo, tile=tile), a.reps)
-        row.append(f"{tile} {gflop / s / 1e9:6.0f}")
-    s = _time(lambda: k_gemm.gemm_grouped(x, w, offs, idx, out=yo), a.reps)
-    row.append(f"default {k_gemm.pick_tile(M / E, M, F)} {gflop / s / 1e9:6.0f}")
-    print(f"grouped Q4_K E={E} top{top} M={M} N={F} K={K} (GFLOP/s by tile): " + " | ".join(row))
-
+    _grouped_row(k_gemm, x, w, offs, idx, gpuarray.empty((M, F), np.float32), gflop, a.reps,
+                 f"grouped Q4_K E={E} top{top} M={M} N={F} K={K}")
     # MoE down projection: grouped rows in order (no idx), [E, K, F] Q6_K
     q = quant.Q6_K
     xd = gpuarray.to_gpu(rng.standard_normal((M, F), dtype=np.float32))
     wd = k_gemm.DeviceWeight.upload(quant.random_blocks(q, E * K * F // 256, rng), q, (E, K, F))
-    yd = gpuarray.empty((M, K), np.float32)
+    _grouped_row(k_gemm, xd, wd, offs, None, gpuarray.empty((M, K), np.float32), gflop, a.reps,
+                 f"grouped Q6_K E={E} top{top} M={M} N={K} K={F}")
+
+
+def _grouped_row(k_gemm, x, w, offs, idx, out, gflop: float, reps: int, label: str) -> None:
+    """GFLOP/s of one grouped GEMM for every tile and for the default pick."""
+    E, N = w.shape[0], w.shape[1]
+    M = out.shape[0]
     row = []
     for tile in k_gemm.TILES:
-        s = _time(lambda tile=tile: k_gemm.gemm_grouped(xd, wd, offs, None, out=yd, tile=tile), a.reps)
+        s = _time(lambda tile=tile: k_gemm.gemm_grouped(x, w, offs, idx, out=out, tile=tile), reps)
         row.append(f"{tile} {gflop / s / 1e9:6.0f}")
-    s = _time(lambda: k_gemm.gemm_grouped(xd, wd, offs, None, out=yd), a.reps)
-    row.append(f"default {k_gemm.pick_tile(M / E, M, K)} {gflop / s / 1e9:6.0f}")
-    print(f"grouped Q6_K E={E} top{top} M={M} N={K} K={F} (GFLOP/s by tile): " + " | ".join(row))
-
+    s = _time(lambda: k_gemm.gemm_grouped(x, w, offs, idx, out=out), reps)
+    row.append(f"default {k_gemm.pick_tile(M / E, M, N)} {gflop / s / 1e9:6.0f}")
+    print(f"{label} (GFLOP/s by tile): " + " | ".join(row))
 
 if __name__ == "__main__":
     main()

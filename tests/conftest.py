@@ -62,3 +62,14 @@ def ga():
     from pycuda import gpuarray
 
     return gpuarray
+
+
+@pytest.fixture(scope="module")
+def libs():
+    """One SimdLib per ISA this CPU runs, 2 threads each (test_simd_gdn.py has its own, by thread count)."""
+    from hybridinfer.cpu.simd import SimdLib, supported_isas
+
+    out = {isa: SimdLib(isa, n_threads=2) for isa in supported_isas()}
+    yield out
+    for lib in out.values():
+        lib.close()

@@ -42,14 +42,6 @@ def ggml():
     return lib
 
 
-@pytest.fixture(scope="module")
-def libs():
-    """One SimdLib per ISA this CPU runs, 2 threads each."""
-    out = {isa: SimdLib(isa, n_threads=2) for isa in ISAS}
-    yield out
-    for lib in out.values():
-        lib.close()
-
 
 def _ggml_act(ggml, x: np.ndarray, kind: str) -> np.ndarray:
     import ggml_kernels

@@ -17,19 +17,12 @@ import pytest
 from hybridinfer import actquant_k as ak
 from hybridinfer.cpu import ggml_ref as gr
 from hybridinfer.cpu import ops
-from hybridinfer.cpu.simd import GGML_MUL_MAT, GGML_MUL_MAT_ID, GGML_NONE, SimdLib, supported_isas
+from hybridinfer.cpu.simd import GGML_MUL_MAT, GGML_MUL_MAT_ID, GGML_NONE, supported_isas
 from hybridinfer.quant import random_blocks
 
 WIDTH = {"scalar": 1, "ssse3": 1, "avx2": 8, "avx512vnni": 16}
 ISAS = supported_isas()
 
-
-@pytest.fixture(scope="module")
-def libs():
-    out = {isa: SimdLib(isa, n_threads=2) for isa in ISAS}
-    yield out
-    for lib in out.values():
-        lib.close()
 
 
 def _want(isa, op, qtype, xq, raw, rows, cols, T):
