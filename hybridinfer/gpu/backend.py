@@ -232,7 +232,7 @@ class GPUModel:
                 self._mark(None)
             self.handoff.layer_done(i, a.layer_types[i], self.stream)
             st.release(i)
-            self.handoff.drain()
+            self.handoff.drain(wait_through=i - 2)
         logits = self._head(h, T, all_logits)
         ev1.record(self.stream)
         t_queued = time.perf_counter()

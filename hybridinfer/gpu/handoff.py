@@ -74,15 +74,17 @@ class StateHandoff:
         ev.record(stream)
         self._pending.append((i, kind, ev))
 
-    def drain(self, wait: bool = False) -> None:
-        """Copy the layers whose state has arrived into the host state, in order; with wait, all of them.
-        Called between layers, the host copies overlap the card's work on later layers."""
+    def drain(self, wait_through: int | None = None) -> None:
+        """Copy the layers whose state has arrived into the host state, in order, waiting for those up to layer
+        `wait_through` (all: a large number). Called between layers with wait_through a layer or two back, the
+        host keeps only that far ahead of the card, and its copies overlap the card's work on later layers
+        (the pinned copies wait until the card is there, so without waiting most were left for the end)."""
         while self._pending:
             i, kind, ev = self._pending[0]
-            if not wait and not ev.query():
-                return
-            if wait:
+            if wait_through is not None and i <= wait_through:
                 ev.synchronize()
+            elif not ev.query():
+                return
             self._pending.pop(0)
             st = self._st
             if kind == "gdn":
@@ -95,7 +97,7 @@ class StateHandoff:
 
     def finish(self) -> None:
         """After the pass: the rest of the queued copies; K/V runs longer than a chunk straight from the card."""
-        self.drain(wait=True)
+        self.drain(wait_through=1 << 30)
         if not self._kv_rows:
             st, p0, p1, b = self._st, self._p0, self._p0 + self._T, self.buf
             for i in b.kc:
