@@ -22,8 +22,8 @@
  * first): not reproduced.
  *
  * hi_dot_q4_K_rp(n, w, y, quarters): the repacked Q4_K row (quarters: the gemm's per-quarter steps);
- * hi_dot_kq_tiled(qt, n, w, y): the tiled row. The integer sums have an AVX2 path (also the AVX-512 unit's) and a
- * scalar one.
+ * hi_dot_kq_tiled(qt, n, w, y): the tiled row. The integer sums have an AVX2 path (also the AVX-512 unit's, which
+ * forms the repacked gemv's Q4_K block lanes with vpdpbusd/vpdpwssd instead) and a scalar one.
  */
 #ifndef HI_DOT_KQUANTS_H
 #error "dot_kq_shapes.h is a part of dot_kquants.h; include that"
@@ -44,6 +44,31 @@ static inline __m256i hi_kq4_quarter(__m256i scales, const uint8_t *q4, const in
     const __m256i ph = _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(bits, 4), m4),
                                             _mm256_loadu_si256((const __m256i *)(q8 + 64 * j + 32)));
     return _mm256_add_epi32(_mm256_madd_epi16(sl, pl), _mm256_madd_epi16(sh, ph));
+}
+
+/* Q4_K block: int32 lanes whose total is isum (sm: hi_kq_scales_mins_v of the block). With VNNI the lanes come
+ * from vpdpbusd and vpdpwssd as in hi_dot_q4_K_q8_K's VNNI path; the integer total is the same either way. */
+static inline __m256i hi_kq4_block_lanes(const block_q4_K *restrict x, const block_q8_K *restrict y, __m128i sm) {
+#if HI_KQ_VNNI
+    const __m256i m4 = _mm256_set1_epi8(0x0f), zero = _mm256_setzero_si256();
+    const __m256i scales = _mm256_broadcastsi128_si256(sm); /* bytes: sc0..7 m0..7 */
+    __m256i s = zero;
+    for (int j = 0; j < 4; ++j) {
+        const __m256i bits = _mm256_loadu_si256((const __m256i *)(x->qs + 32 * j));
+        const __m256i lo = _mm256_and_si256(bits, m4), hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
+        const __m256i pl = _mm256_dpbusd_epi32(zero, lo, _mm256_loadu_si256((const __m256i *)(y->qs + 64 * j)));
+        const __m256i ph = _mm256_dpbusd_epi32(zero, hi, _mm256_loadu_si256((const __m256i *)(y->qs + 64 * j + 32)));
+        const __m256i sl = _mm256_shuffle_epi8(scales, _mm256_set1_epi32((int)(0x80808000u | (2 * j))));
+        const __m256i sh = _mm256_shuffle_epi8(scales, _mm256_set1_epi32((int)(0x80808000u | (2 * j + 1))));
+        s = _mm256_dpwssd_epi32(_mm256_dpwssd_epi32(s, pl, sl), ph, sh);
+    }
+    return s;
+#else
+    const __m256i scales = _mm256_broadcastsi128_si256(_mm_unpacklo_epi8(sm, _mm_setzero_si128()));
+    const __m256i q01 = _mm256_add_epi32(hi_kq4_quarter(scales, x->qs, y->qs, 0), hi_kq4_quarter(scales, x->qs, y->qs, 1));
+    const __m256i q23 = _mm256_add_epi32(hi_kq4_quarter(scales, x->qs, y->qs, 2), hi_kq4_quarter(scales, x->qs, y->qs, 3));
+    return _mm256_add_epi32(q01, q23);
+#endif
 }
 #endif
 
@@ -177,11 +202,7 @@ static inline float hi_dot_q4_K_rp(int n, const void *restrict vx, const void *r
         for (int b = 0; b < 4; ++b) {
             const __m128i sm = hi_kq_scales_mins_v(x[i + b].scales);
             ml[b] = hi_kq_min_lanes(_mm_unpackhi_epi8(sm, _mm_setzero_si128()), y[i + b].bsums);
-            const __m256i scales = _mm256_broadcastsi128_si256(_mm_unpacklo_epi8(sm, _mm_setzero_si128()));
-            s[b] = _mm256_add_epi32(_mm256_add_epi32(hi_kq4_quarter(scales, x[i + b].qs, y[i + b].qs, 0),
-                                                     hi_kq4_quarter(scales, x[i + b].qs, y[i + b].qs, 1)),
-                                    _mm256_add_epi32(hi_kq4_quarter(scales, x[i + b].qs, y[i + b].qs, 2),
-                                                     hi_kq4_quarter(scales, x[i + b].qs, y[i + b].qs, 3)));
+            s[b] = hi_kq4_block_lanes(&x[i + b], &y[i + b], sm);
         }
         const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
         float fs[4], fm[4];
