@@ -1,8 +1,7 @@
 """The CPU backend: quantized matrix products, attention, RoPE, SwiGLU and the GDN layer in C (simd.py), the rest
 in numba (ops*.py). The products, attention, RoPE and SwiGLU follow llama.cpp's float operations for the ISA
-level they run at (each
-product is called with the llama.cpp operation it stands for, MUL_MAT or MUL_MAT_ID, which decides the K-quant
-kernel shape), so that greedy decoding agrees with llama.cpp token for token.
+level they run at (each product is called with the llama.cpp operation it stands for, MUL_MAT or MUL_MAT_ID,
+which decides the K-quant kernel shape), so that greedy decoding agrees with llama.cpp token for token.
 
 Weights stay in their GGUF bytes (memory-mapped); activations are quantized once per input and weight
 kind, as llama.cpp does. One `forward(tokens, state)` serves decode (T = 1) and chunked prefill
