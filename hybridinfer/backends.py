@@ -45,7 +45,8 @@ def make_backend(name: str, gm, args, options: dict, n_ctx: int):
     from .cpu.backend import CPUModel
     from .cpu.simd import SimdLib
 
-    cpu = CPUModel(gm, args, SimdLib(isa=options.pop("isa", None), n_threads=options.pop("n_threads", None)))
+    cpu = CPUModel(gm, args, SimdLib(isa=options.pop("isa", None), n_threads=options.pop("n_threads", None)),
+                   weights=options.pop("weights", "auto"))
     if name == "cpu":
         return cpu
     try:

@@ -24,6 +24,9 @@ def _add_model(p: argparse.ArgumentParser, required: bool = False) -> None:
                    help="GPU memory the gpu backend may use, e.g. 6GiB (default: the card's free memory - 512MiB)")
     p.add_argument("--isa", default=os.environ.get("HYBRIDINFER_ISA"),
                    help="force the SIMD path: scalar | ssse3 | avx2 | avx512vnni (env HYBRIDINFER_ISA)")
+    p.add_argument("--weights", default="auto", choices=["auto", "copy", "mmap"],
+                   help="where CPU decode reads the weights: a copy in huge pages (faster), the file's memory "
+                        "mapping (no copy), or auto: a copy when it takes at most half the available memory")
 
 
 def _add_cache(p: argparse.ArgumentParser) -> None:
@@ -66,7 +69,7 @@ def _engine(a):
         a.backend = "reference" if os.path.getsize(a.model or default_model_path()) < SMALL_MODEL_BYTES else "auto"
     opts = {}
     if a.backend in ("cpu", "auto", "gpu"):
-        opts = {"isa": a.isa, "n_threads": a.threads}
+        opts = {"isa": a.isa, "n_threads": a.threads, "weights": a.weights}
     if a.backend in ("auto", "gpu") and a.vram_budget is not None:
         opts["vram_budget"] = a.vram_budget
     cache = None
@@ -265,7 +268,9 @@ def cmd_bench_decode(a) -> int:
     from .benchmarks import decode
 
     isas = tuple(x.strip() for x in a.isa.split(",") if x.strip())
-    res = decode.run(a.model, a.threads, a.n, a.context, isas, a.llama_bench, a.llama_bench_sse)
+    weights = tuple(x.strip() for x in a.weights.split(",") if x.strip())
+    res = decode.run(a.model, a.threads, a.n, a.context, isas, a.llama_bench, a.llama_bench_sse, weights=weights,
+                     llama_no_mmap=a.llama_no_mmap)
     print(decode.markdown(res))
     _save_bench(a.out_dir, f"decode-{_model_stem(a.model)}-t{a.threads}", json.dumps(res, indent=1),
                 lambda png: decode.plot(res, png))
@@ -366,6 +371,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated: native,scalar,ssse3,avx2,avx512vnni")
     b.add_argument("--llama-bench", default=None, help="llama.cpp's llama-bench (native build)")
     b.add_argument("--llama-bench-sse", default=None, help="llama-bench built without AVX")
+    b.add_argument("--weights", default="auto", help="comma-separated weights modes to time: auto,copy,mmap")
+    b.add_argument("--llama-no-mmap", action="store_true", help="also time llama.cpp with -mmp 0")
     b = _bench_parser(bsub, "prefix", "time to first token cold/warm with the prefix cache, and llama.cpp's server",
                       cmd_bench_prefix)
     b.add_argument("--backend", default="cpu", choices=["reference", "cpu", "gpu", "auto"])

@@ -50,11 +50,14 @@ class Row:
     python_share: float | None = None  # of decode time, upper bound (cProfile)
 
 
-def measure_ours(path: str, isa: str | None, threads: int, n_tokens: int, context: int, seed: int = 0) -> float:
-    """Decode tokens/s of the CPU backend after a `context`-token prompt (greedy; time of n_tokens steps)."""
+def measure_ours(path: str, isa: str | None, threads: int, n_tokens: int, context: int, seed: int = 0,
+                 weights: str = "auto") -> tuple[float, float, str]:
+    """Decode tokens/s of the CPU backend after a `context`-token prompt (greedy; time of n_tokens steps), the
+    share of Python in it, and where the weights were read from ("copy" or "mmap")."""
     from ..api import Engine
 
-    eng = Engine.load(path, backend="cpu", isa=isa, n_threads=threads, n_ctx=context + 2 * n_tokens + 16)
+    eng = Engine.load(path, backend="cpu", isa=isa, n_threads=threads, n_ctx=context + 2 * n_tokens + 16,
+                      weights=weights)
     rng = np.random.default_rng(seed)
     ids = [int(x) for x in rng.integers(0, min(eng.args.n_vocab, 32000), max(context, 1))]
     st = eng.new_state()
@@ -67,7 +70,7 @@ def measure_ours(path: str, isa: str | None, threads: int, n_tokens: int, contex
         lg = be.forward([t], st, all_logits=False)
         t = int(np.argmax(lg[-1]))
     tok_s = n_tokens / (time.perf_counter() - t0)
-    return tok_s, python_share(be, st, t, max(4, n_tokens // 4))
+    return tok_s, python_share(be, st, t, max(4, n_tokens // 4)), be.weights
 
 
 def python_share(be, st, t: int, n: int) -> float:
@@ -90,14 +93,17 @@ def python_share(be, st, t: int, n: int) -> float:
     return min(1.0, py / wall)
 
 
-def measure_llama(llama_bench: str, path: str, threads: int, n_tokens: int, context: int) -> float | None:
-    """llama.cpp's `llama-bench -p 0 -n N -t T [-d ctx]` tokens/s, or None if it is missing or fails."""
+def measure_llama(llama_bench: str, path: str, threads: int, n_tokens: int, context: int,
+                  mmap: bool = True) -> float | None:
+    """llama.cpp's `llama-bench -p 0 -n N -t T [-d ctx] [-mmp 0]` tokens/s, or None if it is missing or fails."""
     exe = shutil.which(llama_bench) or (llama_bench if llama_bench and shutil.os.path.exists(llama_bench) else None)
     if not exe:
         return None
     cmd = [exe, "-m", path, "-p", "0", "-n", str(n_tokens), "-t", str(threads), "-o", "json", "-r", "2"]
     if context:
         cmd += ["-d", str(context)]
+    if not mmap:
+        cmd += ["-mmp", "0"]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         print(f"{exe} failed ({r.returncode}): {r.stderr.strip()[-300:]}")
@@ -110,7 +116,10 @@ def measure_llama(llama_bench: str, path: str, threads: int, n_tokens: int, cont
 
 
 def run(path: str, threads: int, n_tokens: int = 32, context: int = 0, isas: tuple[str, ...] = ("native",),
-        llama_bench: str | None = None, llama_bench_sse: str | None = None, bw_bytes: int = 1 << 30) -> dict:
+        llama_bench: str | None = None, llama_bench_sse: str | None = None, bw_bytes: int = 1 << 30,
+        weights: tuple[str, ...] = ("auto",), llama_no_mmap: bool = False) -> dict:
+    """One run of the table: each ISA level x each weights mode of this engine, then llama.cpp (native build,
+    also with -mmp 0 if llama_no_mmap, and the SSE4.2 build)."""
     from ..cpu.simd import SimdLib, best_isa
 
     gm = GGUFModel(path)
@@ -120,15 +129,21 @@ def run(path: str, threads: int, n_tokens: int = 32, context: int = 0, isas: tup
     floor = bw / bpt
     rows: list[Row] = []
 
-    def add(engine, isa, tok_s, py=None):
+    def add(engine, isa, tok_s, py=None, note=""):
         if tok_s is not None:
-            rows.append(Row(engine, isa, threads, tok_s, tok_s * bpt / 1e9, tok_s / floor, python_share=py))
+            rows.append(Row(engine, isa, threads, tok_s, tok_s * bpt / 1e9, tok_s / floor, note, py))
 
     for isa in isas:
         real = best_isa() if isa == "native" else isa
-        add("hybridinfer", real, *measure_ours(path, None if isa == "native" else isa, threads, n_tokens, context))
+        for mode in weights:
+            tok_s, py, used = measure_ours(path, None if isa == "native" else isa, threads, n_tokens, context,
+                                           weights=mode)
+            add("hybridinfer", real, tok_s, py, f"weights: {used}")
     if llama_bench:
-        add("llama.cpp", "native", measure_llama(llama_bench, path, threads, n_tokens, context))
+        add("llama.cpp", "native", measure_llama(llama_bench, path, threads, n_tokens, context), note="mmap")
+        if llama_no_mmap:
+            add("llama.cpp", "native", measure_llama(llama_bench, path, threads, n_tokens, context, mmap=False),
+                note="-mmp 0")
     if llama_bench_sse:
         add("llama.cpp", "sse4.2 (no AVX)", measure_llama(llama_bench_sse, path, threads, n_tokens, context))
     return {"model": path, "arch": args.arch, "bytes_per_token": bpt, "read_bw_gb_s": bw / 1e9,
@@ -139,14 +154,18 @@ def markdown(res: dict) -> str:
     out = [f"model `{res['model']}` ({res['arch']}); {res['bytes_per_token'] / 1e9:.3f} GB of weights per token; "
            f"read bandwidth {res['read_bw_gb_s']:.1f} GB/s with {res['threads']} threads -> floor "
            f"{res['floor_tok_s']:.2f} tok/s; context {res['context']}", "",
-           "| engine | ISA | threads | tok/s | weight GB/s | % of floor | vs llama.cpp (same ISA) | Python share |",
-           "|---|---|---|---|---|---|---|---|"]
-    base = {r["isa"]: r["tok_s"] for r in res["rows"] if r["engine"] == "llama.cpp"}
+           "| engine | ISA | weights | threads | tok/s | weight GB/s | % of floor | vs llama.cpp (same ISA, its best) "
+           "| Python share |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    base: dict[str, float] = {}
+    for r in res["rows"]:
+        if r["engine"] == "llama.cpp":
+            base[r["isa"]] = max(base.get(r["isa"], 0.0), r["tok_s"])
     for r in res["rows"]:
         ref = base.get("sse4.2 (no AVX)") if r["isa"] in ("ssse3", "scalar") else base.get("native")
         vs = f"{r['tok_s'] / ref:.2f}x" if ref and r["engine"] != "llama.cpp" else ""
-        out.append(f"| {r['engine']} | {r['isa']} | {r['threads']} | {r['tok_s']:.2f} | {r['gb_s']:.1f} | "
-                   f"{100 * r['floor_frac']:.0f}% | {vs} | {_pct(r.get('python_share'))} |")
+        out.append(f"| {r['engine']} | {r['isa']} | {r.get('note', '')} | {r['threads']} | {r['tok_s']:.2f} | "
+                   f"{r['gb_s']:.1f} | {100 * r['floor_frac']:.0f}% | {vs} | {_pct(r.get('python_share'))} |")
     return "\n".join(out)
 
 
@@ -165,7 +184,7 @@ def plot(res: dict, png: str) -> bool:
     import matplotlib.pyplot as plt
 
     rows = res["rows"]
-    labels = [f"{r['engine']}\n{r['isa']}" for r in rows]
+    labels = [f"{r['engine']}\n{r['isa']}\n{r.get('note', '')}" for r in rows]
     fig, ax = plt.subplots(figsize=(1.6 * len(rows) + 2, 4))
     ax.bar(labels, [r["tok_s"] for r in rows], color=["C0" if r["engine"] == "hybridinfer" else "C1" for r in rows])
     ax.axhline(res["floor_tok_s"], color="k", ls="--", label=f"bandwidth floor {res['floor_tok_s']:.1f} tok/s")

@@ -21,6 +21,7 @@ from ..quant import dequantize_rows, type_name
 from ..state import DecoderState, check_tokens
 from . import ops, ops_gdn
 from .simd import GGML_MUL_MAT, GGML_MUL_MAT_ID, KERNEL_TYPES, SimdLib
+from .weights import choose_weights_mode, copy_mats, mem_available
 
 
 @dataclass(frozen=True)
@@ -111,7 +112,9 @@ class Workspace:
 class CPUModel:
     """backend="cpu": the whole engine on the host CPU."""
 
-    def __init__(self, gm: GGUFModel, args, simd: SimdLib):
+    def __init__(self, gm: GGUFModel, args, simd: SimdLib, weights: str = "mmap"):
+        """weights: where the matrices are read from (cpu/weights.py): "mmap" (the file's mapping), "copy"
+        (one huge-page copy made now) or "auto" (copy if they take at most half the available memory)."""
         self.gm, self.args, self.simd = gm, args, simd
         a = args
         self.tok_embd = gm.tensor("token_embd.weight")
@@ -120,6 +123,10 @@ class CPUModel:
         self.layers = [Layer(gm, a, i) for i in range(a.n_layer)]
         self.freq_factors = (np.ascontiguousarray(gm.dequant("rope_freqs.weight"), dtype=np.float32)
                              if getattr(a, "has_rope_freqs", False) else ops.NO_FREQS)
+        owners = [(self, "out")] + [(L, k) for L in self.layers for k, v in vars(L).items() if isinstance(v, Mat)]
+        nbytes = sum(getattr(o, k).raw.nbytes for o, k in owners)
+        self.weights = choose_weights_mode(weights, nbytes, mem_available())
+        self.weights_bytes = copy_mats(owners) if self.weights == "copy" else 0  # process memory held
         self.mats = [self.out] + [m for L in self.layers for m in L.mats()]
         self._ws: dict[tuple[int, int], Workspace] = {}
 
