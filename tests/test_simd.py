@@ -20,7 +20,7 @@ import pytest
 from hybridinfer import actquant as aq
 from hybridinfer import actquant_k as ak
 from hybridinfer.cpu import simd
-from hybridinfer.cpu.simd import SimdLib, best_isa, supported_isas
+from hybridinfer.cpu.simd import GGML_MUL_MAT, GGML_MUL_MAT_ID, SimdLib, best_isa, supported_isas
 from hybridinfer.errors import BackendNotAvailableError, UnsupportedTensorTypeError
 from hybridinfer.quant import random_blocks
 
@@ -337,6 +337,47 @@ def test_moe_calls_equal_separate_matmuls(libs, gate_type, down_type):
             od = np.zeros(D, np.float32)
             lib.matmul(wd[e * dpe:(e + 1) * dpe], down_type, D, Fd, hq[i], od)
             assert np.array_equal(d[i], od), (isa, i)
+
+
+@pytest.mark.parametrize("gate_type,down_type,s_down_type", [(2, 8, 8), (12, 14, 12), (12, 12, 14)])
+def test_moe_calls_with_the_shared_expert_equal_separate_matmuls(libs, gate_type, down_type, s_down_type):
+    """The shared expert in the routed experts' calls: its products are the plain MUL_MAT ones, the routed
+    experts' unchanged."""
+    rng = np.random.default_rng(7 + gate_type)
+    E, F, D, k = 5, 64, 512, 3
+    qk = 256 if gate_type >= 12 else 32
+    wg, wu = (random_blocks(gate_type, E * F * D // qk, rng).reshape(-1) for _ in range(2))
+    sg, su = (random_blocks(gate_type, F * D // qk, rng).reshape(-1) for _ in range(2))
+    Fd = 256 if down_type >= 12 else F
+    wd = random_blocks(down_type, E * D * Fd // (256 if down_type >= 12 else 32), rng).reshape(-1)
+    sd = random_blocks(s_down_type, D * Fd // (256 if s_down_type >= 12 else 32), rng).reshape(-1)
+    ids = np.array([3, 0, 4], np.int32)
+    x = rng.standard_normal(D).astype(np.float32)
+    h = rng.standard_normal((k + 1, Fd)).astype(np.float32)
+    for isa, lib in libs.items():
+        xq = lib.quantize(x, gate_type)
+        g, u = np.full((k + 1, F), np.nan, np.float32), np.full((k + 1, F), np.nan, np.float32)
+        lib.moe_gate_up(wg, gate_type, wu, gate_type, F, D, xq, ids, g[:k], u[:k], GGML_MUL_MAT_ID,
+                        shared=(sg, gate_type, su, gate_type, F, g[k], u[k]))
+        hq = lib.quantize(h, down_type)
+        d, s = np.full((k, D), np.nan, np.float32), np.full(D, np.nan, np.float32)
+        lib.moe_down(wd, down_type, D, Fd, hq[:k], ids, d, GGML_MUL_MAT_ID, shared=(sd, s_down_type, Fd, hq[k], s))
+        g0, u0, d0 = np.zeros((k, F), np.float32), np.zeros((k, F), np.float32), np.zeros((k, D), np.float32)
+        lib.moe_gate_up(wg, gate_type, wu, gate_type, F, D, xq, ids, g0, u0, GGML_MUL_MAT_ID)
+        lib.moe_down(wd, down_type, D, Fd, hq[:k], ids, d0, GGML_MUL_MAT_ID)
+        assert np.array_equal(g[:k], g0) and np.array_equal(u[:k], u0) and np.array_equal(d, d0), isa
+        for w, out in ((sg, g[k]), (su, u[k])):
+            one = np.zeros(F, np.float32)
+            lib.matmul(w, gate_type, F, D, xq, one, GGML_MUL_MAT)
+            assert np.array_equal(out, one), isa
+        one = np.zeros(D, np.float32)
+        lib.matmul(sd, s_down_type, D, Fd, hq[k], one, GGML_MUL_MAT)
+        assert np.array_equal(s, one), isa
+        with pytest.raises(ValueError, match="activation format"):
+            lib.moe_down(wd, down_type, D, Fd, hq[:k], ids, d, shared=(sd, 8 if down_type >= 12 else 12, Fd, hq[k], s))
+        with pytest.raises(ValueError, match="shared w_up"):
+            lib.moe_gate_up(wg, gate_type, wu, gate_type, F, D, xq, ids, g[:k], u[:k],
+                            shared=(sg, gate_type, su[:-1], gate_type, F, g[k], u[k]))
 
 
 def test_thread_counts_give_identical_results():

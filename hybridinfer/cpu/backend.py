@@ -90,7 +90,7 @@ class Workspace:
         for m in mats:
             kind, nb = simd.act_kind(m.qtype), simd.act_row_bytes(m.qtype, max(m.cols, D))
             if kind not in self.xq or self.xq[kind].shape[1] < nb:
-                self.xq[kind] = np.zeros((max(T, getattr(a, "n_expert_used", 1) * T), nb), np.uint8)
+                self.xq[kind] = np.zeros((max(T, getattr(a, "n_expert_used", 1) * T + 1), nb), np.uint8)
         self.logits = f(T, model.out.rows)
         if "attention" in a.layer_types:
             hd = a.head_dim
@@ -106,7 +106,8 @@ class Workspace:
             k = a.n_expert_used
             self.router = f(T, a.n_expert)
             self.route_idx, self.route_w = np.zeros((T, k), np.int32), f(T, k)
-            self.eg, self.eu, self.ed = f(T * k, a.n_ff_exp), f(T * k, a.n_ff_exp), f(T * k, D)
+            # decode with a shared expert as wide as the routed ones: its rows follow theirs (model.fused_shexp)
+            self.eg, self.eu, self.ed = f(T * k + 1, a.n_ff_exp), f(T * k + 1, a.n_ff_exp), f(T * k, D)
 
 
 class CPUModel:
@@ -128,6 +129,11 @@ class CPUModel:
         self.weights = choose_weights_mode(weights, nbytes, mem_available())
         self.weights_bytes = copy_mats(owners) if self.weights == "copy" else 0  # process memory held
         self.mats = [self.out] + [m for L in self.layers for m in L.mats()]
+        # decode runs the shared expert in the routed experts' two calls where its products take their
+        # activation formats and its width is theirs (each layer checked)
+        self.fused_shexp = [getattr(a, "n_ff_shexp", 0) and a.n_ff_shexp == a.n_ff_exp and len(
+            {simd.act_kind(m.qtype) for m in (L.ffn_gate_exps, L.ffn_up_exps, L.ffn_gate_shexp, L.ffn_up_shexp)}) == 1
+            and simd.act_kind(L.ffn_down_shexp.qtype) == simd.act_kind(L.ffn_down_exps.qtype) for L in self.layers]
         self._ws: dict[tuple[int, int], Workspace] = {}
 
     def new_state(self, n_ctx: int) -> DecoderState:
@@ -218,7 +224,7 @@ class CPUModel:
             mix = self._gdn(L, i, x, state, ws) if L.kind == "gdn" else self._attention(L, i, x, state, ws)
             ops.add_inplace(h, mix)
             ops.rms_norm(h, L.ffn_norm if a.arch == "llama" else L.post_attention_norm, a.rms_eps, x)
-            ops.add_inplace(h, self._moe(L, x, ws) if a.is_moe else self._ffn(L, x, ws))
+            ops.add_inplace(h, self._moe(L, i, x, ws) if a.is_moe else self._ffn(L, x, ws))
         state.tokens[state.pos : state.pos + T] = ids
         state.pos += T
         hs = h if all_logits else h[T - 1 :]
@@ -290,7 +296,7 @@ class CPUModel:
             self.simd.gdn_layer(*args)
         return self.mm(L.ssm_out, y, ws.mix, ws)
 
-    def _moe(self, L: Layer, x: np.ndarray, ws: Workspace) -> np.ndarray:
+    def _moe(self, L: Layer, i: int, x: np.ndarray, ws: Workspace) -> np.ndarray:
         a = self.args
         T, k = x.shape[0], a.n_expert_used
         router = self.mm(L.ffn_gate_inp, x, ws.router, ws)
@@ -298,29 +304,44 @@ class CPUModel:
         ops.moe_route(router, k, idx, w)
         ys = ws.ed[: T * k]
         G, U, Dn = L.ffn_gate_exps, L.ffn_up_exps, L.ffn_down_exps
-        if T == 1:  # decode: all k experts in two calls
+        out = ws.ffn[:T]
+        if T == 1:  # decode: all k experts (and a shared expert of their kind, as row k) in two calls
+            fused = self.fused_shexp[i]
+            n = k + 1 if fused else k
             xq = self.quantize(G, x, ws)
-            eg, eu = ws.eg[:k], ws.eu[:k]
+            eg, eu = ws.eg[:n], ws.eu[:n]
+            s = ws.mix[0]
+            sh_gu = sh_d = None
+            if fused:
+                Sg, Su, Sd = L.ffn_gate_shexp, L.ffn_up_shexp, L.ffn_down_shexp
+                sh_gu = (Sg.raw, Sg.qtype, Su.raw, Su.qtype, Sg.rows, eg[k], eu[k])
             self.call(ws, ("gate_up", id(G)), "moe_gate_up", G.raw, G.qtype, U.raw, U.qtype, G.rows, G.cols, xq[0],
-                      idx[0], eg, eu, GGML_MUL_MAT_ID)
+                      idx[0], eg[:k], eu[:k], GGML_MUL_MAT_ID, sh_gu)
             self.call(ws, ("swiglu", id(G)), "swiglu", eg, eu, eg)
             hq = self.quantize(Dn, eg, ws)
-            self.call(ws, ("down", id(Dn)), "moe_down", Dn.raw, Dn.qtype, Dn.rows, Dn.cols, hq, idx[0], ys,
-                      GGML_MUL_MAT_ID)
-        else:  # prefill: tokens grouped by expert, one GEMM per expert over its tokens
-            flat = idx.reshape(-1)
-            order = np.argsort(flat, kind="stable")
-            bounds = np.searchsorted(flat[order], np.arange(a.n_expert + 1))
-            for e in range(a.n_expert):
-                sel = order[bounds[e] : bounds[e + 1]]
-                if sel.size == 0:
-                    continue
-                xe = np.ascontiguousarray(x[sel // k])
-                g = self.mm(G.expert(e), xe, ws.eg, ws, op=GGML_MUL_MAT_ID)
-                u = self.mm(U.expert(e), xe, ws.eu, ws, op=GGML_MUL_MAT_ID)
-                self.simd.swiglu(g, u, g)
-                ys[sel] = self.mm(Dn.expert(e), g, ws.out_a, ws, op=GGML_MUL_MAT_ID)[:, : a.n_embd]
-        out = ws.ffn[:T]
+            if fused:
+                sh_d = (Sd.raw, Sd.qtype, Sd.cols, hq[k], s)
+            self.call(ws, ("down", id(Dn)), "moe_down", Dn.raw, Dn.qtype, Dn.rows, Dn.cols, hq[:k], idx[0], ys,
+                      GGML_MUL_MAT_ID, sh_d)
+            ops.moe_combine(ys, w, out)
+            if a.n_ff_shexp:
+                if not fused:
+                    s = self._swiglu_ffn(L.ffn_gate_shexp, L.ffn_up_shexp, L.ffn_down_shexp, x, ws.mix, ws)
+                ops.gated_add(out, ws.mix[:1] if fused else s, x, L.ffn_gate_inp_shexp)
+            return out
+        # prefill: tokens grouped by expert, one GEMM per expert over its tokens
+        flat = idx.reshape(-1)
+        order = np.argsort(flat, kind="stable")
+        bounds = np.searchsorted(flat[order], np.arange(a.n_expert + 1))
+        for e in range(a.n_expert):
+            sel = order[bounds[e] : bounds[e + 1]]
+            if sel.size == 0:
+                continue
+            xe = np.ascontiguousarray(x[sel // k])
+            g = self.mm(G.expert(e), xe, ws.eg, ws, op=GGML_MUL_MAT_ID)
+            u = self.mm(U.expert(e), xe, ws.eu, ws, op=GGML_MUL_MAT_ID)
+            self.simd.swiglu(g, u, g)
+            ys[sel] = self.mm(Dn.expert(e), g, ws.out_a, ws, op=GGML_MUL_MAT_ID)[:, : a.n_embd]
         ops.moe_combine(ys, w, out)
         if a.n_ff_shexp:
             s = self._swiglu_ffn(L.ffn_gate_shexp, L.ffn_up_shexp, L.ffn_down_shexp, x, ws.mix, ws)

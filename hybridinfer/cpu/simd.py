@@ -24,6 +24,7 @@ import numpy as np
 
 from ..errors import BackendNotAvailableError
 from ..quant import type_name
+from .simd_moe import MoECalls
 from .simd_native import (
     _F32,
     _U8,
@@ -35,12 +36,9 @@ from .simd_native import (
     KERNEL_TYPES,
     _array,
     _check_rc,
-    _ids,
     _native,
     _op,
     _ptr,
-    _qtype,
-    _rows,
     _rows_fast,
     _sizes,
     _weights,
@@ -83,7 +81,7 @@ class _Recorder:
         return record
 
 
-class SimdLib:
+class SimdLib(MoECalls):
     """The native kernels at one ISA level with a persistent pool of `n_threads` threads (the caller
     included). `isa`: one of `supported_isas()`, or None for `best_isa()`. Calls on one object are
     serialized; use one object per concurrent caller."""
@@ -246,72 +244,6 @@ class SimdLib:
                                       T, ops, ors, _op(ggml_op))
         if rc:
             _check_rc(rc, "matmul_many")
-
-    def moe_gate_up(self, w_gate: np.ndarray, gate_qtype, w_up: np.ndarray, up_qtype, rows: int, cols: int,
-                    xq: np.ndarray, experts, gate_out: np.ndarray, up_out: np.ndarray,
-                    ggml_op: int = GGML_NONE) -> None:
-        """MoE decode, gate and up fused in one call: for i < k, e = experts[i],
-        gate_out[i] = W_gate[e] . x and up_out[i] = W_up[e] . x. W_gate, W_up are stacked expert tensors
-        (ggml {cols, rows, E}: the raw bytes of all E experts, expert e's rows contiguous); xq is the one
-        quantized input row (act_row_bytes(gate_qtype, cols),); gate_out, up_out (k, rows) float32."""
-        gq, uq = _qtype(gate_qtype), _qtype(up_qtype)
-        if act_kind(gq) != act_kind(uq):
-            raise ValueError(f"gate type {type_name(gq)} and up type {type_name(uq)} take different activation "
-                             f"formats ({act_kind(gq)} vs {act_kind(uq)}); use two matmul calls")
-        rows, cols = int(rows), int(cols)
-        if rows < 1 or cols < 1:
-            raise ValueError(f"rows and cols must be positive, got {rows} x {cols}")
-        wg, ne_g = _weights("w_gate", w_gate, gq, weight_row_bytes(gq, cols), rows)
-        wu, ne_u = _weights("w_up", w_up, uq, weight_row_bytes(uq, cols), rows)
-        if ne_g != ne_u:
-            raise ValueError(f"w_gate holds {ne_g} experts but w_up holds {ne_u}")
-        ids = _ids("experts", experts, ne_g)
-        k = ids.size
-        xq = _array("xq", xq, (_U8,))
-        ab = act_row_bytes(gq, cols)
-        if xq.ndim == 2 and xq.shape[0] == 1:
-            xq = xq[0]
-        if xq.ndim != 1:
-            raise ValueError(f"xq must be one quantized row of shape ({ab},), got {xq.shape}")
-        _rows("xq", xq, ab)
-        gate_out = _array("gate_out", gate_out, (_F32,))
-        up_out = _array("up_out", up_out, (_F32,))
-        for name, o in (("gate_out", gate_out), ("up_out", up_out)):
-            if o.ndim != 2:
-                raise ValueError(f"{name} must have shape ({k}, {rows}), got {o.shape}")
-        _, gs = _rows("gate_out", gate_out, rows, k, writable=True)
-        _, us = _rows("up_out", up_out, rows, k, writable=True)
-        ffi = self._ffi
-        rc = self._lib.hi_moe_gate_up(self._c, gq, _ptr(ffi, "uint8_t *", wg), uq, _ptr(ffi, "uint8_t *", wu), ne_g,
-                                      rows, cols, _ptr(ffi, "uint8_t *", xq), _ptr(ffi, "int32_t *", ids), k,
-                                      _ptr(ffi, "float *", gate_out), gs, _ptr(ffi, "float *", up_out), us,
-                                      _op(ggml_op))
-        _check_rc(rc, "moe_gate_up")
-
-    def moe_down(self, w: np.ndarray, qtype, rows: int, cols: int, xq: np.ndarray, experts,
-                 out: np.ndarray, ggml_op: int = GGML_NONE) -> None:
-        """MoE decode, down projections of all k experts in one call: out[i] = W[experts[i]] . x[i], with
-        xq (k, act_row_bytes(qtype, cols)) each expert's own quantized input and out (k, rows) float32."""
-        q = _qtype(qtype)
-        rows, cols = int(rows), int(cols)
-        if rows < 1 or cols < 1:
-            raise ValueError(f"rows and cols must be positive, got {rows} x {cols}")
-        w, ne = _weights("w", w, q, weight_row_bytes(q, cols), rows)
-        ids = _ids("experts", experts, ne)
-        k = ids.size
-        xq = _array("xq", xq, (_U8,))
-        ab = act_row_bytes(q, cols)
-        if xq.ndim != 2:
-            raise ValueError(f"xq must have shape ({k}, {ab}), got {xq.shape}")
-        _, xs = _rows("xq", xq, ab, k)
-        out = _array("out", out, (_F32,))
-        if out.ndim != 2:
-            raise ValueError(f"out must have shape ({k}, {rows}), got {out.shape}")
-        _, os_ = _rows("out", out, rows, k, writable=True)
-        ffi = self._ffi
-        rc = self._lib.hi_moe_down(self._c, q, _ptr(ffi, "uint8_t *", w), ne, rows, cols, _ptr(ffi, "uint8_t *", xq),
-                                   xs, _ptr(ffi, "int32_t *", ids), k, _ptr(ffi, "float *", out), os_, _op(ggml_op))
-        _check_rc(rc, "moe_down")
 
     def attention_scratch_size(self, n_ctx: int, head_dim: int) -> int:
         """float32 elements of `attention`'s scratch for a cache of n_ctx rows."""

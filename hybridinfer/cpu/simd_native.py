@@ -192,6 +192,27 @@ def _weights(name: str, w, qtype: int, row_bytes: int, rows: int) -> tuple[np.nd
     return w, w.nbytes // per
 
 
+def _one_matrix(name: str, w, qtype: int, cols: int, rows: int) -> np.ndarray:
+    """Check a weight buffer holding exactly one rows x cols matrix of qtype."""
+    if rows < 1 or cols < 1:
+        raise ValueError(f"{name}: rows and cols must be positive, got {rows} x {cols}")
+    w, n = _weights(name, w, qtype, weight_row_bytes(qtype, cols), rows)
+    if n != 1:
+        raise ValueError(f"{name} holds {n} matrices of {rows} x {cols}, expected one")
+    return w
+
+
+def _one_row(name: str, a, dtype: np.dtype, width: int, writable: bool = False) -> np.ndarray:
+    """Check one contiguous row of `width` elements ((width,) or (1, width))."""
+    a = _array(name, a, (dtype,))
+    if a.ndim == 2 and a.shape[0] == 1:
+        a = a[0]
+    if a.ndim != 1:
+        raise ValueError(f"{name} must be one row of shape ({width},), got {a.shape}")
+    _rows(name, a, width, writable=writable)
+    return a
+
+
 def _ids(name: str, ids, n_expert: int) -> np.ndarray:
     a = np.asarray(ids)
     if a.dtype.kind not in "iu":

@@ -14,6 +14,7 @@
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -25,27 +26,32 @@ typedef struct {
     int tid;
 } hi_warg;
 
+/* fields written by different parties sit on separate cache lines: the task (written once per call, read by
+ * every claim), the claim word (a CAS per chunk), the completion count (an add per chunk) and the wake-up */
+#define HI_LINE _Alignas(64)
+
 struct hi_pool {
     int n; /* threads, the caller included */
     int started;
     pthread_t *th;
     hi_warg *wargs;
-    /* wake-up: workers wait for gen to change (spin, then sleep on cv) */
-    atomic_uint gen;
-    atomic_int n_sleeping;
-    atomic_int stop;
     pthread_mutex_t mu;
     pthread_cond_t cv;
-    /* the current task: (task id << 32) | next unclaimed chunk; a chunk is claimed by a CAS on this word,
-     * so a thread never runs a chunk of a task that has ended, and the caller waits only for `done` */
-    _Atomic uint64_t state;
-    _Atomic(hi_chunk_fn) fn;
-    _Atomic(void *) arg;
-    atomic_uint total;
-    atomic_uint done;
     uint32_t task_id;
     int64_t spin_ns;
     pid_t pid;
+    /* wake-up: workers wait for gen to change (spin, then sleep on cv) */
+    HI_LINE atomic_uint gen;
+    atomic_int n_sleeping;
+    atomic_int stop;
+    /* the current task: (task id << 32) | next unclaimed chunk; a chunk is claimed by a CAS on this word,
+     * so a thread never runs a chunk of a task that has ended, and the caller waits only for `done` */
+    HI_LINE _Atomic uint64_t state;
+    HI_LINE _Atomic(hi_chunk_fn) fn;
+    _Atomic(void *) arg;
+    atomic_uint total;
+    HI_LINE atomic_uint done;
+    char pad_[60];
 };
 
 static inline void hi_relax(void) {
@@ -145,8 +151,9 @@ static void hi_pool_stop(hi_pool *p) {
 }
 
 hi_pool *hi_pool_new(int n, int spin_us) {
-    hi_pool *p = (hi_pool *)calloc(1, sizeof(hi_pool));
-    if (!p) return NULL;
+    hi_pool *p = NULL;
+    if (posix_memalign((void **)&p, 64, sizeof(hi_pool)) != 0) return NULL;
+    memset(p, 0, sizeof(hi_pool));
     p->n = n;
     p->spin_ns = (int64_t)(spin_us < 0 ? 0 : spin_us) * 1000;
     p->th = (pthread_t *)calloc((size_t)n, sizeof(pthread_t));

@@ -234,77 +234,108 @@ int hi_matmul_many(hi_ctx *c, int n, const int *qtypes, const void *const *ws, c
     return 0;
 }
 
+/* a dense product of one activation row (the shared expert beside the routed ones: a MUL_MAT where the routed
+ * ones are a MUL_MAT_ID), its legacy-type preparation at `prep` (hi_prep_bytes(1, cols / 32) bytes) */
+static hi_mm hi_row_job(hi_ctx *c, int ggml_op, int qtype, const void *w, int64_t rows, int64_t cols,
+                        const uint8_t *xq, float *out, uint8_t *prep) {
+    hi_mm m = {.qtype = qtype, .w = (const uint8_t *)w, .w_row = (size_t)hi_weight_row_bytes(qtype, cols),
+               .rows = rows, .cols = cols, .x = xq, .x_row = 0, .T = 1, .out = out, .out_row = 0,
+               .kshape = hi_kshape(c, ggml_op ? HI_GGML_MUL_MAT : HI_GGML_NONE, qtype, rows, 1)};
+    if (hi_is_legacy(qtype)) hi_prep_rows(c->k, qtype, xq, 0, 1, cols / 32, prep, &m.corr, &m.dy, &m.sy);
+    return m;
+}
+
 int hi_moe_gate_up(hi_ctx *c, int gate_qtype, const void *wg, int up_qtype, const void *wu, int64_t n_expert,
                    int64_t rows, int64_t cols, const void *xq, const int32_t *ids, int k, float *gate_out,
-                   int64_t gate_row, float *up_out, int64_t up_row, int ggml_op) {
+                   int64_t gate_row, float *up_out, int64_t up_row, int ggml_op, int s_gate_qtype, const void *sg,
+                   int s_up_qtype, const void *su, int64_t s_rows, float *s_gate_out, float *s_up_out) {
     int e = hi_check_type(gate_qtype, cols);
     if (!e) e = hi_check_type(up_qtype, cols);
+    if (!e && sg) e = hi_check_type(s_gate_qtype, cols);
+    if (!e && sg) e = hi_check_type(s_up_qtype, cols);
     if (e) return e;
-    if (hi_act_kind(gate_qtype) != hi_act_kind(up_qtype)) return -2;
+    const int kind = hi_act_kind(gate_qtype);
+    if (hi_act_kind(up_qtype) != kind) return -2;
+    if (sg && (!su || !s_gate_out || !s_up_out || s_rows < 1 || hi_act_kind(s_gate_qtype) != kind ||
+               hi_act_kind(s_up_qtype) != kind))
+        return -2;
     if (k < 1 || k > HI_MAX_K || rows < 1 || n_expert < 1 || gate_row < rows || up_row < rows || ggml_op < 0 ||
         ggml_op > 2)
         return -2;
     for (int i = 0; i < k; i++)
         if (ids[i] < 0 || ids[i] >= n_expert) return -2;
     const size_t grb = (size_t)hi_weight_row_bytes(gate_qtype, cols), urb = (size_t)hi_weight_row_bytes(up_qtype, cols);
-    hi_mm jobs[2 * HI_MAX_K];
-    int64_t starts[2 * HI_MAX_K + 1];
+    hi_mm jobs[2 * HI_MAX_K + 2];
+    int64_t starts[2 * HI_MAX_K + 3];
     pthread_mutex_lock(&c->mu);
     const int32_t *cg = NULL, *cu = NULL;
-    const float *dg = NULL, *du = NULL, *sg = NULL, *su = NULL;
+    const float *dg = NULL, *du = NULL, *sgy = NULL, *suy = NULL;
     const int64_t nb = cols / 32;
     const size_t pb = hi_prep_bytes(1, nb);
-    if (hi_is_legacy(gate_qtype)) {
-        uint8_t *s = hi_scratch(c, 2 * pb);
+    uint8_t *s = NULL;
+    if (hi_is_legacy(gate_qtype) || (sg && hi_is_legacy(s_gate_qtype))) {
+        s = hi_scratch(c, 4 * pb);
         if (!s) {
             pthread_mutex_unlock(&c->mu);
             return -3;
         }
-        hi_prep_rows(c->k, gate_qtype, (const uint8_t *)xq, 0, 1, nb, s, &cg, &dg, &sg);
-        hi_prep_rows(c->k, up_qtype, (const uint8_t *)xq, 0, 1, nb, s + pb, &cu, &du, &su);
+    }
+    if (hi_is_legacy(gate_qtype)) {
+        hi_prep_rows(c->k, gate_qtype, (const uint8_t *)xq, 0, 1, nb, s, &cg, &dg, &sgy);
+        hi_prep_rows(c->k, up_qtype, (const uint8_t *)xq, 0, 1, nb, s + pb, &cu, &du, &suy);
     }
     for (int i = 0; i < k; i++) {
         const int64_t ex = ids[i];
         hi_mm g = {.qtype = gate_qtype, .w = (const uint8_t *)wg + (size_t)ex * (size_t)rows * grb, .w_row = grb,
                    .rows = rows, .cols = cols, .x = (const uint8_t *)xq, .x_row = 0, .T = 1,
-                   .out = gate_out + (size_t)i * (size_t)gate_row, .out_row = 0, .corr = cg, .dy = dg, .sy = sg,
+                   .out = gate_out + (size_t)i * (size_t)gate_row, .out_row = 0, .corr = cg, .dy = dg, .sy = sgy,
                    .kshape = hi_kshape(c, ggml_op, gate_qtype, rows, 1)};
         hi_mm u = {.qtype = up_qtype, .w = (const uint8_t *)wu + (size_t)ex * (size_t)rows * urb, .w_row = urb,
                    .rows = rows, .cols = cols, .x = (const uint8_t *)xq, .x_row = 0, .T = 1,
-                   .out = up_out + (size_t)i * (size_t)up_row, .out_row = 0, .corr = cu, .dy = du, .sy = su,
+                   .out = up_out + (size_t)i * (size_t)up_row, .out_row = 0, .corr = cu, .dy = du, .sy = suy,
                    .kshape = hi_kshape(c, ggml_op, up_qtype, rows, 1)};
         jobs[2 * i] = g;
         jobs[2 * i + 1] = u;
     }
-    hi_run_jobs(c, jobs, 2 * k, starts);
+    int n = 2 * k;
+    if (sg) {
+        const uint8_t *x1 = (const uint8_t *)xq;
+        jobs[n++] = hi_row_job(c, ggml_op, s_gate_qtype, sg, s_rows, cols, x1, s_gate_out, s ? s + 2 * pb : NULL);
+        jobs[n++] = hi_row_job(c, ggml_op, s_up_qtype, su, s_rows, cols, x1, s_up_out, s ? s + 3 * pb : NULL);
+    }
+    hi_run_jobs(c, jobs, n, starts);
     pthread_mutex_unlock(&c->mu);
     return 0;
 }
 
 int hi_moe_down(hi_ctx *c, int qtype, const void *w, int64_t n_expert, int64_t rows, int64_t cols, const void *xq,
-                int64_t xq_row, const int32_t *ids, int k, float *out, int64_t out_row, int ggml_op) {
+                int64_t xq_row, const int32_t *ids, int k, float *out, int64_t out_row, int ggml_op, int s_qtype,
+                const void *sw, int64_t s_cols, const void *s_xq, float *s_out) {
     int e = hi_check_type(qtype, cols);
+    if (!e && sw) e = hi_check_type(s_qtype, s_cols);
     if (e) return e;
     if (k < 1 || k > HI_MAX_K || rows < 1 || n_expert < 1 || out_row < rows ||
         xq_row < hi_act_row_bytes(qtype, cols) || ggml_op < 0 || ggml_op > 2)
         return -2;
+    if (sw && (!s_xq || !s_out || hi_act_kind(s_qtype) != hi_act_kind(qtype))) return -2;
     for (int i = 0; i < k; i++)
         if (ids[i] < 0 || ids[i] >= n_expert) return -2;
     const size_t rb = (size_t)hi_weight_row_bytes(qtype, cols);
-    hi_mm jobs[HI_MAX_K];
-    int64_t starts[HI_MAX_K + 1];
+    hi_mm jobs[HI_MAX_K + 1];
+    int64_t starts[HI_MAX_K + 2];
     pthread_mutex_lock(&c->mu);
     const int32_t *cr = NULL;
     const float *dy = NULL, *sy = NULL;
     const int64_t nb = cols / 32;
-    if (hi_is_legacy(qtype)) {
-        uint8_t *s = hi_scratch(c, hi_prep_bytes(k, nb));
+    uint8_t *s = NULL;
+    if (hi_is_legacy(qtype) || (sw && hi_is_legacy(s_qtype))) {
+        s = hi_scratch(c, hi_prep_bytes(k, nb) + hi_prep_bytes(1, s_cols / 32));
         if (!s) {
             pthread_mutex_unlock(&c->mu);
             return -3;
         }
-        hi_prep_rows(c->k, qtype, (const uint8_t *)xq, (size_t)xq_row, k, nb, s, &cr, &dy, &sy);
     }
+    if (hi_is_legacy(qtype)) hi_prep_rows(c->k, qtype, (const uint8_t *)xq, (size_t)xq_row, k, nb, s, &cr, &dy, &sy);
     for (int i = 0; i < k; i++) {
         hi_mm m = {.qtype = qtype, .w = (const uint8_t *)w + (size_t)ids[i] * (size_t)rows * rb, .w_row = rb,
                    .rows = rows, .cols = cols, .x = (const uint8_t *)xq + (size_t)i * (size_t)xq_row, .x_row = 0,
@@ -313,7 +344,11 @@ int hi_moe_down(hi_ctx *c, int qtype, const void *w, int64_t n_expert, int64_t r
                    .sy = sy ? sy + i * nb : NULL, .kshape = hi_kshape(c, ggml_op, qtype, rows, 1)};
         jobs[i] = m;
     }
-    hi_run_jobs(c, jobs, k, starts);
+    int n = k;
+    if (sw)
+        jobs[n++] = hi_row_job(c, ggml_op, s_qtype, sw, rows, s_cols, (const uint8_t *)s_xq, s_out,
+                               s ? s + hi_prep_bytes(k, nb) : NULL);
+    hi_run_jobs(c, jobs, n, starts);
     pthread_mutex_unlock(&c->mu);
     return 0;
 }

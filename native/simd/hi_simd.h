@@ -58,14 +58,20 @@ int hi_matmul_many(hi_ctx *c, int n, const int *qtypes, const void *const *ws, c
 
 /* MoE decode, gate and up fused: for i < k, e = ids[i] (0 <= e < n_expert):
  *   gate_out[i] = Wg[e] . xq,  up_out[i] = Wu[e] . xq
- * Wg, Wu stacked expert tensors (ggml {cols, rows, n_expert}: expert e's rows contiguous), one xq row. */
+ * Wg, Wu stacked expert tensors (ggml {cols, rows, n_expert}: expert e's rows contiguous), one xq row.
+ * With sg non-NULL also the shared expert's s_gate_out = Sg . xq and s_up_out = Su . xq (s_rows x cols each,
+ * a MUL_MAT; their types take xq's activation format) in the same pool task. */
 int hi_moe_gate_up(hi_ctx *c, int gate_qtype, const void *wg, int up_qtype, const void *wu, int64_t n_expert,
                    int64_t rows, int64_t cols, const void *xq, const int32_t *ids, int k, float *gate_out,
-                   int64_t gate_row, float *up_out, int64_t up_row, int ggml_op);
+                   int64_t gate_row, float *up_out, int64_t up_row, int ggml_op, int s_gate_qtype, const void *sg,
+                   int s_up_qtype, const void *su, int64_t s_rows, float *s_gate_out, float *s_up_out);
 
-/* MoE decode, down: out[i] = Wd[ids[i]] . xq[i] for i < k (each expert its own activation row) */
+/* MoE decode, down: out[i] = Wd[ids[i]] . xq[i] for i < k (each expert its own activation row). With sw
+ * non-NULL also the shared expert's s_out = Sw . s_xq (rows x s_cols, type s_qtype taking the same activation
+ * format, a MUL_MAT) in the same pool task. */
 int hi_moe_down(hi_ctx *c, int qtype, const void *w, int64_t n_expert, int64_t rows, int64_t cols, const void *xq,
-                int64_t xq_row, const int32_t *ids, int k, float *out, int64_t out_row, int ggml_op);
+                int64_t xq_row, const int32_t *ids, int k, float *out, int64_t out_row, int ggml_op, int s_qtype,
+                const void *sw, int64_t s_cols, const void *s_xq, float *s_out);
 
 /* Causal softmax attention of T query tokens at positions pos0..pos0+T-1 over an F32 K/V cache, with
  * llama.cpp's float operations (its CPU backend without flash attention, built for this ISA level:

@@ -1,0 +1,123 @@
+"""SimdLib's MoE decode calls (a part of simd.py's SimdLib): all k routed experts' products, and the shared
+expert's beside them, in one pool task each."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..quant import type_name
+from .simd_native import (
+    _F32,
+    _U8,
+    GGML_NONE,
+    _array,
+    _check_rc,
+    _ids,
+    _one_matrix,
+    _one_row,
+    _op,
+    _ptr,
+    _qtype,
+    _rows,
+    _weights,
+    act_kind,
+    act_row_bytes,
+    weight_row_bytes,
+)
+
+
+class MoECalls:
+    """Mixed into SimdLib (which provides _ffi, _lib and _c)."""
+
+    def moe_gate_up(self, w_gate: np.ndarray, gate_qtype, w_up: np.ndarray, up_qtype, rows: int, cols: int,
+                    xq: np.ndarray, experts, gate_out: np.ndarray, up_out: np.ndarray,
+                    ggml_op: int = GGML_NONE, shared=None) -> None:
+        """MoE decode, gate and up fused in one call: for i < k, e = experts[i],
+        gate_out[i] = W_gate[e] . x and up_out[i] = W_up[e] . x. W_gate, W_up are stacked expert tensors
+        (ggml {cols, rows, E}: the raw bytes of all E experts, expert e's rows contiguous); xq is the one
+        quantized input row (act_row_bytes(gate_qtype, cols),); gate_out, up_out (k, rows) float32.
+        shared: (w_sg, sg_qtype, w_su, su_qtype, s_rows, s_gate_out, s_up_out), the shared expert's gate and
+        up products of the same xq (s_rows x cols each; outs (s_rows,) float32) in the same pool task."""
+        gq, uq = _qtype(gate_qtype), _qtype(up_qtype)
+        if act_kind(gq) != act_kind(uq):
+            raise ValueError(f"gate type {type_name(gq)} and up type {type_name(uq)} take different activation "
+                             f"formats ({act_kind(gq)} vs {act_kind(uq)}); use two matmul calls")
+        rows, cols = int(rows), int(cols)
+        if rows < 1 or cols < 1:
+            raise ValueError(f"rows and cols must be positive, got {rows} x {cols}")
+        wg, ne_g = _weights("w_gate", w_gate, gq, weight_row_bytes(gq, cols), rows)
+        wu, ne_u = _weights("w_up", w_up, uq, weight_row_bytes(uq, cols), rows)
+        if ne_g != ne_u:
+            raise ValueError(f"w_gate holds {ne_g} experts but w_up holds {ne_u}")
+        ids = _ids("experts", experts, ne_g)
+        k = ids.size
+        xq = _array("xq", xq, (_U8,))
+        ab = act_row_bytes(gq, cols)
+        if xq.ndim == 2 and xq.shape[0] == 1:
+            xq = xq[0]
+        if xq.ndim != 1:
+            raise ValueError(f"xq must be one quantized row of shape ({ab},), got {xq.shape}")
+        _rows("xq", xq, ab)
+        gate_out = _array("gate_out", gate_out, (_F32,))
+        up_out = _array("up_out", up_out, (_F32,))
+        for name, o in (("gate_out", gate_out), ("up_out", up_out)):
+            if o.ndim != 2:
+                raise ValueError(f"{name} must have shape ({k}, {rows}), got {o.shape}")
+        _, gs = _rows("gate_out", gate_out, rows, k, writable=True)
+        _, us = _rows("up_out", up_out, rows, k, writable=True)
+        ffi = self._ffi
+        sh = [0, ffi.NULL, 0, ffi.NULL, 0, ffi.NULL, ffi.NULL]
+        if shared is not None:
+            w_sg, sgq, w_su, suq, s_rows, s_g, s_u = shared
+            sgq, suq, s_rows = _qtype(sgq), _qtype(suq), int(s_rows)
+            if act_kind(sgq) != act_kind(gq) or act_kind(suq) != act_kind(gq):
+                raise ValueError(f"shared types {type_name(sgq)}, {type_name(suq)} do not take {type_name(gq)}'s "
+                                 "activation format")
+            outs = [_one_row(f"shared {n}", o, _F32, s_rows, writable=True)
+                    for n, o in (("gate_out", s_g), ("up_out", s_u))]
+            sh = [sgq, _ptr(ffi, "uint8_t *", _one_matrix("shared w_gate", w_sg, sgq, cols, s_rows)), suq,
+                  _ptr(ffi, "uint8_t *", _one_matrix("shared w_up", w_su, suq, cols, s_rows)), s_rows,
+                  *(_ptr(ffi, "float *", o) for o in outs)]
+        rc = self._lib.hi_moe_gate_up(self._c, gq, _ptr(ffi, "uint8_t *", wg), uq, _ptr(ffi, "uint8_t *", wu), ne_g,
+                                      rows, cols, _ptr(ffi, "uint8_t *", xq), _ptr(ffi, "int32_t *", ids), k,
+                                      _ptr(ffi, "float *", gate_out), gs, _ptr(ffi, "float *", up_out), us,
+                                      _op(ggml_op), *sh)
+        _check_rc(rc, "moe_gate_up")
+
+    def moe_down(self, w: np.ndarray, qtype, rows: int, cols: int, xq: np.ndarray, experts,
+                 out: np.ndarray, ggml_op: int = GGML_NONE, shared=None) -> None:
+        """MoE decode, down projections of all k experts in one call: out[i] = W[experts[i]] . x[i], with
+        xq (k, act_row_bytes(qtype, cols)) each expert's own quantized input and out (k, rows) float32.
+        shared: (w_s, s_qtype, s_cols, s_xq, s_out), the shared expert's s_out = W_s . s_x (rows x s_cols;
+        s_xq one row in xq's activation format, s_out (rows,) float32) in the same pool task."""
+        q = _qtype(qtype)
+        rows, cols = int(rows), int(cols)
+        if rows < 1 or cols < 1:
+            raise ValueError(f"rows and cols must be positive, got {rows} x {cols}")
+        w, ne = _weights("w", w, q, weight_row_bytes(q, cols), rows)
+        ids = _ids("experts", experts, ne)
+        k = ids.size
+        xq = _array("xq", xq, (_U8,))
+        ab = act_row_bytes(q, cols)
+        if xq.ndim != 2:
+            raise ValueError(f"xq must have shape ({k}, {ab}), got {xq.shape}")
+        _, xs = _rows("xq", xq, ab, k)
+        out = _array("out", out, (_F32,))
+        if out.ndim != 2:
+            raise ValueError(f"out must have shape ({k}, {rows}), got {out.shape}")
+        _, os_ = _rows("out", out, rows, k, writable=True)
+        ffi = self._ffi
+        sh = [0, ffi.NULL, 0, ffi.NULL, ffi.NULL]
+        if shared is not None:
+            w_s, sq, s_cols, s_xq, s_out = shared
+            sq, s_cols = _qtype(sq), int(s_cols)
+            if act_kind(sq) != act_kind(q):
+                raise ValueError(f"shared type {type_name(sq)} does not take {type_name(q)}'s activation format")
+            s_xq = _one_row("shared xq", s_xq, _U8, act_row_bytes(sq, s_cols))
+            s_out = _one_row("shared out", s_out, _F32, rows, writable=True)
+            sh = [sq, _ptr(ffi, "uint8_t *", _one_matrix("shared w", w_s, sq, s_cols, rows)), s_cols,
+                  _ptr(ffi, "uint8_t *", s_xq), _ptr(ffi, "float *", s_out)]
+        rc = self._lib.hi_moe_down(self._c, q, _ptr(ffi, "uint8_t *", w), ne, rows, cols, _ptr(ffi, "uint8_t *", xq),
+                                   xs, _ptr(ffi, "int32_t *", ids), k, _ptr(ffi, "float *", out), os_, _op(ggml_op),
+                                   *sh)
+        _check_rc(rc, "moe_down")
