@@ -191,3 +191,38 @@ def test_decode_two_sequences_interleaved(oracle_gguf):
         got_a.append(eng.backend.forward([ta], sa, all_logits=False)[0].copy())
         got_b.append(eng.backend.forward([tb], sb, all_logits=False)[0].copy())
     assert np.array_equal(np.stack(got_a), alone[0]) and np.array_equal(np.stack(got_b), alone[1])
+
+
+@pytest.mark.parametrize("arch", ["qwen35moe", "llama"])
+def test_decode_plan_replays_the_recorded_step(arch, oracle_gguf, monkeypatch):
+    """The first decode step of a state is recorded and later steps replay it without running the forward
+    code; they give exactly what a step recorded afresh gives, also after a restore (positions are read when
+    the step runs) and for a state whose arrays were replaced (the plan is recorded again)."""
+    eng = _cpu(oracle_gguf(arch, "q8_0"))
+    be = eng.backend
+    ids = _ids(eng.args.n_vocab, 10, seed=4)
+    fresh = []  # every step recorded anew
+    st = eng.new_state()
+    be.forward(ids[:3], st)
+    for t in ids[3:]:
+        be.workspace(1, st.n_ctx).plans.clear()
+        fresh.append(be.forward([t], st, all_logits=False)[0].copy())
+    st = eng.new_state()
+    be.forward(ids[:3], st)
+    got = [be.forward([ids[3]], st, all_logits=False)[0].copy()]
+    snap = st.copy()
+    recorded = []
+    monkeypatch.setattr(type(be), "_forward", lambda *a, **k: recorded.append(1) or pytest.fail("re-recorded"))
+    for t in ids[4:]:
+        got.append(be.forward([t], st, all_logits=False)[0].copy())
+    assert np.array_equal(np.stack(got), np.stack(fresh))
+    st.restore(snap)  # in place: the plan stays valid
+    assert np.array_equal(be.forward([ids[4]], st, all_logits=False)[0], fresh[1])
+    monkeypatch.undo()
+    if st.ssm[0] is not None:
+        st.ssm[0] = st.ssm[0].copy()  # a new array: the step is recorded again and writes into it
+    else:
+        st.k[0] = st.k[0].copy()
+    st.restore(snap)
+    assert np.array_equal(be.forward([ids[4]], st, all_logits=False)[0], fresh[1])
+    assert np.array_equal(be.forward([ids[5]], st, all_logits=False)[0], fresh[2])

@@ -11,7 +11,9 @@ per chunk-size class and context size and reused, so the decode loop allocates n
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
@@ -73,6 +75,44 @@ class Layer:
         return [v for v in vars(self).values() if isinstance(v, Mat)]
 
 
+def _put_rows(cache: np.ndarray, rows: np.ndarray, st: DecoderState) -> None:
+    """The new K or V rows into the cache at the state's position."""
+    cache[st.pos : st.pos + rows.shape[0]] = rows
+
+
+def _at_pos(fn, st: DecoderState) -> None:
+    fn(st.pos)
+
+
+class DecodePlan:
+    """A decode step's operations as recorded over one workspace for one state: zero-argument calls (bound
+    native calls, numba ops with their buffers) replayed in order; position-dependent ones read the state's
+    position when they run. Valid while the state holds the same arrays (the plan keeps them alive, so their
+    ids cannot be reused)."""
+
+    MAX_PLANS = 16  # per workspace: sequences decoded in turn over it
+
+    def __init__(self, state: DecoderState, steps: list, out: np.ndarray):
+        self.state = weakref.ref(state)
+        self.arrays = self._arrays(state)
+        self.ids = tuple(map(id, self.arrays))
+        self.steps, self.out = steps, out
+
+    @staticmethod
+    def _arrays(st: DecoderState) -> list:
+        return [st.tokens, *st.conv, *st.ssm, *st.k, *st.v]
+
+    def valid_for(self, st: DecoderState) -> bool:
+        return self.state() is st and tuple(map(id, self._arrays(st))) == self.ids
+
+    @classmethod
+    def keep(cls, plans: dict, st: DecoderState, steps: list, out: np.ndarray) -> None:
+        plans.pop(id(st), None)
+        while len(plans) >= cls.MAX_PLANS:
+            plans.pop(next(iter(plans)))
+        plans[id(st)] = cls(st, steps, out)
+
+
 class Workspace:
     """Every activation buffer of one forward pass over up to T tokens with a cache of n_ctx rows."""
 
@@ -82,6 +122,9 @@ class Workspace:
         D = a.n_embd
         self.T, self.n_ctx = T, n_ctx
         self.calls: dict[tuple, object] = {}  # decode (T = 1): native calls bound to these buffers
+        self.rec: list | None = None  # decode: the step being recorded (every operation, in order)
+        self.plans: dict[int, DecodePlan] = {}  # decode: recorded steps by id(state)
+        self.tok = np.zeros(1, np.int32)  # decode: the token of the step
         self.h, self.x, self.mix, self.ffn = f(T, D), f(T, D), f(T, D), f(T, D)
         mats = model.mats
         widest = max(m.rows for m in mats if m is not model.out)
@@ -155,18 +198,18 @@ class CPUModel:
         c = ws.calls.get(key)
         if c is None:
             c = ws.calls[key] = self.simd.bind(method, *args)
-        c()
+        self._op(ws, c)
 
     def quantize(self, m: Mat, x: np.ndarray, ws: Workspace) -> np.ndarray:
         if ws.T == 1:  # decode: the quantized buffer of this matrix's input and its bound call, found once
             hit = ws.calls.get(("q", id(m)))
             if hit is not None:
-                hit[0]()
+                self._op(ws, hit[0])
                 return hit[1]
         xq = ws.xq[self.simd.act_kind(m.qtype)][: x.shape[0], : self.simd.act_row_bytes(m.qtype, m.cols)]
         if ws.T == 1:  # each matrix has one input buffer per layer
             ws.calls[("q", id(m))] = c = (self.simd.bind("quantize", x, m.qtype, xq), xq)
-            c[0]()
+            self._op(ws, c[0])
         else:
             self.simd.quantize(x, m.qtype, xq)
         return xq
@@ -179,7 +222,7 @@ class CPUModel:
             plan = ws.calls.get(("many-plan", id(mats[0]), len(mats)))
             if plan is not None:
                 for f in plan[0]:
-                    f()
+                    self._op(ws, f)
                 return plan[1]
         res: list[np.ndarray] = [None] * len(mats)  # type: ignore[list-item]
         steps = []
@@ -212,29 +255,58 @@ class CPUModel:
 
     # forward --------------------------------------------------------------------------------------
     def forward(self, tokens, state: DecoderState, all_logits: bool = True) -> np.ndarray:
+        """Logits of the T tokens (all_logits) or of the last; advances the state. A decode step (T = 1)
+        replays the operations recorded at the first step of this state over these buffers (DecodePlan), so
+        no Python of this module runs per token."""
         ids = check_tokens(tokens, self.args.n_vocab)
         T = len(ids)
-        a = self.args
         state.check_room(T)
         ws = self.workspace(T, state.n_ctx)
-        h, x = ws.h[:T], ws.x[:T]
-        self._embed(ids, h)
-        for i, L in enumerate(self.layers):
-            ops.rms_norm(h, L.attn_norm, a.rms_eps, x)
-            mix = self._gdn(L, i, x, state, ws) if L.kind == "gdn" else self._attention(L, i, x, state, ws)
-            ops.add_inplace(h, mix)
-            ops.rms_norm(h, L.ffn_norm if a.arch == "llama" else L.post_attention_norm, a.rms_eps, x)
-            ops.add_inplace(h, self._moe(L, i, x, ws) if a.is_moe else self._ffn(L, x, ws))
+        if T == 1:
+            ws.tok[0] = ids[0]
+            plan = ws.plans.get(id(state))
+            if plan is not None and plan.valid_for(state):
+                for f in plan.steps:
+                    f()
+                out = plan.out
+            else:
+                ws.rec = []
+                try:
+                    out = self._forward(ws.tok, state, ws)
+                    DecodePlan.keep(ws.plans, state, ws.rec, out)
+                finally:
+                    ws.rec = None
+        else:
+            out = self._forward(ids, state, ws, all_logits)
         state.tokens[state.pos : state.pos + T] = ids
         state.pos += T
+        return out
+
+    def _op(self, ws: Workspace, fn, *args) -> None:
+        """fn(*args); while a decode step is recorded, also its place in the step."""
+        if ws.rec is None:
+            fn(*args)
+            return
+        f = partial(fn, *args)
+        ws.rec.append(f)
+        f()
+
+    def _forward(self, ids: np.ndarray, state: DecoderState, ws: Workspace, all_logits: bool = True) -> np.ndarray:
+        T = len(ids)
+        a = self.args
+        h, x = ws.h[:T], ws.x[:T]
+        t = self.tok_embd
+        self._op(ws, dequantize_rows, t.raw(), t.qtype, t.ne[0], ids, h)
+        for i, L in enumerate(self.layers):
+            self._op(ws, ops.rms_norm, h, L.attn_norm, a.rms_eps, x)
+            mix = self._gdn(L, i, x, state, ws) if L.kind == "gdn" else self._attention(L, i, x, state, ws)
+            self._op(ws, ops.add_inplace, h, mix)
+            self._op(ws, ops.rms_norm, h, L.ffn_norm if a.arch == "llama" else L.post_attention_norm, a.rms_eps, x)
+            self._op(ws, ops.add_inplace, h, self._moe(L, i, x, ws) if a.is_moe else self._ffn(L, x, ws))
         hs = h if all_logits else h[T - 1 :]
         xs = ws.x[: hs.shape[0]]
-        ops.rms_norm(hs, self.out_norm, a.rms_eps, xs)
+        self._op(ws, ops.rms_norm, hs, self.out_norm, a.rms_eps, xs)
         return self.mm(self.out, xs, ws.logits, ws)
-
-    def _embed(self, ids: np.ndarray, h: np.ndarray) -> None:
-        t = self.tok_embd
-        dequantize_rows(t.raw(), t.qtype, t.ne[0], ids, h)
 
     def _swiglu_ffn(self, gate: Mat, up: Mat, down: Mat, x: np.ndarray, out: np.ndarray, ws: Workspace):
         g, u = self.mm_many([gate, up], x, [ws.out_a, ws.out_b], ws)
@@ -251,30 +323,30 @@ class CPUModel:
         qg, k, v = self.mm_many([L.attn_q, L.attn_k, L.attn_v], x, [ws.out_a, ws.out_b, ws.out_c], ws)
         if a.attn_gate:
             gate = ws.gate[:T]
-            ops.split_qgate(qg, q, gate)
+            self._op(ws, ops.split_qgate, qg, q, gate)
         else:
-            q[...] = qg.reshape(T, a.n_head, hd)
+            self._op(ws, np.copyto, q, qg.reshape(T, a.n_head, hd))
             gate = ops.NO_GATE
         k = k.reshape(T, a.n_head_kv, hd)
         kc, vc = st.k[i], st.v[i]
         if a.qk_norm:
-            ops.rms_norm_heads(q, L.attn_q_norm, a.rms_eps, q)
-            ops.rms_norm_heads(k, L.attn_k_norm, a.rms_eps, k)
-        kc[p0 : p0 + T] = k
-        vc[p0 : p0 + T] = v.reshape(T, a.n_head_kv, hd)
+            self._op(ws, ops.rms_norm_heads, q, L.attn_q_norm, a.rms_eps, q)
+            self._op(ws, ops.rms_norm_heads, k, L.attn_k_norm, a.rms_eps, k)
+        self._op(ws, _put_rows, kc, k, st)
+        self._op(ws, _put_rows, vc, v.reshape(T, a.n_head_kv, hd), st)
         o = ws.attn[:T]
         rot = (a.n_rot, a.rope_theta, a.rope_neox, self.freq_factors)
         if T == 1:  # decode: bound once per layer and state, as the GDN call
             hit = ws.calls.get(("attn", i))
             if hit is None or hit[0] is not kc or hit[1] is not vc:
                 ws.calls[("attn", i)] = hit = (kc, vc, self.simd.bind_attention(q, kc, vc, o, ws.attn_scratch, *rot))
-            hit[2](p0)
+            self._op(ws, _at_pos, hit[2], st)
         else:  # K is rotated in the cache, where its rows are contiguous (k is a view of wider rows)
             self.simd.rope(q, p0, *rot)
             self.simd.rope(kc[p0 : p0 + T], p0, *rot)
             self.simd.attention(q, kc, vc, p0, o, ws.attn_scratch)
         if a.attn_gate:
-            ops.attn_gate(o, gate)
+            self._op(ws, ops.attn_gate, o, gate)
         return self.mm(L.attn_output, o, ws.mix, ws)
 
     def _gdn(self, L: Layer, i: int, x: np.ndarray, st: DecoderState, ws: Workspace) -> np.ndarray:
@@ -291,7 +363,7 @@ class CPUModel:
             hit = ws.calls.get(("gdn", i))
             if hit is None or hit[0] is not st.conv[i] or hit[1] is not st.ssm[i]:
                 ws.calls[("gdn", i)] = hit = (st.conv[i], st.ssm[i], self.simd.bind("gdn_layer", *args))
-            hit[2]()
+            self._op(ws, hit[2])
         else:
             self.simd.gdn_layer(*args)
         return self.mm(L.ssm_out, y, ws.mix, ws)
@@ -301,7 +373,7 @@ class CPUModel:
         T, k = x.shape[0], a.n_expert_used
         router = self.mm(L.ffn_gate_inp, x, ws.router, ws)
         idx, w = ws.route_idx[:T], ws.route_w[:T]
-        ops.moe_route(router, k, idx, w)
+        self._op(ws, ops.moe_route, router, k, idx, w)
         ys = ws.ed[: T * k]
         G, U, Dn = L.ffn_gate_exps, L.ffn_up_exps, L.ffn_down_exps
         out = ws.ffn[:T]
@@ -323,11 +395,11 @@ class CPUModel:
                 sh_d = (Sd.raw, Sd.qtype, Sd.cols, hq[k], s)
             self.call(ws, ("down", id(Dn)), "moe_down", Dn.raw, Dn.qtype, Dn.rows, Dn.cols, hq[:k], idx[0], ys,
                       GGML_MUL_MAT_ID, sh_d)
-            ops.moe_combine(ys, w, out)
+            self._op(ws, ops.moe_combine, ys, w, out)
             if a.n_ff_shexp:
                 if not fused:
                     s = self._swiglu_ffn(L.ffn_gate_shexp, L.ffn_up_shexp, L.ffn_down_shexp, x, ws.mix, ws)
-                ops.gated_add(out, ws.mix[:1] if fused else s, x, L.ffn_gate_inp_shexp)
+                self._op(ws, ops.gated_add, out, ws.mix[:1] if fused else s, x, L.ffn_gate_inp_shexp)
             return out
         # prefill: tokens grouped by expert, one GEMM per expert over its tokens
         flat = idx.reshape(-1)
