@@ -2,7 +2,7 @@
 # The decode benchmark of issue 3 on the GPU machine's host CPU (run there through the device tool, with .whl and
 # .llamabin carried: llama-bench built here from llama-cpp-python's sdist, -DGGML_NATIVE=OFF, one AVX-512 VNNI build
 # and one SSE4.2-only build). Synthesizes the 35B-A3B Q4_K_M there (21 GB, too big to bring) and writes the tables
-# to $OUT. WEIGHTS=copy,mmap times both weight placements; LLAMA_NO_MMAP=1 adds llama.cpp with -mmp 0.
+# to $OUT. WEIGHTS=copy,mmap times both weight placements; LLAMA_NO_MMAP=1 adds llama.cpp with -lm none.
 set -eu
 source .whl/env.sh
 python3 native/simd/build.py > /dev/null

@@ -372,7 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--llama-bench", default=None, help="llama.cpp's llama-bench (native build)")
     b.add_argument("--llama-bench-sse", default=None, help="llama-bench built without AVX")
     b.add_argument("--weights", default="auto", help="comma-separated weights modes to time: auto,copy,mmap")
-    b.add_argument("--llama-no-mmap", action="store_true", help="also time llama.cpp with -mmp 0")
+    b.add_argument("--llama-no-mmap", action="store_true", help="also time llama.cpp with -lm none (no mmap)")
     b = _bench_parser(bsub, "prefix", "time to first token cold/warm with the prefix cache, and llama.cpp's server",
                       cmd_bench_prefix)
     b.add_argument("--backend", default="cpu", choices=["reference", "cpu", "gpu", "auto"])

@@ -160,3 +160,14 @@ def test_cli_bench_commands_write_tables(tmp_path, oracle_gguf, capsys):
     assert names == ["decode-qwen35-wide-s0-q8_0-t2.json", "decode-qwen35-wide-s0-q8_0-t2.png",
                      "prefix-qwen35-wide-s0-q8_0.json", "prefix-qwen35-wide-s0-q8_0.png"]
     assert main(["bench", "prefix", "-m", path, "--workloads", "z"]) == 2  # a clear error, not a traceback
+
+
+def test_bandwidth_probe_size_outgrows_the_cache():
+    from hybridinfer.benchmarks.decode import probe_bytes
+
+    gib = 1 << 30
+    assert probe_bytes(300 << 20, 100 * gib) == 8 * (300 << 20)  # 8x a 300 MiB L3
+    assert probe_bytes(8 << 20, 100 * gib) == gib  # at least 1 GiB
+    assert probe_bytes(300 << 20, 8 * gib) == 2 * gib  # at most a quarter of the available memory
+    assert probe_bytes(300 << 20, 2 * gib) == gib
+    assert probe_bytes(300 << 20, 0) == 8 * (300 << 20)  # unknown memory: no cap

@@ -38,6 +38,39 @@ def bytes_per_token(gm: GGUFModel, args) -> int:
     return total
 
 
+def l3_bytes() -> int:
+    """The largest last-level cache of /sys (0 where unknown)."""
+    import glob
+
+    best = 0
+    for p in glob.glob("/sys/devices/system/cpu/cpu*/cache/index*/size"):
+        try:
+            with open(p) as f:
+                txt = f.read().strip()
+        except OSError:
+            continue
+        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(txt[-1:], 1)
+        try:
+            best = max(best, int(txt.rstrip("KMG")) * mult)
+        except ValueError:
+            continue
+    return best
+
+
+def probe_bytes(l3: int | None = None, available: int | None = None) -> int:
+    """Buffer size for the read-bandwidth probe: at least 1 GiB and 8x the last-level cache (a cache that keeps
+    part of a cyclically read buffer would inflate the figure: a 1 GiB probe read 122-168 GB/s on a host
+    with a 300 MiB L3), at most a quarter of the available memory."""
+    from ..cpu.weights import mem_available
+
+    l3 = l3_bytes() if l3 is None else l3
+    available = mem_available() if available is None else available
+    n = max(1 << 30, 8 * l3)
+    if available:
+        n = min(n, max(1 << 30, available // 4))
+    return int(n)
+
+
 @dataclass
 class Row:
     engine: str
@@ -95,7 +128,8 @@ def python_share(be, st, t: int, n: int) -> float:
 
 def measure_llama(llama_bench: str, path: str, threads: int, n_tokens: int, context: int,
                   mmap: bool = True) -> float | None:
-    """llama.cpp's `llama-bench -p 0 -n N -t T [-d ctx] [-mmp 0]` tokens/s, or None if it is missing or fails."""
+    """llama.cpp's `llama-bench -p 0 -n N -t T [-d ctx] [-lm none]` tokens/s (-lm none: weights read into
+    buffers instead of mapped), or None if it is missing or fails."""
     exe = shutil.which(llama_bench) or (llama_bench if llama_bench and shutil.os.path.exists(llama_bench) else None)
     if not exe:
         return None
@@ -103,7 +137,7 @@ def measure_llama(llama_bench: str, path: str, threads: int, n_tokens: int, cont
     if context:
         cmd += ["-d", str(context)]
     if not mmap:
-        cmd += ["-mmp", "0"]
+        cmd += ["-lm", "none"]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         print(f"{exe} failed ({r.returncode}): {r.stderr.strip()[-300:]}")
@@ -116,15 +150,16 @@ def measure_llama(llama_bench: str, path: str, threads: int, n_tokens: int, cont
 
 
 def run(path: str, threads: int, n_tokens: int = 32, context: int = 0, isas: tuple[str, ...] = ("native",),
-        llama_bench: str | None = None, llama_bench_sse: str | None = None, bw_bytes: int = 1 << 30,
+        llama_bench: str | None = None, llama_bench_sse: str | None = None, bw_bytes: int | None = None,
         weights: tuple[str, ...] = ("auto",), llama_no_mmap: bool = False) -> dict:
     """One run of the table: each ISA level x each weights mode of this engine, then llama.cpp (native build,
-    also with -mmp 0 if llama_no_mmap, and the SSE4.2 build)."""
+    also with -lm none if llama_no_mmap, and the SSE4.2 build)."""
     from ..cpu.simd import SimdLib, best_isa
 
     gm = GGUFModel(path)
     args = model_args(gm)
     bpt = bytes_per_token(gm, args)
+    bw_bytes = probe_bytes() if bw_bytes is None else bw_bytes
     bw = SimdLib(n_threads=threads).read_bandwidth(bw_bytes)
     floor = bw / bpt
     rows: list[Row] = []
@@ -143,7 +178,7 @@ def run(path: str, threads: int, n_tokens: int = 32, context: int = 0, isas: tup
         add("llama.cpp", "native", measure_llama(llama_bench, path, threads, n_tokens, context), note="mmap")
         if llama_no_mmap:
             add("llama.cpp", "native", measure_llama(llama_bench, path, threads, n_tokens, context, mmap=False),
-                note="-mmp 0")
+                note="-lm none")
     if llama_bench_sse:
         add("llama.cpp", "sse4.2 (no AVX)", measure_llama(llama_bench_sse, path, threads, n_tokens, context))
     return {"model": path, "arch": args.arch, "bytes_per_token": bpt, "read_bw_gb_s": bw / 1e9,
