@@ -20,24 +20,49 @@ from hybridinfer.api import Engine
 from hybridinfer.quant import type_name
 
 
-def _copy_weights(be) -> None:
-    """Every Mat's bytes into one numpy buffer (numpy advises huge pages for large allocations)."""
-    from dataclasses import replace
+def _pool_round_trip(simd, reps: int = 2000) -> float:
+    """Microseconds of one pooled product too small to matter (1024 x 256 Q4_K, just above the size run on the
+    calling thread alone) minus the same on the calling thread: the pool's wake-up and join."""
+    from hybridinfer.cpu.simd import SimdLib
 
-    from hybridinfer.cpu.backend import Mat
+    rows, cols = 1024, 256
+    w = np.zeros(rows * cols // 256 * 144, np.uint8)
+    out = np.zeros(rows, np.float32)
+    res = []
+    for lib in (simd, SimdLib(simd.isa, n_threads=1)):
+        xq = lib.quantize(np.ones(cols, np.float32), 12)
+        f = lib.bind("matmul", w, 12, rows, cols, xq, out)
+        for _ in range(100):
+            f()
+        t0 = time.perf_counter_ns()
+        for _ in range(reps):
+            f()
+        res.append((time.perf_counter_ns() - t0) / reps / 1e3)
+    return res[0], res[1]
 
-    owners = [(be, "out")] + [(L, k) for L in be.layers for k, v in vars(L).items() if isinstance(v, Mat)]
-    sizes = [(getattr(o, k).raw.nbytes + 63) // 64 * 64 for o, k in owners]
-    buf = np.empty(sum(sizes) + 64, np.uint8)
-    off = (-buf.ctypes.data) % 64
-    t0 = time.perf_counter()
-    for (o, k), n in zip(owners, sizes, strict=True):
-        m = getattr(o, k)
-        dst = buf[off : off + m.raw.nbytes]
-        dst[...] = m.raw
-        setattr(o, k, replace(m, raw=dst))
-        off += n
-    print(f"copied {buf.nbytes / 1e9:.2f} GB of weights in {time.perf_counter() - t0:.1f} s")
+
+def _sweep(eng, dists: list[int], n: int) -> None:
+    from hybridinfer.cpu.simd_native import _native
+
+    lib = _native().lib
+    be = eng.backend
+    st = eng.new_state()
+    t = int(np.argmax(eng.prefill([1, 2, 3, 4], st)[-1]))
+    be.forward([t], st, all_logits=False)
+    res: dict[int, list[float]] = defaultdict(list)
+    for _ in range(2):
+        for d in dists:
+            lib.hi_set_prefetch(d)
+            if st.pos + n + 2 > st.n_ctx:
+                st = eng.new_state()
+                be.forward([t], st, all_logits=False)
+            t0 = time.perf_counter()
+            for _ in range(n):
+                t = int(np.argmax(be.forward([t], st, all_logits=False)[-1]))
+            res[d].append(n / (time.perf_counter() - t0))
+    print(f"{be.simd!r}, weights {be.weights}: prefetch distance -> tok/s (two interleaved runs)")
+    for d in dists:
+        print(f"  {d:6d} B: " + ", ".join(f"{x:.2f}" for x in res[d]))
 
 
 def main(argv=None) -> None:
@@ -46,14 +71,17 @@ def main(argv=None) -> None:
     ap.add_argument("-t", "--threads", type=int, default=None)
     ap.add_argument("-n", "--tokens", type=int, default=16)
     ap.add_argument("--isa", default=None)
-    ap.add_argument("--copy-weights", action="store_true",
-                    help="copy every weight matrix out of the memory-mapped file into one anonymous buffer first")
+    ap.add_argument("--weights", default="auto", choices=["auto", "copy", "mmap"])
+    ap.add_argument("--sweep-prefetch", default="",
+                    help="comma-separated prefetch distances (bytes): time plain decode steps at each, twice, "
+                         "interleaved, instead of the per-call table")
     a = ap.parse_args(argv)
     eng = Engine.load(a.model, backend="cpu", isa=None if a.isa in (None, "native") else a.isa,
-                      n_threads=a.threads, n_ctx=256)
+                      n_threads=a.threads, n_ctx=256, weights=a.weights)
     be = eng.backend
-    if a.copy_weights:
-        _copy_weights(be)
+    if a.sweep_prefetch:
+        _sweep(eng, [int(x) for x in a.sweep_prefetch.split(",")], a.tokens)
+        return
     simd = be.simd
     n_exp = getattr(eng.args, "n_expert", 1) or 1
     times: dict[str, float] = defaultdict(float)
@@ -125,6 +153,8 @@ def main(argv=None) -> None:
               f"| {k} | {counts[k] / n:.0f} | {ms:.3f} | {100 * times[k] / n / wall:.1f}% | | | |")
     acc = sum(times.values()) / n
     print(f"| python glue | | {(wall - acc) / 1e6:.3f} | {100 * (wall - acc) / wall:.1f}% | | | |")
+    pooled, alone = _pool_round_trip(simd)
+    print(f"pool round trip: {pooled:.1f} us per pooled call of a tiny product ({alone:.1f} us on one thread)")
 
 
 if __name__ == "__main__":

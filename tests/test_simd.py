@@ -380,6 +380,35 @@ def test_moe_calls_with_the_shared_expert_equal_separate_matmuls(libs, gate_type
                             shared=(sg, gate_type, su[:-1], gate_type, F, g[k], u[k]))
 
 
+@pytest.mark.parametrize("threads", [2, 3, 8])
+def test_pool_runs_every_chunk_exactly_once(threads):
+    """Many tasks back to back, small and large (a task's slot is reused two tasks later; workers wake late)."""
+    lib = SimdLib(best_isa(), n_threads=threads)
+    for total in (2, 3, 17, 128, 1000, 40_000):
+        assert lib._lib.hi_pool_check(lib._c, total, 50 if total < 2000 else 3) == 0, total
+    lib.close()
+
+
+def test_prefetch_distance_changes_no_result():
+    rng = np.random.default_rng(8)
+    raw = random_blocks(12, 64 * 2048 // 256, rng).reshape(-1)
+    lib = SimdLib(best_isa(), n_threads=2)
+    xq = lib.quantize(rng.standard_normal(2048).astype(np.float32), 12)
+    native = lib._lib
+    old = native.hi_get_prefetch()
+    outs = []
+    try:
+        for d in (0, 64, 4096, 1 << 20):
+            native.hi_set_prefetch(d)
+            out = np.full(64, np.nan, np.float32)
+            lib.matmul(raw, 12, 64, 2048, xq, out, GGML_MUL_MAT)
+            outs.append(out)
+    finally:
+        native.hi_set_prefetch(old)
+    assert old > 0 and not np.isnan(outs[0]).any()
+    assert all(np.array_equal(o, outs[0]) for o in outs[1:])
+
+
 def test_thread_counts_give_identical_results():
     rng = np.random.default_rng(21)
     rows, cols = 301, 32 * 5

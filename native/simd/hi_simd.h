@@ -99,6 +99,14 @@ int hi_swiglu(hi_ctx *c, const float *g, int64_t g_row, const float *u, int64_t 
  * reader); best of reps timed passes; returns bytes per second (<= 0 on failure) */
 double hi_read_bandwidth(hi_ctx *c, int64_t nbytes, int reps);
 
+/* runs `reps` pool tasks of `total` chunks, each counting its runs; returns how many (chunk, task) pairs did
+ * not run exactly once (0 when the pool is right; -1 on bad arguments or no memory) */
+int64_t hi_pool_check(hi_ctx *c, int64_t total, int reps);
+
+/* decode products: bytes of the weight stream software-prefetched ahead (process-wide; 0 turns it off) */
+void hi_set_prefetch(int bytes);
+int hi_get_prefetch(void);
+
 /* Gated DeltaNet layer after its projections (spec §3 steps 2-8) for T tokens, state in place; the C twin of
  * hybridinfer/cpu/ops_gdn.py:gdn_layer, bit-identical to it, value heads split across the pool.
  * u (T rows of C floats, row stride u_row), z (T x Hv*d_v, z_row), b, a (T x Hv, b_row, a_row), y (T x

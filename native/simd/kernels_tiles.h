@@ -189,7 +189,18 @@ HI_INLINE void hi_drive(const int qt, const hi_mm *m, int64_t r0, int64_t r1) {
     for (int64_t tb = 0; tb < m->T; tb += HI_TB) {
         const int64_t te = tb + HI_TB < m->T ? tb + HI_TB : m->T;
         int64_t r = r0;
-        if (!legacy) {
+        if (!legacy && te - tb == 1 && hi_pf_bytes > 0) {
+            /* one token (decode): the chunk's rows are one linear stream; keep hi_pf_bytes of it requested
+             * ahead, since the hardware prefetcher restarts at every 4 KiB page */
+            const uint8_t *pf = m->w + (size_t)r0 * m->w_row, *const end = m->w + (size_t)r1 * m->w_row;
+            const uint8_t *ahead = pf + hi_pf_bytes < end ? pf + hi_pf_bytes : end;
+            for (; pf < ahead; pf += 64) __builtin_prefetch(pf, 0, 3);
+            for (; r < r1; r++) {
+                const uint8_t *lim = pf + m->w_row < end ? pf + m->w_row : end;
+                for (; pf < lim; pf += 64) __builtin_prefetch(pf, 0, 3);
+                hi_tile(qt, 1, 1, m, r, tb);
+            }
+        } else if (!legacy) {
             for (; r < r1; r++)
                 for (int64_t t = tb; t < te; t++) hi_tile(qt, 1, 1, m, r, t);
         } else if (te - tb == 1) {
