@@ -4,8 +4,9 @@
  * chunks and bumps a generation counter; idle workers spin (pause) for spin_us after their last task, then
  * sleep on a condition variable. Every thread, the caller included, claims chunks by one fetch-and-add on a
  * word holding (task id, total, next chunk) - no compare-and-swap retries, which with 16 threads made a
- * task of 128 small chunks cost ~17 us - and adds the count of chunks it ran to the task's `done` once, when
- * it finds none left. The caller returns once every chunk is done: a worker the OS has not scheduled yet is
+ * task of 128 small chunks cost ~17 us - after a plain load finds some left, and when none is left it writes
+ * the count of chunks it ran to its own cache line, which the caller sums. The caller returns once every
+ * chunk is done: a worker the OS has not scheduled yet is
  * not waited for, and when it runs it finds the task over. A forked child, whose workers stayed in the parent,
  * starts its own on its first task. Compiled for the baseline target.
  */
@@ -23,13 +24,18 @@
 /* ================================================================================================ */
 /* thread pool */
 
+/* a thread's report of the chunks it ran of one task: `ran` is written before `task` (release), so a reader
+ * that finds `task` equal to the task it waits for reads that task's count */
 typedef struct {
     hi_pool *pool;
     int tid;
+    _Alignas(64) _Atomic uint32_t ran;
+    _Atomic uint64_t task;
+    char pad_[48];
 } hi_warg;
 
-/* fields written by different parties sit on separate cache lines: the claim word (an add per claim), each
- * task slot's completion count (an add per thread and task), the wake-up */
+/* fields written by different parties sit on separate cache lines: the claim word (an add per claim), the
+ * task slots, the wake-up, each thread's report (hi_warg) */
 #define HI_LINE _Alignas(64)
 
 /* the claim word: task id (16 bits, selects the slot) | total chunks (24) | next unclaimed chunk (24); a
@@ -40,7 +46,7 @@ typedef struct {
 typedef struct {
     HI_LINE hi_chunk_fn fn;
     void *arg;
-    HI_LINE atomic_uint done;
+    uint64_t task; /* its number among the pool's tasks */
 } hi_task;
 
 struct hi_pool {
@@ -50,7 +56,7 @@ struct hi_pool {
     hi_warg *wargs;
     pthread_mutex_t mu;
     pthread_cond_t cv;
-    uint32_t task_id;
+    uint64_t task_id;
     int64_t spin_ns;
     pid_t pid;
     /* wake-up: workers wait for gen to change (spin, then sleep on cv) */
@@ -59,7 +65,7 @@ struct hi_pool {
     atomic_int stop;
     HI_LINE _Atomic uint64_t word;
     /* task id & 1: a task's slot is rewritten only two tasks later, when no thread can still be running
-     * one of its chunks (each of them is counted in `done` before the task ends) */
+     * one of its chunks (each of them is reported before the task ends) */
     hi_task slot[2];
     char pad_[64];
 };
@@ -76,21 +82,28 @@ int64_t hi_now_ns(void) {
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
-/* claim and run chunks of the current task until none is left */
-static void hi_pool_work(hi_pool *p) {
+/* claim and run chunks of the current task until none is left; returns how many this thread ran (and
+ * writes that to its report, w, unless w is NULL: the caller) */
+static uint32_t hi_pool_work(hi_pool *p, hi_warg *w) {
     const uint64_t m24 = (1u << HI_NEXT_BITS) - 1;
     uint32_t ran = 0, id = 0;
     for (;;) {
+        const uint64_t seen = atomic_load_explicit(&p->word, memory_order_relaxed);
+        if ((seen & m24) >= ((seen >> HI_NEXT_BITS) & m24)) break; /* none left: no add */
         const uint64_t v = atomic_fetch_add_explicit(&p->word, 1, memory_order_acq_rel);
         const uint32_t i = (uint32_t)(v & m24), total = (uint32_t)((v >> HI_NEXT_BITS) & m24);
         if (i >= total) break;
-        /* chunk i < total of task `id` is ours: that task cannot end before we count it, so its slot holds it */
+        /* chunk i < total of task `id` is ours: that task cannot end before we report it, so its slot holds it */
         id = (uint32_t)(v >> (2 * HI_NEXT_BITS));
         const hi_task *t = &p->slot[id & 1];
         t->fn(t->arg, (int64_t)i);
         ran++;
     }
-    if (ran) atomic_fetch_add_explicit(&p->slot[id & 1].done, ran, memory_order_release);
+    if (ran && w) {
+        atomic_store_explicit(&w->ran, ran, memory_order_relaxed);
+        atomic_store_explicit(&w->task, p->slot[id & 1].task, memory_order_release);
+    }
+    return ran;
 }
 
 static void *hi_worker(void *v) {
@@ -117,7 +130,7 @@ static void *hi_worker(void *v) {
         }
         seen = g;
         if (atomic_load(&p->stop)) break;
-        hi_pool_work(p);
+        hi_pool_work(p, wa);
     }
     return NULL;
 }
@@ -161,7 +174,10 @@ hi_pool *hi_pool_new(int n, int spin_us) {
     p->n = n;
     p->spin_ns = (int64_t)(spin_us < 0 ? 0 : spin_us) * 1000;
     p->th = (pthread_t *)calloc((size_t)n, sizeof(pthread_t));
-    p->wargs = (hi_warg *)calloc((size_t)n, sizeof(hi_warg));
+    if (posix_memalign((void **)&p->wargs, 64, (size_t)n * sizeof(hi_warg)) == 0)
+        memset(p->wargs, 0, (size_t)n * sizeof(hi_warg));
+    else
+        p->wargs = NULL;
     if (!p->th || !p->wargs || hi_pool_start(p) != 0) {
         if (p->th && p->wargs) hi_pool_stop(p);
         free(p->th);
@@ -196,11 +212,12 @@ static void hi_offset_chunk(void *a, int64_t i) {
 /* one task of n chunks (base > 0: chunks base.. of a larger one) */
 static void hi_pool_task(hi_pool *p, hi_chunk_fn fn, void *arg, int64_t base, uint32_t n) {
     hi_offset off = {fn, arg, base};
-    hi_task *t = &p->slot[++p->task_id & 1];
+    const uint64_t task = ++p->task_id;
+    hi_task *t = &p->slot[task & 1];
     t->fn = base ? hi_offset_chunk : fn;
     t->arg = base ? (void *)&off : arg;
-    atomic_store_explicit(&t->done, 0, memory_order_relaxed);
-    const uint64_t id = p->task_id & 0xffffu;
+    t->task = task;
+    const uint64_t id = task & 0xffffu;
     atomic_store_explicit(&p->word, (id << (2 * HI_NEXT_BITS)) | ((uint64_t)n << HI_NEXT_BITS), memory_order_release);
     atomic_fetch_add(&p->gen, 1);
     if (atomic_load(&p->n_sleeping) > 0) {
@@ -208,8 +225,15 @@ static void hi_pool_task(hi_pool *p, hi_chunk_fn fn, void *arg, int64_t base, ui
         pthread_cond_broadcast(&p->cv);
         pthread_mutex_unlock(&p->mu);
     }
-    hi_pool_work(p);
-    for (unsigned k = 0; atomic_load_explicit(&t->done, memory_order_acquire) < n; k++) {
+    const uint32_t mine = hi_pool_work(p, NULL);
+    for (unsigned k = 0;; k++) {
+        uint32_t done = mine;
+        for (int i = 1; i < p->n; i++) {
+            hi_warg *w = &p->wargs[i];
+            if (atomic_load_explicit(&w->task, memory_order_acquire) == task)
+                done += atomic_load_explicit(&w->ran, memory_order_relaxed);
+        }
+        if (done >= n) break;
         if (k < 4096) hi_relax();
         else sched_yield();
     }
