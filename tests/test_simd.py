@@ -409,6 +409,29 @@ def test_prefetch_distance_changes_no_result():
     assert all(np.array_equal(o, outs[0]) for o in outs[1:])
 
 
+def test_decode_products_split_over_threads_cover_every_row():
+    """One token over a pool (big chunks, then small ones for the last quarter of each job's rows): every row
+    written once, the same floats on any thread count; odd row counts, several jobs of different sizes."""
+    rng = np.random.default_rng(12)
+    cols = 2048
+    mats = [(random_blocks(12, r * cols // 256, rng).reshape(-1), 12, r) for r in (1001, 37, 260, 8)]
+    x = rng.standard_normal(cols).astype(np.float32)
+    results = []
+    for n in (1, 3, 8, 16):
+        lib = SimdLib(best_isa(), n_threads=n)
+        xq = lib.quantize(x, 12)
+        one = np.full(1001, np.nan, np.float32)
+        lib.matmul(mats[0][0], 12, 1001, cols, xq, one, GGML_MUL_MAT)
+        outs = [np.full(r, np.nan, np.float32) for _, _, r in mats]
+        lib.matmul_many(xq, cols, [(w, q, r, o) for (w, q, r), o in zip(mats, outs, strict=True)], GGML_MUL_MAT)
+        assert not np.isnan(one).any() and not any(np.isnan(o).any() for o in outs), n
+        assert np.array_equal(one, outs[0])
+        results.append(outs)
+        lib.close()
+    for r in results[1:]:
+        assert all(np.array_equal(a, b) for a, b in zip(r, results[0], strict=True))
+
+
 def test_thread_counts_give_identical_results():
     rng = np.random.default_rng(21)
     rows, cols = 301, 32 * 5

@@ -94,32 +94,44 @@ static void hi_prep_rows(const hi_kernels *k, int qtype, const uint8_t *xq, size
 
 /* ---- batched products ---------------------------------------------------------------------------- */
 
+#define HI_MAX_K 64
+#define HI_MAX_JOBS (2 * HI_MAX_K + 2) /* the MoE gate/up call: k experts x 2 and the shared expert's two */
+
+/* A call's rows in chunks for the pool, in two tiers: first each job's leading rows in big chunks, then the
+ * rest of every job in chunks a quarter as big, so that the threads that finish first pick up small pieces
+ * and all of them finish close together (decode calls last 50-200 us; a thread idle for half a chunk at the
+ * end was ~6% of such a call). Chunk index i < starts[0][njobs] is big chunk i - starts[0][j] of job j. */
 typedef struct {
     const hi_kernels *k;
     const hi_mm *jobs;
     int njobs;
-    int64_t chunk;
-    int64_t *starts; /* njobs + 1 cumulative chunk counts */
+    int64_t chunk[2];                    /* rows per chunk of each tier */
+    int64_t split[HI_MAX_JOBS];          /* job j: rows below split[j] are in big chunks */
+    int64_t starts[2][HI_MAX_JOBS + 1];  /* per tier: cumulative chunk counts */
 } hi_batch;
 
 static void hi_batch_chunk(void *a, int64_t i) {
     const hi_batch *b = (const hi_batch *)a;
-    int lo = 0, hi = b->njobs - 1; /* the job j with starts[j] <= i < starts[j + 1] */
+    const int tier = i >= b->starts[0][b->njobs];
+    const int64_t *st = b->starts[tier];
+    if (tier) i -= b->starts[0][b->njobs];
+    int lo = 0, hi = b->njobs - 1; /* the job j with st[j] <= i < st[j + 1] */
     while (lo < hi) {
         const int mid = (lo + hi + 1) / 2;
-        if (b->starts[mid] <= i) lo = mid;
+        if (st[mid] <= i) lo = mid;
         else hi = mid - 1;
     }
     const hi_mm *m = &b->jobs[lo];
-    const int64_t r0 = (i - b->starts[lo]) * b->chunk;
-    const int64_t r1 = r0 + b->chunk < m->rows ? r0 + b->chunk : m->rows;
+    const int64_t from = tier ? b->split[lo] : 0, to = tier ? m->rows : b->split[lo];
+    const int64_t r0 = from + (i - st[lo]) * b->chunk[tier];
+    const int64_t r1 = r0 + b->chunk[tier] < to ? r0 + b->chunk[tier] : to;
     b->k->mm(m, r0, r1);
 }
 
 /* bytes of weights below which a call runs on the calling thread alone (waking the pool costs more) */
 #define HI_INLINE_BYTES (96 << 10)
 
-static void hi_run_jobs(hi_ctx *c, const hi_mm *jobs, int njobs, int64_t *starts) {
+static void hi_run_jobs(hi_ctx *c, const hi_mm *jobs, int njobs) {
     int64_t total_rows = 0, T = 1, bytes = 0;
     for (int j = 0; j < njobs; j++) {
         total_rows += jobs[j].rows;
@@ -127,19 +139,29 @@ static void hi_run_jobs(hi_ctx *c, const hi_mm *jobs, int njobs, int64_t *starts
         if (jobs[j].T > T) T = jobs[j].T;
     }
     const int nth = bytes < HI_INLINE_BYTES ? 1 : hi_pool_size(c->pool);
+    hi_batch b = {.k = c->k, .jobs = jobs, .njobs = njobs};
     /* about 8 chunks per thread for balance; for several tokens at most 64 rows, so that a chunk's weight
-     * rows stay in cache while the token blocks sweep over them */
+     * rows stay in cache while the token blocks sweep over them; one token: big chunks for about 3/4 of
+     * the rows (4 per thread), the rest in chunks of a quarter of that */
     int64_t chunk = (total_rows + 8 * nth - 1) / (8 * nth);
+    const int tiers = T == 1 && nth > 1;
+    if (tiers) chunk = (3 * total_rows + 16 * nth - 1) / (16 * nth);
     if (T > 1 && chunk > 64) chunk = 64;
     if (chunk < 4) chunk = 4;
     chunk = (chunk + 3) & ~(int64_t)3;
-    starts[0] = 0;
-    for (int j = 0; j < njobs; j++) starts[j + 1] = starts[j] + (jobs[j].rows + chunk - 1) / chunk;
-    hi_batch b = {.k = c->k, .jobs = jobs, .njobs = njobs, .chunk = chunk, .starts = starts};
+    b.chunk[0] = chunk;
+    b.chunk[1] = tiers ? ((chunk / 4 + 3) & ~(int64_t)3) : chunk;
+    b.starts[0][0] = b.starts[1][0] = 0;
+    for (int j = 0; j < njobs; j++) {
+        b.split[j] = tiers ? (jobs[j].rows * 3 / 4) / chunk * chunk : jobs[j].rows;
+        b.starts[0][j + 1] = b.starts[0][j] + (b.split[j] + chunk - 1) / chunk;
+        b.starts[1][j + 1] = b.starts[1][j] + (jobs[j].rows - b.split[j] + b.chunk[1] - 1) / b.chunk[1];
+    }
+    const int64_t n = b.starts[0][njobs] + b.starts[1][njobs];
     if (nth == 1) {
-        for (int64_t i = 0; i < starts[njobs]; i++) hi_batch_chunk(&b, i);
+        for (int64_t i = 0; i < n; i++) hi_batch_chunk(&b, i);
     } else {
-        hi_pool_run(c->pool, hi_batch_chunk, &b, starts[njobs]);
+        hi_pool_run(c->pool, hi_batch_chunk, &b, n);
     }
 }
 
@@ -177,13 +199,10 @@ int hi_matmul(hi_ctx *c, int qtype, const void *w, int64_t rows, int64_t cols, c
         }
         hi_prep_rows(c->k, qtype, m.x, m.x_row, T, nb, s, &m.corr, &m.dy, &m.sy);
     }
-    int64_t starts[2];
-    hi_run_jobs(c, &m, 1, starts);
+    hi_run_jobs(c, &m, 1);
     pthread_mutex_unlock(&c->mu);
     return 0;
 }
-
-#define HI_MAX_K 64
 
 int hi_matmul_many(hi_ctx *c, int n, const int *qtypes, const void *const *ws, const int64_t *rows, int64_t cols,
                    const void *xq, int64_t xq_row, int64_t T, float *const *outs, const int64_t *out_rows,
@@ -198,7 +217,6 @@ int hi_matmul_many(hi_ctx *c, int n, const int *qtypes, const void *const *ws, c
     }
     if (T > 1 && xq_row < hi_act_row_bytes(qtypes[0], cols)) return -2;
     hi_mm jobs[HI_MAX_K];
-    int64_t starts[HI_MAX_K + 1];
     pthread_mutex_lock(&c->mu);
     const int64_t nb = cols / 32;
     const size_t pb = hi_prep_bytes(T, nb);
@@ -230,7 +248,7 @@ int hi_matmul_many(hi_ctx *c, int n, const int *qtypes, const void *const *ws, c
         }
         jobs[j] = m;
     }
-    hi_run_jobs(c, jobs, n, starts);
+    hi_run_jobs(c, jobs, n);
     pthread_mutex_unlock(&c->mu);
     return 0;
 }
@@ -267,7 +285,6 @@ int hi_moe_gate_up(hi_ctx *c, int gate_qtype, const void *wg, int up_qtype, cons
         if (ids[i] < 0 || ids[i] >= n_expert) return -2;
     const size_t grb = (size_t)hi_weight_row_bytes(gate_qtype, cols), urb = (size_t)hi_weight_row_bytes(up_qtype, cols);
     hi_mm jobs[2 * HI_MAX_K + 2];
-    int64_t starts[2 * HI_MAX_K + 3];
     pthread_mutex_lock(&c->mu);
     const int32_t *cg = NULL, *cu = NULL;
     const float *dg = NULL, *du = NULL, *sgy = NULL, *suy = NULL;
@@ -304,7 +321,7 @@ int hi_moe_gate_up(hi_ctx *c, int gate_qtype, const void *wg, int up_qtype, cons
         jobs[n++] = hi_row_job(c, ggml_op, s_gate_qtype, sg, s_rows, cols, x1, s_gate_out, s ? s + 2 * pb : NULL);
         jobs[n++] = hi_row_job(c, ggml_op, s_up_qtype, su, s_rows, cols, x1, s_up_out, s ? s + 3 * pb : NULL);
     }
-    hi_run_jobs(c, jobs, n, starts);
+    hi_run_jobs(c, jobs, n);
     pthread_mutex_unlock(&c->mu);
     return 0;
 }
@@ -323,7 +340,6 @@ int hi_moe_down(hi_ctx *c, int qtype, const void *w, int64_t n_expert, int64_t r
         if (ids[i] < 0 || ids[i] >= n_expert) return -2;
     const size_t rb = (size_t)hi_weight_row_bytes(qtype, cols);
     hi_mm jobs[HI_MAX_K + 1];
-    int64_t starts[HI_MAX_K + 2];
     pthread_mutex_lock(&c->mu);
     const int32_t *cr = NULL;
     const float *dy = NULL, *sy = NULL;
@@ -349,7 +365,7 @@ int hi_moe_down(hi_ctx *c, int qtype, const void *w, int64_t n_expert, int64_t r
     if (sw)
         jobs[n++] = hi_row_job(c, ggml_op, s_qtype, sw, rows, s_cols, (const uint8_t *)s_xq, s_out,
                                s ? s + hi_prep_bytes(k, nb) : NULL);
-    hi_run_jobs(c, jobs, n, starts);
+    hi_run_jobs(c, jobs, n);
     pthread_mutex_unlock(&c->mu);
     return 0;
 }
