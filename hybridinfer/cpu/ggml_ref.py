@@ -2,7 +2,9 @@
 AVX-512 or AVX2 host): the K-quant repacked / tiled shapes (native/simd/dot_kq_shapes.h), attention, SwiGLU
 and RoPE (native/simd/kernels_attn.h, attn.c). Slow and explicit: every fused multiply-add is `fma32` (exact),
 every horizontal sum is spelled out lane by lane. `W` is the SIMD width of the ggml build being mirrored: 16
-(AVX-512), 8 (AVX2) or 1 (a build without SIMD: float products summed in double, libm's expf).
+(AVX-512), 8 (AVX2), 4 (SSE3: ggml_vec_dot_f32 in 8 accumulators of 4 lanes, no FMA) or 1 (no SIMD: float
+products summed in double). The exp of an x86-64 build below AVX2 is SSE2's 4-lane ggml_v_expf without FMA even
+when its dot product has no SIMD (the scalar unit: W 1 for dot products, 4 for exp).
 """
 
 from __future__ import annotations
@@ -119,6 +121,8 @@ def dot_f32(x: np.ndarray, y: np.ndarray, W: int) -> np.ndarray:
     n = x.shape[-1]
     if W == 1:
         return _f(_dsum(_f(x * y)))
+    if W == 4:
+        return _dot_sse(x, y)
     step = 4 * W
     np_ = n // step * step
     acc = np.zeros(x.shape[:-1] + (4, W), F32)
@@ -131,30 +135,57 @@ def dot_f32(x: np.ndarray, y: np.ndarray, W: int) -> np.ndarray:
     return out
 
 
+def _sse_reduce8(acc: np.ndarray) -> np.ndarray:
+    """GGML_F32x4_REDUCE of 8 accumulators (axis -2) of 4 lanes: x[i] += x[i + 4], x[i] += x[i + 2],
+    x[0] += x[1], then hadd twice: (l0 + l1) + (l2 + l3)."""
+    a = _f(acc[..., :4, :] + acc[..., 4:, :])
+    a = _f(a[..., :2, :] + a[..., 2:, :])
+    a = _f(a[..., 0, :] + a[..., 1, :])
+    return _f(_f(a[..., 0] + a[..., 1]) + _f(a[..., 2] + a[..., 3]))
+
+
+def _dot_sse(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """ggml_vec_dot_f32 of an SSE3 build: STEP 32 in 8 accumulators of 4 lanes (a product, then a sum), the
+    reduce, the tail in float."""
+    n = x.shape[-1]
+    np_ = n // 32 * 32
+    acc = np.zeros(x.shape[:-1] + (8, 4), F32)
+    for i in range(0, np_, 32):
+        acc = _f(_f(x[..., i : i + 32].reshape(acc.shape) * y[..., i : i + 32].reshape(acc.shape)) + acc)
+    out = _sse_reduce8(acc)
+    for i in range(np_, n):
+        out = _f(out + _f(x[..., i] * y[..., i]))
+    return out
+
+
 def v_expf(x: np.ndarray, W: int) -> np.ndarray:
-    """ggml_v_expf of the AVX-512 (W 16) or AVX2 (W 8) build; W 1: libm's expf (float32 np.exp here)."""
+    """ggml_v_expf of the AVX-512 (W 16), AVX2 (W 8) or SSE2 (W 4, no FMA) build; W 1: libm's expf (float32
+    np.exp here)."""
     x = _f(x)
     if W == 1:
         return np.exp(x)
-    with np.errstate(invalid="ignore", over="ignore"):
+    if W == 4:  # the same steps as AVX2's with every fused multiply-add split into a product and a sum
+        fma = lambda a, b, c: _f(_f(_f(a) * _f(b)) + _f(c))  # noqa: E731
+    else:
+        fma = fma32
+    with np.errstate(invalid="ignore", over="ignore", under="ignore"):
         r = _h("0x1.8p23")
-        z = fma32(x, _h("0x1.715476p+0"), r)
+        z = fma(x, _h("0x1.715476p+0"), r)
         n = _f(z - r)
-        b = fma32(-n, _h("0x1.7f7d1cp-20"), fma32(-n, _h("0x1.62e4p-1"), x))
+        b = fma(-n, _h("0x1.7f7d1cp-20"), fma(-n, _h("0x1.62e4p-1"), x))
         u = _f(b * b)
-        p = fma32(fma32(_h("0x1.0e4020p-7"), b, _h("0x1.573e2ep-5")), u,
-                  fma32(_h("0x1.555e66p-3"), b, _h("0x1.fffdb6p-2")))
+        p = fma(fma(_h("0x1.0e4020p-7"), b, _h("0x1.573e2ep-5")), u, fma(_h("0x1.555e66p-3"), b, _h("0x1.fffdb6p-2")))
         if W == 16:
             j = fma32(p, u, fma32(_h("0x1.ffffecp-1"), b, F32(1.0)))
             res = np.ldexp(j, np.where(np.abs(n) > 192, 0, n).astype(np.int32)).astype(F32)
             return np.where(np.abs(n) > 192, np.where(n <= 0, F32(0), F32(np.inf)), res).astype(F32)
-        j = fma32(p, u, _f(_h("0x1.ffffecp-1") * b))
+        j = fma(p, u, _f(_h("0x1.ffffecp-1") * b))
         e = z.view(np.int32) << 23
         k = (e + np.int32(0x3F800000)).view(F32)
         g = np.where(n <= 0, np.int32(-0x7E000000), np.int32(0))  # 0x82000000 as int32
         s1 = (g + np.int32(0x7F000000)).view(F32)
         s2 = (e - g).view(F32)
-        mid = np.where(np.abs(n) > 126, _f(fma32(s2, j, s2) * s1), fma32(k, j, k))
+        mid = np.where(np.abs(n) > 126, _f(fma(s2, j, s2) * s1), fma(k, j, k))
         return np.where(np.abs(n) > 192, _f(s1 * s1), mid).astype(F32)
 
 
@@ -171,7 +202,10 @@ def softmax(w: np.ndarray, scale: float, W: int) -> np.ndarray:
         wp = np.full(pad, -np.inf, F32)
         wp[:n] = w
         e = v_expf(_f(wp - m), W).reshape(-1, W)
-        parts = hsum_reduce512(e) if W == 16 else hsum_movehl256(e)
+        if W == 4:  # shuffle (1, 0, 3, 2), movehl, add_ss: (e0 + e1) + (e2 + e3)
+            parts = _f(_f(e[:, 0] + e[:, 1]) + _f(e[:, 2] + e[:, 3]))
+        else:
+            parts = hsum_reduce512(e) if W == 16 else hsum_movehl256(e)
         tot = 0.0
         for v in parts:
             tot += float(v)
@@ -179,8 +213,10 @@ def softmax(w: np.ndarray, scale: float, W: int) -> np.ndarray:
     return _f(e * F32(1.0 / tot))
 
 
-def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, pos0: int, W: int) -> np.ndarray:
-    """llama.cpp's attention (kernels_attn.h): q (T, H, hd), caches (n_ctx, H_kv, hd) -> (T, H*hd) float32."""
+def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, pos0: int, W: int,
+              W_exp: int | None = None) -> np.ndarray:
+    """llama.cpp's attention (kernels_attn.h): q (T, H, hd), caches (n_ctx, H_kv, hd) -> (T, H*hd) float32;
+    W the dot products' width, W_exp the softmax's (default W)."""
     T, H, hd = q.shape
     G = H // k_cache.shape[1]
     scale = F32(1.0) / np.sqrt(F32(hd))
@@ -189,10 +225,16 @@ def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, pos0: int
         n = pos0 + t + 1
         for h in range(H):
             kv = h // G
-            p = softmax(dot_f32(k_cache[:n, kv], q[t, h], W), scale, W)
+            p = softmax(dot_f32(k_cache[:n, kv], q[t, h], W), scale, W if W_exp is None else W_exp)
             v = _f(v_cache[:n, kv])  # (n, hd)
             if W == 1:
                 out[t, h] = _f(_dsum(_f(p[:, None] * v), axis=0))
+                continue
+            if W == 4:  # vec_dot over s (no tinyBLAS below AVX): accumulator (s // 4) % 8, lane s % 4
+                acc = np.zeros((hd, 8, 4), F32)
+                for s in range(n):
+                    acc[:, (s // 4) % 8, s % 4] = _f(_f(p[s] * v[s]) + acc[:, (s // 4) % 8, s % 4])
+                out[t, h] = _sse_reduce8(acc)
                 continue
             A = 1 if T >= 2 and hd % 4 == 0 else 4
             acc = np.zeros((A, W, hd), F32)
@@ -208,7 +250,8 @@ def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, pos0: int
 
 
 def swiglu(g: np.ndarray, u: np.ndarray, W: int) -> np.ndarray:
-    """ggml_vec_swiglu_f32 of rows (T, n): silu(g) * u, ggml_v_expf on whole vectors, expf on the tail."""
+    """ggml_vec_swiglu_f32 of rows (T, n): silu(g) * u, ggml_v_expf on whole vectors of W (the build's exp
+    width), expf on the tail."""
     g, u = _f(g), _f(u)
     n = g.shape[-1]
     body = n // W * W if W > 1 else 0

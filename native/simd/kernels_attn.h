@@ -16,8 +16,10 @@
  * ggml_vec_dot_f32 of n values: W-lane accumulators a_j (j < 4) take the fused products of the 4W-element steps,
  * then (a0 + a2) + (a1 + a3), its horizontal sum, and the n % 4W tail added with fmaf (the build contracts it).
  * W = 16 and horizontal sums by _mm512_reduce_add_ps (AVX-512 unit); W = 8 with ggml's hadd tree for the dot
- * and softmax and tinyBLAS's (hi + lo, movehl, movehdup) for the output (AVX2 unit); other units follow ggml's
- * build without SIMD: float products summed in double, libm expf, no sgemm.
+ * and softmax and tinyBLAS's (hi + lo, movehl, movehdup) for the output (AVX2 unit); W = 4 for the SSSE3 unit,
+ * as ggml built for SSE4.2: vec_dot_f32 in 8 accumulators of 4 lanes without FMA for the dots and the output
+ * (no tinyBLAS below AVX), SSE2's ggml_v_expf without FMA and a shuffle-based horizontal sum in the softmax;
+ * the scalar unit as ggml built for baseline x86-64: dots summed in double, SSE2's ggml_v_expf.
  * The output is computed along i (the cache rows are position-major here; ggml's V is transposed), one
  * accumulator array per lane, so every output value takes the same operations in the same order.
  */
@@ -29,8 +31,18 @@
 #define HI_AW 16
 #elif defined(HI_AVX2)
 #define HI_AW 8
+#elif defined(HI_SSSE3)
+#define HI_AW 4
 #else
 #define HI_AW 1
+#endif
+
+/* x86-64 builds of ggml without AVX2 still take SSE2 paths for exp: ggml_v_expf/ggml_v_silu of 4 lanes with
+ * products and sums rounded apart (no FMA), in the softmax and SwiGLU; ggml_vec_dot_f32 takes 4-lane SIMD
+ * only with SSE3 (the SSSE3 unit; the scalar unit sums in double) */
+#if !defined(HI_AVX2) && defined(__SSE2__)
+#define HI_SSE_EXP 1
+#include <emmintrin.h>
 #endif
 
 /* ggml_vec_dot_f32 of this ISA's build */
@@ -61,6 +73,22 @@ HI_INLINE float hi_ggml_dot_f32(const float *x, const float *y, int64_t n) {
     const __m128 t1 = _mm_hadd_ps(t0, t0);
     float sum = _mm_cvtss_f32(_mm_hadd_ps(t1, t1));
     for (int64_t i = np; i < n; i++) sum = fmaf(x[i], y[i], sum);
+    return sum;
+#elif defined(HI_SSSE3)
+    /* 8 accumulators of 4 lanes (GGML_F32_STEP 32), a += x * y rounded twice; reduce x[i] += x[i + 4],
+     * x[i] += x[i + 2], x[0] += x[1], then hadd twice; the tail in float */
+    const int64_t np = n & ~(int64_t)31;
+    __m128 a[8];
+    for (int j = 0; j < 8; j++) a[j] = _mm_setzero_ps();
+    for (int64_t i = 0; i < np; i += 32)
+        for (int j = 0; j < 8; j++)
+            a[j] = _mm_add_ps(_mm_mul_ps(_mm_loadu_ps(x + i + 4 * j), _mm_loadu_ps(y + i + 4 * j)), a[j]);
+    for (int j = 0; j < 4; j++) a[j] = _mm_add_ps(a[j], a[j + 4]);
+    for (int j = 0; j < 2; j++) a[j] = _mm_add_ps(a[j], a[j + 2]);
+    a[0] = _mm_add_ps(a[0], a[1]);
+    const __m128 t0 = _mm_hadd_ps(a[0], a[0]);
+    float sum = _mm_cvtss_f32(_mm_hadd_ps(t0, t0));
+    for (int64_t i = np; i < n; i++) sum = sum + x[i] * y[i];
     return sum;
 #else
     double sum = 0.0;
@@ -116,6 +144,36 @@ HI_INLINE __m256 hi_ggml_v_expf(__m256 x) {
 }
 #endif
 
+#if defined(HI_SSE_EXP)
+/* ggml_v_expf, SSE2 without FMA (MADD128: a product, then a sum) */
+#define HI_MADD4(x, y, z) _mm_add_ps(_mm_mul_ps(x, y), z)
+#define HI_NMADD4(x, y, z) _mm_sub_ps(z, _mm_mul_ps(x, y))
+HI_INLINE __m128 hi_ggml_v_expf4(__m128 x) {
+    const __m128 r = _mm_set1_ps(0x1.8p23f);
+    const __m128 z = HI_MADD4(x, _mm_set1_ps(0x1.715476p+0f), r);
+    const __m128 n = _mm_sub_ps(z, r);
+    const __m128 b = HI_NMADD4(n, _mm_set1_ps(0x1.7f7d1cp-20f), HI_NMADD4(n, _mm_set1_ps(0x1.62e4p-1f), x));
+    const __m128i e = _mm_slli_epi32(_mm_castps_si128(z), 23);
+    const __m128 k = _mm_castsi128_ps(_mm_add_epi32(e, _mm_castps_si128(_mm_set1_ps(1))));
+    const __m128i c = _mm_castps_si128(_mm_cmpgt_ps(_mm_andnot_ps(_mm_set1_ps(-0.f), n), _mm_set1_ps(126)));
+    const __m128 u = _mm_mul_ps(b, b);
+    const __m128 j = HI_MADD4(HI_MADD4(HI_MADD4(_mm_set1_ps(0x1.0e4020p-7f), b, _mm_set1_ps(0x1.573e2ep-5f)), u,
+                                       HI_MADD4(_mm_set1_ps(0x1.555e66p-3f), b, _mm_set1_ps(0x1.fffdb6p-2f))),
+                              u, _mm_mul_ps(_mm_set1_ps(0x1.ffffecp-1f), b));
+    if (!_mm_movemask_epi8(c)) return HI_MADD4(j, k, k);
+    const __m128i g = _mm_and_si128(_mm_castps_si128(_mm_cmple_ps(n, _mm_setzero_ps())), _mm_set1_epi32((int)0x82000000u));
+    const __m128 s1 = _mm_castsi128_ps(_mm_add_epi32(g, _mm_set1_epi32(0x7f000000)));
+    const __m128 s2 = _mm_castsi128_ps(_mm_sub_epi32(e, g));
+    const __m128i d = _mm_castps_si128(_mm_cmpgt_ps(_mm_andnot_ps(_mm_set1_ps(-0.f), n), _mm_set1_ps(192)));
+    return _mm_or_ps(_mm_and_ps(_mm_castsi128_ps(d), _mm_mul_ps(s1, s1)),
+                     _mm_andnot_ps(_mm_castsi128_ps(d),
+                                   _mm_or_ps(_mm_and_ps(_mm_castsi128_ps(c), _mm_mul_ps(HI_MADD4(s2, j, s2), s1)),
+                                             _mm_andnot_ps(_mm_castsi128_ps(c), HI_MADD4(k, j, k)))));
+}
+#undef HI_MADD4
+#undef HI_NMADD4
+#endif
+
 /* p[0..n) <- softmax(w * scale) over the first n entries of w (ggml_soft_max_ext + ggml_vec_soft_max_f32);
  * w has room for n rounded up to HI_AW (the pad is overwritten) */
 HI_INLINE void hi_ggml_softmax(float *w, int64_t n, float scale) {
@@ -141,6 +199,20 @@ HI_INLINE void hi_ggml_softmax(float *w, int64_t n, float scale) {
         v2 = _mm_add_ss(v2, _mm_movehdup_ps(v2));
         sum += (double)_mm_cvtss_f32(v2);
 #endif
+    }
+#elif defined(HI_SSE_EXP)
+    /* 4 lanes padded with -inf (exact zeros, as llama.cpp's masked cells); each vector's sum without AVX:
+     * (v0 + v1) + (v2 + v3) by shuffle, movehl, add_ss */
+    const int64_t npad = (n + 3) & ~(int64_t)3;
+    for (int64_t s = n; s < npad; s++) w[s] = -INFINITY;
+    for (int64_t s = 0; s < npad; s += 4) {
+        __m128 val = hi_ggml_v_expf4(_mm_sub_ps(_mm_loadu_ps(w + s), _mm_set1_ps(max)));
+        _mm_storeu_ps(w + s, val);
+        __m128 tmp = _mm_shuffle_ps(val, val, _MM_SHUFFLE(2, 3, 0, 1));
+        val = _mm_add_ps(val, tmp);
+        tmp = _mm_movehl_ps(tmp, val);
+        val = _mm_add_ss(val, tmp);
+        sum += (double)_mm_cvtss_f32(val);
     }
 #else
     for (int64_t s = 0; s < n; s++) {
@@ -175,6 +247,11 @@ HI_INLINE void hi_attn_hsum_rows(float *a, int64_t hd, int dot) {
         HI_ROWADD(1, 3);
         HI_ROWADD(0, 1);
     }
+#elif defined(HI_SSSE3)
+    (void)dot; /* hadd twice: (0 + 1) + (2 + 3) */
+    HI_ROWADD(0, 1);
+    HI_ROWADD(2, 3);
+    HI_ROWADD(0, 2);
 #else
     (void)a;
     (void)hd;
@@ -199,6 +276,23 @@ HI_INLINE void hi_ggml_pv(const float *p, const float *v, int64_t v_row, int64_t
         for (int64_t i = 0; i < L; i++) acc[i] = (acc[i] + acc[2 * L + i]) + (acc[L + i] + acc[3 * L + i]);
     }
     hi_attn_hsum_rows(acc, hd, !tinyblas);
+    memcpy(out, acc, sizeof(float) * (size_t)hd);
+#elif defined(HI_SSSE3)
+    /* ggml_vec_dot_f32 over s (no tinyBLAS below AVX): 8 accumulators of 4 lanes, products rounded apart */
+    (void)tinyblas;
+    const int64_t L = 4 * hd;
+    memset(acc, 0, sizeof(float) * (size_t)(8 * L));
+    for (int64_t s = 0; s < n; s++) {
+        float *a = acc + ((s / 4) % 8 * 4 + s % 4) * hd;
+        const float *vs = v + s * v_row, ps = p[s];
+        for (int64_t i = 0; i < hd; i++) a[i] = ps * vs[i] + a[i];
+    }
+    for (int j = 0; j < 4; j++)
+        for (int64_t i = 0; i < L; i++) acc[j * L + i] = acc[j * L + i] + acc[(j + 4) * L + i];
+    for (int j = 0; j < 2; j++)
+        for (int64_t i = 0; i < L; i++) acc[j * L + i] = acc[j * L + i] + acc[(j + 2) * L + i];
+    for (int64_t i = 0; i < L; i++) acc[i] = acc[i] + acc[L + i];
+    hi_attn_hsum_rows(acc, hd, 1);
     memcpy(out, acc, sizeof(float) * (size_t)hd);
 #else
     (void)tinyblas;
@@ -248,6 +342,13 @@ static void hi_swiglu_row(const float *g, const float *u, float *out, int64_t n)
         const __m256 e = hi_ggml_v_expf(_mm256_sub_ps(_mm256_setzero_ps(), x));
         const __m256 s = _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
         _mm256_storeu_ps(out + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
+    }
+#elif defined(HI_SSE_EXP)
+    for (; i + 3 < n; i += 4) {
+        const __m128 x = _mm_loadu_ps(g + i);
+        const __m128 e = hi_ggml_v_expf4(_mm_sub_ps(_mm_setzero_ps(), x));
+        const __m128 s = _mm_div_ps(x, _mm_add_ps(_mm_set1_ps(1.0f), e));
+        _mm_storeu_ps(out + i, _mm_mul_ps(s, _mm_loadu_ps(u + i)));
     }
 #endif
     for (; i < n; i++) out[i] = (g[i] / (1.0f + expf(-g[i]))) * u[i];
