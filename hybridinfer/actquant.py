@@ -30,16 +30,24 @@ QK = 32
 LEGACY = {Q4_0: (18, "q8_0"), Q4_1: (20, "q8_1"), Q5_0: (22, "q8_0"), Q5_1: (24, "q8_1"), Q8_0: (34, "q8_0")}
 
 
-def quantize_q8(x: np.ndarray, with_sum: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+def quantize_q8(x: np.ndarray, with_sum: bool, ref: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """x (T, D) float32, D % 32 == 0 -> (q (T, D/32, 32) float32 holding int8 values, d (T, D/32) float32
-    (fp16-rounded), s (T, D/32) float32 (fp16-rounded d*sum q) or None)."""
+    (fp16-rounded), s (T, D/32) float32 (fp16-rounded d*sum q) or None). ref: as ggml built without AVX
+    (quantize_row_q8_0_ref / q8_1_ref): id = 1 / d and roundf (half away from zero)."""
     T, D = x.shape
     xb = x.reshape(T, D // QK, QK).astype(np.float32)
     amax = np.abs(xb).max(axis=-1)
     d = (amax / np.float32(127)).astype(np.float32)
     with np.errstate(divide="ignore"):
-        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
-    q = np.rint(xb * inv[..., None]).astype(np.float32)  # round half to even, as _mm256_round_ps
+        if ref:
+            inv = np.where(d != 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
+        else:
+            inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    v = (xb * inv[..., None]).astype(np.float32)
+    if ref:  # roundf: |v| + 0.5 is exact in float64
+        q = (np.sign(v) * np.floor(np.abs(v).astype(np.float64) + 0.5)).astype(np.float32)
+    else:
+        q = np.rint(v).astype(np.float32)  # round half to even, as _mm256_round_ps
     s = None
     if with_sum:
         s = (q.sum(axis=-1) * d).astype(np.float16).astype(np.float32)
@@ -49,9 +57,10 @@ def quantize_q8(x: np.ndarray, with_sum: bool) -> tuple[np.ndarray, np.ndarray, 
 _ACT_BLOCK = {"q8_0": (32, 34), "q8_1": (32, 36), "q8_K": (256, 292)}
 
 
-def quantize_act(x: np.ndarray, kind: str) -> np.ndarray:
+def quantize_act(x: np.ndarray, kind: str, ref: bool = False) -> np.ndarray:
     """Activation rows x (T, n) float32 -> their bytes (T, row bytes) in ggml's layout for `kind`:
-    "q8_0" / "q8_1" (block_q8_0 / block_q8_1), "q8_K", "f16" (fp16, round to nearest even) or "f32"."""
+    "q8_0" / "q8_1" (block_q8_0 / block_q8_1), "q8_K", "f16" (fp16, round to nearest even) or "f32".
+    ref: Q8_0 / Q8_1 as ggml built without AVX quantizes them (`quantize_q8`)."""
     x = np.asarray(x, dtype=np.float32)
     if x.ndim == 1:
         x = x[None]
@@ -64,7 +73,7 @@ def quantize_act(x: np.ndarray, kind: str) -> np.ndarray:
         return quantize_q8_K(x)
     if kind not in ("q8_0", "q8_1"):
         raise ValueError(f"unknown activation kind {kind!r}")
-    q, d, s = quantize_q8(x, with_sum=kind == "q8_1")
+    q, d, s = quantize_q8(x, with_sum=kind == "q8_1", ref=ref)
     nb = n // QK
     bb = _ACT_BLOCK[kind][1]
     out = np.empty((T, nb, bb), np.uint8)
@@ -171,3 +180,48 @@ def qmatmul_ggml(xq: np.ndarray, raw: np.ndarray, qtype: int, rows: int, cols: i
     if wm is not None:
         r = r + summs
     return r.astype(np.float32)
+
+
+def qmatmul_generic(xq: np.ndarray, raw: np.ndarray, qtype: int, rows: int, cols: int,
+                    ssse3: bool = False) -> np.ndarray:
+    """x @ W.T with the float operations of ggml built without AVX (the generic loops of quants.c, one float
+    sum per row, a product then a sum, no FMA):
+        Q4_0  sumf += (isum * dx) * dy      Q5_0  sumf += (dx * dy) * isum      Q8_0  sumf += isum * (dx * dy)
+        Q4_1, Q5_1  sumf += (dx * dy) * isum + mx * sy
+    ssse3: Q4_0 as its SSSE3 path (pairs of blocks, 4 accumulators of 4 lanes of 4 values, hsum_float_4x4,
+    an odd last block generic). Returns (T, rows) float32."""
+    if qtype not in LEGACY:
+        raise ValueError(f"qmatmul_generic has no path for ggml type {qtype} (supported: {sorted(LEGACY)})")
+    f = np.float32
+    qa, da, sa = unpack_act(xq, LEGACY[qtype][1], cols)
+    wq, wd, wm = weight_ints(np.ascontiguousarray(raw).reshape(-1), qtype, rows, cols)
+    T, nb = da.shape
+    isum = np.einsum("tbj,rbj->btr", qa.astype(np.float64), wq.astype(np.float64)).astype(f)  # exact
+    out = np.zeros((T, rows), f)
+    b0 = 0
+    if qtype == Q4_0 and ssse3:
+        lanes = np.einsum("tbhkj,rbhkj->bthrk", qa.reshape(T, nb, 2, 4, 4).astype(np.float64),
+                          wq.reshape(rows, nb, 2, 4, 4).astype(np.float64)).astype(f)  # (nb, T, 2, rows, 4)
+        acc = np.zeros((4, T, rows, 4), f)
+        for b in range(0, nb - 1, 2):
+            for k in range(2):
+                dd = (wd[None, :, b + k] * da[:, b + k, None]).astype(f)[..., None]
+                for h in range(2):
+                    acc[2 * k + h] = (dd * lanes[b + k, :, h] + acc[2 * k + h]).astype(f)
+        # hsum_float_4x4: hadd(a, b), hadd(c, d), hadd of those, then hadd twice more
+        p = [((a[..., 0] + a[..., 1]).astype(f), (a[..., 2] + a[..., 3]).astype(f)) for a in acc]
+        s = [(x0 + x1).astype(f) for x0, x1 in p]
+        out = ((s[0] + s[1]).astype(f) + (s[2] + s[3]).astype(f)).astype(f)
+        b0 = nb - nb % 2
+    for b in range(b0, nb):
+        dx, dy = wd[None, :, b], da[:, b, None]
+        if qtype == Q4_0:
+            t = ((isum[b] * dx).astype(f) * dy).astype(f)
+        elif qtype == Q5_0:
+            t = ((dx * dy).astype(f) * isum[b]).astype(f)
+        elif qtype == Q8_0:
+            t = (isum[b] * (dx * dy).astype(f)).astype(f)
+        else:
+            t = (((dx * dy).astype(f) * isum[b]).astype(f) + (wm[None, :, b] * sa[:, b, None]).astype(f)).astype(f)
+        out = (out + t).astype(f)
+    return out

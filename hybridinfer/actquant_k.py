@@ -28,6 +28,9 @@ rounding to float32). The lane sums are formed for all rows, tokens and blocks a
 matrix products of integer-valued arrays (exact: every partial sum is an integer below 2^53); the one
 Python loop runs along the row (n/256 steps, each over all rows, tokens and lanes), because the
 order of the float accumulation over a row's blocks is part of the result.
+
+`kquant_matmul_q8_generic` is the same product in the float order of ggml's generic kernels (llama.cpp
+built without AVX; no fused multiply-adds), the reference of the SSSE3 and scalar C paths.
 """
 
 from __future__ import annotations
@@ -231,4 +234,49 @@ def kquant_matmul_q8(y: np.ndarray, raw: np.ndarray, qtype: int, rows: int, cols
         elif qtype == Q5_K:
             res = res + summs
         out[:, r0:r1] = res.T
+    return out
+
+
+def kquant_matmul_q8_generic(y: np.ndarray, raw: np.ndarray, qtype: int, rows: int, cols: int,
+                             row_chunk: int | None = None) -> np.ndarray:
+    """As `kquant_matmul_q8`, in the float order of ggml's generic kernels (ggml_vec_dot_q*_K_q8_K_generic:
+    what llama.cpp runs when built without AVX, its SSE4.2 and baseline x86-64 builds, with no FMA), the
+    reference of the SSSE3 and scalar C paths:
+      - 8 integer lanes per block, lane l = sum over the block's values e with e % 8 == l of
+        sc(e) * a[e] * q8[e] (Q6_K: a = q - 32), sc(e) the scale of e's sub-block;
+      - sums[l] = sums[l] + (D*d) * lane l, over the blocks: a float32 product, then a float32 sum;
+      - Q4_K, Q5_K: sumf = sumf - (D*dmin) * sum_s m[s] B[s], per block, sumf starting at 0;
+      - result: sumf = sumf + sums[l] for l = 0..7 in turn."""
+    _check(qtype, cols)
+    nb = cols // QK_K
+    D, q8, bs = unpack_q8_K(y, cols)
+    T = D.shape[0]
+    q8l = np.ascontiguousarray(q8.reshape(T, nb, 32, 8).transpose(1, 3, 2, 0), dtype=np.float64)  # (nb, 8, 32, T)
+    B = bs[..., 0::2].astype(np.int64) + bs[..., 1::2]  # (T, nb, 8): bsums per 32-value sub-block
+    flat = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows, nb * BLOCK_BYTES[qtype])
+    if row_chunk is None:
+        row_chunk = max(1, (1 << 22) // (nb * QK_K))
+    out = np.empty((T, rows), np.float32)
+    for r0 in range(0, rows, row_chunk):
+        r1 = min(rows, r0 + row_chunk)
+        R = r1 - r0
+        A, d, dmin, aux = weight_terms(flat[r0:r1], qtype, R, cols)
+        A = A.astype(np.int64)
+        if qtype == Q6_K:  # signed quants: sc * (q - 32)
+            A -= 32 * np.repeat(aux, 16, axis=-1)
+        Al = np.ascontiguousarray(A.reshape(R, nb, 32, 8).transpose(1, 3, 0, 2), dtype=np.float64)  # (nb, 8, R, 32)
+        lanes = np.matmul(Al, q8l).astype(np.float32)  # (nb, 8, R, T): exact integers, rounded as int -> float
+        dd = D.T[:, None, :] * d.T[:, :, None]  # (nb, R, T) float32: y.d * x.d
+        sums = np.zeros((8, R, T), np.float32)
+        sumf = np.zeros((R, T), np.float32)
+        if dmin is not None:
+            dm = D.T[:, None, :] * dmin.T[:, :, None]
+            imin = np.einsum("rbs,tbs->brt", aux.astype(np.int64), B).astype(np.float32)  # (nb, R, T)
+        for b in range(nb):
+            sums = sums + dd[b] * lanes[b]
+            if dmin is not None:
+                sumf = sumf - dm[b] * imin[b]
+        for lane in sums:
+            sumf = sumf + lane
+        out[:, r0:r1] = sumf.T
     return out

@@ -26,12 +26,21 @@ def load():
     return lib
 
 
-def quantize_act(lib, x: np.ndarray, kind: str) -> np.ndarray:
-    """One row x (D,) float32 -> ggml's Q8_0 / Q8_1 blocks as bytes."""
+def quantize_act(lib, x: np.ndarray, kind: str, ref: bool = False) -> np.ndarray:
+    """One row x (D,) float32 -> ggml's Q8_0 / Q8_1 blocks as bytes; ref: quantize_row_q8_*_ref (libggml-base),
+    what ggml built without AVX quantizes with."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     bb = 34 if kind == "q8_0" else 36
     y = np.zeros(x.size // 32 * bb, np.uint8)
-    getattr(lib, f"quantize_row_{kind}")(x.ctypes.data, y.ctypes.data, x.size)
+    if ref:
+        import llama_cpp
+
+        base = ctypes.CDLL(os.path.join(os.path.dirname(llama_cpp.__file__), "lib", "libggml-base.so"))
+        f = getattr(base, f"quantize_row_{kind}_ref")
+        f.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    else:
+        f = getattr(lib, f"quantize_row_{kind}")
+    f(x.ctypes.data, y.ctypes.data, x.size)
     return y
 
 

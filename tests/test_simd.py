@@ -27,7 +27,9 @@ from hybridinfer.quant import random_blocks
 LEGACY = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0"}
 KQUANT = {12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 ISAS = supported_isas()
-FMA_ISAS = [i for i in ISAS if i != "ssse3"]  # same float operations as ggml's AVX2 kernels
+FMA_ISAS = [i for i in ISAS if i in ("avx2", "avx512vnni")]  # the float operations of ggml's AVX2 kernels
+# below AVX: ggml's generic loops (its SSE4.2 or baseline x86-64 build) and its reference Q8_0 / Q8_1 quantizers
+GENERIC_ISAS = [i for i in ISAS if i in ("scalar", "ssse3")]
 
 
 @pytest.fixture(scope="module")
@@ -43,11 +45,11 @@ def ggml():
 
 
 
-def _ggml_act(ggml, x: np.ndarray, kind: str) -> np.ndarray:
+def _ggml_act(ggml, x: np.ndarray, kind: str, ref: bool = False) -> np.ndarray:
     import ggml_kernels
 
     if kind != "q8_K":
-        return np.stack([ggml_kernels.quantize_act(ggml, r, kind) for r in x])
+        return np.stack([ggml_kernels.quantize_act(ggml, r, kind, ref) for r in x])
     out = np.zeros((x.shape[0], x.shape[1] // 256 * 292), np.uint8)  # zeroed: ggml skips bsums of zero blocks
     for t, r in enumerate(np.ascontiguousarray(x)):
         ggml.quantize_row_q8_K(r.ctypes.data, out[t].ctypes.data, r.size)
@@ -121,14 +123,18 @@ def test_read_bandwidth(libs):
 def test_quantizers_match_ggml_and_numpy(ggml, libs, kind, qtype):
     rng = np.random.default_rng(11)
     x = _activations(rng, 5, 768)
+    x[0, :32] = np.arange(-16, 16) * (x[0, 5] / 16)  # ties of x * id, where the two roundings differ
     theirs = _ggml_act(ggml, x, kind)
     ref = aq.quantize_act(x, kind)
     assert np.array_equal(ref, theirs)  # the numpy reference is llama.cpp's rounding
+    theirs_ref = theirs if kind == "q8_K" else _ggml_act(ggml, x, kind, ref=True)
+    assert np.array_equal(aq.quantize_act(x, kind, ref=True), theirs_ref)
     for isa, lib in libs.items():
+        want = theirs_ref if isa in GENERIC_ISAS else theirs
         ours = lib.quantize(x, qtype)
-        assert ours.shape == theirs.shape and np.array_equal(ours, theirs), isa
+        assert ours.shape == want.shape and np.array_equal(ours, want), isa
         one = lib.quantize(x[3], qtype)  # a 1-D row
-        assert np.array_equal(one, theirs[3]), isa
+        assert np.array_equal(one, want[3]), isa
 
 
 def test_f16_activations_round_to_nearest_even(libs):
@@ -170,8 +176,13 @@ def test_legacy_matmul_matches_ggml(ggml, libs, qtype):
             lib.matmul(raw, qtype, rows, cols, xq, out)
             if isa in FMA_ISAS:
                 assert np.array_equal(out, theirs[:T]), (isa, T)
-            else:
-                assert np.allclose(out, theirs[:T], rtol=1e-5, atol=2e-6 * scale), (isa, T)
+            else:  # ggml's generic loops (Q4_0: its SSSE3 path on the SSSE3 unit), on ggml's ref quantization
+                assert np.array_equal(xq, aq.quantize_act(x[:T], kind, ref=True)), (isa, T)
+                want = aq.qmatmul_generic(xq, raw, qtype, rows, cols, ssse3=isa == "ssse3")
+                assert np.array_equal(out, want), (isa, T)
+                # and only the float order differs from ggml's AVX2 kernels on the same activations
+                avx = aq.qmatmul_ggml(xq, raw, qtype, rows, cols)
+                assert np.allclose(out, avx, rtol=1e-5, atol=2e-6 * scale) and not np.array_equal(out, avx), (isa, T)
         gemv = np.zeros(rows, np.float32)  # 1-D: T = 1
         lib.matmul(raw, qtype, rows, cols, lib.quantize(x[5], qtype), gemv)
         assert np.array_equal(gemv, out[5]), isa

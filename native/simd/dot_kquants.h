@@ -11,8 +11,10 @@
  *         dot_i = (D*d) * (sum_s sc[s] * sum_l q[16s+l]*q8[16s+l]  -  32 * sum_s sc[s]*bsums[s])
  *   row = sum_i dot_i
  *
- * Integer sums are exact (int32; every 16-bit intermediate is bounded below 2^15). The floats follow ggml's
- * AVX2 kernels (what llama.cpp runs on x86 hosts with AVX2 or better), so every path keeps their shape:
+ * Integer sums are exact (int32; every 16-bit intermediate is bounded below 2^15), so only the float steps
+ * define the result, and they are those of the llama.cpp build for the unit's ISA level.
+ *
+ * AVX-512 VNNI and AVX2 units: ggml's AVX2 kernels (what llama.cpp runs on x86 hosts with AVX2 or better):
  *   - the block's integer sum is kept in 8 int32 lanes: lane k (0..7) holds, over the block's eight groups of
  *     32 elements, sc * (sum of the 4 products q*q8 at positions 4k..4k+3 of the group), sc the scale of the
  *     sub-block of those 4 elements. Q6_K's q enters unsigned (0..63) and each lane then subtracts
@@ -24,17 +26,23 @@
  *     of Q5_K: one sum, summs = fma(-D*dmin, (float)(sum_s m[s]*B[s]), summs)
  *   - the result: hsum8(acc) [+ hsum4(accm) for Q4_K | + summs for Q5_K], with
  *         hsum8(a) = ((a0+a4) + (a2+a6)) + ((a1+a5) + (a3+a7)),  hsum4(a) = (a0+a2) + (a1+a3).
- * The AVX-512 VNNI, AVX2 and scalar paths do exactly these operations, fused multiply-adds included (the
- * scalar one through hi_kq_fmaf, exact also where fmaf is no instruction), so their result is ggml's AVX2
- * result bit for bit. The SSSE3 path is for hosts without FMA: it forms the same integer lanes and does the
- * same float operations with a separate multiply and add, so its floats can differ in the last bits. Define
- * HI_KQ_SSSE3_FMA to get the fused rounding there too (emulated in double precision: bit-identical, about
- * half the speed); a unit built with -mfma uses the instruction.
+ *
+ * SSSE3 and scalar units: ggml's generic kernels (ggml_vec_dot_q*_K_q8_K_generic), which llama.cpp runs when
+ * built without AVX (its SSE4.2 and baseline x86-64 builds), compiled with no FMA:
+ *   - 8 int32 lanes per block, lane l = sum over the block's elements e with e % 8 == l of sc(e) * a[e] * q8[e]
+ *     (Q6_K: a = q - 32, signed), sc(e) the scale of e's sub-block;
+ *   - sums[l] += (d*D) * (float)lane[l]: a float product, then a float sum (d*D rounded to float first);
+ *   - Q4_K, Q5_K: sumf -= (dmin*D) * (float)(sum_s m[s]*B[s]), per block (sumf starts at 0);
+ *   - the result: sumf += sums[l] for l = 0..7 in turn.
+ * The AVX paths and these do their float operations exactly (fused multiply-adds as fma, the generic products
+ * and sums as separate roundings), so each unit's result is that llama.cpp build's bit for bit. A product and
+ * the sum it feeds are kept apart (hi_kq_nofuse), so a unit compiled with FMA enabled still does not fuse
+ * them.
  *
  * The path is chosen by the ISA macros of the including compilation unit:
  *   __AVX512VNNI__ && __AVX512VL__ && __AVX512BW__ : vpdpbusd (and vpdpwssd for the scales)
  *   __AVX2__                                       : pmaddubsw + pmaddwd on 32 bytes (-mavx2 -mfma)
- *   __SSSE3__                                      : pmaddubsw + pmaddwd on 16 bytes; no FMA, no SSE4.1
+ *   __SSSE3__                                      : pshufb + pmaddubsw + pmaddwd on 16 bytes; no SSE4.1
  *   otherwise                                      : portable scalar
  * The scalar versions (hi_dot_q*_K_q8_K_scalar) are defined in every unit. n is the number of elements of
  * the row (a multiple of 256); vx the row's weight blocks, vy its block_q8_K activation blocks. Not for
@@ -104,14 +112,36 @@ static inline void hi_kq_scales_mins(const uint8_t *restrict s12, uint8_t *restr
     memcpy(out, u, 16);
 }
 
-/* ggml's hsum_float_8 and its 4-lane tail, in scalar form */
-static inline float hi_kq_hsum8(const float *a) {
-    const float r0 = a[4] + a[0], r1 = a[5] + a[1], r2 = a[6] + a[2], r3 = a[7] + a[3];
-    return (r0 + r2) + (r1 + r3);
+/* keeps v in a register between a product and the sum it feeds: no contraction into a fused multiply-add,
+ * whatever -ffp-contract says (ggml's generic kernels are built without FMA) */
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#define hi_kq_nofuse(v) __asm__("" : "+x"(v))
+#elif defined(__GNUC__) && defined(__aarch64__)
+#define hi_kq_nofuse(v) __asm__("" : "+w"(v))
+#else
+#define hi_kq_nofuse(v) ((void)0)
+#endif
+
+/* ggml's generic float steps: sums[l] += d * (float)lane[l], the product rounded on its own */
+static inline void hi_kq_gen_acc(float *restrict sums, float d, const int32_t *restrict lane) {
+    for (int l = 0; l < 8; ++l) {
+        float p = d * (float)lane[l];
+        hi_kq_nofuse(p);
+        sums[l] += p;
+    }
 }
 
-static inline float hi_kq_hsum4(const float *a) {
-    return (a[0] + a[2]) + (a[1] + a[3]);
+/* sumf - dmin * (float)imin, the product rounded on its own */
+static inline float hi_kq_gen_sub(float sumf, float dmin, int32_t imin) {
+    float p = dmin * (float)imin;
+    hi_kq_nofuse(p);
+    return sumf - p;
+}
+
+/* the generic kernels' end: sumf += sums[l] for l = 0..7, in that order */
+static inline float hi_kq_gen_end(float sumf, const float *sums) {
+    for (int l = 0; l < 8; ++l) sumf += sums[l];
+    return sumf;
 }
 
 /* float fma(a, b, c) with one rounding. Where fmaf is not an instruction (x86-64 without FMA or AVX-512,
@@ -138,18 +168,13 @@ static inline float hi_kq_fmaf(float a, float b, float c) {
 }
 
 /* ------------------------------------------------------------------------------------------------ */
-/* portable scalar versions: the definition of the integer lanes                                     */
+/* portable scalar versions: ggml's generic kernels                                                   */
 
-/* lane[k] += sum over the 8 groups g of 32 elements of sc16[2g + k/4] * sum_{t<4} q[32g+4k+t] * q8[32g+4k+t],
- * sc16[j] the scale of elements 16j .. 16j+15 (q unsigned, 0..63) */
-static inline void hi_kq_lanes_scalar(const uint8_t *restrict q, const int8_t *restrict q8, const int *restrict sc16,
-                                      int32_t *restrict lane) {
-    for (int g = 0; g < 8; ++g) {
-        int16_t p[32];
-        for (int l = 0; l < 32; ++l) p[l] = (int16_t)(q[32 * g + l] * q8[32 * g + l]); /* |.| <= 63 * 128 */
-        for (int k = 0; k < 8; ++k)
-            lane[k] += sc16[2 * g + (k >> 2)] * (p[4 * k] + p[4 * k + 1] + p[4 * k + 2] + p[4 * k + 3]);
-    }
+/* lane[l] += sum over the block's 32 octets o of sc8[o] * sum_{e = 8o + l} a[e] * q8[e] */
+static inline void hi_kq_gen_lanes(const int8_t *restrict a, const int8_t *restrict q8, const int *restrict sc8,
+                                   int32_t *restrict lane) {
+    for (int o = 0; o < 32; ++o)
+        for (int l = 0; l < 8; ++l) lane[l] += sc8[o] * (a[8 * o + l] * q8[8 * o + l]);
 }
 
 /* the quants of a Q4_K / Q5_K block in element order: sub-block s = nibble s&1 of qs[32(s/2) + l] (+ 16 * bit s
@@ -166,34 +191,25 @@ static inline void hi_kq_unpack_k4(const uint8_t *restrict qs, const uint8_t *re
 }
 
 static inline float hi_kq_dot_k4_scalar(int nb, const uint8_t *vx, size_t bsize, int has_qh, const block_q8_K *restrict y) {
-    float acc[8] = {0}, accm[4] = {0}, summs = 0.0f;
+    float sums[8] = {0}, sumf = 0.0f;
     for (int i = 0; i < nb; ++i) {
         const uint8_t *b = vx + (size_t)i * bsize; /* d, dmin, scales[12], (qh[32],) qs[128] */
         hi_half hd, hm;
         memcpy(&hd, b, 2);
         memcpy(&hm, b + 2, 2);
-        const float d = y[i].d * hi_kq_f16(hd);
-        const float dmin = -y[i].d * hi_kq_f16(hm);
         uint8_t sm[16], q[256];
         hi_kq_scales_mins(b + 4, sm);
-        int B[8], sc16[16], msum = 0;
-        for (int s = 0; s < 8; ++s) {
-            B[s] = y[i].bsums[2 * s] + y[i].bsums[2 * s + 1];
-            sc16[2 * s] = sc16[2 * s + 1] = sm[s];
-        }
-        if (has_qh) {
-            for (int s = 0; s < 8; ++s) msum += sm[8 + s] * B[s];
-            summs = hi_kq_fmaf(dmin, (float)msum, summs);
-        } else {
-            for (int k = 0; k < 4; ++k)
-                accm[k] = hi_kq_fmaf(dmin, (float)(sm[8 + 2 * k] * B[2 * k] + sm[9 + 2 * k] * B[2 * k + 1]), accm[k]);
-        }
+        int32_t imin = 0;
+        int sc8[32];
+        for (int j = 0; j < 16; ++j) imin += y[i].bsums[j] * sm[8 + j / 2];
+        for (int o = 0; o < 32; ++o) sc8[o] = sm[o / 4];
         hi_kq_unpack_k4(b + (has_qh ? 48 : 16), has_qh ? b + 16 : 0, q);
         int32_t lane[8] = {0};
-        hi_kq_lanes_scalar(q, y[i].qs, sc16, lane);
-        for (int k = 0; k < 8; ++k) acc[k] = hi_kq_fmaf(d, (float)lane[k], acc[k]);
+        hi_kq_gen_lanes((const int8_t *)q, y[i].qs, sc8, lane);
+        hi_kq_gen_acc(sums, hi_kq_f16(hd) * y[i].d, lane);
+        sumf = hi_kq_gen_sub(sumf, hi_kq_f16(hm) * y[i].d, imin);
     }
-    return has_qh ? hi_kq_hsum8(acc) + summs : hi_kq_hsum8(acc) + hi_kq_hsum4(accm);
+    return hi_kq_gen_end(sumf, sums);
 }
 
 static inline float hi_dot_q4_K_q8_K_scalar(int n, const void *restrict vx, const void *restrict vy) {
@@ -208,24 +224,21 @@ static inline float hi_dot_q6_K_q8_K_scalar(int n, const void *restrict vx, cons
     const block_q6_K *restrict x = (const block_q6_K *)vx;
     const block_q8_K *restrict y = (const block_q8_K *)vy;
     const int nb = n / HI_QK_K;
-    float acc[8] = {0};
+    float sums[8] = {0};
     for (int i = 0; i < nb; ++i) {
-        const float d = y[i].d * hi_kq_f16(x[i].d);
-        uint8_t q[256];
+        int8_t a[256];
         for (int h = 0; h < 2; ++h) /* element 128h + 32r + l: nibble r/2 of ql[64h + 32(r&1) + l], bits 2r of qh[32h + l] */
             for (int r = 0; r < 4; ++r)
                 for (int l = 0; l < 32; ++l)
-                    q[128 * h + 32 * r + l] = (uint8_t)(((x[i].ql[64 * h + 32 * (r & 1) + l] >> (4 * (r >> 1))) & 15) |
-                                                        (((x[i].qh[32 * h + l] >> (2 * r)) & 3) << 4));
-        int sc16[16];
-        int32_t lane[8];
-        for (int j = 0; j < 16; ++j) sc16[j] = x[i].scales[j];
-        for (int k = 0; k < 8; ++k) /* the -32 offset, through the activation sums */
-            lane[k] = -32 * (sc16[2 * k] * y[i].bsums[2 * k] + sc16[2 * k + 1] * y[i].bsums[2 * k + 1]);
-        hi_kq_lanes_scalar(q, y[i].qs, sc16, lane);
-        for (int k = 0; k < 8; ++k) acc[k] = hi_kq_fmaf(d, (float)lane[k], acc[k]);
+                    a[128 * h + 32 * r + l] = (int8_t)((((x[i].ql[64 * h + 32 * (r & 1) + l] >> (4 * (r >> 1))) & 15) |
+                                                        (((x[i].qh[32 * h + l] >> (2 * r)) & 3) << 4)) - 32);
+        int sc8[32];
+        for (int o = 0; o < 32; ++o) sc8[o] = x[i].scales[o / 2];
+        int32_t lane[8] = {0};
+        hi_kq_gen_lanes(a, y[i].qs, sc8, lane);
+        hi_kq_gen_acc(sums, hi_kq_f16(x[i].d) * y[i].d, lane);
     }
-    return hi_kq_hsum8(acc);
+    return hi_kq_gen_end(0.0f, sums);
 }
 
 /* ------------------------------------------------------------------------------------------------ */
@@ -300,46 +313,47 @@ static inline __m128i hi_kq_scales_mins_v(const uint8_t *s12) {
 #endif
 
 #if defined(__SSSE3__) && !defined(__AVX2__)
-/* the SSSE3 path's multiply-adds. Hosts with SSSE3 and no AVX2 have no FMA: by default a multiply and an
- * add (two roundings); with HI_KQ_SSSE3_FMA, ggml's fused rounding emulated in double precision. */
-#if defined(__FMA__)
-#define HI_KQ_SSE_FMA(a, b, c) _mm_fmadd_ps(a, b, c)
-#define HI_KQ_SSE_FMA1(a, b, c) hi_kq_fmaf(a, b, c)
-#elif defined(HI_KQ_SSSE3_FMA)
-/* a*b + c for doubles holding floats: the product is exact; the sum is rounded to double with its error
- * (TwoSum) and moved to round-to-odd, after which the conversion to float rounds once, correctly */
-static inline __m128d hi_kq_fma_rto_pd(__m128d a, __m128d b, __m128d c) {
-    const __m128d p = _mm_mul_pd(a, b);
-    const __m128d s = _mm_add_pd(p, c);
-    const __m128d bv = _mm_sub_pd(s, p);
-    const __m128d e = _mm_add_pd(_mm_sub_pd(p, _mm_sub_pd(s, bv)), _mm_sub_pd(c, bv));
-    const __m128i inexact = _mm_castpd_si128(_mm_cmpneq_pd(e, _mm_setzero_pd()));
-    const __m128i opposite = _mm_srli_epi64(_mm_castpd_si128(_mm_xor_pd(e, s)), 63);
-    __m128i bits = _mm_sub_epi64(_mm_castpd_si128(s), _mm_and_si128(inexact, opposite));
-    bits = _mm_or_si128(bits, _mm_and_si128(inexact, _mm_set_epi32(0, 1, 0, 1)));
-    return _mm_castsi128_pd(bits);
+/* byte order that puts the two octets of 16 bytes side by side, element l of each next to the other: pmaddubsw
+ * then sums the products of lane l over both octets */
+#define HI_KQ_ZIP_OCTETS _mm_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15)
+
+/* ggml's generic float steps on the block's lanes (l = 0..3 in lo, 4..7 in hi): sums[l] += d * (float)lane[l] */
+static inline void hi_kq_gen_acc_ps(__m128 *s0, __m128 *s1, float d, __m128i lo, __m128i hi) {
+    const __m128 vd = _mm_set1_ps(d);
+    __m128 p0 = _mm_mul_ps(vd, _mm_cvtepi32_ps(lo)), p1 = _mm_mul_ps(vd, _mm_cvtepi32_ps(hi));
+    hi_kq_nofuse(p0);
+    hi_kq_nofuse(p1);
+    *s0 = _mm_add_ps(*s0, p0);
+    *s1 = _mm_add_ps(*s1, p1);
 }
 
-static inline __m128 hi_kq_fma4_exact(__m128 a, __m128 b, __m128 c) {
-    const __m128 lo = _mm_cvtpd_ps(hi_kq_fma_rto_pd(_mm_cvtps_pd(a), _mm_cvtps_pd(b), _mm_cvtps_pd(c)));
-    const __m128 hi = _mm_cvtpd_ps(hi_kq_fma_rto_pd(_mm_cvtps_pd(_mm_movehl_ps(a, a)), _mm_cvtps_pd(_mm_movehl_ps(b, b)),
-                                                    _mm_cvtps_pd(_mm_movehl_ps(c, c))));
-    return _mm_movelh_ps(lo, hi);
+static inline float hi_kq_gen_end_ps(float sumf, __m128 s0, __m128 s1) {
+    float sums[8];
+    _mm_storeu_ps(sums, s0);
+    _mm_storeu_ps(sums + 4, s1);
+    return hi_kq_gen_end(sumf, sums);
 }
 
-static inline float hi_kq_fma1_exact(float a, float b, float c) {
-    return _mm_cvtss_f32(_mm_cvtpd_ps(hi_kq_fma_rto_pd(_mm_set_sd(a), _mm_set_sd(b), _mm_set_sd(c))));
+/* Q4_K / Q5_K: sum_s m[s] * B[s] (sm: hi_kq_scales_mins_v of the block) */
+static inline int32_t hi_kq_imin_sse(__m128i sm, const int16_t *bsums) {
+    const __m128i bs = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)bsums), _mm_loadu_si128((const __m128i *)(bsums + 8)));
+    return hi_kq_hsum4_epi32(_mm_madd_epi16(_mm_unpackhi_epi8(sm, _mm_setzero_si128()), bs));
 }
-#define HI_KQ_SSE_FMA(a, b, c) hi_kq_fma4_exact(a, b, c)
-#define HI_KQ_SSE_FMA1(a, b, c) hi_kq_fma1_exact(a, b, c)
-#else
-#define HI_KQ_SSE_FMA(a, b, c) _mm_add_ps(_mm_mul_ps(a, b), c)
-static inline float hi_kq_muladd1(float a, float b, float c) {
-    const float p = a * b;
-    return p + c;
+
+/* Q4_K / Q5_K: the 8 lanes of one 64-element step from the zipped quants of its two sub-blocks (wl: elements
+ * 0..31, wh: 32..63, each as two zipped 16-byte halves) and their scales sl, sh (int16): lanes 0..3 and 4..7 */
+static inline void hi_kq_k4_step_sse(const __m128i *w, const int8_t *q8, __m128i scl, __m128i *lo, __m128i *hi) {
+    const __m128i zip = HI_KQ_ZIP_OCTETS;
+    __m128i p[2];
+    for (int s = 0; s < 2; ++s) { /* sub-block s of the step: 4 octets, sums of lane l in int16 (|.| <= 4*31*128) */
+        const __m128i y0 = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(q8 + 32 * s)), zip);
+        const __m128i y1 = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(q8 + 32 * s + 16)), zip);
+        p[s] = _mm_add_epi16(_mm_maddubs_epi16(w[2 * s], y0), _mm_maddubs_epi16(w[2 * s + 1], y1));
+    }
+    /* (lane l of sub-block 0, lane l of sub-block 1) pairs against (sc0, sc1) */
+    *lo = _mm_add_epi32(*lo, _mm_madd_epi16(_mm_unpacklo_epi16(p[0], p[1]), scl));
+    *hi = _mm_add_epi32(*hi, _mm_madd_epi16(_mm_unpackhi_epi16(p[0], p[1]), scl));
 }
-#define HI_KQ_SSE_FMA1(a, b, c) hi_kq_muladd1(a, b, c)
-#endif
 #endif
 
 #if defined(__AVX2__)

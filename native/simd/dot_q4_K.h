@@ -85,52 +85,31 @@ static inline float hi_dot_q4_K_q8_K(int n, const void *restrict vx, const void 
     }
     return hi_kq_hsum8_ps(acc) + hi_kq_hsum4_ps(accm);
 #elif defined(__SSSE3__)
-    /* two 4-lane halves: s0 = lanes 0..3 (bytes 0..15 of each 32-element group), s1 = lanes 4..7 */
-    const __m128i m4 = _mm_set1_epi8(0x0f);
-    const __m128i zero = _mm_setzero_si128();
-    __m128 acc0 = _mm_setzero_ps(), acc1 = _mm_setzero_ps(), accm = _mm_setzero_ps();
+    /* ggml's generic kernel: octets zipped so that pmaddubsw sums lane l (element % 8) of two octets */
+    const __m128i m4 = _mm_set1_epi8(0x0f), zip = HI_KQ_ZIP_OCTETS;
+    __m128 sums0 = _mm_setzero_ps(), sums1 = _mm_setzero_ps();
+    float sumf = 0.0f;
     for (int i = 0; i < nb; ++i) {
-        const __m128 dd = hi_kq_d_dmin(&x[i].d, y[i].d);
-        const float d = _mm_cvtss_f32(dd), dmin = _mm_cvtss_f32(_mm_shuffle_ps(dd, dd, 0x55));
         const __m128i sm = hi_kq_scales_mins_v(x[i].scales);
-        const __m128i sc16 = _mm_unpacklo_epi8(sm, zero);
-        const __m128i mins16 = _mm_unpackhi_epi8(sm, zero);
-        /* scale s broadcast to 8 int16: pairs by unpack, then a (non-destructive) dword shuffle */
-        const __m128i sc03 = _mm_unpacklo_epi16(sc16, sc16), sc47 = _mm_unpackhi_epi16(sc16, sc16);
-#define HI_KQ_BCAST(s) _mm_shuffle_epi32((s) < 4 ? sc03 : sc47, ((s) & 3) * 0x55)
-        const __m128i bs = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)y[i].bsums),
-                                          _mm_loadu_si128((const __m128i *)(y[i].bsums + 8)));
-        const __m128i ml = _mm_madd_epi16(mins16, bs);
-        const uint8_t *q4 = x[i].qs;
-        const int8_t *q8 = y[i].qs;
-        __m128i s0 = zero, s1 = zero;
+        const __m128i sc16 = _mm_unpacklo_epi8(sm, _mm_setzero_si128()); /* dword j: (sc[2j], sc[2j+1]) */
+        __m128i lo = _mm_setzero_si128(), hi = _mm_setzero_si128();
 #define HI_KQ_Q4_STEP(j)                                                                                   \
         {                                                                                                  \
-            const __m128i sl = HI_KQ_BCAST(2 * (j));                                                      \
-            const __m128i sh = HI_KQ_BCAST(2 * (j) + 1);                                                  \
-            const __m128i b0 = _mm_loadu_si128((const __m128i *)(q4 + 32 * (j)));                          \
-            const __m128i b1 = _mm_loadu_si128((const __m128i *)(q4 + 32 * (j) + 16));                     \
-            const __m128i p0 = _mm_maddubs_epi16(_mm_and_si128(b0, m4), _mm_loadu_si128((const __m128i *)(q8 + 64 * (j)))); \
-            const __m128i p1 = _mm_maddubs_epi16(_mm_and_si128(b1, m4), _mm_loadu_si128((const __m128i *)(q8 + 64 * (j) + 16))); \
-            const __m128i p2 = _mm_maddubs_epi16(_mm_and_si128(_mm_srli_epi16(b0, 4), m4),                 \
-                                                 _mm_loadu_si128((const __m128i *)(q8 + 64 * (j) + 32)));  \
-            const __m128i p3 = _mm_maddubs_epi16(_mm_and_si128(_mm_srli_epi16(b1, 4), m4),                 \
-                                                 _mm_loadu_si128((const __m128i *)(q8 + 64 * (j) + 48)));  \
-            s0 = _mm_add_epi32(s0, _mm_add_epi32(_mm_madd_epi16(sl, p0), _mm_madd_epi16(sh, p2)));         \
-            s1 = _mm_add_epi32(s1, _mm_add_epi32(_mm_madd_epi16(sl, p1), _mm_madd_epi16(sh, p3)));         \
+            const __m128i b0 = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(x[i].qs + 32 * (j))), zip);      \
+            const __m128i b1 = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(x[i].qs + 32 * (j) + 16)), zip); \
+            const __m128i w[4] = {_mm_and_si128(b0, m4), _mm_and_si128(b1, m4),                          \
+                                  _mm_and_si128(_mm_srli_epi16(b0, 4), m4), _mm_and_si128(_mm_srli_epi16(b1, 4), m4)}; \
+            hi_kq_k4_step_sse(w, y[i].qs + 64 * (j), _mm_shuffle_epi32(sc16, (j) * 0x55), &lo, &hi);      \
         }
         HI_KQ_Q4_STEP(0)
         HI_KQ_Q4_STEP(1)
         HI_KQ_Q4_STEP(2)
         HI_KQ_Q4_STEP(3)
 #undef HI_KQ_Q4_STEP
-#undef HI_KQ_BCAST
-        const __m128 vd = _mm_set1_ps(d);
-        acc0 = HI_KQ_SSE_FMA(vd, _mm_cvtepi32_ps(s0), acc0);
-        acc1 = HI_KQ_SSE_FMA(vd, _mm_cvtepi32_ps(s1), acc1);
-        accm = HI_KQ_SSE_FMA(_mm_set1_ps(dmin), _mm_cvtepi32_ps(ml), accm);
+        hi_kq_gen_acc_ps(&sums0, &sums1, hi_kq_f16(x[i].d) * y[i].d, lo, hi);
+        sumf = hi_kq_gen_sub(sumf, hi_kq_f16(x[i].dmin) * y[i].d, hi_kq_imin_sse(sm, y[i].bsums));
     }
-    return hi_kq_hsum4_ps(_mm_add_ps(acc1, acc0)) + hi_kq_hsum4_ps(accm);
+    return hi_kq_gen_end_ps(sumf, sums0, sums1);
 #else
     (void)x;
     (void)y;

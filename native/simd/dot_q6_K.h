@@ -98,42 +98,38 @@ static inline float hi_dot_q6_K_q8_K(int n, const void *restrict vx, const void 
     }
     return hi_kq_hsum8_ps(acc);
 #elif defined(__SSSE3__)
-    const __m128i m4 = _mm_set1_epi8(0x0f);
-    const __m128i m3 = _mm_set1_epi8(0x03);
-    const __m128i m12 = _mm_set1_epi8(0x0c);
-    const __m128i m48 = _mm_set1_epi8(0x30);
-    const __m128i m192 = _mm_set1_epi8((char)0xc0);
-    __m128 acc0 = _mm_setzero_ps(), acc1 = _mm_setzero_ps();
+    /* ggml's generic kernel: octets zipped so that pmaddubsw sums lane l (element % 8) of two octets; q enters
+     * unsigned and the -32 comes off each pair sum as 32 * (its two q8) */
+    const __m128i m4 = _mm_set1_epi8(0x0f), m3 = _mm_set1_epi8(0x03), m12 = _mm_set1_epi8(0x0c);
+    const __m128i m48 = _mm_set1_epi8(0x30), m192 = _mm_set1_epi8((char)0xc0), m32 = _mm_set1_epi8(32);
+    const __m128i zip = HI_KQ_ZIP_OCTETS;
+    __m128 sums0 = _mm_setzero_ps(), sums1 = _mm_setzero_ps();
     for (int i = 0; i < nb; ++i) {
-        const float d = hi_kq_d1(x[i].d, y[i].d);
         const __m128i sc8 = _mm_loadu_si128((const __m128i *)x[i].scales);
-        /* int8 -> int16 sign extension without SSE4.1: the byte in the high half, arithmetic shift down */
-        const __m128i sclo = _mm_srai_epi16(_mm_unpacklo_epi8(sc8, sc8), 8); /* sc[0..7]  */
-        const __m128i schi = _mm_srai_epi16(_mm_unpackhi_epi8(sc8, sc8), 8); /* sc[8..15] */
-        /* the offset lanes: 32 * (sc[2k] bsums[2k] + sc[2k+1] bsums[2k+1]), k = 0..3 and 4..7 */
-        const __m128i off0 = _mm_slli_epi32(_mm_madd_epi16(_mm_loadu_si128((const __m128i *)y[i].bsums), sclo), 5);
-        const __m128i off1 = _mm_slli_epi32(_mm_madd_epi16(_mm_loadu_si128((const __m128i *)(y[i].bsums + 8)), schi), 5);
+        /* int8 -> int16 sign extension without SSE4.1; dword g of (sclo, schi): (sc[2g], sc[2g+1]) */
+        const __m128i sclo = _mm_srai_epi16(_mm_unpacklo_epi8(sc8, sc8), 8);
+        const __m128i schi = _mm_srai_epi16(_mm_unpackhi_epi8(sc8, sc8), 8);
         const int8_t *q8 = y[i].qs;
-        __m128i s0 = _mm_setzero_si128(), s1 = _mm_setzero_si128();
-        /* the int16 scale of sub-block s broadcast: pairs by unpack, then a (non-destructive) dword shuffle */
-        const __m128i u0 = _mm_unpacklo_epi16(sclo, sclo), u1 = _mm_unpackhi_epi16(sclo, sclo);
-        const __m128i u2 = _mm_unpacklo_epi16(schi, schi), u3 = _mm_unpackhi_epi16(schi, schi);
-#define HI_KQ_SC(s) _mm_shuffle_epi32((s) < 4 ? u0 : (s) < 8 ? u1 : (s) < 12 ? u2 : u3, ((s) & 3) * 0x55)
+        __m128i lo = _mm_setzero_si128(), hi = _mm_setzero_si128();
+        /* group g (32 elements, sub-blocks 2g and 2g+1) from its two zipped 16-byte halves of quants */
 #define HI_KQ_Q6_GROUP(g, w0, w1)                                                                          \
         {                                                                                                  \
-            const __m128i p0 = _mm_maddubs_epi16(w0, _mm_loadu_si128((const __m128i *)(q8 + 32 * (g))));   \
-            const __m128i p1 = _mm_maddubs_epi16(w1, _mm_loadu_si128((const __m128i *)(q8 + 32 * (g) + 16))); \
-            s0 = _mm_add_epi32(s0, _mm_madd_epi16(HI_KQ_SC(2 * (g)), p0));                                 \
-            s1 = _mm_add_epi32(s1, _mm_madd_epi16(HI_KQ_SC(2 * (g) + 1), p1));                             \
+            const __m128i y0 = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(q8 + 32 * (g))), zip);      \
+            const __m128i y1 = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(q8 + 32 * (g) + 16)), zip); \
+            const __m128i p0 = _mm_sub_epi16(_mm_maddubs_epi16(w0, y0), _mm_maddubs_epi16(m32, y0));      \
+            const __m128i p1 = _mm_sub_epi16(_mm_maddubs_epi16(w1, y1), _mm_maddubs_epi16(m32, y1));      \
+            const __m128i sc = _mm_shuffle_epi32((g) < 4 ? sclo : schi, ((g) & 3) * 0x55);                 \
+            lo = _mm_add_epi32(lo, _mm_madd_epi16(_mm_unpacklo_epi16(p0, p1), sc));                         \
+            hi = _mm_add_epi32(hi, _mm_madd_epi16(_mm_unpackhi_epi16(p0, p1), sc));                         \
         }
 #define HI_KQ_Q6_STEP(h)                                                                                   \
         {                                                                                                  \
-            const __m128i a0 = _mm_loadu_si128((const __m128i *)(x[i].ql + 64 * (h)));                     \
-            const __m128i a1 = _mm_loadu_si128((const __m128i *)(x[i].ql + 64 * (h) + 16));                \
-            const __m128i a2 = _mm_loadu_si128((const __m128i *)(x[i].ql + 64 * (h) + 32));                \
-            const __m128i a3 = _mm_loadu_si128((const __m128i *)(x[i].ql + 64 * (h) + 48));                \
-            const __m128i h0 = _mm_loadu_si128((const __m128i *)(x[i].qh + 32 * (h)));                     \
-            const __m128i h1 = _mm_loadu_si128((const __m128i *)(x[i].qh + 32 * (h) + 16));                \
+            const __m128i a0 = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(x[i].ql + 64 * (h))), zip);      \
+            const __m128i a1 = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(x[i].ql + 64 * (h) + 16)), zip); \
+            const __m128i a2 = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(x[i].ql + 64 * (h) + 32)), zip); \
+            const __m128i a3 = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(x[i].ql + 64 * (h) + 48)), zip); \
+            const __m128i h0 = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(x[i].qh + 32 * (h))), zip);      \
+            const __m128i h1 = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(x[i].qh + 32 * (h) + 16)), zip); \
             HI_KQ_Q6_GROUP(4 * (h) + 0, _mm_or_si128(_mm_and_si128(a0, m4), _mm_slli_epi16(_mm_and_si128(h0, m3), 4)), \
                            _mm_or_si128(_mm_and_si128(a1, m4), _mm_slli_epi16(_mm_and_si128(h1, m3), 4)))  \
             HI_KQ_Q6_GROUP(4 * (h) + 1, _mm_or_si128(_mm_and_si128(a2, m4), _mm_slli_epi16(_mm_and_si128(h0, m12), 2)), \
@@ -148,12 +144,9 @@ static inline float hi_dot_q6_K_q8_K(int n, const void *restrict vx, const void 
         HI_KQ_Q6_STEP(1)
 #undef HI_KQ_Q6_STEP
 #undef HI_KQ_Q6_GROUP
-#undef HI_KQ_SC
-        const __m128 vd = _mm_set1_ps(d);
-        acc0 = HI_KQ_SSE_FMA(vd, _mm_cvtepi32_ps(_mm_sub_epi32(s0, off0)), acc0);
-        acc1 = HI_KQ_SSE_FMA(vd, _mm_cvtepi32_ps(_mm_sub_epi32(s1, off1)), acc1);
+        hi_kq_gen_acc_ps(&sums0, &sums1, hi_kq_f16(x[i].d) * y[i].d, lo, hi);
     }
-    return hi_kq_hsum4_ps(_mm_add_ps(acc1, acc0));
+    return hi_kq_gen_end_ps(0.0f, sums0, sums1);
 #else
     (void)x;
     (void)y;

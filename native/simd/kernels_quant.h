@@ -129,35 +129,9 @@ HI_INLINE __m128i hi_pack16(__m128i a, __m128i b, __m128i c, __m128i d) {
     return _mm_packs_epi16(_mm_packs_epi32(a, b), _mm_packs_epi32(c, d));
 }
 
-static void hi_quant_q8_01(const float *x, int64_t n, uint8_t *y, int with_s) {
-    const int64_t nb = n / 32;
-    const size_t bs = with_s ? sizeof(block_q8_1) : sizeof(block_q8_0);
-    const __m128 sign = _mm_set1_ps(-0.0f);
-    for (int64_t i = 0; i < nb; i++, x += 32, y += bs) {
-        __m128 v[8];
-        __m128 ma = _mm_setzero_ps();
-        for (int k = 0; k < 8; k++) {
-            v[k] = _mm_loadu_ps(x + 4 * k);
-            ma = _mm_max_ps(ma, _mm_andnot_ps(sign, v[k]));
-        }
-        const float amax = hi_hmax4(ma);
-        const float d = amax / 127.f;
-        const float id = amax != 0.0f ? 127.f / amax : 0.0f;
-        const __m128 mul = _mm_set1_ps(id);
-        __m128i q[8];
-        for (int k = 0; k < 8; k++) q[k] = _mm_cvtps_epi32(_mm_mul_ps(v[k], mul));
-        const uint16_t dh = hi_f2h(d);
-        memcpy(y, &dh, 2);
-        if (with_s) {
-            __m128i s = _mm_add_epi32(_mm_add_epi32(q[0], q[1]), _mm_add_epi32(q[2], q[3]));
-            s = _mm_add_epi32(s, _mm_add_epi32(_mm_add_epi32(q[4], q[5]), _mm_add_epi32(q[6], q[7])));
-            const uint16_t sh = hi_f2h(d * (float)hi_hsum_i32_4(s));
-            memcpy(y + 2, &sh, 2);
-        }
-        _mm_storeu_si128((__m128i *)(y + bs - 32), hi_pack16(q[0], q[1], q[2], q[3]));
-        _mm_storeu_si128((__m128i *)(y + bs - 16), hi_pack16(q[4], q[5], q[6], q[7]));
-    }
-}
+/* ggml built without AVX quantizes with quantize_row_q8_0_ref / q8_1_ref: id = 1 / d, roundf (half away
+ * from zero), s = fp16(sum q * d) (hi_quant_q8_01_ref, shared with the scalar unit) */
+#define HI_Q8_REF 1
 
 /* see the AVX2 version */
 HI_INLINE __m128i hi_q8k_round(__m128 v) {
@@ -204,41 +178,7 @@ static void hi_quant_f16(const float *x, int64_t n, uint16_t *y) {
 
 #else /* scalar */
 
-/* cvtps2dq under the default MXCSR: round half to even; NaN and |v| >= 2^31 give INT32_MIN */
-HI_INLINE int32_t hi_cvt_rne(float v) {
-    if (!(v > -2147483648.f && v < 2147483648.f)) return INT32_MIN;
-    if (fabsf(v) >= 4194304.f) return (int32_t)v; /* already an integer */
-    return hi_nearest_int(v);
-}
-
-static void hi_quant_q8_01(const float *x, int64_t n, uint8_t *y, int with_s) {
-    const int64_t nb = n / 32;
-    const size_t bs = with_s ? sizeof(block_q8_1) : sizeof(block_q8_0);
-    for (int64_t i = 0; i < nb; i++, x += 32, y += bs) {
-        float amax = 0.0f;
-        for (int j = 0; j < 32; j++) {
-            const float a = fabsf(x[j]);
-            amax = amax > a ? amax : a;
-        }
-        const float d = amax / 127.f;
-        const float id = amax != 0.0f ? 127.f / amax : 0.0f;
-        int8_t *q = (int8_t *)(y + bs - 32);
-        uint32_t sum = 0; /* the SIMD paths add the int32 values before saturation, wrapping */
-        for (int j = 0; j < 32; j++) {
-            const int32_t v = hi_cvt_rne(x[j] * id);
-            sum += (uint32_t)v;
-            q[j] = (int8_t)(v > 127 ? 127 : v < -128 ? -128 : v);
-        }
-        const uint16_t dh = hi_f2h(d);
-        memcpy(y, &dh, 2);
-        if (with_s) {
-            const uint16_t sh = hi_f2h(d * (float)(int32_t)sum);
-            memcpy(y + 2, &sh, 2);
-        }
-    }
-}
-
-/* ggml's quantize_row_q8_K_ref, except that an all-zero block gets bsums = 0 (ggml leaves them unwritten) */
+#define HI_Q8_REF 1
 static void hi_quant_q8_K(const float *x, int64_t n, uint8_t *yv) {
     block_q8_K *y = (block_q8_K *)yv;
     const int64_t nb = n / 256;
@@ -270,6 +210,33 @@ static void hi_quant_f16(const float *x, int64_t n, uint16_t *y) {
     for (int64_t i = 0; i < n; i++) y[i] = hi_f2h(x[i]);
 }
 
+#endif
+
+#if defined(HI_Q8_REF)
+/* quantize_row_q8_0_ref / quantize_row_q8_1_ref: d = amax / 127, id = 1 / d, q = roundf(x * id),
+ * s = fp16((float)sum q * d) */
+static void hi_quant_q8_01(const float *x, int64_t n, uint8_t *y, int with_s) {
+    const int64_t nb = n / 32;
+    const size_t bs = with_s ? sizeof(block_q8_1) : sizeof(block_q8_0);
+    for (int64_t i = 0; i < nb; i++, x += 32, y += bs) {
+        float amax = 0.0f;
+        for (int j = 0; j < 32; j++) amax = amax > fabsf(x[j]) ? amax : fabsf(x[j]);
+        const float d = amax / 127.f;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        int8_t *q = (int8_t *)(y + bs - 32);
+        int sum = 0;
+        for (int j = 0; j < 32; j++) {
+            q[j] = (int8_t)roundf(x[j] * id);
+            sum += q[j];
+        }
+        const uint16_t dh = hi_f2h(d);
+        memcpy(y, &dh, 2);
+        if (with_s) {
+            const uint16_t sh = hi_f2h((float)sum * d);
+            memcpy(y + 2, &sh, 2);
+        }
+    }
+}
 #endif
 
 static void hi_quantize(int kind, const float *x, int64_t n, void *y) {

@@ -168,9 +168,118 @@ HI_INLINE void hi_tile_kquant(const int qt, const hi_mm *m, int64_t r, int64_t t
     m->out[(size_t)t * m->out_row + (size_t)r] = v;
 }
 
+/* ---- legacy types below AVX ------------------------------------------------------------------------ */
+
+#if !defined(HI_AVX2)
+/* ggml built without AVX (its SSE4.2 build, or baseline x86-64) multiplies the legacy types with the generic C
+ * loops of quants.c: one float sum per row, block by block, a product and a sum (no FMA):
+ *   Q4_0  sumf += (isum * dx) * dy          Q5_0  sumf += (dx * dy) * isum       Q8_0  sumf += isum * (dx * dy)
+ *   Q4_1, Q5_1  sumf += (dx * dy) * isum + mx * sy
+ * except Q4_0 on SSSE3 (hi_dot_q4_0_ssse3). isum is the block's exact integer dot product. */
+
+/* the block's weights as int8 values (Q4_0 and Q5_0 signed, Q4_1 and Q5_1 0..31), element order */
+HI_INLINE void hi_legacy_values(const int qt, const uint8_t *b, int8_t *v) {
+    const uint8_t *qs = b + (qt == HI_T_Q4_0 ? 2 : qt == HI_T_Q4_1 ? 4 : qt == HI_T_Q5_0 ? 6 : 8);
+    uint32_t qh = 0;
+    if (qt == HI_T_Q5_0 || qt == HI_T_Q5_1) memcpy(&qh, b + (qt == HI_T_Q5_0 ? 2 : 4), 4);
+    const int off = qt == HI_T_Q4_0 ? 8 : qt == HI_T_Q5_0 ? 16 : 0;
+    for (int j = 0; j < 16; j++) {
+        v[j] = (int8_t)(((qs[j] & 15) | (((qh >> j) & 1) << 4)) - off);
+        v[j + 16] = (int8_t)(((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - off);
+    }
+}
+
+HI_INLINE int32_t hi_isum32(const int8_t *a, const int8_t *b) {
+#if defined(HI_SSSE3)
+    const __m128i ones = _mm_set1_epi16(1);
+    __m128i s = _mm_setzero_si128();
+    for (int h = 0; h < 32; h += 16) {
+        const __m128i x = _mm_loadu_si128((const __m128i *)(a + h)), y = _mm_loadu_si128((const __m128i *)(b + h));
+        s = _mm_add_epi32(s, _mm_madd_epi16(ones, _mm_maddubs_epi16(_mm_sign_epi8(x, x), _mm_sign_epi8(y, x))));
+    }
+    s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    return _mm_cvtsi128_si32(s);
+#else
+    int32_t s = 0;
+    for (int j = 0; j < 32; j++) s += a[j] * b[j];
+    return s;
+#endif
+}
+
+#if defined(HI_SSSE3)
+/* ggml_vec_dot_q4_0_q8_0's SSSE3 path: pairs of blocks into 4 accumulators of 4 lanes (lane k: elements 4k..4k+3
+ * of the block's low or high half), hsum_float_4x4 (hadd), the odd block generic */
+HI_INLINE float hi_dot_q4_0_ssse3(const uint8_t *w, const uint8_t *x, int64_t nb) {
+    __m128 acc[4] = {_mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps()};
+    const __m128i ones = _mm_set1_epi16(1);
+    int64_t ib = 0;
+    for (; ib + 1 < nb; ib += 2) {
+        for (int b = 0; b < 2; b++) {
+            const uint8_t *wb = w + (ib + b) * 18, *xb = x + (ib + b) * 34;
+            const __m128 d = _mm_set1_ps(hi_h2f((uint16_t)(wb[0] | wb[1] << 8)) * hi_h2f((uint16_t)(xb[0] | xb[1] << 8)));
+            const __m128i q = _mm_loadu_si128((const __m128i *)(wb + 2)), m4 = _mm_set1_epi8(15), e8 = _mm_set1_epi8(8);
+            for (int h = 0; h < 2; h++) {
+                const __m128i bx = _mm_sub_epi8(_mm_and_si128(m4, h ? _mm_srli_epi64(q, 4) : q), e8);
+                const __m128i by = _mm_loadu_si128((const __m128i *)(xb + 2 + 16 * h));
+                const __m128i i32 = _mm_madd_epi16(ones, _mm_maddubs_epi16(_mm_sign_epi8(bx, bx), _mm_sign_epi8(by, bx)));
+                acc[2 * b + h] = _mm_add_ps(_mm_mul_ps(d, _mm_cvtepi32_ps(i32)), acc[2 * b + h]);
+            }
+        }
+    }
+    __m128 r = _mm_hadd_ps(_mm_hadd_ps(acc[0], acc[1]), _mm_hadd_ps(acc[2], acc[3]));
+    r = _mm_hadd_ps(r, r);
+    r = _mm_hadd_ps(r, r);
+    float sumf = _mm_cvtss_f32(r);
+    for (; ib < nb; ib++) {
+        const uint8_t *wb = w + ib * 18, *xb = x + ib * 34;
+        int8_t v[32];
+        hi_legacy_values(HI_T_Q4_0, wb, v);
+        const int32_t isum = hi_isum32(v, (const int8_t *)(xb + 2));
+        sumf += (float)isum * hi_h2f((uint16_t)(wb[0] | wb[1] << 8)) * hi_h2f((uint16_t)(xb[0] | xb[1] << 8));
+    }
+    return sumf;
+}
+#endif
+
+HI_INLINE void hi_tile_legacy_generic(const int qt, const hi_mm *m, int64_t r, int64_t t) {
+    const uint8_t *w = m->w + (size_t)r * m->w_row, *x = m->x + (size_t)t * m->x_row;
+    const int64_t nb = m->cols / 32;
+    const int bs = hi_wbs(qt), ybs = (qt == HI_T_Q4_1 || qt == HI_T_Q5_1) ? 36 : 34;
+    float sumf = 0.0f;
+#if defined(HI_SSSE3)
+    if (qt == HI_T_Q4_0) {
+        m->out[(size_t)t * m->out_row + (size_t)r] = hi_dot_q4_0_ssse3(w, x, nb);
+        return;
+    }
+#endif
+    for (int64_t ib = 0; ib < nb; ib++) {
+        const uint8_t *wb = w + ib * bs, *xb = x + ib * ybs;
+        int8_t v[32];
+        if (qt == HI_T_Q8_0) memcpy(v, wb + 2, 32);
+        else hi_legacy_values(qt, wb, v);
+        const float isum = (float)hi_isum32(v, (const int8_t *)(xb + ybs - 32));
+        const float dx = hi_h2f((uint16_t)(wb[0] | wb[1] << 8)), dy = hi_h2f((uint16_t)(xb[0] | xb[1] << 8));
+        if (qt == HI_T_Q4_0) sumf += isum * dx * dy;
+        else if (qt == HI_T_Q5_0) sumf += (dx * dy) * isum;
+        else if (qt == HI_T_Q8_0) sumf += isum * (dx * dy);
+        else sumf += (dx * dy) * isum + hi_h2f((uint16_t)(wb[2] | wb[3] << 8)) * hi_h2f((uint16_t)(xb[2] | xb[3] << 8));
+    }
+    m->out[(size_t)t * m->out_row + (size_t)r] = sumf;
+}
+#endif
+
 /* ---- driver ------------------------------------------------------------------------------------ */
 
 HI_INLINE void hi_tile(const int qt, const int R, const int C, const hi_mm *m, int64_t r, int64_t t) {
+#if !defined(HI_AVX2)
+    if (!(qt == HI_T_F32 || qt == HI_T_F16 || qt == HI_T_Q4_K || qt == HI_T_Q5_K || qt == HI_T_Q6_K)) {
+        HI_UNROLL for (int i = 0; i < R; i++) {
+            HI_UNROLL for (int c = 0; c < C; c++) hi_tile_legacy_generic(qt, m, r + i, t + c);
+        }
+        return;
+    }
+#endif
     if (qt == HI_T_F32 || qt == HI_T_F16 || qt == HI_T_Q4_K || qt == HI_T_Q5_K || qt == HI_T_Q6_K) {
         HI_UNROLL for (int i = 0; i < R; i++) {
             HI_UNROLL for (int c = 0; c < C; c++) {
@@ -184,8 +293,13 @@ HI_INLINE void hi_tile(const int qt, const int R, const int C, const hi_mm *m, i
 }
 
 HI_INLINE void hi_drive(const int qt, const hi_mm *m, int64_t r0, int64_t r1) {
-    /* the float and K-quant tiles gain nothing from wide tiles: use 1 x 1 for them */
+    /* the float and K-quant tiles gain nothing from wide tiles: use 1 x 1 for them (and for every type below
+     * AVX, where the legacy types take ggml's one-row generic loops) */
+#if defined(HI_AVX2)
     const int legacy = !(qt == HI_T_F32 || qt == HI_T_F16 || qt == HI_T_Q4_K || qt == HI_T_Q5_K || qt == HI_T_Q6_K);
+#else
+    const int legacy = 0;
+#endif
     for (int64_t tb = 0; tb < m->T; tb += HI_TB) {
         const int64_t te = tb + HI_TB < m->T ? tb + HI_TB : m->T;
         int64_t r = r0;
