@@ -297,12 +297,17 @@ class CPUModel:
         h, x = ws.h[:T], ws.x[:T]
         t = self.tok_embd
         self._op(ws, dequantize_rows, t.raw(), t.qtype, t.ne[0], ids, h)
-        for i, L in enumerate(self.layers):
-            self._op(ws, ops.rms_norm, h, L.attn_norm, a.rms_eps, x)
+        n = len(self.layers)
+        self._op(ws, ops.rms_norm, h, self.layers[0].attn_norm, a.rms_eps, x)
+        for i, L in enumerate(self.layers):  # each residual add fused with the norm that follows it
             mix = self._gdn(L, i, x, state, ws) if L.kind == "gdn" else self._attention(L, i, x, state, ws)
-            self._op(ws, ops.add_inplace, h, mix)
-            self._op(ws, ops.rms_norm, h, L.ffn_norm if a.arch == "llama" else L.post_attention_norm, a.rms_eps, x)
-            self._op(ws, ops.add_inplace, h, self._moe(L, i, x, ws) if a.is_moe else self._ffn(L, x, ws))
+            post = L.ffn_norm if a.arch == "llama" else L.post_attention_norm
+            self._op(ws, ops.add_rms_norm, h, mix, post, a.rms_eps, x)
+            ffn = self._moe(L, i, x, ws) if a.is_moe else self._ffn(L, x, ws)
+            if i + 1 < n:
+                self._op(ws, ops.add_rms_norm, h, ffn, self.layers[i + 1].attn_norm, a.rms_eps, x)
+            else:
+                self._op(ws, ops.add_inplace, h, ffn)
         hs = h if all_logits else h[T - 1 :]
         xs = ws.x[: hs.shape[0]]
         self._op(ws, ops.rms_norm, hs, self.out_norm, a.rms_eps, xs)
@@ -395,11 +400,12 @@ class CPUModel:
                 sh_d = (Sd.raw, Sd.qtype, Sd.cols, hq[k], s)
             self.call(ws, ("down", id(Dn)), "moe_down", Dn.raw, Dn.qtype, Dn.rows, Dn.cols, hq[:k], idx[0], ys,
                       GGML_MUL_MAT_ID, sh_d)
-            self._op(ws, ops.moe_combine, ys, w, out)
-            if a.n_ff_shexp:
-                if not fused:
-                    s = self._swiglu_ffn(L.ffn_gate_shexp, L.ffn_up_shexp, L.ffn_down_shexp, x, ws.mix, ws)
-                self._op(ws, ops.gated_add, out, ws.mix[:1] if fused else s, x, L.ffn_gate_inp_shexp)
+            if not a.n_ff_shexp:
+                self._op(ws, ops.moe_combine, ys, w, out)
+                return out
+            if not fused:
+                s = self._swiglu_ffn(L.ffn_gate_shexp, L.ffn_up_shexp, L.ffn_down_shexp, x, ws.mix, ws)
+            self._op(ws, ops.moe_combine_gated, ys, w, out, ws.mix[:1] if fused else s, x, L.ffn_gate_inp_shexp)
             return out
         # prefill: tokens grouped by expert, one GEMM per expert over its tokens
         flat = idx.reshape(-1)

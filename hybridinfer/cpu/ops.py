@@ -325,6 +325,21 @@ def moe_combine(ys, w, out):
 
 
 @njit(**_jit)
+def add_rms_norm(h, y, w, eps, out):
+    """h += y, then out = rms_norm(h) * w: the residual add and the next norm in one call (decode calls
+    them once per layer and half-layer)."""
+    add_inplace(h, y)
+    rms_norm(h, w, eps, out)
+
+
+@njit(**_jit)
+def moe_combine_gated(ys, w, out, s, x, w_shg):
+    """moe_combine, then gated_add of the shared expert s: one call."""
+    moe_combine(ys, w, out)
+    gated_add(out, s, x, w_shg)
+
+
+@njit(**_jit)
 def moe_route(logits, k, idx_out, w_out):
     """Router: P = softmax over all E experts (float64), top-k of P (ties -> lower index), weights
     P_e / max(sum of the k P, 6.103515625e-5) narrowed to float32, best first. logits (T, E) float32;
