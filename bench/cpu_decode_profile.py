@@ -126,7 +126,7 @@ def main(argv=None) -> None:
     from hybridinfer.cpu import ops
 
     for name in ("rms_norm", "add_inplace", "split_qgate", "rms_norm_heads", "attn_gate", "moe_route",
-                 "moe_combine", "gated_add"):
+                 "moe_combine", "gated_add", "add_rms_norm", "moe_combine_gated"):
         setattr(ops, name, timed(f"numba {name}", getattr(ops, name), 0))
     st = eng.new_state()
     logits = eng.prefill([1, 2, 3, 4], st)[-1]
