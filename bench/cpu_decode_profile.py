@@ -42,9 +42,6 @@ def _pool_round_trip(simd, reps: int = 2000) -> float:
 
 
 def _sweep(eng, dists: list[int], n: int) -> None:
-    from hybridinfer.cpu.simd_native import _native
-
-    lib = _native().lib
     be = eng.backend
     st = eng.new_state()
     t = int(np.argmax(eng.prefill([1, 2, 3, 4], st)[-1]))
@@ -52,7 +49,7 @@ def _sweep(eng, dists: list[int], n: int) -> None:
     res: dict[int, list[float]] = defaultdict(list)
     for _ in range(2):
         for d in dists:
-            lib.hi_set_prefetch(d)
+            be.simd.prefetch = d
             if st.pos + n + 2 > st.n_ctx:
                 st = eng.new_state()
                 be.forward([t], st, all_logits=False)

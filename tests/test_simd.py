@@ -403,21 +403,21 @@ def test_pool_runs_every_chunk_exactly_once(threads):
 def test_prefetch_distance_changes_no_result():
     rng = np.random.default_rng(8)
     raw = random_blocks(12, 64 * 2048 // 256, rng).reshape(-1)
+    assert SimdLib(best_isa(), n_threads=2).prefetch == 0  # few threads: compute-bound, off by default
+    assert SimdLib(best_isa(), n_threads=8).prefetch == simd.PREFETCH_BYTES
     lib = SimdLib(best_isa(), n_threads=2)
     xq = lib.quantize(rng.standard_normal(2048).astype(np.float32), 12)
-    native = lib._lib
-    old = native.hi_get_prefetch()
     outs = []
-    try:
-        for d in (0, 64, 4096, 1 << 20):
-            native.hi_set_prefetch(d)
-            out = np.full(64, np.nan, np.float32)
-            lib.matmul(raw, 12, 64, 2048, xq, out, GGML_MUL_MAT)
-            outs.append(out)
-    finally:
-        native.hi_set_prefetch(old)
-    assert old > 0 and not np.isnan(outs[0]).any()
+    for d in (0, 64, 4096, 1 << 20):
+        lib.prefetch = d
+        assert lib.prefetch == d
+        out = np.full(64, np.nan, np.float32)
+        lib.matmul(raw, 12, 64, 2048, xq, out, GGML_MUL_MAT)
+        outs.append(out)
+    assert not np.isnan(outs[0]).any()
     assert all(np.array_equal(o, outs[0]) for o in outs[1:])
+    with pytest.raises(ValueError, match="prefetch"):
+        lib.prefetch = -1
 
 
 def test_decode_products_split_over_threads_cover_every_row():

@@ -33,9 +33,6 @@ enum { HI_ISA_SCALAR = 0, HI_ISA_SSSE3 = 1, HI_ISA_AVX2 = 2, HI_ISA_AVX512VNNI =
  * out + t * out_row (floats). corr/dy/sy are prepared from the activation rows by the ISA's `prep`
  * (legacy types only): corr[t][b][8] the negated lane corrections, dy[t][b] the block scales as float,
  * sy[t][b] the q8_1 sums as float. */
-/* bytes of a decode product's weight stream requested ahead of the row being read (0: none); hi_simd.c */
-extern int hi_pf_bytes;
-
 typedef struct hi_mm {
     int qtype;
     const uint8_t *w;
@@ -50,6 +47,7 @@ typedef struct hi_mm {
     const float *dy;
     const float *sy;
     int kshape; /* K-quants: the float shape of llama.cpp's kernel (HI_KS_*, dot_kq_shapes.h) */
+    int pf;     /* one token: bytes of the weight stream software-prefetched ahead (the context's; 0: none) */
 } hi_mm;
 
 /* K-quant float shapes: ggml_vec_dot's; the repacked Q4_K gemv (per block) and gemm (per quarter block for

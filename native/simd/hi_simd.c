@@ -34,6 +34,7 @@ struct hi_ctx {
     pthread_mutex_t mu;
     uint8_t *scratch;
     size_t scratch_cap;
+    int pf_bytes; /* hi_ctx_set_prefetch */
 };
 
 hi_ctx *hi_ctx_new(int isa, int n_threads, int spin_us) {
@@ -131,7 +132,8 @@ static void hi_batch_chunk(void *a, int64_t i) {
 /* bytes of weights below which a call runs on the calling thread alone (waking the pool costs more) */
 #define HI_INLINE_BYTES (96 << 10)
 
-static void hi_run_jobs(hi_ctx *c, const hi_mm *jobs, int njobs) {
+static void hi_run_jobs(hi_ctx *c, hi_mm *jobs, int njobs) {
+    for (int j = 0; j < njobs; j++) jobs[j].pf = c->pf_bytes;
     int64_t total_rows = 0, T = 1, bytes = 0;
     for (int j = 0; j < njobs; j++) {
         total_rows += jobs[j].rows;
@@ -408,10 +410,8 @@ int hi_quantize(hi_ctx *c, int qtype, const float *x, int64_t x_row, int64_t T, 
 
 /* ---- tuning -------------------------------------------------------------------------------------- */
 
-int hi_pf_bytes = 4096; /* measured on a 16-core Xeon (35B-A3B decode): 0 B 33-34 tok/s, 1-16 KiB 37-42, best 4-8 KiB */
-
-void hi_set_prefetch(int bytes) { hi_pf_bytes = bytes < 0 ? 0 : bytes; }
-int hi_get_prefetch(void) { return hi_pf_bytes; }
+void hi_ctx_set_prefetch(hi_ctx *c, int bytes) { c->pf_bytes = bytes < 0 ? 0 : bytes; }
+int hi_ctx_prefetch(const hi_ctx *c) { return c->pf_bytes; }
 
 /* ---- pool self-check ------------------------------------------------------------------------------ */
 

@@ -103,9 +103,11 @@ double hi_read_bandwidth(hi_ctx *c, int64_t nbytes, int reps);
  * not run exactly once (0 when the pool is right; -1 on bad arguments or no memory) */
 int64_t hi_pool_check(hi_ctx *c, int64_t total, int reps);
 
-/* decode products: bytes of the weight stream software-prefetched ahead (process-wide; 0 turns it off) */
-void hi_set_prefetch(int bytes);
-int hi_get_prefetch(void);
+/* decode products: bytes of each thread's weight stream software-prefetched ahead of the row it reads (0, the
+ * default: none). Pays where decode is bound by memory (many threads; the hardware prefetcher restarts at
+ * every 4 KiB page), costs where it is bound by compute (a few threads). */
+void hi_ctx_set_prefetch(hi_ctx *c, int bytes);
+int hi_ctx_prefetch(const hi_ctx *c);
 
 /* Gated DeltaNet layer after its projections (spec §3 steps 2-8) for T tokens, state in place; the C twin of
  * hybridinfer/cpu/ops_gdn.py:gdn_layer, bit-identical to it, value heads split across the pool.

@@ -303,11 +303,11 @@ HI_INLINE void hi_drive(const int qt, const hi_mm *m, int64_t r0, int64_t r1) {
     for (int64_t tb = 0; tb < m->T; tb += HI_TB) {
         const int64_t te = tb + HI_TB < m->T ? tb + HI_TB : m->T;
         int64_t r = r0;
-        if (!legacy && te - tb == 1 && hi_pf_bytes > 0) {
-            /* one token (decode): the chunk's rows are one linear stream; keep hi_pf_bytes of it requested
+        if (!legacy && te - tb == 1 && m->pf > 0) {
+            /* one token (decode): the chunk's rows are one linear stream; keep m->pf bytes of it requested
              * ahead, since the hardware prefetcher restarts at every 4 KiB page */
             const uint8_t *pf = m->w + (size_t)r0 * m->w_row, *const end = m->w + (size_t)r1 * m->w_row;
-            const uint8_t *ahead = pf + hi_pf_bytes < end ? pf + hi_pf_bytes : end;
+            const uint8_t *ahead = pf + m->pf < end ? pf + m->pf : end;
             for (; pf < ahead; pf += 64) __builtin_prefetch(pf, 0, 3);
             for (; r < r1; r++) {
                 const uint8_t *lim = pf + m->w_row < end ? pf + m->w_row : end;
