@@ -188,23 +188,38 @@ struct HiQ<HI_Q8_0> {
     }
 };
 
-// Q4_K: y[32s + l] = (d * sc[s]) * q - (dmin * m[s]); sub-block s = 2g + k is nibble k of qs[32g + l]
-template <>
-struct HiQ<HI_Q4_K> {
-    u32 dd, scw[3], w[4];
+// Q4_K / Q5_K block head: the d, dmin word and the 12 scale bytes of the block holding piece c, and the
+// sub-block s = c & 7; scales() gives d * sc[s] and dmin * m[s]
+struct HiK4Head {
+    u32 dd, scw[3];
     int s;
-    __device__ __forceinline__ void load(const u8* __restrict__ row, int c, int h) {
-        const u8* blk = row + (size_t)(c >> 3) * HI_Q4_K_BYTES;
+    __device__ __forceinline__ const u8* load_head(const u8* __restrict__ row, int c, int block_bytes) {
+        const u8* blk = row + (size_t)(c >> 3) * block_bytes;
         s = c & 7;
         dd = hi_ld32(blk);
 #pragma unroll
         for (int i = 0; i < 3; ++i) scw[i] = hi_ld32(blk + 4 + 4 * i);
+        return blk;
+    }
+    __device__ __forceinline__ void scales(float* ds, float* dm) const {
+        float sc, mn;
+        hi_scale_min_k4(scw, s, &sc, &mn);
+        *ds = __fmul_rn(hi_h2f((u16)(dd & 0xffffu)), sc);
+        *dm = __fmul_rn(hi_h2f((u16)(dd >> 16)), mn);
+    }
+};
+
+// Q4_K: y[32s + l] = (d * sc[s]) * q - (dmin * m[s]); sub-block s = 2g + k is nibble k of qs[32g + l]
+template <>
+struct HiQ<HI_Q4_K> : HiK4Head {
+    u32 w[4];
+    __device__ __forceinline__ void load(const u8* __restrict__ row, int c, int h) {
+        const u8* blk = load_head(row, c, HI_Q4_K_BYTES);
         hi_ld16b_a16(blk + 16 + 32 * (s >> 1) + 16 * h, w);
     }
     __device__ __forceinline__ void get(float v[16]) const {
-        float sc, mn;
-        hi_scale_min_k4(scw, s, &sc, &mn);
-        const float ds = __fmul_rn(hi_h2f((u16)(dd & 0xffffu)), sc), dm = __fmul_rn(hi_h2f((u16)(dd >> 16)), mn);
+        float ds, dm;
+        scales(&ds, &dm);
         const int sh = 4 * (s & 1);
 #pragma unroll
         for (int j = 0; j < 16; ++j) v[j] = __fsub_rn(__fmul_rn(ds, (float)((hi_byte(w, j) >> sh) & 15u)), dm);
@@ -213,22 +228,16 @@ struct HiQ<HI_Q4_K> {
 
 // Q5_K: as Q4_K with a fifth bit: bit s of qh[l]
 template <>
-struct HiQ<HI_Q5_K> {
-    u32 dd, scw[3], w[4], qh[4];
-    int s;
+struct HiQ<HI_Q5_K> : HiK4Head {
+    u32 w[4], qh[4];
     __device__ __forceinline__ void load(const u8* __restrict__ row, int c, int h) {
-        const u8* blk = row + (size_t)(c >> 3) * HI_Q5_K_BYTES;
-        s = c & 7;
-        dd = hi_ld32(blk);
-#pragma unroll
-        for (int i = 0; i < 3; ++i) scw[i] = hi_ld32(blk + 4 + 4 * i);
+        const u8* blk = load_head(row, c, HI_Q5_K_BYTES);
         hi_ld16b_a16(blk + 48 + 32 * (s >> 1) + 16 * h, w);
         hi_ld16b_a16(blk + 16 + 16 * h, qh);
     }
     __device__ __forceinline__ void get(float v[16]) const {
-        float sc, mn;
-        hi_scale_min_k4(scw, s, &sc, &mn);
-        const float ds = __fmul_rn(hi_h2f((u16)(dd & 0xffffu)), sc), dm = __fmul_rn(hi_h2f((u16)(dd >> 16)), mn);
+        float ds, dm;
+        scales(&ds, &dm);
         const int sh = 4 * (s & 1);
 #pragma unroll
         for (int j = 0; j < 16; ++j) {

@@ -134,6 +134,22 @@ __device__ __forceinline__ float pf_group_sum(const float* p, int NG, int VB, in
 }
 
 // At most GDN_MAX_THREADS threads per block (d_k <= 256), so the registers fit any card's register file.
+// every snapshot slot that asks for position `pos` (the state after `pos` tokens; they come in order) gets
+// this thread's rows of S (row i = y + NG r of column col of head j)
+__device__ __forceinline__ void gdn_snapshots(int pos, int& ns, int& next, const int* __restrict__ snap_pos,
+                                              int n_snap, float* __restrict__ snap_S, const float s[GDN_MAXR], int y,
+                                              int NG, int col, int d_k, int d_v, int H_v, int j) {
+    while (next == pos) {
+#pragma unroll
+        for (int r = 0; r < GDN_MAXR; ++r) {
+            const int i = y + NG * r;
+            if (i < d_k && col < d_v) snap_S[(((size_t)ns * H_v + j) * d_k + i) * d_v + col] = s[r];
+        }
+        ++ns;
+        next = ns < n_snap ? snap_pos[ns] : -1;
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(GDN_MAX_THREADS)
     gdn_delta_rule(const float* __restrict__ c, const float* __restrict__ a, const float* __restrict__ b,
                    const float* __restrict__ ssm_a, const float* __restrict__ dt_bias, float* __restrict__ S,
@@ -169,15 +185,7 @@ extern "C" __global__ void __launch_bounds__(GDN_MAX_THREADS)
 
     int ns = 0;
     int next = n_snap > 0 ? snap_pos[0] : -1;
-    while (next == 0) {  // snapshot of the incoming state
-#pragma unroll
-        for (int r = 0; r < GDN_MAXR; ++r) {
-            const int i = y + NG * r;
-            if (i < d_k && col < d_v) snap_S[(((size_t)ns * H_v + j) * d_k + i) * d_v + col] = s[r];
-        }
-        ++ns;
-        next = ns < n_snap ? snap_pos[ns] : -1;
-    }
+    gdn_snapshots(0, ns, next, snap_pos, n_snap, snap_S, s, y, NG, col, d_k, d_v, H_v, j);  // incoming state
 
     for (int t0 = 0; t0 < T; t0 += GDN_TC) {
         const int nt = min(GDN_TC, T - t0);
@@ -232,15 +240,7 @@ extern "C" __global__ void __launch_bounds__(GDN_MAX_THREADS)
             if (y == 0 && col < d_v) {
                 o[((size_t)t * H_v + j) * d_v + col] = pf_group_sum(pb, NG, VB, x);
             }
-            while (next == t + 1) {
-#pragma unroll
-                for (int r = 0; r < GDN_MAXR; ++r) {
-                    const int i = y + NG * r;
-                    if (i < d_k && col < d_v) snap_S[(((size_t)ns * H_v + j) * d_k + i) * d_v + col] = s[r];
-                }
-                ++ns;
-                next = ns < n_snap ? snap_pos[ns] : -1;
-            }
+            gdn_snapshots(t + 1, ns, next, snap_pos, n_snap, snap_S, s, y, NG, col, d_k, d_v, H_v, j);
         }
     }
 #pragma unroll

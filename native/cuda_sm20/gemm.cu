@@ -90,12 +90,11 @@ __device__ __forceinline__ void gemm_load_x(float4 xr[XL], const float* const xr
 // slower int-to-float conversion; a row past N gets zero scales instead of a select per weight.
 __device__ __forceinline__ float hi_small_u2f(u32 q) { return __int_as_float(0x4B000000u | q) - 8388608.0f; }
 
-// Q4_K / Q5_K sub-block s: scale d * sc[s] and min dmin * m[s] (both 0 for a row past N)
-__device__ __forceinline__ void gemm_k4_scales(u32 dd, const u32 scw[3], int s, bool ok, float* ds, float* dm) {
-    float sc, mn;
-    hi_scale_min_k4(scw, s, &sc, &mn);
-    *ds = ok ? hi_h2f((u16)(dd & 0xffffu)) * sc : 0.0f;
-    *dm = ok ? hi_h2f((u16)(dd >> 16)) * mn : 0.0f;
+// Q4_K / Q5_K sub-block scale d * sc[s] and min dmin * m[s] (both 0 for a row past N)
+__device__ __forceinline__ void gemm_k4_scales(const HiK4Head& q, bool ok, float* ds, float* dm) {
+    q.scales(ds, dm);
+    *ds = ok ? *ds : 0.0f;
+    *dm = ok ? *dm : 0.0f;
 }
 
 template <int QT>
@@ -108,7 +107,7 @@ __device__ __forceinline__ void gemm_deq(const HiQ<QT>& q, float v[16], bool ok)
 template <>
 __device__ __forceinline__ void gemm_deq<HI_Q4_K>(const HiQ<HI_Q4_K>& q, float v[16], bool ok) {
     float ds, dm;
-    gemm_k4_scales(q.dd, q.scw, q.s, ok, &ds, &dm);
+    gemm_k4_scales(q, ok, &ds, &dm);
     const int sh = 4 * (q.s & 1);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -121,7 +120,7 @@ __device__ __forceinline__ void gemm_deq<HI_Q4_K>(const HiQ<HI_Q4_K>& q, float v
 template <>
 __device__ __forceinline__ void gemm_deq<HI_Q5_K>(const HiQ<HI_Q5_K>& q, float v[16], bool ok) {
     float ds, dm;
-    gemm_k4_scales(q.dd, q.scw, q.s, ok, &ds, &dm);
+    gemm_k4_scales(q, ok, &ds, &dm);
     const int sh = 4 * (q.s & 1);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
