@@ -24,7 +24,7 @@ import json
 import os
 import struct
 import tempfile
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 
@@ -43,7 +43,9 @@ def _align(n: int) -> int:
 
 
 @dataclass(frozen=True, eq=False)
-class Snapshot:
+class ChainLink:
+    """A snapshot's place in its prefix chain: what a Snapshot in memory and a file's FileHeader share."""
+
     key: bytes
     pos: int
     block_key: bytes
@@ -51,6 +53,26 @@ class Snapshot:
     parent: bytes | None
     kv_from: int
     seg_blocks: tuple[bytes, ...]
+
+    def link(self) -> dict:
+        """The chain fields as keyword arguments (to build the other kind of record from this one)."""
+        return {f.name: getattr(self, f.name) for f in fields(ChainLink)}
+
+    def link_json(self) -> dict:
+        return {"key": self.key.hex(), "pos": self.pos, "block_key": self.block_key.hex(), "tail": list(self.tail),
+                "parent": None if self.parent is None else self.parent.hex(), "kv_from": self.kv_from,
+                "seg_blocks": [b.hex() for b in self.seg_blocks]}
+
+    @staticmethod
+    def link_from_json(h: dict) -> dict:
+        return {"key": bytes.fromhex(h["key"]), "pos": int(h["pos"]), "block_key": bytes.fromhex(h["block_key"]),
+                "tail": tuple(int(t) for t in h["tail"]),
+                "parent": None if h["parent"] is None else bytes.fromhex(h["parent"]),
+                "kv_from": int(h["kv_from"]), "seg_blocks": tuple(bytes.fromhex(b) for b in h["seg_blocks"])}
+
+
+@dataclass(frozen=True, eq=False)
+class Snapshot(ChainLink):
     tokens: np.ndarray  # (pos - kv_from,) int32: tokens[kv_from:pos]
     conv: dict[int, np.ndarray]  # GDN layer -> (K-1, C) f32
     ssm: dict[int, np.ndarray]  # GDN layer -> (H_v, d_k, d_v) f32
@@ -150,17 +172,10 @@ def restore_chain(chain, state) -> None:
 
 # file format ----------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class FileHeader:
+class FileHeader(ChainLink):
     fingerprint: str
     layer_types: tuple[str, ...]
     block_size: int
-    key: bytes
-    pos: int
-    block_key: bytes
-    tail: tuple[int, ...]
-    parent: bytes | None
-    kv_from: int
-    seg_blocks: tuple[bytes, ...]
     has_logits: bool
     payload_offset: int
     payload_size: int
@@ -180,11 +195,8 @@ def _layout(snap: Snapshot):
 
 
 def _header_bytes(snap: Snapshot, meta: dict, descs, payload_size: int, checksum: str) -> bytes:
-    hdr = {**meta, "key": snap.key.hex(), "pos": snap.pos, "block_key": snap.block_key.hex(),
-           "tail": list(snap.tail), "parent": None if snap.parent is None else snap.parent.hex(),
-           "kv_from": snap.kv_from, "seg_blocks": [b.hex() for b in snap.seg_blocks],
-           "has_logits": snap.logits is not None, "payload_size": payload_size, "payload_blake2b": checksum,
-           "arrays": descs}
+    hdr = {**meta, **snap.link_json(), "has_logits": snap.logits is not None, "payload_size": payload_size,
+           "payload_blake2b": checksum, "arrays": descs}
     return json.dumps(hdr, sort_keys=True, separators=(",", ":")).encode()
 
 
@@ -268,11 +280,8 @@ def _parse_header(f) -> FileHeader | None:
         payload_offset = _align(_PRE.size + hlen)
         hdr = FileHeader(
             fingerprint=str(h["fingerprint"]), layer_types=tuple(h["layer_types"]), block_size=int(h["block_size"]),
-            key=bytes.fromhex(h["key"]), pos=int(h["pos"]), block_key=bytes.fromhex(h["block_key"]),
-            tail=tuple(int(t) for t in h["tail"]), parent=None if h["parent"] is None else bytes.fromhex(h["parent"]),
-            kv_from=int(h["kv_from"]), seg_blocks=tuple(bytes.fromhex(b) for b in h["seg_blocks"]),
-            has_logits=bool(h["has_logits"]), payload_offset=payload_offset, payload_size=int(h["payload_size"]),
-            payload_blake2b=str(h["payload_blake2b"]), arrays=tuple(h["arrays"]),
+            **ChainLink.link_from_json(h), has_logits=bool(h["has_logits"]), payload_offset=payload_offset,
+            payload_size=int(h["payload_size"]), payload_blake2b=str(h["payload_blake2b"]), arrays=tuple(h["arrays"]),
             ident=(st.st_dev, st.st_ino, st.st_size))
     except (ValueError, KeyError, TypeError) as e:
         raise SnapshotError(f"malformed header ({e})") from None
@@ -314,9 +323,8 @@ def load_file(path: str) -> tuple[FileHeader, Snapshot] | None:
         tokens = parts["tokens"][-1]
         if tokens.shape != (n_seg,) or any(a.shape[0] != n_seg for a in (*parts["k"].values(), *parts["v"].values())):
             raise SnapshotError("segment arrays disagree with pos - kv_from")
-        snap = Snapshot(key=hdr.key, pos=hdr.pos, block_key=hdr.block_key, tail=hdr.tail, parent=hdr.parent,
-                        kv_from=hdr.kv_from, seg_blocks=hdr.seg_blocks, tokens=tokens, conv=parts["conv"],
-                        ssm=parts["ssm"], k=parts["k"], v=parts["v"], logits=parts["logits"].get(-1))
+        snap = Snapshot(**hdr.link(), tokens=tokens, conv=parts["conv"], ssm=parts["ssm"], k=parts["k"], v=parts["v"],
+                        logits=parts["logits"].get(-1))
     except (KeyError, ValueError, TypeError) as e:
         raise SnapshotError(f"malformed array descriptors ({e!r})") from None
     return hdr, snap
