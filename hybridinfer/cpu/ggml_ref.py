@@ -261,8 +261,10 @@ def swiglu(g: np.ndarray, u: np.ndarray, W: int) -> np.ndarray:
     return _f(_f(g / _f(F32(1) + e)) * u)
 
 
-def rope(x: np.ndarray, pos0: int, n_rot: int, theta_base: float, neox: bool, freq_factors: np.ndarray) -> np.ndarray:
-    """ggml's rope as attn.c computes it (powf; cosf / sinf; the contracted rotation); x (T, H, hd) -> new array."""
+def rope(x: np.ndarray, pos0: int, n_rot: int, theta_base: float, neox: bool, freq_factors: np.ndarray,
+         fused: bool = True) -> np.ndarray:
+    """ggml's rope as attn.c computes it (powf; cosf / sinf; the rotation contracted to fused multiply-adds in a
+    build with FMA, two products and a sum without); x (T, H, hd) -> new array."""
     x = _f(x).copy()
     half = n_rot // 2
     theta_scale = F32(_libm.powf(float(F32(theta_base)), float(F32(-2.0) / F32(n_rot))))
@@ -273,7 +275,11 @@ def rope(x: np.ndarray, pos0: int, n_rot: int, theta_base: float, neox: bool, fr
             c, s = libm("cosf", th), libm("sinf", th)
             i0, i1 = (i, i + half) if neox else (2 * i, 2 * i + 1)
             x0, x1 = x[t, :, i0].copy(), x[t, :, i1].copy()
-            x[t, :, i0] = fma32(x0, c, -_f(x1 * s))
-            x[t, :, i1] = fma32(x0, s, _f(x1 * c))
+            if fused:
+                x[t, :, i0] = fma32(x0, c, -_f(x1 * s))
+                x[t, :, i1] = fma32(x0, s, _f(x1 * c))
+            else:
+                x[t, :, i0] = _f(_f(x0 * c) - _f(x1 * s))
+                x[t, :, i1] = _f(_f(x0 * s) + _f(x1 * c))
             theta = F32(theta * theta_scale)
     return x

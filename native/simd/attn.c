@@ -71,7 +71,9 @@ int hi_swiglu(hi_ctx *c, const float *g, int64_t g_row, const float *u, int64_t 
 
 /* ggml's rope (ggml_rope_cache_init + rotate_pairs, no YaRN scaling): theta_scale = powf(base, -2/n_rot);
  * theta starts at (float)pos and is multiplied by theta_scale once per pair; cosf / sinf of theta / ff; the
- * rotation as the llama.cpp build contracts it: x0' = fmaf(x0, c, -(x1 * s)), x1' = fmaf(x0, s, x1 * c). */
+ * rotation as the llama.cpp build compiles x0 * c - x1 * s and x0 * s + x1 * c: contracted where it has FMA (the
+ * AVX2 and AVX-512 units: x0' = fmaf(x0, c, -(x1 * s)), x1' = fmaf(x0, s, x1 * c)), two products and a sum
+ * below AVX2 (ggml built for SSE4.2 or baseline x86-64 has no FMA). */
 #define HI_ROPE_MAX_PAIRS 1024
 
 int hi_rope(hi_ctx *c, float *x, int64_t T, int64_t H, int64_t hd, int64_t pos0, int64_t n_rot, float theta_base,
@@ -79,6 +81,7 @@ int hi_rope(hi_ctx *c, float *x, int64_t T, int64_t H, int64_t hd, int64_t pos0,
     if (!c || !x || T < 1 || H < 1 || hd < 1 || n_rot < 2 || n_rot > hd || n_rot % 2 || n_rot / 2 > HI_ROPE_MAX_PAIRS)
         return -2;
     const int64_t half = n_rot / 2;
+    const int fused = hi_ctx_kernels(c)->isa >= HI_ISA_AVX2;
     const float theta_scale = powf(theta_base, -2.0f / (float)n_rot);
     float cs[HI_ROPE_MAX_PAIRS], sn[HI_ROPE_MAX_PAIRS];
     for (int64_t t = 0; t < T; t++) {
@@ -94,8 +97,13 @@ int hi_rope(hi_ctx *c, float *x, int64_t T, int64_t H, int64_t hd, int64_t pos0,
             for (int64_t i = 0; i < half; i++) {
                 const int64_t i0 = neox ? i : 2 * i, i1 = neox ? i + half : 2 * i + 1;
                 const float x0 = r[i0], x1 = r[i1];
-                r[i0] = fmaf(x0, cs[i], -(x1 * sn[i]));
-                r[i1] = fmaf(x0, sn[i], x1 * cs[i]);
+                if (fused) {
+                    r[i0] = fmaf(x0, cs[i], -(x1 * sn[i]));
+                    r[i1] = fmaf(x0, sn[i], x1 * cs[i]);
+                } else {
+                    r[i0] = x0 * cs[i] - x1 * sn[i];
+                    r[i1] = x0 * sn[i] + x1 * cs[i];
+                }
             }
         }
     }
