@@ -45,8 +45,9 @@ def make_backend(name: str, gm, args, options: dict, n_ctx: int):
     from .cpu.backend import CPUModel
     from .cpu.simd import SimdLib
 
-    cpu = CPUModel(gm, args, SimdLib(isa=options.pop("isa", None), n_threads=options.pop("n_threads", None)),
-                   weights=options.pop("weights", "auto"))
+    simd = SimdLib(isa=options.pop("isa", None), n_threads=options.pop("n_threads", None),
+                   prefetch=options.pop("prefetch", None))
+    cpu = CPUModel(gm, args, simd, weights=options.pop("weights", "auto"))
     if name == "cpu":
         return cpu
     try:

@@ -73,3 +73,14 @@ def test_copied_weights_give_the_same_logits(arch, quant, oracle_gguf):
 def test_bad_weights_mode_is_named(oracle_gguf):
     with pytest.raises(ValueError, match="'disk'"):
         Engine.load(str(oracle_gguf("qwen35", "q8_0")), backend="cpu", n_ctx=64, weights="disk")
+
+
+def test_engine_takes_the_prefetch_setting(oracle_gguf):
+    from hybridinfer.cpu.simd import PREFETCH_BYTES
+
+    path = str(oracle_gguf("qwen35", "q8_0"))
+    assert Engine.load(path, backend="cpu", n_ctx=64, n_threads=2).backend.simd.prefetch == 0
+    assert Engine.load(path, backend="cpu", n_ctx=64, n_threads=4).backend.simd.prefetch == PREFETCH_BYTES
+    assert Engine.load(path, backend="cpu", n_ctx=64, n_threads=2, prefetch=8192).backend.simd.prefetch == 8192
+    with pytest.raises(ValueError, match="prefetch"):
+        Engine.load(path, backend="cpu", n_ctx=64, prefetch=-5)
