@@ -137,6 +137,14 @@ HI_INLINE void hi_tile_float(const int f16, const hi_mm *m, int64_t r, int64_t t
     const void *w = m->w + (size_t)r * m->w_row;
     const void *x = m->x + (size_t)t * m->x_row;
     const int64_t n = m->cols, n32 = n & ~(int64_t)31;
+#if defined(HI_SCALAR)
+    /* ggml built without SIMD (ggml_vec_dot_f32 / _f16 without GGML_SIMD): float products summed in double */
+    (void)n32;
+    double d = 0.0;
+    for (int64_t i = 0; i < n; i++) d += (double)(hi_ldf(f16, w, i) * hi_ldf(f16, x, i));
+    m->out[(size_t)t * m->out_row + (size_t)r] = (float)d;
+    return;
+#endif
     hi_f8 a0 = hi_f8_zero(), a1 = hi_f8_zero(), a2 = hi_f8_zero(), a3 = hi_f8_zero();
     for (int64_t i = 0; i < n32; i += 32) {
         a0 = hi_f8_fma(hi_f8_load(f16, w, i), hi_f8_load(f16, x, i), a0);
