@@ -57,7 +57,7 @@ def main(argv=None) -> int:
             steps = [int(x[3:]) for x in r.stderr.splitlines() if x.startswith("ID ")]
             theirs = np.fromfile(out, np.float32).reshape(-1, V)
             st = eng.new_state()
-            ours = [be.forward(prompt, st)[-1].copy()]
+            ours = [be.forward(prompt, st, all_logits=False)[-1].copy()]  # llama.cpp outputs the last row only
             for t in steps[: len(theirs) - 1]:
                 ours.append(be.forward([t], st, all_logits=False)[0].copy())
             marks = ""

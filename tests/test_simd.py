@@ -257,6 +257,7 @@ def test_float_matmul(ggml, libs, qtype):
     w = w.reshape(rows, cols)
     x = rng.standard_normal((T, cols)).astype(np.float32)
     xa = x if qtype == 0 else x.astype(np.float16).astype(np.float32)  # F16: activations rounded to fp16
+    xs = xa
     want = (xa.astype(np.float64) @ w.astype(np.float64).T)
     scale = np.abs(want).max()
     results = {}
@@ -266,19 +267,52 @@ def test_float_matmul(ggml, libs, qtype):
         lib.matmul(w, qtype, rows, cols, xq, out)
         assert np.allclose(out, want, rtol=1e-5, atol=1e-5 * scale), isa
         results[isa] = out
-    if len(FMA_ISAS) == 2:  # the AVX2 and AVX-512 units share one order
-        assert np.array_equal(results[FMA_ISAS[0]], results[FMA_ISAS[1]])
+    # the AVX units as llama.cpp's AVX builds: ggml_vec_dot_f32 / _f16 here (173 is no multiple of the width)
+    from hybridinfer.cpu import ggml_ref as gr
+
+    for isa in FMA_ISAS:
+        W = 16 if isa == "avx512vnni" else 8
+        if qtype == 0:
+            want_isa = gr.dot_f32(xa[:, None, :], w[None, :, :], W)
+        else:  # vec_dot_f16: the same vector part, the tail summed in double
+            n = cols // (4 * W) * (4 * W)
+            body = gr.dot_f32(xs[:, None, :n], w.astype(np.float32)[None, :, :n], W)
+            tail = (xs[:, None, n:] * w.astype(np.float32)[None, :, n:]).astype(np.float32).astype(np.float64)
+            want_isa = np.cumsum(np.concatenate([body[..., None].astype(np.float64), tail], -1), -1)[..., -1]
+            want_isa = want_isa.astype(np.float32)
+        assert np.array_equal(results[isa], want_isa), isa
     # the scalar unit as ggml built without SIMD: float products summed in double
-    xs = xa if qtype == 0 else x.astype(np.float16).astype(np.float32)
     prods = (xs[:, None, :] * w.astype(np.float32)[None, :, :]).astype(np.float32).astype(np.float64)
     assert np.array_equal(results["scalar"], np.cumsum(prods, axis=-1)[..., -1].astype(np.float32))
-    if qtype == 1:  # ggml's f16 dot (its vector width is its build's, so only close)
+    if qtype == 1 and best_isa() in FMA_ISAS:  # the llama.cpp here is its native build: its f16 dot, bit for bit
         xh = x.astype(np.float16)
         o = np.zeros(1, np.float32)
         for t in range(T):
             for r in range(rows):
                 ggml.ggml_vec_dot_f16(cols, o.ctypes.data, 0, w[r].ctypes.data, 0, xh[t].ctypes.data, 0, 1)
-                assert np.isclose(results[ISAS[-1]][t, r], o[0], rtol=1e-5, atol=1e-5 * scale)
+                assert results[best_isa()][t, r] == o[0], (t, r)
+
+
+@pytest.mark.parametrize("qtype", [0, 1])
+def test_float_matmul_tinyblas_shape(libs, qtype):
+    """Two tokens or more and a length that is a multiple of the vector width: llamafile's tinyBLAS order."""
+    from hybridinfer.cpu import ggml_ref as gr
+
+    rng = np.random.default_rng(70 + qtype)
+    rows, cols, T = 7, 16 * 9, 3
+    w = random_blocks(qtype, rows * cols, rng).reshape(-1).view(np.float32 if qtype == 0 else np.float16)
+    w = w.reshape(rows, cols)
+    x = rng.standard_normal((T, cols)).astype(np.float32)
+    xs = x if qtype == 0 else x.astype(np.float16).astype(np.float32)
+    for isa in FMA_ISAS:
+        lib = libs[isa]
+        out = np.zeros((T, rows), np.float32)
+        lib.matmul(w, qtype, rows, cols, lib.quantize(x, qtype), out)
+        W = 16 if isa == "avx512vnni" else 8
+        assert np.array_equal(out, gr.tinyblas_dot(xs[:, None, :], w.astype(np.float32)[None, :, :], W)), isa
+        one = np.zeros(rows, np.float32)  # one token: vec_dot's order instead
+        lib.matmul(w, qtype, rows, cols, lib.quantize(x[0], qtype), one)
+        assert not np.array_equal(one, out[0]) or qtype == 1, isa
 
 
 def test_gemm_token_blocks_and_chunks(libs):

@@ -218,7 +218,8 @@ class CPUModel:
         """Products of one input with several matrices: one quantization and one pooled call per activation
         kind (the thread pool wakes once)."""
         T = x.shape[0]
-        if T == 1:  # decode: the whole call site replayed from bound calls
+        decode = ws.T == 1
+        if decode:  # decode: the whole call site replayed from bound calls
             plan = ws.calls.get(("many-plan", id(mats[0]), len(mats)))
             if plan is not None:
                 for f in plan[0]:
@@ -237,9 +238,9 @@ class CPUModel:
                 res[j] = outs[j][:T, : mats[j].rows]
                 items.append((mats[j].raw, mats[j].qtype, mats[j].rows, res[j]))
             self.call(ws, ("many", id(m0)), "matmul_many", xq, m0.cols, items, GGML_MUL_MAT)
-            if T == 1:
+            if decode:
                 steps += [ws.calls[("q", id(m0))][0], ws.calls[("many", id(m0))]]
-        if T == 1:
+        if decode:
             ws.calls[("many-plan", id(mats[0]), len(mats))] = (steps, res)
         return res
 
@@ -303,12 +304,16 @@ class CPUModel:
             mix = self._gdn(L, i, x, state, ws) if L.kind == "gdn" else self._attention(L, i, x, state, ws)
             post = L.ffn_norm if a.arch == "llama" else L.post_attention_norm
             self._op(ws, ops.add_rms_norm, h, mix, post, a.rms_eps, x)
+            if i + 1 == n and not all_logits and T > 1:
+                # as llama.cpp's graph (inp_out_ids): past the last layer's mixer only the output row goes on, so
+                # its FFN products take their one-token float shapes
+                h, x = h[T - 1 :], x[T - 1 :]
             ffn = self._moe(L, i, x, ws) if a.is_moe else self._ffn(L, x, ws)
             if i + 1 < n:
                 self._op(ws, ops.add_rms_norm, h, ffn, self.layers[i + 1].attn_norm, a.rms_eps, x)
             else:
                 self._op(ws, ops.add_inplace, h, ffn)
-        hs = h if all_logits else h[T - 1 :]
+        hs = h if all_logits else h[-1:]
         xs = ws.x[: hs.shape[0]]
         self._op(ws, ops.rms_norm, hs, self.out_norm, a.rms_eps, xs)
         return self.mm(self.out, xs, ws.logits, ws)

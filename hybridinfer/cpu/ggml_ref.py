@@ -135,6 +135,17 @@ def dot_f32(x: np.ndarray, y: np.ndarray, W: int) -> np.ndarray:
     return out
 
 
+def tinyblas_dot(x: np.ndarray, y: np.ndarray, W: int) -> np.ndarray:
+    """llamafile's tinyBLAS row (F32/F16 products over two tokens or more, length a multiple of W): one
+    accumulator of W lanes of fused multiply-adds, then its horizontal sum (AVX-512: _mm512_reduce_add_ps;
+    AVX2: hi + lo, movehl, movehdup)."""
+    x, y = np.broadcast_arrays(_f(x), _f(y))
+    acc = np.zeros(x.shape[:-1] + (W,), F32)
+    for i in range(0, x.shape[-1], W):
+        acc = fma32(x[..., i : i + W], y[..., i : i + W], acc)
+    return hsum_reduce512(acc) if W == 16 else hsum_movehl256(acc)
+
+
 def _sse_reduce8(acc: np.ndarray) -> np.ndarray:
     """GGML_F32x4_REDUCE of 8 accumulators (axis -2) of 4 lanes: x[i] += x[i + 4], x[i] += x[i + 2],
     x[0] += x[1], then hadd twice: (l0 + l1) + (l2 + l3)."""

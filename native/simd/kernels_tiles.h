@@ -133,18 +133,79 @@ HI_INLINE float hi_ldf(const int f16, const void *p, int64_t i) {
     return f16 ? hi_h2f(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
+#if defined(HI_AVX2)
+#if defined(HI_VNNI)
+#define HI_FW 16 /* the AVX-512 build's float vectors */
+typedef __m512 hi_f16v;
+HI_INLINE hi_f16v hi_fv_load(const int f16, const void *p, int64_t i) {
+    return f16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)))
+               : _mm512_loadu_ps((const float *)p + i);
+}
+HI_INLINE hi_f16v hi_fv_zero(void) { return _mm512_setzero_ps(); }
+HI_INLINE hi_f16v hi_fv_fma(hi_f16v a, hi_f16v b, hi_f16v c) { return _mm512_fmadd_ps(a, b, c); }
+HI_INLINE hi_f16v hi_fv_add(hi_f16v a, hi_f16v b) { return _mm512_add_ps(a, b); }
+HI_INLINE float hi_fv_vecdot_hsum(hi_f16v x) { return _mm512_reduce_add_ps(x); }
+HI_INLINE float hi_fv_tiny_hsum(hi_f16v x) { return _mm512_reduce_add_ps(x); }
+#else
+#define HI_FW 8
+typedef __m256 hi_f16v;
+HI_INLINE hi_f16v hi_fv_load(const int f16, const void *p, int64_t i) { return hi_f8_load(f16, p, i); }
+HI_INLINE hi_f16v hi_fv_zero(void) { return _mm256_setzero_ps(); }
+HI_INLINE hi_f16v hi_fv_fma(hi_f16v a, hi_f16v b, hi_f16v c) { return _mm256_fmadd_ps(a, b, c); }
+HI_INLINE hi_f16v hi_fv_add(hi_f16v a, hi_f16v b) { return _mm256_add_ps(a, b); }
+HI_INLINE float hi_fv_vecdot_hsum(hi_f16v x) { return hi_f8_reduce(x); }
+HI_INLINE float hi_fv_tiny_hsum(hi_f16v x) { /* tinyBLAS: hi + lo, + movehl, + movehdup */
+    __m128 v = _mm_add_ps(_mm256_extractf128_ps(x, 1), _mm256_castps256_ps128(x));
+    v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+    v = _mm_add_ss(v, _mm_movehdup_ps(v));
+    return _mm_cvtss_f32(v);
+}
+#endif
+#endif
+
+/* One F32 / F16 row. The AVX units take the float order of llama.cpp's AVX build: for a product over two tokens
+ * or more whose length is a multiple of the vector width, llamafile's tinyBLAS (one accumulator of fused
+ * multiply-adds per row and token, then its horizontal sum); otherwise ggml_vec_dot_f32 / _f16 (4 accumulators
+ * over steps of 4 vectors, (a0 + a2) + (a1 + a3), the horizontal sum, the tail fused into a float (F32) or summed
+ * in double (F16)). The SSSE3 unit: vec_dot of the SSE3 build (4 x 8 lanes as 8 accumulators of 4); the scalar
+ * unit: ggml without SIMD, float products summed in double. */
 HI_INLINE void hi_tile_float(const int f16, const hi_mm *m, int64_t r, int64_t t) {
     const void *w = m->w + (size_t)r * m->w_row;
     const void *x = m->x + (size_t)t * m->x_row;
     const int64_t n = m->cols, n32 = n & ~(int64_t)31;
+    float *out = &m->out[(size_t)t * m->out_row + (size_t)r];
 #if defined(HI_SCALAR)
-    /* ggml built without SIMD (ggml_vec_dot_f32 / _f16 without GGML_SIMD): float products summed in double */
     (void)n32;
     double d = 0.0;
     for (int64_t i = 0; i < n; i++) d += (double)(hi_ldf(f16, w, i) * hi_ldf(f16, x, i));
-    m->out[(size_t)t * m->out_row + (size_t)r] = (float)d;
-    return;
-#endif
+    *out = (float)d;
+#elif defined(HI_AVX2)
+    (void)n32;
+    if (m->T >= 2 && n % HI_FW == 0) {
+        hi_f16v a = hi_fv_zero();
+        for (int64_t i = 0; i < n; i += HI_FW) a = hi_fv_fma(hi_fv_load(f16, w, i), hi_fv_load(f16, x, i), a);
+        *out = hi_fv_tiny_hsum(a);
+        return;
+    }
+    const int64_t np = n & ~(int64_t)(4 * HI_FW - 1);
+    hi_f16v a0 = hi_fv_zero(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t i = 0; i < np; i += 4 * HI_FW) {
+        a0 = hi_fv_fma(hi_fv_load(f16, w, i), hi_fv_load(f16, x, i), a0);
+        a1 = hi_fv_fma(hi_fv_load(f16, w, i + HI_FW), hi_fv_load(f16, x, i + HI_FW), a1);
+        a2 = hi_fv_fma(hi_fv_load(f16, w, i + 2 * HI_FW), hi_fv_load(f16, x, i + 2 * HI_FW), a2);
+        a3 = hi_fv_fma(hi_fv_load(f16, w, i + 3 * HI_FW), hi_fv_load(f16, x, i + 3 * HI_FW), a3);
+    }
+    const float red = hi_fv_vecdot_hsum(hi_fv_add(hi_fv_add(a0, a2), hi_fv_add(a1, a3)));
+    if (f16) {
+        double s = (double)red;
+        for (int64_t i = np; i < n; i++) s += (double)(hi_ldf(1, w, i) * hi_ldf(1, x, i));
+        *out = (float)s;
+    } else {
+        float s = red;
+        for (int64_t i = np; i < n; i++) s = fmaf(hi_ldf(0, w, i), hi_ldf(0, x, i), s);
+        *out = s;
+    }
+#else
     hi_f8 a0 = hi_f8_zero(), a1 = hi_f8_zero(), a2 = hi_f8_zero(), a3 = hi_f8_zero();
     for (int64_t i = 0; i < n32; i += 32) {
         a0 = hi_f8_fma(hi_f8_load(f16, w, i), hi_f8_load(f16, x, i), a0);
@@ -157,7 +218,8 @@ HI_INLINE void hi_tile_float(const int f16, const hi_mm *m, int64_t r, int64_t t
     a0 = hi_f8_add(a0, a1);
     double s = (double)hi_f8_reduce(a0);
     for (int64_t i = n32; i < n; i++) s += (double)(hi_ldf(f16, w, i) * hi_ldf(f16, x, i));
-    m->out[(size_t)t * m->out_row + (size_t)r] = (float)s;
+    *out = (float)s;
+#endif
 }
 
 /* ---- K-quants ---------------------------------------------------------------------------------- */
