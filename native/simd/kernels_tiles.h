@@ -147,13 +147,13 @@ HI_INLINE hi_f16v hi_fv_add(hi_f16v a, hi_f16v b) { return _mm512_add_ps(a, b); 
 HI_INLINE float hi_fv_vecdot_hsum(hi_f16v x) { return _mm512_reduce_add_ps(x); }
 HI_INLINE float hi_fv_tiny_hsum(hi_f16v x) { return _mm512_reduce_add_ps(x); }
 #else
-#define HI_FW 8
-typedef __m256 hi_f16v;
-HI_INLINE hi_f16v hi_fv_load(const int f16, const void *p, int64_t i) { return hi_f8_load(f16, p, i); }
-HI_INLINE hi_f16v hi_fv_zero(void) { return _mm256_setzero_ps(); }
-HI_INLINE hi_f16v hi_fv_fma(hi_f16v a, hi_f16v b, hi_f16v c) { return _mm256_fmadd_ps(a, b, c); }
-HI_INLINE hi_f16v hi_fv_add(hi_f16v a, hi_f16v b) { return _mm256_add_ps(a, b); }
-HI_INLINE float hi_fv_vecdot_hsum(hi_f16v x) { return hi_f8_reduce(x); }
+#define HI_FW 8 /* the AVX2 build's: the 8-lane helpers above */
+typedef hi_f8 hi_f16v;
+#define hi_fv_load hi_f8_load
+#define hi_fv_zero hi_f8_zero
+#define hi_fv_fma hi_f8_fma
+#define hi_fv_add hi_f8_add
+#define hi_fv_vecdot_hsum hi_f8_reduce
 HI_INLINE float hi_fv_tiny_hsum(hi_f16v x) { /* tinyBLAS: hi + lo, + movehl, + movehdup */
     __m128 v = _mm_add_ps(_mm256_extractf128_ps(x, 1), _mm256_castps256_ps128(x));
     v = _mm_add_ps(v, _mm_movehl_ps(v, v));
