@@ -113,27 +113,12 @@ HI_INLINE float hi_f8_reduce(hi_f8 x) {
     const __m128 t1 = _mm_hadd_ps(t0, t0);
     return _mm_cvtss_f32(_mm_hadd_ps(t1, t1));
 }
-#else
-typedef struct { float v[8]; } hi_f8;
-HI_INLINE hi_f8 hi_f8_load(const int f16, const void *p, int64_t i) {
-    hi_f8 v;
-    for (int k = 0; k < 8; k++) v.v[k] = f16 ? hi_h2f(((const uint16_t *)p)[i + k]) : ((const float *)p)[i + k];
-    return v;
-}
-HI_INLINE hi_f8 hi_f8_zero(void) { hi_f8 v; for (int k = 0; k < 8; k++) v.v[k] = 0.0f; return v; }
-HI_INLINE hi_f8 hi_f8_fma(hi_f8 a, hi_f8 b, hi_f8 c) { for (int k = 0; k < 8; k++) c.v[k] = fmaf(a.v[k], b.v[k], c.v[k]); return c; }
-HI_INLINE hi_f8 hi_f8_add(hi_f8 a, hi_f8 b) { for (int k = 0; k < 8; k++) a.v[k] += b.v[k]; return a; }
-HI_INLINE float hi_f8_reduce(hi_f8 x) {
-    const float t0 = x.v[0] + x.v[4], t1 = x.v[1] + x.v[5], t2 = x.v[2] + x.v[6], t3 = x.v[3] + x.v[7];
-    return (t0 + t1) + (t2 + t3);
-}
 #endif
 
 HI_INLINE float hi_ldf(const int f16, const void *p, int64_t i) {
     return f16 ? hi_h2f(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
-#if defined(HI_AVX2)
 #if defined(HI_VNNI)
 #define HI_FW 16 /* the AVX-512 build's float vectors */
 typedef __m512 hi_f16v;
@@ -146,14 +131,15 @@ HI_INLINE hi_f16v hi_fv_fma(hi_f16v a, hi_f16v b, hi_f16v c) { return _mm512_fma
 HI_INLINE hi_f16v hi_fv_add(hi_f16v a, hi_f16v b) { return _mm512_add_ps(a, b); }
 HI_INLINE float hi_fv_vecdot_hsum(hi_f16v x) { return _mm512_reduce_add_ps(x); }
 HI_INLINE float hi_fv_tiny_hsum(hi_f16v x) { return _mm512_reduce_add_ps(x); }
-#else
-#define HI_FW 8 /* the AVX2 build's: the 8-lane helpers above */
+#elif !defined(HI_SCALAR)
+#define HI_FW 8 /* the AVX2 build's, and the SSE3 build's as two halves: the 8-lane helpers above */
 typedef hi_f8 hi_f16v;
 #define hi_fv_load hi_f8_load
 #define hi_fv_zero hi_f8_zero
 #define hi_fv_fma hi_f8_fma
 #define hi_fv_add hi_f8_add
 #define hi_fv_vecdot_hsum hi_f8_reduce
+#if defined(HI_AVX2)
 HI_INLINE float hi_fv_tiny_hsum(hi_f16v x) { /* tinyBLAS: hi + lo, + movehl, + movehdup */
     __m128 v = _mm_add_ps(_mm256_extractf128_ps(x, 1), _mm256_castps256_ps128(x));
     v = _mm_add_ps(v, _mm_movehl_ps(v, v));
@@ -172,21 +158,21 @@ HI_INLINE float hi_fv_tiny_hsum(hi_f16v x) { /* tinyBLAS: hi + lo, + movehl, + m
 HI_INLINE void hi_tile_float(const int f16, const hi_mm *m, int64_t r, int64_t t) {
     const void *w = m->w + (size_t)r * m->w_row;
     const void *x = m->x + (size_t)t * m->x_row;
-    const int64_t n = m->cols, n32 = n & ~(int64_t)31;
+    const int64_t n = m->cols;
     float *out = &m->out[(size_t)t * m->out_row + (size_t)r];
 #if defined(HI_SCALAR)
-    (void)n32;
     double d = 0.0;
     for (int64_t i = 0; i < n; i++) d += (double)(hi_ldf(f16, w, i) * hi_ldf(f16, x, i));
     *out = (float)d;
-#elif defined(HI_AVX2)
-    (void)n32;
+#else
+#if defined(HI_AVX2)
     if (m->T >= 2 && n % HI_FW == 0) {
         hi_f16v a = hi_fv_zero();
         for (int64_t i = 0; i < n; i += HI_FW) a = hi_fv_fma(hi_fv_load(f16, w, i), hi_fv_load(f16, x, i), a);
         *out = hi_fv_tiny_hsum(a);
         return;
     }
+#endif
     const int64_t np = n & ~(int64_t)(4 * HI_FW - 1);
     hi_f16v a0 = hi_fv_zero(), a1 = a0, a2 = a0, a3 = a0;
     for (int64_t i = 0; i < np; i += 4 * HI_FW) {
@@ -196,28 +182,16 @@ HI_INLINE void hi_tile_float(const int f16, const hi_mm *m, int64_t r, int64_t t
         a3 = hi_fv_fma(hi_fv_load(f16, w, i + 3 * HI_FW), hi_fv_load(f16, x, i + 3 * HI_FW), a3);
     }
     const float red = hi_fv_vecdot_hsum(hi_fv_add(hi_fv_add(a0, a2), hi_fv_add(a1, a3)));
-    if (f16) {
-        double s = (double)red;
-        for (int64_t i = np; i < n; i++) s += (double)(hi_ldf(1, w, i) * hi_ldf(1, x, i));
-        *out = (float)s;
-    } else {
+#if defined(HI_AVX2)
+    if (!f16) { /* ggml_vec_dot_f32's float tail, contracted in an FMA build */
         float s = red;
         for (int64_t i = np; i < n; i++) s = fmaf(hi_ldf(0, w, i), hi_ldf(0, x, i), s);
         *out = s;
+        return;
     }
-#else
-    hi_f8 a0 = hi_f8_zero(), a1 = hi_f8_zero(), a2 = hi_f8_zero(), a3 = hi_f8_zero();
-    for (int64_t i = 0; i < n32; i += 32) {
-        a0 = hi_f8_fma(hi_f8_load(f16, w, i), hi_f8_load(f16, x, i), a0);
-        a1 = hi_f8_fma(hi_f8_load(f16, w, i + 8), hi_f8_load(f16, x, i + 8), a1);
-        a2 = hi_f8_fma(hi_f8_load(f16, w, i + 16), hi_f8_load(f16, x, i + 16), a2);
-        a3 = hi_f8_fma(hi_f8_load(f16, w, i + 24), hi_f8_load(f16, x, i + 24), a3);
-    }
-    a0 = hi_f8_add(a0, a2);
-    a1 = hi_f8_add(a1, a3);
-    a0 = hi_f8_add(a0, a1);
-    double s = (double)hi_f8_reduce(a0);
-    for (int64_t i = n32; i < n; i++) s += (double)(hi_ldf(f16, w, i) * hi_ldf(f16, x, i));
+#endif
+    double s = (double)red;
+    for (int64_t i = np; i < n; i++) s += (double)(hi_ldf(f16, w, i) * hi_ldf(f16, x, i));
     *out = (float)s;
 #endif
 }
@@ -259,6 +233,9 @@ HI_INLINE void hi_legacy_values(const int qt, const uint8_t *b, int8_t *v) {
     }
 }
 
+/* the fp16 at p (2 bytes, any alignment) as float */
+HI_INLINE float hi_h2f_at(const uint8_t *p) { return hi_h2f((uint16_t)(p[0] | p[1] << 8)); }
+
 HI_INLINE int32_t hi_isum32(const int8_t *a, const int8_t *b) {
 #if defined(HI_SSSE3)
     const __m128i ones = _mm_set1_epi16(1);
@@ -277,6 +254,25 @@ HI_INLINE int32_t hi_isum32(const int8_t *a, const int8_t *b) {
 #endif
 }
 
+/* sumf plus the generic loop's terms of blocks ib0..nb-1 of a row (w) and an activation row (x) */
+HI_INLINE float hi_legacy_generic_sum(const int qt, const uint8_t *w, const uint8_t *x, int64_t ib0, int64_t nb,
+                                      float sumf) {
+    const int bs = hi_wbs(qt), ybs = (qt == HI_T_Q4_1 || qt == HI_T_Q5_1) ? 36 : 34;
+    for (int64_t ib = ib0; ib < nb; ib++) {
+        const uint8_t *wb = w + ib * bs, *xb = x + ib * ybs;
+        int8_t v[32];
+        if (qt == HI_T_Q8_0) memcpy(v, wb + 2, 32);
+        else hi_legacy_values(qt, wb, v);
+        const float isum = (float)hi_isum32(v, (const int8_t *)(xb + ybs - 32));
+        const float dx = hi_h2f_at(wb), dy = hi_h2f_at(xb);
+        if (qt == HI_T_Q4_0) sumf += isum * dx * dy;
+        else if (qt == HI_T_Q5_0) sumf += (dx * dy) * isum;
+        else if (qt == HI_T_Q8_0) sumf += isum * (dx * dy);
+        else sumf += (dx * dy) * isum + hi_h2f_at(wb + 2) * hi_h2f_at(xb + 2);
+    }
+    return sumf;
+}
+
 #if defined(HI_SSSE3)
 /* ggml_vec_dot_q4_0_q8_0's SSSE3 path: pairs of blocks into 4 accumulators of 4 lanes (lane k: elements 4k..4k+3
  * of the block's low or high half), hsum_float_4x4 (hadd), the odd block generic */
@@ -287,7 +283,7 @@ HI_INLINE float hi_dot_q4_0_ssse3(const uint8_t *w, const uint8_t *x, int64_t nb
     for (; ib + 1 < nb; ib += 2) {
         for (int b = 0; b < 2; b++) {
             const uint8_t *wb = w + (ib + b) * 18, *xb = x + (ib + b) * 34;
-            const __m128 d = _mm_set1_ps(hi_h2f((uint16_t)(wb[0] | wb[1] << 8)) * hi_h2f((uint16_t)(xb[0] | xb[1] << 8)));
+            const __m128 d = _mm_set1_ps(hi_h2f_at(wb) * hi_h2f_at(xb));
             const __m128i q = _mm_loadu_si128((const __m128i *)(wb + 2)), m4 = _mm_set1_epi8(15), e8 = _mm_set1_epi8(8);
             for (int h = 0; h < 2; h++) {
                 const __m128i bx = _mm_sub_epi8(_mm_and_si128(m4, h ? _mm_srli_epi64(q, 4) : q), e8);
@@ -300,42 +296,21 @@ HI_INLINE float hi_dot_q4_0_ssse3(const uint8_t *w, const uint8_t *x, int64_t nb
     __m128 r = _mm_hadd_ps(_mm_hadd_ps(acc[0], acc[1]), _mm_hadd_ps(acc[2], acc[3]));
     r = _mm_hadd_ps(r, r);
     r = _mm_hadd_ps(r, r);
-    float sumf = _mm_cvtss_f32(r);
-    for (; ib < nb; ib++) {
-        const uint8_t *wb = w + ib * 18, *xb = x + ib * 34;
-        int8_t v[32];
-        hi_legacy_values(HI_T_Q4_0, wb, v);
-        const int32_t isum = hi_isum32(v, (const int8_t *)(xb + 2));
-        sumf += (float)isum * hi_h2f((uint16_t)(wb[0] | wb[1] << 8)) * hi_h2f((uint16_t)(xb[0] | xb[1] << 8));
-    }
-    return sumf;
+    return hi_legacy_generic_sum(HI_T_Q4_0, w, x, ib, nb, _mm_cvtss_f32(r));
 }
 #endif
 
 HI_INLINE void hi_tile_legacy_generic(const int qt, const hi_mm *m, int64_t r, int64_t t) {
     const uint8_t *w = m->w + (size_t)r * m->w_row, *x = m->x + (size_t)t * m->x_row;
     const int64_t nb = m->cols / 32;
-    const int bs = hi_wbs(qt), ybs = (qt == HI_T_Q4_1 || qt == HI_T_Q5_1) ? 36 : 34;
-    float sumf = 0.0f;
+    float *out = &m->out[(size_t)t * m->out_row + (size_t)r];
 #if defined(HI_SSSE3)
     if (qt == HI_T_Q4_0) {
-        m->out[(size_t)t * m->out_row + (size_t)r] = hi_dot_q4_0_ssse3(w, x, nb);
+        *out = hi_dot_q4_0_ssse3(w, x, nb);
         return;
     }
 #endif
-    for (int64_t ib = 0; ib < nb; ib++) {
-        const uint8_t *wb = w + ib * bs, *xb = x + ib * ybs;
-        int8_t v[32];
-        if (qt == HI_T_Q8_0) memcpy(v, wb + 2, 32);
-        else hi_legacy_values(qt, wb, v);
-        const float isum = (float)hi_isum32(v, (const int8_t *)(xb + ybs - 32));
-        const float dx = hi_h2f((uint16_t)(wb[0] | wb[1] << 8)), dy = hi_h2f((uint16_t)(xb[0] | xb[1] << 8));
-        if (qt == HI_T_Q4_0) sumf += isum * dx * dy;
-        else if (qt == HI_T_Q5_0) sumf += (dx * dy) * isum;
-        else if (qt == HI_T_Q8_0) sumf += isum * (dx * dy);
-        else sumf += (dx * dy) * isum + hi_h2f((uint16_t)(wb[2] | wb[3] << 8)) * hi_h2f((uint16_t)(xb[2] | xb[3] << 8));
-    }
-    m->out[(size_t)t * m->out_row + (size_t)r] = sumf;
+    *out = hi_legacy_generic_sum(qt, w, x, 0, nb, 0.0f);
 }
 #endif
 
