@@ -255,13 +255,21 @@ int hi_matmul_many(hi_ctx *c, int n, const int *qtypes, const void *const *ws, c
     return 0;
 }
 
+/* one matrix (rows x cols at w) times one activation row xq into out, as llama.cpp's ggml_op shapes it; the
+ * caller sets a legacy type's preparation (corr, dy, sy) */
+static hi_mm hi_vec_job(hi_ctx *c, int ggml_op, int qtype, const void *w, int64_t rows, int64_t cols,
+                        const uint8_t *xq, float *out) {
+    hi_mm m = {.qtype = qtype, .w = (const uint8_t *)w, .w_row = (size_t)hi_weight_row_bytes(qtype, cols),
+               .rows = rows, .cols = cols, .x = xq, .x_row = 0, .T = 1, .out = out, .out_row = 0,
+               .kshape = hi_kshape(c, ggml_op, qtype, rows, 1)};
+    return m;
+}
+
 /* a dense product of one activation row (the shared expert beside the routed ones: a MUL_MAT where the routed
  * ones are a MUL_MAT_ID), its legacy-type preparation at `prep` (hi_prep_bytes(1, cols / 32) bytes) */
 static hi_mm hi_row_job(hi_ctx *c, int ggml_op, int qtype, const void *w, int64_t rows, int64_t cols,
                         const uint8_t *xq, float *out, uint8_t *prep) {
-    hi_mm m = {.qtype = qtype, .w = (const uint8_t *)w, .w_row = (size_t)hi_weight_row_bytes(qtype, cols),
-               .rows = rows, .cols = cols, .x = xq, .x_row = 0, .T = 1, .out = out, .out_row = 0,
-               .kshape = hi_kshape(c, ggml_op ? HI_GGML_MUL_MAT : HI_GGML_NONE, qtype, rows, 1)};
+    hi_mm m = hi_vec_job(c, ggml_op ? HI_GGML_MUL_MAT : HI_GGML_NONE, qtype, w, rows, cols, xq, out);
     if (hi_is_legacy(qtype)) hi_prep_rows(c->k, qtype, xq, 0, 1, cols / 32, prep, &m.corr, &m.dy, &m.sy);
     return m;
 }
@@ -305,15 +313,13 @@ int hi_moe_gate_up(hi_ctx *c, int gate_qtype, const void *wg, int up_qtype, cons
         hi_prep_rows(c->k, up_qtype, (const uint8_t *)xq, 0, 1, nb, s + pb, &cu, &du, &suy);
     }
     for (int i = 0; i < k; i++) {
-        const int64_t ex = ids[i];
-        hi_mm g = {.qtype = gate_qtype, .w = (const uint8_t *)wg + (size_t)ex * (size_t)rows * grb, .w_row = grb,
-                   .rows = rows, .cols = cols, .x = (const uint8_t *)xq, .x_row = 0, .T = 1,
-                   .out = gate_out + (size_t)i * (size_t)gate_row, .out_row = 0, .corr = cg, .dy = dg, .sy = sgy,
-                   .kshape = hi_kshape(c, ggml_op, gate_qtype, rows, 1)};
-        hi_mm u = {.qtype = up_qtype, .w = (const uint8_t *)wu + (size_t)ex * (size_t)rows * urb, .w_row = urb,
-                   .rows = rows, .cols = cols, .x = (const uint8_t *)xq, .x_row = 0, .T = 1,
-                   .out = up_out + (size_t)i * (size_t)up_row, .out_row = 0, .corr = cu, .dy = du, .sy = suy,
-                   .kshape = hi_kshape(c, ggml_op, up_qtype, rows, 1)};
+        const size_t ex = (size_t)ids[i] * (size_t)rows;
+        hi_mm g = hi_vec_job(c, ggml_op, gate_qtype, (const uint8_t *)wg + ex * grb, rows, cols, (const uint8_t *)xq,
+                             gate_out + (size_t)i * (size_t)gate_row);
+        hi_mm u = hi_vec_job(c, ggml_op, up_qtype, (const uint8_t *)wu + ex * urb, rows, cols, (const uint8_t *)xq,
+                             up_out + (size_t)i * (size_t)up_row);
+        g.corr = cg, g.dy = dg, g.sy = sgy;
+        u.corr = cu, u.dy = du, u.sy = suy;
         jobs[2 * i] = g;
         jobs[2 * i + 1] = u;
     }
@@ -356,11 +362,11 @@ int hi_moe_down(hi_ctx *c, int qtype, const void *w, int64_t n_expert, int64_t r
     }
     if (hi_is_legacy(qtype)) hi_prep_rows(c->k, qtype, (const uint8_t *)xq, (size_t)xq_row, k, nb, s, &cr, &dy, &sy);
     for (int i = 0; i < k; i++) {
-        hi_mm m = {.qtype = qtype, .w = (const uint8_t *)w + (size_t)ids[i] * (size_t)rows * rb, .w_row = rb,
-                   .rows = rows, .cols = cols, .x = (const uint8_t *)xq + (size_t)i * (size_t)xq_row, .x_row = 0,
-                   .T = 1, .out = out + (size_t)i * (size_t)out_row, .out_row = 0,
-                   .corr = cr ? cr + (size_t)i * nb * 8 : NULL, .dy = dy ? dy + i * nb : NULL,
-                   .sy = sy ? sy + i * nb : NULL, .kshape = hi_kshape(c, ggml_op, qtype, rows, 1)};
+        hi_mm m = hi_vec_job(c, ggml_op, qtype, (const uint8_t *)w + (size_t)ids[i] * (size_t)rows * rb, rows, cols,
+                             (const uint8_t *)xq + (size_t)i * (size_t)xq_row, out + (size_t)i * (size_t)out_row);
+        m.corr = cr ? cr + (size_t)i * nb * 8 : NULL;
+        m.dy = dy ? dy + i * nb : NULL;
+        m.sy = sy ? sy + i * nb : NULL;
         jobs[i] = m;
     }
     int n = k;
