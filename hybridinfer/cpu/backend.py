@@ -386,13 +386,12 @@ class CPUModel:
         self._op(ws, ops.moe_route, router, k, idx, w)
         ys = ws.ed[: T * k]
         G, U, Dn = L.ffn_gate_exps, L.ffn_up_exps, L.ffn_down_exps
-        out = ws.ffn[:T]
+        shared = None  # the shared expert's output when the routed experts' calls produced it
         if T == 1:  # decode: all k experts (and a shared expert of their kind, as row k) in two calls
             fused = self.fused_shexp[i]
             n = k + 1 if fused else k
             xq = self.quantize(G, x, ws)
             eg, eu = ws.eg[:n], ws.eu[:n]
-            s = ws.mix[0]
             sh_gu = sh_d = None
             if fused:
                 Sg, Su, Sd = L.ffn_gate_shexp, L.ffn_up_shexp, L.ffn_down_shexp
@@ -402,31 +401,28 @@ class CPUModel:
             self.call(ws, ("swiglu", id(G)), "swiglu", eg, eu, eg)
             hq = self.quantize(Dn, eg, ws)
             if fused:
-                sh_d = (Sd.raw, Sd.qtype, Sd.cols, hq[k], s)
+                shared = ws.mix[:1]
+                sh_d = (Sd.raw, Sd.qtype, Sd.cols, hq[k], shared[0])
             self.call(ws, ("down", id(Dn)), "moe_down", Dn.raw, Dn.qtype, Dn.rows, Dn.cols, hq[:k], idx[0], ys,
                       GGML_MUL_MAT_ID, sh_d)
-            if not a.n_ff_shexp:
-                self._op(ws, ops.moe_combine, ys, w, out)
-                return out
-            if not fused:
-                s = self._swiglu_ffn(L.ffn_gate_shexp, L.ffn_up_shexp, L.ffn_down_shexp, x, ws.mix, ws)
-            self._op(ws, ops.moe_combine_gated, ys, w, out, ws.mix[:1] if fused else s, x, L.ffn_gate_inp_shexp)
+        else:  # prefill: tokens grouped by expert, one GEMM per expert over its tokens
+            flat = idx.reshape(-1)
+            order = np.argsort(flat, kind="stable")
+            bounds = np.searchsorted(flat[order], np.arange(a.n_expert + 1))
+            for e in range(a.n_expert):
+                sel = order[bounds[e] : bounds[e + 1]]
+                if sel.size == 0:
+                    continue
+                xe = np.ascontiguousarray(x[sel // k])
+                g = self.mm(G.expert(e), xe, ws.eg, ws, op=GGML_MUL_MAT_ID)
+                u = self.mm(U.expert(e), xe, ws.eu, ws, op=GGML_MUL_MAT_ID)
+                self.simd.swiglu(g, u, g)
+                ys[sel] = self.mm(Dn.expert(e), g, ws.out_a, ws, op=GGML_MUL_MAT_ID)[:, : a.n_embd]
+        out = ws.ffn[:T]
+        if not a.n_ff_shexp:
+            self._op(ws, ops.moe_combine, ys, w, out)
             return out
-        # prefill: tokens grouped by expert, one GEMM per expert over its tokens
-        flat = idx.reshape(-1)
-        order = np.argsort(flat, kind="stable")
-        bounds = np.searchsorted(flat[order], np.arange(a.n_expert + 1))
-        for e in range(a.n_expert):
-            sel = order[bounds[e] : bounds[e + 1]]
-            if sel.size == 0:
-                continue
-            xe = np.ascontiguousarray(x[sel // k])
-            g = self.mm(G.expert(e), xe, ws.eg, ws, op=GGML_MUL_MAT_ID)
-            u = self.mm(U.expert(e), xe, ws.eu, ws, op=GGML_MUL_MAT_ID)
-            self.simd.swiglu(g, u, g)
-            ys[sel] = self.mm(Dn.expert(e), g, ws.out_a, ws, op=GGML_MUL_MAT_ID)[:, : a.n_embd]
-        ops.moe_combine(ys, w, out)
-        if a.n_ff_shexp:
-            s = self._swiglu_ffn(L.ffn_gate_shexp, L.ffn_up_shexp, L.ffn_down_shexp, x, ws.mix, ws)
-            ops.gated_add(out, s, x, L.ffn_gate_inp_shexp)
+        if shared is None:
+            shared = self._swiglu_ffn(L.ffn_gate_shexp, L.ffn_up_shexp, L.ffn_down_shexp, x, ws.mix, ws)
+        self._op(ws, ops.moe_combine_gated, ys, w, out, shared, x, L.ffn_gate_inp_shexp)
         return out
