@@ -20,7 +20,7 @@ from hybridinfer.api import Engine
 from hybridinfer.quant import type_name
 
 
-def _pool_round_trip(simd, reps: int = 2000) -> float:
+def _pool_round_trip(simd, reps: int = 2000) -> tuple[float, float]:
     """Microseconds of one pooled product too small to matter (1024 x 256 Q4_K, just above the size run on the
     calling thread alone) minus the same on the calling thread: the pool's wake-up and join."""
     from hybridinfer.cpu.simd import SimdLib
