@@ -120,11 +120,16 @@ def main(argv=None) -> None:
 
     simd.bind = bind
     simd.bind_attention = lambda *x: timed("attention+rope", real_attn(*x), 0)
-    from hybridinfer.cpu import ops
+    real_op = be._op
 
-    for name in ("rms_norm", "add_inplace", "split_qgate", "rms_norm_heads", "attn_gate", "moe_route",
-                 "moe_combine", "gated_add", "add_rms_norm", "moe_combine_gated"):
-        setattr(ops, name, timed(f"numba {name}", getattr(ops, name), 0))
+    def op(ws, fn, *args):
+        # numba ops are timed at the backend's call site: wrapping the module's globals would break the jitted
+        # ops that call each other (add_rms_norm calls add_inplace)
+        if hasattr(fn, "py_func"):
+            fn = timed(f"numba {fn.py_func.__name__}", fn, 0)
+        real_op(ws, fn, *args)
+
+    be._op = op
     st = eng.new_state()
     logits = eng.prefill([1, 2, 3, 4], st)[-1]
     t = int(np.argmax(logits))

@@ -317,9 +317,43 @@ static inline __m128i hi_kq_scales_mins_v(const uint8_t *s12) {
  * then sums the products of lane l over both octets */
 #define HI_KQ_ZIP_OCTETS _mm_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15)
 
-/* ggml's generic float steps on the block's lanes (l = 0..3 in lo, 4..7 in hi): sums[l] += d * (float)lane[l] */
-static inline void hi_kq_gen_acc_ps(__m128 *s0, __m128 *s1, float d, __m128i lo, __m128i hi) {
-    const __m128 vd = _mm_set1_ps(d);
+/* A Q8_K activation block prepared once per product for the SSSE3 dots (hi_kq_prep_z), so that no row repeats
+ * the work: its quants zipped (every 16 bytes by HI_KQ_ZIP_OCTETS), the sub-block sums of the Q4_K / Q5_K min
+ * term, and Q6_K's -32 offsets in pmaddubsw's lanes. Same integers and floats as from the block itself. */
+typedef struct {
+    float d;
+    int16_t B[8];    /* bsums[2s] + bsums[2s+1]: the sum of q8 over sub-block s of 32 */
+    int8_t pad[12];
+    int8_t qs[256];  /* q8, 16 bytes at a time zipped */
+    int16_t o6[128]; /* 32 * (a zipped pair's two q8): what pmaddubsw(32, qs) gives, lane for lane */
+} hi_q8Kz;
+_Static_assert(sizeof(hi_q8Kz) == 544, "hi_q8Kz");
+
+static inline void hi_kq_prep_z(const block_q8_K *restrict y, int nb, hi_q8Kz *restrict z) {
+    const __m128i zip = HI_KQ_ZIP_OCTETS, m32 = _mm_set1_epi8(32);
+    for (int i = 0; i < nb; ++i) {
+        z[i].d = y[i].d;
+        memset(z[i].pad, 0, sizeof(z[i].pad));
+        _mm_storeu_si128((__m128i *)z[i].B, _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)y[i].bsums),
+                                                           _mm_loadu_si128((const __m128i *)(y[i].bsums + 8))));
+        for (int k = 0; k < 16; ++k) {
+            const __m128i q = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(y[i].qs + 16 * k)), zip);
+            _mm_storeu_si128((__m128i *)(z[i].qs + 16 * k), q);
+            _mm_storeu_si128((__m128i *)(z[i].o6 + 8 * k), _mm_maddubs_epi16(m32, q));
+        }
+    }
+}
+
+/* fp16 -> float for the SSSE3 dots: a table of every half (256 KiB, filled when the unit is loaded), as
+ * llama.cpp's builds without F16C convert; two loads beat the branch-free conversion by 10% of a Q4_K dot */
+static float hi_kq_f16_tab[1 << 16];
+__attribute__((constructor)) static void hi_kq_f16_tab_init(void) {
+    for (uint32_t h = 0; h < (1u << 16); ++h) hi_kq_f16_tab[h] = hi_kq_f16((hi_half)h);
+}
+
+/* ggml's generic float steps on the block's lanes (l = 0..3 in lo, 4..7 in hi): sums[l] += d * (float)lane[l]
+ * (vd: d in every lane) */
+static inline void hi_kq_gen_acc_ps(__m128 *s0, __m128 *s1, __m128 vd, __m128i lo, __m128i hi) {
     __m128 p0 = _mm_mul_ps(vd, _mm_cvtepi32_ps(lo)), p1 = _mm_mul_ps(vd, _mm_cvtepi32_ps(hi));
     hi_kq_nofuse(p0);
     hi_kq_nofuse(p1);
@@ -334,26 +368,36 @@ static inline float hi_kq_gen_end_ps(float sumf, __m128 s0, __m128 s1) {
     return hi_kq_gen_end(sumf, sums);
 }
 
-/* Q4_K / Q5_K: sum_s m[s] * B[s] (sm: hi_kq_scales_mins_v of the block) */
-static inline int32_t hi_kq_imin_sse(__m128i sm, const int16_t *bsums) {
-    const __m128i bs = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)bsums), _mm_loadu_si128((const __m128i *)(bsums + 8)));
-    return hi_kq_hsum4_epi32(_mm_madd_epi16(_mm_unpackhi_epi8(sm, _mm_setzero_si128()), bs));
+/* Q4_K / Q5_K, the generic kernels' per-block float steps from the block's 8 lanes (lo, hi), its scales and mins
+ * sm (hi_kq_scales_mins_v) and its fp16 d, dmin: sums[l] += (d*D) * lane[l]; sumf -= (dmin*D) * sum_s m[s]*B[s] */
+static inline float hi_kq_k4_block_end(const hi_half *dd, const hi_q8Kz *y, __m128i sm, __m128i lo, __m128i hi,
+                                       __m128 *s0, __m128 *s1, float sumf) {
+    const float d = hi_kq_f16_tab[dd[0]] * y->d, dmin = hi_kq_f16_tab[dd[1]] * y->d;
+    hi_kq_gen_acc_ps(s0, s1, _mm_set1_ps(d), lo, hi);
+    const int32_t imin = hi_kq_hsum4_epi32(_mm_madd_epi16(_mm_unpackhi_epi8(sm, _mm_setzero_si128()),
+                                                          _mm_loadu_si128((const __m128i *)y->B)));
+    return hi_kq_gen_sub(sumf, dmin, imin);
 }
 
-/* Q4_K / Q5_K: the 8 lanes of one 64-element step from the zipped quants of its two sub-blocks (wl: elements
- * 0..31, wh: 32..63, each as two zipped 16-byte halves) and their scales sl, sh (int16): lanes 0..3 and 4..7 */
-static inline void hi_kq_k4_step_sse(const __m128i *w, const int8_t *q8, __m128i scl, __m128i *lo, __m128i *hi) {
-    const __m128i zip = HI_KQ_ZIP_OCTETS;
+/* Q4_K / Q5_K: the 8 lanes of one 64-element step from the zipped quants of its two sub-blocks (w[0], w[1]:
+ * elements 0..31, w[2], w[3]: 32..63, each as two zipped 16-byte halves), the zipped q8 of the step and the two
+ * sub-blocks' scales scl (int16 pair): lanes 0..3 into lo, 4..7 into hi */
+static inline void hi_kq_k4_step_sse(const __m128i *w, const int8_t *q8z, __m128i scl, __m128i *lo, __m128i *hi) {
     __m128i p[2];
-    for (int s = 0; s < 2; ++s) { /* sub-block s of the step: 4 octets, sums of lane l in int16 (|.| <= 4*31*128) */
-        const __m128i y0 = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(q8 + 32 * s)), zip);
-        const __m128i y1 = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(q8 + 32 * s + 16)), zip);
-        p[s] = _mm_add_epi16(_mm_maddubs_epi16(w[2 * s], y0), _mm_maddubs_epi16(w[2 * s + 1], y1));
-    }
+    for (int s = 0; s < 2; ++s) /* sub-block s of the step: 4 octets, sums of lane l in int16 (|.| <= 4*31*128) */
+        p[s] = _mm_add_epi16(_mm_maddubs_epi16(w[2 * s], _mm_loadu_si128((const __m128i *)(q8z + 32 * s))),
+                             _mm_maddubs_epi16(w[2 * s + 1], _mm_loadu_si128((const __m128i *)(q8z + 32 * s + 16))));
     /* (lane l of sub-block 0, lane l of sub-block 1) pairs against (sc0, sc1) */
     *lo = _mm_add_epi32(*lo, _mm_madd_epi16(_mm_unpacklo_epi16(p[0], p[1]), scl));
     *hi = _mm_add_epi32(*hi, _mm_madd_epi16(_mm_unpackhi_epi16(p[0], p[1]), scl));
 }
+
+/* the 16 bytes at p, zipped unless the row is stored zipped already (wz) */
+static inline __m128i hi_kq_load_z(const uint8_t *p, const int wz) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)p);
+    return wz ? v : _mm_shuffle_epi8(v, HI_KQ_ZIP_OCTETS);
+}
+
 #endif
 
 #if defined(__AVX2__)

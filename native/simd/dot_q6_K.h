@@ -7,6 +7,59 @@
 /* ------------------------------------------------------------------------------------------------ */
 /* Q6_K                                                                                              */
 
+#if defined(__SSSE3__) && !defined(__AVX2__)
+/* ggml's generic kernel on a prepared activation row (hi_kq_prep_z); wz: the row's ql and qh are stored zipped
+ * (hi_kq_zip_rows). q enters unsigned and the -32 comes off each pair sum as the prepared 32 * (its two q8). */
+static inline float hi_dot_q6_K_z(int n, const void *restrict vx, const hi_q8Kz *restrict y, const int wz) {
+    const block_q6_K *restrict x = (const block_q6_K *)vx;
+    const int nb = n / HI_QK_K;
+    const __m128i m4 = _mm_set1_epi8(0x0f), m3 = _mm_set1_epi8(0x03), m12 = _mm_set1_epi8(0x0c);
+    const __m128i m48 = _mm_set1_epi8(0x30), m192 = _mm_set1_epi8((char)0xc0);
+    __m128 sums0 = _mm_setzero_ps(), sums1 = _mm_setzero_ps();
+    for (int i = 0; i < nb; ++i) {
+        const __m128i sc8 = _mm_loadu_si128((const __m128i *)x[i].scales);
+        /* int8 -> int16 sign extension without SSE4.1; dword g of (sclo, schi): (sc[2g], sc[2g+1]) */
+        const __m128i sclo = _mm_srai_epi16(_mm_unpacklo_epi8(sc8, sc8), 8);
+        const __m128i schi = _mm_srai_epi16(_mm_unpackhi_epi8(sc8, sc8), 8);
+        const int8_t *q8 = y[i].qs;
+        const int16_t *o6 = y[i].o6;
+        __m128i lo = _mm_setzero_si128(), hi = _mm_setzero_si128();
+        /* group g (32 elements, sub-blocks 2g and 2g+1) from its two zipped 16-byte halves of quants */
+#define HI_KQ_Q6_GROUP(g, w0, w1)                                                                          \
+        {                                                                                                  \
+            const __m128i p0 = _mm_sub_epi16(_mm_maddubs_epi16(w0, _mm_loadu_si128((const __m128i *)(q8 + 32 * (g)))), \
+                                             _mm_loadu_si128((const __m128i *)(o6 + 16 * (g))));          \
+            const __m128i p1 = _mm_sub_epi16(_mm_maddubs_epi16(w1, _mm_loadu_si128((const __m128i *)(q8 + 32 * (g) + 16))), \
+                                             _mm_loadu_si128((const __m128i *)(o6 + 16 * (g) + 8)));      \
+            const __m128i sc = _mm_shuffle_epi32((g) < 4 ? sclo : schi, ((g) & 3) * 0x55);                 \
+            lo = _mm_add_epi32(lo, _mm_madd_epi16(_mm_unpacklo_epi16(p0, p1), sc));                         \
+            hi = _mm_add_epi32(hi, _mm_madd_epi16(_mm_unpackhi_epi16(p0, p1), sc));                         \
+        }
+#define HI_KQ_Q6_STEP(h)                                                                                   \
+        {                                                                                                  \
+            const __m128i a0 = hi_kq_load_z(x[i].ql + 64 * (h), wz), a1 = hi_kq_load_z(x[i].ql + 64 * (h) + 16, wz); \
+            const __m128i a2 = hi_kq_load_z(x[i].ql + 64 * (h) + 32, wz), a3 = hi_kq_load_z(x[i].ql + 64 * (h) + 48, wz); \
+            const __m128i h0 = hi_kq_load_z(x[i].qh + 32 * (h), wz), h1 = hi_kq_load_z(x[i].qh + 32 * (h) + 16, wz); \
+            HI_KQ_Q6_GROUP(4 * (h) + 0, _mm_or_si128(_mm_and_si128(a0, m4), _mm_slli_epi16(_mm_and_si128(h0, m3), 4)), \
+                           _mm_or_si128(_mm_and_si128(a1, m4), _mm_slli_epi16(_mm_and_si128(h1, m3), 4)))  \
+            HI_KQ_Q6_GROUP(4 * (h) + 1, _mm_or_si128(_mm_and_si128(a2, m4), _mm_slli_epi16(_mm_and_si128(h0, m12), 2)), \
+                           _mm_or_si128(_mm_and_si128(a3, m4), _mm_slli_epi16(_mm_and_si128(h1, m12), 2))) \
+            HI_KQ_Q6_GROUP(4 * (h) + 2, _mm_or_si128(_mm_and_si128(_mm_srli_epi16(a0, 4), m4), _mm_and_si128(h0, m48)), \
+                           _mm_or_si128(_mm_and_si128(_mm_srli_epi16(a1, 4), m4), _mm_and_si128(h1, m48))) \
+            HI_KQ_Q6_GROUP(4 * (h) + 3,                                                                    \
+                           _mm_or_si128(_mm_and_si128(_mm_srli_epi16(a2, 4), m4), _mm_srli_epi16(_mm_and_si128(h0, m192), 2)), \
+                           _mm_or_si128(_mm_and_si128(_mm_srli_epi16(a3, 4), m4), _mm_srli_epi16(_mm_and_si128(h1, m192), 2))) \
+        }
+        HI_KQ_Q6_STEP(0)
+        HI_KQ_Q6_STEP(1)
+#undef HI_KQ_Q6_STEP
+#undef HI_KQ_Q6_GROUP
+        hi_kq_gen_acc_ps(&sums0, &sums1, _mm_set1_ps(hi_kq_f16_tab[x[i].d] * y[i].d), lo, hi);
+    }
+    return hi_kq_gen_end_ps(0.0f, sums0, sums1);
+}
+#endif
+
 static inline float hi_dot_q6_K_q8_K(int n, const void *restrict vx, const void *restrict vy) {
     const block_q6_K *restrict x = (const block_q6_K *)vx;
     const block_q8_K *restrict y = (const block_q8_K *)vy;
@@ -98,55 +151,10 @@ static inline float hi_dot_q6_K_q8_K(int n, const void *restrict vx, const void 
     }
     return hi_kq_hsum8_ps(acc);
 #elif defined(__SSSE3__)
-    /* ggml's generic kernel: octets zipped so that pmaddubsw sums lane l (element % 8) of two octets; q enters
-     * unsigned and the -32 comes off each pair sum as 32 * (its two q8) */
-    const __m128i m4 = _mm_set1_epi8(0x0f), m3 = _mm_set1_epi8(0x03), m12 = _mm_set1_epi8(0x0c);
-    const __m128i m48 = _mm_set1_epi8(0x30), m192 = _mm_set1_epi8((char)0xc0), m32 = _mm_set1_epi8(32);
-    const __m128i zip = HI_KQ_ZIP_OCTETS;
-    __m128 sums0 = _mm_setzero_ps(), sums1 = _mm_setzero_ps();
-    for (int i = 0; i < nb; ++i) {
-        const __m128i sc8 = _mm_loadu_si128((const __m128i *)x[i].scales);
-        /* int8 -> int16 sign extension without SSE4.1; dword g of (sclo, schi): (sc[2g], sc[2g+1]) */
-        const __m128i sclo = _mm_srai_epi16(_mm_unpacklo_epi8(sc8, sc8), 8);
-        const __m128i schi = _mm_srai_epi16(_mm_unpackhi_epi8(sc8, sc8), 8);
-        const int8_t *q8 = y[i].qs;
-        __m128i lo = _mm_setzero_si128(), hi = _mm_setzero_si128();
-        /* group g (32 elements, sub-blocks 2g and 2g+1) from its two zipped 16-byte halves of quants */
-#define HI_KQ_Q6_GROUP(g, w0, w1)                                                                          \
-        {                                                                                                  \
-            const __m128i y0 = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(q8 + 32 * (g))), zip);      \
-            const __m128i y1 = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(q8 + 32 * (g) + 16)), zip); \
-            const __m128i p0 = _mm_sub_epi16(_mm_maddubs_epi16(w0, y0), _mm_maddubs_epi16(m32, y0));      \
-            const __m128i p1 = _mm_sub_epi16(_mm_maddubs_epi16(w1, y1), _mm_maddubs_epi16(m32, y1));      \
-            const __m128i sc = _mm_shuffle_epi32((g) < 4 ? sclo : schi, ((g) & 3) * 0x55);                 \
-            lo = _mm_add_epi32(lo, _mm_madd_epi16(_mm_unpacklo_epi16(p0, p1), sc));                         \
-            hi = _mm_add_epi32(hi, _mm_madd_epi16(_mm_unpackhi_epi16(p0, p1), sc));                         \
-        }
-#define HI_KQ_Q6_STEP(h)                                                                                   \
-        {                                                                                                  \
-            const __m128i a0 = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(x[i].ql + 64 * (h))), zip);      \
-            const __m128i a1 = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(x[i].ql + 64 * (h) + 16)), zip); \
-            const __m128i a2 = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(x[i].ql + 64 * (h) + 32)), zip); \
-            const __m128i a3 = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(x[i].ql + 64 * (h) + 48)), zip); \
-            const __m128i h0 = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(x[i].qh + 32 * (h))), zip);      \
-            const __m128i h1 = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(x[i].qh + 32 * (h) + 16)), zip); \
-            HI_KQ_Q6_GROUP(4 * (h) + 0, _mm_or_si128(_mm_and_si128(a0, m4), _mm_slli_epi16(_mm_and_si128(h0, m3), 4)), \
-                           _mm_or_si128(_mm_and_si128(a1, m4), _mm_slli_epi16(_mm_and_si128(h1, m3), 4)))  \
-            HI_KQ_Q6_GROUP(4 * (h) + 1, _mm_or_si128(_mm_and_si128(a2, m4), _mm_slli_epi16(_mm_and_si128(h0, m12), 2)), \
-                           _mm_or_si128(_mm_and_si128(a3, m4), _mm_slli_epi16(_mm_and_si128(h1, m12), 2))) \
-            HI_KQ_Q6_GROUP(4 * (h) + 2, _mm_or_si128(_mm_and_si128(_mm_srli_epi16(a0, 4), m4), _mm_and_si128(h0, m48)), \
-                           _mm_or_si128(_mm_and_si128(_mm_srli_epi16(a1, 4), m4), _mm_and_si128(h1, m48))) \
-            HI_KQ_Q6_GROUP(4 * (h) + 3,                                                                    \
-                           _mm_or_si128(_mm_and_si128(_mm_srli_epi16(a2, 4), m4), _mm_srli_epi16(_mm_and_si128(h0, m192), 2)), \
-                           _mm_or_si128(_mm_and_si128(_mm_srli_epi16(a3, 4), m4), _mm_srli_epi16(_mm_and_si128(h1, m192), 2))) \
-        }
-        HI_KQ_Q6_STEP(0)
-        HI_KQ_Q6_STEP(1)
-#undef HI_KQ_Q6_STEP
-#undef HI_KQ_Q6_GROUP
-        hi_kq_gen_acc_ps(&sums0, &sums1, hi_kq_f16(x[i].d) * y[i].d, lo, hi);
-    }
-    return hi_kq_gen_end_ps(0.0f, sums0, sums1);
+    (void)x;
+    hi_q8Kz z[nb > 0 ? nb : 1];
+    hi_kq_prep_z(y, nb, z);
+    return hi_dot_q6_K_z(n, vx, z, 0);
 #else
     (void)x;
     (void)y;

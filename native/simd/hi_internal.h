@@ -46,9 +46,14 @@ typedef struct hi_mm {
     const int32_t *corr;
     const float *dy;
     const float *sy;
+    const uint8_t *xk; /* K-quants on a unit with `kprep`: the activation rows prepared by it (NULL: not) */
+    size_t xk_row;     /* bytes from one prepared row to the next */
     int kshape; /* K-quants: the float shape of llama.cpp's kernel (HI_KS_*, dot_kq_shapes.h) */
     int pf;     /* one token: bytes of the weight stream software-prefetched ahead (the context's; 0: none) */
 } hi_mm;
+
+/* bytes per 256-element block of a `kprep`-prepared activation row (hi_q8Kz, dot_kquants.h) */
+#define HI_KPREP_BYTES 544
 
 /* K-quant float shapes: ggml_vec_dot's; the repacked Q4_K gemv (per block) and gemm (per quarter block for
  * tokens t < T - T % 4, per block after); the tiled kernels' */
@@ -72,6 +77,9 @@ typedef struct hi_kernels {
     /* per-block data of one quantized activation row for weight type qtype (see hi_mm) */
     void (*prep)(int qtype, const uint8_t *xq, int64_t nb, int32_t *corr, float *dy, float *sy);
     int needs_corr[HI_T_COUNT]; /* prep must fill corr for this weight type */
+    /* NULL, or: one Q8_K activation row of nb blocks -> the unit's prepared form for the K-quant dots
+     * (HI_KPREP_BYTES per block, read through hi_mm.xk) */
+    void (*kprep)(const uint8_t *xq, int64_t nb, uint8_t *out);
     /* rows [r0, r1) of job m for all of its T tokens */
     void (*mm)(const hi_mm *m, int64_t r0, int64_t r1);
     /* streaming read of n bytes (n a multiple of 256, p 64-byte aligned); returns a checksum */

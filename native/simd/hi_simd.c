@@ -25,6 +25,8 @@ static int hi_is_legacy(int qtype) {
            qtype == HI_T_Q8_0;
 }
 
+static int hi_is_kquant(int qtype) { return qtype == HI_T_Q4_K || qtype == HI_T_Q5_K || qtype == HI_T_Q6_K; }
+
 /* ================================================================================================ */
 /* context */
 
@@ -76,21 +78,44 @@ static uint8_t *hi_scratch(hi_ctx *c, size_t n) {
     return c->scratch;
 }
 
-/* bytes of prepared data for T activation rows of nb blocks: corr (8 int32), dy, sy per block */
-static size_t hi_prep_bytes(int64_t T, int64_t nb) { return (size_t)(T * nb) * (8 * sizeof(int32_t) + 2 * sizeof(float)); }
+/* whether products of weight type qtype prepare their activation rows first (hi_prep_rows): the legacy types
+ * always, the K-quants on a unit with `kprep` */
+static int hi_needs_prep(const hi_ctx *c, int qtype) {
+    return hi_is_legacy(qtype) || (hi_is_kquant(qtype) && c->k->kprep);
+}
 
-/* prepare T rows into scratch at `at`; sets m's corr/dy/sy for row 0 (rows follow at nb blocks) */
-static void hi_prep_rows(const hi_kernels *k, int qtype, const uint8_t *xq, size_t xq_row, int64_t T, int64_t nb,
-                         uint8_t *at, const int32_t **corr, const float **dy, const float **sy) {
+/* bytes of prepared data for T activation rows of nb blocks of 32: legacy types corr (8 int32), dy, sy per
+ * block; K-quants HI_KPREP_BYTES per 8 blocks (the larger: 68 bytes per block) */
+static size_t hi_prep_bytes(int64_t T, int64_t nb) { return (size_t)(T * nb) * (HI_KPREP_BYTES / 8); }
+
+/* prepare T activation rows (xq, xq_row bytes apart; nb blocks of 32 each) for m's weight type into scratch at
+ * `at`, and point m at them: a legacy type's corr/dy/sy (rows at nb blocks), a K-quant's xk/xk_row */
+static void hi_prep_rows(const hi_kernels *k, hi_mm *m, const uint8_t *xq, size_t xq_row, int64_t T, int64_t nb,
+                         uint8_t *at) {
+    if (hi_is_kquant(m->qtype)) {
+        m->xk_row = (size_t)(nb / 8) * HI_KPREP_BYTES;
+        for (int64_t t = 0; t < T; t++) k->kprep(xq + (size_t)t * xq_row, nb / 8, at + (size_t)t * m->xk_row);
+        m->xk = at;
+        return;
+    }
     int32_t *cr = (int32_t *)at;
     float *d = (float *)(at + (size_t)(T * nb) * 8 * sizeof(int32_t));
     float *s = d + T * nb;
-    const int need = k->needs_corr[qtype];
+    const int need = k->needs_corr[m->qtype];
     for (int64_t t = 0; t < T; t++)
-        k->prep(qtype, xq + (size_t)t * xq_row, nb, need ? cr + t * nb * 8 : NULL, d + t * nb, s + t * nb);
-    *corr = need ? cr : NULL;
-    *dy = d;
-    *sy = s;
+        k->prep(m->qtype, xq + (size_t)t * xq_row, nb, need ? cr + t * nb * 8 : NULL, d + t * nb, s + t * nb);
+    m->corr = need ? cr : NULL;
+    m->dy = d;
+    m->sy = s;
+}
+
+/* m reads the prepared rows of `from` starting at its row t (nb blocks of 32 per row) */
+static void hi_prep_share(hi_mm *m, const hi_mm *from, int64_t t, int64_t nb) {
+    m->corr = from->corr ? from->corr + (size_t)(t * nb) * 8 : NULL;
+    m->dy = from->dy ? from->dy + t * nb : NULL;
+    m->sy = from->sy ? from->sy + t * nb : NULL;
+    m->xk = from->xk ? from->xk + (size_t)t * from->xk_row : NULL;
+    m->xk_row = from->xk_row;
 }
 
 /* ---- batched products ---------------------------------------------------------------------------- */
@@ -192,14 +217,14 @@ int hi_matmul(hi_ctx *c, int qtype, const void *w, int64_t rows, int64_t cols, c
                .rows = rows, .cols = cols, .x = (const uint8_t *)xq, .x_row = (size_t)xq_row, .T = T,
                .out = out, .out_row = (size_t)out_row, .kshape = hi_kshape(c, ggml_op, qtype, rows, T)};
     pthread_mutex_lock(&c->mu);
-    if (hi_is_legacy(qtype)) {
+    if (hi_needs_prep(c, qtype)) {
         const int64_t nb = cols / 32;
         uint8_t *s = hi_scratch(c, hi_prep_bytes(T, nb));
         if (!s) {
             pthread_mutex_unlock(&c->mu);
             return -3;
         }
-        hi_prep_rows(c->k, qtype, m.x, m.x_row, T, nb, s, &m.corr, &m.dy, &m.sy);
+        hi_prep_rows(c->k, &m, m.x, T > 1 ? m.x_row : 0, T, nb, s);
     }
     hi_run_jobs(c, &m, 1);
     pthread_mutex_unlock(&c->mu);
@@ -223,7 +248,7 @@ int hi_matmul_many(hi_ctx *c, int n, const int *qtypes, const void *const *ws, c
     const int64_t nb = cols / 32;
     const size_t pb = hi_prep_bytes(T, nb);
     uint8_t *s = NULL;
-    if (hi_is_legacy(qtypes[0])) {
+    if (hi_needs_prep(c, qtypes[0])) {
         s = hi_scratch(c, (size_t)n * pb);
         if (!s) {
             pthread_mutex_unlock(&c->mu);
@@ -236,17 +261,13 @@ int hi_matmul_many(hi_ctx *c, int n, const int *qtypes, const void *const *ws, c
                    .out = outs[j], .out_row = (size_t)out_rows[j],
                    .kshape = hi_kshape(c, ggml_op, qtypes[j], rows[j], T)};
         if (s) {
-            /* one preparation per weight type (the lane correction depends on it) */
+            /* one preparation per weight type (a legacy type's lane correction depends on it; the K-quants
+             * share theirs) */
             int same = -1;
             for (int i = 0; i < j && same < 0; i++)
-                if (qtypes[i] == qtypes[j]) same = i;
-            if (same >= 0) {
-                m.corr = jobs[same].corr;
-                m.dy = jobs[same].dy;
-                m.sy = jobs[same].sy;
-            } else {
-                hi_prep_rows(c->k, qtypes[j], m.x, m.x_row, T, nb, s + (size_t)j * pb, &m.corr, &m.dy, &m.sy);
-            }
+                if (qtypes[i] == qtypes[j] || (hi_is_kquant(qtypes[i]) && hi_is_kquant(qtypes[j]))) same = i;
+            if (same >= 0) hi_prep_share(&m, &jobs[same], 0, nb);
+            else hi_prep_rows(c->k, &m, m.x, T > 1 ? m.x_row : 0, T, nb, s + (size_t)j * pb);
         }
         jobs[j] = m;
     }
@@ -270,7 +291,7 @@ static hi_mm hi_vec_job(hi_ctx *c, int ggml_op, int qtype, const void *w, int64_
 static hi_mm hi_row_job(hi_ctx *c, int ggml_op, int qtype, const void *w, int64_t rows, int64_t cols,
                         const uint8_t *xq, float *out, uint8_t *prep) {
     hi_mm m = hi_vec_job(c, ggml_op ? HI_GGML_MUL_MAT : HI_GGML_NONE, qtype, w, rows, cols, xq, out);
-    if (hi_is_legacy(qtype)) hi_prep_rows(c->k, qtype, xq, 0, 1, cols / 32, prep, &m.corr, &m.dy, &m.sy);
+    if (hi_needs_prep(c, qtype)) hi_prep_rows(c->k, &m, xq, 0, 1, cols / 32, prep);
     return m;
 }
 
@@ -296,21 +317,16 @@ int hi_moe_gate_up(hi_ctx *c, int gate_qtype, const void *wg, int up_qtype, cons
     const size_t grb = (size_t)hi_weight_row_bytes(gate_qtype, cols), urb = (size_t)hi_weight_row_bytes(up_qtype, cols);
     hi_mm jobs[2 * HI_MAX_K + 2];
     pthread_mutex_lock(&c->mu);
-    const int32_t *cg = NULL, *cu = NULL;
-    const float *dg = NULL, *du = NULL, *sgy = NULL, *suy = NULL;
     const int64_t nb = cols / 32;
     const size_t pb = hi_prep_bytes(1, nb);
     uint8_t *s = NULL;
-    if (hi_is_legacy(gate_qtype) || (sg && hi_is_legacy(s_gate_qtype))) {
+    if (hi_needs_prep(c, gate_qtype) || hi_needs_prep(c, up_qtype) || (sg && hi_needs_prep(c, s_gate_qtype)) ||
+        (sg && hi_needs_prep(c, s_up_qtype))) {
         s = hi_scratch(c, 4 * pb);
         if (!s) {
             pthread_mutex_unlock(&c->mu);
             return -3;
         }
-    }
-    if (hi_is_legacy(gate_qtype)) {
-        hi_prep_rows(c->k, gate_qtype, (const uint8_t *)xq, 0, 1, nb, s, &cg, &dg, &sgy);
-        hi_prep_rows(c->k, up_qtype, (const uint8_t *)xq, 0, 1, nb, s + pb, &cu, &du, &suy);
     }
     for (int i = 0; i < k; i++) {
         const size_t ex = (size_t)ids[i] * (size_t)rows;
@@ -318,8 +334,13 @@ int hi_moe_gate_up(hi_ctx *c, int gate_qtype, const void *wg, int up_qtype, cons
                              gate_out + (size_t)i * (size_t)gate_row);
         hi_mm u = hi_vec_job(c, ggml_op, up_qtype, (const uint8_t *)wu + ex * urb, rows, cols, (const uint8_t *)xq,
                              up_out + (size_t)i * (size_t)up_row);
-        g.corr = cg, g.dy = dg, g.sy = sgy;
-        u.corr = cu, u.dy = du, u.sy = suy;
+        if (i == 0) { /* one preparation per weight type, for all k experts */
+            if (hi_needs_prep(c, gate_qtype)) hi_prep_rows(c->k, &g, (const uint8_t *)xq, 0, 1, nb, s);
+            if (hi_needs_prep(c, up_qtype)) hi_prep_rows(c->k, &u, (const uint8_t *)xq, 0, 1, nb, s + pb);
+        } else {
+            hi_prep_share(&g, &jobs[0], 0, nb);
+            hi_prep_share(&u, &jobs[1], 0, nb);
+        }
         jobs[2 * i] = g;
         jobs[2 * i + 1] = u;
     }
@@ -349,24 +370,21 @@ int hi_moe_down(hi_ctx *c, int qtype, const void *w, int64_t n_expert, int64_t r
     const size_t rb = (size_t)hi_weight_row_bytes(qtype, cols);
     hi_mm jobs[HI_MAX_K + 1];
     pthread_mutex_lock(&c->mu);
-    const int32_t *cr = NULL;
-    const float *dy = NULL, *sy = NULL;
     const int64_t nb = cols / 32;
     uint8_t *s = NULL;
-    if (hi_is_legacy(qtype) || (sw && hi_is_legacy(s_qtype))) {
+    if (hi_needs_prep(c, qtype) || (sw && hi_needs_prep(c, s_qtype))) {
         s = hi_scratch(c, hi_prep_bytes(k, nb) + hi_prep_bytes(1, s_cols / 32));
         if (!s) {
             pthread_mutex_unlock(&c->mu);
             return -3;
         }
     }
-    if (hi_is_legacy(qtype)) hi_prep_rows(c->k, qtype, (const uint8_t *)xq, (size_t)xq_row, k, nb, s, &cr, &dy, &sy);
+    hi_mm prep = {.qtype = qtype}; /* the k rows' preparation, one per expert's input row */
+    if (hi_needs_prep(c, qtype)) hi_prep_rows(c->k, &prep, (const uint8_t *)xq, (size_t)xq_row, k, nb, s);
     for (int i = 0; i < k; i++) {
         hi_mm m = hi_vec_job(c, ggml_op, qtype, (const uint8_t *)w + (size_t)ids[i] * (size_t)rows * rb, rows, cols,
                              (const uint8_t *)xq + (size_t)i * (size_t)xq_row, out + (size_t)i * (size_t)out_row);
-        m.corr = cr ? cr + (size_t)i * nb * 8 : NULL;
-        m.dy = dy ? dy + i * nb : NULL;
-        m.sy = sy ? sy + i * nb : NULL;
+        hi_prep_share(&m, &prep, i, nb);
         jobs[i] = m;
     }
     int n = k;

@@ -175,6 +175,9 @@ const hi_kernels HI_TABLE = {
     .name = HI_ISA_NAME,
     .quantize = hi_quantize,
     .prep = hi_prep,
+#if defined(HI_SSSE3)
+    .kprep = hi_kprep,
+#endif
     .needs_corr = {
         [HI_T_Q4_0] = HI_CORR(HI_T_Q4_0) != 0, [HI_T_Q5_0] = HI_CORR(HI_T_Q5_0) != 0,
         [HI_T_Q8_0] = HI_CORR(HI_T_Q8_0) != 0,

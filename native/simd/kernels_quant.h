@@ -263,6 +263,14 @@ static void hi_quantize(int kind, const float *x, int64_t n, void *y) {
 #define HI_CORR(qt) ((qt) == HI_T_Q4_0 ? 8 : (qt) == HI_T_Q5_0 ? 16 : 0)
 #endif
 
+#if defined(HI_SSSE3)
+/* the SSSE3 K-quant dots read their activations zipped, with the sums they need, prepared once per product */
+static void hi_kprep(const uint8_t *xq, int64_t nb, uint8_t *out) {
+    _Static_assert(sizeof(hi_q8Kz) == HI_KPREP_BYTES, "HI_KPREP_BYTES");
+    hi_kq_prep_z((const block_q8_K *)xq, (int)nb, (hi_q8Kz *)out);
+}
+#endif
+
 static void hi_prep(int qt, const uint8_t *xq, int64_t nb, int32_t *corr, float *dy, float *sy) {
     const int q81 = qt == HI_T_Q4_1 || qt == HI_T_Q5_1;
     const size_t ybs = q81 ? sizeof(block_q8_1) : sizeof(block_q8_0);

@@ -203,6 +203,14 @@ HI_INLINE void hi_tile_kquant(const int qt, const hi_mm *m, int64_t r, int64_t t
     const void *x = m->x + (size_t)t * m->x_row;
     const int n = (int)m->cols;
     float v;
+#if defined(HI_SSSE3)
+    if (m->xk) {
+        const hi_q8Kz *z = (const hi_q8Kz *)(m->xk + (size_t)t * m->xk_row);
+        v = qt == HI_T_Q4_K ? hi_dot_q4_K_z(n, w, z, 0) : qt == HI_T_Q5_K ? hi_dot_q5_K_z(n, w, z, 0) : hi_dot_q6_K_z(n, w, z, 0);
+        m->out[(size_t)t * m->out_row + (size_t)r] = v;
+        return;
+    }
+#endif
     if (m->kshape == HI_KS_TILED) v = hi_dot_kq_tiled(qt, n, w, x);
     else if (m->kshape != HI_KS_VEC && qt == HI_T_Q4_K)
         v = hi_dot_q4_K_rp(n, w, x, m->kshape == HI_KS_REPACK_GEMM && t < m->T - m->T % 4);
