@@ -17,7 +17,13 @@ from collections import defaultdict
 import numpy as np
 
 from hybridinfer.api import Engine
-from hybridinfer.quant import type_name
+from hybridinfer.cpu.simd import KQ_ZIPPED, base_type
+from hybridinfer.quant import type_name as _type_name
+
+
+def type_name(q: int) -> str:
+    """A qtype's name, "z" appended for rows repacked zipped (SimdLib.repack)."""
+    return _type_name(base_type(q)) + ("z" if q & KQ_ZIPPED else "")
 
 
 def _pool_round_trip(simd, reps: int = 2000) -> tuple[float, float]:

@@ -7,6 +7,7 @@ import pytest
 
 from hybridinfer.api import Engine
 from hybridinfer.cpu.backend import Mat
+from hybridinfer.cpu.simd import KQ_ZIPPED, base_type, supported_isas
 from hybridinfer.cpu.weights import choose_weights_mode, copy_mats, huge_page_buffer
 
 
@@ -53,15 +54,25 @@ def test_copy_mats_moves_bytes_into_one_buffer():
     assert len(bases) == 1  # views of one buffer
 
 
+@pytest.mark.parametrize("isa", [None, "ssse3"])
 @pytest.mark.parametrize("arch,quant", [("qwen35moe", "q4_k_m"), ("qwen35", "q8_0")])
-def test_copied_weights_give_the_same_logits(arch, quant, oracle_gguf):
+def test_copied_weights_give_the_same_logits(arch, quant, isa, oracle_gguf):
+    """A copy changes no bit; on the SSSE3 unit the copy's K-quant matrices are also repacked (zipped)."""
+    if isa is not None and isa not in supported_isas():
+        pytest.skip(f"this CPU has no {isa}")
     path = str(oracle_gguf(arch, quant))
     ids = [int(x) for x in np.random.default_rng(3).integers(0, 200, 12)]
     out = {}
     for mode in ("mmap", "copy"):
-        eng = Engine.load(path, backend="cpu", n_ctx=64, weights=mode, n_threads=2)
+        eng = Engine.load(path, backend="cpu", n_ctx=64, weights=mode, n_threads=2, isa=isa)
         assert eng.backend.weights == mode
         assert (eng.backend.weights_bytes > 0) == (mode == "copy")
+        zipped = [m.name for m in eng.backend.mats if m.qtype & KQ_ZIPPED]
+        kq = [m.name for m in eng.backend.mats if base_type(m.qtype) in (12, 13, 14)]
+        if mode == "copy" and eng.backend.simd.isa == "ssse3":
+            assert zipped == kq and (quant == "q8_0" or kq)
+        else:
+            assert not zipped
         st = eng.new_state()
         pre = eng.backend.forward(ids[:8], st).copy()
         dec = np.stack([eng.backend.forward([t], st, all_logits=False)[0].copy() for t in ids[8:]])

@@ -170,7 +170,8 @@ class CPUModel:
         owners = [(self, "out")] + [(L, k) for L in self.layers for k, v in vars(L).items() if isinstance(v, Mat)]
         nbytes = sum(getattr(o, k).raw.nbytes for o, k in owners)
         self.weights = choose_weights_mode(weights, nbytes, mem_available())
-        self.weights_bytes = copy_mats(owners) if self.weights == "copy" else 0  # process memory held
+        # a copy is also repacked for the unit (SimdLib.repack: the SSSE3 unit's K-quants zipped)
+        self.weights_bytes = copy_mats(owners, simd.repack) if self.weights == "copy" else 0  # memory held
         self.mats = [self.out] + [m for L in self.layers for m in L.mats()]
         # decode runs the shared expert in the routed experts' two calls where its products take their
         # activation formats and its width is theirs (each layer checked)

@@ -22,7 +22,7 @@ import os
 
 import numpy as np
 
-from ..errors import BackendNotAvailableError
+from ..errors import BackendNotAvailableError, UnsupportedTensorTypeError
 from ..quant import type_name
 from .simd_moe import MoECalls
 from .simd_native import (
@@ -34,6 +34,7 @@ from .simd_native import (
     GGML_NONE,
     ISAS,
     KERNEL_TYPES,
+    KQ_ZIPPED,
     _array,
     _check_rc,
     _native,
@@ -44,9 +45,13 @@ from .simd_native import (
     _weights,
     act_kind,
     act_row_bytes,
+    base_type,
     best_isa,
     supported_isas,
     weight_row_bytes,
+)
+from .simd_native import (
+    _qtype as _qtype_of,
 )
 
 __all__ = [
@@ -56,9 +61,11 @@ __all__ = [
     "GGML_NONE",
     "ISAS",
     "KERNEL_TYPES",
+    "KQ_ZIPPED",
     "SimdLib",
     "act_kind",
     "act_row_bytes",
+    "base_type",
     "best_isa",
     "supported_isas",
     "weight_row_bytes",
@@ -240,7 +247,7 @@ class SimdLib(MoECalls):
             except (TypeError, ValueError):
                 raise TypeError(f"items[{j}] must be a (w, qtype, rows, out) tuple") from None
             q, rb, ab = _sizes(qtype, cols)
-            kinds.add(KERNEL_TYPES[q])
+            kinds.add(act_kind(q))
             rows = int(rows)
             if rows < 1:
                 raise ValueError(f"items[{j}]: rows must be positive, got {rows}")
@@ -365,6 +372,26 @@ class SimdLib(MoECalls):
                                  _ptr(ffi, "float *", out), os_, T, n)
         if rc:
             _check_rc(rc, "swiglu")
+
+    def repack(self, raw: np.ndarray, qtype) -> int:
+        """Repack weight rows in place into the layout this unit reads fastest and return the qtype to pass
+        with them from then on. raw: a writable C-contiguous uint8 array of whole `qtype` blocks (any number of
+        rows or matrices). The SSSE3 unit reads K-quants (Q4_K, Q5_K, Q6_K) with each block's quant bytes
+        zipped 16 at a time, as its kernels would shuffle every row they read: it zips them and returns
+        qtype | KQ_ZIPPED, which only that unit accepts. Every other (unit, type) keeps ggml's layout: raw is
+        left as it is and qtype returned. Products of the repacked rows give the same bits."""
+        q = _qtype_of(qtype)
+        if q & KQ_ZIPPED:
+            raise ValueError(f"qtype {q:#x} is already repacked")
+        raw = _array("raw", raw, (_U8,))
+        if not raw.flags.c_contiguous or not raw.flags.writeable:
+            raise ValueError("raw must be a writable C-contiguous uint8 array")
+        rc = self._lib.hi_repack_rows(self._c, q, self._ffi.from_buffer("uint8_t[]", raw), raw.nbytes)
+        if rc == -2:
+            raise ValueError(f"raw has {raw.nbytes} bytes, not a whole number of {type_name(q)} blocks")
+        if rc < 0:
+            raise UnsupportedTensorTypeError(f"repack: ggml type {type_name(q)} has no SIMD kernel")
+        return int(rc)
 
     def read_bandwidth(self, nbytes: int = 1 << 30, reps: int = 5) -> float:
         """Measured memory read bandwidth in bytes/s: every thread of the pool streams its slice of a fresh

@@ -16,6 +16,9 @@ ACT_KINDS: tuple[str, ...] = ("f32", "f16", "q8_0", "q8_1", "q8_K")
 # weight types with a kernel -> activation kind
 KERNEL_TYPES: dict[int, str] = {0: "f32", 1: "f16", 2: "q8_0", 3: "q8_1", 6: "q8_0", 7: "q8_1", 8: "q8_0",
                                 12: "q8_K", 13: "q8_K", 14: "q8_K"}
+# a qtype flag: K-quant rows repacked by SimdLib.repack into the layout of a unit that reads them zipped
+KQ_ZIPPED = 0x100
+_KQ = (12, 13, 14)
 # the llama.cpp operation a product stands for: decides the float shape of its K-quant rows (hi_simd.h)
 GGML_NONE, GGML_MUL_MAT, GGML_MUL_MAT_ID = 0, 1, 2
 _FLOAT_DTYPES = {0: np.dtype(np.float32), 1: np.dtype(np.float16)}
@@ -61,16 +64,22 @@ def _qtype(qtype) -> int:
         q = int(qtype)
     except (TypeError, ValueError):
         raise TypeError(f"qtype must be a ggml type id (int), got {qtype!r}") from None
-    if q not in KERNEL_TYPES:
+    if base_type(q) not in KERNEL_TYPES:
         names = ", ".join(type_name(t) for t in sorted(KERNEL_TYPES))
         raise UnsupportedTensorTypeError(
             f"ggml type {type_name(q)} (id {q}) has no SIMD kernel (kernels exist for {names})")
     return q
 
 
+def base_type(qtype: int) -> int:
+    """The ggml type of a qtype that may carry KQ_ZIPPED (a flagged type other than a K-quant stays invalid)."""
+    b = qtype & ~KQ_ZIPPED
+    return b if qtype & KQ_ZIPPED and b in _KQ else qtype
+
+
 def act_kind(qtype) -> str:
     """The activation format a weight type multiplies: "f32", "f16", "q8_0", "q8_1" or "q8_K"."""
-    return KERNEL_TYPES[_qtype(qtype)]
+    return KERNEL_TYPES[base_type(_qtype(qtype))]
 
 
 def act_row_bytes(qtype, n: int) -> int:
@@ -182,6 +191,7 @@ def _ptr(ffi, ctype: str, a: np.ndarray):
 def _weights(name: str, w, qtype: int, row_bytes: int, rows: int) -> tuple[np.ndarray, int]:
     """Check a weight buffer holding a whole number of `rows`-row matrices; returns (w, number of them)."""
     dtypes = (_U8, np.dtype(np.int8)) + ((_FLOAT_DTYPES[qtype],) if qtype in _FLOAT_DTYPES else ())
+    qtype = base_type(qtype)
     w = _array(name, w, dtypes)
     if not w.flags.c_contiguous:
         raise ValueError(f"{name} is not C-contiguous")

@@ -56,7 +56,7 @@ const char *hi_isa_name(int isa) { return isa >= 0 && isa < HI_N_ISA ? hi_tables
 /* types */
 
 int hi_act_kind(int qtype) {
-    switch (qtype) {
+    switch (hi_base_type(qtype)) {
     case HI_T_F32: return HI_ACT_F32;
     case HI_T_F16: return HI_ACT_F16;
     case HI_T_Q4_0: case HI_T_Q5_0: case HI_T_Q8_0: return HI_ACT_Q8_0;
@@ -81,7 +81,7 @@ int64_t hi_act_row_bytes(int qtype, int64_t n) {
 int64_t hi_weight_row_bytes(int qtype, int64_t n) {
     if (n <= 0) return -1;
     int qk, bs;
-    switch (qtype) {
+    switch (hi_base_type(qtype)) {
     case HI_T_F32: return 4 * n;
     case HI_T_F16: return 2 * n;
     case HI_T_Q4_0: qk = 32; bs = sizeof(block_q4_0); break;

@@ -23,6 +23,16 @@ enum {
     HI_T_Q4_K = 12, HI_T_Q5_K = 13, HI_T_Q6_K = 14, HI_T_COUNT = 15
 };
 
+/* a qtype flag: K-quant rows stored with their quant bytes zipped (hi_repack_rows), which the units with
+ * `kprep` read without unzipping them per row */
+#define HI_T_ZIPPED 0x100
+
+/* the ggml type of a qtype that may carry HI_T_ZIPPED (a zipped non-K-quant type stays invalid) */
+static inline int hi_base_type(int qtype) {
+    const int b = qtype & ~HI_T_ZIPPED;
+    return (qtype & HI_T_ZIPPED) && !(b == HI_T_Q4_K || b == HI_T_Q5_K || b == HI_T_Q6_K) ? -1 : b;
+}
+
 /* activation kinds (the format a weight type's input row is quantized to) */
 enum { HI_ACT_NONE = -1, HI_ACT_F32 = 0, HI_ACT_F16 = 1, HI_ACT_Q8_0 = 2, HI_ACT_Q8_1 = 3, HI_ACT_Q8_K = 4 };
 
@@ -48,6 +58,7 @@ typedef struct hi_mm {
     const float *sy;
     const uint8_t *xk; /* K-quants on a unit with `kprep`: the activation rows prepared by it (NULL: not) */
     size_t xk_row;     /* bytes from one prepared row to the next */
+    int wz;     /* K-quants: the rows' quant bytes are zipped (HI_T_ZIPPED; only with xk) */
     int kshape; /* K-quants: the float shape of llama.cpp's kernel (HI_KS_*, dot_kq_shapes.h) */
     int pf;     /* one token: bytes of the weight stream software-prefetched ahead (the context's; 0: none) */
 } hi_mm;

@@ -81,6 +81,7 @@ static uint8_t *hi_scratch(hi_ctx *c, size_t n) {
 /* whether products of weight type qtype prepare their activation rows first (hi_prep_rows): the legacy types
  * always, the K-quants on a unit with `kprep` */
 static int hi_needs_prep(const hi_ctx *c, int qtype) {
+    qtype = hi_base_type(qtype);
     return hi_is_legacy(qtype) || (hi_is_kquant(qtype) && c->k->kprep);
 }
 
@@ -200,8 +201,19 @@ static int hi_kshape(const hi_ctx *c, int ggml_op, int qtype, int64_t rows, int6
     return HI_KS_VEC;
 }
 
-static int hi_check_type(int qtype, int64_t cols) {
+/* the job of one product (its K-quant preparation, if any, set by the caller) */
+static hi_mm hi_job(const hi_ctx *c, int ggml_op, int qtype, const void *w, int64_t rows, int64_t cols,
+                    const uint8_t *x, size_t x_row, int64_t T, float *out, size_t out_row) {
+    const int base = hi_base_type(qtype);
+    hi_mm m = {.qtype = base, .w = (const uint8_t *)w, .w_row = (size_t)hi_weight_row_bytes(base, cols), .rows = rows,
+               .cols = cols, .x = x, .x_row = x_row, .T = T, .out = out, .out_row = out_row,
+               .wz = (qtype & HI_T_ZIPPED) != 0, .kshape = hi_kshape(c, ggml_op, base, rows, T)};
+    return m;
+}
+
+static int hi_check_type(const hi_ctx *c, int qtype, int64_t cols) {
     if (hi_act_kind(qtype) == HI_ACT_NONE) return -1;
+    if ((qtype & HI_T_ZIPPED) && !c->k->kprep) return -1; /* zipped rows, a unit without their kernels */
     if (hi_weight_row_bytes(qtype, cols) < 0) return -2;
     if (cols > INT32_MAX) return -2;
     return 0;
@@ -209,13 +221,11 @@ static int hi_check_type(int qtype, int64_t cols) {
 
 int hi_matmul(hi_ctx *c, int qtype, const void *w, int64_t rows, int64_t cols, const void *xq, int64_t xq_row,
               int64_t T, float *out, int64_t out_row, int ggml_op) {
-    int e = hi_check_type(qtype, cols);
+    int e = hi_check_type(c, qtype, cols);
     if (e) return e;
     if (rows < 1 || T < 1 || !w || !xq || !out || ggml_op < 0 || ggml_op > 2) return -2;
     if (T > 1 && (xq_row < hi_act_row_bytes(qtype, cols) || out_row < rows)) return -2;
-    hi_mm m = {.qtype = qtype, .w = (const uint8_t *)w, .w_row = (size_t)hi_weight_row_bytes(qtype, cols),
-               .rows = rows, .cols = cols, .x = (const uint8_t *)xq, .x_row = (size_t)xq_row, .T = T,
-               .out = out, .out_row = (size_t)out_row, .kshape = hi_kshape(c, ggml_op, qtype, rows, T)};
+    hi_mm m = hi_job(c, ggml_op, qtype, w, rows, cols, (const uint8_t *)xq, (size_t)xq_row, T, out, (size_t)out_row);
     pthread_mutex_lock(&c->mu);
     if (hi_needs_prep(c, qtype)) {
         const int64_t nb = cols / 32;
@@ -237,7 +247,7 @@ int hi_matmul_many(hi_ctx *c, int n, const int *qtypes, const void *const *ws, c
     if (n < 1 || n > HI_MAX_K || T < 1 || !xq || ggml_op < 0 || ggml_op > 2) return -2;
     const int kind = hi_act_kind(qtypes[0]);
     for (int j = 0; j < n; j++) {
-        const int e = hi_check_type(qtypes[j], cols);
+        const int e = hi_check_type(c, qtypes[j], cols);
         if (e) return e;
         if (hi_act_kind(qtypes[j]) != kind || rows[j] < 1 || !ws[j] || !outs[j]) return -2;
         if (T > 1 && out_rows[j] < rows[j]) return -2;
@@ -256,16 +266,14 @@ int hi_matmul_many(hi_ctx *c, int n, const int *qtypes, const void *const *ws, c
         }
     }
     for (int j = 0; j < n; j++) {
-        hi_mm m = {.qtype = qtypes[j], .w = (const uint8_t *)ws[j], .w_row = (size_t)hi_weight_row_bytes(qtypes[j], cols),
-                   .rows = rows[j], .cols = cols, .x = (const uint8_t *)xq, .x_row = (size_t)xq_row, .T = T,
-                   .out = outs[j], .out_row = (size_t)out_rows[j],
-                   .kshape = hi_kshape(c, ggml_op, qtypes[j], rows[j], T)};
+        hi_mm m = hi_job(c, ggml_op, qtypes[j], ws[j], rows[j], cols, (const uint8_t *)xq, (size_t)xq_row, T, outs[j],
+                         (size_t)out_rows[j]);
         if (s) {
             /* one preparation per weight type (a legacy type's lane correction depends on it; the K-quants
              * share theirs) */
             int same = -1;
             for (int i = 0; i < j && same < 0; i++)
-                if (qtypes[i] == qtypes[j] || (hi_is_kquant(qtypes[i]) && hi_is_kquant(qtypes[j]))) same = i;
+                if (jobs[i].qtype == m.qtype || (hi_is_kquant(jobs[i].qtype) && hi_is_kquant(m.qtype))) same = i;
             if (same >= 0) hi_prep_share(&m, &jobs[same], 0, nb);
             else hi_prep_rows(c->k, &m, m.x, T > 1 ? m.x_row : 0, T, nb, s + (size_t)j * pb);
         }
@@ -280,10 +288,7 @@ int hi_matmul_many(hi_ctx *c, int n, const int *qtypes, const void *const *ws, c
  * caller sets a legacy type's preparation (corr, dy, sy) */
 static hi_mm hi_vec_job(hi_ctx *c, int ggml_op, int qtype, const void *w, int64_t rows, int64_t cols,
                         const uint8_t *xq, float *out) {
-    hi_mm m = {.qtype = qtype, .w = (const uint8_t *)w, .w_row = (size_t)hi_weight_row_bytes(qtype, cols),
-               .rows = rows, .cols = cols, .x = xq, .x_row = 0, .T = 1, .out = out, .out_row = 0,
-               .kshape = hi_kshape(c, ggml_op, qtype, rows, 1)};
-    return m;
+    return hi_job(c, ggml_op, qtype, w, rows, cols, xq, 0, 1, out, 0);
 }
 
 /* a dense product of one activation row (the shared expert beside the routed ones: a MUL_MAT where the routed
@@ -299,10 +304,10 @@ int hi_moe_gate_up(hi_ctx *c, int gate_qtype, const void *wg, int up_qtype, cons
                    int64_t rows, int64_t cols, const void *xq, const int32_t *ids, int k, float *gate_out,
                    int64_t gate_row, float *up_out, int64_t up_row, int ggml_op, int s_gate_qtype, const void *sg,
                    int s_up_qtype, const void *su, int64_t s_rows, float *s_gate_out, float *s_up_out) {
-    int e = hi_check_type(gate_qtype, cols);
-    if (!e) e = hi_check_type(up_qtype, cols);
-    if (!e && sg) e = hi_check_type(s_gate_qtype, cols);
-    if (!e && sg) e = hi_check_type(s_up_qtype, cols);
+    int e = hi_check_type(c, gate_qtype, cols);
+    if (!e) e = hi_check_type(c, up_qtype, cols);
+    if (!e && sg) e = hi_check_type(c, s_gate_qtype, cols);
+    if (!e && sg) e = hi_check_type(c, s_up_qtype, cols);
     if (e) return e;
     const int kind = hi_act_kind(gate_qtype);
     if (hi_act_kind(up_qtype) != kind) return -2;
@@ -358,8 +363,8 @@ int hi_moe_gate_up(hi_ctx *c, int gate_qtype, const void *wg, int up_qtype, cons
 int hi_moe_down(hi_ctx *c, int qtype, const void *w, int64_t n_expert, int64_t rows, int64_t cols, const void *xq,
                 int64_t xq_row, const int32_t *ids, int k, float *out, int64_t out_row, int ggml_op, int s_qtype,
                 const void *sw, int64_t s_cols, const void *s_xq, float *s_out) {
-    int e = hi_check_type(qtype, cols);
-    if (!e && sw) e = hi_check_type(s_qtype, s_cols);
+    int e = hi_check_type(c, qtype, cols);
+    if (!e && sw) e = hi_check_type(c, s_qtype, s_cols);
     if (e) return e;
     if (k < 1 || k > HI_MAX_K || rows < 1 || n_expert < 1 || out_row < rows ||
         xq_row < hi_act_row_bytes(qtype, cols) || ggml_op < 0 || ggml_op > 2)
@@ -379,7 +384,7 @@ int hi_moe_down(hi_ctx *c, int qtype, const void *w, int64_t n_expert, int64_t r
             return -3;
         }
     }
-    hi_mm prep = {.qtype = qtype}; /* the k rows' preparation, one per expert's input row */
+    hi_mm prep = {.qtype = hi_base_type(qtype)}; /* the k rows' preparation, one per expert's input row */
     if (hi_needs_prep(c, qtype)) hi_prep_rows(c->k, &prep, (const uint8_t *)xq, (size_t)xq_row, k, nb, s);
     for (int i = 0; i < k; i++) {
         hi_mm m = hi_vec_job(c, ggml_op, qtype, (const uint8_t *)w + (size_t)ids[i] * (size_t)rows * rb, rows, cols,
@@ -430,6 +435,26 @@ int hi_quantize(hi_ctx *c, int qtype, const float *x, int64_t x_row, int64_t T, 
     }
     pthread_mutex_unlock(&c->mu);
     return 0;
+}
+
+/* ---- weight layout --------------------------------------------------------------------------------- */
+
+int hi_repack_rows(hi_ctx *c, int qtype, void *data, int64_t nbytes) {
+    if (hi_act_kind(qtype) == HI_ACT_NONE || (qtype & HI_T_ZIPPED)) return -1;
+    if (!hi_is_kquant(qtype) || !c->k->kprep) return qtype; /* this unit reads ggml's layout */
+    const int64_t bs = hi_weight_row_bytes(qtype, 256);
+    if (nbytes < 0 || nbytes % bs || (nbytes && !data)) return -2;
+    /* the quant bytes of each block (Q4_K qs; Q5_K qh, qs; Q6_K ql, qh), 16 at a time in HI_KQ_ZIP_OCTETS's
+     * order: out[i] = in[zip[i]], what the kernels' pshufb did to every row they read */
+    static const uint8_t zip[16] = {0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15};
+    const int64_t off = qtype == HI_T_Q6_K ? 0 : 16, len = qtype == HI_T_Q4_K ? 128 : qtype == HI_T_Q5_K ? 160 : 192;
+    for (uint8_t *b = (uint8_t *)data, *end = b + nbytes; b < end; b += bs)
+        for (int64_t k = off; k < off + len; k += 16) {
+            uint8_t t[16];
+            for (int i = 0; i < 16; i++) t[i] = b[k + zip[i]];
+            memcpy(b + k, t, 16);
+        }
+    return qtype | HI_T_ZIPPED;
 }
 
 /* ---- tuning -------------------------------------------------------------------------------------- */

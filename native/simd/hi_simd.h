@@ -103,6 +103,13 @@ double hi_read_bandwidth(hi_ctx *c, int64_t nbytes, int reps);
  * not run exactly once (0 when the pool is right; -1 on bad arguments or no memory) */
 int64_t hi_pool_check(hi_ctx *c, int64_t total, int reps);
 
+/* repacks nbytes of weight rows of type qtype (whole blocks, at data) in place into the layout this context's
+ * unit reads fastest, and returns the qtype to pass with them from then on: qtype | 0x100 (HI_T_ZIPPED) for
+ * K-quants on the SSSE3 unit (each block's quant bytes zipped, 16 at a time), qtype itself elsewhere (the
+ * bytes left as they are); -1 for a type without kernels, -2 for a size that is not whole blocks. Products
+ * of repacked rows give the same bits as of the rows as they were. */
+int hi_repack_rows(hi_ctx *c, int qtype, void *data, int64_t nbytes);
+
 /* decode products: bytes of each thread's weight stream software-prefetched ahead of the row it reads (0, the
  * default: none). Pays where decode is bound by memory (many threads; the hardware prefetcher restarts at
  * every 4 KiB page), costs where it is bound by compute (a few threads). */
