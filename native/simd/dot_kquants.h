@@ -42,7 +42,9 @@
  * The path is chosen by the ISA macros of the including compilation unit:
  *   __AVX512VNNI__ && __AVX512VL__ && __AVX512BW__ : vpdpbusd (and vpdpwssd for the scales)
  *   __AVX2__                                       : pmaddubsw + pmaddwd on 32 bytes (-mavx2 -mfma)
- *   __SSSE3__                                      : pshufb + pmaddubsw + pmaddwd on 16 bytes; no SSE4.1
+ *   __SSSE3__                                      : pmaddubsw + pmaddwd on 16 bytes, no SSE4.1; the engine calls
+ *       hi_dot_q*_K_z on activations prepared once per product (hi_kq_prep_z: zipped, with their sums), on rows
+ *       zipped at load (hi_repack_rows) or zipped as they are read; hi_dot_q*_K_q8_K prepares per call
  *   otherwise                                      : portable scalar
  * The scalar versions (hi_dot_q*_K_q8_K_scalar) are defined in every unit. n is the number of elements of
  * the row (a multiple of 256); vx the row's weight blocks, vy its block_q8_K activation blocks. Not for
