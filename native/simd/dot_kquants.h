@@ -400,6 +400,68 @@ static inline __m128i hi_kq_load_z(const uint8_t *p, const int wz) {
     return wz ? v : _mm_shuffle_epi8(v, HI_KQ_ZIP_OCTETS);
 }
 
+/* K-quant weight blocks (nb of type qtype at p) repacked in place for these kernels: each block's quant bytes
+ * (Q4_K qs; Q5_K qh, qs; Q6_K ql, qh) zipped 16 at a time, as hi_kq_load_z would zip them on every read (wz) */
+static inline void hi_kq_zip_blocks(int qtype, uint8_t *p, int64_t nb) {
+    const size_t bs = qtype == 12 ? sizeof(block_q4_K) : qtype == 13 ? sizeof(block_q5_K) : sizeof(block_q6_K);
+    const size_t off = qtype == 14 ? 0 : 16, len = qtype == 12 ? 128 : qtype == 13 ? 160 : 192;
+    for (int64_t i = 0; i < nb; ++i, p += bs)
+        for (size_t k = off; k < off + len; k += 16)
+            _mm_storeu_si128((__m128i *)(p + k), hi_kq_load_z(p + k, 0));
+}
+
+/* ggml's generic Q4_K (has_qh = 0) or Q5_K (has_qh = 1) kernel on a prepared activation row (hi_kq_prep_z), over
+ * nb blocks of bsize bytes (d, dmin, scales[12], (qh[32],) qs[128]); wz: the quant bytes are stored zipped
+ * (hi_kq_zip_blocks). Octets zipped so that pmaddubsw sums lane l (element % 8) of two octets; Q5_K's fifth bits
+ * come from qh, zipped like the quants. */
+static inline float hi_kq_dot_k4_z(int nb, const uint8_t *restrict vx, size_t bsize, const int has_qh,
+                                   const hi_q8Kz *restrict y, const int wz) {
+    const __m128i m4 = _mm_set1_epi8(0x0f), m16 = _mm_set1_epi8(0x10);
+    __m128 sums0 = _mm_setzero_ps(), sums1 = _mm_setzero_ps();
+    float sumf = 0.0f;
+    for (int i = 0; i < nb; ++i) {
+        const uint8_t *b = vx + (size_t)i * bsize, *qs = b + (has_qh ? 48 : 16);
+        hi_half dd[2];
+        memcpy(dd, b, 4);
+        const __m128i sm = hi_kq_scales_mins_v(b + 4);
+        const __m128i sc16 = _mm_unpacklo_epi8(sm, _mm_setzero_si128()); /* dword j: (sc[2j], sc[2j+1]) */
+        const __m128i qh0 = has_qh ? hi_kq_load_z(b + 16, wz) : _mm_setzero_si128();
+        const __m128i qh1 = has_qh ? hi_kq_load_z(b + 32, wz) : _mm_setzero_si128();
+        __m128i lo = _mm_setzero_si128(), hi = _mm_setzero_si128();
+        /* bit s of each qh byte to bit 4: shift the 16-bit words by 4 - s, keep bit 4 of each byte */
+#define HI_KQ_BIT4(v, s) _mm_and_si128((s) <= 4 ? _mm_slli_epi16(v, 4 - (s)) : _mm_srli_epi16(v, (s) - 4), m16)
+#define HI_KQ_K4_STEP(j)                                                                                   \
+        {                                                                                                  \
+            const __m128i b0 = hi_kq_load_z(qs + 32 * (j), wz), b1 = hi_kq_load_z(qs + 32 * (j) + 16, wz); \
+            __m128i w[4] = {_mm_and_si128(b0, m4), _mm_and_si128(b1, m4), _mm_and_si128(_mm_srli_epi16(b0, 4), m4), \
+                            _mm_and_si128(_mm_srli_epi16(b1, 4), m4)};                                      \
+            if (has_qh) {                                                                                  \
+                w[0] = _mm_or_si128(w[0], HI_KQ_BIT4(qh0, 2 * (j)));                                       \
+                w[1] = _mm_or_si128(w[1], HI_KQ_BIT4(qh1, 2 * (j)));                                       \
+                w[2] = _mm_or_si128(w[2], HI_KQ_BIT4(qh0, 2 * (j) + 1));                                   \
+                w[3] = _mm_or_si128(w[3], HI_KQ_BIT4(qh1, 2 * (j) + 1));                                   \
+            }                                                                                              \
+            hi_kq_k4_step_sse(w, y[i].qs + 64 * (j), _mm_shuffle_epi32(sc16, (j) * 0x55), &lo, &hi);      \
+        }
+        HI_KQ_K4_STEP(0)
+        HI_KQ_K4_STEP(1)
+        HI_KQ_K4_STEP(2)
+        HI_KQ_K4_STEP(3)
+#undef HI_KQ_K4_STEP
+#undef HI_KQ_BIT4
+        sumf = hi_kq_k4_block_end(dd, &y[i], sm, lo, hi, &sums0, &sums1, sumf);
+    }
+    return hi_kq_gen_end_ps(sumf, sums0, sums1);
+}
+
+static inline float hi_dot_q4_K_z(int n, const void *restrict vx, const hi_q8Kz *restrict y, const int wz) {
+    return hi_kq_dot_k4_z(n / HI_QK_K, (const uint8_t *)vx, sizeof(block_q4_K), 0, y, wz);
+}
+
+static inline float hi_dot_q5_K_z(int n, const void *restrict vx, const hi_q8Kz *restrict y, const int wz) {
+    return hi_kq_dot_k4_z(n / HI_QK_K, (const uint8_t *)vx, sizeof(block_q5_K), 1, y, wz);
+}
+
 #endif
 
 #if defined(__AVX2__)

@@ -7,37 +7,6 @@
 /* ------------------------------------------------------------------------------------------------ */
 /* Q4_K                                                                                              */
 
-#if defined(__SSSE3__) && !defined(__AVX2__)
-/* ggml's generic kernel on a prepared activation row (hi_kq_prep_z); wz: the row's quants are stored zipped
- * (hi_kq_zip_rows). Octets zipped so that pmaddubsw sums lane l (element % 8) of two octets. */
-static inline float hi_dot_q4_K_z(int n, const void *restrict vx, const hi_q8Kz *restrict y, const int wz) {
-    const block_q4_K *restrict x = (const block_q4_K *)vx;
-    const int nb = n / HI_QK_K;
-    const __m128i m4 = _mm_set1_epi8(0x0f);
-    __m128 sums0 = _mm_setzero_ps(), sums1 = _mm_setzero_ps();
-    float sumf = 0.0f;
-    for (int i = 0; i < nb; ++i) {
-        const __m128i sm = hi_kq_scales_mins_v(x[i].scales);
-        const __m128i sc16 = _mm_unpacklo_epi8(sm, _mm_setzero_si128()); /* dword j: (sc[2j], sc[2j+1]) */
-        __m128i lo = _mm_setzero_si128(), hi = _mm_setzero_si128();
-#define HI_KQ_Q4_STEP(j)                                                                                   \
-        {                                                                                                  \
-            const __m128i b0 = hi_kq_load_z(x[i].qs + 32 * (j), wz), b1 = hi_kq_load_z(x[i].qs + 32 * (j) + 16, wz); \
-            const __m128i w[4] = {_mm_and_si128(b0, m4), _mm_and_si128(b1, m4),                          \
-                                  _mm_and_si128(_mm_srli_epi16(b0, 4), m4), _mm_and_si128(_mm_srli_epi16(b1, 4), m4)}; \
-            hi_kq_k4_step_sse(w, y[i].qs + 64 * (j), _mm_shuffle_epi32(sc16, (j) * 0x55), &lo, &hi);      \
-        }
-        HI_KQ_Q4_STEP(0)
-        HI_KQ_Q4_STEP(1)
-        HI_KQ_Q4_STEP(2)
-        HI_KQ_Q4_STEP(3)
-#undef HI_KQ_Q4_STEP
-        sumf = hi_kq_k4_block_end(&x[i].d, &y[i], sm, lo, hi, &sums0, &sums1, sumf);
-    }
-    return hi_kq_gen_end_ps(sumf, sums0, sums1);
-}
-#endif
-
 static inline float hi_dot_q4_K_q8_K(int n, const void *restrict vx, const void *restrict vy) {
     const block_q4_K *restrict x = (const block_q4_K *)vx;
     const block_q8_K *restrict y = (const block_q8_K *)vy;

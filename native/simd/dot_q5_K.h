@@ -7,43 +7,6 @@
 /* ------------------------------------------------------------------------------------------------ */
 /* Q5_K                                                                                              */
 
-#if defined(__SSSE3__) && !defined(__AVX2__)
-/* ggml's generic kernel on a prepared activation row (hi_kq_prep_z), as hi_dot_q4_K_z; the fifth bits come from
- * qh, zipped like the quants */
-static inline float hi_dot_q5_K_z(int n, const void *restrict vx, const hi_q8Kz *restrict y, const int wz) {
-    const block_q5_K *restrict x = (const block_q5_K *)vx;
-    const int nb = n / HI_QK_K;
-    const __m128i m4 = _mm_set1_epi8(0x0f), m16 = _mm_set1_epi8(0x10);
-    __m128 sums0 = _mm_setzero_ps(), sums1 = _mm_setzero_ps();
-    float sumf = 0.0f;
-    for (int i = 0; i < nb; ++i) {
-        const __m128i sm = hi_kq_scales_mins_v(x[i].scales);
-        const __m128i sc16 = _mm_unpacklo_epi8(sm, _mm_setzero_si128()); /* dword j: (sc[2j], sc[2j+1]) */
-        const __m128i qh0 = hi_kq_load_z(x[i].qh, wz), qh1 = hi_kq_load_z(x[i].qh + 16, wz);
-        __m128i lo = _mm_setzero_si128(), hi = _mm_setzero_si128();
-#define HI_KQ_BIT4(v, s) _mm_and_si128((s) <= 4 ? _mm_slli_epi16(v, 4 - (s)) : _mm_srli_epi16(v, (s) - 4), m16)
-#define HI_KQ_Q5_STEP(j)                                                                                   \
-        {                                                                                                  \
-            const __m128i b0 = hi_kq_load_z(x[i].qs + 32 * (j), wz), b1 = hi_kq_load_z(x[i].qs + 32 * (j) + 16, wz); \
-            const __m128i w[4] = {                                                                         \
-                _mm_or_si128(_mm_and_si128(b0, m4), HI_KQ_BIT4(qh0, 2 * (j))),                             \
-                _mm_or_si128(_mm_and_si128(b1, m4), HI_KQ_BIT4(qh1, 2 * (j))),                             \
-                _mm_or_si128(_mm_and_si128(_mm_srli_epi16(b0, 4), m4), HI_KQ_BIT4(qh0, 2 * (j) + 1)),      \
-                _mm_or_si128(_mm_and_si128(_mm_srli_epi16(b1, 4), m4), HI_KQ_BIT4(qh1, 2 * (j) + 1))};     \
-            hi_kq_k4_step_sse(w, y[i].qs + 64 * (j), _mm_shuffle_epi32(sc16, (j) * 0x55), &lo, &hi);      \
-        }
-        HI_KQ_Q5_STEP(0)
-        HI_KQ_Q5_STEP(1)
-        HI_KQ_Q5_STEP(2)
-        HI_KQ_Q5_STEP(3)
-#undef HI_KQ_Q5_STEP
-#undef HI_KQ_BIT4
-        sumf = hi_kq_k4_block_end(&x[i].d, &y[i], sm, lo, hi, &sums0, &sums1, sumf);
-    }
-    return hi_kq_gen_end_ps(sumf, sums0, sums1);
-}
-#endif
-
 static inline float hi_dot_q5_K_q8_K(int n, const void *restrict vx, const void *restrict vy) {
     const block_q5_K *restrict x = (const block_q5_K *)vx;
     const block_q8_K *restrict y = (const block_q8_K *)vy;

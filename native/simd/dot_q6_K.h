@@ -9,7 +9,7 @@
 
 #if defined(__SSSE3__) && !defined(__AVX2__)
 /* ggml's generic kernel on a prepared activation row (hi_kq_prep_z); wz: the row's ql and qh are stored zipped
- * (hi_kq_zip_rows). q enters unsigned and the -32 comes off each pair sum as the prepared 32 * (its two q8). */
+ * (hi_kq_zip_blocks). q enters unsigned and the -32 comes off each pair sum as the prepared 32 * (its two q8). */
 static inline float hi_dot_q6_K_z(int n, const void *restrict vx, const hi_q8Kz *restrict y, const int wz) {
     const block_q6_K *restrict x = (const block_q6_K *)vx;
     const int nb = n / HI_QK_K;

@@ -91,6 +91,9 @@ typedef struct hi_kernels {
     /* NULL, or: one Q8_K activation row of nb blocks -> the unit's prepared form for the K-quant dots
      * (HI_KPREP_BYTES per block, read through hi_mm.xk) */
     void (*kprep)(const uint8_t *xq, int64_t nb, uint8_t *out);
+    /* NULL, or (a unit with kprep): nb K-quant weight blocks of type qtype repacked in place into the layout its
+     * dots read with hi_mm.wz (HI_T_ZIPPED) */
+    void (*krepack)(int qtype, uint8_t *p, int64_t nb);
     /* rows [r0, r1) of job m for all of its T tokens */
     void (*mm)(const hi_mm *m, int64_t r0, int64_t r1);
     /* streaming read of n bytes (n a multiple of 256, p 64-byte aligned); returns a checksum */

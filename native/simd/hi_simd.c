@@ -213,7 +213,7 @@ static hi_mm hi_job(const hi_ctx *c, int ggml_op, int qtype, const void *w, int6
 
 static int hi_check_type(const hi_ctx *c, int qtype, int64_t cols) {
     if (hi_act_kind(qtype) == HI_ACT_NONE) return -1;
-    if ((qtype & HI_T_ZIPPED) && !c->k->kprep) return -1; /* zipped rows, a unit without their kernels */
+    if ((qtype & HI_T_ZIPPED) && !c->k->krepack) return -1; /* zipped rows, a unit without their kernels */
     if (hi_weight_row_bytes(qtype, cols) < 0) return -2;
     if (cols > INT32_MAX) return -2;
     return 0;
@@ -441,19 +441,10 @@ int hi_quantize(hi_ctx *c, int qtype, const float *x, int64_t x_row, int64_t T, 
 
 int hi_repack_rows(hi_ctx *c, int qtype, void *data, int64_t nbytes) {
     if (hi_act_kind(qtype) == HI_ACT_NONE || (qtype & HI_T_ZIPPED)) return -1;
-    if (!hi_is_kquant(qtype) || !c->k->kprep) return qtype; /* this unit reads ggml's layout */
+    if (!hi_is_kquant(qtype) || !c->k->krepack) return qtype; /* this unit reads ggml's layout */
     const int64_t bs = hi_weight_row_bytes(qtype, 256);
     if (nbytes < 0 || nbytes % bs || (nbytes && !data)) return -2;
-    /* the quant bytes of each block (Q4_K qs; Q5_K qh, qs; Q6_K ql, qh), 16 at a time in HI_KQ_ZIP_OCTETS's
-     * order: out[i] = in[zip[i]], what the kernels' pshufb did to every row they read */
-    static const uint8_t zip[16] = {0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15};
-    const int64_t off = qtype == HI_T_Q6_K ? 0 : 16, len = qtype == HI_T_Q4_K ? 128 : qtype == HI_T_Q5_K ? 160 : 192;
-    for (uint8_t *b = (uint8_t *)data, *end = b + nbytes; b < end; b += bs)
-        for (int64_t k = off; k < off + len; k += 16) {
-            uint8_t t[16];
-            for (int i = 0; i < 16; i++) t[i] = b[k + zip[i]];
-            memcpy(b + k, t, 16);
-        }
+    c->k->krepack(qtype, (uint8_t *)data, nbytes / bs);
     return qtype | HI_T_ZIPPED;
 }
 

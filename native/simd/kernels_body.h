@@ -177,6 +177,7 @@ const hi_kernels HI_TABLE = {
     .prep = hi_prep,
 #if defined(HI_SSSE3)
     .kprep = hi_kprep,
+    .krepack = hi_kq_zip_blocks,
 #endif
     .needs_corr = {
         [HI_T_Q4_0] = HI_CORR(HI_T_Q4_0) != 0, [HI_T_Q5_0] = HI_CORR(HI_T_Q5_0) != 0,
