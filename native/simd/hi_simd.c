@@ -119,6 +119,20 @@ static void hi_prep_share(hi_mm *m, const hi_mm *from, int64_t t, int64_t nb) {
     m->xk_row = from->xk_row;
 }
 
+/* m's preparation, if its type needs one, of the same activation rows as jobs[0..n): shared with the first job
+ * of the same weight type (a legacy type's lane correction depends on it; the K-quants share theirs), else made
+ * at `at` */
+static void hi_prep_job(const hi_ctx *c, hi_mm *m, const hi_mm *jobs, int n, const uint8_t *xq, size_t xq_row,
+                        int64_t T, int64_t nb, uint8_t *at) {
+    if (!hi_needs_prep(c, m->qtype)) return;
+    for (int i = 0; i < n; i++)
+        if (jobs[i].qtype == m->qtype || (hi_is_kquant(jobs[i].qtype) && hi_is_kquant(m->qtype))) {
+            hi_prep_share(m, &jobs[i], 0, nb);
+            return;
+        }
+    hi_prep_rows(c->k, m, xq, xq_row, T, nb, at);
+}
+
 /* ---- batched products ---------------------------------------------------------------------------- */
 
 #define HI_MAX_K 64
@@ -268,15 +282,7 @@ int hi_matmul_many(hi_ctx *c, int n, const int *qtypes, const void *const *ws, c
     for (int j = 0; j < n; j++) {
         hi_mm m = hi_job(c, ggml_op, qtypes[j], ws[j], rows[j], cols, (const uint8_t *)xq, (size_t)xq_row, T, outs[j],
                          (size_t)out_rows[j]);
-        if (s) {
-            /* one preparation per weight type (a legacy type's lane correction depends on it; the K-quants
-             * share theirs) */
-            int same = -1;
-            for (int i = 0; i < j && same < 0; i++)
-                if (jobs[i].qtype == m.qtype || (hi_is_kquant(jobs[i].qtype) && hi_is_kquant(m.qtype))) same = i;
-            if (same >= 0) hi_prep_share(&m, &jobs[same], 0, nb);
-            else hi_prep_rows(c->k, &m, m.x, T > 1 ? m.x_row : 0, T, nb, s + (size_t)j * pb);
-        }
+        if (s) hi_prep_job(c, &m, jobs, j, m.x, T > 1 ? m.x_row : 0, T, nb, s + (size_t)j * pb);
         jobs[j] = m;
     }
     hi_run_jobs(c, jobs, n);
@@ -292,11 +298,12 @@ static hi_mm hi_vec_job(hi_ctx *c, int ggml_op, int qtype, const void *w, int64_
 }
 
 /* a dense product of one activation row (the shared expert beside the routed ones: a MUL_MAT where the routed
- * ones are a MUL_MAT_ID), its legacy-type preparation at `prep` (hi_prep_bytes(1, cols / 32) bytes) */
+ * ones are a MUL_MAT_ID); its preparation shared with jobs[0..n) of the same row (hi_prep_job), else made at
+ * `prep` (hi_prep_bytes(1, cols / 32) bytes) */
 static hi_mm hi_row_job(hi_ctx *c, int ggml_op, int qtype, const void *w, int64_t rows, int64_t cols,
-                        const uint8_t *xq, float *out, uint8_t *prep) {
+                        const uint8_t *xq, float *out, const hi_mm *jobs, int n, uint8_t *prep) {
     hi_mm m = hi_vec_job(c, ggml_op ? HI_GGML_MUL_MAT : HI_GGML_NONE, qtype, w, rows, cols, xq, out);
-    if (hi_needs_prep(c, qtype)) hi_prep_rows(c->k, &m, xq, 0, 1, cols / 32, prep);
+    hi_prep_job(c, &m, jobs, n, xq, 0, 1, cols / 32, prep);
     return m;
 }
 
@@ -340,8 +347,8 @@ int hi_moe_gate_up(hi_ctx *c, int gate_qtype, const void *wg, int up_qtype, cons
         hi_mm u = hi_vec_job(c, ggml_op, up_qtype, (const uint8_t *)wu + ex * urb, rows, cols, (const uint8_t *)xq,
                              up_out + (size_t)i * (size_t)up_row);
         if (i == 0) { /* one preparation per weight type, for all k experts */
-            if (hi_needs_prep(c, gate_qtype)) hi_prep_rows(c->k, &g, (const uint8_t *)xq, 0, 1, nb, s);
-            if (hi_needs_prep(c, up_qtype)) hi_prep_rows(c->k, &u, (const uint8_t *)xq, 0, 1, nb, s + pb);
+            hi_prep_job(c, &g, NULL, 0, (const uint8_t *)xq, 0, 1, nb, s);
+            hi_prep_job(c, &u, &g, 1, (const uint8_t *)xq, 0, 1, nb, s + pb);
         } else {
             hi_prep_share(&g, &jobs[0], 0, nb);
             hi_prep_share(&u, &jobs[1], 0, nb);
@@ -352,8 +359,10 @@ int hi_moe_gate_up(hi_ctx *c, int gate_qtype, const void *wg, int up_qtype, cons
     int n = 2 * k;
     if (sg) {
         const uint8_t *x1 = (const uint8_t *)xq;
-        jobs[n++] = hi_row_job(c, ggml_op, s_gate_qtype, sg, s_rows, cols, x1, s_gate_out, s ? s + 2 * pb : NULL);
-        jobs[n++] = hi_row_job(c, ggml_op, s_up_qtype, su, s_rows, cols, x1, s_up_out, s ? s + 3 * pb : NULL);
+        jobs[n] = hi_row_job(c, ggml_op, s_gate_qtype, sg, s_rows, cols, x1, s_gate_out, jobs, n, s ? s + 2 * pb : NULL);
+        n++;
+        jobs[n] = hi_row_job(c, ggml_op, s_up_qtype, su, s_rows, cols, x1, s_up_out, jobs, n, s ? s + 3 * pb : NULL);
+        n++;
     }
     hi_run_jobs(c, jobs, n);
     pthread_mutex_unlock(&c->mu);
@@ -394,7 +403,7 @@ int hi_moe_down(hi_ctx *c, int qtype, const void *w, int64_t n_expert, int64_t r
     }
     int n = k;
     if (sw)
-        jobs[n++] = hi_row_job(c, ggml_op, s_qtype, sw, rows, s_cols, (const uint8_t *)s_xq, s_out,
+        jobs[n++] = hi_row_job(c, ggml_op, s_qtype, sw, rows, s_cols, (const uint8_t *)s_xq, s_out, NULL, 0,
                                s ? s + hi_prep_bytes(k, nb) : NULL);
     hi_run_jobs(c, jobs, n);
     pthread_mutex_unlock(&c->mu);
