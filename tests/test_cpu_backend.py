@@ -193,11 +193,24 @@ def test_decode_two_sequences_interleaved(oracle_gguf):
     assert np.array_equal(np.stack(got_a), alone[0]) and np.array_equal(np.stack(got_b), alone[1])
 
 
-@pytest.mark.parametrize("arch", ["qwen35moe", "llama"])
+# the native calls of a decode step, by architecture: all of them run as one hi_plan_run after the embedding row
+PLAN_CALLS = {
+    "qwen35moe": {"rms_norm", "quantize", "matmul", "matmul_many", "gdn_layer", "split_qgate", "attn_step",
+                  "sigmoid_gate", "moe_route", "moe_gate_up", "swiglu", "moe_down", "moe_combine"},
+    "qwen35": {"rms_norm", "quantize", "matmul", "matmul_many", "gdn_layer", "split_qgate", "attn_step",
+               "sigmoid_gate", "swiglu"},
+    "llama": {"rms_norm", "quantize", "matmul", "matmul_many", "split_qgate", "attn_step", "swiglu"},
+}
+
+
+@pytest.mark.parametrize("arch", ["qwen35moe", "qwen35", "llama"])
 def test_decode_plan_replays_the_recorded_step(arch, oracle_gguf, monkeypatch):
     """The first decode step of a state is recorded and later steps replay it without running the forward
-    code; they give exactly what a step recorded afresh gives, also after a restore (positions are read when
-    the step runs) and for a state whose arrays were replaced (the plan is recorded again)."""
+    code, every native call of it in one hi_plan_run; they give exactly what a step recorded afresh (each call
+    from Python) gives, also after a restore (positions are read when the step runs) and for a state whose
+    arrays were replaced (the plan is recorded again)."""
+    from hybridinfer.cpu.plan import Steps
+
     eng = _cpu(oracle_gguf(arch, "q8_0"))
     be = eng.backend
     ids = _ids(eng.args.n_vocab, 10, seed=4)
@@ -210,6 +223,9 @@ def test_decode_plan_replays_the_recorded_step(arch, oracle_gguf, monkeypatch):
     st = eng.new_state()
     be.forward(ids[:3], st)
     got = [be.forward([ids[3]], st, all_logits=False)[0].copy()]
+    plan = be.workspace(1, st.n_ctx).plans[id(st)]
+    assert [type(s) is Steps for s in plan.segments] == [False, True]  # the embedding row, then native calls
+    assert {b.name for b in plan.segments[1].calls} == PLAN_CALLS[arch]
     snap = st.copy()
     recorded = []
     monkeypatch.setattr(type(be), "_forward", lambda *a, **k: recorded.append(1) or pytest.fail("re-recorded"))

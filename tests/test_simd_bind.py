@@ -30,3 +30,31 @@ def test_bound_calls_follow_buffer_contents(qtype):
         assert np.array_equal(out, want)
     with pytest.raises(ValueError, match="no native call|unknown|has no"):
         lib.bind("act_kind", qtype)
+
+
+def test_packed_steps_run_as_the_bound_calls_and_name_a_failing_one():
+    """Steps (the decode step as one hi_plan_run) repeat the Bound calls they pack, in order; a call the library
+    rejects is named in the error."""
+    from hybridinfer.cpu.plan import Steps
+
+    lib = SimdLib(n_threads=2)
+    rng = np.random.default_rng(3)
+    rows, cols = 24, 256
+    w = random_blocks(Q4_K, rows * cols // 256, rng).reshape(-1)
+    x = np.zeros((1, cols), np.float32)
+    xq = np.zeros((1, lib.act_row_bytes(Q4_K, cols)), np.uint8)
+    out, out2 = np.zeros((1, rows), np.float32), np.zeros((1, rows), np.float32)
+    nw = np.ones(cols, np.float32)
+    calls = [lib.bind("rms_norm", x, None, nw, 1e-6, x), lib.bind("quantize", x, Q4_K, xq),
+             lib.bind("matmul_many", xq, cols, [(w, Q4_K, rows, out), (w, Q4_K, rows, out2)])]
+    steps = Steps(lib, calls)
+    for _ in range(2):
+        x[...] = rng.standard_normal(x.shape)
+        want_x = x.copy()
+        lib.rms_norm(want_x, None, nw, 1e-6, want_x)
+        want = lib.matmul(w, Q4_K, rows, cols, lib.quantize(want_x, Q4_K), np.zeros((1, rows), np.float32))
+        steps.run(0)
+        assert np.array_equal(x, want_x) and np.array_equal(out, want) and np.array_equal(out2, want)
+    steps._arr[2].a[4].i = 100  # cols no longer whole blocks: the library rejects the call
+    with pytest.raises(ValueError, match="matmul_many"):
+        steps.run(0)

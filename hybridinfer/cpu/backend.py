@@ -1,17 +1,18 @@
-"""The CPU backend: quantized matrix products, attention, RoPE, SwiGLU and the GDN layer in C (simd.py), the rest
-in numba (ops*.py). The products, attention, RoPE and SwiGLU follow llama.cpp's float operations for the ISA
-level they run at (each product is called with the llama.cpp operation it stands for, MUL_MAT or MUL_MAT_ID,
+"""The CPU backend: quantized matrix products, attention, RoPE, SwiGLU, the GDN layer and the small ops between
+them (norms, routing, gates) in C (simd.py), each the twin of a numba op (ops*.py) that stays its plain-order
+reference; sampling in numba. The products, attention, RoPE and SwiGLU follow llama.cpp's float operations for the
+ISA level they run at (each product is called with the llama.cpp operation it stands for, MUL_MAT or MUL_MAT_ID,
 which decides the K-quant kernel shape), so that greedy decoding agrees with llama.cpp token for token.
 
 Weights stay in their GGUF bytes (memory-mapped); activations are quantized once per input and weight
 kind, as llama.cpp does. One `forward(tokens, state)` serves decode (T = 1) and chunked prefill
 (T > 1, a GEMM over the chunk; MoE tokens grouped by expert). Work buffers live in a `Workspace` made once
-per chunk-size class and context size and reused, so the decode loop allocates no arrays.
+per chunk-size class and context size and reused, so the decode loop allocates no arrays. A decode step is
+recorded at a sequence's first step and then runs as one native call (plan.py).
 """
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from functools import partial
 
@@ -21,7 +22,9 @@ from ..errors import UnsupportedTensorTypeError
 from ..gguf_model import GGUFModel
 from ..quant import dequantize_rows, type_name
 from ..state import DecoderState, check_tokens
-from . import ops, ops_gdn
+from . import ops_gdn
+from .ops import NO_FREQS
+from .plan import DecodePlan
 from .simd import GGML_MUL_MAT, GGML_MUL_MAT_ID, KERNEL_TYPES, SimdLib
 from .weights import choose_weights_mode, copy_mats, mem_available
 
@@ -73,44 +76,6 @@ class Layer:
 
     def mats(self) -> list[Mat]:
         return [v for v in vars(self).values() if isinstance(v, Mat)]
-
-
-def _put_rows(cache: np.ndarray, rows: np.ndarray, st: DecoderState) -> None:
-    """The new K or V rows into the cache at the state's position."""
-    cache[st.pos : st.pos + rows.shape[0]] = rows
-
-
-def _at_pos(fn, st: DecoderState) -> None:
-    fn(st.pos)
-
-
-class DecodePlan:
-    """A decode step's operations as recorded over one workspace for one state: zero-argument calls (bound
-    native calls, numba ops with their buffers) replayed in order; position-dependent ones read the state's
-    position when they run. Valid while the state holds the same arrays (the plan keeps them alive, so their
-    ids cannot be reused)."""
-
-    MAX_PLANS = 16  # per workspace: sequences decoded in turn over it
-
-    def __init__(self, state: DecoderState, steps: list, out: np.ndarray):
-        self.state = weakref.ref(state)
-        self.arrays = self._arrays(state)
-        self.ids = tuple(map(id, self.arrays))
-        self.steps, self.out = steps, out
-
-    @staticmethod
-    def _arrays(st: DecoderState) -> list:
-        return [st.tokens, *st.conv, *st.ssm, *st.k, *st.v]
-
-    def valid_for(self, st: DecoderState) -> bool:
-        return self.state() is st and tuple(map(id, self._arrays(st))) == self.ids
-
-    @classmethod
-    def keep(cls, plans: dict, st: DecoderState, steps: list, out: np.ndarray) -> None:
-        plans.pop(id(st), None)
-        while len(plans) >= cls.MAX_PLANS:
-            plans.pop(next(iter(plans)))
-        plans[id(st)] = cls(st, steps, out)
 
 
 class Workspace:
@@ -166,7 +131,7 @@ class CPUModel:
         self.out_norm = np.ascontiguousarray(gm.dequant("output_norm.weight"), dtype=np.float32)
         self.layers = [Layer(gm, a, i) for i in range(a.n_layer)]
         self.freq_factors = (np.ascontiguousarray(gm.dequant("rope_freqs.weight"), dtype=np.float32)
-                             if getattr(a, "has_rope_freqs", False) else ops.NO_FREQS)
+                             if getattr(a, "has_rope_freqs", False) else NO_FREQS)
         owners = [(self, "out")] + [(L, k) for L in self.layers for k, v in vars(L).items() if isinstance(v, Mat)]
         nbytes = sum(getattr(o, k).raw.nbytes for o, k in owners)
         self.weights = choose_weights_mode(weights, nbytes, mem_available())
@@ -200,6 +165,24 @@ class CPUModel:
         if c is None:
             c = ws.calls[key] = self.simd.bind(method, *args)
         self._op(ws, c)
+
+    def state_call(self, ws: Workspace, key: tuple, arrays: tuple, st: DecoderState, method: str, *args) -> None:
+        """`call` of an op on the state's arrays (`arrays`: a layer's cache or recurrent state), bound once per
+        workspace, call site and state (a new sequence's arrays rebind it); ops in plan.POS_ARGS get the
+        state's position."""
+        if ws.T != 1:
+            getattr(self.simd, method)(*args)
+            return
+        hit = ws.calls.get(key)
+        if hit is None or any(a is not b for a, b in zip(hit[0], arrays, strict=True)):
+            ws.calls[key] = hit = (arrays, self.simd.bind(method, *args))
+        b = hit[1]
+        if ws.rec is not None:
+            ws.rec.append(b)
+        if b.pos_arg is None:
+            b()
+        else:
+            b(st.pos)
 
     def quantize(self, m: Mat, x: np.ndarray, ws: Workspace) -> np.ndarray:
         if ws.T == 1:  # decode: the quantized buffer of this matrix's input and its bound call, found once
@@ -258,8 +241,8 @@ class CPUModel:
     # forward --------------------------------------------------------------------------------------
     def forward(self, tokens, state: DecoderState, all_logits: bool = True) -> np.ndarray:
         """Logits of the T tokens (all_logits) or of the last; advances the state. A decode step (T = 1)
-        replays the operations recorded at the first step of this state over these buffers (DecodePlan), so
-        no Python of this module runs per token."""
+        replays the operations recorded at the first step of this state over these buffers (plan.DecodePlan):
+        the token's embedding row, then the rest as one native call."""
         ids = check_tokens(tokens, self.args.n_vocab)
         T = len(ids)
         state.check_room(T)
@@ -268,14 +251,12 @@ class CPUModel:
             ws.tok[0] = ids[0]
             plan = ws.plans.get(id(state))
             if plan is not None and plan.valid_for(state):
-                for f in plan.steps:
-                    f()
-                out = plan.out
+                out = plan.run(state)
             else:
                 ws.rec = []
                 try:
                     out = self._forward(ws.tok, state, ws)
-                    DecodePlan.keep(ws.plans, state, ws.rec, out)
+                    DecodePlan.keep(ws.plans, self.simd, state, ws.rec, out)
                 finally:
                     ws.rec = None
         else:
@@ -285,11 +266,11 @@ class CPUModel:
         return out
 
     def _op(self, ws: Workspace, fn, *args) -> None:
-        """fn(*args); while a decode step is recorded, also its place in the step."""
+        """fn(*args); while a decode step is recorded, also its place in the step (a Bound call as itself)."""
         if ws.rec is None:
             fn(*args)
             return
-        f = partial(fn, *args)
+        f = partial(fn, *args) if args else fn
         ws.rec.append(f)
         f()
 
@@ -300,23 +281,23 @@ class CPUModel:
         t = self.tok_embd
         self._op(ws, dequantize_rows, t.raw(), t.qtype, t.ne[0], ids, h)
         n = len(self.layers)
-        self._op(ws, ops.rms_norm, h, self.layers[0].attn_norm, a.rms_eps, x)
+        self.call(ws, ("norm", -1), "rms_norm", h, None, self.layers[0].attn_norm, a.rms_eps, x)
         for i, L in enumerate(self.layers):  # each residual add fused with the norm that follows it
             mix = self._gdn(L, i, x, state, ws) if L.kind == "gdn" else self._attention(L, i, x, state, ws)
             post = L.ffn_norm if a.arch == "llama" else L.post_attention_norm
-            self._op(ws, ops.add_rms_norm, h, mix, post, a.rms_eps, x)
+            self.call(ws, ("norm", i, 0), "rms_norm", h, mix, post, a.rms_eps, x)
             if i + 1 == n and not all_logits and T > 1:
                 # as llama.cpp's graph (inp_out_ids): past the last layer's mixer only the output row goes on, so
                 # its FFN products take their one-token float shapes
                 h, x = h[T - 1 :], x[T - 1 :]
             ffn = self._moe(L, i, x, ws) if a.is_moe else self._ffn(L, x, ws)
             if i + 1 < n:
-                self._op(ws, ops.add_rms_norm, h, ffn, self.layers[i + 1].attn_norm, a.rms_eps, x)
+                self.call(ws, ("norm", i, 1), "rms_norm", h, ffn, self.layers[i + 1].attn_norm, a.rms_eps, x)
             else:
-                self._op(ws, ops.add_inplace, h, ffn)
+                self.call(ws, ("norm", i, 1), "rms_norm", h, ffn, None, a.rms_eps, None)
         hs = h if all_logits else h[-1:]
         xs = ws.x[: hs.shape[0]]
-        self._op(ws, ops.rms_norm, hs, self.out_norm, a.rms_eps, xs)
+        self.call(ws, ("norm", n), "rms_norm", hs, None, self.out_norm, a.rms_eps, xs)
         return self.mm(self.out, xs, ws.logits, ws)
 
     def _swiglu_ffn(self, gate: Mat, up: Mat, down: Mat, x: np.ndarray, out: np.ndarray, ws: Workspace):
@@ -329,35 +310,22 @@ class CPUModel:
 
     def _attention(self, L: Layer, i: int, x: np.ndarray, st: DecoderState, ws: Workspace) -> np.ndarray:
         a = self.args
-        T, hd, p0 = x.shape[0], a.head_dim, st.pos
+        T, hd = x.shape[0], a.head_dim
         q = ws.q[:T]
         qg, k, v = self.mm_many([L.attn_q, L.attn_k, L.attn_v], x, [ws.out_a, ws.out_b, ws.out_c], ws)
-        if a.attn_gate:
-            gate = ws.gate[:T]
-            self._op(ws, ops.split_qgate, qg, q, gate)
-        else:
-            self._op(ws, np.copyto, q, qg.reshape(T, a.n_head, hd))
-            gate = ops.NO_GATE
-        k = k.reshape(T, a.n_head_kv, hd)
-        kc, vc = st.k[i], st.v[i]
+        gate = ws.gate[:T] if a.attn_gate else None
+        self.call(ws, ("qgate", i), "split_qgate", qg, q, gate)
+        k, v = k.reshape(T, a.n_head_kv, hd), v.reshape(T, a.n_head_kv, hd)
         if a.qk_norm:
-            self._op(ws, ops.rms_norm_heads, q, L.attn_q_norm, a.rms_eps, q)
-            self._op(ws, ops.rms_norm_heads, k, L.attn_k_norm, a.rms_eps, k)
-        self._op(ws, _put_rows, kc, k, st)
-        self._op(ws, _put_rows, vc, v.reshape(T, a.n_head_kv, hd), st)
+            self.call(ws, ("qnorm", i), "rms_norm", q, None, L.attn_q_norm, a.rms_eps, q)
+            self.call(ws, ("knorm", i), "rms_norm", k, None, L.attn_k_norm, a.rms_eps, k)
         o = ws.attn[:T]
-        rot = (a.n_rot, a.rope_theta, a.rope_neox, self.freq_factors)
-        if T == 1:  # decode: bound once per layer and state, as the GDN call
-            hit = ws.calls.get(("attn", i))
-            if hit is None or hit[0] is not kc or hit[1] is not vc:
-                ws.calls[("attn", i)] = hit = (kc, vc, self.simd.bind_attention(q, kc, vc, o, ws.attn_scratch, *rot))
-            self._op(ws, _at_pos, hit[2], st)
-        else:  # K is rotated in the cache, where its rows are contiguous (k is a view of wider rows)
-            self.simd.rope(q, p0, *rot)
-            self.simd.rope(kc[p0 : p0 + T], p0, *rot)
-            self.simd.attention(q, kc, vc, p0, o, ws.attn_scratch)
+        # the new k, v rows into the cache, q and those K rows roped there, attention: one call at the position
+        args = (q, k, v, st.k[i], st.v[i], st.pos, o, ws.attn_scratch, a.n_rot, a.rope_theta, a.rope_neox,
+                self.freq_factors)
+        self.state_call(ws, ("attn", i), (st.k[i], st.v[i]), st, "attn_step", *args)
         if a.attn_gate:
-            self._op(ws, ops.attn_gate, o, gate)
+            self.call(ws, ("gate", i), "sigmoid_gate", o, gate)
         return self.mm(L.attn_output, o, ws.mix, ws)
 
     def _gdn(self, L: Layer, i: int, x: np.ndarray, st: DecoderState, ws: Workspace) -> np.ndarray:
@@ -370,13 +338,7 @@ class CPUModel:
         # parallel version fought the C pool for the cores (measured on the 16-core host: 2.0 tok/s vs 14.4)
         args = (u, z, b, al, L.ssm_conv1d, L.ssm_a, L.ssm_dt_bias, L.ssm_norm, st.conv[i], st.ssm[i],
                 a.ssm_n_k_heads, a.gdn_head_map == "mod", a.rms_eps, y, ws.gdn_scratch)
-        if T == 1:  # decode: bound once per layer and state (a new sequence's arrays rebind it)
-            hit = ws.calls.get(("gdn", i))
-            if hit is None or hit[0] is not st.conv[i] or hit[1] is not st.ssm[i]:
-                ws.calls[("gdn", i)] = hit = (st.conv[i], st.ssm[i], self.simd.bind("gdn_layer", *args))
-            self._op(ws, hit[2])
-        else:
-            self.simd.gdn_layer(*args)
+        self.state_call(ws, ("gdn", i), (st.conv[i], st.ssm[i]), st, "gdn_layer", *args)
         return self.mm(L.ssm_out, y, ws.mix, ws)
 
     def _moe(self, L: Layer, i: int, x: np.ndarray, ws: Workspace) -> np.ndarray:
@@ -384,7 +346,7 @@ class CPUModel:
         T, k = x.shape[0], a.n_expert_used
         router = self.mm(L.ffn_gate_inp, x, ws.router, ws)
         idx, w = ws.route_idx[:T], ws.route_w[:T]
-        self._op(ws, ops.moe_route, router, k, idx, w)
+        self.call(ws, ("route", i), "moe_route", router, k, idx, w)
         ys = ws.ed[: T * k]
         G, U, Dn = L.ffn_gate_exps, L.ffn_up_exps, L.ffn_down_exps
         shared = None  # the shared expert's output when the routed experts' calls produced it
@@ -421,9 +383,9 @@ class CPUModel:
                 ys[sel] = self.mm(Dn.expert(e), g, ws.out_a, ws, op=GGML_MUL_MAT_ID)[:, : a.n_embd]
         out = ws.ffn[:T]
         if not a.n_ff_shexp:
-            self._op(ws, ops.moe_combine, ys, w, out)
+            self.call(ws, ("combine", i), "moe_combine", ys, w, out)
             return out
         if shared is None:
             shared = self._swiglu_ffn(L.ffn_gate_shexp, L.ffn_up_shexp, L.ffn_down_shexp, x, ws.mix, ws)
-        self._op(ws, ops.moe_combine_gated, ys, w, out, shared, x, L.ffn_gate_inp_shexp)
+        self.call(ws, ("combine", i), "moe_combine", ys, w, out, shared, x, L.ffn_gate_inp_shexp)
         return out

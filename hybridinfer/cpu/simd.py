@@ -24,6 +24,7 @@ import numpy as np
 
 from ..errors import BackendNotAvailableError, UnsupportedTensorTypeError
 from ..quant import type_name
+from .plan import Bound
 from .simd_moe import MoECalls
 from .simd_native import (
     _F32,
@@ -53,6 +54,7 @@ from .simd_native import (
 from .simd_native import (
     _qtype as _qtype_of,
 )
+from .simd_ops import OpCalls, attention_args, rope_freqs
 
 __all__ = [
     "ACT_KINDS",
@@ -94,7 +96,7 @@ PREFETCH_BYTES = 4096
 PREFETCH_MIN_THREADS = 4
 
 
-class SimdLib(MoECalls):
+class SimdLib(MoECalls, OpCalls):
     """The native kernels at one ISA level with a persistent pool of `n_threads` threads (the caller
     included). `isa`: one of `supported_isas()`, or None for `best_isa()`. Calls on one object are
     serialized; use one object per concurrent caller."""
@@ -160,9 +162,10 @@ class SimdLib(MoECalls):
 
     # calls ------------------------------------------------------------------------------------------
     def bind(self, method: str, *args):
-        """Check the arguments of `method` once and return a no-argument callable that repeats the call with
-        everything resolved. For a decode loop over fixed work buffers: the arrays must stay alive (the
-        callable keeps references) and keep their shapes; their contents may change between calls."""
+        """Check the arguments of `method` once and return a `Bound` call (plan.py) that repeats it with
+        everything resolved: called with no argument, or with the token's position for `attn_step` (its pos0
+        is replaced). For a decode loop over fixed work buffers: the arrays must stay alive (the Bound keeps
+        references) and keep their shapes; their contents may change between calls."""
         rec = _Recorder(self._lib)
         real, self._lib = self._lib, rec
         try:
@@ -172,13 +175,7 @@ class SimdLib(MoECalls):
         if rec.call is None:
             raise ValueError(f"{method} made no native call to bind")
         fn, cargs, what = rec.call
-
-        def call(_keep=args):
-            rc = fn(*cargs)
-            if rc:
-                _check_rc(rc, what)
-
-        return call
+        return Bound(fn, cargs, what, args)
 
     def quantize(self, x: np.ndarray, qtype, out: np.ndarray | None = None) -> np.ndarray:
         """Quantize activation rows x (T, n) or (n,) float32 to the format weight type `qtype` multiplies,
@@ -283,61 +280,14 @@ class SimdLib(MoECalls):
         0..pos0+T-1 of k_cache, v_cache (n_ctx, H_kv, hd), scale 1/sqrtf(hd), with llama.cpp's float operations
         (native/simd/kernels_attn.h); out (T, H*hd) may be a view of wider rows; scratch (>=
         attention_scratch_size(n_ctx, hd),) float32. All float32, q and the caches C-contiguous."""
-        for name, arr in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-            if not (type(arr) is np.ndarray and arr.dtype is _F32 and arr.ndim == 3 and arr.flags.c_contiguous):
-                arr = _array(name, arr, (_F32,))
-                raise ValueError(f"{name} must be a C-contiguous 3-D array, got shape {arr.shape}")
-        T, H, hd = q.shape
-        n_ctx, Hkv, hd_kv = k_cache.shape
-        if v_cache.shape != k_cache.shape or hd_kv != hd or H % Hkv:
-            raise ValueError(f"q {q.shape}, k_cache {k_cache.shape} and v_cache {v_cache.shape} do not fit")
-        pos0 = int(pos0)
-        if pos0 < 0 or pos0 + T > n_ctx:
-            raise ValueError(f"positions {pos0}..{pos0 + T - 1} are outside the cache of {n_ctx} rows")
-        if getattr(out, "ndim", None) != 2:
-            _array("out", out, (_F32,))
-            raise ValueError(f"out must have shape ({T}, {H * hd}), got {out.shape}")
-        _, os_ = _rows_fast("out", out, _F32, H * hd, T, writable=True)
-        if not (type(scratch) is np.ndarray and scratch.dtype is _F32 and scratch.ndim == 1
-                and scratch.flags.c_contiguous and scratch.flags.writeable):
-            _array("scratch", scratch, (_F32,))
-            raise ValueError(f"scratch must be a writable contiguous 1-D array, got shape {scratch.shape}")
+        T, H, hd, n_ctx, Hkv, os_ = attention_args(q, k_cache, v_cache, pos0, out, scratch)
         ffi = self._ffi
         rc = self._lib.hi_attention(self._c, _ptr(ffi, "float *", q), H * hd, T, H, hd, _ptr(ffi, "float *", k_cache),
-                                    _ptr(ffi, "float *", v_cache), Hkv * hd, Hkv, pos0,
+                                    _ptr(ffi, "float *", v_cache), Hkv * hd, Hkv, int(pos0),
                                     float(np.float32(1.0) / np.sqrt(np.float32(hd))), _ptr(ffi, "float *", out), os_,
                                     _ptr(ffi, "float *", scratch), scratch.shape[0])
         if rc:
             _check_rc(rc, "attention")
-
-    def bind_attention(self, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, out: np.ndarray,
-                       scratch: np.ndarray, n_rot: int, theta_base: float, neox: bool, freq_factors: np.ndarray):
-        """For a decode loop over fixed buffers: check the arguments of `rope` and `attention` once and return
-        run(pos0), which ropes q and the cache's K rows pos0..pos0+T-1 (written there already) and then runs
-        `attention` at pos0 (the Python checks cost more than the kernels at small T)."""
-        self.rope(q, 0, n_rot, theta_base, neox, freq_factors)  # argument checks (q's values are rewritten later)
-        self.attention(q, k_cache, v_cache, 0, out, scratch)
-        T, H, hd = q.shape
-        n_ctx, Hkv, _ = k_cache.shape
-        ffi, lib, c = self._ffi, self._lib, self._c
-        qp, kp, vp = (ffi.cast("float *", a.ctypes.data) for a in (q, k_cache, v_cache))
-        op, sp = ffi.cast("float *", out.ctypes.data), ffi.cast("float *", scratch.ctypes.data)
-        os_ = out.strides[0] // 4 if T > 1 else H * hd
-        ff = ffi.cast("float *", freq_factors.ctypes.data) if freq_factors.shape[0] else ffi.NULL
-        rot = (int(n_rot), float(np.float32(theta_base)), 1 if neox else 0, ff)
-        scale = float(np.float32(1.0) / np.sqrt(np.float32(hd)))
-        n_scr = scratch.shape[0]
-
-        def run(pos0: int, _keep=(q, k_cache, v_cache, out, scratch, freq_factors)) -> None:
-            if not 0 <= pos0 <= n_ctx - T:
-                raise ValueError(f"positions {pos0}..{pos0 + T - 1} are outside the cache of {n_ctx} rows")
-            rc = (lib.hi_rope(c, qp, T, H, hd, pos0, *rot)
-                  or lib.hi_rope(c, kp + pos0 * Hkv * hd, T, Hkv, hd, pos0, *rot)
-                  or lib.hi_attention(c, qp, H * hd, T, H, hd, kp, vp, Hkv * hd, Hkv, pos0, scale, op, os_, sp, n_scr))
-            if rc:
-                _check_rc(rc, "attention")
-
-        return run
 
     def rope(self, x: np.ndarray, pos0: int, n_rot: int, theta_base: float, neox: bool,
              freq_factors: np.ndarray) -> None:
@@ -350,11 +300,7 @@ class SimdLib(MoECalls):
             raise ValueError(f"x must be a writable C-contiguous (T, H, hd) array, got shape {x.shape}")
         T, H, hd = x.shape
         ffi = self._ffi
-        ff = ffi.NULL
-        if freq_factors.shape[0]:
-            if freq_factors.dtype != _F32 or freq_factors.shape != (n_rot // 2,) or not freq_factors.flags.c_contiguous:
-                raise ValueError(f"freq_factors must be ({n_rot // 2},) float32, got {freq_factors.shape}")
-            ff = _ptr(ffi, "float *", freq_factors)
+        ff = rope_freqs(ffi, freq_factors, n_rot)
         rc = self._lib.hi_rope(self._c, _ptr(ffi, "float *", x), T, H, hd, int(pos0), int(n_rot),
                                float(np.float32(theta_base)), 1 if neox else 0, ff)
         if rc:

@@ -4,6 +4,7 @@
  * Every row is computed by one thread in a fixed order, so the result does not depend on the thread count.
  */
 #include <math.h>
+#include <string.h>
 
 #include "hi_internal.h"
 #include "hi_simd.h"
@@ -108,4 +109,23 @@ int hi_rope(hi_ctx *c, float *x, int64_t T, int64_t H, int64_t hd, int64_t pos0,
         }
     }
     return 0;
+}
+
+int hi_attn_step(hi_ctx *c, float *q, int64_t T, int64_t H, int64_t hd, const float *k_new, const float *v_new,
+                 int64_t kv_new_row, float *k_cache, float *v_cache, int64_t n_ctx, int64_t Hkv, int64_t pos0,
+                 int64_t n_rot, float theta_base, int neox, const float *freq_factors, float scale, float *out,
+                 int64_t out_row, float *scratch, int64_t scratch_len) {
+    const int64_t kv = Hkv * hd;
+    if (!c || !q || !k_new || !v_new || !k_cache || !v_cache || T < 1 || Hkv < 1 || hd < 1 || kv_new_row < kv ||
+        pos0 < 0 || pos0 > n_ctx - T)
+        return -2;
+    for (int64_t t = 0; t < T; t++) {
+        memcpy(k_cache + (pos0 + t) * kv, k_new + t * kv_new_row, (size_t)kv * sizeof(float));
+        memcpy(v_cache + (pos0 + t) * kv, v_new + t * kv_new_row, (size_t)kv * sizeof(float));
+    }
+    int rc = hi_rope(c, q, T, H, hd, pos0, n_rot, theta_base, neox, freq_factors);
+    if (!rc) rc = hi_rope(c, k_cache + pos0 * kv, T, Hkv, hd, pos0, n_rot, theta_base, neox, freq_factors);
+    if (!rc) rc = hi_attention(c, q, H * hd, T, H, hd, k_cache, v_cache, kv, Hkv, pos0, scale, out, out_row, scratch,
+                               scratch_len);
+    return rc;
 }

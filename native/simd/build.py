@@ -21,7 +21,7 @@ from cffi import FFI
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _SOURCES = [
     "hi_simd.c", "hi_cpu.c", "hi_pool.c", "isa_scalar.c", "isa_ssse3.c", "isa_avx2.c", "isa_avx512vnni.c", "gdn.c",
-    "attn.c",
+    "attn.c", "ops.c", "plan.c",
 ]
 _HEADERS = [
     "hi_simd.h", "hi_internal.h", "hi_pool.h", "blocks.h",

@@ -129,4 +129,58 @@ int hi_gdn_layer(hi_ctx *ctx, const float *u, int64_t u_row, const float *z, int
                  int64_t n_v_heads, int64_t d_k, int64_t d_v, int64_t n_k_heads, int head_map_mod, double eps,
                  float *y, int64_t y_row, float *scratch, int64_t scratch_len);
 
+/* ---- small decode ops (ops.c), on the calling thread, plain float order: the C twins of the numba ops in
+ * hybridinfer/cpu/ops.py, bit-identical to them (the float operations written there, no FMA contraction) */
+
+/* residual add and RMSNorm over T tokens of H heads of n floats (head h of token t at x + t*x_row + h*n):
+ * with y non-NULL first h[t] += y[t] (H*n floats); with w non-NULL then out[t, h] = (h[t, h] * s) * w with
+ * ggml's s = 1.0f / sqrtf((float)(sum of float squares in double / n) + (float)eps); out may be h */
+int hi_rms_norm(hi_ctx *c, float *h, int64_t h_row, const float *y, int64_t y_row, int64_t T, int64_t H, int64_t n,
+                const float *w, double eps, float *out, int64_t out_row);
+/* Qwen's attn_q output, per head [query(hd), gate(hd)] -> q (T, H, hd) contiguous and gate (T rows of H*hd,
+ * stride gate_row); gate NULL: qg holds the queries alone (q = qg) */
+int hi_split_qgate(hi_ctx *c, const float *qg, int64_t qg_row, int64_t T, int64_t H, int64_t hd, float *q,
+                   float *gate, int64_t gate_row);
+/* o (T rows of n, stride o_row) *= 1 / (1 + expf(-g)) (the attention output gate) */
+int hi_sigmoid_gate(hi_ctx *c, float *o, int64_t o_row, const float *g, int64_t g_row, int64_t T, int64_t n);
+/* router: softmax of each row of E logits in double, the k best (ties: lower id), weights renormalized to
+ * their sum (at least 2^-14), narrowed to float; idx, w: T rows of k */
+int hi_moe_route(hi_ctx *c, const float *logits, int64_t l_row, int64_t T, int64_t E, int k, int32_t *idx,
+                 float *w);
+/* out[t] = sum_j w[t, j] * ys[t*k + j] in slot order; with s non-NULL then out[t] += s[t] * sigmoid(x[t] . w_shg)
+ * (the dot in double, narrowed to float); ys, out, s, x contiguous rows of n floats */
+int hi_moe_combine(hi_ctx *c, const float *ys, const float *w, int64_t T, int k, int64_t n, float *out,
+                   const float *s, const float *x, const float *w_shg);
+
+/* attention of T new tokens at pos0.. (a whole step): writes their k, v rows (T rows of Hkv*hd floats, stride
+ * kv_new_row) to the caches (n_ctx rows of Hkv*hd) at pos0.., ropes q (T, H, hd contiguous) and those cache K
+ * rows (hi_rope), then hi_attention into out */
+int hi_attn_step(hi_ctx *c, float *q, int64_t T, int64_t H, int64_t hd, const float *k_new, const float *v_new,
+                 int64_t kv_new_row, float *k_cache, float *v_cache, int64_t n_ctx, int64_t Hkv, int64_t pos0,
+                 int64_t n_rot, float theta_base, int neox, const float *freq_factors, float scale, float *out,
+                 int64_t out_row, float *scratch, int64_t scratch_len);
+
+/* ---- recorded steps (plan.c): a decode step's native calls run back to back without returning to Python.
+ * Each step names an entry point above (HI_OP_*) and holds its arguments after the context, in order:
+ * pointers in .p, integers in .i, floats in .f; the argument at index pos_arg (-1: none) is replaced by
+ * pos + its .i (the token's position). */
+enum {
+    HI_OP_QUANTIZE = 1, HI_OP_MATMUL, HI_OP_MATMUL_MANY, HI_OP_MOE_GATE_UP, HI_OP_MOE_DOWN, HI_OP_SWIGLU,
+    HI_OP_GDN_LAYER, HI_OP_RMS_NORM, HI_OP_SPLIT_QGATE, HI_OP_SIGMOID_GATE, HI_OP_MOE_ROUTE, HI_OP_MOE_COMBINE,
+    HI_OP_ATTN_STEP, HI_OP_COUNT
+};
+enum { HI_STEP_ARGS = 28 };
+typedef union {
+    int64_t i;
+    double f;
+    void *p;
+} hi_arg;
+typedef struct {
+    int32_t op;
+    int32_t pos_arg;
+    hi_arg a[28]; /* HI_STEP_ARGS */
+} hi_step;
+/* runs steps[0..n) at position pos; returns 0, or the first failing call's code with *failed = its index */
+int hi_plan_run(hi_ctx *c, const hi_step *steps, int64_t n, int64_t pos, int64_t *failed);
+
 #endif

@@ -1,0 +1,134 @@
+"""A decode step as one native call.
+
+`SimdLib.bind` checks a call's arguments once and returns a `Bound`: the C entry point and its converted
+arguments. The CPU backend records a decode step's operations at the first step of a sequence (a list of
+Bound calls, in order, and a Python callable for what has no native twin: the token's embedding row);
+`Steps` packs runs of Bound calls into arrays of `hi_step` (native/simd/hi_simd.h) that `hi_plan_run` runs
+back to back, so later steps return to Python once per run instead of once per operation. The arrays hold
+addresses: a Steps keeps every array it points at alive (through the Bound calls' references).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+from ..state import DecoderState
+from .simd_native import _check_rc
+
+# entry points whose argument at this index (after the context) is the token's position: a Bound of them is
+# called with the position, and a step of them gets it from hi_plan_run
+POS_ARGS = {"attn_step": 11}
+
+
+class Bound:
+    """A native call with its arguments checked and converted once (SimdLib.bind). Call it with no argument,
+    or with the position for the calls in POS_ARGS (their recorded position is replaced)."""
+
+    __slots__ = ("fn", "cargs", "name", "keep", "pos_arg")
+
+    def __init__(self, fn, cargs: tuple, name: str, keep: tuple):
+        self.fn, self.cargs, self.name, self.keep = fn, cargs, name, keep
+        self.pos_arg = POS_ARGS.get(name)
+
+    def __call__(self, pos: int | None = None) -> None:
+        cargs = self.cargs
+        if self.pos_arg is not None:
+            if pos is None:
+                raise TypeError(f"{self.name} needs the token's position")
+            j = 1 + self.pos_arg
+            cargs = cargs[:j] + (int(pos),) + cargs[j + 1 :]
+        rc = self.fn(*cargs)
+        if rc:
+            _check_rc(rc, self.name)
+
+
+class Steps:
+    """Bound calls packed for hi_plan_run; run(pos) runs them all at the token position pos."""
+
+    def __init__(self, simd, calls: list[Bound]):
+        ffi = simd._ffi
+        self._ffi, self._lib, self._simd = ffi, simd._lib, simd
+        self.calls = calls
+        self._arr = ffi.new("hi_step[]", len(calls))
+        self._own: list = []  # C arrays made here from list arguments
+        self._failed = ffi.new("int64_t *")
+        for s, b in zip(self._arr, calls, strict=True):
+            self._pack(s, b)
+
+    def _pack(self, s, b: Bound) -> None:
+        ffi = self._ffi
+        s.op = getattr(self._lib, "HI_OP_" + b.name.upper())
+        s.pos_arg = -1 if b.pos_arg is None else b.pos_arg
+        params = ffi.typeof(ffi.addressof(self._lib, "hi_" + b.name)).args[1:]
+        cargs = b.cargs[1:]
+        if len(cargs) != len(params) or len(params) > len(s.a):
+            raise ValueError(f"{b.name}: {len(cargs)} arguments for {len(params)} parameters")
+        for j, (t, v) in enumerate(zip(params, cargs, strict=True)):
+            if t.kind == "pointer":
+                if isinstance(v, list | tuple):  # cffi converted it per call: one array now, kept
+                    v = ffi.new(ffi.getctype(t.item, "[]"), v)
+                    self._own.append(v)
+                s.a[j].p = ffi.cast("void *", v)
+            elif t.kind == "primitive" and t.cname in ("float", "double"):
+                s.a[j].f = float(v)
+            elif t.kind in ("primitive", "enum"):
+                s.a[j].i = int(v)
+            else:
+                raise TypeError(f"{b.name}: parameter {j} of C type {t.cname} cannot be recorded")
+        if b.pos_arg is not None:
+            s.a[b.pos_arg].i = 0  # hi_plan_run adds the position
+
+    def run(self, pos: int) -> None:
+        rc = self._lib.hi_plan_run(self._simd._c, self._arr, len(self.calls), int(pos), self._failed)
+        if rc:
+            _check_rc(rc, self.calls[self._failed[0]].name)
+
+
+class DecodePlan:
+    """A decode step's operations as recorded over one workspace for one state, replayed in order: runs of
+    Bound calls as Steps (one native call each), the rest (zero-argument Python callables) as they are; the
+    position comes from the state when it runs. Valid while the state holds the same arrays (the plan keeps
+    them alive, so their ids cannot be reused)."""
+
+    MAX_PLANS = 16  # per workspace: sequences decoded in turn over it
+
+    def __init__(self, simd, state: DecoderState, steps: list, out):
+        self.state = weakref.ref(state)
+        self.arrays = self._arrays(state)
+        self.ids = tuple(map(id, self.arrays))
+        self.out = out
+        self.segments: list = []
+        run: list[Bound] = []
+        for f in steps + [None]:
+            if type(f) is Bound:  # a subclass (the profiler's clocked calls) runs from Python
+                run.append(f)
+                continue
+            if run:
+                self.segments.append(Steps(simd, run))
+                run = []
+            if f is not None:
+                self.segments.append(f)
+
+    def run(self, st: DecoderState):
+        for s in self.segments:
+            if type(s) is Steps:
+                s.run(st.pos)
+            elif getattr(s, "pos_arg", None) is not None:
+                s(st.pos)
+            else:
+                s()
+        return self.out
+
+    @staticmethod
+    def _arrays(st: DecoderState) -> list:
+        return [st.tokens, *st.conv, *st.ssm, *st.k, *st.v]
+
+    def valid_for(self, st: DecoderState) -> bool:
+        return self.state() is st and tuple(map(id, self._arrays(st))) == self.ids
+
+    @classmethod
+    def keep(cls, plans: dict, simd, st: DecoderState, steps: list, out) -> None:
+        plans.pop(id(st), None)
+        while len(plans) >= cls.MAX_PLANS:
+            plans.pop(next(iter(plans)))
+        plans[id(st)] = cls(simd, st, steps, out)

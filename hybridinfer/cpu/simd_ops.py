@@ -1,0 +1,189 @@
+"""SimdLib's small decode ops (a part of simd.py's SimdLib): the C twins (native/simd/ops.c) of the numba ops in
+ops.py, bit-identical to them, and the attention step (cache write, rope, attention) in one call. They cost
+microseconds; what they buy is a decode step with no Python between its native calls (plan.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .simd_native import _F32, _I32, _array, _check_rc, _ptr, _rows_fast
+
+
+def _heads(name: str, a, n: int, writable: bool = False) -> tuple[int, int, int]:
+    """(T, D) rows, or (T, H, n) heads each contiguous and heads of a token adjacent: (T, H, token stride)."""
+    if getattr(a, "ndim", None) == 3:
+        a = _array(name, a, (_F32,))
+        T, H, hn = a.shape
+        if hn != n or a.strides[2] != 4 or a.strides[1] != 4 * n or a.strides[0] % 4 or T < 1 or H < 1:
+            raise ValueError(f"{name} must be (T, H, {n}) with contiguous heads, got shape {a.shape} "
+                             f"strides {a.strides}")
+        if writable and not a.flags.writeable:
+            raise ValueError(f"{name} is read-only")
+        return T, H, (a.strides[0] // 4 if T > 1 else H * n)
+    T, st = _rows_fast(name, a, _F32, a.shape[-1] if getattr(a, "ndim", 0) else 0, writable=writable)
+    if a.shape[-1] % n:
+        raise ValueError(f"{name} rows of {a.shape[-1]} are not whole heads of {n}")
+    return T, a.shape[-1] // n, st
+
+
+def attention_args(q, k_cache, v_cache, pos0: int, out, scratch, writable: bool = False
+                   ) -> tuple[int, int, int, int, int, int]:
+    """The checks of an attention call: q (T, H, hd) and the caches (n_ctx, H_kv, hd) C-contiguous float32,
+    positions inside the cache, out (T, H*hd) rows, scratch a writable 1-D float32 array; writable: q and the
+    caches too (an attention step writes them). Returns
+    (T, H, hd, n_ctx, H_kv, out's row stride)."""
+    for name, arr in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not (type(arr) is np.ndarray and arr.dtype is _F32 and arr.ndim == 3 and arr.flags.c_contiguous
+                and (arr.flags.writeable or not writable)):
+            arr = _array(name, arr, (_F32,))
+            raise ValueError(f"{name} must be a{' writable' if writable else ''} C-contiguous 3-D array, got shape "
+                             f"{arr.shape}{' (read-only)' if arr.ndim == 3 and arr.flags.c_contiguous else ''}")
+    T, H, hd = q.shape
+    n_ctx, Hkv, hd_kv = k_cache.shape
+    if v_cache.shape != k_cache.shape or hd_kv != hd or H % Hkv:
+        raise ValueError(f"q {q.shape}, k_cache {k_cache.shape} and v_cache {v_cache.shape} do not fit")
+    pos0 = int(pos0)
+    if pos0 < 0 or pos0 + T > n_ctx:
+        raise ValueError(f"positions {pos0}..{pos0 + T - 1} are outside the cache of {n_ctx} rows")
+    if getattr(out, "ndim", None) != 2:
+        _array("out", out, (_F32,))
+        raise ValueError(f"out must have shape ({T}, {H * hd}), got {out.shape}")
+    _, os_ = _rows_fast("out", out, _F32, H * hd, T, writable=True)
+    if not (type(scratch) is np.ndarray and scratch.dtype is _F32 and scratch.ndim == 1
+            and scratch.flags.c_contiguous and scratch.flags.writeable):
+        _array("scratch", scratch, (_F32,))
+        raise ValueError(f"scratch must be a writable contiguous 1-D array, got shape {scratch.shape}")
+    return T, H, hd, n_ctx, Hkv, os_
+
+
+def rope_freqs(ffi, freq_factors: np.ndarray, n_rot: int):
+    """rope's frequency factors: an empty array (NULL) or (n_rot/2,) contiguous float32."""
+    if not freq_factors.shape[0]:
+        return ffi.NULL
+    if freq_factors.dtype != _F32 or freq_factors.shape != (n_rot // 2,) or not freq_factors.flags.c_contiguous:
+        raise ValueError(f"freq_factors must be ({n_rot // 2},) float32, got {freq_factors.shape}")
+    return _ptr(ffi, "float *", freq_factors)
+
+
+class OpCalls:
+    """Mixed into SimdLib (which provides _ffi, _lib and _c)."""
+
+    def rms_norm(self, h: np.ndarray, y: np.ndarray | None, w: np.ndarray | None, eps: float,
+                 out: np.ndarray | None) -> None:
+        """The residual add and RMSNorm of ops.add_rms_norm / rms_norm / rms_norm_heads / add_inplace, bit for
+        bit: with y, h += y; with w, out = rms_norm(h) * w, per row of h (T, D) or per head of h (T, H, n)
+        (w (n,)); out shaped as h (may be h). float32; rows may be views of wider rows."""
+        if w is None:
+            n = h.shape[-1]
+        else:
+            w = _array("w", w, (_F32,))
+            if w.ndim != 1 or not w.flags.c_contiguous:
+                raise ValueError(f"w must be a contiguous 1-D array, got shape {w.shape}")
+            n = w.shape[0]
+        T, H, hs = _heads("h", h, n, writable=y is not None)
+        ffi = self._ffi
+        yp, ys = ffi.NULL, 0
+        if y is not None:
+            if getattr(y, "shape", None) != h.shape:
+                raise ValueError(f"y has shape {getattr(y, 'shape', None)}, expected {h.shape}")
+            _, _, ys = _heads("y", y, n)
+            yp = _ptr(ffi, "float *", y)
+        wp, op, os_ = ffi.NULL, ffi.NULL, 0
+        if w is not None:
+            if getattr(out, "shape", None) != h.shape:
+                raise ValueError(f"out has shape {getattr(out, 'shape', None)}, expected {h.shape}")
+            _, _, os_ = _heads("out", out, n, writable=True)
+            wp, op = _ptr(ffi, "float *", w), _ptr(ffi, "float *", out)
+        rc = self._lib.hi_rms_norm(self._c, _ptr(ffi, "float *", h), hs, yp, ys, T, H, n, wp, float(eps), op, os_)
+        if rc:
+            _check_rc(rc, "rms_norm")
+
+    def split_qgate(self, qg: np.ndarray, q: np.ndarray, gate: np.ndarray | None) -> None:
+        """ops.split_qgate: qg (T, H*2*hd), per head [query, gate] -> q (T, H, hd) C-contiguous and gate
+        (T, H*hd); gate None: qg (T, H*hd) holds the queries alone (q = qg)."""
+        if not (type(q) is np.ndarray and q.dtype is _F32 and q.ndim == 3 and q.flags.c_contiguous
+                and q.flags.writeable):
+            q = _array("q", q, (_F32,))
+            raise ValueError(f"q must be a writable C-contiguous (T, H, hd) array, got shape {q.shape}")
+        T, H, hd = q.shape
+        T_, qs = _rows_fast("qg", qg, _F32, H * hd * (1 if gate is None else 2), T)
+        ffi = self._ffi
+        gp, gs = ffi.NULL, 0
+        if gate is not None:
+            _, gs = _rows_fast("gate", gate, _F32, H * hd, T, writable=True)
+            gp = _ptr(ffi, "float *", gate)
+        rc = self._lib.hi_split_qgate(self._c, _ptr(ffi, "float *", qg), qs, T, H, hd, _ptr(ffi, "float *", q), gp,
+                                      gs)
+        if rc:
+            _check_rc(rc, "split_qgate")
+
+    def sigmoid_gate(self, o: np.ndarray, gate: np.ndarray) -> None:
+        """ops.attn_gate: o (T, n) *= 1 / (1 + expf(-gate)) in place."""
+        T, os_ = _rows_fast("o", o, _F32, o.shape[-1], writable=True)
+        _, gs = _rows_fast("gate", gate, _F32, o.shape[-1], T)
+        ffi = self._ffi
+        rc = self._lib.hi_sigmoid_gate(self._c, _ptr(ffi, "float *", o), os_, _ptr(ffi, "float *", gate), gs, T,
+                                       o.shape[-1])
+        if rc:
+            _check_rc(rc, "sigmoid_gate")
+
+    def moe_route(self, logits: np.ndarray, k: int, idx: np.ndarray, w: np.ndarray) -> None:
+        """ops.moe_route: the k best experts of each row of logits (T, E) float32 into idx (T, k) int32, their
+        renormalized softmax weights into w (T, k) float32."""
+        T, ls = _rows_fast("logits", logits, _F32, logits.shape[-1])
+        E, k = logits.shape[-1], int(k)
+        if not 1 <= k <= E:
+            raise ValueError(f"k must be in [1, {E}], got {k}")
+        for name, a, dt in (("idx", idx, _I32), ("w", w, _F32)):
+            if not (type(a) is np.ndarray and a.dtype is dt and a.shape == (T, k) and a.flags.c_contiguous
+                    and a.flags.writeable):
+                _array(name, a, (dt,))
+                raise ValueError(f"{name} must be a writable C-contiguous ({T}, {k}) array, got shape {a.shape}")
+        ffi = self._ffi
+        rc = self._lib.hi_moe_route(self._c, _ptr(ffi, "float *", logits), ls, T, E, k, _ptr(ffi, "int32_t *", idx),
+                                    _ptr(ffi, "float *", w))
+        if rc:
+            _check_rc(rc, "moe_route")
+
+    def moe_combine(self, ys: np.ndarray, w: np.ndarray, out: np.ndarray, s: np.ndarray | None = None,
+                    x: np.ndarray | None = None, w_shg: np.ndarray | None = None) -> None:
+        """ops.moe_combine (s None) or ops.moe_combine_gated: out (T, D) = the k experts' rows ys (T*k, D)
+        weighted by w (T, k), plus s (T, D) gated by sigmoid(x[t] . w_shg). Contiguous float32 arrays."""
+        w = _array("w", w, (_F32,))
+        if w.ndim != 2 or not w.flags.c_contiguous:
+            raise ValueError(f"w must be a C-contiguous (T, k) array, got shape {w.shape}")
+        T, k = w.shape
+        D = out.shape[-1]
+        arrs = [("ys", ys, (T * k, D), False), ("out", out, (T, D), True)]
+        if s is not None:
+            arrs += [("s", s, (T, D), False), ("x", x, (T, D), False), ("w_shg", w_shg, (D,), False)]
+        ffi = self._ffi
+        ptrs = {}
+        for name, a, shape, wr in arrs:
+            a = _array(name, a, (_F32,))
+            if a.shape != shape or not a.flags.c_contiguous or (wr and not a.flags.writeable):
+                raise ValueError(f"{name} must be a C-contiguous {shape} array, got shape {a.shape}")
+            ptrs[name] = _ptr(ffi, "float *", a)
+        rc = self._lib.hi_moe_combine(self._c, ptrs["ys"], _ptr(ffi, "float *", w), T, k, D, ptrs["out"],
+                                      *(ptrs[n] if s is not None else ffi.NULL for n in ("s", "x", "w_shg")))
+        if rc:
+            _check_rc(rc, "moe_combine")
+
+    def attn_step(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
+                  pos0: int, out: np.ndarray, scratch: np.ndarray, n_rot: int, theta_base: float, neox: bool,
+                  freq_factors: np.ndarray) -> None:
+        """One attention step of T tokens at pos0..: their k, v (T, H_kv, hd) (views of wider rows allowed) into
+        the caches' rows pos0.., `rope` of q and those K rows, `attention` into out. As those calls in turn."""
+        T, H, hd, n_ctx, Hkv, os_ = attention_args(q, k_cache, v_cache, pos0, out, scratch, True)
+        _, _, kvs = _heads("k", k, hd)
+        if k.shape != (T, Hkv, hd) or v.shape != k.shape or _heads("v", v, hd)[2] != kvs:
+            raise ValueError(f"k {k.shape} and v {v.shape} must be ({T}, {Hkv}, {hd}) with the same strides")
+        ffi = self._ffi
+        ff = rope_freqs(ffi, freq_factors, n_rot)
+        rc = self._lib.hi_attn_step(
+            self._c, _ptr(ffi, "float *", q), T, H, hd, _ptr(ffi, "float *", k), _ptr(ffi, "float *", v), kvs,
+            _ptr(ffi, "float *", k_cache), _ptr(ffi, "float *", v_cache), n_ctx, Hkv, int(pos0), int(n_rot),
+            float(np.float32(theta_base)), 1 if neox else 0, ff, float(np.float32(1.0) / np.sqrt(np.float32(hd))),
+            _ptr(ffi, "float *", out), os_, _ptr(ffi, "float *", scratch), scratch.shape[0])
+        if rc:
+            _check_rc(rc, "attn_step")

@@ -1,0 +1,129 @@
+/* The small ops of a decode step between the matrix products, on the calling thread: the C twins of the numba
+ * ops in hybridinfer/cpu/ops.py, bit-identical to them (tests/test_simd_ops.py). Plain float code compiled
+ * with -ffp-contract=off: each product, sum and narrowing happens as written (ggml's order where ops.py says
+ * so), and only element-wise loops may vectorize (a vectorized element-wise loop rounds as the scalar one).
+ *
+ *   rms_norm:     s = 1.0f / sqrtf((float)(sum_i (double)(x_i * x_i) / n) + (float)eps);  out_i = (x_i * s) * w_i
+ *   sigmoid_gate: o_i = o_i * (1.0f / (1.0f + expf(-g_i)))
+ *   moe_route:    p_e = exp(l_e - max l) / sum_e exp(l_e - max l) in double; top k (ties: lower e);
+ *                 w_j = (float)(p_j / max(sum_j p_j, 2^-14))
+ *   moe_combine:  out = y_0 * w_0; out += y_j * w_j (j = 1..k-1); shared: out += s * (1.0f / (1.0f +
+ *                 expf(-(float)(sum_i (double)x_i * (double)w_i))))
+ * These cost microseconds; what they save is the return to Python between the products (plan.c).
+ */
+#include <math.h>
+#include <string.h>
+
+#include "hi_simd.h"
+
+#define HI_ROUTE_DENOM_MIN 6.103515625e-5 /* llama.cpp clamps the top-k weight sum (2^-14) */
+
+static float hi_rms_scale(const float *x, int64_t n, float eps) {
+    double s = 0.0;
+    for (int64_t i = 0; i < n; i++) {
+        const float v = x[i] * x[i];
+        s += v;
+    }
+    const float mean = (float)(s / (double)n);
+    return 1.0f / sqrtf(mean + eps);
+}
+
+int hi_rms_norm(hi_ctx *c, float *h, int64_t h_row, const float *y, int64_t y_row, int64_t T, int64_t H, int64_t n,
+                const float *w, double eps, float *out, int64_t out_row) {
+    if (!c || !h || T < 1 || H < 1 || n < 1 || h_row < H * n || (y && y_row < H * n) || (w && (!out || out_row < H * n)))
+        return -2;
+    const float e = (float)eps;
+    for (int64_t t = 0; t < T; t++) {
+        float *ht = h + t * h_row;
+        if (y) {
+            const float *yt = y + t * y_row;
+            for (int64_t i = 0; i < H * n; i++) ht[i] += yt[i];
+        }
+        if (!w) continue;
+        for (int64_t hh = 0; hh < H; hh++) {
+            const float *x = ht + hh * n;
+            float *o = out + t * out_row + hh * n;
+            const float s = hi_rms_scale(x, n, e);
+            for (int64_t i = 0; i < n; i++) o[i] = (x[i] * s) * w[i];
+        }
+    }
+    return 0;
+}
+
+int hi_split_qgate(hi_ctx *c, const float *qg, int64_t qg_row, int64_t T, int64_t H, int64_t hd, float *q,
+                   float *gate, int64_t gate_row) {
+    const int64_t w = gate ? 2 * hd : hd;
+    if (!c || !qg || !q || T < 1 || H < 1 || hd < 1 || qg_row < H * w || (gate && gate_row < H * hd)) return -2;
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t h = 0; h < H; h++) {
+            const float *src = qg + t * qg_row + h * w;
+            memcpy(q + (t * H + h) * hd, src, (size_t)hd * sizeof(float));
+            if (gate) memcpy(gate + t * gate_row + h * hd, src + hd, (size_t)hd * sizeof(float));
+        }
+    return 0;
+}
+
+static inline float hi_sigmoid(float g) { return 1.0f / (1.0f + expf(-g)); }
+
+int hi_sigmoid_gate(hi_ctx *c, float *o, int64_t o_row, const float *g, int64_t g_row, int64_t T, int64_t n) {
+    if (!c || !o || !g || T < 1 || n < 1 || o_row < n || g_row < n) return -2;
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t i = 0; i < n; i++) o[t * o_row + i] = o[t * o_row + i] * hi_sigmoid(g[t * g_row + i]);
+    return 0;
+}
+
+int hi_moe_route(hi_ctx *c, const float *logits, int64_t l_row, int64_t T, int64_t E, int k, int32_t *idx,
+                 float *w) {
+    if (!c || !logits || !idx || !w || T < 1 || E < 1 || k < 1 || k > E || l_row < E) return -2;
+    for (int64_t t = 0; t < T; t++) {
+        const float *lg = logits + t * l_row;
+        int32_t *ids = idx + t * k;
+        double m = lg[0];
+        for (int64_t e = 1; e < E; e++)
+            if (lg[e] > m) m = lg[e];
+        double tot = 0.0;
+        for (int64_t e = 0; e < E; e++) tot += exp((double)lg[e] - m);
+        int n = 0; /* ids[0..n) sorted by p, best first; strict > keeps the lower id ahead on ties */
+        double p_last = 0.0;
+        for (int64_t e = 0; e < E; e++) {
+            const double pe = exp((double)lg[e] - m) / tot;
+            if (n == k && pe <= p_last) continue;
+            int pos = n < k ? n : k - 1;
+            while (pos > 0 && pe > exp((double)lg[ids[pos - 1]] - m) / tot) {
+                if (pos < k) ids[pos] = ids[pos - 1];
+                pos--;
+            }
+            ids[pos] = (int32_t)e;
+            if (n < k) n++;
+            p_last = exp((double)lg[ids[n - 1]] - m) / tot;
+        }
+        double den = 0.0;
+        for (int j = 0; j < k; j++) den += exp((double)lg[ids[j]] - m) / tot;
+        if (den < HI_ROUTE_DENOM_MIN) den = HI_ROUTE_DENOM_MIN;
+        for (int j = 0; j < k; j++) w[t * k + j] = (float)((exp((double)lg[ids[j]] - m) / tot) / den);
+    }
+    return 0;
+}
+
+int hi_moe_combine(hi_ctx *c, const float *ys, const float *w, int64_t T, int k, int64_t n, float *out,
+                   const float *s, const float *x, const float *w_shg) {
+    if (!c || !ys || !w || !out || T < 1 || k < 1 || n < 1 || (s && (!x || !w_shg))) return -2;
+    for (int64_t t = 0; t < T; t++) {
+        float *o = out + t * n;
+        const float *y = ys + t * k * n;
+        const float w0 = w[t * k];
+        for (int64_t i = 0; i < n; i++) o[i] = y[i] * w0;
+        for (int j = 1; j < k; j++) {
+            const float *yj = ys + (t * k + j) * n;
+            const float wj = w[t * k + j];
+            for (int64_t i = 0; i < n; i++) o[i] += yj[i] * wj;
+        }
+        if (!s) continue;
+        const float *xt = x + t * n, *st = s + t * n;
+        double acc = 0.0;
+        for (int64_t i = 0; i < n; i++) acc += (double)xt[i] * (double)w_shg[i];
+        const float g = hi_sigmoid((float)acc);
+        for (int64_t i = 0; i < n; i++) o[i] += st[i] * g;
+    }
+    return 0;
+}

@@ -1,0 +1,130 @@
+"""The C twins of the numba ops (native/simd/ops.c through SimdLib) give the numba ops' bits, and the attention
+step gives what its parts give in turn."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hybridinfer.cpu import ops
+from hybridinfer.cpu.simd import SimdLib
+
+
+@pytest.fixture(scope="module")
+def lib():
+    return SimdLib(n_threads=2)
+
+
+def _f(rng, *shape, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+@pytest.mark.parametrize("T,D", [(1, 2048), (3, 576), (5, 7)])
+def test_rms_norm_and_residual_add_match_numba(lib, T, D):
+    rng = np.random.default_rng(D)
+    wide = _f(rng, T, D + 9, scale=3.0)  # rows as views of wider rows, as the backend's buffers
+    h, y, w = wide[:, :D], _f(rng, T, D), _f(rng, D)
+    for eps in (1e-6, 1e-5):
+        a, b = h.copy(), h.copy()
+        oa, ob = _f(rng, T, D), np.zeros((T, D + 3), np.float32)[:, :D]
+        ops.add_rms_norm(a, y, w, eps, oa)
+        lib.rms_norm(b, y, w, eps, ob)
+        assert np.array_equal(a, b) and np.array_equal(oa, ob)
+        ops.rms_norm(a, w, eps, oa)
+        lib.rms_norm(b, None, w, eps, ob)
+        assert np.array_equal(oa, ob)
+        ops.add_inplace(a, y)
+        lib.rms_norm(b, y, None, eps, None)
+        assert np.array_equal(a, b)
+        lib.rms_norm(b, None, w, eps, b)  # in place
+        ops.rms_norm(a, w, eps, a)
+        assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("T", [1, 4])
+def test_per_head_norm_matches_numba(lib, T):
+    rng = np.random.default_rng(T)
+    H, hd = 4, 64
+    q = _f(rng, T, H, hd)
+    k = _f(rng, T, 2 * H * hd + 16)[:, : 2 * hd].reshape(T, 2, hd)  # heads of a view of wider rows
+    w = _f(rng, hd)
+    for x in (q, k):
+        want = x.copy()
+        ops.rms_norm_heads(want, w, 1e-6, want)
+        lib.rms_norm(x, None, w, 1e-6, x)
+        assert np.array_equal(x, want)
+
+
+def test_split_gate_route_combine_match_numba(lib):
+    rng = np.random.default_rng(5)
+    T, H, hd, E, k, D = 3, 4, 16, 64, 8, 96
+    qg = _f(rng, T, H * 2 * hd)
+    q1, g1 = np.zeros((T, H, hd), np.float32), np.zeros((T, H * hd), np.float32)
+    q2, g2 = q1.copy(), g1.copy()
+    ops.split_qgate(qg, q1, g1)
+    lib.split_qgate(qg, q2, g2)
+    assert np.array_equal(q1, q2) and np.array_equal(g1, g2)
+    lib.split_qgate(qg[:, : H * hd], q2, None)  # no gate: a copy
+    assert np.array_equal(q2, qg[:, : H * hd].reshape(T, H, hd))
+    o, g = _f(rng, T, H * hd, scale=4.0), _f(rng, T, H * hd, scale=8.0)
+    o2 = o.copy()
+    ops.attn_gate(o, g)
+    lib.sigmoid_gate(o2, g)
+    assert np.array_equal(o, o2)
+    logits = _f(rng, T, E, scale=2.0)
+    logits[1, 10:20] = logits[1, 3]  # ties: the lower id first
+    logits[2] = -90.0  # every weight tiny: the clamped denominator
+    i1, w1 = np.zeros((T, k), np.int32), np.zeros((T, k), np.float32)
+    i2, w2 = i1.copy(), w1.copy()
+    ops.moe_route(logits, k, i1, w1)
+    lib.moe_route(logits, k, i2, w2)
+    assert np.array_equal(i1, i2) and np.array_equal(w1, w2)
+    ys, s, x, w_shg = _f(rng, T * k, D), _f(rng, T, D), _f(rng, T, D), _f(rng, D)
+    c1, c2 = np.zeros((T, D), np.float32), np.zeros((T, D), np.float32)
+    ops.moe_combine(ys, w1, c1)
+    lib.moe_combine(ys, w1, c2)
+    assert np.array_equal(c1, c2)
+    ops.moe_combine_gated(ys, w1, c1, s, x, w_shg)
+    lib.moe_combine(ys, w1, c2, s, x, w_shg)
+    assert np.array_equal(c1, c2)
+
+
+@pytest.mark.parametrize("T,pos0", [(1, 0), (1, 9), (5, 3)])
+def test_attention_step_is_its_parts_in_turn(lib, T, pos0):
+    rng = np.random.default_rng(T + pos0)
+    n_ctx, H, Hkv, hd = 16, 4, 2, 32
+    kc, vc = _f(rng, n_ctx, Hkv, hd), _f(rng, n_ctx, Hkv, hd)
+    kv = _f(rng, T, 3 * Hkv * hd)  # k and v as views of wider rows
+    k, v = kv[:, : Hkv * hd].reshape(T, Hkv, hd), kv[:, Hkv * hd : 2 * Hkv * hd].reshape(T, Hkv, hd)
+    q = _f(rng, T, H, hd)
+    scratch = np.zeros(lib.attention_scratch_size(n_ctx, hd), np.float32)
+    rot = (hd // 2, 10000.0, True, np.zeros(0, np.float32))
+    q1, kc1, vc1, o1 = q.copy(), kc.copy(), vc.copy(), np.zeros((T, H * hd), np.float32)
+    kc1[pos0 : pos0 + T], vc1[pos0 : pos0 + T] = k, v
+    lib.rope(q1, pos0, *rot)
+    lib.rope(kc1[pos0 : pos0 + T], pos0, *rot)
+    lib.attention(q1, kc1, vc1, pos0, o1, scratch)
+    o2 = np.zeros_like(o1)
+    lib.attn_step(q, k, v, kc, vc, pos0, o2, scratch, *rot)
+    assert np.array_equal(q, q1) and np.array_equal(kc, kc1) and np.array_equal(vc, vc1)
+    assert np.array_equal(o1, o2)
+    with pytest.raises(ValueError, match="outside the cache"):
+        lib.attn_step(q, k, v, kc, vc, n_ctx - T + 1, o2, scratch, *rot)
+
+
+def test_bad_arguments_are_named(lib):
+    x = np.zeros((2, 8), np.float32)
+    with pytest.raises(ValueError, match="y has shape"):
+        lib.rms_norm(x, np.zeros((2, 4), np.float32), np.ones(8, np.float32), 1e-6, x)
+    with pytest.raises(ValueError, match="whole heads"):
+        lib.rms_norm(x, None, np.ones(3, np.float32), 1e-6, x)
+    with pytest.raises(TypeError, match="w must have dtype float32"):
+        lib.rms_norm(x, None, np.ones(8), 1e-6, x)
+    with pytest.raises(ValueError, match="k must be in"):
+        lib.moe_route(x, 9, np.zeros((2, 9), np.int32), np.zeros((2, 9), np.float32))
+    with pytest.raises(ValueError, match="idx must be"):
+        lib.moe_route(x, 2, np.zeros((2, 3), np.int32), np.zeros((2, 2), np.float32))
+    with pytest.raises(ValueError, match="ys must be"):
+        lib.moe_combine(np.zeros((3, 8), np.float32), np.zeros((2, 2), np.float32), x)
+    with pytest.raises(ValueError, match="q must be"):
+        lib.split_qgate(x, np.zeros((2, 8), np.float32), None)
