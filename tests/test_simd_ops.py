@@ -79,6 +79,12 @@ def test_split_gate_route_combine_match_numba(lib):
     ops.moe_route(logits, k, i1, w1)
     lib.moe_route(logits, k, i2, w2)
     assert np.array_equal(i1, i2) and np.array_equal(w1, w2)
+    wide = _f(rng, 2, 4100, scale=2.0)  # more experts than ops.c keeps p_e of: recomputed, the same bits
+    i3, w3 = np.zeros((2, 4), np.int32), np.zeros((2, 4), np.float32)
+    i4, w4 = i3.copy(), w3.copy()
+    ops.moe_route(wide, 4, i3, w3)
+    lib.moe_route(wide, 4, i4, w4)
+    assert np.array_equal(i3, i4) and np.array_equal(w3, w4)
     ys, s, x, w_shg = _f(rng, T * k, D), _f(rng, T, D), _f(rng, T, D), _f(rng, D)
     c1, c2 = np.zeros((T, D), np.float32), np.zeros((T, D), np.float32)
     ops.moe_combine(ys, w1, c1)

@@ -72,9 +72,14 @@ int hi_sigmoid_gate(hi_ctx *c, float *o, int64_t o_row, const float *g, int64_t 
     return 0;
 }
 
+/* p_e of one row: exp(l_e - m) / tot, each computed once when the row fits (the same bits as computed again) */
+#define HI_ROUTE_MAX_CACHED 4096
+
 int hi_moe_route(hi_ctx *c, const float *logits, int64_t l_row, int64_t T, int64_t E, int k, int32_t *idx,
                  float *w) {
     if (!c || !logits || !idx || !w || T < 1 || E < 1 || k < 1 || k > E || l_row < E) return -2;
+    double pc[HI_ROUTE_MAX_CACHED];
+    const int cached = E <= HI_ROUTE_MAX_CACHED;
     for (int64_t t = 0; t < T; t++) {
         const float *lg = logits + t * l_row;
         int32_t *ids = idx + t * k;
@@ -82,25 +87,31 @@ int hi_moe_route(hi_ctx *c, const float *logits, int64_t l_row, int64_t T, int64
         for (int64_t e = 1; e < E; e++)
             if (lg[e] > m) m = lg[e];
         double tot = 0.0;
-        for (int64_t e = 0; e < E; e++) tot += exp((double)lg[e] - m);
+        for (int64_t e = 0; e < E; e++) {
+            const double x = exp((double)lg[e] - m);
+            if (cached) pc[e] = x;
+            tot += x;
+        }
+#define HI_P(e) ((cached ? pc[e] : exp((double)lg[e] - m)) / tot)
         int n = 0; /* ids[0..n) sorted by p, best first; strict > keeps the lower id ahead on ties */
         double p_last = 0.0;
         for (int64_t e = 0; e < E; e++) {
-            const double pe = exp((double)lg[e] - m) / tot;
+            const double pe = HI_P(e);
             if (n == k && pe <= p_last) continue;
             int pos = n < k ? n : k - 1;
-            while (pos > 0 && pe > exp((double)lg[ids[pos - 1]] - m) / tot) {
+            while (pos > 0 && pe > HI_P(ids[pos - 1])) {
                 if (pos < k) ids[pos] = ids[pos - 1];
                 pos--;
             }
             ids[pos] = (int32_t)e;
             if (n < k) n++;
-            p_last = exp((double)lg[ids[n - 1]] - m) / tot;
+            p_last = HI_P(ids[n - 1]);
         }
         double den = 0.0;
-        for (int j = 0; j < k; j++) den += exp((double)lg[ids[j]] - m) / tot;
+        for (int j = 0; j < k; j++) den += HI_P(ids[j]);
         if (den < HI_ROUTE_DENOM_MIN) den = HI_ROUTE_DENOM_MIN;
-        for (int j = 0; j < k; j++) w[t * k + j] = (float)((exp((double)lg[ids[j]] - m) / tot) / den);
+        for (int j = 0; j < k; j++) w[t * k + j] = (float)(HI_P(ids[j]) / den);
+#undef HI_P
     }
     return 0;
 }
