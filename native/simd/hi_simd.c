@@ -138,24 +138,30 @@ static void hi_prep_job(const hi_ctx *c, hi_mm *m, const hi_mm *jobs, int n, con
 #define HI_MAX_K 64
 #define HI_MAX_JOBS (2 * HI_MAX_K + 2) /* the MoE gate/up call: k experts x 2 and the shared expert's two */
 
-/* A call's rows in chunks for the pool, in two tiers: first each job's leading rows in big chunks, then the
- * rest of every job in chunks a quarter as big, so that the threads that finish first pick up small pieces
- * and all of them finish close together (decode calls last 50-200 us; a thread idle for half a chunk at the
- * end was ~6% of such a call). Chunk index i < starts[0][njobs] is big chunk i - starts[0][j] of job j. */
+/* A call's rows in chunks for the pool, in tiers of shrinking chunks: first each job's leading 3/4 of rows in big
+ * chunks, then 3/4 of the rest of every job in chunks a quarter as big, then the last rows in chunks a quarter
+ * as big again, so that the threads that finish first pick up ever smaller pieces and all of them finish close
+ * together (decode calls last 20-200 us; a thread idle for half a chunk at the end was ~6% of such a call with
+ * one tier, and a small chunk of the second tier of a 10 MB call still takes ~14 us at one thread's share of
+ * the bandwidth). Tier t of job j covers its rows [bound[t][j], bound[t + 1][j]); chunks are numbered tier by
+ * tier (tier t's from first[t]), within a tier job by job (job j's from starts[t][j]). */
+#define HI_TIERS 3
 typedef struct {
     const hi_kernels *k;
     const hi_mm *jobs;
     int njobs;
-    int64_t chunk[2];                    /* rows per chunk of each tier */
-    int64_t split[HI_MAX_JOBS];          /* job j: rows below split[j] are in big chunks */
-    int64_t starts[2][HI_MAX_JOBS + 1];  /* per tier: cumulative chunk counts */
+    int64_t chunk[HI_TIERS];                  /* rows per chunk of each tier */
+    int64_t bound[HI_TIERS + 1][HI_MAX_JOBS]; /* job j: tier t's rows start at bound[t][j] */
+    int64_t starts[HI_TIERS][HI_MAX_JOBS + 1]; /* per tier: cumulative chunk counts, counted from first[t] */
+    int64_t first[HI_TIERS + 1];              /* the first chunk index of each tier */
 } hi_batch;
 
 static void hi_batch_chunk(void *a, int64_t i) {
     const hi_batch *b = (const hi_batch *)a;
-    const int tier = i >= b->starts[0][b->njobs];
+    int tier = 0;
+    while (tier + 1 < HI_TIERS && i >= b->first[tier + 1]) tier++;
     const int64_t *st = b->starts[tier];
-    if (tier) i -= b->starts[0][b->njobs];
+    i -= b->first[tier];
     int lo = 0, hi = b->njobs - 1; /* the job j with st[j] <= i < st[j + 1] */
     while (lo < hi) {
         const int mid = (lo + hi + 1) / 2;
@@ -163,7 +169,7 @@ static void hi_batch_chunk(void *a, int64_t i) {
         else hi = mid - 1;
     }
     const hi_mm *m = &b->jobs[lo];
-    const int64_t from = tier ? b->split[lo] : 0, to = tier ? m->rows : b->split[lo];
+    const int64_t from = b->bound[tier][lo], to = b->bound[tier + 1][lo];
     const int64_t r0 = from + (i - st[lo]) * b->chunk[tier];
     const int64_t r1 = r0 + b->chunk[tier] < to ? r0 + b->chunk[tier] : to;
     b->k->mm(m, r0, r1);
@@ -183,23 +189,31 @@ static void hi_run_jobs(hi_ctx *c, hi_mm *jobs, int njobs) {
     const int nth = bytes < HI_INLINE_BYTES ? 1 : hi_pool_size(c->pool);
     hi_batch b = {.k = c->k, .jobs = jobs, .njobs = njobs};
     /* about 8 chunks per thread for balance; for several tokens at most 64 rows, so that a chunk's weight
-     * rows stay in cache while the token blocks sweep over them; one token: big chunks for about 3/4 of
-     * the rows (4 per thread), the rest in chunks of a quarter of that */
+     * rows stay in cache while the token blocks sweep over them; one token: the shrinking tiers, the big
+     * chunks 4 per thread; rows in multiples of 4 */
     int64_t chunk = (total_rows + 8 * nth - 1) / (8 * nth);
-    const int tiers = T == 1 && nth > 1;
-    if (tiers) chunk = (3 * total_rows + 16 * nth - 1) / (16 * nth);
+    const int tiers = T == 1 && nth > 1 ? HI_TIERS : 1;
+    if (tiers > 1) chunk = (3 * total_rows + 16 * nth - 1) / (16 * nth);
     if (T > 1 && chunk > 64) chunk = 64;
-    if (chunk < 4) chunk = 4;
-    chunk = (chunk + 3) & ~(int64_t)3;
-    b.chunk[0] = chunk;
-    b.chunk[1] = tiers ? ((chunk / 4 + 3) & ~(int64_t)3) : chunk;
-    b.starts[0][0] = b.starts[1][0] = 0;
-    for (int j = 0; j < njobs; j++) {
-        b.split[j] = tiers ? (jobs[j].rows * 3 / 4) / chunk * chunk : jobs[j].rows;
-        b.starts[0][j + 1] = b.starts[0][j] + (b.split[j] + chunk - 1) / chunk;
-        b.starts[1][j + 1] = b.starts[1][j] + (jobs[j].rows - b.split[j] + b.chunk[1] - 1) / b.chunk[1];
+    for (int t = 0; t < HI_TIERS; t++) {
+        if (chunk < 4) chunk = 4;
+        b.chunk[t] = (chunk + 3) & ~(int64_t)3;
+        chunk = b.chunk[t] / 4;
     }
-    const int64_t n = b.starts[0][njobs] + b.starts[1][njobs];
+    b.first[0] = 0;
+    for (int t = 0; t < HI_TIERS; t++) {
+        b.starts[t][0] = 0;
+        for (int j = 0; j < njobs; j++) {
+            const int64_t from = t ? b.bound[t][j] : 0, rows = jobs[j].rows - from, c_t = b.chunk[t];
+            if (t == 0) b.bound[0][j] = 0;
+            /* the last tier (or the only one) takes every row left; the others 3/4 of them in whole chunks */
+            const int64_t take = t + 1 >= tiers ? rows : (rows * 3 / 4) / c_t * c_t;
+            b.bound[t + 1][j] = from + take;
+            b.starts[t][j + 1] = b.starts[t][j] + (take + c_t - 1) / c_t;
+        }
+        b.first[t + 1] = b.first[t] + b.starts[t][njobs];
+    }
+    const int64_t n = b.first[HI_TIERS];
     if (nth == 1) {
         for (int64_t i = 0; i < n; i++) hi_batch_chunk(&b, i);
     } else {
