@@ -8,7 +8,8 @@ under a `#pragma GCC target(...)` of their own, so every source file is compiled
 x86-64) flags and no per-file flags are needed; hi_cpu.c picks the level at run time from cpuid, hi_pool.c
 is the thread pool and hi_simd.c the entry points that split the work over it. The C declarations come from
 hi_simd.h, the one header cffi and the C side share. gdn.c (the Gated DeltaNet layer, plain float code)
-picks its avx2 or baseline loops itself; attn.c splits attention over the pool and runs the ISA table's `attn`.
+picks its avx2 or baseline loops itself; attn.c splits attention over the pool and runs the ISA table's `attn`;
+ops.c has the small ops between the products, plan.c runs a recorded decode step, probe.c the bandwidth probe.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from cffi import FFI
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _SOURCES = [
     "hi_simd.c", "hi_cpu.c", "hi_pool.c", "isa_scalar.c", "isa_ssse3.c", "isa_avx2.c", "isa_avx512vnni.c", "gdn.c",
-    "attn.c", "ops.c", "plan.c",
+    "attn.c", "ops.c", "plan.c", "probe.c",
 ]
 _HEADERS = [
     "hi_simd.h", "hi_internal.h", "hi_pool.h", "blocks.h",

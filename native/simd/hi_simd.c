@@ -1,6 +1,7 @@
 /* The library's entry points on a context: the drivers that split a matrix product (or the k experts of a
- * MoE layer) into row chunks for the context's thread pool (hi_pool.c), activation quantization, and the
- * read-bandwidth probe. CPU detection, the kernel tables and the row sizes are in hi_cpu.c.
+ * MoE layer) into row chunks for the context's thread pool (hi_pool.c), activation quantization and weight
+ * repacking. CPU detection, the kernel tables and the row sizes are in hi_cpu.c; the read-bandwidth probe and
+ * the pool's self-check in probe.c.
  *
  * No arithmetic of the results happens here (kernels_body.h has the maths); this file only decides which
  * rows each thread computes. Rows are independent, so the result does not depend on the thread count.
@@ -9,12 +10,9 @@
 #define _GNU_SOURCE
 #include "hi_simd.h"
 
-#include <errno.h>
 #include <pthread.h>
-#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 
 #include "hi_internal.h"
 #include "hi_pool.h"
@@ -475,82 +473,6 @@ int hi_repack_rows(hi_ctx *c, int qtype, void *data, int64_t nbytes) {
 
 void hi_ctx_set_prefetch(hi_ctx *c, int bytes) { c->pf_bytes = bytes < 0 ? 0 : bytes; }
 int hi_ctx_prefetch(const hi_ctx *c) { return c->pf_bytes; }
-
-/* ---- pool self-check ------------------------------------------------------------------------------ */
-
-typedef struct {
-    _Atomic int32_t *count;
-} hi_countjob;
-
-static void hi_count_chunk(void *a, int64_t i) {
-    atomic_fetch_add_explicit(&((hi_countjob *)a)->count[i], 1, memory_order_relaxed);
-}
-
-int64_t hi_pool_check(hi_ctx *c, int64_t total, int reps) {
-    if (total < 1 || reps < 1) return -1;
-    _Atomic int32_t *count = (_Atomic int32_t *)calloc((size_t)total, sizeof(*count));
-    if (!count) return -1;
-    hi_countjob j = {count};
-    int64_t bad = 0;
-    pthread_mutex_lock(&c->mu);
-    for (int r = 0; r < reps; r++) {
-        hi_pool_run(c->pool, hi_count_chunk, &j, total);
-        for (int64_t i = 0; i < total; i++) bad += atomic_load(&count[i]) != r + 1;
-    }
-    pthread_mutex_unlock(&c->mu);
-    free(count);
-    return bad;
-}
-
-/* ---- read bandwidth -------------------------------------------------------------------------------- */
-
-typedef struct {
-    const hi_kernels *k;
-    uint8_t *buf;
-    size_t slice;
-    int touch;
-    uint64_t sums[64];
-} hi_bwjob;
-
-static void hi_bw_chunk(void *a, int64_t i) {
-    hi_bwjob *b = (hi_bwjob *)a;
-    uint8_t *p = b->buf + (size_t)i * b->slice;
-    if (b->touch) memset(p, (int)(i & 0x7f) + 1, b->slice);
-    else b->sums[i & 63] += b->k->read_sum(p, b->slice);
-}
-
-double hi_read_bandwidth(hi_ctx *c, int64_t nbytes, int reps) {
-    const int nth = hi_pool_size(c->pool);
-    if (nbytes < (int64_t)(1 << 20) || reps < 1) return -1.0;
-    size_t slice = (size_t)nbytes / (size_t)nth;
-    slice &= ~(size_t)4095; /* whole pages: a multiple of the kernels' 256-byte step */
-    if (slice == 0) return -1.0;
-    const size_t total = slice * (size_t)nth;
-    void *buf = NULL;
-    if (posix_memalign(&buf, 2 << 20, total) != 0) return -1.0;
-#ifdef MADV_HUGEPAGE
-    madvise(buf, total, MADV_HUGEPAGE);
-#endif
-    hi_bwjob b = {.k = c->k, .buf = (uint8_t *)buf, .slice = slice, .touch = 1};
-    pthread_mutex_lock(&c->mu);
-    hi_pool_run(c->pool, hi_bw_chunk, &b, nth); /* first touch, a slice per thread */
-    b.touch = 0;
-    hi_pool_run(c->pool, hi_bw_chunk, &b, nth); /* warm-up pass */
-    double best = 0.0;
-    for (int r = 0; r < reps; r++) {
-        const int64_t t0 = hi_now_ns();
-        hi_pool_run(c->pool, hi_bw_chunk, &b, nth);
-        const int64_t dt = hi_now_ns() - t0;
-        const double bw = dt > 0 ? (double)total * 1e9 / (double)dt : 0.0;
-        if (bw > best) best = bw;
-    }
-    pthread_mutex_unlock(&c->mu);
-    uint64_t chk = 0;
-    for (int i = 0; i < 64; i++) chk += b.sums[i];
-    free(buf);
-    /* the checksum keeps the reads alive; it is never 0 for a buffer of non-zero bytes */
-    return chk == 0 ? -1.0 : best;
-}
 
 /* ================================================================================================ */
 /* for the library's other drivers (gdn.c): the context's mutex and its pool */
