@@ -156,20 +156,11 @@ class CPUModel:
         return ws
 
     # matrix products ------------------------------------------------------------------------------
-    def call(self, ws: Workspace, key: tuple, method: str, *args) -> None:
-        """A native call; at T = 1 (decode, fixed buffers) bound once per workspace and call site."""
-        if ws.T != 1:
-            getattr(self.simd, method)(*args)
-            return
-        c = ws.calls.get(key)
-        if c is None:
-            c = ws.calls[key] = self.simd.bind(method, *args)
-        self._op(ws, c)
-
-    def state_call(self, ws: Workspace, key: tuple, arrays: tuple, st: DecoderState, method: str, *args) -> None:
-        """`call` of an op on the state's arrays (`arrays`: a layer's cache or recurrent state), bound once per
-        workspace, call site and state (a new sequence's arrays rebind it); ops in plan.POS_ARGS get the
-        state's position."""
+    def call(self, ws: Workspace, key: tuple, method: str, *args, st: DecoderState | None = None,
+             arrays: tuple = ()) -> None:
+        """A native call; at T = 1 (decode, fixed buffers) bound once per workspace and call site, and per
+        state for ops on its arrays (`arrays`: a layer's cache or recurrent state; a new sequence's arrays
+        rebind it). Ops in plan.POS_ARGS take the position of `st`."""
         if ws.T != 1:
             getattr(self.simd, method)(*args)
             return
@@ -223,7 +214,7 @@ class CPUModel:
                 items.append((mats[j].raw, mats[j].qtype, mats[j].rows, res[j]))
             self.call(ws, ("many", id(m0)), "matmul_many", xq, m0.cols, items, GGML_MUL_MAT)
             if decode:
-                steps += [ws.calls[("q", id(m0))][0], ws.calls[("many", id(m0))]]
+                steps += [ws.calls[("q", id(m0))][0], ws.calls[("many", id(m0))][1]]
         if decode:
             ws.calls[("many-plan", id(mats[0]), len(mats))] = (steps, res)
         return res
@@ -323,7 +314,7 @@ class CPUModel:
         # the new k, v rows into the cache, q and those K rows roped there, attention: one call at the position
         args = (q, k, v, st.k[i], st.v[i], st.pos, o, ws.attn_scratch, a.n_rot, a.rope_theta, a.rope_neox,
                 self.freq_factors)
-        self.state_call(ws, ("attn", i), (st.k[i], st.v[i]), st, "attn_step", *args)
+        self.call(ws, ("attn", i), "attn_step", *args, st=st, arrays=(st.k[i], st.v[i]))
         if a.attn_gate:
             self.call(ws, ("gate", i), "sigmoid_gate", o, gate)
         return self.mm(L.attn_output, o, ws.mix, ws)
@@ -338,7 +329,7 @@ class CPUModel:
         # parallel version fought the C pool for the cores (measured on the 16-core host: 2.0 tok/s vs 14.4)
         args = (u, z, b, al, L.ssm_conv1d, L.ssm_a, L.ssm_dt_bias, L.ssm_norm, st.conv[i], st.ssm[i],
                 a.ssm_n_k_heads, a.gdn_head_map == "mod", a.rms_eps, y, ws.gdn_scratch)
-        self.state_call(ws, ("gdn", i), (st.conv[i], st.ssm[i]), st, "gdn_layer", *args)
+        self.call(ws, ("gdn", i), "gdn_layer", *args, arrays=(st.conv[i], st.ssm[i]))
         return self.mm(L.ssm_out, y, ws.mix, ws)
 
     def _moe(self, L: Layer, i: int, x: np.ndarray, ws: Workspace) -> np.ndarray:
