@@ -1,4 +1,4 @@
-"""numba ops of the CPU backend: everything between the quantized matrix products.
+"""numba ops of everything between the quantized matrix products: the references of the CPU backend's C ops.
 
 Every op works in place on preallocated, C-contiguous float32 buffers, takes T tokens (T = 1 for
 decode, up to a few hundred for chunked prefill) and allocates nothing: scratch buffers are passed in.
@@ -7,8 +7,9 @@ fastmath=False)`: no reassociation and no FMA contraction, so results are reprod
 rounding written here (ggml's where the brief asks for it, see each docstring).
 
 The GDN layer is in ops_gdn.py, sampling in sampling_nb.py; `warmup()` compiles all three modules. The backend
-runs attention, rope and swiglu in C with llama.cpp's float order (native/simd/kernels_attn.h); the numba
-versions here stay as the plain-order references.
+runs attention, rope and swiglu in C with llama.cpp's float order (native/simd/kernels_attn.h), and the norms,
+routing, gates and combine as their bit-identical C twins (native/simd/ops.c, tests/test_simd_ops.py), so that
+a decode step runs as one native call; the numba versions here stay as the plain-order references.
 Pass Python ints/floats for scalars and C-contiguous arrays: other types compile new specialisations.
 
 Vectorization without reassociation: numba leaves LLVM's SLP vectorizer off, so only loops along the
@@ -326,15 +327,14 @@ def moe_combine(ys, w, out):
 
 @njit(**_jit)
 def add_rms_norm(h, y, w, eps, out):
-    """h += y, then out = rms_norm(h) * w: the residual add and the next norm in one call (decode calls
-    them once per layer and half-layer)."""
+    """h += y, then out = rms_norm(h) * w: the residual add and the next norm (the C twin: hi_rms_norm)."""
     add_inplace(h, y)
     rms_norm(h, w, eps, out)
 
 
 @njit(**_jit)
 def moe_combine_gated(ys, w, out, s, x, w_shg):
-    """moe_combine, then gated_add of the shared expert s: one call."""
+    """moe_combine, then gated_add of the shared expert s (the C twin: hi_moe_combine)."""
     moe_combine(ys, w, out)
     gated_add(out, s, x, w_shg)
 

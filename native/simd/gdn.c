@@ -98,7 +98,7 @@ static inline __attribute__((always_inline)) void gdn_head_body(const gdn_args *
         const float x = g->a[tt * g->a_row + j] + g->dt_bias[j];
         const float sp = x > 20.0f ? x : log1pf(expf(x));
         const float alpha = expf(g->ssm_a[j] * sp);
-        const float beta = 1.0f / (1.0f + expf(-g->b[tt * g->b_row + j]));
+        const float beta = hi_sigmoidf(g->b[tt * g->b_row + j]);
         float *restrict o = g->y + tt * g->y_row + j * dv;
         /* the delta rule on column blocks of S[j] (GDN_EB lanes, held in registers, the block in L1): pass 1
          * S <- alpha S, delta <- S^T k, delta <- beta (v - delta); pass 2 S <- S + k delta^T, o <- S^T q.
@@ -157,13 +157,7 @@ static inline __attribute__((always_inline)) void gdn_head_body(const gdn_args *
             }
         }
         /* gated RMSNorm: ((o * scale) * w) * silu(z), scale as ggml's rms_norm (ops.rms_scale) */
-        double ss = 0.0;
-        for (int64_t e = 0; e < dv; e++) {
-            const float sq = o[e] * o[e];
-            ss += (double)sq;
-        }
-        const float mean = (float)(ss / (double)dv);
-        const float sc = 1.0f / sqrtf(mean + (float)g->eps);
+        const float sc = hi_rms_scale(o, dv, (float)g->eps);
         const float *zj = g->z + tt * g->z_row + j * dv;
         for (int64_t e = 0; e < dv; e++) {
             const float zz = zj[e];

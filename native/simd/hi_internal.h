@@ -1,5 +1,5 @@
-/* Shared definitions of the SIMD library: type ids, the matmul job, the per-ISA kernel table, and exact
- * fp16 <-> fp32 conversions.
+/* Shared definitions of the SIMD library: type ids, the matmul job, the per-ISA kernel table, exact
+ * fp16 <-> fp32 conversions, and the plain float helpers of the ops around the products (ops.c, gdn.c).
  *
  * Maths of the conversions (IEEE binary16 <-> binary32, no approximation):
  *   fp16 -> fp32 is exact: normals re-bias the exponent (e - 15 + 127), subnormals are m * 2^-24 (computed
@@ -11,6 +11,7 @@
 #ifndef HI_INTERNAL_H
 #define HI_INTERNAL_H
 
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
@@ -158,5 +159,21 @@ static inline int hi_nearest_int(float v) {
     const float t = v + 12582912.f;
     return (int)(hi_fbits(t) & 0x007fffffu) - 0x00400000;
 }
+
+/* ggml's 1/rms of n floats (ggml_compute_forward_rms_norm_f32, ops.rms_scale): float squares summed in double in
+ * order, the mean narrowed to float, then 1.0f / sqrtf(mean + eps) in float (the files using it are compiled
+ * without FMA contraction or fast math, so these are the operations done) */
+static inline float hi_rms_scale(const float *x, int64_t n, float eps) {
+    double s = 0.0;
+    for (int64_t i = 0; i < n; i++) {
+        const float v = x[i] * x[i];
+        s += v;
+    }
+    const float mean = (float)(s / (double)n);
+    return 1.0f / sqrtf(mean + eps);
+}
+
+/* 1 / (1 + expf(-x)), libm's expf */
+static inline float hi_sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
 
 #endif

@@ -14,19 +14,10 @@
 #include <math.h>
 #include <string.h>
 
+#include "hi_internal.h"
 #include "hi_simd.h"
 
 #define HI_ROUTE_DENOM_MIN 6.103515625e-5 /* llama.cpp clamps the top-k weight sum (2^-14) */
-
-static float hi_rms_scale(const float *x, int64_t n, float eps) {
-    double s = 0.0;
-    for (int64_t i = 0; i < n; i++) {
-        const float v = x[i] * x[i];
-        s += v;
-    }
-    const float mean = (float)(s / (double)n);
-    return 1.0f / sqrtf(mean + eps);
-}
 
 int hi_rms_norm(hi_ctx *c, float *h, int64_t h_row, const float *y, int64_t y_row, int64_t T, int64_t H, int64_t n,
                 const float *w, double eps, float *out, int64_t out_row) {
@@ -63,12 +54,10 @@ int hi_split_qgate(hi_ctx *c, const float *qg, int64_t qg_row, int64_t T, int64_
     return 0;
 }
 
-static inline float hi_sigmoid(float g) { return 1.0f / (1.0f + expf(-g)); }
-
 int hi_sigmoid_gate(hi_ctx *c, float *o, int64_t o_row, const float *g, int64_t g_row, int64_t T, int64_t n) {
     if (!c || !o || !g || T < 1 || n < 1 || o_row < n || g_row < n) return -2;
     for (int64_t t = 0; t < T; t++)
-        for (int64_t i = 0; i < n; i++) o[t * o_row + i] = o[t * o_row + i] * hi_sigmoid(g[t * g_row + i]);
+        for (int64_t i = 0; i < n; i++) o[t * o_row + i] = o[t * o_row + i] * hi_sigmoidf(g[t * g_row + i]);
     return 0;
 }
 
@@ -133,7 +122,7 @@ int hi_moe_combine(hi_ctx *c, const float *ys, const float *w, int64_t T, int k,
         const float *xt = x + t * n, *st = s + t * n;
         double acc = 0.0;
         for (int64_t i = 0; i < n; i++) acc += (double)xt[i] * (double)w_shg[i];
-        const float g = hi_sigmoid((float)acc);
+        const float g = hi_sigmoidf((float)acc);
         for (int64_t i = 0; i < n; i++) o[i] += st[i] * g;
     }
     return 0;
