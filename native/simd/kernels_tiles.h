@@ -206,8 +206,8 @@ HI_INLINE void hi_tile_kquant(const int qt, const hi_mm *m, int64_t r, int64_t t
 #if defined(HI_SSSE3)
     if (m->xk) {
         const hi_q8Kz *z = (const hi_q8Kz *)(m->xk + (size_t)t * m->xk_row);
-        if (m->wz) v = qt == HI_T_Q4_K ? hi_dot_q4_K_z(n, w, z, 1) : qt == HI_T_Q5_K ? hi_dot_q5_K_z(n, w, z, 1) : hi_dot_q6_K_z(n, w, z, 1);
-        else v = qt == HI_T_Q4_K ? hi_dot_q4_K_z(n, w, z, 0) : qt == HI_T_Q5_K ? hi_dot_q5_K_z(n, w, z, 0) : hi_dot_q6_K_z(n, w, z, 0);
+        const int wz = m->wz;
+        v = qt == HI_T_Q4_K ? hi_dot_q4_K_z(n, w, z, wz) : qt == HI_T_Q5_K ? hi_dot_q5_K_z(n, w, z, wz) : hi_dot_q6_K_z(n, w, z, wz);
         m->out[(size_t)t * m->out_row + (size_t)r] = v;
         return;
     }
