@@ -18,7 +18,7 @@ KERNEL_TYPES: dict[int, str] = {0: "f32", 1: "f16", 2: "q8_0", 3: "q8_1", 6: "q8
                                 12: "q8_K", 13: "q8_K", 14: "q8_K"}
 # a qtype flag: K-quant rows repacked by SimdLib.repack into the layout of a unit that reads them zipped
 KQ_ZIPPED = 0x100
-_KQ = (12, 13, 14)
+_KQ = tuple(q for q, kind in KERNEL_TYPES.items() if kind == "q8_K")  # the K-quants
 # the llama.cpp operation a product stands for: decides the float shape of its K-quant rows (hi_simd.h)
 GGML_NONE, GGML_MUL_MAT, GGML_MUL_MAT_ID = 0, 1, 2
 _FLOAT_DTYPES = {0: np.dtype(np.float32), 1: np.dtype(np.float16)}
