@@ -106,10 +106,16 @@ def test_swiglu_and_rope_match_reference(libs):
     u = rng.standard_normal((3, 53)).astype(np.float32)
     x = rng.standard_normal((3, 4, 32)).astype(np.float32)
     ff = rng.uniform(0.5, 2.0, 8).astype(np.float32)
+    # rows of many vectors and a scalar tail
+    gb = (rng.standard_normal((3, 2 * 1024 + 37)) * 6).astype(np.float32)
+    ub = rng.standard_normal(gb.shape).astype(np.float32)
     for isa, lib in libs.items():
         out = np.zeros_like(g)
         lib.swiglu(g, u, out)
         assert np.array_equal(out, gr.swiglu(g, u, EXP_WIDTH[isa])), isa
+        outb = np.zeros_like(gb)
+        lib.swiglu(gb, ub, outb)
+        assert np.array_equal(outb, gr.swiglu(gb, ub, EXP_WIDTH[isa])), isa
         for neox, freqs in ((False, ops.NO_FREQS), (True, ff)):
             y = x.copy()
             lib.rope(y, 7, 16, 10000.0, neox, freqs)

@@ -66,11 +66,12 @@ def test_split_gate_route_combine_match_numba(lib):
     assert np.array_equal(q1, q2) and np.array_equal(g1, g2)
     lib.split_qgate(qg[:, : H * hd], q2, None)  # no gate: a copy
     assert np.array_equal(q2, qg[:, : H * hd].reshape(T, H, hd))
-    o, g = _f(rng, T, H * hd, scale=4.0), _f(rng, T, H * hd, scale=8.0)
-    o2 = o.copy()
-    ops.attn_gate(o, g)
-    lib.sigmoid_gate(o2, g)
-    assert np.array_equal(o, o2)
+    for n in (H * hd, 16 * 256 + 3):  # one segment; segments of 256 on the pool
+        o, g = _f(rng, T, n, scale=4.0), _f(rng, T, n, scale=8.0)
+        o2 = o.copy()
+        ops.attn_gate(o, g)
+        lib.sigmoid_gate(o2, g)
+        assert np.array_equal(o, o2)
     logits = _f(rng, T, E, scale=2.0)
     logits[1, 10:20] = logits[1, 3]  # ties: the lower id first
     logits[2] = -90.0  # every weight tiny: the clamped denominator
@@ -85,14 +86,17 @@ def test_split_gate_route_combine_match_numba(lib):
     ops.moe_route(wide, 4, i3, w3)
     lib.moe_route(wide, 4, i4, w4)
     assert np.array_equal(i3, i4) and np.array_equal(w3, w4)
-    ys, s, x, w_shg = _f(rng, T * k, D), _f(rng, T, D), _f(rng, T, D), _f(rng, D)
-    c1, c2 = np.zeros((T, D), np.float32), np.zeros((T, D), np.float32)
-    ops.moe_combine(ys, w1, c1)
-    lib.moe_combine(ys, w1, c2)
-    assert np.array_equal(c1, c2)
-    ops.moe_combine_gated(ys, w1, c1, s, x, w_shg)
-    lib.moe_combine(ys, w1, c2, s, x, w_shg)
-    assert np.array_equal(c1, c2)
+    # few and many tokens, short and long rows
+    for Tc, D in ((T, 96), (2, 1000), (300, 8)):
+        wc = rng.dirichlet(np.ones(k), Tc).astype(np.float32)
+        ys, s, x, w_shg = _f(rng, Tc * k, D), _f(rng, Tc, D), _f(rng, Tc, D), _f(rng, D)
+        c1, c2 = np.zeros((Tc, D), np.float32), np.zeros((Tc, D), np.float32)
+        ops.moe_combine(ys, wc, c1)
+        lib.moe_combine(ys, wc, c2)
+        assert np.array_equal(c1, c2), (Tc, D)
+        ops.moe_combine_gated(ys, wc, c1, s, x, w_shg)
+        lib.moe_combine(ys, wc, c2, s, x, w_shg)
+        assert np.array_equal(c1, c2), (Tc, D)
 
 
 @pytest.mark.parametrize("T,pos0", [(1, 0), (1, 9), (5, 3)])

@@ -153,6 +153,11 @@ void hi_ctx_lock(struct hi_ctx *c);
 void hi_ctx_unlock(struct hi_ctx *c);
 void hi_ctx_run(struct hi_ctx *c, void (*fn)(void *arg, int64_t chunk), void *arg, int64_t total);
 const hi_kernels *hi_ctx_kernels(const struct hi_ctx *c);
+/* an element-wise op over T rows of n values on the pool (locks the context): fn(arg, t, e0, e1) on segments
+ * [e0, e1) of row t, seg values long (the last of a row shorter); on the caller alone when the rows hold fewer
+ * than 2 * seg values in all or the pool has one thread */
+void hi_ctx_run_rows(struct hi_ctx *c, void (*fn)(void *arg, int64_t t, int64_t e0, int64_t e1), void *arg,
+                     int64_t T, int64_t n, int64_t seg);
 
 /* round to nearest, ties to even, for |v| < 2^22 (ggml's nearest_int) */
 static inline int hi_nearest_int(float v) {

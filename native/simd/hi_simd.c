@@ -483,3 +483,27 @@ void hi_ctx_run(hi_ctx *c, void (*fn)(void *arg, int64_t chunk), void *arg, int6
     hi_pool_run(c->pool, fn, arg, total);
 }
 const hi_kernels *hi_ctx_kernels(const hi_ctx *c) { return c->k; }
+
+typedef struct {
+    void (*fn)(void *arg, int64_t t, int64_t e0, int64_t e1);
+    void *arg;
+    int64_t n, seg, per_row;
+} hi_rows_job;
+
+static void hi_rows_chunk(void *a, int64_t i) {
+    const hi_rows_job *j = (const hi_rows_job *)a;
+    const int64_t t = i / j->per_row, e0 = (i % j->per_row) * j->seg;
+    j->fn(j->arg, t, e0, e0 + j->seg < j->n ? e0 + j->seg : j->n);
+}
+
+void hi_ctx_run_rows(hi_ctx *c, void (*fn)(void *arg, int64_t t, int64_t e0, int64_t e1), void *arg, int64_t T,
+                     int64_t n, int64_t seg) {
+    hi_rows_job j = {fn, arg, n, seg, (n + seg - 1) / seg};
+    pthread_mutex_lock(&c->mu);
+    if (T * n < 2 * seg || hi_pool_size(c->pool) == 1) {
+        for (int64_t t = 0; t < T; t++) fn(arg, t, 0, n);
+    } else {
+        hi_pool_run(c->pool, hi_rows_chunk, &j, T * j.per_row);
+    }
+    pthread_mutex_unlock(&c->mu);
+}

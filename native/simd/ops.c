@@ -1,7 +1,8 @@
-/* The small ops of a decode step between the matrix products, on the calling thread: the C twins of the numba
- * ops in hybridinfer/cpu/ops.py, bit-identical to them (tests/test_simd_ops.py). Plain float code compiled
- * with -ffp-contract=off: each product, sum and narrowing happens as written (ggml's order where ops.py says
- * so), and only element-wise loops may vectorize (a vectorized element-wise loop rounds as the scalar one).
+/* The small ops of a decode step between the matrix products, on the calling thread (sigmoid_gate, one scalar
+ * expf per value, in segments on the pool): the C twins of the numba ops in hybridinfer/cpu/ops.py, bit-identical
+ * to them (tests/test_simd_ops.py). Plain float code compiled with -ffp-contract=off: each product, sum and
+ * narrowing happens as written (ggml's order where ops.py says so), and only element-wise loops may vectorize (a
+ * vectorized element-wise loop rounds as the scalar one).
  *
  *   rms_norm:     s = 1.0f / sqrtf((float)(sum_i (double)(x_i * x_i) / n) + (float)eps);  out_i = (x_i * s) * w_i
  *   sigmoid_gate: o_i = o_i * (1.0f / (1.0f + expf(-g_i)))
@@ -54,10 +55,24 @@ int hi_split_qgate(hi_ctx *c, const float *qg, int64_t qg_row, int64_t T, int64_
     return 0;
 }
 
+typedef struct {
+    float *o;
+    const float *g;
+    int64_t o_row, g_row;
+} sg_job;
+
+static void sg_seg(void *arg, int64_t t, int64_t e0, int64_t e1) {
+    const sg_job *j = (const sg_job *)arg;
+    float *o = j->o + t * j->o_row;
+    const float *g = j->g + t * j->g_row;
+    for (int64_t i = e0; i < e1; i++) o[i] = o[i] * hi_sigmoidf(g[i]);
+}
+
+/* libm's expf is scalar (~10-20 ns): segments of 256 values on the pool */
 int hi_sigmoid_gate(hi_ctx *c, float *o, int64_t o_row, const float *g, int64_t g_row, int64_t T, int64_t n) {
     if (!c || !o || !g || T < 1 || n < 1 || o_row < n || g_row < n) return -2;
-    for (int64_t t = 0; t < T; t++)
-        for (int64_t i = 0; i < n; i++) o[t * o_row + i] = o[t * o_row + i] * hi_sigmoidf(g[t * g_row + i]);
+    sg_job j = {o, g, o_row, g_row};
+    hi_ctx_run_rows(c, sg_seg, &j, T, n, 256);
     return 0;
 }
 
