@@ -3,6 +3,9 @@ prefetch distance gives the same floats, sleeping workers wake, a 248,320-row he
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -19,6 +22,20 @@ def test_pool_runs_every_chunk_exactly_once(threads):
     for total in (2, 3, 17, 128, 1000, 40_000):
         assert lib._lib.hi_pool_check(lib._c, total, 50 if total < 2000 else 3) == 0, total
     lib.close()
+
+
+def test_pool_small_tasks_back_to_back_with_late_workers():
+    """Tiny tasks in a tight loop on more threads than cores: workers wake late, some mid-task or after the task
+    they woke for is over, and must neither lose nor repeat a chunk (a lost one would hang the caller: hence the
+    subprocess and its timeout)."""
+    code = ("from hybridinfer.cpu.simd import SimdLib, best_isa\n"
+            "for th in (8, 16, 3):\n"
+            "    lib = SimdLib(best_isa(), n_threads=th)\n"
+            "    for total in (2, 3, 5, 17, 33):\n"
+            "        assert lib._lib.hi_pool_check(lib._c, total, 5000) == 0, (th, total)\n"
+            "print('ok')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
 
 
 def test_prefetch_distance_changes_no_result():
