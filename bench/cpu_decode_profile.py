@@ -1,12 +1,13 @@
 """Where a CPU decode step's time goes: every native call of `forward` timed by call site.
 
-    python bench/cpu_decode_profile.py -m model.gguf -t 16 [-n 16] [--isa native]
+    python bench/cpu_decode_profile.py -m model.gguf -t 16 [-n 16] [--isa native] [--pool]
 
 Times n real decode steps (one native call each after the first), then wraps the backend's bound native
 calls with a clock (so each step returns to Python per call), runs n more and prints, per kind of call, the
 time per token, its share of the step, and for weight products the weight bytes read and the GB/s they ran at
 (against the machine's read bandwidth measured by the same library). The rest of the clocked step ("python
-glue") is the wall time no wrapped call accounts for.
+glue") is the wall time no wrapped call accounts for. --pool instead runs plain steps with the thread pool's
+clocks on (SimdLib.pool_stats) and prints where a pooled call's wall time goes besides its chunks' work.
 """
 
 from __future__ import annotations
@@ -70,6 +71,29 @@ def _sweep(eng, dists: list[int], n: int) -> None:
         print(f"  {d:6d} B: " + ", ".join(f"{x:.2f}" for x in res[d]))
 
 
+def _pool(eng, n: int) -> None:
+    """The pool's own clocks over n plain decode steps: where a pooled call's wall time goes."""
+    be = eng.backend
+    st = eng.new_state()
+    t = int(np.argmax(eng.prefill([1, 2, 3, 4], st)[-1]))
+    for _ in range(3):
+        t = int(np.argmax(be.forward([t], st, all_logits=False)[-1]))
+    be.simd.pool_stats(True)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        t = int(np.argmax(be.forward([t], st, all_logits=False)[-1]))
+    dt = time.perf_counter() - t0
+    res = be.simd.pool_stats(False)
+    print(f"{be.simd!r}: {n / dt:.2f} tok/s with the pool's clocks on (two clock reads per chunk)")
+    print("| pooled calls | per token | chunks | wall us | busy us/thread | start us (mean / latest) | spread us | "
+          "idle share |\n|---|---|---|---|---|---|---|---|")
+    for name, r in res.items():
+        if r["tasks"]:
+            idle = 1 - r["busy_us"] / r["wall_us"]
+            print(f"| {name} | {r['tasks'] / n:.0f} | {r['chunks']:.0f} | {r['wall_us']:.1f} | {r['busy_us']:.1f} | "
+                  f"{r['start_us']:.2f} / {r['start_max_us']:.2f} | {r['spread_us']:.2f} | {100 * idle:.0f}% |")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("-m", "--model", required=True)
@@ -80,12 +104,18 @@ def main(argv=None) -> None:
     ap.add_argument("--sweep-prefetch", default="",
                     help="comma-separated prefetch distances (bytes): time plain decode steps at each, twice, "
                          "interleaved, instead of the per-call table")
+    ap.add_argument("--pool", action="store_true",
+                    help="time plain decode steps with the pool's clocks on: per pooled call its wall time, the "
+                         "threads' busy time, their start delay and finish spread, instead of the per-call table")
     a = ap.parse_args(argv)
     eng = Engine.load(a.model, backend="cpu", isa=None if a.isa in (None, "native") else a.isa,
                       n_threads=a.threads, n_ctx=256, weights=a.weights)
     be = eng.backend
     if a.sweep_prefetch:
         _sweep(eng, [int(x) for x in a.sweep_prefetch.split(",")], a.tokens)
+        return
+    if a.pool:
+        _pool(eng, a.tokens)
         return
     simd = be.simd
     n_exp = getattr(eng.args, "n_expert", 1) or 1

@@ -38,6 +38,30 @@ def test_pool_small_tasks_back_to_back_with_late_workers():
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
 
 
+def test_pool_stats_count_and_clock_the_tasks():
+    lib = SimdLib(best_isa(), n_threads=3)
+    assert lib._lib.hi_pool_check(lib._c, 100, 2) == 0  # clocks off: not counted
+    assert lib.pool_stats(True)["big"]["tasks"] == 0
+    assert lib._lib.hi_pool_check(lib._c, 16, 5) == 0  # small tasks (under 24 chunks)
+    assert lib._lib.hi_pool_check(lib._c, 100, 3) == 0
+    rng = np.random.default_rng(3)
+    raw = random_blocks(12, 512 * 2048 // 256, rng).reshape(-1)
+    xq = lib.quantize(rng.standard_normal(2048).astype(np.float32), 12)
+    out = np.zeros(512, np.float32)
+    lib.matmul(raw, 12, 512, 2048, xq, out, GGML_MUL_MAT)  # one product: one big task
+    res = lib.pool_stats(False)
+    small, big = res["small"], res["big"]
+    assert small["tasks"] == 5 and small["chunks"] == 16
+    assert big["tasks"] == 4 and big["chunks"] > 24
+    for r in (small, big):
+        assert r["wall_us"] >= r["busy_us"] > 0
+        assert r["start_max_us"] >= r["start_us"] >= 0 and r["spread_us"] >= 0
+    assert lib.pool_stats(False)["big"]["tasks"] == 0  # read: reset; off: not counted
+    lib.matmul(raw, 12, 512, 2048, xq, out, GGML_MUL_MAT)
+    assert lib.pool_stats(False)["big"]["tasks"] == 0
+    lib.close()
+
+
 def test_prefetch_distance_changes_no_result():
     rng = np.random.default_rng(8)
     raw = random_blocks(12, 64 * 2048 // 256, rng).reshape(-1)

@@ -143,6 +143,24 @@ class SimdLib(MoECalls, OpCalls):
             raise ValueError(f"prefetch must be a non-negative int (bytes), got {nbytes!r}")
         self._lib.hi_ctx_set_prefetch(self._c, int(nbytes))
 
+    _POOL_FIELDS = ("tasks", "chunks", "wall_us", "busy_us", "start_us", "start_max_us", "spread_us")
+
+    def pool_stats(self, on: bool = True) -> dict[str, dict[str, float]]:
+        """Where pooled calls lose time: turns the pool's clocks on (or off) and returns what they summed since the
+        last call, reset: for "small" tasks (under 24 chunks) and "big" ones (the products), the tasks, their
+        chunks, and per task the mean wall time, the chunks' time per thread (busy), how late the threads began
+        their first chunk (start: mean over them, start_max: the latest) and the time from the first to the last
+        thread done (spread), in microseconds."""
+        out = self._ffi.new("double[14]")
+        self._lib.hi_ctx_pool_stats(self._c, 1 if on else 0, out)
+        res = {}
+        for k, name in enumerate(("small", "big")):
+            v = list(out[7 * k : 7 * k + 7])
+            n = v[0]
+            res[name] = {"tasks": n, "chunks": v[1] / n if n else 0.0,
+                         **{f: (x / n / 1e3 if n else 0.0) for f, x in zip(self._POOL_FIELDS[2:], v[2:], strict=True)}}
+        return res
+
     def close(self) -> None:
         """Stop the thread pool now (otherwise it stops when the object is collected)."""
         if self._ctx is not None:

@@ -32,6 +32,10 @@ typedef struct {
     _Alignas(64) _Atomic uint32_t ran;
     _Atomic uint64_t task;
     char pad_[48];
+    /* stats (hi_pool_stats), on a line of their own: this thread's first chunk start, last chunk end, and the
+     * chunks' time in the current task */
+    _Alignas(64) int64_t t_first, t_last, busy;
+    char pad2_[40];
 } hi_warg;
 
 /* fields written by different parties sit on separate cache lines: the claim word (an add per claim), the
@@ -67,6 +71,8 @@ struct hi_pool {
     /* task id & 1: a task's slot is rewritten only two tasks later, when no thread can still be running
      * one of its chunks (each of them is reported before the task ends) */
     hi_task slot[2];
+    _Atomic int stats;   /* hi_pool_stats: clock the chunks */
+    hi_pool_acc acc[2];  /* small, big tasks */
     char pad_[64];
 };
 
@@ -96,7 +102,16 @@ static uint32_t hi_pool_work(hi_pool *p, hi_warg *w) {
         /* chunk i < total of task `id` is ours: that task cannot end before we report it, so its slot holds it */
         id = (uint32_t)(v >> (2 * HI_NEXT_BITS));
         const hi_task *t = &p->slot[id & 1];
-        t->fn(t->arg, (int64_t)i);
+        if (atomic_load_explicit(&p->stats, memory_order_relaxed)) {
+            hi_warg *sw = w ? w : &p->wargs[0]; /* the caller's stats in the unused slot 0 */
+            const int64_t tb = hi_now_ns();
+            if (!sw->t_first) sw->t_first = tb;
+            t->fn(t->arg, (int64_t)i);
+            sw->t_last = hi_now_ns();
+            sw->busy += sw->t_last - tb;
+        } else {
+            t->fn(t->arg, (int64_t)i);
+        }
         ran++;
     }
     if (ran && w) {
@@ -210,8 +225,49 @@ static void hi_offset_chunk(void *a, int64_t i) {
 }
 
 /* one task of n chunks (base > 0: chunks base.. of a larger one) */
+/* adds the task that began at t0 (its threads' clocks reported with their counts) to the stats */
+static void hi_pool_account(hi_pool *p, int64_t t0, uint32_t n) {
+    const int64_t t1 = hi_now_ns();
+    hi_pool_acc *a = &p->acc[n >= HI_POOL_BIG];
+    int64_t smax = 0, ssum = 0, lmin = INT64_MAX, lmax = 0, busy = 0;
+    int cnt = 0;
+    for (int i = 0; i < p->n; i++) {
+        hi_warg *w = &p->wargs[i];
+        if (w->t_first) {
+            const int64_t d = w->t_first - t0;
+            smax = d > smax ? d : smax;
+            ssum += d;
+            lmin = w->t_last < lmin ? w->t_last : lmin;
+            lmax = w->t_last > lmax ? w->t_last : lmax;
+            busy += w->busy;
+            cnt++;
+        }
+        w->t_first = w->t_last = w->busy = 0;
+    }
+    a->tasks += 1;
+    a->chunks += n;
+    a->wall_ns += (double)(t1 - t0);
+    a->busy_ns += (double)busy / p->n;
+    if (cnt) {
+        a->start_ns += (double)ssum / cnt;
+        a->start_max_ns += (double)smax;
+        a->spread_ns += (double)(lmax - lmin);
+    }
+}
+
+void hi_pool_stats(hi_pool *p, int on, hi_pool_acc *acc) {
+    if (acc) {
+        memcpy(acc, p->acc, sizeof(p->acc));
+        memset(p->acc, 0, sizeof(p->acc));
+    }
+    for (int i = 0; i < p->n; i++) p->wargs[i].t_first = p->wargs[i].t_last = p->wargs[i].busy = 0;
+    atomic_store_explicit(&p->stats, on != 0, memory_order_relaxed);
+}
+
 static void hi_pool_task(hi_pool *p, hi_chunk_fn fn, void *arg, int64_t base, uint32_t n) {
     hi_offset off = {fn, arg, base};
+    const int stats = atomic_load_explicit(&p->stats, memory_order_relaxed);
+    const int64_t t0 = stats ? hi_now_ns() : 0;
     const uint64_t task = ++p->task_id;
     hi_task *t = &p->slot[task & 1];
     t->fn = base ? hi_offset_chunk : fn;
@@ -237,6 +293,8 @@ static void hi_pool_task(hi_pool *p, hi_chunk_fn fn, void *arg, int64_t base, ui
         if (k < 4096) hi_relax();
         else sched_yield();
     }
+    /* every chunk is reported: the threads' clocks (written before their reports) are final */
+    if (stats) hi_pool_account(p, t0, n);
 }
 
 void hi_pool_run(hi_pool *p, hi_chunk_fn fn, void *arg, int64_t total) {

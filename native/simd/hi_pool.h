@@ -22,6 +22,20 @@ int hi_pool_size(const hi_pool *p);
  * that wake up late find nothing left and are not waited for). One task at a time: the caller serializes. */
 void hi_pool_run(hi_pool *p, hi_chunk_fn fn, void *arg, int64_t total);
 
+/* Where a pooled task's wall time goes, summed over the tasks run while stats are on (hi_pool_stats):
+ * the chunks' own time (busy: summed over the threads, divided by their count), how late each thread began its
+ * first chunk after the task was published (start: mean over the threads that ran one; start_max: the latest),
+ * and the time between the first and the last thread to finish its last chunk (spread). Tasks of fewer than
+ * HI_POOL_BIG chunks (small: the GDN layer's, attention's) are kept apart from the products'. */
+#define HI_POOL_BIG 24
+typedef struct {
+    double tasks, chunks, wall_ns, busy_ns, start_ns, start_max_ns, spread_ns;
+} hi_pool_acc;
+
+/* on: clock every chunk from now on (two clock reads per chunk); off: stop. acc[0] small tasks, acc[1] big:
+ * copied out and reset when acc is not NULL */
+void hi_pool_stats(hi_pool *p, int on, hi_pool_acc *acc);
+
 /* CLOCK_MONOTONIC in nanoseconds */
 int64_t hi_now_ns(void);
 

@@ -474,6 +474,15 @@ int hi_repack_rows(hi_ctx *c, int qtype, void *data, int64_t nbytes) {
 void hi_ctx_set_prefetch(hi_ctx *c, int bytes) { c->pf_bytes = bytes < 0 ? 0 : bytes; }
 int hi_ctx_prefetch(const hi_ctx *c) { return c->pf_bytes; }
 
+_Static_assert(sizeof(hi_pool_acc) == 7 * sizeof(double), "hi_pool_acc: 7 doubles");
+void hi_ctx_pool_stats(hi_ctx *c, int on, double *out) {
+    hi_pool_acc acc[2];
+    pthread_mutex_lock(&c->mu);
+    hi_pool_stats(c->pool, on, out ? acc : NULL);
+    pthread_mutex_unlock(&c->mu);
+    if (out) memcpy(out, acc, sizeof(acc));
+}
+
 /* ================================================================================================ */
 /* for the library's other drivers (gdn.c): the context's mutex and its pool */
 

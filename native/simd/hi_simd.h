@@ -116,6 +116,12 @@ int hi_repack_rows(hi_ctx *c, int qtype, void *data, int64_t nbytes);
 void hi_ctx_set_prefetch(hi_ctx *c, int bytes);
 int hi_ctx_prefetch(const hi_ctx *c);
 
+/* where pooled calls lose time (hi_pool.h, hi_pool_stats): on != 0 clocks every pooled chunk from now on, 0 stops;
+ * out (14 doubles, NULL: not read) gets the sums since the last read and resets them: for small tasks (under 24
+ * chunks) then big ones, each tasks, chunks, wall_ns, busy_ns (per thread), start_ns (mean over the threads),
+ * start_max_ns, spread_ns (first to last thread done) */
+void hi_ctx_pool_stats(hi_ctx *c, int on, double *out);
+
 /* Gated DeltaNet layer after its projections (spec §3 steps 2-8) for T tokens, state in place; the C twin of
  * hybridinfer/cpu/ops_gdn.py:gdn_layer, bit-identical to it, value heads split across the pool.
  * u (T rows of C floats, row stride u_row), z (T x Hv*d_v, z_row), b, a (T x Hv, b_row, a_row), y (T x
