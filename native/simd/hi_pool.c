@@ -9,6 +9,9 @@
  * chunk is done: a worker the OS has not scheduled yet is
  * not waited for, and when it runs it finds the task over. A forked child, whose workers stayed in the parent,
  * starts its own on its first task. Compiled for the baseline target.
+ * Measured on the 16-core host with hi_pool_stats: a decode product spends ~92% of its wall time in its chunks
+ * (threads start ~1.4 us late on average, finish ~6 us apart); a reserved first chunk per thread and per-thread
+ * queues with stealing each gave back at the end what they saved at the start, so the one claim word stays.
  */
 #define _GNU_SOURCE
 #include "hi_pool.h"
@@ -224,7 +227,6 @@ static void hi_offset_chunk(void *a, int64_t i) {
     o->fn(o->arg, o->base + i);
 }
 
-/* one task of n chunks (base > 0: chunks base.. of a larger one) */
 /* adds the task that began at t0 (its threads' clocks reported with their counts) to the stats */
 static void hi_pool_account(hi_pool *p, int64_t t0, uint32_t n) {
     const int64_t t1 = hi_now_ns();
@@ -264,6 +266,7 @@ void hi_pool_stats(hi_pool *p, int on, hi_pool_acc *acc) {
     atomic_store_explicit(&p->stats, on != 0, memory_order_relaxed);
 }
 
+/* one task of n chunks (base > 0: chunks base.. of a larger one) */
 static void hi_pool_task(hi_pool *p, hi_chunk_fn fn, void *arg, int64_t base, uint32_t n) {
     hi_offset off = {fn, arg, base};
     const int stats = atomic_load_explicit(&p->stats, memory_order_relaxed);
