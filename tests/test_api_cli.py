@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -157,6 +158,11 @@ def test_cli_bench_commands_write_tables(tmp_path, oracle_gguf, capsys):
     out = capsys.readouterr().out
     assert "% of floor" in out and "| a | hybridinfer |" in out
     names = sorted(p.name for p in tmp_path.iterdir())
+    res = json.loads((tmp_path / "decode-qwen35-wide-s0-q8_0-t2.json").read_text())
+    assert len(res["read_bw_readings_gb_s"]) == 2 and res["read_bw_gb_s"] == max(res["read_bw_readings_gb_s"])
+    (row,) = res["rows"]  # each row against the better of the readings next to its own timing
+    assert row["probe_gb_s"] == res["read_bw_gb_s"]
+    assert row["floor_frac"] == pytest.approx(row["tok_s"] * res["bytes_per_token"] / (row["probe_gb_s"] * 1e9))
     assert names == ["decode-qwen35-wide-s0-q8_0-t2.json", "decode-qwen35-wide-s0-q8_0-t2.png",
                      "prefix-qwen35-wide-s0-q8_0.json", "prefix-qwen35-wide-s0-q8_0.png"]
     assert main(["bench", "prefix", "-m", path, "--workloads", "z"]) == 2  # a clear error, not a traceback

@@ -2,7 +2,10 @@
 
 floor = (bytes of weights one token reads) / (measured read bandwidth, all threads). One token reads every
 dense matrix, the k routed experts' share of each expert tensor, the shared expert and the LM head; the
-embedding contributes one row.
+embedding contributes one row. The bandwidth is read just before and just after each engine's timed steps, and
+each row is set against the better of its two readings: on a shared host the bandwidth moves by half within
+minutes (97 to 145 GB/s seen in one run on 16 cores), so one reading for the whole table would rate an engine
+against a moment it did not run in.
 """
 
 from __future__ import annotations
@@ -78,15 +81,17 @@ class Row:
     threads: int
     tok_s: float
     gb_s: float  # weight bytes per token * tok/s
-    floor_frac: float
+    floor_frac: float  # of bytes per token * tok/s over probe_gb_s
     note: str = ""
     python_share: float | None = None  # of decode time, upper bound (cProfile)
+    probe_gb_s: float | None = None  # the better of the bandwidth readings just before and after its timing
 
 
 def measure_ours(path: str, isa: str | None, threads: int, n_tokens: int, context: int, seed: int = 0,
-                 weights: str = "auto") -> tuple[float, float, str]:
+                 weights: str = "auto", probe=None) -> tuple[float, float, str, float | None]:
     """Decode tokens/s of the CPU backend after a `context`-token prompt (greedy; time of n_tokens steps), the
-    share of Python in it, and where the weights were read from ("copy" or "mmap")."""
+    share of Python in it, where the weights were read from ("copy" or "mmap"), and the better of probe()'s
+    readings just before and after the timed steps (None without a probe)."""
     from ..api import Engine
 
     eng = Engine.load(path, backend="cpu", isa=isa, n_threads=threads, n_ctx=context + 2 * n_tokens + 16,
@@ -98,12 +103,15 @@ def measure_ours(path: str, isa: str | None, threads: int, n_tokens: int, contex
     be = eng.backend
     t = int(np.argmax(logits))
     be.forward([t], st, all_logits=False)  # warm-up step (numba, caches)
+    bw = [probe()] if probe else []
     t0 = time.perf_counter()
     for _ in range(n_tokens):
         lg = be.forward([t], st, all_logits=False)
         t = int(np.argmax(lg[-1]))
     tok_s = n_tokens / (time.perf_counter() - t0)
-    return tok_s, python_share(be, st, t, max(4, n_tokens // 4)), be.weights
+    if probe:
+        bw.append(probe())
+    return tok_s, python_share(be, st, t, max(4, n_tokens // 4)), be.weights, max(bw) if bw else None
 
 
 def python_share(be, st, t: int, n: int) -> float:
@@ -161,47 +169,52 @@ def run(path: str, threads: int, n_tokens: int = 32, context: int = 0, isas: tup
     bpt = bytes_per_token(gm, args)
     bw_bytes = probe_bytes() if bw_bytes is None else bw_bytes
     probe = SimdLib(n_threads=threads)
-    bw_before = probe.read_bandwidth(bw_bytes)
+    readings: list[float] = []
+
+    def read_bw() -> float:
+        readings.append(probe.read_bandwidth(bw_bytes))
+        return readings[-1]
+
     measured: list[tuple] = []
 
-    def add(engine, isa, tok_s, py=None, note=""):
+    def add(engine, isa, tok_s, bw, py=None, note=""):
         if tok_s is not None:
-            measured.append((engine, isa, tok_s, note, py))
+            measured.append((engine, isa, tok_s, bw, note, py))
+
+    def llama(exe, **kw):
+        b0 = read_bw()
+        tok_s = measure_llama(exe, path, threads, n_tokens, context, **kw)
+        return tok_s, max(b0, read_bw())
 
     for isa in isas:
         real = best_isa() if isa == "native" else isa
         for mode in weights:
-            tok_s, py, used = measure_ours(path, None if isa == "native" else isa, threads, n_tokens, context,
-                                           weights=mode)
-            add("hybridinfer", real, tok_s, py, f"weights: {used}")
+            tok_s, py, used, bw = measure_ours(path, None if isa == "native" else isa, threads, n_tokens, context,
+                                               weights=mode, probe=read_bw)
+            add("hybridinfer", real, tok_s, bw, py, f"weights: {used}")
     if llama_bench:
-        add("llama.cpp", "native", measure_llama(llama_bench, path, threads, n_tokens, context), note="mmap")
+        add("llama.cpp", "native", *llama(llama_bench), note="mmap")
         if llama_no_mmap:
-            add("llama.cpp", "native", measure_llama(llama_bench, path, threads, n_tokens, context, mmap=False),
-                note="-lm none")
+            add("llama.cpp", "native", *llama(llama_bench, mmap=False), note="-lm none")
     if llama_bench_sse:
-        add("llama.cpp", "sse4.2 (no AVX)", measure_llama(llama_bench_sse, path, threads, n_tokens, context))
-    # the probe again after the engines: on a shared host one reading can come out low (86 vs 108 GB/s seen
-    # minutes apart on the same 16 cores), and a floor from it would flatter every engine
-    bw_after = probe.read_bandwidth(bw_bytes)
+        add("llama.cpp", "sse4.2 (no AVX)", *llama(llama_bench_sse))
     probe.close()
-    bw = max(bw_before, bw_after)
-    floor = bw / bpt
-    rows = [Row(e, i, threads, t, t * bpt / 1e9, t / floor, n, py) for e, i, t, n, py in measured]
+    bw = max(readings)
+    rows = [Row(e, i, threads, t, t * bpt / 1e9, t * bpt / b, n, py, b / 1e9) for e, i, t, b, n, py in measured]
     return {"model": path, "arch": args.arch, "bytes_per_token": bpt, "read_bw_gb_s": bw / 1e9,
-            "read_bw_before_after_gb_s": [bw_before / 1e9, bw_after / 1e9], "floor_tok_s": floor,
+            "read_bw_readings_gb_s": [x / 1e9 for x in readings], "floor_tok_s": bw / bpt,
             "threads": threads, "context": context, "rows": [asdict(r) for r in rows]}
 
 
 def markdown(res: dict) -> str:
-    ba = res.get("read_bw_before_after_gb_s")
-    probes = f" (best of {ba[0]:.1f} before and {ba[1]:.1f} after the engines)" if ba else ""
+    rd = res.get("read_bw_readings_gb_s") or [res["read_bw_gb_s"]]
     out = [f"model `{res['model']}` ({res['arch']}); {res['bytes_per_token'] / 1e9:.3f} GB of weights per token; "
-           f"read bandwidth {res['read_bw_gb_s']:.1f} GB/s{probes} with {res['threads']} threads -> floor "
-           f"{res['floor_tok_s']:.2f} tok/s; context {res['context']}", "",
-           "| engine | ISA | weights | threads | tok/s | weight GB/s | % of floor | vs llama.cpp (same ISA, its best) "
-           "| Python share |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           f"read bandwidth with {res['threads']} threads {min(rd):.1f}-{max(rd):.1f} GB/s over {len(rd)} readings "
+           f"(best: floor {res['floor_tok_s']:.2f} tok/s); each row against the better of the readings just before "
+           f"and after its timing (probe); context {res['context']}", "",
+           "| engine | ISA | weights | threads | tok/s | weight GB/s | probe GB/s | % of floor "
+           "| vs llama.cpp (same ISA, its best) | Python share |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     base: dict[str, float] = {}
     for r in res["rows"]:
         if r["engine"] == "llama.cpp":
@@ -209,8 +222,10 @@ def markdown(res: dict) -> str:
     for r in res["rows"]:
         ref = base.get("sse4.2 (no AVX)") if r["isa"] in ("ssse3", "scalar") else base.get("native")
         vs = f"{r['tok_s'] / ref:.2f}x" if ref and r["engine"] != "llama.cpp" else ""
+        pg = r.get("probe_gb_s")
         out.append(f"| {r['engine']} | {r['isa']} | {r.get('note', '')} | {r['threads']} | {r['tok_s']:.2f} | "
-                   f"{r['gb_s']:.1f} | {100 * r['floor_frac']:.0f}% | {vs} | {_pct(r.get('python_share'))} |")
+                   f"{r['gb_s']:.1f} | {'' if pg is None else f'{pg:.1f}'} | {100 * r['floor_frac']:.0f}% | {vs} | "
+                   f"{_pct(r.get('python_share'))} |")
     return "\n".join(out)
 
 
