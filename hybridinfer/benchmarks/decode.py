@@ -198,6 +198,8 @@ def run(path: str, threads: int, n_tokens: int = 32, context: int = 0, isas: tup
             add("llama.cpp", "native", *llama(llama_bench, mmap=False), note="-lm none")
     if llama_bench_sse:
         add("llama.cpp", "sse4.2 (no AVX)", *llama(llama_bench_sse))
+    if not readings:  # no engine timed: the floor from one reading
+        read_bw()
     probe.close()
     bw = max(readings)
     rows = [Row(e, i, threads, t, t * bpt / 1e9, t * bpt / b, n, py, b / 1e9) for e, i, t, b, n, py in measured]
