@@ -50,10 +50,23 @@ def _pool_round_trip(simd, reps: int = 2000) -> tuple[float, float]:
     return res[0], res[1]
 
 
+def _start(eng):
+    """A new sequence after a 4-token prompt: its state and the greedy next token."""
+    st = eng.new_state()
+    return st, int(np.argmax(eng.prefill([1, 2, 3, 4], st)[-1]))
+
+
+def _steps(be, st, t: int, n: int) -> tuple[int, float]:
+    """n greedy decode steps from token t: the last token and the seconds they took."""
+    t0 = time.perf_counter()
+    for _ in range(n):
+        t = int(np.argmax(be.forward([t], st, all_logits=False)[-1]))
+    return t, time.perf_counter() - t0
+
+
 def _sweep(eng, dists: list[int], n: int) -> None:
     be = eng.backend
-    st = eng.new_state()
-    t = int(np.argmax(eng.prefill([1, 2, 3, 4], st)[-1]))
+    st, t = _start(eng)
     be.forward([t], st, all_logits=False)
     res: dict[int, list[float]] = defaultdict(list)
     for _ in range(2):
@@ -62,10 +75,8 @@ def _sweep(eng, dists: list[int], n: int) -> None:
             if st.pos + n + 2 > st.n_ctx:
                 st = eng.new_state()
                 be.forward([t], st, all_logits=False)
-            t0 = time.perf_counter()
-            for _ in range(n):
-                t = int(np.argmax(be.forward([t], st, all_logits=False)[-1]))
-            res[d].append(n / (time.perf_counter() - t0))
+            t, dt = _steps(be, st, t, n)
+            res[d].append(n / dt)
     print(f"{be.simd!r}, weights {be.weights}: prefetch distance -> tok/s (two interleaved runs)")
     for d in dists:
         print(f"  {d:6d} B: " + ", ".join(f"{x:.2f}" for x in res[d]))
@@ -74,15 +85,10 @@ def _sweep(eng, dists: list[int], n: int) -> None:
 def _pool(eng, n: int) -> None:
     """The pool's own clocks over n plain decode steps: where a pooled call's wall time goes."""
     be = eng.backend
-    st = eng.new_state()
-    t = int(np.argmax(eng.prefill([1, 2, 3, 4], st)[-1]))
-    for _ in range(3):
-        t = int(np.argmax(be.forward([t], st, all_logits=False)[-1]))
+    st, t = _start(eng)
+    t, _ = _steps(be, st, t, 3)
     be.simd.pool_stats(True)
-    t0 = time.perf_counter()
-    for _ in range(n):
-        t = int(np.argmax(be.forward([t], st, all_logits=False)[-1]))
-    dt = time.perf_counter() - t0
+    t, dt = _steps(be, st, t, n)
     res = be.simd.pool_stats(False)
     print(f"{be.simd!r}: {n / dt:.2f} tok/s with the pool's clocks on (two clock reads per chunk)")
     print("| pooled calls | per token | chunks | wall us | busy us/thread | start us (mean / latest) | spread us | "
@@ -119,13 +125,10 @@ def main(argv=None) -> None:
         return
     simd = be.simd
     n_exp = getattr(eng.args, "n_expert", 1) or 1
-    st = eng.new_state()
-    t = int(np.argmax(eng.prefill([1, 2, 3, 4], st)[-1]))
-    t = int(np.argmax(be.forward([t], st, all_logits=False)[-1]))  # recorded here
-    t0 = time.perf_counter_ns()
-    for _ in range(a.tokens):  # the real step first: recorded once, then one native call per step
-        t = int(np.argmax(be.forward([t], st, all_logits=False)[-1]))
-    real = (time.perf_counter_ns() - t0) / a.tokens
+    st, t = _start(eng)
+    t, _ = _steps(be, st, t, 1)  # recorded here
+    t, dt = _steps(be, st, t, a.tokens)  # the real step first: one native call per step
+    real = dt * 1e9 / a.tokens
     times: dict[str, float] = defaultdict(float)
     nbytes: dict[str, int] = defaultdict(int)
     counts: dict[str, int] = defaultdict(int)
@@ -174,10 +177,8 @@ def main(argv=None) -> None:
         ws.plans.clear()
     be.forward([t], st, all_logits=False)
     times.clear(), nbytes.clear(), counts.clear()
-    t0 = time.perf_counter_ns()
-    for _ in range(a.tokens):
-        t = int(np.argmax(be.forward([t], st, all_logits=False)[-1]))
-    wall = (time.perf_counter_ns() - t0) / a.tokens
+    t, dt = _steps(be, st, t, a.tokens)
+    wall = dt * 1e9 / a.tokens
     bw = simd.read_bandwidth(1 << 30)
     n = a.tokens
     rows = sorted(times, key=lambda k: -times[k])
