@@ -151,11 +151,12 @@ class SimdLib(MoECalls, OpCalls):
         chunks, and per task the mean wall time, the chunks' time per thread (busy), how late the threads began
         their first chunk (start: mean over them, start_max: the latest) and the time from the first to the last
         thread done (spread), in microseconds."""
-        out = self._ffi.new("double[14]")
+        nf = len(self._POOL_FIELDS)  # hi_pool_acc's fields, for small tasks then big
+        out = self._ffi.new("double[]", 2 * nf)
         self._lib.hi_ctx_pool_stats(self._c, 1 if on else 0, out)
         res = {}
         for k, name in enumerate(("small", "big")):
-            v = list(out[7 * k : 7 * k + 7])
+            v = list(out[nf * k : nf * (k + 1)])
             n = v[0]
             res[name] = {"tasks": n, "chunks": v[1] / n if n else 0.0,
                          **{f: (x / n / 1e3 if n else 0.0) for f, x in zip(self._POOL_FIELDS[2:], v[2:], strict=True)}}

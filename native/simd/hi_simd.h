@@ -135,8 +135,9 @@ int hi_gdn_layer(hi_ctx *ctx, const float *u, int64_t u_row, const float *z, int
                  int64_t n_v_heads, int64_t d_k, int64_t d_v, int64_t n_k_heads, int head_map_mod, double eps,
                  float *y, int64_t y_row, float *scratch, int64_t scratch_len);
 
-/* ---- small decode ops (ops.c), on the calling thread, plain float order: the C twins of the numba ops in
- * hybridinfer/cpu/ops.py, bit-identical to them (the float operations written there, no FMA contraction) */
+/* ---- small decode ops (ops.c), on the calling thread (sigmoid_gate in segments on the pool), plain float order:
+ * the C twins of the numba ops in hybridinfer/cpu/ops.py, bit-identical to them (the float operations written
+ * there, no FMA contraction) */
 
 /* residual add and RMSNorm over T tokens of H heads of n floats (head h of token t at x + t*x_row + h*n):
  * with y non-NULL first h[t] += y[t] (H*n floats); with w non-NULL then out[t, h] = (h[t, h] * s) * w with
