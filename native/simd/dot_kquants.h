@@ -314,16 +314,13 @@ static inline __m128i hi_kq_scales_mins_v(const uint8_t *s12) {
 }
 #endif
 
-/* the lines of the block of bsize bytes pfd bytes past block b requested ahead of their use (pfd 0: none); the
- * weight stream is read one block at a time, and a block of 144..210 bytes spans at most 4 lines */
-static inline void hi_kq_prefetch_block(const uint8_t *b, int pfd, size_t bsize) {
-    if (pfd) {
-        const uint8_t *p = b + pfd;
-        __builtin_prefetch(p, 0, 3);
-        __builtin_prefetch(p + 64, 0, 3);
-        __builtin_prefetch(p + 128, 0, 3);
-        if (bsize > 192) __builtin_prefetch(p + 192, 0, 3);
-    }
+/* the lines of a block of bsize bytes at p requested ahead of their use (the weight stream read one block at a
+ * time: a block of 144..210 bytes spans at most 4 lines) */
+static inline void hi_kq_prefetch_block(const uint8_t *p, size_t bsize) {
+    __builtin_prefetch(p, 0, 3);
+    __builtin_prefetch(p + 64, 0, 3);
+    __builtin_prefetch(p + 128, 0, 3);
+    if (bsize > 192) __builtin_prefetch(p + 192, 0, 3);
 }
 
 #if defined(__SSSE3__) && !defined(__AVX2__)
@@ -433,7 +430,7 @@ static inline float hi_kq_dot_k4_z(int nb, const uint8_t *restrict vx, size_t bs
     float sumf = 0.0f;
     for (int i = 0; i < nb; ++i) {
         const uint8_t *b = vx + (size_t)i * bsize, *qs = b + (has_qh ? 48 : 16);
-        hi_kq_prefetch_block(b, pfd, bsize);
+        if (pfd) hi_kq_prefetch_block(b + pfd, bsize);
         hi_half dd[2];
         memcpy(dd, b, 4);
         const __m128i sm = hi_kq_scales_mins_v(b + 4);

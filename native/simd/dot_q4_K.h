@@ -20,7 +20,7 @@ static inline float hi_dot_q4_K_q8_K(int n, const void *restrict vx, const void 
     __m256 acc = _mm256_setzero_ps();
     __m128 accm = _mm_setzero_ps();
     for (int i = 0; i < nb; ++i) {
-        hi_kq_prefetch_block((const uint8_t *)&x[i], pfd, sizeof(block_q4_K));
+        if (pfd) hi_kq_prefetch_block((const uint8_t *)&x[i] + pfd, sizeof(block_q4_K));
         const __m128 dd = hi_kq_d_dmin(&x[i].d, y[i].d);
         const float d = _mm_cvtss_f32(dd), dmin = _mm_cvtss_f32(_mm_shuffle_ps(dd, dd, 0x55));
         const __m128i sm = hi_kq_scales_mins_v(x[i].scales);
@@ -55,7 +55,7 @@ static inline float hi_dot_q4_K_q8_K(int n, const void *restrict vx, const void 
     __m256 acc = _mm256_setzero_ps();
     __m128 accm = _mm_setzero_ps();
     for (int i = 0; i < nb; ++i) {
-        hi_kq_prefetch_block((const uint8_t *)&x[i], pfd, sizeof(block_q4_K));
+        if (pfd) hi_kq_prefetch_block((const uint8_t *)&x[i] + pfd, sizeof(block_q4_K));
         const __m128 dd = hi_kq_d_dmin(&x[i].d, y[i].d);
         const float d = _mm_cvtss_f32(dd), dmin = _mm_cvtss_f32(_mm_shuffle_ps(dd, dd, 0x55));
         const __m128i sm = hi_kq_scales_mins_v(x[i].scales);

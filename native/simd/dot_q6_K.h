@@ -18,7 +18,7 @@ static inline float hi_dot_q6_K_z(int n, const void *restrict vx, const hi_q8Kz 
     const __m128i m48 = _mm_set1_epi8(0x30), m192 = _mm_set1_epi8((char)0xc0);
     __m128 sums0 = _mm_setzero_ps(), sums1 = _mm_setzero_ps();
     for (int i = 0; i < nb; ++i) {
-        hi_kq_prefetch_block((const uint8_t *)&x[i], pfd, sizeof(block_q6_K));
+        if (pfd) hi_kq_prefetch_block((const uint8_t *)&x[i] + pfd, sizeof(block_q6_K));
         const __m128i sc8 = _mm_loadu_si128((const __m128i *)x[i].scales);
         /* int8 -> int16 sign extension without SSE4.1; dword g of (sclo, schi): (sc[2g], sc[2g+1]) */
         const __m128i sclo = _mm_srai_epi16(_mm_unpacklo_epi8(sc8, sc8), 8);
@@ -83,7 +83,7 @@ static inline float hi_dot_q6_K_q8_K(int n, const void *restrict vx, const void 
     const __m512i idx3 = _mm512_add_epi32(idx0, _mm512_set1_epi32(12));
     __m256 acc = _mm256_setzero_ps();
     for (int i = 0; i < nb; ++i) {
-        hi_kq_prefetch_block((const uint8_t *)&x[i], pfd, sizeof(block_q6_K));
+        if (pfd) hi_kq_prefetch_block((const uint8_t *)&x[i] + pfd, sizeof(block_q6_K));
         const float d = hi_kq_d1(x[i].d, y[i].d);
         const __m256i off = hi_kq_q6_offset_lanes(x[i].scales, y[i].bsums);
         /* the 16 int8 scales as int16 values zero-extended to 32 bits, for vpdpwssd */
@@ -118,7 +118,7 @@ static inline float hi_dot_q6_K_q8_K(int n, const void *restrict vx, const void 
     const __m256i m192 = _mm256_set1_epi8((char)0xc0);
     __m256 acc = _mm256_setzero_ps();
     for (int i = 0; i < nb; ++i) {
-        hi_kq_prefetch_block((const uint8_t *)&x[i], pfd, sizeof(block_q6_K));
+        if (pfd) hi_kq_prefetch_block((const uint8_t *)&x[i] + pfd, sizeof(block_q6_K));
         const float d = hi_kq_d1(x[i].d, y[i].d);
         const __m256i off = hi_kq_q6_offset_lanes(x[i].scales, y[i].bsums);
         const __m128i sc8 = _mm_loadu_si128((const __m128i *)x[i].scales);
