@@ -91,25 +91,21 @@ def main(argv=None) -> None:
     ap.add_argument("--gb", type=float, default=2.0, help="weights per shape, GB (keep it well above the L3)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--prefetch", default="", help="comma-separated prefetch distances to compare (bytes)")
-    ap.add_argument("--in-dot", default="1", help="comma-separated: 1 K-quant dots prefetch block by block, 0 per row "
-                    "(SimdLib.prefetch_in_dot)")
     ap.add_argument("--only", default="", help="comma-separated shape indices")
     ap.add_argument("--probe-mb", type=int, default=0, help="the probe's buffer, MiB (default: benchmarks.decode's)")
     a = ap.parse_args(argv)
     simd = SimdLib(None if a.isa == "native" else a.isa, n_threads=a.threads)
     rng = np.random.default_rng(0)
     pfs = [int(x) for x in a.prefetch.split(",")] if a.prefetch else [simd.prefetch]
-    in_dot = [x == "1" for x in a.in_dot.split(",")]
     shapes = [SHAPES[int(i)] for i in a.only.split(",")] if a.only else SHAPES
     nb = a.probe_mb << 20 if a.probe_mb else probe_bytes()
     bw0 = simd.read_bandwidth(nb)
     res = []
     for label, items in shapes:
         for pf in pfs:
-            for d in in_dot:
-                simd.prefetch, simd.prefetch_in_dot = pf, d
-                gbs, us, per_call = run_shape(simd, items, int(a.gb * 1e9), a.reps, rng)
-                res.append((label, f"{pf}{' in dot' if d else ''}", per_call, us, gbs))
+            simd.prefetch = pf
+            gbs, us, per_call = run_shape(simd, items, int(a.gb * 1e9), a.reps, rng)
+            res.append((label, pf, per_call, us, gbs))
     bw1 = simd.read_bandwidth(nb)
     bw = max(bw0, bw1)
     print(f"{simd!r}: probe {bw0 / 1e9:.1f} / {bw1 / 1e9:.1f} GB/s ({nb / 2**30:.1f} GiB buffer)")

@@ -43,30 +43,19 @@ HARNESS_C = r"""
 #include <stddef.h>
 #include "dot_kquants.h"
 
-typedef float (*hk_dot)(int, const void *restrict, const void *restrict, int);
+typedef float (*hk_dot)(int, const void *restrict, const void *restrict);
 typedef void (*hk_ggml_dot)(int, float *, size_t, const void *, size_t, const void *, size_t, int);
 
-/* the portable functions with the ISA paths' signature (pfd: bytes prefetched ahead, 0: none) */
-#define HK_PORTABLE(name)                                                         \
-    static float name##_p(int n, const void *restrict w, const void *restrict y, int pfd) { \
-        (void)pfd;                                                                \
-        return name(n, w, y);                                                     \
-    }
-HK_PORTABLE(hi_dot_q4_K_q8_K_scalar)
-HK_PORTABLE(hi_dot_q5_K_q8_K_scalar)
-HK_PORTABLE(hi_dot_q6_K_q8_K_scalar)
-
-/* out[t*rows + r] = dot(row r, token t): the ISA path of this unit (scalar = 0; each block prefetched pfd bytes
- * ahead) or the portable one */
-void hk_matmul(int type, int scalar, int rows, int n, const void *w, int tokens, const void *y, float *out, int pfd) {
-    hk_dot f = type == 12 ? (scalar ? hi_dot_q4_K_q8_K_scalar_p : hi_dot_q4_K_q8_K)
-             : type == 13 ? (scalar ? hi_dot_q5_K_q8_K_scalar_p : hi_dot_q5_K_q8_K)
-                          : (scalar ? hi_dot_q6_K_q8_K_scalar_p : hi_dot_q6_K_q8_K);
+/* out[t*rows + r] = dot(row r, token t): the ISA path of this unit (scalar = 0) or the portable one */
+void hk_matmul(int type, int scalar, int rows, int n, const void *w, int tokens, const void *y, float *out) {
+    hk_dot f = type == 12 ? (scalar ? hi_dot_q4_K_q8_K_scalar : hi_dot_q4_K_q8_K)
+             : type == 13 ? (scalar ? hi_dot_q5_K_q8_K_scalar : hi_dot_q5_K_q8_K)
+                          : (scalar ? hi_dot_q6_K_q8_K_scalar : hi_dot_q6_K_q8_K);
     const size_t rb = (size_t)(n / 256) * (type == 12 ? 144 : type == 13 ? 176 : 210);
     const size_t yb = (size_t)(n / 256) * sizeof(block_q8_K);
     for (int t = 0; t < tokens; ++t)
         for (int r = 0; r < rows; ++r)
-            out[(size_t)t * rows + r] = f(n, (const char *)w + r * rb, (const char *)y + t * yb, pfd);
+            out[(size_t)t * rows + r] = f(n, (const char *)w + r * rb, (const char *)y + t * yb);
 }
 
 /* the same loop over one of ggml's ggml_vec_dot_*_q8_K (a function pointer) */
@@ -136,20 +125,19 @@ def kernels(tmp_path_factory):
         lib.hk_cpu_has.argtypes = [ctypes.c_char_p]
         if not all(lib.hk_cpu_has(f.encode()) for f in needs):
             continue
-        lib.hk_matmul.argtypes = _ARGS + [ctypes.c_int]
+        lib.hk_matmul.argtypes = _ARGS
         lib.hk_matmul_ggml.argtypes = [ctypes.c_void_p] + _ARGS[:2] + _ARGS[3:]
         lib.hk_fma.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int]
         libs[isa] = lib
     return libs
 
 
-def _run(lib, qtype: int, raw: np.ndarray, rows: int, n: int, y: np.ndarray, scalar: bool = False,
-         pfd: int = 0) -> np.ndarray:
+def _run(lib, qtype: int, raw: np.ndarray, rows: int, n: int, y: np.ndarray, scalar: bool = False) -> np.ndarray:
     raw = np.ascontiguousarray(raw, dtype=np.uint8)
     y = np.ascontiguousarray(y, dtype=np.uint8)
     T = y.shape[0]
     out = np.zeros((T, rows), np.float32)
-    lib.hk_matmul(qtype, int(scalar), rows, n, raw.ctypes.data, T, y.ctypes.data, out.ctypes.data, pfd)
+    lib.hk_matmul(qtype, int(scalar), rows, n, raw.ctypes.data, T, y.ctypes.data, out.ctypes.data)
     return out
 
 
@@ -379,7 +367,6 @@ def test_kernel_matches_reference_and_ggml(ggml, kernels, isa, qtype):
             gen = ak.kquant_matmul_q8_generic(y, raw, qtype, rows, n)
             what = (isa, TYPES[qtype], source, rows, n)
             assert _same_bits(_run(lib, qtype, raw, rows, n, y, scalar=True), gen), what
-            assert _same_bits(_run(lib, qtype, raw, rows, n, y, pfd=320), ours), what  # prefetching changes nothing
             if generic:
                 assert _same_bits(ours, gen), what
             else:

@@ -11,7 +11,7 @@ import pytest
 
 from hybridinfer import actquant as aq
 from hybridinfer.cpu import simd
-from hybridinfer.cpu.simd import GGML_MUL_MAT, SimdLib, best_isa, supported_isas
+from hybridinfer.cpu.simd import GGML_MUL_MAT, SimdLib, best_isa
 from hybridinfer.quant import random_blocks
 
 
@@ -80,31 +80,6 @@ def test_prefetch_distance_changes_no_result():
     assert all(np.array_equal(o, outs[0]) for o in outs[1:])
     with pytest.raises(ValueError, match="prefetch"):
         lib.prefetch = -1
-
-
-@pytest.mark.parametrize("isa", supported_isas())
-@pytest.mark.parametrize("qtype", [12, 13, 14])
-def test_prefetch_in_dot_changes_no_result(isa, qtype):
-    """One-token K-quant products prefetched block by block inside the dots (the default) or per row, at any
-    distance (one reaching past the matrix's end), pooled or not, give the same floats, repacked rows as well."""
-    rng = np.random.default_rng(qtype)
-    cols = 2048
-    lib = SimdLib(isa, n_threads=3)
-    assert lib.prefetch_in_dot is True
-    xq = lib.quantize(rng.standard_normal(cols).astype(np.float32), qtype)
-    for rows in (203, 8):  # pooled (233-328 KiB of rows), then run on the calling thread alone
-        w = random_blocks(qtype, rows * cols // 256, rng).reshape(-1)
-        q = lib.repack(w, qtype)
-        outs = []
-        for d, on in [(0, False), (4096, False), (4096, True), (64, True), (1 << 20, True)]:
-            lib.prefetch, lib.prefetch_in_dot = d, on
-            assert (lib.prefetch, lib.prefetch_in_dot) == (d, on)
-            outs.append(lib.matmul(w, q, rows, cols, xq, np.full(rows, np.nan, np.float32), GGML_MUL_MAT).copy())
-        assert not np.isnan(outs[0]).any()
-        assert all(np.array_equal(o, outs[0]) for o in outs[1:]), (isa, rows)
-    with pytest.raises(ValueError, match="prefetch_in_dot"):
-        lib.prefetch_in_dot = 1
-    lib.close()
 
 
 def test_decode_products_split_over_threads_cover_every_row():

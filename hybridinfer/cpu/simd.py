@@ -143,20 +143,6 @@ class SimdLib(MoECalls, OpCalls):
             raise ValueError(f"prefetch must be a non-negative int (bytes), got {nbytes!r}")
         self._lib.hi_ctx_set_prefetch(self._c, int(nbytes))
 
-    @property
-    def prefetch_in_dot(self) -> bool:
-        """True (the default): one-token K-quant products prefetch block by block inside the dots (3-4 lines per
-        block, `prefetch` bytes ahead) instead of a row's lines in one burst before each row; False: per row, as
-        float rows do. Measured on a 16-core Xeon, 35B-A3B Q4_K_M decode, interleaved runs: SSSE3 +7% (16
-        threads) and +12% (8), native +1% and +4%. No result changes."""
-        return bool(self._lib.hi_ctx_prefetch_in_dot(self._c))
-
-    @prefetch_in_dot.setter
-    def prefetch_in_dot(self, on: bool) -> None:
-        if not isinstance(on, bool):
-            raise ValueError(f"prefetch_in_dot must be a bool, got {on!r}")
-        self._lib.hi_ctx_set_prefetch_in_dot(self._c, on)
-
     _POOL_FIELDS = ("tasks", "chunks", "wall_us", "busy_us", "start_us", "start_max_us", "spread_us")
 
     def pool_stats(self, on: bool = True) -> dict[str, dict[str, float]]:

@@ -189,8 +189,7 @@ static inline int32_t hi_kq6_sum(const block_q6_K *restrict x, const block_q8_K 
 }
 
 /* the repacked Q4_K row: gemv shape, or with `quarters` the gemm's */
-static inline float hi_dot_q4_K_rp(int n, const void *restrict vx, const void *restrict vy, int quarters,
-                                   const int pfd) {
+static inline float hi_dot_q4_K_rp(int n, const void *restrict vx, const void *restrict vy, int quarters) {
     const block_q4_K *restrict x = (const block_q4_K *)vx;
     const block_q8_K *restrict y = (const block_q8_K *)vy;
     float acc = 0.0f, accm = 0.0f;
@@ -201,7 +200,6 @@ static inline float hi_dot_q4_K_rp(int n, const void *restrict vx, const void *r
         __m256i s[4];
         __m128i ml[4];
         for (int b = 0; b < 4; ++b) {
-            if (pfd) hi_kq_prefetch_block((const uint8_t *)&x[i + b] + pfd, sizeof(block_q4_K));
             const __m128i sm = hi_kq_scales_mins_v(x[i + b].scales);
             ml[b] = hi_kq_min_lanes(_mm_unpackhi_epi8(sm, _mm_setzero_si128()), y[i + b].bsums);
             s[b] = hi_kq4_block_lanes(&x[i + b], &y[i + b], sm);
@@ -218,7 +216,6 @@ static inline float hi_dot_q4_K_rp(int n, const void *restrict vx, const void *r
     }
 #endif
     for (; i < n / HI_QK_K; ++i) {
-        if (pfd) hi_kq_prefetch_block((const uint8_t *)&x[i] + pfd, sizeof(block_q4_K));
         const float dd = hi_kq_f16(x[i].d) * y[i].d, dm = hi_kq_f16(x[i].dmin) * y[i].d;
         int32_t p[4], mp[4];
         hi_kq4_sums(&x[i], &y[i], quarters, p, mp);

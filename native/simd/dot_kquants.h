@@ -314,15 +314,6 @@ static inline __m128i hi_kq_scales_mins_v(const uint8_t *s12) {
 }
 #endif
 
-/* the lines of a block of bsize bytes at p requested ahead of their use (the weight stream read one block at a
- * time: a block of 144..210 bytes spans at most 4 lines) */
-static inline void hi_kq_prefetch_block(const uint8_t *p, size_t bsize) {
-    __builtin_prefetch(p, 0, 3);
-    __builtin_prefetch(p + 64, 0, 3);
-    __builtin_prefetch(p + 128, 0, 3);
-    if (bsize > 192) __builtin_prefetch(p + 192, 0, 3);
-}
-
 #if defined(__SSSE3__) && !defined(__AVX2__)
 /* byte order that puts the two octets of 16 bytes side by side, element l of each next to the other: pmaddubsw
  * then sums the products of lane l over both octets */
@@ -424,13 +415,12 @@ static inline void hi_kq_zip_blocks(int qtype, uint8_t *p, int64_t nb) {
  * (hi_kq_zip_blocks). Octets zipped so that pmaddubsw sums lane l (element % 8) of two octets; Q5_K's fifth bits
  * come from qh, zipped like the quants. */
 static inline float hi_kq_dot_k4_z(int nb, const uint8_t *restrict vx, size_t bsize, const int has_qh,
-                                   const hi_q8Kz *restrict y, const int wz, const int pfd) {
+                                   const hi_q8Kz *restrict y, const int wz) {
     const __m128i m4 = _mm_set1_epi8(0x0f), m16 = _mm_set1_epi8(0x10);
     __m128 sums0 = _mm_setzero_ps(), sums1 = _mm_setzero_ps();
     float sumf = 0.0f;
     for (int i = 0; i < nb; ++i) {
         const uint8_t *b = vx + (size_t)i * bsize, *qs = b + (has_qh ? 48 : 16);
-        if (pfd) hi_kq_prefetch_block(b + pfd, bsize);
         hi_half dd[2];
         memcpy(dd, b, 4);
         const __m128i sm = hi_kq_scales_mins_v(b + 4);
@@ -464,14 +454,12 @@ static inline float hi_kq_dot_k4_z(int nb, const uint8_t *restrict vx, size_t bs
     return hi_kq_gen_end_ps(sumf, sums0, sums1);
 }
 
-static inline float hi_dot_q4_K_z(int n, const void *restrict vx, const hi_q8Kz *restrict y, const int wz,
-                                  const int pfd) {
-    return hi_kq_dot_k4_z(n / HI_QK_K, (const uint8_t *)vx, sizeof(block_q4_K), 0, y, wz, pfd);
+static inline float hi_dot_q4_K_z(int n, const void *restrict vx, const hi_q8Kz *restrict y, const int wz) {
+    return hi_kq_dot_k4_z(n / HI_QK_K, (const uint8_t *)vx, sizeof(block_q4_K), 0, y, wz);
 }
 
-static inline float hi_dot_q5_K_z(int n, const void *restrict vx, const hi_q8Kz *restrict y, const int wz,
-                                  const int pfd) {
-    return hi_kq_dot_k4_z(n / HI_QK_K, (const uint8_t *)vx, sizeof(block_q5_K), 1, y, wz, pfd);
+static inline float hi_dot_q5_K_z(int n, const void *restrict vx, const hi_q8Kz *restrict y, const int wz) {
+    return hi_kq_dot_k4_z(n / HI_QK_K, (const uint8_t *)vx, sizeof(block_q5_K), 1, y, wz);
 }
 
 #endif

@@ -7,7 +7,7 @@
 /* ------------------------------------------------------------------------------------------------ */
 /* Q5_K                                                                                              */
 
-static inline float hi_dot_q5_K_q8_K(int n, const void *restrict vx, const void *restrict vy, const int pfd) {
+static inline float hi_dot_q5_K_q8_K(int n, const void *restrict vx, const void *restrict vy) {
     const block_q5_K *restrict x = (const block_q5_K *)vx;
     const block_q8_K *restrict y = (const block_q8_K *)vy;
     const int nb = n / HI_QK_K;
@@ -18,7 +18,6 @@ static inline float hi_dot_q5_K_q8_K(int n, const void *restrict vx, const void 
     __m256 acc = _mm256_setzero_ps();
     float summs = 0.0f;
     for (int i = 0; i < nb; ++i) {
-        if (pfd) hi_kq_prefetch_block((const uint8_t *)&x[i] + pfd, sizeof(block_q5_K));
         const __m128 dd = hi_kq_d_dmin(&x[i].d, y[i].d);
         const float d = _mm_cvtss_f32(dd), dmin = _mm_cvtss_f32(_mm_shuffle_ps(dd, dd, 0x55));
         const __m128i sm = hi_kq_scales_mins_v(x[i].scales);
@@ -58,7 +57,6 @@ static inline float hi_dot_q5_K_q8_K(int n, const void *restrict vx, const void 
     __m256 acc = _mm256_setzero_ps();
     float summs = 0.0f;
     for (int i = 0; i < nb; ++i) {
-        if (pfd) hi_kq_prefetch_block((const uint8_t *)&x[i] + pfd, sizeof(block_q5_K));
         const __m128 dd = hi_kq_d_dmin(&x[i].d, y[i].d);
         const float d = _mm_cvtss_f32(dd), dmin = _mm_cvtss_f32(_mm_shuffle_ps(dd, dd, 0x55));
         const __m128i sm = hi_kq_scales_mins_v(x[i].scales);
@@ -97,12 +95,11 @@ static inline float hi_dot_q5_K_q8_K(int n, const void *restrict vx, const void 
     (void)x;
     hi_q8Kz z[nb > 0 ? nb : 1];
     hi_kq_prep_z(y, nb, z);
-    return hi_dot_q5_K_z(n, vx, z, 0, pfd);
+    return hi_dot_q5_K_z(n, vx, z, 0);
 #else
     (void)x;
     (void)y;
     (void)nb;
-    (void)pfd;
     return hi_dot_q5_K_q8_K_scalar(n, vx, vy);
 #endif
 }

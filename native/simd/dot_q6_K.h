@@ -10,15 +10,13 @@
 #if defined(__SSSE3__) && !defined(__AVX2__)
 /* ggml's generic kernel on a prepared activation row (hi_kq_prep_z); wz: the row's ql and qh are stored zipped
  * (hi_kq_zip_blocks). q enters unsigned and the -32 comes off each pair sum as the prepared 32 * (its two q8). */
-static inline float hi_dot_q6_K_z(int n, const void *restrict vx, const hi_q8Kz *restrict y, const int wz,
-                                  const int pfd) {
+static inline float hi_dot_q6_K_z(int n, const void *restrict vx, const hi_q8Kz *restrict y, const int wz) {
     const block_q6_K *restrict x = (const block_q6_K *)vx;
     const int nb = n / HI_QK_K;
     const __m128i m4 = _mm_set1_epi8(0x0f), m3 = _mm_set1_epi8(0x03), m12 = _mm_set1_epi8(0x0c);
     const __m128i m48 = _mm_set1_epi8(0x30), m192 = _mm_set1_epi8((char)0xc0);
     __m128 sums0 = _mm_setzero_ps(), sums1 = _mm_setzero_ps();
     for (int i = 0; i < nb; ++i) {
-        if (pfd) hi_kq_prefetch_block((const uint8_t *)&x[i] + pfd, sizeof(block_q6_K));
         const __m128i sc8 = _mm_loadu_si128((const __m128i *)x[i].scales);
         /* int8 -> int16 sign extension without SSE4.1; dword g of (sclo, schi): (sc[2g], sc[2g+1]) */
         const __m128i sclo = _mm_srai_epi16(_mm_unpacklo_epi8(sc8, sc8), 8);
@@ -62,7 +60,7 @@ static inline float hi_dot_q6_K_z(int n, const void *restrict vx, const hi_q8Kz 
 }
 #endif
 
-static inline float hi_dot_q6_K_q8_K(int n, const void *restrict vx, const void *restrict vy, const int pfd) {
+static inline float hi_dot_q6_K_q8_K(int n, const void *restrict vx, const void *restrict vy) {
     const block_q6_K *restrict x = (const block_q6_K *)vx;
     const block_q8_K *restrict y = (const block_q8_K *)vy;
     const int nb = n / HI_QK_K;
@@ -83,7 +81,6 @@ static inline float hi_dot_q6_K_q8_K(int n, const void *restrict vx, const void 
     const __m512i idx3 = _mm512_add_epi32(idx0, _mm512_set1_epi32(12));
     __m256 acc = _mm256_setzero_ps();
     for (int i = 0; i < nb; ++i) {
-        if (pfd) hi_kq_prefetch_block((const uint8_t *)&x[i] + pfd, sizeof(block_q6_K));
         const float d = hi_kq_d1(x[i].d, y[i].d);
         const __m256i off = hi_kq_q6_offset_lanes(x[i].scales, y[i].bsums);
         /* the 16 int8 scales as int16 values zero-extended to 32 bits, for vpdpwssd */
@@ -118,7 +115,6 @@ static inline float hi_dot_q6_K_q8_K(int n, const void *restrict vx, const void 
     const __m256i m192 = _mm256_set1_epi8((char)0xc0);
     __m256 acc = _mm256_setzero_ps();
     for (int i = 0; i < nb; ++i) {
-        if (pfd) hi_kq_prefetch_block((const uint8_t *)&x[i] + pfd, sizeof(block_q6_K));
         const float d = hi_kq_d1(x[i].d, y[i].d);
         const __m256i off = hi_kq_q6_offset_lanes(x[i].scales, y[i].bsums);
         const __m128i sc8 = _mm_loadu_si128((const __m128i *)x[i].scales);
@@ -158,12 +154,11 @@ static inline float hi_dot_q6_K_q8_K(int n, const void *restrict vx, const void 
     (void)x;
     hi_q8Kz z[nb > 0 ? nb : 1];
     hi_kq_prep_z(y, nb, z);
-    return hi_dot_q6_K_z(n, vx, z, 0, pfd);
+    return hi_dot_q6_K_z(n, vx, z, 0);
 #else
     (void)x;
     (void)y;
     (void)nb;
-    (void)pfd;
     return hi_dot_q6_K_q8_K_scalar(n, vx, vy);
 #endif
 }

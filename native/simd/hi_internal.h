@@ -62,7 +62,6 @@ typedef struct hi_mm {
     int wz;     /* K-quants: the rows' quant bytes are zipped (HI_T_ZIPPED; only with xk) */
     int kshape; /* K-quants: the float shape of llama.cpp's kernel (HI_KS_*, dot_kq_shapes.h) */
     int pf;     /* one token: bytes of the weight stream software-prefetched ahead (the context's; 0: none) */
-    int pfl;    /* one token, K-quants on a SIMD unit: pf, prefetched block by block inside the dots (0: per row) */
 } hi_mm;
 
 /* bytes per 256-element block of a `kprep`-prepared activation row (hi_q8Kz, dot_kquants.h) */

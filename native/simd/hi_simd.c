@@ -35,7 +35,6 @@ struct hi_ctx {
     uint8_t *scratch;
     size_t scratch_cap;
     int pf_bytes; /* hi_ctx_set_prefetch */
-    int pf_in_dot; /* hi_ctx_set_prefetch_in_dot */
 };
 
 hi_ctx *hi_ctx_new(int isa, int n_threads, int spin_us) {
@@ -50,7 +49,6 @@ hi_ctx *hi_ctx_new(int isa, int n_threads, int spin_us) {
         return NULL;
     }
     pthread_mutex_init(&c->mu, NULL);
-    c->pf_in_dot = 1;
     return c;
 }
 
@@ -179,12 +177,7 @@ static void hi_batch_chunk(void *a, int64_t i) {
 #define HI_INLINE_BYTES (96 << 10)
 
 static void hi_run_jobs(hi_ctx *c, hi_mm *jobs, int njobs) {
-    for (int j = 0; j < njobs; j++) {
-        jobs[j].pf = c->pf_bytes;
-        /* one token's K-quant rows on a SIMD unit: prefetched block by block in the dots (hi_ctx_set_prefetch_in_dot) */
-        const int in_dot = c->pf_in_dot && c->k->isa >= HI_ISA_SSSE3 && jobs[j].T == 1 && hi_is_kquant(jobs[j].qtype);
-        jobs[j].pfl = in_dot ? c->pf_bytes : 0;
-    }
+    for (int j = 0; j < njobs; j++) jobs[j].pf = c->pf_bytes;
     int64_t total_rows = 0, T = 1, bytes = 0;
     for (int j = 0; j < njobs; j++) {
         total_rows += jobs[j].rows;
@@ -480,8 +473,6 @@ int hi_repack_rows(hi_ctx *c, int qtype, void *data, int64_t nbytes) {
 
 void hi_ctx_set_prefetch(hi_ctx *c, int bytes) { c->pf_bytes = bytes < 0 ? 0 : bytes; }
 int hi_ctx_prefetch(const hi_ctx *c) { return c->pf_bytes; }
-void hi_ctx_set_prefetch_in_dot(hi_ctx *c, int on) { c->pf_in_dot = on != 0; }
-int hi_ctx_prefetch_in_dot(const hi_ctx *c) { return c->pf_in_dot; }
 
 _Static_assert(sizeof(hi_pool_acc) == 7 * sizeof(double), "hi_pool_acc: 7 doubles");
 void hi_ctx_pool_stats(hi_ctx *c, int on, double *out) {

@@ -115,12 +115,6 @@ int hi_repack_rows(hi_ctx *c, int qtype, void *data, int64_t nbytes);
  * every 4 KiB page), costs where it is bound by compute (a few threads). */
 void hi_ctx_set_prefetch(hi_ctx *c, int bytes);
 int hi_ctx_prefetch(const hi_ctx *c);
-/* on != 0 (the default): the K-quant dots (SSSE3 and up) request that distance ahead block by block, 3-4 lines
- * per block as they read it, instead of a row's lines in one burst before each row (up to 27 requests that the
- * row's own loads then queue behind); 0: per row, as the float rows. The legacy types' tiles stream their own
- * prefetch either way. No result changes. */
-void hi_ctx_set_prefetch_in_dot(hi_ctx *c, int on);
-int hi_ctx_prefetch_in_dot(const hi_ctx *c);
 
 /* where pooled calls lose time (hi_pool.h, hi_pool_stats): on != 0 clocks every pooled chunk from now on, 0 stops;
  * out (14 doubles, NULL: not read) gets the sums since the last read and resets them: for small tasks (under 24

@@ -206,19 +206,18 @@ HI_INLINE void hi_tile_kquant(const int qt, const hi_mm *m, int64_t r, int64_t t
 #if defined(HI_SSSE3)
     if (m->xk) {
         const hi_q8Kz *z = (const hi_q8Kz *)(m->xk + (size_t)t * m->xk_row);
-        const int wz = m->wz, pfd = m->pfl;
-        v = qt == HI_T_Q4_K ? hi_dot_q4_K_z(n, w, z, wz, pfd)
-            : qt == HI_T_Q5_K ? hi_dot_q5_K_z(n, w, z, wz, pfd) : hi_dot_q6_K_z(n, w, z, wz, pfd);
+        const int wz = m->wz;
+        v = qt == HI_T_Q4_K ? hi_dot_q4_K_z(n, w, z, wz) : qt == HI_T_Q5_K ? hi_dot_q5_K_z(n, w, z, wz) : hi_dot_q6_K_z(n, w, z, wz);
         m->out[(size_t)t * m->out_row + (size_t)r] = v;
         return;
     }
 #endif
     if (m->kshape == HI_KS_TILED) v = hi_dot_kq_tiled(qt, n, w, x);
     else if (m->kshape != HI_KS_VEC && qt == HI_T_Q4_K)
-        v = hi_dot_q4_K_rp(n, w, x, m->kshape == HI_KS_REPACK_GEMM && t < m->T - m->T % 4, m->pfl);
-    else if (qt == HI_T_Q4_K) v = hi_dot_q4_K_q8_K(n, w, x, m->pfl);
-    else if (qt == HI_T_Q5_K) v = hi_dot_q5_K_q8_K(n, w, x, m->pfl);
-    else v = hi_dot_q6_K_q8_K(n, w, x, m->pfl);
+        v = hi_dot_q4_K_rp(n, w, x, m->kshape == HI_KS_REPACK_GEMM && t < m->T - m->T % 4);
+    else if (qt == HI_T_Q4_K) v = hi_dot_q4_K_q8_K(n, w, x);
+    else if (qt == HI_T_Q5_K) v = hi_dot_q5_K_q8_K(n, w, x);
+    else v = hi_dot_q6_K_q8_K(n, w, x);
     m->out[(size_t)t * m->out_row + (size_t)r] = v;
 }
 
@@ -364,10 +363,6 @@ HI_INLINE void hi_drive(const int qt, const hi_mm *m, int64_t r0, int64_t r1) {
             const uint8_t *pf = m->w + (size_t)r0 * m->w_row, *const end = m->w + (size_t)r1 * m->w_row;
             const uint8_t *ahead = pf + m->pf < end ? pf + m->pf : end;
             for (; pf < ahead; pf += 64) __builtin_prefetch(pf, 0, 3);
-            if (m->pfl) { /* the dots prefetch block by block from here on */
-                for (; r < r1; r++) hi_tile(qt, 1, 1, m, r, tb);
-                continue;
-            }
             for (; r < r1; r++) {
                 const uint8_t *lim = pf + m->w_row < end ? pf + m->w_row : end;
                 for (; pf < lim; pf += 64) __builtin_prefetch(pf, 0, 3);
