@@ -64,12 +64,12 @@ def _steps(be, st, t: int, n: int) -> tuple[int, float]:
     return t, time.perf_counter() - t0
 
 
-def _sweep(eng, dists: list[int], n: int) -> None:
+def _sweep(eng, dists: list[int], n: int, rounds: int) -> None:
     be = eng.backend
     st, t = _start(eng)
     be.forward([t], st, all_logits=False)
     res: dict[int, list[float]] = defaultdict(list)
-    for _ in range(2):
+    for _ in range(rounds):
         for d in dists:
             be.simd.prefetch = d
             if st.pos + n + 2 > st.n_ctx:
@@ -77,7 +77,7 @@ def _sweep(eng, dists: list[int], n: int) -> None:
                 be.forward([t], st, all_logits=False)
             t, dt = _steps(be, st, t, n)
             res[d].append(n / dt)
-    print(f"{be.simd!r}, weights {be.weights}: prefetch distance -> tok/s (two interleaved runs)")
+    print(f"{be.simd!r}, weights {be.weights}: prefetch distance -> tok/s ({rounds} interleaved runs)")
     for d in dists:
         print(f"  {d:6d} B: " + ", ".join(f"{x:.2f}" for x in res[d]))
 
@@ -108,8 +108,9 @@ def main(argv=None) -> None:
     ap.add_argument("--isa", default=None)
     ap.add_argument("--weights", default="auto", choices=["auto", "copy", "mmap"])
     ap.add_argument("--sweep-prefetch", default="",
-                    help="comma-separated prefetch distances (bytes): time plain decode steps at each, twice, "
-                         "interleaved, instead of the per-call table")
+                    help="comma-separated prefetch distances (bytes): time plain decode steps at each, --rounds "
+                         "times, interleaved, instead of the per-call table")
+    ap.add_argument("--rounds", type=int, default=2, help="--sweep-prefetch: interleaved runs per distance")
     ap.add_argument("--pool", action="store_true",
                     help="time plain decode steps with the pool's clocks on: per pooled call its wall time, the "
                          "threads' busy time, their start delay and finish spread, instead of the per-call table")
@@ -118,7 +119,7 @@ def main(argv=None) -> None:
                       n_threads=a.threads, n_ctx=256, weights=a.weights)
     be = eng.backend
     if a.sweep_prefetch:
-        _sweep(eng, [int(x) for x in a.sweep_prefetch.split(",")], a.tokens)
+        _sweep(eng, [int(x) for x in a.sweep_prefetch.split(",")], a.tokens, a.rounds)
         return
     if a.pool:
         _pool(eng, a.tokens)
