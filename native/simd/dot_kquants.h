@@ -319,17 +319,30 @@ static inline __m128i hi_kq_scales_mins_v(const uint8_t *s12) {
  * then sums the products of lane l over both octets */
 #define HI_KQ_ZIP_OCTETS _mm_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15)
 
+/* Q6_K's pair order: of 32 bytes (a: the first 16 elements of a 32-element group, sub-block 0; b: the next 16,
+ * sub-block 1), v0 gets lanes 0..3 and v1 lanes 4..7, each lane as two byte pairs, (sub-block 0's elements l,
+ * l + 8), then (sub-block 1's l, l + 8). pmaddubsw then gives the lane sums of both sub-blocks interleaved, as
+ * _mm_unpack{lo,hi}_epi16 of the two sub-blocks' zipped lane sums would: pmaddwd applies the two scales at once. */
+static inline void hi_kq_q6_pair(__m128i a, __m128i b, __m128i *v0, __m128i *v1) {
+    *v0 = _mm_or_si128(_mm_shuffle_epi8(a, _mm_setr_epi8(0, 8, -1, -1, 1, 9, -1, -1, 2, 10, -1, -1, 3, 11, -1, -1)),
+                       _mm_shuffle_epi8(b, _mm_setr_epi8(-1, -1, 0, 8, -1, -1, 1, 9, -1, -1, 2, 10, -1, -1, 3, 11)));
+    *v1 = _mm_or_si128(_mm_shuffle_epi8(a, _mm_setr_epi8(4, 12, -1, -1, 5, 13, -1, -1, 6, 14, -1, -1, 7, 15, -1, -1)),
+                       _mm_shuffle_epi8(b, _mm_setr_epi8(-1, -1, 4, 12, -1, -1, 5, 13, -1, -1, 6, 14, -1, -1, 7, 15)));
+}
+
 /* A Q8_K activation block prepared once per product for the SSSE3 dots (hi_kq_prep_z), so that no row repeats
- * the work: its quants zipped (every 16 bytes by HI_KQ_ZIP_OCTETS), the sub-block sums of the Q4_K / Q5_K min
- * term, and Q6_K's -32 offsets in pmaddubsw's lanes. Same integers and floats as from the block itself. */
+ * the work: its quants zipped (every 16 bytes by HI_KQ_ZIP_OCTETS) for Q4_K / Q5_K and in Q6_K's pair order, the
+ * sub-block sums of the Q4_K / Q5_K min term, and Q6_K's -32 offsets in pmaddubsw's lanes. Same integers and
+ * floats as from the block itself. */
 typedef struct {
     float d;
     int16_t B[8];    /* bsums[2s] + bsums[2s+1]: the sum of q8 over sub-block s of 32 */
     int8_t pad[12];
     int8_t qs[256];  /* q8, 16 bytes at a time zipped */
-    int16_t o6[128]; /* 32 * (a zipped pair's two q8): what pmaddubsw(32, qs) gives, lane for lane */
+    int8_t q6[256];  /* q8, 32 bytes at a time in Q6_K's pair order (hi_kq_q6_pair) */
+    int16_t o6[128]; /* 32 * (a pair's two q8 in q6): what pmaddubsw(32, q6) gives, lane for lane */
 } hi_q8Kz;
-_Static_assert(sizeof(hi_q8Kz) == 544, "hi_q8Kz");
+_Static_assert(sizeof(hi_q8Kz) == 800, "hi_q8Kz");
 
 static inline void hi_kq_prep_z(const block_q8_K *restrict y, int nb, hi_q8Kz *restrict z) {
     const __m128i zip = HI_KQ_ZIP_OCTETS, m32 = _mm_set1_epi8(32);
@@ -341,7 +354,15 @@ static inline void hi_kq_prep_z(const block_q8_K *restrict y, int nb, hi_q8Kz *r
         for (int k = 0; k < 16; ++k) {
             const __m128i q = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(y[i].qs + 16 * k)), zip);
             _mm_storeu_si128((__m128i *)(z[i].qs + 16 * k), q);
-            _mm_storeu_si128((__m128i *)(z[i].o6 + 8 * k), _mm_maddubs_epi16(m32, q));
+        }
+        for (int k = 0; k < 16; k += 2) {
+            __m128i v[2];
+            hi_kq_q6_pair(_mm_loadu_si128((const __m128i *)(y[i].qs + 16 * k)),
+                          _mm_loadu_si128((const __m128i *)(y[i].qs + 16 * k + 16)), &v[0], &v[1]);
+            for (int h = 0; h < 2; ++h) {
+                _mm_storeu_si128((__m128i *)(z[i].q6 + 16 * (k + h)), v[h]);
+                _mm_storeu_si128((__m128i *)(z[i].o6 + 8 * (k + h)), _mm_maddubs_epi16(m32, v[h]));
+            }
         }
     }
 }
@@ -400,14 +421,26 @@ static inline __m128i hi_kq_load_z(const uint8_t *p, const int wz) {
     return wz ? v : _mm_shuffle_epi8(v, HI_KQ_ZIP_OCTETS);
 }
 
-/* K-quant weight blocks (nb of type qtype at p) repacked in place for these kernels: each block's quant bytes
- * (Q4_K qs; Q5_K qh, qs; Q6_K ql, qh) zipped 16 at a time, as hi_kq_load_z would zip them on every read (wz) */
+/* K-quant weight blocks (nb of type qtype at p) repacked in place for these kernels: each Q4_K / Q5_K block's
+ * quant bytes (qs; qh, qs) zipped 16 at a time, as hi_kq_load_z would zip them on every read, and each Q6_K
+ * block's ql and qh put in pair order 32 bytes at a time, as hi_kq_q6_load would on every read (wz) */
 static inline void hi_kq_zip_blocks(int qtype, uint8_t *p, int64_t nb) {
     const size_t bs = qtype == 12 ? sizeof(block_q4_K) : qtype == 13 ? sizeof(block_q5_K) : sizeof(block_q6_K);
     const size_t off = qtype == 14 ? 0 : 16, len = qtype == 12 ? 128 : qtype == 13 ? 160 : 192;
-    for (int64_t i = 0; i < nb; ++i, p += bs)
+    for (int64_t i = 0; i < nb; ++i, p += bs) {
+        if (qtype == 14) {
+            for (size_t k = 0; k < len; k += 32) {
+                __m128i v[2];
+                hi_kq_q6_pair(_mm_loadu_si128((const __m128i *)(p + k)), _mm_loadu_si128((const __m128i *)(p + k + 16)),
+                              &v[0], &v[1]);
+                _mm_storeu_si128((__m128i *)(p + k), v[0]);
+                _mm_storeu_si128((__m128i *)(p + k + 16), v[1]);
+            }
+            continue;
+        }
         for (size_t k = off; k < off + len; k += 16)
             _mm_storeu_si128((__m128i *)(p + k), hi_kq_load_z(p + k, 0));
+    }
 }
 
 /* ggml's generic Q4_K (has_qh = 0) or Q5_K (has_qh = 1) kernel on a prepared activation row (hi_kq_prep_z), over

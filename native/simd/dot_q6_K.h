@@ -8,8 +8,17 @@
 /* Q6_K                                                                                              */
 
 #if defined(__SSSE3__) && !defined(__AVX2__)
-/* ggml's generic kernel on a prepared activation row (hi_kq_prep_z); wz: the row's ql and qh are stored zipped
- * (hi_kq_zip_blocks). q enters unsigned and the -32 comes off each pair sum as the prepared 32 * (its two q8). */
+/* the 32 bytes at p in Q6_K's pair order (hi_kq_q6_pair), unless the row is stored so already (wz) */
+static inline void hi_kq_q6_load(const uint8_t *p, const int wz, __m128i *v0, __m128i *v1) {
+    *v0 = _mm_loadu_si128((const __m128i *)p);
+    *v1 = _mm_loadu_si128((const __m128i *)(p + 16));
+    if (!wz) hi_kq_q6_pair(*v0, *v1, v0, v1);
+}
+
+/* ggml's generic kernel on a prepared activation row (hi_kq_prep_z); wz: the row's ql and qh are stored in pair
+ * order (hi_kq_zip_blocks). q enters unsigned and the -32 comes off each pair sum as the prepared 32 * (its two
+ * q8). In pair order one pmaddubsw gives lanes 0..3 (or 4..7) of both sub-blocks of a 32-element group side by
+ * side, and pmaddwd against the two scales adds them into the 8 int32 lanes as ggml's loop does. */
 static inline float hi_dot_q6_K_z(int n, const void *restrict vx, const hi_q8Kz *restrict y, const int wz) {
     const block_q6_K *restrict x = (const block_q6_K *)vx;
     const int nb = n / HI_QK_K;
@@ -21,25 +30,26 @@ static inline float hi_dot_q6_K_z(int n, const void *restrict vx, const hi_q8Kz 
         /* int8 -> int16 sign extension without SSE4.1; dword g of (sclo, schi): (sc[2g], sc[2g+1]) */
         const __m128i sclo = _mm_srai_epi16(_mm_unpacklo_epi8(sc8, sc8), 8);
         const __m128i schi = _mm_srai_epi16(_mm_unpackhi_epi8(sc8, sc8), 8);
-        const int8_t *q8 = y[i].qs;
+        const int8_t *q6 = y[i].q6;
         const int16_t *o6 = y[i].o6;
         __m128i lo = _mm_setzero_si128(), hi = _mm_setzero_si128();
-        /* group g (32 elements, sub-blocks 2g and 2g+1) from its two zipped 16-byte halves of quants */
+        /* group g (32 elements, sub-blocks 2g and 2g+1) from its two 16-byte halves of quants in pair order */
 #define HI_KQ_Q6_GROUP(g, w0, w1)                                                                          \
         {                                                                                                  \
-            const __m128i p0 = _mm_sub_epi16(_mm_maddubs_epi16(w0, _mm_loadu_si128((const __m128i *)(q8 + 32 * (g)))), \
+            const __m128i p0 = _mm_sub_epi16(_mm_maddubs_epi16(w0, _mm_loadu_si128((const __m128i *)(q6 + 32 * (g)))), \
                                              _mm_loadu_si128((const __m128i *)(o6 + 16 * (g))));          \
-            const __m128i p1 = _mm_sub_epi16(_mm_maddubs_epi16(w1, _mm_loadu_si128((const __m128i *)(q8 + 32 * (g) + 16))), \
+            const __m128i p1 = _mm_sub_epi16(_mm_maddubs_epi16(w1, _mm_loadu_si128((const __m128i *)(q6 + 32 * (g) + 16))), \
                                              _mm_loadu_si128((const __m128i *)(o6 + 16 * (g) + 8)));      \
             const __m128i sc = _mm_shuffle_epi32((g) < 4 ? sclo : schi, ((g) & 3) * 0x55);                 \
-            lo = _mm_add_epi32(lo, _mm_madd_epi16(_mm_unpacklo_epi16(p0, p1), sc));                         \
-            hi = _mm_add_epi32(hi, _mm_madd_epi16(_mm_unpackhi_epi16(p0, p1), sc));                         \
+            lo = _mm_add_epi32(lo, _mm_madd_epi16(p0, sc));                                                \
+            hi = _mm_add_epi32(hi, _mm_madd_epi16(p1, sc));                                                \
         }
 #define HI_KQ_Q6_STEP(h)                                                                                   \
         {                                                                                                  \
-            const __m128i a0 = hi_kq_load_z(x[i].ql + 64 * (h), wz), a1 = hi_kq_load_z(x[i].ql + 64 * (h) + 16, wz); \
-            const __m128i a2 = hi_kq_load_z(x[i].ql + 64 * (h) + 32, wz), a3 = hi_kq_load_z(x[i].ql + 64 * (h) + 48, wz); \
-            const __m128i h0 = hi_kq_load_z(x[i].qh + 32 * (h), wz), h1 = hi_kq_load_z(x[i].qh + 32 * (h) + 16, wz); \
+            __m128i a0, a1, a2, a3, h0, h1;                                                                \
+            hi_kq_q6_load(x[i].ql + 64 * (h), wz, &a0, &a1);                                               \
+            hi_kq_q6_load(x[i].ql + 64 * (h) + 32, wz, &a2, &a3);                                          \
+            hi_kq_q6_load(x[i].qh + 32 * (h), wz, &h0, &h1);                                               \
             HI_KQ_Q6_GROUP(4 * (h) + 0, _mm_or_si128(_mm_and_si128(a0, m4), _mm_slli_epi16(_mm_and_si128(h0, m3), 4)), \
                            _mm_or_si128(_mm_and_si128(a1, m4), _mm_slli_epi16(_mm_and_si128(h1, m3), 4)))  \
             HI_KQ_Q6_GROUP(4 * (h) + 1, _mm_or_si128(_mm_and_si128(a2, m4), _mm_slli_epi16(_mm_and_si128(h0, m12), 2)), \
