@@ -105,9 +105,9 @@ int64_t hi_pool_check(hi_ctx *c, int64_t total, int reps);
 
 /* repacks nbytes of weight rows of type qtype (whole blocks, at data) in place into the layout this context's
  * unit reads fastest, and returns the qtype to pass with them from then on: qtype | 0x100 (HI_T_ZIPPED) for
- * K-quants on the SSSE3 unit (each block's quant bytes zipped, 16 at a time), qtype itself elsewhere (the
- * bytes left as they are); -1 for a type without kernels, -2 for a size that is not whole blocks. Products
- * of repacked rows give the same bits as of the rows as they were. */
+ * K-quants on the SSSE3 unit (each block's quant bytes in its kernels' order, hi_kq_zip_blocks), qtype itself
+ * elsewhere (the bytes left as they are); -1 for a type without kernels, -2 for a size that is not whole
+ * blocks. Products of repacked rows give the same bits as of the rows as they were. */
 int hi_repack_rows(hi_ctx *c, int qtype, void *data, int64_t nbytes);
 
 /* decode products: bytes of each thread's weight stream software-prefetched ahead of the row it reads (0, the
