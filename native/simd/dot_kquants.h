@@ -351,14 +351,13 @@ static inline void hi_kq_prep_z(const block_q8_K *restrict y, int nb, hi_q8Kz *r
         memset(z[i].pad, 0, sizeof(z[i].pad));
         _mm_storeu_si128((__m128i *)z[i].B, _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)y[i].bsums),
                                                            _mm_loadu_si128((const __m128i *)(y[i].bsums + 8))));
-        for (int k = 0; k < 16; ++k) {
-            const __m128i q = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(y[i].qs + 16 * k)), zip);
-            _mm_storeu_si128((__m128i *)(z[i].qs + 16 * k), q);
-        }
-        for (int k = 0; k < 16; k += 2) {
+        for (int k = 0; k < 16; k += 2) { /* 32 quants: zipped 16 at a time, and in pair order */
+            const __m128i a = _mm_loadu_si128((const __m128i *)(y[i].qs + 16 * k));
+            const __m128i b = _mm_loadu_si128((const __m128i *)(y[i].qs + 16 * k + 16));
+            _mm_storeu_si128((__m128i *)(z[i].qs + 16 * k), _mm_shuffle_epi8(a, zip));
+            _mm_storeu_si128((__m128i *)(z[i].qs + 16 * k + 16), _mm_shuffle_epi8(b, zip));
             __m128i v[2];
-            hi_kq_q6_pair(_mm_loadu_si128((const __m128i *)(y[i].qs + 16 * k)),
-                          _mm_loadu_si128((const __m128i *)(y[i].qs + 16 * k + 16)), &v[0], &v[1]);
+            hi_kq_q6_pair(a, b, &v[0], &v[1]);
             for (int h = 0; h < 2; ++h) {
                 _mm_storeu_si128((__m128i *)(z[i].q6 + 16 * (k + h)), v[h]);
                 _mm_storeu_si128((__m128i *)(z[i].o6 + 8 * (k + h)), _mm_maddubs_epi16(m32, v[h]));
