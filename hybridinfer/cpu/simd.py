@@ -342,7 +342,7 @@ class SimdLib(MoECalls, OpCalls):
         """Repack weight rows in place into the layout this unit reads fastest and return the qtype to pass
         with them from then on. raw: a writable C-contiguous uint8 array of whole `qtype` blocks (any number of
         rows or matrices). The SSSE3 unit reads K-quants (Q4_K, Q5_K, Q6_K) with each block's quant bytes in
-        the order its kernels would shuffle every row they read into (Q4_K and Q5_K zipped 16 bytes at a time, Q6_K
+        the order its kernels would shuffle every row they read into (Q5_K zipped 16 bytes at a time, Q4_K and Q6_K
         in pair order 32 at a time; native/simd/dot_kquants.h): it moves them so and returns
         qtype | KQ_ZIPPED, which only that unit accepts. Every other (unit, type) keeps ggml's layout: raw is
         left as it is and qtype returned. Products of the repacked rows give the same bits."""

@@ -330,19 +330,41 @@ static inline void hi_kq_q6_pair(__m128i a, __m128i b, __m128i *v0, __m128i *v1)
                        _mm_shuffle_epi8(b, _mm_setr_epi8(-1, -1, 4, 12, -1, -1, 5, 13, -1, -1, 6, 14, -1, -1, 7, 15)));
 }
 
+/* Q4_K's pair order, for the 64 elements of a step (two sub-blocks of 32: c0, c1 the first one's halves, c2, c3
+ * the second's): the four vectors that pmaddubsw meets against the step's weights (hi_dot_q4_K_p), each lane as
+ * byte pairs of the first sub-block then of the second, so that the two sub-blocks' lane sums come side by side:
+ * out[0], out[2]: elements l, l + 8 of c0 / c2 (out[0]: lanes 0..3, out[2]: 4..7); out[1], out[3]: of c1 / c3 */
+static inline void hi_kq_q4_pair(__m128i c0, __m128i c1, __m128i c2, __m128i c3, __m128i out[4]) {
+    hi_kq_q6_pair(c0, c2, &out[0], &out[2]);
+    hi_kq_q6_pair(c1, c3, &out[1], &out[3]);
+}
+
+/* a Q4_K step's 32 quant bytes (b0, b1: element l's nibble in byte l % 32, low for l < 32 (the first sub-block),
+ * high for the second) in Q4_K's pair order: the low nibbles of the new b0 / b1 are out[0] / out[2] of
+ * hi_kq_q4_pair over the step's elements, their high nibbles out[1] / out[3] */
+static inline void hi_kq_q4_weights(__m128i b0, __m128i b1, __m128i *n0, __m128i *n1) {
+    const __m128i m4 = _mm_set1_epi8(0x0f);
+    __m128i v[4];
+    hi_kq_q4_pair(_mm_and_si128(b0, m4), _mm_and_si128(b1, m4), _mm_and_si128(_mm_srli_epi16(b0, 4), m4),
+                  _mm_and_si128(_mm_srli_epi16(b1, 4), m4), v);
+    *n0 = _mm_or_si128(v[0], _mm_slli_epi16(v[1], 4));
+    *n1 = _mm_or_si128(v[2], _mm_slli_epi16(v[3], 4));
+}
+
 /* A Q8_K activation block prepared once per product for the SSSE3 dots (hi_kq_prep_z), so that no row repeats
- * the work: its quants zipped (every 16 bytes by HI_KQ_ZIP_OCTETS) for Q4_K / Q5_K and in Q6_K's pair order, the
- * sub-block sums of the Q4_K / Q5_K min term, and Q6_K's -32 offsets in pmaddubsw's lanes. Same integers and
- * floats as from the block itself. */
+ * the work: its quants zipped (every 16 bytes by HI_KQ_ZIP_OCTETS) for Q5_K and Q4_K rows read as stored in the
+ * file, in Q4_K's pair order for repacked Q4_K rows and in Q6_K's, the sub-block sums of the Q4_K / Q5_K min
+ * term, and Q6_K's -32 offsets in pmaddubsw's lanes. Same integers and floats as from the block itself. */
 typedef struct {
     float d;
     int16_t B[8];    /* bsums[2s] + bsums[2s+1]: the sum of q8 over sub-block s of 32 */
     int8_t pad[12];
     int8_t qs[256];  /* q8, 16 bytes at a time zipped */
+    int8_t q4[256];  /* q8, 64 bytes at a time in Q4_K's pair order (hi_kq_q4_pair) */
     int8_t q6[256];  /* q8, 32 bytes at a time in Q6_K's pair order (hi_kq_q6_pair) */
     int16_t o6[128]; /* 32 * (a pair's two q8 in q6): what pmaddubsw(32, q6) gives, lane for lane */
 } hi_q8Kz;
-_Static_assert(sizeof(hi_q8Kz) == 800, "hi_q8Kz");
+_Static_assert(sizeof(hi_q8Kz) == 1056, "hi_q8Kz");
 
 static inline void hi_kq_prep_z(const block_q8_K *restrict y, int nb, hi_q8Kz *restrict z) {
     const __m128i zip = HI_KQ_ZIP_OCTETS, m32 = _mm_set1_epi8(32);
@@ -351,16 +373,19 @@ static inline void hi_kq_prep_z(const block_q8_K *restrict y, int nb, hi_q8Kz *r
         memset(z[i].pad, 0, sizeof(z[i].pad));
         _mm_storeu_si128((__m128i *)z[i].B, _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)y[i].bsums),
                                                            _mm_loadu_si128((const __m128i *)(y[i].bsums + 8))));
-        for (int k = 0; k < 16; k += 2) { /* 32 quants: zipped 16 at a time, and in pair order */
-            const __m128i a = _mm_loadu_si128((const __m128i *)(y[i].qs + 16 * k));
-            const __m128i b = _mm_loadu_si128((const __m128i *)(y[i].qs + 16 * k + 16));
-            _mm_storeu_si128((__m128i *)(z[i].qs + 16 * k), _mm_shuffle_epi8(a, zip));
-            _mm_storeu_si128((__m128i *)(z[i].qs + 16 * k + 16), _mm_shuffle_epi8(b, zip));
-            __m128i v[2];
-            hi_kq_q6_pair(a, b, &v[0], &v[1]);
-            for (int h = 0; h < 2; ++h) {
-                _mm_storeu_si128((__m128i *)(z[i].q6 + 16 * (k + h)), v[h]);
-                _mm_storeu_si128((__m128i *)(z[i].o6 + 8 * (k + h)), _mm_maddubs_epi16(m32, v[h]));
+        for (int j = 0; j < 4; ++j) { /* 64 quants, loaded once: zipped 16 at a time, in both pair orders */
+            __m128i c[4], v[4];
+            for (int h = 0; h < 4; ++h) {
+                c[h] = _mm_loadu_si128((const __m128i *)(y[i].qs + 64 * j + 16 * h));
+                _mm_storeu_si128((__m128i *)(z[i].qs + 64 * j + 16 * h), _mm_shuffle_epi8(c[h], zip));
+            }
+            hi_kq_q4_pair(c[0], c[1], c[2], c[3], v);
+            for (int h = 0; h < 4; ++h) _mm_storeu_si128((__m128i *)(z[i].q4 + 64 * j + 16 * h), v[h]);
+            hi_kq_q6_pair(c[0], c[1], &v[0], &v[1]);
+            hi_kq_q6_pair(c[2], c[3], &v[2], &v[3]);
+            for (int h = 0; h < 4; ++h) {
+                _mm_storeu_si128((__m128i *)(z[i].q6 + 64 * j + 16 * h), v[h]);
+                _mm_storeu_si128((__m128i *)(z[i].o6 + 32 * j + 8 * h), _mm_maddubs_epi16(m32, v[h]));
             }
         }
     }
@@ -420,31 +445,31 @@ static inline __m128i hi_kq_load_z(const uint8_t *p, const int wz) {
     return wz ? v : _mm_shuffle_epi8(v, HI_KQ_ZIP_OCTETS);
 }
 
-/* K-quant weight blocks (nb of type qtype at p) repacked in place for these kernels: each Q4_K / Q5_K block's
- * quant bytes (qs; qh, qs) zipped 16 at a time, as hi_kq_load_z would zip them on every read, and each Q6_K
- * block's ql and qh put in pair order 32 bytes at a time, as hi_kq_q6_load would on every read (wz) */
+/* K-quant weight blocks (nb of type qtype at p) repacked in place for these kernels, as they would rearrange every
+ * row they read (wz): each Q4_K block's qs in Q4_K's pair order 32 bytes at a time (hi_kq_q4_weights), each Q5_K
+ * block's qh and qs zipped 16 at a time (hi_kq_load_z), each Q6_K block's ql and qh in pair order 32 bytes at a
+ * time (hi_kq_q6_pair) */
 static inline void hi_kq_zip_blocks(int qtype, uint8_t *p, int64_t nb) {
     const size_t bs = qtype == 12 ? sizeof(block_q4_K) : qtype == 13 ? sizeof(block_q5_K) : sizeof(block_q6_K);
-    const size_t off = qtype == 14 ? 0 : 16, len = qtype == 12 ? 128 : qtype == 13 ? 160 : 192;
     for (int64_t i = 0; i < nb; ++i, p += bs) {
-        if (qtype == 14) {
-            for (size_t k = 0; k < len; k += 32) {
-                __m128i v[2];
-                hi_kq_q6_pair(_mm_loadu_si128((const __m128i *)(p + k)), _mm_loadu_si128((const __m128i *)(p + k + 16)),
-                              &v[0], &v[1]);
-                _mm_storeu_si128((__m128i *)(p + k), v[0]);
-                _mm_storeu_si128((__m128i *)(p + k + 16), v[1]);
-            }
+        if (qtype == 13) {
+            for (size_t k = 16; k < 16 + 160; k += 16) _mm_storeu_si128((__m128i *)(p + k), hi_kq_load_z(p + k, 0));
             continue;
         }
-        for (size_t k = off; k < off + len; k += 16)
-            _mm_storeu_si128((__m128i *)(p + k), hi_kq_load_z(p + k, 0));
+        for (size_t k = qtype == 12 ? 16 : 0; k < (qtype == 12 ? 16 + 128 : 192); k += 32) {
+            const __m128i a = _mm_loadu_si128((const __m128i *)(p + k)), b = _mm_loadu_si128((const __m128i *)(p + k + 16));
+            __m128i v[2];
+            if (qtype == 12) hi_kq_q4_weights(a, b, &v[0], &v[1]);
+            else hi_kq_q6_pair(a, b, &v[0], &v[1]);
+            _mm_storeu_si128((__m128i *)(p + k), v[0]);
+            _mm_storeu_si128((__m128i *)(p + k + 16), v[1]);
+        }
     }
 }
 
 /* ggml's generic Q4_K (has_qh = 0) or Q5_K (has_qh = 1) kernel on a prepared activation row (hi_kq_prep_z), over
  * nb blocks of bsize bytes (d, dmin, scales[12], (qh[32],) qs[128]); wz: the quant bytes are stored zipped
- * (hi_kq_zip_blocks). Octets zipped so that pmaddubsw sums lane l (element % 8) of two octets; Q5_K's fifth bits
+ * (hi_kq_zip_blocks; Q5_K only: repacked Q4_K rows go to hi_dot_q4_K_p). Octets zipped so that pmaddubsw sums lane l (element % 8) of two octets; Q5_K's fifth bits
  * come from qh, zipped like the quants. */
 static inline float hi_kq_dot_k4_z(int nb, const uint8_t *restrict vx, size_t bsize, const int has_qh,
                                    const hi_q8Kz *restrict y, const int wz) {
@@ -486,8 +511,52 @@ static inline float hi_kq_dot_k4_z(int nb, const uint8_t *restrict vx, size_t bs
     return hi_kq_gen_end_ps(sumf, sums0, sums1);
 }
 
+/* ggml's generic Q4_K kernel on rows repacked in Q4_K's pair order (hi_kq_zip_blocks) and a prepared activation
+ * row: per step one pmaddubsw pair gives lanes 0..3 of both sub-blocks side by side (another 4..7), and pmaddwd
+ * against the two scales adds them into the int32 lanes as ggml's loop does; the same integers as
+ * hi_kq_dot_k4_z's structure gives, without its two unpacks per step (8 of about 105 vector ops per block). A
+ * separate kernel: rearranging rows read from the file into this order costs 12 shuffles per step (zipping: 2). */
+static inline float hi_dot_q4_K_p(int n, const void *restrict vx, const hi_q8Kz *restrict y) {
+    const int nb = n / HI_QK_K;
+    const __m128i m4 = _mm_set1_epi8(0x0f);
+    __m128 sums0 = _mm_setzero_ps(), sums1 = _mm_setzero_ps();
+    float sumf = 0.0f;
+    for (int i = 0; i < nb; ++i) {
+        const uint8_t *b = (const uint8_t *)vx + (size_t)i * sizeof(block_q4_K), *qs = b + 16;
+        hi_half dd[2];
+        memcpy(dd, b, 4);
+        const __m128i sm = hi_kq_scales_mins_v(b + 4);
+        const __m128i sc16 = _mm_unpacklo_epi8(sm, _mm_setzero_si128()); /* dword j: (sc[2j], sc[2j+1]) */
+        const int8_t *q4 = y[i].q4;
+        __m128i lo = _mm_setzero_si128(), hi = _mm_setzero_si128();
+        /* lanes (0..3 for h = 0, 4..7 for h = 1) of both sub-blocks of step j, from the 16 weight bytes w */
+#define HI_KQ_Q4_DOT(w, j, h)                                                                              \
+        _mm_add_epi16(_mm_maddubs_epi16(_mm_and_si128(w, m4), _mm_loadu_si128((const __m128i *)(q4 + 64 * (j) + 32 * (h)))), \
+                      _mm_maddubs_epi16(_mm_and_si128(_mm_srli_epi16(w, 4), m4),                           \
+                                        _mm_loadu_si128((const __m128i *)(q4 + 64 * (j) + 32 * (h) + 16))))
+#define HI_KQ_Q4_STEP(j)                                                                                   \
+        {                                                                                                  \
+            const __m128i b0 = _mm_loadu_si128((const __m128i *)(qs + 32 * (j)));                          \
+            const __m128i b1 = _mm_loadu_si128((const __m128i *)(qs + 32 * (j) + 16));                     \
+            const __m128i scl = _mm_shuffle_epi32(sc16, (j) * 0x55);                                       \
+            lo = _mm_add_epi32(lo, _mm_madd_epi16(HI_KQ_Q4_DOT(b0, j, 0), scl));                           \
+            hi = _mm_add_epi32(hi, _mm_madd_epi16(HI_KQ_Q4_DOT(b1, j, 1), scl));                           \
+        }
+        HI_KQ_Q4_STEP(0)
+        HI_KQ_Q4_STEP(1)
+        HI_KQ_Q4_STEP(2)
+        HI_KQ_Q4_STEP(3)
+#undef HI_KQ_Q4_STEP
+#undef HI_KQ_Q4_DOT
+        sumf = hi_kq_k4_block_end(dd, &y[i], sm, lo, hi, &sums0, &sums1, sumf);
+    }
+    return hi_kq_gen_end_ps(sumf, sums0, sums1);
+}
+
+/* Q4_K rows repacked (wz: hi_dot_q4_K_p) or as stored in the file (zipped as they are read) */
 static inline float hi_dot_q4_K_z(int n, const void *restrict vx, const hi_q8Kz *restrict y, const int wz) {
-    return hi_kq_dot_k4_z(n / HI_QK_K, (const uint8_t *)vx, sizeof(block_q4_K), 0, y, wz);
+    if (wz) return hi_dot_q4_K_p(n, vx, y);
+    return hi_kq_dot_k4_z(n / HI_QK_K, (const uint8_t *)vx, sizeof(block_q4_K), 0, y, 0);
 }
 
 static inline float hi_dot_q5_K_z(int n, const void *restrict vx, const hi_q8Kz *restrict y, const int wz) {

@@ -65,7 +65,7 @@ typedef struct hi_mm {
 } hi_mm;
 
 /* bytes per 256-element block of a `kprep`-prepared activation row (hi_q8Kz, dot_kquants.h) */
-#define HI_KPREP_BYTES 800
+#define HI_KPREP_BYTES 1056
 
 /* K-quant float shapes: ggml_vec_dot's; the repacked Q4_K gemv (per block) and gemm (per quarter block for
  * tokens t < T - T % 4, per block after); the tiled kernels' */

@@ -84,7 +84,7 @@ static int hi_needs_prep(const hi_ctx *c, int qtype) {
 }
 
 /* bytes of prepared data for T activation rows of nb blocks of 32: legacy types corr (8 int32), dy, sy per
- * block; K-quants HI_KPREP_BYTES per 8 blocks (the larger: 100 bytes per block) */
+ * block; K-quants HI_KPREP_BYTES per 8 blocks (the larger: 132 bytes per block) */
 static size_t hi_prep_bytes(int64_t T, int64_t nb) { return (size_t)(T * nb) * (HI_KPREP_BYTES / 8); }
 
 /* prepare T activation rows (xq, xq_row bytes apart; nb blocks of 32 each) for m's weight type into scratch at
