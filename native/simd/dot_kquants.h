@@ -447,30 +447,32 @@ static inline __m128i hi_kq_load_z(const uint8_t *p, const int wz) {
 
 /* K-quant weight blocks (nb of type qtype at p) repacked in place for these kernels, as they would rearrange every
  * row they read (wz): each Q4_K block's qs in Q4_K's pair order 32 bytes at a time (hi_kq_q4_weights), each Q5_K
- * block's qh and qs zipped 16 at a time (hi_kq_load_z), each Q6_K block's ql and qh in pair order 32 bytes at a
- * time (hi_kq_q6_pair) */
+ * block's qh and qs zipped 16 at a time (hi_kq_load_z), each Q6_K block's ql and qh as pair-order 6-bit quants,
+ * three vectors per four (hi_kq_q6_repack_block, dot_q6_K.h) */
+static inline void hi_kq_q6_repack_block(uint8_t *p);
 static inline void hi_kq_zip_blocks(int qtype, uint8_t *p, int64_t nb) {
     const size_t bs = qtype == 12 ? sizeof(block_q4_K) : qtype == 13 ? sizeof(block_q5_K) : sizeof(block_q6_K);
     for (int64_t i = 0; i < nb; ++i, p += bs) {
-        if (qtype == 13) {
+        if (qtype == 14) {
+            hi_kq_q6_repack_block(p);
+        } else if (qtype == 13) {
             for (size_t k = 16; k < 16 + 160; k += 16) _mm_storeu_si128((__m128i *)(p + k), hi_kq_load_z(p + k, 0));
-            continue;
-        }
-        for (size_t k = qtype == 12 ? 16 : 0; k < (qtype == 12 ? 16 + 128 : 192); k += 32) {
-            const __m128i a = _mm_loadu_si128((const __m128i *)(p + k)), b = _mm_loadu_si128((const __m128i *)(p + k + 16));
-            __m128i v[2];
-            if (qtype == 12) hi_kq_q4_weights(a, b, &v[0], &v[1]);
-            else hi_kq_q6_pair(a, b, &v[0], &v[1]);
-            _mm_storeu_si128((__m128i *)(p + k), v[0]);
-            _mm_storeu_si128((__m128i *)(p + k + 16), v[1]);
+        } else {
+            for (size_t k = 16; k < 16 + 128; k += 32) {
+                __m128i v[2];
+                hi_kq_q4_weights(_mm_loadu_si128((const __m128i *)(p + k)), _mm_loadu_si128((const __m128i *)(p + k + 16)),
+                                 &v[0], &v[1]);
+                _mm_storeu_si128((__m128i *)(p + k), v[0]);
+                _mm_storeu_si128((__m128i *)(p + k + 16), v[1]);
+            }
         }
     }
 }
 
 /* ggml's generic Q4_K (has_qh = 0) or Q5_K (has_qh = 1) kernel on a prepared activation row (hi_kq_prep_z), over
  * nb blocks of bsize bytes (d, dmin, scales[12], (qh[32],) qs[128]); wz: the quant bytes are stored zipped
- * (hi_kq_zip_blocks; Q5_K only: repacked Q4_K rows go to hi_dot_q4_K_p). Octets zipped so that pmaddubsw sums lane l (element % 8) of two octets; Q5_K's fifth bits
- * come from qh, zipped like the quants. */
+ * (hi_kq_zip_blocks; Q5_K only: repacked Q4_K rows go to hi_dot_q4_K_p). Octets zipped so that pmaddubsw sums
+ * lane l (element % 8) of two octets; Q5_K's fifth bits come from qh, zipped like the quants. */
 static inline float hi_kq_dot_k4_z(int nb, const uint8_t *restrict vx, size_t bsize, const int has_qh,
                                    const hi_q8Kz *restrict y, const int wz) {
     const __m128i m4 = _mm_set1_epi8(0x0f), m16 = _mm_set1_epi8(0x10);

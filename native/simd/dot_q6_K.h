@@ -8,22 +8,73 @@
 /* Q6_K                                                                                              */
 
 #if defined(__SSSE3__) && !defined(__AVX2__)
-/* the 32 bytes at p in Q6_K's pair order (hi_kq_q6_pair), unless the row is stored so already (wz) */
-static inline void hi_kq_q6_load(const uint8_t *p, const int wz, __m128i *v0, __m128i *v1) {
-    *v0 = _mm_loadu_si128((const __m128i *)p);
-    *v1 = _mm_loadu_si128((const __m128i *)(p + 16));
-    if (!wz) hi_kq_q6_pair(*v0, *v1, v0, v1);
+/* the 32 bytes at p in Q6_K's pair order (hi_kq_q6_pair) */
+static inline void hi_kq_q6_load(const uint8_t *p, __m128i *v0, __m128i *v1) {
+    hi_kq_q6_pair(_mm_loadu_si128((const __m128i *)p), _mm_loadu_si128((const __m128i *)(p + 16)), v0, v1);
 }
 
-/* ggml's generic kernel on a prepared activation row (hi_kq_prep_z); wz: the row's ql and qh are stored in pair
- * order (hi_kq_zip_blocks). q enters unsigned and the -32 comes off each pair sum as the prepared 32 * (its two
- * q8). In pair order one pmaddubsw gives lanes 0..3 (or 4..7) of both sub-blocks of a 32-element group side by
- * side, and pmaddwd against the two scales adds them into the 8 int32 lanes as ggml's loop does. */
-static inline float hi_dot_q6_K_z(int n, const void *restrict vx, const hi_q8Kz *restrict y, const int wz) {
+/* the raw quant bytes of step h (64 elements of ql, 32 of qh: groups 4h..4h+3) of a block as the file stores it,
+ * in pair order: a[0..1] ql's first 32 bytes, a[2..3] its next 32, qh[0..1] the step's 32 qh bytes */
+static inline void hi_kq_q6_step_load(const block_q6_K *x, int h, __m128i a[4], __m128i qh[2]) {
+    hi_kq_q6_load(x->ql + 64 * h, &a[0], &a[1]);
+    hi_kq_q6_load(x->ql + 64 * h + 32, &a[2], &a[3]);
+    hi_kq_q6_load(x->qh + 32 * h, &qh[0], &qh[1]);
+}
+
+/* the 6-bit quants (0..63) of group 4h+k of that step, its two pair-order vectors w[0], w[1] */
+static inline void hi_kq_q6_group_raw(const __m128i a[4], const __m128i qh[2], const int k, __m128i w[2]) {
+    const __m128i m4 = _mm_set1_epi8(0x0f);
+    for (int j = 0; j < 2; ++j) {
+        const __m128i q = a[2 * (k & 1) + j], h = qh[j];
+        const __m128i l4 = k < 2 ? _mm_and_si128(q, m4) : _mm_and_si128(_mm_srli_epi16(q, 4), m4);
+        const __m128i h2 = k == 0   ? _mm_slli_epi16(_mm_and_si128(h, _mm_set1_epi8(0x03)), 4)
+                           : k == 1 ? _mm_slli_epi16(_mm_and_si128(h, _mm_set1_epi8(0x0c)), 2)
+                           : k == 2 ? _mm_and_si128(h, _mm_set1_epi8(0x30))
+                                    : _mm_srli_epi16(_mm_and_si128(h, _mm_set1_epi8((char)0xc0)), 2);
+        w[j] = _mm_or_si128(l4, h2);
+    }
+}
+
+/* Repacked Q6_K rows (hi_kq_zip_blocks) hold each block's quants as four 48-byte quarters, quarter k (groups 2k,
+ * 2k+1, pair order) three vectors a, b, c: its vectors w0, w1, w2 in their low 6 bits, w3's bits 0-1, 2-3, 4-5 in
+ * their top 2 bits. Unpacking a quarter is 11 vector ops against 17 for the file's ql / qh split. */
+static inline void hi_kq_q6_pack3(const __m128i w[4], uint8_t *p) {
+    /* w3's bits 2k, 2k+1 to bits 6, 7 of vector k: each byte's pair stays within its byte */
+    const __m128i m3 = _mm_set1_epi8(3), t[3] = {w[3], _mm_srli_epi16(w[3], 2), _mm_srli_epi16(w[3], 4)};
+    for (int k = 0; k < 3; ++k)
+        _mm_storeu_si128((__m128i *)(p + 16 * k), _mm_or_si128(w[k], _mm_slli_epi16(_mm_and_si128(t[k], m3), 6)));
+}
+
+static inline void hi_kq_q6_unpack3(const uint8_t *p, __m128i w[4]) {
+    const __m128i a = _mm_loadu_si128((const __m128i *)p), b = _mm_loadu_si128((const __m128i *)(p + 16));
+    const __m128i c = _mm_loadu_si128((const __m128i *)(p + 32)), m63 = _mm_set1_epi8(63);
+    w[0] = _mm_and_si128(a, m63);
+    w[1] = _mm_and_si128(b, m63);
+    w[2] = _mm_and_si128(c, m63);
+    w[3] = _mm_or_si128(_mm_or_si128(_mm_and_si128(_mm_srli_epi16(a, 6), _mm_set1_epi8(3)),
+                                     _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(12))),
+                        _mm_and_si128(_mm_srli_epi16(c, 2), _mm_set1_epi8(48)));
+}
+
+/* a block's ql / qh rewritten in place as hi_kq_q6_unpack3 reads them */
+static inline void hi_kq_q6_repack_block(uint8_t *p) {
+    __m128i w[16], a[4], qh[2];
+    for (int h = 0; h < 2; ++h) {
+        hi_kq_q6_step_load((const block_q6_K *)p, h, a, qh);
+        for (int k = 0; k < 4; ++k) hi_kq_q6_group_raw(a, qh, k, w + 8 * h + 2 * k);
+    }
+    for (int k = 0; k < 4; ++k) hi_kq_q6_pack3(w + 4 * k, p + 48 * k);
+}
+
+/* ggml's generic kernel on a prepared activation row (hi_kq_prep_z); packed: the rows are repacked
+ * (hi_kq_q6_repack_block), else as the file stores them. q enters unsigned and the -32 comes off each pair sum
+ * as the prepared 32 * (its two q8). In pair order one pmaddubsw gives lanes 0..3 (or 4..7) of both sub-blocks
+ * of a 32-element group side by side, and pmaddwd against the two scales adds them into the 8 int32 lanes as
+ * ggml's loop does. Inlined into one kernel per layout (hi_dot_q6_K_z). */
+static inline __attribute__((always_inline)) float hi_kq_dot_q6(int n, const void *restrict vx,
+                                                                const hi_q8Kz *restrict y, const int packed) {
     const block_q6_K *restrict x = (const block_q6_K *)vx;
     const int nb = n / HI_QK_K;
-    const __m128i m4 = _mm_set1_epi8(0x0f), m3 = _mm_set1_epi8(0x03), m12 = _mm_set1_epi8(0x0c);
-    const __m128i m48 = _mm_set1_epi8(0x30), m192 = _mm_set1_epi8((char)0xc0);
     __m128 sums0 = _mm_setzero_ps(), sums1 = _mm_setzero_ps();
     for (int i = 0; i < nb; ++i) {
         const __m128i sc8 = _mm_loadu_si128((const __m128i *)x[i].scales);
@@ -44,29 +95,46 @@ static inline float hi_dot_q6_K_z(int n, const void *restrict vx, const hi_q8Kz 
             lo = _mm_add_epi32(lo, _mm_madd_epi16(p0, sc));                                                \
             hi = _mm_add_epi32(hi, _mm_madd_epi16(p1, sc));                                                \
         }
+        if (packed) {
+#define HI_KQ_Q6_QUARTER(k)                                                                                \
+            {                                                                                              \
+                __m128i w[4];                                                                              \
+                hi_kq_q6_unpack3((const uint8_t *)&x[i] + 48 * (k), w);                                    \
+                HI_KQ_Q6_GROUP(2 * (k), w[0], w[1])                                                        \
+                HI_KQ_Q6_GROUP(2 * (k) + 1, w[2], w[3])                                                    \
+            }
+            HI_KQ_Q6_QUARTER(0)
+            HI_KQ_Q6_QUARTER(1)
+            HI_KQ_Q6_QUARTER(2)
+            HI_KQ_Q6_QUARTER(3)
+#undef HI_KQ_Q6_QUARTER
+        } else {
 #define HI_KQ_Q6_STEP(h)                                                                                   \
-        {                                                                                                  \
-            __m128i a0, a1, a2, a3, h0, h1;                                                                \
-            hi_kq_q6_load(x[i].ql + 64 * (h), wz, &a0, &a1);                                               \
-            hi_kq_q6_load(x[i].ql + 64 * (h) + 32, wz, &a2, &a3);                                          \
-            hi_kq_q6_load(x[i].qh + 32 * (h), wz, &h0, &h1);                                               \
-            HI_KQ_Q6_GROUP(4 * (h) + 0, _mm_or_si128(_mm_and_si128(a0, m4), _mm_slli_epi16(_mm_and_si128(h0, m3), 4)), \
-                           _mm_or_si128(_mm_and_si128(a1, m4), _mm_slli_epi16(_mm_and_si128(h1, m3), 4)))  \
-            HI_KQ_Q6_GROUP(4 * (h) + 1, _mm_or_si128(_mm_and_si128(a2, m4), _mm_slli_epi16(_mm_and_si128(h0, m12), 2)), \
-                           _mm_or_si128(_mm_and_si128(a3, m4), _mm_slli_epi16(_mm_and_si128(h1, m12), 2))) \
-            HI_KQ_Q6_GROUP(4 * (h) + 2, _mm_or_si128(_mm_and_si128(_mm_srli_epi16(a0, 4), m4), _mm_and_si128(h0, m48)), \
-                           _mm_or_si128(_mm_and_si128(_mm_srli_epi16(a1, 4), m4), _mm_and_si128(h1, m48))) \
-            HI_KQ_Q6_GROUP(4 * (h) + 3,                                                                    \
-                           _mm_or_si128(_mm_and_si128(_mm_srli_epi16(a2, 4), m4), _mm_srli_epi16(_mm_and_si128(h0, m192), 2)), \
-                           _mm_or_si128(_mm_and_si128(_mm_srli_epi16(a3, 4), m4), _mm_srli_epi16(_mm_and_si128(h1, m192), 2))) \
-        }
-        HI_KQ_Q6_STEP(0)
-        HI_KQ_Q6_STEP(1)
+            {                                                                                              \
+                __m128i a[4], qh[2], w[2];                                                                 \
+                hi_kq_q6_step_load(&x[i], h, a, qh);                                                       \
+                hi_kq_q6_group_raw(a, qh, 0, w);                                                           \
+                HI_KQ_Q6_GROUP(4 * (h), w[0], w[1])                                                        \
+                hi_kq_q6_group_raw(a, qh, 1, w);                                                           \
+                HI_KQ_Q6_GROUP(4 * (h) + 1, w[0], w[1])                                                    \
+                hi_kq_q6_group_raw(a, qh, 2, w);                                                           \
+                HI_KQ_Q6_GROUP(4 * (h) + 2, w[0], w[1])                                                    \
+                hi_kq_q6_group_raw(a, qh, 3, w);                                                           \
+                HI_KQ_Q6_GROUP(4 * (h) + 3, w[0], w[1])                                                    \
+            }
+            HI_KQ_Q6_STEP(0)
+            HI_KQ_Q6_STEP(1)
 #undef HI_KQ_Q6_STEP
+        }
 #undef HI_KQ_Q6_GROUP
         hi_kq_gen_acc_ps(&sums0, &sums1, _mm_set1_ps(hi_kq_f16_tab[x[i].d] * y[i].d), lo, hi);
     }
     return hi_kq_gen_end_ps(0.0f, sums0, sums1);
+}
+
+/* Q6_K rows repacked (wz: hi_kq_q6_repack_block) or as stored in the file */
+static inline float hi_dot_q6_K_z(int n, const void *restrict vx, const hi_q8Kz *restrict y, const int wz) {
+    return wz ? hi_kq_dot_q6(n, vx, y, 1) : hi_kq_dot_q6(n, vx, y, 0);
 }
 #endif
 
