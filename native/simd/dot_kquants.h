@@ -331,7 +331,7 @@ static inline void hi_kq_q6_pair(__m128i a, __m128i b, __m128i *v0, __m128i *v1)
 }
 
 /* Q4_K's pair order, for the 64 elements of a step (two sub-blocks of 32: c0, c1 the first one's halves, c2, c3
- * the second's): the four vectors that pmaddubsw meets against the step's weights (hi_dot_q4_K_p), each lane as
+ * the second's): the four vectors that pmaddubsw meets against the step's weights (hi_kq_k4_block), each lane as
  * byte pairs of the first sub-block then of the second, so that the two sub-blocks' lane sums come side by side:
  * out[0], out[2]: elements l, l + 8 of c0 / c2 (out[0]: lanes 0..3, out[2]: 4..7); out[1], out[3]: of c1 / c3 */
 static inline void hi_kq_q4_pair(__m128i c0, __m128i c1, __m128i c2, __m128i c3, __m128i out[4]) {
@@ -416,14 +416,25 @@ static inline float hi_kq_gen_end_ps(float sumf, __m128 s0, __m128 s1) {
 }
 
 /* Q4_K / Q5_K, the generic kernels' per-block float steps from the block's 8 lanes (lo, hi), its scales and mins
- * sm (hi_kq_scales_mins_v) and its fp16 d, dmin: sums[l] += (d*D) * lane[l]; sumf -= (dmin*D) * sum_s m[s]*B[s] */
-static inline float hi_kq_k4_block_end(const hi_half *dd, const hi_q8Kz *y, __m128i sm, __m128i lo, __m128i hi,
-                                       __m128 *s0, __m128 *s1, float sumf) {
-    const float d = hi_kq_f16_tab[dd[0]] * y->d, dmin = hi_kq_f16_tab[dd[1]] * y->d;
+ * sm (hi_kq_scales_mins_v) and its fp16 d, dmin: sums[l] += (d*D) * lane[l] here; sumf -= (dmin*D) * sum_s
+ * m[s]*B[s] is left to hi_kq_k4_min2 (or hi_kq_gen_sub), given the returned 4 lanes of m[s]*B[s] and *dmin */
+static inline __m128i hi_kq_k4_block_acc(const hi_half *dd, const hi_q8Kz *y, __m128i sm, __m128i lo, __m128i hi,
+                                         __m128 *s0, __m128 *s1, float *dmin) {
+    const float d = hi_kq_f16_tab[dd[0]] * y->d;
+    *dmin = hi_kq_f16_tab[dd[1]] * y->d;
     hi_kq_gen_acc_ps(s0, s1, _mm_set1_ps(d), lo, hi);
-    const int32_t imin = hi_kq_hsum4_epi32(_mm_madd_epi16(_mm_unpackhi_epi8(sm, _mm_setzero_si128()),
-                                                          _mm_loadu_si128((const __m128i *)y->B)));
-    return hi_kq_gen_sub(sumf, dmin, imin);
+    return _mm_madd_epi16(_mm_unpackhi_epi8(sm, _mm_setzero_si128()), _mm_loadu_si128((const __m128i *)y->B));
+}
+
+/* the min terms of two consecutive blocks, in their order: (sumf - dm0 * i0) - dm1 * i1, i the sums of the lanes
+ * v0, v1; the two horizontal sums and int -> float conversions shared (8 vector ops a block against 12) */
+static inline float hi_kq_k4_min2(float sumf, __m128i v0, __m128i v1, float dm0, float dm1) {
+    const __m128i u = _mm_add_epi32(_mm_unpacklo_epi64(v0, v1), _mm_unpackhi_epi64(v0, v1));
+    const __m128 f = _mm_cvtepi32_ps(_mm_add_epi32(u, _mm_shuffle_epi32(u, 0xb1))); /* i0, i0, i1, i1 */
+    float p0 = dm0 * _mm_cvtss_f32(f), p1 = dm1 * _mm_cvtss_f32(_mm_movehl_ps(f, f));
+    hi_kq_nofuse(p0);
+    hi_kq_nofuse(p1);
+    return (sumf - p0) - p1;
 }
 
 /* Q4_K / Q5_K: the 8 lanes of one 64-element step from the zipped quants of its two sub-blocks (w[0], w[1]:
@@ -469,68 +480,28 @@ static inline void hi_kq_zip_blocks(int qtype, uint8_t *p, int64_t nb) {
     }
 }
 
-/* ggml's generic Q4_K (has_qh = 0) or Q5_K (has_qh = 1) kernel on a prepared activation row (hi_kq_prep_z), over
- * nb blocks of bsize bytes (d, dmin, scales[12], (qh[32],) qs[128]); wz: the quant bytes are stored zipped
- * (hi_kq_zip_blocks; Q5_K only: repacked Q4_K rows go to hi_dot_q4_K_p). Octets zipped so that pmaddubsw sums
- * lane l (element % 8) of two octets; Q5_K's fifth bits come from qh, zipped like the quants. */
-static inline float hi_kq_dot_k4_z(int nb, const uint8_t *restrict vx, size_t bsize, const int has_qh,
-                                   const hi_q8Kz *restrict y, const int wz) {
-    const __m128i m4 = _mm_set1_epi8(0x0f), m16 = _mm_set1_epi8(0x10);
-    __m128 sums0 = _mm_setzero_ps(), sums1 = _mm_setzero_ps();
-    float sumf = 0.0f;
-    for (int i = 0; i < nb; ++i) {
-        const uint8_t *b = vx + (size_t)i * bsize, *qs = b + (has_qh ? 48 : 16);
-        hi_half dd[2];
-        memcpy(dd, b, 4);
-        const __m128i sm = hi_kq_scales_mins_v(b + 4);
-        const __m128i sc16 = _mm_unpacklo_epi8(sm, _mm_setzero_si128()); /* dword j: (sc[2j], sc[2j+1]) */
-        const __m128i qh0 = has_qh ? hi_kq_load_z(b + 16, wz) : _mm_setzero_si128();
-        const __m128i qh1 = has_qh ? hi_kq_load_z(b + 32, wz) : _mm_setzero_si128();
-        __m128i lo = _mm_setzero_si128(), hi = _mm_setzero_si128();
-        /* bit s of each qh byte to bit 4: shift the 16-bit words by 4 - s, keep bit 4 of each byte */
-#define HI_KQ_BIT4(v, s) _mm_and_si128((s) <= 4 ? _mm_slli_epi16(v, 4 - (s)) : _mm_srli_epi16(v, (s) - 4), m16)
-#define HI_KQ_K4_STEP(j)                                                                                   \
-        {                                                                                                  \
-            const __m128i b0 = hi_kq_load_z(qs + 32 * (j), wz), b1 = hi_kq_load_z(qs + 32 * (j) + 16, wz); \
-            __m128i w[4] = {_mm_and_si128(b0, m4), _mm_and_si128(b1, m4), _mm_and_si128(_mm_srli_epi16(b0, 4), m4), \
-                            _mm_and_si128(_mm_srli_epi16(b1, 4), m4)};                                      \
-            if (has_qh) {                                                                                  \
-                w[0] = _mm_or_si128(w[0], HI_KQ_BIT4(qh0, 2 * (j)));                                       \
-                w[1] = _mm_or_si128(w[1], HI_KQ_BIT4(qh1, 2 * (j)));                                       \
-                w[2] = _mm_or_si128(w[2], HI_KQ_BIT4(qh0, 2 * (j) + 1));                                   \
-                w[3] = _mm_or_si128(w[3], HI_KQ_BIT4(qh1, 2 * (j) + 1));                                   \
-            }                                                                                              \
-            hi_kq_k4_step_sse(w, y[i].qs + 64 * (j), _mm_shuffle_epi32(sc16, (j) * 0x55), &lo, &hi);      \
-        }
-        HI_KQ_K4_STEP(0)
-        HI_KQ_K4_STEP(1)
-        HI_KQ_K4_STEP(2)
-        HI_KQ_K4_STEP(3)
-#undef HI_KQ_K4_STEP
-#undef HI_KQ_BIT4
-        sumf = hi_kq_k4_block_end(dd, &y[i], sm, lo, hi, &sums0, &sums1, sumf);
-    }
-    return hi_kq_gen_end_ps(sumf, sums0, sums1);
-}
+/* the row layouts hi_kq_dot_k4 reads: Q4_K repacked in pair order (hi_kq_q4_weights), Q4_K as the file stores it
+ * (zipped as it is read), Q5_K (zipped as it is read unless repacked zipped: wz) */
+enum { HI_K4_Q4P, HI_K4_Q4, HI_K4_Q5 };
 
-/* ggml's generic Q4_K kernel on rows repacked in Q4_K's pair order (hi_kq_zip_blocks) and a prepared activation
- * row: per step one pmaddubsw pair gives lanes 0..3 of both sub-blocks side by side (another 4..7), and pmaddwd
- * against the two scales adds them into the int32 lanes as ggml's loop does; the same integers as
- * hi_kq_dot_k4_z's structure gives, without its two unpacks per step (8 of about 105 vector ops per block). A
- * separate kernel: rearranging rows read from the file into this order costs 12 shuffles per step (zipping: 2). */
-static inline float hi_dot_q4_K_p(int n, const void *restrict vx, const hi_q8Kz *restrict y) {
-    const int nb = n / HI_QK_K;
-    const __m128i m4 = _mm_set1_epi8(0x0f);
-    __m128 sums0 = _mm_setzero_ps(), sums1 = _mm_setzero_ps();
-    float sumf = 0.0f;
-    for (int i = 0; i < nb; ++i) {
-        const uint8_t *b = (const uint8_t *)vx + (size_t)i * sizeof(block_q4_K), *qs = b + 16;
-        hi_half dd[2];
-        memcpy(dd, b, 4);
-        const __m128i sm = hi_kq_scales_mins_v(b + 4);
-        const __m128i sc16 = _mm_unpacklo_epi8(sm, _mm_setzero_si128()); /* dword j: (sc[2j], sc[2j+1]) */
-        const int8_t *q4 = y[i].q4;
-        __m128i lo = _mm_setzero_si128(), hi = _mm_setzero_si128();
+/* one block's integer lanes and float sums (hi_kq_k4_block_acc) of ggml's generic Q4_K / Q5_K kernel, layout kind.
+ * Q4_K in pair order: per step one pmaddubsw pair gives lanes 0..3 of both sub-blocks side by side (another 4..7),
+ * and pmaddwd against the two scales adds them into the int32 lanes as ggml's loop does. Zipped: octets zipped so
+ * that pmaddubsw sums lane l (element % 8) of two octets, per sub-block, then unpacked into pairs for pmaddwd (8
+ * more vector ops a block: rearranging rows read from the file into pair order would cost 12 shuffles a step,
+ * zipping costs 2); Q5_K's fifth bits come from qh, zipped like the quants. Same integers either way. */
+static inline __attribute__((always_inline)) __m128i hi_kq_k4_block(const uint8_t *restrict b, const hi_q8Kz *restrict y,
+                                                                    const int kind, const int wz, __m128 *s0,
+                                                                    __m128 *s1, float *dmin) {
+    const __m128i m4 = _mm_set1_epi8(0x0f), m16 = _mm_set1_epi8(0x10);
+    const uint8_t *qs = b + (kind == HI_K4_Q5 ? 48 : 16);
+    hi_half dd[2];
+    memcpy(dd, b, 4);
+    const __m128i sm = hi_kq_scales_mins_v(b + 4);
+    const __m128i sc16 = _mm_unpacklo_epi8(sm, _mm_setzero_si128()); /* dword j: (sc[2j], sc[2j+1]) */
+    __m128i lo = _mm_setzero_si128(), hi = _mm_setzero_si128();
+    if (kind == HI_K4_Q4P) {
+        const int8_t *q4 = y->q4;
         /* lanes (0..3 for h = 0, 4..7 for h = 1) of both sub-blocks of step j, from the 16 weight bytes w */
 #define HI_KQ_Q4_DOT(w, j, h)                                                                              \
         _mm_add_epi16(_mm_maddubs_epi16(_mm_and_si128(w, m4), _mm_loadu_si128((const __m128i *)(q4 + 64 * (j) + 32 * (h)))), \
@@ -550,19 +521,65 @@ static inline float hi_dot_q4_K_p(int n, const void *restrict vx, const hi_q8Kz 
         HI_KQ_Q4_STEP(3)
 #undef HI_KQ_Q4_STEP
 #undef HI_KQ_Q4_DOT
-        sumf = hi_kq_k4_block_end(dd, &y[i], sm, lo, hi, &sums0, &sums1, sumf);
+    } else {
+        const int has_qh = kind == HI_K4_Q5;
+        const __m128i qh0 = has_qh ? hi_kq_load_z(b + 16, wz) : _mm_setzero_si128();
+        const __m128i qh1 = has_qh ? hi_kq_load_z(b + 32, wz) : _mm_setzero_si128();
+        /* bit s of each qh byte to bit 4: shift the 16-bit words by 4 - s, keep bit 4 of each byte */
+#define HI_KQ_BIT4(v, s) _mm_and_si128((s) <= 4 ? _mm_slli_epi16(v, 4 - (s)) : _mm_srli_epi16(v, (s) - 4), m16)
+#define HI_KQ_K4_STEP(j)                                                                                   \
+        {                                                                                                  \
+            const __m128i b0 = hi_kq_load_z(qs + 32 * (j), wz), b1 = hi_kq_load_z(qs + 32 * (j) + 16, wz); \
+            __m128i w[4] = {_mm_and_si128(b0, m4), _mm_and_si128(b1, m4), _mm_and_si128(_mm_srli_epi16(b0, 4), m4), \
+                            _mm_and_si128(_mm_srli_epi16(b1, 4), m4)};                                      \
+            if (has_qh) {                                                                                  \
+                w[0] = _mm_or_si128(w[0], HI_KQ_BIT4(qh0, 2 * (j)));                                       \
+                w[1] = _mm_or_si128(w[1], HI_KQ_BIT4(qh1, 2 * (j)));                                       \
+                w[2] = _mm_or_si128(w[2], HI_KQ_BIT4(qh0, 2 * (j) + 1));                                   \
+                w[3] = _mm_or_si128(w[3], HI_KQ_BIT4(qh1, 2 * (j) + 1));                                   \
+            }                                                                                              \
+            hi_kq_k4_step_sse(w, y->qs + 64 * (j), _mm_shuffle_epi32(sc16, (j) * 0x55), &lo, &hi);        \
+        }
+        HI_KQ_K4_STEP(0)
+        HI_KQ_K4_STEP(1)
+        HI_KQ_K4_STEP(2)
+        HI_KQ_K4_STEP(3)
+#undef HI_KQ_K4_STEP
+#undef HI_KQ_BIT4
+    }
+    return hi_kq_k4_block_acc(dd, y, sm, lo, hi, s0, s1, dmin);
+}
+
+/* ggml's generic Q4_K / Q5_K kernel on a prepared activation row (hi_kq_prep_z): nb blocks of layout kind (wz:
+ * Q5_K's stored zipped), their min terms two blocks at a time */
+static inline __attribute__((always_inline)) float hi_kq_dot_k4(int nb, const uint8_t *restrict vx,
+                                                                const hi_q8Kz *restrict y, const int kind, const int wz) {
+    const size_t bs = kind == HI_K4_Q5 ? sizeof(block_q5_K) : sizeof(block_q4_K);
+    __m128 sums0 = _mm_setzero_ps(), sums1 = _mm_setzero_ps();
+    float sumf = 0.0f, dm0, dm1;
+    int i = 0;
+    for (; i + 1 < nb; i += 2) {
+        const __m128i v0 = hi_kq_k4_block(vx + (size_t)i * bs, &y[i], kind, wz, &sums0, &sums1, &dm0);
+        const __m128i v1 = hi_kq_k4_block(vx + (size_t)(i + 1) * bs, &y[i + 1], kind, wz, &sums0, &sums1, &dm1);
+        sumf = hi_kq_k4_min2(sumf, v0, v1, dm0, dm1);
+    }
+    if (i < nb) {
+        const __m128i v0 = hi_kq_k4_block(vx + (size_t)i * bs, &y[i], kind, wz, &sums0, &sums1, &dm0);
+        sumf = hi_kq_gen_sub(sumf, dm0, hi_kq_hsum4_epi32(v0));
     }
     return hi_kq_gen_end_ps(sumf, sums0, sums1);
 }
 
-/* Q4_K rows repacked (wz: hi_dot_q4_K_p) or as stored in the file (zipped as they are read) */
+/* Q4_K rows repacked in pair order (wz) or as stored in the file */
 static inline float hi_dot_q4_K_z(int n, const void *restrict vx, const hi_q8Kz *restrict y, const int wz) {
-    if (wz) return hi_dot_q4_K_p(n, vx, y);
-    return hi_kq_dot_k4_z(n / HI_QK_K, (const uint8_t *)vx, sizeof(block_q4_K), 0, y, 0);
+    return wz ? hi_kq_dot_k4(n / HI_QK_K, (const uint8_t *)vx, y, HI_K4_Q4P, 1)
+              : hi_kq_dot_k4(n / HI_QK_K, (const uint8_t *)vx, y, HI_K4_Q4, 0);
 }
 
+/* Q5_K rows repacked zipped (wz) or as stored in the file */
 static inline float hi_dot_q5_K_z(int n, const void *restrict vx, const hi_q8Kz *restrict y, const int wz) {
-    return hi_kq_dot_k4_z(n / HI_QK_K, (const uint8_t *)vx, sizeof(block_q5_K), 1, y, wz);
+    return wz ? hi_kq_dot_k4(n / HI_QK_K, (const uint8_t *)vx, y, HI_K4_Q5, 1)
+              : hi_kq_dot_k4(n / HI_QK_K, (const uint8_t *)vx, y, HI_K4_Q5, 0);
 }
 
 #endif
