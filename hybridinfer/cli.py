@@ -270,7 +270,7 @@ def cmd_bench_decode(a) -> int:
     isas = tuple(x.strip() for x in a.isa.split(",") if x.strip())
     weights = tuple(x.strip() for x in a.weights.split(",") if x.strip())
     res = decode.run(a.model, a.threads, a.n, a.context, isas, a.llama_bench, a.llama_bench_sse, weights=weights,
-                     llama_no_mmap=a.llama_no_mmap)
+                     llama_no_mmap=a.llama_no_mmap, segments=a.segments)
     print(decode.markdown(res))
     _save_bench(a.out_dir, f"decode-{_model_stem(a.model)}-t{a.threads}", json.dumps(res, indent=1),
                 lambda png: decode.plot(res, png))
@@ -373,6 +373,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--llama-bench-sse", default=None, help="llama-bench built without AVX")
     b.add_argument("--weights", default="auto", help="comma-separated weights modes to time: auto,copy,mmap")
     b.add_argument("--llama-no-mmap", action="store_true", help="also time llama.cpp with -lm none (no mmap)")
+    b.add_argument("--segments", type=int, default=4,
+                   help="runs of timed steps with a bandwidth reading between each (the floor is their mean)")
     b = _bench_parser(bsub, "prefix", "time to first token cold/warm with the prefix cache, and llama.cpp's server",
                       cmd_bench_prefix)
     b.add_argument("--backend", default="cpu", choices=["reference", "cpu", "gpu", "auto"])

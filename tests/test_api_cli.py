@@ -159,9 +159,10 @@ def test_cli_bench_commands_write_tables(tmp_path, oracle_gguf, capsys):
     assert "% of floor" in out and "| a | hybridinfer |" in out
     names = sorted(p.name for p in tmp_path.iterdir())
     res = json.loads((tmp_path / "decode-qwen35-wide-s0-q8_0-t2.json").read_text())
-    assert len(res["read_bw_readings_gb_s"]) == 2 and res["read_bw_gb_s"] == max(res["read_bw_readings_gb_s"])
-    (row,) = res["rows"]  # each row against the better of the readings next to its own timing
-    assert row["probe_gb_s"] == res["read_bw_gb_s"]
+    rd = res["read_bw_readings_gb_s"]  # 4 steps in 4 segments: a reading before each and one after
+    assert len(rd) == 5 and res["read_bw_gb_s"] == max(rd)
+    (row,) = res["rows"]  # each row against the mean of the readings around and between its timed steps
+    assert row["probe_readings_gb_s"] == rd and row["probe_gb_s"] == pytest.approx(sum(rd) / 5)
     assert row["floor_frac"] == pytest.approx(row["tok_s"] * res["bytes_per_token"] / (row["probe_gb_s"] * 1e9))
     assert names == ["decode-qwen35-wide-s0-q8_0-t2.json", "decode-qwen35-wide-s0-q8_0-t2.png",
                      "prefix-qwen35-wide-s0-q8_0.json", "prefix-qwen35-wide-s0-q8_0.png"]

@@ -84,14 +84,17 @@ class Row:
     floor_frac: float  # of bytes per token * tok/s over probe_gb_s
     note: str = ""
     python_share: float | None = None  # of decode time, upper bound (cProfile)
-    probe_gb_s: float | None = None  # the better of the bandwidth readings just before and after its timing
+    probe_gb_s: float | None = None  # mean of the bandwidth readings before, between and after its timed segments
+    probe_readings_gb_s: list[float] | None = None
 
 
 def measure_ours(path: str, isa: str | None, threads: int, n_tokens: int, context: int, seed: int = 0,
-                 weights: str = "auto", probe=None) -> tuple[float, float, str, float | None]:
+                 weights: str = "auto", probe=None, segments: int = 4) -> tuple[float, float, str, list[float]]:
     """Decode tokens/s of the CPU backend after a `context`-token prompt (greedy; time of n_tokens steps), the
-    share of Python in it, where the weights were read from ("copy" or "mmap"), and the better of probe()'s
-    readings just before and after the timed steps (None without a probe)."""
+    share of Python in it, where the weights were read from ("copy" or "mmap"), and probe()'s readings (none
+    without a probe): one before the steps, one after, and one between each of `segments` equal runs of them,
+    so that the floor follows a host whose bandwidth its neighbours take a varying share of (the time counts
+    the steps only)."""
     from ..api import Engine
 
     eng = Engine.load(path, backend="cpu", isa=isa, n_threads=threads, n_ctx=context + 2 * n_tokens + 16,
@@ -103,15 +106,18 @@ def measure_ours(path: str, isa: str | None, threads: int, n_tokens: int, contex
     be = eng.backend
     t = int(np.argmax(logits))
     be.forward([t], st, all_logits=False)  # warm-up step (numba, caches)
+    segments = max(1, min(segments, n_tokens)) if probe else 1
     bw = [probe()] if probe else []
-    t0 = time.perf_counter()
-    for _ in range(n_tokens):
-        lg = be.forward([t], st, all_logits=False)
-        t = int(np.argmax(lg[-1]))
-    tok_s = n_tokens / (time.perf_counter() - t0)
-    if probe:
-        bw.append(probe())
-    return tok_s, python_share(be, st, t, max(4, n_tokens // 4)), be.weights, max(bw) if bw else None
+    elapsed = 0.0
+    for k in range(segments):
+        t0 = time.perf_counter()
+        for _ in range(n_tokens * (k + 1) // segments - n_tokens * k // segments):
+            lg = be.forward([t], st, all_logits=False)
+            t = int(np.argmax(lg[-1]))
+        elapsed += time.perf_counter() - t0
+        if probe:
+            bw.append(probe())
+    return n_tokens / elapsed, python_share(be, st, t, max(4, n_tokens // 4)), be.weights, bw
 
 
 def python_share(be, st, t: int, n: int) -> float:
@@ -159,9 +165,10 @@ def measure_llama(llama_bench: str, path: str, threads: int, n_tokens: int, cont
 
 def run(path: str, threads: int, n_tokens: int = 32, context: int = 0, isas: tuple[str, ...] = ("native",),
         llama_bench: str | None = None, llama_bench_sse: str | None = None, bw_bytes: int | None = None,
-        weights: tuple[str, ...] = ("auto",), llama_no_mmap: bool = False) -> dict:
+        weights: tuple[str, ...] = ("auto",), llama_no_mmap: bool = False, segments: int = 4) -> dict:
     """One run of the table: each ISA level x each weights mode of this engine, then llama.cpp (native build,
-    also with -lm none if llama_no_mmap, and the SSE4.2 build)."""
+    also with -lm none if llama_no_mmap, and the SSE4.2 build). Each row's floor is the mean of the bandwidth
+    readings taken around its timing (for this engine also between `segments` runs of its steps)."""
     from ..cpu.simd import SimdLib, best_isa
 
     gm = GGUFModel(path)
@@ -184,13 +191,13 @@ def run(path: str, threads: int, n_tokens: int = 32, context: int = 0, isas: tup
     def llama(exe, **kw):
         b0 = read_bw()
         tok_s = measure_llama(exe, path, threads, n_tokens, context, **kw)
-        return tok_s, max(b0, read_bw())
+        return tok_s, [b0, read_bw()]
 
     for isa in isas:
         real = best_isa() if isa == "native" else isa
         for mode in weights:
             tok_s, py, used, bw = measure_ours(path, None if isa == "native" else isa, threads, n_tokens, context,
-                                               weights=mode, probe=read_bw)
+                                               weights=mode, probe=read_bw, segments=segments)
             add("hybridinfer", real, tok_s, bw, py, f"weights: {used}")
     if llama_bench:
         add("llama.cpp", "native", *llama(llama_bench), note="mmap")
@@ -202,7 +209,10 @@ def run(path: str, threads: int, n_tokens: int = 32, context: int = 0, isas: tup
         read_bw()
     probe.close()
     bw = max(readings)
-    rows = [Row(e, i, threads, t, t * bpt / 1e9, t * bpt / b, n, py, b / 1e9) for e, i, t, b, n, py in measured]
+    rows = []
+    for e, i, t, b, n, py in measured:
+        mean = sum(b) / len(b)
+        rows.append(Row(e, i, threads, t, t * bpt / 1e9, t * bpt / mean, n, py, mean / 1e9, [x / 1e9 for x in b]))
     return {"model": path, "arch": args.arch, "bytes_per_token": bpt, "read_bw_gb_s": bw / 1e9,
             "read_bw_readings_gb_s": [x / 1e9 for x in readings], "floor_tok_s": bw / bpt,
             "threads": threads, "context": context, "rows": [asdict(r) for r in rows]}
@@ -212,8 +222,9 @@ def markdown(res: dict) -> str:
     rd = res.get("read_bw_readings_gb_s") or [res["read_bw_gb_s"]]
     out = [f"model `{res['model']}` ({res['arch']}); {res['bytes_per_token'] / 1e9:.3f} GB of weights per token; "
            f"read bandwidth with {res['threads']} threads {min(rd):.1f}-{max(rd):.1f} GB/s over {len(rd)} readings "
-           f"(best: floor {res['floor_tok_s']:.2f} tok/s); each row against the better of the readings just before "
-           f"and after its timing (probe); context {res['context']}", "",
+           f"(best: floor {res['floor_tok_s']:.2f} tok/s); each row against the mean of the readings taken "
+           f"before, after and (this engine) between runs of its timed steps (probe, their range in brackets); "
+           f"context {res['context']}", "",
            "| engine | ISA | weights | threads | tok/s | weight GB/s | probe GB/s | % of floor "
            "| vs llama.cpp (same ISA, its best) | Python share |",
            "|---|---|---|---|---|---|---|---|---|---|"]
@@ -224,9 +235,10 @@ def markdown(res: dict) -> str:
     for r in res["rows"]:
         ref = base.get("sse4.2 (no AVX)") if r["isa"] in ("ssse3", "scalar") else base.get("native")
         vs = f"{r['tok_s'] / ref:.2f}x" if ref and r["engine"] != "llama.cpp" else ""
-        pg = r.get("probe_gb_s")
+        pg, pr = r.get("probe_gb_s"), r.get("probe_readings_gb_s") or []
+        probe = "" if pg is None else f"{pg:.1f}" + (f" ({min(pr):.0f}-{max(pr):.0f})" if len(pr) > 1 else "")
         out.append(f"| {r['engine']} | {r['isa']} | {r.get('note', '')} | {r['threads']} | {r['tok_s']:.2f} | "
-                   f"{r['gb_s']:.1f} | {'' if pg is None else f'{pg:.1f}'} | {100 * r['floor_frac']:.0f}% | {vs} | "
+                   f"{r['gb_s']:.1f} | {probe} | {100 * r['floor_frac']:.0f}% | {vs} | "
                    f"{_pct(r.get('python_share'))} |")
     return "\n".join(out)
 
