@@ -161,12 +161,22 @@ def test_cli_bench_commands_write_tables(tmp_path, oracle_gguf, capsys):
     res = json.loads((tmp_path / "decode-qwen35-wide-s0-q8_0-t2.json").read_text())
     rd = res["read_bw_readings_gb_s"]  # 4 steps in 4 segments: a reading before each and one after
     assert len(rd) == 5 and res["read_bw_gb_s"] == max(rd)
-    (row,) = res["rows"]  # each row against the mean of the readings around and between its timed steps
-    assert row["probe_readings_gb_s"] == rd and row["probe_gb_s"] == pytest.approx(sum(rd) / 5)
+    (row,) = res["rows"]  # each of the 4 one-step runs' floor time at the mean of the readings around it
+    assert row["probe_readings_gb_s"] == rd
+    assert row["probe_gb_s"] == pytest.approx(4 / sum(2 / (a + b) for a, b in zip(rd, rd[1:], strict=False)))
     assert row["floor_frac"] == pytest.approx(row["tok_s"] * res["bytes_per_token"] / (row["probe_gb_s"] * 1e9))
     assert names == ["decode-qwen35-wide-s0-q8_0-t2.json", "decode-qwen35-wide-s0-q8_0-t2.png",
                      "prefix-qwen35-wide-s0-q8_0.json", "prefix-qwen35-wide-s0-q8_0.png"]
     assert main(["bench", "prefix", "-m", path, "--workloads", "z"]) == 2  # a clear error, not a traceback
+
+
+def test_effective_bandwidth_weighs_each_run_by_its_floor_time():
+    from hybridinfer.benchmarks.decode import effective_bandwidth
+
+    assert effective_bandwidth([100.0, 100.0], [7]) == pytest.approx(100.0)
+    # 8 steps at 50 then 8 at 150 (means of the readings around each run): floor times 8/50 + 8/150
+    assert effective_bandwidth([40.0, 60.0, 140.0, 160.0], [8, 0, 8]) == pytest.approx(16 / (8 / 50 + 8 / 150))
+    assert effective_bandwidth([100.0, 50.0, 150.0], [1, 3]) == pytest.approx(4 / (1 / 75 + 3 / 100))
 
 
 def test_bandwidth_probe_size_outgrows_the_cache():

@@ -84,17 +84,18 @@ class Row:
     floor_frac: float  # of bytes per token * tok/s over probe_gb_s
     note: str = ""
     python_share: float | None = None  # of decode time, upper bound (cProfile)
-    probe_gb_s: float | None = None  # mean of the bandwidth readings before, between and after its timed segments
+    probe_gb_s: float | None = None  # the bandwidth over its timing (effective_bandwidth of the readings around it)
     probe_readings_gb_s: list[float] | None = None
 
 
 def measure_ours(path: str, isa: str | None, threads: int, n_tokens: int, context: int, seed: int = 0,
-                 weights: str = "auto", probe=None, segments: int = 4) -> tuple[float, float, str, list[float]]:
+                 weights: str = "auto", probe=None,
+                 segments: int = 4) -> tuple[float, float, str, list[float], list[int]]:
     """Decode tokens/s of the CPU backend after a `context`-token prompt (greedy; time of n_tokens steps), the
-    share of Python in it, where the weights were read from ("copy" or "mmap"), and probe()'s readings (none
+    share of Python in it, where the weights were read from ("copy" or "mmap"), probe()'s readings (none
     without a probe): one before the steps, one after, and one between each of `segments` equal runs of them,
     so that the floor follows a host whose bandwidth its neighbours take a varying share of (the time counts
-    the steps only)."""
+    the steps only), and the steps in each run."""
     from ..api import Engine
 
     eng = Engine.load(path, backend="cpu", isa=isa, n_threads=threads, n_ctx=context + 2 * n_tokens + 16,
@@ -108,16 +109,26 @@ def measure_ours(path: str, isa: str | None, threads: int, n_tokens: int, contex
     be.forward([t], st, all_logits=False)  # warm-up step (numba, caches)
     segments = max(1, min(segments, n_tokens)) if probe else 1
     bw = [probe()] if probe else []
+    counts = [n_tokens * (k + 1) // segments - n_tokens * k // segments for k in range(segments)]
     elapsed = 0.0
-    for k in range(segments):
+    for n in counts:
         t0 = time.perf_counter()
-        for _ in range(n_tokens * (k + 1) // segments - n_tokens * k // segments):
+        for _ in range(n):
             lg = be.forward([t], st, all_logits=False)
             t = int(np.argmax(lg[-1]))
         elapsed += time.perf_counter() - t0
         if probe:
             bw.append(probe())
-    return n_tokens / elapsed, python_share(be, st, t, max(4, n_tokens // 4)), be.weights, bw
+    return n_tokens / elapsed, python_share(be, st, t, max(4, n_tokens // 4)), be.weights, bw, counts
+
+
+def effective_bandwidth(readings: list[float], counts: list[int]) -> float:
+    """The read bandwidth a run of steps had: steps in runs of counts[k] with readings[k] before run k and
+    readings[k + 1] after it, the floor time of run k is its bytes over the mean of those two, and this is the
+    bandwidth that reads all the steps' bytes in the sum of those times (a weighted harmonic mean): a run's
+    fraction of its floor is then the floor time over the time it took."""
+    assert len(readings) == len(counts) + 1 and sum(counts) > 0
+    return sum(counts) / sum(n / ((readings[k] + readings[k + 1]) / 2) for k, n in enumerate(counts))
 
 
 def python_share(be, st, t: int, n: int) -> float:
@@ -167,8 +178,8 @@ def run(path: str, threads: int, n_tokens: int = 32, context: int = 0, isas: tup
         llama_bench: str | None = None, llama_bench_sse: str | None = None, bw_bytes: int | None = None,
         weights: tuple[str, ...] = ("auto",), llama_no_mmap: bool = False, segments: int = 4) -> dict:
     """One run of the table: each ISA level x each weights mode of this engine, then llama.cpp (native build,
-    also with -lm none if llama_no_mmap, and the SSE4.2 build). Each row's floor is the mean of the bandwidth
-    readings taken around its timing (for this engine also between `segments` runs of its steps)."""
+    also with -lm none if llama_no_mmap, and the SSE4.2 build). Each row's floor comes from the bandwidth readings
+    taken around its timing, for this engine also between `segments` runs of its steps (effective_bandwidth)."""
     from ..cpu.simd import SimdLib, best_isa
 
     gm = GGUFModel(path)
@@ -184,21 +195,21 @@ def run(path: str, threads: int, n_tokens: int = 32, context: int = 0, isas: tup
 
     measured: list[tuple] = []
 
-    def add(engine, isa, tok_s, bw, py=None, note=""):
+    def add(engine, isa, tok_s, bw, counts, py=None, note=""):
         if tok_s is not None:
-            measured.append((engine, isa, tok_s, bw, note, py))
+            measured.append((engine, isa, tok_s, (bw, counts), note, py))
 
     def llama(exe, **kw):
         b0 = read_bw()
         tok_s = measure_llama(exe, path, threads, n_tokens, context, **kw)
-        return tok_s, [b0, read_bw()]
+        return tok_s, [b0, read_bw()], [n_tokens]
 
     for isa in isas:
         real = best_isa() if isa == "native" else isa
         for mode in weights:
-            tok_s, py, used, bw = measure_ours(path, None if isa == "native" else isa, threads, n_tokens, context,
-                                               weights=mode, probe=read_bw, segments=segments)
-            add("hybridinfer", real, tok_s, bw, py, f"weights: {used}")
+            tok_s, py, used, bw, counts = measure_ours(path, None if isa == "native" else isa, threads, n_tokens,
+                                                       context, weights=mode, probe=read_bw, segments=segments)
+            add("hybridinfer", real, tok_s, bw, counts, py, f"weights: {used}")
     if llama_bench:
         add("llama.cpp", "native", *llama(llama_bench), note="mmap")
         if llama_no_mmap:
@@ -210,9 +221,9 @@ def run(path: str, threads: int, n_tokens: int = 32, context: int = 0, isas: tup
     probe.close()
     bw = max(readings)
     rows = []
-    for e, i, t, b, n, py in measured:
-        mean = sum(b) / len(b)
-        rows.append(Row(e, i, threads, t, t * bpt / 1e9, t * bpt / mean, n, py, mean / 1e9, [x / 1e9 for x in b]))
+    for e, i, t, (b, counts), n, py in measured:
+        eff = effective_bandwidth(b, counts)
+        rows.append(Row(e, i, threads, t, t * bpt / 1e9, t * bpt / eff, n, py, eff / 1e9, [x / 1e9 for x in b]))
     return {"model": path, "arch": args.arch, "bytes_per_token": bpt, "read_bw_gb_s": bw / 1e9,
             "read_bw_readings_gb_s": [x / 1e9 for x in readings], "floor_tok_s": bw / bpt,
             "threads": threads, "context": context, "rows": [asdict(r) for r in rows]}
@@ -222,8 +233,9 @@ def markdown(res: dict) -> str:
     rd = res.get("read_bw_readings_gb_s") or [res["read_bw_gb_s"]]
     out = [f"model `{res['model']}` ({res['arch']}); {res['bytes_per_token'] / 1e9:.3f} GB of weights per token; "
            f"read bandwidth with {res['threads']} threads {min(rd):.1f}-{max(rd):.1f} GB/s over {len(rd)} readings "
-           f"(best: floor {res['floor_tok_s']:.2f} tok/s); each row against the mean of the readings taken "
-           f"before, after and (this engine) between runs of its timed steps (probe, their range in brackets); "
+           f"(best: floor {res['floor_tok_s']:.2f} tok/s); each row against the readings taken before, after and "
+           f"(this engine) between runs of its timed steps, each run's floor time at the mean of the two around it "
+           f"(probe: the bandwidth of those floor times, the readings' range in brackets); "
            f"context {res['context']}", "",
            "| engine | ISA | weights | threads | tok/s | weight GB/s | probe GB/s | % of floor "
            "| vs llama.cpp (same ISA, its best) | Python share |",
