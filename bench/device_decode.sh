@@ -2,7 +2,8 @@
 # The decode benchmark of issue 3 on the GPU machine's host CPU (run there through the device tool, with .whl and
 # .llamabin carried: llama-bench built here from llama-cpp-python's sdist, -DGGML_NATIVE=OFF, one AVX-512 VNNI build
 # and one SSE4.2-only build). Synthesizes the 35B-A3B Q4_K_M there (21 GB, too big to bring) and writes the tables
-# to $OUT. WEIGHTS=copy,mmap times both weight placements; LLAMA_NO_MMAP=1 adds llama.cpp with -lm none.
+# to $OUT. WEIGHTS=copy,mmap times both weight placements; LLAMA_NO_MMAP=1 adds llama.cpp with -lm none; N tokens
+# (default 32) are timed in SEGMENTS runs (default 8) with a bandwidth reading between each.
 set -eu
 source .whl/env.sh
 python3 native/simd/build.py > /dev/null
@@ -10,5 +11,5 @@ M=/tmp/m35.gguf
 [ -f $M ] || python3 -m hybridinfer synth --arch qwen35moe --shape 35b-a3b --quant q4_k_m --seed 1 -o $M
 for t in ${THREADS:-16 8}; do
   python3 -m hybridinfer bench decode -m $M -t $t -n ${N:-32} --isa ${ISAS:-native,ssse3} --weights ${WEIGHTS:-auto} \
-    ${LLAMA_NO_MMAP:+--llama-no-mmap} --llama-bench .llamabin/llama-bench-avx512 --llama-bench-sse .llamabin/llama-bench-sse --out-dir "${OUT:-bench/results}"
+    --segments ${SEGMENTS:-8} ${LLAMA_NO_MMAP:+--llama-no-mmap} --llama-bench .llamabin/llama-bench-avx512 --llama-bench-sse .llamabin/llama-bench-sse --out-dir "${OUT:-bench/results}"
 done
