@@ -177,6 +177,9 @@ def test_effective_bandwidth_weighs_each_run_by_its_floor_time():
     # 8 steps at 50 then 8 at 150 (means of the readings around each run): floor times 8/50 + 8/150
     assert effective_bandwidth([40.0, 60.0, 140.0, 160.0], [8, 0, 8]) == pytest.approx(16 / (8 / 50 + 8 / 150))
     assert effective_bandwidth([100.0, 50.0, 150.0], [1, 3]) == pytest.approx(4 / (1 / 75 + 3 / 100))
+    for readings, counts in (([100.0], [4]), ([100.0, 90.0], [0]), ([100.0, -1.0], [4])):
+        with pytest.raises(ValueError, match="one more positive reading"):
+            effective_bandwidth(readings, counts)
 
 
 def test_bandwidth_probe_size_outgrows_the_cache():

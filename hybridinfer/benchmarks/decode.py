@@ -127,7 +127,9 @@ def effective_bandwidth(readings: list[float], counts: list[int]) -> float:
     readings[k + 1] after it, the floor time of run k is its bytes over the mean of those two, and this is the
     bandwidth that reads all the steps' bytes in the sum of those times (a weighted harmonic mean): a run's
     fraction of its floor is then the floor time over the time it took."""
-    assert len(readings) == len(counts) + 1 and sum(counts) > 0
+    if len(readings) != len(counts) + 1 or sum(counts) < 1 or min(counts) < 0 or min(readings) <= 0:
+        raise ValueError(f"need one more positive reading than runs of steps, got readings {readings} for "
+                         f"runs of {counts} steps")
     return sum(counts) / sum(n / ((readings[k] + readings[k + 1]) / 2) for k, n in enumerate(counts))
 
 
