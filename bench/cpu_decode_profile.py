@@ -19,6 +19,7 @@ from collections import defaultdict
 import numpy as np
 
 from hybridinfer.api import Engine
+from hybridinfer.benchmarks.decode import greedy_steps
 from hybridinfer.cpu.plan import Bound
 from hybridinfer.cpu.simd import KQ_ZIPPED, base_type
 from hybridinfer.quant import type_name as _type_name
@@ -56,14 +57,6 @@ def _start(eng):
     return st, int(np.argmax(eng.prefill([1, 2, 3, 4], st)[-1]))
 
 
-def _steps(be, st, t: int, n: int) -> tuple[int, float]:
-    """n greedy decode steps from token t: the last token and the seconds they took."""
-    t0 = time.perf_counter()
-    for _ in range(n):
-        t = int(np.argmax(be.forward([t], st, all_logits=False)[-1]))
-    return t, time.perf_counter() - t0
-
-
 def _sweep(eng, dists: list[int], n: int, rounds: int) -> None:
     be = eng.backend
     st, t = _start(eng)
@@ -75,7 +68,7 @@ def _sweep(eng, dists: list[int], n: int, rounds: int) -> None:
             if st.pos + n + 2 > st.n_ctx:
                 st = eng.new_state()
                 be.forward([t], st, all_logits=False)
-            t, dt = _steps(be, st, t, n)
+            t, dt = greedy_steps(be, st, t, n)
             res[d].append(n / dt)
     print(f"{be.simd!r}, weights {be.weights}: prefetch distance -> tok/s ({rounds} interleaved runs)")
     for d in dists:
@@ -86,9 +79,9 @@ def _pool(eng, n: int) -> None:
     """The pool's own clocks over n plain decode steps: where a pooled call's wall time goes."""
     be = eng.backend
     st, t = _start(eng)
-    t, _ = _steps(be, st, t, 3)
+    t, _ = greedy_steps(be, st, t, 3)
     be.simd.pool_stats(True)
-    t, dt = _steps(be, st, t, n)
+    t, dt = greedy_steps(be, st, t, n)
     res = be.simd.pool_stats(False)
     print(f"{be.simd!r}: {n / dt:.2f} tok/s with the pool's clocks on (two clock reads per chunk)")
     print("| pooled calls | per token | chunks | wall us | busy us/thread | start us (mean / latest) | spread us | "
@@ -127,8 +120,8 @@ def main(argv=None) -> None:
     simd = be.simd
     n_exp = getattr(eng.args, "n_expert", 1) or 1
     st, t = _start(eng)
-    t, _ = _steps(be, st, t, 1)  # recorded here
-    t, dt = _steps(be, st, t, a.tokens)  # the real step first: one native call per step
+    t, _ = greedy_steps(be, st, t, 1)  # recorded here
+    t, dt = greedy_steps(be, st, t, a.tokens)  # the real step first: one native call per step
     real = dt * 1e9 / a.tokens
     times: dict[str, float] = defaultdict(float)
     nbytes: dict[str, int] = defaultdict(int)
@@ -178,7 +171,7 @@ def main(argv=None) -> None:
         ws.plans.clear()
     be.forward([t], st, all_logits=False)
     times.clear(), nbytes.clear(), counts.clear()
-    t, dt = _steps(be, st, t, a.tokens)
+    t, dt = greedy_steps(be, st, t, a.tokens)
     wall = dt * 1e9 / a.tokens
     bw = simd.read_bandwidth(1 << 30)
     n = a.tokens

@@ -374,7 +374,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--weights", default="auto", help="comma-separated weights modes to time: auto,copy,mmap")
     b.add_argument("--llama-no-mmap", action="store_true", help="also time llama.cpp with -lm none (no mmap)")
     b.add_argument("--segments", type=int, default=4,
-                   help="runs of timed steps with a bandwidth reading between each (the floor is their mean)")
+                   help="runs of timed steps with a bandwidth reading between each (each run's floor at the "
+                        "mean of the two readings around it)")
     b = _bench_parser(bsub, "prefix", "time to first token cold/warm with the prefix cache, and llama.cpp's server",
                       cmd_bench_prefix)
     b.add_argument("--backend", default="cpu", choices=["reference", "cpu", "gpu", "auto"])

@@ -2,10 +2,10 @@
 
 floor = (bytes of weights one token reads) / (measured read bandwidth, all threads). One token reads every
 dense matrix, the k routed experts' share of each expert tensor, the shared expert and the LM head; the
-embedding contributes one row. The bandwidth is read just before and just after each engine's timed steps, and
-each row is set against the better of its two readings: on a shared host the bandwidth moves by half within
-minutes (97 to 145 GB/s seen in one run on 16 cores), so one reading for the whole table would rate an engine
-against a moment it did not run in.
+embedding contributes one row. The bandwidth is read just before and just after each engine's timed steps (for
+this engine also between runs of them), and each row is set against the readings around its own timing
+(effective_bandwidth): on a shared host the bandwidth moves by half within minutes (91 to 176 GB/s seen in one
+run on 16 cores), so one reading for the whole table would rate an engine against a moment it did not run in.
 """
 
 from __future__ import annotations
@@ -112,14 +112,19 @@ def measure_ours(path: str, isa: str | None, threads: int, n_tokens: int, contex
     counts = [n_tokens * (k + 1) // segments - n_tokens * k // segments for k in range(segments)]
     elapsed = 0.0
     for n in counts:
-        t0 = time.perf_counter()
-        for _ in range(n):
-            lg = be.forward([t], st, all_logits=False)
-            t = int(np.argmax(lg[-1]))
-        elapsed += time.perf_counter() - t0
+        t, dt = greedy_steps(be, st, t, n)
+        elapsed += dt
         if probe:
             bw.append(probe())
     return n_tokens / elapsed, python_share(be, st, t, max(4, n_tokens // 4)), be.weights, bw, counts
+
+
+def greedy_steps(be, st, t: int, n: int) -> tuple[int, float]:
+    """n greedy decode steps of backend be on state st from token t: the last token and the seconds they took."""
+    t0 = time.perf_counter()
+    for _ in range(n):
+        t = int(np.argmax(be.forward([t], st, all_logits=False)[-1]))
+    return t, time.perf_counter() - t0
 
 
 def effective_bandwidth(readings: list[float], counts: list[int]) -> float:
@@ -143,9 +148,7 @@ def python_share(be, st, t: int, n: int) -> float:
     prof = cProfile.Profile()
     t0 = time.perf_counter()
     prof.enable()
-    for _ in range(n):
-        lg = be.forward([t], st, all_logits=False)
-        t = int(np.argmax(lg[-1]))
+    greedy_steps(be, st, t, n)
     prof.disable()
     wall = time.perf_counter() - t0
     stats = pstats.Stats(prof).stats  # {(file, line, name): (cc, nc, tottime, cumtime, callers)}
