@@ -2,12 +2,13 @@
 
     python bench/cpu_decode_profile.py -m model.gguf -t 16 [-n 16] [--isa native] [--pool]
 
-Times n real decode steps (one native call each after the first), then wraps the backend's bound native
-calls with a clock (so each step returns to Python per call), runs n more and prints, per kind of call, the
-time per token, its share of the step, and for weight products the weight bytes read and the GB/s they ran at
-(against the machine's read bandwidth measured by the same library). The rest of the clocked step ("python
-glue") is the wall time no wrapped call accounts for. --pool instead runs plain steps with the thread pool's
-clocks on (SimdLib.pool_stats) and prints where a pooled call's wall time goes besides its chunks' work.
+Times n real decode steps (one native call each after the first), then records the step afresh with every
+call labelled, turns on the native step's own clock (hi_plan_run: two clock reads per call), runs n more and
+prints, per kind of call, the time per token, its share of the step, and for weight products the weight bytes
+read and the GB/s they ran at (against the machine's read bandwidth measured by the same library). "Outside
+the native calls" is the wall time no call accounts for (Python, the embedding row, sampling). --pool instead
+runs plain steps with the thread pool's clocks on (SimdLib.pool_stats) and prints where a pooled call's wall
+time goes besides its chunks' work.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import numpy as np
 
 from hybridinfer.api import Engine
 from hybridinfer.benchmarks.decode import greedy_steps
-from hybridinfer.cpu.plan import Bound
+from hybridinfer.cpu.plan import Steps
 from hybridinfer.cpu.simd import KQ_ZIPPED, base_type
 from hybridinfer.quant import type_name as _type_name
 
@@ -70,9 +71,9 @@ def _sweep(eng, dists: list[int], n: int, rounds: int) -> None:
                 be.forward([t], st, all_logits=False)
             t, dt = greedy_steps(be, st, t, n)
             res[d].append(n / dt)
-    print(f"{be.simd!r}, weights {be.weights}: prefetch distance -> tok/s ({rounds} interleaved runs)")
+    print(f"{be.simd!r}, weights {be.weights}: prefetch distance -> tok/s ({rounds} interleaved runs; median)")
     for d in dists:
-        print(f"  {d:6d} B: " + ", ".join(f"{x:.2f}" for x in res[d]))
+        print(f"  {d:8d} B: " + ", ".join(f"{x:.2f}" for x in res[d]) + f"  ({np.median(res[d]):.2f})")
 
 
 def _pool(eng, n: int) -> None:
@@ -121,24 +122,10 @@ def main(argv=None) -> None:
     n_exp = getattr(eng.args, "n_expert", 1) or 1
     st, t = _start(eng)
     t, _ = greedy_steps(be, st, t, 1)  # recorded here
-    t, dt = greedy_steps(be, st, t, a.tokens)  # the real step first: one native call per step
+    t, dt = greedy_steps(be, st, t, a.tokens)  # the plain step first, for comparison
     real = dt * 1e9 / a.tokens
-    times: dict[str, float] = defaultdict(float)
-    nbytes: dict[str, int] = defaultdict(int)
-    counts: dict[str, int] = defaultdict(int)
+    labels: dict[int, tuple[str, int]] = {}  # id(Bound) -> (label, weight bytes it reads)
     real_bind = simd.bind
-
-    class Timed(Bound):
-        """A Bound that clocks itself; DecodePlan runs it from Python (it packs plain Bound calls only)."""
-
-        __slots__ = ("label", "nb")
-
-        def __call__(self, pos=None):
-            t0 = time.perf_counter_ns()
-            Bound.__call__(self, pos)
-            times[self.label] += time.perf_counter_ns() - t0
-            nbytes[self.label] += self.nb
-            counts[self.label] += 1
 
     def bind(method, *args):
         f = real_bind(method, *args)
@@ -161,23 +148,34 @@ def main(argv=None) -> None:
             label = f"moe_down {type_name(q)} {rows}x{cols} k={len(idx)}"
         elif method == "quantize":
             label = f"quantize {args[0].shape[-1]}"
-        tb = Timed(f.fn, f.cargs, f.name, f.keep)
-        tb.label, tb.nb = label, b
-        return tb
+        labels[id(f)] = (label, b)
+        return f
 
     simd.bind = bind
-    for ws in be._ws.values():  # rebind every call site through the clock
+    for ws in be._ws.values():  # rebind every call site so that each is labelled
         ws.calls.clear()
         ws.plans.clear()
     be.forward([t], st, all_logits=False)
-    times.clear(), nbytes.clear(), counts.clear()
+    simd.bind = real_bind
+    runs = [seg for ws in be._ws.values() for p in ws.plans.values() for seg in p.segments if type(seg) is Steps]
+    for seg in runs:
+        seg.ns = np.zeros(len(seg.calls), np.int64)
     t, dt = greedy_steps(be, st, t, a.tokens)
     wall = dt * 1e9 / a.tokens
+    times: dict[str, float] = defaultdict(float)
+    nbytes: dict[str, int] = defaultdict(int)
+    counts: dict[str, int] = defaultdict(int)
+    for seg in runs:
+        for call, ns in zip(seg.calls, seg.ns, strict=True):
+            label, b = labels[id(call)]
+            times[label] += float(ns)
+            nbytes[label] += b * a.tokens
+            counts[label] += a.tokens
     bw = simd.read_bandwidth(1 << 30)
     n = a.tokens
     rows = sorted(times, key=lambda k: -times[k])
     print(f"{simd!r}: {1e9 / real:.2f} tok/s ({real / 1e6:.2f} ms/token; {wall / 1e6:.2f} with each call clocked "
-          f"from Python, as the table), read bandwidth {bw / 1e9:.1f} GB/s")
+          f"in the native step, as the table), read bandwidth {bw / 1e9:.1f} GB/s")
     tot_b = sum(nbytes.values()) / n
     print(f"weights per token {tot_b / 1e9:.3f} GB -> floor {bw / tot_b:.1f} tok/s")
     print("| call | calls/tok | ms/tok | share | GB/tok | GB/s | % bw |\n|---|---|---|---|---|---|---|")
@@ -189,7 +187,7 @@ def main(argv=None) -> None:
               f"{rate:.1f} | {100 * rate * 1e9 / bw:.0f}% |" if gb else
               f"| {k} | {counts[k] / n:.0f} | {ms:.3f} | {100 * times[k] / n / wall:.1f}% | | | |")
     acc = sum(times.values()) / n
-    print(f"| python glue | | {(wall - acc) / 1e6:.3f} | {100 * (wall - acc) / wall:.1f}% | | | |")
+    print(f"| outside the native calls | | {(wall - acc) / 1e6:.3f} | {100 * (wall - acc) / wall:.1f}% | | | |")
     pooled, alone = _pool_round_trip(simd)
     print(f"pool round trip: {pooled:.1f} us per pooled call of a tiny product ({alone:.1f} us on one thread)")
 

@@ -33,8 +33,8 @@ def test_bound_calls_follow_buffer_contents(qtype):
 
 
 def test_packed_steps_run_as_the_bound_calls_and_name_a_failing_one():
-    """Steps (the decode step as one hi_plan_run) repeat the Bound calls they pack, in order; a call the library
-    rejects is named in the error."""
+    """Steps (the decode step as one hi_plan_run) repeat the Bound calls they pack, in order, clocking each when
+    asked; a call the library rejects is named in the error."""
     from hybridinfer.cpu.plan import Steps
 
     lib = SimdLib(n_threads=2)
@@ -55,6 +55,15 @@ def test_packed_steps_run_as_the_bound_calls_and_name_a_failing_one():
         want = lib.matmul(w, Q4_K, rows, cols, lib.quantize(want_x, Q4_K), np.zeros((1, rows), np.float32))
         steps.run(0)
         assert np.array_equal(x, want_x) and np.array_equal(out, want) and np.array_equal(out2, want)
+    steps.ns = np.zeros(3, np.int64)  # the per-call clock: each run adds every call's time
+    steps.run(0)
+    first = steps.ns.copy()
+    steps.run(0)
+    assert np.all(first > 0) and np.all(steps.ns > first)
+    steps.ns = np.zeros(2, np.int64)
+    with pytest.raises(ValueError, match="Steps.ns"):
+        steps.run(0)
+    steps.ns = None
     steps._arr[2].a[4].i = 100  # cols no longer whole blocks: the library rejects the call
     with pytest.raises(ValueError, match="matmul_many"):
         steps.run(0)

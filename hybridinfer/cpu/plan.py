@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import weakref
 
+import numpy as np
+
 from ..state import DecoderState
 from .simd_native import _check_rc
 
@@ -43,7 +45,8 @@ class Bound:
 
 
 class Steps:
-    """Bound calls packed for hi_plan_run; run(pos) runs them all at the token position pos."""
+    """Bound calls packed for hi_plan_run; run(pos) runs them all at the token position pos. With `ns` set to
+    an int64 array of len(calls) (benchmarks), each run adds every call's nanoseconds to it."""
 
     def __init__(self, simd, calls: list[Bound]):
         ffi = simd._ffi
@@ -52,6 +55,7 @@ class Steps:
         self._arr = ffi.new("hi_step[]", len(calls))
         self._own: list = []  # C arrays made here from list arguments
         self._failed = ffi.new("int64_t *")
+        self.ns = None
         for s, b in zip(self._arr, calls, strict=True):
             self._pack(s, b)
 
@@ -79,7 +83,13 @@ class Steps:
             s.a[b.pos_arg].i = 0  # hi_plan_run adds the position
 
     def run(self, pos: int) -> None:
-        rc = self._lib.hi_plan_run(self._simd._c, self._arr, len(self.calls), int(pos), self._failed)
+        ns = self._ffi.NULL
+        if self.ns is not None:
+            if self.ns.dtype != np.int64 or self.ns.shape != (len(self.calls),) or not self.ns.flags.c_contiguous:
+                raise ValueError(f"Steps.ns must be a contiguous int64 array of {len(self.calls)}, got "
+                                 f"{self.ns.dtype} {self.ns.shape}")
+            ns = self._ffi.from_buffer("int64_t[]", self.ns)
+        rc = self._lib.hi_plan_run(self._simd._c, self._arr, len(self.calls), int(pos), self._failed, ns)
         if rc:
             _check_rc(rc, self.calls[self._failed[0]].name)
 

@@ -187,7 +187,8 @@ typedef struct {
     int32_t pos_arg;
     hi_arg a[28]; /* HI_STEP_ARGS */
 } hi_step;
-/* runs steps[0..n) at position pos; returns 0, or the first failing call's code with *failed = its index */
-int hi_plan_run(hi_ctx *c, const hi_step *steps, int64_t n, int64_t pos, int64_t *failed);
+/* runs steps[0..n) at position pos; returns 0, or the first failing call's code with *failed = its index.
+ * ns (NULL: not clocked): ns[i] += the nanoseconds step i took (two clock reads per step) */
+int hi_plan_run(hi_ctx *c, const hi_step *steps, int64_t n, int64_t pos, int64_t *failed, int64_t *ns);
 
 #endif

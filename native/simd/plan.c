@@ -4,6 +4,7 @@
  * position is the one argument that changes from step to step (pos_arg). No arithmetic here: the entry
  * points do exactly what they do when Python calls them one by one, so the results are the same bits.
  */
+#include "hi_pool.h"
 #include "hi_simd.h"
 
 _Static_assert(HI_STEP_ARGS == sizeof(((hi_step *)0)->a) / sizeof(hi_arg), "hi_step.a holds HI_STEP_ARGS");
@@ -57,10 +58,12 @@ static int hi_step_run(hi_ctx *c, const hi_step *s, int64_t pos) {
     }
 }
 
-int hi_plan_run(hi_ctx *c, const hi_step *steps, int64_t n, int64_t pos, int64_t *failed) {
+int hi_plan_run(hi_ctx *c, const hi_step *steps, int64_t n, int64_t pos, int64_t *failed, int64_t *ns) {
     if (!c || (!steps && n) || n < 0) return -2;
     for (int64_t i = 0; i < n; i++) {
+        const int64_t t0 = ns ? hi_now_ns() : 0;
         const int rc = hi_step_run(c, &steps[i], pos);
+        if (ns) ns[i] += hi_now_ns() - t0;
         if (rc) {
             if (failed) *failed = i;
             return rc;
