@@ -242,8 +242,14 @@ def _print_cpu(forced: str | None) -> None:
 def cmd_synth(a) -> int:
     from .synth import synth_model
 
+    overrides = []
+    for item in a.tensor_type:
+        pat, sep, name = item.rpartition("=")
+        if not sep or not pat or not name:
+            raise SystemExit(f"--tensor-type wants PATTERN=TYPE, got {item!r}")
+        overrides.append((pat, name))
     summary = synth_model(a.output, a.arch, a.shape, quant=a.quant, seed=a.seed, vocab_from=a.vocab_from,
-                          progress=sys.stderr.isatty())
+                          progress=sys.stderr.isatty(), tensor_types=overrides)
     print(f"wrote {a.output}: {summary}")
     return 0
 
@@ -360,6 +366,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quant", default="q4_k_m", help="q4_k_m | q8_0 | q4_0 | f16 | f32")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vocab-from", default=None, help="borrow tokens from this GGUF")
+    p.add_argument("--tensor-type", action="append", default=[], metavar="PATTERN=TYPE",
+                   help="as llama-quantize's: tensors whose name matches the regex PATTERN get TYPE (e.g. "
+                        "attn_qkv=q8_0); repeatable, the first match wins")
     p.add_argument("-o", "--output", required=True)
     p.set_defaults(fn=cmd_synth)
     p = sub.add_parser("bench", help="benchmarks (markdown table + PNG)")

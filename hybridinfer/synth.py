@@ -55,8 +55,10 @@ _CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\
            "'<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{'<|im_start|>assistant\\n'}}{% endif %}")
 
 
-def plan_model(arch: str, shape: str | dict, quant: str = "q4_k_m", n_vocab: int | None = None) -> dict:
+def plan_model(arch: str, shape: str | dict, quant: str = "q4_k_m", n_vocab: int | None = None,
+               tensor_types=()) -> dict:
     """Everything about the file except its data: hyperparameters, tensors with types and sizes, counts.
+    tensor_types: llama-quantize's --tensor-type overrides, (regex, type name) pairs (synth_shapes.assign_types).
 
     Returns {"hp", "tensors": [(TensorSpec, qtype, nbytes)], "params", "active_params", "data_bytes",
     "types": {type name: count}, "type_bytes": {type name: bytes}}."""
@@ -66,7 +68,7 @@ def plan_model(arch: str, shape: str | dict, quant: str = "q4_k_m", n_vocab: int
     if n_vocab is not None:
         hp["n_vocab"] = int(n_vocab)
     specs = tensor_specs(arch, hp)
-    types = assign_types(arch, hp, quant, specs)
+    types = assign_types(arch, hp, quant, specs, tensor_types)
     tensors = [(s, types[s.name], tensor_nbytes(types[s.name], s.ne)) for s in specs]
     total, active = param_counts(arch, hp)
     counts: Counter = Counter()
@@ -289,11 +291,12 @@ def _add_hparams(w: GGUFWriter, arch: str, hp: dict, name: str, ftype: int) -> N
 # ---- the writer ----------------------------------------------------------------------------------------------
 
 def synth_model(out_path: str | os.PathLike[str], arch: str, shape: str | dict, quant: str = "q4_k_m",
-                seed: int = 0, vocab_from: str | None = None, progress: bool = False) -> dict:
+                seed: int = 0, vocab_from: str | None = None, progress: bool = False, tensor_types=()) -> dict:
     """Write a synthetic GGUF of `arch` ("qwen35", "qwen35moe", "llama") with `shape` (a published name, see
     list_shapes(), or a dict of hyperparameters) and the per-tensor type mix llama.cpp gives `quant`
     ("q4_k_m", "q8_0", "q4_0", "f16", "f32"). With `vocab_from`, the tokenizer of that GGUF is copied (padded
     with `[PAD{i}]` tokens to the shape's vocabulary size); otherwise a byte-level BPE vocabulary is made.
+    `tensor_types`: llama-quantize's --tensor-type overrides, (regex, type name) pairs, the first match wins.
 
     Streams to disk with bounded memory. Returns a summary: path, bytes written, tensor count, type histogram
     (count and bytes per type), parameter counts, seconds and MB/s."""
@@ -307,7 +310,7 @@ def synth_model(out_path: str | os.PathLike[str], arch: str, shape: str | dict, 
         pre = resolve_shape(arch, shape)["n_vocab"] if user_sets_vocab else None
         vocab = _borrowed_vocab(os.fspath(vocab_from), pre)
         n_vocab = len(vocab["tokens"])
-    plan = plan_model(arch, shape, quant, n_vocab=n_vocab)
+    plan = plan_model(arch, shape, quant, n_vocab=n_vocab, tensor_types=tensor_types)
     hp = plan["hp"]
     if vocab is None:
         vocab = _synthetic_vocab(hp["n_vocab"])

@@ -6,6 +6,7 @@ parameter counts and byte totals of a 122B model can be computed in milliseconds
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -309,9 +310,35 @@ def _layer_order(s: TensorSpec) -> tuple[int, str]:
     return (s.layer, s.name)  # llama_model_loader::weight_name_comparer: layer number, then name
 
 
-def assign_types(arch: str, hp: dict, quant: str, specs: list[TensorSpec]) -> dict[str, int]:
-    """ggml type per tensor name, as llama.cpp's quantizer picks it from an F32 source for this `quant`."""
+def check_tensor_types(tensor_types) -> list[tuple[re.Pattern, int]]:
+    """llama-quantize's --tensor-type overrides: (regex, type name) pairs, in order, as compiled patterns and ggml
+    types; a ShapeError names a bad pattern or a type without synthetic blocks."""
+    from .quant import _BLOCKS
+
+    out = []
+    for item in tensor_types or ():
+        try:
+            pat, name = item
+        except (TypeError, ValueError):
+            raise ShapeError(f"a tensor type override is (pattern, type), got {item!r}") from None
+        try:
+            rx = re.compile(str(pat))
+        except re.error as e:
+            raise ShapeError(f"bad tensor type pattern {pat!r}: {e}") from None
+        t = getattr(T, str(name).upper(), None)
+        if t is None or int(t) not in _BLOCKS or t in (T.F32, T.F16, T.BF16):
+            ok = ", ".join(T(q).name.lower() for q in sorted(_BLOCKS) if q not in (T.F32, T.F16, T.BF16))
+            raise ShapeError(f"tensor type override {pat}={name}: {name!r} is not a quantized type here ({ok})")
+        out.append((rx, int(t)))
+    return out
+
+
+def assign_types(arch: str, hp: dict, quant: str, specs: list[TensorSpec], tensor_types=()) -> dict[str, int]:
+    """ggml type per tensor name, as llama.cpp's quantizer picks it from an F32 source for this `quant`, with
+    llama-quantize's --tensor-type overrides (`tensor_types`: (regex, type name) pairs; the first pattern found
+    in a quantizable tensor's name sets its type, and that tensor then takes no part in the mix's rules)."""
     default, _ = QUANTS[check_quant(quant)]
+    manual = check_tensor_types(tensor_types)
     n_expert = hp.get("n_expert", 0) if arch == "qwen35moe" else 0
     n_layer = hp["n_layer"]
     has_output = any(s.name == "output.weight" for s in specs)
@@ -325,7 +352,10 @@ def assign_types(arch: str, hp: dict, quant: str, specs: list[TensorSpec]) -> di
             types[name] = T.F32
             continue
         t = default
-        if default not in (T.F16, T.F32):
+        hit = next((q for rx, q in manual if rx.search(name)), None) if default not in (T.F16, T.F32) else None
+        if hit is not None:
+            t = hit
+        elif default not in (T.F16, T.F32):
             if name == "output.weight" or (not has_output and name == "token_embd.weight"):
                 if s.ne[0] % block_size(default):
                     t = T.Q8_0
@@ -350,9 +380,9 @@ def assign_types(arch: str, hp: dict, quant: str, specs: list[TensorSpec]) -> di
                 if quant == "q4_k_m" and use_more_bits(il, n_layer):
                     t = T.Q6_K
                 i_down += 1
+        if default not in (T.F16, T.F32) and s.ne[0] % block_size(t):  # tensor_type_fallback, overrides too
+            t = _FALLBACK.get(t, t)
             if s.ne[0] % block_size(t):
-                t = _FALLBACK.get(t, t)
-                if s.ne[0] % block_size(t):
-                    t = T.F16
+                t = T.F16
         types[name] = t
     return types

@@ -164,6 +164,57 @@ def test_published_shapes():
     assert types["blk.0.ssm_conv1d.weight"] == "F32" and types["blk.0.ffn_gate_inp.weight"] == "F32"
 
 
+# llama-quantize's --tensor-type, as its 0.3.36 binary applied these to TINY["qwen35moe"] (checked against it for
+# every MIX shape; the binary is not built in CI): the first pattern found in a quantizable tensor's name sets its
+# type, and such tensors leave the mix's counters alone, so the attn_v tensors' use_more_bits picks move
+ISSUE_MIX = [("attn_qkv", "q8_0"), ("attn_k", "q8_0"), ("attn_v", "q8_0"), ("attn_output", "q5_k")]
+
+
+def test_tensor_type_overrides_follow_llama_quantize():
+    plain = {s.name: T(q).name for s, q, _ in plan_model("qwen35moe", TINY["qwen35moe"], "q4_k_m")["tensors"]}
+    p = plan_model("qwen35moe", TINY["qwen35moe"], "q4_k_m", tensor_types=ISSUE_MIX)
+    got = {s.name: T(q).name for s, q, _ in p["tensors"]}
+    for name, t in got.items():
+        if "attn_qkv.weight" in name or "attn_k.weight" in name or "attn_v.weight" in name:
+            assert t == "Q8_0", name
+        elif "attn_output.weight" in name:
+            assert t == "Q5_K", name
+        else:
+            assert t == plain[name], name
+    assert p["data_bytes"] > plan_model("qwen35moe", TINY["qwen35moe"], "q4_k_m")["data_bytes"]
+    qkv_q41 = [("attn_qkv", "Q4_1"), ("ffn_down", "q8_0")]
+    got = {s.name: T(q).name for s, q, _ in
+           plan_model("qwen35moe", TINY["qwen35moe"], "q4_k_m", tensor_types=qkv_q41)["tensors"]}
+    assert plain["blk.3.attn_v.weight"] == plain["blk.7.attn_v.weight"] == "Q6_K"
+    assert (got["blk.3.attn_v.weight"], got["blk.7.attn_v.weight"]) == ("Q6_K", "Q4_K")  # counted without the qkv
+    assert {got[n] for n in got if "attn_qkv" in n} == {"Q4_1"} and got["blk.0.ffn_down_exps.weight"] == "Q8_0"
+    first = [("blk\\.0\\.", "q5_0"), ("attn_qkv", "q8_0")]  # the first match wins
+    plan = plan_model("qwen35", TINY["qwen35"], "q4_k_m", tensor_types=first)
+    got = {s.name: T(q).name for s, q, _ in plan["tensors"]}
+    assert got["blk.0.attn_qkv.weight"] == "Q5_0" and got["blk.1.attn_qkv.weight"] == "Q8_0"
+    assert got["blk.0.attn_norm.weight"] == "F32"  # not quantizable: untouched
+
+
+def test_tensor_type_override_errors_and_cli(tmp_path, capsys):
+    with pytest.raises(ShapeError, match=r"attn_qkv=q3_x.*'q3_x'.*q8_0"):
+        plan_model("qwen35", TINY["qwen35"], "q4_k_m", tensor_types=[("attn_qkv", "q3_x")])
+    with pytest.raises(ShapeError, match=r"bad tensor type pattern '\('"):
+        plan_model("qwen35", TINY["qwen35"], "q4_k_m", tensor_types=[("(", "q8_0")])
+    with pytest.raises(ShapeError, match=r"is \(pattern, type\)"):
+        plan_model("qwen35", TINY["qwen35"], "q4_k_m", tensor_types=["attn_qkv"])
+    from hybridinfer.cli import main
+
+    out = str(tmp_path / "o.gguf")
+    shape = json.dumps(TINY["qwen35"])
+    with pytest.raises(SystemExit, match="PATTERN=TYPE"):
+        main(["synth", "--arch", "qwen35", "--shape", shape, "--tensor-type", "attn_qkv", "-o", out])
+    assert main(["synth", "--arch", "qwen35", "--shape", shape, "--tensor-type", "attn_qkv=q8_0",
+                 "--tensor-type", "ssm_out=q5_k", "-o", out]) == 0
+    types = _types_of(out)
+    assert types["blk.0.attn_qkv.weight"] == "Q8_0" and types["blk.0.ssm_out.weight"] == "Q5_K"
+    assert types["blk.0.ffn_up.weight"] == "Q4_K"
+
+
 def test_errors_name_the_value_and_the_choices(tmp_path):
     p = str(tmp_path / "x.gguf")
     with pytest.raises(ShapeError, match=r"'70b'.*35b-a3b"):
