@@ -188,6 +188,32 @@ def test_legacy_matmul_matches_ggml(ggml, libs, qtype):
         assert np.array_equal(gemv, out[5]), isa
 
 
+def test_q8_0_scales_that_are_not_normal_fp16(libs):
+    """The SSSE3 Q8_0 dot converts 4 blocks' fp16 scales at a time as normal numbers and hands blocks with a zero,
+    subnormal, infinite or NaN scale (weights or activations) to the one-by-one conversion: the same bits as the
+    generic loop on the reference, whatever the scales."""
+    rng = np.random.default_rng(80)
+    rows, nb = 6, 11
+    raw = random_blocks(8, rows * nb, rng)
+    for r, b, h in ((0, 0, 0x0000), (0, 3, 0x8000), (1, 5, 0x0001), (2, 8, 0x03ff), (3, 1, 0x7c00), (4, 9, 0x7e00),
+                    (5, 4, 0x0400)):
+        raw[r * nb + b, 0:2] = np.frombuffer(np.uint16(h).tobytes(), np.uint8)
+    raw = raw.reshape(-1)
+    x = _activations(rng, 3, 32 * nb)
+    x[1, 64:96] = 0  # an all-zero block: its activation scale is 0
+    x[2, 200:232] *= 1e-38  # its scale subnormal
+    for isa in GENERIC_ISAS:
+        lib = libs.get(isa)
+        if lib is None:
+            continue
+        xq = lib.quantize(x, 8)
+        out = np.full((3, rows), 1.0, np.float32)
+        lib.matmul(raw, 8, rows, 32 * nb, xq, out)
+        want = aq.qmatmul_generic(xq, raw, 8, rows, 32 * nb, ssse3=isa == "ssse3")
+        assert np.array_equal(out, want, equal_nan=True), isa
+        assert np.isnan(out[:, 4]).all() and np.isfinite(out[:, 0]).all()
+
+
 def _unit_scale_blocks(qtype: int, rows: int, nb: int, rng) -> np.ndarray:
     blk = random_blocks(qtype, rows * nb, rng)
     blk[:, 0:2] = np.frombuffer(np.float16(1).tobytes(), np.uint8)

@@ -309,6 +309,59 @@ HI_INLINE float hi_dot_q4_0_ssse3(const uint8_t *w, const uint8_t *x, int64_t nb
 }
 #endif
 
+#if defined(HI_SSSE3)
+/* 4 fp16 values (the low 4 16-bit lanes of h) as floats in *f, when all are normal (else 0: the caller converts
+ * them one by one): the bits of hi_h2f_soft's normal case, (em + (112 << 10)) << 13 | sign << 16 */
+HI_INLINE int hi_h2f4_normal(__m128i h, __m128 *f) {
+    const __m128i u = _mm_unpacklo_epi16(h, _mm_setzero_si128());
+    const __m128i em = _mm_and_si128(u, _mm_set1_epi32(0x7fff));
+    const __m128i ok = _mm_and_si128(_mm_cmpgt_epi32(em, _mm_set1_epi32(0x03ff)), _mm_cmplt_epi32(em, _mm_set1_epi32(0x7c00)));
+    const __m128i sign = _mm_slli_epi32(_mm_and_si128(u, _mm_set1_epi32(0x8000)), 16);
+    *f = _mm_castsi128_ps(_mm_or_si128(_mm_slli_epi32(_mm_add_epi32(em, _mm_set1_epi32(112 << 10)), 13), sign));
+    return _mm_movemask_epi8(ok) == 0xffff;
+}
+
+/* the scales of 4 Q8_0 blocks (34 bytes apart) at w and x one by one: some is not a normal fp16 (out of line) */
+static __attribute__((noinline)) void hi_q8_0_scales_soft(const uint8_t *w, const uint8_t *x, __m128 *dw, __m128 *dx) {
+    *dw = _mm_setr_ps(hi_h2f_at(w), hi_h2f_at(w + 34), hi_h2f_at(w + 68), hi_h2f_at(w + 102));
+    *dx = _mm_setr_ps(hi_h2f_at(x), hi_h2f_at(x + 34), hi_h2f_at(x + 68), hi_h2f_at(x + 102));
+}
+
+/* ggml_vec_dot_q8_0_q8_0 below AVX is the generic loop, sumf += (float)isum_b * (dx_b * dy_b) block by block: the
+ * integer sums (exact, any order) and the scale products of 4 blocks at a time in vectors, then the 4 float adds in
+ * the loop's order */
+HI_INLINE float hi_dot_q8_0_ssse3(const uint8_t *w, const uint8_t *x, int64_t nb) {
+    const __m128i ones = _mm_set1_epi16(1);
+    float sumf = 0.0f;
+    int64_t ib = 0;
+    for (; ib + 3 < nb; ib += 4) {
+        __m128i s[4];
+        for (int b = 0; b < 4; b++) {
+            const uint8_t *wb = w + (ib + b) * 34 + 2, *xb = x + (ib + b) * 34 + 2;
+            const __m128i w0 = _mm_loadu_si128((const __m128i *)wb), w1 = _mm_loadu_si128((const __m128i *)(wb + 16));
+            const __m128i y0 = _mm_loadu_si128((const __m128i *)xb), y1 = _mm_loadu_si128((const __m128i *)(xb + 16));
+            s[b] = _mm_add_epi32(_mm_madd_epi16(ones, _mm_maddubs_epi16(_mm_sign_epi8(w0, w0), _mm_sign_epi8(y0, w0))),
+                                 _mm_madd_epi16(ones, _mm_maddubs_epi16(_mm_sign_epi8(w1, w1), _mm_sign_epi8(y1, w1))));
+        }
+        const __m128 isum = _mm_cvtepi32_ps(_mm_hadd_epi32(_mm_hadd_epi32(s[0], s[1]), _mm_hadd_epi32(s[2], s[3])));
+        const uint8_t *wb = w + ib * 34, *xb = x + ib * 34;
+        const __m128i hw = _mm_setr_epi16((short)hi_rd16(wb), (short)hi_rd16(wb + 34), (short)hi_rd16(wb + 68),
+                                          (short)hi_rd16(wb + 102), 0, 0, 0, 0);
+        const __m128i hx = _mm_setr_epi16((short)hi_rd16(xb), (short)hi_rd16(xb + 34), (short)hi_rd16(xb + 68),
+                                          (short)hi_rd16(xb + 102), 0, 0, 0, 0);
+        __m128 dw, dx;
+        if (__builtin_expect(!(hi_h2f4_normal(hw, &dw) & hi_h2f4_normal(hx, &dx)), 0)) hi_q8_0_scales_soft(wb, xb, &dw, &dx);
+        float t[4];
+        _mm_storeu_ps(t, _mm_mul_ps(isum, _mm_mul_ps(dw, dx)));
+        sumf += t[0];
+        sumf += t[1];
+        sumf += t[2];
+        sumf += t[3];
+    }
+    return hi_legacy_generic_sum(HI_T_Q8_0, w, x, ib, nb, sumf);
+}
+#endif
+
 HI_INLINE void hi_tile_legacy_generic(const int qt, const hi_mm *m, int64_t r, int64_t t) {
     const uint8_t *w = m->w + (size_t)r * m->w_row, *x = m->x + (size_t)t * m->x_row;
     const int64_t nb = m->cols / 32;
@@ -316,6 +369,10 @@ HI_INLINE void hi_tile_legacy_generic(const int qt, const hi_mm *m, int64_t r, i
 #if defined(HI_SSSE3)
     if (qt == HI_T_Q4_0) {
         *out = hi_dot_q4_0_ssse3(w, x, nb);
+        return;
+    }
+    if (qt == HI_T_Q8_0) {
+        *out = hi_dot_q8_0_ssse3(w, x, nb);
         return;
     }
 #endif
