@@ -87,7 +87,7 @@ def test_split_gate_route_combine_match_numba(lib):
     lib.moe_route(wide, 4, i4, w4)
     assert np.array_equal(i3, i4) and np.array_equal(w3, w4)
     # few and many tokens, short and long rows
-    for Tc, D in ((T, 96), (2, 1000), (300, 8)):
+    for Tc, D in ((T, 96), (2, 1000), (300, 8), (70, 1100)):  # on the caller, in segments, in groups of 64
         wc = rng.dirichlet(np.ones(k), Tc).astype(np.float32)
         ys, s, x, w_shg = _f(rng, Tc * k, D), _f(rng, Tc, D), _f(rng, Tc, D), _f(rng, D)
         c1, c2 = np.zeros((Tc, D), np.float32), np.zeros((Tc, D), np.float32)

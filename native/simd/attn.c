@@ -62,11 +62,27 @@ int hi_attention(hi_ctx *c, const float *q, int64_t q_row, int64_t T, int64_t H,
     return 0;
 }
 
+typedef struct {
+    const hi_kernels *k;
+    const float *g, *u;
+    float *out;
+    int64_t g_row, u_row, out_row;
+} swiglu_job;
+
+static void swiglu_seg(void *arg, int64_t t, int64_t e0, int64_t e1) {
+    const swiglu_job *j = (const swiglu_job *)arg;
+    j->k->swiglu(j->g + t * j->g_row + e0, j->u + t * j->u_row + e0, j->out + t * j->out_row + e0, e1 - e0);
+}
+
+/* segments of HI_SWIGLU_SEG values on the pool: a multiple of every unit's vector width, so each value takes the
+ * vector or the scalar tail path it takes in a whole row (the same bits) */
+#define HI_SWIGLU_SEG 512
+
 int hi_swiglu(hi_ctx *c, const float *g, int64_t g_row, const float *u, int64_t u_row, float *out, int64_t out_row,
               int64_t T, int64_t n) {
     if (!c || !g || !u || !out || T < 1 || n < 1 || g_row < n || u_row < n || out_row < n) return -2;
-    const hi_kernels *kt = hi_ctx_kernels(c);
-    for (int64_t t = 0; t < T; t++) kt->swiglu(g + t * g_row, u + t * u_row, out + t * out_row, n);
+    swiglu_job j = {hi_ctx_kernels(c), g, u, out, g_row, u_row, out_row};
+    hi_ctx_run_rows(c, swiglu_seg, &j, T, n, HI_SWIGLU_SEG);
     return 0;
 }
 

@@ -91,7 +91,7 @@ int hi_rope(hi_ctx *c, float *x, int64_t T, int64_t H, int64_t hd, int64_t pos0,
             int neox, const float *freq_factors);
 
 /* SwiGLU of T rows of n values, out = silu(g) * u as llama.cpp's ggml_vec_swiglu_f32 (this ISA's build);
- * row strides in floats; out may alias g or u. On the calling thread. */
+ * row strides in floats; out may alias g or u. In segments on the pool when there are several. */
 int hi_swiglu(hi_ctx *c, const float *g, int64_t g_row, const float *u, int64_t u_row, float *out, int64_t out_row,
               int64_t T, int64_t n);
 
@@ -155,7 +155,8 @@ int hi_sigmoid_gate(hi_ctx *c, float *o, int64_t o_row, const float *g, int64_t 
 int hi_moe_route(hi_ctx *c, const float *logits, int64_t l_row, int64_t T, int64_t E, int k, int32_t *idx,
                  float *w);
 /* out[t] = sum_j w[t, j] * ys[t*k + j] in slot order; with s non-NULL then out[t] += s[t] * sigmoid(x[t] . w_shg)
- * (the dot in double, narrowed to float); ys, out, s, x contiguous rows of n floats */
+ * (the dot in double, narrowed to float); ys, out, s, x contiguous rows of n floats. The gates on the calling
+ * thread, the sums in segments on the pool. */
 int hi_moe_combine(hi_ctx *c, const float *ys, const float *w, int64_t T, int k, int64_t n, float *out,
                    const float *s, const float *x, const float *w_shg);
 

@@ -10,7 +10,8 @@
  *                 w_j = (float)(p_j / max(sum_j p_j, 2^-14))
  *   moe_combine:  out = y_0 * w_0; out += y_j * w_j (j = 1..k-1); shared: out += s * (1.0f / (1.0f +
  *                 expf(-(float)(sum_i (double)x_i * (double)w_i))))
- * These cost microseconds; what they save is the return to Python between the products (plan.c).
+ * These cost microseconds; what they save is the return to Python between the products (plan.c). SwiGLU
+ * (attn.c) and the combine's sums run in segments on the pool: element-wise, so any split gives the same bits.
  */
 #include <math.h>
 #include <string.h>
@@ -120,25 +121,49 @@ int hi_moe_route(hi_ctx *c, const float *logits, int64_t l_row, int64_t T, int64
     return 0;
 }
 
+typedef struct {
+    const float *ys, *w, *s;
+    const float *gates; /* per token: the shared expert's gate (s non-NULL) */
+    int k;
+    int64_t n;
+    float *out;
+} combine_job;
+
+static void combine_seg(void *arg, int64_t t, int64_t e0, int64_t e1) {
+    const combine_job *j = (const combine_job *)arg;
+    const int k = j->k;
+    const int64_t n = j->n;
+    float *o = j->out + t * n;
+    const float *y = j->ys + t * k * n;
+    const float w0 = j->w[t * k];
+    for (int64_t i = e0; i < e1; i++) o[i] = y[i] * w0;
+    for (int jj = 1; jj < k; jj++) {
+        const float *yj = j->ys + (t * k + jj) * n;
+        const float wj = j->w[t * k + jj];
+        for (int64_t i = e0; i < e1; i++) o[i] += yj[i] * wj;
+    }
+    if (!j->s) return;
+    const float *st = j->s + t * n, g = j->gates[t];
+    for (int64_t i = e0; i < e1; i++) o[i] += st[i] * g;
+}
+
+/* tokens whose gates fit on the stack run in segments on the pool, more in one call per token */
+#define HI_COMBINE_MAX_T 64
+
 int hi_moe_combine(hi_ctx *c, const float *ys, const float *w, int64_t T, int k, int64_t n, float *out,
                    const float *s, const float *x, const float *w_shg) {
     if (!c || !ys || !w || !out || T < 1 || k < 1 || n < 1 || (s && (!x || !w_shg))) return -2;
-    for (int64_t t = 0; t < T; t++) {
-        float *o = out + t * n;
-        const float *y = ys + t * k * n;
-        const float w0 = w[t * k];
-        for (int64_t i = 0; i < n; i++) o[i] = y[i] * w0;
-        for (int j = 1; j < k; j++) {
-            const float *yj = ys + (t * k + j) * n;
-            const float wj = w[t * k + j];
-            for (int64_t i = 0; i < n; i++) o[i] += yj[i] * wj;
+    float gates[HI_COMBINE_MAX_T];
+    for (int64_t t0 = 0; t0 < T; t0 += HI_COMBINE_MAX_T) {
+        const int64_t nt = T - t0 < HI_COMBINE_MAX_T ? T - t0 : HI_COMBINE_MAX_T;
+        for (int64_t t = 0; s && t < nt; t++) {
+            const float *xt = x + (t0 + t) * n;
+            double acc = 0.0;
+            for (int64_t i = 0; i < n; i++) acc += (double)xt[i] * (double)w_shg[i];
+            gates[t] = hi_sigmoidf((float)acc);
         }
-        if (!s) continue;
-        const float *xt = x + t * n, *st = s + t * n;
-        double acc = 0.0;
-        for (int64_t i = 0; i < n; i++) acc += (double)xt[i] * (double)w_shg[i];
-        const float g = hi_sigmoidf((float)acc);
-        for (int64_t i = 0; i < n; i++) o[i] += st[i] * g;
+        combine_job j = {ys + t0 * k * n, w + t0 * k, s ? s + t0 * n : NULL, gates, k, n, out + t0 * n};
+        hi_ctx_run_rows(c, combine_seg, &j, nt, n, 512);
     }
     return 0;
 }
