@@ -137,6 +137,31 @@ def test_quantizers_match_ggml_and_numpy(ggml, libs, kind, qtype):
         assert np.array_equal(one, want[3]), isa
 
 
+def test_q8_0_reference_rounding_edges(libs):
+    """Below AVX the Q8_0 activations are quantize_row_q8_0_ref's (roundf, half away from zero; the SSSE3 unit's
+    in vectors): values just below and at halves, zero, infinite and NaN blocks, as the scalar loop gives them."""
+    x = np.zeros((2, 32 * 6), np.float32)
+    x[0, :32] = 127.0  # d = 1, id = 1: x * id is x
+    x[0, 1:12] = [0.49999997, 0.5, -0.5, 2.5, -3.5, 126.5, -126.5, 1.5000001, -0.49999997, 7.0, -0.0]
+    x[0, 32:64] = np.linspace(-3, 3, 32)  # a generic block
+    x[0, 64:96] = 0.0  # all zero: d = 0, id = 0
+    x[1, :32] = np.linspace(-1, 1, 32)
+    x[1, 5] = np.nan  # NaN: the scan's order decides amax
+    x[1, 32:64] = np.linspace(-2, 2, 32)
+    x[1, 40] = np.inf
+    x[1, 64:96] = np.linspace(-1e-3, 1e-3, 32)
+    x[1, 96:128] = np.float32(1e-40)  # subnormal inputs: 1 / d overflows
+    x[1, 128:192] = np.random.default_rng(7).standard_normal(64) * 50
+    want = libs["scalar"].quantize(x, 8)  # ggml's loop in C (the NaN block's amax is its scan order's)
+    finite = np.ones(want.shape, bool)
+    finite[1, :34] = False
+    assert np.array_equal(want[finite], aq.quantize_act(x, "q8_0", ref=True)[finite])
+    if "ssse3" in libs:
+        assert np.array_equal(libs["ssse3"].quantize(x, 8), want)
+    q = want[0, 2:34].view(np.int8)
+    assert list(q[1:12]) == [0, 1, -1, 3, -4, 127, -127, 2, 0, 7, 0]
+
+
 def test_f16_activations_round_to_nearest_even(libs):
     rng = np.random.default_rng(3)
     bits = rng.integers(0, 1 << 32, 4099, dtype=np.uint64).astype(np.uint32)

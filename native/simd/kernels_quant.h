@@ -239,9 +239,51 @@ static void hi_quant_q8_01(const float *x, int64_t n, uint8_t *y, int with_s) {
 }
 #endif
 
+#if defined(HI_SSSE3)
+/* quantize_row_q8_0_ref a block of 32 at a time in vectors, the same bits: amax by maxps (a block holding a NaN,
+ * whose result depends on the scan's order, or an infinity goes to the scalar loop), x * id as the loop
+ * multiplies (an infinite 1 / d to the scalar loop too), and roundf (half away from zero) as trunc(v) plus sign(v) where |v - trunc(v)| >= 0.5 (v - trunc(v)
+ * is exact below 2^23) */
+static void hi_quant_q8_0_sse(const float *x, int64_t n, uint8_t *y) {
+    const int64_t nb = n / 32;
+    const __m128 sign = _mm_set1_ps(-0.0f), half = _mm_set1_ps(0.5f), inf = _mm_set1_ps(INFINITY);
+    for (int64_t i = 0; i < nb; i++, x += 32, y += sizeof(block_q8_0)) {
+        __m128 v[8], ma = _mm_setzero_ps(), bad = _mm_setzero_ps();
+        for (int k = 0; k < 8; k++) {
+            v[k] = _mm_loadu_ps(x + 4 * k);
+            const __m128 a = _mm_andnot_ps(sign, v[k]);
+            bad = _mm_or_ps(bad, _mm_or_ps(_mm_cmpunord_ps(v[k], v[k]), _mm_cmpeq_ps(a, inf)));
+            ma = _mm_max_ps(ma, a);
+        }
+        const float d = hi_hmax4(ma) / 127.f, idf = d != 0.0f ? 1.0f / d : 0.0f;
+        if (_mm_movemask_ps(bad) || !(idf < INFINITY)) { /* (1 / d overflows for amax below ~2^-119) */
+            hi_quant_q8_01(x, 32, y, 0);
+            continue;
+        }
+        const __m128 id = _mm_set1_ps(idf);
+        __m128i q[8];
+        for (int k = 0; k < 8; k++) {
+            const __m128 p = _mm_mul_ps(v[k], id);
+            const __m128i t = _mm_cvttps_epi32(p);
+            const __m128 frac = _mm_andnot_ps(sign, _mm_sub_ps(p, _mm_cvtepi32_ps(t)));
+            const __m128i away = _mm_castps_si128(_mm_cmpge_ps(frac, half));
+            const __m128i sgn = _mm_or_si128(_mm_srai_epi32(_mm_castps_si128(p), 31), _mm_set1_epi32(1));
+            q[k] = _mm_add_epi32(t, _mm_and_si128(away, sgn));
+        }
+        const uint16_t dh = hi_f2h(d);
+        memcpy(y, &dh, 2);
+        _mm_storeu_si128((__m128i *)(y + 2), hi_pack16(q[0], q[1], q[2], q[3]));
+        _mm_storeu_si128((__m128i *)(y + 18), hi_pack16(q[4], q[5], q[6], q[7]));
+    }
+}
+#define HI_QUANT_Q8_0(x, n, y) hi_quant_q8_0_sse(x, n, y)
+#else
+#define HI_QUANT_Q8_0(x, n, y) hi_quant_q8_01(x, n, y, 0)
+#endif
+
 static void hi_quantize(int kind, const float *x, int64_t n, void *y) {
     switch (kind) {
-    case HI_ACT_Q8_0: hi_quant_q8_01(x, n, (uint8_t *)y, 0); break;
+    case HI_ACT_Q8_0: HI_QUANT_Q8_0(x, n, (uint8_t *)y); break;
     case HI_ACT_Q8_1: hi_quant_q8_01(x, n, (uint8_t *)y, 1); break;
     case HI_ACT_Q8_K: hi_quant_q8_K(x, n, (uint8_t *)y); break;
     case HI_ACT_F16: hi_quant_f16(x, n, (uint16_t *)y); break;
