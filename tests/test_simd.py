@@ -155,7 +155,9 @@ def test_q8_0_reference_rounding_edges(libs):
     want = libs["scalar"].quantize(x, 8)  # ggml's loop in C (the NaN block's amax is its scan order's)
     finite = np.ones(want.shape, bool)
     finite[1, :34] = False
-    assert np.array_equal(want[finite], aq.quantize_act(x, "q8_0", ref=True)[finite])
+    with np.errstate(all="ignore"):  # the numpy reference meets the NaN, infinite and overflowing blocks too
+        ref = aq.quantize_act(x, "q8_0", ref=True)
+    assert np.array_equal(want[finite], ref[finite])
     if "ssse3" in libs:
         assert np.array_equal(libs["ssse3"].quantize(x, 8), want)
     q = want[0, 2:34].view(np.int8)
