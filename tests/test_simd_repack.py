@@ -98,25 +98,3 @@ def test_repack_rejects_bad_input():
         lib.repack(ro, 12)
     with pytest.raises(UnsupportedTensorTypeError):
         lib.matmul(np.zeros(144, np.uint8), 8 | KQ_ZIPPED, 1, 256, np.zeros(34 * 8, np.uint8), np.zeros(1, np.float32))
-
-
-@pytest.mark.parametrize("qtype", list(KQ), ids=list(KQ.values()))
-def test_row_pairs_give_each_rows_bits(qtype):
-    """The SSSE3 unit runs K-quant one-token products two rows at a time (block by block, each row's sums its
-    own): the same bits as ggml's generic loop (the scalar unit) for odd row counts and block counts, rows from
-    the file or repacked, with and without the weight-stream prefetch."""
-    lib, ref = _ssse3(), SimdLib("scalar", n_threads=1)
-    for rows, nb in ((37, 2), (9, 3), (1, 1), (64, 8)):
-        cols = 256 * nb
-        w = _mat(qtype, rows, cols, rows + nb)
-        z = w.copy()
-        zq = lib.repack(z, qtype)
-        x = np.random.default_rng(nb).standard_normal((1, cols)).astype(np.float32)
-        want = ref.matmul(w, qtype, rows, cols, ref.quantize(x, qtype), np.zeros((1, rows), np.float32))
-        xq = lib.quantize(x, qtype)
-        for pf in (0, 4096):
-            lib.prefetch = pf
-            for ww, q in ((w, qtype), (z, zq)):
-                out = np.full((1, rows), np.nan, np.float32)
-                lib.matmul(ww, q, rows, cols, xq, out)
-                assert np.array_equal(out, want), (rows, nb, pf, q)

@@ -570,47 +570,6 @@ static inline __attribute__((always_inline)) float hi_kq_dot_k4(int nb, const ui
     return hi_kq_gen_end_ps(sumf, sums0, sums1);
 }
 
-/* hi_kq_dot_k4 of two rows against one activation row, interleaved block by block: short rows (the experts' down
- * projections: two blocks) lose less to each row's start and final sums; each row's float order is its own */
-static inline __attribute__((always_inline)) void hi_kq_dot_k4_x2(int nb, const uint8_t *restrict vx0,
-                                                                  const uint8_t *restrict vx1,
-                                                                  const hi_q8Kz *restrict y, const int kind,
-                                                                  const int wz, float *o0, float *o1) {
-    const size_t bs = kind == HI_K4_Q5 ? sizeof(block_q5_K) : sizeof(block_q4_K);
-    __m128 a0 = _mm_setzero_ps(), a1 = _mm_setzero_ps(), b0 = _mm_setzero_ps(), b1 = _mm_setzero_ps();
-    float sa = 0.0f, sb = 0.0f, da0, da1, db0, db1;
-    int i = 0;
-    for (; i + 1 < nb; i += 2) {
-        const __m128i va0 = hi_kq_k4_block(vx0 + (size_t)i * bs, &y[i], kind, wz, &a0, &a1, &da0);
-        const __m128i vb0 = hi_kq_k4_block(vx1 + (size_t)i * bs, &y[i], kind, wz, &b0, &b1, &db0);
-        const __m128i va1 = hi_kq_k4_block(vx0 + (size_t)(i + 1) * bs, &y[i + 1], kind, wz, &a0, &a1, &da1);
-        const __m128i vb1 = hi_kq_k4_block(vx1 + (size_t)(i + 1) * bs, &y[i + 1], kind, wz, &b0, &b1, &db1);
-        sa = hi_kq_k4_min2(sa, va0, va1, da0, da1);
-        sb = hi_kq_k4_min2(sb, vb0, vb1, db0, db1);
-    }
-    if (i < nb) {
-        const __m128i va0 = hi_kq_k4_block(vx0 + (size_t)i * bs, &y[i], kind, wz, &a0, &a1, &da0);
-        const __m128i vb0 = hi_kq_k4_block(vx1 + (size_t)i * bs, &y[i], kind, wz, &b0, &b1, &db0);
-        sa = hi_kq_gen_sub(sa, da0, hi_kq_hsum4_epi32(va0));
-        sb = hi_kq_gen_sub(sb, db0, hi_kq_hsum4_epi32(vb0));
-    }
-    *o0 = hi_kq_gen_end_ps(sa, a0, a1);
-    *o1 = hi_kq_gen_end_ps(sb, b0, b1);
-}
-
-/* two rows (vx0, vx1) of Q4_K (kind HI_K4_Q4P when repacked: wz) or Q5_K */
-static inline void hi_dot_k4_z_x2(int n, int q5, const void *restrict vx0, const void *restrict vx1,
-                                  const hi_q8Kz *restrict y, const int wz, float *o0, float *o1) {
-    const uint8_t *p0 = (const uint8_t *)vx0, *p1 = (const uint8_t *)vx1;
-    if (q5) {
-        if (wz) hi_kq_dot_k4_x2(n / HI_QK_K, p0, p1, y, HI_K4_Q5, 1, o0, o1);
-        else hi_kq_dot_k4_x2(n / HI_QK_K, p0, p1, y, HI_K4_Q5, 0, o0, o1);
-    } else {
-        if (wz) hi_kq_dot_k4_x2(n / HI_QK_K, p0, p1, y, HI_K4_Q4P, 1, o0, o1);
-        else hi_kq_dot_k4_x2(n / HI_QK_K, p0, p1, y, HI_K4_Q4, 0, o0, o1);
-    }
-}
-
 /* Q4_K rows repacked in pair order (wz) or as stored in the file */
 static inline float hi_dot_q4_K_z(int n, const void *restrict vx, const hi_q8Kz *restrict y, const int wz) {
     return wz ? hi_kq_dot_k4(n / HI_QK_K, (const uint8_t *)vx, y, HI_K4_Q4P, 1)

@@ -71,11 +71,12 @@ static inline void hi_kq_q6_repack_block(uint8_t *p) {
  * as the prepared 32 * (its two q8). In pair order one pmaddubsw gives lanes 0..3 (or 4..7) of both sub-blocks
  * of a 32-element group side by side, and pmaddwd against the two scales adds them into the 8 int32 lanes as
  * ggml's loop does. Inlined into one kernel per layout (hi_dot_q6_K_z). */
-static inline __attribute__((always_inline)) void hi_kq_q6_block(const block_q6_K *restrict x,
-                                                                  const hi_q8Kz *restrict y, const int packed,
-                                                                  __m128 *sums0, __m128 *sums1) {
-    {
-        const int i = 0;
+static inline __attribute__((always_inline)) float hi_kq_dot_q6(int n, const void *restrict vx,
+                                                                const hi_q8Kz *restrict y, const int packed) {
+    const block_q6_K *restrict x = (const block_q6_K *)vx;
+    const int nb = n / HI_QK_K;
+    __m128 sums0 = _mm_setzero_ps(), sums1 = _mm_setzero_ps();
+    for (int i = 0; i < nb; ++i) {
         const __m128i sc8 = _mm_loadu_si128((const __m128i *)x[i].scales);
         /* int8 -> int16 sign extension without SSE4.1; dword g of (sclo, schi): (sc[2g], sc[2g+1]) */
         const __m128i sclo = _mm_srai_epi16(_mm_unpacklo_epi8(sc8, sc8), 8);
@@ -126,38 +127,9 @@ static inline __attribute__((always_inline)) void hi_kq_q6_block(const block_q6_
 #undef HI_KQ_Q6_STEP
         }
 #undef HI_KQ_Q6_GROUP
-        hi_kq_gen_acc_ps(sums0, sums1, _mm_set1_ps(hi_kq_f16_tab[x[i].d] * y[i].d), lo, hi);
+        hi_kq_gen_acc_ps(&sums0, &sums1, _mm_set1_ps(hi_kq_f16_tab[x[i].d] * y[i].d), lo, hi);
     }
-}
-
-static inline __attribute__((always_inline)) float hi_kq_dot_q6(int n, const void *restrict vx,
-                                                                const hi_q8Kz *restrict y, const int packed) {
-    const block_q6_K *restrict x = (const block_q6_K *)vx;
-    __m128 sums0 = _mm_setzero_ps(), sums1 = _mm_setzero_ps();
-    for (int i = 0; i < n / HI_QK_K; ++i) hi_kq_q6_block(&x[i], &y[i], packed, &sums0, &sums1);
     return hi_kq_gen_end_ps(0.0f, sums0, sums1);
-}
-
-/* hi_kq_dot_q6 of two rows against one activation row, interleaved block by block (hi_kq_dot_k4_x2) */
-static inline __attribute__((always_inline)) void hi_kq_dot_q6_x2(int n, const void *restrict vx0,
-                                                                  const void *restrict vx1,
-                                                                  const hi_q8Kz *restrict y, const int packed,
-                                                                  float *o0, float *o1) {
-    const block_q6_K *restrict x0 = (const block_q6_K *)vx0, *restrict x1 = (const block_q6_K *)vx1;
-    __m128 a0 = _mm_setzero_ps(), a1 = _mm_setzero_ps(), b0 = _mm_setzero_ps(), b1 = _mm_setzero_ps();
-    for (int i = 0; i < n / HI_QK_K; ++i) {
-        hi_kq_q6_block(&x0[i], &y[i], packed, &a0, &a1);
-        hi_kq_q6_block(&x1[i], &y[i], packed, &b0, &b1);
-    }
-    *o0 = hi_kq_gen_end_ps(0.0f, a0, a1);
-    *o1 = hi_kq_gen_end_ps(0.0f, b0, b1);
-}
-
-/* two Q6_K rows, repacked (wz) or as stored in the file */
-static inline void hi_dot_q6_K_z_x2(int n, const void *restrict vx0, const void *restrict vx1,
-                                    const hi_q8Kz *restrict y, const int wz, float *o0, float *o1) {
-    if (wz) hi_kq_dot_q6_x2(n, vx0, vx1, y, 1, o0, o1);
-    else hi_kq_dot_q6_x2(n, vx0, vx1, y, 0, o0, o1);
 }
 
 /* Q6_K rows repacked (wz: hi_kq_q6_repack_block) or as stored in the file */

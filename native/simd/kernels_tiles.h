@@ -221,21 +221,6 @@ HI_INLINE void hi_tile_kquant(const int qt, const hi_mm *m, int64_t r, int64_t t
     m->out[(size_t)t * m->out_row + (size_t)r] = v;
 }
 
-#if defined(HI_SSSE3)
-/* rows r and r + 1 of a K-quant job on the SSSE3 unit's prepared activation (m->xk), token t */
-HI_INLINE void hi_tile_k4_x2(const int qt, const hi_mm *m, int64_t r, int64_t t) {
-    const hi_q8Kz *z = (const hi_q8Kz *)(m->xk + (size_t)t * m->xk_row);
-    float *o = &m->out[(size_t)t * m->out_row + (size_t)r];
-    const uint8_t *w0 = m->w + (size_t)r * m->w_row, *w1 = w0 + m->w_row;
-    if (qt == HI_T_Q6_K) hi_dot_q6_K_z_x2((int)m->cols, w0, w1, z, m->wz, o, o + 1);
-    else hi_dot_k4_z_x2((int)m->cols, qt == HI_T_Q5_K, w0, w1, z, m->wz, o, o + 1);
-}
-#define HI_K4_X2(qt, m) (((qt) == HI_T_Q4_K || (qt) == HI_T_Q5_K || (qt) == HI_T_Q6_K) && (m)->xk)
-#else
-#define HI_K4_X2(qt, m) 0
-#define hi_tile_k4_x2(qt, m, r, t) ((void)0)
-#endif
-
 /* ---- legacy types below AVX ------------------------------------------------------------------------ */
 
 #if !defined(HI_AVX2)
@@ -435,21 +420,12 @@ HI_INLINE void hi_drive(const int qt, const hi_mm *m, int64_t r0, int64_t r1) {
             const uint8_t *pf = m->w + (size_t)r0 * m->w_row, *const end = m->w + (size_t)r1 * m->w_row;
             const uint8_t *ahead = pf + m->pf < end ? pf + m->pf : end;
             for (; pf < ahead; pf += 64) __builtin_prefetch(pf, 0, 3);
-            if (HI_K4_X2(qt, m)) {
-                for (; r + 1 < r1; r += 2) {
-                    const uint8_t *lim = pf + 2 * m->w_row < end ? pf + 2 * m->w_row : end;
-                    for (; pf < lim; pf += 64) __builtin_prefetch(pf, 0, 3);
-                    hi_tile_k4_x2(qt, m, r, tb);
-                }
-            }
             for (; r < r1; r++) {
                 const uint8_t *lim = pf + m->w_row < end ? pf + m->w_row : end;
                 for (; pf < lim; pf += 64) __builtin_prefetch(pf, 0, 3);
                 hi_tile(qt, 1, 1, m, r, tb);
             }
         } else if (!legacy) {
-            if (HI_K4_X2(qt, m) && te - tb == 1)
-                for (; r + 1 < r1; r += 2) hi_tile_k4_x2(qt, m, r, tb);
             for (; r < r1; r++)
                 for (int64_t t = tb; t < te; t++) hi_tile(qt, 1, 1, m, r, t);
         } else if (te - tb == 1) {
