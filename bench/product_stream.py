@@ -19,7 +19,7 @@ from hybridinfer.benchmarks.decode import probe_bytes
 from hybridinfer.cpu.plan import Steps
 from hybridinfer.cpu.simd import SimdLib
 from hybridinfer.cpu.weights import huge_page_buffer
-from hybridinfer.quant import F32, Q4_K, Q6_K
+from hybridinfer.quant import F32, Q4_K, Q6_K, Q8_0
 
 # (label, [(qtype, rows, cols)] of one call: several items run as one matmul_many)
 SHAPES = [
@@ -29,9 +29,10 @@ SHAPES = [
     ("8 x Q6_K 2048x512 (experts' down)", [(Q6_K, 2048, 512)] * 8),
     ("F32 256x2048 (router)", [(F32, 256, 2048)]),
     ("Q6_K 248320x2048 (LM head)", [(Q6_K, 248320, 2048)]),
+    ("Q8_0 8192x2048 (GDN qkv in issue 3's mix)", [(Q8_0, 8192, 2048)]),
 ]
 
-_BLOCK = {Q4_K: (144, 0), Q6_K: (210, 208)}  # block bytes, offset of its f16 scale
+_BLOCK = {Q4_K: (144, 0, 256), Q6_K: (210, 208, 256), Q8_0: (34, 0, 32)}  # bytes, offset of the f16 scale, values
 
 
 def _weights(simd: SimdLib, qtype, rows: int, cols: int, rng) -> tuple[np.ndarray, int]:
@@ -39,8 +40,8 @@ def _weights(simd: SimdLib, qtype, rows: int, cols: int, rng) -> tuple[np.ndarra
     the backend would."""
     if qtype == F32:
         return _huge(rng.standard_normal(rows * cols, dtype=np.float32)), qtype
-    bb, off = _BLOCK[qtype]
-    w = rng.integers(0, 256, (rows * cols // 256, bb), dtype=np.uint8)
+    bb, off, qk = _BLOCK[qtype]
+    w = rng.integers(0, 256, (rows * cols // qk, bb), dtype=np.uint8)
     w[:, off:off + 2] = np.frombuffer(np.float16(1 / 64).tobytes(), np.uint8)
     if qtype == Q4_K:
         w[:, 2:4] = w[:, 0:2]
