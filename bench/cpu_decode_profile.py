@@ -140,12 +140,14 @@ def main(argv=None) -> None:
             b = sum(w.nbytes for w, *_ in items)
         elif method == "moe_gate_up":
             w, q, rows, cols, idx = args[0], args[1], args[4], args[5], args[7]
-            b = 2 * w.nbytes // n_exp * len(idx)
-            label = f"moe_gate_up {type_name(q)} {rows}x{cols} k={len(idx)}"
+            shared = args[11] if len(args) > 11 else None  # (w_sg, _, w_su, ...): the shared expert's rows
+            b = 2 * w.nbytes // n_exp * len(idx) + (shared[0].nbytes + shared[2].nbytes if shared else 0)
+            label = f"moe_gate_up {type_name(q)} {rows}x{cols} k={len(idx)}" + (" +shared" if shared else "")
         elif method == "moe_down":
             w, q, rows, cols, idx = args[0], args[1], args[2], args[3], args[5]
-            b = w.nbytes // n_exp * len(idx)
-            label = f"moe_down {type_name(q)} {rows}x{cols} k={len(idx)}"
+            shared = args[8] if len(args) > 8 else None  # (w_s, ...)
+            b = w.nbytes // n_exp * len(idx) + (shared[0].nbytes if shared else 0)
+            label = f"moe_down {type_name(q)} {rows}x{cols} k={len(idx)}" + (" +shared" if shared else "")
         elif method == "quantize":
             label = f"quantize {args[0].shape[-1]}"
         labels[id(f)] = (label, b)
@@ -177,7 +179,7 @@ def main(argv=None) -> None:
     print(f"{simd!r}: {1e9 / real:.2f} tok/s ({real / 1e6:.2f} ms/token; {wall / 1e6:.2f} with each call clocked "
           f"in the native step, as the table), read bandwidth {bw / 1e9:.1f} GB/s")
     tot_b = sum(nbytes.values()) / n
-    print(f"weights per token {tot_b / 1e9:.3f} GB -> floor {bw / tot_b:.1f} tok/s")
+    print(f"weights per token {tot_b / 1e9:.4g} GB (the products') -> floor {bw / tot_b:.1f} tok/s")
     print("| call | calls/tok | ms/tok | share | GB/tok | GB/s | % bw |\n|---|---|---|---|---|---|---|")
     for k in rows:
         ms = times[k] / n / 1e6

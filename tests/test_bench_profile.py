@@ -32,6 +32,18 @@ def test_profile_table_accounts_for_the_step(oracle_gguf, capsys):
     for want in ("gdn_layer", "attn_step", "moe_route", "moe_combine", "rms_norm"):
         assert want in names
     assert any(n.startswith("moe_gate_up Q8_0") for n in names) and any(n.startswith("moe_down") for n in names)
+    # the products read every weight a step reads but the embedding row, the norms and the conv kernels
+    from hybridinfer.api import Engine
+    from hybridinfer.benchmarks.decode import bytes_per_token
+    from hybridinfer.gguf_model import GGUFModel
+
+    gm, args = GGUFModel(path), Engine.load(path, backend="cpu", n_ctx=64, n_threads=1).args
+    emb = gm.tensors["token_embd.weight"]
+    small = sum(t.nbytes for n, t in gm.tensors.items()  # the norms, gates' biases, conv kernels
+                if n != "token_embd.weight" and (len([d for d in t.ne if d > 1]) < 2 or "ssm_conv1d" in n))
+    want = bytes_per_token(gm, args) - small - (0 if args.tied_output else emb.nbytes // emb.ne[1])
+    got = float(re.search(r"weights per token ([\d.e-]+) GB", out).group(1)) * 1e9
+    assert abs(got - want) <= 0.001 * want, (got, want)
     assert abs(sum(float(r[3].rstrip("%")) for r in rows) - 100) < 1  # the calls and the rest make the step
     assert abs(sum(float(r[2]) for r in rows) - float(m.group(2))) < 0.01 + 0.01 * float(m.group(2))
     assert any(r[4] and float(r[4]) > 0 for r in rows) and float(rows[0][2]) > 0  # sorted: the costliest first
