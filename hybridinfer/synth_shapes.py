@@ -338,6 +338,7 @@ def assign_types(arch: str, hp: dict, quant: str, specs: list[TensorSpec], tenso
     llama-quantize's --tensor-type overrides (`tensor_types`: (regex, type name) pairs; the first pattern found
     in a quantizable tensor's name sets its type, and that tensor then takes no part in the mix's rules)."""
     default, _ = QUANTS[check_quant(quant)]
+    quantized = default not in (T.F16, T.F32)  # an F16/F32 file: every quantizable tensor gets the default
     manual = check_tensor_types(tensor_types)
     n_expert = hp.get("n_expert", 0) if arch == "qwen35moe" else 0
     n_layer = hp["n_layer"]
@@ -352,10 +353,10 @@ def assign_types(arch: str, hp: dict, quant: str, specs: list[TensorSpec], tenso
             types[name] = T.F32
             continue
         t = default
-        hit = next((q for rx, q in manual if rx.search(name)), None) if default not in (T.F16, T.F32) else None
+        hit = next((q for rx, q in manual if rx.search(name)), None) if quantized else None
         if hit is not None:
             t = hit
-        elif default not in (T.F16, T.F32):
+        elif quantized:
             if name == "output.weight" or (not has_output and name == "token_embd.weight"):
                 if s.ne[0] % block_size(default):
                     t = T.Q8_0
@@ -380,7 +381,7 @@ def assign_types(arch: str, hp: dict, quant: str, specs: list[TensorSpec], tenso
                 if quant == "q4_k_m" and use_more_bits(il, n_layer):
                     t = T.Q6_K
                 i_down += 1
-        if default not in (T.F16, T.F32) and s.ne[0] % block_size(t):  # tensor_type_fallback, overrides too
+        if quantized and s.ne[0] % block_size(t):  # tensor_type_fallback, overrides too
             t = _FALLBACK.get(t, t)
             if s.ne[0] % block_size(t):
                 t = T.F16

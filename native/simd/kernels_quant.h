@@ -242,8 +242,8 @@ static void hi_quant_q8_01(const float *x, int64_t n, uint8_t *y, int with_s) {
 #if defined(HI_SSSE3)
 /* quantize_row_q8_0_ref a block of 32 at a time in vectors, the same bits: amax by maxps (a block holding a NaN,
  * whose result depends on the scan's order, or an infinity goes to the scalar loop), x * id as the loop
- * multiplies (an infinite 1 / d to the scalar loop too), and roundf (half away from zero) as trunc(v) plus sign(v) where |v - trunc(v)| >= 0.5 (v - trunc(v)
- * is exact below 2^23) */
+ * multiplies (an infinite 1 / d to the scalar loop too), and roundf (half away from zero) as trunc(v) plus
+ * sign(v) where |v - trunc(v)| >= 0.5 (v - trunc(v) is exact below 2^23) */
 static void hi_quant_q8_0_sse(const float *x, int64_t n, uint8_t *y) {
     const int64_t nb = n / 32;
     const __m128 sign = _mm_set1_ps(-0.0f), half = _mm_set1_ps(0.5f), inf = _mm_set1_ps(INFINITY);

@@ -245,14 +245,22 @@ HI_INLINE void hi_legacy_values(const int qt, const uint8_t *b, int8_t *v) {
 /* the fp16 at p (2 bytes, any alignment) as float */
 HI_INLINE float hi_h2f_at(const uint8_t *p) { return hi_h2f((uint16_t)(p[0] | p[1] << 8)); }
 
-HI_INLINE int32_t hi_isum32(const int8_t *a, const int8_t *b) {
 #if defined(HI_SSSE3)
+/* the dot product of 32 int8 a and b as 4 int32 partial sums (|a|, sign-moved b: pmaddubsw without overflow) */
+HI_INLINE __m128i hi_isum32_lanes(const int8_t *a, const int8_t *b) {
     const __m128i ones = _mm_set1_epi16(1);
     __m128i s = _mm_setzero_si128();
     for (int h = 0; h < 32; h += 16) {
         const __m128i x = _mm_loadu_si128((const __m128i *)(a + h)), y = _mm_loadu_si128((const __m128i *)(b + h));
         s = _mm_add_epi32(s, _mm_madd_epi16(ones, _mm_maddubs_epi16(_mm_sign_epi8(x, x), _mm_sign_epi8(y, x))));
     }
+    return s;
+}
+#endif
+
+HI_INLINE int32_t hi_isum32(const int8_t *a, const int8_t *b) {
+#if defined(HI_SSSE3)
+    __m128i s = hi_isum32_lanes(a, b);
     s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
     return _mm_cvtsi128_si32(s);
@@ -331,18 +339,12 @@ static __attribute__((noinline)) void hi_q8_0_scales_soft(const uint8_t *w, cons
  * integer sums (exact, any order) and the scale products of 4 blocks at a time in vectors, then the 4 float adds in
  * the loop's order */
 HI_INLINE float hi_dot_q8_0_ssse3(const uint8_t *w, const uint8_t *x, int64_t nb) {
-    const __m128i ones = _mm_set1_epi16(1);
     float sumf = 0.0f;
     int64_t ib = 0;
     for (; ib + 3 < nb; ib += 4) {
         __m128i s[4];
-        for (int b = 0; b < 4; b++) {
-            const uint8_t *wb = w + (ib + b) * 34 + 2, *xb = x + (ib + b) * 34 + 2;
-            const __m128i w0 = _mm_loadu_si128((const __m128i *)wb), w1 = _mm_loadu_si128((const __m128i *)(wb + 16));
-            const __m128i y0 = _mm_loadu_si128((const __m128i *)xb), y1 = _mm_loadu_si128((const __m128i *)(xb + 16));
-            s[b] = _mm_add_epi32(_mm_madd_epi16(ones, _mm_maddubs_epi16(_mm_sign_epi8(w0, w0), _mm_sign_epi8(y0, w0))),
-                                 _mm_madd_epi16(ones, _mm_maddubs_epi16(_mm_sign_epi8(w1, w1), _mm_sign_epi8(y1, w1))));
-        }
+        for (int b = 0; b < 4; b++)
+            s[b] = hi_isum32_lanes((const int8_t *)(w + (ib + b) * 34 + 2), (const int8_t *)(x + (ib + b) * 34 + 2));
         const __m128 isum = _mm_cvtepi32_ps(_mm_hadd_epi32(_mm_hadd_epi32(s[0], s[1]), _mm_hadd_epi32(s[2], s[3])));
         const uint8_t *wb = w + ib * 34, *xb = x + ib * 34;
         const __m128i hw = _mm_setr_epi16((short)hi_rd16(wb), (short)hi_rd16(wb + 34), (short)hi_rd16(wb + 68),

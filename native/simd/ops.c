@@ -147,8 +147,9 @@ static void combine_seg(void *arg, int64_t t, int64_t e0, int64_t e1) {
     for (int64_t i = e0; i < e1; i++) o[i] += st[i] * g;
 }
 
-/* tokens whose gates fit on the stack run in segments on the pool, more in one call per token */
+/* tokens whose gates fit on the stack run in segments of HI_COMBINE_SEG values on the pool, more in groups */
 #define HI_COMBINE_MAX_T 64
+#define HI_COMBINE_SEG 512
 
 int hi_moe_combine(hi_ctx *c, const float *ys, const float *w, int64_t T, int k, int64_t n, float *out,
                    const float *s, const float *x, const float *w_shg) {
@@ -163,7 +164,7 @@ int hi_moe_combine(hi_ctx *c, const float *ys, const float *w, int64_t T, int k,
             gates[t] = hi_sigmoidf((float)acc);
         }
         combine_job j = {ys + t0 * k * n, w + t0 * k, s ? s + t0 * n : NULL, gates, k, n, out + t0 * n};
-        hi_ctx_run_rows(c, combine_seg, &j, nt, n, 512);
+        hi_ctx_run_rows(c, combine_seg, &j, nt, n, HI_COMBINE_SEG);
     }
     return 0;
 }
