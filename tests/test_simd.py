@@ -115,6 +115,34 @@ def test_read_bandwidth(libs):
     assert 1e8 < bw < 1e13
 
 
+def test_read_bandwidth_at_stays_inside_the_buffer():
+    """The probe over an existing array reads whole pages inside it only: the array ends at a page that may
+    not be read (PROT_NONE), and starts off a page boundary."""
+    import mmap
+
+    lib = SimdLib(n_threads=3)
+    size = 8 << 20
+    m = mmap.mmap(-1, size + 4096, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    whole = np.frombuffer(m, np.uint8)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    assert libc.mprotect(whole.ctypes.data + size, 4096, 0) == 0  # PROT_NONE
+    buf = whole[100:size]
+    with pytest.raises(ValueError, match="all zero"):
+        lib.read_bandwidth_at(buf, reps=1)
+    buf[:] = 1
+    assert 1e8 < lib.read_bandwidth_at(buf, reps=2) < 1e13
+    with pytest.raises(ValueError, match="at least 1 MiB"):
+        lib.read_bandwidth_at(buf[: 1 << 19])
+    with pytest.raises(ValueError, match="C-contiguous"):
+        lib.read_bandwidth_at(buf[::2])
+    with pytest.raises(ValueError, match="reps"):
+        lib.read_bandwidth_at(buf, reps=0)
+    lib.close()
+    del whole, buf
+    m.close()
+
+
 # ------------------------------------------------------------------------------------------------
 # activation quantizers
 

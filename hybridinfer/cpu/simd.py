@@ -372,6 +372,23 @@ class SimdLib(MoECalls, OpCalls):
             raise MemoryError(f"read_bandwidth: could not allocate or read {nbytes} bytes")
         return float(bw)
 
+    def read_bandwidth_at(self, buf: np.ndarray, reps: int = 5) -> float:
+        """read_bandwidth's passes over the whole 4 KiB pages of an existing C-contiguous array (the weights
+        where they lie, say), read only, in bytes/s; best of `reps`."""
+        reps = int(reps)
+        if reps < 1:
+            raise ValueError(f"reps must be positive, got {reps}")
+        if not isinstance(buf, np.ndarray) or not buf.flags.c_contiguous:
+            raise ValueError("buf must be a C-contiguous numpy array")
+        if buf.nbytes < (1 << 20) + 4096 * self.n_threads:
+            raise ValueError(f"buf has {buf.nbytes} bytes: read_bandwidth_at needs at least 1 MiB and a whole page "
+                             f"per thread")
+        ptr = self._ffi.cast("const void *", buf.ctypes.data)
+        bw = self._lib.hi_read_bandwidth_at(self._c, ptr, buf.nbytes, reps)
+        if bw <= 0:
+            raise ValueError("read_bandwidth_at: the buffer reads as all zero bytes")
+        return float(bw)
+
     def gdn_layer(self, u: np.ndarray, z: np.ndarray, b: np.ndarray, a: np.ndarray, conv_w: np.ndarray,
                   ssm_a: np.ndarray, dt_bias: np.ndarray, norm_w: np.ndarray, conv: np.ndarray, S: np.ndarray,
                   n_k_heads: int, head_map_mod: bool, eps: float, y: np.ndarray, scratch: np.ndarray) -> None:

@@ -99,6 +99,10 @@ int hi_swiglu(hi_ctx *c, const float *g, int64_t g_row, const float *u, int64_t 
  * reader); best of reps timed passes; returns bytes per second (<= 0 on failure) */
 double hi_read_bandwidth(hi_ctx *c, int64_t nbytes, int reps);
 
+/* the same passes over the whole pages of an existing buffer of nbytes at p (read only; <= 0 when it is smaller
+ * than 1 MiB, has no whole page for each thread, or holds only zero bytes) */
+double hi_read_bandwidth_at(hi_ctx *c, const void *p, int64_t nbytes, int reps);
+
 /* runs `reps` pool tasks of `total` chunks, each counting its runs; returns how many (chunk, task) pairs did
  * not run exactly once (0 when the pool is right; -1 on bad arguments or no memory) */
 int64_t hi_pool_check(hi_ctx *c, int64_t total, int reps);

@@ -55,6 +55,26 @@ static void hi_bw_chunk(void *a, int64_t i) {
     else b->sums[i & 63] += b->k->read_sum(p, b->slice);
 }
 
+/* best of reps timed passes of all threads over their slices of b->buf (warm-up pass first); bytes/s */
+static double hi_bw_passes(hi_ctx *c, hi_bwjob *b, int reps) {
+    const int nth = hi_ctx_threads(c);
+    const size_t total = b->slice * (size_t)nth;
+    b->touch = 0;
+    hi_ctx_run(c, hi_bw_chunk, b, nth); /* warm-up pass */
+    double best = 0.0;
+    for (int r = 0; r < reps; r++) {
+        const int64_t t0 = hi_now_ns();
+        hi_ctx_run(c, hi_bw_chunk, b, nth);
+        const int64_t dt = hi_now_ns() - t0;
+        const double bw = dt > 0 ? (double)total * 1e9 / (double)dt : 0.0;
+        if (bw > best) best = bw;
+    }
+    uint64_t chk = 0;
+    for (int i = 0; i < 64; i++) chk += b->sums[i];
+    /* the checksum keeps the reads alive; only a buffer of zero bytes reads 0 */
+    return chk == 0 ? -1.0 : best;
+}
+
 double hi_read_bandwidth(hi_ctx *c, int64_t nbytes, int reps) {
     const int nth = hi_ctx_threads(c);
     if (nbytes < (int64_t)(1 << 20) || reps < 1) return -1.0;
@@ -70,20 +90,23 @@ double hi_read_bandwidth(hi_ctx *c, int64_t nbytes, int reps) {
     hi_bwjob b = {.k = hi_ctx_kernels(c), .buf = (uint8_t *)buf, .slice = slice, .touch = 1};
     hi_ctx_lock(c);
     hi_ctx_run(c, hi_bw_chunk, &b, nth); /* first touch, a slice per thread */
-    b.touch = 0;
-    hi_ctx_run(c, hi_bw_chunk, &b, nth); /* warm-up pass */
-    double best = 0.0;
-    for (int r = 0; r < reps; r++) {
-        const int64_t t0 = hi_now_ns();
-        hi_ctx_run(c, hi_bw_chunk, &b, nth);
-        const int64_t dt = hi_now_ns() - t0;
-        const double bw = dt > 0 ? (double)total * 1e9 / (double)dt : 0.0;
-        if (bw > best) best = bw;
-    }
+    const double bw = hi_bw_passes(c, &b, reps);
     hi_ctx_unlock(c);
-    uint64_t chk = 0;
-    for (int i = 0; i < 64; i++) chk += b.sums[i];
     free(buf);
-    /* the checksum keeps the reads alive; it is never 0 for a buffer of non-zero bytes */
-    return chk == 0 ? -1.0 : best;
+    return bw;
+}
+
+double hi_read_bandwidth_at(hi_ctx *c, const void *p, int64_t nbytes, int reps) {
+    const int nth = hi_ctx_threads(c);
+    if (!p || nbytes < (int64_t)(1 << 20) || reps < 1) return -1.0;
+    const uintptr_t a = (uintptr_t)p, start = (a + 4095) & ~(uintptr_t)4095;
+    if ((int64_t)(start - a) >= nbytes) return -1.0;
+    size_t slice = ((size_t)nbytes - (size_t)(start - a)) / (size_t)nth;
+    slice &= ~(size_t)4095;
+    if (slice == 0) return -1.0;
+    hi_bwjob b = {.k = hi_ctx_kernels(c), .buf = (uint8_t *)start, .slice = slice};
+    hi_ctx_lock(c);
+    const double bw = hi_bw_passes(c, &b, reps);
+    hi_ctx_unlock(c);
+    return bw;
 }
