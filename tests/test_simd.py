@@ -22,7 +22,7 @@ from hybridinfer import actquant_k as ak
 from hybridinfer.cpu import simd
 from hybridinfer.cpu.simd import GGML_MUL_MAT, GGML_MUL_MAT_ID, SimdLib, best_isa, supported_isas
 from hybridinfer.errors import BackendNotAvailableError, UnsupportedTensorTypeError
-from hybridinfer.quant import random_blocks
+from hybridinfer.quant import Q4_K, Q6_K, Q8_0, random_blocks
 
 LEGACY = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0"}
 KQUANT = {12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
@@ -593,3 +593,33 @@ def test_matmul_many_equals_separate_matmuls(libs):
                                                               40, outs[0].copy())])
     with pytest.raises(TypeError, match=r"items\[0\] must be"):
         lib.matmul_many(xq, cols, [(ws[0], 2, 40)])
+
+
+@pytest.mark.parametrize("T", [1, 3])
+def test_matmul_many_across_activation_formats(libs, T):
+    """One call over weights that take different activation formats (Q8_0 and Q8_1 legacy types, K-quants,
+    F16) gives each product the bits of its own matmul: every job reads its own format's rows and
+    preparation, shared only with jobs of the same rows."""
+    rng = np.random.default_rng(32)
+    cols = 512
+    shapes = [(Q8_0, 40), (Q4_K, 24), (3, 9), (Q6_K, 33), (2, 17), (1, 5), (Q4_K, 8)]  # 3: Q4_1 (Q8_1), 1: F16
+    ws = []
+    for q, r in shapes:
+        ws.append(rng.standard_normal(r * cols).astype(np.float16).view(np.uint8) if q == 1 else
+                  random_blocks(q, r * cols // (256 if q in (Q4_K, Q6_K) else 32), rng).reshape(-1))
+    x = rng.standard_normal((T, cols)).astype(np.float32)
+    for isa, lib in libs.items():
+        xq = {lib.act_kind(q): lib.quantize(x, q) for q, _ in shapes}
+        assert len(xq) == 4, sorted(xq)
+        outs = [np.zeros((T, r), np.float32) for _, r in shapes]
+        lib.matmul_many(xq, cols, [(w, q, r, o) for w, (q, r), o in zip(ws, shapes, outs, strict=True)])
+        for w, (q, r), o in zip(ws, shapes, outs, strict=True):
+            one = np.zeros((T, r), np.float32)
+            lib.matmul(w, q, r, cols, xq[lib.act_kind(q)], one)
+            assert np.array_equal(o, one), (isa, q)
+    lib = next(iter(libs.values()))
+    with pytest.raises(ValueError, match="q8_K activations, which xq does not have"):
+        lib.matmul_many({"q8_0": xq["q8_0"]}, cols, [(ws[1], Q4_K, 24, outs[1])])
+    with pytest.raises(ValueError, match="has 2 rows"):
+        lib.matmul_many({"q8_0": xq["q8_0"], "q8_K": lib.quantize(x[:2] if T > 2 else np.vstack([x, x])[:2], Q4_K)},
+                        cols, [(ws[0], Q8_0, 40, outs[0]), (ws[1], Q4_K, 24, outs[1])])

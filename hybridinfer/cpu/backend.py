@@ -190,8 +190,8 @@ class CPUModel:
         return xq
 
     def mm_many(self, mats: list[Mat], x: np.ndarray, outs: list[np.ndarray], ws: Workspace) -> list[np.ndarray]:
-        """Products of one input with several matrices: one quantization and one pooled call per activation
-        kind (the thread pool wakes once)."""
+        """Products of one input with several matrices: one quantization per activation format, one pooled call
+        for them all (the thread pool wakes once)."""
         T = x.shape[0]
         decode = ws.T == 1
         if decode:  # decode: the whole call site replayed from bound calls
@@ -201,22 +201,20 @@ class CPUModel:
                     self._op(ws, f)
                 return plan[1]
         res: list[np.ndarray] = [None] * len(mats)  # type: ignore[list-item]
-        steps = []
-        groups: dict[str, list[int]] = {}
-        for j, m in enumerate(mats):
-            groups.setdefault(self.simd.act_kind(m.qtype), []).append(j)
-        for idx in groups.values():
-            m0 = mats[idx[0]]
-            xq = self.quantize(m0, x, ws)
-            items = []
-            for j in idx:
-                res[j] = outs[j][:T, : mats[j].rows]
-                items.append((mats[j].raw, mats[j].qtype, mats[j].rows, res[j]))
-            self.call(ws, ("many", id(m0)), "matmul_many", xq, m0.cols, items, GGML_MUL_MAT)
-            if decode:
-                steps += [ws.calls[("q", id(m0))][0], ws.calls[("many", id(m0))][1]]
+        xq: dict[str, np.ndarray] = {}
+        items, steps = [], []
+        for j, m in enumerate(mats):  # the input quantized once per activation format
+            kind = self.simd.act_kind(m.qtype)
+            if kind not in xq:
+                xq[kind] = self.quantize(m, x, ws)
+                if decode:
+                    steps.append(ws.calls[("q", id(m))][0])
+            res[j] = outs[j][:T, : m.rows]
+            items.append((m.raw, m.qtype, m.rows, res[j]))
+        m0 = mats[0]
+        self.call(ws, ("many", id(m0)), "matmul_many", xq, m0.cols, items, GGML_MUL_MAT)
         if decode:
-            ws.calls[("many-plan", id(mats[0]), len(mats))] = (steps, res)
+            ws.calls[("many-plan", id(m0), len(mats))] = (steps + [ws.calls[("many", id(m0))][1]], res)
         return res
 
     def mm(self, m: Mat, x: np.ndarray, out: np.ndarray, ws: Workspace, xq: np.ndarray | None = None,

@@ -244,48 +244,63 @@ class SimdLib(MoECalls, OpCalls):
             _check_rc(rc, "matmul")
         return out
 
-    def matmul_many(self, xq: np.ndarray, cols: int, items, ggml_op: int = GGML_NONE) -> None:
-        """Several products of the same activation rows in one call (one task for the thread pool, which
-        balances small matrices better and wakes the threads once): for each (w, qtype, rows, out) in
-        `items`, out[t, r] = W[r] . x[t], as `matmul` computes it. Every qtype must take the activation
-        format of xq (the same `act_kind`); at most 64 items."""
+    def matmul_many(self, xq, cols: int, items, ggml_op: int = GGML_NONE) -> None:
+        """Several products of the same input in one call (one task for the thread pool, which balances small
+        matrices better and wakes the threads once): for each (w, qtype, rows, out) in `items`,
+        out[t, r] = W[r] . x[t], as `matmul` computes it. xq: the input quantized for every qtype (one array),
+        or a dict from activation format (act_kind) to the input quantized in it, when the types take
+        different formats (say Q8_0 and Q4_K weights); all of them with the same rows. At most 64 items."""
         items = list(items)
         if not 1 <= len(items) <= 64:
             raise ValueError(f"matmul_many takes 1 to 64 matrices, got {len(items)}")
         ffi = self._ffi
-        kinds = set()
-        qts, wps, rws, ops, ors = [], [], [], [], []
+        qts, wps, rws, ops, ors, xps, xrs = [], [], [], [], [], [], []
         T = None
-        xs = 0
+        seen: dict = {}  # activation format -> (its array's pointer, row stride)
         for j, it in enumerate(items):
             try:
                 w, qtype, rows, out = it
             except (TypeError, ValueError):
                 raise TypeError(f"items[{j}] must be a (w, qtype, rows, out) tuple") from None
             q, rb, ab = _sizes(qtype, cols)
-            kinds.add(act_kind(q))
+            kind = act_kind(q)
             rows = int(rows)
             if rows < 1:
                 raise ValueError(f"items[{j}]: rows must be positive, got {rows}")
             w, n_mat = _weights(f"items[{j}] w", w, q, rb, rows)
             if n_mat != 1:
                 raise ValueError(f"items[{j}] w has {w.nbytes} bytes, expected {rows * rb}")
-            if T is None:
-                T, xs = _rows_fast("xq", xq, _U8, ab)
-            if getattr(out, "ndim", None) != xq.ndim:
+            if kind not in seen:
+                if isinstance(xq, dict):
+                    if kind not in xq:
+                        raise ValueError(f"items[{j}]: weight type {type_name(q)} takes {kind} activations, which "
+                                         f"xq does not have (it has {sorted(xq)})")
+                    x = xq[kind]
+                elif seen:
+                    raise ValueError(f"matmul_many: the weight types take different activation formats "
+                                     f"{sorted({*seen, kind})}: pass xq as a dict of them")
+                else:
+                    x = xq
+                n, xs = _rows_fast(f"xq[{kind!r}]" if isinstance(xq, dict) else "xq", x, _U8, ab)
+                if T is not None and n != T:
+                    raise ValueError(f"xq[{kind!r}] has {n} rows, the other formats {T}")
+                T = n
+                seen[kind] = (_ptr(ffi, "uint8_t *", x), xs, x.ndim)
+            xp, xs, ndim = seen[kind]
+            if getattr(out, "ndim", None) != ndim:
                 _array(f"items[{j}] out", out, (_F32,))
                 raise ValueError(f"items[{j}] out has shape {out.shape}, expected "
-                                 f"{(T, rows) if xq.ndim == 2 else (rows,)}")
+                                 f"{(T, rows) if ndim == 2 else (rows,)}")
             _, os_ = _rows_fast(f"items[{j}] out", out, _F32, rows, T, writable=True)
             qts.append(q)
             wps.append(_ptr(ffi, "uint8_t *", w))
             rws.append(rows)
             ops.append(_ptr(ffi, "float *", out))
             ors.append(os_)
-        if len(kinds) != 1:
-            raise ValueError(f"matmul_many: the weight types take different activation formats {sorted(kinds)}")
-        rc = self._lib.hi_matmul_many(self._c, len(items), qts, wps, rws, int(cols), _ptr(ffi, "uint8_t *", xq), xs,
-                                      T, ops, ors, _op(ggml_op))
+            xps.append(xp)
+            xrs.append(xs)
+        rc = self._lib.hi_matmul_many(self._c, len(items), qts, wps, rws, int(cols), xps, xrs, T, ops, ors,
+                                      _op(ggml_op))
         if rc:
             _check_rc(rc, "matmul_many")
 

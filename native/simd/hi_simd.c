@@ -117,14 +117,14 @@ static void hi_prep_share(hi_mm *m, const hi_mm *from, int64_t t, int64_t nb) {
     m->xk_row = from->xk_row;
 }
 
-/* m's preparation, if its type needs one, of the same activation rows as jobs[0..n): shared with the first job
- * of the same weight type (a legacy type's lane correction depends on it; the K-quants share theirs), else made
+/* m's preparation, if its type needs one, of its activation rows: shared with the first of jobs[0..n) with the
+ * same rows (x) and weight type (a legacy type's lane correction depends on it; the K-quants share theirs), else made
  * at `at` */
 static void hi_prep_job(const hi_ctx *c, hi_mm *m, const hi_mm *jobs, int n, const uint8_t *xq, size_t xq_row,
                         int64_t T, int64_t nb, uint8_t *at) {
     if (!hi_needs_prep(c, m->qtype)) return;
     for (int i = 0; i < n; i++)
-        if (jobs[i].qtype == m->qtype || (hi_is_kquant(jobs[i].qtype) && hi_is_kquant(m->qtype))) {
+        if (jobs[i].x == m->x && (jobs[i].qtype == m->qtype || (hi_is_kquant(jobs[i].qtype) && hi_is_kquant(m->qtype)))) {
             hi_prep_share(m, &jobs[i], 0, nb);
             return;
         }
@@ -268,23 +268,23 @@ int hi_matmul(hi_ctx *c, int qtype, const void *w, int64_t rows, int64_t cols, c
 }
 
 int hi_matmul_many(hi_ctx *c, int n, const int *qtypes, const void *const *ws, const int64_t *rows, int64_t cols,
-                   const void *xq, int64_t xq_row, int64_t T, float *const *outs, const int64_t *out_rows,
-                   int ggml_op) {
-    if (n < 1 || n > HI_MAX_K || T < 1 || !xq || ggml_op < 0 || ggml_op > 2) return -2;
-    const int kind = hi_act_kind(qtypes[0]);
+                   const void *const *xqs, const int64_t *xq_rows, int64_t T, float *const *outs,
+                   const int64_t *out_rows, int ggml_op) {
+    if (n < 1 || n > HI_MAX_K || T < 1 || !xqs || !xq_rows || ggml_op < 0 || ggml_op > 2) return -2;
+    int prep = 0;
     for (int j = 0; j < n; j++) {
         const int e = hi_check_type(c, qtypes[j], cols);
         if (e) return e;
-        if (hi_act_kind(qtypes[j]) != kind || rows[j] < 1 || !ws[j] || !outs[j]) return -2;
-        if (T > 1 && out_rows[j] < rows[j]) return -2;
+        if (rows[j] < 1 || !ws[j] || !outs[j] || !xqs[j]) return -2;
+        if (T > 1 && (out_rows[j] < rows[j] || xq_rows[j] < hi_act_row_bytes(qtypes[j], cols))) return -2;
+        prep |= hi_needs_prep(c, qtypes[j]);
     }
-    if (T > 1 && xq_row < hi_act_row_bytes(qtypes[0], cols)) return -2;
     hi_mm jobs[HI_MAX_K];
     pthread_mutex_lock(&c->mu);
     const int64_t nb = cols / 32;
     const size_t pb = hi_prep_bytes(T, nb);
     uint8_t *s = NULL;
-    if (hi_needs_prep(c, qtypes[0])) {
+    if (prep) {
         s = hi_scratch(c, (size_t)n * pb);
         if (!s) {
             pthread_mutex_unlock(&c->mu);
@@ -292,8 +292,8 @@ int hi_matmul_many(hi_ctx *c, int n, const int *qtypes, const void *const *ws, c
         }
     }
     for (int j = 0; j < n; j++) {
-        hi_mm m = hi_job(c, ggml_op, qtypes[j], ws[j], rows[j], cols, (const uint8_t *)xq, (size_t)xq_row, T, outs[j],
-                         (size_t)out_rows[j]);
+        hi_mm m = hi_job(c, ggml_op, qtypes[j], ws[j], rows[j], cols, (const uint8_t *)xqs[j], (size_t)xq_rows[j], T,
+                         outs[j], (size_t)out_rows[j]);
         if (s) hi_prep_job(c, &m, jobs, j, m.x, T > 1 ? m.x_row : 0, T, nb, s + (size_t)j * pb);
         jobs[j] = m;
     }

@@ -49,12 +49,12 @@ enum { HI_GGML_NONE = 0, HI_GGML_MUL_MAT = 1, HI_GGML_MUL_MAT_ID = 2 };
 int hi_matmul(hi_ctx *c, int qtype, const void *w, int64_t rows, int64_t cols, const void *xq, int64_t xq_row,
               int64_t T, float *out, int64_t out_row, int ggml_op);
 
-/* several products of the same activation rows in one call (one pool task): for j < n,
- * out_j[t][r] = W_j[r] . xq[t], W_j of type qtypes[j] with rows[j] rows of cols values; every qtypes[j] must
- * take the activation format of xq (the same act_kind); at most 64 matrices */
+/* several products of one input in one call (one pool task): for j < n, out_j[t][r] = W_j[r] . xq_j[t], W_j of
+ * type qtypes[j] with rows[j] rows of cols values, xq_j = xqs[j] the input quantized to that type's activation
+ * format (rows xq_rows[j] bytes apart; matrices of the same format share one); at most 64 matrices */
 int hi_matmul_many(hi_ctx *c, int n, const int *qtypes, const void *const *ws, const int64_t *rows, int64_t cols,
-                   const void *xq, int64_t xq_row, int64_t T, float *const *outs, const int64_t *out_rows,
-                   int ggml_op);
+                   const void *const *xqs, const int64_t *xq_rows, int64_t T, float *const *outs,
+                   const int64_t *out_rows, int ggml_op);
 
 /* MoE decode, gate and up fused: for i < k, e = ids[i] (0 <= e < n_expert):
  *   gate_out[i] = Wg[e] . xq,  up_out[i] = Wu[e] . xq

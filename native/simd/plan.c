@@ -26,7 +26,7 @@ static int hi_step_run(hi_ctx *c, const hi_step *s, int64_t pos) {
     case HI_OP_MATMUL:
         return hi_matmul(c, (int)I(0), P(1), I(2), I(3), P(4), I(5), I(6), P(7), I(8), (int)I(9));
     case HI_OP_MATMUL_MANY:
-        return hi_matmul_many(c, (int)I(0), P(1), P(2), P(3), I(4), P(5), I(6), I(7), P(8), P(9), (int)I(10));
+        return hi_matmul_many(c, (int)I(0), P(1), P(2), P(3), I(4), P(5), P(6), I(7), P(8), P(9), (int)I(10));
     case HI_OP_MOE_GATE_UP:
         return hi_moe_gate_up(c, (int)I(0), P(1), (int)I(2), P(3), I(4), I(5), I(6), P(7), P(8), (int)I(9), P(10),
                               I(11), P(12), I(13), (int)I(14), (int)I(15), P(16), (int)I(17), P(18), I(19), P(20),
