@@ -165,6 +165,11 @@ def test_cli_bench_commands_write_tables(tmp_path, oracle_gguf, capsys):
     assert row["probe_readings_gb_s"] == rd
     assert row["probe_gb_s"] == pytest.approx(4 / sum(2 / (a + b) for a, b in zip(rd, rd[1:], strict=False)))
     assert row["floor_frac"] == pytest.approx(row["tok_s"] * res["bytes_per_token"] / (row["probe_gb_s"] * 1e9))
+    # each run's own fraction: the row's is their floor times' sum over the runs' time, so it lies among them
+    runs = row["run_floor_fracs"]
+    assert len(runs) == 4
+    assert min(runs) <= row["floor_frac"] * (1 + 1e-9) and max(runs) >= row["floor_frac"] * (1 - 1e-9)
+    assert f"{100 * row['floor_frac']:.0f}% ({100 * min(runs):.0f}-{100 * max(runs):.0f})" in out
     assert names == ["decode-qwen35-wide-s0-q8_0-t2.json", "decode-qwen35-wide-s0-q8_0-t2.png",
                      "prefix-qwen35-wide-s0-q8_0.json", "prefix-qwen35-wide-s0-q8_0.png"]
     assert main(["bench", "prefix", "-m", path, "--workloads", "z"]) == 2  # a clear error, not a traceback
@@ -180,6 +185,18 @@ def test_effective_bandwidth_weighs_each_run_by_its_floor_time():
     for readings, counts in (([100.0], [4]), ([100.0, 90.0], [0]), ([100.0, -1.0], [4])):
         with pytest.raises(ValueError, match="one more positive reading"):
             effective_bandwidth(readings, counts)
+
+
+def test_run_floor_fracs_hold_each_run_to_its_own_readings():
+    from hybridinfer.benchmarks.decode import run_floor_fracs
+
+    # 2 tokens of 1e9 bytes at 50 GB/s (readings 40, 60) in 0.05 s: 80%; 0 tokens left out; 1 token at 150 in 0.01 s
+    fr = run_floor_fracs([40e9, 60e9, 140e9, 160e9], [2, 0, 1], [0.05, 0.01, 0.01], 10**9)
+    assert fr == pytest.approx([(2 / 50) / 0.05, (1 / 150) / 0.01])
+    with pytest.raises(ValueError, match="positive time per run"):
+        run_floor_fracs([1e9, 1e9], [1], [0.0], 10)
+    with pytest.raises(ValueError, match="one more positive reading"):
+        run_floor_fracs([1e9], [1], [1.0], 10)
 
 
 def test_bandwidth_probe_size_outgrows_the_cache():

@@ -86,16 +86,30 @@ class Row:
     python_share: float | None = None  # of decode time, upper bound (cProfile)
     probe_gb_s: float | None = None  # the bandwidth over its timing (effective_bandwidth of the readings around it)
     probe_readings_gb_s: list[float] | None = None
+    # this engine, run by run of its steps: each run's fraction of its own floor (run_floor_fracs)
+    run_floor_fracs: list[float] | None = None
+
+
+def run_floor_fracs(readings: list[float], counts: list[int], seconds: list[float],
+                    bytes_per_token: int) -> list[float]:
+    """Each run's fraction of its floor: run k read counts[k] tokens' bytes in seconds[k], its floor time being
+    those bytes over the mean of the readings around it (as effective_bandwidth). Runs of no steps are left out.
+    Shows whether a row's fraction moved with the host's bandwidth or with the engine."""
+    effective_bandwidth(readings, counts)  # the same checks
+    if len(seconds) != len(counts) or min(seconds) <= 0:
+        raise ValueError(f"need a positive time per run of steps, got {seconds} for runs of {counts} steps")
+    return [n * bytes_per_token / ((readings[k] + readings[k + 1]) / 2) / seconds[k]
+            for k, n in enumerate(counts) if n]
 
 
 def measure_ours(path: str, isa: str | None, threads: int, n_tokens: int, context: int, seed: int = 0,
                  weights: str = "auto", probe=None,
-                 segments: int = 4) -> tuple[float, float, str, list[float], list[int]]:
+                 segments: int = 4) -> tuple[float, float, str, list[float], list[int], list[float]]:
     """Decode tokens/s of the CPU backend after a `context`-token prompt (greedy; time of n_tokens steps), the
     share of Python in it, where the weights were read from ("copy" or "mmap"), probe()'s readings (none
     without a probe): one before the steps, one after, and one between each of `segments` equal runs of them,
     so that the floor follows a host whose bandwidth its neighbours take a varying share of (the time counts
-    the steps only), and the steps in each run."""
+    the steps only), the steps in each run and each run's seconds."""
     from ..api import Engine
 
     eng = Engine.load(path, backend="cpu", isa=isa, n_threads=threads, n_ctx=context + 2 * n_tokens + 16,
@@ -110,13 +124,13 @@ def measure_ours(path: str, isa: str | None, threads: int, n_tokens: int, contex
     segments = max(1, min(segments, n_tokens)) if probe else 1
     bw = [probe()] if probe else []
     counts = [n_tokens * (k + 1) // segments - n_tokens * k // segments for k in range(segments)]
-    elapsed = 0.0
+    secs = []
     for n in counts:
         t, dt = greedy_steps(be, st, t, n)
-        elapsed += dt
+        secs.append(dt)
         if probe:
             bw.append(probe())
-    return n_tokens / elapsed, python_share(be, st, t, max(4, n_tokens // 4)), be.weights, bw, counts
+    return n_tokens / sum(secs), python_share(be, st, t, max(4, n_tokens // 4)), be.weights, bw, counts, secs
 
 
 def greedy_steps(be, st, t: int, n: int) -> tuple[int, float]:
@@ -200,9 +214,9 @@ def run(path: str, threads: int, n_tokens: int = 32, context: int = 0, isas: tup
 
     measured: list[tuple] = []
 
-    def add(engine, isa, tok_s, bw, counts, py=None, note=""):
+    def add(engine, isa, tok_s, bw, counts, py=None, note="", secs=None):
         if tok_s is not None:
-            measured.append((engine, isa, tok_s, (bw, counts), note, py))
+            measured.append((engine, isa, tok_s, (bw, counts, secs), note, py))
 
     def llama(exe, **kw):
         b0 = read_bw()
@@ -212,9 +226,10 @@ def run(path: str, threads: int, n_tokens: int = 32, context: int = 0, isas: tup
     for isa in isas:
         real = best_isa() if isa == "native" else isa
         for mode in weights:
-            tok_s, py, used, bw, counts = measure_ours(path, None if isa == "native" else isa, threads, n_tokens,
-                                                       context, weights=mode, probe=read_bw, segments=segments)
-            add("hybridinfer", real, tok_s, bw, counts, py, f"weights: {used}")
+            tok_s, py, used, bw, counts, secs = measure_ours(path, None if isa == "native" else isa, threads,
+                                                             n_tokens, context, weights=mode, probe=read_bw,
+                                                             segments=segments)
+            add("hybridinfer", real, tok_s, bw, counts, py, f"weights: {used}", secs)
     if llama_bench:
         add("llama.cpp", "native", *llama(llama_bench), note="mmap")
         if llama_no_mmap:
@@ -226,9 +241,10 @@ def run(path: str, threads: int, n_tokens: int = 32, context: int = 0, isas: tup
     probe.close()
     bw = max(readings)
     rows = []
-    for e, i, t, (b, counts), n, py in measured:
+    for e, i, t, (b, counts, secs), n, py in measured:
         eff = effective_bandwidth(b, counts)
-        rows.append(Row(e, i, threads, t, t * bpt / 1e9, t * bpt / eff, n, py, eff / 1e9, [x / 1e9 for x in b]))
+        runs = run_floor_fracs(b, counts, secs, bpt) if secs and len(secs) > 1 else None
+        rows.append(Row(e, i, threads, t, t * bpt / 1e9, t * bpt / eff, n, py, eff / 1e9, [x / 1e9 for x in b], runs))
     return {"model": path, "arch": args.arch, "bytes_per_token": bpt, "read_bw_gb_s": bw / 1e9,
             "read_bw_readings_gb_s": [x / 1e9 for x in readings], "floor_tok_s": bw / bpt,
             "threads": threads, "context": context, "rows": [asdict(r) for r in rows]}
@@ -240,7 +256,8 @@ def markdown(res: dict) -> str:
            f"read bandwidth with {res['threads']} threads {min(rd):.1f}-{max(rd):.1f} GB/s over {len(rd)} readings "
            f"(best: floor {res['floor_tok_s']:.2f} tok/s); each row against the readings taken before, after and "
            f"(this engine) between runs of its timed steps, each run's floor time at the mean of the two around it "
-           f"(probe: the bandwidth of those floor times, the readings' range in brackets); "
+           f"(probe: the bandwidth of those floor times, the readings' range in brackets; % of floor: the row's, "
+           f"and in brackets the range of its runs' own fractions); "
            f"context {res['context']}", "",
            "| engine | ISA | weights | threads | tok/s | weight GB/s | probe GB/s | % of floor "
            "| vs llama.cpp (same ISA, its best) | Python share |",
@@ -254,8 +271,10 @@ def markdown(res: dict) -> str:
         vs = f"{r['tok_s'] / ref:.2f}x" if ref and r["engine"] != "llama.cpp" else ""
         pg, pr = r.get("probe_gb_s"), r.get("probe_readings_gb_s") or []
         probe = "" if pg is None else f"{pg:.1f}" + (f" ({min(pr):.0f}-{max(pr):.0f})" if len(pr) > 1 else "")
+        rf = r.get("run_floor_fracs") or []
+        runs = f" ({100 * min(rf):.0f}-{100 * max(rf):.0f})" if rf else ""
         out.append(f"| {r['engine']} | {r['isa']} | {r.get('note', '')} | {r['threads']} | {r['tok_s']:.2f} | "
-                   f"{r['gb_s']:.1f} | {probe} | {100 * r['floor_frac']:.0f}% | {vs} | "
+                   f"{r['gb_s']:.1f} | {probe} | {100 * r['floor_frac']:.0f}%{runs} | {vs} | "
                    f"{_pct(r.get('python_share'))} |")
     return "\n".join(out)
 
