@@ -256,7 +256,7 @@ class SimdLib(MoECalls, OpCalls):
         ffi = self._ffi
         qts, wps, rws, ops, ors, xps, xrs = [], [], [], [], [], [], []
         T = None
-        seen: dict = {}  # activation format -> (its array's pointer, row stride)
+        seen: dict = {}  # activation format -> (its array's pointer, row stride, ndim)
         for j, it in enumerate(items):
             try:
                 w, qtype, rows, out = it
