@@ -95,11 +95,10 @@ def run_floor_fracs(readings: list[float], counts: list[int], seconds: list[floa
     """Each run's fraction of its floor: run k read counts[k] tokens' bytes in seconds[k], its floor time being
     those bytes over the mean of the readings around it (as effective_bandwidth). Runs of no steps are left out.
     Shows whether a row's fraction moved with the host's bandwidth or with the engine."""
-    effective_bandwidth(readings, counts)  # the same checks
+    floor = _floor_times(readings, counts)
     if len(seconds) != len(counts) or min(seconds) <= 0:
         raise ValueError(f"need a positive time per run of steps, got {seconds} for runs of {counts} steps")
-    return [n * bytes_per_token / ((readings[k] + readings[k + 1]) / 2) / seconds[k]
-            for k, n in enumerate(counts) if n]
+    return [f * bytes_per_token / s for f, s, n in zip(floor, seconds, counts, strict=True) if n]
 
 
 def measure_ours(path: str, isa: str | None, threads: int, n_tokens: int, context: int, seed: int = 0,
@@ -141,15 +140,21 @@ def greedy_steps(be, st, t: int, n: int) -> tuple[int, float]:
     return t, time.perf_counter() - t0
 
 
+def _floor_times(readings: list[float], counts: list[int]) -> list[float]:
+    """Per run of steps (counts[k] steps between readings[k] and readings[k + 1]): its floor time per byte of a
+    step, its steps over the mean of the two readings around it."""
+    if len(readings) != len(counts) + 1 or sum(counts) < 1 or min(counts) < 0 or min(readings) <= 0:
+        raise ValueError(f"need one more positive reading than runs of steps, got readings {readings} for "
+                         f"runs of {counts} steps")
+    return [n / ((readings[k] + readings[k + 1]) / 2) for k, n in enumerate(counts)]
+
+
 def effective_bandwidth(readings: list[float], counts: list[int]) -> float:
     """The read bandwidth a run of steps had: steps in runs of counts[k] with readings[k] before run k and
     readings[k + 1] after it, the floor time of run k is its bytes over the mean of those two, and this is the
     bandwidth that reads all the steps' bytes in the sum of those times (a weighted harmonic mean): a run's
     fraction of its floor is then the floor time over the time it took."""
-    if len(readings) != len(counts) + 1 or sum(counts) < 1 or min(counts) < 0 or min(readings) <= 0:
-        raise ValueError(f"need one more positive reading than runs of steps, got readings {readings} for "
-                         f"runs of {counts} steps")
-    return sum(counts) / sum(n / ((readings[k] + readings[k + 1]) / 2) for k, n in enumerate(counts))
+    return sum(counts) / sum(_floor_times(readings, counts))
 
 
 def python_share(be, st, t: int, n: int) -> float:

@@ -124,7 +124,8 @@ static void hi_prep_job(const hi_ctx *c, hi_mm *m, const hi_mm *jobs, int n, con
                         int64_t T, int64_t nb, uint8_t *at) {
     if (!hi_needs_prep(c, m->qtype)) return;
     for (int i = 0; i < n; i++)
-        if (jobs[i].x == m->x && (jobs[i].qtype == m->qtype || (hi_is_kquant(jobs[i].qtype) && hi_is_kquant(m->qtype)))) {
+        if (jobs[i].x == m->x &&
+            (jobs[i].qtype == m->qtype || (hi_is_kquant(jobs[i].qtype) && hi_is_kquant(m->qtype)))) {
             hi_prep_share(m, &jobs[i], 0, nb);
             return;
         }
