@@ -4,22 +4,75 @@ environment."""
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
+import warnings
 from collections import Counter
 
-from .errors import HybridInferError
+from .errors import BackendNotAvailableError, HybridInferError, ParameterError, ShapeError
+
+
+class UsageError(SystemExit):
+    """A command-line usage error: its one line is already on stderr; the process exits with status 2. A
+    SystemExit, as argparse's own errors are, whose text is the message (not the status)."""
+
+    def __init__(self, message: str):
+        super().__init__(2)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error (no usage block): `hybridinfer run: error: argument -n: ...`."""
+
+    def error(self, message: str):
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        raise UsageError(message)
+
+
+def _usage(message: str) -> UsageError:
+    print(f"hybridinfer: error: {message}", file=sys.stderr)
+    return UsageError(message)
+
+
+def _int_at_least(lo: int):
+    """An argparse type: an integer >= lo (the flag's name comes with argparse's message)."""
+
+    def parse(s: str) -> int:
+        try:
+            v = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {s!r}") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {s!r}")
+        return v
+
+    return parse
+
+
+def _finite(s: str) -> float:
+    """An argparse type: a finite float (nan and inf pass float() but mean nothing as a sampling parameter)."""
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {s!r}") from None
+    if not math.isfinite(v):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {s!r}")
+    return v
 
 
 def _add_model(p: argparse.ArgumentParser, required: bool = False) -> None:
     p.add_argument("-m", "--model", required=required,
                    help="GGUF file (default: the embedded SmolLM2-135M-Instruct Q4_1)")
-    p.add_argument("--backend", default=os.environ.get("HYBRIDINFER_BACKEND"),
+    p.add_argument("--backend", default=os.environ.get("HYBRIDINFER_BACKEND") or "auto",
                    choices=["reference", "cpu", "gpu", "auto"],
-                   help="compute backend (default: reference for GGUFs under 256 MiB, where the exact numpy "
-                        "reference answers quickly, else auto: GPU prefill if a card is there, CPU decode)")
-    p.add_argument("--n-ctx", type=int, default=4096, help="context size in tokens (default 4096)")
-    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
+                   help="compute backend (default auto: GPU prefill where a card and pycuda are present, "
+                        "else the CPU backend; decode always runs on the CPU; reference: the slow numpy oracle)")
+    p.add_argument("--n-ctx", type=_int_at_least(1), default=4096, help="context size in tokens (default 4096)")
+    p.add_argument("-t", "--threads", type=_int_at_least(1), default=None, help="CPU threads (default: all cores)")
     p.add_argument("--vram-budget", type=parse_size, default=None,
                    help="GPU memory the gpu backend may use, e.g. 6GiB (default: the card's free memory - 512MiB)")
     p.add_argument("--isa", default=os.environ.get("HYBRIDINFER_ISA"),
@@ -27,6 +80,11 @@ def _add_model(p: argparse.ArgumentParser, required: bool = False) -> None:
     p.add_argument("--weights", default="auto", choices=["auto", "copy", "mmap"],
                    help="where CPU decode reads the weights: a copy in huge pages (faster), the file's memory "
                         "mapping (no copy), or auto: a copy when it takes at most half the available memory")
+    p.add_argument("--max-seqs", type=_int_at_least(1), default=8,
+                   help="sequences decoded together at most by the scheduler (default 8)")
+    p.add_argument("--state-budget", type=parse_size, default=None,
+                   help="bytes of sequence states and K/V the scheduler may hold at once, e.g. 4GiB (default: no "
+                        "limit); a request that cannot fit alone is refused")
 
 
 def _add_cache(p: argparse.ArgumentParser) -> None:
@@ -37,7 +95,7 @@ def _add_cache(p: argparse.ArgumentParser) -> None:
                    help="directory of an on-disk snapshot store shared by processes (default: none)")
     g.add_argument("--prefix-cache-disk", type=parse_size, default=parse_size("16GiB"),
                    help="disk budget of --prefix-cache-dir (default 16GiB)")
-    g.add_argument("--snapshot-stride", type=int, default=None,
+    g.add_argument("--snapshot-stride", type=_int_at_least(0), default=None,
                    help="snapshot the state every N prompt tokens during prefill (default 256 on the CPU, 1024 with "
                         "GPU prefill; 0: only at prompt ends, chat turns and shared prefixes)")
 
@@ -52,21 +110,16 @@ def parse_size(s: str) -> int:
         v = float(num) * units[t[len(num):].strip()]
     except (ValueError, KeyError):
         raise argparse.ArgumentTypeError(f"not a size: {s!r} (e.g. 2GiB, 512MiB, 1e9)") from None
+    if not math.isfinite(v):
+        raise argparse.ArgumentTypeError(f"not a size: {s!r} (e.g. 2GiB, 512MiB, 1e9)")
     if v < 0:
         raise argparse.ArgumentTypeError(f"a size must be >= 0, got {s!r}")
     return int(v)
 
 
-SMALL_MODEL_BYTES = 256 << 20
-
-
 def _engine(a):
     from .api import Engine
 
-    if a.backend is None:
-        from .default_model import default_model_path
-
-        a.backend = "reference" if os.path.getsize(a.model or default_model_path()) < SMALL_MODEL_BYTES else "auto"
     opts = {}
     if a.backend in ("cpu", "auto", "gpu"):
         opts = {"isa": a.isa, "n_threads": a.threads, "weights": a.weights}
@@ -78,13 +131,28 @@ def _engine(a):
                  "disk_bytes": a.prefix_cache_disk if a.prefix_cache_dir else None}
         opts["snapshot_stride"] = a.snapshot_stride
     return Engine.load(a.model, backend=a.backend, n_ctx=a.n_ctx, progress=sys.stderr.isatty(),
-                       prefix_cache=cache, **opts)
+                       prefix_cache=cache, max_seqs=a.max_seqs, state_budget=a.state_budget or None, **opts)
 
 
 def _sampling(a) -> dict:
+    """The generation options of the flags, checked as the library checks them (before the model loads)."""
+    from .sampling import SamplingParams, check_stop
+
+    SamplingParams(temperature=a.temp, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p,
+                   repeat_penalty=a.repeat_penalty, seed=a.seed)
+    check_stop(a.stop)
     return dict(max_tokens=a.n, temperature=a.temp, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p,
                 repeat_penalty=a.repeat_penalty, seed=a.seed, stop=a.stop or None,
                 enable_thinking=False if a.no_think else None)
+
+
+def _check_output(path: str, flag: str) -> None:
+    """An output file's folder must exist and the path must not be a folder: said before any work is done."""
+    if os.path.isdir(path):
+        raise ParameterError(f"{flag} {path!r} is a directory, not a file name")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ParameterError(f"{flag} {path!r}: the folder {folder!r} does not exist")
 
 
 def _print_stats(res, eng) -> None:
@@ -96,6 +164,9 @@ def _print_stats(res, eng) -> None:
 
 
 def cmd_run(a) -> int:
+    opts = _sampling(a)
+    if not a.prompt:
+        raise ParameterError(f"-p/--prompt is empty: {a.prompt!r}")
     eng = _engine(a)
     if a.raw:
         prompt = a.prompt
@@ -105,7 +176,7 @@ def cmd_run(a) -> int:
     from .api import Generation
 
     res = Generation("", [], 0, "length")
-    for piece in eng.stream(prompt, _result=res, **_sampling(a)):
+    for piece in eng.stream(prompt, _result=res, **opts):
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
@@ -118,6 +189,7 @@ def cmd_chat(a) -> int:
     """An interactive multi-turn chat; each turn re-uses the cached history (only new tokens are processed)."""
     from .api import Generation
 
+    opts = _sampling(a)
     eng = _engine(a)
     system = [{"role": "system", "content": a.system}] if a.system else []
     history: list[dict] = []
@@ -146,7 +218,7 @@ def cmd_chat(a) -> int:
         history.append({"role": "user", "content": text})
         res = Generation("", [], 0, "length")
         try:
-            for piece in eng.stream(system + history, _result=res, **_sampling(a)):
+            for piece in eng.stream(system + history, _result=res, **opts):
                 sys.stdout.write(piece)
                 sys.stdout.flush()
         except HybridInferError as e:  # e.g. the history outgrew the context: say so, keep the session
@@ -165,14 +237,21 @@ def _parse_tokens(s: str) -> list[int]:
     try:
         return [int(x) for x in s.replace(" ", "").split(",") if x]
     except ValueError:
-        raise HybridInferError(f"--tokens must be comma-separated integers, got {s!r}") from None
+        raise ParameterError(f"--tokens must be comma-separated integers, got {s!r}") from None
 
 
 def cmd_logits(a) -> int:
     import numpy as np
 
+    _check_output(a.output, "-o/--output")
+    if a.tokens is not None and not _parse_tokens(a.tokens):
+        raise ParameterError(f"--tokens names no token ids: {a.tokens!r}")
+    if a.text is not None and not a.text:
+        raise ParameterError(f"--text is empty: {a.text!r}")
     eng = _engine(a)
     ids = _parse_tokens(a.tokens) if a.tokens else eng.tokenize(a.text)
+    if not ids:
+        raise ParameterError(f"--text {a.text!r} gives no tokens")
     lg = eng.logits(ids)
     np.save(a.output, lg)
     print(f"wrote {a.output}: logits {lg.shape} float32 for {len(ids)} tokens")
@@ -246,8 +325,9 @@ def cmd_synth(a) -> int:
     for item in a.tensor_type:
         pat, sep, name = item.rpartition("=")
         if not sep or not pat or not name:
-            raise SystemExit(f"--tensor-type wants PATTERN=TYPE, got {item!r}")
+            raise _usage(f"--tensor-type wants PATTERN=TYPE, got {item!r}")
         overrides.append((pat, name))
+    _check_output(a.output, "-o/--output")
     summary = synth_model(a.output, a.arch, a.shape, quant=a.quant, seed=a.seed, vocab_from=a.vocab_from,
                           progress=sys.stderr.isatty(), tensor_types=overrides)
     print(f"wrote {a.output}: {summary}")
@@ -264,6 +344,16 @@ def _save_bench(out_dir: str, name: str, text: str, plot) -> None:
     print(f"\nwrote {stem}.json" + (f" and {stem}.png" if plotted else " (no plot: matplotlib missing)"))
 
 
+def _check_tools(a, *flags: str) -> None:
+    """A llama.cpp binary named by a flag must exist (on PATH or as a file), not be skipped in silence."""
+    import shutil
+
+    for flag in flags:
+        exe = getattr(a, flag.lstrip("-").replace("-", "_"))
+        if exe and not shutil.which(exe) and not os.path.isfile(exe):
+            raise ParameterError(f"{flag} {exe!r}: no such program")
+
+
 def _model_stem(path: str) -> str:
     return os.path.splitext(os.path.basename(path))[0]
 
@@ -275,6 +365,10 @@ def cmd_bench_decode(a) -> int:
 
     isas = tuple(x.strip() for x in a.isa.split(",") if x.strip())
     weights = tuple(x.strip() for x in a.weights.split(",") if x.strip())
+    bad = [w for w in weights if w not in ("auto", "copy", "mmap")]
+    if bad or not weights:
+        raise ParameterError(f"--weights takes a comma-separated subset of auto,copy,mmap, got {a.weights!r}")
+    _check_tools(a, "--llama-bench", "--llama-bench-sse")
     res = decode.run(a.model, a.threads, a.n, a.context, isas, a.llama_bench, a.llama_bench_sse, weights=weights,
                      llama_no_mmap=a.llama_no_mmap, segments=a.segments)
     print(decode.markdown(res))
@@ -283,14 +377,33 @@ def cmd_bench_decode(a) -> int:
     return 0
 
 
+def cmd_bench_batch(a) -> int:
+    import json
+
+    from .benchmarks import batch
+
+    try:
+        sizes = tuple(int(x) for x in a.batch_sizes.split(","))
+    except ValueError:
+        raise ParameterError(f"--batch-sizes must be comma-separated integers, got {a.batch_sizes!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise ParameterError(f"--batch-sizes must be positive sequence counts, got {a.batch_sizes!r}")
+    _check_tools(a, "--llama-batched-bench")
+    res = batch.run(a.model, a.threads, sizes, a.steps, a.prompt_len, a.llama_batched_bench)
+    print(batch.markdown(res))
+    _save_bench(a.out_dir, f"batch-{_model_stem(a.model)}-t{a.threads}", json.dumps(res, indent=1),
+                lambda png: batch.plot(res, png))
+    return 0
+
+
 def _add_sampling(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-n", type=int, default=64, help="max new tokens (default 64)")
-    p.add_argument("--temp", type=float, default=0.0,
+    p.add_argument("-n", type=_int_at_least(0), default=64, help="max new tokens (default 64)")
+    p.add_argument("--temp", type=_finite, default=0.0,
                    help="sampling temperature (default 0: greedy, reproducible; e.g. 0.8 to sample)")
-    p.add_argument("--top-k", type=int, default=40)
-    p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--min-p", type=float, default=0.05)
-    p.add_argument("--repeat-penalty", type=float, default=1.0)
+    p.add_argument("--top-k", type=_int_at_least(0), default=40, help="0: off")
+    p.add_argument("--top-p", type=_finite, default=0.95)
+    p.add_argument("--min-p", type=_finite, default=0.05)
+    p.add_argument("--repeat-penalty", type=_finite, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--system", default=None, help="system message (chat mode)")
@@ -318,9 +431,20 @@ def cmd_bench_prefill(a) -> int:
 
     from .benchmarks import prefill
 
-    prompts = tuple(int(x) for x in a.prompts.split(","))
-    res = prefill.run(a.model, prompts, a.vram_budget or None, not a.no_resident, a.threads, a.llama_bench,
-                      a.llama_bench_cuda)
+    try:
+        prompts = tuple(int(x) for x in a.prompts.split(","))
+    except ValueError:
+        raise ParameterError(f"--prompts must be comma-separated integers, got {a.prompts!r}") from None
+    if not prompts or min(prompts) < 1:
+        raise ParameterError(f"--prompts must be positive token counts, got {a.prompts!r}")
+    _check_tools(a, "--llama-bench", "--llama-bench-cuda")
+    try:
+        res = prefill.run(a.model, prompts, a.vram_budget or None, not a.no_resident, a.threads, a.llama_bench,
+                          a.llama_bench_cuda)
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] != "pycuda":
+            raise
+        raise BackendNotAvailableError(f"bench prefill measures the GPU backend, which needs pycuda ({e})") from e
     print(prefill.markdown(res))
     _save_bench(a.out_dir, f"prefill-{_model_stem(a.model)}", json.dumps(res, indent=1),
                 lambda png: prefill.plot(res, png))
@@ -328,7 +452,7 @@ def cmd_bench_prefill(a) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="hybridinfer", description="Qwen3.5 hybrid MoE inference for old GPUs")
+    ap = _Parser(prog="hybridinfer", description="Qwen3.5 hybrid MoE inference for old GPUs")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     p = sub.add_parser("run", help="generate a completion (chat-templated unless --raw)")
@@ -364,7 +488,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--arch", required=True, help="qwen35 | qwen35moe | llama")
     p.add_argument("--shape", required=True, help="e.g. 0.8b, 9b, 35b-a3b, 122b-a10b, or a JSON dict")
     p.add_argument("--quant", default="q4_k_m", help="q4_k_m | q8_0 | q4_0 | f16 | f32")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=_int_at_least(0), default=0)
     p.add_argument("--vocab-from", default=None, help="borrow tokens from this GGUF")
     p.add_argument("--tensor-type", action="append", default=[], metavar="PATTERN=TYPE",
                    help="as llama-quantize's: tensors whose name matches the regex PATTERN get TYPE (e.g. "
@@ -374,23 +498,30 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="benchmarks (markdown table + PNG)")
     bsub = p.add_subparsers(dest="bench", required=True)
     b = _bench_parser(bsub, "decode", "decode tok/s vs the memory-bandwidth floor, and llama.cpp", cmd_bench_decode)
-    b.add_argument("-n", type=int, default=32, help="decode steps timed")
-    b.add_argument("--context", type=int, default=0, help="prompt tokens before timing")
+    b.add_argument("-n", type=_int_at_least(1), default=32, help="decode steps timed")
+    b.add_argument("--context", type=_int_at_least(0), default=0, help="prompt tokens before timing")
     b.add_argument("--isa", default=os.environ.get("HYBRIDINFER_ISA", "native"),
                    help="comma-separated: native,scalar,ssse3,avx2,avx512vnni")
     b.add_argument("--llama-bench", default=None, help="llama.cpp's llama-bench (native build)")
     b.add_argument("--llama-bench-sse", default=None, help="llama-bench built without AVX")
     b.add_argument("--weights", default="auto", help="comma-separated weights modes to time: auto,copy,mmap")
     b.add_argument("--llama-no-mmap", action="store_true", help="also time llama.cpp with -lm none (no mmap)")
-    b.add_argument("--segments", type=int, default=4,
+    b.add_argument("--segments", type=_int_at_least(1), default=4,
                    help="runs of timed steps with a bandwidth reading between each (each run's floor at the "
                         "mean of the two readings around it)")
+    b = _bench_parser(bsub, "batch", "batched decode (one token for each of B sequences per step) tok/s vs B, "
+                      "and llama.cpp's llama-batched-bench", cmd_bench_batch)
+    b.add_argument("--batch-sizes", default="1,2,4,8,16", help="comma-separated sequences per step (B)")
+    b.add_argument("--steps", type=_int_at_least(1), default=32, help="decode steps timed per B")
+    b.add_argument("--prompt-len", type=_int_at_least(1), default=128, help="prompt tokens of each sequence")
+    b.add_argument("--llama-batched-bench", default=None, help="llama.cpp's llama-batched-bench, run with the same "
+                   "B, prompt length and steps")
     b = _bench_parser(bsub, "prefix", "time to first token cold/warm with the prefix cache, and llama.cpp's server",
                       cmd_bench_prefix)
     b.add_argument("--backend", default="cpu", choices=["reference", "cpu", "gpu", "auto"])
     b.add_argument("--workloads", default="a,b,c,d", help="comma-separated subset of a,b,c,d")
-    b.add_argument("--n-prompts", type=int, default=100, help="prompts in workload d (default 100)")
-    b.add_argument("--snapshot-stride", type=int, default=None)
+    b.add_argument("--n-prompts", type=_int_at_least(1), default=100, help="prompts in workload d (default 100)")
+    b.add_argument("--snapshot-stride", type=_int_at_least(0), default=None)
     b.add_argument("--cache-dir", default=None, help="also write snapshots to an on-disk store under this dir")
     b.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary, run on the same GGUF")
     b = _bench_parser(bsub, "prefill", "GPU prefill tok/s vs transfer and compute floors, and llama.cpp",
@@ -407,22 +538,54 @@ def _bench_parser(bsub, name: str, help: str, fn, threads_help: str | None = Non
     """A `bench` subcommand with the options every benchmark takes: the model, threads and output folder."""
     b = bsub.add_parser(name, help=help)
     b.add_argument("-m", "--model", required=True)
-    b.add_argument("-t", "--threads", type=int, default=os.cpu_count(), help=threads_help)
+    b.add_argument("-t", "--threads", type=_int_at_least(1), default=os.cpu_count(), help=threads_help)
     b.add_argument("--out-dir", default="bench/results")
     b.set_defaults(fn=fn)
     return b
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = build_parser().parse_args(argv)
-    if getattr(a, "shape", None) and a.shape.lstrip().startswith("{"):
-        import json
-
-        a.shape = json.loads(a.shape)
+    """Run one command. Every error in what the user gave (flags, files, folders) is one line on stderr and
+    status 2; an exception of any other kind is a bug and keeps its traceback."""
     try:
+        a = build_parser().parse_args(argv)
+    except UsageError:  # its line is out already
+        return 2
+    with warnings.catch_warnings():
+        warnings.showwarning = _show_warning
+        return _run(a)
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """A library warning (no GPU, so the CPU backend; a damaged cache entry) is one line for a user, not a
+    source location."""
+    print(f"hybridinfer: note: {message}", file=sys.stderr)
+
+
+def _run(a) -> int:
+    try:
+        if getattr(a, "shape", None) and a.shape.lstrip().startswith("{"):
+            import json
+
+            try:
+                a.shape = json.loads(a.shape)
+            except ValueError as e:
+                raise ShapeError(f"--shape is not valid JSON ({e}): {a.shape!r}") from None
         return a.fn(a)
     except HybridInferError as e:
         print(f"hybridinfer: error: {e}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        # the reader went away (`| head`): Python's documented way out, with the shell's status for SIGPIPE;
+        # stdout goes to devnull so the interpreter's final flush finds no broken pipe
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):  # stdout is no file (captured in-process)
+            pass
+        return 141
+    except OSError as e:  # a file or folder named on the command line that cannot be read or written
+        where = f"{e.filename!r}: " if e.filename is not None else ""
+        print(f"hybridinfer: error: {where}{e.strerror or e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

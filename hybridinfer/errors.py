@@ -64,3 +64,12 @@ class KernelArgumentError(HybridInferError):
 class SnapshotError(HybridInferError):
     """A prefix-cache snapshot cannot be used: it belongs to another layer layout or state shape, it is no longer
     cached, or its file is corrupt (the cache itself treats a corrupt file as a miss)."""
+
+
+class ParameterError(HybridInferError, ValueError):
+    """A value passed by the user (a sampling parameter, n_ctx, max_tokens, a thread count, a budget, a path, a
+    cache directory) is out of range or of the wrong kind; the message names the parameter and the value."""
+
+
+class CapacityError(HybridInferError):
+    """A request cannot fit the engine's limits (sequence count, state or K/V byte budget) and is refused."""

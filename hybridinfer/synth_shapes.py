@@ -6,6 +6,7 @@ parameter counts and byte totals of a 122B model can be computed in milliseconds
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -155,13 +156,19 @@ def _validate(arch: str, hp: dict) -> dict:
     if arch != "llama":
         hp.setdefault("ssm_dt_rank", hp["ssm_n_group"])
     for k in list(hp):
-        if k == "tied":
-            hp[k] = bool(hp[k])
+        v = hp[k]
+        if k == "tied":  # a real boolean: bool("false") would be True
+            if not isinstance(v, bool):
+                raise ShapeError(f"shape key 'tied' must be true or false, got {v!r}")
         elif k in _FLOAT_KEYS:
-            hp[k] = float(hp[k])
+            if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v <= 0:
+                raise ShapeError(f"shape key {k!r} must be a positive finite number, got {v!r}")
+            hp[k] = float(v)
         else:
-            if not isinstance(hp[k], int) or isinstance(hp[k], bool) or hp[k] <= 0:
-                raise ShapeError(f"shape key {k!r} must be a positive integer, got {hp[k]!r}")
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ShapeError(f"shape key {k!r} must be a positive integer, got {v!r}")
+    if hp.get("rope_frac", 1.0) > 1:
+        raise ShapeError(f"shape key 'rope_frac' must be at most 1 (a fraction of head_dim), got {hp['rope_frac']!r}")
     if hp["n_head"] % hp["n_head_kv"]:
         raise ShapeError(f"n_head {hp['n_head']} is not a multiple of n_head_kv {hp['n_head_kv']}")
     if arch != "llama":

@@ -42,7 +42,7 @@ def test_cli_info_and_logits(tmp_path, smollm_path, smollm_ref):
                        env={**os.environ, "HYBRIDINFER_ISA": "ssse3"})
     assert "simd path:     ssse3 (forced by HYBRIDINFER_ISA)" in r.stdout, r.stdout
     out = tmp_path / "l.npy"
-    r = _cli("logits", "-m", smollm_path, "--tokens", "1,504,3458", "-o", str(out))
+    r = _cli("logits", "-m", smollm_path, "--tokens", "1,504,3458", "-o", str(out), "--backend", "reference")
     assert r.returncode == 0, r.stderr
     lg = np.load(out)
     assert lg.shape == (3, smollm_ref.args.n_vocab) and lg.dtype == np.float32
@@ -133,19 +133,53 @@ def test_architecture_level_errors(tmp_path, oracle_gguf):
         Engine.load(str(p))
 
 
-def test_cli_default_backend_by_model_size(monkeypatch):
-    """No --backend: the exact reference for small GGUFs (the embedded model), auto for large ones."""
+def test_cli_default_backend_is_auto(monkeypatch):
+    """No --backend: every command asks the library for `auto` (the reference only when asked for)."""
     import hybridinfer.api as api
     from hybridinfer import cli
 
     seen = []
+    monkeypatch.delenv("HYBRIDINFER_BACKEND", raising=False)
     monkeypatch.setattr(api.Engine, "load", classmethod(lambda c, path, backend, **kw: seen.append(backend)))
-    a = cli.build_parser().parse_args(["run", "-p", "x"])
-    cli._engine(a)
-    monkeypatch.setattr(cli, "SMALL_MODEL_BYTES", 1)
-    a = cli.build_parser().parse_args(["run", "-p", "x"])
-    cli._engine(a)
-    assert seen == ["reference", "auto"]
+    cli._engine(cli.build_parser().parse_args(["run", "-p", "x"]))
+    cli._engine(cli.build_parser().parse_args(["logits", "--tokens", "1", "-o", "x.npy"]))
+    cli._engine(cli.build_parser().parse_args(["run", "-p", "x", "--backend", "reference"]))
+    assert seen == ["auto", "auto", "reference"]
+
+
+def test_auto_backend_with_and_without_gpu(monkeypatch, smollm_path):
+    """`auto` (the library's default): GPU prefill + CPU decode where the GPU backend can start, else the CPU
+    backend, never the numpy reference. The GPU is mocked so both branches run on any machine."""
+    import inspect
+
+    import hybridinfer.gpu.backend as gb
+    from hybridinfer.backends import Backend, GPUPrefillCPUDecode
+    from hybridinfer.cpu.backend import CPUModel
+    from hybridinfer.errors import BackendNotAvailableError
+
+    assert inspect.signature(Engine.load).parameters["backend"].default == "auto"
+
+    class NoCard:
+        def __init__(self, *a, **k):
+            raise BackendNotAvailableError("no CUDA device (mocked)")
+
+    class FakeCard:
+        def __init__(self, gm, args, n_ctx, **kw):
+            self.kw = kw
+
+    import hybridinfer.backends as backends
+
+    monkeypatch.setattr(backends, "_warned", False)  # the fallback is said once per process
+    monkeypatch.setattr(gb, "GPUModel", NoCard)
+    with pytest.warns(UserWarning, match="no usable GPU"):
+        eng = Engine.load(smollm_path, n_ctx=64)
+    assert type(eng.backend) is CPUModel and isinstance(eng.backend, Backend)
+    assert eng.generate("Hi", max_tokens=2, temperature=0).tokens  # it runs
+    monkeypatch.setattr(gb, "GPUModel", FakeCard)
+    eng = Engine.load(smollm_path, n_ctx=64, vram_budget=1 << 30)
+    assert isinstance(eng.backend, GPUPrefillCPUDecode) and isinstance(eng.backend.cpu, CPUModel)
+    assert eng.backend.gpu.kw["vram_budget"] == 1 << 30
+    assert eng.backend.numeric_path == f"gpu-prefill+cpu:{eng.backend.cpu.simd.isa}"
 
 
 def test_cli_bench_commands_write_tables(tmp_path, oracle_gguf, capsys):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import time
 
 import pytest
 
@@ -325,3 +326,65 @@ def test_undefined_is_lenient_like_hf():
     t = "[{{ missing }}]{% if messages[0].tool_calls %}T{% endif %}{% if enable_thinking is defined %}D{% endif %}"
     assert render_chat(t, [{"role": "user", "content": "x"}]) == "[]"
     assert render_chat(t, [{"role": "user", "content": "x"}], enable_thinking=False) == "[]D"
+
+
+# --- untrusted templates: bounded time and size ----------------------------------------------------------------
+
+_HI = [{"role": "user", "content": "hi"}]
+_NESTED = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+
+
+@pytest.mark.parametrize(
+    ("template", "pattern"),
+    [
+        # looping without output: only the clock stops it
+        (_NESTED, "time limit of 0.5 s"),
+        ("{% macro f(n) %}{% if n %}{{ f(n-1) }}{{ f(n-1) }}{% endif %}{% endmacro %}{{ f(60) }}", "time limit"),
+        # one operation allocating without bound (a MemoryError before)
+        ("{{ 'x' * 10**10 }}", "repetition.*10000000000.*max_output_chars"),
+        ("{% set s = [0] * 10**9 %}", "repetition list"),
+        ("{{ 'x'.ljust(10**10) }}", "ljust.*10000000000"),
+        ("{{ 'x' | center(10**10) }}", "center.*10000000000"),
+        ("{{ range(10**30) | length }}", "range.*limit of 100000"),
+        ("{% set ns = namespace(s=3) %}{% for i in range(60) %}{% set ns.s = ns.s * ns.s %}{% endfor %}", "bits"),
+        ("{% set ns = namespace(s='x') %}{% for i in range(60) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
+         "concatenation"),
+        ("{% set ns = namespace(s='x') %}{% for i in range(60) %}{% set ns.s = ns.s + ns.s %}{% endfor %}",
+         "concatenation"),
+        # huge output through loops, written out or kept in a macro / set block
+        ("{% for i in range(100000) %}{% for j in range(100000) %}{{ i ~ ' and ' ~ j }}{% endfor %}{% endfor %}",
+         "output exceeds"),
+        ("{% for i in range(100000) %}{% for j in range(100000) %}literal text{% endfor %}{% endfor %}",
+         "output exceeds"),
+        ("{% macro m() %}{% for i in range(100000) %}{% for j in range(9) %}0123456789{% endfor %}{% endfor %}"
+         "{% endmacro %}{% set y = m() %}", "output exceeds"),
+        ("{% macro f(n) %}{% if n %}{{ f(n-1) }}{% endif %}{% endmacro %}{{ f(10**6) }}", "RecursionError"),
+    ],
+)
+def test_runaway_templates_are_stopped(template, pattern):
+    t0 = time.monotonic()
+    with pytest.raises(TemplateError, match=pattern):
+        render_chat(template, _HI, time_limit_s=0.5)
+    assert time.monotonic() - t0 < 5
+
+
+def test_limits_are_arguments_and_scale_with_the_input():
+    out = render_chat("{% for i in range(1000) %}0123456789{% endfor %}", _HI)
+    assert len(out) == 10_000
+    with pytest.raises(TemplateError, match="limit of 5000 characters"):
+        render_chat("{% for i in range(1000) %}0123456789{% endfor %}", _HI, max_output_chars=5000)
+    # the default allowance grows with the messages: a long history renders in full
+    long = [{"role": "user" if i % 2 == 0 else "assistant", "content": "word " * 20_000} for i in range(40)]
+    text = render_chat(default_template(), long)
+    assert len(text) > 4_000_000 and text.endswith("<|im_start|>assistant\n")
+    with pytest.raises(TemplateError, match="time limit of 0.0 s"):
+        render_chat(default_template(), long, time_limit_s=0.0)
+
+
+def test_real_templates_render_within_the_limits():
+    msgs = [{"role": "system", "content": "sys"}, {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "<think>\nhm\n</think>\n\nhello"}, {"role": "user", "content": "more"}]
+    t0 = time.monotonic()
+    for _ in range(20):
+        render_chat(QWEN35_TEMPLATE, msgs, enable_thinking=True)
+    assert (time.monotonic() - t0) / 20 < 0.05

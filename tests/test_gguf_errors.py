@@ -305,3 +305,87 @@ def test_row_not_whole_blocks(tmp_path, valid):
     p = _patch(valid, tmp_path / "row.gguf", ne0_at, struct.pack("<Q", 48))
     with pytest.raises(GGUFError, match=r"'q8.weight'.*Q8_0.*48"):
         GGUFModel(p)
+
+
+# --- malformed hyperparameters: typed errors naming the key and the value ------------------------------------------
+
+_MOE = dict(n_embd=64, n_layer=4, n_head=2, n_head_kv=1, head_dim=32, n_vocab=300, ssm_d_state=32, ssm_n_group=1,
+            ssm_dt_rank=2, n_expert=4, n_expert_used=2, n_ff_exp=64, n_ff_shexp=64)
+_LLAMA = dict(n_embd=64, n_layer=2, n_head=2, n_ff=64, n_vocab=300)
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    from hybridinfer.synth import synth_model
+
+    d = tmp_path_factory.mktemp("tiny")
+    return {"qwen35moe": str(synth_model(d / "moe.gguf", "qwen35moe", _MOE, quant="q8_0")["path"]),
+            "llama": str(synth_model(d / "llama.gguf", "llama", _LLAMA, quant="q8_0")["path"])}
+
+
+M = "qwen35moe."
+
+
+@pytest.mark.parametrize(
+    ("arch", "meta", "error", "pattern"),
+    [
+        ("qwen35moe", {M + "expert_used_count": 5}, GGUFError, r"expert_used_count = 5 exceeds .*expert_count = 4"),
+        ("qwen35moe", {M + "expert_used_count": 0}, GGUFError, r"expert_used_count = 0 must be >= 1"),
+        ("qwen35moe", {M + "expert_count": 0}, GGUFError, r"expert_count = 0 must be >= 1"),
+        ("qwen35moe", {M + "expert_count": 8, M + "expert_used_count": 2}, TensorShapeError,
+         r"expert_count = 8, but tensor 'blk.0.ffn_gate_exps.weight' holds 4 experts"),
+        ("qwen35moe", {M + "expert_feed_forward_length": 32}, TensorShapeError,
+         r"expert_feed_forward_length = 32, but tensor 'blk.0.ffn_gate_exps.weight'"),
+        ("qwen35moe", {M + "attention.head_count": 0}, GGUFError, r"attention.head_count = 0 must be >= 1"),
+        ("qwen35moe", {M + "attention.head_count_kv": 0}, GGUFError, r"attention.head_count_kv = 0 must be >= 1"),
+        ("qwen35moe", {M + "attention.head_count_kv": 3}, TensorShapeError,
+         r"head_count 2 not a multiple of head_count_kv 3"),
+        ("qwen35moe", {M + "ssm.time_step_rank": 0}, GGUFError, r"ssm.time_step_rank = 0 must be >= 1"),
+        ("qwen35moe", {M + "ssm.group_count": 0}, GGUFError, r"ssm.group_count = 0 must be >= 1"),
+        ("qwen35moe", {M + "attention.recurrent_layers": None, M + "full_attention_interval": 0}, GGUFError,
+         r"full_attention_interval = 0 must be >= 1"),
+        ("qwen35moe", {M + "block_count": "four"}, GGUFError, r"block_count = 'four' is not an integer"),
+        ("qwen35moe", {M + "attention.layer_norm_rms_epsilon": -1.0}, GGUFError,
+         r"layer_norm_rms_epsilon = -1.0 must be > 0"),
+        ("qwen35moe", {M + "rope.freq_base": float("nan")}, GGUFError, r"freq_base = nan is not a finite number"),
+        ("qwen35moe", {M + "rope.dimension_count": 7}, GGUFError, r"dimension_count = 7 must be even"),
+        ("qwen35moe", {M + "rope.dimension_sections": "2,1,1"}, GGUFError,
+         r"dimension_sections = '2,1,1' is not an array of integers"),
+        ("llama", {"llama.attention.head_count": 0}, GGUFError, r"llama.attention.head_count = 0 must be >= 1"),
+        ("llama", {"llama.attention.head_count_kv": 0}, GGUFError, r"head_count_kv = 0 must be >= 1"),
+        ("llama", {"llama.feed_forward_length": 0}, GGUFError, r"feed_forward_length = 0 must be >= 1"),
+    ],
+)
+def test_malformed_hyperparameters(tmp_path, tiny_models, arch, meta, error, pattern):
+    from gguf_edit import rewrite
+
+    from hybridinfer.errors import HybridInferError
+    from hybridinfer.models import model_args
+
+    p = tmp_path / "bad.gguf"
+    rewrite(tiny_models[arch], str(p), meta=meta)
+    with pytest.raises(error, match=pattern) as ei:
+        model_args(GGUFModel(p))
+    assert isinstance(ei.value, HybridInferError) and str(p) in str(ei.value)
+
+
+def test_tiny_models_are_valid(tiny_models):
+    from hybridinfer.models import model_args
+
+    a = model_args(GGUFModel(tiny_models["qwen35moe"]))
+    assert (a.n_expert, a.n_expert_used, a.n_ff_exp) == (4, 2, 64)
+    assert model_args(GGUFModel(tiny_models["llama"])).n_head == 2
+
+
+def test_cpu_backend_refuses_more_experts_per_token_than_its_kernels_take(tmp_path):
+    """A valid file the native MoE calls cannot run (more than 64 experts a token): a typed error at load, not a
+    ValueError in the first forward."""
+    from hybridinfer.api import Engine
+    from hybridinfer.errors import BackendNotAvailableError
+    from hybridinfer.synth import synth_model
+
+    shape = dict(_MOE, n_layer=1, n_expert=66, n_expert_used=65, n_ff_exp=32, n_ff_shexp=32)
+    p = str(synth_model(tmp_path / "wide.gguf", "qwen35moe", shape, quant="q8_0")["path"])
+    with pytest.raises(BackendNotAvailableError, match="expert_used_count=65"):
+        Engine.load(p, backend="cpu", n_ctx=16)
+    assert Engine.load(p, backend="reference", n_ctx=16).logits([1, 2]).shape == (2, 300)

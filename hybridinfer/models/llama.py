@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..gguf_model import GGUFModel
-from .base import Meta, TensorSpec, check_tensors, n_vocab_of, require
+from .base import Meta, TensorSpec, check_rope_dims, check_tensors, n_vocab_of, require
 
 ARCH = "llama"
 
@@ -44,28 +44,29 @@ class ModelArgs:
     @classmethod
     def from_gguf(cls, gm: GGUFModel) -> ModelArgs:
         m = Meta(gm, ARCH)
-        n_embd = m.int("embedding_length")
-        n_head = m.int("attention.head_count")
-        head_dim = m.int("attention.key_length", n_embd // n_head)
+        n_embd = m.int("embedding_length", lo=1)
+        n_head = m.int("attention.head_count", lo=1)
+        head_dim = m.int("attention.key_length", max(n_embd // n_head, 1), lo=1)
         require(head_dim * n_head == n_embd or gm.has("blk.0.attn_q.weight"), gm, "head_count")
         args = cls(
             arch=ARCH,
             n_vocab=n_vocab_of(gm),
             n_embd=n_embd,
-            n_layer=m.int("block_count"),
+            n_layer=m.int("block_count", lo=1),
             n_head=n_head,
-            n_head_kv=m.int("attention.head_count_kv", n_head),
+            n_head_kv=m.int("attention.head_count_kv", n_head, lo=1),
             head_dim=head_dim,
-            n_ff=m.int("feed_forward_length"),
-            n_rot=m.int("rope.dimension_count", head_dim),
-            rope_theta=m.float("rope.freq_base", 10000.0),
-            rms_eps=m.float("attention.layer_norm_rms_epsilon", 1e-5),
-            context_length=m.int("context_length", 2048),
+            n_ff=m.int("feed_forward_length", lo=1),
+            n_rot=m.int("rope.dimension_count", head_dim, lo=2),
+            rope_theta=m.float("rope.freq_base", 10000.0, positive=True),
+            rms_eps=m.float("attention.layer_norm_rms_epsilon", 1e-5, positive=True),
+            context_length=m.int("context_length", 2048, lo=1),
             tied_output=not gm.has("output.weight"),
             has_rope_freqs=gm.has("rope_freqs.weight"),
         )
         require(args.n_head % args.n_head_kv == 0, gm, f"head_count {n_head} not a multiple of "
                 f"head_count_kv {args.n_head_kv}")
+        check_rope_dims(gm, ARCH, args.n_rot, head_dim)
         check_tensors(gm, tensor_specs(args))
         return args
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..errors import GGUFError, TensorShapeError
 from ..gguf_model import GGUFModel
-from .base import Meta, TensorSpec, check_tensors, n_vocab_of, require
+from .base import Meta, TensorSpec, check_rope_dims, check_tensors, n_vocab_of, require
 
 ARCH = "qwen35"
 
@@ -61,59 +62,78 @@ class ModelArgs:
     @classmethod
     def from_gguf(cls, gm: GGUFModel, arch: str = ARCH) -> ModelArgs:
         m = Meta(gm, arch)
-        block_count = m.int("block_count")
-        n_mtp = m.int("nextn_predict_layers", 0)
+        block_count = m.int("block_count", lo=1)
+        n_mtp = m.int("nextn_predict_layers", 0, lo=0)
         n_layer = block_count - n_mtp
         require(n_layer > 0, gm, f"block_count {block_count} - nextn_predict_layers {n_mtp} <= 0")
-        rec = m.get("attention.recurrent_layers", None)
+        rec = m.ints("attention.recurrent_layers", None)
         if rec is not None:
             require(len(rec) >= n_layer, gm, f"attention.recurrent_layers has {len(rec)} entries for "
                     f"{n_layer} layers")
             is_gdn = [bool(x) for x in rec[:n_layer]]
         else:
-            interval = m.int("full_attention_interval", 4)
+            interval = m.int("full_attention_interval", 4, lo=1)
             is_gdn = [(i + 1) % interval != 0 for i in range(n_layer)]
-        n_head = m.int("attention.head_count")
-        head_dim = m.int("attention.key_length")
-        n_v = m.int("ssm.time_step_rank")
-        n_k = m.int("ssm.group_count")
-        inner = m.int("ssm.inner_size")
+        n_head = m.int("attention.head_count", lo=1)
+        head_dim = m.int("attention.key_length", lo=1)
+        n_v = m.int("ssm.time_step_rank", lo=1)
+        n_k = m.int("ssm.group_count", lo=1)
+        inner = m.int("ssm.inner_size", lo=1)
         require(inner % n_v == 0, gm, f"ssm.inner_size {inner} not a multiple of time_step_rank {n_v}")
         require(n_v % n_k == 0, gm, f"ssm.time_step_rank {n_v} not a multiple of group_count {n_k}")
-        sections = m.get("rope.dimension_sections", None)
+        sections = m.ints("rope.dimension_sections", None)
         moe = arch != "qwen35"
         args = cls(
             arch=arch,
             n_vocab=n_vocab_of(gm),
-            n_embd=m.int("embedding_length"),
+            n_embd=m.int("embedding_length", lo=1),
             n_layer=n_layer,
             n_layer_mtp=n_mtp,
             n_head=n_head,
-            n_head_kv=m.int("attention.head_count_kv"),
+            n_head_kv=m.int("attention.head_count_kv", lo=1),
             head_dim=head_dim,
-            n_rot=m.int("rope.dimension_count", head_dim),
-            rope_theta=m.float("rope.freq_base", 1e7),
+            n_rot=m.int("rope.dimension_count", head_dim, lo=2),
+            rope_theta=m.float("rope.freq_base", 1e7, positive=True),
             rope_sections=tuple(int(x) for x in sections) if sections is not None else (),
-            rms_eps=m.float("attention.layer_norm_rms_epsilon", 1e-6),
-            context_length=m.int("context_length", 262144),
+            rms_eps=m.float("attention.layer_norm_rms_epsilon", 1e-6, positive=True),
+            context_length=m.int("context_length", 262144, lo=1),
             tied_output=not gm.has("output.weight"),
             layer_types=tuple("gdn" if g else "attention" for g in is_gdn),
-            ssm_conv_kernel=m.int("ssm.conv_kernel"),
-            ssm_d_k=m.int("ssm.state_size"),
+            ssm_conv_kernel=m.int("ssm.conv_kernel", lo=1),
+            ssm_d_k=m.int("ssm.state_size", lo=1),
             ssm_n_k_heads=n_k,
             ssm_n_v_heads=n_v,
             ssm_d_v=inner // n_v,
             gdn_head_map="div" if arch == "qwen3next" else "mod",
-            n_ff=0 if moe else m.int("feed_forward_length"),
-            n_expert=m.int("expert_count") if moe else 0,
-            n_expert_used=m.int("expert_used_count") if moe else 0,
-            n_ff_exp=m.int("expert_feed_forward_length") if moe else 0,
-            n_ff_shexp=m.int("expert_shared_feed_forward_length", 0) if moe else 0,
+            n_ff=0 if moe else m.int("feed_forward_length", lo=1),
+            n_expert=m.int("expert_count", lo=1) if moe else 0,
+            n_expert_used=m.int("expert_used_count", lo=1) if moe else 0,
+            n_ff_exp=m.int("expert_feed_forward_length", lo=1) if moe else 0,
+            n_ff_shexp=m.int("expert_shared_feed_forward_length", 0, lo=0) if moe else 0,
         )
         require(n_head % args.n_head_kv == 0, gm, f"head_count {n_head} not a multiple of head_count_kv "
                 f"{args.n_head_kv}")
+        check_rope_dims(gm, arch, args.n_rot, head_dim)
+        if moe:
+            _check_experts(gm, args)
         check_tensors(gm, tensor_specs(args))
         return args
+
+
+def _check_experts(gm: GGUFModel, a: ModelArgs) -> None:
+    """The routing counts against each other and against the expert tensors, named by their metadata keys (the
+    tensor check alone would only say that some tensor has an unexpected shape)."""
+    if a.n_expert_used > a.n_expert:
+        raise GGUFError(f"{gm.path!r}: metadata {a.arch}.expert_used_count = {a.n_expert_used} exceeds "
+                        f"{a.arch}.expert_count = {a.n_expert}")
+    for i in range(a.n_layer):
+        t = gm.tensors.get(f"blk.{i}.ffn_gate_exps.weight")
+        if t is not None and len(t.ne) == 3 and t.ne[2] != a.n_expert:
+            raise TensorShapeError(f"{gm.path!r}: metadata {a.arch}.expert_count = {a.n_expert}, but tensor "
+                                   f"{t.name!r} holds {t.ne[2]} experts (shape {list(t.ne)})")
+        if t is not None and len(t.ne) == 3 and t.ne[1] != a.n_ff_exp:
+            raise TensorShapeError(f"{gm.path!r}: metadata {a.arch}.expert_feed_forward_length = {a.n_ff_exp}, "
+                                   f"but tensor {t.name!r} has rows of {t.ne[1]} (shape {list(t.ne)})")
 
 
 def tensor_specs(a: ModelArgs) -> list[TensorSpec]:
