@@ -1,6 +1,7 @@
 """PrefixCache: reuse the decoder state of a prompt's longest cached prefix.
 
-    cache = PrefixCache(fingerprint, layer_types, block_size=16, ram_bytes=2 << 30, disk_dir=None, disk_bytes=None)
+    cache = PrefixCache(fingerprint, layer_types, block_size=16, ram_bytes=2 << 30, disk_dir=None, disk_bytes=None,
+                        state_layout=StateLayout.of_state(state, n_vocab))
     key = cache.save(state, logits)           # snapshot of `state` at state.pos (copied)
     hit = cache.lookup(tokens, max_pos)       # Hit(pos, key, has_logits) or None
     logits = cache.restore(hit, state)        # into state's own buffers; the stored logits or None
@@ -11,6 +12,11 @@ also in a directory shared by processes (`disk_bytes`, None: unbounded); a looku
 either and copies a disk hit into RAM. Along one token chain each K/V row is stored once per store: a snapshot
 keeps the rows after its deepest cached ancestor in that store (see snapshot.py). One lock makes a cache safe to
 share between threads; restore copies outside it (a Hit holds the arrays it needs).
+
+`fingerprint` names the model and the numeric path that made the snapshots (api.model_cache_fingerprint); only
+snapshots of the same fingerprint, layer layout and block size are ever found. `state_layout` lets the disk store
+check a file's arrays before they are restored (a file that does not fit is a miss, removed); a hit's tokens are
+checked against the prompt as well.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import numpy as np
 from ..errors import SnapshotError
 from .disk import DiskStore
 from .index import KeyChain, as_tokens, known_blocks, root_key, walk
+from .layout import StateLayout
 from .ram import RamStore
 from .snapshot import Snapshot, from_state, recurrent_bytes, restore_chain, row_bytes
 
@@ -40,7 +47,7 @@ class Hit:
 class PrefixCache:
     def __init__(self, fingerprint: str, layer_types: tuple, block_size: int = 16, ram_bytes: int = 2 << 30,
                  disk_dir: str | None = None, disk_bytes: int | None = None, *, disk_rescan_s: float = 1.0,
-                 tmp_max_age_s: float = 600.0):
+                 tmp_max_age_s: float = 600.0, state_layout: StateLayout | None = None):
         if int(block_size) < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if ram_bytes is None or int(ram_bytes) < 0:
@@ -48,15 +55,29 @@ class PrefixCache:
         if disk_bytes is not None and int(disk_bytes) < 0:
             raise ValueError(f"disk_bytes must be >= 0 or None, got {disk_bytes}")
         self.fingerprint, self.layer_types, self.block_size = str(fingerprint), tuple(layer_types), int(block_size)
+        if state_layout is not None and tuple(state_layout.layer_types) != self.layer_types:
+            raise SnapshotError(f"the state layout's layers {state_layout.layer_types} are not {self.layer_types}")
+        self.state_layout = state_layout
         self.root = root_key(self.fingerprint, self.layer_types, self.block_size)
         self.ram = RamStore(int(ram_bytes))
         self.disk = None
         if disk_dir:
             self.disk = DiskStore(str(disk_dir), self.fingerprint, self.layer_types, self.block_size, disk_bytes,
-                                  rescan_s=disk_rescan_s, tmp_max_age_s=tmp_max_age_s)
+                                  rescan_s=disk_rescan_s, tmp_max_age_s=tmp_max_age_s, layout=state_layout)
         self._lock = threading.RLock()
         self._pending: list[bytes] = []  # keys whose disk copy waits for flush()
         self._counters = self._zero()
+
+    def use_layout(self, layout: StateLayout) -> None:
+        """Check snapshot files against `layout` from now on (for a cache made without one); SnapshotError when
+        the cache was made for a state of another layout."""
+        if self.state_layout is not None and self.state_layout != layout:
+            raise SnapshotError("this prefix cache was made for a decoder state of another layout")
+        if tuple(layout.layer_types) != self.layer_types:
+            raise SnapshotError(f"the state layout's layers {layout.layer_types} are not {self.layer_types}")
+        self.state_layout = layout
+        if self.disk is not None:
+            self.disk.layout = layout
 
     @staticmethod
     def _zero() -> dict:
@@ -93,6 +114,18 @@ class PrefixCache:
         chain.reverse()
         return chain
 
+    def _tokens_match(self, chain: list[Snapshot], t: np.ndarray) -> bool:
+        """Whether the chain's tokens are the prompt's (keys name token prefixes, but a file's arrays are only
+        checksummed: a well-formed file may still hold other tokens); a mismatching snapshot is dropped."""
+        for s in chain:
+            if not np.array_equal(s.tokens, t[s.kv_from : s.pos]):
+                if self.ram.get(s.key) is s:
+                    self.ram.remove(s.key)
+                elif self.disk is not None:
+                    self.disk.reject(s.key, "its tokens are not those its key names")
+                return False
+        return True
+
     def _promote(self, chain: list[Snapshot]) -> None:
         """Copy the disk-held part of a chain into RAM, root first, as far as the budget allows."""
         for s in chain:
@@ -111,7 +144,7 @@ class PrefixCache:
                 indexes = self._indexes()
                 for e in walk(indexes, KeyChain(self.root, t, self.block_size), mp):
                     chain = self._resolve(e.key)
-                    if chain is None:
+                    if chain is None or not self._tokens_match(chain, t):
                         continue
                     keys = [s.key for s in chain]
                     self.ram.touch_keys(keys)

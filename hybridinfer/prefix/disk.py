@@ -6,10 +6,14 @@ mid-write leaves only a temp file, which readers ignore and a scan removes once 
 
 The in-process index is rebuilt from headers alone (the payload is not read): at most every `rescan_s` seconds
 and whenever the directory's mtime changed (a file was added, replaced or removed). Payloads are mapped lazily
-and their checksum is verified on first use. A damaged file (bad header, truncated, payload checksum mismatch)
-is reported with a SnapshotWarning, removed and counted as a miss; a file of another model (fingerprint), block
-size or format version is a miss and left alone. Files vanishing under us (another process evicted them) are
-misses.
+and their checksum is verified on first use, then every array's dtype and shape against this model's state layout
+(layout.py). A damaged file (bad header, truncated, payload checksum mismatch, arrays that do not fit the state, a
+logits vector of the wrong length) and anything else under a snapshot's name (a FIFO, a device, a directory, a
+symlink to one or to nothing, a file we may not read) is reported with a SnapshotWarning, removed where possible
+(else remembered, so it is reported once) and counted as a miss: nothing in the directory can block or fail a
+run. Files are opened with O_NONBLOCK and checked with fstat, so a FIFO cannot hang a reader. A file of another
+model (fingerprint), block size or format version is a miss and left alone. Files vanishing under us (another
+process evicted them) are misses.
 
 Like the RAM store, the directory is closed under ancestors: a file's parent is written before it and eviction
 takes only leaves, least recently used first by file mtime (touched on every use). Files of every model in the
@@ -19,8 +23,10 @@ processes may briefly overshoot by the files in flight).
 
 from __future__ import annotations
 
+import errno
 import os
 import re
+import stat
 import time
 import warnings
 from collections import OrderedDict
@@ -28,14 +34,17 @@ from dataclasses import dataclass
 
 from ..errors import SnapshotError
 from .index import BlockIndex, Entry
-from .snapshot import FileHeader, Snapshot, file_size, load_file, read_header, write_file
+from .layout import StateLayout, check_snapshot
+from .snapshot import FileHeader, Snapshot, describe_mode, file_size, load_file, read_header, write_file
 
 SNAP_RE = re.compile(r"^([0-9a-f]{32})\.snap$")
 TMP_PREFIX = ".tmp-"
+# errors that say nothing about the file (the process or the system is short of something): a plain miss
+_TRANSIENT = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EINTR, errno.EAGAIN, errno.EBUSY}
 
 
 class SnapshotWarning(UserWarning):
-    """A damaged snapshot file was found and removed (it counts as a miss)."""
+    """A damaged or foreign entry was found in the snapshot directory and removed where possible (a miss)."""
 
 
 @dataclass(frozen=True)
@@ -56,15 +65,18 @@ def _ident(st) -> tuple:
 
 class DiskStore:
     def __init__(self, directory: str, fingerprint: str, layer_types, block_size: int, budget: int | None = None,
-                 rescan_s: float = 1.0, tmp_max_age_s: float = 600.0, keep_mapped: int = 16):
+                 rescan_s: float = 1.0, tmp_max_age_s: float = 600.0, keep_mapped: int = 16,
+                 layout: StateLayout | None = None):
         self.dir = os.path.abspath(directory)
         os.makedirs(self.dir, exist_ok=True)
         self.meta = {"fingerprint": fingerprint, "layer_types": list(layer_types), "block_size": int(block_size)}
         self.budget = None if budget is None else int(budget)
+        self.layer_types, self.layout = tuple(layer_types), layout
         self.rescan_s, self.tmp_max_age_s, self.keep_mapped = rescan_s, tmp_max_age_s, keep_mapped
         self.entries: dict[bytes, DiskEntry] = {}  # every readable snapshot file in the directory
         self.index = BlockIndex()  # this model's
         self._mapped: OrderedDict[bytes, tuple[tuple, Snapshot]] = OrderedDict()  # verified, mapped payloads
+        self._bad: dict[bytes, tuple] = {}  # damaged entries we could not remove, by ident: reported once
         self._dir_mtime: int | None = None
         self._scan_t = float("-inf")
         self.evictions = self.damaged = 0
@@ -97,23 +109,45 @@ class DiskStore:
         self.index.remove(key)
         self._mapped.pop(key, None)
 
-    def _unlink(self, path: str, ident: tuple | None) -> None:
-        """Remove `path` unless it was replaced by another file since we looked (ident differs)."""
+    @staticmethod
+    def _remove(path: str, ident: tuple | None) -> OSError | None:
+        """Remove `path` unless it was replaced by another file since we looked (ident differs); an empty
+        directory under a snapshot's name goes too. The error when it could not be removed, else None."""
         try:
             if ident is not None and _ident(os.stat(path)) != ident:
-                return
-            os.unlink(path)
+                return None
+            try:
+                os.unlink(path)
+            except (IsADirectoryError, PermissionError):  # unlink(2) of a directory says EISDIR or EPERM
+                if not os.path.isdir(path) or os.path.islink(path):
+                    raise
+                os.rmdir(path)
         except FileNotFoundError:
             pass
         except OSError as e:
-            warnings.warn(f"prefix cache: cannot remove {path}: {e}", SnapshotWarning, stacklevel=3)
+            return e
+        return None
+
+    def _unlink(self, path: str, ident: tuple | None) -> None:
+        err = self._remove(path, ident)
+        if err is not None:
+            warnings.warn(f"prefix cache: cannot remove {path}: {err}", SnapshotWarning, stacklevel=3)
 
     def _damaged(self, path: str, key: bytes | None, err, ident: tuple | None) -> None:
-        warnings.warn(f"prefix cache: removed damaged snapshot file {path}: {err}", SnapshotWarning, stacklevel=3)
+        failed = self._remove(path, ident)
+        what = "removed" if failed is None else f"could not remove it ({failed}), ignored"
+        warnings.warn(f"prefix cache: damaged snapshot entry {path}: {err}; {what}", SnapshotWarning, stacklevel=3)
         self.damaged += 1
-        self._unlink(path, ident)
         if key is not None:
             self._forget(key)
+            if failed is not None and ident is not None:
+                self._bad[key] = ident
+
+    def _unreadable(self, path: str, key: bytes, err: OSError, ident: tuple | None) -> None:
+        """An error opening or reading an entry: damaged unless it is the system's, not the file's, fault."""
+        if err.errno in _TRANSIENT:
+            return
+        self._damaged(path, key, f"unreadable ({err.strerror or err})", ident)
 
     def refresh(self, force: bool = False) -> None:
         """Re-read the directory when it changed (mtime) or `rescan_s` passed; only new files' headers are read."""
@@ -128,7 +162,7 @@ class DiskStore:
 
     def _scan(self, dir_mtime: int, now: float) -> None:
         self._dir_mtime, self._scan_t = dir_mtime, now
-        seen = set()
+        seen, old_bad, self._bad = set(), self._bad, {}
         for name in os.listdir(self.dir):
             path = os.path.join(self.dir, name)
             if name.startswith(TMP_PREFIX):
@@ -139,14 +173,26 @@ class DiskStore:
                 continue
             key = bytes.fromhex(mt.group(1))
             try:
-                ident = _ident(os.stat(path))
+                st = os.stat(path)
             except FileNotFoundError:
+                if os.path.islink(path):
+                    self._damaged(path, key, "a symlink to nothing", None)
+                continue
+            except OSError as err:  # e.g. a symlink loop
+                self._unreadable(path, key, err, None)
+                continue
+            ident = _ident(st)
+            if old_bad.get(key) == ident:  # reported already and still there
+                self._bad[key] = ident
                 continue
             e = self.entries.get(key)
             if e is not None and e.ident == ident:
                 seen.add(key)
                 continue
             self._forget(key)
+            if not stat.S_ISREG(st.st_mode):  # never opened: a FIFO or device must not be read at all
+                self._damaged(path, key, f"not a regular file ({describe_mode(st.st_mode)})", ident)
+                continue
             try:
                 hdr = read_header(path)
             except FileNotFoundError:
@@ -154,7 +200,8 @@ class DiskStore:
             except SnapshotError as err:
                 self._damaged(path, key, err, ident)
                 continue
-            except OSError:
+            except OSError as err:
+                self._unreadable(path, key, err, ident)
                 continue
             if hdr is None:
                 continue  # another format version
@@ -216,7 +263,10 @@ class DiskStore:
         except FileNotFoundError:
             self._forget(key)
             return None
-        except OSError:
+        except OSError as err:
+            self._unreadable(path, key, err, None)
+            return None
+        if self._bad.get(key) == ident:
             return None
         got = self._mapped.get(key)
         if got is not None and got[0] == ident:
@@ -230,7 +280,8 @@ class DiskStore:
         except (SnapshotError, ValueError) as err:
             self._damaged(path, key, err, ident)
             return None
-        except OSError:
+        except OSError as err:
+            self._unreadable(path, key, err, ident)
             return None
         if res is None:
             return None
@@ -240,12 +291,24 @@ class DiskStore:
             return None
         if not self._ours(hdr):
             return None  # another model's file: a miss
+        try:
+            if hdr.has_logits != (snap.logits is not None):
+                raise SnapshotError("its header and its arrays disagree on the logits")
+            check_snapshot(snap, self.layer_types, self.layout)
+        except SnapshotError as err:
+            self._damaged(path, key, err, hdr.ident)
+            return None
         if key not in self.entries or self.entries[key].ident != hdr.ident:
             self._add(hdr)
         self._mapped[key] = (hdr.ident, snap)
         while len(self._mapped) > self.keep_mapped:
             self._mapped.popitem(last=False)
         return snap
+
+    def reject(self, key: bytes, why: str) -> None:
+        """Treat the file of `key`, read and verified already, as damaged (a check above this store failed)."""
+        e = self.entries.get(key)
+        self._damaged(self.path(key), key, why, e.ident if e is not None else None)
 
     def drop_broken(self, key: bytes) -> None:
         """Remove a file whose parent is gone (an eviction in another process raced with its write)."""
@@ -302,6 +365,8 @@ class DiskStore:
         """Write `snap` (its parent must be on disk), evicting LRU leaf files outside its chain first so the
         directory stays within budget; False when it cannot fit or the write failed."""
         self.refresh(force=True)
+        if snap.key in self._bad:  # something we could not remove holds the name (reported already)
+            return False
         size = self.size_of(snap)
         chain = self.chain_keys(snap.parent)
         if chain is None or not self.fits(size, snap.parent):

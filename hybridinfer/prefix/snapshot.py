@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
+import stat
 import struct
 import tempfile
 from dataclasses import dataclass, field, fields, replace
@@ -35,7 +37,9 @@ VERSION = 1
 _PRE = struct.Struct("<8sII16s")
 _ALIGN = 64
 _MAX_HEADER = 64 << 20
-_DTYPES = {"<f4": np.float32, "<i4": np.int32}
+_DTYPES = {"<f4": np.dtype("<f4"), "<i4": np.dtype("<i4")}
+# what a header's JSON can make its parsing raise: each means a damaged file, not a bug here
+_MALFORMED = (ValueError, KeyError, TypeError, OverflowError, IndexError, AttributeError)
 
 
 def _align(n: int) -> int:
@@ -283,25 +287,53 @@ def _parse_header(f) -> FileHeader | None:
             **ChainLink.link_from_json(h), has_logits=bool(h["has_logits"]), payload_offset=payload_offset,
             payload_size=int(h["payload_size"]), payload_blake2b=str(h["payload_blake2b"]), arrays=tuple(h["arrays"]),
             ident=(st.st_dev, st.st_ino, st.st_size))
-    except (ValueError, KeyError, TypeError) as e:
-        raise SnapshotError(f"malformed header ({e})") from None
+    except _MALFORMED as e:
+        raise SnapshotError(f"malformed header ({e!r})") from None
     want = payload_offset + hdr.payload_size
     if st.st_size != want:
         raise SnapshotError(f"{st.st_size} bytes, the header promises {want} (truncated or damaged)")
     return hdr
 
 
+class NotAFileError(SnapshotError):
+    """A name in the store that is not a regular file (a FIFO, a device, a directory, a symlink to one)."""
+
+
+def open_regular(path: str):
+    """`path` opened for reading as a binary file object, if it is a regular file (NotAFileError otherwise).
+    O_NONBLOCK so that opening a FIFO cannot wait for a writer; fstat of the opened file, not a stat of the name
+    before, so a file swapped in between is still checked."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise NotAFileError(f"not a regular file ({describe_mode(mode)})")
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def describe_mode(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a symlink")):
+        if test(mode):
+            return name
+    return f"mode {mode:#o}"
+
+
 def read_header(path: str) -> FileHeader | None:
     """The header of a snapshot file (reads only the header); None for another format version. Raises
-    SnapshotError for a damaged or truncated file, OSError (FileNotFoundError) when it cannot be opened."""
-    with open(path, "rb") as f:
+    SnapshotError for a damaged or truncated file or one that is not a regular file, OSError (FileNotFoundError)
+    when it cannot be opened."""
+    with open_regular(path) as f:
         return _parse_header(f)
 
 
 def load_file(path: str) -> tuple[FileHeader, Snapshot] | None:
     """Map a snapshot file and verify its payload checksum; arrays are read-only views of the mapping. None for
     another format version; SnapshotError when damaged."""
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         hdr = _parse_header(f)
         if hdr is None:
             return None
@@ -316,7 +348,8 @@ def load_file(path: str) -> tuple[FileHeader, Snapshot] | None:
             dt = _DTYPES[d["dtype"]]
             off, n = int(d["offset"]), int(d["nbytes"])
             shape = tuple(int(x) for x in d["shape"])
-            if off < 0 or off + n > hdr.payload_size or n != int(np.prod(shape)) * np.dtype(dt).itemsize:
+            bad_shape = min(shape, default=0) < 0 or n != math.prod(shape) * dt.itemsize
+            if off < 0 or off + n > hdr.payload_size or bad_shape:
                 raise SnapshotError(f"array descriptor out of range: {d}")
             parts[d["kind"]][int(d["layer"])] = np.asarray(mm[off : off + n]).view(dt).reshape(shape)
         n_seg = hdr.pos - hdr.kv_from
@@ -325,6 +358,6 @@ def load_file(path: str) -> tuple[FileHeader, Snapshot] | None:
             raise SnapshotError("segment arrays disagree with pos - kv_from")
         snap = Snapshot(**hdr.link(), tokens=tokens, conv=parts["conv"], ssm=parts["ssm"], k=parts["k"], v=parts["v"],
                         logits=parts["logits"].get(-1))
-    except (KeyError, ValueError, TypeError) as e:
+    except _MALFORMED as e:
         raise SnapshotError(f"malformed array descriptors ({e!r})") from None
     return hdr, snap
