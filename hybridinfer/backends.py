@@ -3,23 +3,67 @@
 from __future__ import annotations
 
 import warnings
+from abc import ABC, abstractmethod
+
+import numpy as np
 
 from .errors import BackendNotAvailableError
 
 BACKENDS = ("reference", "cpu", "gpu", "auto")
 
 
-class GPUPrefillCPUDecode:
-    """Prompts (more than `min_gpu_tokens` tokens) go through the GPU backend in one pass; single tokens
-    (decode) through the CPU backend. They meet only in the host DecoderState."""
+class Backend(ABC):
+    """What the Engine needs of a compute backend. A backend is not thread-safe: the Engine serializes calls.
+
+    single_pass: prefill is one call over the whole prompt (the GPU streams each layer's weights once), taking
+    `snapshot_at` / `on_snapshot`; otherwise the Engine cuts the prompt into chunks itself.
+    numeric_path: names the float operations the backend runs, so prefix-cache snapshots made by one numeric
+    path are never restored into another (a restored run then equals a cold run of the same engine)."""
+
+    single_pass = False
+
+    @property
+    @abstractmethod
+    def numeric_path(self) -> str: ...
+
+    @abstractmethod
+    def new_state(self, n_ctx: int): ...
+
+    @abstractmethod
+    def forward(self, tokens, state, all_logits: bool = True, **kw):
+        """Consume `tokens` from `state`; logits (T, n_vocab), or (1, n_vocab) of the last token. The array may
+        be a view of the backend's buffers, valid until its next call."""
+
+    def preload(self, progress: bool = False) -> None:
+        """Make the weights ready now (with a progress bar) instead of at first use."""
+        return None  # nothing to prepare unless a backend says so
+
+    def decode_batch(self, tokens, states) -> np.ndarray:
+        """One token for each of several sequences: logits (B, n_vocab), row j as forward([tokens[j]], states[j])
+        gives it. This default runs them one by one; a backend that reads its weights once for all overrides it."""
+        return np.stack([np.array(self.forward([t], st, all_logits=False)[-1], copy=True)
+                         for t, st in zip(tokens, states, strict=True)])
+
+
+class GPUPrefillCPUDecode(Backend):
+    """backend="gpu": prompts (at least `min_gpu_tokens` tokens) are prefilled on the GPU in one pass; decode
+    (single tokens) always runs on the CPU backend. They meet only in the host DecoderState. Snapshots taken
+    after GPU prefill are restored into CPU decode by design (the hand-off is this backend's own path)."""
 
     single_pass = True
 
     def __init__(self, gpu, cpu, min_gpu_tokens: int = 2):
         self.gpu, self.cpu, self.min_gpu_tokens = gpu, cpu, min_gpu_tokens
 
+    @property
+    def numeric_path(self) -> str:
+        return f"gpu-prefill+{self.cpu.numeric_path}"
+
     def new_state(self, n_ctx: int):
         return self.cpu.new_state(n_ctx)
+
+    def decode_batch(self, tokens, states) -> np.ndarray:
+        return self.cpu.decode_batch(tokens, states)
 
     def forward(self, tokens, state, all_logits: bool = True, snapshot_at=(), on_snapshot=None):
         if len(tokens) >= self.min_gpu_tokens:

@@ -11,6 +11,7 @@ import numpy as np
 
 from . import actquant
 from . import reference_ops as op
+from .backends import Backend
 from .gguf_model import GGUFModel
 from .quant import dequantize, dequantize_rows
 from .state import DecoderState, check_tokens
@@ -109,16 +110,22 @@ class Layer:
         return self.mm("ffn_down" + suffix, h, expert)
 
 
-class ReferenceModel:
+class ReferenceModel(Backend):
+    """backend="reference": the exact numpy oracle (float activations unless act_quant); slow by design."""
+
     def __init__(self, gm: GGUFModel, args, cache_weights: bool = True, act_quant: bool = False,
                  kv_f16: bool = False):
         """act_quant and kv_f16 reproduce llama.cpp's rounding (Q8 activations, F16 K/V cache) for
         comparisons with it; the defaults are the exact float32 reference."""
-        self.gm, self.args, self.kv_f16 = gm, args, kv_f16
+        self.gm, self.args, self.kv_f16, self.act_quant = gm, args, kv_f16, act_quant
         self.norm = op.rms_norm_ggml if act_quant else op.rms_norm
         self.w = Weights(gm, cache=cache_weights, act_quant=act_quant)
         self.layers = [Layer(self.w, i) for i in range(args.n_layer)]
         self.freq_factors = self.w("rope_freqs.weight") if getattr(args, "has_rope_freqs", False) else None
+
+    @property
+    def numeric_path(self) -> str:
+        return "reference" + (":act_quant" if self.act_quant else "") + (":kv_f16" if self.kv_f16 else "")
 
     def preload(self, progress: bool = False) -> None:
         """Dequantize every tensor now (with a progress bar) instead of on first use."""

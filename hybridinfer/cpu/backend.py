@@ -18,15 +18,18 @@ from functools import partial
 
 import numpy as np
 
-from ..errors import UnsupportedTensorTypeError
+from ..backends import Backend
+from ..errors import BackendNotAvailableError, UnsupportedTensorTypeError
 from ..gguf_model import GGUFModel
 from ..quant import dequantize_rows, type_name
 from ..state import DecoderState, check_tokens
 from . import ops_gdn
 from .ops import NO_FREQS
 from .plan import DecodePlan
-from .simd import GGML_MUL_MAT, GGML_MUL_MAT_ID, KERNEL_TYPES, SimdLib
+from .simd import GGML_DECODE_ROWS, GGML_MUL_MAT, GGML_MUL_MAT_ID, KERNEL_TYPES, SimdLib
 from .weights import choose_weights_mode, copy_mats, mem_available
+
+MAX_EXPERTS_USED = 64  # the native MoE calls' limit (hi_simd.c: HI_MAX_K)
 
 
 @dataclass(frozen=True)
@@ -118,7 +121,7 @@ class Workspace:
             self.eg, self.eu, self.ed = f(T * k + 1, a.n_ff_exp), f(T * k + 1, a.n_ff_exp), f(T * k, D)
 
 
-class CPUModel:
+class CPUModel(Backend):
     """backend="cpu": the whole engine on the host CPU."""
 
     def __init__(self, gm: GGUFModel, args, simd: SimdLib, weights: str = "mmap"):
@@ -126,6 +129,10 @@ class CPUModel:
         (one huge-page copy made now) or "auto" (copy if they take at most half the available memory)."""
         self.gm, self.args, self.simd = gm, args, simd
         a = args
+        if getattr(a, "is_moe", False) and a.n_expert_used > MAX_EXPERTS_USED:
+            raise BackendNotAvailableError(
+                f"{gm.path!r} routes each token to expert_used_count={a.n_expert_used} experts; the CPU backend's "
+                f"kernels take at most {MAX_EXPERTS_USED} (use backend='reference')")
         self.tok_embd = gm.tensor("token_embd.weight")
         self.out = _mat(gm, "token_embd.weight" if a.tied_output else "output.weight")
         self.out_norm = np.ascontiguousarray(gm.dequant("output_norm.weight"), dtype=np.float32)
@@ -144,6 +151,11 @@ class CPUModel:
             {simd.act_kind(m.qtype) for m in (L.ffn_gate_exps, L.ffn_up_exps, L.ffn_gate_shexp, L.ffn_up_shexp)}) == 1
             and simd.act_kind(L.ffn_down_shexp.qtype) == simd.act_kind(L.ffn_down_exps.qtype) for L in self.layers]
         self._ws: dict[tuple[int, int], Workspace] = {}
+        self._rows = False  # in decode_batch: every product in its one-token float shape, row by row
+
+    @property
+    def numeric_path(self) -> str:
+        return f"cpu:{self.simd.isa}"
 
     def new_state(self, n_ctx: int) -> DecoderState:
         return DecoderState.new(self.args, n_ctx)
@@ -212,7 +224,7 @@ class CPUModel:
             res[j] = outs[j][:T, : m.rows]
             items.append((m.raw, m.qtype, m.rows, res[j]))
         m0 = mats[0]
-        self.call(ws, ("many", id(m0)), "matmul_many", xq, m0.cols, items, GGML_MUL_MAT)
+        self.call(ws, ("many", id(m0)), "matmul_many", xq, m0.cols, items, self._op_of(GGML_MUL_MAT))
         if decode:
             ws.calls[("many-plan", id(m0), len(mats))] = (steps + [ws.calls[("many", id(m0))][1]], res)
         return res
@@ -224,8 +236,12 @@ class CPUModel:
         if xq is None:
             xq = self.quantize(m, x, ws)
         o = out[: xq.shape[0], : m.rows]
-        self.call(ws, ("mm", id(m)), "matmul", m.raw, m.qtype, m.rows, m.cols, xq, o, op)
+        self.call(ws, ("mm", id(m)), "matmul", m.raw, m.qtype, m.rows, m.cols, xq, o, self._op_of(op))
         return o
+
+    def _op_of(self, op: int) -> int:
+        # one-token MUL_MAT and MUL_MAT_ID take the same float shape, which DECODE_ROWS gives every row
+        return GGML_DECODE_ROWS if self._rows else op
 
     # forward --------------------------------------------------------------------------------------
     def forward(self, tokens, state: DecoderState, all_logits: bool = True) -> np.ndarray:
@@ -254,6 +270,30 @@ class CPUModel:
         state.pos += T
         return out
 
+    def decode_batch(self, tokens, states: list[DecoderState]) -> np.ndarray:
+        """One decode token for each of B sequences in one pass over the weights: logits (B, n_vocab), row j
+        bit-identical to forward([tokens[j]], states[j], all_logits=False) (batch-invariant). The products run over
+        B rows in GGML_DECODE_ROWS (each row in the one-token float shape), the MoE's routed (sequence, expert)
+        pairs grouped by expert so each selected expert is read once; GDN and attention per sequence."""
+        ids = check_tokens(tokens, self.args.n_vocab)
+        B = len(ids)
+        if B != len(states) or len({id(st) for st in states}) != B:
+            raise ValueError(f"decode_batch takes one token per distinct state: {B} tokens, {len(states)} states")
+        if B == 1:
+            return self.forward(ids, states[0], all_logits=False)
+        for st in states:
+            st.check_room(1)
+        ws = self.workspace(B, max(st.n_ctx for st in states))
+        self._rows = True
+        try:
+            out = self._forward(ids, states, ws, all_logits=True)
+        finally:
+            self._rows = False
+        for t, st in zip(ids, states, strict=True):
+            st.tokens[st.pos] = t
+            st.pos += 1
+        return out
+
     def _op(self, ws: Workspace, fn, *args) -> None:
         """fn(*args); while a decode step is recorded, also its place in the step (a Bound call as itself)."""
         if ws.rec is None:
@@ -263,7 +303,8 @@ class CPUModel:
         ws.rec.append(f)
         f()
 
-    def _forward(self, ids: np.ndarray, state: DecoderState, ws: Workspace, all_logits: bool = True) -> np.ndarray:
+    def _forward(self, ids: np.ndarray, state, ws: Workspace, all_logits: bool = True) -> np.ndarray:
+        """T tokens of one sequence (`state` a DecoderState), or one token of each of T sequences (a list)."""
         T = len(ids)
         a = self.args
         h, x = ws.h[:T], ws.x[:T]
@@ -275,7 +316,7 @@ class CPUModel:
             mix = self._gdn(L, i, x, state, ws) if L.kind == "gdn" else self._attention(L, i, x, state, ws)
             post = L.ffn_norm if a.arch == "llama" else L.post_attention_norm
             self.call(ws, ("norm", i, 0), "rms_norm", h, mix, post, a.rms_eps, x)
-            if i + 1 == n and not all_logits and T > 1:
+            if i + 1 == n and not all_logits and T > 1 and not isinstance(state, list):
                 # as llama.cpp's graph (inp_out_ids): past the last layer's mixer only the output row goes on, so
                 # its FFN products take their one-token float shapes
                 h, x = h[T - 1 :], x[T - 1 :]
@@ -310,9 +351,11 @@ class CPUModel:
             self.call(ws, ("knorm", i), "rms_norm", k, None, L.attn_k_norm, a.rms_eps, k)
         o = ws.attn[:T]
         # the new k, v rows into the cache, q and those K rows roped there, attention: one call at the position
-        args = (q, k, v, st.k[i], st.v[i], st.pos, o, ws.attn_scratch, a.n_rot, a.rope_theta, a.rope_neox,
-                self.freq_factors)
-        self.call(ws, ("attn", i), "attn_step", *args, st=st, arrays=(st.k[i], st.v[i]))
+        for j, s in self._seqs(st, T):
+            r = slice(0, T) if j is None else slice(j, j + 1)
+            args = (q[r], k[r], v[r], s.k[i], s.v[i], s.pos, o[r], ws.attn_scratch, a.n_rot, a.rope_theta,
+                    a.rope_neox, self.freq_factors)
+            self.call(ws, ("attn", i), "attn_step", *args, st=s, arrays=(s.k[i], s.v[i]))
         if a.attn_gate:
             self.call(ws, ("gate", i), "sigmoid_gate", o, gate)
         return self.mm(L.attn_output, o, ws.mix, ws)
@@ -325,10 +368,18 @@ class CPUModel:
         y = ws.gdn_y[:T]
         # in C on the library's thread pool (heads in parallel), bit-identical to ops_gdn.gdn_layer; numba's own
         # parallel version fought the C pool for the cores (measured on the 16-core host: 2.0 tok/s vs 14.4)
-        args = (u, z, b, al, L.ssm_conv1d, L.ssm_a, L.ssm_dt_bias, L.ssm_norm, st.conv[i], st.ssm[i],
-                a.ssm_n_k_heads, a.gdn_head_map == "mod", a.rms_eps, y, ws.gdn_scratch)
-        self.call(ws, ("gdn", i), "gdn_layer", *args, arrays=(st.conv[i], st.ssm[i]))
+        for j, s in self._seqs(st, T):
+            r = slice(0, T) if j is None else slice(j, j + 1)
+            args = (u[r], z[r], b[r], al[r], L.ssm_conv1d, L.ssm_a, L.ssm_dt_bias, L.ssm_norm, s.conv[i], s.ssm[i],
+                    a.ssm_n_k_heads, a.gdn_head_map == "mod", a.rms_eps, y[r], ws.gdn_scratch)
+            self.call(ws, ("gdn", i), "gdn_layer", *args, arrays=(s.conv[i], s.ssm[i]))
         return self.mm(L.ssm_out, y, ws.mix, ws)
+
+    @staticmethod
+    def _seqs(st, T: int):
+        """(row, state) of each sequence in a pass: (None, st) for one sequence's T tokens, (j, states[j]) for one
+        token of each of T sequences."""
+        return enumerate(st) if isinstance(st, list) else ((None, st),)
 
     def _moe(self, L: Layer, i: int, x: np.ndarray, ws: Workspace) -> np.ndarray:
         a = self.args

@@ -30,6 +30,7 @@ from .simd_native import (
     _F32,
     _U8,
     ACT_KINDS,
+    GGML_DECODE_ROWS,
     GGML_MUL_MAT,
     GGML_MUL_MAT_ID,
     GGML_NONE,
@@ -58,6 +59,7 @@ from .simd_ops import OpCalls, attention_args, rope_freqs
 
 __all__ = [
     "ACT_KINDS",
+    "GGML_DECODE_ROWS",
     "GGML_MUL_MAT",
     "GGML_MUL_MAT_ID",
     "GGML_NONE",

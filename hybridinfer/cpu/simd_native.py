@@ -20,7 +20,8 @@ KERNEL_TYPES: dict[int, str] = {0: "f32", 1: "f16", 2: "q8_0", 3: "q8_1", 6: "q8
 KQ_ZIPPED = 0x100
 _KQ = tuple(q for q, kind in KERNEL_TYPES.items() if kind == "q8_K")  # the K-quants
 # the llama.cpp operation a product stands for: decides the float shape of its K-quant rows (hi_simd.h)
-GGML_NONE, GGML_MUL_MAT, GGML_MUL_MAT_ID = 0, 1, 2
+# GGML_DECODE_ROWS: each row as a one-token MUL_MAT whatever the row count (several sequences' decode tokens)
+GGML_NONE, GGML_MUL_MAT, GGML_MUL_MAT_ID, GGML_DECODE_ROWS = 0, 1, 2, 3
 _FLOAT_DTYPES = {0: np.dtype(np.float32), 1: np.dtype(np.float16)}
 _F32 = np.dtype(np.float32)
 _U8 = np.dtype(np.uint8)
@@ -54,8 +55,9 @@ def best_isa() -> str:
 
 
 def _op(ggml_op) -> int:
-    if type(ggml_op) is not int or not GGML_NONE <= ggml_op <= GGML_MUL_MAT_ID:
-        raise ValueError(f"ggml_op must be GGML_NONE, GGML_MUL_MAT or GGML_MUL_MAT_ID (0, 1, 2), got {ggml_op!r}")
+    if type(ggml_op) is not int or not GGML_NONE <= ggml_op <= GGML_DECODE_ROWS:
+        raise ValueError(f"ggml_op must be GGML_NONE, GGML_MUL_MAT, GGML_MUL_MAT_ID or GGML_DECODE_ROWS (0-3), "
+                         f"got {ggml_op!r}")
     return ggml_op
 
 

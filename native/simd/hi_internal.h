@@ -61,6 +61,7 @@ typedef struct hi_mm {
     size_t xk_row;     /* bytes from one prepared row to the next */
     int wz;     /* K-quants: the rows' quant bytes are zipped (HI_T_ZIPPED; only with xk) */
     int kshape; /* K-quants: the float shape of llama.cpp's kernel (HI_KS_*, dot_kq_shapes.h) */
+    int rows1;  /* every row in a one-token product's float order (HI_GGML_DECODE_ROWS), whatever T */
     int pf;     /* one token: bytes of the weight stream software-prefetched ahead (the context's; 0: none) */
 } hi_mm;
 

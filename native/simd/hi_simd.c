@@ -223,6 +223,7 @@ static void hi_run_jobs(hi_ctx *c, hi_mm *jobs, int njobs) {
 /* the float shape llama.cpp's CPU backend gives a K-quant product (see dot_kq_shapes.h for the rules) */
 static int hi_kshape(const hi_ctx *c, int ggml_op, int qtype, int64_t rows, int64_t T) {
     if (ggml_op == HI_GGML_NONE || c->k->isa < HI_ISA_AVX2) return HI_KS_VEC;
+    if (ggml_op == HI_GGML_DECODE_ROWS) return qtype == HI_T_Q4_K && rows % 8 == 0 ? HI_KS_REPACK : HI_KS_VEC;
     if (qtype == HI_T_Q4_K && rows % 8 == 0) return ggml_op == HI_GGML_MUL_MAT ? HI_KS_REPACK_GEMM : HI_KS_REPACK;
     if ((qtype == HI_T_Q4_K || qtype == HI_T_Q5_K || qtype == HI_T_Q6_K) && T >= 8) return HI_KS_TILED;
     return HI_KS_VEC;
@@ -234,7 +235,8 @@ static hi_mm hi_job(const hi_ctx *c, int ggml_op, int qtype, const void *w, int6
     const int base = hi_base_type(qtype);
     hi_mm m = {.qtype = base, .w = (const uint8_t *)w, .w_row = (size_t)hi_weight_row_bytes(base, cols), .rows = rows,
                .cols = cols, .x = x, .x_row = x_row, .T = T, .out = out, .out_row = out_row,
-               .wz = (qtype & HI_T_ZIPPED) != 0, .kshape = hi_kshape(c, ggml_op, base, rows, T)};
+               .wz = (qtype & HI_T_ZIPPED) != 0, .kshape = hi_kshape(c, ggml_op, base, rows, T),
+               .rows1 = ggml_op == HI_GGML_DECODE_ROWS};
     return m;
 }
 
@@ -250,7 +252,7 @@ int hi_matmul(hi_ctx *c, int qtype, const void *w, int64_t rows, int64_t cols, c
               int64_t T, float *out, int64_t out_row, int ggml_op) {
     int e = hi_check_type(c, qtype, cols);
     if (e) return e;
-    if (rows < 1 || T < 1 || !w || !xq || !out || ggml_op < 0 || ggml_op > 2) return -2;
+    if (rows < 1 || T < 1 || !w || !xq || !out || ggml_op < 0 || ggml_op > HI_GGML_DECODE_ROWS) return -2;
     if (T > 1 && (xq_row < hi_act_row_bytes(qtype, cols) || out_row < rows)) return -2;
     hi_mm m = hi_job(c, ggml_op, qtype, w, rows, cols, (const uint8_t *)xq, (size_t)xq_row, T, out, (size_t)out_row);
     pthread_mutex_lock(&c->mu);
@@ -271,7 +273,7 @@ int hi_matmul(hi_ctx *c, int qtype, const void *w, int64_t rows, int64_t cols, c
 int hi_matmul_many(hi_ctx *c, int n, const int *qtypes, const void *const *ws, const int64_t *rows, int64_t cols,
                    const void *const *xqs, const int64_t *xq_rows, int64_t T, float *const *outs,
                    const int64_t *out_rows, int ggml_op) {
-    if (n < 1 || n > HI_MAX_K || T < 1 || !xqs || !xq_rows || ggml_op < 0 || ggml_op > 2) return -2;
+    if (n < 1 || n > HI_MAX_K || T < 1 || !xqs || !xq_rows || ggml_op < 0 || ggml_op > HI_GGML_DECODE_ROWS) return -2;
     int prep = 0;
     for (int j = 0; j < n; j++) {
         const int e = hi_check_type(c, qtypes[j], cols);
@@ -335,7 +337,7 @@ int hi_moe_gate_up(hi_ctx *c, int gate_qtype, const void *wg, int up_qtype, cons
                hi_act_kind(s_up_qtype) != kind))
         return -2;
     if (k < 1 || k > HI_MAX_K || rows < 1 || n_expert < 1 || gate_row < rows || up_row < rows || ggml_op < 0 ||
-        ggml_op > 2)
+        ggml_op > HI_GGML_DECODE_ROWS)
         return -2;
     for (int i = 0; i < k; i++)
         if (ids[i] < 0 || ids[i] >= n_expert) return -2;
@@ -389,7 +391,7 @@ int hi_moe_down(hi_ctx *c, int qtype, const void *w, int64_t n_expert, int64_t r
     if (!e && sw) e = hi_check_type(c, s_qtype, s_cols);
     if (e) return e;
     if (k < 1 || k > HI_MAX_K || rows < 1 || n_expert < 1 || out_row < rows ||
-        xq_row < hi_act_row_bytes(qtype, cols) || ggml_op < 0 || ggml_op > 2)
+        xq_row < hi_act_row_bytes(qtype, cols) || ggml_op < 0 || ggml_op > HI_GGML_DECODE_ROWS)
         return -2;
     if (sw && (!s_xq || !s_out || hi_act_kind(s_qtype) != hi_act_kind(qtype))) return -2;
     for (int i = 0; i < k; i++)

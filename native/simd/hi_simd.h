@@ -43,7 +43,9 @@ int hi_quantize(hi_ctx *c, int qtype, const float *x, int64_t x_row, int64_t T, 
  * take (dot_kq_shapes.h): 0 none (ggml_vec_dot's shape everywhere), 1 MUL_MAT (a dense matrix over T
  * tokens), 2 MUL_MAT_ID (one expert over the T tokens routed to it). On ISA levels below avx2, where
  * llama.cpp neither repacks nor tiles, every op takes vec_dot's shape. Other weight types ignore it. */
-enum { HI_GGML_NONE = 0, HI_GGML_MUL_MAT = 1, HI_GGML_MUL_MAT_ID = 2 };
+/* HI_GGML_DECODE_ROWS: every row takes the float shape of a one-token MUL_MAT (llama.cpp's decode), whatever T,
+ * so a row's result does not depend on the rows beside it (several sequences' decode tokens in one product) */
+enum { HI_GGML_NONE = 0, HI_GGML_MUL_MAT = 1, HI_GGML_MUL_MAT_ID = 2, HI_GGML_DECODE_ROWS = 3 };
 
 /* out[t][r] = W[r] . x[t]: W (rows x cols, type qtype), xq T activation rows, out T rows of >= rows floats */
 int hi_matmul(hi_ctx *c, int qtype, const void *w, int64_t rows, int64_t cols, const void *xq, int64_t xq_row,

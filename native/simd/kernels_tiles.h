@@ -166,7 +166,7 @@ HI_INLINE void hi_tile_float(const int f16, const hi_mm *m, int64_t r, int64_t t
     *out = (float)d;
 #else
 #if defined(HI_AVX2)
-    if (m->T >= 2 && n % HI_FW == 0) {
+    if (m->T >= 2 && !m->rows1 && n % HI_FW == 0) {
         hi_f16v a = hi_fv_zero();
         for (int64_t i = 0; i < n; i += HI_FW) a = hi_fv_fma(hi_fv_load(f16, w, i), hi_fv_load(f16, x, i), a);
         *out = hi_fv_tiny_hsum(a);

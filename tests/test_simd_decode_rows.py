@@ -1,0 +1,64 @@
+"""GGML_DECODE_ROWS: several sequences' decode tokens in one product, each row bit-identical to its own one-token
+product (llama.cpp's decode shape), for every weight type, ISA and row count. This is what makes the CPU backend's
+multi-sequence decode step batch-invariant: MUL_MAT over T rows takes other float shapes (tinyBLAS for F32/F16,
+the repacked Q4_K gemm, the tiled K-quant kernels from 8 rows)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hybridinfer.cpu.simd import GGML_DECODE_ROWS, GGML_MUL_MAT, KERNEL_TYPES
+from hybridinfer.quant import random_blocks
+
+QTYPES = sorted(KERNEL_TYPES)
+
+
+def _weights(qtype: int, rows: int, cols: int, rng) -> np.ndarray:
+    if qtype in (0, 1):
+        w = random_blocks(qtype, rows * cols, rng).reshape(-1).view(np.float32 if qtype == 0 else np.float16)
+        return w.reshape(rows, cols)
+    blk = 256 if KERNEL_TYPES[qtype] == "q8_K" else 32
+    return random_blocks(qtype, rows * cols // blk, rng).reshape(-1)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("T", [2, 5, 9, 16])
+def test_decode_rows_equal_one_token_products(libs, qtype, T):
+    rng = np.random.default_rng(1000 * qtype + T)
+    rows, cols = 24, 512  # rows a multiple of 8 (llama.cpp repacks such Q4_K); cols a multiple of every width
+    w = _weights(qtype, rows, cols, rng)
+    x = (rng.standard_normal((T, cols)) * rng.uniform(0.05, 20, (T, 1))).astype(np.float32)
+    for isa, lib in libs.items():
+        xq = lib.quantize(x, qtype)
+        got = np.zeros((T, rows), np.float32)
+        lib.matmul(w, qtype, rows, cols, xq, got, GGML_DECODE_ROWS)
+        want = np.zeros((T, rows), np.float32)
+        for t in range(T):
+            lib.matmul(w, qtype, rows, cols, lib.quantize(x[t], qtype), want[t], GGML_MUL_MAT)
+        assert np.array_equal(got, want), (isa, qtype, T)
+        many = np.zeros((T, rows), np.float32)
+        lib.matmul_many(xq, cols, [(w, qtype, rows, many)], GGML_DECODE_ROWS)
+        assert np.array_equal(many, want), (isa, qtype, T, "matmul_many")
+
+
+def test_mul_mat_over_rows_is_not_batch_invariant(libs):
+    """The reason for the mode: where the unit mirrors llama.cpp's prefill shapes, MUL_MAT over 8 rows differs from
+    8 one-token products (if this ever holds everywhere, the mode is redundant, not wrong)."""
+    rng = np.random.default_rng(3)
+    rows, cols, T = 16, 512, 8
+    w = _weights(0, rows, cols, rng)
+    x = rng.standard_normal((T, cols)).astype(np.float32)
+    differs = []
+    for isa, lib in libs.items():
+        if isa not in ("avx2", "avx512vnni"):
+            continue
+        out = np.zeros((T, rows), np.float32)
+        lib.matmul(w, 0, rows, cols, lib.quantize(x, 0), out, GGML_MUL_MAT)
+        one = np.zeros((T, rows), np.float32)
+        for t in range(T):
+            lib.matmul(w, 0, rows, cols, lib.quantize(x[t], 0), one[t], GGML_MUL_MAT)
+        differs.append(not np.array_equal(out, one))
+    if not differs:
+        pytest.skip("no AVX2 unit on this CPU")
+    assert all(differs)
