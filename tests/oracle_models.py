@@ -276,3 +276,15 @@ def llama_logits(gguf_path: str | os.PathLike[str], ids, *, batch: bool = True, 
     finally:
         llm.close()
     return scores
+
+
+def llama_greedy(llm, ids, n: int, stop_ids) -> list[int]:
+    """llama.cpp's greedy continuation of `ids` (up to `n` tokens, ending before a stop id) on a llama_cpp.Llama made
+    with F32 K/V (type_k=type_v=0, as this engine keeps them)."""
+    llm.reset()
+    out: list[int] = []
+    for t in llm.generate(list(ids), temp=0.0, top_k=1, reset=True):
+        if t in stop_ids or len(out) == n:
+            break
+        out.append(int(t))
+    return out

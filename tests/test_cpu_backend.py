@@ -128,6 +128,8 @@ def test_smollm_greedy_continuations_equal_llama_cpp(smollm_path):
     """The real model: greedy raw continuations of 24 tokens identical to llama.cpp's (matrix products, attention,
     RoPE and SwiGLU all follow llama.cpp's float operations for this ISA level)."""
     llama_cpp = pytest.importorskip("llama_cpp")
+    from oracle_models import llama_greedy
+
     _native_isa_only()
     cpu = Engine.load(smollm_path, backend="cpu", n_ctx=512, isa=os.environ.get("HYBRIDINFER_ISA"))
     # F32 K/V like this engine (llama.cpp defaults to F16)
@@ -135,12 +137,7 @@ def test_smollm_greedy_continuations_equal_llama_cpp(smollm_path):
     for prompt in PROMPTS:
         ids = cpu.tokenize(prompt)
         ours = cpu.generate(ids, max_tokens=24, temperature=0.0).tokens
-        llm.reset()
-        theirs = []
-        for t in llm.generate(ids, temp=0.0, top_k=1, reset=True):
-            if t in cpu.tokenizer.stop_ids or len(theirs) == 24:
-                break
-            theirs.append(int(t))
+        theirs = llama_greedy(llm, ids, 24, cpu.tokenizer.stop_ids)
         assert ours == theirs, (prompt, cpu.detokenize(ours), cpu.detokenize(theirs))
 
 

@@ -176,6 +176,10 @@ class GPUModel:
 
     # forward -------------------------------------------------------------------------------------------
     def forward(self, tokens, state: DecoderState, all_logits: bool = True, snapshot_at=(), on_snapshot=None):
+        with loader.on_this_thread():
+            return self._forward(tokens, state, all_logits, snapshot_at, on_snapshot)
+
+    def _forward(self, tokens, state: DecoderState, all_logits: bool, snapshot_at, on_snapshot):
         ids = check_tokens(tokens, self.args.n_vocab)
         T, a = len(ids), self.args
         state.check_room(T)

@@ -9,6 +9,7 @@ function objects.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 
@@ -53,6 +54,20 @@ def init(device: int = 0):
 
     atexit.register(_ctx.pop)
     return _ctx
+
+
+@contextmanager
+def on_this_thread():
+    """The context made current on the calling thread for the duration. CUDA contexts are current per thread: a
+    call from another thread than the one that loaded the engine (a web framework's worker, the scheduler's)
+    finds none. Pushing the context that is already current is allowed, so this nests."""
+    import pycuda.driver as drv
+
+    init().push()
+    try:
+        yield
+    finally:
+        drv.Context.pop()
 
 
 @cache

@@ -1,0 +1,193 @@
+"""The scheduler (continuous batching): batch invariance on the CPU backend, limits, cancellation, the prefix cache.
+
+Batch invariance: a sequence's tokens (and the logits behind them, bit for bit) do not depend on which sequences
+share its steps or when it was admitted, so each request equals the same request run alone by Engine.generate."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hybridinfer.api import Engine
+from hybridinfer.errors import CapacityError, ParameterError
+from hybridinfer.scheduler import state_bytes
+
+
+def _ids(n_vocab: int, n: int, seed: int) -> list[int]:
+    return [int(x) for x in np.random.default_rng(seed).integers(3, n_vocab, n)]
+
+
+@pytest.mark.parametrize("arch,quant", [("llama", "q4_k_m"), ("qwen35", "q8_0"), ("qwen35moe", "q4_k_m"),
+                                        ("qwen35moe", None)])
+def test_decode_batch_rows_bit_identical(arch, quant, oracle_gguf):
+    """CPUModel.decode_batch: B sequences at different positions, each row equal to its own one-token forward."""
+    eng = Engine.load(str(oracle_gguf(arch, quant)), backend="cpu", n_ctx=96)
+    V = eng.args.n_vocab
+    prompts = [_ids(V, n, n) for n in (3, 7, 12, 5, 9, 1)]
+    alone, together = [eng.new_state() for _ in prompts], [eng.new_state() for _ in prompts]
+    for sts in (alone, together):
+        for st, p in zip(sts, prompts, strict=True):
+            eng.prefill(p, st)
+    rng = np.random.default_rng(1)
+    for step in range(4):
+        live = list(range(len(prompts)))[step % 2 :]  # the batch changes size and members between steps
+        toks = [int(rng.integers(0, V)) for _ in live]
+        want = np.stack([eng.backend.forward([t], alone[j], all_logits=False)[-1].copy()
+                         for t, j in zip(toks, live, strict=True)])
+        got = eng.backend.decode_batch(toks, [together[j] for j in live])
+        assert np.array_equal(got, want), (arch, quant, step)
+    for a, b in zip(alone, together, strict=True):
+        assert a.pos == b.pos and np.array_equal(a.token_ids, b.token_ids)
+
+
+def _requests(V: int) -> list[dict]:
+    reqs = []
+    for i in range(7):
+        r = {"prompt": _ids(V, 2 + 5 * i, 40 + i), "max_tokens": 3 + (i * 5) % 11}
+        if i % 2:
+            r.update(temperature=0.8, seed=i, top_k=30, top_p=0.9, min_p=0.02, repeat_penalty=1.1)
+        else:
+            r.update(temperature=0)
+        reqs.append(r)
+    return reqs
+
+
+def _alone(eng: Engine, r: dict):
+    r = dict(r)
+    return eng.generate(r.pop("prompt"), **r)
+
+
+@pytest.mark.parametrize("arch,quant", [("llama", "q8_0"), ("qwen35", "q4_k_m"), ("qwen35moe", "q4_k_m")])
+def test_batch_invariance_staggered_admission(arch, quant, oracle_gguf):
+    """Sequences of different prompt lengths, admitted at different steps (max_seqs below the request count, and
+    some submitted later), finishing at different lengths, one cancelled mid-way: each equals its run alone. The
+    test drives the scheduler's steps itself, so the schedule is the same on every machine."""
+    from hybridinfer.scheduler import Scheduler
+
+    eng = Engine.load(str(oracle_gguf(arch, quant)), backend="cpu", n_ctx=128)
+    reqs = _requests(eng.args.n_vocab)
+    want = [_alone(eng, r) for r in reqs]
+    sched = Scheduler(eng, max_seqs=4, worker=False)
+    first = [sched.submit(eng.make_request(**r)) for r in reqs[:4]]
+    victim = sched.submit(eng.make_request(reqs[0]["prompt"], max_tokens=60, temperature=0))
+    for _ in range(3):
+        sched.step()
+    late = [sched.submit(eng.make_request(**r)) for r in reqs[4:]]
+    running = []
+    while not sched.idle():
+        sched.step()
+        running.append(sched.running)
+        if len(victim.generation.tokens) == 5:
+            victim.cancel()
+    got = [h.result(timeout=1) for h in first + late]
+    assert victim.result(timeout=1).finish_reason == "cancelled" and len(victim.generation.tokens) == 5
+    for g, w in zip(got, want, strict=True):
+        assert g.tokens == w.tokens and g.finish_reason == w.finish_reason
+    assert max(running) == 4 and sched.peak_running == 4 and running[-1] == 0
+    assert sched._reserved == 0
+
+
+def test_generate_batch_smollm_equals_alone_and_stops(smollm_path):
+    """The real model: varied chat and raw prompts as one batch equal each run alone, with stop strings and EOS."""
+    eng = Engine.load(smollm_path, backend="cpu", n_ctx=512, max_seqs=8)
+    reqs = [
+        [{"role": "user", "content": "What is the capital of France?"}],
+        "The capital of France is",
+        {"prompt": "Count from one to ten: one, two, three,", "stop": [" five"]},
+        {"prompt": "Once upon a time", "max_tokens": 5},
+        [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hi."}],
+        {"prompt": "def fib(n):", "stop": "\n\n", "max_tokens": 40},
+        {"prompt": "1, 2, 3, 4,", "temperature": 0.7, "seed": 3},
+        [{"role": "user", "content": "Name three colours."}],
+    ]
+    got = eng.generate_batch(reqs, max_tokens=24, temperature=0)
+    for r, g in zip(reqs, got, strict=True):
+        kw = {"max_tokens": 24, "temperature": 0}
+        if isinstance(r, dict):
+            kw.update(r)
+            r = kw.pop("prompt")
+        w = eng.generate(r, **kw)
+        assert (g.text, g.tokens, g.finish_reason) == (w.text, w.tokens, w.finish_reason)
+    assert got[2].finish_reason == "stop" and " five" not in got[2].text
+    assert got[3].finish_reason == "length" and len(got[3].tokens) == 5
+
+
+def test_limits_hold_under_a_random_workload(oracle_gguf):
+    """max_seqs and the state budget are never exceeded; a request that could never fit is a typed error."""
+    eng = Engine.load(str(oracle_gguf("qwen35moe", "q8_0")), backend="cpu", n_ctx=128)
+    args = eng.args
+    budget = state_bytes(args, 60) * 3  # room for about three long sequences at once
+    from hybridinfer.scheduler import Scheduler
+
+    sched = Scheduler(eng, max_seqs=5, state_budget=budget)
+    rng = np.random.default_rng(9)
+    handles = []
+    for i in range(16):
+        n, m = int(rng.integers(1, 30)), int(rng.integers(1, 30))
+        handles.append(sched.submit(eng.make_request(_ids(args.n_vocab, n, i), max_tokens=m, temperature=0)))
+        if i % 5 == 4:
+            handles[-2].cancel()
+    for h in handles:
+        h.result(timeout=300)
+    assert 1 <= sched.peak_running <= 5
+    assert 0 < sched.peak_reserved <= budget
+    assert sched._reserved == 0 and sched.running == 0 and sched.waiting == 0
+    small = Scheduler(eng, state_budget=state_bytes(args, 10))
+    with pytest.raises(CapacityError, match="state budget"):
+        small.submit(eng.make_request(_ids(args.n_vocab, 40, 1), max_tokens=10, temperature=0))
+    with pytest.raises(ParameterError, match="max_seqs"):
+        Scheduler(eng, max_seqs=0)
+    with pytest.raises(ParameterError, match="state_budget"):
+        Scheduler(eng, state_budget=-5)
+    sched.close()
+
+
+def test_shared_system_prompt_restores_one_snapshot(smollm_path):
+    """Requests sharing a system prompt in one batch: the prefix is prefilled once and restored for the others."""
+    eng = Engine.load(smollm_path, backend="cpu", n_ctx=512, prefix_cache={"ram_bytes": 256 << 20},
+                      snapshot_stride=0, max_seqs=4)
+    system = "You are a helpful assistant who answers in one short sentence. " * 4
+    reqs = [[{"role": "system", "content": system}, {"role": "user", "content": q}]
+            for q in ("Hi?", "What is 2+2?", "Name a fruit.", "Say yes.")]
+    got = eng.generate_batch(reqs, max_tokens=4, temperature=0)
+    system_turn = len(eng.tokenize(eng.chat_prompt(reqs[0][:1], add_generation_prompt=False)))
+    assert got[0].timings["reused_tokens"] == 0
+    for g in got[1:]:  # the first one's prefill snapshotted where the prompts part ways; the others restore it
+        assert g.timings["reused_tokens"] >= system_turn, g.timings
+    assert eng.prefix_cache.stats["hits"] >= 3
+    cold = Engine.load(smollm_path, backend="cpu", n_ctx=512)
+    for r, g in zip(reqs, got, strict=True):
+        assert cold.generate(r, max_tokens=4, temperature=0).tokens == g.tokens
+
+
+@pytest.mark.oracle
+def test_smollm_batch_greedy_equals_alone_and_llama_cpp(smollm_path):
+    """8 varied prompts as one batch: each greedy continuation equals the prompt run alone and llama.cpp's."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    import os
+
+    from oracle_models import llama_greedy
+    from test_cpu_backend import PROMPTS, _native_isa_only
+
+    _native_isa_only()
+    eng = Engine.load(smollm_path, backend="cpu", n_ctx=512, max_seqs=8, isa=os.environ.get("HYBRIDINFER_ISA"))
+    prompts = PROMPTS + ["import numpy as np\n", "Q: What is the largest planet?\nA:"]
+    assert len(prompts) == 8
+    ids = [eng.tokenize(p) for p in prompts]
+    got = eng.generate_batch(ids, max_tokens=24, temperature=0)
+    llm = llama_cpp.Llama(model_path=smollm_path, n_ctx=512, verbose=False, seed=0, type_k=0, type_v=0)
+    for p, i, g in zip(prompts, ids, got, strict=True):
+        assert g.tokens == eng.generate(i, max_tokens=24, temperature=0).tokens, p
+        assert g.tokens == llama_greedy(llm, i, 24, eng.tokenizer.stop_ids), p
+
+
+@pytest.mark.gpu
+def test_gpu_prefill_then_batched_cpu_decode_equals_alone(oracle_gguf):
+    """backend="gpu" on the scheduler's worker thread: GPU prefill per admitted prompt, batched CPU decode; each
+    request equals the same request through Engine.generate (the card's context is pushed on the worker)."""
+    eng = Engine.load(str(oracle_gguf("qwen35moe", "q8_0")), backend="gpu", n_ctx=128, max_seqs=3)
+    reqs = _requests(eng.args.n_vocab)
+    want = [_alone(eng, r) for r in reqs]
+    got = eng.generate_batch(reqs)
+    for g, w in zip(got, want, strict=True):
+        assert g.tokens == w.tokens and g.finish_reason == w.finish_reason
