@@ -173,15 +173,16 @@ def cmd_run(a) -> int:
     else:
         prompt = ([{"role": "system", "content": a.system}] if a.system else []) + [
             {"role": "user", "content": a.prompt}]
-    from .api import Generation
-
-    res = Generation("", [], 0, "length")
-    for piece in eng.stream(prompt, _result=res, **opts):
-        sys.stdout.write(piece)
-        sys.stdout.flush()
+    h = eng.submit(prompt, **opts)  # through the scheduler, so --state-budget holds here too
+    try:
+        for piece in h:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+    finally:
+        h.cancel()  # a no-op once it has finished; on Ctrl-C or a closed pipe it stops the sequence
     sys.stdout.write("\n")
     if a.stats:
-        _print_stats(res, eng)
+        _print_stats(h.result(), eng)
     return 0
 
 

@@ -43,6 +43,8 @@ CASES = [
     (RUN + ["--n-ctx", "0", "-p", "hi"], "'0'"),
     (RUN + ["--n-ctx", "-5", "-p", "hi"], "'-5'"),
     (RUN + ["--n-ctx", "8", "-p", "hi"], "n_ctx=8"),
+    (RUN + ["--state-budget", "1KiB", "-p", "hi"], "state budget of 1024 bytes"),
+    (RUN + ["--max-seqs", "0", "-p", "hi"], "'0'"),
     (RUN + ["--vram-budget", "garbage", "-p", "hi"], "'garbage'"),
     (RUN + ["--vram-budget", "inf", "-p", "hi"], "'inf'"),
     (RUN + ["--prefix-cache-ram", "-1", "-p", "hi"], "'-1'"),
