@@ -407,7 +407,7 @@ class Engine:
                 reqs.append(self.make_request(prompt, **kw))
             except TypeError as e:
                 raise ParameterError(f"request {i}: {e}") from None
-        handles = [self.scheduler.submit(r) for r in reqs]
+        handles = self.scheduler.submit_many(reqs)
         try:
             return [h.result() for h in handles]
         finally:

@@ -150,20 +150,26 @@ class Scheduler:
 
     # submission -----------------------------------------------------------------------------------
     def submit(self, req: Request) -> Handle:
-        need = self.request_bytes(req)
-        if self.state_budget is not None and need > self.state_budget:
-            raise CapacityError(f"a request of {len(req.ids)} prompt tokens + max_tokens {req.max_tokens} needs "
-                                f"{need} bytes of state, more than the state budget of {self.state_budget} bytes")
-        h = Handle(self, req)
+        return self.submit_many([req])[0]
+
+    def submit_many(self, reqs: list[Request]) -> list[Handle]:
+        """Queue several requests at once: the worker sees them together, so prompts that share a prefix find
+        each other at admission. Each is checked first; one that could never fit refuses them all."""
+        for req in reqs:
+            need = self.request_bytes(req)
+            if self.state_budget is not None and need > self.state_budget:
+                raise CapacityError(f"a request of {len(req.ids)} prompt tokens + max_tokens {req.max_tokens} needs "
+                                    f"{need} bytes of state, more than the state budget of {self.state_budget} bytes")
+        hs = [Handle(self, req) for req in reqs]
         with self._cv:
             if self._closed:
                 raise CapacityError("the scheduler is closed")
-            self._waiting.append(h)
+            self._waiting.extend(hs)
             if self._thread is None and self._worker:
                 self._thread = threading.Thread(target=self._loop, name="hybridinfer-scheduler", daemon=True)
                 self._thread.start()
             self._cv.notify()
-        return h
+        return hs
 
     def request_bytes(self, req: Request) -> int:
         return state_bytes(self.engine.args, min(len(req.ids) + req.max_tokens, self.engine.n_ctx))
