@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hybridinfer.cpu.simd import GGML_DECODE_ROWS, GGML_MUL_MAT, KERNEL_TYPES
+from hybridinfer.cpu.simd import GGML_DECODE_ROWS, GGML_MUL_MAT, GGML_MUL_MAT_ID, KERNEL_TYPES
 from hybridinfer.quant import random_blocks
 
 QTYPES = sorted(KERNEL_TYPES)
@@ -62,3 +62,40 @@ def test_mul_mat_over_rows_is_not_batch_invariant(libs):
     if not differs:
         pytest.skip("no AVX2 unit on this CPU")
     assert all(differs)
+
+
+@pytest.mark.parametrize("gate_type,down_type", [(12, 14), (8, 8), (2, 12), (13, 13), (0, 1)])
+def test_moe_grouped_equals_one_token_calls(libs, gate_type, down_type):
+    """moe_grouped over T tokens' routed pairs sorted by expert equals, pair by pair, the one-token MoE calls
+    (moe_gate_up / moe_down at MUL_MAT_ID) that decode makes, bit for bit, on every ISA."""
+    rng = np.random.default_rng(gate_type * 7 + down_type)
+    E, k, T, D, F = 9, 3, 6, 512, 256
+    wg = np.concatenate([_weights(gate_type, F, D, rng).reshape(-1).view(np.uint8) for _ in range(E)])
+    wu = np.concatenate([_weights(gate_type, F, D, rng).reshape(-1).view(np.uint8) for _ in range(E)])
+    wd = np.concatenate([_weights(down_type, D, F, rng).reshape(-1).view(np.uint8) for _ in range(E)])
+    x = rng.standard_normal((T, D)).astype(np.float32)
+    idx = np.stack([rng.choice(E, k, replace=False) for _ in range(T)]).astype(np.int32)
+    flat = idx.reshape(-1)
+    order = np.argsort(flat, kind="stable")
+    srt = flat[order]
+    starts = np.concatenate(([0], np.flatnonzero(np.diff(srt)) + 1, [srt.size]))
+    for isa, lib in libs.items():
+        xq = lib.quantize(x, gate_type)
+        g, u = np.zeros((T * k, F), np.float32), np.zeros((T * k, F), np.float32)
+        lib.moe_grouped([(wg, gate_type), (wu, gate_type)], F, D, xq[order // k], srt[starts[:-1]], starts, [g, u],
+                        GGML_DECODE_ROWS)
+        h = (g / (1 + np.exp(-g)) * u).astype(np.float32)
+        hq = lib.quantize(h, down_type)
+        y = np.zeros((T * k, D), np.float32)
+        lib.moe_grouped([(wd, down_type)], D, F, hq, srt[starts[:-1]], starts, [y], GGML_DECODE_ROWS)
+        for t in range(T):
+            wg1, wu1 = np.zeros((k, F), np.float32), np.zeros((k, F), np.float32)
+            lib.moe_gate_up(wg, gate_type, wu, gate_type, F, D, xq[t], idx[t], wg1, wu1, GGML_MUL_MAT_ID)
+            rows = np.flatnonzero(order // k == t)  # this token's pairs in the sorted order, slot by slot
+            slots = order[rows] % k
+            assert np.array_equal(g[rows], wg1[slots]) and np.array_equal(u[rows], wu1[slots]), (isa, t)
+            y1 = np.zeros((k, D), np.float32)
+            lib.moe_down(wd, down_type, D, F, hq[rows][np.argsort(slots)], idx[t], y1, GGML_MUL_MAT_ID)
+            assert np.array_equal(y[rows], y1[slots]), (isa, t)
+    with pytest.raises(ValueError, match="starts"):
+        libs[next(iter(libs))].moe_grouped([(wd, down_type)], D, F, hq, srt[starts[:-1]], starts[::-1], [y])

@@ -381,6 +381,29 @@ class CPUModel(Backend):
         token of each of T sequences."""
         return enumerate(st) if isinstance(st, list) else ((None, st),)
 
+    def _moe_rows(self, L: Layer, x: np.ndarray, idx: np.ndarray, ys: np.ndarray, ws: Workspace) -> None:
+        """ys[t * k + j] = expert idx[t, j]'s output for token t, each pair in its one-token float shape: the T x k
+        pairs sorted by expert, so gate and up (one pooled call) and down (another) read each selected expert
+        once for all the tokens routed to it."""
+        G, U, Dn = L.ffn_gate_exps, L.ffn_up_exps, L.ffn_down_exps
+        k = idx.shape[1]
+        flat = idx.reshape(-1)
+        order = np.argsort(flat, kind="stable")
+        srt = flat[order]
+        starts = np.concatenate(([0], np.flatnonzero(np.diff(srt)) + 1, [srt.size]))
+        experts = srt[starts[:-1]]
+        n = srt.size
+        xq = self.quantize(G, x, ws)
+        xs = xq[order // k]  # each pair's input row, in expert order
+        eg, eu = ws.eg[:n], ws.eu[:n]
+        self.simd.moe_grouped([(G.raw, G.qtype), (U.raw, U.qtype)], G.rows, G.cols, xs, experts, starts, [eg, eu],
+                              GGML_DECODE_ROWS)
+        self.simd.swiglu(eg, eu, eg)
+        hq = self.quantize(Dn, eg, ws)
+        out = np.empty((n, Dn.rows), np.float32)
+        self.simd.moe_grouped([(Dn.raw, Dn.qtype)], Dn.rows, Dn.cols, hq, experts, starts, [out], GGML_DECODE_ROWS)
+        ys[order] = out
+
     def _moe(self, L: Layer, i: int, x: np.ndarray, ws: Workspace) -> np.ndarray:
         a = self.args
         T, k = x.shape[0], a.n_expert_used
@@ -408,6 +431,8 @@ class CPUModel(Backend):
                 sh_d = (Sd.raw, Sd.qtype, Sd.cols, hq[k], shared[0])
             self.call(ws, ("down", id(Dn)), "moe_down", Dn.raw, Dn.qtype, Dn.rows, Dn.cols, hq[:k], idx[0], ys,
                       GGML_MUL_MAT_ID, sh_d)
+        elif self._rows:  # several sequences' decode tokens: the routed pairs grouped by expert, native calls
+            self._moe_rows(L, x, idx, ys, ws)
         else:  # prefill: tokens grouped by expert, one GEMM per expert over its tokens
             flat = idx.reshape(-1)
             order = np.argsort(flat, kind="stable")

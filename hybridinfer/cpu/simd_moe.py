@@ -121,3 +121,64 @@ class MoECalls:
                                    xs, _ptr(ffi, "int32_t *", ids), k, _ptr(ffi, "float *", out), os_, _op(ggml_op),
                                    *sh)
         _check_rc(rc, "moe_down")
+
+    def moe_grouped(self, weights, rows: int, cols: int, xq: np.ndarray, experts, starts, outs,
+                    ggml_op: int = GGML_NONE) -> None:
+        """MoE over several tokens, grouped by expert: the routed (token, slot) pairs' quantized input rows
+        xq (npairs, act_row_bytes) sorted by expert, group g (expert experts[g]) holding rows starts[g] ..
+        starts[g+1]-1 (starts[0] = 0, starts[-1] = npairs, increasing); for each (w, qtype) in `weights` (one or two
+        stacked expert tensors of `rows` x `cols` matrices, e.g. gate and up, taking one activation format) and its
+        out (npairs, rows) float32 in `outs`: out[p] = W[experts[g]] . x[p] for p in group g. One pool task per
+        call, each selected expert's rows read once for all its pairs; with GGML_DECODE_ROWS each row as that token
+        alone would get it."""
+        weights, outs = list(weights), list(outs)
+        if not 1 <= len(weights) <= 2 or len(outs) != len(weights):
+            raise ValueError(f"moe_grouped takes one or two (w, qtype) and as many outs, got {len(weights)} and "
+                             f"{len(outs)}")
+        rows, cols = int(rows), int(cols)
+        if rows < 1 or cols < 1:
+            raise ValueError(f"rows and cols must be positive, got {rows} x {cols}")
+        qts, wps, ne = [], [], None
+        for j, (w, qt) in enumerate(weights):
+            q = _qtype(qt)
+            if qts and act_kind(q) != act_kind(qts[0]):
+                raise ValueError(f"weights take different activation formats ({act_kind(qts[0])} and {act_kind(q)})")
+            w, n = _weights(f"weights[{j}]", w, q, weight_row_bytes(q, cols), rows)
+            if ne is not None and n != ne:
+                raise ValueError(f"weights[{j}] holds {n} experts, weights[0] {ne}")
+            ne = n
+            qts.append(q)
+            wps.append(w)
+        xq = _array("xq", xq, (_U8,))
+        if xq.ndim != 2:
+            raise ValueError(f"xq must have shape (npairs, {act_row_bytes(qts[0], cols)}), got {xq.shape}")
+        npairs, xs = _rows("xq", xq, act_row_bytes(qts[0], cols))
+        ex = np.ascontiguousarray(experts, dtype=np.int32)
+        st = np.ascontiguousarray(starts, dtype=np.int64)
+        if ex.ndim != 1 or st.shape != (ex.size + 1,) or ex.size == 0:
+            raise ValueError(f"experts (G,) and starts (G + 1,) do not fit: {ex.shape} and {st.shape}")
+        if st[0] != 0 or st[-1] != npairs or (np.diff(st) <= 0).any():
+            raise ValueError(f"starts must rise from 0 to npairs={npairs} with no empty group, got {st.tolist()}")
+        if ((ex < 0) | (ex >= ne)).any():
+            raise ValueError(f"experts holds an id outside [0, {ne})")
+        os_ = None
+        for j, o in enumerate(outs):
+            o = _array(f"outs[{j}]", o, (_F32,))
+            if o.ndim != 2:
+                raise ValueError(f"outs[{j}] must have shape ({npairs}, {rows}), got {o.shape}")
+            _, s = _rows(f"outs[{j}]", o, rows, npairs, writable=True)
+            if os_ is not None and s != os_:
+                raise ValueError("outs must have the same row stride")
+            os_ = s
+        ffi = self._ffi
+        per = 128 // len(qts)  # groups per call: the C side runs at most 130 jobs in one task
+        for g0 in range(0, ex.size, per):
+            g1 = min(ex.size, g0 + per)
+            p0, p1 = int(st[g0]), int(st[g1])
+            sub = np.ascontiguousarray(st[g0 : g1 + 1] - p0)
+            rc = self._lib.hi_moe_grouped(
+                self._c, len(qts), qts, [_ptr(ffi, "uint8_t *", w) for w in wps], ne, rows, cols,
+                ffi.cast("uint8_t *", xq.ctypes.data + p0 * xs), xs, p1 - p0, g1 - g0,
+                _ptr(ffi, "int32_t *", ex[g0:g1]), _ptr(ffi, "int64_t *", sub),
+                [ffi.cast("float *", o.ctypes.data + p0 * os_ * 4) for o in outs], os_, _op(ggml_op))
+            _check_rc(rc, "moe_grouped")

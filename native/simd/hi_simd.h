@@ -58,6 +58,11 @@ int hi_matmul_many(hi_ctx *c, int n, const int *qtypes, const void *const *ws, c
                    const void *const *xqs, const int64_t *xq_rows, int64_t T, float *const *outs,
                    const int64_t *out_rows, int ggml_op);
 
+/* MoE over several tokens grouped by expert (hi_simd.c says how): one pool task for all groups */
+int hi_moe_grouped(hi_ctx *c, int nw, const int *qtypes, const void *const *ws, int64_t n_expert, int64_t rows,
+                   int64_t cols, const void *xq, int64_t xq_row, int64_t npairs, int ngroups, const int32_t *experts,
+                   const int64_t *starts, float *const *outs, int64_t out_row, int ggml_op);
+
 /* MoE decode, gate and up fused: for i < k, e = ids[i] (0 <= e < n_expert):
  *   gate_out[i] = Wg[e] . xq,  up_out[i] = Wu[e] . xq
  * Wg, Wu stacked expert tensors (ggml {cols, rows, n_expert}: expert e's rows contiguous), one xq row.
