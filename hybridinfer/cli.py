@@ -4,117 +4,26 @@ environment."""
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import warnings
 from collections import Counter
 
-from .errors import BackendNotAvailableError, HybridInferError, ParameterError, ShapeError
-
-
-class UsageError(SystemExit):
-    """A command-line usage error: its one line is already on stderr; the process exits with status 2. A
-    SystemExit, as argparse's own errors are, whose text is the message (not the status)."""
-
-    def __init__(self, message: str):
-        super().__init__(2)
-        self.message = message
-
-    def __str__(self) -> str:
-        return self.message
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse with a one-line error (no usage block): `hybridinfer run: error: argument -n: ...`."""
-
-    def error(self, message: str):
-        print(f"{self.prog}: error: {message}", file=sys.stderr)
-        raise UsageError(message)
-
-
-def _usage(message: str) -> UsageError:
-    print(f"hybridinfer: error: {message}", file=sys.stderr)
-    return UsageError(message)
-
-
-def _int_at_least(lo: int):
-    """An argparse type: an integer >= lo (the flag's name comes with argparse's message)."""
-
-    def parse(s: str) -> int:
-        try:
-            v = int(s)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not an integer: {s!r}") from None
-        if v < lo:
-            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {s!r}")
-        return v
-
-    return parse
-
-
-def _finite(s: str) -> float:
-    """An argparse type: a finite float (nan and inf pass float() but mean nothing as a sampling parameter)."""
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {s!r}") from None
-    if not math.isfinite(v):
-        raise argparse.ArgumentTypeError(f"must be a finite number, got {s!r}")
-    return v
-
-
-def _add_model(p: argparse.ArgumentParser, required: bool = False) -> None:
-    p.add_argument("-m", "--model", required=required,
-                   help="GGUF file (default: the embedded SmolLM2-135M-Instruct Q4_1)")
-    p.add_argument("--backend", default=os.environ.get("HYBRIDINFER_BACKEND") or "auto",
-                   choices=["reference", "cpu", "gpu", "auto"],
-                   help="compute backend (default auto: GPU prefill where a card and pycuda are present, "
-                        "else the CPU backend; decode always runs on the CPU; reference: the slow numpy oracle)")
-    p.add_argument("--n-ctx", type=_int_at_least(1), default=4096, help="context size in tokens (default 4096)")
-    p.add_argument("-t", "--threads", type=_int_at_least(1), default=None, help="CPU threads (default: all cores)")
-    p.add_argument("--vram-budget", type=parse_size, default=None,
-                   help="GPU memory the gpu backend may use, e.g. 6GiB (default: the card's free memory - 512MiB)")
-    p.add_argument("--isa", default=os.environ.get("HYBRIDINFER_ISA"),
-                   help="force the SIMD path: scalar | ssse3 | avx2 | avx512vnni (env HYBRIDINFER_ISA)")
-    p.add_argument("--weights", default="auto", choices=["auto", "copy", "mmap"],
-                   help="where CPU decode reads the weights: a copy in huge pages (faster), the file's memory "
-                        "mapping (no copy), or auto: a copy when it takes at most half the available memory")
-    p.add_argument("--max-seqs", type=_int_at_least(1), default=8,
-                   help="sequences decoded together at most by the scheduler (default 8)")
-    p.add_argument("--state-budget", type=parse_size, default=None,
-                   help="bytes of sequence states and K/V the scheduler may hold at once, e.g. 4GiB (default: no "
-                        "limit); a request that cannot fit alone is refused")
-
-
-def _add_cache(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("prefix cache (reuse of repeated prompt prefixes)")
-    g.add_argument("--prefix-cache-ram", type=parse_size, default=parse_size("2GiB"),
-                   help="RAM budget for state snapshots, e.g. 2GiB, 512MiB; 0 turns the cache off (default 2GiB)")
-    g.add_argument("--prefix-cache-dir", default=os.environ.get("HYBRIDINFER_PREFIX_CACHE_DIR"),
-                   help="directory of an on-disk snapshot store shared by processes (default: none)")
-    g.add_argument("--prefix-cache-disk", type=parse_size, default=parse_size("16GiB"),
-                   help="disk budget of --prefix-cache-dir (default 16GiB)")
-    g.add_argument("--snapshot-stride", type=_int_at_least(0), default=None,
-                   help="snapshot the state every N prompt tokens during prefill (default 256 on the CPU, 1024 with "
-                        "GPU prefill; 0: only at prompt ends, chat turns and shared prefixes)")
-
-
-def parse_size(s: str) -> int:
-    """'2GiB', '512MiB', '1.5GB', '4096' -> bytes."""
-    units = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
-             "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "t": 1000**4, "tb": 1000**4, "tib": 1 << 40}
-    t = str(s).strip().lower()
-    num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
-    try:
-        v = float(num) * units[t[len(num):].strip()]
-    except (ValueError, KeyError):
-        raise argparse.ArgumentTypeError(f"not a size: {s!r} (e.g. 2GiB, 512MiB, 1e9)") from None
-    if not math.isfinite(v):
-        raise argparse.ArgumentTypeError(f"not a size: {s!r} (e.g. 2GiB, 512MiB, 1e9)")
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"a size must be >= 0, got {s!r}")
-    return int(v)
+from .cli_args import (  # noqa: F401  (UsageError, parse_size: re-exported for callers of hybridinfer.cli)
+    UsageError,
+    _add_cache,
+    _add_model,
+    _add_sampling,
+    _check_output,
+    _int_at_least,
+    _parse_tokens,
+    _Parser,
+    _usage,
+    parse_size,
+)
+from .cli_bench import add_bench_parsers
+from .cli_serve import add_serve_parser
+from .errors import HybridInferError, ParameterError, ShapeError
 
 
 def _engine(a):
@@ -144,15 +53,6 @@ def _sampling(a) -> dict:
     return dict(max_tokens=a.n, temperature=a.temp, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p,
                 repeat_penalty=a.repeat_penalty, seed=a.seed, stop=a.stop or None,
                 enable_thinking=False if a.no_think else None)
-
-
-def _check_output(path: str, flag: str) -> None:
-    """An output file's folder must exist and the path must not be a folder: said before any work is done."""
-    if os.path.isdir(path):
-        raise ParameterError(f"{flag} {path!r} is a directory, not a file name")
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise ParameterError(f"{flag} {path!r}: the folder {folder!r} does not exist")
 
 
 def _print_stats(res, eng) -> None:
@@ -232,13 +132,6 @@ def cmd_chat(a) -> int:
         if a.stats:
             _print_stats(res, eng)
     return 0
-
-
-def _parse_tokens(s: str) -> list[int]:
-    try:
-        return [int(x) for x in s.replace(" ", "").split(",") if x]
-    except ValueError:
-        raise ParameterError(f"--tokens must be comma-separated integers, got {s!r}") from None
 
 
 def cmd_logits(a) -> int:
@@ -335,123 +228,6 @@ def cmd_synth(a) -> int:
     return 0
 
 
-def _save_bench(out_dir: str, name: str, text: str, plot) -> None:
-    """Write a benchmark's JSON (`text`) and PNG (plot(path) -> False without matplotlib) as out_dir/name.*"""
-    os.makedirs(out_dir, exist_ok=True)
-    stem = os.path.join(out_dir, name)
-    with open(stem + ".json", "w") as f:
-        f.write(text)
-    plotted = plot(stem + ".png")
-    print(f"\nwrote {stem}.json" + (f" and {stem}.png" if plotted else " (no plot: matplotlib missing)"))
-
-
-def _check_tools(a, *flags: str) -> None:
-    """A llama.cpp binary named by a flag must exist (on PATH or as a file), not be skipped in silence."""
-    import shutil
-
-    for flag in flags:
-        exe = getattr(a, flag.lstrip("-").replace("-", "_"))
-        if exe and not shutil.which(exe) and not os.path.isfile(exe):
-            raise ParameterError(f"{flag} {exe!r}: no such program")
-
-
-def _model_stem(path: str) -> str:
-    return os.path.splitext(os.path.basename(path))[0]
-
-
-def cmd_bench_decode(a) -> int:
-    import json
-
-    from .benchmarks import decode
-
-    isas = tuple(x.strip() for x in a.isa.split(",") if x.strip())
-    weights = tuple(x.strip() for x in a.weights.split(",") if x.strip())
-    bad = [w for w in weights if w not in ("auto", "copy", "mmap")]
-    if bad or not weights:
-        raise ParameterError(f"--weights takes a comma-separated subset of auto,copy,mmap, got {a.weights!r}")
-    _check_tools(a, "--llama-bench", "--llama-bench-sse")
-    res = decode.run(a.model, a.threads, a.n, a.context, isas, a.llama_bench, a.llama_bench_sse, weights=weights,
-                     llama_no_mmap=a.llama_no_mmap, segments=a.segments)
-    print(decode.markdown(res))
-    _save_bench(a.out_dir, f"decode-{_model_stem(a.model)}-t{a.threads}", json.dumps(res, indent=1),
-                lambda png: decode.plot(res, png))
-    return 0
-
-
-def cmd_bench_batch(a) -> int:
-    import json
-
-    from .benchmarks import batch
-
-    try:
-        sizes = tuple(int(x) for x in a.batch_sizes.split(","))
-    except ValueError:
-        raise ParameterError(f"--batch-sizes must be comma-separated integers, got {a.batch_sizes!r}") from None
-    if not sizes or min(sizes) < 1:
-        raise ParameterError(f"--batch-sizes must be positive sequence counts, got {a.batch_sizes!r}")
-    _check_tools(a, "--llama-batched-bench")
-    res = batch.run(a.model, a.threads, sizes, a.steps, a.prompt_len, a.llama_batched_bench)
-    print(batch.markdown(res))
-    _save_bench(a.out_dir, f"batch-{_model_stem(a.model)}-t{a.threads}", json.dumps(res, indent=1),
-                lambda png: batch.plot(res, png))
-    return 0
-
-
-def _add_sampling(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-n", type=_int_at_least(0), default=64, help="max new tokens (default 64)")
-    p.add_argument("--temp", type=_finite, default=0.0,
-                   help="sampling temperature (default 0: greedy, reproducible; e.g. 0.8 to sample)")
-    p.add_argument("--top-k", type=_int_at_least(0), default=40, help="0: off")
-    p.add_argument("--top-p", type=_finite, default=0.95)
-    p.add_argument("--min-p", type=_finite, default=0.05)
-    p.add_argument("--repeat-penalty", type=_finite, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", help="stop string (repeatable)")
-    p.add_argument("--system", default=None, help="system message (chat mode)")
-    p.add_argument("--no-think", action="store_true", help="enable_thinking=false for Qwen templates")
-    p.add_argument("--stats", action="store_true",
-                   help="print prompt/reused/prefilled tokens and speeds to stderr after each answer")
-
-def cmd_bench_prefix(a) -> int:
-    from .benchmarks import prefix
-
-    wl = tuple(w.strip() for w in a.workloads.split(",") if w.strip())
-    bad = [w for w in wl if w not in prefix.WORKLOADS]
-    if bad:
-        raise HybridInferError(f"unknown workload(s) {bad}; choose from {','.join(prefix.WORKLOADS)}")
-    rows, meta = prefix.run(a.model, wl, a.n_prompts, a.threads, a.llama_server, a.cache_dir, a.backend,
-                            a.snapshot_stride)
-    print(prefix.markdown(rows, meta))
-    _save_bench(a.out_dir, f"prefix-{_model_stem(a.model)}", prefix.to_json(rows, meta),
-                lambda png: prefix.plot(rows, png))
-    return 0
-
-
-def cmd_bench_prefill(a) -> int:
-    import json
-
-    from .benchmarks import prefill
-
-    try:
-        prompts = tuple(int(x) for x in a.prompts.split(","))
-    except ValueError:
-        raise ParameterError(f"--prompts must be comma-separated integers, got {a.prompts!r}") from None
-    if not prompts or min(prompts) < 1:
-        raise ParameterError(f"--prompts must be positive token counts, got {a.prompts!r}")
-    _check_tools(a, "--llama-bench", "--llama-bench-cuda")
-    try:
-        res = prefill.run(a.model, prompts, a.vram_budget or None, not a.no_resident, a.threads, a.llama_bench,
-                          a.llama_bench_cuda)
-    except ModuleNotFoundError as e:
-        if (e.name or "").split(".")[0] != "pycuda":
-            raise
-        raise BackendNotAvailableError(f"bench prefill measures the GPU backend, which needs pycuda ({e})") from e
-    print(prefill.markdown(res))
-    _save_bench(a.out_dir, f"prefill-{_model_stem(a.model)}", json.dumps(res, indent=1),
-                lambda png: prefill.plot(res, png))
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="hybridinfer", description="Qwen3.5 hybrid MoE inference for old GPUs")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -469,7 +245,6 @@ def build_parser() -> argparse.ArgumentParser:
     _add_cache(p)
     _add_sampling(p)
     p.set_defaults(fn=cmd_chat)
-
 
 
     p = sub.add_parser("logits", help="write logits of every position to a .npy file")
@@ -496,53 +271,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "attn_qkv=q8_0); repeatable, the first match wins")
     p.add_argument("-o", "--output", required=True)
     p.set_defaults(fn=cmd_synth)
-    p = sub.add_parser("bench", help="benchmarks (markdown table + PNG)")
-    bsub = p.add_subparsers(dest="bench", required=True)
-    b = _bench_parser(bsub, "decode", "decode tok/s vs the memory-bandwidth floor, and llama.cpp", cmd_bench_decode)
-    b.add_argument("-n", type=_int_at_least(1), default=32, help="decode steps timed")
-    b.add_argument("--context", type=_int_at_least(0), default=0, help="prompt tokens before timing")
-    b.add_argument("--isa", default=os.environ.get("HYBRIDINFER_ISA", "native"),
-                   help="comma-separated: native,scalar,ssse3,avx2,avx512vnni")
-    b.add_argument("--llama-bench", default=None, help="llama.cpp's llama-bench (native build)")
-    b.add_argument("--llama-bench-sse", default=None, help="llama-bench built without AVX")
-    b.add_argument("--weights", default="auto", help="comma-separated weights modes to time: auto,copy,mmap")
-    b.add_argument("--llama-no-mmap", action="store_true", help="also time llama.cpp with -lm none (no mmap)")
-    b.add_argument("--segments", type=_int_at_least(1), default=4,
-                   help="runs of timed steps with a bandwidth reading between each (each run's floor at the "
-                        "mean of the two readings around it)")
-    b = _bench_parser(bsub, "batch", "batched decode (one token for each of B sequences per step) tok/s vs B, "
-                      "and llama.cpp's llama-batched-bench", cmd_bench_batch)
-    b.add_argument("--batch-sizes", default="1,2,4,8,16", help="comma-separated sequences per step (B)")
-    b.add_argument("--steps", type=_int_at_least(1), default=32, help="decode steps timed per B")
-    b.add_argument("--prompt-len", type=_int_at_least(1), default=128, help="prompt tokens of each sequence")
-    b.add_argument("--llama-batched-bench", default=None, help="llama.cpp's llama-batched-bench, run with the same "
-                   "B, prompt length and steps")
-    b = _bench_parser(bsub, "prefix", "time to first token cold/warm with the prefix cache, and llama.cpp's server",
-                      cmd_bench_prefix)
-    b.add_argument("--backend", default="cpu", choices=["reference", "cpu", "gpu", "auto"])
-    b.add_argument("--workloads", default="a,b,c,d", help="comma-separated subset of a,b,c,d")
-    b.add_argument("--n-prompts", type=_int_at_least(1), default=100, help="prompts in workload d (default 100)")
-    b.add_argument("--snapshot-stride", type=_int_at_least(0), default=None)
-    b.add_argument("--cache-dir", default=None, help="also write snapshots to an on-disk store under this dir")
-    b.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary, run on the same GGUF")
-    b = _bench_parser(bsub, "prefill", "GPU prefill tok/s vs transfer and compute floors, and llama.cpp",
-                      cmd_bench_prefill, threads_help="threads for llama.cpp's CPU runs")
-    b.add_argument("--prompts", default="128,947,4096")
-    b.add_argument("--vram-budget", type=parse_size, default=parse_size("6GiB"), help="0: skip the budget run")
-    b.add_argument("--no-resident", action="store_true", help="skip the whole-model-resident run")
-    b.add_argument("--llama-bench", default=None, help="llama-bench, CPU build")
-    b.add_argument("--llama-bench-cuda", default=None, help="llama-bench, CUDA build")
+    add_serve_parser(sub)
+    add_bench_parsers(sub)
     return ap
-
-
-def _bench_parser(bsub, name: str, help: str, fn, threads_help: str | None = None) -> argparse.ArgumentParser:
-    """A `bench` subcommand with the options every benchmark takes: the model, threads and output folder."""
-    b = bsub.add_parser(name, help=help)
-    b.add_argument("-m", "--model", required=True)
-    b.add_argument("-t", "--threads", type=_int_at_least(1), default=os.cpu_count(), help=threads_help)
-    b.add_argument("--out-dir", default="bench/results")
-    b.set_defaults(fn=fn)
-    return b
 
 
 def main(argv: list[str] | None = None) -> int:
