@@ -38,6 +38,9 @@ setup(
     ],
     extras_require={
         "gpu": ["pycuda"],
+        # `hybridinfer serve`: the HTTP server, its metrics and structured output
+        "serve": ["fastapi>=0.110", "uvicorn>=0.29", "sse-starlette>=2.1", "pydantic>=2.5",
+                  "prometheus-client>=0.20", "llguidance>=0.7"],
         "test": ["pytest", "ruff"],
         "oracles": ["transformers", "llama-cpp-python", "torch"],
     },
