@@ -312,8 +312,9 @@ class Engine:
     def make_request(self, prompt, max_tokens: int = 128, temperature: float = 0.8, top_k: int = 40,
                      top_p: float = 0.95, seed: int | None = None, stop: list[str] | str | None = None,
                      min_p: float = 0.05, repeat_penalty: float = 1.0, presence_penalty: float = 0.0,
-                     enable_thinking: bool | None = None) -> Request:
-        """Check a request's parameters and make its prompt into token ids (typed errors naming a bad value)."""
+                     enable_thinking: bool | None = None, constraint=None) -> Request:
+        """Check a request's parameters and make its prompt into token ids (typed errors naming a bad value).
+        constraint: structured output (an object with mask(logits) and accept(token); scheduler.Request)."""
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                 repeat_penalty=repeat_penalty, presence_penalty=presence_penalty, seed=seed)
         max_tokens = check_int("max_tokens", max_tokens, 0)
@@ -325,7 +326,7 @@ class Engine:
             raise ContextLengthError(
                 f"prompt of {len(ids)} tokens + max_tokens {max_tokens} exceeds the context size "
                 f"n_ctx={self.n_ctx}")
-        return Request(ids, params, max_tokens, stops, self._turn_boundary(prompt, ids, enable_thinking))
+        return Request(ids, params, max_tokens, stops, self._turn_boundary(prompt, ids, enable_thinking), constraint)
 
     def stream(self, prompt, max_tokens: int = 128, _result: Generation | None = None, **kw) -> Iterator[str]:
         """Yield text pieces as they are generated (stop strings are never emitted). Sampling parameters as
@@ -344,10 +345,14 @@ class Engine:
         scratch, rng = SampleScratch(logits.shape[-1]), rng_new(params.seed)
         text = TextStream(self.tokenizer, req.stops, res)
         for _ in range(req.max_tokens):
+            if req.constraint is not None:
+                req.constraint.mask(logits)
             t = int(sample(logits, params.temperature, params.top_k, params.top_p, params.min_p,
                            params.repeat_penalty, params.presence_penalty, state.tokens, state.pos,
                            params.repeat_last_n, rng, scratch.xs, scratch.idx))
             piece, ended = text.push(t)
+            if req.constraint is not None and not ended:
+                req.constraint.accept(t)
             if piece:
                 yield piece
             if ended or len(res.tokens) == req.max_tokens:

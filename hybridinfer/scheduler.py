@@ -63,6 +63,9 @@ class Request:
     max_tokens: int
     stops: list[str]
     turn_boundary: int | None = None
+    # structured output: mask(logits) sets the logits of tokens it forbids next to -inf in place, accept(token)
+    # advances it by the sampled token (hybridinfer.serve.grammar.JsonConstraint)
+    constraint: object | None = None
 
 
 class Handle:
@@ -299,9 +302,13 @@ class Scheduler:
         p, req, st = s.handle.request.params, s.handle.request, s.state
         if len(s.handle.generation.tokens) >= req.max_tokens:
             return False
+        if req.constraint is not None:
+            req.constraint.mask(s.logits)
         t = int(sample(s.logits, p.temperature, p.top_k, p.top_p, p.min_p, p.repeat_penalty, p.presence_penalty,
                        st.tokens, st.pos, p.repeat_last_n, s.rng, s.scratch.xs, s.scratch.idx))
         piece, ended = s.text.push(t)
+        if req.constraint is not None and not ended:
+            req.constraint.accept(t)
         s.handle._put(piece)
         if ended or len(s.handle.generation.tokens) >= req.max_tokens:
             return False

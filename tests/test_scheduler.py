@@ -191,3 +191,31 @@ def test_gpu_prefill_then_batched_cpu_decode_equals_alone(oracle_gguf):
     got = eng.generate_batch(reqs)
     for g, w in zip(got, want, strict=True):
         assert g.tokens == w.tokens and g.finish_reason == w.finish_reason
+
+
+class _OnlyEven:
+    """A toy constraint: odd token ids are forbidden; records what it was told."""
+
+    def __init__(self):
+        self.seen = []
+
+    def mask(self, logits):
+        logits[1::2] = -np.inf
+
+    def accept(self, t):
+        self.seen.append(t)
+        return True
+
+
+def test_constraint_masks_and_advances_in_both_paths(oracle_gguf):
+    """Request.constraint: the scheduler and Engine.stream mask each step's logits with it and tell it each token,
+    and the two paths still agree (structured output in the server rests on this)."""
+    eng = Engine.load(str(oracle_gguf("qwen35", "q8_0")), backend="cpu", n_ctx=64)
+    ids = _ids(eng.args.n_vocab, 6, 2)
+    c1, c2 = _OnlyEven(), _OnlyEven()
+    alone = eng.generate(ids, max_tokens=12, temperature=0.9, seed=4, constraint=c1)
+    (batched,) = eng.generate_batch([{"prompt": ids, "constraint": c2}], max_tokens=12, temperature=0.9, seed=4)
+    assert alone.tokens == batched.tokens and len(alone.tokens) == 12
+    assert all(t % 2 == 0 for t in alone.tokens) and c1.seen == alone.tokens == c2.seen
+    free = eng.generate(ids, max_tokens=12, temperature=0.9, seed=4)
+    assert any(t % 2 for t in free.tokens)  # without it, odd ids do come

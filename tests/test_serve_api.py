@@ -266,26 +266,9 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"
 
 
 @pytest.fixture
-def constrained(engine, monkeypatch):
-    """Stands in for the scheduler's constraint hook until it has one: a Request's `constraint` masks the logits
-    before each token is sampled and is told the token after (the contract in hybridinfer/serve/grammar.py)."""
+def constrained(engine):
+    """A server whose requests may carry a constraint (the scheduler masks each step's logits with it)."""
     pytest.importorskip("llguidance")
-    sched = engine.scheduler
-    sample = sched._sample
-
-    def constrained_sample(s):
-        c, g = getattr(s.handle.request, "constraint", None), s.handle.generation
-        if c is None:
-            return sample(s)
-        n = len(g.tokens)
-        c.mask(s.logits)
-        go = sample(s)
-        if len(g.tokens) > n:
-            assert c.accept(g.tokens[-1])
-        return go
-
-    monkeypatch.setattr(sched, "_sample", constrained_sample)
-    monkeypatch.setattr(sched, "supports_constraints", True, raising=False)
     with running(create_app(engine, model_name=MODEL)) as url:
         yield url
 

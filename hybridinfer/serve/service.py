@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import threading
 import time
 
 import anyio
 
 from ..errors import HybridInferError
-from ..scheduler import Request
 from .errors import ApiError, from_engine, unsupported
 from .metrics import Metrics
 from .prompt import TemplateInfo
@@ -30,9 +28,6 @@ class Service:
         self.info = TemplateInfo.probe(engine)
         self.scheduler = engine.scheduler
         self.limit = engine.max_seqs + max_queue  # requests held at once: running plus queued
-        # structured output needs the scheduler to mask each step's logits (a Request's `constraint`)
-        self.constraints = bool(getattr(self.scheduler, "supports_constraints", False)
-                                or "constraint" in {f.name for f in dataclasses.fields(Request)})
         self._held = 0
         self._lock = threading.Lock()
         metrics.bind(self)
@@ -64,15 +59,10 @@ class Service:
         return req
 
     def check_schema(self, response_format: dict | None) -> dict | None:
-        """The JSON schema a request's output must follow, or None; 400 where this server cannot enforce one."""
+        """The JSON schema a request's output must follow, or None (a 400 for a schema it cannot compile)."""
         from .grammar import schema_of
 
-        schema = schema_of(response_format)
-        if schema is not None and not self.constraints:
-            raise ApiError(400, f"response_format {response_format.get('type')!r} is not supported: this engine's "
-                                f"scheduler has no constrained sampling", param="response_format",
-                           code="unsupported_parameter")
-        return schema
+        return schema_of(response_format)
 
     def constrain(self, req, schema: dict | None):
         """Attach the grammar of `schema` to `req` (the scheduler masks its logits each step)."""
