@@ -16,7 +16,7 @@ from .models import model_args
 from .sampling import SamplingParams, check_int, check_stop
 from .scheduler import Handle, Request, Scheduler
 from .state import DecoderState
-from .textstream import Generation, TextStream
+from .textstream import Generation, TextStream, token_logprobs
 
 __all__ = ["Engine", "Generation", "model_cache_fingerprint"]
 
@@ -312,11 +312,16 @@ class Engine:
     def make_request(self, prompt, max_tokens: int = 128, temperature: float = 0.8, top_k: int = 40,
                      top_p: float = 0.95, seed: int | None = None, stop: list[str] | str | None = None,
                      min_p: float = 0.05, repeat_penalty: float = 1.0, presence_penalty: float = 0.0,
-                     enable_thinking: bool | None = None, constraint=None) -> Request:
+                     frequency_penalty: float = 0.0, enable_thinking: bool | None = None, constraint=None,
+                     logprobs: int | None = None) -> Request:
         """Check a request's parameters and make its prompt into token ids (typed errors naming a bad value).
-        constraint: structured output (an object with mask(logits) and accept(token); scheduler.Request)."""
+        constraint: structured output (an object with mask(logits) and accept(token); scheduler.Request).
+        logprobs: record each generated token's log-probability and this many alternatives (Generation.logprobs)."""
+        if logprobs is not None:
+            check_int("logprobs", logprobs, 0)
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                                repeat_penalty=repeat_penalty, presence_penalty=presence_penalty, seed=seed)
+                                repeat_penalty=repeat_penalty, presence_penalty=presence_penalty,
+                                frequency_penalty=frequency_penalty, seed=seed)
         max_tokens = check_int("max_tokens", max_tokens, 0)
         stops = check_stop(stop)
         ids = self.encode_prompt(prompt, enable_thinking)
@@ -326,7 +331,8 @@ class Engine:
             raise ContextLengthError(
                 f"prompt of {len(ids)} tokens + max_tokens {max_tokens} exceeds the context size "
                 f"n_ctx={self.n_ctx}")
-        return Request(ids, params, max_tokens, stops, self._turn_boundary(prompt, ids, enable_thinking), constraint)
+        return Request(ids, params, max_tokens, stops, self._turn_boundary(prompt, ids, enable_thinking), constraint,
+                       logprobs)
 
     def stream(self, prompt, max_tokens: int = 128, _result: Generation | None = None, **kw) -> Iterator[str]:
         """Yield text pieces as they are generated (stop strings are never emitted). Sampling parameters as
@@ -345,11 +351,17 @@ class Engine:
         scratch, rng = SampleScratch(logits.shape[-1]), rng_new(params.seed)
         text = TextStream(self.tokenizer, req.stops, res)
         for _ in range(req.max_tokens):
+            raw = logits.copy() if req.logprobs is not None and req.constraint is not None else logits
             if req.constraint is not None:
                 req.constraint.mask(logits)
             t = int(sample(logits, params.temperature, params.top_k, params.top_p, params.min_p,
-                           params.repeat_penalty, params.presence_penalty, state.tokens, state.pos,
+                           params.repeat_penalty, params.presence_penalty, params.frequency_penalty,
+                           state.tokens, state.pos,
                            params.repeat_last_n, rng, scratch.xs, scratch.idx))
+            if req.logprobs is not None and t not in text.stop_ids:
+                if res.logprobs is None:
+                    res.logprobs = []
+                res.logprobs.append(token_logprobs(raw, t, req.logprobs))
             piece, ended = text.push(t)
             if req.constraint is not None and not ended:
                 req.constraint.accept(t)

@@ -49,11 +49,12 @@ class SamplingParams:
     min_p: float = 0.05
     repeat_penalty: float = 1.0
     presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     repeat_last_n: int = 64
     seed: int | None = None
 
     def __post_init__(self):
-        for name in ("temperature", "top_p", "min_p", "repeat_penalty", "presence_penalty"):
+        for name in ("temperature", "top_p", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty"):
             check_number(name, getattr(self, name))
         if self.temperature < 0:
             raise ParameterError(f"temperature must be >= 0, got {self.temperature!r}")
@@ -77,10 +78,13 @@ class Sampler:
     def __call__(self, logits: np.ndarray, history: np.ndarray | None = None) -> int:
         p = self.p
         x = logits.astype(np.float64, copy=True)
-        if history is not None and len(history) and (p.repeat_penalty != 1.0 or p.presence_penalty):
-            recent = np.unique(history[-p.repeat_last_n :]) if p.repeat_last_n > 0 else np.unique(history)
+        if history is not None and len(history) and (p.repeat_penalty != 1.0 or p.presence_penalty or
+                                                     p.frequency_penalty):
+            window = history[-p.repeat_last_n :] if p.repeat_last_n > 0 else history
+            recent, count = np.unique(window, return_counts=True)
             r = x[recent]
-            x[recent] = np.where(r > 0, r / p.repeat_penalty, r * p.repeat_penalty) - p.presence_penalty
+            x[recent] = (np.where(r > 0, r / p.repeat_penalty, r * p.repeat_penalty) - count * p.frequency_penalty
+                         - p.presence_penalty)
         if p.temperature == 0.0:
             return int(np.argmax(x))
         cand = np.argsort(-x, kind="stable")

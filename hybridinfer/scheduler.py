@@ -20,7 +20,7 @@ import numpy as np
 
 from .errors import CapacityError, ParameterError
 from .sampling import SamplingParams
-from .textstream import Generation, TextStream
+from .textstream import Generation, TextStream, token_logprobs
 
 _END = object()
 
@@ -66,6 +66,7 @@ class Request:
     # structured output: mask(logits) sets the logits of tokens it forbids next to -inf in place, accept(token)
     # advances it by the sampled token (hybridinfer.serve.grammar.JsonConstraint)
     constraint: object | None = None
+    logprobs: int | None = None  # also record each token's log-probability and this many alternatives
 
 
 class Handle:
@@ -302,10 +303,16 @@ class Scheduler:
         p, req, st = s.handle.request.params, s.handle.request, s.state
         if len(s.handle.generation.tokens) >= req.max_tokens:
             return False
+        raw = s.logits.copy() if req.logprobs is not None and req.constraint is not None else s.logits
         if req.constraint is not None:
             req.constraint.mask(s.logits)
         t = int(sample(s.logits, p.temperature, p.top_k, p.top_p, p.min_p, p.repeat_penalty, p.presence_penalty,
-                       st.tokens, st.pos, p.repeat_last_n, s.rng, s.scratch.xs, s.scratch.idx))
+                       p.frequency_penalty, st.tokens, st.pos, p.repeat_last_n, s.rng, s.scratch.xs, s.scratch.idx))
+        if req.logprobs is not None and t not in s.text.stop_ids:
+            g = s.handle.generation
+            if g.logprobs is None:
+                g.logprobs = []
+            g.logprobs.append(token_logprobs(raw, t, req.logprobs))
         piece, ended = s.text.push(t)
         if req.constraint is not None and not ended:
             req.constraint.accept(t)

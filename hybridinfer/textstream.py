@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 
 @dataclass
 class Generation:
@@ -14,6 +16,18 @@ class Generation:
     prompt_tokens: int
     finish_reason: str  # "stop" (EOS or a stop string) | "length" | "cancelled"
     timings: dict = field(default_factory=dict)
+    # with Request.logprobs: per generated token {"token", "logprob", "top": [(id, logprob), ...]}
+    logprobs: list | None = None
+
+
+def token_logprobs(logits: np.ndarray, t: int, top_n: int) -> dict:
+    """The model's log-probability of token t (log-softmax of the raw logits, before any penalty, temperature or
+    constraint) and the top_n most likely tokens with theirs, most likely first (ties: lower id)."""
+    x = np.asarray(logits, np.float64)
+    m = x.max()
+    lp = x - (m + np.log(np.exp(x - m).sum()))
+    top = np.argsort(-lp, kind="stable")[:top_n] if top_n > 0 else []
+    return {"token": int(t), "logprob": float(lp[t]), "top": [(int(i), float(lp[i])) for i in top]}
 
 
 class _NoText:

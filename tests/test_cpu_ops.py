@@ -355,7 +355,8 @@ def test_decode_calls_allocate_nothing():
 # sampling ------------------------------------------------------------------------------------------
 def _nb_sample(logits, p: SamplingParams, hist, rng, scr):
     return sampling_nb.sample(logits, p.temperature, p.top_k, p.top_p, p.min_p, p.repeat_penalty,
-                              p.presence_penalty, hist, len(hist), p.repeat_last_n, rng, scr.xs, scr.idx)
+                              p.presence_penalty, p.frequency_penalty, hist, len(hist), p.repeat_last_n, rng, scr.xs,
+                              scr.idx)
 
 
 def _ref_distribution(logits, p: SamplingParams, hist):
@@ -389,8 +390,9 @@ def test_sample_greedy_exact():
             hist = rs.integers(0, V, 20).astype(np.int32)
             if trial == 2:
                 hist[:] = np.argmax(logits)  # the penalty moves the arg max
-            for rp, pp in ((1.0, 0.0), (1.3, 0.5)):
-                p = SamplingParams(temperature=0.0, repeat_penalty=rp, presence_penalty=pp, repeat_last_n=8)
+            for rp, pp, fp in ((1.0, 0.0, 0.0), (1.3, 0.5, 0.0), (1.0, 0.0, 0.7), (1.2, 0.3, 0.4)):
+                p = SamplingParams(temperature=0.0, repeat_penalty=rp, presence_penalty=pp, frequency_penalty=fp,
+                                   repeat_last_n=8)
                 assert _nb_sample(logits, p, hist, rng, scr) == Sampler(p)(logits, hist)
 
 
@@ -399,6 +401,7 @@ def test_sample_greedy_exact():
     dict(temperature=1.3, top_k=0, top_p=0.8, min_p=0.0),
     dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0),
     dict(temperature=0.9, top_k=8, top_p=0.9, min_p=0.1, repeat_penalty=1.5, presence_penalty=0.3),
+    dict(temperature=0.8, top_k=0, top_p=1.0, min_p=0.0, frequency_penalty=0.6, repeat_last_n=16),
     dict(temperature=1.5, top_k=0, top_p=0.95, min_p=0.05, repeat_penalty=0.8, repeat_last_n=0),
 ])
 def test_sample_distribution(params):

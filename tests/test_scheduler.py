@@ -219,3 +219,25 @@ def test_constraint_masks_and_advances_in_both_paths(oracle_gguf):
     assert all(t % 2 == 0 for t in alone.tokens) and c1.seen == alone.tokens == c2.seen
     free = eng.generate(ids, max_tokens=12, temperature=0.9, seed=4)
     assert any(t % 2 for t in free.tokens)  # without it, odd ids do come
+
+
+def test_logprobs_and_frequency_penalty_in_both_paths(oracle_gguf):
+    """logprobs: each generated token's log-softmax (of the raw logits) and the top alternatives, the same through
+    the scheduler and Engine.stream; frequency_penalty changes what is sampled and is checked like the others."""
+    eng = Engine.load(str(oracle_gguf("qwen35moe", "q8_0")), backend="cpu", n_ctx=64)
+    ids = _ids(eng.args.n_vocab, 5, 8)
+    alone = eng.generate(ids, max_tokens=6, temperature=0, logprobs=3)
+    (batched,) = eng.generate_batch([ids], max_tokens=6, temperature=0, logprobs=3)
+    assert alone.logprobs == batched.logprobs and len(alone.logprobs) == 6
+    st = eng.new_state()
+    lg = eng.prefill(ids, st)[-1]
+    first = alone.logprobs[0]
+    want = lg.astype(np.float64) - np.log(np.exp(lg.astype(np.float64) - lg.max()).sum()) - lg.max()
+    assert first["token"] == alone.tokens[0] == int(np.argmax(lg))  # greedy: the most likely token
+    assert first["logprob"] == pytest.approx(want[first["token"]], abs=1e-9)
+    assert [i for i, _ in first["top"]] == list(np.argsort(-want, kind="stable")[:3])
+    plain = eng.generate(ids, max_tokens=12, temperature=0)
+    pen = eng.generate(ids, max_tokens=12, temperature=0, frequency_penalty=5.0)
+    assert plain.tokens != pen.tokens
+    with pytest.raises(ParameterError, match="frequency_penalty"):
+        eng.generate(ids, frequency_penalty=float("nan"))

@@ -71,37 +71,42 @@ def _sift_down(xs, h, i, n, best_root):
 
 
 @njit(**_jit)
-def _apply_penalties(xs, history, n_hist, last_n, repeat_penalty, presence_penalty, idx):
-    """Each distinct token of the window is penalised once: x/rp if x > 0 else x*rp, then - presence.
-    idx serves as the mark array (only window entries are touched); ids outside [0, V) are ignored."""
+def _apply_penalties(xs, history, n_hist, last_n, repeat_penalty, presence_penalty, frequency_penalty, idx):
+    """Each distinct token of the window is penalised once, as llama.cpp's penalties sampler does:
+    x/rp if x > 0 else x*rp, then - count * frequency - presence (count: its occurrences in the window).
+    idx serves as the count array (only window entries are touched); ids outside [0, V) are ignored."""
     V = xs.shape[0]
     lo = max(0, n_hist - last_n) if last_n > 0 else 0
     for i in range(lo, n_hist):
         if 0 <= history[i] < V:
             idx[history[i]] = 0
     for i in range(lo, n_hist):
+        if 0 <= history[i] < V:
+            idx[history[i]] += 1
+    for i in range(lo, n_hist):
         tok = history[i]
-        if 0 <= tok < V and idx[tok] == 0:
-            idx[tok] = 1
+        if 0 <= tok < V and idx[tok] > 0:
+            c = idx[tok]
+            idx[tok] = 0  # done: a later occurrence is not penalised again
             r = xs[tok]
             r = r / repeat_penalty if r > 0 else r * repeat_penalty
-            xs[tok] = r - presence_penalty
+            xs[tok] = r - c * frequency_penalty - presence_penalty
 
 
 @njit(**_jit)
-def sample(logits, temperature, top_k, top_p, min_p, repeat_penalty, presence_penalty, history, n_hist,
-           last_n, rng, xs, idx):
+def sample(logits, temperature, top_k, top_p, min_p, repeat_penalty, presence_penalty, frequency_penalty, history,
+           n_hist, last_n, rng, xs, idx):
     """One token id from logits (V,) float32.
 
     Penalties on the distinct tokens of history[n_hist-last_n:n_hist] (all of history[:n_hist] when
-    last_n <= 0) if repeat_penalty != 1 or presence_penalty != 0; temperature == 0: the arg max (lowest
-    id on ties). Otherwise candidates ranked by logit (ties: lower id), top_k (0 = off), top_p
+    last_n <= 0) if repeat_penalty != 1 or presence_penalty or frequency_penalty != 0; temperature == 0:
+    the arg max (lowest id on ties). Otherwise candidates ranked by logit (ties: lower id), top_k (0 = off), top_p
     (smallest prefix with cumulative probability >= top_p; 1 = off), min_p (p >= min_p * p_max; 0 =
     off), softmax of logit/temperature over the survivors, one uniform from rng (uint64[1], advanced).
     xs (V,) float64 and idx (V,) int32 are scratch. Arithmetic in float64, as sampling.py.
     """
     V = logits.shape[0]
-    penalise = n_hist > 0 and (repeat_penalty != 1.0 or presence_penalty != 0.0)
+    penalise = n_hist > 0 and (repeat_penalty != 1.0 or presence_penalty != 0.0 or frequency_penalty != 0.0)
     if temperature == 0.0 and not penalise:
         best, bv = 0, logits[0]
         for i in range(1, V):
@@ -111,7 +116,7 @@ def sample(logits, temperature, top_k, top_p, min_p, repeat_penalty, presence_pe
     for i in range(V):
         xs[i] = logits[i]
     if penalise:
-        _apply_penalties(xs, history, n_hist, last_n, repeat_penalty, presence_penalty, idx)
+        _apply_penalties(xs, history, n_hist, last_n, repeat_penalty, presence_penalty, frequency_penalty, idx)
     if temperature == 0.0:
         best, bv = 0, xs[0]
         for i in range(1, V):
@@ -211,4 +216,4 @@ def warmup() -> None:
     hist = np.arange(4, dtype=np.int32)
     rng = rng_new(0)
     for tk in (0, 4):
-        sample(lg, 0.8, tk, 0.9, 0.05, 1.1, 0.1, hist, 4, 64, rng, sc.xs, sc.idx)
+        sample(lg, 0.8, tk, 0.9, 0.05, 1.1, 0.1, 0.2, hist, 4, 64, rng, sc.xs, sc.idx)
