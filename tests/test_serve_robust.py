@@ -84,7 +84,8 @@ BAD = [
     (CHAT, {"model": MODEL, "messages": Q, "frequency_penalty": 0.5}, 400, "frequency_penalty"),
     (CHAT, {"model": MODEL, "messages": Q, "n": 2}, 400, "n"),
     (CHAT, {"model": MODEL, "messages": Q, "logprobs": True}, 400, "logprobs"),
-    (CHAT, {"model": MODEL, "messages": Q, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    (CHAT, {"model": MODEL, "messages": Q, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "nonsense"}}}}, 400, "response_format"),
     (CHAT, {"model": MODEL, "messages": Q, "stop": [""]}, 400, "stop"),
     (CHAT, {"model": MODEL, "messages": Q, "logit_bias": {"42": 100}}, 400, "logit_bias"),
     (CHAT, {"model": MODEL, "messages": Q, "tool_choice": "required"}, 400, "tool_choice"),
@@ -104,7 +105,7 @@ BAD = [
     (MSGS, {"model": MODEL, "messages": Q, "max_tokens": 4, "tool_choice": {"type": "any"}}, 400, "tool_choice"),
     (MSGS + "/count_tokens", {"model": MODEL}, 400, "messages"),
     (MSGS, {"model": MODEL, "messages": Q, "max_tokens": 4, "output_config": {"format": {"type": "json_schema",
-                                                                                         "schema": {}}}},
+                                                                                         "schema": {"type": 7}}}},
      400, "response_format"),
     (CHAT, b"{\"model\": \"" + b"x" * (65 << 10) + b"\"}", 413, "limit"),
 ]
