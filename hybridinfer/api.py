@@ -266,13 +266,39 @@ class Engine:
             return self._start(ids, state, turn_boundary, shared_at)
 
     def _start(self, ids, state, turn_boundary, shared_at=()):
+        lg, stats, todo = self._restore(ids, state, turn_boundary, shared_at)
+        if todo is not None:
+            lg = self._prefill(*todo)[-1]
+        return lg, stats
+
+    def _start_many(self, items) -> list[tuple[np.ndarray, dict]]:
+        """`_start` for several (ids, state, turn_boundary, shared_at): each restores its cached prefix, then a
+        single-pass backend prefills all of the rest in one pass (each layer's weights streamed once for all)."""
+        if not self.backend.single_pass or len(items) < 2:
+            return [self._start(*it) for it in items]
+        out, todo = [], []
+        for j, it in enumerate(items):
+            lg, stats, rest = self._restore(*it)
+            out.append((lg, stats))
+            if rest is not None:
+                todo.append((j, rest))
+        if todo:
+            lgs = self.backend.prefill_many([(ids, st, at, cb) for _, (ids, st, _, at, cb) in todo])
+            for (j, (_, st, _, at, cb)), lg in zip(todo, lgs, strict=True):
+                if cb is not None and st.pos in set(at):
+                    cb(st, lg[-1])
+                out[j] = (lg[-1], out[j][1])
+        return out
+
+    def _restore(self, ids, state, turn_boundary, shared_at):
+        """The longest cached prefix of `ids` restored into `state` (with a prefix cache), its stats, and what is
+        left to prefill as _prefill's arguments (None when nothing is), with the snapshot positions on the way."""
         t0 = time.perf_counter()
         stats = {"prompt_tokens": len(ids), "reused_tokens": 0, "restore_s": 0.0}
         cache = self.prefix_cache
         if cache is None:
-            lg = self._prefill(ids, state, False, (), None)[-1]
             stats["prefilled_tokens"] = len(ids)
-            return lg, stats
+            return None, stats, (ids, state, False, (), None)
         state.check_room(len(ids))
         hit = cache.lookup(ids, max_pos=len(ids))
         if hit is not None and hit.pos == len(ids) and not hit.has_logits:
@@ -284,20 +310,19 @@ class Engine:
             stats["restore_s"] = time.perf_counter() - t0
         n = len(ids)
         stats["prefilled_tokens"] = n - state.pos
-        if state.pos < n:
-            stride = self.snapshot_stride
-            at = set(range(stride, n, stride)) if stride else set()
-            if turn_boundary is not None:
-                at.add(turn_boundary)
-            at.update(p for p in shared_at if state.pos < p < n)  # where prompts queued beside it part ways
-            shared = cache.known_prefix(ids)  # where this prompt leaves a cached one: the next may share it too
-            if state.pos < shared < n:
-                at.add(shared)
-            at.add(n)
-            lg = self._prefill(ids[state.pos :], state, False, sorted(at),
-                               lambda st, last: cache.save(st, last if st.pos == n else None, defer_disk=True))
-            lg = lg[-1]
-        return lg, stats
+        if state.pos >= n:
+            return lg, stats, None
+        stride = self.snapshot_stride
+        at = set(range(stride, n, stride)) if stride else set()
+        if turn_boundary is not None:
+            at.add(turn_boundary)
+        at.update(p for p in shared_at if state.pos < p < n)  # where prompts queued beside it part ways
+        shared = cache.known_prefix(ids)  # where this prompt leaves a cached one: the next may share it too
+        if state.pos < shared < n:
+            at.add(shared)
+        at.add(n)
+        save = lambda st, last: cache.save(st, last if st.pos == n else None, defer_disk=True)  # noqa: E731
+        return lg, stats, (ids[state.pos :], state, False, sorted(at), save)
 
     def logits(self, ids) -> np.ndarray:
         """Logits (len(ids), n_vocab) float32 for every position, from a fresh state."""

@@ -38,6 +38,19 @@ class Backend(ABC):
         """Make the weights ready now (with a progress bar) instead of at first use."""
         return None  # nothing to prepare unless a backend says so
 
+    def prefill_many(self, prompts) -> list[np.ndarray]:
+        """Prefill several prompts, each (ids, state, snapshot_at, on_snapshot), and return each one's last-token
+        logits (1, n_vocab). This default runs them one by one (one forward per prompt, snapshots through the
+        single-pass protocol where the backend has it); the GPU prefills them in one pass."""
+        out = []
+        for ids, st, at, cb in prompts:
+            if self.single_pass:
+                lg = self.forward(ids, st, all_logits=False, snapshot_at=at, on_snapshot=cb)
+            else:
+                lg = self.forward(ids, st, all_logits=False)
+            out.append(np.array(lg[-1:], copy=True))
+        return out
+
     def decode_batch(self, tokens, states) -> np.ndarray:
         """One token for each of several sequences: logits (B, n_vocab), row j as forward([tokens[j]], states[j])
         gives it. This default runs them one by one; a backend that reads its weights once for all overrides it."""
@@ -64,6 +77,15 @@ class GPUPrefillCPUDecode(Backend):
 
     def decode_batch(self, tokens, states) -> np.ndarray:
         return self.cpu.decode_batch(tokens, states)
+
+    def prefill_many(self, prompts) -> list[np.ndarray]:
+        """(ids, state, snapshot_at, on_snapshot) each: all in one streamed GPU pass where the buffers allow (each
+        layer's weights cross the bus once for all); each prompt's last-token logits (1, n_vocab)."""
+        if all(len(p[0]) >= self.min_gpu_tokens for p in prompts):
+            from .gpu.multi import forward_many
+
+            return forward_many(self.gpu, prompts)
+        return super().prefill_many(prompts)
 
     def forward(self, tokens, state, all_logits: bool = True, snapshot_at=(), on_snapshot=None):
         if len(tokens) >= self.min_gpu_tokens:

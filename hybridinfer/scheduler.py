@@ -228,14 +228,7 @@ class Scheduler:
             new = self._admit()
             with self._cv:
                 queued = [h.request.ids for h in self._waiting]
-            for j, s in enumerate(new):
-                later = [t.handle.request.ids for t in new[j + 1 :]] + queued
-                try:
-                    self._start(s, shared_points(s.handle.request.ids, later) if eng.prefix_cache else ())
-                except Exception as e:  # noqa: BLE001 - this request's error goes to its caller
-                    self._release(s, error=e)
-                    continue
-                self._running.append(s)
+            self._start(new, queued)
             self.peak_running = max(self.peak_running, len(self._running))
             go = []
             for s in self._running:
@@ -283,17 +276,40 @@ class Scheduler:
                 out.append(_Seq(h, reserved=need))
         return out
 
-    def _start(self, s: _Seq, shared_at) -> None:
+    def _start(self, new: list[_Seq], queued: list[list[int]]) -> None:
+        """Prefill the newly admitted sequences (together: the GPU takes them in one pass) and run them; one whose
+        prefill fails gets its error, the others go on."""
         from .cpu.sampling_nb import SampleScratch, rng_new
 
-        eng, req = self.engine, s.handle.request
-        s.t0 = time.perf_counter()
-        s.state = eng.new_state()
-        s.logits, s.stats = eng._start(req.ids, s.state, req.turn_boundary, shared_at)
-        s.logits = np.array(s.logits, copy=True)
-        s.t1 = time.perf_counter()
-        s.text = TextStream(eng.tokenizer, req.stops, s.handle.generation)
-        s.scratch, s.rng = SampleScratch(s.logits.shape[-1]), rng_new(req.params.seed)
+        eng = self.engine
+        items = []
+        for j, s in enumerate(new):
+            req = s.handle.request
+            later = [t.handle.request.ids for t in new[j + 1 :]] + queued
+            s.t0 = time.perf_counter()
+            s.state = eng.new_state()
+            items.append((req.ids, s.state, req.turn_boundary,
+                          shared_points(req.ids, later) if eng.prefix_cache else ()))
+        try:
+            started = eng._start_many(items)
+        except Exception:  # noqa: BLE001 - find whose it is: one by one, each error to its own caller
+            started = []
+            for s, it in zip(new, items, strict=True):
+                s.state = eng.new_state()
+                try:
+                    started.append(eng._start(it[0], s.state, it[2], it[3]))
+                except Exception as e:  # noqa: BLE001
+                    started.append(e)
+        for s, got in zip(new, started, strict=True):
+            if isinstance(got, Exception):
+                self._release(s, error=got)
+                continue
+            req = s.handle.request
+            s.logits, s.stats = np.array(got[0], copy=True), got[1]
+            s.t1 = time.perf_counter()
+            s.text = TextStream(eng.tokenizer, req.stops, s.handle.generation)
+            s.scratch, s.rng = SampleScratch(s.logits.shape[-1]), rng_new(req.params.seed)
+            self._running.append(s)
 
     def _sample(self, s: _Seq) -> bool:
         """Sample the next token of `s` from its logits; False when the sequence has ended. A token that goes on

@@ -200,7 +200,7 @@ class GPUModel:
         # everything the layers need from the host goes up now: a synchronous copy inside the loop would wait
         # for the copy stream too (legacy default stream) and undo the overlap of uploads and compute
         b.pos[:T].set(np.arange(p0, p0 + T, dtype=np.int32))
-        if snaps:
+        if snaps and "gdn" in a.layer_types:  # attention-only models snapshot by position alone (K/V rows)
             b.snap_pos[: len(snaps)].set(np.array([sp - (sp - 1) // self.chunk * self.chunk for sp in snaps],
                                                   np.int32))
         snap_host = [(DecoderState(n_ctx=state.n_ctx, layer_types=state.layer_types, pos=p0 + s,
@@ -312,8 +312,10 @@ class GPUModel:
         return np.concatenate(out, axis=0)
 
     # mixers --------------------------------------------------------------------------------------------
-    def _attention(self, L, i: int, x, pos0: int, pos):
+    def _attention(self, L, i: int, x, pos0: int, pos, base: int = 0):
+        """base: the first cache row of this sequence's K/V (a pass over several prompts gives each its rows)."""
         a, b, s = self.args, self.buf, self.stream
+        kc, vc = (b.kc[i], b.vc[i]) if base == 0 else (b.kc[i][base:], b.vc[i][base:])
         n, hd = x.shape[0], a.head_dim
         qg = kgm.gemm(x, L.w("attn_q"), out=b.qg[:n], stream=s)
         k = kgm.gemm(x, L.w("attn_k"), out=b.k[:n].reshape(n, a.n_head_kv * hd), stream=s)
@@ -330,9 +332,9 @@ class GPUModel:
         ke.rope_neox(q, pos, a.n_rot, a.rope_theta, stream=s, neox=a.rope_neox)
         k3 = k.reshape(n, a.n_head_kv, hd)
         ke.rope_neox(k3, pos, a.n_rot, a.rope_theta, stream=s, neox=a.rope_neox)
-        ka.kv_append(k3, v.reshape(n, a.n_head_kv, hd), b.kc[i], b.vc[i], pos0, stream=s)
+        ka.kv_append(k3, v.reshape(n, a.n_head_kv, hd), kc, vc, pos0, stream=s)
         o = b.o[:n]
-        ka.attention_prefill(q, b.kc[i], b.vc[i], o, pos0, stream=s)
+        ka.attention_prefill(q, kc, vc, o, pos0, stream=s)
         if a.attn_gate:
             ke.sigmoid_mul(o.reshape(n * a.n_head, hd), qg2, g_off=hd, stream=s)
         return kgm.gemm(o.reshape(n, a.n_head * hd), L.w("attn_output"), out=b.mix[:n], stream=s)
