@@ -1,11 +1,12 @@
 """Several prompts in one streamed GPU pass: each layer's weights cross the bus once for all of them.
 
-The pass is layer-major as the one-prompt pass (GPUModel.forward) is. Within a layer the prompts run one after the
-other, each in its own chunks, continuing its own state: its hidden rows sit at its own offset of the hidden buffer,
-its K/V at its own rows of the cache (`base`), and the card's one copy of a GDN layer's conv and S is loaded with the
-prompt's state before its chunks (zeroed at position 0, copied up after a restore) and copied back after them. The
-arithmetic per prompt is the one-prompt pass's, so each prompt's logits equal those of a pass of its own (to float
-rounding of the GEMM tiles, which do not depend on other rows).
+The pass is layer-major as the one-prompt pass (GPUModel.forward) is. Within a layer the mixer (GDN or attention)
+runs prompt after prompt, each in its own chunks, continuing its own state: its hidden rows sit at its own offset of
+the hidden buffer, its K/V at its own rows of the cache (`base`), and the card's one copy of a GDN layer's conv and S
+is loaded with the prompt's state before its chunks (zeroed at position 0, copied up after a restore) and queued down
+into page-locked mirrors after them. The FFN or MoE works row by row, so it runs over all prompts' rows together in
+full chunks (short prompts would otherwise each make small GEMMs and read every selected expert again). Each
+prompt's logits equal those of a pass of its own to the float rounding of the GEMM tiles.
 """
 
 from __future__ import annotations
@@ -108,20 +109,19 @@ def _pass(m, items: list[Item]) -> list[np.ndarray]:
     stream_w.prefetch(0)
     n_chunks = m.counts_host.shape[1] if a.is_moe else 0
     used_chunks = 0
+    pinned = _pinned_states(m, len(items))
+    post = "ffn_norm" if a.arch == "llama" else "post_attention_norm"
     for i in range(a.n_layer):
         stream_w.prefetch(i + 1)
         L = _Names(i, stream_w.weights(i, m.layer_names[i]), m.vec)
         kind = a.layer_types[i]
-        k_chunk = 0
-        for it in items:
+        for j, it in enumerate(items):  # the mixer: each prompt in its own chunks, continuing its own state
             st, p0, T = it.state, it.state.pos, len(it.ids)
             if kind == "gdn":
                 _load_gdn(drv, b, i, st, s)
             pad = [-1] * it.snap0 + it.snaps  # _gdn picks this prompt's snapshot slots by their index
             for c0 in range(0, T, C):
                 c1 = min(T, c0 + C)
-                m._chunk_no = min(k_chunk, n_chunks - 1) if n_chunks else 0  # expert counts: shared past the end
-                k_chunk += 1
                 h = b.h[it.off + c0 : it.off + c1]
                 x = b.x[: c1 - c0]
                 ke.rms_norm(h, L.v("attn_norm"), a.rms_eps, out=x, stream=s)
@@ -130,20 +130,29 @@ def _pass(m, items: list[Item]) -> list[np.ndarray]:
                 else:
                     mix = m._attention(L, i, x, p0 + c0, b.pos[it.off + c0 : it.off + c1], base=it.base)
                 ke.add(h, mix, stream=s)
-                post = "ffn_norm" if a.arch == "llama" else "post_attention_norm"
-                ke.rms_norm(h, L.v(post), a.rms_eps, out=x, stream=s)
-                ke.add(h, m._moe(L, x) if a.is_moe else m._ffn(L, x), stream=s)
-            if kind == "gdn":  # the prompt's final state of this layer, before the next prompt's replaces it
-                b.S[i].get(ary=st.ssm[i], stream=s)
-                b.conv[i].get(ary=st.conv[i], stream=s)
+            if kind == "gdn":  # its final state of this layer, queued before the next prompt's replaces it
+                S_h, conv_h = pinned[j][i]
+                drv.memcpy_dtoh_async(S_h, b.S[i].gpudata, s)
+                drv.memcpy_dtoh_async(conv_h, b.conv[i].gpudata, s)
+        k_chunk = 0
+        for r0 in range(0, off, C):  # the FFN is row by row: all prompts' rows together, in full chunks
+            r1 = min(off, r0 + C)
+            m._chunk_no = min(k_chunk, n_chunks - 1) if n_chunks else 0  # expert counts: shared past the end
+            k_chunk += 1
+            h, x = b.h[r0:r1], b.x[: r1 - r0]
+            ke.rms_norm(h, L.v(post), a.rms_eps, out=x, stream=s)
+            ke.add(h, m._moe(L, x) if a.is_moe else m._ffn(L, x), stream=s)
         used_chunks = max(used_chunks, k_chunk)
         stream_w.release(i)
     logits = _heads(m, items)
     s.synchronize()
     m.last_timing = {"bytes_h2d": stream_w.bytes_h2d, "copy_s": stream_w.copy_seconds(), "tokens": off,
                      "prompts": len(items)}
-    for it in items:
+    for j, it in enumerate(items):
         st, p0, T = it.state, it.state.pos, len(it.ids)
+        for i, (S_h, conv_h) in pinned[j].items():
+            np.copyto(st.ssm[i], S_h)
+            np.copyto(st.conv[i], conv_h)
         for i in b.kc:
             st.k[i][p0 : p0 + T] = b.kc[i][it.base + p0 : it.base + p0 + T].get()
             st.v[i][p0 : p0 + T] = b.vc[i][it.base + p0 : it.base + p0 + T].get()
@@ -158,6 +167,18 @@ def _pass(m, items: list[Item]) -> list[np.ndarray]:
             for r in range(len(it.snaps)):
                 it.on_snapshot(snap_host[it.snap0 + r], None)
     return logits
+
+
+def _pinned_states(m, n: int) -> list[dict]:
+    """Page-locked host mirrors of every GDN layer's S and conv for n prompts (kept on the model and grown as
+    needed): a prompt's layer state goes down into them without waiting for the card, while it goes on."""
+    b = m.buf
+    have = getattr(m, "_multi_pinned", [])
+    while len(have) < n:
+        have.append({i: (m.drv.pagelocked_empty(b.S[i].shape, np.float32),
+                         m.drv.pagelocked_empty(b.conv[i].shape, np.float32)) for i in getattr(b, "S", {})})
+    m._multi_pinned = have
+    return have[:n]
 
 
 def _load_gdn(drv, b, i: int, st: DecoderState, s) -> None:
