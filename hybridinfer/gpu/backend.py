@@ -312,10 +312,10 @@ class GPUModel:
         return np.concatenate(out, axis=0)
 
     # mixers --------------------------------------------------------------------------------------------
-    def _attention(self, L, i: int, x, pos0: int, pos, base: int = 0):
-        """base: the first cache row of this sequence's K/V (a pass over several prompts gives each its rows)."""
+    def _attention(self, L, i: int, x, pos0: int, pos, segs=None):
+        """segs: (row0, row1, pos0, base) per sequence among x's rows (a pass over several prompts: the projections
+        over all rows, the cache and attention per sequence, its K/V from cache row `base`); None: one sequence."""
         a, b, s = self.args, self.buf, self.stream
-        kc, vc = (b.kc[i], b.vc[i]) if base == 0 else (b.kc[i][base:], b.vc[i][base:])
         n, hd = x.shape[0], a.head_dim
         qg = kgm.gemm(x, L.w("attn_q"), out=b.qg[:n], stream=s)
         k = kgm.gemm(x, L.w("attn_k"), out=b.k[:n].reshape(n, a.n_head_kv * hd), stream=s)
@@ -332,14 +332,20 @@ class GPUModel:
         ke.rope_neox(q, pos, a.n_rot, a.rope_theta, stream=s, neox=a.rope_neox)
         k3 = k.reshape(n, a.n_head_kv, hd)
         ke.rope_neox(k3, pos, a.n_rot, a.rope_theta, stream=s, neox=a.rope_neox)
-        ka.kv_append(k3, v.reshape(n, a.n_head_kv, hd), kc, vc, pos0, stream=s)
-        o = b.o[:n]
-        ka.attention_prefill(q, kc, vc, o, pos0, stream=s)
+        v3, o = v.reshape(n, a.n_head_kv, hd), b.o[:n]
+        for r0, r1, p0, base in segs or [(0, n, pos0, 0)]:
+            kc, vc = (b.kc[i], b.vc[i]) if base == 0 else (b.kc[i][base:], b.vc[i][base:])
+            ka.kv_append(k3[r0:r1], v3[r0:r1], kc, vc, p0, stream=s)
+            ka.attention_prefill(q[r0:r1], kc, vc, o[r0:r1], p0, stream=s)
         if a.attn_gate:
             ke.sigmoid_mul(o.reshape(n * a.n_head, hd), qg2, g_off=hd, stream=s)
         return kgm.gemm(o.reshape(n, a.n_head * hd), L.w("attn_output"), out=b.mix[:n], stream=s)
 
-    def _gdn(self, L, i: int, x, c0: int, snaps: list[int], snap_host: list):
+    def _gdn(self, L, i: int, x, c0: int, snaps: list[int], snap_host: list, segs=None):
+        """segs: (row0, row1, c0, snaps, before, after) per sequence among x's rows (a pass over several prompts:
+        the projections over all rows, conv and recurrence per sequence, before() / after() loading and saving its
+        state on the card; c0 its first row's offset in its prompt, snaps its snapshot positions by slot);
+        None: one sequence, x's rows from c0 of it."""
         a, b, s = self.args, self.buf, self.stream
         n = x.shape[0]
         side = self._fork()
@@ -348,18 +354,24 @@ class GPUModel:
         u = kgm.gemm(x, L.w("attn_qkv"), out=b.u[:n], stream=s)
         z = kgm.gemm(x, L.w("attn_gate"), out=b.z[:n], stream=s)
         self._join()
-        mine = [j for j, p in enumerate(snaps) if c0 < p <= c0 + n]  # positions relative to c0 are in snap_pos
-        sp = sc = sS = None
-        if mine:
-            j0, j1 = mine[0], mine[-1] + 1
-            sp, sc, sS = b.snap_pos[j0:j1], b.snap_conv[j0:j1], b.snap_S[j0:j1]
         y = b.y[:n]
-        kg.gdn_prefill(u, z, ga, gb, L.v("ssm_conv1d"), L.v("ssm_a"), L.v("ssm_dt.bias"),
-                       L.v("ssm_norm"), b.conv[i], b.S[i], y, a.ssm_n_k_heads, a.ssm_d_k, a.rms_eps,
-                       a.gdn_head_map, sp, sc, sS, c=b.c[:n], stream=s)
-        for r, j in enumerate(mine):  # synchronous, but only when the prefix cache asks for snapshots
-            sc[r].get(ary=snap_host[j].conv[i], stream=s)
-            sS[r].get(ary=snap_host[j].ssm[i], stream=s)
+        for r0, r1, q0, sn, before, after in segs or [(0, n, c0, snaps, None, None)]:
+            if before is not None:
+                before()
+            m = r1 - r0
+            mine = [j for j, p in enumerate(sn) if q0 < p <= q0 + m]  # positions relative to q0 are in snap_pos
+            sp = sc = sS = None
+            if mine:
+                j0, j1 = mine[0], mine[-1] + 1
+                sp, sc, sS = b.snap_pos[j0:j1], b.snap_conv[j0:j1], b.snap_S[j0:j1]
+            kg.gdn_prefill(u[r0:r1], z[r0:r1], ga[r0:r1], gb[r0:r1], L.v("ssm_conv1d"), L.v("ssm_a"),
+                           L.v("ssm_dt.bias"), L.v("ssm_norm"), b.conv[i], b.S[i], y[r0:r1], a.ssm_n_k_heads,
+                           a.ssm_d_k, a.rms_eps, a.gdn_head_map, sp, sc, sS, c=b.c[r0:r1], stream=s)
+            for r, j in enumerate(mine):  # synchronous, but only when the prefix cache asks for snapshots
+                sc[r].get(ary=snap_host[j].conv[i], stream=s)
+                sS[r].get(ary=snap_host[j].ssm[i], stream=s)
+            if after is not None:
+                after()
         return kgm.gemm(y.reshape(n, -1), L.w("ssm_out"), out=b.mix[:n], stream=s)
 
     def _ffn(self, L, x):

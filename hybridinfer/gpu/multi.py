@@ -89,8 +89,8 @@ def _pass(m, items: list[Item]) -> list[np.ndarray]:
     b.h[:off].set(emb)
     b.pos[:off].set(np.concatenate([np.arange(it.state.pos, it.state.pos + len(it.ids), dtype=np.int32)
                                     for it in items]))
-    if n_snap and "gdn" in a.layer_types:  # as the one-prompt pass keeps them: each one's position in its chunk
-        sp = [p - (p - 1) // C * C for it in items for p in it.snaps]
+    if n_snap and "gdn" in a.layer_types:  # each snapshot's position within the piece of its prompt holding it
+        sp = [p - _piece_start(it, p, C) for it in items for p in it.snaps]
         b.snap_pos[:n_snap].set(np.array(sp, np.int32))
     snap_host = [None] * n_snap
     for it in items:
@@ -115,25 +115,22 @@ def _pass(m, items: list[Item]) -> list[np.ndarray]:
         stream_w.prefetch(i + 1)
         L = _Names(i, stream_w.weights(i, m.layer_names[i]), m.vec)
         kind = a.layer_types[i]
-        for j, it in enumerate(items):  # the mixer: each prompt in its own chunks, continuing its own state
-            st, p0, T = it.state, it.state.pos, len(it.ids)
+        for r0 in range(0, off, C):  # chunks of all prompts' rows: projections together, the rest per prompt
+            r1 = min(off, r0 + C)
+            h, x = b.h[r0:r1], b.x[: r1 - r0]
+            ke.rms_norm(h, L.v("attn_norm"), a.rms_eps, out=x, stream=s)
+            pieces = _pieces(items, r0, r1)
             if kind == "gdn":
-                _load_gdn(drv, b, i, st, s)
-            pad = [-1] * it.snap0 + it.snaps  # _gdn picks this prompt's snapshot slots by their index
-            for c0 in range(0, T, C):
-                c1 = min(T, c0 + C)
-                h = b.h[it.off + c0 : it.off + c1]
-                x = b.x[: c1 - c0]
-                ke.rms_norm(h, L.v("attn_norm"), a.rms_eps, out=x, stream=s)
-                if kind == "gdn":
-                    mix = m._gdn(L, i, x, c0, pad, snap_host)
-                else:
-                    mix = m._attention(L, i, x, p0 + c0, b.pos[it.off + c0 : it.off + c1], base=it.base)
-                ke.add(h, mix, stream=s)
-            if kind == "gdn":  # its final state of this layer, queued before the next prompt's replaces it
-                S_h, conv_h = pinned[j][i]
-                drv.memcpy_dtoh_async(S_h, b.S[i].gpudata, s)
-                drv.memcpy_dtoh_async(conv_h, b.conv[i].gpudata, s)
+                segs = [(q - r0, e - r0, q - it.off, [-1] * it.snap0 + it.snaps,
+                         (lambda st=it.state, i=i: _load_gdn(drv, b, i, st, s)) if q == it.off else None,
+                         (lambda j=j, i=i: _save_gdn(drv, b, i, pinned[j][i], s))
+                         if e == it.off + len(it.ids) else None)
+                        for j, it, q, e in pieces]
+                mix = m._gdn(L, i, x, 0, [], snap_host, segs=segs)
+            else:
+                segs = [(q - r0, e - r0, it.state.pos + q - it.off, it.base) for _, it, q, e in pieces]
+                mix = m._attention(L, i, x, 0, b.pos[r0:r1], segs=segs)
+            ke.add(h, mix, stream=s)
         k_chunk = 0
         for r0 in range(0, off, C):  # the FFN is row by row: all prompts' rows together, in full chunks
             r1 = min(off, r0 + C)
@@ -179,6 +176,28 @@ def _pinned_states(m, n: int) -> list[dict]:
                          m.drv.pagelocked_empty(b.conv[i].shape, np.float32)) for i in getattr(b, "S", {})})
     m._multi_pinned = have
     return have[:n]
+
+
+def _pieces(items: list[Item], r0: int, r1: int) -> list[tuple[int, Item, int, int]]:
+    """(index, item, first row, end row) of each prompt with rows in [r0, r1) of the hidden buffer, in order."""
+    out = []
+    for j, it in enumerate(items):
+        q, e = max(r0, it.off), min(r1, it.off + len(it.ids))
+        if q < e:
+            out.append((j, it, q, e))
+    return out
+
+
+def _piece_start(it: Item, p: int, C: int) -> int:
+    """The offset in its prompt of the piece (the part of a chunk of C hidden rows) holding its position p."""
+    r0 = (it.off + p - 1) // C * C
+    return max(r0, it.off) - it.off
+
+
+def _save_gdn(drv, b, i: int, mirrors, s) -> None:
+    S_h, conv_h = mirrors
+    drv.memcpy_dtoh_async(S_h, b.S[i].gpudata, s)
+    drv.memcpy_dtoh_async(conv_h, b.conv[i].gpudata, s)
 
 
 def _load_gdn(drv, b, i: int, st: DecoderState, s) -> None:
