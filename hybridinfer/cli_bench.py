@@ -111,6 +111,21 @@ def cmd_bench_prefill(a) -> int:
     return 0
 
 
+def cmd_bench_serve(a) -> int:
+    import json
+
+    from .benchmarks import serve
+
+    conc = _positive_ints("--concurrency", a.concurrency, "client counts")
+    _check_tools(a, "--llama-server")
+    res = serve.run(a.model, a.threads, a.max_seqs, conc, a.requests, a.max_tokens, a.conversations, a.turns,
+                    a.system_tokens, a.shared_system, a.n_ctx, a.backend, a.llama_server)
+    print(serve.markdown(res))
+    _save_bench(a.out_dir, f"serve-{_model_stem(a.model)}-t{a.threads}", json.dumps(res, indent=1),
+                lambda png: serve.plot(res, png))
+    return 0
+
+
 def _bench_parser(bsub, name: str, help: str, fn, threads_help: str | None = None) -> argparse.ArgumentParser:
     """A `bench` subcommand with the options every benchmark takes: the model, threads and output folder."""
     b = bsub.add_parser(name, help=help)
@@ -150,6 +165,22 @@ def add_bench_parsers(sub) -> None:
     b.add_argument("--n-prompts", type=_int_at_least(1), default=100, help="prompts in workload d (default 100)")
     b.add_argument("--snapshot-stride", type=_int_at_least(0), default=None)
     b.add_argument("--cache-dir", default=None, help="also write snapshots to an on-disk store under this dir")
+    b.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary, run on the same GGUF")
+    b = _bench_parser(bsub, "serve", "HTTP serving: streaming clients' TTFT, inter-token latency and tok/s, and an "
+                      "agent workload's prefix reuse, against llama.cpp's llama-server", cmd_bench_serve)
+    b.add_argument("--max-seqs", type=_int_at_least(1), default=16, help="server parallelism (llama-server -np)")
+    b.add_argument("--concurrency", default="1,4,16", help="comma-separated concurrent streaming clients")
+    b.add_argument("--requests", type=_int_at_least(1), default=4, help="requests each client sends per level")
+    b.add_argument("--max-tokens", type=_int_at_least(1), default=64, help="max_tokens of every request")
+    b.add_argument("--conversations", type=_int_at_least(0), default=10, help="agent conversations (0: skip)")
+    b.add_argument("--turns", type=_int_at_least(1), default=5, help="turns of each agent conversation")
+    b.add_argument("--system-tokens", type=_int_at_least(0), default=2000,
+                   help="agent system prompt size in tokens, the tool definitions included (approximate)")
+    b.add_argument("--shared-system", action="store_true",
+                   help="one system prompt for all conversations (default: one per conversation, cold first turns)")
+    b.add_argument("--n-ctx", type=_int_at_least(256), default=4096,
+                   help="context per sequence (llama-server: -c max_seqs * n_ctx)")
+    b.add_argument("--backend", default="cpu", choices=["reference", "cpu", "gpu", "auto"])
     b.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary, run on the same GGUF")
     b = _bench_parser(bsub, "prefill", "GPU prefill tok/s vs transfer and compute floors, and llama.cpp",
                       cmd_bench_prefill, threads_help="threads for llama.cpp's CPU runs")
