@@ -189,7 +189,8 @@ static inline int32_t hi_kq6_sum(const block_q6_K *restrict x, const block_q8_K 
 }
 
 /* the repacked Q4_K row: gemv shape, or with `quarters` the gemm's */
-static inline float hi_dot_q4_K_rp(int n, const void *restrict vx, const void *restrict vy, int quarters) {
+static inline __attribute__((always_inline)) float hi_dot_q4_K_rp(int n, const void *restrict vx,
+                                                                  const void *restrict vy, int quarters) {
     const block_q4_K *restrict x = (const block_q4_K *)vx;
     const block_q8_K *restrict y = (const block_q8_K *)vy;
     float acc = 0.0f, accm = 0.0f;

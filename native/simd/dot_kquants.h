@@ -440,7 +440,8 @@ static inline float hi_kq_k4_min2(float sumf, __m128i v0, __m128i v1, float dm0,
 /* Q4_K / Q5_K: the 8 lanes of one 64-element step from the zipped quants of its two sub-blocks (w[0], w[1]:
  * elements 0..31, w[2], w[3]: 32..63, each as two zipped 16-byte halves), the zipped q8 of the step and the two
  * sub-blocks' scales scl (int16 pair): lanes 0..3 into lo, 4..7 into hi */
-static inline void hi_kq_k4_step_sse(const __m128i *w, const int8_t *q8z, __m128i scl, __m128i *lo, __m128i *hi) {
+static inline __attribute__((always_inline)) void hi_kq_k4_step_sse(const __m128i *w, const int8_t *q8z, __m128i scl,
+                                                                   __m128i *lo, __m128i *hi) {
     __m128i p[2];
     for (int s = 0; s < 2; ++s) /* sub-block s of the step: 4 octets, sums of lane l in int16 (|.| <= 4*31*128) */
         p[s] = _mm_add_epi16(_mm_maddubs_epi16(w[2 * s], _mm_loadu_si128((const __m128i *)(q8z + 32 * s))),

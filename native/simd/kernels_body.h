@@ -42,7 +42,8 @@
  *
  * Layout: this file has the ISA macros, the fp16 helpers, the read-bandwidth kernel and the table; it
  * includes, in order, kernels_quant.h (activation quantizers, prep), kernels_lanes.h (the 8-lane
- * primitives per ISA) and kernels_tiles.h (tiles and the matmul driver).
+ * primitives per ISA) and kernels_tiles.h (tiles and the matmul driver, with
+ * kernels_rows.h: GGML_DECODE_ROWS' products of one row with a group of tokens).
  */
 #include <math.h>
 #include <stdint.h>

@@ -149,6 +149,25 @@ HI_INLINE float hi_fv_tiny_hsum(hi_f16v x) { /* tinyBLAS: hi + lo, + movehl, + m
 #endif
 #endif
 
+#if !defined(HI_SCALAR)
+/* the end of vec_dot's F32 / F16 row from its 4 accumulators over elements [0, np) of n: their reduction, then the
+ * tail (x: F16 values, or with f16x = 0 the same values converted to F32) */
+HI_INLINE float hi_float_end(const int f16, const int f16x, hi_f16v a0, hi_f16v a1, hi_f16v a2, hi_f16v a3,
+                             const void *w, const void *x, int64_t np, int64_t n) {
+    const float red = hi_fv_vecdot_hsum(hi_fv_add(hi_fv_add(a0, a2), hi_fv_add(a1, a3)));
+#if defined(HI_AVX2)
+    if (!f16) { /* ggml_vec_dot_f32's float tail, contracted in an FMA build */
+        float s = red;
+        for (int64_t i = np; i < n; i++) s = fmaf(hi_ldf(0, w, i), hi_ldf(0, x, i), s);
+        return s;
+    }
+#endif
+    double s = (double)red;
+    for (int64_t i = np; i < n; i++) s += (double)(hi_ldf(f16, w, i) * hi_ldf(f16x, x, i));
+    return (float)s;
+}
+#endif
+
 /* One F32 / F16 row. The AVX units take the float order of llama.cpp's AVX build: for a product over two tokens
  * or more whose length is a multiple of the vector width, llamafile's tinyBLAS (one accumulator of fused
  * multiply-adds per row and token, then its horizontal sum); otherwise ggml_vec_dot_f32 / _f16 (4 accumulators
@@ -181,18 +200,7 @@ HI_INLINE void hi_tile_float(const int f16, const hi_mm *m, int64_t r, int64_t t
         a2 = hi_fv_fma(hi_fv_load(f16, w, i + 2 * HI_FW), hi_fv_load(f16, x, i + 2 * HI_FW), a2);
         a3 = hi_fv_fma(hi_fv_load(f16, w, i + 3 * HI_FW), hi_fv_load(f16, x, i + 3 * HI_FW), a3);
     }
-    const float red = hi_fv_vecdot_hsum(hi_fv_add(hi_fv_add(a0, a2), hi_fv_add(a1, a3)));
-#if defined(HI_AVX2)
-    if (!f16) { /* ggml_vec_dot_f32's float tail, contracted in an FMA build */
-        float s = red;
-        for (int64_t i = np; i < n; i++) s = fmaf(hi_ldf(0, w, i), hi_ldf(0, x, i), s);
-        *out = s;
-        return;
-    }
-#endif
-    double s = (double)red;
-    for (int64_t i = np; i < n; i++) s += (double)(hi_ldf(f16, w, i) * hi_ldf(f16, x, i));
-    *out = (float)s;
+    *out = hi_float_end(f16, f16, a0, a1, a2, a3, w, x, np, n);
 #endif
 }
 
@@ -271,6 +279,18 @@ HI_INLINE int32_t hi_isum32(const int8_t *a, const int8_t *b) {
 #endif
 }
 
+/* the generic loop's step: sumf plus the term of a block (isum its integer sum, dx and mx the weight block's scale and
+ * min, xb the activation block) */
+HI_INLINE float hi_legacy_step(const int qt, float sumf, const float isum, const float dx, const uint8_t *xb,
+                               const float mx) {
+    const float dy = hi_h2f_at(xb);
+    if (qt == HI_T_Q4_0) sumf += isum * dx * dy;
+    else if (qt == HI_T_Q5_0) sumf += (dx * dy) * isum;
+    else if (qt == HI_T_Q8_0) sumf += isum * (dx * dy);
+    else sumf += (dx * dy) * isum + mx * hi_h2f_at(xb + 2);
+    return sumf;
+}
+
 /* sumf plus the generic loop's terms of blocks ib0..nb-1 of a row (w) and an activation row (x) */
 HI_INLINE float hi_legacy_generic_sum(const int qt, const uint8_t *w, const uint8_t *x, int64_t ib0, int64_t nb,
                                       float sumf) {
@@ -280,12 +300,8 @@ HI_INLINE float hi_legacy_generic_sum(const int qt, const uint8_t *w, const uint
         int8_t v[32];
         if (qt == HI_T_Q8_0) memcpy(v, wb + 2, 32);
         else hi_legacy_values(qt, wb, v);
-        const float isum = (float)hi_isum32(v, (const int8_t *)(xb + ybs - 32));
-        const float dx = hi_h2f_at(wb), dy = hi_h2f_at(xb);
-        if (qt == HI_T_Q4_0) sumf += isum * dx * dy;
-        else if (qt == HI_T_Q5_0) sumf += (dx * dy) * isum;
-        else if (qt == HI_T_Q8_0) sumf += isum * (dx * dy);
-        else sumf += (dx * dy) * isum + hi_h2f_at(wb + 2) * hi_h2f_at(xb + 2);
+        const float mx = (qt == HI_T_Q4_1 || qt == HI_T_Q5_1) ? hi_h2f_at(wb + 2) : 0.0f;
+        sumf = hi_legacy_step(qt, sumf, (float)hi_isum32(v, (const int8_t *)(xb + ybs - 32)), hi_h2f_at(wb), xb, mx);
     }
     return sumf;
 }
@@ -384,6 +400,8 @@ HI_INLINE void hi_tile_legacy_generic(const int qt, const hi_mm *m, int64_t r, i
 
 /* ---- driver ------------------------------------------------------------------------------------ */
 
+#include "kernels_rows.h"
+
 HI_INLINE void hi_tile(const int qt, const int R, const int C, const hi_mm *m, int64_t r, int64_t t) {
 #if !defined(HI_AVX2)
     if (!(qt == HI_T_F32 || qt == HI_T_F16 || qt == HI_T_Q4_K || qt == HI_T_Q5_K || qt == HI_T_Q6_K)) {
@@ -403,6 +421,24 @@ HI_INLINE void hi_tile(const int qt, const int R, const int C, const hi_mm *m, i
     } else {
         hi_tile_legacy(qt, R, C, m, r, t);
     }
+}
+
+/* the last te - t < HI_CG tokens of R rows at r: in GGML_DECODE_ROWS one tile of that width (a legacy tile's float
+ * steps per row and token do not depend on its shape), else one token at a time as llama.cpp's shapes have them */
+HI_INLINE void hi_tile_rest(const int qt, const int R, const hi_mm *m, int64_t r, int64_t t, int64_t te) {
+#if HI_CG > 2
+    if (m->rows1 && te - t == 3) {
+        hi_tile(qt, R, 3, m, r, t);
+        return;
+    }
+#endif
+#if HI_CG > 1
+    if (m->rows1 && te - t == 2) {
+        hi_tile(qt, R, 2, m, r, t);
+        return;
+    }
+#endif
+    for (; t < te; t++) hi_tile(qt, R, 1, m, r, t);
 }
 
 HI_INLINE void hi_drive(const int qt, const hi_mm *m, int64_t r0, int64_t r1) {
@@ -428,8 +464,20 @@ HI_INLINE void hi_drive(const int qt, const hi_mm *m, int64_t r0, int64_t r1) {
                 hi_tile(qt, 1, 1, m, r, tb);
             }
         } else if (!legacy) {
-            for (; r < r1; r++)
-                for (int64_t t = tb; t < te; t++) hi_tile(qt, 1, 1, m, r, t);
+            /* GGML_DECODE_ROWS: tokens [tb, tg) in groups of G against the rows (kernels_rows.h; the last group
+             * shorter), a last single token alone. Most types take each group over the chunk's rows: its
+             * activations stay in L1 while the rows (in L2) pass; some a few rows at a time, every group in turn */
+            const int G = m->rows1 ? hi_rows_group(qt, m) : 0, S = hi_rows_step(qt);
+            const int64_t tg = G < 2 ? tb : (te - tb) % G == 1 ? te - 1 : te;
+            if (S > 0) {
+                for (r = r0; r < r1; r += S)
+                    for (int64_t t = tb; t < tg; t += G)
+                        hi_rows_call(qt, m, r, r + S < r1 ? r + S : r1, t, tg - t < G ? (int)(tg - t) : G);
+            } else {
+                for (int64_t t = tb; t < tg; t += G) hi_rows_call(qt, m, r0, r1, t, tg - t < G ? (int)(tg - t) : G);
+            }
+            for (r = r0; tg < te && r < r1; r++)
+                for (int64_t t = tg; t < te; t++) hi_tile(qt, 1, 1, m, r, t);
         } else if (te - tb == 1) {
             for (; r + HI_RV <= r1; r += HI_RV) hi_tile(qt, HI_RV, 1, m, r, tb);
             for (; r < r1; r++) hi_tile(qt, 1, 1, m, r, tb);
@@ -437,12 +485,12 @@ HI_INLINE void hi_drive(const int qt, const hi_mm *m, int64_t r0, int64_t r1) {
             for (; r + HI_RG <= r1; r += HI_RG) {
                 int64_t t = tb;
                 for (; t + HI_CG <= te; t += HI_CG) hi_tile(qt, HI_RG, HI_CG, m, r, t);
-                for (; t < te; t++) hi_tile(qt, HI_RG, 1, m, r, t);
+                hi_tile_rest(qt, HI_RG, m, r, t, te);
             }
             for (; r < r1; r++) {
                 int64_t t = tb;
                 for (; t + HI_CG <= te; t += HI_CG) hi_tile(qt, 1, HI_CG, m, r, t);
-                for (; t < te; t++) hi_tile(qt, 1, 1, m, r, t);
+                hi_tile_rest(qt, 1, m, r, t, te);
             }
         }
     }
