@@ -41,4 +41,6 @@ def add_serve_parser(sub) -> None:
                    help="requests that may wait beyond --max-seqs running ones; past that, 429 (default 64)")
     p.add_argument("--max-body", type=parse_size, default=parse_size("16MiB"), help="largest request body")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    p.set_defaults(fn=cmd_serve)
+    # a server's prefixes repeat at turn boundaries and where prompts part ways, which the cache snapshots anyway;
+    # stride snapshots inside every long prompt would fill the RAM budget and evict those (issue 21's agent load)
+    p.set_defaults(fn=cmd_serve, snapshot_stride=0)

@@ -242,3 +242,13 @@ def test_bandwidth_probe_size_outgrows_the_cache():
     assert probe_bytes(300 << 20, 8 * gib) == 2 * gib  # at most a quarter of the available memory
     assert probe_bytes(300 << 20, 2 * gib) == gib
     assert probe_bytes(300 << 20, 0) == 8 * (300 << 20)  # unknown memory: no cap
+
+
+def test_serve_snapshots_turns_not_strides():
+    """serve's default snapshot stride is 0 (turn boundaries, prompt ends and shared prefixes only), so many long
+    conversations' useful snapshots are not evicted by stride snapshots; run keeps the backend's stride."""
+    from hybridinfer.cli import build_parser
+
+    assert build_parser().parse_args(["serve"]).snapshot_stride == 0
+    assert build_parser().parse_args(["serve", "--snapshot-stride", "128"]).snapshot_stride == 128
+    assert build_parser().parse_args(["run", "-p", "x"]).snapshot_stride is None
