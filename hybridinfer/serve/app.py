@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hmac
-import os
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -12,6 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import HybridInferError
+from ..protocol.context import default_model_name
 from . import anthropic_api, openai_api
 from .errors import ApiError, from_engine
 from .metrics import Metrics
@@ -22,11 +22,6 @@ DEFAULT_MAX_BODY = 16 << 20  # bytes: long agent histories fit; a runaway upload
 
 _ROUTES = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/messages", "/v1/messages/count_tokens",
            "/health", "/metrics"}
-
-
-def default_model_name(engine) -> str:
-    name = os.path.basename(getattr(engine.gm, "path", "") or "model")
-    return name[:-5] if name.lower().endswith(".gguf") else name
 
 
 def _error_response(request, e: ApiError) -> JSONResponse:

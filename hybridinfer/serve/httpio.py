@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from sse_starlette import EventSourceResponse
 from starlette.background import BackgroundTask
 
-from .errors import ApiError, from_validation
+from ..protocol.context import validate
+from ..protocol.errors import ApiError
 
 
 async def read_body(request, limit: int) -> bytes:
@@ -40,14 +41,7 @@ async def parse_body(request, model: type[BaseModel], limit: int):
         obj = json.loads(raw)
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
         raise ApiError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
-    if not isinstance(obj, dict):
-        raise ApiError(400, f"the body must be a JSON object, not {type(obj).__name__}", code="invalid_request")
-    try:
-        return model.model_validate(obj)
-    except ValidationError as e:
-        raise from_validation(e) from None
-    except RecursionError:
-        raise ApiError(400, "the body is nested too deeply", code="invalid_request") from None
+    return validate(model, obj)
 
 
 def dumps(obj) -> str:

@@ -1,148 +1,21 @@
-"""Request bodies: OpenAI chat / completions and Anthropic messages, as pydantic models.
+"""The request bodies moved to hybridinfer.protocol.models (shared with the batch runner); re-exported here for the
+imports that name this module."""
 
-Strict: a number sent as a string or a bool sent as "true" is a client's mistake, and is refused naming the field
-rather than guessed at. Unknown fields are allowed, since clients send fields this server has no use for (`user`,
-`metadata`, `store`); fields that would change the answer and are not implemented are refused by the routes."""
-
-from __future__ import annotations
-
-from typing import Any, Literal
-
-from pydantic import BaseModel, ConfigDict, Field
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
-
-
-# OpenAI -----------------------------------------------------------------------------------------------------------
-class ContentPart(_Body):
-    type: str
-    text: str | None = None
-
-
-class FunctionCall(_Body):
-    name: str
-    arguments: str | dict[str, Any] = "{}"
-
-
-class ToolCallIn(_Body):
-    id: str | None = None
-    type: str = "function"
-    function: FunctionCall
-
-
-class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
-    tool_calls: list[ToolCallIn] | None = None
-    tool_call_id: str | None = None
-    reasoning_content: str | None = None
-
-
-class FunctionDef(_Body):
-    name: str = Field(min_length=1)
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-class ToolDef(_Body):
-    type: Literal["function"] = "function"
-    function: FunctionDef
-
-
-class StreamOptions(_Body):
-    include_usage: bool = False
-
-
-class _Sampling(_Body):
-    model: str
-    max_tokens: int | None = Field(None, ge=0)
-    temperature: float | None = Field(None, ge=0)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=0)
-    min_p: float | None = Field(None, ge=0, lt=1)
-    seed: int | None = None
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    repeat_penalty: float | None = Field(None, gt=0)  # llama.cpp's name, for its clients
-    stop: str | list[str] | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    n: int | None = Field(None, ge=1)
-    logprobs: bool | int | None = None
-    response_format: dict[str, Any] | None = None
-
-
-class ChatRequest(_Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=0)
-    tools: list[ToolDef] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-    top_logprobs: int | None = None
-
-
-class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    echo: bool | None = None
-    suffix: str | None = None
-    best_of: int | None = None
-
-
-# Anthropic --------------------------------------------------------------------------------------------------------
-class ABlock(_Body):
-    type: str
-    text: str | None = None
-    thinking: str | None = None
-    signature: str | None = None
-    id: str | None = None
-    name: str | None = None
-    input: dict[str, Any] | None = None
-    tool_use_id: str | None = None
-    content: str | list[ABlock] | None = None
-    is_error: bool | None = None
-
-
-class AMessage(_Body):
-    role: Literal["user", "assistant"]
-    content: str | list[ABlock]
-
-
-class ATool(_Body):
-    name: str = Field(min_length=1)
-    description: str | None = None
-    input_schema: dict[str, Any] = Field(default_factory=lambda: {"type": "object"})
-    type: str | None = None
-
-
-class AToolChoice(_Body):
-    type: Literal["auto", "any", "tool", "none"]
-    name: str | None = None
-    disable_parallel_tool_use: bool | None = None
-
-
-class AThinking(_Body):
-    type: Literal["enabled", "disabled", "adaptive"]
-    budget_tokens: int | None = None
-
-
-class ACountTokens(_Body):
-    model: str
-    messages: list[AMessage] = Field(min_length=1)
-    system: str | list[ABlock] | None = None
-    tools: list[ATool] | None = None
-    tool_choice: AToolChoice | None = None
-    thinking: AThinking | None = None
-
-
-class AMessagesRequest(ACountTokens):
-    max_tokens: int = Field(ge=1)
-    stop_sequences: list[str] | None = None
-    stream: bool = False
-    temperature: float | None = Field(None, ge=0)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=0)
+from ..protocol.models import (  # noqa: F401
+    ABlock,
+    ACountTokens,
+    AMessage,
+    AMessagesRequest,
+    AThinking,
+    ATool,
+    AToolChoice,
+    ChatMessage,
+    ChatRequest,
+    CompletionRequest,
+    ContentPart,
+    FunctionCall,
+    FunctionDef,
+    StreamOptions,
+    ToolCallIn,
+    ToolDef,
+)

@@ -15,17 +15,19 @@ import time
 import anyio
 
 from ..errors import HybridInferError
-from .errors import ApiError, from_engine, unsupported
+from ..protocol.context import Context, matched_stop, parse_events, usage_counts
+from ..protocol.errors import ApiError, from_engine
 from .metrics import Metrics
-from .prompt import TemplateInfo
 
 _DONE = object()
 
 
-class Service:
+class Service(Context):
+    """The engine, its model name and template (protocol.Context), and the bound on requests held at once."""
+
     def __init__(self, engine, model_name: str, max_queue: int, metrics: Metrics):
-        self.engine, self.model_name, self.metrics = engine, model_name, metrics
-        self.info = TemplateInfo.probe(engine)
+        super().__init__(engine, model_name)
+        self.metrics = metrics
         self.scheduler = engine.scheduler
         self.limit = engine.max_seqs + max_queue  # requests held at once: running plus queued
         self._held = 0
@@ -35,42 +37,6 @@ class Service:
     @property
     def held(self) -> int:
         return self._held
-
-    def check_model(self, name: str) -> None:
-        if name != self.model_name:
-            raise ApiError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
-                           param="model", code="model_not_found")
-
-    def make_request(self, prompt, max_tokens: int | None, sampling: dict, stop, turn_boundary=None):
-        """A checked Request (prompt: text or token ids). max_tokens None: the rest of the context."""
-        eng = self.engine
-        try:
-            if max_tokens is None:
-                n = len(prompt) if isinstance(prompt, list) else len(eng.tokenize(prompt))
-                if n >= eng.n_ctx:
-                    raise ApiError(400, f"the prompt of {n} tokens does not fit the context of n_ctx={eng.n_ctx} "
-                                        f"tokens", param="messages", code="context_length_exceeded")
-                max_tokens = eng.n_ctx - n
-            req = eng.make_request(prompt, max_tokens, stop=stop, **sampling)
-        except HybridInferError as e:
-            raise from_engine(e) from None
-        if turn_boundary is not None:
-            req.turn_boundary = turn_boundary
-        return req
-
-    def check_schema(self, response_format: dict | None) -> dict | None:
-        """The JSON schema a request's output must follow, or None (a 400 for a schema it cannot compile)."""
-        from .grammar import schema_of
-
-        return schema_of(response_format)
-
-    def constrain(self, req, schema: dict | None):
-        """Attach the grammar of `schema` to `req` (the scheduler masks its logits each step)."""
-        if schema is not None:
-            from .grammar import JsonConstraint
-
-            req.constraint = JsonConstraint(self.engine, schema)
-        return req
 
     async def submit(self, build) -> Job:
         """Run `build()` (-> Request) off the event loop, then queue it, or refuse with 429 past the bound."""
@@ -156,34 +122,10 @@ class Job:
 
     def usage(self) -> tuple[int, int, int]:
         """(prompt tokens, completion tokens, prompt tokens restored from the prefix cache)."""
-        g = self.handle.generation
-        return len(self.request.ids), len(g.tokens), int(g.timings.get("reused_tokens", 0))
+        return usage_counts(self.request, self.handle.generation)
 
     def matched_stop(self) -> str | None:
-        """The stop string that ended the sequence, if one did (the Generation says "stop" for EOS as well)."""
-        g, stops = self.handle.generation, self.request.stops
-        if g.finish_reason != "stop" or not stops or self.service.engine.tokenizer is None:
-            return None
-        full = self.service.engine.detokenize(g.tokens)
-        hits = [(full.find(s), s) for s in stops if s in full]
-        return min(hits)[1] if hits else None
-
-
-def sampling_args(body, *, penalties: bool = True) -> dict:
-    """The engine's sampling keywords of a request body; what a body leaves out keeps the engine's default."""
-    out = {}
-    for name in ("temperature", "top_p", "top_k", "min_p", "seed"):
-        v = getattr(body, name, None)
-        if v is not None:
-            out[name] = v
-    if penalties:
-        if body.presence_penalty is not None:
-            out["presence_penalty"] = body.presence_penalty
-        if body.repeat_penalty is not None:
-            out["repeat_penalty"] = body.repeat_penalty
-        if body.frequency_penalty:  # the sampler has presence and repetition penalties, no per-count one
-            raise unsupported("frequency_penalty", body.frequency_penalty)
-    return out
+        return matched_stop(self.service.engine, self.request, self.handle.generation)
 
 
 async def watch_disconnect(request, job: Job, every_s: float = 0.25) -> None:
@@ -198,11 +140,11 @@ async def watch_disconnect(request, job: Job, every_s: float = 0.25) -> None:
 async def collect(request, job: Job, parser=None, first=()) -> list:
     """A non-streaming answer's events (the parser's, or ("text", piece) without one); the job is cancelled if
     the client goes away meanwhile."""
-    events = list(first)
+    pieces = []
     watcher = asyncio.create_task(watch_disconnect(request, job))
     try:
         async for piece in job.pieces():
-            events += parser.feed(piece) if parser is not None else [("text", piece)]
+            pieces.append(piece)
     finally:
         watcher.cancel()
-    return events + (parser.finish() if parser is not None else [])
+    return parse_events(parser, first, pieces)
