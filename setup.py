@@ -41,6 +41,8 @@ setup(
         # `hybridinfer serve`: the HTTP server, its metrics and structured output
         "serve": ["fastapi>=0.110", "uvicorn>=0.29", "sse-starlette>=2.1", "pydantic>=2.5",
                   "prometheus-client>=0.20", "llguidance>=0.7"],
+        # `hybridinfer batch`: the request models and structured output it shares with the server; ray for --ray
+        "batch": ["pydantic>=2.5", "llguidance>=0.7", "ray>=2.9"],
         "test": ["pytest", "ruff"],
         "oracles": ["transformers", "llama-cpp-python", "torch"],
     },

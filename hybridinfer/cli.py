@@ -21,6 +21,7 @@ from .cli_args import (  # noqa: F401  (UsageError, parse_size: re-exported for 
     _usage,
     parse_size,
 )
+from .cli_batch import add_batch_parser
 from .cli_bench import add_bench_parsers
 from .cli_serve import add_serve_parser
 from .errors import HybridInferError, ParameterError, ShapeError
@@ -272,6 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", required=True)
     p.set_defaults(fn=cmd_synth)
     add_serve_parser(sub)
+    add_batch_parser(sub)
     add_bench_parsers(sub)
     return ap
 
