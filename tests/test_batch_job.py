@@ -91,9 +91,11 @@ def test_bodies_equal_the_servers(engine, tmp_path):
         (CHAT, {"model": MODEL, "messages": Q, "n": 2}),
         (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
         (CHAT, {"model": MODEL, "messages": Q, "max_tokens": "12"}),
-        (CHAT, {"model": MODEL, "messages": Q, "frequency_penalty": 0.5}),
+        (CHAT, {"model": MODEL, "messages": Q, "frequency_penalty": 3.5}),
         (COMPL, {"model": MODEL, "prompt": "x " * 300, "max_tokens": 400}),
         (MSGS, {"model": MODEL, "messages": Q}),
+        (CHAT, {"model": MODEL, "messages": Q, "top_logprobs": 2}),
+        (CHAT, {"model": MODEL, "messages": Q, "max_tokens": 6, "logprobs": True, "top_logprobs": 2, **g}),
     ]
     try:
         import llguidance  # noqa: F401

@@ -115,6 +115,32 @@ def test_completions(engine, oa):
     assert r.choices[0].text == engine.generate(ids, max_tokens=4, temperature=0, stop=[","]).text
 
 
+def test_logprobs_and_frequency_penalty(engine, oa):
+    """logprobs / top_logprobs (chat, streamed and not) and legacy completions logprobs carry the engine's
+    Generation.logprobs; frequency_penalty reaches the sampler."""
+    want = engine.generate(Q, max_tokens=6, temperature=0, logprobs=2)
+    r = oa.chat.completions.create(model=MODEL, messages=Q, max_tokens=6, temperature=0, logprobs=True,
+                                   top_logprobs=2)
+    got = r.choices[0].logprobs.content
+    assert [c.logprob for c in got] == [e["logprob"] for e in want.logprobs]
+    assert [c.token for c in got] == [engine.detokenize([e["token"]]) for e in want.logprobs]
+    assert all(len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob >= c.logprob - 1e-9 for c in got)
+    chunks = list(oa.chat.completions.create(model=MODEL, messages=Q, max_tokens=6, temperature=0, stream=True,
+                                             logprobs=True, top_logprobs=1))
+    streamed = [c for ch in chunks if ch.choices and ch.choices[0].logprobs for c in ch.choices[0].logprobs.content]
+    assert [c.logprob for c in streamed] == [e["logprob"] for e in want.logprobs]
+    assert oa.chat.completions.create(model=MODEL, messages=Q, max_tokens=4).choices[0].logprobs is None
+    c = oa.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0,
+                              logprobs=3)
+    w = engine.generate("The capital of France is", max_tokens=4, temperature=0, logprobs=3)
+    assert c.choices[0].logprobs.token_logprobs == [e["logprob"] for e in w.logprobs]
+    assert "".join(c.choices[0].logprobs.tokens) == c.choices[0].text
+    assert c.choices[0].logprobs.text_offset[0] == 0 and all(len(d) == 3 for d in c.choices[0].logprobs.top_logprobs)
+    r = oa.chat.completions.create(model=MODEL, messages=Q, max_tokens=16, temperature=0, frequency_penalty=1.5)
+    assert r.choices[0].message.content == engine.generate(Q, max_tokens=16, temperature=0,
+                                                           frequency_penalty=1.5).text
+
+
 def test_models_and_health(oa, base):
     import httpx
 

@@ -81,9 +81,10 @@ BAD = [
     (CHAT, {"model": MODEL, "messages": Q, "max_tokens": 1000}, 400, "max_tokens 1000"),
     (CHAT, {"model": MODEL, "messages": Q, "temperature": -1}, 400, "temperature"),
     (CHAT, {"model": MODEL, "messages": Q, "top_p": 0}, 400, "top_p"),
-    (CHAT, {"model": MODEL, "messages": Q, "frequency_penalty": 0.5}, 400, "frequency_penalty"),
+    (CHAT, {"model": MODEL, "messages": Q, "frequency_penalty": 3.5}, 400, "frequency_penalty"),
     (CHAT, {"model": MODEL, "messages": Q, "n": 2}, 400, "n"),
-    (CHAT, {"model": MODEL, "messages": Q, "logprobs": True}, 400, "logprobs"),
+    (CHAT, {"model": MODEL, "messages": Q, "logprobs": True, "top_logprobs": 50}, 400, "top_logprobs"),
+    (CHAT, {"model": MODEL, "messages": Q, "top_logprobs": 2}, 400, "top_logprobs"),
     (CHAT, {"model": MODEL, "messages": Q, "response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "nonsense"}}}}, 400, "response_format"),
     (CHAT, {"model": MODEL, "messages": Q, "stop": [""]}, 400, "stop"),

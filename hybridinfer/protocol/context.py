@@ -8,7 +8,7 @@ import os
 from pydantic import BaseModel, ValidationError
 
 from ..errors import HybridInferError
-from .errors import ApiError, from_engine, from_validation, unsupported
+from .errors import ApiError, from_engine, from_validation
 from .prompt import TemplateInfo
 
 
@@ -84,8 +84,8 @@ def sampling_args(body, *, penalties: bool = True) -> dict:
             out["presence_penalty"] = body.presence_penalty
         if body.repeat_penalty is not None:
             out["repeat_penalty"] = body.repeat_penalty
-        if body.frequency_penalty:  # the sampler has presence and repetition penalties, no per-count one
-            raise unsupported("frequency_penalty", body.frequency_penalty)
+        if body.frequency_penalty is not None:
+            out["frequency_penalty"] = body.frequency_penalty
     return out
 
 

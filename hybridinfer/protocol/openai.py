@@ -6,6 +6,8 @@ from __future__ import annotations
 import time
 import uuid
 
+import numpy as np
+
 from .context import Context, sampling_args, usage_counts
 from .errors import bad_param, unsupported
 from .models import ChatRequest, CompletionRequest
@@ -52,13 +54,36 @@ def chat_messages(body: ChatRequest) -> list[dict]:
 def _check_common(body) -> None:
     if body.n not in (None, 1):
         raise unsupported("n", body.n)
-    if body.logprobs:
-        raise unsupported("logprobs", body.logprobs)
     extra = body.model_extra or {}
     # fields that would change the answer if honoured: refused rather than silently ignored
     for name in ("logit_bias", "functions", "function_call", "audio", "prediction"):
         if extra.get(name):
             raise unsupported(name, extra[name])
+
+
+def _token_text(engine, t: int) -> str:
+    return engine.detokenize([t]) if engine.tokenizer is not None else ""
+
+
+def chat_logprobs(engine, entries) -> dict:
+    """OpenAI's chat `logprobs` of generated tokens (Generation.logprobs entries): token, logprob, bytes and the
+    top alternatives of each."""
+    def one(t: int, lp: float) -> dict:
+        s = _token_text(engine, t)
+        return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+
+    return {"content": [{**one(e["token"], e["logprob"]), "top_logprobs": [one(i, v) for i, v in e["top"]]}
+                        for e in entries]}
+
+
+def completion_logprobs(engine, entries, offset: int = 0) -> dict:
+    """OpenAI's legacy completions `logprobs`: tokens, token_logprobs, top_logprobs (token -> logprob), text_offset
+    (from `offset`, the text already sent)."""
+    toks = [_token_text(engine, e["token"]) for e in entries]
+    offs = list(np.cumsum([offset] + [len(t) for t in toks[:-1]])) if toks else []
+    return {"tokens": toks, "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{_token_text(engine, i): v for i, v in e["top"]} for e in entries],
+            "text_offset": [int(o) for o in offs]}
 
 
 def usage(request, generation) -> dict:
@@ -79,8 +104,13 @@ class ChatCall:
     def __init__(self, ctx: Context, body: ChatRequest):
         ctx.check_model(body.model)
         _check_common(body)
-        if body.top_logprobs:
-            raise unsupported("top_logprobs", body.top_logprobs)
+        if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
+            raise bad_param("top_logprobs", f"must be between 0 and 20, got {body.top_logprobs!r}")
+        if body.top_logprobs and not body.logprobs:
+            raise bad_param("top_logprobs", "needs logprobs: true")
+        if body.logprobs not in (None, True, False):
+            raise bad_param("logprobs", f"must be true or false, got {body.logprobs!r}")
+        self.n_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         kw = body.chat_template_kwargs or {}
         self.thinking = kw.get("enable_thinking")
         if self.thinking is not None and not isinstance(self.thinking, bool):
@@ -93,6 +123,8 @@ class ChatCall:
         self.tools, self.choice = tools, choice
         self.max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         self.sampling, self.messages = sampling_args(body), chat_messages(body)
+        if self.n_logprobs is not None:
+            self.sampling["logprobs"] = self.n_logprobs
         self.ctx, self.body, self.prepared = ctx, body, None
         self.one_call = body.parallel_tool_calls is False
 
@@ -124,7 +156,9 @@ class ChatCall:
             msg["tool_calls"] = [tool_json(c) for c in calls]
         finish = "tool_calls" if calls else FINISH[generation.finish_reason]
         return {**head, "object": "chat.completion",
-                "choices": [{"index": 0, "message": msg, "logprobs": None, "finish_reason": finish}],
+                "choices": [{"index": 0, "message": msg, "finish_reason": finish,
+                             "logprobs": None if self.n_logprobs is None
+                             else chat_logprobs(self.ctx.engine, generation.logprobs or [])}],
                 "usage": usage(request, generation)}
 
 
@@ -148,6 +182,11 @@ class CompletionCall:
         if not prompt:
             raise bad_param("prompt", "is empty")
         self.prompt, self.sampling, self.schema = prompt, sampling_args(body), ctx.check_schema(body.response_format)
+        if body.logprobs is not None and (isinstance(body.logprobs, bool) or not 0 <= body.logprobs <= 5):
+            raise bad_param("logprobs", f"must be a whole number from 0 to 5, got {body.logprobs!r}")
+        self.n_logprobs = body.logprobs
+        if self.n_logprobs is not None:
+            self.sampling["logprobs"] = self.n_logprobs
         self.ctx, self.body = ctx, body
 
     def build(self):
@@ -164,6 +203,7 @@ class CompletionCall:
 
     def answer(self, head: dict, events: list, request, generation) -> dict:
         text = "".join(v for _, v in events)
-        return {**head, "choices": [{"index": 0, "text": text, "logprobs": None,
+        lp = None if self.n_logprobs is None else completion_logprobs(self.ctx.engine, generation.logprobs or [])
+        return {**head, "choices": [{"index": 0, "text": text, "logprobs": lp,
                                      "finish_reason": FINISH[generation.finish_reason]}],
                 "usage": usage(request, generation)}

@@ -7,7 +7,7 @@ from fastapi import APIRouter, Request
 
 from ..protocol.errors import ApiError
 from ..protocol.models import ChatRequest, CompletionRequest
-from ..protocol.openai import FINISH, ChatCall, CompletionCall, tool_json
+from ..protocol.openai import FINISH, ChatCall, CompletionCall, chat_logprobs, completion_logprobs, tool_json
 from ..protocol.openai import usage as _usage_of
 from .httpio import dumps, parse_body, sse
 from .service import Service, collect
@@ -37,7 +37,8 @@ def router(svc: Service, max_body: int) -> APIRouter:
         head, body = call.head(), call.body
         if body.stream:
             usage_on = bool(body.stream_options and body.stream_options.include_usage)
-            return sse(_chat_stream(job, parser, first, head, usage_on, call.one_call), job)
+            lp = _Logprobs(svc.engine, job) if call.n_logprobs is not None else None
+            return sse(_chat_stream(job, parser, first, head, usage_on, call.one_call, lp), job)
         return call.answer(head, await collect(request, job, parser, first), job.request, job.generation)
 
     @r.post("/v1/completions")
@@ -47,7 +48,8 @@ def router(svc: Service, max_body: int) -> APIRouter:
         head = call.head()
         if call.body.stream:
             usage_on = bool(call.body.stream_options and call.body.stream_options.include_usage)
-            return sse(_completion_stream(job, head, usage_on), job)
+            lp = _Logprobs(svc.engine, job) if call.n_logprobs is not None else None
+            return sse(_completion_stream(job, head, usage_on, lp), job)
         return call.answer(head, await collect(request, job), job.request, job.generation)
 
     return r
@@ -63,13 +65,35 @@ def _error_event(e: BaseException) -> dict:
     return {"data": dumps(err.openai_body())}
 
 
-async def _chat_stream(job, parser, first, head, usage_on: bool, one_call: bool):
+class _Logprobs:
+    """The log-probabilities of a streamed job's tokens not sent yet: each chunk carries those made since the last
+    (text held back for stop strings makes chunks and tokens line up only on the whole)."""
+
+    def __init__(self, engine, job):
+        self.engine, self.job, self.sent, self.text = engine, job, 0, 0
+
+    def new(self) -> list:
+        entries = self.job.generation.logprobs or []
+        out, self.sent = entries[self.sent :], len(entries)
+        return out
+
+    def chat(self):
+        return chat_logprobs(self.engine, self.new())
+
+    def completion(self, text: str):
+        lp = completion_logprobs(self.engine, self.new(), self.text)
+        self.text += len(text)
+        return lp
+
+
+async def _chat_stream(job, parser, first, head, usage_on: bool, one_call: bool, lp: _Logprobs | None = None):
     base = {**head, "object": "chat.completion.chunk"}
     extra = {"usage": None} if usage_on else {}
     n_calls = 0
 
     def chunk(delta: dict, finish=None) -> dict:
-        return {"data": dumps({**base, "choices": [{"index": 0, "delta": delta, "logprobs": None,
+        logprobs = lp.chat() if lp is not None and (delta.get("content") or finish) else None
+        return {"data": dumps({**base, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
                                                      "finish_reason": finish}], **extra})}
 
     def deltas(events):
@@ -102,11 +126,12 @@ async def _chat_stream(job, parser, first, head, usage_on: bool, one_call: bool)
     yield {"data": "[DONE]"}
 
 
-async def _completion_stream(job, head, usage_on: bool):
+async def _completion_stream(job, head, usage_on: bool, lp: _Logprobs | None = None):
     extra = {"usage": None} if usage_on else {}
 
     def chunk(text: str, finish=None) -> dict:
-        return {"data": dumps({**head, "choices": [{"index": 0, "text": text, "logprobs": None,
+        logprobs = lp.completion(text) if lp is not None else None
+        return {"data": dumps({**head, "choices": [{"index": 0, "text": text, "logprobs": logprobs,
                                                      "finish_reason": finish}], **extra})}
 
     try:
