@@ -64,7 +64,7 @@ class Request:
     stops: list[str]
     turn_boundary: int | None = None
     # structured output: mask(logits) sets the logits of tokens it forbids next to -inf in place, accept(token)
-    # advances it by the sampled token (hybridinfer.serve.grammar.JsonConstraint)
+    # advances it by the sampled token (hybridinfer.protocol.grammar.JsonConstraint)
     constraint: object | None = None
     logprobs: int | None = None  # also record each token's log-probability and this many alternatives
 

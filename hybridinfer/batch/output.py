@@ -13,6 +13,7 @@ import os
 from array import array
 
 from ..errors import ParameterError
+from ..fsutil import fsync_dir
 from .jobfile import dumps, line_number
 
 
@@ -82,7 +83,8 @@ class Output:
         self.done_before = len(self.done)
         self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         if self.done_before == 0:
-            _sync_dir(path)  # the file's name survives a crash too, not only its contents
+            # the file's name survives a crash too, not only its contents
+            fsync_dir(os.path.dirname(os.path.abspath(path)))
         self._unsynced = 0
 
     def write(self, record: dict) -> None:
@@ -109,19 +111,6 @@ class Output:
             self._fd = -1
 
 
-def _sync_dir(path: str) -> None:
-    try:
-        fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def sort_records(path: str, out_path: str | None = None) -> None:
     """Rewrite an output file in input-line order (atomically: a temporary file renamed over it). Holds three
     numbers per line, not the lines."""
@@ -143,4 +132,4 @@ def sort_records(path: str, out_path: str | None = None) -> None:
         out.flush()
         os.fsync(out.fileno())
     os.replace(tmp, dst)
-    _sync_dir(dst)
+    fsync_dir(os.path.dirname(os.path.abspath(dst)))

@@ -14,7 +14,8 @@ import os
 import time
 from collections import Counter
 
-from .output import _sync_dir, scan
+from ..fsutil import fsync_dir
+from .output import scan
 from .runner import count_lines
 
 RETRY_ERRORS = ("ActorDiedError", "RayActorError", "WorkerCrashedError", "ActorUnavailableError",
@@ -60,7 +61,7 @@ def merge(parts: list[str], output: str) -> int:
         out.flush()
         os.fsync(out.fileno())
     os.replace(tmp, output)
-    _sync_dir(output)
+    fsync_dir(os.path.dirname(os.path.abspath(output)))
     return n
 
 

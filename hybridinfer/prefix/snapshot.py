@@ -31,6 +31,7 @@ from dataclasses import dataclass, field, fields, replace
 import numpy as np
 
 from ..errors import ContextLengthError, SnapshotError
+from ..fsutil import fsync_dir
 
 MAGIC = b"HYBSNAP\0"
 VERSION = 1
@@ -209,19 +210,6 @@ def file_size(snap: Snapshot, meta: dict) -> int:
     return _align(_PRE.size + len(_header_bytes(snap, meta, descs, size, "0" * 32))) + size
 
 
-def _fsync_dir(directory: str) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def write_file(directory: str, snap: Snapshot, meta: dict) -> str:
     """Write `snap` to <directory>/<key hex>.snap atomically (temp file in the same directory, fsync, rename,
     fsync of the directory). meta: fingerprint, layer_types, block_size. Returns the path."""
@@ -258,7 +246,7 @@ def write_file(directory: str, snap: Snapshot, meta: dict) -> str:
         except OSError:
             pass
         raise
-    _fsync_dir(directory)
+    fsync_dir(directory)
     return final
 
 
