@@ -328,7 +328,7 @@ def test_decode_calls_allocate_nothing():
         (ops.add_inplace, (out, x)),
         (ops.gated_add, (out, x, x, wn)),
         (ops.moe_combine, (x, rw[:, :1], out)),
-    ] + [(sampling_nb.sample, (logits, 0.8, tk, 0.9, 0.05, 1.1, 0.1, hist, 64, 64, rng, sscr.xs, sscr.idx))
+    ] + [(sampling_nb.sample, (logits, 0.8, tk, 0.9, 0.05, 1.1, 0.1, 0.2, hist, 64, 64, rng, sscr.xs, sscr.idx))
          for tk in (0, 40)]
     for fn, args in calls:
         fn(*args)
