@@ -14,9 +14,9 @@ from .errors import ContextLengthError, HybridInferError, ParameterError
 from .gguf_model import GGUFModel
 from .models import model_args
 from .sampling import SamplingParams, check_int, check_stop
-from .scheduler import Handle, Request, Scheduler
+from .scheduler import Handle, Request, Scheduler, TokenSampler
 from .state import DecoderState
-from .textstream import Generation, TextStream, token_logprobs
+from .textstream import Generation
 
 __all__ = ["Engine", "Generation", "model_cache_fingerprint"]
 
@@ -44,12 +44,6 @@ def model_cache_fingerprint(gm: GGUFModel, numeric_path: str = "", hash_dir: str
     else:
         model = identity_key(gm.path, gm.fingerprint())
     return f"{model}/{numeric_path}"
-
-
-def _numeric_path(backend) -> str:
-    path = getattr(backend, "numeric_path", None)
-    # a backend that names no path shares snapshots with no other class of backend
-    return str(path) if path else f"{type(backend).__module__}.{type(backend).__qualname__}"
 
 
 def _check_load_args(n_ctx, prefill_chunk, snapshot_stride, options: dict) -> None:
@@ -84,7 +78,7 @@ def _make_prefix_cache(spec, gm: GGUFModel, args, backend):
     from .prefix import PrefixCache, StateLayout
 
     layout = StateLayout.of_state(backend.new_state(1), args.n_vocab)
-    npath = _numeric_path(backend)
+    npath = backend.numeric_path
     if isinstance(spec, PrefixCache):
         # a cache made elsewhere must have been made for this model and numeric path, or its snapshots are wrong
         want = model_cache_fingerprint(gm, npath, spec.disk.dir if spec.disk is not None else None)
@@ -363,40 +357,23 @@ class Engine:
         """Yield text pieces as they are generated (stop strings are never emitted). Sampling parameters as
         `make_request` takes them."""
         req = self.make_request(prompt, max_tokens, **kw)
-        ids, params = req.ids, req.params
+        ids = req.ids
         res = _result if _result is not None else Generation("", [], len(ids), "length")
         res.prompt_tokens = len(ids)
         t0 = time.perf_counter()
         state = self.new_state()
         logits, cstats = self.start(ids, state, req.turn_boundary)
         t1 = time.perf_counter()
-        # numba sampler (tested against sampling.Sampler): scratch made once, no per-token float64 copy or sort
-        from .cpu.sampling_nb import SampleScratch, rng_new, sample
-
-        scratch, rng = SampleScratch(logits.shape[-1]), rng_new(params.seed)
-        text = TextStream(self.tokenizer, req.stops, res)
+        step = TokenSampler(req, self.tokenizer, res, logits.shape[-1])
         for _ in range(req.max_tokens):
-            raw = logits.copy() if req.logprobs is not None and req.constraint is not None else logits
-            if req.constraint is not None:
-                req.constraint.mask(logits)
-            t = int(sample(logits, params.temperature, params.top_k, params.top_p, params.min_p,
-                           params.repeat_penalty, params.presence_penalty, params.frequency_penalty,
-                           state.tokens, state.pos,
-                           params.repeat_last_n, rng, scratch.xs, scratch.idx))
-            if req.logprobs is not None and t not in text.stop_ids:
-                if res.logprobs is None:
-                    res.logprobs = []
-                res.logprobs.append(token_logprobs(raw, t, req.logprobs))
-            piece, ended = text.push(t)
-            if req.constraint is not None and not ended:
-                req.constraint.accept(t)
+            t, piece, ended = step(logits, state)
             if piece:
                 yield piece
-            if ended or len(res.tokens) == req.max_tokens:
+            if ended:
                 break
             with self._lock:  # the backend's buffers are shared: copy the row out before letting go
                 logits = self.backend.forward([t], state, all_logits=False)[-1].copy()
-        piece = text.finish()
+        piece = step.text.finish()
         if piece:
             yield piece
         if self.prefix_cache is not None:

@@ -69,6 +69,40 @@ class Request:
     logprobs: int | None = None  # also record each token's log-probability and this many alternatives
 
 
+class TokenSampler:
+    """One sequence's choice of each next token: the request's constraint, the numba sampler (its own rng and
+    scratch), logprobs and text. Engine.stream and the scheduler both sample through it, so a request gives the same
+    tokens through either."""
+
+    def __init__(self, req: Request, tokenizer, generation: Generation, n_vocab: int):
+        from .cpu.sampling_nb import SampleScratch, rng_new
+
+        self.req, self.gen = req, generation
+        self.text = TextStream(tokenizer, req.stops, generation)
+        self.scratch, self.rng = SampleScratch(n_vocab), rng_new(req.params.seed)
+
+    def __call__(self, logits: np.ndarray, state) -> tuple[int, str, bool]:
+        """(token, text safe to emit, ended) for the sequence in `state` with these next-token logits (a
+        constraint masks them in place). ended: an end-of-generation token, a stop string or max_tokens."""
+        from .cpu.sampling_nb import sample
+
+        req, p, g = self.req, self.req.params, self.gen
+        raw = logits.copy() if req.logprobs is not None and req.constraint is not None else logits
+        if req.constraint is not None:
+            req.constraint.mask(logits)
+        t = int(sample(logits, p.temperature, p.top_k, p.top_p, p.min_p, p.repeat_penalty, p.presence_penalty,
+                       p.frequency_penalty, state.tokens, state.pos, p.repeat_last_n, self.rng, self.scratch.xs,
+                       self.scratch.idx))
+        if req.logprobs is not None and t not in self.text.stop_ids:
+            if g.logprobs is None:
+                g.logprobs = []
+            g.logprobs.append(token_logprobs(raw, t, req.logprobs))
+        piece, ended = self.text.push(t)
+        if req.constraint is not None and not ended:
+            req.constraint.accept(t)
+        return t, piece, ended or len(g.tokens) >= req.max_tokens
+
+
 class Handle:
     """A submitted request: iterate it for its text pieces, `result()` for the whole Generation, `cancel()`."""
 
@@ -119,9 +153,7 @@ class _Seq:
     handle: Handle
     state: object = None
     logits: np.ndarray | None = None
-    text: TextStream | None = None
-    rng: object = None
-    scratch: object = None
+    sampler: TokenSampler | None = None
     reserved: int = 0
     next_tok: int = -1
     t0: float = 0.0
@@ -279,8 +311,6 @@ class Scheduler:
     def _start(self, new: list[_Seq], queued: list[list[int]]) -> None:
         """Prefill the newly admitted sequences (together: the GPU takes them in one pass) and run them; one whose
         prefill fails gets its error, the others go on."""
-        from .cpu.sampling_nb import SampleScratch, rng_new
-
         eng = self.engine
         items = []
         for j, s in enumerate(new):
@@ -307,41 +337,25 @@ class Scheduler:
             req = s.handle.request
             s.logits, s.stats = np.array(got[0], copy=True), got[1]
             s.t1 = time.perf_counter()
-            s.text = TextStream(eng.tokenizer, req.stops, s.handle.generation)
-            s.scratch, s.rng = SampleScratch(s.logits.shape[-1]), rng_new(req.params.seed)
+            s.sampler = TokenSampler(req, eng.tokenizer, s.handle.generation, s.logits.shape[-1])
             self._running.append(s)
 
     def _sample(self, s: _Seq) -> bool:
         """Sample the next token of `s` from its logits; False when the sequence has ended. A token that goes on
         is kept for the decode step."""
-        from .cpu.sampling_nb import sample
-
-        p, req, st = s.handle.request.params, s.handle.request, s.state
-        if len(s.handle.generation.tokens) >= req.max_tokens:
+        if len(s.handle.generation.tokens) >= s.handle.request.max_tokens:
             return False
-        raw = s.logits.copy() if req.logprobs is not None and req.constraint is not None else s.logits
-        if req.constraint is not None:
-            req.constraint.mask(s.logits)
-        t = int(sample(s.logits, p.temperature, p.top_k, p.top_p, p.min_p, p.repeat_penalty, p.presence_penalty,
-                       p.frequency_penalty, st.tokens, st.pos, p.repeat_last_n, s.rng, s.scratch.xs, s.scratch.idx))
-        if req.logprobs is not None and t not in s.text.stop_ids:
-            g = s.handle.generation
-            if g.logprobs is None:
-                g.logprobs = []
-            g.logprobs.append(token_logprobs(raw, t, req.logprobs))
-        piece, ended = s.text.push(t)
-        if req.constraint is not None and not ended:
-            req.constraint.accept(t)
+        t, piece, ended = s.sampler(s.logits, s.state)
         s.handle._put(piece)
-        if ended or len(s.handle.generation.tokens) >= req.max_tokens:
+        if ended:
             return False
         s.next_tok = t
         return True
 
     def _release(self, s: _Seq, error: BaseException | None = None) -> None:
         g = s.handle.generation
-        if error is None and s.text is not None:
-            s.handle._put(s.text.finish())
+        if error is None and s.sampler is not None:
+            s.handle._put(s.sampler.text.finish())
             eng = self.engine
             if eng.prefix_cache is not None and s.state is not None and s.state.pos > len(s.handle.request.ids):
                 eng.prefix_cache.save(s.state, s.logits, defer_disk=True)  # the next turn starts from the reply
@@ -350,7 +364,7 @@ class Scheduler:
             g.timings = {**s.stats, "prefill_s": s.t1 - s.t0, "decode_s": t2 - s.t1,
                          "prompt_tok_per_s": len(s.handle.request.ids) / max(s.t1 - s.t0, 1e-9),
                          "decode_tok_per_s": n / (t2 - s.t1) if t2 > s.t1 else 0.0}
-        s.state, s.logits, s.scratch = None, None, None  # the memory goes now, not when the handle does
+        s.state, s.logits, s.sampler = None, None, None  # the memory goes now, not when the handle does
         with self._cv:
             self._reserved -= s.reserved
             s.reserved = 0
