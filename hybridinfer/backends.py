@@ -39,17 +39,11 @@ class Backend(ABC):
         return None  # nothing to prepare unless a backend says so
 
     def prefill_many(self, prompts) -> list[np.ndarray]:
-        """Prefill several prompts, each (ids, state, snapshot_at, on_snapshot), and return each one's last-token
-        logits (1, n_vocab). This default runs them one by one (one forward per prompt, snapshots through the
-        single-pass protocol where the backend has it); the GPU prefills them in one pass."""
-        out = []
-        for ids, st, at, cb in prompts:
-            if self.single_pass:
-                lg = self.forward(ids, st, all_logits=False, snapshot_at=at, on_snapshot=cb)
-            else:
-                lg = self.forward(ids, st, all_logits=False)
-            out.append(np.array(lg[-1:], copy=True))
-        return out
+        """Single-pass backends: prefill several prompts, each (ids, state, snapshot_at, on_snapshot), and return
+        each one's last-token logits (1, n_vocab). This default runs one pass per prompt; the GPU prefills them in
+        one pass. (The Engine chunks prompts itself for the other backends and never calls this on them.)"""
+        return [np.array(self.forward(ids, st, all_logits=False, snapshot_at=at, on_snapshot=cb)[-1:], copy=True)
+                for ids, st, at, cb in prompts]
 
     def decode_batch(self, tokens, states) -> np.ndarray:
         """One token for each of several sequences: logits (B, n_vocab), row j as forward([tokens[j]], states[j])
