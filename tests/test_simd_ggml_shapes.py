@@ -47,7 +47,7 @@ def test_kquant_products_take_llama_cpp_shapes(libs, qtype):
     shapes_seen = set()
     for rows in (16, 12):
         raw = random_blocks(qtype, rows * cols // 256, rng).reshape(-1)
-        for T in (1, 6, 9):
+        for T in (1, 6, 9, 19, 24):
             x = (rng.standard_normal((T, cols)) * rng.uniform(0.1, 20, (T, 1))).astype(np.float32)
             xq = ak.quantize_q8_K(x)
             vec = ak.kquant_matmul_q8(xq, raw, qtype, rows, cols)

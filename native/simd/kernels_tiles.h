@@ -464,11 +464,14 @@ HI_INLINE void hi_drive(const int qt, const hi_mm *m, int64_t r0, int64_t r1) {
                 hi_tile(qt, 1, 1, m, r, tb);
             }
         } else if (!legacy) {
-            /* GGML_DECODE_ROWS: tokens [tb, tg) in groups of G against the rows (kernels_rows.h; the last group
-             * shorter), a last single token alone. Most types take each group over the chunk's rows: its
+            /* GGML_DECODE_ROWS (and the VNNI unit's K-quants in every shape): tokens [tb, tg) in groups of G
+             * against the rows (kernels_rows.h; the last group shorter), a last single token alone. Most types take each group over the chunk's rows: its
              * activations stay in L1 while the rows (in L2) pass; some a few rows at a time, every group in turn */
-            const int G = m->rows1 ? hi_rows_group(qt, m) : 0, S = hi_rows_step(qt);
-            const int64_t tg = G < 2 ? tb : (te - tb) % G == 1 ? te - 1 : te;
+            const int G = m->rows1 || hi_rows_any_op(qt) ? hi_rows_group(qt, m) : 0, S = hi_rows_step(qt);
+            /* the repacked gemm's shape covers the first T - T % 4 tokens; the rest (gemv) one at a time below */
+            const int64_t gb = m->kshape == HI_KS_REPACK_GEMM ? m->T - m->T % 4 : te;
+            const int64_t lim = gb < te ? (gb > tb ? gb : tb) : te;
+            const int64_t tg = G < 2 ? tb : (lim - tb) % G == 1 ? lim - 1 : lim;
             if (S > 0) {
                 for (r = r0; r < r1; r += S)
                     for (int64_t t = tb; t < tg; t += G)

@@ -1,0 +1,149 @@
+/* The AVX2 unit's group kernels of the K-quants (kernels_rows.h has the maths and the group's preparation) */
+
+/* lanes 0..3: the totals of a0..a3, lanes 4..7 those of b0..b3 (8 lanes each) */
+HI_INLINE __m256i hi_r_totals8(const __m256i *a, const __m256i *b) {
+    __m256i v[2];
+    HI_UNROLL for (int k = 0; k < 2; k++) {
+        const __m256i *s = k ? b : a;
+        const __m256i p = _mm256_add_epi32(_mm256_unpacklo_epi32(s[0], s[1]), _mm256_unpackhi_epi32(s[0], s[1]));
+        const __m256i q = _mm256_add_epi32(_mm256_unpacklo_epi32(s[2], s[3]), _mm256_unpackhi_epi32(s[2], s[3]));
+        v[k] = _mm256_add_epi32(_mm256_unpacklo_epi64(p, q), _mm256_unpackhi_epi64(p, q));
+    }
+    return _mm256_add_epi32(_mm256_permute2x128_si256(v[0], v[1], 0x20), _mm256_permute2x128_si256(v[0], v[1], 0x31));
+}
+
+/* lane l of v in every lane */
+HI_INLINE __m256 hi_r_bcast(__m256 v, const int l) { return _mm256_permutevar8x32_ps(v, _mm256_set1_epi32(l)); }
+
+/* Q4_K (rp: the repacked gemv's shape, else vec_dot's) and Q5_K (vec_dot's), as hi_rows_k4 of the VNNI unit with
+ * 256-bit pmaddubsw + pmaddwd sums, the min sums of the 8 tokens at once from Bz */
+HI_INLINE void hi_rows_k4(const int q5, const int rp, const int gm, const int64_t nb, const uint8_t *restrict w,
+                          const hi_kgrp *kg, float *const *os) {
+    const int cnt = kg->cnt;
+    const size_t bs = q5 ? sizeof(block_q5_K) : sizeof(block_q4_K);
+    const __m256i m4 = _mm256_set1_epi8(0x0f), m16 = _mm256_set1_epi8(0x10);
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 acc[HI_KG], accm[4], accr = _mm256_setzero_ps(), accrm = _mm256_setzero_ps(), summs = _mm256_setzero_ps();
+    HI_UNROLL for (int g = 0; g < HI_KG; g++) acc[g] = _mm256_setzero_ps();
+    HI_UNROLL for (int k = 0; k < 4; k++) accm[k] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nb; i++) {
+        const uint8_t *b = w + (size_t)i * bs, *qs = b + (q5 ? 48 : 16);
+        const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)hi_rd32(b)));
+        const __m256 vd = _mm256_broadcastss_ps(dm), vm = _mm256_broadcastss_ps(_mm_shuffle_ps(dm, dm, 0x55));
+        const __m128i sm = hi_kq_scales_mins_v(b + 4);
+        const __m256i scales = _mm256_broadcastsi128_si256(_mm_unpacklo_epi8(sm, _mm_setzero_si128()));
+        const __m256i qh = q5 ? _mm256_loadu_si256((const __m256i *)(b + 16)) : m4;
+        __m256i S[HI_KG];
+        HI_UNROLL for (int g = 0; g < HI_KG; g++) S[g] = _mm256_setzero_si256();
+        HI_UNROLL for (int j = 0; j < 4; j++) {
+            const __m256i sl = _mm256_shuffle_epi8(scales, _mm256_set1_epi16((short)((4 * j + 1) << 8 | 4 * j)));
+            const __m256i sh = _mm256_shuffle_epi8(scales, _mm256_set1_epi16((short)((4 * j + 3) << 8 | (4 * j + 2))));
+            const __m256i bits = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
+            __m256i lo = _mm256_and_si256(bits, m4), hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
+            if (q5) {
+#define HI_R_BIT4(v, s) _mm256_and_si256((s) <= 4 ? _mm256_slli_epi16(v, 4 - (s)) : _mm256_srli_epi16(v, (s) - 4), m16)
+                lo = _mm256_or_si256(lo, HI_R_BIT4(qh, 2 * j));
+                hi = _mm256_or_si256(hi, HI_R_BIT4(qh, 2 * j + 1));
+#undef HI_R_BIT4
+            }
+            HI_UNROLL for (int g = 0; g < HI_KG; g++) {
+                if (g >= gm || g >= cnt) break;
+                const int8_t *q8 = kg->q8[g] + i * HI_QK_K + 64 * j;
+                const __m256i pl = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)q8));
+                const __m256i ph = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(q8 + 32)));
+                S[g] = _mm256_add_epi32(S[g], _mm256_add_epi32(_mm256_madd_epi16(sl, pl), _mm256_madd_epi16(sh, ph)));
+            }
+        }
+        /* lane l of I[p]: m[2p] * B[2p] + m[2p+1] * B[2p+1] of token l (minl[p]) */
+        const __m256i mins16 = _mm256_cvtepu8_epi16(_mm_srli_si128(sm, 8)); /* m0..7 as int16: dword p = (m[2p], m[2p+1]) */
+        const float *Dz = kg->Dz + i * 16;
+        const int32_t *Bz = kg->Bz + i * 32;
+        __m256i I[4];
+        HI_UNROLL for (int p = 0; p < 4; p++)
+            I[p] = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(Bz + 8 * p)),
+                                     _mm256_permutevar8x32_epi32(mins16, _mm256_set1_epi32(p)));
+        const __m256 D8 = _mm256_loadu_ps(Dz + 8);
+        if (rp) {
+            const __m256i imin = _mm256_add_epi32(_mm256_add_epi32(I[0], I[1]), _mm256_add_epi32(I[2], I[3]));
+            accr = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi_r_totals8(S, S + 4)), _mm256_mul_ps(vd, D8), accr);
+            accrm = _mm256_fmadd_ps(_mm256_cvtepi32_ps(imin), _mm256_mul_ps(vm, D8), accrm);
+            continue;
+        }
+        const __m256 dd = _mm256_mul_ps(vd, D8), ndm = _mm256_xor_ps(_mm256_mul_ps(vm, D8), sign);
+        HI_UNROLL for (int g = 0; g < HI_KG; g++) {
+            if (g >= gm || g >= cnt) break;
+            acc[g] = _mm256_fmadd_ps(hi_r_bcast(dd, g), _mm256_cvtepi32_ps(S[g]), acc[g]);
+        }
+        if (q5) {
+            const __m256i imin = _mm256_add_epi32(_mm256_add_epi32(I[0], I[1]), _mm256_add_epi32(I[2], I[3]));
+            summs = _mm256_fmadd_ps(ndm, _mm256_cvtepi32_ps(imin), summs);
+        } else {
+            HI_UNROLL for (int p = 0; p < 4; p++) accm[p] = _mm256_fmadd_ps(ndm, _mm256_cvtepi32_ps(I[p]), accm[p]);
+        }
+    }
+    float r[8], rm[8], s[8], m[4][8];
+    _mm256_storeu_ps(r, accr);
+    _mm256_storeu_ps(rm, accrm);
+    _mm256_storeu_ps(s, summs);
+    HI_UNROLL for (int p = 0; p < 4; p++) _mm256_storeu_ps(m[p], accm[p]);
+    HI_UNROLL for (int g = 0; g < HI_KG; g++) {
+        if (g >= gm || g >= cnt) break;
+        if (rp) *os[g] = r[g] - rm[g];
+        else if (q5) *os[g] = hi_kq_hsum8_ps(acc[g]) + s[g];
+        else *os[g] = hi_kq_hsum8_ps(acc[g]) + hi_kq_hsum4_ps(_mm_setr_ps(m[0][g], m[1][g], m[2][g], m[3][g]));
+    }
+}
+
+/* Q6_K (vec_dot's shape), as hi_dot_q6_K_q8_K's AVX2 path, each group's 6-bit weights and scales once per block */
+/* (tiled: 0; this unit's group path takes vec_dot's shape only, hi_rows_group) */
+HI_INLINE void hi_rows_q6(const int tiled, const int gm, const int64_t nb, const uint8_t *restrict w, const hi_kgrp *kg,
+                          float *const *os) {
+    (void)tiled;
+    const int cnt = kg->cnt;
+    const block_q6_K *x = (const block_q6_K *)w;
+    const __m256i m4 = _mm256_set1_epi8(0x0f), m3 = _mm256_set1_epi8(0x03), m12 = _mm256_set1_epi8(0x0c);
+    const __m256i m48 = _mm256_set1_epi8(0x30), m192 = _mm256_set1_epi8((char)0xc0);
+    __m256 acc[HI_KG];
+    HI_UNROLL for (int g = 0; g < HI_KG; g++) acc[g] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nb; i++) {
+        const __m256 vd = _mm256_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(x[i].d)));
+        const __m128i sc8 = _mm_loadu_si128((const __m128i *)x[i].scales);
+        /* -32 * sc per int16: madd with a token's bsums gives minus its offsets, the start of its sums */
+        const __m256i nsc = _mm256_sub_epi16(_mm256_setzero_si256(), _mm256_slli_epi16(_mm256_cvtepi8_epi16(sc8), 5));
+        __m256i S[HI_KG];
+        HI_UNROLL for (int g = 0; g < HI_KG; g++) {
+            S[g] = _mm256_setzero_si256();
+            if (g >= gm || g >= cnt) continue;
+            S[g] = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)kg->y[g][i].bsums), nsc);
+        }
+        HI_UNROLL for (int h = 0; h < 2; h++) {
+            const __m256i b1 = _mm256_loadu_si256((const __m256i *)(x[i].ql + 64 * h));
+            const __m256i b2 = _mm256_loadu_si256((const __m256i *)(x[i].ql + 64 * h + 32));
+            const __m256i bh = _mm256_loadu_si256((const __m256i *)(x[i].qh + 32 * h));
+            __m256i wv[4];
+            wv[0] = _mm256_or_si256(_mm256_and_si256(b1, m4), _mm256_slli_epi16(_mm256_and_si256(bh, m3), 4));
+            wv[1] = _mm256_or_si256(_mm256_and_si256(b2, m4), _mm256_slli_epi16(_mm256_and_si256(bh, m12), 2));
+            wv[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b1, 4), m4), _mm256_and_si256(bh, m48));
+            wv[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b2, 4), m4), _mm256_srli_epi16(_mm256_and_si256(bh, m192), 2));
+            HI_UNROLL for (int k = 0; k < 4; k++) {
+                const int gr = 4 * h + k; /* 8 x sc[2gr] then 8 x sc[2gr+1], as int16 */
+                const __m256i sc = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(
+                    sc8, _mm_set_epi64x(0x0101010101010101LL * (2 * gr + 1), 0x0101010101010101LL * (2 * gr))));
+                HI_UNROLL for (int g = 0; g < HI_KG; g++) {
+                    if (g >= gm || g >= cnt) break;
+                    const __m256i p = _mm256_maddubs_epi16(wv[k], _mm256_loadu_si256((const __m256i *)(kg->q8[g] + i * HI_QK_K + 128 * h + 32 * k)));
+                    S[g] = _mm256_add_epi32(S[g], _mm256_madd_epi16(sc, p));
+                }
+            }
+        }
+        const __m256 dd = _mm256_mul_ps(vd, _mm256_loadu_ps(kg->Dz + i * 16 + 8));
+        HI_UNROLL for (int g = 0; g < HI_KG; g++) {
+            if (g >= gm || g >= cnt) break;
+            acc[g] = _mm256_fmadd_ps(hi_r_bcast(dd, g), _mm256_cvtepi32_ps(S[g]), acc[g]);
+        }
+    }
+    HI_UNROLL for (int g = 0; g < HI_KG; g++) {
+        if (g >= gm || g >= cnt) break;
+        *os[g] = hi_kq_hsum8_ps(acc[g]);
+    }
+}

@@ -1,0 +1,248 @@
+/* The VNNI unit's group kernels of the K-quants (kernels_rows.h has the maths and the group's preparation) */
+/* [a.lo + a.hi | b.lo + b.hi]: two tokens' 8 lanes from their 16-lane sums */
+HI_INLINE __m512i hi_r_pair(__m512i a, __m512i b) {
+    return _mm512_add_epi32(_mm512_shuffle_i64x2(a, b, 0x44), _mm512_shuffle_i64x2(a, b, 0xee));
+}
+
+/* the upper 8 floats (AVX512F: no DQ) */
+HI_INLINE __m256 hi_r_hi8(__m512 a) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)); }
+
+/* lanes 0..7 v[i], lanes 8..15 v[j] */
+HI_INLINE __m512 hi_r_spread2(__m256 v, const int i, const int j) {
+    const __m512i idx = _mm512_inserti64x4(_mm512_set1_epi32(i), _mm256_set1_epi32(j), 1);
+    return _mm512_permutexvar_ps(idx, _mm512_castps256_ps512(v));
+}
+
+/* an octet's 16-lane integer sums S[0..7] and the imin halves I (lane l: token l's first part, lane 8 + l its
+ * second) as [totals of S of tokens 0, 2, 4, 6 | of 1, 3, 5, 7 | imin of tokens 0..3 | of 4..7] */
+HI_INLINE __m512i hi_r_tree8(const __m512i *S, __m512i I) {
+    const __m512i R01 = hi_r_pair(S[0], S[1]), R23 = hi_r_pair(S[2], S[3]);
+    const __m512i R45 = hi_r_pair(S[4], S[5]), R67 = hi_r_pair(S[6], S[7]);
+    /* per 128-bit lane: two partial sums of each of the two inputs */
+    const __m512i A = _mm512_add_epi32(_mm512_unpacklo_epi64(R01, R23), _mm512_unpackhi_epi64(R01, R23));
+    const __m512i B = _mm512_add_epi32(_mm512_unpacklo_epi64(R45, R67), _mm512_unpackhi_epi64(R45, R67));
+    /* per 128-bit lane: [R01, R23, R45, R67]; lanes 0 and 1 hold tokens 0, 2, 4, 6, lanes 2 and 3 tokens 1, 3, 5, 7 */
+    const __m512 fa = _mm512_castsi512_ps(A), fb = _mm512_castsi512_ps(B);
+    const __m512i E = _mm512_add_epi32(_mm512_castps_si512(_mm512_shuffle_ps(fa, fb, 0x88)),
+                                       _mm512_castps_si512(_mm512_shuffle_ps(fa, fb, 0xdd)));
+    return _mm512_add_epi32(_mm512_shuffle_i64x2(E, I, 0x48), _mm512_shuffle_i64x2(E, I, 0xed));
+}
+
+/* Q4_K (q5 = 0) and Q5_K weight row w of nb blocks against group kg, into *os, in the float shape `rp` (HI_KS_*):
+ * vec_dot's, the repacked gemv's (Q4_K), the repacked gemm's (Q4_K; every token of the group below the gemm's
+ * T - T % 4) or the tiled kernels'. Per block: quarter j of the weights as 64 bytes (sub-block 2j in the lower half,
+ * 2j+1 in the upper) with the scales spread to match, vpdpbusd + vpdpwssd per token; the min sums of 8 tokens at
+ * once from Bz against the block's mins. The gemm's steps are per quarter: one transposing tree per quarter. */
+HI_INLINE void hi_rows_k4(const int q5, const int rp, const int gm, const int64_t nb, const uint8_t *restrict w,
+                          const hi_kgrp *kg, float *const *os) {
+    const int cnt = kg->cnt;
+    const size_t bs = q5 ? sizeof(block_q5_K) : sizeof(block_q4_K);
+    const __m512i m4 = _mm512_set1_epi8(0x0f), m16 = _mm512_set1_epi8(0x10), zero = _mm512_setzero_si512();
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m512 acc[HI_KG / 2];      /* vec_dot: tokens 2p, 2p+1 in halves */
+    __m512 accm[HI_KO][2];      /* vec_dot, Q4_K: minl[0] | minl[1], minl[2] | minl[3] of the octet's tokens */
+    __m512 accr[HI_KO];         /* gemv, gemm: hi_r_tree8's lanes */
+    __m256 acct[HI_KO];         /* tiled: tokens 0, 2, 4, 6, 1, 3, 5, 7 */
+    __m256 summs[HI_KO];        /* Q5_K */
+    HI_UNROLL for (int p = 0; p < HI_KG / 2; p++) acc[p] = _mm512_setzero_ps();
+    HI_UNROLL for (int o = 0; o < HI_KO; o++) {
+        accm[o][0] = accm[o][1] = accr[o] = _mm512_setzero_ps();
+        summs[o] = acct[o] = _mm256_setzero_ps();
+    }
+    const __m256i ord = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+    for (int64_t i = 0; i < nb; i++) {
+        const uint8_t *b = w + (size_t)i * bs, *qs = b + (q5 ? 48 : 16);
+        const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)hi_rd32(b))); /* d, dmin */
+        const __m256 vd = _mm256_broadcastss_ps(dm), vm = _mm256_broadcastss_ps(_mm_shuffle_ps(dm, dm, 0x55));
+        const __m128i sm = hi_kq_scales_mins_v(b + 4); /* bytes sc0..7, m0..7 */
+        const __m512i sc32 = _mm512_cvtepu8_epi32(sm);
+        /* dwords 4..7 of w16: the int16 pairs (m[2p], m[2p+1]) */
+        const __m512i w16 = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(sm));
+        const __m512i MP0 = _mm512_permutexvar_epi32(_mm512_inserti64x4(_mm512_set1_epi32(4), _mm256_set1_epi32(5), 1), w16);
+        const __m512i MP1 = _mm512_permutexvar_epi32(_mm512_inserti64x4(_mm512_set1_epi32(6), _mm256_set1_epi32(7), 1), w16);
+        const __m512i qh = q5 ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 16))) : zero;
+        __m512i W[4], SC[4];
+        HI_UNROLL for (int j = 0; j < 4; j++) {
+            const __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qs + 32 * j)));
+            __m512i v = _mm512_and_si512(_mm512_mask_srli_epi16(q, (__mmask32)0xffff0000u, q, 4), m4);
+            if (q5) { /* bit 2j (lower half) / 2j + 1 (upper) of each qh byte to bit 4: rotate the dwords */
+                const __m512i rot = _mm512_inserti64x4(_mm512_set1_epi32((4 - 2 * j) & 31), _mm256_set1_epi32((3 - 2 * j) & 31), 1);
+                v = _mm512_ternarylogic_epi32(v, _mm512_rolv_epi32(qh, rot), m16, 0xf8); /* v | (rot & m16) */
+            }
+            W[j] = v;
+            SC[j] = _mm512_permutexvar_epi32(_mm512_inserti64x4(_mm512_set1_epi32(2 * j), _mm256_set1_epi32(2 * j + 1), 1), sc32);
+        }
+        HI_UNROLL for (int o = 0; o < HI_KO; o++) {
+            if (8 * o >= cnt) break;
+            const float *Dz = kg->Dz + (i * HI_KO + o) * 16;
+            const int32_t *Bz = kg->Bz + (i * HI_KO + o) * 32;
+            /* lanes l / 8 + l: minl[0] / minl[1] of token l, then minl[2] / minl[3] */
+            const __m512i IA = _mm512_madd_epi16(_mm512_loadu_si512((const void *)Bz), MP0);
+            const __m512i IB = _mm512_madd_epi16(_mm512_loadu_si512((const void *)(Bz + 16)), MP1);
+            __m512i S[8];
+            if (rp == HI_KS_REPACK_GEMM) { /* acc, accm per quarter j: its part and mpart (minl[j]) */
+                const __m512 dd = _mm512_mul_ps(_mm512_loadu_ps(Dz), _mm512_castpd_ps(_mm512_insertf64x4(
+                                                    _mm512_castpd256_pd512(_mm256_castps_pd(vd)), _mm256_castps_pd(vm), 1)));
+                HI_UNROLL for (int j = 0; j < 4; j++) {
+                    HI_UNROLL for (int l = 0; l < 8; l++) {
+                        S[l] = zero;
+                        if (l >= gm || 8 * o + l >= cnt) continue;
+                        const int8_t *q8 = kg->q8[8 * o + l] + i * HI_QK_K;
+                        S[l] = _mm512_dpwssd_epi32(zero, _mm512_dpbusd_epi32(zero, W[j], _mm512_loadu_si512((const void *)(q8 + 64 * j))), SC[j]);
+                    }
+                    const __m512i IJ = j % 2 ? _mm512_shuffle_i64x2(j < 2 ? IA : IB, zero, 0x0e)
+                                             : _mm512_maskz_mov_epi32((__mmask16)0x00ff, j < 2 ? IA : IB);
+                    accr[o] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi_r_tree8(S, IJ)), dd, accr[o]);
+                }
+                continue;
+            }
+            HI_UNROLL for (int l = 0; l < 8; l++) {
+                S[l] = zero;
+                if (l >= gm || 8 * o + l >= cnt) continue;
+                const int8_t *q8 = kg->q8[8 * o + l] + i * HI_QK_K;
+                HI_UNROLL for (int j = 0; j < 4; j++)
+                    S[l] = _mm512_dpwssd_epi32(S[l], _mm512_dpbusd_epi32(zero, W[j], _mm512_loadu_si512((const void *)(q8 + 64 * j))), SC[j]);
+            }
+            if (rp == HI_KS_TILED) { /* res = fma(-dmin, imin, d * isum), row = fma(res, D, row) */
+                const __m512 f = _mm512_cvtepi32_ps(hi_r_tree8(S, _mm512_add_epi32(IA, IB)));
+                const __m256 im = _mm256_permutevar8x32_ps(hi_r_hi8(f), ord);
+                const __m256 res = _mm256_fmadd_ps(_mm256_xor_ps(vm, sign), im, _mm256_mul_ps(vd, _mm512_castps512_ps256(f)));
+                acct[o] = _mm256_fmadd_ps(res, _mm256_loadu_ps(Dz), acct[o]);
+                continue;
+            }
+            if (rp == HI_KS_REPACK) {
+                const __m512 dd = _mm512_mul_ps(_mm512_loadu_ps(Dz), _mm512_castpd_ps(_mm512_insertf64x4(
+                                                    _mm512_castpd256_pd512(_mm256_castps_pd(vd)), _mm256_castps_pd(vm), 1)));
+                const __m512 f = _mm512_cvtepi32_ps(hi_r_tree8(S, _mm512_add_epi32(IA, IB)));
+                accr[o] = _mm512_fmadd_ps(f, dd, accr[o]);
+                continue;
+            }
+            const __m256 D8 = _mm256_loadu_ps(Dz + 8);
+            const __m256 dd = _mm256_mul_ps(vd, D8), ndm = _mm256_xor_ps(_mm256_mul_ps(vm, D8), sign); /* d*D, -(dmin*D) */
+            HI_UNROLL for (int p = 0; p < 4; p++) {
+                if (2 * p >= gm || 8 * o + 2 * p >= cnt) break;
+                acc[4 * o + p] = _mm512_fmadd_ps(hi_r_spread2(dd, 2 * p, 2 * p + 1), _mm512_cvtepi32_ps(hi_r_pair(S[2 * p], S[2 * p + 1])),
+                                                 acc[4 * o + p]);
+            }
+            if (q5) {
+                const __m512i I = _mm512_add_epi32(IA, IB);
+                const __m256i imin = _mm256_add_epi32(_mm512_castsi512_si256(I), _mm512_extracti64x4_epi64(I, 1));
+                summs[o] = _mm256_fmadd_ps(ndm, _mm256_cvtepi32_ps(imin), summs[o]);
+            } else {
+                const __m512 n2 = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(ndm)), _mm256_castps_pd(ndm), 1));
+                accm[o][0] = _mm512_fmadd_ps(n2, _mm512_cvtepi32_ps(IA), accm[o][0]);
+                accm[o][1] = _mm512_fmadd_ps(n2, _mm512_cvtepi32_ps(IB), accm[o][1]);
+            }
+        }
+    }
+    HI_UNROLL for (int g = 0; g < HI_KG; g++) {
+        if (g >= cnt) break;
+        const int o = g / 8, l = g % 8;
+        float v;
+        if (rp == HI_KS_TILED) {
+            float a[8];
+            _mm256_storeu_ps(a, acct[o]);
+            v = a[l % 2 ? 4 + l / 2 : l / 2];
+        } else if (rp) {
+            float a[16];
+            _mm512_storeu_ps(a, accr[o]);
+            v = a[l % 2 ? 4 + l / 2 : l / 2] - a[8 + l];
+        } else {
+            const __m512 a = acc[g / 2];
+            v = hi_kq_hsum8_ps(g % 2 ? hi_r_hi8(a) : _mm512_castps512_ps256(a));
+            if (q5) {
+                float s[8];
+                _mm256_storeu_ps(s, summs[o]);
+                v = v + s[l];
+            } else {
+                float ma[16], mb[16];
+                _mm512_storeu_ps(ma, accm[o][0]);
+                _mm512_storeu_ps(mb, accm[o][1]);
+                v = v + hi_kq_hsum4_ps(_mm_setr_ps(ma[l], ma[8 + l], mb[l], mb[8 + l]));
+            }
+        }
+        *os[g] = v;
+    }
+}
+
+/* Q6_K (vec_dot's shape, or with `tiled` the tiled kernels': res = d * isum, row = fma(res, D, row)), as
+ * hi_dot_q6_K_q8_K's VNNI path builds its 512-bit weights and scales, once per block */
+HI_INLINE void hi_rows_q6(const int tiled, const int gm, const int64_t nb, const uint8_t *restrict w, const hi_kgrp *kg,
+                          float *const *os) {
+    const int cnt = kg->cnt;
+    const block_q6_K *x = (const block_q6_K *)w;
+    const __m512i m4 = _mm512_set1_epi8(0x0f), m48 = _mm512_set1_epi8(0x30), zero = _mm512_setzero_si512();
+    const __m512i shA = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
+    const __m512i shB = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1);
+    const __m512i idx0 = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    __m512 acc[HI_KG / 2];
+    __m256 acct[HI_KO]; /* tiled: tokens 0, 2, 4, 6, 1, 3, 5, 7 */
+    HI_UNROLL for (int p = 0; p < HI_KG / 2; p++) acc[p] = _mm512_setzero_ps();
+    HI_UNROLL for (int o = 0; o < HI_KO; o++) acct[o] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nb; i++) {
+        const __m256 vd = _mm256_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(x[i].d)));
+        const __m128i sc8 = _mm_loadu_si128((const __m128i *)x[i].scales);
+        /* -32 * sc per int16 (|.| <= 4096): madd with a token's bsums gives minus its offsets, the start of its sums */
+        const __m256i nsc = _mm256_sub_epi16(_mm256_setzero_si256(), _mm256_slli_epi16(_mm256_cvtepi8_epi16(sc8), 5));
+        const __m512i sc32 = _mm512_cvtepu16_epi32(_mm256_cvtepi8_epi16(sc8));
+        __m512i WA[2], WB[2], SC[4];
+        HI_UNROLL for (int h = 0; h < 2; h++) {
+            const __m512i ql = _mm512_loadu_si512((const void *)(x[i].ql + 64 * h));
+            const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(x[i].qh + 32 * h)));
+            WA[h] = _mm512_ternarylogic_epi32(ql, m4, _mm512_and_si512(_mm512_sllv_epi16(qh, shA), m48), 0xea);
+            WB[h] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(ql, 4), m4, _mm512_and_si512(_mm512_srlv_epi16(qh, shB), m48), 0xea);
+        }
+        HI_UNROLL for (int k = 0; k < 4; k++) SC[k] = _mm512_permutexvar_epi32(_mm512_add_epi32(idx0, _mm512_set1_epi32(4 * k)), sc32);
+        HI_UNROLL for (int o = 0; o < HI_KO; o++) {
+            if (8 * o >= cnt) break;
+            if (tiled) {
+                __m512i S[8];
+                HI_UNROLL for (int l = 0; l < 8; l++) {
+                    S[l] = zero;
+                    if (l >= gm || 8 * o + l >= cnt) continue;
+                    S[l] = _mm512_zextsi256_si512(_mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)kg->y[8 * o + l][i].bsums), nsc));
+                    const int8_t *q8 = kg->q8[8 * o + l] + i * HI_QK_K;
+                    HI_UNROLL for (int h = 0; h < 2; h++) {
+                        S[l] = _mm512_dpwssd_epi32(S[l], _mm512_dpbusd_epi32(zero, WA[h], _mm512_loadu_si512((const void *)(q8 + 128 * h))), SC[2 * h]);
+                        S[l] = _mm512_dpwssd_epi32(S[l], _mm512_dpbusd_epi32(zero, WB[h], _mm512_loadu_si512((const void *)(q8 + 128 * h + 64))), SC[2 * h + 1]);
+                    }
+                }
+                const __m256 isum = _mm512_castps512_ps256(_mm512_cvtepi32_ps(hi_r_tree8(S, zero)));
+                acct[o] = _mm256_fmadd_ps(_mm256_mul_ps(vd, isum), _mm256_loadu_ps(kg->Dz + (i * HI_KO + o) * 16), acct[o]);
+                continue;
+            }
+            const __m256 dd = _mm256_mul_ps(vd, _mm256_loadu_ps(kg->Dz + (i * HI_KO + o) * 16 + 8));
+            HI_UNROLL for (int p = 0; p < 4; p++) {
+                const int g0 = 8 * o + 2 * p;
+                if (2 * p >= gm || g0 >= cnt) break;
+                __m512i S[2];
+                HI_UNROLL for (int u = 0; u < 2; u++) {
+                    S[u] = zero;
+                    if (2 * p + u >= gm || g0 + u >= cnt) continue;
+                    S[u] = _mm512_zextsi256_si512(_mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)kg->y[g0 + u][i].bsums), nsc));
+                    const int8_t *q8 = kg->q8[g0 + u] + i * HI_QK_K;
+                    HI_UNROLL for (int h = 0; h < 2; h++) {
+                        S[u] = _mm512_dpwssd_epi32(S[u], _mm512_dpbusd_epi32(zero, WA[h], _mm512_loadu_si512((const void *)(q8 + 128 * h))), SC[2 * h]);
+                        S[u] = _mm512_dpwssd_epi32(S[u], _mm512_dpbusd_epi32(zero, WB[h], _mm512_loadu_si512((const void *)(q8 + 128 * h + 64))), SC[2 * h + 1]);
+                    }
+                }
+                acc[4 * o + p] = _mm512_fmadd_ps(hi_r_spread2(dd, 2 * p, 2 * p + 1), _mm512_cvtepi32_ps(hi_r_pair(S[0], S[1])),
+                                                 acc[4 * o + p]);
+            }
+        }
+    }
+    HI_UNROLL for (int g = 0; g < HI_KG; g++) {
+        if (g >= cnt) break;
+        if (tiled) {
+            float a[8];
+            _mm256_storeu_ps(a, acct[g / 8]);
+            *os[g] = a[g % 2 ? 4 + g % 8 / 2 : g % 8 / 2];
+            continue;
+        }
+        const __m512 a = acc[g / 2];
+        *os[g] = hi_kq_hsum8_ps(g % 2 ? hi_r_hi8(a) : _mm512_castps512_ps256(a));
+    }
+}
+
+/* ================================================================================================ */
+/* K-quants, AVX2: 256-bit sums as the one-token kernels form them, the weights' halves and scales once per step */
