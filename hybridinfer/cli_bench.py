@@ -68,8 +68,9 @@ def cmd_bench_batch(a) -> int:
     from .benchmarks import batch
 
     sizes = _positive_ints("--batch-sizes", a.batch_sizes, "sequence counts")
-    _check_tools(a, "--llama-batched-bench")
-    res = batch.run(a.model, a.threads, sizes, a.steps, a.prompt_len, a.llama_batched_bench)
+    _check_tools(a, "--llama-batched-bench", "--llama-bench", "--llama-bench-sse")
+    res = batch.run(a.model, a.threads, sizes, a.steps, a.prompt_len, a.llama_batched_bench,
+                    prefill_tokens=a.prefill_tokens, llama_bench=a.llama_bench, llama_bench_sse=a.llama_bench_sse)
     print(batch.markdown(res))
     _save_bench(a.out_dir, f"batch-{_model_stem(a.model)}-t{a.threads}", json.dumps(res, indent=1),
                 lambda png: batch.plot(res, png))
@@ -158,6 +159,10 @@ def add_bench_parsers(sub) -> None:
     b.add_argument("--prompt-len", type=_int_at_least(1), default=128, help="prompt tokens of each sequence")
     b.add_argument("--llama-batched-bench", default=None, help="llama.cpp's llama-batched-bench, run with the same "
                    "B, prompt length and steps")
+    b.add_argument("--prefill-tokens", type=_int_at_least(0), default=512,
+                   help="also time CPU prefill of one prompt this long, at the best ISA and at SSSE3 (0: skip)")
+    b.add_argument("--llama-bench", default=None, help="llama-bench (native build), run with -p PREFILL_TOKENS -n 0")
+    b.add_argument("--llama-bench-sse", default=None, help="llama-bench built for SSE4.2 (no AVX), the same")
     b = _bench_parser(bsub, "prefix", "time to first token cold/warm with the prefix cache, and llama.cpp's server",
                       cmd_bench_prefix)
     b.add_argument("--backend", default="cpu", choices=["reference", "cpu", "gpu", "auto"])

@@ -15,15 +15,21 @@ from hybridinfer.cli import main
 
 def _run(path: str, out_dir: str, capsys) -> tuple[str, dict, str]:
     assert main(["bench", "batch", "-m", path, "-t", "2", "--batch-sizes", "1,2,3", "--steps", "2",
-                 "--out-dir", out_dir]) == 0
+                 "--prefill-tokens", "24", "--out-dir", out_dir]) == 0
     stem = os.path.join(out_dir, f"batch-{os.path.splitext(os.path.basename(path))[0]}-t2")
     with open(stem + ".json") as f:
         return capsys.readouterr().out, json.load(f), stem
 
 
 def _table(out: str) -> list[list[str]]:
-    return [[c.strip() for c in r.strip("|").split("|")] for r in out.splitlines()
-            if r.startswith("| ") and not r.startswith("| B ")]
+    """the batched-decode table's rows (the prefill table follows it)"""
+    rows = []
+    for r in out.splitlines():
+        if r.startswith("| engine "):
+            break
+        if r.startswith("| ") and not r.startswith("| B "):
+            rows.append([c.strip() for c in r.strip("|").split("|")])
+    return rows
 
 
 @pytest.mark.parametrize("arch", ["qwen35moe", "qwen35"])
@@ -54,6 +60,13 @@ def test_bench_batch(arch, oracle_gguf, tmp_path, capsys):
     else:
         assert not res["is_moe"] and step == [step[0]] * 3  # a dense step reads every matrix once, whatever B
         assert batch.UNIFORM_NOTE not in out
+    # CPU prefill: the best ISA and SSSE3 (no llama-bench given: no llama.cpp rows, no ratios)
+    pre = res["prefill"]
+    assert pre["tokens"] == 24 and [r["engine"] for r in pre["rows"]] == ["hybridinfer"] * 2
+    assert pre["rows"][0]["build"] == res["isa"] and pre["rows"][1]["build"] == "ssse3"
+    for r in pre["rows"]:
+        assert r["tok_s"] == pytest.approx(24 / r["seconds"]) and r["gflop_s"] > 0 and r["vs_llama"] is None
+    assert "| engine | build / ISA | tok/s | GFLOP/s of the products | x llama.cpp |" in out
     if importlib.util.find_spec("matplotlib") is not None:
         assert os.path.getsize(stem + ".png") > 0
 

@@ -79,6 +79,32 @@ def test_moe_calls_take_the_expert_shape(libs):
             assert np.array_equal(g[i], want[0]) and np.array_equal(u[i], want[0]), isa
 
 
+@pytest.mark.parametrize("qtype, rows", [(ak.Q4_K, 16), (ak.Q4_K, 12), (ak.Q6_K, 16), (ak.Q5_K, 8)])
+def test_grouped_experts_take_each_experts_shape(libs, qtype, rows):
+    """A prompt's MoE products (moe_grouped, GGML_MUL_MAT_ID): each expert's rows as one product of that expert
+    over its own tokens (llama.cpp's shape for its count: vec_dot / gemv below 8 tokens, tiled from 8)."""
+    rng = np.random.default_rng(rows + qtype)
+    E, cols, counts = 4, 512, (1, 5, 8, 13)
+    raw = random_blocks(qtype, E * rows * cols // 256, rng).reshape(-1)
+    per = raw.size // E
+    n = sum(counts)
+    x = (rng.standard_normal((n, cols)) * rng.uniform(0.1, 20, (n, 1))).astype(np.float32)
+    xq = ak.quantize_q8_K(x)
+    experts = np.array([3, 0, 2, 1], np.int32)
+    starts = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
+    for isa, lib in libs.items():
+        out = np.zeros((n, rows), np.float32)
+        lib.moe_grouped([(raw, qtype)], rows, cols, xq, experts, starts, [out], GGML_MUL_MAT_ID)
+        for g, e in enumerate(experts):
+            r = slice(starts[g], starts[g + 1])
+            want = np.zeros((counts[g], rows), np.float32)
+            lib.matmul(raw[e * per:(e + 1) * per], qtype, rows, cols, np.ascontiguousarray(xq[r]), want,
+                       GGML_MUL_MAT_ID)
+            assert np.array_equal(out[r], want), (isa, int(e), counts[g])
+            assert np.array_equal(want, _want(isa, GGML_MUL_MAT_ID, qtype, xq[r], raw[e * per:(e + 1) * per], rows,
+                                              cols, counts[g])[1]), (isa, int(e))
+
+
 @pytest.mark.parametrize("T, pos0, hd", [(1, 0, 64), (1, 70, 64), (5, 3, 64), (4, 20, 24), (2, 0, 16)])
 def test_attention_matches_reference(libs, T, pos0, hd):
     rng = np.random.default_rng(T * 100 + pos0)

@@ -200,9 +200,10 @@ def measure_llama_batched(exe: str, path: str, threads: int, batch_sizes, prompt
 # the run, the table, the plot -----------------------------------------------------------------------------------
 
 def run(path: str, threads: int, batch_sizes=(1, 2, 4, 8, 16), n_steps: int = 32, prompt_len: int = 128,
-        llama_batched_bench: str | None = None, weights: str = "auto", seed: int = 0) -> dict:
+        llama_batched_bench: str | None = None, weights: str = "auto", seed: int = 0, prefill_tokens: int = 0,
+        llama_bench: str | None = None, llama_bench_sse: str | None = None) -> dict:
     """This engine's batched decode on the CPU backend, then llama-batched-bench with the same B, prompt length
-    and decode steps."""
+    and decode steps; with prefill_tokens, CPU prefill of one prompt that long (prefill_cpu) against llama-bench."""
     from ..api import Engine
 
     eng = Engine.load(path, backend="cpu", n_threads=threads, n_ctx=prompt_len + n_steps + 8, weights=weights)
@@ -225,6 +226,10 @@ def run(path: str, threads: int, batch_sizes=(1, 2, 4, 8, 16), n_steps: int = 32
                 lr = lrows.get(r["batch"])
                 r["llama_tok_s"] = float(lr["speed_tg"]) if lr else None
                 r["ratio"] = r["tok_s"] / r["llama_tok_s"] if r["llama_tok_s"] else None
+    if prefill_tokens:
+        from . import prefill_cpu
+
+        res["prefill"] = prefill_cpu.run(path, threads, prefill_tokens, llama_bench, llama_bench_sse)
     return res
 
 
@@ -260,6 +265,10 @@ def markdown(res: dict) -> str:
             out.append("* the backend's routing is not seen: the experts per layer and the GB per step are the "
                        "uniform-routing expectation.")
         out.append(UNIFORM_NOTE)
+    if res.get("prefill"):
+        from . import prefill_cpu
+
+        out += ["", prefill_cpu.markdown(res["prefill"])]
     return "\n".join(out)
 
 

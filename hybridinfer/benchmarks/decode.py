@@ -176,13 +176,14 @@ def python_share(be, st, t: int, n: int) -> float:
 
 
 def measure_llama(llama_bench: str, path: str, threads: int, n_tokens: int, context: int,
-                  mmap: bool = True) -> float | None:
-    """llama.cpp's `llama-bench -p 0 -n N -t T [-d ctx] [-lm none]` tokens/s (-lm none: weights read into
-    buffers instead of mapped), or None if it is missing or fails."""
+                  mmap: bool = True, prompt: int = 0) -> float | None:
+    """llama.cpp's `llama-bench -p P -n N -t T [-d ctx] [-lm none]` tokens/s (-lm none: weights read into
+    buffers instead of mapped; P = 0 and N > 0: decode, N = 0 and P > 0: prompt processing), or None if it is
+    missing or fails."""
     exe = shutil.which(llama_bench) or (llama_bench if llama_bench and shutil.os.path.exists(llama_bench) else None)
     if not exe:
         return None
-    cmd = [exe, "-m", path, "-p", "0", "-n", str(n_tokens), "-t", str(threads), "-o", "json", "-r", "2"]
+    cmd = [exe, "-m", path, "-p", str(prompt), "-n", str(n_tokens), "-t", str(threads), "-o", "json", "-r", "2"]
     if context:
         cmd += ["-d", str(context)]
     if not mmap:

@@ -381,10 +381,11 @@ class CPUModel(Backend):
         token of each of T sequences."""
         return enumerate(st) if isinstance(st, list) else ((None, st),)
 
-    def _moe_rows(self, L: Layer, x: np.ndarray, idx: np.ndarray, ys: np.ndarray, ws: Workspace) -> None:
-        """ys[t * k + j] = expert idx[t, j]'s output for token t, each pair in its one-token float shape: the T x k
-        pairs sorted by expert, so gate and up (one pooled call) and down (another) read each selected expert
-        once for all the tokens routed to it."""
+    def _moe_rows(self, L: Layer, x: np.ndarray, idx: np.ndarray, ys: np.ndarray, ws: Workspace, op: int) -> None:
+        """ys[t * k + j] = expert idx[t, j]'s output for token t: the T x k pairs sorted by expert, so gate and up
+        (pooled calls) and down (more) read each selected expert once for all the tokens routed to it. op:
+        GGML_DECODE_ROWS (several sequences' decode tokens: each pair in its one-token float shape) or
+        GGML_MUL_MAT_ID (a prompt's tokens: each expert's product in llama.cpp's shape for its token count)."""
         G, U, Dn = L.ffn_gate_exps, L.ffn_up_exps, L.ffn_down_exps
         k = idx.shape[1]
         flat = idx.reshape(-1)
@@ -397,11 +398,11 @@ class CPUModel(Backend):
         xs = xq[order // k]  # each pair's input row, in expert order
         eg, eu = ws.eg[:n], ws.eu[:n]
         self.simd.moe_grouped([(G.raw, G.qtype), (U.raw, U.qtype)], G.rows, G.cols, xs, experts, starts, [eg, eu],
-                              GGML_DECODE_ROWS)
+                              op)
         self.simd.swiglu(eg, eu, eg)
         hq = self.quantize(Dn, eg, ws)
         out = np.empty((n, Dn.rows), np.float32)
-        self.simd.moe_grouped([(Dn.raw, Dn.qtype)], Dn.rows, Dn.cols, hq, experts, starts, [out], GGML_DECODE_ROWS)
+        self.simd.moe_grouped([(Dn.raw, Dn.qtype)], Dn.rows, Dn.cols, hq, experts, starts, [out], op)
         ys[order] = out
 
     def _moe(self, L: Layer, i: int, x: np.ndarray, ws: Workspace) -> np.ndarray:
@@ -431,21 +432,8 @@ class CPUModel(Backend):
                 sh_d = (Sd.raw, Sd.qtype, Sd.cols, hq[k], shared[0])
             self.call(ws, ("down", id(Dn)), "moe_down", Dn.raw, Dn.qtype, Dn.rows, Dn.cols, hq[:k], idx[0], ys,
                       GGML_MUL_MAT_ID, sh_d)
-        elif self._rows:  # several sequences' decode tokens: the routed pairs grouped by expert, native calls
-            self._moe_rows(L, x, idx, ys, ws)
-        else:  # prefill: tokens grouped by expert, one GEMM per expert over its tokens
-            flat = idx.reshape(-1)
-            order = np.argsort(flat, kind="stable")
-            bounds = np.searchsorted(flat[order], np.arange(a.n_expert + 1))
-            for e in range(a.n_expert):
-                sel = order[bounds[e] : bounds[e + 1]]
-                if sel.size == 0:
-                    continue
-                xe = np.ascontiguousarray(x[sel // k])
-                g = self.mm(G.expert(e), xe, ws.eg, ws, op=GGML_MUL_MAT_ID)
-                u = self.mm(U.expert(e), xe, ws.eu, ws, op=GGML_MUL_MAT_ID)
-                self.simd.swiglu(g, u, g)
-                ys[sel] = self.mm(Dn.expert(e), g, ws.out_a, ws, op=GGML_MUL_MAT_ID)[:, : a.n_embd]
+        else:  # several sequences' decode tokens, or a prompt's tokens: the routed pairs grouped by expert
+            self._moe_rows(L, x, idx, ys, ws, GGML_DECODE_ROWS if self._rows else GGML_MUL_MAT_ID)
         out = ws.ffn[:T]
         if not a.n_ff_shexp:
             self.call(ws, ("combine", i), "moe_combine", ys, w, out)
