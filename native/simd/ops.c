@@ -1,4 +1,4 @@
-/* The small ops of a decode step between the matrix products, on the calling thread (sigmoid_gate, one scalar
+/* The small ops between the matrix products, on the calling thread (sigmoid_gate, one scalar
  * expf per value, in segments on the pool): the C twins of the numba ops in hybridinfer/cpu/ops.py, bit-identical
  * to them (tests/test_simd_ops.py). Plain float code compiled with -ffp-contract=off: each product, sum and
  * narrowing happens as written (ggml's order where ops.py says so), and only element-wise loops may vectorize (a
@@ -11,7 +11,8 @@
  *   moe_combine:  out = y_0 * w_0; out += y_j * w_j (j = 1..k-1); shared: out += s * (1.0f / (1.0f +
  *                 expf(-(float)(sum_i (double)x_i * (double)w_i))))
  * These cost microseconds; what they save is the return to Python between the products (plan.c). SwiGLU
- * (attn.c) and the combine's sums run in segments on the pool: element-wise, so any split gives the same bits.
+ * (attn.c) and the combine's sums run in segments on the pool: element-wise, so any split gives the same bits;
+ * rms_norm over a prompt's rows, a row a task.
  */
 #include <math.h>
 #include <string.h>
@@ -21,25 +22,39 @@
 
 #define HI_ROUTE_DENOM_MIN 6.103515625e-5 /* llama.cpp clamps the top-k weight sum (2^-14) */
 
+typedef struct {
+    float *h, *out;
+    const float *y, *w;
+    int64_t h_row, y_row, out_row, H, n;
+    float e;
+} rn_job;
+
+/* token t's row: the residual added, then each of its H norms (a row is one task: no sum is split) */
+static void rn_row(void *arg, int64_t t, int64_t e0, int64_t e1) {
+    (void)e0;
+    (void)e1;
+    const rn_job *j = (const rn_job *)arg;
+    float *ht = j->h + t * j->h_row;
+    if (j->y) {
+        const float *yt = j->y + t * j->y_row;
+        for (int64_t i = 0; i < j->H * j->n; i++) ht[i] += yt[i];
+    }
+    if (!j->w) return;
+    for (int64_t hh = 0; hh < j->H; hh++) {
+        const float *x = ht + hh * j->n;
+        float *o = j->out + t * j->out_row + hh * j->n;
+        const float s = hi_rms_scale(x, j->n, j->e);
+        for (int64_t i = 0; i < j->n; i++) o[i] = (x[i] * s) * j->w[i];
+    }
+}
+
+/* a prompt's rows on the pool (a decode token's one row on the calling thread) */
 int hi_rms_norm(hi_ctx *c, float *h, int64_t h_row, const float *y, int64_t y_row, int64_t T, int64_t H, int64_t n,
                 const float *w, double eps, float *out, int64_t out_row) {
     if (!c || !h || T < 1 || H < 1 || n < 1 || h_row < H * n || (y && y_row < H * n) || (w && (!out || out_row < H * n)))
         return -2;
-    const float e = (float)eps;
-    for (int64_t t = 0; t < T; t++) {
-        float *ht = h + t * h_row;
-        if (y) {
-            const float *yt = y + t * y_row;
-            for (int64_t i = 0; i < H * n; i++) ht[i] += yt[i];
-        }
-        if (!w) continue;
-        for (int64_t hh = 0; hh < H; hh++) {
-            const float *x = ht + hh * n;
-            float *o = out + t * out_row + hh * n;
-            const float s = hi_rms_scale(x, n, e);
-            for (int64_t i = 0; i < n; i++) o[i] = (x[i] * s) * w[i];
-        }
-    }
+    rn_job j = {h, out, y, w, h_row, y_row, out_row, H, n, (float)eps};
+    hi_ctx_run_rows(c, rn_row, &j, T, H * n, H * n);
     return 0;
 }
 
