@@ -7,7 +7,7 @@ from abc import ABC, abstractmethod
 
 import numpy as np
 
-from .errors import BackendNotAvailableError
+from .errors import BackendNotAvailableError, ParameterError
 
 BACKENDS = ("reference", "cpu", "gpu", "auto")
 
@@ -97,7 +97,13 @@ def make_backend(name: str, gm, args, options: dict, n_ctx: int):
     if name not in BACKENDS:
         raise BackendNotAvailableError(f"unknown backend {name!r} (choose from {', '.join(BACKENDS)})")
     gpu_opts = {k: options.pop(k) for k in ("vram_budget", "gpu_chunk", "device") if k in options}
+    placement = options.pop("numa", None)
+    if placement is not None and not hasattr(placement, "mode"):
+        raise ParameterError(f"numa must be a hybridinfer.numa.Plan (numa.plan(...)) or None, got {placement!r}")
     if name == "reference":
+        if placement is not None and placement.mode == "replicate":
+            raise ParameterError("numa replicate: the reference backend has no per-node weight copies (use the cpu "
+                                 "backend)")
         from .reference import ReferenceModel
 
         return ReferenceModel(gm, args, cache_weights=options.pop("cache_weights", True),
@@ -107,7 +113,7 @@ def make_backend(name: str, gm, args, options: dict, n_ctx: int):
 
     simd = SimdLib(isa=options.pop("isa", None), n_threads=options.pop("n_threads", None),
                    prefetch=options.pop("prefetch", None))
-    cpu = CPUModel(gm, args, simd, weights=options.pop("weights", "auto"))
+    cpu = CPUModel(gm, args, simd, weights=options.pop("weights", "auto"), numa=placement)
     if name == "cpu":
         return cpu
     try:

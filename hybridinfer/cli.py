@@ -27,12 +27,21 @@ from .cli_serve import add_serve_parser
 from .errors import HybridInferError, ParameterError, ShapeError
 
 
-def _engine(a):
+def _engine(a, quiet: bool = False):
+    """The engine of the model flags; --numa placed first, what it did said on stderr unless quiet."""
     from .api import Engine
+    from .cli_numa import apply_numa
 
+    def say(line: str) -> None:
+        if not quiet:
+            print(f"hybridinfer: numa: {line}", file=sys.stderr)
+
+    placement = apply_numa(a, say)
     opts = {}
     if a.backend in ("cpu", "auto", "gpu"):
         opts = {"isa": a.isa, "n_threads": a.threads, "weights": a.weights}
+        if placement is not None:
+            opts["numa"] = placement
     if a.backend in ("auto", "gpu") and a.vram_budget is not None:
         opts["vram_budget"] = a.vram_budget
     cache = None
@@ -40,8 +49,12 @@ def _engine(a):
         cache = {"ram_bytes": a.prefix_cache_ram, "disk_dir": a.prefix_cache_dir,
                  "disk_bytes": a.prefix_cache_disk if a.prefix_cache_dir else None}
         opts["snapshot_stride"] = a.snapshot_stride
-    return Engine.load(a.model, backend=a.backend, n_ctx=a.n_ctx, progress=sys.stderr.isatty(),
-                       prefix_cache=cache, max_seqs=a.max_seqs, state_budget=a.state_budget or None, **opts)
+    eng = Engine.load(a.model, backend=a.backend, n_ctx=a.n_ctx, progress=sys.stderr.isatty(),
+                      prefix_cache=cache, max_seqs=a.max_seqs, state_budget=a.state_budget or None, **opts)
+    if "numa" in opts:
+        for line in getattr(eng.backend, "cpu", eng.backend).replicas.describe():
+            say(line)
+    return eng
 
 
 def _sampling(a) -> dict:
@@ -167,7 +180,9 @@ def cmd_info(a) -> int:
     from .models import model_args
     from .models.base import describe
 
-    gm = GGUFModel(a.model or default_model_path())
+    if a.model and a.model_file and a.model != a.model_file:
+        raise ParameterError(f"info takes one model: -m {a.model!r} and {a.model_file!r} differ")
+    gm = GGUFModel(a.model or a.model_file or default_model_path())
     args = model_args(gm)
     print(f"file:          {gm.path} ({_fmt_bytes(gm.file_size)})")
     print(f"architecture:  {gm.arch}   name: {gm.meta('general.name', '?')}")
@@ -189,6 +204,9 @@ def cmd_info(a) -> int:
           f"{gm.meta('tokenizer.ggml.pre', '-')}, {len(toks) if toks else 0} tokens; chat template: "
           f"{'yes' if gm.meta('tokenizer.chat_template', None) else 'no'}")
     _print_cpu(os.environ.get("HYBRIDINFER_ISA"))
+    from .cli_numa import print_topology
+
+    print_topology(gm.file_size)
     if a.tensors:
         for t in gm.tensors.values():
             print(f"  {t.name:<40} {t.type_name:<6} {list(t.ne)}  {_fmt_bytes(t.nbytes)}")
@@ -256,8 +274,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", required=True)
     p.set_defaults(fn=cmd_logits)
 
-    p = sub.add_parser("info", help="architecture, shapes, layer pattern, tensor types and bytes")
+    p = sub.add_parser("info", help="architecture, shapes, layer pattern, tensor types and bytes; the CPU, the NUMA "
+                                    "topology and the placement each --numa policy would give the model")
     p.add_argument("-m", "--model")
+    p.add_argument("model_file", nargs="?", metavar="MODEL", help="the GGUF file (as -m)")
     p.add_argument("--tensors", action="store_true", help="list every tensor")
     p.set_defaults(fn=cmd_info)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -11,36 +10,6 @@ import threading
 
 from .cli_args import _add_cache, _add_model, _check_output, _int_at_least
 from .errors import ParameterError
-
-
-def _numa_plan(a):
-    from .batch import numa
-
-    model = a.model
-    if model is None:
-        from .default_model import default_model_path
-
-        model = default_model_path()
-    try:
-        size = os.path.getsize(model)
-    except OSError:
-        size = 0  # the engine's load names the missing file
-    try:
-        return numa.plan(numa.read_topology(), size, a.numa)
-    except ValueError as e:
-        raise ParameterError(f"--numa: {e}") from None
-
-
-def _apply_numa(a) -> list[str]:
-    """Place memory and threads before the model loads (what its weight copy and pool threads inherit)."""
-    from .batch import numa
-
-    p = _numa_plan(a)
-    try:
-        return numa.apply(p)
-    except numa.NumaError as e:  # a container without the permission: say so and go on with the default
-        print(f"hybridinfer: note: --numa {a.numa}: {e}; the kernel's default placement is used", file=sys.stderr)
-        return []
 
 
 def _stop_on_signals(stop: threading.Event) -> None:
@@ -61,12 +30,10 @@ def cmd_batch(a) -> int:
     from .batch.jobfile import parse_shard
 
     if a.numa_plan:
-        from .batch import numa
+        from .cli_numa import _model_bytes, numa_plan, print_topology
 
-        for n in numa.read_topology().nodes:
-            print(f"node {n.id}: CPUs {numa.cpu_ranges(n.cpus) or 'none'}, memory {n.mem_total / 2**30:.1f} GiB "
-                  f"({n.mem_free / 2**30:.1f} GiB free)")
-        print(_numa_plan(a).describe())
+        numa_plan(a)  # a policy this machine cannot carry out is an error here too
+        print_topology(_model_bytes(a.model), [a.numa])
         return 0
     if a.input is None or a.output is None:
         raise ParameterError("batch needs an INPUT.jsonl and -o OUTPUT.jsonl")
@@ -88,17 +55,13 @@ def cmd_batch(a) -> int:
         if shard != (0, 1):
             raise ParameterError("--ray runs every shard itself: leave out --shard")
         return _cmd_ray(a, progress)
-    if a.numa != "off":
-        for line in _apply_numa(a):
-            if progress != "json":
-                print(f"hybridinfer: numa: {line}", file=sys.stderr)
     from .cli import _engine
 
     stop = threading.Event()
     _stop_on_signals(stop)
-    summary = run_job(_engine(a), a.input, a.output, model_name=a.model_name, shard=shard, window=a.window,
-                      max_inflight=a.max_inflight, sync_every=a.sync_every, ordered=a.ordered, progress=progress,
-                      progress_stream=sys.stderr, stop=stop)
+    summary = run_job(_engine(a, quiet=progress == "json"), a.input, a.output, model_name=a.model_name, shard=shard,
+                      window=a.window, max_inflight=a.max_inflight, sync_every=a.sync_every, ordered=a.ordered,
+                      progress=progress, progress_stream=sys.stderr, stop=stop)
     if progress != "json":
         from .batch.progress import format_summary
 
@@ -113,8 +76,6 @@ def _shard_engine(a):
     """A Ray actor's engine: placed as --numa asks on its node, then loaded (runs in the actor's process)."""
     from .cli import _engine
 
-    if a.numa != "off":
-        _apply_numa(a)
     return _engine(a)
 
 
@@ -183,8 +144,6 @@ def add_batch_parser(sub) -> None:
                    help="requests read ahead and sorted together so shared prefixes run together (default 1024)")
     p.add_argument("--max-inflight", type=_int_at_least(1), default=None,
                    help="requests on the scheduler at once (default 2 x --max-seqs)")
-    p.add_argument("--numa", default="off", type=_numa_policy,
-                   help="off | interleave | bind:N | replicate | auto: where the weights and threads go (default off)")
     p.add_argument("--numa-plan", action="store_true", help="print the NUMA topology's plan for --numa and exit")
     p.add_argument("--summary", default=None, help="also write the summary as JSON to this file")
     p.add_argument("--ray", default=None, metavar="ADDRESS|local",
@@ -193,9 +152,3 @@ def add_batch_parser(sub) -> None:
     p.add_argument("--ray-shards", type=_int_at_least(1), default=None,
                    help="shards (actors) of a --ray job (default: the cluster's nodes)")
     p.set_defaults(fn=cmd_batch)
-
-
-def _numa_policy(s: str) -> str:
-    if s in ("off", "interleave", "replicate", "auto") or (s.startswith("bind:") and s[5:].isdigit()):
-        return s
-    raise argparse.ArgumentTypeError(f"must be off, interleave, bind:N, replicate or auto, got {s!r}")

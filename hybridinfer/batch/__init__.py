@@ -2,7 +2,7 @@
 
 `run_job(engine, input, output, ...)` runs a job (runner.py); the lines are those of the server's request protocol
 (jobfile.py, hybridinfer.protocol); the output is appended a whole line at a time and resumed after a crash
-(output.py); requests sharing a prefix run together (order.py); NUMA placement (numa.py); shards as Ray actors
+(output.py); requests sharing a prefix run together (order.py); shards as Ray actors
 (ray_runner.py: `run_ray`). Needs pydantic (the `batch` extra; ray for run_ray). Settings come as arguments: only
 the command line (hybridinfer.cli_batch) reads flags."""
 

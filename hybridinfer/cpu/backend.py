@@ -124,9 +124,12 @@ class Workspace:
 class CPUModel(Backend):
     """backend="cpu": the whole engine on the host CPU."""
 
-    def __init__(self, gm: GGUFModel, args, simd: SimdLib, weights: str = "mmap"):
+    def __init__(self, gm: GGUFModel, args, simd: SimdLib, weights: str = "mmap", numa=None):
         """weights: where the matrices are read from (cpu/weights.py): "mmap" (the file's mapping), "copy"
-        (one huge-page copy made now) or "auto" (copy if they take at most half the available memory)."""
+        (one huge-page copy made now) or "auto" (copy if they take at most half the available memory; the mapping
+        when per-node copies are made, which are where decode reads). numa: None, or a hybridinfer.numa.Plan whose
+        mode "replicate" has one copy of the matrices made on each of its nodes and the pool's threads placed on
+        them (cpu/replicas.py; `self.replicas` says what was done); other modes are process-wide, numa.apply's."""
         self.gm, self.args, self.simd = gm, args, simd
         a = args
         if getattr(a, "is_moe", False) and a.n_expert_used > MAX_EXPERTS_USED:
@@ -141,10 +144,17 @@ class CPUModel(Backend):
                              if getattr(a, "has_rope_freqs", False) else NO_FREQS)
         owners = [(self, "out")] + [(L, k) for L in self.layers for k, v in vars(L).items() if isinstance(v, Mat)]
         nbytes = sum(getattr(o, k).raw.nbytes for o, k in owners)
-        self.weights = choose_weights_mode(weights, nbytes, mem_available())
+        replicate = numa is not None and numa.mode == "replicate"
+        self.weights = choose_weights_mode("mmap" if replicate and weights == "auto" else weights, nbytes,
+                                           mem_available())
         # a copy is also repacked for the unit (SimdLib.repack: the SSSE3 unit's K-quants zipped)
         self.weights_bytes = copy_mats(owners, simd.repack) if self.weights == "copy" else 0  # memory held
         self.mats = [self.out] + [m for L in self.layers for m in L.mats()]
+        self.replicas = None
+        if replicate:
+            from .replicas import replicate as make_replicas
+
+            self.replicas = make_replicas(simd, [m.raw for m in self.mats], numa.replicas, numa.replica_cpus)
         # decode runs the shared expert in the routed experts' two calls where its products take their
         # activation formats and its width is theirs (each layer checked)
         self.fused_shexp = [getattr(a, "n_ff_shexp", 0) and a.n_ff_shexp == a.n_ff_exp and len(

@@ -56,6 +56,7 @@ from .simd_native import (
     _qtype as _qtype_of,
 )
 from .simd_ops import OpCalls, attention_args, rope_freqs
+from .simd_replicas import ReplicaCalls
 
 __all__ = [
     "ACT_KINDS",
@@ -98,7 +99,7 @@ PREFETCH_BYTES = 4096
 PREFETCH_MIN_THREADS = 4
 
 
-class SimdLib(MoECalls, OpCalls):
+class SimdLib(MoECalls, OpCalls, ReplicaCalls):
     """The native kernels at one ISA level with a persistent pool of `n_threads` threads (the caller
     included). `isa`: one of `supported_isas()`, or None for `best_isa()`. Calls on one object are
     serialized; use one object per concurrent caller."""
@@ -127,6 +128,7 @@ class SimdLib(MoECalls, OpCalls):
         self._ctx = self._ffi.gc(ctx, self._lib.hi_ctx_free)
         self.isa: str = ISAS[level]
         self.n_threads: int = int(n)
+        self._replica_refs: list = []  # set_replicas: the registered arrays, alive while C reads them
         self.prefetch = PREFETCH_BYTES if prefetch is None and n >= PREFETCH_MIN_THREADS else (prefetch or 0)
 
     def __repr__(self) -> str:

@@ -154,6 +154,9 @@ void hi_ctx_lock(struct hi_ctx *c);
 void hi_ctx_unlock(struct hi_ctx *c);
 void hi_ctx_run(struct hi_ctx *c, void (*fn)(void *arg, int64_t chunk), void *arg, int64_t total);
 const hi_kernels *hi_ctx_kernels(const struct hi_ctx *c);
+/* for replica.c: the context's pool and its replica table (NULL: none), read and written with the context locked */
+struct hi_pool *hi_ctx_pool(struct hi_ctx *c);
+struct hi_reps **hi_ctx_reps(struct hi_ctx *c);
 /* an element-wise op over T rows of n values on the pool (locks the context): fn(arg, t, e0, e1) on segments
  * [e0, e1) of row t, seg values long (the last of a row shorter); on the caller alone when the rows hold fewer
  * than 2 * seg values in all or the pool has one thread */

@@ -12,6 +12,8 @@
  * Measured on the 16-core host with hi_pool_stats: a decode product spends ~92% of its wall time in its chunks
  * (threads start ~1.4 us late on average, finish ~6 us apart); a reserved first chunk per thread and per-thread
  * queues with stealing each gave back at the end what they saved at the start, so the one claim word stays.
+ * Placement (hi_pool_place, for per-node weight copies): each thread's replica index, which it copies into thread-local
+ * storage when it enters a task so that a chunk learns it with one load, and optionally a worker's CPU set.
  */
 #define _GNU_SOURCE
 #include "hi_pool.h"
@@ -76,8 +78,17 @@ struct hi_pool {
     hi_task slot[2];
     _Atomic int stats;   /* hi_pool_stats: clock the chunks */
     hi_pool_acc acc[2];  /* small, big tasks */
+    int *rep;            /* hi_pool_place: each thread's replica, -1 none */
     char pad_[64];
 };
+
+_Thread_local int hi_pool_tls_replica = -1, hi_pool_tls_tid = 0;
+
+/* the calling thread takes its identity in p for the chunks it is about to run (w NULL: the caller) */
+static inline void hi_pool_enter(const hi_pool *p, const hi_warg *w) {
+    hi_pool_tls_tid = w ? w->tid : 0;
+    hi_pool_tls_replica = p->rep[hi_pool_tls_tid];
+}
 
 static inline void hi_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -96,6 +107,7 @@ int64_t hi_now_ns(void) {
 static uint32_t hi_pool_work(hi_pool *p, hi_warg *w) {
     const uint64_t m24 = (1u << HI_NEXT_BITS) - 1;
     uint32_t ran = 0, id = 0;
+    hi_pool_enter(p, w);
     for (;;) {
         const uint64_t seen = atomic_load_explicit(&p->word, memory_order_relaxed);
         if ((seen & m24) >= ((seen >> HI_NEXT_BITS) & m24)) break; /* none left: no add */
@@ -192,12 +204,15 @@ hi_pool *hi_pool_new(int n, int spin_us) {
     p->n = n;
     p->spin_ns = (int64_t)(spin_us < 0 ? 0 : spin_us) * 1000;
     p->th = (pthread_t *)calloc((size_t)n, sizeof(pthread_t));
+    p->rep = (int *)malloc((size_t)n * sizeof(int));
+    for (int i = 0; p->rep && i < n; i++) p->rep[i] = -1;
     if (posix_memalign((void **)&p->wargs, 64, (size_t)n * sizeof(hi_warg)) == 0)
         memset(p->wargs, 0, (size_t)n * sizeof(hi_warg));
     else
         p->wargs = NULL;
-    if (!p->th || !p->wargs || hi_pool_start(p) != 0) {
-        if (p->th && p->wargs) hi_pool_stop(p);
+    if (!p->th || !p->wargs || !p->rep || hi_pool_start(p) != 0) {
+        if (p->th && p->wargs && p->rep) hi_pool_stop(p);
+        free(p->rep);
         free(p->th);
         free(p->wargs);
         free(p);
@@ -209,6 +224,7 @@ hi_pool *hi_pool_new(int n, int spin_us) {
 void hi_pool_free(hi_pool *p) {
     if (!p) return;
     if (p->pid == getpid()) hi_pool_stop(p);
+    free(p->rep);
     free(p->th);
     free(p->wargs);
     free(p);
@@ -300,14 +316,19 @@ static void hi_pool_task(hi_pool *p, hi_chunk_fn fn, void *arg, int64_t base, ui
     if (stats) hi_pool_account(p, t0, n);
 }
 
+void hi_pool_run_here(hi_pool *p, hi_chunk_fn fn, void *arg, int64_t total) {
+    hi_pool_enter(p, NULL);
+    for (int64_t i = 0; i < total; i++) fn(arg, i);
+}
+
 void hi_pool_run(hi_pool *p, hi_chunk_fn fn, void *arg, int64_t total) {
     if (total <= 0) return;
     if (p->n == 1 || total == 1) {
-        for (int64_t i = 0; i < total; i++) fn(arg, i);
+        hi_pool_run_here(p, fn, arg, total);
         return;
     }
     if (p->pid != getpid() && hi_pool_start(p) != 0) { /* forked child: the workers stayed in the parent */
-        for (int64_t i = 0; i < total; i++) fn(arg, i);
+        hi_pool_run_here(p, fn, arg, total);
         return;
     }
     for (int64_t base = 0; base < total; base += HI_MAX_CHUNKS) {
@@ -316,3 +337,27 @@ void hi_pool_run(hi_pool *p, hi_chunk_fn fn, void *arg, int64_t total) {
         hi_pool_task(p, fn, arg, base, n);
     }
 }
+
+int hi_pool_place(hi_pool *p, int tid, int replica, const int *cpus, int ncpus) {
+    if (tid < 0 || tid >= p->n || replica < -1 || ncpus < 0 || (ncpus && (!cpus || tid == 0))) return -2;
+    if (ncpus) {
+        int hi = 0;
+        for (int i = 0; i < ncpus; i++) {
+            if (cpus[i] < 0) return -2;
+            hi = cpus[i] > hi ? cpus[i] : hi;
+        }
+        cpu_set_t *set = CPU_ALLOC((size_t)hi + 1);
+        if (!set) return -4;
+        const size_t sz = CPU_ALLOC_SIZE((size_t)hi + 1);
+        CPU_ZERO_S(sz, set);
+        for (int i = 0; i < ncpus; i++) CPU_SET_S((size_t)cpus[i], sz, set);
+        /* a worker of a forked child not yet restarted has no thread here to pin */
+        const int rc = tid <= p->started && p->pid == getpid() ? pthread_setaffinity_np(p->th[tid], sz, set) : 0;
+        CPU_FREE(set);
+        if (rc) return -4;
+    }
+    p->rep[tid] = replica;
+    return 0;
+}
+
+int hi_pool_replica_of(const hi_pool *p, int tid) { return tid >= 0 && tid < p->n ? p->rep[tid] : -1; }

@@ -36,6 +36,19 @@ typedef struct {
  * copied out and reset when acc is not NULL */
 void hi_pool_stats(hi_pool *p, int on, hi_pool_acc *acc);
 
+/* Per-thread placement for per-node weight copies (replica.c). Thread tid (0: the caller, whichever thread calls
+ * hi_pool_run; 1..n-1: the workers) reads replica rep[tid] (-1: none, the registered weights themselves): while a
+ * thread runs a chunk of this pool's task, hi_pool_tls_replica holds its entry and hi_pool_tls_tid its tid (set
+ * once per task on entry, so a chunk function reads them for nothing). ncpus > 0 also pins worker tid to those
+ * CPUs (a worker started again in a forked child is not pinned); the caller is never pinned here (it is the
+ * application's thread). 0 ok, -2 bad argument (tid out of range, CPUs given for tid 0, a CPU < 0), -4 the
+ * kernel refused the CPU set. Call it while no task runs (the context's mutex held). */
+int hi_pool_place(hi_pool *p, int tid, int replica, const int *cpus, int ncpus);
+int hi_pool_replica_of(const hi_pool *p, int tid);
+extern _Thread_local int hi_pool_tls_replica, hi_pool_tls_tid;
+/* run fn(arg, i) for i < total on the calling thread alone, as the pool's caller (tid 0, its replica) */
+void hi_pool_run_here(hi_pool *p, hi_chunk_fn fn, void *arg, int64_t total);
+
 /* CLOCK_MONOTONIC in nanoseconds */
 int64_t hi_now_ns(void);
 

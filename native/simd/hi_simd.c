@@ -16,6 +16,7 @@
 
 #include "hi_internal.h"
 #include "hi_pool.h"
+#include "hi_replica.h"
 
 /* the legacy 32-element types, whose activation rows are prepared per call (hi_prep_rows) */
 static int hi_is_legacy(int qtype) {
@@ -35,6 +36,7 @@ struct hi_ctx {
     uint8_t *scratch;
     size_t scratch_cap;
     int pf_bytes; /* hi_ctx_set_prefetch */
+    hi_reps *reps; /* per-node weight copies (replica.c), NULL: none */
 };
 
 hi_ctx *hi_ctx_new(int isa, int n_threads, int spin_us) {
@@ -56,6 +58,7 @@ void hi_ctx_free(hi_ctx *c) {
     if (!c) return;
     hi_pool_free(c->pool);
     pthread_mutex_destroy(&c->mu);
+    hi_reps_free(c->reps);
     free(c->scratch);
     free(c);
 }
@@ -147,6 +150,7 @@ static void hi_prep_job(const hi_ctx *c, hi_mm *m, const hi_mm *jobs, int n, con
 #define HI_TIERS 3
 typedef struct {
     const hi_kernels *k;
+    hi_reps *reps; /* the context's replica table: each chunk reads its thread's copy of the weights */
     const hi_mm *jobs;
     int njobs;
     int64_t chunk[HI_TIERS];                  /* rows per chunk of each tier */
@@ -171,6 +175,13 @@ static void hi_batch_chunk(void *a, int64_t i) {
     const int64_t from = b->bound[tier][lo], to = b->bound[tier + 1][lo];
     const int64_t r0 = from + (i - st[lo]) * b->chunk[tier];
     const int64_t r1 = r0 + b->chunk[tier] < to ? r0 + b->chunk[tier] : to;
+    const uint8_t *w = hi_reps_map(b->reps, m->w, (size_t)m->rows * m->w_row);
+    if (w != m->w) {
+        hi_mm at = *m;
+        at.w = w;
+        b->k->mm(&at, r0, r1);
+        return;
+    }
     b->k->mm(m, r0, r1);
 }
 
@@ -186,7 +197,7 @@ static void hi_run_jobs(hi_ctx *c, hi_mm *jobs, int njobs) {
         if (jobs[j].T > T) T = jobs[j].T;
     }
     const int nth = bytes < HI_INLINE_BYTES ? 1 : hi_pool_size(c->pool);
-    hi_batch b = {.k = c->k, .jobs = jobs, .njobs = njobs};
+    hi_batch b = {.k = c->k, .reps = c->reps, .jobs = jobs, .njobs = njobs};
     /* about 8 chunks per thread for balance; for several tokens at most 64 rows, so that a chunk's weight
      * rows stay in cache while the token blocks sweep over them; one token: the shrinking tiers, the big
      * chunks 4 per thread; rows in multiples of 4 */
@@ -214,7 +225,7 @@ static void hi_run_jobs(hi_ctx *c, hi_mm *jobs, int njobs) {
     }
     const int64_t n = b.first[HI_TIERS];
     if (nth == 1) {
-        for (int64_t i = 0; i < n; i++) hi_batch_chunk(&b, i);
+        hi_pool_run_here(c->pool, hi_batch_chunk, &b, n);
     } else {
         hi_pool_run(c->pool, hi_batch_chunk, &b, n);
     }
@@ -549,6 +560,8 @@ void hi_ctx_run(hi_ctx *c, void (*fn)(void *arg, int64_t chunk), void *arg, int6
     hi_pool_run(c->pool, fn, arg, total);
 }
 const hi_kernels *hi_ctx_kernels(const hi_ctx *c) { return c->k; }
+hi_pool *hi_ctx_pool(hi_ctx *c) { return c->pool; }
+hi_reps **hi_ctx_reps(hi_ctx *c) { return &c->reps; }
 
 typedef struct {
     void (*fn)(void *arg, int64_t t, int64_t e0, int64_t e1);

@@ -179,6 +179,21 @@ int hi_attn_step(hi_ctx *c, float *q, int64_t T, int64_t H, int64_t hd, const fl
                  int64_t n_rot, float theta_base, int neox, const float *freq_factors, float scale, float *out,
                  int64_t out_row, float *scratch, int64_t scratch_len);
 
+/* ---- per-node weight copies (replica.c) ------------------------------------------------------------------
+ * A product's chunk reads its weights from the copy of its thread's replica (the same bytes, so the same result)
+ * when the job's whole weight extent lies in a registered span. Spans: n_spans (0 clears the table) disjoint
+ * ranges [bases[s], bases[s] + lens[s]); copies[s * n_copies + k]: replica k's copy of span s (lens[s] bytes, kept
+ * alive by the caller while registered). Threads: tid 0 is the caller, 1.. the workers; replica -1 reads the
+ * registered bytes themselves; cpus (ncpus > 0, workers only) pins the worker. Hits: out[tid * HI_MAX_REPLICAS + k]
+ * = chunks thread tid read from copy k since the table was set (or last reset). Return codes as above, and -4
+ * the kernel refused the CPU set. */
+enum { HI_MAX_REPLICAS = 16, HI_MAX_SPANS = 16 };
+int hi_ctx_set_replicas(hi_ctx *c, int n_spans, const void *const *bases, const int64_t *lens, int n_copies,
+                        const void *const *copies);
+int hi_ctx_place_thread(hi_ctx *c, int tid, int replica, const int *cpus, int ncpus);
+int hi_ctx_thread_replica(hi_ctx *c, int tid);
+int hi_ctx_replica_hits(hi_ctx *c, int64_t *out, int reset);
+
 /* ---- recorded steps (plan.c): a decode step's native calls run back to back without returning to Python.
  * Each step names an entry point above (HI_OP_*) and holds its arguments after the context, in order:
  * pointers in .p, integers in .i, floats in .f; the argument at index pos_arg (-1: none) is replaced by

@@ -3,13 +3,15 @@ memory-policy syscalls that carry it out.
 
 Policies: `off` (the kernel's default: first touch); `interleave` (the weight copy's pages spread round-robin over
 the nodes with memory, so decode reads every socket's memory at once); `bind:N` (memory and threads on node N);
-`replicate` (one weight copy per node, each node's pool threads reading their own: needs per-node weight copies
-in the CPU backend, which it does not have yet, so the plan says so and interleaves instead where there are several
-nodes); `auto` (one node: nothing to do; several: replicate where supported and the model fits every node's free
-memory, else interleave, off when the model does not fit the free memory of all nodes together).
+`replicate` (one weight copy per node, each bound to its node's memory, and each pool thread pinned to a node's CPUs
+reading that node's copy: every weight read is local; the CPU backend makes the copies, hybridinfer.cpu.replicas;
+nodes with CPUs but no copy send their threads to the nearest copy); `auto` (one node: nothing to do; several:
+replicate where supported and the model fits every node's free memory, else interleave, off when the model does not
+fit the free memory of all nodes together).
 
-The policy is set on the calling thread with set_mempolicy before the model is loaded: threads made after it (the
-pool's, the scheduler's) inherit it, and the weight copy's pages are placed by it as they are first written."""
+interleave and bind set the policy on the calling thread with set_mempolicy before the model is loaded: threads made
+after it (the pool's, the scheduler's) inherit it, and the weight copy's pages are placed by it as they are first
+written. replicate sets no process policy: each copy is bound with mbind before it is written."""
 
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ import os
 import platform
 import re
 from dataclasses import dataclass, field
+
+from .errors import ParameterError
 
 MPOL_DEFAULT, MPOL_PREFERRED, MPOL_BIND, MPOL_INTERLEAVE = 0, 1, 2, 3
 MPOL_F_ADDR = 2  # get_mempolicy: the policy of the page at addr
@@ -37,6 +41,7 @@ class Node:
     cpus: tuple[int, ...]
     mem_total: int  # bytes; 0 for a node without memory (CPUs only)
     mem_free: int
+    distance: tuple[int, ...] = ()  # to each node of the topology, in its order (sysfs: 10 local); () unknown
 
 
 @dataclass(frozen=True)
@@ -92,21 +97,30 @@ def read_topology(root: str = "/sys/devices/system/node") -> Topology:
             mi = _meminfo(os.path.join(d, "meminfo"))
         except OSError:
             mi = {}
-        nodes.append(Node(int(name[4:]), cpus, mi.get("MemTotal", 0), mi.get("MemFree", 0)))
+        try:
+            with open(os.path.join(d, "distance")) as f:
+                dist = tuple(int(x) for x in f.read().split())
+        except (OSError, ValueError):
+            dist = ()
+        nodes.append(Node(int(name[4:]), cpus, mi.get("MemTotal", 0), mi.get("MemFree", 0), dist))
+    if any(len(n.distance) != len(nodes) for n in nodes):  # a partial table says nothing reliable
+        nodes = [Node(n.id, n.cpus, n.mem_total, n.mem_free) for n in nodes]
     return Topology(tuple(nodes))
 
 
 @dataclass
 class Plan:
-    """Where the weights and threads go. mode: what apply() does ("off", "interleave", "bind"); mem_nodes: the
-    nodes its memory policy names; cpus: the CPUs the process's threads are pinned to (None: not pinned);
-    replicas: the nodes a per-node weight copy would go to (replicate); notes: why, in words."""
+    """Where the weights and threads go. mode: what is done ("off", "interleave", "bind", "replicate"); mem_nodes:
+    the nodes its memory policy names; cpus: the CPUs the process's threads are pinned to (None: not pinned);
+    replicas: the memory node of each per-node weight copy (replicate); replica_cpus: for each copy, the CPUs of the
+    pool threads that read it; notes: why, in words."""
 
     policy: str
     mode: str
     mem_nodes: tuple[int, ...] = ()
     cpus: tuple[int, ...] | None = None
     replicas: tuple[int, ...] = ()
+    replica_cpus: tuple[tuple[int, ...], ...] = ()
     notes: list[str] = field(default_factory=list)
 
     def describe(self) -> str:
@@ -117,30 +131,54 @@ class Plan:
             head += f", threads on {len(self.cpus)} CPU(s)"
         if self.replicas:
             head += f", weight copies on node(s) {','.join(map(str, self.replicas))}"
-        return "\n".join([head] + [f"  {n}" for n in self.notes])
+        lines = [head] + [f"  copy {k} on node {n}: read by threads on CPUs {cpu_ranges(c) or 'any'}"
+                          for k, (n, c) in enumerate(zip(self.replicas, self.replica_cpus, strict=False))]
+        return "\n".join(lines + [f"  {n}" for n in self.notes])
 
 
 def _gib(n: int) -> str:
     return f"{n / (1 << 30):.1f} GiB"
 
 
+def _replica_cpus(topo: Topology, replicas: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+    """Each copy's readers: its node's CPUs, and those of every node without a copy whose nearest copy (by the
+    sysfs distance; the first copy where distances are unknown) it is."""
+    order = {n.id: i for i, n in enumerate(topo.nodes)}
+    out: dict[int, list[int]] = {r: [] for r in replicas}
+    for n in topo.nodes:
+        if n.id in out:
+            out[n.id].extend(n.cpus)
+            continue
+        near = replicas[0]
+        if n.distance:
+            near = min(replicas, key=lambda r: (n.distance[order[r]], r))
+        out[near].extend(n.cpus)
+    return tuple(tuple(sorted(out[r])) for r in replicas)
+
+
+def _replicate(topo: Topology, policy: str, replicas: tuple[int, ...], notes: list[str]) -> Plan:
+    return Plan(policy, "replicate", replicas=replicas, replica_cpus=_replica_cpus(topo, replicas), notes=notes)
+
+
 def plan(topo: Topology, model_bytes: int, policy: str, replicate_supported: bool = False) -> Plan:
     """The placement of a model of `model_bytes` on `topo` for `policy` (one of POLICIES, bind as "bind:2"). Pure:
-    it reads nothing and changes nothing. A request that cannot be met (bind to a node that is not there or has no
-    memory) raises ValueError naming it; one that can only be met in part is planned and says so in the notes."""
+    it reads nothing and changes nothing. replicate_supported: the backend can make per-node weight copies (the CPU
+    backend can); without it replicate interleaves. A request that cannot be met (bind to a node that is not there
+    or has no memory, an unknown policy) raises ParameterError naming it; one that can only be met in part is
+    planned and says so in the notes."""
     mem = topo.mem_nodes
     if policy == "off":
         return Plan(policy, "off", notes=["the kernel's default placement (first touch)"])
     if policy.startswith("bind:"):
         spec = policy[5:]
         if not spec.isdigit():
-            raise ValueError(f"numa policy bind:N needs a node number, got {policy!r}")
+            raise ParameterError(f"numa policy bind:N needs a node number, got {policy!r}")
         node = topo.node(int(spec))
         if node is None:
-            raise ValueError(f"numa policy {policy}: there is no node {spec} (nodes: "
-                             f"{','.join(str(n.id) for n in topo.nodes)})")
+            raise ParameterError(f"numa policy {policy}: there is no node {spec} (nodes: "
+                                 f"{','.join(str(n.id) for n in topo.nodes)})")
         if node.mem_total <= 0:
-            raise ValueError(f"numa policy {policy}: node {spec} has no memory of its own")
+            raise ParameterError(f"numa policy {policy}: node {spec} has no memory of its own")
         p = Plan(policy, "bind", (node.id,), node.cpus or None)
         if node.mem_free and model_bytes * FIT_MARGIN > node.mem_free:
             p.notes.append(f"the model ({_gib(model_bytes)}) may not fit node {node.id}'s free memory "
@@ -149,22 +187,28 @@ def plan(topo: Topology, model_bytes: int, policy: str, replicate_supported: boo
             p.notes.append(f"node {node.id} has no CPUs: threads are not pinned")
         return p
     if policy not in ("interleave", "replicate", "auto"):
-        raise ValueError(f"unknown numa policy {policy!r} (known: {', '.join(POLICIES)})")
+        raise ParameterError(f"unknown numa policy {policy!r} (known: {', '.join(POLICIES)})")
+    fits_each = tuple(n.id for n in mem if n.mem_free >= model_bytes * FIT_MARGIN)
     if len(mem) <= 1:
         only = mem[0].id if mem else 0
+        if policy == "replicate" and replicate_supported:
+            if mem and not fits_each:
+                return Plan(policy, "off", notes=[f"the model ({_gib(model_bytes)}) exceeds node {only}'s free "
+                                                  f"memory ({_gib(mem[0].mem_free)}): no copy made"])
+            return _replicate(topo, policy, (only,), ["one node with memory: one weight copy bound to it, read by "
+                                                      "every pool thread pinned to its CPUs"])
         what = {"interleave": "interleaving over one node is its default placement",
                 "replicate": "one node holds the one weight copy", "auto": "nothing to place"}[policy]
         mode = "interleave" if policy == "interleave" else "off"
         return Plan(policy, mode, (only,) if mode != "off" else (), notes=[f"one node with memory: {what}"])
     ids = tuple(n.id for n in mem)
-    fits_each = tuple(n.id for n in mem if n.mem_free >= model_bytes * FIT_MARGIN)
     if policy == "auto":
         if model_bytes * FIT_MARGIN > sum(n.mem_free for n in mem):
             return Plan(policy, "off", notes=[f"the model ({_gib(model_bytes)}) exceeds the free memory of all "
                                               f"nodes together: placement left to the kernel"])
         if replicate_supported and len(fits_each) == len(mem):
-            return Plan(policy, "replicate", replicas=ids,
-                        notes=["the model fits every node: a copy per node, each node's threads read their own"])
+            return _replicate(topo, policy, ids, ["the model fits every node: a copy per node, each node's threads "
+                                                  "read their own"])
         return Plan(policy, "interleave", ids, notes=["pages spread over all nodes: decode reads every node's "
                                                       "memory at once"])
     if policy == "interleave":
@@ -172,14 +216,15 @@ def plan(topo: Topology, model_bytes: int, policy: str, replicate_supported: boo
     # replicate
     if not replicate_supported:
         return Plan(policy, "interleave", ids,
-                    notes=["per-node weight copies need the CPU backend's support, not built yet: interleaving "
+                    notes=["per-node weight copies need the CPU backend (this backend has none): interleaving "
                            "instead"])
     if len(fits_each) < 2:
         return Plan(policy, "interleave", ids, notes=[f"the model ({_gib(model_bytes)}) fits the free memory of "
                                                       f"{len(fits_each)} node(s): interleaving instead"])
-    notes = [] if len(fits_each) == len(mem) else [f"nodes {set(ids) - set(fits_each)} lack the memory for a copy: "
-                                                   "their threads read the nearest copy"]
-    return Plan(policy, "replicate", replicas=fits_each, notes=notes)
+    notes = [] if len(fits_each) == len(mem) else [
+        f"node(s) {','.join(str(i) for i in ids if i not in fits_each)} lack the memory for a copy: their threads "
+        "read the nearest copy"]
+    return _replicate(topo, policy, fits_each, notes)
 
 
 # syscalls ---------------------------------------------------------------------------------------------------------
@@ -246,8 +291,10 @@ def mbind(addr: int, length: int, mode: int, nodes=()) -> None:
 
 
 def apply(p: Plan) -> list[str]:
-    """Carry out a plan on the calling thread (call it before the model loads and before other threads start);
-    what was done, in words. A policy the kernel refuses (a container without the permission) raises NumaError."""
+    """Carry out a plan's process-wide part on the calling thread (call it before the model loads and before other
+    threads start); what was done, in words. A replicate plan has none: the CPU backend makes and binds the copies
+    and pins its pool's threads when the plan is passed to it (`Engine.load(..., numa=plan)`). A policy the kernel
+    refuses (a container without the permission) raises NumaError."""
     done = []
     if p.mode == "interleave":
         set_mempolicy(MPOL_INTERLEAVE, p.mem_nodes)
@@ -256,7 +303,7 @@ def apply(p: Plan) -> list[str]:
         set_mempolicy(MPOL_BIND, p.mem_nodes)
         done.append(f"memory bound to node(s) {','.join(map(str, p.mem_nodes))}")
     elif p.mode == "replicate":
-        raise NumaError("per-node weight copies are not supported by this engine's CPU backend yet")
+        done.append(f"weight copies for node(s) {','.join(map(str, p.replicas))} are made when the model loads")
     if p.cpus:
         os.sched_setaffinity(0, p.cpus)
         done.append(f"threads pinned to CPUs {cpu_ranges(p.cpus)}")

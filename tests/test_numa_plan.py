@@ -1,6 +1,7 @@
-"""NUMA placement: topology from fake sysfs trees, the pure plan on 1, 2 and 4 nodes (unequal memory, a node without
-memory), and the memory-policy syscalls on this machine (read back with get_mempolicy, in a child process so the
-test process keeps its own policy)."""
+"""NUMA placement: topology from fake sysfs trees, the pure plan on 1, 2, 3 and 4 nodes (unequal memory, a node
+without memory, replicate and auto with and without per-node copies), and the memory-policy syscalls on this machine
+(read back with get_mempolicy, in a child process so the test process keeps its own policy). The copies themselves:
+test_numa_replicas.py."""
 
 from __future__ import annotations
 
@@ -11,13 +12,15 @@ import textwrap
 
 import pytest
 
-from hybridinfer.batch import numa
+from hybridinfer import numa
+from hybridinfer.errors import ParameterError
 
 GiB = 1 << 30
 
 
-def fake_sysfs(root, nodes: dict[int, tuple[str, int, int]]) -> str:
-    """nodes: id -> (cpulist, MemTotal GiB, MemFree GiB), written as the kernel writes them."""
+def fake_sysfs(root, nodes: dict[int, tuple[str, int, int]], distance: dict[int, str] | None = None) -> str:
+    """nodes: id -> (cpulist, MemTotal GiB, MemFree GiB), written as the kernel writes them; distance: id -> the
+    node's distance line."""
     d = root / "node"
     d.mkdir()
     (d / "online").write_text(",".join(map(str, nodes)) + "\n")
@@ -29,6 +32,8 @@ def fake_sysfs(root, nodes: dict[int, tuple[str, int, int]]) -> str:
         kb = lambda g: int(g * GiB) // 1024  # noqa: E731
         (n / "meminfo").write_text(f"Node {i} MemTotal:       {kb(total)} kB\nNode {i} MemFree:        {kb(free)} kB\n"
                                    f"Node {i} MemUsed:        {kb(total - free)} kB\nNode {i} HugePages_Total:     0\n")
+        if distance:
+            (n / "distance").write_text(distance[i] + "\n")
     return str(d)
 
 
@@ -39,6 +44,10 @@ def test_read_topology(tmp_path):
     assert t.nodes[0].cpus == (0, 1, 2, 3, 8, 9, 10, 11) and t.nodes[1].mem_free == 30 * GiB
     assert [n.id for n in t.mem_nodes] == [0, 1] and t.nodes[2].cpus == ()
     assert numa.parse_cpulist("0-2,5,7-8") == (0, 1, 2, 5, 7, 8)
+    assert t.nodes[0].distance == ()  # no distance files: unknown
+    (tmp_path / "d").mkdir()
+    d = numa.read_topology(fake_sysfs(tmp_path / "d", {0: ("0-1", 8, 6), 1: ("2-3", 8, 6)}, {0: "10 21", 1: "21 10"}))
+    assert d.nodes[1].distance == (21, 10)
     one = numa.read_topology(str(tmp_path / "missing"))  # no sysfs: one node of this process's CPUs
     assert len(one.nodes) == 1 and one.nodes[0].cpus
     here = numa.read_topology()
@@ -57,15 +66,24 @@ FOUR = _topo((1, 64, 50), (1, 64, 50), (1, 64, 50), (1, 64, 50))
 CPU_ONLY = _topo((1, 64, 60), (1, 0, 0), (1, 64, 60))  # node 1 has CPUs and no memory
 
 
+@pytest.mark.parametrize("supported", [False, True])
 @pytest.mark.parametrize("policy", ["off", "interleave", "bind:0", "replicate", "auto"])
-def test_every_policy_plans_on_one_node(policy):
-    p = numa.plan(ONE, 5 * GiB, policy)
-    assert p.mode in ("off", "interleave", "bind")
+def test_every_policy_plans_on_one_node(policy, supported):
+    p = numa.plan(ONE, 5 * GiB, policy, replicate_supported=supported)
+    assert p.mode in ("off", "interleave", "bind", "replicate")
     assert p.describe().startswith(f"numa: policy {policy}")
     if policy == "bind:0":
         assert p.mem_nodes == (0,) and p.cpus == (0, 1, 2, 3)
-    if policy in ("replicate", "auto"):
+    if policy == "auto" or (policy == "replicate" and not supported):
         assert p.mode == "off" and "one node" in p.notes[0]
+    if policy == "replicate" and supported:  # one node still gets its one bound copy, read by all its CPUs
+        assert p.mode == "replicate" and p.replicas == (0,) and p.replica_cpus == ((0, 1, 2, 3),)
+        assert "copy 0 on node 0: read by threads on CPUs 0-3" in p.describe()
+
+
+def test_replicate_on_one_node_that_cannot_hold_a_copy():
+    p = numa.plan(ONE, 20 * GiB, "replicate", replicate_supported=True)  # 12 GiB free
+    assert p.mode == "off" and "exceeds node 0's free memory" in p.notes[0]
 
 
 def test_plans_on_several_nodes():
@@ -73,12 +91,20 @@ def test_plans_on_several_nodes():
     assert numa.plan(FOUR, 20 * GiB, "interleave").mem_nodes == (0, 1, 2, 3)
     auto = numa.plan(TWO, 20 * GiB, "auto")
     assert auto.mode == "interleave" and auto.mem_nodes == (0, 1)
-    # replicate: the engine has no per-node copies yet, so it interleaves and says so; with support, a copy per node
+    # replicate: a backend without per-node copies interleaves and says so; with support, a copy per node, each
+    # read by its own node's CPUs
     r = numa.plan(FOUR, 20 * GiB, "replicate")
-    assert r.mode == "interleave" and "not built" in r.notes[0]
+    assert r.mode == "interleave" and "CPU backend" in r.notes[0]
     r = numa.plan(FOUR, 20 * GiB, "replicate", replicate_supported=True)
-    assert r.mode == "replicate" and r.replicas == (0, 1, 2, 3)
-    assert numa.plan(TWO, 20 * GiB, "auto", replicate_supported=True).mode == "replicate"
+    assert r.mode == "replicate" and r.replicas == (0, 1, 2, 3) and not r.notes
+    assert r.replica_cpus == tuple(tuple(range(4 * i, 4 * i + 4)) for i in range(4))
+    assert r.cpus is None and not r.mem_nodes  # no process-wide policy or pinning: per copy, per thread
+    a = numa.plan(TWO, 20 * GiB, "auto", replicate_supported=True)
+    assert a.mode == "replicate" and a.replicas == (0, 1) and a.replica_cpus == ((0, 1, 2, 3), (4, 5, 6, 7))
+    # auto on four nodes: 60 GiB fits no node (50 GiB free each) but all together: interleave
+    assert numa.plan(FOUR, 60 * GiB, "auto", replicate_supported=True).mode == "interleave"
+    r = numa.plan(FOUR, 60 * GiB, "replicate", replicate_supported=True)
+    assert r.mode == "interleave" and "fits the free memory of 0 node" in r.notes[0]
     # unequal memory: a 40 GiB model fits node 0 only -> no replicas; auto interleaves (fits both together)
     r = numa.plan(UNEQUAL, 40 * GiB, "replicate", replicate_supported=True)
     assert r.mode == "interleave" and "fits the free memory of 1 node" in r.notes[0]
@@ -90,11 +116,27 @@ def test_plans_on_several_nodes():
     assert numa.plan(UNEQUAL, 200 * GiB, "auto").mode == "off"
 
 
+def test_replicas_on_some_nodes_serve_the_others_by_distance():
+    # three nodes with memory, node 2 too small for a copy: its CPUs read the nearest copy (node 1 by distance)
+    topo = numa.Topology((numa.Node(0, (0, 1), 64 * GiB, 60 * GiB, (10, 21, 31)),
+                          numa.Node(1, (2, 3), 64 * GiB, 60 * GiB, (21, 10, 21)),
+                          numa.Node(2, (4, 5), 64 * GiB, 5 * GiB, (31, 21, 10))))
+    r = numa.plan(topo, 20 * GiB, "replicate", replicate_supported=True)
+    assert r.replicas == (0, 1) and r.replica_cpus == ((0, 1), (2, 3, 4, 5))
+    assert "node(s) 2 lack the memory for a copy" in r.notes[0]
+    # auto wants a copy on every node: with node 2 too small it interleaves
+    assert numa.plan(topo, 20 * GiB, "auto", replicate_supported=True).mode == "interleave"
+    # without distances the first copy takes them; a CPU-only node's CPUs are read by a copy too
+    r = numa.plan(CPU_ONLY, 10 * GiB, "replicate", replicate_supported=True)
+    assert r.replicas == (0, 2) and r.replica_cpus == ((0, 1, 2, 3, 4, 5, 6, 7), (8, 9, 10, 11))
+    assert numa.plan(CPU_ONLY, 10 * GiB, "auto", replicate_supported=True).mode == "replicate"
+
+
 def test_node_without_memory():
     p = numa.plan(CPU_ONLY, 10 * GiB, "interleave")
     assert p.mem_nodes == (0, 2)  # node 1 has no pages to give
     assert numa.plan(CPU_ONLY, 10 * GiB, "auto").mem_nodes == (0, 2)
-    with pytest.raises(ValueError, match="no memory"):
+    with pytest.raises(ParameterError, match="no memory"):
         numa.plan(CPU_ONLY, 10 * GiB, "bind:1")
     with pytest.raises(ValueError, match="no node 9"):
         numa.plan(CPU_ONLY, 10 * GiB, "bind:9")
@@ -107,11 +149,11 @@ def test_node_without_memory():
 
 _CHILD = textwrap.dedent("""
     import mmap, ctypes, json, os, sys
-    from hybridinfer.batch import numa
+    from hybridinfer import numa
     node = numa.read_topology().mem_nodes[0].id
     out = {}
     out["before"] = numa.get_mempolicy()[0]
-    done = numa.apply(numa.plan(numa.read_topology(), 1 << 20, sys.argv[1]))
+    done = numa.apply(numa.plan(numa.read_topology(), 1 << 20, sys.argv[1], replicate_supported=True))
     out["done"] = done
     out["after"] = numa.get_mempolicy()
     out["affinity"] = sorted(os.sched_getaffinity(0))
@@ -144,9 +186,10 @@ def test_syscalls_on_this_machine():
     got = _child(f"bind:{node}")
     assert got["after"] == [numa.MPOL_BIND, [node]]
     assert set(got["affinity"]) <= set(numa.read_topology().node(node).cpus)
-    for policy in ("off", "replicate", "auto"):  # one node: these run and leave the default
+    for policy in ("off", "replicate", "auto"):  # one node: these run and leave the process's default policy
         got = _child(policy)
         assert got["after"][0] in (numa.MPOL_DEFAULT, numa.MPOL_INTERLEAVE) and got["done"]
+    assert "made when the model loads" in _child("replicate")["done"][0]
 
 
 def test_cli_numa_plan(capsys):
@@ -158,6 +201,9 @@ def test_cli_numa_plan(capsys):
     assert main(["batch", "--numa", "bind:99", "--numa-plan"]) == 2
     assert "no node 99" in capsys.readouterr().err
     assert main(["batch", "--numa", "nonsense", "--numa-plan"]) == 2
+    assert main(["batch", "--numa", "replicate", "--numa-plan"]) == 0
+    out = capsys.readouterr().out
+    assert "policy replicate -> replicate" in out and "copy 0 on node" in out and "off ->" not in out
 
 
 def test_topology_of_this_machine_matches_sysfs():
