@@ -362,29 +362,34 @@ class Engine:
         res.prompt_tokens = len(ids)
         t0 = time.perf_counter()
         state = self.new_state()
-        logits, cstats = self.start(ids, state, req.turn_boundary)
-        t1 = time.perf_counter()
-        step = TokenSampler(req, self.tokenizer, res, logits.shape[-1])
-        for _ in range(req.max_tokens):
-            t, piece, ended = step(logits, state)
+        try:
+            logits, cstats = self.start(ids, state, req.turn_boundary)
+            t1 = time.perf_counter()
+            step = TokenSampler(req, self.tokenizer, res, logits.shape[-1])
+            for _ in range(req.max_tokens):
+                t, piece, ended = step(logits, state)
+                if piece:
+                    yield piece
+                if ended:
+                    break
+                with self._lock:  # the backend's buffers are shared: copy the row out before letting go
+                    logits = self.backend.forward([t], state, all_logits=False)[-1].copy()
+            piece = step.text.finish()
             if piece:
                 yield piece
-            if ended:
-                break
-            with self._lock:  # the backend's buffers are shared: copy the row out before letting go
-                logits = self.backend.forward([t], state, all_logits=False)[-1].copy()
-        piece = step.text.finish()
-        if piece:
-            yield piece
-        if self.prefix_cache is not None:
+            if self.prefix_cache is not None:
+                with self._lock:
+                    if state.pos > len(ids):  # end of generation: the next turn starts from the reply
+                        self.prefix_cache.save(state, logits, defer_disk=True)
+                    self.prefix_cache.flush()  # disk copies, after the answer (not in the time to first token)
+            t2 = time.perf_counter()
+            n = max(len(res.tokens), 1)
+            res.timings = {**cstats, "prefill_s": t1 - t0, "decode_s": t2 - t1,
+                           "prompt_tok_per_s": len(ids) / (t1 - t0),
+                           "decode_tok_per_s": n / (t2 - t1) if t2 > t1 else 0.0}
+        finally:  # recorded steps and bound calls holding the state let go of it
             with self._lock:
-                if state.pos > len(ids):  # end of generation: the next turn starts from the reply
-                    self.prefix_cache.save(state, logits, defer_disk=True)
-                self.prefix_cache.flush()  # disk copies, after the answer (not in the time to first token)
-        t2 = time.perf_counter()
-        n = max(len(res.tokens), 1)
-        res.timings = {**cstats, "prefill_s": t1 - t0, "decode_s": t2 - t1, "prompt_tok_per_s": len(ids) / (t1 - t0),
-                       "decode_tok_per_s": n / (t2 - t1) if t2 > t1 else 0.0}
+                self.backend.release(state)
 
     def generate(self, prompt, max_tokens: int = 128, **kw) -> Generation:
         res = Generation("", [], 0, "length")

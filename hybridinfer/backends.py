@@ -45,6 +45,10 @@ class Backend(ABC):
         return [np.array(self.forward(ids, st, all_logits=False, snapshot_at=at, on_snapshot=cb)[-1:], copy=True)
                 for ids, st, at, cb in prompts]
 
+    def release(self, state) -> None:  # noqa: B027 (a no-op unless the backend keeps something per state)
+        """Forget what the backend keeps for this sequence's state (recorded steps, bound calls), so that its memory
+        goes as soon as its owner drops it."""
+
     def decode_batch(self, tokens, states) -> np.ndarray:
         """One token for each of several sequences: logits (B, n_vocab), row j as forward([tokens[j]], states[j])
         gives it. This default runs them one by one; a backend that reads its weights once for all overrides it."""
@@ -71,6 +75,9 @@ class GPUPrefillCPUDecode(Backend):
 
     def decode_batch(self, tokens, states) -> np.ndarray:
         return self.cpu.decode_batch(tokens, states)
+
+    def release(self, state) -> None:
+        self.cpu.release(state)
 
     def prefill_many(self, prompts) -> list[np.ndarray]:
         """(ids, state, snapshot_at, on_snapshot) each: all in one streamed GPU pass where the buffers allow (each

@@ -364,6 +364,8 @@ class Scheduler:
             g.timings = {**s.stats, "prefill_s": s.t1 - s.t0, "decode_s": t2 - s.t1,
                          "prompt_tok_per_s": len(s.handle.request.ids) / max(s.t1 - s.t0, 1e-9),
                          "decode_tok_per_s": n / (t2 - s.t1) if t2 > s.t1 else 0.0}
+        if s.state is not None:
+            self.engine.backend.release(s.state)
         s.state, s.logits, s.sampler = None, None, None  # the memory goes now, not when the handle does
         with self._cv:
             self._reserved -= s.reserved

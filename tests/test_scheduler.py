@@ -40,6 +40,45 @@ def test_decode_batch_rows_bit_identical(arch, quant, oracle_gguf):
         assert a.pos == b.pos and np.array_equal(a.token_ids, b.token_ids)
 
 
+@pytest.mark.parametrize("arch,quant", [("qwen35", "q4_k_m"), ("qwen35moe", "q4_k_m")])
+def test_decode_batch_replays_its_recorded_step(arch, quant, oracle_gguf, monkeypatch):
+    """The same sequences decoded together step after step: the first step is recorded (one pass through Python),
+    the next ones replay it (BatchPlan: one native call, each attention at its own position), bit-identical to each
+    sequence alone; a change of members records again; release() lets a finished sequence's memory go."""
+    import gc
+    import weakref
+
+    eng = Engine.load(str(oracle_gguf(arch, quant)), backend="cpu", n_ctx=96)
+    be, V = eng.backend, eng.args.n_vocab
+    prompts = [_ids(V, n, n + 50) for n in (4, 9, 2)]
+    alone, together = [eng.new_state() for _ in prompts], [eng.new_state() for _ in prompts]
+    for sts in (alone, together):
+        for st, p in zip(sts, prompts, strict=True):
+            eng.prefill(p, st)
+    passes = []
+    orig = be._forward
+    monkeypatch.setattr(be, "_forward", lambda *a, **k: passes.append(len(a[0])) or orig(*a, **k))
+    rng = np.random.default_rng(2)
+    # members per step: all three for 4 steps (recorded once), then two (recorded again) for 3 steps
+    schedule = [[0, 1, 2]] * 4 + [[0, 2]] * 3
+    for step, live in enumerate(schedule):
+        toks = [int(rng.integers(0, V)) for _ in live]
+        want = np.stack([be.forward([t], alone[j], all_logits=False)[-1].copy()
+                         for t, j in zip(toks, live, strict=True)])
+        got = be.decode_batch(toks, [together[j] for j in live])
+        assert np.array_equal(got, want), (arch, step)
+    # B = 1 forwards record their own one-token plan once per state; the batch passes: 3 rows once, 2 rows once
+    assert [p for p in passes if p > 1] == [3, 2]
+    st = together[1]
+    ref = weakref.ref(st.k[next(i for i, t in enumerate(eng.args.layer_types) if t == "attention")])
+    be.release(st)
+    for ws in be._ws.values():
+        assert not any(p.holds({id(a) for a in st.k + st.v + st.conv + st.ssm}) for p in ws.plans.values())
+    together[1] = st = None
+    gc.collect()
+    assert ref() is None  # nothing the backend keeps holds the released sequence's cache
+
+
 def _requests(V: int) -> list[dict]:
     reqs = []
     for i in range(7):

@@ -25,7 +25,7 @@ from ..quant import dequantize_rows, type_name
 from ..state import DecoderState, check_tokens
 from . import ops_gdn
 from .ops import NO_FREQS
-from .plan import DecodePlan
+from .plan import BatchPlan, DecodePlan
 from .simd import GGML_DECODE_ROWS, GGML_MUL_MAT, GGML_MUL_MAT_ID, KERNEL_TYPES, SimdLib
 from .weights import choose_weights_mode, copy_mats, mem_available
 
@@ -84,15 +84,17 @@ class Layer:
 class Workspace:
     """Every activation buffer of one forward pass over up to T tokens with a cache of n_ctx rows."""
 
-    def __init__(self, model: CPUModel, T: int, n_ctx: int):
+    def __init__(self, model: CPUModel, T: int, n_ctx: int, rows: bool = False):
         a, simd = model.args, model.simd
         f = lambda *s: np.zeros(s, np.float32)  # noqa: E731
         D = a.n_embd
         self.T, self.n_ctx = T, n_ctx
-        self.calls: dict[tuple, object] = {}  # decode (T = 1): native calls bound to these buffers
+        # decode (T = 1, or `rows`: one token of each of T sequences): native calls bound to these buffers once
+        self.bind = T == 1 or rows
+        self.calls: dict[tuple, object] = {}
         self.rec: list | None = None  # decode: the step being recorded (every operation, in order)
-        self.plans: dict[int, DecodePlan] = {}  # decode: recorded steps by id(state)
-        self.tok = np.zeros(1, np.int32)  # decode: the token of the step
+        self.plans: dict = {}  # decode: recorded steps by id(state) (BatchPlan: by the states' ids)
+        self.tok = np.zeros(T if rows else 1, np.int32)  # decode: the step's tokens
         self.h, self.x, self.mix, self.ffn = f(T, D), f(T, D), f(T, D), f(T, D)
         mats = model.mats
         widest = max(m.rows for m in mats if m is not model.out)
@@ -119,6 +121,10 @@ class Workspace:
             self.route_idx, self.route_w = np.zeros((T, k), np.int32), f(T, k)
             # decode with a shared expert as wide as the routed ones: its rows follow theirs (model.fused_shexp)
             self.eg, self.eu, self.ed = f(T * k + 1, a.n_ff_exp), f(T * k + 1, a.n_ff_exp), f(T * k, D)
+            if T > 1:  # moe_rows: its gathered inputs, outputs in expert order and grouping
+                need = max(simd.moe_rows_scratch(T * k, a.n_expert, L.ffn_gate_exps.qtype, D) for L in model.layers
+                           if L.ffn_gate_exps is not None)
+                self.moe_scratch = np.zeros(need, np.uint8)
 
 
 class CPUModel(Backend):
@@ -170,20 +176,23 @@ class CPUModel(Backend):
     def new_state(self, n_ctx: int) -> DecoderState:
         return DecoderState.new(self.args, n_ctx)
 
-    def workspace(self, T: int, n_ctx: int) -> Workspace:
-        cap = 1 if T == 1 else max(16, 1 << (T - 1).bit_length())
-        ws = self._ws.get((cap, n_ctx))
+    def workspace(self, T: int, n_ctx: int, rows: bool = False) -> Workspace:
+        """The buffers of a pass over T tokens of one sequence (shared by prompt chunks up to a power of two), or
+        with `rows` of one token of each of exactly T sequences (decode_batch: bound calls, recorded steps)."""
+        cap = T if rows or T == 1 else max(16, 1 << (T - 1).bit_length())
+        key = (cap, n_ctx, rows)
+        ws = self._ws.get(key)
         if ws is None:
-            ws = self._ws[(cap, n_ctx)] = Workspace(self, cap, n_ctx)
+            ws = self._ws[key] = Workspace(self, cap, n_ctx, rows)
         return ws
 
     # matrix products ------------------------------------------------------------------------------
     def call(self, ws: Workspace, key: tuple, method: str, *args, st: DecoderState | None = None,
              arrays: tuple = ()) -> None:
-        """A native call; at T = 1 (decode, fixed buffers) bound once per workspace and call site, and per
+        """A native call; in decode (fixed buffers: ws.bind) bound once per workspace and call site, and per
         state for ops on its arrays (`arrays`: a layer's cache or recurrent state; a new sequence's arrays
         rebind it). Ops in plan.POS_ARGS take the position of `st`."""
-        if ws.T != 1:
+        if not ws.bind:
             getattr(self.simd, method)(*args)
             return
         hit = ws.calls.get(key)
@@ -191,20 +200,20 @@ class CPUModel(Backend):
             ws.calls[key] = hit = (arrays, self.simd.bind(method, *args))
         b = hit[1]
         if ws.rec is not None:
-            ws.rec.append(b)
+            ws.rec.append(b if b.pos_arg is None else b.at(st.pos))
         if b.pos_arg is None:
             b()
         else:
             b(st.pos)
 
     def quantize(self, m: Mat, x: np.ndarray, ws: Workspace) -> np.ndarray:
-        if ws.T == 1:  # decode: the quantized buffer of this matrix's input and its bound call, found once
+        if ws.bind:  # decode: the quantized buffer of this matrix's input and its bound call, found once
             hit = ws.calls.get(("q", id(m)))
             if hit is not None:
                 self._op(ws, hit[0])
                 return hit[1]
         xq = ws.xq[self.simd.act_kind(m.qtype)][: x.shape[0], : self.simd.act_row_bytes(m.qtype, m.cols)]
-        if ws.T == 1:  # each matrix has one input buffer per layer
+        if ws.bind:  # each matrix has one input buffer per layer
             ws.calls[("q", id(m))] = c = (self.simd.bind("quantize", x, m.qtype, xq), xq)
             self._op(ws, c[0])
         else:
@@ -215,7 +224,7 @@ class CPUModel(Backend):
         """Products of one input with several matrices: one quantization per activation format, one pooled call
         for them all (the thread pool wakes once)."""
         T = x.shape[0]
-        decode = ws.T == 1
+        decode = ws.bind
         if decode:  # decode: the whole call site replayed from bound calls
             plan = ws.calls.get(("many-plan", id(mats[0]), len(mats)))
             if plan is not None:
@@ -284,7 +293,8 @@ class CPUModel(Backend):
         """One decode token for each of B sequences in one pass over the weights: logits (B, n_vocab), row j
         bit-identical to forward([tokens[j]], states[j], all_logits=False) (batch-invariant). The products run over
         B rows in GGML_DECODE_ROWS (each row in the one-token float shape), the MoE's routed (sequence, expert)
-        pairs grouped by expert so each selected expert is read once; GDN and attention per sequence."""
+        pairs grouped by expert so each selected expert is read once; GDN and attention per sequence. The step is
+        recorded the first time these sequences run together and replayed while they go on together (BatchPlan)."""
         ids = check_tokens(tokens, self.args.n_vocab)
         B = len(ids)
         if B != len(states) or len({id(st) for st in states}) != B:
@@ -293,16 +303,36 @@ class CPUModel(Backend):
             return self.forward(ids, states[0], all_logits=False)
         for st in states:
             st.check_room(1)
-        ws = self.workspace(B, max(st.n_ctx for st in states))
-        self._rows = True
-        try:
-            out = self._forward(ids, states, ws, all_logits=True)
-        finally:
-            self._rows = False
+        ws = self.workspace(B, max(st.n_ctx for st in states), rows=True)
+        ws.tok[:] = ids
+        plan = ws.plans.get(BatchPlan.key(states))
+        delta = plan.delta(states) if plan is not None else None
+        if delta is not None:  # the same sequences as at the recorded step: one native call (and the embedding)
+            out = plan.run(delta)
+        else:
+            ws.rec = []
+            self._rows = True
+            try:
+                out = self._forward(ws.tok, states, ws, all_logits=True)
+                BatchPlan.keep(ws.plans, self.simd, states, ws.rec, out)
+            finally:
+                self._rows = False
+                ws.rec = None
         for t, st in zip(ids, states, strict=True):
             st.tokens[st.pos] = t
             st.pos += 1
         return out
+
+    def release(self, state: DecoderState) -> None:
+        """Drop the recorded steps and bound calls that hold this state's arrays (a finished sequence's memory
+        goes with it, not when its plan would be pushed out)."""
+        mine = {id(a) for a in DecodePlan._arrays(state)}
+        for ws in self._ws.values():
+            for k in [k for k, p in ws.plans.items() if p.holds(mine)]:
+                del ws.plans[k]
+            for k in [k for k, v in ws.calls.items()
+                      if type(v) is tuple and len(v) == 2 and type(v[0]) is tuple and any(id(a) in mine for a in v[0])]:
+                del ws.calls[k]
 
     def _op(self, ws: Workspace, fn, *args) -> None:
         """fn(*args); while a decode step is recorded, also its place in the step (a Bound call as itself)."""
@@ -365,7 +395,7 @@ class CPUModel(Backend):
             r = slice(0, T) if j is None else slice(j, j + 1)
             args = (q[r], k[r], v[r], s.k[i], s.v[i], s.pos, o[r], ws.attn_scratch, a.n_rot, a.rope_theta,
                     a.rope_neox, self.freq_factors)
-            self.call(ws, ("attn", i), "attn_step", *args, st=s, arrays=(s.k[i], s.v[i]))
+            self.call(ws, ("attn", i, j), "attn_step", *args, st=s, arrays=(s.k[i], s.v[i]))
         if a.attn_gate:
             self.call(ws, ("gate", i), "sigmoid_gate", o, gate)
         return self.mm(L.attn_output, o, ws.mix, ws)
@@ -382,7 +412,7 @@ class CPUModel(Backend):
             r = slice(0, T) if j is None else slice(j, j + 1)
             args = (u[r], z[r], b[r], al[r], L.ssm_conv1d, L.ssm_a, L.ssm_dt_bias, L.ssm_norm, s.conv[i], s.ssm[i],
                     a.ssm_n_k_heads, a.gdn_head_map == "mod", a.rms_eps, y[r], ws.gdn_scratch)
-            self.call(ws, ("gdn", i), "gdn_layer", *args, arrays=(s.conv[i], s.ssm[i]))
+            self.call(ws, ("gdn", i, j), "gdn_layer", *args, arrays=(s.conv[i], s.ssm[i]))
         return self.mm(L.ssm_out, y, ws.mix, ws)
 
     @staticmethod
@@ -391,29 +421,18 @@ class CPUModel(Backend):
         token of each of T sequences."""
         return enumerate(st) if isinstance(st, list) else ((None, st),)
 
-    def _moe_rows(self, L: Layer, x: np.ndarray, idx: np.ndarray, ys: np.ndarray, ws: Workspace, op: int) -> None:
-        """ys[t * k + j] = expert idx[t, j]'s output for token t: the T x k pairs sorted by expert, so gate and up
-        (pooled calls) and down (more) read each selected expert once for all the tokens routed to it. op:
+    def _moe_rows(self, L: Layer, i: int, x: np.ndarray, idx: np.ndarray, ys: np.ndarray, ws: Workspace,
+                  op: int) -> None:
+        """ys[t * k + j] = expert idx[t, j]'s output for token t, in one native call (moe_rows): the T x k pairs
+        grouped by expert, so each selected expert is read once for all the tokens routed to it. op:
         GGML_DECODE_ROWS (several sequences' decode tokens: each pair in its one-token float shape) or
         GGML_MUL_MAT_ID (a prompt's tokens: each expert's product in llama.cpp's shape for its token count)."""
         G, U, Dn = L.ffn_gate_exps, L.ffn_up_exps, L.ffn_down_exps
-        k = idx.shape[1]
-        flat = idx.reshape(-1)
-        order = np.argsort(flat, kind="stable")
-        srt = flat[order]
-        starts = np.concatenate(([0], np.flatnonzero(np.diff(srt)) + 1, [srt.size]))
-        experts = srt[starts[:-1]]
-        n = srt.size
+        n = idx.size
         xq = self.quantize(G, x, ws)
-        xs = xq[order // k]  # each pair's input row, in expert order
-        eg, eu = ws.eg[:n], ws.eu[:n]
-        self.simd.moe_grouped([(G.raw, G.qtype), (U.raw, U.qtype)], G.rows, G.cols, xs, experts, starts, [eg, eu],
-                              op)
-        self.simd.swiglu(eg, eu, eg)
-        hq = self.quantize(Dn, eg, ws)
-        out = np.empty((n, Dn.rows), np.float32)
-        self.simd.moe_grouped([(Dn.raw, Dn.qtype)], Dn.rows, Dn.cols, hq, experts, starts, [out], op)
-        ys[order] = out
+        hq = ws.xq[self.simd.act_kind(Dn.qtype)][:n, : self.simd.act_row_bytes(Dn.qtype, Dn.cols)]
+        self.call(ws, ("moe_rows", i), "moe_rows", (G.raw, G.qtype), (U.raw, U.qtype), (Dn.raw, Dn.qtype), G.rows,
+                  G.cols, xq, idx, ws.eg[:n], ws.eu[:n], hq, ys, ws.moe_scratch, op)
 
     def _moe(self, L: Layer, i: int, x: np.ndarray, ws: Workspace) -> np.ndarray:
         a = self.args
@@ -443,7 +462,7 @@ class CPUModel(Backend):
             self.call(ws, ("down", id(Dn)), "moe_down", Dn.raw, Dn.qtype, Dn.rows, Dn.cols, hq[:k], idx[0], ys,
                       GGML_MUL_MAT_ID, sh_d)
         else:  # several sequences' decode tokens, or a prompt's tokens: the routed pairs grouped by expert
-            self._moe_rows(L, x, idx, ys, ws, GGML_DECODE_ROWS if self._rows else GGML_MUL_MAT_ID)
+            self._moe_rows(L, i, x, idx, ys, ws, GGML_DECODE_ROWS if self._rows else GGML_MUL_MAT_ID)
         out = ws.ffn[:T]
         if not a.n_ff_shexp:
             self.call(ws, ("combine", i), "moe_combine", ys, w, out)

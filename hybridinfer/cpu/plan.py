@@ -32,6 +32,11 @@ class Bound:
         self.fn, self.cargs, self.name, self.keep = fn, cargs, name, keep
         self.pos_arg = POS_ARGS.get(name)
 
+    def at(self, pos: int) -> Bound:
+        """this call with its recorded position set to pos (a BatchPlan's steps keep the positions they ran at)"""
+        j = 1 + self.pos_arg
+        return Bound(self.fn, self.cargs[:j] + (int(pos),) + self.cargs[j + 1 :], self.name, self.keep)
+
     def __call__(self, pos: int | None = None) -> None:
         cargs = self.cargs
         if self.pos_arg is not None:
@@ -48,8 +53,9 @@ class Steps:
     """Bound calls packed for hi_plan_run; run(pos) runs them all at the token position pos. With `ns` set to
     an int64 array of len(calls) (benchmarks), each run adds every call's nanoseconds to it."""
 
-    def __init__(self, simd, calls: list[Bound]):
+    def __init__(self, simd, calls: list[Bound], relative: bool = False):
         ffi = simd._ffi
+        self.relative = relative  # positions as recorded, run(pos) adds pos to them (BatchPlan)
         self._ffi, self._lib, self._simd = ffi, simd._lib, simd
         self.calls = calls
         self._arr = ffi.new("hi_step[]", len(calls))
@@ -79,7 +85,7 @@ class Steps:
                 s.a[j].i = int(v)
             else:
                 raise TypeError(f"{b.name}: parameter {j} of C type {t.cname} cannot be recorded")
-        if b.pos_arg is not None:
+        if b.pos_arg is not None and not self.relative:
             s.a[b.pos_arg].i = 0  # hi_plan_run adds the position
 
     def run(self, pos: int) -> None:
@@ -133,6 +139,10 @@ class DecodePlan:
     def _arrays(st: DecoderState) -> list:
         return [st.tokens, *st.conv, *st.ssm, *st.k, *st.v]
 
+    def holds(self, ids: set[int]) -> bool:
+        """whether it keeps any of these arrays (by id) alive"""
+        return any(i in ids for i in self.ids)
+
     def valid_for(self, st: DecoderState) -> bool:
         return self.state() is st and tuple(map(id, self._arrays(st))) == self.ids
 
@@ -142,3 +152,66 @@ class DecodePlan:
         while len(plans) >= cls.MAX_PLANS:
             plans.pop(next(iter(plans)))
         plans[id(st)] = cls(simd, st, steps, out)
+
+
+class BatchPlan:
+    """One decode step of B sequences (CPUModel.decode_batch) as recorded over a workspace of B rows, replayed in
+    order like DecodePlan. Every sequence advances one position a step, so each attention call keeps the position
+    it was recorded with and the plan runs at the number of steps since (one offset for all). Valid while the
+    same states, in the same order, hold the same arrays and have all advanced by the same number of steps."""
+
+    MAX_PLANS = 8  # per workspace: sets of sequences decoded in turn over it
+
+    def __init__(self, simd, states: list[DecoderState], steps: list, out):
+        self.states = [weakref.ref(st) for st in states]
+        self.ids = [tuple(map(id, DecodePlan._arrays(st))) for st in states]
+        self.arrays = [DecodePlan._arrays(st) for st in states]  # kept alive: their ids cannot be reused
+        self.pos0 = [st.pos for st in states]
+        self.out = out
+        self.segments: list = []
+        run: list[Bound] = []
+        for f in steps + [None]:
+            if type(f) is Bound:
+                run.append(f)
+                continue
+            if run:
+                self.segments.append(Steps(simd, run, relative=True))
+                run = []
+            if f is not None:
+                self.segments.append(f)
+
+    def holds(self, ids: set[int]) -> bool:
+        """whether it keeps any of these arrays (by id) alive"""
+        return any(i in ids for t in self.ids for i in t)
+
+    @staticmethod
+    def key(states: list[DecoderState]) -> tuple:
+        return tuple(map(id, states))
+
+    def delta(self, states: list[DecoderState]) -> int | None:
+        """steps since the recording when the plan holds for these states, else None"""
+        if len(states) != len(self.states):
+            return None
+        d = states[0].pos - self.pos0[0]
+        for ref, ids, p0, st in zip(self.states, self.ids, self.pos0, states, strict=True):
+            if ref() is not st or st.pos - p0 != d or tuple(map(id, DecodePlan._arrays(st))) != ids:
+                return None
+        return d if d >= 0 else None
+
+    def run(self, delta: int):
+        for s in self.segments:
+            if type(s) is Steps:
+                s.run(delta)
+            elif getattr(s, "pos_arg", None) is not None:  # a Bound run from Python: its recorded position on
+                s(s.cargs[1 + s.pos_arg] + delta)
+            else:
+                s()
+        return self.out
+
+    @classmethod
+    def keep(cls, plans: dict, simd, states: list[DecoderState], steps: list, out) -> None:
+        k = cls.key(states)
+        plans.pop(k, None)
+        while len(plans) >= cls.MAX_PLANS:
+            plans.pop(next(iter(plans)))
+        plans[k] = cls(simd, states, steps, out)

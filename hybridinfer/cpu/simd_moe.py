@@ -182,3 +182,58 @@ class MoECalls:
                 _ptr(ffi, "int32_t *", ex[g0:g1]), _ptr(ffi, "int64_t *", sub),
                 [ffi.cast("float *", o.ctypes.data + p0 * os_ * 4) for o in outs], os_, _op(ggml_op))
             _check_rc(rc, "moe_grouped")
+
+    def moe_rows_scratch(self, n_pairs: int, n_expert: int, qtype, n_embd: int) -> int:
+        """Bytes of the scratch moe_rows needs for n_pairs (token, expert) pairs of inputs for weight type qtype."""
+        n = self._lib.hi_moe_rows_scratch(int(n_pairs), int(n_expert), act_row_bytes(_qtype(qtype), int(n_embd)),
+                                          int(n_embd))
+        if n < 0:
+            raise ValueError(f"moe_rows_scratch: bad sizes ({n_pairs} pairs, {n_expert} experts, {n_embd} columns)")
+        return int(n)
+
+    def moe_rows(self, gate, up, down, n_ff: int, n_embd: int, xq: np.ndarray, idx: np.ndarray, eg: np.ndarray,
+                 eu: np.ndarray, hq: np.ndarray, ys: np.ndarray, scratch: np.ndarray,
+                 ggml_op: int = GGML_NONE) -> None:
+        """The routed experts of T tokens in one call: for pair p = t*k + j and e = idx[t, j],
+        ys[p] = W_down[e] . q(swiglu(W_gate[e] . x_t, W_up[e] . x_t)), the pairs grouped by expert so each selected
+        expert is read once (moe_rows.c). gate, up, down: (raw stacked expert tensor, qtype), gate and up n_ff x
+        n_embd per expert, down n_embd x n_ff; xq (T, act_row_bytes(gate type, n_embd)) the tokens' quantized rows;
+        idx (T, k) int32; eg, eu (T*k, n_ff) float32 and hq (T*k, act_row_bytes(down type, n_ff)) uint8 work rows;
+        ys (T*k, n_embd) float32; scratch uint8 of moe_rows_scratch bytes. ggml_op as in moe_grouped."""
+        (wg, gq), (wu, uq), (wd, dq) = ((w, _qtype(q)) for w, q in (gate, up, down))
+        n_ff, n_embd = int(n_ff), int(n_embd)
+        if n_ff < 1 or n_embd < 1:
+            raise ValueError(f"n_ff and n_embd must be positive, got {n_ff} and {n_embd}")
+        if act_kind(gq) != act_kind(uq):
+            raise ValueError(f"gate type {type_name(gq)} and up type {type_name(uq)} take different activation "
+                             f"formats ({act_kind(gq)} vs {act_kind(uq)})")
+        wg, ne = _weights("gate", wg, gq, weight_row_bytes(gq, n_embd), n_ff)
+        wu, ne_u = _weights("up", wu, uq, weight_row_bytes(uq, n_embd), n_ff)
+        wd, ne_d = _weights("down", wd, dq, weight_row_bytes(dq, n_ff), n_embd)
+        if not ne == ne_u == ne_d:
+            raise ValueError(f"gate, up and down hold {ne}, {ne_u} and {ne_d} experts")
+        idx = _array("idx", idx, (np.dtype(np.int32),))
+        if idx.ndim != 2 or not idx.flags.c_contiguous or 0 in idx.shape:
+            raise ValueError(f"idx must be a C-contiguous (T, k) int32 array, got shape {idx.shape}")
+        T, k = idx.shape
+        n = T * k
+        if idx.min() < 0 or idx.max() >= ne:
+            raise ValueError(f"idx holds an expert id outside [0, {ne})")
+        xq = _array("xq", xq, (_U8,))
+        _, xs = _rows("xq", xq, act_row_bytes(gq, n_embd), T)
+        _, es = _rows("eg", _array("eg", eg, (_F32,)), n_ff, n, writable=True)
+        if _rows("eu", _array("eu", eu, (_F32,)), n_ff, n, writable=True)[1] != es:
+            raise ValueError("eg and eu must have the same row stride")
+        _, hs = _rows("hq", _array("hq", hq, (_U8,)), act_row_bytes(dq, n_ff), n, writable=True)
+        _, ysr = _rows("ys", _array("ys", ys, (_F32,)), n_embd, n, writable=True)
+        scratch = _array("scratch", scratch, (_U8,))
+        need = self.moe_rows_scratch(n, ne, gq, n_embd)
+        if scratch.ndim != 1 or not scratch.flags.c_contiguous or scratch.nbytes < need:
+            raise ValueError(f"scratch must be a contiguous uint8 array of at least {need} bytes, got {scratch.shape}")
+        ffi = self._ffi
+        rc = self._lib.hi_moe_rows(
+            self._c, gq, _ptr(ffi, "uint8_t *", wg), uq, _ptr(ffi, "uint8_t *", wu), dq, _ptr(ffi, "uint8_t *", wd),
+            ne, n_ff, n_embd, _ptr(ffi, "uint8_t *", xq), xs, T, _ptr(ffi, "int32_t *", idx), k,
+            _ptr(ffi, "float *", eg), _ptr(ffi, "float *", eu), es, _ptr(ffi, "uint8_t *", hq), hs,
+            _ptr(ffi, "float *", ys), ysr, _ptr(ffi, "uint8_t *", scratch), scratch.nbytes, _op(ggml_op))
+        _check_rc(rc, "moe_rows")

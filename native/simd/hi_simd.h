@@ -63,6 +63,17 @@ int hi_moe_grouped(hi_ctx *c, int nw, const int *qtypes, const void *const *ws, 
                    int64_t cols, const void *xq, int64_t xq_row, int64_t npairs, int ngroups, const int32_t *experts,
                    const int64_t *starts, float *const *outs, int64_t out_row, int ggml_op);
 
+/* The routed experts of T tokens in one call (moe_rows.c says how): for pair p = t*k + j, e = idx[p],
+ *   ys[p] = Wd[e] . q_down(swiglu(Wg[e] . xq_t, Wu[e] . xq_t))
+ * grouped by expert (each selected expert read once); eg, eu (T*k rows of n_ff, e_row apart) and hq (T*k rows in
+ * the down matrix's activation format) are work rows; scratch of hi_moe_rows_scratch(T*k, n_expert, x_bytes,
+ * n_embd) bytes (x_bytes: hi_act_row_bytes(gate_qt, n_embd)). ggml_op: GGML_DECODE_ROWS (several sequences' decode tokens) or GGML_MUL_MAT_ID (a prompt). */
+int64_t hi_moe_rows_scratch(int64_t n_pairs, int64_t n_expert, int64_t x_bytes, int64_t n_embd);
+int hi_moe_rows(hi_ctx *c, int gate_qt, const void *wg, int up_qt, const void *wu, int down_qt, const void *wd,
+                int64_t n_expert, int64_t n_ff, int64_t n_embd, const void *xq, int64_t xq_row, int64_t T,
+                const int32_t *idx, int k, float *eg, float *eu, int64_t e_row, void *hq, int64_t hq_row, float *ys,
+                int64_t ys_row, void *scratch, int64_t scratch_bytes, int ggml_op);
+
 /* MoE decode, gate and up fused: for i < k, e = ids[i] (0 <= e < n_expert):
  *   gate_out[i] = Wg[e] . xq,  up_out[i] = Wu[e] . xq
  * Wg, Wu stacked expert tensors (ggml {cols, rows, n_expert}: expert e's rows contiguous), one xq row.
@@ -201,7 +212,7 @@ int hi_ctx_replica_hits(hi_ctx *c, int64_t *out, int reset);
 enum {
     HI_OP_QUANTIZE = 1, HI_OP_MATMUL, HI_OP_MATMUL_MANY, HI_OP_MOE_GATE_UP, HI_OP_MOE_DOWN, HI_OP_SWIGLU,
     HI_OP_GDN_LAYER, HI_OP_RMS_NORM, HI_OP_SPLIT_QGATE, HI_OP_SIGMOID_GATE, HI_OP_MOE_ROUTE, HI_OP_MOE_COMBINE,
-    HI_OP_ATTN_STEP, HI_OP_COUNT
+    HI_OP_ATTN_STEP, HI_OP_MOE_ROWS, HI_OP_COUNT
 };
 enum { HI_STEP_ARGS = 28 };
 typedef union {

@@ -1,0 +1,103 @@
+/* hi_moe_rows: the routed experts of T tokens as one call, grouped by expert so that each selected expert's rows are
+ * read once for all the tokens routed to it. For pair p = t*k + j (expert e = idx[p]):
+ *   ys[p] = Wd[e] . q_d(swiglu(Wg[e] . x_t, Wu[e] . x_t))
+ * with x_t the token's row already quantized for the gate/up format (xq) and q_d the down format's quantization.
+ * The pairs are ordered by expert with a stable counting sort (the order numpy's stable argsort gives), their input
+ * rows gathered in that order, then: gate and up over every group (hi_moe_grouped), SwiGLU, one quantization of the
+ * n = T*k rows, down over every group, and each result row written back to its pair's place. Each product row is
+ * computed as hi_moe_grouped computes it whatever the other groups hold, so the results do not depend on which
+ * tokens share the call (with GGML_DECODE_ROWS: each pair in its one-token float shape).
+ * Scratch (hi_moe_rows_scratch bytes): the gathered rows, the down outputs in group order, the order and groups.
+ */
+#include <string.h>
+
+#include "hi_internal.h"
+#include "hi_simd.h"
+
+/* groups per hi_moe_grouped call: it runs at most HI_MAX_JOBS = 2 * 64 + 2 jobs, two per group for gate and up */
+#define HI_MR_GROUPS 64
+
+static size_t al64(size_t n) { return (n + 63) & ~(size_t)63; }
+
+int64_t hi_moe_rows_scratch(int64_t n_pairs, int64_t n_expert, int64_t x_bytes, int64_t n_embd) {
+    if (n_pairs < 1 || n_expert < 1 || x_bytes < 1 || n_embd < 1) return -1;
+    return (int64_t)(al64((size_t)n_pairs * (size_t)x_bytes) + al64((size_t)n_pairs * (size_t)n_embd * 4) +
+                     al64((size_t)n_pairs * 4) + al64((size_t)n_expert * 4) + al64((size_t)(n_expert + 1) * 8) +
+                     al64((size_t)(n_expert + 1) * 8));
+}
+
+int hi_moe_rows(hi_ctx *c, int gate_qt, const void *wg, int up_qt, const void *wu, int down_qt, const void *wd,
+                int64_t n_expert, int64_t n_ff, int64_t n_embd, const void *xq, int64_t xq_row, int64_t T,
+                const int32_t *idx, int k, float *eg, float *eu, int64_t e_row, void *hq, int64_t hq_row, float *ys,
+                int64_t ys_row, void *scratch, int64_t scratch_bytes, int ggml_op) {
+    if (!c || !wg || !wu || !wd || !xq || !idx || !eg || !eu || !hq || !ys || !scratch || T < 1 || k < 1 ||
+        n_expert < 1 || n_ff < 1 || n_embd < 1 || e_row < n_ff || ys_row < n_embd)
+        return -2;
+    const int64_t n = T * (int64_t)k;
+    if (hi_act_row_bytes(gate_qt, n_embd) <= 0 || hi_act_row_bytes(gate_qt, n_embd) != hi_act_row_bytes(up_qt, n_embd) ||
+        xq_row < hi_act_row_bytes(gate_qt, n_embd) || hi_act_row_bytes(down_qt, n_ff) <= 0 ||
+        hq_row < hi_act_row_bytes(down_qt, n_ff))
+        return -2;
+    const int64_t xr = hi_act_row_bytes(gate_qt, n_embd); /* the gathered rows, packed */
+    const int64_t need = hi_moe_rows_scratch(n, n_expert, xr, n_embd);
+    if (need < 0 || scratch_bytes < need) return -2;
+    uint8_t *s = (uint8_t *)scratch;
+    uint8_t *xs = s;
+    s += al64((size_t)n * (size_t)xr);
+    float *out = (float *)s;
+    s += al64((size_t)n * (size_t)n_embd * 4);
+    int32_t *order = (int32_t *)s;
+    s += al64((size_t)n * 4);
+    int32_t *experts = (int32_t *)s;
+    s += al64((size_t)n_expert * 4);
+    int64_t *count = (int64_t *)s; /* pairs per expert, then each expert's next slot */
+    s += al64((size_t)(n_expert + 1) * 8);
+    int64_t *starts = (int64_t *)s;
+    memset(count, 0, (size_t)(n_expert + 1) * 8);
+    for (int64_t p = 0; p < n; p++) {
+        if (idx[p] < 0 || idx[p] >= n_expert) return -2;
+        count[idx[p]]++;
+    }
+    int ng = 0;
+    int64_t at = 0;
+    for (int64_t e = 0; e < n_expert; e++) {
+        if (!count[e]) continue;
+        experts[ng] = (int32_t)e;
+        starts[ng++] = at;
+        const int64_t m = count[e];
+        count[e] = at; /* where expert e's next pair goes */
+        at += m;
+    }
+    starts[ng] = n;
+    for (int64_t p = 0; p < n; p++) order[count[idx[p]]++] = (int32_t)p; /* stable: pairs in token order */
+    for (int64_t q = 0; q < n; q++)
+        memcpy(xs + (size_t)q * (size_t)xr, (const uint8_t *)xq + (size_t)(order[q] / k) * (size_t)xq_row, (size_t)xr);
+    const int gu_qt[2] = {gate_qt, up_qt}, d_qt[1] = {down_qt};
+    const void *gu_w[2] = {wg, wu}, *d_w[1] = {wd};
+    for (int g0 = 0; g0 < ng; g0 += HI_MR_GROUPS) {
+        const int g1 = g0 + HI_MR_GROUPS < ng ? g0 + HI_MR_GROUPS : ng;
+        const int64_t p0 = starts[g0], np = starts[g1] - p0;
+        int64_t sub[HI_MR_GROUPS + 1];
+        for (int g = g0; g <= g1; g++) sub[g - g0] = starts[g] - p0;
+        float *gu_out[2] = {eg + p0 * e_row, eu + p0 * e_row};
+        int rc = hi_moe_grouped(c, 2, gu_qt, gu_w, n_expert, n_ff, n_embd, xs + (size_t)p0 * (size_t)xr, xr,
+                                np, g1 - g0, experts + g0, sub, gu_out, e_row, ggml_op);
+        if (rc) return rc;
+    }
+    int rc = hi_swiglu(c, eg, e_row, eu, e_row, eg, e_row, n, n_ff);
+    if (!rc) rc = hi_quantize(c, down_qt, eg, e_row, n, n_ff, hq, hq_row);
+    if (rc) return rc;
+    for (int g0 = 0; g0 < ng; g0 += 2 * HI_MR_GROUPS) {
+        const int g1 = g0 + 2 * HI_MR_GROUPS < ng ? g0 + 2 * HI_MR_GROUPS : ng;
+        const int64_t p0 = starts[g0], np = starts[g1] - p0;
+        int64_t sub[2 * HI_MR_GROUPS + 1];
+        for (int g = g0; g <= g1; g++) sub[g - g0] = starts[g] - p0;
+        float *d_out[1] = {out + p0 * n_embd};
+        rc = hi_moe_grouped(c, 1, d_qt, d_w, n_expert, n_embd, n_ff, (const uint8_t *)hq + (size_t)p0 * (size_t)hq_row,
+                            hq_row, np, g1 - g0, experts + g0, sub, d_out, n_embd, ggml_op);
+        if (rc) return rc;
+    }
+    for (int64_t q = 0; q < n; q++)
+        memcpy(ys + (size_t)order[q] * (size_t)ys_row, out + q * n_embd, (size_t)n_embd * 4);
+    return 0;
+}
