@@ -28,11 +28,31 @@ HI_INLINE __m512i hi_r_tree8(const __m512i *S, __m512i I) {
     return _mm512_add_epi32(_mm512_shuffle_i64x2(E, I, 0x48), _mm512_shuffle_i64x2(E, I, 0xed));
 }
 
+/* one quarter j of an octet: the vpdpbusd sums P[0..7] (|dword| <= 4 * 31 * 128 < 2^15) and the mpart lanes I
+ * (128-bit lanes 0, 1, or with `odd` 2, 3: tokens 0..3, 4..7) as [part_j of tokens 0..7 | mpart_j of tokens 0..7].
+ * Two tokens' sums packed to int16 pairs go through one vpdpwssd with the scales spread to int16 (scw), which scales
+ * them and adds each pair of lanes: half the vpdpwssd and half the tree of hi_r_tree8, whose first level costs three
+ * operations per two tokens. */
+HI_INLINE __m512i hi_r_tree8q(const __m512i *P, const __m512i scw, const __m512i I, const int odd) {
+    const __m512i zero = _mm512_setzero_si512();
+    __m512 R[4]; /* per 128-bit lane: tokens 2p, 2p, 2p+1, 2p+1 */
+    HI_UNROLL for (int p = 0; p < 4; p++)
+        R[p] = _mm512_castsi512_ps(_mm512_dpwssd_epi32(zero, _mm512_packs_epi32(P[2 * p], P[2 * p + 1]), scw));
+    /* per 128-bit lane: tokens 0..3 (E0), 4..7 (E1) */
+    const __m512i E0 = _mm512_add_epi32(_mm512_castps_si512(_mm512_shuffle_ps(R[0], R[1], 0x88)),
+                                        _mm512_castps_si512(_mm512_shuffle_ps(R[0], R[1], 0xdd)));
+    const __m512i E1 = _mm512_add_epi32(_mm512_castps_si512(_mm512_shuffle_ps(R[2], R[3], 0x88)),
+                                        _mm512_castps_si512(_mm512_shuffle_ps(R[2], R[3], 0xdd)));
+    /* [tokens 0..3, 0..3, 4..7, 4..7] */
+    const __m512i Y = _mm512_add_epi32(_mm512_shuffle_i64x2(E0, E1, 0x44), _mm512_shuffle_i64x2(E0, E1, 0xee));
+    return _mm512_add_epi32(_mm512_shuffle_i64x2(Y, I, odd ? 0xe8 : 0x48), _mm512_maskz_shuffle_i64x2((__mmask8)0x0f, Y, Y, 0x0d));
+}
+
 /* Q4_K (q5 = 0) and Q5_K weight row w of nb blocks against group kg, into *os, in the float shape `rp` (HI_KS_*):
  * vec_dot's, the repacked gemv's (Q4_K), the repacked gemm's (Q4_K; every token of the group below the gemm's
  * T - T % 4) or the tiled kernels'. Per block: quarter j of the weights as 64 bytes (sub-block 2j in the lower half,
  * 2j+1 in the upper) with the scales spread to match, vpdpbusd + vpdpwssd per token; the min sums of 8 tokens at
- * once from Bz against the block's mins. The gemm's steps are per quarter: one transposing tree per quarter. */
+ * once from Bz against the block's mins. The gemm's steps are per quarter: one tree (hi_r_tree8q) per quarter. */
 HI_INLINE void hi_rows_k4(const int q5, const int rp, const int gm, const int64_t nb, const uint8_t *restrict w,
                           const hi_kgrp *kg, float *const *os) {
     const int cnt = kg->cnt;
@@ -41,7 +61,7 @@ HI_INLINE void hi_rows_k4(const int q5, const int rp, const int gm, const int64_
     const __m256 sign = _mm256_set1_ps(-0.0f);
     __m512 acc[HI_KG / 2];      /* vec_dot: tokens 2p, 2p+1 in halves */
     __m512 accm[HI_KO][2];      /* vec_dot, Q4_K: minl[0] | minl[1], minl[2] | minl[3] of the octet's tokens */
-    __m512 accr[HI_KO];         /* gemv, gemm: hi_r_tree8's lanes */
+    __m512 accr[HI_KO];         /* gemv: hi_r_tree8's lanes; gemm: hi_r_tree8q's */
     __m256 acct[HI_KO];         /* tiled: tokens 0, 2, 4, 6, 1, 3, 5, 7 */
     __m256 summs[HI_KO];        /* Q5_K */
     HI_UNROLL for (int p = 0; p < HI_KG / 2; p++) acc[p] = _mm512_setzero_ps();
@@ -80,19 +100,20 @@ HI_INLINE void hi_rows_k4(const int q5, const int rp, const int gm, const int64_
             const __m512i IA = _mm512_madd_epi16(_mm512_loadu_si512((const void *)Bz), MP0);
             const __m512i IB = _mm512_madd_epi16(_mm512_loadu_si512((const void *)(Bz + 16)), MP1);
             __m512i S[8];
-            if (rp == HI_KS_REPACK_GEMM) { /* acc, accm per quarter j: its part and mpart (minl[j]) */
-                const __m512 dd = _mm512_mul_ps(_mm512_loadu_ps(Dz), _mm512_castpd_ps(_mm512_insertf64x4(
-                                                    _mm512_castpd256_pd512(_mm256_castps_pd(vd)), _mm256_castps_pd(vm), 1)));
+            if (rp == HI_KS_REPACK_GEMM) { /* acc, accm per quarter j: its part and mpart (minl[j]), tokens in order */
+                const __m256 D8 = _mm256_loadu_ps(Dz + 8);
+                const __m512 dd = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(_mm256_mul_ps(vd, D8))),
+                                                                      _mm256_castps_pd(_mm256_mul_ps(vm, D8)), 1));
                 HI_UNROLL for (int j = 0; j < 4; j++) {
+                    /* int16 scales: sc[2j] in the lower half, sc[2j+1] in the upper (SC[j]'s dwords are < 2^6) */
+                    const __m512i scw = _mm512_or_si512(SC[j], _mm512_slli_epi32(SC[j], 16));
                     HI_UNROLL for (int l = 0; l < 8; l++) {
                         S[l] = zero;
                         if (l >= gm || 8 * o + l >= cnt) continue;
                         const int8_t *q8 = kg->q8[8 * o + l] + i * HI_QK_K;
-                        S[l] = _mm512_dpwssd_epi32(zero, _mm512_dpbusd_epi32(zero, W[j], _mm512_loadu_si512((const void *)(q8 + 64 * j))), SC[j]);
+                        S[l] = _mm512_dpbusd_epi32(zero, W[j], _mm512_loadu_si512((const void *)(q8 + 64 * j)));
                     }
-                    const __m512i IJ = j % 2 ? _mm512_shuffle_i64x2(j < 2 ? IA : IB, zero, 0x0e)
-                                             : _mm512_maskz_mov_epi32((__mmask16)0x00ff, j < 2 ? IA : IB);
-                    accr[o] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi_r_tree8(S, IJ)), dd, accr[o]);
+                    accr[o] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi_r_tree8q(S, scw, j < 2 ? IA : IB, j % 2)), dd, accr[o]);
                 }
                 continue;
             }
@@ -146,7 +167,7 @@ HI_INLINE void hi_rows_k4(const int q5, const int rp, const int gm, const int64_
         } else if (rp) {
             float a[16];
             _mm512_storeu_ps(a, accr[o]);
-            v = a[l % 2 ? 4 + l / 2 : l / 2] - a[8 + l];
+            v = a[rp == HI_KS_REPACK_GEMM ? l : l % 2 ? 4 + l / 2 : l / 2] - a[8 + l];
         } else {
             const __m512 a = acc[g / 2];
             v = hi_kq_hsum8_ps(g % 2 ? hi_r_hi8(a) : _mm512_castps512_ps256(a));
