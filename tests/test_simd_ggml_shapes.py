@@ -43,11 +43,12 @@ def _want(isa, op, qtype, xq, raw, rows, cols, T):
 @pytest.mark.parametrize("qtype", [ak.Q4_K, ak.Q5_K, ak.Q6_K])
 def test_kquant_products_take_llama_cpp_shapes(libs, qtype):
     rng = np.random.default_rng(qtype)
-    cols = 256 * 3
     shapes_seen = set()
-    for rows in (16, 12):
+    # T: the group kernels take 8 tokens at a time (fewer at the end of a 32-token block, or short of the repacked
+    # gemm's boundary T - T % 4, past which tokens go one at a time); rows 12 and 20 turn Q4_K to the tiled shape
+    for rows, cols in ((16, 256 * 3), (12, 256 * 3), (20, 256 * 5)):
         raw = random_blocks(qtype, rows * cols // 256, rng).reshape(-1)
-        for T in (1, 6, 9, 19, 24):
+        for T in (1, 6, 9, 10, 11, 17, 19, 24, 30, 33):
             x = (rng.standard_normal((T, cols)) * rng.uniform(0.1, 20, (T, 1))).astype(np.float32)
             xq = ak.quantize_q8_K(x)
             vec = ak.kquant_matmul_q8(xq, raw, qtype, rows, cols)

@@ -1,4 +1,4 @@
-/* One weight row against a group of tokens in GGML_DECODE_ROWS (hi_mm.rows1): every (row, token) result
+/* One weight row against a group of tokens (GGML_DECODE_ROWS, hi_mm.rows1; and the AVX units' K-quants in every op):
  * bit-identical to that token's one-token product, each weight block unpacked once for the whole group.
  * A part of kernels_tiles.h (kernels_body.h has the ISA macros), included by it once per ISA unit.
  *
@@ -11,7 +11,9 @@
  *             row = hsum8(acc) + hsum4(accm)
  *       Q5_K: summs = fma(-(dmin*D), (float)sum_s m[s]*B[s], summs);  row = hsum8(acc) + summs
  *   Q4_K, repacked gemv shape:  acc = fma((float)isum, d*D, acc), accm = fma((float)imin, dmin*D, accm), row = acc - accm
- *       (isum = sum_k lane[k], imin = sum_s m[s]*B[s])
+ *       (isum = sum_k lane[k], imin = sum_s m[s]*B[s]); the repacked gemm (tokens below T - T % 4) the same steps
+ *       per quarter j of the block, with part_j (isum over sub-blocks 2j, 2j+1) and mpart_j = minl[j]
+ *   Q4_K / Q5_K, tiled: res = fma(-dmin, (float)imin, d*(float)isum), row = fma(res, D, row);  Q6_K: res = d*(float)isum
  *   Q6_K, vec_dot shape: lane[k] as above over the 16 sub-blocks of 16 with q unsigned, minus
  *       32*(sc[2k]*bsums[2k] + sc[2k+1]*bsums[2k+1]);  acc[k] = fma(d*D, (float)lane[k], acc[k]);  row = hsum8(acc)
  *   F32 / F16: the vec_dot accumulators a0..a3 of fma(w, x, a) over steps of 4 vectors, then hi_tile_float's end
@@ -120,9 +122,9 @@ HI_INLINE void hi_kgrp_prep(hi_kgrp *g, const hi_mm *m, int64_t t, const int cnt
 /* the sweep */
 
 /* whether the group path takes the products of every ggml_op (prefill's, in llama.cpp's shapes of them), not only
- * GGML_DECODE_ROWS: the VNNI unit's K-quants */
+ * GGML_DECODE_ROWS: the AVX units' K-quants (F32 / F16 products of a MUL_MAT are not vec_dot's in llama.cpp) */
 HI_INLINE int hi_rows_any_op(const int qt) {
-#if defined(HI_VNNI)
+#if defined(HI_AVX2)
     return qt == HI_T_Q4_K || qt == HI_T_Q5_K || qt == HI_T_Q6_K;
 #else
     (void)qt;
@@ -138,12 +140,8 @@ HI_INLINE int hi_rows_group(const int qt, const hi_mm *m) {
 #else
     if (qt == HI_T_F32 || qt == HI_T_F16) return HI_FG;
 #endif
-#if defined(HI_VNNI)
+#if defined(HI_AVX2)
     if (qt == HI_T_Q4_K || qt == HI_T_Q5_K || qt == HI_T_Q6_K) return HI_KG; /* every float shape (prefill's too) */
-    return 0;
-#elif defined(HI_AVX2)
-    if (qt == HI_T_Q4_K) return m->kshape == HI_KS_VEC || m->kshape == HI_KS_REPACK ? HI_KG : 0;
-    if (qt == HI_T_Q5_K || qt == HI_T_Q6_K) return m->kshape == HI_KS_VEC ? HI_KG : 0;
     return 0;
 #elif defined(HI_SSSE3)
     if (qt == HI_T_Q4_K || qt == HI_T_Q5_K || qt == HI_T_Q6_K) return m->xk ? HI_KG : 0;

@@ -28,11 +28,36 @@ HI_INLINE __m512i hi_r_tree8(const __m512i *S, __m512i I) {
     return _mm512_add_epi32(_mm512_shuffle_i64x2(E, I, 0x48), _mm512_shuffle_i64x2(E, I, 0xed));
 }
 
+/* An octet's integer totals from vpdpbusd sums P (|dword| <= 4 * 31 * 128 < 2^15): two tokens' sums packed to int16
+ * pairs go through one vpdpwssd with the scales spread to int16 (scw), which scales them and adds each pair of lanes.
+ * Against vpdpwssd per token and hi_r_tree8 that halves the vpdpwssd and the tree, whose first level costs three
+ * operations per two tokens. hi_r_pairs8 adds quarter j's P[0..7] (scw: its scales) to R[0..3] (per 128-bit lane
+ * tokens 2p, 2p, 2p+1, 2p+1) */
+HI_INLINE void hi_r_pairs8(__m512i *R, const __m512i *P, const __m512i scw) {
+    HI_UNROLL for (int p = 0; p < 4; p++) R[p] = _mm512_dpwssd_epi32(R[p], _mm512_packs_epi32(P[2 * p], P[2 * p + 1]), scw);
+}
+
+/* R's totals and the min lanes I as [tokens 0..7 | I's tokens 0..7], in order: I's 128-bit lanes 0, 1 (half 0), 2, 3
+ * (half 1) or the sums of both (half 2) hold tokens 0..3, 4..7 */
+HI_INLINE __m512i hi_r_tree8r(const __m512i *R, const __m512i I, const int half) {
+    const __m512 r[4] = {_mm512_castsi512_ps(R[0]), _mm512_castsi512_ps(R[1]), _mm512_castsi512_ps(R[2]), _mm512_castsi512_ps(R[3])};
+    /* per 128-bit lane: tokens 0..3 (E0), 4..7 (E1) */
+    const __m512i E0 = _mm512_add_epi32(_mm512_castps_si512(_mm512_shuffle_ps(r[0], r[1], 0x88)),
+                                        _mm512_castps_si512(_mm512_shuffle_ps(r[0], r[1], 0xdd)));
+    const __m512i E1 = _mm512_add_epi32(_mm512_castps_si512(_mm512_shuffle_ps(r[2], r[3], 0x88)),
+                                        _mm512_castps_si512(_mm512_shuffle_ps(r[2], r[3], 0xdd)));
+    /* [tokens 0..3, 0..3, 4..7, 4..7] */
+    const __m512i Y = _mm512_add_epi32(_mm512_shuffle_i64x2(E0, E1, 0x44), _mm512_shuffle_i64x2(E0, E1, 0xee));
+    const __m512i Y1 = half == 2 ? _mm512_shuffle_i64x2(Y, I, 0xed) : _mm512_maskz_shuffle_i64x2((__mmask8)0x0f, Y, Y, 0x0d);
+    return _mm512_add_epi32(_mm512_shuffle_i64x2(Y, I, half == 1 ? 0xe8 : 0x48), Y1);
+}
+
 /* Q4_K (q5 = 0) and Q5_K weight row w of nb blocks against group kg, into *os, in the float shape `rp` (HI_KS_*):
  * vec_dot's, the repacked gemv's (Q4_K), the repacked gemm's (Q4_K; every token of the group below the gemm's
  * T - T % 4) or the tiled kernels'. Per block: quarter j of the weights as 64 bytes (sub-block 2j in the lower half,
- * 2j+1 in the upper) with the scales spread to match, vpdpbusd + vpdpwssd per token; the min sums of 8 tokens at
- * once from Bz against the block's mins. The gemm's steps are per quarter: one transposing tree per quarter. */
+ * 2j+1 in the upper) with the scales spread to match, vpdpbusd per token, and vpdpwssd per token (vec_dot's lanes) or
+ * per two (hi_r_pairs8: the other shapes need only each token's totals); the min sums of 8 tokens at once from Bz
+ * against the block's mins. The gemm's steps are per quarter: one tree per quarter, the others' one per block. */
 HI_INLINE void hi_rows_k4(const int q5, const int rp, const int gm, const int64_t nb, const uint8_t *restrict w,
                           const hi_kgrp *kg, float *const *os) {
     const int cnt = kg->cnt;
@@ -41,15 +66,14 @@ HI_INLINE void hi_rows_k4(const int q5, const int rp, const int gm, const int64_
     const __m256 sign = _mm256_set1_ps(-0.0f);
     __m512 acc[HI_KG / 2];      /* vec_dot: tokens 2p, 2p+1 in halves */
     __m512 accm[HI_KO][2];      /* vec_dot, Q4_K: minl[0] | minl[1], minl[2] | minl[3] of the octet's tokens */
-    __m512 accr[HI_KO];         /* gemv, gemm: hi_r_tree8's lanes */
-    __m256 acct[HI_KO];         /* tiled: tokens 0, 2, 4, 6, 1, 3, 5, 7 */
+    __m512 accr[HI_KO];         /* gemv, gemm: acc of tokens 0..7 | accm of tokens 0..7 */
+    __m256 acct[HI_KO];         /* tiled: tokens 0..7 */
     __m256 summs[HI_KO];        /* Q5_K */
     HI_UNROLL for (int p = 0; p < HI_KG / 2; p++) acc[p] = _mm512_setzero_ps();
     HI_UNROLL for (int o = 0; o < HI_KO; o++) {
         accm[o][0] = accm[o][1] = accr[o] = _mm512_setzero_ps();
         summs[o] = acct[o] = _mm256_setzero_ps();
     }
-    const __m256i ord = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
     for (int64_t i = 0; i < nb; i++) {
         const uint8_t *b = w + (size_t)i * bs, *qs = b + (q5 ? 48 : 16);
         const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)hi_rd32(b))); /* d, dmin */
@@ -61,7 +85,7 @@ HI_INLINE void hi_rows_k4(const int q5, const int rp, const int gm, const int64_
         const __m512i MP0 = _mm512_permutexvar_epi32(_mm512_inserti64x4(_mm512_set1_epi32(4), _mm256_set1_epi32(5), 1), w16);
         const __m512i MP1 = _mm512_permutexvar_epi32(_mm512_inserti64x4(_mm512_set1_epi32(6), _mm256_set1_epi32(7), 1), w16);
         const __m512i qh = q5 ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 16))) : zero;
-        __m512i W[4], SC[4];
+        __m512i W[4], SC[4], SCW[4]; /* SCW: the scales as int16, sc[2j] in the lower half, sc[2j+1] in the upper */
         HI_UNROLL for (int j = 0; j < 4; j++) {
             const __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qs + 32 * j)));
             __m512i v = _mm512_and_si512(_mm512_mask_srli_epi16(q, (__mmask32)0xffff0000u, q, 4), m4);
@@ -71,6 +95,7 @@ HI_INLINE void hi_rows_k4(const int q5, const int rp, const int gm, const int64_
             }
             W[j] = v;
             SC[j] = _mm512_permutexvar_epi32(_mm512_inserti64x4(_mm512_set1_epi32(2 * j), _mm256_set1_epi32(2 * j + 1), 1), sc32);
+            SCW[j] = _mm512_or_si512(SC[j], _mm512_slli_epi32(SC[j], 16)); /* SC[j]'s dwords are < 2^6 */
         }
         HI_UNROLL for (int o = 0; o < HI_KO; o++) {
             if (8 * o >= cnt) break;
@@ -80,19 +105,43 @@ HI_INLINE void hi_rows_k4(const int q5, const int rp, const int gm, const int64_
             const __m512i IA = _mm512_madd_epi16(_mm512_loadu_si512((const void *)Bz), MP0);
             const __m512i IB = _mm512_madd_epi16(_mm512_loadu_si512((const void *)(Bz + 16)), MP1);
             __m512i S[8];
-            if (rp == HI_KS_REPACK_GEMM) { /* acc, accm per quarter j: its part and mpart (minl[j]) */
-                const __m512 dd = _mm512_mul_ps(_mm512_loadu_ps(Dz), _mm512_castpd_ps(_mm512_insertf64x4(
-                                                    _mm512_castpd256_pd512(_mm256_castps_pd(vd)), _mm256_castps_pd(vm), 1)));
+            if (rp == HI_KS_REPACK_GEMM) { /* acc, accm per quarter j: its part and mpart (minl[j]), tokens in order */
+                const __m256 D8 = _mm256_loadu_ps(Dz + 8);
+                const __m512 dd = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(_mm256_mul_ps(vd, D8))),
+                                                                      _mm256_castps_pd(_mm256_mul_ps(vm, D8)), 1));
                 HI_UNROLL for (int j = 0; j < 4; j++) {
                     HI_UNROLL for (int l = 0; l < 8; l++) {
                         S[l] = zero;
                         if (l >= gm || 8 * o + l >= cnt) continue;
                         const int8_t *q8 = kg->q8[8 * o + l] + i * HI_QK_K;
-                        S[l] = _mm512_dpwssd_epi32(zero, _mm512_dpbusd_epi32(zero, W[j], _mm512_loadu_si512((const void *)(q8 + 64 * j))), SC[j]);
+                        S[l] = _mm512_dpbusd_epi32(zero, W[j], _mm512_loadu_si512((const void *)(q8 + 64 * j)));
                     }
-                    const __m512i IJ = j % 2 ? _mm512_shuffle_i64x2(j < 2 ? IA : IB, zero, 0x0e)
-                                             : _mm512_maskz_mov_epi32((__mmask16)0x00ff, j < 2 ? IA : IB);
-                    accr[o] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi_r_tree8(S, IJ)), dd, accr[o]);
+                    __m512i R[4] = {zero, zero, zero, zero};
+                    hi_r_pairs8(R, S, SCW[j]);
+                    accr[o] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi_r_tree8r(R, j < 2 ? IA : IB, j % 2)), dd, accr[o]);
+                }
+                continue;
+            }
+            if (rp == HI_KS_REPACK || rp == HI_KS_TILED) { /* isum, imin of tokens 0..7 in order */
+                __m512i R[4] = {zero, zero, zero, zero};
+                HI_UNROLL for (int j = 0; j < 4; j++) {
+                    HI_UNROLL for (int l = 0; l < 8; l++) {
+                        S[l] = zero;
+                        if (l >= gm || 8 * o + l >= cnt) continue;
+                        const int8_t *q8 = kg->q8[8 * o + l] + i * HI_QK_K;
+                        S[l] = _mm512_dpbusd_epi32(zero, W[j], _mm512_loadu_si512((const void *)(q8 + 64 * j)));
+                    }
+                    hi_r_pairs8(R, S, SCW[j]);
+                }
+                const __m512 f = _mm512_cvtepi32_ps(hi_r_tree8r(R, _mm512_add_epi32(IA, IB), 2));
+                const __m256 D8 = _mm256_loadu_ps(Dz + 8);
+                if (rp == HI_KS_TILED) { /* res = fma(-dmin, imin, d * isum), row = fma(res, D, row) */
+                    const __m256 res = _mm256_fmadd_ps(_mm256_xor_ps(vm, sign), hi_r_hi8(f), _mm256_mul_ps(vd, _mm512_castps512_ps256(f)));
+                    acct[o] = _mm256_fmadd_ps(res, D8, acct[o]);
+                } else { /* acc = fma(isum, d*D, acc), accm = fma(imin, dmin*D, accm) */
+                    const __m512 dd = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(_mm256_mul_ps(vd, D8))),
+                                                                          _mm256_castps_pd(_mm256_mul_ps(vm, D8)), 1));
+                    accr[o] = _mm512_fmadd_ps(f, dd, accr[o]);
                 }
                 continue;
             }
@@ -102,20 +151,6 @@ HI_INLINE void hi_rows_k4(const int q5, const int rp, const int gm, const int64_
                 const int8_t *q8 = kg->q8[8 * o + l] + i * HI_QK_K;
                 HI_UNROLL for (int j = 0; j < 4; j++)
                     S[l] = _mm512_dpwssd_epi32(S[l], _mm512_dpbusd_epi32(zero, W[j], _mm512_loadu_si512((const void *)(q8 + 64 * j))), SC[j]);
-            }
-            if (rp == HI_KS_TILED) { /* res = fma(-dmin, imin, d * isum), row = fma(res, D, row) */
-                const __m512 f = _mm512_cvtepi32_ps(hi_r_tree8(S, _mm512_add_epi32(IA, IB)));
-                const __m256 im = _mm256_permutevar8x32_ps(hi_r_hi8(f), ord);
-                const __m256 res = _mm256_fmadd_ps(_mm256_xor_ps(vm, sign), im, _mm256_mul_ps(vd, _mm512_castps512_ps256(f)));
-                acct[o] = _mm256_fmadd_ps(res, _mm256_loadu_ps(Dz), acct[o]);
-                continue;
-            }
-            if (rp == HI_KS_REPACK) {
-                const __m512 dd = _mm512_mul_ps(_mm512_loadu_ps(Dz), _mm512_castpd_ps(_mm512_insertf64x4(
-                                                    _mm512_castpd256_pd512(_mm256_castps_pd(vd)), _mm256_castps_pd(vm), 1)));
-                const __m512 f = _mm512_cvtepi32_ps(hi_r_tree8(S, _mm512_add_epi32(IA, IB)));
-                accr[o] = _mm512_fmadd_ps(f, dd, accr[o]);
-                continue;
             }
             const __m256 D8 = _mm256_loadu_ps(Dz + 8);
             const __m256 dd = _mm256_mul_ps(vd, D8), ndm = _mm256_xor_ps(_mm256_mul_ps(vm, D8), sign); /* d*D, -(dmin*D) */
@@ -142,11 +177,11 @@ HI_INLINE void hi_rows_k4(const int q5, const int rp, const int gm, const int64_
         if (rp == HI_KS_TILED) {
             float a[8];
             _mm256_storeu_ps(a, acct[o]);
-            v = a[l % 2 ? 4 + l / 2 : l / 2];
+            v = a[l];
         } else if (rp) {
             float a[16];
             _mm512_storeu_ps(a, accr[o]);
-            v = a[l % 2 ? 4 + l / 2 : l / 2] - a[8 + l];
+            v = a[l] - a[8 + l];
         } else {
             const __m512 a = acc[g / 2];
             v = hi_kq_hsum8_ps(g % 2 ? hi_r_hi8(a) : _mm512_castps512_ps256(a));

@@ -464,7 +464,7 @@ HI_INLINE void hi_drive(const int qt, const hi_mm *m, int64_t r0, int64_t r1) {
                 hi_tile(qt, 1, 1, m, r, tb);
             }
         } else if (!legacy) {
-            /* GGML_DECODE_ROWS (and the VNNI unit's K-quants in every shape): tokens [tb, tg) in groups of G
+            /* GGML_DECODE_ROWS (and the AVX units' K-quants in every shape): tokens [tb, tg) in groups of G
              * against the rows (kernels_rows.h; the last group shorter), a last single token alone. Most types take each group over the chunk's rows: its
              * activations stay in L1 while the rows (in L2) pass; some a few rows at a time, every group in turn */
             const int G = m->rows1 || hi_rows_any_op(qt) ? hi_rows_group(qt, m) : 0, S = hi_rows_step(qt);
