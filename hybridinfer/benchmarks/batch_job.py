@@ -83,17 +83,16 @@ def fit_system_prompt(n_tokens: int, count=None) -> str:
 
 
 def question(i: int, target: int, rng: random.Random, count=None, hi: int | None = None) -> str:
-    """Question i: words appended until `count` says it has `target` tokens, never past `hi` (an over-long last
-    word is dropped). Its number comes first, so no two questions are equal."""
+    """Question i: words appended until `count` says it has `target` tokens, never past `hi` (a word that would
+    pass it is left out; a `hi` below the tokens of "Question i:" gets just that). Its number comes first, so no
+    two questions are equal."""
     count = count or approx_tokens
     hi = max(hi or target, target)
     w = lambda k: rng.choice(_QWORDS[k])  # noqa: E731
-    words = f"Question {i + 1}: in the {w('adj')} {w('noun')},".split()
+    words = ["Question", f"{i + 1}:"]
     text = " ".join(words) + "?"
+    pattern = ("in", "the", "adj", "noun")
     while count(text) < target:
-        pattern = rng.choice((("why", "would", "you", "verb", "the", "adj", "noun"),
-                              ("and", "how", "does", "the", "noun", "verb", "each", "noun"),
-                              ("when", "the", "adj", "noun", "is", "adj", "or", "adj")))
         for p in pattern:
             nxt = words + [w(p) if p in _QWORDS else p]
             cand = " ".join(nxt) + "?"
@@ -102,6 +101,9 @@ def question(i: int, target: int, rng: random.Random, count=None, hi: int | None
             words, text = nxt, cand
             if count(text) >= target:
                 break
+        pattern = rng.choice((("why", "would", "you", "verb", "the", "adj", "noun"),
+                              ("and", "how", "does", "the", "noun", "verb", "each", "noun"),
+                              ("when", "the", "adj", "noun", "is", "adj", "or", "adj")))
     return text
 
 
