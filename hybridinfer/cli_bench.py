@@ -127,10 +127,38 @@ def cmd_bench_serve(a) -> int:
     return 0
 
 
-def _bench_parser(bsub, name: str, help: str, fn, threads_help: str | None = None) -> argparse.ArgumentParser:
+def cmd_bench_batch_job(a) -> int:
+    import json
+
+    from .benchmarks import batch_job, batch_job_report
+
+    policies = batch_job.parse_policies(a.numa_policies)
+    configs = batch_job.parse_configs(a.configs)
+    qt = _positive_ints("--question-tokens", a.question_tokens, "token counts")
+    if len(qt) != 2 or qt[0] > qt[1]:
+        raise ParameterError(f"--question-tokens must be LO,HI with LO <= HI, got {a.question_tokens!r}")
+    _check_tools(a, "--llama-server")
+    model = a.model
+    if model is None:
+        from .default_model import default_model_path
+
+        model = default_model_path()
+    if not os.path.isfile(model):
+        raise ParameterError(f"-m/--model {model!r}: no such file")
+    res = batch_job.run(model, a.threads, a.requests, a.system_tokens, a.max_tokens, a.max_seqs, a.llama_server,
+                        policies, configs, a.seed, a.n_ctx, a.llama_np, a.backend, qt)
+    print(batch_job_report.markdown(res))
+    _save_bench(a.out_dir, f"batch-job-{_model_stem(model)}-t{a.threads}", json.dumps(res, indent=1),
+                lambda png: batch_job_report.plot(res, png))
+    return 0
+
+
+def _bench_parser(bsub, name: str, help: str, fn, threads_help: str | None = None,
+                  model_required: bool = True) -> argparse.ArgumentParser:
     """A `bench` subcommand with the options every benchmark takes: the model, threads and output folder."""
     b = bsub.add_parser(name, help=help)
-    b.add_argument("-m", "--model", required=True)
+    b.add_argument("-m", "--model", required=model_required,
+                   help=None if model_required else "GGUF file (default: the embedded SmolLM2-135M-Instruct)")
     b.add_argument("-t", "--threads", type=_int_at_least(1), default=os.cpu_count(), help=threads_help)
     b.add_argument("--out-dir", default="bench/results")
     b.set_defaults(fn=fn)
@@ -187,6 +215,27 @@ def add_bench_parsers(sub) -> None:
                    help="context per sequence (llama-server: -c max_seqs * n_ctx)")
     b.add_argument("--backend", default="cpu", choices=["reference", "cpu", "gpu", "auto"])
     b.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary, run on the same GGUF")
+    b = _bench_parser(bsub, "batch-job", "a batch job end to end: N requests sharing a long system prompt through "
+                      "`hybridinfer batch` (one at a time, the scheduler, 2 shards, each --numa policy) and "
+                      "llama.cpp's llama-server fed the same requests", cmd_bench_batch_job, model_required=False)
+    b.add_argument("--requests", type=_int_at_least(1), default=200, help="requests in the job (default 200)")
+    b.add_argument("--system-tokens", type=_int_at_least(0), default=2000,
+                   help="tokens of the system prompt every request shares (approximate; default 2000)")
+    b.add_argument("--question-tokens", default="30,100", help="LO,HI tokens of each request's question")
+    b.add_argument("--max-tokens", type=_int_at_least(1), default=64, help="max_tokens of every request")
+    b.add_argument("--max-seqs", type=_int_at_least(1), default=8, help="the scheduler configuration's --max-seqs")
+    b.add_argument("--configs", default="one,scheduler,shards",
+                   help="this engine's configurations: one (--max-seqs 1), scheduler, shards (2 at once)")
+    b.add_argument("--numa-policies", default="off,interleave,bind:0,replicate,auto",
+                   help="comma-separated --numa policies run with the scheduler configuration ('' for none; off "
+                        "is the scheduler row)")
+    b.add_argument("--n-ctx", type=_int_at_least(256), default=None,
+                   help="context per sequence (default: the longest prompt + max_tokens, rounded up to 256)")
+    b.add_argument("--seed", type=int, default=0, help="the questions' words and lengths")
+    b.add_argument("--backend", default="cpu", choices=["reference", "cpu", "gpu", "auto"])
+    b.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary, run on the same GGUF")
+    b.add_argument("--llama-np", type=_int_at_least(1), default=8,
+                   help="llama-server's slots (-np) and the client's requests in flight (default 8)")
     b = _bench_parser(bsub, "prefill", "GPU prefill tok/s vs transfer and compute floors, and llama.cpp",
                       cmd_bench_prefill, threads_help="threads for llama.cpp's CPU runs")
     b.add_argument("--prompts", default="128,947,4096")
