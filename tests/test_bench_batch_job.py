@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from hybridinfer.batch import numa
+from hybridinfer import numa
 from hybridinfer.benchmarks import batch_job as bj
 from hybridinfer.benchmarks import batch_job_report as rep
 from hybridinfer.cli import main

@@ -279,7 +279,7 @@ def ours_row(config: str, done: list[Done], wall_all: float, ids: list[str], num
 def numa_status(policy: str, model_bytes: int, stderr: str, topo=None) -> str:
     """What --numa `policy` came to on this host: the plan (a fallback says so) and what the run said it did (a
     policy the kernel refused is named as refused)."""
-    from ..batch import numa
+    from .. import numa
 
     topo = topo or numa.read_topology()
     try:
@@ -411,7 +411,7 @@ def run(model: str, threads: int, requests: int = 200, system_tokens: int = 2000
         max_seqs: int = 8, llama_server: str | None = None, numa_policies=NUMA_POLICIES, configs=CONFIGS,
         seed: int = 0, n_ctx: int | None = None, llama_np: int = 8, backend: str = "cpu",
         question_tokens: tuple[int, int] = QUESTION_TOKENS) -> dict:
-    from ..batch import numa
+    from .. import numa
 
     mp = ModelPrompts(model)
     lines = make_job(requests, system_tokens, max_tokens, seed, mp.count, question_tokens)
