@@ -168,3 +168,39 @@ def test_gdn_layer_timing(libs):
     print()
     for k, (med, mn) in res.items():
         print(f"gdn_layer 35B shape T=1, {k}: median {med:.3f} ms, min {mn:.3f} ms")
+
+
+@pytest.mark.parametrize("shape", [SMALL, MIXED, NOCONV], ids=["small", "mixed", "k1"])
+def test_gdn_rows_equals_one_call_per_sequence(libs, shape):
+    """gdn_rows (one token of each of B sequences, decode_batch): outputs and every sequence's states bit-identical
+    to B one-token gdn_layer calls; bad lists raise."""
+    rs = np.random.default_rng(7 + shape[1])
+    Hk, Hv, dk, dv, K = shape
+    B = 5
+    C, inputs, weights, _ = _case(rs, shape, B)
+    states = [_case(rs, shape, 1)[3] for _ in range(B)]
+    per = Hv * dv + C
+    for (isa, n), lib in libs.items():
+        want_y = np.zeros((B, Hv * dv), np.float32)
+        want = [(c.copy(), S.copy()) for c, S in states]
+        for j in range(B):
+            lib.gdn_layer(*(x[j : j + 1] for x in inputs), *weights, *want[j], Hk, True, EPS, want_y[j : j + 1],
+                          np.zeros(per, np.float32))
+        got_y = np.full((B, Hv * dv), np.nan, np.float32)
+        got = [(c.copy(), S.copy()) for c, S in states]
+        lib.gdn_rows(*inputs, *weights, [c for c, _ in got], [S for _, S in got], Hk, True, EPS, got_y,
+                     np.zeros(B * per, np.float32))
+        assert np.array_equal(got_y, want_y), (isa, n)
+        for (gc, gS), (wc, wS) in zip(got, want, strict=True):
+            assert np.array_equal(gc, wc) and np.array_equal(gS, wS), (isa, n)
+    lib = libs[(ISAS[0], 2)]
+    y = np.zeros((B, Hv * dv), np.float32)
+    with pytest.raises(ValueError, match="one conv and one S per sequence"):
+        lib.gdn_rows(*inputs, *weights, [c for c, _ in states][:-1], [S for _, S in states], Hk, True, EPS, y,
+                     np.zeros(B * per, np.float32))
+    with pytest.raises(ValueError, match="u has 5 rows for 4 sequences"):
+        lib.gdn_rows(*inputs, *weights, [c for c, _ in states][:-1], [S for _, S in states][:-1], Hk, True, EPS, y,
+                     np.zeros(B * per, np.float32))
+    with pytest.raises(ValueError, match="scratch has"):
+        lib.gdn_rows(*inputs, *weights, [c for c, _ in states], [S for _, S in states], Hk, True, EPS, y,
+                     np.zeros(per, np.float32))

@@ -90,7 +90,7 @@ class Workspace:
         D = a.n_embd
         self.T, self.n_ctx = T, n_ctx
         # decode (T = 1, or `rows`: one token of each of T sequences): native calls bound to these buffers once
-        self.bind = T == 1 or rows
+        self.bind, self.rows = T == 1 or rows, rows
         self.calls: dict[tuple, object] = {}
         self.rec: list | None = None  # decode: the step being recorded (every operation, in order)
         self.plans: dict = {}  # decode: recorded steps by id(state) (BatchPlan: by the states' ids)
@@ -113,8 +113,9 @@ class Workspace:
         if "gdn" in a.layer_types:
             self.gdn_b, self.gdn_a = f(T, a.ssm_n_v_heads), f(T, a.ssm_n_v_heads)
             self.gdn_y = f(T, a.ssm_n_v_heads * a.ssm_d_v)
-            self.gdn_scratch = f(ops_gdn.gdn_scratch_size(a.ssm_conv_channels, a.ssm_n_v_heads, a.ssm_d_v,
-                                                          min(T, 16)))
+            per = a.ssm_n_v_heads * a.ssm_d_v + a.ssm_conv_channels  # gdn_rows: one token of each sequence
+            self.gdn_scratch = f(max(ops_gdn.gdn_scratch_size(a.ssm_conv_channels, a.ssm_n_v_heads, a.ssm_d_v,
+                                                              min(T, 16)), T * per if rows else 0))
         if a.is_moe:
             k = a.n_expert_used
             self.router = f(T, a.n_expert)
@@ -200,7 +201,8 @@ class CPUModel(Backend):
             ws.calls[key] = hit = (arrays, self.simd.bind(method, *args))
         b = hit[1]
         if ws.rec is not None:
-            ws.rec.append(b if b.pos_arg is None else b.at(st.pos))
+            # a BatchPlan keeps each attention call's position (DecodePlan sets it from the state when it runs)
+            ws.rec.append(b.at(st.pos) if ws.rows and b.pos_arg is not None else b)
         if b.pos_arg is None:
             b()
         else:
@@ -407,7 +409,12 @@ class CPUModel(Backend):
                                    [ws.out_a, ws.out_b, ws.gdn_b, ws.gdn_a], ws)
         y = ws.gdn_y[:T]
         # in C on the library's thread pool (heads in parallel), bit-identical to ops_gdn.gdn_layer; numba's own
-        # parallel version fought the C pool for the cores (measured on the 16-core host: 2.0 tok/s vs 14.4)
+        # parallel version fought the C pool for the cores
+        if isinstance(st, list):  # one token of each sequence: every (sequence, head) in one call
+            args = (u, z, b, al, L.ssm_conv1d, L.ssm_a, L.ssm_dt_bias, L.ssm_norm, [s.conv[i] for s in st],
+                    [s.ssm[i] for s in st], a.ssm_n_k_heads, a.gdn_head_map == "mod", a.rms_eps, y, ws.gdn_scratch)
+            self.call(ws, ("gdn", i), "gdn_rows", *args, arrays=tuple(x for s in st for x in (s.conv[i], s.ssm[i])))
+            return self.mm(L.ssm_out, y, ws.mix, ws)
         for j, s in self._seqs(st, T):
             r = slice(0, T) if j is None else slice(j, j + 1)
             args = (u[r], z[r], b[r], al[r], L.ssm_conv1d, L.ssm_a, L.ssm_dt_bias, L.ssm_norm, s.conv[i], s.ssm[i],

@@ -25,6 +25,7 @@ import numpy as np
 from ..errors import BackendNotAvailableError, UnsupportedTensorTypeError
 from ..quant import type_name
 from .plan import Bound
+from .simd_gdn import GDNCalls
 from .simd_moe import MoECalls
 from .simd_native import (
     _F32,
@@ -99,7 +100,7 @@ PREFETCH_BYTES = 4096
 PREFETCH_MIN_THREADS = 4
 
 
-class SimdLib(MoECalls, OpCalls, ReplicaCalls):
+class SimdLib(MoECalls, OpCalls, ReplicaCalls, GDNCalls):
     """The native kernels at one ISA level with a persistent pool of `n_threads` threads (the caller
     included). `isa`: one of `supported_isas()`, or None for `best_isa()`. Calls on one object are
     serialized; use one object per concurrent caller."""
@@ -407,69 +408,3 @@ class SimdLib(MoECalls, OpCalls, ReplicaCalls):
         if bw <= 0:
             raise ValueError("read_bandwidth_at: the buffer reads as all zero bytes")
         return float(bw)
-
-    def gdn_layer(self, u: np.ndarray, z: np.ndarray, b: np.ndarray, a: np.ndarray, conv_w: np.ndarray,
-                  ssm_a: np.ndarray, dt_bias: np.ndarray, norm_w: np.ndarray, conv: np.ndarray, S: np.ndarray,
-                  n_k_heads: int, head_map_mod: bool, eps: float, y: np.ndarray, scratch: np.ndarray) -> None:
-        """The Gated DeltaNet layer after its projections for T tokens, state (conv, S) in place: the C twin
-        of `ops_gdn.gdn_layer` (same arguments, bit-identical results), its value heads split across the
-        pool. u (T, C); z (T, H_v*d_v); b, a (T, H_v); y (T, H_v*d_v) (these may be views of wider rows,
-        each row contiguous); conv_w (C, K), ssm_a, dt_bias (H_v,), norm_w (d_v,), conv (K-1, C),
-        S (H_v, d_k, d_v), scratch (>= H_v*d_v + C,) C-contiguous; all float32, with
-        C = 2*n_k_heads*d_k + H_v*d_v. A scratch of `ops_gdn.gdn_scratch_size(C, H_v, d_v, Tc)` runs the
-        tokens in chunks of Tc."""
-        S = _array("S", S, (_F32,))
-        if S.ndim != 3 or 0 in S.shape:
-            raise ValueError(f"S must have shape (H_v, d_k, d_v), got {S.shape}")
-        Hv, dk, dv = S.shape
-        if type(n_k_heads) is not int and (isinstance(n_k_heads, bool) or not isinstance(n_k_heads, np.integer)):
-            raise ValueError(f"n_k_heads must be a positive int, got {n_k_heads!r}")
-        Hk = int(n_k_heads)
-        if Hk < 1 or Hv % Hk:
-            raise ValueError(f"n_k_heads must be a positive int dividing H_v = {Hv}, got {n_k_heads!r}")
-        conv_w = _array("conv_w", conv_w, (_F32,))
-        if conv_w.ndim != 2 or conv_w.shape[1] < 1:
-            raise ValueError(f"conv_w must have shape (C, K), got {conv_w.shape}")
-        C, K = conv_w.shape
-        if C != 2 * Hk * dk + Hv * dv:
-            raise ValueError(f"conv_w has {C} channels, expected 2*n_k_heads*d_k + H_v*d_v = "
-                             f"{2 * Hk * dk + Hv * dv} (S {S.shape}, n_k_heads {Hk})")
-        if getattr(u, "ndim", None) != 2:
-            _array("u", u, (_F32,))
-            raise ValueError(f"u must have shape (T, {C}), got {u.shape}")
-        T, us = _rows_fast("u", u, _F32, C)
-        rows = []
-        for name, arr, width, writable in (("z", z, Hv * dv, False), ("b", b, Hv, False), ("a", a, Hv, False),
-                                           ("y", y, Hv * dv, True)):
-            if getattr(arr, "ndim", None) != 2:
-                _array(name, arr, (_F32,))
-                raise ValueError(f"{name} must have shape ({T}, {width}), got {arr.shape}")
-            rows.append(_rows_fast(name, arr, _F32, width, T, writable)[1])
-        ffi = self._ffi
-        ptrs = []
-        for name, arr, shape, writable in (
-                ("conv_w", conv_w, (C, K), False), ("ssm_a", ssm_a, (Hv,), False),
-                ("dt_bias", dt_bias, (Hv,), False), ("norm_w", norm_w, (dv,), False),
-                ("conv", conv, (K - 1, C), True), ("S", S, (Hv, dk, dv), True)):
-            if not (type(arr) is np.ndarray and arr.dtype is _F32 and arr.shape == shape and arr.flags.c_contiguous
-                    and (not writable or arr.flags.writeable)):
-                arr = _array(name, arr, (_F32,))
-                if arr.shape != shape:
-                    raise ValueError(f"{name} has shape {arr.shape}, expected {shape}")
-                if not arr.flags.c_contiguous:
-                    raise ValueError(f"{name} is not C-contiguous (strides {arr.strides})")
-                if writable and not arr.flags.writeable:
-                    raise ValueError(f"{name} is read-only")
-            ptrs.append(ffi.from_buffer("float[]", arr))
-        if not (type(scratch) is np.ndarray and scratch.dtype is _F32 and scratch.ndim == 1
-                and scratch.flags.c_contiguous and scratch.flags.writeable):
-            _array("scratch", scratch, (_F32,))
-            raise ValueError(f"scratch must be a writable contiguous 1-D array, got shape {scratch.shape}")
-        if scratch.shape[0] < Hv * dv + C:
-            raise ValueError(f"scratch has {scratch.shape[0]} floats, needs at least H_v*d_v + C = {Hv * dv + C}")
-        rc = self._lib.hi_gdn_layer(self._c, _ptr(ffi, "float *", u), us, _ptr(ffi, "float *", z), rows[0],
-                                    _ptr(ffi, "float *", b), rows[1], _ptr(ffi, "float *", a), rows[2], *ptrs, T, C, K,
-                                    Hv, dk, dv, Hk, 1 if head_map_mod else 0, float(eps), _ptr(ffi, "float *", y),
-                                    rows[3], ffi.from_buffer("float[]", scratch), scratch.shape[0])
-        if rc:
-            _check_rc(rc, "gdn_layer")

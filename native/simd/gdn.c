@@ -187,33 +187,100 @@ static void gdn_head_chunk(void *arg, int64_t j) {
     else gdn_head_base(g, j);
 }
 
+/* the shared checks and the arguments of one sequence's call (the conv state and S set by the caller) */
+static int gdn_init(gdn_args *g, hi_ctx *ctx, const float *u, int64_t u_row, const float *z, int64_t z_row,
+                    const float *b, int64_t b_row, const float *a, int64_t a_row, const float *conv_w,
+                    const float *ssm_a, const float *dt_bias, const float *norm_w, int64_t C, int64_t K, int64_t Hv,
+                    int64_t d_k, int64_t d_v, int64_t Hk, int head_map_mod, double eps, float *y, int64_t y_row,
+                    float *scratch, int64_t scratch_len) {
+    if (!ctx || !u || !z || !b || !a || !conv_w || !ssm_a || !dt_bias || !norm_w || !y || !scratch) return -2;
+    if (K < 1 || Hv < 1 || Hk < 1 || d_k < 1 || d_v < 1 || Hv % Hk) return -2;
+    if (C != 2 * Hk * d_k + Hv * d_v) return -2;
+    if (u_row < C || z_row < Hv * d_v || b_row < Hv || a_row < Hv || y_row < Hv * d_v) return -2;
+    if (scratch_len < Hv * d_v + C) return -2;
+    int64_t block = (GDN_CONV_BLOCK / d_k) * d_k;
+    if (block < d_k) block = d_k;
+    *g = (gdn_args){.u = u, .z = z, .b = b, .a = a, .conv_w = conv_w, .ssm_a = ssm_a, .dt_bias = dt_bias,
+                    .norm_w = norm_w, .y = y, .dbuf = scratch, .c = scratch + Hv * d_v, .u_row = u_row,
+                    .z_row = z_row, .b_row = b_row, .a_row = a_row, .y_row = y_row, .C = C, .K = K, .Hv = Hv,
+                    .dk = d_k, .dv = d_v, .Hk = Hk, .block = block, .head_map_mod = head_map_mod != 0,
+                    .avx2 = hi_ctx_isa(ctx) >= HI_ISA_AVX2, .eps = eps};
+    return 0;
+}
+
 int hi_gdn_layer(hi_ctx *ctx, const float *u, int64_t u_row, const float *z, int64_t z_row, const float *b,
                  int64_t b_row, const float *a, int64_t a_row, const float *conv_w, const float *ssm_a,
                  const float *dt_bias, const float *norm_w, float *conv, float *S, int64_t T, int64_t C, int64_t K,
                  int64_t n_v_heads, int64_t d_k, int64_t d_v, int64_t n_k_heads, int head_map_mod, double eps,
                  float *y, int64_t y_row, float *scratch, int64_t scratch_len) {
-    const int64_t Hv = n_v_heads, Hk = n_k_heads;
-    if (!ctx || !u || !z || !b || !a || !conv_w || !ssm_a || !dt_bias || !norm_w || !S || !y || !scratch) return -2;
-    if (T < 1 || K < 1 || Hv < 1 || Hk < 1 || d_k < 1 || d_v < 1 || Hv % Hk) return -2;
-    if (C != 2 * Hk * d_k + Hv * d_v || (K > 1 && !conv)) return -2;
-    if (u_row < C || z_row < Hv * d_v || b_row < Hv || a_row < Hv || y_row < Hv * d_v) return -2;
-    if (scratch_len < Hv * d_v + C) return -2;
-    const int64_t Tc = (scratch_len - Hv * d_v) / C;
-    int64_t block = (GDN_CONV_BLOCK / d_k) * d_k;
-    if (block < d_k) block = d_k;
-    gdn_args g = {.u = u, .z = z, .b = b, .a = a, .conv_w = conv_w, .ssm_a = ssm_a, .dt_bias = dt_bias,
-                  .norm_w = norm_w, .conv = conv, .S = S, .y = y, .dbuf = scratch, .c = scratch + Hv * d_v,
-                  .u_row = u_row, .z_row = z_row, .b_row = b_row, .a_row = a_row, .y_row = y_row, .C = C, .K = K,
-                  .Hv = Hv, .dk = d_k, .dv = d_v, .Hk = Hk, .block = block, .head_map_mod = head_map_mod != 0,
-                  .avx2 = hi_ctx_isa(ctx) >= HI_ISA_AVX2, .eps = eps};
-    const int64_t nblk = (C + block - 1) / block;
+    gdn_args g;
+    const int rc = gdn_init(&g, ctx, u, u_row, z, z_row, b, b_row, a, a_row, conv_w, ssm_a, dt_bias, norm_w, C, K,
+                            n_v_heads, d_k, d_v, n_k_heads, head_map_mod, eps, y, y_row, scratch, scratch_len);
+    if (rc) return rc;
+    if (T < 1 || !S || (K > 1 && !conv)) return -2;
+    g.conv = conv;
+    g.S = S;
+    const int64_t Tc = (scratch_len - n_v_heads * d_v) / C;
+    const int64_t nblk = (C + g.block - 1) / g.block;
     hi_ctx_lock(ctx);
     for (int64_t t0 = 0; t0 < T; t0 += Tc) {
         g.t0 = t0;
         g.nt = T - t0 < Tc ? T - t0 : Tc;
         hi_ctx_run(ctx, gdn_conv_chunk, &g, nblk);
-        hi_ctx_run(ctx, gdn_head_chunk, &g, Hv);
+        hi_ctx_run(ctx, gdn_head_chunk, &g, n_v_heads);
     }
     hi_ctx_unlock(ctx);
+    return 0;
+}
+
+/* ---- one token of each of B sequences (decode_batch): every sequence's conv blocks, then every (sequence, value
+ * head), each a task of one pool run, so the pool wakes twice for all of them */
+
+#define GDN_ROWS_MAX 64 /* sequences per pair of pool runs (their arguments on the stack) */
+
+typedef struct {
+    const gdn_args *g;
+    int64_t per;
+} gdn_many;
+
+static void gdn_conv_many(void *arg, int64_t i) {
+    const gdn_many *m = (const gdn_many *)arg;
+    gdn_conv_chunk((void *)&m->g[i / m->per], i % m->per);
+}
+
+static void gdn_head_many(void *arg, int64_t i) {
+    const gdn_many *m = (const gdn_many *)arg;
+    gdn_head_chunk((void *)&m->g[i / m->per], i % m->per);
+}
+
+int hi_gdn_rows(hi_ctx *ctx, int64_t B, const float *u, int64_t u_row, const float *z, int64_t z_row, const float *b,
+                int64_t b_row, const float *a, int64_t a_row, const float *conv_w, const float *ssm_a,
+                const float *dt_bias, const float *norm_w, float *const *conv, float *const *S, int64_t C, int64_t K,
+                int64_t n_v_heads, int64_t d_k, int64_t d_v, int64_t n_k_heads, int head_map_mod, double eps,
+                float *y, int64_t y_row, float *scratch, int64_t scratch_len) {
+    const int64_t per = n_v_heads * d_v + C; /* scratch floats of one sequence */
+    if (B < 1 || !conv || !S || scratch_len < B * per) return -2;
+    gdn_args g[GDN_ROWS_MAX];
+    for (int64_t j0 = 0; j0 < B; j0 += GDN_ROWS_MAX) {
+        const int64_t nb = B - j0 < GDN_ROWS_MAX ? B - j0 : GDN_ROWS_MAX;
+        for (int64_t i = 0; i < nb; i++) {
+            const int64_t j = j0 + i;
+            const int rc = gdn_init(&g[i], ctx, u + j * u_row, u_row, z + j * z_row, z_row, b + j * b_row, b_row,
+                                    a + j * a_row, a_row, conv_w, ssm_a, dt_bias, norm_w, C, K, n_v_heads, d_k, d_v,
+                                    n_k_heads, head_map_mod, eps, y + j * y_row, y_row, scratch + j * per, per);
+            if (rc) return rc;
+            if (!S[j] || (K > 1 && !conv[j])) return -2;
+            g[i].conv = conv[j];
+            g[i].S = S[j];
+            g[i].t0 = 0;
+            g[i].nt = 1;
+        }
+        const int64_t nblk = (C + g[0].block - 1) / g[0].block;
+        gdn_many mc = {g, nblk}, mh = {g, n_v_heads};
+        hi_ctx_lock(ctx);
+        hi_ctx_run(ctx, gdn_conv_many, &mc, nb * nblk);
+        hi_ctx_run(ctx, gdn_head_many, &mh, nb * n_v_heads);
+        hi_ctx_unlock(ctx);
+    }
     return 0;
 }

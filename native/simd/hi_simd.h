@@ -157,6 +157,15 @@ int hi_gdn_layer(hi_ctx *ctx, const float *u, int64_t u_row, const float *z, int
                  int64_t n_v_heads, int64_t d_k, int64_t d_v, int64_t n_k_heads, int head_map_mod, double eps,
                  float *y, int64_t y_row, float *scratch, int64_t scratch_len);
 
+/* hi_gdn_layer for one token of each of B sequences: row j of u, z, b, a, y is sequence j's token, conv[j] and
+ * S[j] its states; scratch of B * (Hv*d_v + C) floats. Bit-identical to B calls of hi_gdn_layer (T = 1), in two
+ * pool runs for all. */
+int hi_gdn_rows(hi_ctx *ctx, int64_t B, const float *u, int64_t u_row, const float *z, int64_t z_row, const float *b,
+                int64_t b_row, const float *a, int64_t a_row, const float *conv_w, const float *ssm_a,
+                const float *dt_bias, const float *norm_w, float *const *conv, float *const *S, int64_t C, int64_t K,
+                int64_t n_v_heads, int64_t d_k, int64_t d_v, int64_t n_k_heads, int head_map_mod, double eps,
+                float *y, int64_t y_row, float *scratch, int64_t scratch_len);
+
 /* ---- small decode ops (ops.c), on the calling thread (sigmoid_gate in segments on the pool), plain float order:
  * the C twins of the numba ops in hybridinfer/cpu/ops.py, bit-identical to them (the float operations written
  * there, no FMA contraction) */
@@ -212,7 +221,7 @@ int hi_ctx_replica_hits(hi_ctx *c, int64_t *out, int reset);
 enum {
     HI_OP_QUANTIZE = 1, HI_OP_MATMUL, HI_OP_MATMUL_MANY, HI_OP_MOE_GATE_UP, HI_OP_MOE_DOWN, HI_OP_SWIGLU,
     HI_OP_GDN_LAYER, HI_OP_RMS_NORM, HI_OP_SPLIT_QGATE, HI_OP_SIGMOID_GATE, HI_OP_MOE_ROUTE, HI_OP_MOE_COMBINE,
-    HI_OP_ATTN_STEP, HI_OP_MOE_ROWS, HI_OP_COUNT
+    HI_OP_ATTN_STEP, HI_OP_MOE_ROWS, HI_OP_GDN_ROWS, HI_OP_COUNT
 };
 enum { HI_STEP_ARGS = 28 };
 typedef union {
