@@ -259,15 +259,16 @@ class Engine:
         with self._lock:
             return self._start(ids, state, turn_boundary, shared_at)
 
-    def _start(self, ids, state, turn_boundary, shared_at=()):
-        lg, stats, todo = self._restore(ids, state, turn_boundary, shared_at)
+    def _start(self, ids, state, turn_boundary, shared_at=(), keep_ends: bool = True):
+        lg, stats, todo = self._restore(ids, state, turn_boundary, shared_at, keep_ends)
         if todo is not None:
             lg = self._prefill(*todo)[-1]
         return lg, stats
 
     def _start_many(self, items) -> list[tuple[np.ndarray, dict]]:
-        """`_start` for several (ids, state, turn_boundary, shared_at): each restores its cached prefix, then a
-        single-pass backend prefills all of the rest in one pass (each layer's weights streamed once for all)."""
+        """`_start` for several (ids, state, turn_boundary, shared_at[, keep_ends]): each restores its cached prefix,
+        then a single-pass backend prefills all of the rest in one pass (each layer's weights streamed once for
+        all)."""
         if not self.backend.single_pass or len(items) < 2:
             return [self._start(*it) for it in items]
         out, todo = [], []
@@ -284,9 +285,10 @@ class Engine:
                 out[j] = (lg[-1], out[j][1])
         return out
 
-    def _restore(self, ids, state, turn_boundary, shared_at):
+    def _restore(self, ids, state, turn_boundary, shared_at, keep_ends: bool = True):
         """The longest cached prefix of `ids` restored into `state` (with a prefix cache), its stats, and what is
-        left to prefill as _prefill's arguments (None when nothing is), with the snapshot positions on the way."""
+        left to prefill as _prefill's arguments (None when nothing is), with the snapshot positions on the way
+        (keep_ends False: none at the turn boundary or the prompt's end, only where prompts share a prefix)."""
         t0 = time.perf_counter()
         stats = {"prompt_tokens": len(ids), "reused_tokens": 0, "restore_s": 0.0}
         cache = self.prefix_cache
@@ -308,13 +310,14 @@ class Engine:
             return lg, stats, None
         stride = self.snapshot_stride
         at = set(range(stride, n, stride)) if stride else set()
-        if turn_boundary is not None:
+        if turn_boundary is not None and keep_ends:
             at.add(turn_boundary)
         at.update(p for p in shared_at if state.pos < p < n)  # where prompts queued beside it part ways
         shared = cache.known_prefix(ids)  # where this prompt leaves a cached one: the next may share it too
         if state.pos < shared < n:
             at.add(shared)
-        at.add(n)
+        if keep_ends:
+            at.add(n)
         save = lambda st, last: cache.save(st, last if st.pos == n else None, defer_disk=True)  # noqa: E731
         return lg, stats, (ids[state.pos :], state, False, sorted(at), save)
 

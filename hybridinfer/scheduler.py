@@ -67,6 +67,9 @@ class Request:
     # advances it by the sampled token (hybridinfer.protocol.grammar.JsonConstraint)
     constraint: object | None = None
     logprobs: int | None = None  # also record each token's log-probability and this many alternatives
+    # with a prefix cache: snapshots at the end of the prompt and of the reply (for a next turn); a batch job's
+    # requests have no next turn, so it turns them off (the shared prefixes are still saved)
+    keep_ends: bool = True
 
 
 class TokenSampler:
@@ -319,7 +322,7 @@ class Scheduler:
             s.t0 = time.perf_counter()
             s.state = eng.new_state()
             items.append((req.ids, s.state, req.turn_boundary,
-                          shared_points(req.ids, later) if eng.prefix_cache else ()))
+                          shared_points(req.ids, later) if eng.prefix_cache else (), req.keep_ends))
         try:
             started = eng._start_many(items)
         except Exception:  # noqa: BLE001 - find whose it is: one by one, each error to its own caller
@@ -327,7 +330,7 @@ class Scheduler:
             for s, it in zip(new, items, strict=True):
                 s.state = eng.new_state()
                 try:
-                    started.append(eng._start(it[0], s.state, it[2], it[3]))
+                    started.append(eng._start(it[0], s.state, it[2], it[3], it[4]))
                 except Exception as e:  # noqa: BLE001
                     started.append(e)
         for s, got in zip(new, started, strict=True):
@@ -357,7 +360,8 @@ class Scheduler:
         if error is None and s.sampler is not None:
             s.handle._put(s.sampler.text.finish())
             eng = self.engine
-            if eng.prefix_cache is not None and s.state is not None and s.state.pos > len(s.handle.request.ids):
+            if (eng.prefix_cache is not None and s.state is not None and s.handle.request.keep_ends
+                    and s.state.pos > len(s.handle.request.ids)):
                 eng.prefix_cache.save(s.state, s.logits, defer_disk=True)  # the next turn starts from the reply
             t2 = time.perf_counter()
             n = max(len(g.tokens), 1)

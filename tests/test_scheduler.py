@@ -199,6 +199,33 @@ def test_shared_system_prompt_restores_one_snapshot(smollm_path):
         assert cold.generate(r, max_tokens=4, temperature=0).tokens == g.tokens
 
 
+def test_requests_without_ends_keep_only_shared_snapshots(smollm_path):
+    """keep_ends=False (a batch job's requests): the shared prefix is still snapshotted and restored, but nothing at
+    a prompt's end or a reply's end (no next turn would use them); the tokens are the same either way."""
+    from hybridinfer.scheduler import Scheduler
+
+    eng = Engine.load(smollm_path, backend="cpu", n_ctx=512, prefix_cache={"ram_bytes": 256 << 20},
+                      snapshot_stride=0, max_seqs=4)
+    system = "You are a helpful assistant who answers in one short sentence. " * 4
+    prompts = [eng.chat_prompt([{"role": "system", "content": system}, {"role": "user", "content": q}])
+               for q in ("Hi?", "What is 2+2?", "Name a fruit.")]
+    reqs = [eng.make_request(p, 4, temperature=0) for p in prompts]
+    for r in reqs:
+        r.keep_ends = False
+    sched = Scheduler(eng, max_seqs=4, worker=False)
+    hs = sched.submit_many(reqs)
+    while not sched.idle():
+        sched.step()
+    got = [h.result(timeout=0) for h in hs]
+    assert all(g.timings["reused_tokens"] > 0 for g in got[1:])
+    for r, g in zip(reqs, got, strict=True):
+        hit = eng.prefix_cache.lookup(r.ids + g.tokens)
+        assert hit is not None and hit.pos < len(r.ids), (hit and hit.pos, len(r.ids))  # only the shared prefix
+    cold = Engine.load(smollm_path, backend="cpu", n_ctx=512)
+    for p, g in zip(prompts, got, strict=True):
+        assert cold.generate(p, max_tokens=4, temperature=0).tokens == g.tokens
+
+
 @pytest.mark.oracle
 def test_smollm_batch_greedy_equals_alone_and_llama_cpp(smollm_path):
     """8 varied prompts as one batch: each greedy continuation equals the prompt run alone and llama.cpp's."""

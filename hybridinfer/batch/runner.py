@@ -196,6 +196,8 @@ def run_job(engine, input_path: str, output_path: str, *, model_name: str | None
                 raise failure
             todo = [pending.popleft() for _ in range(min(len(pending), cap - len(inflight)))]
             if todo:
+                for it in todo:  # no next turn: no snapshot at a prompt's or reply's end (shared prefixes are kept)
+                    it.request.keep_ends = False
                 inflight += zip(todo, sched.submit_many([it.request for it in todo]), strict=True)
             prog.update()
             if exhausted and not inflight and not pending:
