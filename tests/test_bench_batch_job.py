@@ -9,6 +9,7 @@ import json
 import os
 
 import pytest
+from md_tables import md_rows
 
 from hybridinfer import numa
 from hybridinfer.benchmarks import batch_job as bj
@@ -23,15 +24,7 @@ def prompts(smollm_path):
     return bj.ModelPrompts(smollm_path)
 
 
-def _table(out: str, head: str) -> list[list[str]]:
-    lines = out.splitlines()
-    i = next(k for k, r in enumerate(lines) if r.startswith(head))
-    rows = []
-    for r in lines[i + 2:]:
-        if not r.startswith("| "):
-            break
-        rows.append([c.strip() for c in r.strip("|").split("|")])
-    return rows
+_table = md_rows
 
 
 # the job ----------------------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import os
 import sys
 
 import pytest
+from md_tables import md_rows
 
 from hybridinfer.benchmarks import serve
 from hybridinfer.cli import main
@@ -18,15 +19,7 @@ pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
 
-def _table(out: str, head: str) -> list[list[str]]:
-    lines = out.splitlines()
-    i = next(k for k, r in enumerate(lines) if r.startswith(head))
-    rows = []
-    for r in lines[i + 2:]:
-        if not r.startswith("| "):
-            break
-        rows.append([c.strip() for c in r.strip("|").split("|")])
-    return rows
+_table = md_rows
 
 
 def test_bench_serve(smollm_path, tmp_path, capsys):

@@ -52,6 +52,17 @@ HI_INLINE __m512i hi_r_tree8r(const __m512i *R, const __m512i I, const int half)
     return _mm512_add_epi32(_mm512_shuffle_i64x2(Y, I, half == 1 ? 0xe8 : 0x48), Y1);
 }
 
+/* S[l] = the vpdpbusd sums of quarter j's 64 weights W against token 8o + l's (zero past the group) */
+HI_INLINE void hi_r_dots8(__m512i *S, const __m512i W, const hi_kgrp *kg, const int o, const int64_t i, const int j,
+                          const int gm) {
+    HI_UNROLL for (int l = 0; l < 8; l++) {
+        S[l] = _mm512_setzero_si512();
+        if (l >= gm || 8 * o + l >= kg->cnt) continue;
+        const int8_t *q8 = kg->q8[8 * o + l] + i * HI_QK_K;
+        S[l] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), W, _mm512_loadu_si512((const void *)(q8 + 64 * j)));
+    }
+}
+
 /* Q4_K (q5 = 0) and Q5_K weight row w of nb blocks against group kg, into *os, in the float shape `rp` (HI_KS_*):
  * vec_dot's, the repacked gemv's (Q4_K), the repacked gemm's (Q4_K; every token of the group below the gemm's
  * T - T % 4) or the tiled kernels'. Per block: quarter j of the weights as 64 bytes (sub-block 2j in the lower half,
@@ -110,12 +121,7 @@ HI_INLINE void hi_rows_k4(const int q5, const int rp, const int gm, const int64_
                 const __m512 dd = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(_mm256_mul_ps(vd, D8))),
                                                                       _mm256_castps_pd(_mm256_mul_ps(vm, D8)), 1));
                 HI_UNROLL for (int j = 0; j < 4; j++) {
-                    HI_UNROLL for (int l = 0; l < 8; l++) {
-                        S[l] = zero;
-                        if (l >= gm || 8 * o + l >= cnt) continue;
-                        const int8_t *q8 = kg->q8[8 * o + l] + i * HI_QK_K;
-                        S[l] = _mm512_dpbusd_epi32(zero, W[j], _mm512_loadu_si512((const void *)(q8 + 64 * j)));
-                    }
+                    hi_r_dots8(S, W[j], kg, o, i, j, gm);
                     __m512i R[4] = {zero, zero, zero, zero};
                     hi_r_pairs8(R, S, SCW[j]);
                     accr[o] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi_r_tree8r(R, j < 2 ? IA : IB, j % 2)), dd, accr[o]);
@@ -125,12 +131,7 @@ HI_INLINE void hi_rows_k4(const int q5, const int rp, const int gm, const int64_
             if (rp == HI_KS_REPACK || rp == HI_KS_TILED) { /* isum, imin of tokens 0..7 in order */
                 __m512i R[4] = {zero, zero, zero, zero};
                 HI_UNROLL for (int j = 0; j < 4; j++) {
-                    HI_UNROLL for (int l = 0; l < 8; l++) {
-                        S[l] = zero;
-                        if (l >= gm || 8 * o + l >= cnt) continue;
-                        const int8_t *q8 = kg->q8[8 * o + l] + i * HI_QK_K;
-                        S[l] = _mm512_dpbusd_epi32(zero, W[j], _mm512_loadu_si512((const void *)(q8 + 64 * j)));
-                    }
+                    hi_r_dots8(S, W[j], kg, o, i, j, gm);
                     hi_r_pairs8(R, S, SCW[j]);
                 }
                 const __m512 f = _mm512_cvtepi32_ps(hi_r_tree8r(R, _mm512_add_epi32(IA, IB), 2));
