@@ -122,6 +122,39 @@ def test_attention_step_is_its_parts_in_turn(lib, T, pos0):
         lib.attn_step(q, k, v, kc, vc, n_ctx - T + 1, o2, scratch, *rot)
 
 
+@pytest.mark.parametrize("n_threads", [1, 3])
+def test_attention_rows_equal_one_step_per_sequence(n_threads):
+    """attn_rows (one token of each of B sequences at its own position, decode_batch): caches, roped q and outputs
+    bit-identical to B attn_step calls, for any thread count; dpos moves every position on; bad lists raise."""
+    lib = SimdLib(n_threads=n_threads)
+    rng = np.random.default_rng(11)
+    B, n_ctx, H, Hkv, hd = 4, 40, 4, 2, 32
+    pos = [0, 7, 19, 38]
+    caches = [(_f(rng, n_ctx, Hkv, hd), _f(rng, n_ctx, Hkv, hd)) for _ in range(B)]
+    kv = _f(rng, B, 3 * Hkv * hd)
+    k, v = kv[:, : Hkv * hd].reshape(B, Hkv, hd), kv[:, Hkv * hd : 2 * Hkv * hd].reshape(B, Hkv, hd)
+    q = _f(rng, B, H, hd)
+    scratch = np.zeros(lib.attention_scratch_size(n_ctx, hd), np.float32)
+    rot = (hd // 2, 10000.0, True, np.zeros(0, np.float32))
+    for dpos in (0, 1):
+        want_q, want_o = q.copy(), np.zeros((B, H * hd), np.float32)
+        want_c = [(kc.copy(), vc.copy()) for kc, vc in caches]
+        for j in range(B):
+            lib.attn_step(want_q[j : j + 1], k[j : j + 1], v[j : j + 1], *want_c[j], pos[j] + dpos,
+                          want_o[j : j + 1], scratch, *rot)
+        got_q, got_o = q.copy(), np.full((B, H * hd), np.nan, np.float32)
+        got_c = [(kc.copy(), vc.copy()) for kc, vc in caches]
+        lib.attn_rows(got_q, k, v, [c[0] for c in got_c], [c[1] for c in got_c], pos, dpos, got_o, scratch, *rot)
+        assert np.array_equal(got_q, want_q) and np.array_equal(got_o, want_o), dpos
+        for (gk, gv), (wk, wv) in zip(got_c, want_c, strict=True):
+            assert np.array_equal(gk, wk) and np.array_equal(gv, wv), dpos
+    with pytest.raises(ValueError, match="one K and one V cache per sequence"):
+        lib.attn_rows(q, k, v, [c[0] for c in caches], [c[1] for c in caches][:-1], pos, 0, got_o, scratch, *rot)
+    with pytest.raises(ValueError, match="inside the cache"):
+        lib.attn_rows(q, k, v, [c[0] for c in caches], [c[1] for c in caches], pos, 2, got_o, scratch, *rot)
+    lib.close()
+
+
 def test_bad_arguments_are_named(lib):
     x = np.zeros((2, 8), np.float32)
     with pytest.raises(ValueError, match="y has shape"):

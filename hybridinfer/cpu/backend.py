@@ -189,12 +189,19 @@ class CPUModel(Backend):
 
     # matrix products ------------------------------------------------------------------------------
     def call(self, ws: Workspace, key: tuple, method: str, *args, st: DecoderState | None = None,
-             arrays: tuple = ()) -> None:
+             arrays: tuple = (), fresh: bool = False) -> None:
         """A native call; in decode (fixed buffers: ws.bind) bound once per workspace and call site, and per
         state for ops on its arrays (`arrays`: a layer's cache or recurrent state; a new sequence's arrays
-        rebind it). Ops in plan.POS_ARGS take the position of `st`."""
+        rebind it). Ops in plan.POS_ARGS take the position of `st`. fresh: bound anew each time (its arguments
+        hold this step's values: attn_rows' positions, whose recorded offset is 0)."""
         if not ws.bind:
             getattr(self.simd, method)(*args)
+            return
+        if fresh:
+            b = self.simd.bind(method, *args)
+            if ws.rec is not None:
+                ws.rec.append(b)
+            b(0) if b.pos_arg is not None else b()
             return
         hit = ws.calls.get(key)
         if hit is None or any(a is not b for a, b in zip(hit[0], arrays, strict=True)):
@@ -393,11 +400,14 @@ class CPUModel(Backend):
             self.call(ws, ("knorm", i), "rms_norm", k, None, L.attn_k_norm, a.rms_eps, k)
         o = ws.attn[:T]
         # the new k, v rows into the cache, q and those K rows roped there, attention: one call at the position
-        for j, s in self._seqs(st, T):
-            r = slice(0, T) if j is None else slice(j, j + 1)
-            args = (q[r], k[r], v[r], s.k[i], s.v[i], s.pos, o[r], ws.attn_scratch, a.n_rot, a.rope_theta,
-                    a.rope_neox, self.freq_factors)
-            self.call(ws, ("attn", i, j), "attn_step", *args, st=s, arrays=(s.k[i], s.v[i]))
+        if isinstance(st, list):  # one token of each sequence: every (sequence, head) in one call
+            self.call(ws, ("attn", i), "attn_rows", q, k, v, [s.k[i] for s in st], [s.v[i] for s in st],
+                      [s.pos for s in st], 0, o, ws.attn_scratch, a.n_rot, a.rope_theta, a.rope_neox,
+                      self.freq_factors, fresh=True)
+        else:
+            args = (q, k, v, st.k[i], st.v[i], st.pos, o, ws.attn_scratch, a.n_rot, a.rope_theta, a.rope_neox,
+                    self.freq_factors)
+            self.call(ws, ("attn", i), "attn_step", *args, st=st, arrays=(st.k[i], st.v[i]))
         if a.attn_gate:
             self.call(ws, ("gate", i), "sigmoid_gate", o, gate)
         return self.mm(L.attn_output, o, ws.mix, ws)
@@ -414,19 +424,11 @@ class CPUModel(Backend):
             args = (u, z, b, al, L.ssm_conv1d, L.ssm_a, L.ssm_dt_bias, L.ssm_norm, [s.conv[i] for s in st],
                     [s.ssm[i] for s in st], a.ssm_n_k_heads, a.gdn_head_map == "mod", a.rms_eps, y, ws.gdn_scratch)
             self.call(ws, ("gdn", i), "gdn_rows", *args, arrays=tuple(x for s in st for x in (s.conv[i], s.ssm[i])))
-            return self.mm(L.ssm_out, y, ws.mix, ws)
-        for j, s in self._seqs(st, T):
-            r = slice(0, T) if j is None else slice(j, j + 1)
-            args = (u[r], z[r], b[r], al[r], L.ssm_conv1d, L.ssm_a, L.ssm_dt_bias, L.ssm_norm, s.conv[i], s.ssm[i],
-                    a.ssm_n_k_heads, a.gdn_head_map == "mod", a.rms_eps, y[r], ws.gdn_scratch)
-            self.call(ws, ("gdn", i, j), "gdn_layer", *args, arrays=(s.conv[i], s.ssm[i]))
+        else:
+            args = (u, z, b, al, L.ssm_conv1d, L.ssm_a, L.ssm_dt_bias, L.ssm_norm, st.conv[i], st.ssm[i],
+                    a.ssm_n_k_heads, a.gdn_head_map == "mod", a.rms_eps, y, ws.gdn_scratch)
+            self.call(ws, ("gdn", i), "gdn_layer", *args, arrays=(st.conv[i], st.ssm[i]))
         return self.mm(L.ssm_out, y, ws.mix, ws)
-
-    @staticmethod
-    def _seqs(st, T: int):
-        """(row, state) of each sequence in a pass: (None, st) for one sequence's T tokens, (j, states[j]) for one
-        token of each of T sequences."""
-        return enumerate(st) if isinstance(st, list) else ((None, st),)
 
     def _moe_rows(self, L: Layer, i: int, x: np.ndarray, idx: np.ndarray, ys: np.ndarray, ws: Workspace,
                   op: int) -> None:

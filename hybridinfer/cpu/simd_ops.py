@@ -187,3 +187,40 @@ class OpCalls:
             _ptr(ffi, "float *", out), os_, _ptr(ffi, "float *", scratch), scratch.shape[0])
         if rc:
             _check_rc(rc, "attn_step")
+
+    def attn_rows(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, k_caches, v_caches, positions, dpos: int,
+                  out: np.ndarray, scratch: np.ndarray, n_rot: int, theta_base: float, neox: bool,
+                  freq_factors: np.ndarray) -> None:
+        """attn_step for one token of each of B sequences in one call: row j of q (B, H, hd), k, v (B, H_kv, hd)
+        and out (B, H*hd) is sequence j's token, at position positions[j] + dpos of its caches k_caches[j],
+        v_caches[j] (n_ctx, H_kv, hd); every (sequence, head) row in one pool run, bit-identical to B attn_step calls.
+        The positions are copied (a recorded call replays them, dpos moving on)."""
+        k_caches, v_caches = list(k_caches), list(v_caches)
+        B = len(k_caches)
+        if B == 0 or len(v_caches) != B:
+            raise ValueError(f"attn_rows takes one K and one V cache per sequence, got {B} and {len(v_caches)}")
+        T, H, hd, n_ctx, Hkv, os_ = attention_args(q, k_caches[0], v_caches[0], 0, out, scratch, True)
+        if T != B:
+            raise ValueError(f"q has {T} rows for {B} sequences")
+        for j, (kc, vc) in enumerate(zip(k_caches, v_caches, strict=True)):
+            for name, c in ((f"k_caches[{j}]", kc), (f"v_caches[{j}]", vc)):
+                if not (type(c) is np.ndarray and c.dtype is _F32 and c.shape == k_caches[0].shape
+                        and c.flags.c_contiguous and c.flags.writeable):
+                    raise ValueError(f"{name} must be a writable C-contiguous float32 array of shape "
+                                     f"{k_caches[0].shape}")
+        pos = np.array(positions, dtype=np.int64).reshape(-1)
+        if pos.shape != (B,) or (pos + int(dpos) < 0).any() or (pos + int(dpos) >= n_ctx).any():
+            raise ValueError(f"positions {pos.tolist()} (+ {int(dpos)}) must be one per sequence inside the cache of "
+                             f"{n_ctx} rows")
+        _, _, kvs = _heads("k", k, hd)
+        if k.shape != (B, Hkv, hd) or v.shape != k.shape or _heads("v", v, hd)[2] != kvs:
+            raise ValueError(f"k {k.shape} and v {v.shape} must be ({B}, {Hkv}, {hd}) with the same strides")
+        ffi = self._ffi
+        rc = self._lib.hi_attn_rows(
+            self._c, B, _ptr(ffi, "float *", q), H * hd, H, hd, _ptr(ffi, "float *", k), _ptr(ffi, "float *", v), kvs,
+            [ffi.from_buffer("float[]", c) for c in k_caches], [ffi.from_buffer("float[]", c) for c in v_caches],
+            n_ctx, Hkv, ffi.from_buffer("int64_t[]", pos), int(dpos), int(n_rot), float(np.float32(theta_base)),
+            1 if neox else 0, rope_freqs(ffi, freq_factors, n_rot), float(np.float32(1.0) / np.sqrt(np.float32(hd))),
+            _ptr(ffi, "float *", out), os_, _ptr(ffi, "float *", scratch), scratch.shape[0])
+        if rc:
+            _check_rc(rc, "attn_rows")

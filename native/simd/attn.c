@@ -145,3 +145,64 @@ int hi_attn_step(hi_ctx *c, float *q, int64_t T, int64_t H, int64_t hd, const fl
                                scratch_len);
     return rc;
 }
+
+/* ---- one token of each of B sequences (decode_batch): each sequence's new K/V rows into its cache and its q and
+ * those K rows roped at its position, then every (sequence, head) query row in one pool run; each row computed
+ * as hi_attention computes it alone, so the result is bit-identical to B hi_attn_step calls */
+
+#define HI_ATTN_ROWS_MAX 64 /* sequences per pool run (their hi_attn on the stack) */
+
+typedef struct {
+    const hi_kernels *k;
+    const hi_attn *a; /* one per sequence */
+    int64_t H, rows, per, row_scratch;
+    float *scratch;
+} attn_rows_job;
+
+static void attn_rows_chunk(void *arg, int64_t i) {
+    const attn_rows_job *j = (const attn_rows_job *)arg;
+    const int64_t r0 = i * j->per, r1 = r0 + j->per < j->rows ? r0 + j->per : j->rows;
+    for (int64_t r = r0; r < r1; r++) j->k->attn(&j->a[r / j->H], r % j->H, r % j->H + 1, j->scratch + i * j->row_scratch);
+}
+
+int hi_attn_rows(hi_ctx *c, int64_t B, float *q, int64_t q_row, int64_t H, int64_t hd, const float *k_new,
+                 const float *v_new, int64_t kv_new_row, float *const *k_cache, float *const *v_cache, int64_t n_ctx,
+                 int64_t Hkv, const int64_t *pos, int64_t dpos, int64_t n_rot, float theta_base, int neox,
+                 const float *freq_factors, float scale, float *out, int64_t out_row, float *scratch,
+                 int64_t scratch_len) {
+    const int64_t kv = Hkv * hd;
+    if (!c || !q || !k_new || !v_new || !k_cache || !v_cache || !pos || !out || !scratch || B < 1 || H < 1 ||
+        hd < 1 || Hkv < 1 || H % Hkv || kv_new_row < kv || q_row < H * hd || out_row < H * hd)
+        return -2;
+    const hi_kernels *kt = hi_ctx_kernels(c);
+    hi_attn a[HI_ATTN_ROWS_MAX];
+    for (int64_t j0 = 0; j0 < B; j0 += HI_ATTN_ROWS_MAX) {
+        const int64_t nb = B - j0 < HI_ATTN_ROWS_MAX ? B - j0 : HI_ATTN_ROWS_MAX;
+        int64_t longest = 0;
+        for (int64_t i = 0; i < nb; i++) {
+            const int64_t j = j0 + i, p = pos[j] + dpos;
+            if (p < 0 || p > n_ctx - 1 || !k_cache[j] || !v_cache[j]) return -2;
+            memcpy(k_cache[j] + p * kv, k_new + j * kv_new_row, (size_t)kv * sizeof(float));
+            memcpy(v_cache[j] + p * kv, v_new + j * kv_new_row, (size_t)kv * sizeof(float));
+            int rc = hi_rope(c, q + j * q_row, 1, H, hd, p, n_rot, theta_base, neox, freq_factors);
+            if (!rc) rc = hi_rope(c, k_cache[j] + p * kv, 1, Hkv, hd, p, n_rot, theta_base, neox, freq_factors);
+            if (rc) return rc;
+            a[i] = (hi_attn){.q = q + j * q_row, .k = k_cache[j], .v = v_cache[j], .out = out + j * out_row, .T = 1,
+                             .H = H, .Hkv = Hkv, .hd = hd, .pos0 = p, .q_row = H * hd, .kv_row = kv,
+                             .out_row = out_row, .scale = scale};
+            if (p + 1 > longest) longest = p + 1;
+        }
+        const int64_t row_scratch = kt->attn_scratch(longest, hd), rows = nb * H;
+        int64_t chunks = scratch_len / row_scratch;
+        if (chunks < 1) return -2;
+        if (chunks > attn_max_chunks(c)) chunks = attn_max_chunks(c);
+        if (chunks > rows) chunks = rows;
+        attn_rows_job job = {.k = kt, .a = a, .H = H, .rows = rows, .per = (rows + chunks - 1) / chunks,
+                             .row_scratch = row_scratch, .scratch = scratch};
+        hi_ctx_lock(c);
+        if (chunks == 1) attn_rows_chunk(&job, 0);
+        else hi_ctx_run(c, attn_rows_chunk, &job, chunks);
+        hi_ctx_unlock(c);
+    }
+    return 0;
+}

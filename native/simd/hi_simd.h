@@ -166,6 +166,15 @@ int hi_gdn_rows(hi_ctx *ctx, int64_t B, const float *u, int64_t u_row, const flo
                 int64_t n_v_heads, int64_t d_k, int64_t d_v, int64_t n_k_heads, int head_map_mod, double eps,
                 float *y, int64_t y_row, float *scratch, int64_t scratch_len);
 
+/* hi_attn_step for one token of each of B sequences: row j of q, k_new, v_new, out is sequence j's token, at
+ * position pos[j] + dpos in its caches k_cache[j], v_cache[j] (n_ctx rows of Hkv*hd); every (sequence, head) query
+ * row in one pool run, each computed as alone (bit-identical to B hi_attn_step calls); scratch as hi_attention's. */
+int hi_attn_rows(hi_ctx *c, int64_t B, float *q, int64_t q_row, int64_t H, int64_t hd, const float *k_new,
+                 const float *v_new, int64_t kv_new_row, float *const *k_cache, float *const *v_cache, int64_t n_ctx,
+                 int64_t Hkv, const int64_t *pos, int64_t dpos, int64_t n_rot, float theta_base, int neox,
+                 const float *freq_factors, float scale, float *out, int64_t out_row, float *scratch,
+                 int64_t scratch_len);
+
 /* ---- small decode ops (ops.c), on the calling thread (sigmoid_gate in segments on the pool), plain float order:
  * the C twins of the numba ops in hybridinfer/cpu/ops.py, bit-identical to them (the float operations written
  * there, no FMA contraction) */
@@ -221,7 +230,7 @@ int hi_ctx_replica_hits(hi_ctx *c, int64_t *out, int reset);
 enum {
     HI_OP_QUANTIZE = 1, HI_OP_MATMUL, HI_OP_MATMUL_MANY, HI_OP_MOE_GATE_UP, HI_OP_MOE_DOWN, HI_OP_SWIGLU,
     HI_OP_GDN_LAYER, HI_OP_RMS_NORM, HI_OP_SPLIT_QGATE, HI_OP_SIGMOID_GATE, HI_OP_MOE_ROUTE, HI_OP_MOE_COMBINE,
-    HI_OP_ATTN_STEP, HI_OP_MOE_ROWS, HI_OP_GDN_ROWS, HI_OP_COUNT
+    HI_OP_ATTN_STEP, HI_OP_MOE_ROWS, HI_OP_GDN_ROWS, HI_OP_ATTN_ROWS, HI_OP_COUNT
 };
 enum { HI_STEP_ARGS = 28 };
 typedef union {

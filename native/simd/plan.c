@@ -60,6 +60,9 @@ static int hi_step_run(hi_ctx *c, const hi_step *s, int64_t pos) {
         return hi_gdn_rows(c, I(0), P(1), I(2), P(3), I(4), P(5), I(6), P(7), I(8), P(9), P(10), P(11), P(12), P(13),
                            P(14), I(15), I(16), I(17), I(18), I(19), I(20), (int)I(21), F(22), P(23), I(24), P(25),
                            I(26));
+    case HI_OP_ATTN_ROWS:
+        return hi_attn_rows(c, I(0), P(1), I(2), I(3), I(4), P(5), P(6), I(7), P(8), P(9), I(10), I(11), P(12), I(13),
+                            I(14), (float)F(15), (int)I(16), P(17), (float)F(18), P(19), I(20), P(21), I(22));
     default:
         return -2;
     }
