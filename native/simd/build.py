@@ -6,12 +6,12 @@ One extension holds every ISA level: isa_scalar.c, isa_ssse3.c, isa_avx2.c and i
 same kernel bodies (kernels_body.h with kernels_{quant,lanes,tiles}.h; dot_kquants.h with dot_q{4,5,6}_K.h)
 under a `#pragma GCC target(...)` of their own, so every source file is compiled with the same (baseline
 x86-64) flags and no per-file flags are needed; hi_cpu.c picks the level at run time from cpuid, hi_pool.c
-is the thread pool and hi_simd.c the entry points that split the work over it. The C declarations come from
-hi_simd.h, the one header cffi and the C side share. gdn.c (the Gated DeltaNet layer, plain float code)
-picks its avx2 or baseline loops itself; attn.c splits attention over the pool and runs the ISA table's `attn`;
-ops.c has the small ops between the products, plan.c runs a recorded decode step, probe.c the bandwidth probe,
-moe_rows.c the routed experts of several tokens grouped by expert,
-replica.c the per-node weight copies' table.
+is the thread pool, hi_ctx.c the context and hi_simd.c the entry points that split the work over it. The C
+declarations come from hi_simd.h, the one header cffi and the C side share. gdn.c (the Gated DeltaNet layer,
+plain float code) picks its avx2 or baseline loops itself; attn.c splits attention over the pool and runs the ISA
+table's `attn`; ops.c has the small ops between the products, plan.c runs a recorded decode step, probe.c the
+bandwidth probe, moe_rows.c the routed experts of several tokens grouped by expert, replica.c the per-node
+weight copies' table.
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ from cffi import FFI
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _SOURCES = [
-    "hi_simd.c", "hi_cpu.c", "hi_pool.c", "isa_scalar.c", "isa_ssse3.c", "isa_avx2.c", "isa_avx512vnni.c", "gdn.c",
-    "attn.c", "ops.c", "plan.c", "probe.c", "moe_rows.c", "replica.c",
+    "hi_simd.c", "hi_ctx.c", "hi_cpu.c", "hi_pool.c", "isa_scalar.c", "isa_ssse3.c", "isa_avx2.c", "isa_avx512vnni.c",
+    "gdn.c", "attn.c", "ops.c", "plan.c", "probe.c", "moe_rows.c", "replica.c",
 ]
 _HEADERS = [
-    "hi_simd.h", "hi_internal.h", "hi_pool.h", "hi_replica.h", "blocks.h",
+    "hi_simd.h", "hi_ctx.h", "hi_internal.h", "hi_pool.h", "hi_replica.h", "blocks.h",
     "kernels_body.h", "kernels_quant.h", "kernels_lanes.h", "kernels_tiles.h", "kernels_rows.h",
     "kernels_rows_vnni.h", "kernels_rows_avx2.h", "kernels_rows_ssse3.h", "kernels_rows_small.h", "kernels_attn.h",
     "dot_kquants.h", "dot_q4_K.h", "dot_q5_K.h", "dot_q6_K.h", "dot_kq_shapes.h",

@@ -1,6 +1,6 @@
 /* The library's entry points on a context: the drivers that split a matrix product (or the k experts of a
  * MoE layer) into row chunks for the context's thread pool (hi_pool.c), activation quantization and weight
- * repacking. CPU detection, the kernel tables and the row sizes are in hi_cpu.c; the read-bandwidth probe and
+ * repacking (the context itself: hi_ctx.c). CPU detection, the kernel tables and the row sizes are in hi_cpu.c; the read-bandwidth probe and
  * the pool's self-check in probe.c.
  *
  * No arithmetic of the results happens here (kernels_body.h has the maths); this file only decides which
@@ -14,9 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "hi_internal.h"
-#include "hi_pool.h"
-#include "hi_replica.h"
+#include "hi_ctx.h"
 
 /* the legacy 32-element types, whose activation rows are prepared per call (hi_prep_rows) */
 static int hi_is_legacy(int qtype) {
@@ -27,44 +25,7 @@ static int hi_is_legacy(int qtype) {
 static int hi_is_kquant(int qtype) { return qtype == HI_T_Q4_K || qtype == HI_T_Q5_K || qtype == HI_T_Q6_K; }
 
 /* ================================================================================================ */
-/* context */
-
-struct hi_ctx {
-    const hi_kernels *k;
-    hi_pool *pool;
-    pthread_mutex_t mu;
-    uint8_t *scratch;
-    size_t scratch_cap;
-    int pf_bytes; /* hi_ctx_set_prefetch */
-    hi_reps *reps; /* per-node weight copies (replica.c), NULL: none */
-};
-
-hi_ctx *hi_ctx_new(int isa, int n_threads, int spin_us) {
-    if (isa < 0) isa = hi_best_isa();
-    if (!hi_isa_supported(isa) || n_threads < 1 || n_threads > 4096) return NULL;
-    hi_ctx *c = (hi_ctx *)calloc(1, sizeof(hi_ctx));
-    if (!c) return NULL;
-    c->k = hi_isa_table(isa);
-    c->pool = hi_pool_new(n_threads, spin_us);
-    if (!c->pool) {
-        free(c);
-        return NULL;
-    }
-    pthread_mutex_init(&c->mu, NULL);
-    return c;
-}
-
-void hi_ctx_free(hi_ctx *c) {
-    if (!c) return;
-    hi_pool_free(c->pool);
-    pthread_mutex_destroy(&c->mu);
-    hi_reps_free(c->reps);
-    free(c->scratch);
-    free(c);
-}
-
-int hi_ctx_isa(const hi_ctx *c) { return c->k->isa; }
-int hi_ctx_threads(const hi_ctx *c) { return hi_pool_size(c->pool); }
+/* context: hi_ctx.c; its scratch here */
 
 static uint8_t *hi_scratch(hi_ctx *c, size_t n) {
     if (n > c->scratch_cap) {
@@ -535,54 +496,4 @@ int hi_repack_rows(hi_ctx *c, int qtype, void *data, int64_t nbytes) {
     if (nbytes < 0 || nbytes % bs || (nbytes && !data)) return -2;
     c->k->krepack(qtype, (uint8_t *)data, nbytes / bs);
     return qtype | HI_T_ZIPPED;
-}
-
-/* ---- tuning -------------------------------------------------------------------------------------- */
-
-void hi_ctx_set_prefetch(hi_ctx *c, int bytes) { c->pf_bytes = bytes < 0 ? 0 : bytes; }
-int hi_ctx_prefetch(const hi_ctx *c) { return c->pf_bytes; }
-
-_Static_assert(sizeof(hi_pool_acc) == 7 * sizeof(double), "hi_pool_acc: 7 doubles");
-void hi_ctx_pool_stats(hi_ctx *c, int on, double *out) {
-    hi_pool_acc acc[2];
-    pthread_mutex_lock(&c->mu);
-    hi_pool_stats(c->pool, on, out ? acc : NULL);
-    pthread_mutex_unlock(&c->mu);
-    if (out) memcpy(out, acc, sizeof(acc));
-}
-
-/* ================================================================================================ */
-/* for the library's other drivers (gdn.c): the context's mutex and its pool */
-
-void hi_ctx_lock(hi_ctx *c) { pthread_mutex_lock(&c->mu); }
-void hi_ctx_unlock(hi_ctx *c) { pthread_mutex_unlock(&c->mu); }
-void hi_ctx_run(hi_ctx *c, void (*fn)(void *arg, int64_t chunk), void *arg, int64_t total) {
-    hi_pool_run(c->pool, fn, arg, total);
-}
-const hi_kernels *hi_ctx_kernels(const hi_ctx *c) { return c->k; }
-hi_pool *hi_ctx_pool(hi_ctx *c) { return c->pool; }
-hi_reps **hi_ctx_reps(hi_ctx *c) { return &c->reps; }
-
-typedef struct {
-    void (*fn)(void *arg, int64_t t, int64_t e0, int64_t e1);
-    void *arg;
-    int64_t n, seg, per_row;
-} hi_rows_job;
-
-static void hi_rows_chunk(void *a, int64_t i) {
-    const hi_rows_job *j = (const hi_rows_job *)a;
-    const int64_t t = i / j->per_row, e0 = (i % j->per_row) * j->seg;
-    j->fn(j->arg, t, e0, e0 + j->seg < j->n ? e0 + j->seg : j->n);
-}
-
-void hi_ctx_run_rows(hi_ctx *c, void (*fn)(void *arg, int64_t t, int64_t e0, int64_t e1), void *arg, int64_t T,
-                     int64_t n, int64_t seg) {
-    hi_rows_job j = {fn, arg, n, seg, (n + seg - 1) / seg};
-    pthread_mutex_lock(&c->mu);
-    if (T * n < 2 * seg || hi_pool_size(c->pool) == 1) {
-        for (int64_t t = 0; t < T; t++) fn(arg, t, 0, n);
-    } else {
-        hi_pool_run(c->pool, hi_rows_chunk, &j, T * j.per_row);
-    }
-    pthread_mutex_unlock(&c->mu);
 }
