@@ -90,7 +90,7 @@ class Workspace:
         D = a.n_embd
         self.T, self.n_ctx = T, n_ctx
         # decode (T = 1, or `rows`: one token of each of T sequences): native calls bound to these buffers once
-        self.bind, self.rows = T == 1 or rows, rows
+        self.bind = T == 1 or rows
         self.calls: dict[tuple, object] = {}
         self.rec: list | None = None  # decode: the step being recorded (every operation, in order)
         self.plans: dict = {}  # decode: recorded steps by id(state) (BatchPlan: by the states' ids)
@@ -208,8 +208,7 @@ class CPUModel(Backend):
             ws.calls[key] = hit = (arrays, self.simd.bind(method, *args))
         b = hit[1]
         if ws.rec is not None:
-            # a BatchPlan keeps each attention call's position (DecodePlan sets it from the state when it runs)
-            ws.rec.append(b.at(st.pos) if ws.rows and b.pos_arg is not None else b)
+            ws.rec.append(b)
         if b.pos_arg is None:
             b()
         else:

@@ -32,11 +32,6 @@ class Bound:
         self.fn, self.cargs, self.name, self.keep = fn, cargs, name, keep
         self.pos_arg = POS_ARGS.get(name)
 
-    def at(self, pos: int) -> Bound:
-        """this call with its recorded position set to pos (a BatchPlan's steps keep the positions they ran at)"""
-        j = 1 + self.pos_arg
-        return Bound(self.fn, self.cargs[:j] + (int(pos),) + self.cargs[j + 1 :], self.name, self.keep)
-
     def __call__(self, pos: int | None = None) -> None:
         cargs = self.cargs
         if self.pos_arg is not None:
@@ -53,9 +48,8 @@ class Steps:
     """Bound calls packed for hi_plan_run; run(pos) runs them all at the token position pos. With `ns` set to
     an int64 array of len(calls) (benchmarks), each run adds every call's nanoseconds to it."""
 
-    def __init__(self, simd, calls: list[Bound], relative: bool = False):
+    def __init__(self, simd, calls: list[Bound]):
         ffi = simd._ffi
-        self.relative = relative  # positions as recorded, run(pos) adds pos to them (BatchPlan)
         self._ffi, self._lib, self._simd = ffi, simd._lib, simd
         self.calls = calls
         self._arr = ffi.new("hi_step[]", len(calls))
@@ -85,7 +79,7 @@ class Steps:
                 s.a[j].i = int(v)
             else:
                 raise TypeError(f"{b.name}: parameter {j} of C type {t.cname} cannot be recorded")
-        if b.pos_arg is not None and not self.relative:
+        if b.pos_arg is not None:
             s.a[b.pos_arg].i = 0  # hi_plan_run adds the position
 
     def run(self, pos: int) -> None:
@@ -98,6 +92,34 @@ class Steps:
         rc = self._lib.hi_plan_run(self._simd._c, self._arr, len(self.calls), int(pos), self._failed, ns)
         if rc:
             _check_rc(rc, self.calls[self._failed[0]].name)
+
+
+def segments(simd, steps: list) -> list:
+    """A recorded step's operations as runs of Bound calls packed into Steps (one native call each) and the rest
+    (zero-argument Python callables, or Bound subclasses such as the profiler's clocked calls) as they are."""
+    out: list = []
+    run: list[Bound] = []
+    for f in steps + [None]:
+        if type(f) is Bound:
+            run.append(f)
+            continue
+        if run:
+            out.append(Steps(simd, run))
+            run = []
+        if f is not None:
+            out.append(f)
+    return out
+
+
+def run_segments(segs: list, pos: int) -> None:
+    """segments() in order, at position pos (DecodePlan: the state's; BatchPlan: the offset since recording)"""
+    for s in segs:
+        if type(s) is Steps:
+            s.run(pos)
+        elif getattr(s, "pos_arg", None) is not None:
+            s(pos)
+        else:
+            s()
 
 
 class DecodePlan:
@@ -113,26 +135,10 @@ class DecodePlan:
         self.arrays = self._arrays(state)
         self.ids = tuple(map(id, self.arrays))
         self.out = out
-        self.segments: list = []
-        run: list[Bound] = []
-        for f in steps + [None]:
-            if type(f) is Bound:  # a subclass (the profiler's clocked calls) runs from Python
-                run.append(f)
-                continue
-            if run:
-                self.segments.append(Steps(simd, run))
-                run = []
-            if f is not None:
-                self.segments.append(f)
+        self.segments = segments(simd, steps)
 
     def run(self, st: DecoderState):
-        for s in self.segments:
-            if type(s) is Steps:
-                s.run(st.pos)
-            elif getattr(s, "pos_arg", None) is not None:
-                s(st.pos)
-            else:
-                s()
+        run_segments(self.segments, st.pos)
         return self.out
 
     @staticmethod
@@ -156,9 +162,10 @@ class DecodePlan:
 
 class BatchPlan:
     """One decode step of B sequences (CPUModel.decode_batch) as recorded over a workspace of B rows, replayed in
-    order like DecodePlan. Every sequence advances one position a step, so each attention call keeps the position
-    it was recorded with and the plan runs at the number of steps since (one offset for all). Valid while the
-    same states, in the same order, hold the same arrays and have all advanced by the same number of steps."""
+    order like DecodePlan. Every sequence advances one position a step, so the attention call (attn_rows) keeps the
+    positions it was recorded with and the plan runs at the number of steps since: the offset it adds to them.
+    Valid while the same states, in the same order, hold the same arrays and have all advanced by the same number
+    of steps."""
 
     MAX_PLANS = 8  # per workspace: sets of sequences decoded in turn over it
 
@@ -168,17 +175,7 @@ class BatchPlan:
         self.arrays = [DecodePlan._arrays(st) for st in states]  # kept alive: their ids cannot be reused
         self.pos0 = [st.pos for st in states]
         self.out = out
-        self.segments: list = []
-        run: list[Bound] = []
-        for f in steps + [None]:
-            if type(f) is Bound:
-                run.append(f)
-                continue
-            if run:
-                self.segments.append(Steps(simd, run, relative=True))
-                run = []
-            if f is not None:
-                self.segments.append(f)
+        self.segments = segments(simd, steps)
 
     def holds(self, ids: set[int]) -> bool:
         """whether it keeps any of these arrays (by id) alive"""
@@ -199,13 +196,7 @@ class BatchPlan:
         return d if d >= 0 else None
 
     def run(self, delta: int):
-        for s in self.segments:
-            if type(s) is Steps:
-                s.run(delta)
-            elif getattr(s, "pos_arg", None) is not None:  # a Bound run from Python: its recorded position on
-                s(s.cargs[1 + s.pos_arg] + delta)
-            else:
-                s()
+        run_segments(self.segments, delta)
         return self.out
 
     @classmethod
