@@ -106,6 +106,28 @@ def test_grouped_experts_take_each_experts_shape(libs, qtype, rows):
                                               cols, counts[g])[1]), (isa, int(e))
 
 
+def test_grouped_experts_beyond_one_pool_task(libs):
+    """More groups than one pool task holds (130 jobs: 65 groups of gate and up): the rest run in further tasks,
+    each pair's products as that expert's own."""
+    rng = np.random.default_rng(3)
+    E, rows, cols = 150, 8, 256
+    wg = random_blocks(ak.Q4_K, E * rows * cols // 256, rng).reshape(-1)
+    wu = random_blocks(ak.Q4_K, E * rows * cols // 256, rng).reshape(-1)
+    per = wg.size // E
+    xq = ak.quantize_q8_K(rng.standard_normal((E, cols)).astype(np.float32))
+    experts = rng.permutation(E).astype(np.int32)
+    starts = np.arange(E + 1, dtype=np.int64)
+    for isa, lib in libs.items():
+        g, u = np.zeros((E, rows), np.float32), np.zeros((E, rows), np.float32)
+        lib.moe_grouped([(wg, ak.Q4_K), (wu, ak.Q4_K)], rows, cols, xq, experts, starts, [g, u], GGML_MUL_MAT_ID)
+        for p, e in enumerate(experts):
+            for w, got in ((wg, g), (wu, u)):
+                want = np.zeros((1, rows), np.float32)
+                lib.matmul(w[e * per:(e + 1) * per], ak.Q4_K, rows, cols, np.ascontiguousarray(xq[p : p + 1]), want,
+                           GGML_MUL_MAT_ID)
+                assert np.array_equal(got[p], want[0]), (isa, p, int(e))
+
+
 @pytest.mark.parametrize("T, pos0, hd", [(1, 0, 64), (1, 70, 64), (5, 3, 64), (4, 20, 24), (2, 0, 16)])
 def test_attention_matches_reference(libs, T, pos0, hd):
     rng = np.random.default_rng(T * 100 + pos0)

@@ -128,9 +128,9 @@ class MoECalls:
         xq (npairs, act_row_bytes) sorted by expert, group g (expert experts[g]) holding rows starts[g] ..
         starts[g+1]-1 (starts[0] = 0, starts[-1] = npairs, increasing); for each (w, qtype) in `weights` (one or two
         stacked expert tensors of `rows` x `cols` matrices, e.g. gate and up, taking one activation format) and its
-        out (npairs, rows) float32 in `outs`: out[p] = W[experts[g]] . x[p] for p in group g. One pool task per
-        call, each selected expert's rows read once for all its pairs; with GGML_DECODE_ROWS each row as that token
-        alone would get it."""
+        out (npairs, rows) float32 in `outs`: out[p] = W[experts[g]] . x[p] for p in group g. Pool tasks of up to
+        130 jobs (two per group with gate and up), each selected expert's rows read once for all its pairs; with
+        GGML_DECODE_ROWS each row as that token alone would get it."""
         weights, outs = list(weights), list(outs)
         if not 1 <= len(weights) <= 2 or len(outs) != len(weights):
             raise ValueError(f"moe_grouped takes one or two (w, qtype) and as many outs, got {len(weights)} and "
@@ -171,16 +171,11 @@ class MoECalls:
                 raise ValueError("outs must have the same row stride")
             os_ = s
         ffi = self._ffi
-        per = 128 // len(qts)  # groups per call: the C side runs at most 130 jobs in one task
-        for g0 in range(0, ex.size, per):
-            g1 = min(ex.size, g0 + per)
-            p0, p1 = int(st[g0]), int(st[g1])
-            sub = np.ascontiguousarray(st[g0 : g1 + 1] - p0)
-            rc = self._lib.hi_moe_grouped(
-                self._c, len(qts), qts, [_ptr(ffi, "uint8_t *", w) for w in wps], ne, rows, cols,
-                ffi.cast("uint8_t *", xq.ctypes.data + p0 * xs), xs, p1 - p0, g1 - g0,
-                _ptr(ffi, "int32_t *", ex[g0:g1]), _ptr(ffi, "int64_t *", sub),
-                [ffi.cast("float *", o.ctypes.data + p0 * os_ * 4) for o in outs], os_, _op(ggml_op))
+        rc = self._lib.hi_moe_grouped(
+            self._c, len(qts), qts, [_ptr(ffi, "uint8_t *", w) for w in wps], ne, rows, cols,
+            _ptr(ffi, "uint8_t *", xq), xs, npairs, ex.size, _ptr(ffi, "int32_t *", ex), _ptr(ffi, "int64_t *", st),
+            [_ptr(ffi, "float *", o) for o in outs], os_, _op(ggml_op))
+        if rc:
             _check_rc(rc, "moe_grouped")
 
     def moe_rows_scratch(self, n_pairs: int, n_expert: int, qtype, n_embd: int) -> int:

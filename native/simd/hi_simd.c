@@ -298,12 +298,12 @@ static hi_mm hi_row_job(hi_ctx *c, int ggml_op, int qtype, const void *w, int64_
  * xq_row bytes apart) sorted so that group g (expert experts[g]) holds pairs starts[g] .. starts[g+1]-1; for each of
  * the nw (1 or 2: gate and up) stacked expert tensors ws[w] and each group,
  *     outs[w][p] = W_w[experts[g]] . x[p]    for p in the group,
- * all groups in one pool task, each selected expert's rows read once for all its pairs. The activation rows are
- * prepared once per weight type and shared by the groups. */
+ * the groups in pool tasks of up to HI_MAX_JOBS jobs, each selected expert's rows read once for all its pairs. The
+ * activation rows are prepared once per weight type and shared by the groups. */
 int hi_moe_grouped(hi_ctx *c, int nw, const int *qtypes, const void *const *ws, int64_t n_expert, int64_t rows,
                    int64_t cols, const void *xq, int64_t xq_row, int64_t npairs, int ngroups, const int32_t *experts,
                    const int64_t *starts, float *const *outs, int64_t out_row, int ggml_op) {
-    if (nw < 1 || nw > 2 || ngroups < 1 || nw * ngroups > HI_MAX_JOBS || rows < 1 || n_expert < 1 || npairs < 1 ||
+    if (nw < 1 || nw > 2 || ngroups < 1 || rows < 1 || n_expert < 1 || npairs < 1 ||
         !xq || !ws || !outs || !experts || !starts || out_row < rows || ggml_op < 0 || ggml_op > HI_GGML_DECODE_ROWS)
         return -2;
     for (int w = 0; w < nw; w++) {
@@ -342,8 +342,12 @@ int hi_moe_grouped(hi_ctx *c, int nw, const int *qtypes, const void *const *ws, 
             if (s) hi_prep_share(&m, &prep[w], p0, nb);
             jobs[n++] = m;
         }
+        if (n + nw > HI_MAX_JOBS) { /* a pool task holds at most HI_MAX_JOBS jobs: the next groups in the next */
+            hi_run_jobs(c, jobs, n);
+            n = 0;
+        }
     }
-    hi_run_jobs(c, jobs, n);
+    if (n) hi_run_jobs(c, jobs, n);
     pthread_mutex_unlock(&c->mu);
     return 0;
 }

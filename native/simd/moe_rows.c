@@ -14,9 +14,6 @@
 #include "hi_internal.h"
 #include "hi_simd.h"
 
-/* groups per hi_moe_grouped call: it runs at most HI_MAX_JOBS = 2 * 64 + 2 jobs, two per group for gate and up */
-#define HI_MR_GROUPS 64
-
 static size_t al64(size_t n) { return (n + 63) & ~(size_t)63; }
 
 int64_t hi_moe_rows_scratch(int64_t n_pairs, int64_t n_expert, int64_t x_bytes, int64_t n_embd) {
@@ -74,29 +71,14 @@ int hi_moe_rows(hi_ctx *c, int gate_qt, const void *wg, int up_qt, const void *w
         memcpy(xs + (size_t)q * (size_t)xr, (const uint8_t *)xq + (size_t)(order[q] / k) * (size_t)xq_row, (size_t)xr);
     const int gu_qt[2] = {gate_qt, up_qt}, d_qt[1] = {down_qt};
     const void *gu_w[2] = {wg, wu}, *d_w[1] = {wd};
-    for (int g0 = 0; g0 < ng; g0 += HI_MR_GROUPS) {
-        const int g1 = g0 + HI_MR_GROUPS < ng ? g0 + HI_MR_GROUPS : ng;
-        const int64_t p0 = starts[g0], np = starts[g1] - p0;
-        int64_t sub[HI_MR_GROUPS + 1];
-        for (int g = g0; g <= g1; g++) sub[g - g0] = starts[g] - p0;
-        float *gu_out[2] = {eg + p0 * e_row, eu + p0 * e_row};
-        int rc = hi_moe_grouped(c, 2, gu_qt, gu_w, n_expert, n_ff, n_embd, xs + (size_t)p0 * (size_t)xr, xr,
-                                np, g1 - g0, experts + g0, sub, gu_out, e_row, ggml_op);
-        if (rc) return rc;
-    }
-    int rc = hi_swiglu(c, eg, e_row, eu, e_row, eg, e_row, n, n_ff);
+    float *gu_out[2] = {eg, eu}, *d_out[1] = {out};
+    int rc = hi_moe_grouped(c, 2, gu_qt, gu_w, n_expert, n_ff, n_embd, xs, xr, n, ng, experts, starts, gu_out, e_row,
+                            ggml_op);
+    if (!rc) rc = hi_swiglu(c, eg, e_row, eu, e_row, eg, e_row, n, n_ff);
     if (!rc) rc = hi_quantize(c, down_qt, eg, e_row, n, n_ff, hq, hq_row);
+    if (!rc) rc = hi_moe_grouped(c, 1, d_qt, d_w, n_expert, n_embd, n_ff, hq, hq_row, n, ng, experts, starts, d_out,
+                                 n_embd, ggml_op);
     if (rc) return rc;
-    for (int g0 = 0; g0 < ng; g0 += 2 * HI_MR_GROUPS) {
-        const int g1 = g0 + 2 * HI_MR_GROUPS < ng ? g0 + 2 * HI_MR_GROUPS : ng;
-        const int64_t p0 = starts[g0], np = starts[g1] - p0;
-        int64_t sub[2 * HI_MR_GROUPS + 1];
-        for (int g = g0; g <= g1; g++) sub[g - g0] = starts[g] - p0;
-        float *d_out[1] = {out + p0 * n_embd};
-        rc = hi_moe_grouped(c, 1, d_qt, d_w, n_expert, n_embd, n_ff, (const uint8_t *)hq + (size_t)p0 * (size_t)hq_row,
-                            hq_row, np, g1 - g0, experts + g0, sub, d_out, n_embd, ggml_op);
-        if (rc) return rc;
-    }
     for (int64_t q = 0; q < n; q++)
         memcpy(ys + (size_t)order[q] * (size_t)ys_row, out + q * n_embd, (size_t)n_embd * 4);
     return 0;
