@@ -31,6 +31,15 @@ static int64_t attn_max_chunks(const hi_ctx *c) {
     return n < HI_ATTN_MAX_CHUNKS ? n : HI_ATTN_MAX_CHUNKS;
 }
 
+/* pool chunks for `rows` query rows: as many as the scratch holds (fits; < 1: too small), at most
+ * attn_max_chunks and one per row, and one alone when the call is too small to wake the pool (inline) */
+static int64_t attn_chunks(const hi_ctx *c, int64_t fits, int64_t rows, int inline_call) {
+    if (fits < 1) return fits;
+    const int64_t most = inline_call ? 1 : attn_max_chunks(c);
+    const int64_t n = fits < most ? fits : most;
+    return n < rows ? n : rows;
+}
+
 int64_t hi_attention_scratch(const hi_ctx *c, int64_t n_ctx, int64_t hd) {
     if (!c || n_ctx < 1 || hd < 1) return -2;
     return attn_max_chunks(c) * hi_ctx_kernels(c)->attn_scratch(n_ctx, hd);
@@ -44,12 +53,9 @@ int hi_attention(hi_ctx *c, const float *q, int64_t q_row, int64_t T, int64_t H,
     if (q_row < H * hd || out_row < H * hd || kv_row < Hkv * hd) return -2;
     const hi_kernels *kt = hi_ctx_kernels(c);
     const int64_t row_scratch = kt->attn_scratch(pos0 + T, hd);
-    int64_t chunks = scratch_len / row_scratch;
-    if (chunks < 1) return -2;
     const int64_t rows = T * H, n = pos0 + T;
-    const int64_t max_chunks = (n * rows * hd < HI_ATTN_INLINE_MACS) ? 1 : attn_max_chunks(c);
-    if (chunks > max_chunks) chunks = max_chunks;
-    if (chunks > rows) chunks = rows;
+    const int64_t chunks = attn_chunks(c, scratch_len / row_scratch, rows, n * rows * hd < HI_ATTN_INLINE_MACS);
+    if (chunks < 1) return -2;
     attn_job j = {.k = kt,
                   .a = {.q = q, .k = k, .v = v, .out = out, .T = T, .H = H, .Hkv = Hkv, .hd = hd, .pos0 = pos0,
                         .q_row = q_row, .kv_row = kv_row, .out_row = out_row, .scale = scale},
@@ -127,6 +133,19 @@ int hi_rope(hi_ctx *c, float *x, int64_t T, int64_t H, int64_t hd, int64_t pos0,
     return 0;
 }
 
+/* the first half of an attention step: T new K/V rows into the caches at pos0.., q and those K rows roped there */
+static int attn_store_rope(hi_ctx *c, float *q, int64_t T, int64_t H, int64_t hd, const float *k_new,
+                           const float *v_new, int64_t kv_new_row, float *k_cache, float *v_cache, int64_t Hkv,
+                           int64_t pos0, int64_t n_rot, float theta_base, int neox, const float *freq_factors) {
+    const int64_t kv = Hkv * hd;
+    for (int64_t t = 0; t < T; t++) {
+        memcpy(k_cache + (pos0 + t) * kv, k_new + t * kv_new_row, (size_t)kv * sizeof(float));
+        memcpy(v_cache + (pos0 + t) * kv, v_new + t * kv_new_row, (size_t)kv * sizeof(float));
+    }
+    const int rc = hi_rope(c, q, T, H, hd, pos0, n_rot, theta_base, neox, freq_factors);
+    return rc ? rc : hi_rope(c, k_cache + pos0 * kv, T, Hkv, hd, pos0, n_rot, theta_base, neox, freq_factors);
+}
+
 int hi_attn_step(hi_ctx *c, float *q, int64_t T, int64_t H, int64_t hd, const float *k_new, const float *v_new,
                  int64_t kv_new_row, float *k_cache, float *v_cache, int64_t n_ctx, int64_t Hkv, int64_t pos0,
                  int64_t n_rot, float theta_base, int neox, const float *freq_factors, float scale, float *out,
@@ -135,12 +154,8 @@ int hi_attn_step(hi_ctx *c, float *q, int64_t T, int64_t H, int64_t hd, const fl
     if (!c || !q || !k_new || !v_new || !k_cache || !v_cache || T < 1 || Hkv < 1 || hd < 1 || kv_new_row < kv ||
         pos0 < 0 || pos0 > n_ctx - T)
         return -2;
-    for (int64_t t = 0; t < T; t++) {
-        memcpy(k_cache + (pos0 + t) * kv, k_new + t * kv_new_row, (size_t)kv * sizeof(float));
-        memcpy(v_cache + (pos0 + t) * kv, v_new + t * kv_new_row, (size_t)kv * sizeof(float));
-    }
-    int rc = hi_rope(c, q, T, H, hd, pos0, n_rot, theta_base, neox, freq_factors);
-    if (!rc) rc = hi_rope(c, k_cache + pos0 * kv, T, Hkv, hd, pos0, n_rot, theta_base, neox, freq_factors);
+    int rc = attn_store_rope(c, q, T, H, hd, k_new, v_new, kv_new_row, k_cache, v_cache, Hkv, pos0, n_rot, theta_base,
+                             neox, freq_factors);
     if (!rc) rc = hi_attention(c, q, H * hd, T, H, hd, k_cache, v_cache, kv, Hkv, pos0, scale, out, out_row, scratch,
                                scratch_len);
     return rc;
@@ -182,10 +197,9 @@ int hi_attn_rows(hi_ctx *c, int64_t B, float *q, int64_t q_row, int64_t H, int64
         for (int64_t i = 0; i < nb; i++) {
             const int64_t j = j0 + i, p = pos[j] + dpos;
             if (p < 0 || p > n_ctx - 1 || !k_cache[j] || !v_cache[j]) return -2;
-            memcpy(k_cache[j] + p * kv, k_new + j * kv_new_row, (size_t)kv * sizeof(float));
-            memcpy(v_cache[j] + p * kv, v_new + j * kv_new_row, (size_t)kv * sizeof(float));
-            int rc = hi_rope(c, q + j * q_row, 1, H, hd, p, n_rot, theta_base, neox, freq_factors);
-            if (!rc) rc = hi_rope(c, k_cache[j] + p * kv, 1, Hkv, hd, p, n_rot, theta_base, neox, freq_factors);
+            const int rc = attn_store_rope(c, q + j * q_row, 1, H, hd, k_new + j * kv_new_row, v_new + j * kv_new_row,
+                                           kv_new_row, k_cache[j], v_cache[j], Hkv, p, n_rot, theta_base, neox,
+                                           freq_factors);
             if (rc) return rc;
             a[i] = (hi_attn){.q = q + j * q_row, .k = k_cache[j], .v = v_cache[j], .out = out + j * out_row, .T = 1,
                              .H = H, .Hkv = Hkv, .hd = hd, .pos0 = p, .q_row = H * hd, .kv_row = kv,
@@ -193,10 +207,8 @@ int hi_attn_rows(hi_ctx *c, int64_t B, float *q, int64_t q_row, int64_t H, int64
             if (p + 1 > longest) longest = p + 1;
         }
         const int64_t row_scratch = kt->attn_scratch(longest, hd), rows = nb * H;
-        int64_t chunks = scratch_len / row_scratch;
+        const int64_t chunks = attn_chunks(c, scratch_len / row_scratch, rows, 0);
         if (chunks < 1) return -2;
-        if (chunks > attn_max_chunks(c)) chunks = attn_max_chunks(c);
-        if (chunks > rows) chunks = rows;
         attn_rows_job job = {.k = kt, .a = a, .H = H, .rows = rows, .per = (rows + chunks - 1) / chunks,
                              .row_scratch = row_scratch, .scratch = scratch};
         hi_ctx_lock(c);
