@@ -341,6 +341,14 @@ def _alias_reasoning(message: dict) -> dict:
     return message
 
 
+def check_template(template: str) -> str:
+    """`template` itself once it compiles; TemplateError naming the fault otherwise (empty, not text, bad syntax)."""
+    if not isinstance(template, str) or not template.strip():
+        raise TemplateError("the chat template is empty")
+    _compile(template)
+    return template
+
+
 def render_chat(
     template: str,
     messages: Sequence[Mapping[str, Any]],

@@ -49,12 +49,24 @@ def _engine(a, quiet: bool = False):
         cache = {"ram_bytes": a.prefix_cache_ram, "disk_dir": a.prefix_cache_dir,
                  "disk_bytes": a.prefix_cache_disk if a.prefix_cache_dir else None}
         opts["snapshot_stride"] = a.snapshot_stride
+    template = None
+    if getattr(a, "chat_template_file", None):
+        template = _read_text(a.chat_template_file, "--chat-template-file")
     eng = Engine.load(a.model, backend=a.backend, n_ctx=a.n_ctx, progress=sys.stderr.isatty(),
-                      prefix_cache=cache, max_seqs=a.max_seqs, state_budget=a.state_budget or None, **opts)
+                      prefix_cache=cache, chat_template=template, max_seqs=a.max_seqs,
+                      state_budget=a.state_budget or None, **opts)
     if "numa" in opts:
         for line in getattr(eng.backend, "cpu", eng.backend).replicas.describe():
             say(line)
     return eng
+
+
+def _read_text(path: str, flag: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError as e:
+        raise ParameterError(f"{flag} {path!r} is not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
 def _sampling(a) -> dict:

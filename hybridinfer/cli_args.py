@@ -82,6 +82,8 @@ def _add_model(p: argparse.ArgumentParser, required: bool = False) -> None:
     p.add_argument("--state-budget", type=parse_size, default=None,
                    help="bytes of sequence states and K/V the scheduler may hold at once, e.g. 4GiB (default: no "
                         "limit); a request that cannot fit alone is refused")
+    p.add_argument("--chat-template-file", default=None,
+                   help="a Jinja chat template used instead of the GGUF's (as llama-server's --chat-template-file)")
     from .cli_numa import add_numa_flag
 
     add_numa_flag(p)

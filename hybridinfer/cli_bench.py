@@ -115,15 +115,18 @@ def cmd_bench_prefill(a) -> int:
 def cmd_bench_serve(a) -> int:
     import json
 
-    from .benchmarks import serve
+    from .benchmarks import serve, serve_plot
 
     conc = _positive_ints("--concurrency", a.concurrency, "client counts")
     _check_tools(a, "--llama-server")
+    if a.chat_template_file and not os.path.isfile(a.chat_template_file):
+        raise ParameterError(f"--chat-template-file {a.chat_template_file!r}: no such file")
     res = serve.run(a.model, a.threads, a.max_seqs, conc, a.requests, a.max_tokens, a.conversations, a.turns,
-                    a.system_tokens, a.shared_system, a.n_ctx, a.backend, a.llama_server)
+                    a.system_tokens, a.shared_system, a.n_ctx, a.backend, a.llama_server,
+                    a.chat_template_file and os.path.abspath(a.chat_template_file))
     print(serve.markdown(res))
     _save_bench(a.out_dir, f"serve-{_model_stem(a.model)}-t{a.threads}", json.dumps(res, indent=1),
-                lambda png: serve.plot(res, png))
+                lambda png: serve_plot.plot(res, png))
     return 0
 
 
@@ -215,6 +218,9 @@ def add_bench_parsers(sub) -> None:
                    help="context per sequence (llama-server: -c max_seqs * n_ctx)")
     b.add_argument("--backend", default="cpu", choices=["reference", "cpu", "gpu", "auto"])
     b.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary, run on the same GGUF")
+    b.add_argument("--chat-template-file", default=None,
+                   help="a chat template both servers render (llama-server with --jinja), so both see the same "
+                        "prompt tokens, tools included (e.g. bench/qwen35_chat_template.jinja)")
     b = _bench_parser(bsub, "batch-job", "a batch job end to end: N requests sharing a long system prompt through "
                       "`hybridinfer batch` (one at a time, the scheduler, 2 shards, each --numa policy) and "
                       "llama.cpp's llama-server fed the same requests", cmd_bench_batch_job, model_required=False)

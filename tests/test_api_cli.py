@@ -83,6 +83,31 @@ def test_chat_messages_are_templated(smollm_ref):
     assert g.prompt_tokens == len(eng.encode_prompt(msgs))
 
 
+def test_chat_template_override(smollm_path, tmp_path, capsys):
+    """A template file replaces the GGUF's (Engine.load(chat_template=...), --chat-template-file); a bad one is a
+    typed error before any request, naming the fault."""
+    from hybridinfer.cli import main
+    from hybridinfer.errors import TemplateError
+
+    tmpl = ("{% for m in messages %}<<{{ m.role }}:{{ m.content }}>>{% endfor %}"
+            "{% if add_generation_prompt %}=>{% endif %}")
+    eng = Engine.load(smollm_path, backend="reference", n_ctx=256, chat_template=tmpl)
+    assert eng.chat_prompt([{"role": "user", "content": "hi"}]) == "<<user:hi>>=>"
+    for bad, match in (("", "empty"), ("{% for x in %}", "syntax error")):
+        with pytest.raises(TemplateError, match=match):
+            Engine.load(smollm_path, backend="reference", n_ctx=256, chat_template=bad)
+    path = tmp_path / "t.jinja"
+    path.write_text(tmpl)
+    assert main(["run", "-m", smollm_path, "--backend", "reference", "--chat-template-file", str(path), "-n", "1",
+                 "--stats", "-p", "hi"]) == 0
+    assert f"[prompt {len(eng.tokenize('<<user:hi>>=>'))} tok" in capsys.readouterr().err
+    path.write_bytes(b"\xff\xfe{{")
+    assert main(["run", "-m", smollm_path, "--chat-template-file", str(path), "-p", "hi"]) == 2
+    assert "not UTF-8" in capsys.readouterr().err
+    assert main(["run", "-m", smollm_path, "--chat-template-file", str(tmp_path / "none.jinja"), "-p", "hi"]) == 2
+    assert "none.jinja" in capsys.readouterr().err
+
+
 def test_engine_bad_input(smollm_ref, smollm_path):
     eng = smollm_ref
     with pytest.raises(ContextLengthError, match="n_ctx=1024"):

@@ -20,12 +20,14 @@ pytest.importorskip("fastapi")
 
 
 _table = md_rows
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QWEN35 = os.path.join(ROOT, "bench", "qwen35_chat_template.jinja")
 
 
 def test_bench_serve(smollm_path, tmp_path, capsys):
     assert main(["bench", "serve", "-m", smollm_path, "-t", "2", "--max-seqs", "2", "--concurrency", "1,2",
                  "--requests", "2", "--max-tokens", "12", "--conversations", "2", "--turns", "2",
-                 "--system-tokens", "200", "--out-dir", str(tmp_path)]) == 0
+                 "--system-tokens", "200", "--out-dir", str(tmp_path), "--chat-template-file", QWEN35]) == 0
     out = capsys.readouterr().out
     stem = os.path.join(str(tmp_path), f"serve-{os.path.splitext(os.path.basename(smollm_path))[0]}-t2")
     with open(stem + ".json") as f:
@@ -48,11 +50,28 @@ def test_bench_serve(smollm_path, tmp_path, capsys):
     later = agent["per_turn"][1]
     assert later["turn"] == 1 and later["requests"] == 2 and later["reprocessed"] < later["prompt_tokens"]
     assert agent["first_turn_prompt_tokens_mean"] > 200  # system prompt and tools
-    assert agent["later_over_first_ttft"] == pytest.approx(agent["later_ttft_p50_ms"] / agent["first_ttft_p50_ms"])
+    # first turns found nothing cached (one system prompt per conversation), later turns restored their history
+    assert agent["cold_requests"] == 2 and agent["cached_requests"] == 2
+    assert agent["cached_over_cold_ttft"] == pytest.approx(agent["cached_ttft_p50_ms"] / agent["cold_ttft_p50_ms"])
+    assert res["meta"]["chat_template_file"] == QWEN35
     assert len(_table(out, "| engine | first-turn prompt tok |")) == 1
     assert "llama-server" not in [r["engine"] for r in rows] and "vs llama-server" not in out
     if importlib.util.find_spec("matplotlib") is not None:
         assert os.path.getsize(stem + ".png") > 0
+
+
+def test_both_servers_render_the_template_file():
+    ours = serve.ours_cmd("m.gguf", 8080, 2, 4, 1024, "cpu", "/t/q.jinja")
+    assert ours[ours.index("--chat-template-file") + 1] == "/t/q.jinja"
+    theirs = serve.llama_cmd("llama-server", "m.gguf", 8080, 2, 4, 1024, "/t/q.jinja")
+    assert "--jinja" in theirs and theirs[theirs.index("--chat-template-file") + 1] == "/t/q.jinja"
+    assert "--chat-template-file" not in serve.ours_cmd("m.gguf", 8080, 2, 4, 1024, "cpu")
+    assert "--jinja" not in serve.llama_cmd("llama-server", "m.gguf", 8080, 2, 4, 1024)
+
+
+def test_bench_serve_bad_template_file(capsys):
+    assert main(["bench", "serve", "-m", "x.gguf", "--chat-template-file", "/nonexistent/t.jinja"]) == 2
+    assert "--chat-template-file" in capsys.readouterr().err
 
 
 def test_bench_serve_bad_concurrency(capsys):

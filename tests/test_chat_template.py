@@ -6,6 +6,7 @@ import functools
 import importlib.util
 import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -15,120 +16,7 @@ from hybridinfer.errors import HybridInferError, TemplateError
 # A Qwen3.5-style template written from spec section 6 (the real one cannot be downloaded here): ChatML turns,
 # `<think>` blocks kept only after the last user query, XML tool calls, tool results in a user turn, and
 # a generation prompt that opens `<think>` (or closes an empty one when thinking is off).
-QWEN35_TEMPLATE = r"""
-{%- macro render_content(content) -%}
-    {%- if content is string -%}
-        {{- content -}}
-    {%- elif content is none -%}
-    {%- else -%}
-        {%- for item in content -%}
-            {%- if item.type == 'image' or 'image' in item -%}
-                {{- '<|vision_start|><|image_pad|><|vision_end|>' -}}
-            {%- elif item.type == 'video' or 'video' in item -%}
-                {{- '<|vision_start|><|video_pad|><|vision_end|>' -}}
-            {%- elif item.type == 'text' -%}
-                {{- item.text -}}
-            {%- else -%}
-                {{- raise_exception('unexpected content item type: ' ~ item.type) -}}
-            {%- endif -%}
-        {%- endfor -%}
-    {%- endif -%}
-{%- endmacro -%}
-{%- if not messages %}
-    {{- raise_exception('no messages') }}
-{%- endif %}
-{%- if tools %}
-    {{- '<|im_start|>system\n' }}
-    {%- if messages[0].role == 'system' %}
-        {{- render_content(messages[0].content) + '\n\n' }}
-    {%- endif %}
-    {{- '# Tools\n\nYou have access to the following functions:\n\n<tools>' }}
-    {%- for tool in tools %}
-        {{- '\n' }}
-        {{- tool | tojson }}
-    {%- endfor %}
-    {{- '\n</tools>\n\nIf you choose to call a function ONLY reply in the following format with NO suffix:\n\n' }}
-    {{- '<tool_call>\n<function=example_function_name>\n<parameter=example_parameter_1>\nvalue_1\n</parameter>\n' }}
-    {{- '</function>\n</tool_call><|im_end|>\n' }}
-{%- elif messages[0].role == 'system' %}
-    {{- '<|im_start|>system\n' + render_content(messages[0].content) + '<|im_end|>\n' }}
-{%- endif %}
-{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
-{%- for message in messages[::-1] %}
-    {%- set index = (messages|length - 1) - loop.index0 %}
-    {%- if ns.multi_step_tool and message.role == 'user' %}
-        {%- set content = render_content(message.content) %}
-        {%- if not (content.startswith('<tool_response>') and content.endswith('</tool_response>')) %}
-            {%- set ns.multi_step_tool = false %}
-            {%- set ns.last_query_index = index %}
-        {%- endif %}
-    {%- endif %}
-{%- endfor %}
-{%- for message in messages %}
-    {%- set content = render_content(message.content) %}
-    {%- if message.role == 'system' %}
-        {%- if not loop.first %}
-            {{- raise_exception('a system message must come first') }}
-        {%- endif %}
-    {%- elif message.role == 'user' %}
-        {{- '<|im_start|>user\n' + content + '<|im_end|>\n' }}
-    {%- elif message.role == 'assistant' %}
-        {%- set reasoning_content = '' %}
-        {%- if message.reasoning_content is string %}
-            {%- set reasoning_content = message.reasoning_content %}
-        {%- elif '</think>' in content %}
-            {%- set reasoning_content = content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') %}
-            {%- set content = content.split('</think>')[-1].lstrip('\n') %}
-        {%- endif %}
-        {%- if loop.index0 > ns.last_query_index %}
-            {{- '<|im_start|>assistant\n<think>\n' + reasoning_content.strip('\n') + '\n</think>\n\n' }}
-            {{- content.lstrip('\n') }}
-        {%- else %}
-            {{- '<|im_start|>assistant\n' + content }}
-        {%- endif %}
-        {%- if message.tool_calls %}
-            {%- for tool_call in message.tool_calls %}
-                {%- if tool_call.function is defined %}
-                    {%- set tool_call = tool_call.function %}
-                {%- endif %}
-                {%- if loop.first and content.strip() %}
-                    {{- '\n\n' }}
-                {%- elif not loop.first %}
-                    {{- '\n' }}
-                {%- endif %}
-                {{- '<tool_call>\n<function=' + tool_call.name + '>\n' }}
-                {%- if tool_call.arguments is mapping %}
-                    {%- for name, value in tool_call.arguments | items %}
-                        {{- '<parameter=' + name + '>\n' }}
-                        {{- value if value is string else value | tojson }}
-                        {{- '\n</parameter>\n' }}
-                    {%- endfor %}
-                {%- endif %}
-                {{- '</function>\n</tool_call>' }}
-            {%- endfor %}
-        {%- endif %}
-        {{- '<|im_end|>\n' }}
-    {%- elif message.role == 'tool' %}
-        {%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}
-            {{- '<|im_start|>user' }}
-        {%- endif %}
-        {{- '\n<tool_response>\n' + content + '\n</tool_response>' }}
-        {%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}
-            {{- '<|im_end|>\n' }}
-        {%- endif %}
-    {%- else %}
-        {{- raise_exception('unexpected message role: ' + message.role) }}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|im_start|>assistant\n' }}
-    {%- if enable_thinking is defined and enable_thinking is false %}
-        {{- '<think>\n\n</think>\n\n' }}
-    {%- else %}
-        {{- '<think>\n' }}
-    {%- endif %}
-{%- endif %}
-"""
+QWEN35_TEMPLATE = (Path(__file__).resolve().parents[1] / "bench" / "qwen35_chat_template.jinja").read_text()
 
 TOOLS = [
     {

@@ -281,15 +281,20 @@ def run_agent(base_url: str, model: str, conversations: int, turns: int, concurr
     for t in threads:
         t.join()
     row = summarize(samples, time.perf_counter() - t0)
-    first = [s for s in samples if s.error is None and s.turn == 0]
-    later = [s for s in samples if s.error is None and s.turn > 0]
-    for name, part in (("first", first), ("later", later)):
+    ok = [s for s in samples if s.error is None]
+    # cold: the engine computed most of the prompt; cached: it restored most of it (system prompt, history)
+    cold = [s for s in ok if s.reprocessed is not None and s.reprocessed > s.prompt / 2]
+    cached = [s for s in ok if s.reprocessed is not None and s.reprocessed <= s.prompt / 2]
+    for name, part in (("first", [s for s in ok if s.turn == 0]), ("later", [s for s in ok if s.turn > 0]),
+                       ("cold", cold), ("cached", cached)):
         sub = summarize(part, 1.0)
         row[f"{name}_ttft_p50_ms"] = sub["ttft_p50_ms"]
         row[f"{name}_prompt_tokens"] = sub["prompt_tokens"]
         row[f"{name}_reprocessed"] = sub["reprocessed"]
-    f, la = row["first_ttft_p50_ms"], row["later_ttft_p50_ms"]
-    row["later_over_first_ttft"] = la / f if f and la is not None else None
+        row[f"{name}_requests"] = len(part)
+    c, w = row["cold_ttft_p50_ms"], row["cached_ttft_p50_ms"]
+    row["cached_over_cold_ttft"] = w / c if c and w is not None else None
+    first = [s for s in ok if s.turn == 0]
     row["first_turn_prompt_tokens_mean"] = float(np.mean([s.prompt for s in first])) if first else None
     keep = ("requests", "ttft_p50_ms", "completion_tokens", "prompt_tokens", "reprocessed")
     per_turn = [summarize([s for s in samples if s.turn == t and s.error is None], 1.0) for t in range(turns)]
@@ -352,17 +357,21 @@ class Server:
         self.log.close()
 
 
-def ours_cmd(model: str, port: int, threads: int, max_seqs: int, n_ctx: int, backend: str) -> list[str]:
+def ours_cmd(model: str, port: int, threads: int, max_seqs: int, n_ctx: int, backend: str,
+             template: str | None = None) -> list[str]:
     return [sys.executable, "-m", "hybridinfer", "serve", "-m", model, "--port", str(port), "--host", "127.0.0.1",
             "--max-seqs", str(max_seqs), "-t", str(threads), "--backend", backend, "--n-ctx", str(n_ctx),
-            "--log-level", "warning"]
+            "--log-level", "warning"] + (["--chat-template-file", template] if template else [])
 
 
-def llama_cmd(binary: str, model: str, port: int, threads: int, max_seqs: int, n_ctx: int) -> list[str]:
+def llama_cmd(binary: str, model: str, port: int, threads: int, max_seqs: int, n_ctx: int,
+              template: str | None = None) -> list[str]:
     """llama-server with max_seqs slots of n_ctx tokens each (-c is split over the slots), its prompt cache on
-    (the default; requests also send cache_prompt), no flash attention (as this engine's CPU path)."""
+    (the default; requests also send cache_prompt), no flash attention (as this engine's CPU path); with a
+    template file, rendered by its Jinja engine (--jinja) as this engine renders it, tools included."""
     return [binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-t", str(threads), "-np",
-            str(max_seqs), "-c", str(max_seqs * n_ctx), "-fa", "off"]
+            str(max_seqs), "-c", str(max_seqs * n_ctx), "-fa", "off"] + (
+                ["--jinja", "--chat-template-file", template] if template else [])
 
 
 def bench_server(srv: Server, cfg: dict) -> list[dict]:
@@ -379,7 +388,7 @@ def bench_server(srv: Server, cfg: dict) -> list[dict]:
         r = run_agent(srv.url, model, cfg["conversations"], cfg["turns"], conc, cfg["max_tokens"],
                       cfg["system_tokens"], cfg["shared_system"])
         rows.append({"engine": srv.name, "workload": "agent", "concurrency": conc} | r)
-        print(f"  {srv.name} agent: TTFT first {_f(r['first_ttft_p50_ms'])} ms, later {_f(r['later_ttft_p50_ms'])}"
+        print(f"  {srv.name} agent: TTFT cold {_f(r['cold_ttft_p50_ms'])} ms, cached {_f(r['cached_ttft_p50_ms'])}"
               f" ms, re-processed {r['reprocessed']} of {r['prompt_tokens']}", flush=True)
     return rows
 
@@ -387,7 +396,7 @@ def bench_server(srv: Server, cfg: dict) -> list[dict]:
 def run(model: str, threads: int, max_seqs: int = 16, concurrency=(1, 4, 16), requests: int = 4,
         max_tokens: int = 64, conversations: int = 10, turns: int = 5, system_tokens: int = 2000,
         shared_system: bool = False, n_ctx: int = 4096, backend: str = "cpu",
-        llama_server: str | None = None) -> dict:
+        llama_server: str | None = None, chat_template_file: str | None = None) -> dict:
     try:
         import openai  # noqa: F401
     except ModuleNotFoundError:
@@ -395,11 +404,13 @@ def run(model: str, threads: int, max_seqs: int = 16, concurrency=(1, 4, 16), re
     cfg = {"model": os.path.basename(model), "threads": threads, "max_seqs": max_seqs,
            "concurrency": list(concurrency), "requests": requests, "max_tokens": max_tokens,
            "conversations": conversations, "turns": turns, "system_tokens": system_tokens,
-           "shared_system": shared_system, "n_ctx": n_ctx, "backend": backend, "llama_server": llama_server}
+           "shared_system": shared_system, "n_ctx": n_ctx, "backend": backend, "llama_server": llama_server,
+           "chat_template_file": chat_template_file}
     rows = []
-    makers = [(OURS, lambda p: ours_cmd(model, p, threads, max_seqs, n_ctx, backend))]
+    makers = [(OURS, lambda p: ours_cmd(model, p, threads, max_seqs, n_ctx, backend, chat_template_file))]
     if llama_server:
-        makers.append((LLAMA, lambda p: llama_cmd(llama_server, model, p, threads, max_seqs, n_ctx)))
+        makers.append((LLAMA, lambda p: llama_cmd(llama_server, model, p, threads, max_seqs, n_ctx,
+                                                       chat_template_file)))
     for name, make in makers:  # one at a time: the engines do not share the cores
         port = free_port()
         print(f"starting {name} on 127.0.0.1:{port}", flush=True)
@@ -431,13 +442,16 @@ def markdown(res: dict) -> str:
         out += ["", f"agent: {m['conversations']} conversations x {m['turns']} turns, system prompt ~"
                     f"{m['system_tokens']} tokens with {len(TOOLS)} tools"
                     + (" (shared by all conversations)" if m["shared_system"] else " (one per conversation)"), "",
-                "| engine | first-turn prompt tok | TTFT p50 first turns ms | TTFT p50 later turns ms | later/first | "
-                "later turns: prompt tok | re-processed | total re-processed |", "|---|---|---|---|---|---|---|---|"]
+                "(cold: the engine computed over half of the prompt; cached: it restored at least half)", "",
+                "| engine | first-turn prompt tok | cold requests | TTFT p50 cold ms | cached requests | "
+                "TTFT p50 cached ms | cached/cold | later turns: prompt tok | re-processed | total re-processed |",
+                "|---|---|---|---|---|---|---|---|---|---|"]
         for r in agent:
             out.append(f"| {r['engine']} | {_f(r['first_turn_prompt_tokens_mean'], '.0f')} | "
-                       f"{_f(r['first_ttft_p50_ms'])} | {_f(r['later_ttft_p50_ms'])} | "
-                       f"{_f(r['later_over_first_ttft'], '.1%')} | {r['later_prompt_tokens']} | "
-                       f"{_f(r['later_reprocessed'], 'd')} | {_f(r['reprocessed'], 'd')} |")
+                       f"{r['cold_requests']} | {_f(r['cold_ttft_p50_ms'])} | {r['cached_requests']} | "
+                       f"{_f(r['cached_ttft_p50_ms'])} | {_f(r['cached_over_cold_ttft'], '.1%')} | "
+                       f"{r['later_prompt_tokens']} | {_f(r['later_reprocessed'], 'd')} | "
+                       f"{_f(r['reprocessed'], 'd')} |")
     errs = [f"{r['engine']} {r['workload']} x{r['concurrency']}: {r['first_error']}" for r in rows if r["errors"]]
     if errs:
         out += ["", "errors (first of each row):", *errs]
@@ -459,45 +473,3 @@ def _versus(rows: list[dict]) -> list[str]:
         out.append(f"- agent: re-processed prompt tokens {a['reprocessed']} vs llama-server {b['reprocessed']}; "
                    f"tok/s {a['tok_s']:.1f} vs {b['tok_s']:.1f}")
     return ["", "this engine vs llama-server:", *out] if out else []
-
-
-def plot(res: dict, path: str) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    rows = res["rows"]
-    engines = list(dict.fromkeys(r["engine"] for r in rows))
-    fig, ax = plt.subplots(1, 4, figsize=(18, 4))
-    for i, e in enumerate(engines):
-        chat = [r for r in rows if r["engine"] == e and r["workload"] == "chat"]
-        x, col = [r["concurrency"] for r in chat], f"C{i}"
-        ax[0].plot(x, [r["tok_s"] for r in chat], "o-", color=col, label=e)
-        for j, k in ((1, "ttft"), (2, "itl")):
-            ax[j].plot(x, [r[f"{k}_p50_ms"] or np.nan for r in chat], "o-", color=col, label=f"{e} p50")
-            ax[j].plot(x, [r[f"{k}_p99_ms"] or np.nan for r in chat], "x--", color=col, label=f"{e} p99")
-    for a, t in zip(ax[:3], ("aggregate generated tok/s", "time to first token (ms)", "inter-token latency (ms)"),
-                    strict=True):
-        a.set_xscale("log", base=2)
-        a.set_xticks(res["meta"]["concurrency"], [str(c) for c in res["meta"]["concurrency"]])
-        a.set_xlabel("concurrent clients")
-        a.set_ylabel(t)
-        a.legend(fontsize=7)
-    agent = [r for r in rows if r["workload"] == "agent"]
-    x = np.arange(len(agent))
-    ax[3].bar(x - 0.2, [r["first_ttft_p50_ms"] or 0 for r in agent], 0.4, label="first turns")
-    ax[3].bar(x + 0.2, [r["later_ttft_p50_ms"] or 0 for r in agent], 0.4, label="later turns")
-    for i, r in enumerate(agent):
-        ax[3].annotate(f"re-processed\n{r['reprocessed']} / {r['prompt_tokens']}", (i, 0), ha="center",
-                       va="bottom", fontsize=7, xytext=(0, 4), textcoords="offset points")
-    ax[3].set_xticks(x, [r["engine"] for r in agent])
-    ax[3].set_ylabel("agent TTFT p50 (ms)")
-    ax[3].legend(fontsize=7)
-    fig.suptitle(f"{res['meta']['model']}, {res['meta']['threads']} threads, max_seqs {res['meta']['max_seqs']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return True
