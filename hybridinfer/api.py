@@ -98,6 +98,30 @@ def _make_prefix_cache(spec, gm: GGUFModel, args, backend):
         raise ParameterError(f"prefix cache: {e}") from e
 
 
+def chat_boundaries(messages: list[dict], ids: list[int], render) -> tuple[int, ...]:
+    """Token positions in `ids` worth a snapshot in a chat: the end of the leading system messages and the end of
+    the history (before the generation prompt). render(messages) gives the tokens of those messages rendered with
+    no generation prompt; a position counts only where they are a prefix of `ids`. A template that cannot render
+    the system messages alone (some require a user turn) gives no system boundary."""
+    from .errors import TemplateError
+
+    out = []
+    k = next((i for i, m in enumerate(messages) if m.get("role") not in ("system", "developer")), len(messages))
+    for part in ([messages[:k]] if 0 < k < len(messages) else []) + [messages]:
+        try:
+            h = render(part)
+        except TemplateError:
+            continue
+        if 0 < len(h) < len(ids) and ids[: len(h)] == h:
+            out.append(len(h))
+    return tuple(sorted(set(out)))
+
+
+def boundary_points(turn_boundary) -> tuple[int, ...]:
+    """A Request's turn_boundary as positions: one int (the end of the history) or a tuple of them."""
+    return (turn_boundary,) if isinstance(turn_boundary, int | np.integer) else tuple(turn_boundary)
+
+
 class Engine:
     """A loaded model. `backend` computes; the tokenizer and chat template come from the GGUF.
 
@@ -110,6 +134,7 @@ class Engine:
                  prefill_chunk: int, prefix_cache=None, snapshot_stride: int | None = DEFAULT_SNAPSHOT_STRIDE,
                  max_seqs: int = 8, state_budget: int | None = None):
         self.gm, self.args, self.backend, self.tokenizer = gm, args, backend, tokenizer
+        self.chat_template = None  # None: the GGUF's own (or ChatML where it has none)
         self.max_seqs, self.state_budget = max_seqs, state_budget
         self._scheduler = None
         self.n_ctx, self.progress, self.prefill_chunk = n_ctx, progress, prefill_chunk
@@ -123,7 +148,7 @@ class Engine:
     def load(cls, path: str | None = None, backend: str = "auto", *, n_ctx: int = 4096,
              progress: bool = False, prefill_chunk: int = 512, prefix_cache=None,
              snapshot_stride: int | None = DEFAULT_SNAPSHOT_STRIDE, max_seqs: int = 8,
-             state_budget: int | None = None, **options) -> Engine:
+             state_budget: int | None = None, chat_template: str | None = None, **options) -> Engine:
         """Open a GGUF (default: the embedded SmolLM2-135M-Instruct) on `backend`: "auto" (GPU prefill + CPU
         decode where a card and pycuda are present, else "cpu"), "cpu", "gpu" (prefill on the card, decode on
         the CPU) or "reference" (the exact numpy oracle, slow by design).
@@ -135,7 +160,8 @@ class Engine:
         on the CPU, 1024 with GPU prefill), at the end of each prompt, before a chat's generation prompt,
         where a prompt leaves a cached one, and at the end of generation. max_seqs and state_budget (bytes of
         sequence states and K/V, None: no limit) bound the scheduler behind `submit` and `generate_batch`.
-        Unknown options raise TypeError.
+        chat_template: Jinja text used instead of the GGUF's `tokenizer.chat_template` (as llama-server's
+        --chat-template-file), checked to compile now. Unknown options raise TypeError.
         """
         from .tokenizer import Tokenizer
 
@@ -155,6 +181,10 @@ class Engine:
         eng = cls(gm, args, be, Tokenizer.from_gguf(gm), n_ctx, progress, prefill_chunk, prefix_cache,
                   snapshot_stride, max_seqs, state_budget)
         _ = eng.scheduler  # its limits checked now, not at the first request
+        if chat_template is not None:
+            from .chat_template import check_template
+
+            eng.chat_template = check_template(chat_template)
         return eng
 
     # tokens ---------------------------------------------------------------------------------------
@@ -174,7 +204,7 @@ class Engine:
         from .chat_template import default_template, render_chat
 
         tok = self._tok()
-        template = self.gm.meta("tokenizer.chat_template", None) or default_template()
+        template = self.chat_template or self.gm.meta("tokenizer.chat_template", None) or default_template()
         return render_chat(template, messages, add_generation_prompt=add_generation_prompt,
                            bos_token=tok.token_text(tok.bos_id) if tok.bos_id is not None else "",
                            eos_token=tok.token_text(tok.eos_id) if tok.eos_id is not None else "",
@@ -205,13 +235,14 @@ class Engine:
         bos_text = tok.token_text(tok.bos_id) if tok.bos_id is not None else None
         return self.tokenize(text, add_bos=False if bos_text and text.startswith(bos_text) else None)
 
-    def _turn_boundary(self, prompt, ids: list[int], enable_thinking) -> int | None:
-        """For a chat prompt: the token position where the generation prompt starts (the history before it
-        is the next turn's prefix), when the history's tokens are a prefix of `ids`."""
+    def _turn_boundary(self, prompt, ids: list[int], enable_thinking) -> tuple[int, ...] | None:
+        """For a chat prompt: where the generation prompt starts (the history before it is the next turn's
+        prefix) and where the leading system messages end (shared by every conversation with that system prompt
+        and tools), each where the rendered part's tokens are a prefix of `ids`."""
         if not (isinstance(prompt, list | tuple) and prompt and all(isinstance(m, dict) for m in prompt)):
             return None
-        hist = self._encode_chat(prompt, enable_thinking, add_generation_prompt=False)
-        return len(hist) if 0 < len(hist) < len(ids) and ids[: len(hist)] == hist else None
+        render = lambda msgs: self._encode_chat(msgs, enable_thinking, add_generation_prompt=False)  # noqa: E731
+        return chat_boundaries(list(prompt), ids, render) or None
 
     # compute --------------------------------------------------------------------------------------
     def new_state(self) -> DecoderState:
@@ -311,7 +342,7 @@ class Engine:
         stride = self.snapshot_stride
         at = set(range(stride, n, stride)) if stride else set()
         if turn_boundary is not None and keep_ends:
-            at.add(turn_boundary)
+            at.update(p for p in boundary_points(turn_boundary) if state.pos < p < n)
         at.update(p for p in shared_at if state.pos < p < n)  # where prompts queued beside it part ways
         shared = cache.known_prefix(ids)  # where this prompt leaves a cached one: the next may share it too
         if state.pos < shared < n:

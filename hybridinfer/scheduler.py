@@ -62,7 +62,9 @@ class Request:
     params: SamplingParams
     max_tokens: int
     stops: list[str]
-    turn_boundary: int | None = None
+    # chat prompts: where the history (before the generation prompt) and the leading system messages end, the
+    # positions a next turn or another conversation shares (an int or a tuple of them)
+    turn_boundary: int | tuple[int, ...] | None = None
     # structured output: mask(logits) sets the logits of tokens it forbids next to -inf in place, accept(token)
     # advances it by the sampled token (hybridinfer.protocol.grammar.JsonConstraint)
     constraint: object | None = None

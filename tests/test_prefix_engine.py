@@ -96,6 +96,20 @@ def test_chat_turns_process_only_new_tokens(smollm_path):
     assert r2.timings["prefilled_tokens"] <= len(new) + 2
 
 
+def test_second_conversation_restores_the_system_prompt(smollm_path):
+    """A chat's system messages end in a snapshot: another conversation with that system prompt re-processes only
+    its own messages, from the first conversation on (no stride snapshots: only that one can serve)."""
+    eng = Engine.load(smollm_path, backend="cpu", n_ctx=1024, prefix_cache=True, snapshot_stride=0)
+    system = {"role": "system", "content": "You answer questions about geography. " * 20}
+    r1 = eng.generate([system, {"role": "user", "content": "Name a river."}], max_tokens=2, temperature=0)
+    assert r1.timings["reused_tokens"] == 0
+    msgs = [system, {"role": "user", "content": "Name a mountain."}]
+    r2 = eng.generate(msgs, max_tokens=2, temperature=0)
+    end_sys = len(eng._encode_chat(msgs[:1], None, add_generation_prompt=False))
+    assert end_sys > 100 and r2.timings["reused_tokens"] == end_sys
+    assert r2.timings["prefilled_tokens"] == len(eng.encode_prompt(msgs)) - end_sys
+
+
 def _cli(*args, stdin=None):
     return subprocess.run([sys.executable, "-m", "hybridinfer", *args], capture_output=True, text=True,
                           input=stdin, timeout=600)

@@ -112,7 +112,14 @@ def test_build_chat_native_tools_and_thinking():
     msgs = [{"role": "user", "content": "Weather in Paris?"}]
     p = build_chat(eng, info, msgs, TOOLS, "auto", None)
     assert p.in_reasoning and p.tools and p.prefix == "" and '"name": "get_weather"' in _text(p)
-    assert p.turn_boundary is not None and _text(p)[: p.turn_boundary].endswith("<|im_end|>\n")
+    assert len(p.turn_boundary) == 1 and _text(p)[: p.turn_boundary[0]].endswith("<|im_end|>\n")
+    # with a system message: also where it ends (with the tools, shared by every conversation that has them)
+    sysmsgs = [{"role": "system", "content": "Be brief."}, *msgs]
+    p = build_chat(eng, info, sysmsgs, TOOLS, "auto", None)
+    end_sys, end_hist = p.turn_boundary
+    assert _text(p)[:end_sys].endswith("<|im_end|>\n") and "Be brief." in _text(p)[:end_sys]
+    assert '"name": "get_weather"' in _text(p)[:end_sys] and "Weather in Paris?" not in _text(p)[:end_sys]
+    assert _text(p)[:end_hist].endswith("Weather in Paris?<|im_end|>\n")
     p = build_chat(eng, info, msgs, TOOLS, None, False)  # tool_choice none: no tools offered, thinking off
     assert not p.in_reasoning and not p.tools and "get_weather" not in _text(p)
     assert _text(p).endswith("<think>\n\n</think>\n\n")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from ..api import chat_boundaries
 from .errors import ApiError, bad_param
 
 _PROBE = "hybridinfer_probe_fn"
@@ -37,7 +38,7 @@ class Prepared:
     """A chat request made into ids, with what the output parser needs to know."""
 
     ids: list[int]
-    turn_boundary: int | None
+    turn_boundary: tuple[int, ...] | None  # api.chat_boundaries: the system messages' and the history's ends
     in_reasoning: bool  # the prompt ends inside an open <think> block
     prefix: str = ""  # assistant text the prompt already holds (a forced tool call's start): parsed, not generated
     tools: bool = False
@@ -140,7 +141,6 @@ def build_chat(engine, info: TemplateInfo, messages: list[dict], tools: list[dic
     else:
         msgs, tmpl_tools = _hermes_messages(messages, use_tools), None
     text = engine.chat_prompt(msgs, enable_thinking=enable_thinking, tools=tmpl_tools)
-    hist = engine.chat_prompt(msgs, add_generation_prompt=False, enable_thinking=enable_thinking, tools=tmpl_tools)
     in_reasoning = text.endswith(("<think>\n", "<think>"))
     prefix = ""
     if use_tools and choice != "auto":
@@ -153,8 +153,9 @@ def build_chat(engine, info: TemplateInfo, messages: list[dict], tools: list[dic
         text += "\n</think>\n\n"
         in_reasoning = False
     ids = _encode(engine, text)
-    h = _encode(engine, hist)
-    boundary = len(h) if 0 < len(h) < len(ids) and ids[: len(h)] == h else None
+    hist = lambda ms: _encode(engine, engine.chat_prompt(  # noqa: E731
+        ms, add_generation_prompt=False, enable_thinking=enable_thinking, tools=tmpl_tools))
+    boundary = chat_boundaries(msgs, ids, hist) or None
     return Prepared(ids, boundary, in_reasoning, prefix, bool(use_tools) and not structured,
                     tool_schemas(use_tools) if use_tools else {})
 
