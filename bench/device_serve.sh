@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The serving benchmark of issue 21 on the GPU machine's host CPU (through the device tool, with .whl, .whlserve
+# (fastapi, uvicorn, sse-starlette, openai and their dependencies for Python 3.12), .llamabin/llama-server (built
+# here from llama-cpp-python 0.3.36's sdist, -DGGML_NATIVE=OFF, AVX-512 VNNI, no AMX), .devcache/vocab and
+# hybridinfer/_simd.abi3.so carried). Synthesizes the 0.8B-shape Qwen3.5 in Q4_K_M with SmolLM2's vocabulary there,
+# then runs `bench serve` against llama-server: chat at 1, 4 and 16 clients, and the agent workload with one shared
+# system prompt and tool list, both servers rendering bench/qwen35_chat_template.jinja. Table, JSON, PNG to $OUT.
+set -eu
+source .whl/env.sh
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whlserve/*.whl
+[ -f hybridinfer/_simd.abi3.so ] || python3 setup.py -q build_ext --inplace
+M=/tmp/q08v.gguf
+[ -f $M ] || python3 -m hybridinfer synth --arch qwen35 --shape 0.8b --quant q4_k_m --seed 1 \
+  --vocab-from .devcache/vocab/smol_vocab.gguf -o $M > /dev/null
+python3 -m hybridinfer bench serve -m $M -t ${THREADS:-16} --max-seqs ${SEQS:-16} --concurrency ${CONC:-1,4,16} \
+  --requests ${REQUESTS:-4} --max-tokens ${MAX_TOKENS:-64} --conversations ${CONVS:-10} --turns ${TURNS:-5} \
+  --system-tokens 2000 ${SYSTEM:---shared-system} --chat-template-file bench/qwen35_chat_template.jinja \
+  --llama-server .llamabin/llama-server --out-dir "${OUT:-bench/results}"
