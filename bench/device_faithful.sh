@@ -10,11 +10,13 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 [ -f hybridinfer/_simd.abi3.so ] || python3 setup.py -q build_ext --inplace
 MODEL=${MODEL:-35b-a3b}
 ARCH=qwen35; [ "$MODEL" = 35b-a3b ] && ARCH=qwen35moe
-M=/tmp/tame-$MODEL.gguf
+RS=${RESIDUAL_SCALE:-auto}  # none: the plain random file, for contrast
+M=/tmp/synth-$MODEL-$RS.gguf
+FLAG="--residual-scale $RS"; [ "$RS" = none ] && FLAG=""
 LTF=${LTF:-.llamabin/llama-teacher-forced}
 t0=$(date +%s)
 [ -f $M ] || python3 -m hybridinfer synth --arch $ARCH --shape "$MODEL" --quant q4_k_m --seed 1 \
-  --residual-scale ${RESIDUAL_SCALE:-auto} -o $M > /dev/null
+  $FLAG -o $M > /dev/null
 echo "synth $MODEL: $(( $(date +%s) - t0 )) s"
 python3 bench/faithful_depth.py -m $M --llama-tf $LTF -n ${N:-64} --prefill ${PREFILL:-32} ${EXTRA:-} \
   --out "${OUT:-bench/results}"
