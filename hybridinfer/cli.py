@@ -243,6 +243,15 @@ def _print_cpu(forced: str | None) -> None:
         print(f"simd path:     unavailable ({e})")
 
 
+def _residual_scale(s: str) -> str | float:
+    if s == "auto":
+        return s
+    try:
+        return float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"wants a number in (0, 1] or 'auto', got {s!r}") from None
+
+
 def cmd_synth(a) -> int:
     from .synth import synth_model
 
@@ -253,8 +262,14 @@ def cmd_synth(a) -> int:
             raise _usage(f"--tensor-type wants PATTERN=TYPE, got {item!r}")
         overrides.append((pat, name))
     _check_output(a.output, "-o/--output")
+    rs = a.residual_scale
+    if rs == "auto":
+        from .synth import depth_scale
+        from .synth_shapes import resolve_shape
+
+        rs = depth_scale(resolve_shape(a.arch, a.shape)["n_layer"])
     summary = synth_model(a.output, a.arch, a.shape, quant=a.quant, seed=a.seed, vocab_from=a.vocab_from,
-                          progress=sys.stderr.isatty(), tensor_types=overrides)
+                          progress=sys.stderr.isatty(), tensor_types=overrides, residual_scale=rs)
     print(f"wrote {a.output}: {summary}")
     return 0
 
@@ -302,6 +317,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tensor-type", action="append", default=[], metavar="PATTERN=TYPE",
                    help="as llama-quantize's: tensors whose name matches the regex PATTERN get TYPE (e.g. "
                         "attn_qkv=q8_0); repeatable, the first match wins")
+    p.add_argument("--residual-scale", default=None, metavar="S|auto", type=_residual_scale,
+                   help="depth-scaled weights, as in a trained network: unit-std token embeddings and residual "
+                        "branch output projections at S x the usual std (auto: 1/sqrt(2 n_layer)); without it a "
+                        "deep random model is chaotic (engines that round differently disagree on top-1 tokens)")
     p.add_argument("-o", "--output", required=True)
     p.set_defaults(fn=cmd_synth)
     add_serve_parser(sub)

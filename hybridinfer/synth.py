@@ -6,6 +6,16 @@ quants with sane fp16 scales (weights of std ~0.02), norms are near 1, `ssm_a` i
 finite logits.
 Routing over random weights is close to uniform (the worst case for expert caching).
 
+Such a model is chaotic at depth: the token embeddings (std 0.02) are tiny next to what each layer adds, so every
+layer's output is dominated by its own branch, and a last-bit difference (a flipped activation rounding, a different
+expert picked) grows through 40 layers until two correct engines disagree on most top-1 tokens. `residual_scale=S`
+makes the file behave like a trained, depth-scaled network instead (GPT-2 / DeepNet initialisation): token
+embeddings of unit std (the residual stream starts at RMS ~1), every other matrix and router at unit gain (std
+1/sqrt(fan_in)), except the matrices that end a residual branch (attn_output, ssm_out, ffn_down, ffn_down_exps,
+ffn_down_shexp) at S/sqrt(fan_in), so each layer only nudges the stream; a tied model's final norm takes the
+1/sqrt(n_embd) its head's weights would have had. `depth_scale(n_layer)` = 1/sqrt(2 n_layer) is the usual S
+(`synth --residual-scale auto`): the layers then add about as much to the stream as the embedding holds.
+
 The file is streamed: header, metadata and tensor infos first, then each tensor's bytes, generated from a small
 per-type pool of random blocks read at random offsets. Memory stays bounded (a few tens of MB) for any size.
 
@@ -16,6 +26,7 @@ per-type pool of random blocks read at random offsets. Memory stays bounded (a f
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections import Counter
@@ -45,7 +56,49 @@ T = GGMLQuantizationType
 SIGMA = 0.02  # target std of every weight matrix's values
 POOL_BYTES = 8 << 20  # random data kept per ggml type; tensors are windows into it at random offsets
 
-__all__ = ["synth_model", "list_shapes", "plan_model", "SHAPES", "QUANTS"]
+EMBED_STD = 1.0  # token embeddings' std with residual_scale: a unit-RMS residual stream
+# the matrices that end a residual branch (their output is added to the stream)
+_BRANCH_OUT = ("attn_output.weight", "ssm_out.weight", "ffn_down.weight", "ffn_down_exps.weight",
+               "ffn_down_shexp.weight")
+
+__all__ = ["synth_model", "list_shapes", "plan_model", "depth_scale", "SHAPES", "QUANTS"]
+
+
+def depth_scale(n_layer: int) -> float:
+    """The residual-branch scale of GPT-2 / DeepNet-style initialisation: 1/sqrt(2 n_layer) (two branches a
+    layer), so the stream's variance grows by a bounded total over the whole depth."""
+    return 1.0 / math.sqrt(2 * n_layer)
+
+
+def check_residual_scale(s) -> float | None:
+    if s is None:
+        return None
+    if isinstance(s, bool) or not isinstance(s, int | float) or not math.isfinite(s) or not 0 < s <= 1:
+        raise ShapeError(f"residual_scale must be a number in (0, 1], got {s!r}")
+    return float(s)
+
+
+def weight_std(s: TensorSpec, residual_scale: float | None) -> float:
+    """Target std of a weight matrix's values (module docstring); ne[0] is the fan-in."""
+    if residual_scale is None:
+        return SIGMA
+    if s.name == "token_embd.weight":
+        return EMBED_STD
+    gain = residual_scale if s.layer >= 0 and s.name.split(".", 2)[2] in _BRANCH_OUT else 1.0
+    return gain / math.sqrt(s.ne[0])
+
+
+def _small_gain(s: TensorSpec, hp: dict, residual_scale: float | None) -> float:
+    """Factor on _small_values' draws: routers and the shared-expert gate at unit gain, and a tied head's final
+    norm scaled as its head would have been, when depth-scaled."""
+    if residual_scale is None:
+        return 1.0
+    if s.init == "small":
+        return 1.0 / (math.sqrt(s.ne[0]) * SIGMA)
+    if s.name == "output_norm.weight" and hp["tied"]:
+        return 1.0 / (math.sqrt(hp["n_embd"]) * EMBED_STD)
+    return 1.0
+
 
 # Qwen3.5 special tokens at their real ids (spec §6); tiny vocabularies put them at the end instead.
 _SPECIALS = [("<|endoftext|>", 248044, TokenType.CONTROL), ("<|im_start|>", 248045, TokenType.CONTROL),
@@ -86,10 +139,10 @@ class _Pool:
     """A few MB of random data of one ggml type, stored twice in a row so any window of up to `units` units
     starting anywhere in the first copy is one contiguous slice."""
 
-    def __init__(self, qtype: int, rng: np.random.Generator):
+    def __init__(self, qtype: int, rng: np.random.Generator, std: float = SIGMA):
         self.unit_bytes = GGML_QUANT_SIZES[T(qtype)][1]
         self.units = max(1, POOL_BYTES // self.unit_bytes)
-        data = np.ascontiguousarray(random_blocks(qtype, self.units, rng, std=SIGMA), dtype=np.uint8).reshape(-1)
+        data = np.ascontiguousarray(random_blocks(qtype, self.units, rng, std=std), dtype=np.uint8).reshape(-1)
         self.buf = memoryview(np.concatenate([data, data]))
 
     def write(self, f, nbytes: int, rng: np.random.Generator, bar=None) -> None:
@@ -103,7 +156,7 @@ class _Pool:
                 bar.update(n * self.unit_bytes)
 
 
-def _small_values(s: TensorSpec, rng: np.random.Generator) -> np.ndarray:
+def _small_values(s: TensorSpec, rng: np.random.Generator, gain: float = 1.0) -> np.ndarray:
     n = s.n_elements
     if s.init == "norm":  # RMSNorm weights (GGUF norms already include the +1): positive, near 1
         x = rng.uniform(0.9, 1.1, n)
@@ -115,7 +168,7 @@ def _small_values(s: TensorSpec, rng: np.random.Generator) -> np.ndarray:
         x = rng.normal(0.0, 0.2, n)
     else:  # "small": router weights, shared-expert gate vector
         x = rng.normal(0.0, SIGMA, n)
-    return x.astype(np.float32)
+    return (x * gain if gain != 1.0 else x).astype(np.float32)
 
 
 # ---- vocabulary ----------------------------------------------------------------------------------------------
@@ -291,18 +344,22 @@ def _add_hparams(w: GGUFWriter, arch: str, hp: dict, name: str, ftype: int) -> N
 # ---- the writer ----------------------------------------------------------------------------------------------
 
 def synth_model(out_path: str | os.PathLike[str], arch: str, shape: str | dict, quant: str = "q4_k_m",
-                seed: int = 0, vocab_from: str | None = None, progress: bool = False, tensor_types=()) -> dict:
+                seed: int = 0, vocab_from: str | None = None, progress: bool = False, tensor_types=(),
+                residual_scale: float | None = None) -> dict:
     """Write a synthetic GGUF of `arch` ("qwen35", "qwen35moe", "llama") with `shape` (a published name, see
     list_shapes(), or a dict of hyperparameters) and the per-tensor type mix llama.cpp gives `quant`
     ("q4_k_m", "q8_0", "q4_0", "f16", "f32"). With `vocab_from`, the tokenizer of that GGUF is copied (padded
     with `[PAD{i}]` tokens to the shape's vocabulary size); otherwise a byte-level BPE vocabulary is made.
     `tensor_types`: llama-quantize's --tensor-type overrides, (regex, type name) pairs, the first match wins.
+    `residual_scale`: None (default) for the plain random file, chaotic at depth; a number S in (0, 1] for a
+    depth-scaled one (module docstring; `depth_scale(n_layer)` is the usual S).
 
     Streams to disk with bounded memory. Returns a summary: path, bytes written, tensor count, type histogram
     (count and bytes per type), parameter counts, seconds and MB/s."""
     t0 = time.perf_counter()
     check_arch(arch)
     quant = check_quant(quant)
+    residual_scale = check_residual_scale(residual_scale)
     n_vocab = None
     vocab = None
     if vocab_from is not None:
@@ -323,7 +380,7 @@ def synth_model(out_path: str | os.PathLike[str], arch: str, shape: str | dict, 
     for s, qt, nb in plan["tensors"]:
         w.add_tensor_info(s.name, tuple(reversed(s.ne)), np.dtype(np.float32), nb, raw_dtype=T(qt))
     rng = np.random.default_rng(seed)
-    pools: dict[int, _Pool] = {}
+    pools: dict[tuple[int, float], _Pool] = {}
     bar = None
     if progress:
         from tqdm import tqdm
@@ -337,13 +394,14 @@ def synth_model(out_path: str | os.PathLike[str], arch: str, shape: str | dict, 
         w.write_padding(f, f.tell())
         for s, qt, nb in plan["tensors"]:
             if s.init == "weight":
-                if qt not in pools:
-                    pools[qt] = _Pool(qt, rng)
-                pools[qt].write(f, nb, rng, bar)
+                key = (qt, weight_std(s, residual_scale))
+                if key not in pools:
+                    pools[key] = _Pool(qt, rng, key[1])
+                pools[key].write(f, nb, rng, bar)
             else:
                 if qt != T.F32:
                     raise AssertionError(f"{s.name} should be F32, planned {T(qt).name}")
-                f.write(_small_values(s, rng).tobytes())
+                f.write(_small_values(s, rng, _small_gain(s, hp, residual_scale)).tobytes())
                 if bar is not None:
                     bar.update(nb)
             w.write_padding(f, nb)
@@ -362,4 +420,5 @@ def synth_model(out_path: str | os.PathLike[str], arch: str, shape: str | dict, 
     return {"path": out_path, "arch": arch, "shape": shape_name, "quant": quant, "bytes": size,
             "n_tensors": len(plan["tensors"]), "types": plan["types"], "type_bytes": plan["type_bytes"],
             "params": plan["params"], "active_params": plan["active_params"], "n_vocab": hp["n_vocab"],
+            "residual_scale": residual_scale,
             "seconds": dt, "mb_per_s": size / 1e6 / dt if dt > 0 else float("inf")}
