@@ -265,11 +265,16 @@ class Scheduler:
             new = self._admit()
             with self._cv:
                 queued = [h.request.ids for h in self._waiting]
-            self._start(new, queued)
-            self.peak_running = max(self.peak_running, len(self._running))
+            started = self._start(new, queued)
+            self.peak_running = max(self.peak_running, len(self._running) + len(started))
             go = []
             for s in self._running:
                 if self._sample(s):
+                    go.append(s)
+                else:
+                    self._release(s)
+            for s, alive in started:  # sampled once already, as soon as its own prefill ended
+                if alive:
                     go.append(s)
                 else:
                     self._release(s)
@@ -313,9 +318,11 @@ class Scheduler:
                 out.append(_Seq(h, reserved=need))
         return out
 
-    def _start(self, new: list[_Seq], queued: list[list[int]]) -> None:
-        """Prefill the newly admitted sequences (together: the GPU takes them in one pass) and run them; one whose
-        prefill fails gets its error, the others go on."""
+    def _start(self, new: list[_Seq], queued: list[list[int]]) -> list[tuple[_Seq, bool]]:
+        """Prefill the newly admitted sequences and sample each one's first token; returns (sequence, goes on).
+        A single-pass backend (the GPU) takes them in one pass; otherwise each is prefilled in turn and its first
+        token goes out at once, so the time to first token of one admitted beside others is its own prefill and
+        those before it, not all of theirs. One whose prefill fails gets its error, the others go on."""
         eng = self.engine
         items = []
         for j, s in enumerate(new):
@@ -325,25 +332,36 @@ class Scheduler:
             s.state = eng.new_state()
             items.append((req.ids, s.state, req.turn_boundary,
                           shared_points(req.ids, later) if eng.prefix_cache else (), req.keep_ends))
-        try:
-            started = eng._start_many(items)
-        except Exception:  # noqa: BLE001 - find whose it is: one by one, each error to its own caller
-            started = []
-            for s, it in zip(new, items, strict=True):
-                s.state = eng.new_state()
-                try:
-                    started.append(eng._start(it[0], s.state, it[2], it[3], it[4]))
-                except Exception as e:  # noqa: BLE001
-                    started.append(e)
-        for s, got in zip(new, started, strict=True):
-            if isinstance(got, Exception):
-                self._release(s, error=got)
-                continue
-            req = s.handle.request
-            s.logits, s.stats = np.array(got[0], copy=True), got[1]
-            s.t1 = time.perf_counter()
-            s.sampler = TokenSampler(req, eng.tokenizer, s.handle.generation, s.logits.shape[-1])
-            self._running.append(s)
+        if eng.backend.single_pass and len(items) > 1:
+            try:
+                got = eng._start_many(items)
+            except Exception:  # noqa: BLE001 - find whose it is: one by one, each error to its own caller
+                got = None
+                for s in new:
+                    s.state = eng.new_state()
+            if got is not None:
+                return [x for x in map(self._first, new, got) if x is not None]
+        out = []
+        for s, it in zip(new, items, strict=True):
+            try:
+                got = eng._start(it[0], s.state, *it[2:])
+            except Exception as e:  # noqa: BLE001
+                got = e
+            x = self._first(s, got)
+            if x is not None:
+                out.append(x)
+        return out
+
+    def _first(self, s: _Seq, got) -> tuple[_Seq, bool] | None:
+        """A started sequence's first token (None when its prefill failed: its caller has the error)."""
+        if isinstance(got, Exception):
+            self._release(s, error=got)
+            return None
+        req = s.handle.request
+        s.logits, s.stats = np.array(got[0], copy=True), got[1]
+        s.t1 = time.perf_counter()
+        s.sampler = TokenSampler(req, self.engine.tokenizer, s.handle.generation, s.logits.shape[-1])
+        return s, self._sample(s)
 
     def _sample(self, s: _Seq) -> bool:
         """Sample the next token of `s` from its logits; False when the sequence has ended. A token that goes on

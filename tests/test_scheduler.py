@@ -199,6 +199,27 @@ def test_shared_system_prompt_restores_one_snapshot(smollm_path):
         assert cold.generate(r, max_tokens=4, temperature=0).tokens == g.tokens
 
 
+def test_first_token_goes_out_after_its_own_prefill(smollm_path, monkeypatch):
+    """Sequences admitted together on the CPU: each one's first token is out before the next one's prefill
+    begins, so its time to first token does not wait for the prefills of those admitted after it."""
+    eng = Engine.load(smollm_path, backend="cpu", n_ctx=256, max_seqs=4)
+    reqs = [eng.make_request(p, max_tokens=3, temperature=0) for p in ("One.", "Two, two.", "Three, three, three.")]
+    seen, start = [], eng._start
+
+    def spy(ids, *a, **kw):  # at each prefill: how many tokens every request has generated so far
+        seen.append([len(h.generation.tokens) for h in handles])
+        return start(ids, *a, **kw)
+
+    monkeypatch.setattr(eng, "_start", spy)
+    with eng._lock:  # all three wait until submitted together, so they are admitted in one step
+        handles = eng.scheduler.submit_many(reqs)
+    for h in handles:
+        h.result(timeout=120)
+    assert seen[:3] == [[0, 0, 0], [1, 0, 0], [1, 1, 0]]
+    assert [h.generation.tokens for h in handles] == [eng.generate(r.ids, max_tokens=3, temperature=0).tokens
+                                                      for r in reqs]
+
+
 def test_requests_without_ends_keep_only_shared_snapshots(smollm_path):
     """keep_ends=False (a batch job's requests): the shared prefix is still snapshotted and restored, but nothing at
     a prompt's end or a reply's end (no next turn would use them); the tokens are the same either way."""
