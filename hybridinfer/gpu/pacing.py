@@ -1,9 +1,10 @@
 """Pacing of the host-to-device weight stream to an old card's bus (`bus_bw` bytes/s) on a faster card: what to
-hold and for how long. Pure functions, no GPU; the Streamer runs the schedule with native/cuda_sm20/pace.cu.
+hold and for how long. Pure functions, no GPU; the Streamer runs the schedule through k_pace.Pacer (host-side
+holds in stream order, native/simd/pace.c).
 
 A layer's uploads are cut into pieces of at most `max_piece` bytes, each given its share of the layer's time on
 the slow bus (its bytes / bus_bw, rounded so the shares add up to the whole copy's time exactly). On the copy
-stream each piece waits until the previous pieces' shares have elapsed on the card's clock, then copies at the
+stream each piece waits until the previous pieces' shares have elapsed, then copies at the
 card's own rate; a last hold waits out the final share before the layer is marked ready. So the compute stream sees
 each layer arrive when the slow bus would have delivered it, and the copy stream is busy as long as it would be,
 whatever the real bus does within the budget.
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 
 from ..errors import ParameterError
 
-MAX_PIECE = 32 << 20  # bytes per paced piece: ~5 ms at 6 GB/s, so a hold's launch (microseconds) is lost in it
+MAX_PIECE = 32 << 20  # bytes per paced piece: ~5 ms at 6 GB/s, so a hold's wake-up (microseconds) is lost in it
 
 
 @dataclass(frozen=True)
