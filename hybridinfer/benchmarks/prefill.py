@@ -38,10 +38,10 @@ class Row:
     h2d_frac: float = 0.0  # of the bus rate (pinned bandwidth or the paced rate), over the copy stream's busy time
     gemm_tflops: float = 0.0  # counted FLOPs (all kinds) / compute time
     fma_frac: float = 0.0
-    flops: float = 0.0  # counted by the engine
-    counts_agree: bool = False  # engine's FLOPs and bytes == gpu/work.prefill_work's and the placement's
     floor_ratio: float = 0.0  # wall / max(transfer floor, compute floor)
     vram_peak_gib: float = 0.0
+    flops: float = 0.0  # counted by the engine
+    counts_agree: bool = False  # engine's FLOPs and bytes == gpu/work.prefill_work's and the placement's
 
 
 def gemm_flops(gm, args, T: int) -> float:
