@@ -5,6 +5,8 @@ FLOP counts work on it as on the file, e.g. `hybridinfer plan --shape 35b-a3b` b
 
 from __future__ import annotations
 
+import numpy as np
+
 from .errors import HybridInferError
 from .gguf_model import GGUFModel, TensorInfo
 
@@ -22,7 +24,7 @@ class _Metadata:
         self.kv[key] = int(v)
 
     def add_float32(self, key: str, v) -> None:
-        self.kv[key] = float(v)
+        self.kv[key] = float(np.float32(v))  # as the file stores it
 
     def add_key_value(self, key: str, v, vtype=None, sub_type=None) -> None:
         self.kv[key] = list(v) if isinstance(v, (list, tuple)) else v
