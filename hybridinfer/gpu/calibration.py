@@ -29,14 +29,22 @@ class Efficiency:
     source: str
 
 
-# conservative until measured: Fermi and GK10x run the 63-register tiles (issue 23 measured the dense GEMM at 63
-# registers at ~0.4 of an H100's FMA peak and the grouped MoE GEMM lower), so a whole pass is put at 0.2; later
-# classes at 0.25. The stream's own fraction of a pinned copy's rate is put at 0.85.
+# compute: conservative until measured under each profile. Fermi and GK10x run the 63-register tiles (issue 23
+# measured the dense GEMM held to 63 registers at ~0.4 of an H100's FMA peak, the grouped MoE GEMM lower), so a
+# whole pass is put at 0.2; later classes at 0.25. For scale: today's tiles on an H200 reach 0.268 (bench prefill,
+# 35B-A3B Q4_K_M, 947 tokens, resident).
+# bus: measured. `hybridinfer bench prefill -m 35b-a3b-q4_k_m.gguf --prompts 947 --vram-budget 6GiB --bus-bw 6` on
+# an H200 streamed 14.83 GiB per pass at 0.998 of the paced 6 GB/s (wall 1.02x the transfer floor); the pacing
+# (gpu/pacing.py) reproduces the card table's bus rate, so this is the streamer's own share of it (gaps between
+# uploads), the same for every class: 0.99 here.
+_BUS = 0.99
+_BUS_SRC = "bus: bench prefill --bus-bw 6, 35B-A3B under 6 GiB"
 CALIBRATION: dict[str, Efficiency] = {
-    "fermi": Efficiency(0.20, 0.85, "default (not yet measured under --card-profile fermi)"),
-    "kepler": Efficiency(0.20, 0.85, "default (not yet measured under --card-profile kepler)"),
-    "maxwell": Efficiency(0.25, 0.85, "default (not yet measured under --card-profile maxwell)"),
-    "pascal": Efficiency(0.25, 0.85, "default (not yet measured under --card-profile pascal)"),
+    "fermi": Efficiency(0.20, _BUS, f"compute: default (not yet measured under --card-profile fermi); {_BUS_SRC}"),
+    "kepler": Efficiency(0.20, _BUS, f"compute: default (not yet measured under --card-profile kepler); {_BUS_SRC}"),
+    "maxwell": Efficiency(0.25, _BUS, f"compute: default (not yet measured under --card-profile maxwell); "
+                                      f"{_BUS_SRC}"),
+    "pascal": Efficiency(0.25, _BUS, f"compute: default (not yet measured under --card-profile pascal); {_BUS_SRC}"),
 }
 # CPU decode: bench decode's fraction of the read-bandwidth floor; conservative until measured on the host
 DECODE = (0.5, "default (not yet measured: hybridinfer bench decode)")
