@@ -267,3 +267,20 @@ def test_bench_prefill_efficiencies_come_from_the_right_rows():
             dict(engine="hybridinfer", config="whole model resident", tokens=947, h2d_frac=0.0, fma_frac=0.4),
             dict(engine="llama.cpp", config="CPU only", tokens=947, tok_s=5.0)]
     assert efficiencies(rows) == {947: {"bus": 0.93, "compute_streamed": 0.1, "compute": 0.4}}
+
+
+def test_bench_prefill_markdown_shows_the_counts_and_the_calibration():
+    from dataclasses import asdict
+
+    from hybridinfer.benchmarks.prefill import Row, efficiencies, markdown
+
+    rows = [asdict(Row("hybridinfer", "--vram-budget 6GiB", 947, 349.0, 2.715, 2.66, 2.70, 0.015, 5.99, 0.998, 1.78,
+                       0.03, 1.02, 6.19, 4795.7e9, 14.83 * 2**30, True)),
+            asdict(Row("hybridinfer", "whole model resident", 947, 3048.0, 0.311, 0.0, 0.296, 0.014, 0.0, 0.0, 16.18,
+                       0.268, 3.91, 20.0, 4795.7e9, 0, True))]
+    res = {"model": "m.gguf", "pinned_h2d_gb_s": 55.5, "fma_peak_tflops": 60.3, "bus_gb_s": 6.0, "bus_paced": True,
+           "configs": [], "rows": rows, "efficiency": efficiencies(rows)}
+    md = markdown(res)
+    assert "paced to 6.0 GB/s" in md
+    assert "| 1.02 | 6.19 | 4795.7, 14.83 (yes) |" in md
+    assert "947 tokens: compute 0.268 of FMA peak, bus 0.998 of 6.0 GB/s" in md

@@ -41,6 +41,7 @@ class Row:
     floor_ratio: float = 0.0  # wall / max(transfer floor, compute floor)
     vram_peak_gib: float = 0.0
     flops: float = 0.0  # counted by the engine
+    h2d_bytes: int = 0  # streamed, counted by the engine
     counts_agree: bool = False  # engine's FLOPs and bytes == gpu/work.prefill_work's and the placement's
 
 
@@ -93,7 +94,7 @@ def run_ours(path: str, prompts, budget: int | None, config: str, bw: float, pea
                         max(0.0, t["wall_s"] - t["gpu_s"]), t["bytes_h2d"] / max(t["copy_s"], 1e-9) / 1e9,
                         (t["bytes_h2d"] / max(t["copy_s"], 1e-9)) / bw if t["bytes_h2d"] else 0.0,
                         flops / t["gpu_s"] / 1e12, flops / t["gpu_s"] / peak, t["wall_s"] / floor,
-                        (free0 - free1) / 2**30, flops, agree))
+                        (free0 - free1) / 2**30, flops, t["bytes_h2d"], agree))
     info = {"config": config, "budget": budget, "load_s": load_s, "allocated_gib": m.allocated_bytes / 2**30,
             "stream_gib_per_pass": m.placement.stream_bytes_per_pass / 2**30,
             "resident_gib": m.placement.resident_bytes / 2**30, "phases_s": phases, "host_s": host,
@@ -172,7 +173,7 @@ def markdown(res: dict) -> str:
                    f"{c.get('chunk')} tokens per kernel call; GPU time by phase (s): {c['phases_s']}; host time "
                    f"(s): {c.get('host_s')}")
     out += ["", "| engine | config | prompt | tok/s | wall s | transfer s | compute s | idle s | H2D GB/s "
-            "(% bus) | TFLOP/s counted (% peak) | wall / floor | VRAM GiB | GFLOP counted (= model) |",
+            "(% bus) | TFLOP/s counted (% peak) | wall / floor | VRAM GiB | GFLOP, GiB streamed (= model) |",
             "|---" * 13 + "|"]
     for r in res["rows"]:
         if r["engine"] == "llama.cpp":
@@ -181,7 +182,8 @@ def markdown(res: dict) -> str:
         out.append(f"| hybridinfer | {r['config']} | {r['tokens']} | {r['tok_s']:.0f} | {r['wall_s']:.3f} | "
                    f"{r['transfer_s']:.3f} | {r['compute_s']:.3f} | {r['idle_s']:.3f} | {r['h2d_gb_s']:.1f} "
                    f"({100 * r['h2d_frac']:.0f}%) | {r['gemm_tflops']:.2f} ({100 * r['fma_frac']:.0f}%) | "
-                   f"{r['floor_ratio']:.2f} | {r['vram_peak_gib']:.2f} | {r['flops'] / 1e9:.1f} "
+                   f"{r['floor_ratio']:.2f} | {r['vram_peak_gib']:.2f} | {r['flops'] / 1e9:.1f}, "
+                   f"{r['h2d_bytes'] / 2**30:.2f} "
                    f"({'yes' if r['counts_agree'] else 'NO'}) |")
     eff = res.get("efficiency", {})
     if eff:
