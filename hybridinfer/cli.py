@@ -23,6 +23,7 @@ from .cli_args import (  # noqa: F401  (UsageError, parse_size: re-exported for 
 )
 from .cli_batch import add_batch_parser
 from .cli_bench import add_bench_parsers
+from .cli_plan import add_plan_parser
 from .cli_serve import add_serve_parser
 from .errors import HybridInferError, ParameterError, ShapeError
 
@@ -326,6 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parser(sub)
     add_batch_parser(sub)
     add_bench_parsers(sub)
+    add_plan_parser(sub)
     return ap
 
 

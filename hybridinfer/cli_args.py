@@ -61,6 +61,14 @@ def _finite(s: str) -> float:
     return v
 
 
+def gb_per_s(s: str) -> float:
+    """An argparse type: a positive finite rate in GB/s (10^9 bytes/s), returned in bytes/s."""
+    v = _finite(s)
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"a rate in GB/s must be > 0, got {s!r}")
+    return v * 1e9
+
+
 def _add_model(p: argparse.ArgumentParser, required: bool = False) -> None:
     p.add_argument("-m", "--model", required=required,
                    help="GGUF file (default: the embedded SmolLM2-135M-Instruct Q4_1)")

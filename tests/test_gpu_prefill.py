@@ -165,6 +165,8 @@ def test_bench_prefill_runs(oracle_gguf, tmp_path):
     assert res["pinned_h2d_gb_s"] > 1 and res["fma_peak_tflops"] > 0.1
     rows = [r for r in res["rows"] if r["engine"] == "hybridinfer"]
     assert len(rows) == 4 and all(r["tok_s"] > 0 and r["floor_ratio"] >= 1.0 for r in rows)
+    assert all(r["counts_agree"] and r["flops"] > 0 and r["floor_ratio"] < 1e4 for r in rows)
+    assert set(res["efficiency"]) == {16, 40} and all(0 < e["compute"] <= 1 for e in res["efficiency"].values())
     assert prefill.plot(res, str(tmp_path / "p.png"))
     phases = res["configs"][0]["phases_s"][40]
     assert {"gdn", "attention", "moe"} <= set(phases) and all(v > 0 for v in phases.values())

@@ -27,6 +27,7 @@ from . import loader
 from .handoff import StateHandoff
 from .placement import is_vector, plan_placement, weights_of
 from .streamer import Streamer
+from .work import Work, attention_flops, gdn_flops, gemm_flops
 
 MAX_SNAPS = 16
 # tokens per kernel call inside a layer: MoE groups of ~30 rows per expert at 8 of 256 experts (a 947-token
@@ -108,12 +109,13 @@ class Buffers:
 
 
 class GPUModel:
-    """Prefill on the card under `vram_budget` bytes (None: the card's free memory less 512 MiB)."""
+    """Prefill on the card under `vram_budget` bytes (None: the card's free memory less 512 MiB); with `bus_bw`
+    (bytes/s) the weight stream is paced to that rate (an old card's bus, gpu/pacing.py)."""
 
     single_pass = True
 
     def __init__(self, gm, args, n_ctx: int, vram_budget: int | None = None, chunk: int = DEFAULT_CHUNK,
-                 device: int = 0, expert_counts=None):
+                 device: int = 0, expert_counts=None, bus_bw: float | None = None):
         loader.init(device)  # BackendNotAvailableError without pycuda or a card
         import pycuda.driver as drv
 
@@ -136,7 +138,12 @@ class GPUModel:
         # tokens routed to each (layer, expert) over the prompts seen: replan() pins the most used experts
         self.expert_counts: dict[tuple[int, int], int] = dict(expert_counts or {})
         self.placement = plan_placement(self.infos.values(), self.vram_budget, self.reserved, self.expert_counts)
-        self.streamer = Streamer(gm, self.placement, self.infos, self.stream)
+        self.bus_bw = bus_bw
+        self.streamer = Streamer(gm, self.placement, self.infos, self.stream, bus_bw=bus_bw)
+        # per layer: 2 N K summed over its expert tensors (FLOPs per routed token, from the routing's real counts)
+        self._exp_nk = {i: sum(gemm_flops(1, gm.tensor(n).ne[1], gm.tensor(n).ne[0]) for n in names
+                               if self.infos[n].n_expert) for i, names in enumerate(self.layer_names)}
+        self.work = Work()
         self.buf = Buffers(a, self.chunk, n_ctx)
         self.handoff = StateHandoff(self.buf, self.chunk)
         self.head = "token_embd.weight" if a.tied_output else "output.weight"
@@ -163,7 +170,7 @@ class GPUModel:
         """Re-decide residency with the expert counts seen so far (expert pinning), and re-stage the weights."""
         self.streamer = None  # free the old buffers before allocating the new ones
         self.placement = plan_placement(self.infos.values(), self.vram_budget, self.reserved, self.expert_counts)
-        self.streamer = Streamer(self.gm, self.placement, self.infos, self.stream)
+        self.streamer = Streamer(self.gm, self.placement, self.infos, self.stream, bus_bw=self.bus_bw)
 
     # state hand-off ------------------------------------------------------------------------------------
     def _holds(self, st: DecoderState) -> bool:
@@ -193,6 +200,7 @@ class GPUModel:
         t_up = time.perf_counter()
         b, st = self.buf, self.streamer
         st.reset_timing()
+        self.work = Work()
         h = b.h[:T]
         emb = np.empty((T, a.n_embd), np.float32)
         dequantize_rows(self.tok_embd.raw(), self.tok_embd.qtype, self.tok_embd.ne[0], ids, emb)
@@ -250,10 +258,13 @@ class GPUModel:
             used = self.counts_host[:, : -(-T // self.chunk)].sum(axis=1)  # (n_layer, E)
             for i, e in zip(*np.nonzero(used), strict=True):
                 self.expert_counts[(int(i), int(e))] = self.expert_counts.get((int(i), int(e)), 0) + int(used[i, e])
+            for i in range(a.n_layer):
+                self.work.add("moe", i, float(used[i].sum()) * self._exp_nk[i])
         self._owner = (weakref.ref(state), state.pos, _tokens_hash(state))
         wall = time.perf_counter() - t0
         self.last_timing = {"wall_s": wall, "gpu_s": ev1.time_since(ev0) / 1e3, "copy_s": st.copy_seconds(),
-                            "bytes_h2d": st.bytes_h2d, "tokens": T, "phases": self._phase_seconds(),
+                            "bytes_h2d": st.bytes_h2d, "tokens": T, "work": self.work.as_dict(),
+                            "phases": self._phase_seconds(),
                             # host: state upload, embedding lookup, launching (ends before the GPU does when
                             # the host keeps ahead), waiting for the card, state download (the rest of it)
                             "host_s": {"upload": t_up - t0, "embed": t_emb - t_up, "launch": t_queued - t_emb,
@@ -262,6 +273,11 @@ class GPUModel:
             for s in snap_host:
                 on_snapshot(s, None)
         return logits
+
+    def _gemm(self, layer: int, x, W, **kw):
+        """kgm.gemm, its FLOPs counted in self.work."""
+        self.work.add("gemm", layer, gemm_flops(x.shape[0], W.shape[-2], W.shape[-1]))
+        return kgm.gemm(x, W, **kw)
 
     def _fork(self):
         """The side stream starts after the work queued on the main stream so far; returns it."""
@@ -306,7 +322,7 @@ class GPUModel:
             r1 = min(T, r0 + self.chunk) if all_logits else T
             x = b.x[: r1 - r0]
             ke.rms_norm(h[r0:r1], self.vec["output_norm.weight"], a.rms_eps, out=x, stream=self.stream)
-            lg = kgm.gemm(x, W, stream=self.stream)
+            lg = self._gemm(a.n_layer, x, W, stream=self.stream)
             out.append(lg.get(stream=self.stream))
         self.streamer.release(a.n_layer)
         return np.concatenate(out, axis=0)
@@ -317,9 +333,9 @@ class GPUModel:
         over all rows, the cache and attention per sequence, its K/V from cache row `base`); None: one sequence."""
         a, b, s = self.args, self.buf, self.stream
         n, hd = x.shape[0], a.head_dim
-        qg = kgm.gemm(x, L.w("attn_q"), out=b.qg[:n], stream=s)
-        k = kgm.gemm(x, L.w("attn_k"), out=b.k[:n].reshape(n, a.n_head_kv * hd), stream=s)
-        v = kgm.gemm(x, L.w("attn_v"), out=b.v[:n].reshape(n, a.n_head_kv * hd), stream=s)
+        qg = self._gemm(L.i, x, L.w("attn_q"), out=b.qg[:n], stream=s)
+        k = self._gemm(L.i, x, L.w("attn_k"), out=b.k[:n].reshape(n, a.n_head_kv * hd), stream=s)
+        v = self._gemm(L.i, x, L.w("attn_v"), out=b.v[:n].reshape(n, a.n_head_kv * hd), stream=s)
         q = b.q[:n]
         pitch = 2 * hd if a.attn_gate else hd
         q2, qg2 = q.reshape(n * a.n_head, hd), qg.reshape(n * a.n_head, pitch)
@@ -337,9 +353,10 @@ class GPUModel:
             kc, vc = (b.kc[i], b.vc[i]) if base == 0 else (b.kc[i][base:], b.vc[i][base:])
             ka.kv_append(k3[r0:r1], v3[r0:r1], kc, vc, p0, stream=s)
             ka.attention_prefill(q[r0:r1], kc, vc, o[r0:r1], p0, stream=s)
+            self.work.add("attention", i, attention_flops(a.n_head, hd, p0, r1 - r0))
         if a.attn_gate:
             ke.sigmoid_mul(o.reshape(n * a.n_head, hd), qg2, g_off=hd, stream=s)
-        return kgm.gemm(o.reshape(n, a.n_head * hd), L.w("attn_output"), out=b.mix[:n], stream=s)
+        return self._gemm(L.i, o.reshape(n, a.n_head * hd), L.w("attn_output"), out=b.mix[:n], stream=s)
 
     def _gdn(self, L, i: int, x, c0: int, snaps: list[int], snap_host: list, segs=None):
         """segs: (row0, row1, c0, snaps, before, after) per sequence among x's rows (a pass over several prompts:
@@ -349,16 +366,17 @@ class GPUModel:
         a, b, s = self.args, self.buf, self.stream
         n = x.shape[0]
         side = self._fork()
-        gb = kgm.gemm(x, L.w("ssm_beta"), out=b.gb[:n], stream=side)
-        ga = kgm.gemm(x, L.w("ssm_alpha"), out=b.ga[:n], stream=side)
-        u = kgm.gemm(x, L.w("attn_qkv"), out=b.u[:n], stream=s)
-        z = kgm.gemm(x, L.w("attn_gate"), out=b.z[:n], stream=s)
+        gb = self._gemm(L.i, x, L.w("ssm_beta"), out=b.gb[:n], stream=side)
+        ga = self._gemm(L.i, x, L.w("ssm_alpha"), out=b.ga[:n], stream=side)
+        u = self._gemm(L.i, x, L.w("attn_qkv"), out=b.u[:n], stream=s)
+        z = self._gemm(L.i, x, L.w("attn_gate"), out=b.z[:n], stream=s)
         self._join()
         y = b.y[:n]
         for r0, r1, q0, sn, before, after in segs or [(0, n, c0, snaps, None, None)]:
             if before is not None:
                 before()
             m = r1 - r0
+            self.work.add("gdn", i, gdn_flops(a, m))
             mine = [j for j, p in enumerate(sn) if q0 < p <= q0 + m]  # positions relative to q0 are in snap_pos
             sp = sc = sS = None
             if mine:
@@ -372,26 +390,26 @@ class GPUModel:
                 sS[r].get(ary=snap_host[j].ssm[i], stream=s)
             if after is not None:
                 after()
-        return kgm.gemm(y.reshape(n, -1), L.w("ssm_out"), out=b.mix[:n], stream=s)
+        return self._gemm(L.i, y.reshape(n, -1), L.w("ssm_out"), out=b.mix[:n], stream=s)
 
     def _ffn(self, L, x):
         b, s, n = self.buf, self.stream, x.shape[0]
-        g = kgm.gemm(x, L.w("ffn_gate"), out=b.fg[:n], stream=s)
-        u = kgm.gemm(x, L.w("ffn_up"), out=b.fu[:n], stream=s)
+        g = self._gemm(L.i, x, L.w("ffn_gate"), out=b.fg[:n], stream=s)
+        u = self._gemm(L.i, x, L.w("ffn_up"), out=b.fu[:n], stream=s)
         ke.swiglu(g, u, out=g, stream=s)
-        return kgm.gemm(g, L.w("ffn_down"), out=b.ffn[:n], stream=s)
+        return self._gemm(L.i, g, L.w("ffn_down"), out=b.ffn[:n], stream=s)
 
     def _moe(self, L, x):
         a, b, s, n = self.args, self.buf, self.stream, x.shape[0]
         k, E = a.n_expert_used, a.n_expert
         if a.n_ff_shexp:  # the gated shared expert, beside the routed experts
             side = self._fork()
-            sg = kgm.gemm(x, L.w("ffn_gate_shexp"), out=b.sg[:n], stream=side)
-            su = kgm.gemm(x, L.w("ffn_up_shexp"), out=b.su[:n], stream=side)
+            sg = self._gemm(L.i, x, L.w("ffn_gate_shexp"), out=b.sg[:n], stream=side)
+            su = self._gemm(L.i, x, L.w("ffn_up_shexp"), out=b.su[:n], stream=side)
             ke.swiglu(sg, su, out=sg, stream=side)
-            sh = kgm.gemm(sg, L.w("ffn_down_shexp"), out=b.mix[:n], stream=side)
+            sh = self._gemm(L.i, sg, L.w("ffn_down_shexp"), out=b.mix[:n], stream=side)
             gl = ke.dot_rows(x, L.v("ffn_gate_inp_shexp"), out=b.sgate[:n], stream=side)
-        router = kgm.gemm(x, L.w("ffn_gate_inp"), out=b.router[:n], stream=s)
+        router = self._gemm(L.i, x, L.w("ffn_gate_inp"), out=b.router[:n], stream=s)
         ids, wts = b.ids[:n], b.wts[:n]
         km.route(router, k, ids, wts, stream=s)
         P = n * k

@@ -4,8 +4,10 @@ layer computes (double buffering). Pinned experts of a streamed expert tensor ar
 their slot, so kernels always see whole [E, N, K] tensors.
 
 Order of events for layer L in slot s = L % 2:
-  copy stream:    wait free[s]  -> H2D (streamed bytes) + D2D (pinned experts) -> record ready[L]
+  copy stream:    wait free[s]  -> D2D (pinned experts) + H2D (streamed bytes) -> record ready[L]
   compute stream: wait ready[L] -> the layer's kernels -> record free[s]
+
+With `bus_bw` (bytes/s) the H2D copies are paced to that rate (k_pace.Pacer: an old card's bus on a fast one).
 """
 
 from __future__ import annotations
@@ -22,10 +24,14 @@ def _shape(t) -> tuple:
 
 
 class Streamer:
-    def __init__(self, gm, placement: Placement, infos: dict[str, WeightInfo], compute_stream, progress=None):
+    def __init__(self, gm, placement: Placement, infos: dict[str, WeightInfo], compute_stream, progress=None,
+                 bus_bw: float | None = None):
         import pycuda.driver as drv
         from pycuda import gpuarray
 
+        from .k_pace import Pacer
+
+        self.pacer = Pacer(bus_bw) if bus_bw is not None else None
         self.drv, self.gm, self.p, self.infos = drv, gm, placement, infos
         self.compute = compute_stream
         self.copy = drv.Stream()
@@ -86,29 +92,35 @@ class Streamer:
         start, end = drv.Event(), drv.Event()
         start.record(self.copy)
         base = int(self.slots[s].gpudata)
+        h2d, d2d = [], []  # (device address, host bytes); (device address, device address, bytes)
         for name, off in self.layout[layer]:
             info = self.infos[name]
             host = self.host[name]
             pin = self.pinned.get(name)
             if pin is None:
-                drv.memcpy_htod_async(base + off, host, self.copy)
-                self.bytes_h2d += host.nbytes
+                h2d.append((base + off, host))
                 continue
             dw, slot_of = pin
             slab = info.slab
             e = 0
             while e < info.n_expert:  # runs of streamed experts in one copy each
                 if e in slot_of:
-                    drv.memcpy_dtod_async(base + off + e * slab, int(dw.data.gpudata) + slot_of[e] * slab, slab,
-                                          self.copy)
+                    d2d.append((base + off + e * slab, int(dw.data.gpudata) + slot_of[e] * slab, slab))
                     e += 1
                     continue
                 e2 = e
                 while e2 < info.n_expert and e2 not in slot_of:
                     e2 += 1
-                drv.memcpy_htod_async(base + off + e * slab, host[e * slab : e2 * slab], self.copy)
-                self.bytes_h2d += (e2 - e) * slab
+                h2d.append((base + off + e * slab, host[e * slab : e2 * slab]))
                 e = e2
+        for dst, src, n in d2d:
+            drv.memcpy_dtod_async(dst, src, n, self.copy)
+        if self.pacer is not None:
+            self.bytes_h2d += self.pacer.upload(h2d, self.copy)
+        else:
+            for dst, host in h2d:
+                drv.memcpy_htod_async(dst, host, self.copy)
+                self.bytes_h2d += host.nbytes
         end.record(self.copy)
         self.ready[layer] = end
         self.timing.append((layer, start, end))
