@@ -17,7 +17,8 @@ M=/tmp/q08v.gguf
 run() {
   python3 -m hybridinfer bench serve -m $M -t ${THREADS:-16} --max-seqs ${SEQS:-16} --max-tokens ${MAX_TOKENS:-64} \
     --conversations ${CONVS:-10} --turns ${TURNS:-5} --system-tokens 2000 \
-    --chat-template-file bench/qwen35_chat_template.jinja --llama-server .llamabin/llama-server "$@"
+    --chat-template-file bench/qwen35_chat_template.jinja --llama-server .llamabin/llama-server \
+    --prefix-cache-ram ${CACHE:-4GiB} "$@"
 }
 O=${OUT:-bench/results}
 run --concurrency ${CONC:-1,4,16} --requests ${REQUESTS:-4} --shared-system --out-dir $O

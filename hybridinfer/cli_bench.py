@@ -123,7 +123,7 @@ def cmd_bench_serve(a) -> int:
         raise ParameterError(f"--chat-template-file {a.chat_template_file!r}: no such file")
     res = serve.run(a.model, a.threads, a.max_seqs, conc, a.requests, a.max_tokens, a.conversations, a.turns,
                     a.system_tokens, a.shared_system, a.n_ctx, a.backend, a.llama_server,
-                    a.chat_template_file and os.path.abspath(a.chat_template_file))
+                    a.chat_template_file and os.path.abspath(a.chat_template_file), a.prefix_cache_ram)
     print(serve.markdown(res))
     _save_bench(a.out_dir, f"serve-{_model_stem(a.model)}-t{a.threads}", json.dumps(res, indent=1),
                 lambda png: serve_plot.plot(res, png))
@@ -221,6 +221,9 @@ def add_bench_parsers(sub) -> None:
     b.add_argument("--chat-template-file", default=None,
                    help="a chat template both servers render (llama-server with --jinja), so both see the same "
                         "prompt tokens, tools included (e.g. bench/qwen35_chat_template.jinja)")
+    b.add_argument("--prefix-cache-ram", type=parse_size, default=None,
+                   help="this engine's snapshot cache in RAM (default: serve's, 2GiB); llama-server keeps each slot's "
+                        "state and its context checkpoints, which this cache stands for")
     b = _bench_parser(bsub, "batch-job", "a batch job end to end: N requests sharing a long system prompt through "
                       "`hybridinfer batch` (one at a time, the scheduler, 2 shards, each --numa policy) and "
                       "llama.cpp's llama-server fed the same requests", cmd_bench_batch_job, model_required=False)

@@ -66,6 +66,8 @@ def test_both_servers_render_the_template_file():
     theirs = serve.llama_cmd("llama-server", "m.gguf", 8080, 2, 4, 1024, "/t/q.jinja")
     assert "--jinja" in theirs and theirs[theirs.index("--chat-template-file") + 1] == "/t/q.jinja"
     assert "--chat-template-file" not in serve.ours_cmd("m.gguf", 8080, 2, 4, 1024, "cpu")
+    ours = serve.ours_cmd("m.gguf", 8080, 2, 4, 1024, "cpu", None, 4 << 30)
+    assert ours[ours.index("--prefix-cache-ram") + 1] == str(4 << 30)
     assert "--jinja" not in serve.llama_cmd("llama-server", "m.gguf", 8080, 2, 4, 1024)
 
 

@@ -358,10 +358,11 @@ class Server:
 
 
 def ours_cmd(model: str, port: int, threads: int, max_seqs: int, n_ctx: int, backend: str,
-             template: str | None = None) -> list[str]:
+             template: str | None = None, cache_ram: int | None = None) -> list[str]:
     return [sys.executable, "-m", "hybridinfer", "serve", "-m", model, "--port", str(port), "--host", "127.0.0.1",
             "--max-seqs", str(max_seqs), "-t", str(threads), "--backend", backend, "--n-ctx", str(n_ctx),
-            "--log-level", "warning"] + (["--chat-template-file", template] if template else [])
+            "--log-level", "warning"] + (["--chat-template-file", template] if template else []) + (
+                [] if cache_ram is None else ["--prefix-cache-ram", str(cache_ram)])
 
 
 def llama_cmd(binary: str, model: str, port: int, threads: int, max_seqs: int, n_ctx: int,
@@ -396,7 +397,8 @@ def bench_server(srv: Server, cfg: dict) -> list[dict]:
 def run(model: str, threads: int, max_seqs: int = 16, concurrency=(1, 4, 16), requests: int = 4,
         max_tokens: int = 64, conversations: int = 10, turns: int = 5, system_tokens: int = 2000,
         shared_system: bool = False, n_ctx: int = 4096, backend: str = "cpu",
-        llama_server: str | None = None, chat_template_file: str | None = None) -> dict:
+        llama_server: str | None = None, chat_template_file: str | None = None,
+        cache_ram: int | None = None) -> dict:
     try:
         import openai  # noqa: F401
     except ModuleNotFoundError:
@@ -405,9 +407,10 @@ def run(model: str, threads: int, max_seqs: int = 16, concurrency=(1, 4, 16), re
            "concurrency": list(concurrency), "requests": requests, "max_tokens": max_tokens,
            "conversations": conversations, "turns": turns, "system_tokens": system_tokens,
            "shared_system": shared_system, "n_ctx": n_ctx, "backend": backend, "llama_server": llama_server,
-           "chat_template_file": chat_template_file}
+           "chat_template_file": chat_template_file, "prefix_cache_ram": cache_ram}
     rows = []
-    makers = [(OURS, lambda p: ours_cmd(model, p, threads, max_seqs, n_ctx, backend, chat_template_file))]
+    makers = [(OURS, lambda p: ours_cmd(model, p, threads, max_seqs, n_ctx, backend, chat_template_file,
+                                                  cache_ram))]
     if llama_server:
         makers.append((LLAMA, lambda p: llama_cmd(llama_server, model, p, threads, max_seqs, n_ctx,
                                                        chat_template_file)))
