@@ -20,8 +20,24 @@
 
 #define GDN_MAXK 8     // conv kernel width K <= GDN_MAXK
 #define GDN_TC 16      // tokens staged in shared memory per step of gdn_delta_rule
-#define GDN_MAXR 16    // S rows per thread in gdn_delta_rule: ceil(d_k / blockDim.y) <= GDN_MAXR
-#define GDN_MAX_THREADS 512  // block size bound of gdn_delta_rule
+// S rows per thread in gdn_delta_rule: ceil(d_k / blockDim.y) <= GDN_MAXR (8 where a thread has 63 registers:
+// its rows of S and of k stay in registers; k_gdn.delta_rule_shape gives the block the row groups to match)
+#ifndef GDN_MAXR
+#ifdef HI_REG63
+#define GDN_MAXR 8
+#else
+#define GDN_MAXR 16
+#endif
+#endif
+// block size bound of gdn_delta_rule: 256 threads let ptxas give each 255 registers (at 512 it caps them at 128
+// and spills S); the 63-register class has no bounds (HI_BOUNDS) and takes 512
+#ifndef GDN_MAX_THREADS
+#ifdef HI_REG63
+#define GDN_MAX_THREADS 512
+#else
+#define GDN_MAX_THREADS 256
+#endif
+#endif
 
 // c[t, ch] = SiLU(sum_tau w[ch, tau] * win[t + tau, ch]) with win = [conv_state; u].
 // u, c [T, C]; conv_state [K-1, C]; w [C, K]. One thread per channel and a run of tchunk tokens:
@@ -150,7 +166,7 @@ __device__ __forceinline__ void gdn_snapshots(int pos, int& ns, int& next, const
     }
 }
 
-extern "C" __global__ void __launch_bounds__(GDN_MAX_THREADS)
+extern "C" __global__ void HI_BOUNDS(GDN_MAX_THREADS)
     gdn_delta_rule(const float* __restrict__ c, const float* __restrict__ a, const float* __restrict__ b,
                    const float* __restrict__ ssm_a, const float* __restrict__ dt_bias, float* __restrict__ S,
                    float* __restrict__ o, const int* __restrict__ snap_pos, int n_snap, float* __restrict__ snap_S,
