@@ -51,6 +51,14 @@ __device__ __forceinline__ float hi_h2f(u16 h) {
     return f;
 }
 
+// x, opaque to the compiler: a volatile asm is not moved out of loops, so values computed from it are computed
+// where they are used instead of being hoisted and held in registers for the whole loop (what makes kernels spill
+// at 63 registers a thread)
+__device__ __forceinline__ int hi_opaque(int x) {
+    asm volatile("mov.b32 %0, %0;" : "+r"(x));
+    return x;
+}
+
 __device__ __forceinline__ u16 hi_ld16(const u8* p) { return *(const u16*)p; }  // p 2-byte aligned
 __device__ __forceinline__ u32 hi_ld32(const u8* p) { return *(const u32*)p; }  // p 4-byte aligned
 

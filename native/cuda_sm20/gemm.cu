@@ -202,51 +202,14 @@ __device__ __forceinline__ void gemm_load_w(HiQ<QT> wq[WH], const u8* const wptr
     }
 }
 
-// LEAN staging of k-chunk c: X rows (row index recomputed, not held in registers) and W pieces, each loaded,
-// dequantized and stored in turn
-template <int QT, int XL, int WH, int WP, int BN, int BK>
-__device__ __forceinline__ void gemm_stage_lean(const float* __restrict__ X, const int* __restrict__ idx, int r0,
-                                                int cnt, int K, const u8* const wptr[WH], const int wh[WH],
-                                                const int wn[WH], const bool wok[WH], int c, float* Xs, float* Ws,
-                                                int BM) {
-#pragma unroll
-    for (int i = 0; i < XL; ++i) {
-        const int p = threadIdx.x + i * HI_THREADS;
-        const int m = p / (BK / 4), q4 = p % (BK / 4);
-        if (p < BM * (BK / 4)) {
-            float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            if (m < cnt) {
-                const int r = r0 + m;
-                v = *(const float4*)(X + (size_t)(idx ? idx[r] : r) * K + c * BK + 4 * q4);
-            }
-            *(float4*)(Xs + m * (BK + 4) + 4 * q4) = v;
-        }
-    }
-#pragma unroll
-    for (int r = 0; r < WH; ++r) {
-        if (WP % HI_THREADS && threadIdx.x + r * HI_THREADS >= WP) break;  // a 64-row tile: half the threads
-        HiQ<QT> q;
-        const int h16 = c * (BK / 16) + wh[r];
-        q.load(wptr[r], h16 >> 1, h16 & 1);
-        float wv[16];
-        gemm_deq<QT>(q, wv, wok[r]);
-#pragma unroll
-        for (int j = 0; j < 16; ++j) Ws[(16 * wh[r] + j) * BN + wn[r]] = wv[j];
-    }
-}
-
-#ifndef GEMM_LEAN_UNROLL
-#define GEMM_LEAN_UNROLL 2
-#endif
-template <int QT, int TM, int TXN, int BK, bool LEAN, int CN>
+template <int QT, int TM, int TXN, int BK>
 __device__ __forceinline__ void gemm_body(const float* __restrict__ X, const u8* __restrict__ W,
                                           float* __restrict__ Y, const int* __restrict__ offs,
                                           const int* __restrict__ idx, int E, int M, int N, int K, int row_nbytes) {
     const int TYN = HI_THREADS / TXN;                       // thread rows along tokens: 16 or 8
-    const int BM = TYN * TM, BN = CN * TXN;                 // the block's tile: BM tokens x BN weight rows
+    const int BM = TYN * TM, BN = 8 * TXN;                  // the block's tile: BM tokens x BN weight rows
     const int XL = (BM * BK / 4 + HI_THREADS - 1) / HI_THREADS;  // float4 X loads per thread per k chunk
-    const int WP = BN * BK / 16;                                   // W pieces (16 weights) per k chunk
-    const int WH = (WP + HI_THREADS - 1) / HI_THREADS;             // W pieces staged per thread
+    const int WH = BN * BK / 16 / HI_THREADS;                      // W pieces (16 weights) staged per thread
     __shared__ __align__(16) float Xs[BM * (BK + 4)];
     __shared__ __align__(16) float Ws[BK * BN];
     __shared__ int scan[HI_THREADS];
@@ -269,9 +232,9 @@ __device__ __forceinline__ void gemm_body(const float* __restrict__ X, const u8*
         int e, r0, cnt;
         if (!gemm_find_tile(offs, E, M, BM, v, &e, &r0, &cnt, scan)) return;
         // input rows this thread stages (clamped to a valid row; padding rows are zeroed at staging)
-        const float* xrow[LEAN ? 1 : XL];
+        const float* xrow[XL];
 #pragma unroll
-        for (int i = 0; i < (LEAN ? 0 : XL); ++i) {
+        for (int i = 0; i < XL; ++i) {
             const int m = (tid + i * HI_THREADS) / (BK / 4);
             const int r = r0 + min(m, cnt - 1);
             xrow[i] = X + (size_t)(idx ? idx[r] : r) * K;
@@ -293,26 +256,36 @@ __device__ __forceinline__ void gemm_body(const float* __restrict__ X, const u8*
 #pragma unroll
                 for (int j = 0; j < 8; ++j) acc[i][j] = 0.0f;
 
-            if (LEAN) {
-                const int kUnroll = GEMM_LEAN_UNROLL;
-                // 63-register form: chunk c is staged straight from global memory into shared memory (no
-                // registers held across the multiply), and each k step reads one X value per token
-                for (int c = 0; c < n_chunks; ++c) {
-                    __syncthreads();  // every thread is done reading chunk c - 1
-                    gemm_stage_lean<QT, XL, WH, WP, BN, BK>(X, idx, r0, cnt, K, wptr, wh, wn, wok, c, Xs, Ws, BM);
-                    __syncthreads();
-#pragma unroll kUnroll
-                    for (int k = 0; k < BK; ++k) {
-                        const float4 b0 = *(const float4*)(Ws + k * BN + 4 * tx);
-                        const float4 b1 = CN == 8 ? *(const float4*)(Ws + k * BN + 4 * TXN + 4 * tx) : b0;
+            // software pipeline: the global loads of chunk c+1 (X rows, raw W bytes) are in flight while
+            // chunk c is multiplied out of shared memory
+            float4 xr[XL];
+            HiQ<QT> wq[WH];
+            gemm_load_x<XL, BK>(xr, xrow, 0, cnt, BM);
+            gemm_load_w<QT, WH, BK>(wq, wptr, wh, 0);
+            gemm_store<QT, XL, WH, BN, BK>(xr, wq, Xs, Ws, BM, wn, wh, wok);
+            __syncthreads();
+            for (int c = 0; c < n_chunks; ++c) {
+                const bool more = c + 1 < n_chunks;
+                if (more) {
+                    gemm_load_x<XL, BK>(xr, xrow, c + 1, cnt, BM);
+                    gemm_load_w<QT, WH, BK>(wq, wptr, wh, c + 1);
+                }
+#pragma unroll
+                for (int kk = 0; kk < BK; kk += 4) {
+                    float4 xa[TM];
+#pragma unroll
+                    for (int i = 0; i < TM; ++i) xa[i] = *(const float4*)(Xs + (ty + TYN * i) * (BK + 4) + kk);
+#pragma unroll
+                    for (int q = 0; q < 4; ++q) {
+                        const float4 b0 = *(const float4*)(Ws + (kk + q) * BN + 4 * tx);
+                        const float4 b1 = *(const float4*)(Ws + (kk + q) * BN + 4 * TXN + 4 * tx);
 #pragma unroll
                         for (int i = 0; i < TM; ++i) {
-                            const float a = Xs[(ty + TYN * i) * (BK + 4) + k];
+                            const float a = q == 0 ? xa[i].x : q == 1 ? xa[i].y : q == 2 ? xa[i].z : xa[i].w;
                             acc[i][0] = fmaf(a, b0.x, acc[i][0]);
                             acc[i][1] = fmaf(a, b0.y, acc[i][1]);
                             acc[i][2] = fmaf(a, b0.z, acc[i][2]);
                             acc[i][3] = fmaf(a, b0.w, acc[i][3]);
-                            if (CN == 4) continue;
                             acc[i][4] = fmaf(a, b1.x, acc[i][4]);
                             acc[i][5] = fmaf(a, b1.y, acc[i][5]);
                             acc[i][6] = fmaf(a, b1.z, acc[i][6]);
@@ -320,48 +293,9 @@ __device__ __forceinline__ void gemm_body(const float* __restrict__ X, const u8*
                         }
                     }
                 }
-            } else {
-                // software pipeline: the global loads of chunk c+1 (X rows, raw W bytes) are in flight while
-                // chunk c is multiplied out of shared memory
-                float4 xr[XL];
-                HiQ<QT> wq[WH];
-                gemm_load_x<XL, BK>(xr, xrow, 0, cnt, BM);
-                gemm_load_w<QT, WH, BK>(wq, wptr, wh, 0);
-                gemm_store<QT, XL, WH, BN, BK>(xr, wq, Xs, Ws, BM, wn, wh, wok);
+                __syncthreads();  // every thread is done reading chunk c
+                if (more) gemm_store<QT, XL, WH, BN, BK>(xr, wq, Xs, Ws, BM, wn, wh, wok);
                 __syncthreads();
-                for (int c = 0; c < n_chunks; ++c) {
-                    const bool more = c + 1 < n_chunks;
-                    if (more) {
-                        gemm_load_x<XL, BK>(xr, xrow, c + 1, cnt, BM);
-                        gemm_load_w<QT, WH, BK>(wq, wptr, wh, c + 1);
-                    }
-    #pragma unroll
-                    for (int kk = 0; kk < BK; kk += 4) {
-                        float4 xa[TM];
-    #pragma unroll
-                        for (int i = 0; i < TM; ++i) xa[i] = *(const float4*)(Xs + (ty + TYN * i) * (BK + 4) + kk);
-    #pragma unroll
-                        for (int q = 0; q < 4; ++q) {
-                            const float4 b0 = *(const float4*)(Ws + (kk + q) * BN + 4 * tx);
-                            const float4 b1 = *(const float4*)(Ws + (kk + q) * BN + 4 * TXN + 4 * tx);
-    #pragma unroll
-                            for (int i = 0; i < TM; ++i) {
-                                const float a = q == 0 ? xa[i].x : q == 1 ? xa[i].y : q == 2 ? xa[i].z : xa[i].w;
-                                acc[i][0] = fmaf(a, b0.x, acc[i][0]);
-                                acc[i][1] = fmaf(a, b0.y, acc[i][1]);
-                                acc[i][2] = fmaf(a, b0.z, acc[i][2]);
-                                acc[i][3] = fmaf(a, b0.w, acc[i][3]);
-                                acc[i][4] = fmaf(a, b1.x, acc[i][4]);
-                                acc[i][5] = fmaf(a, b1.y, acc[i][5]);
-                                acc[i][6] = fmaf(a, b1.z, acc[i][6]);
-                                acc[i][7] = fmaf(a, b1.w, acc[i][7]);
-                            }
-                        }
-                    }
-                    __syncthreads();  // every thread is done reading chunk c
-                    if (more) gemm_store<QT, XL, WH, BN, BK>(xr, wq, Xs, Ws, BM, wn, wh, wok);
-                    __syncthreads();
-                }
             }
 
             // write Y rows r0 + m, columns n0 + 4tx + j and n0 + 4 TXN + 4tx + j
@@ -371,7 +305,7 @@ __device__ __forceinline__ void gemm_body(const float* __restrict__ X, const u8*
                 if (m >= cnt) continue;
                 float* yrow = Y + (size_t)(r0 + m) * N;
 #pragma unroll
-                for (int half = 0; half < CN / 4; ++half) {
+                for (int half = 0; half < 2; ++half) {
                     const int n = n0 + 4 * TXN * half + 4 * tx;
                     if ((N & 3) == 0 && n + 3 < N) {
                         *(float4*)(yrow + n) = make_float4(acc[i][4 * half], acc[i][4 * half + 1],
@@ -387,42 +321,47 @@ __device__ __forceinline__ void gemm_body(const float* __restrict__ X, const u8*
     }
 }
 
+#ifdef HI_REG63
+#include "gemm_lean.cuh"
+#endif
+
 // One entry point per (weight type, tile): name gemm_<type>_b<BM>_n<BN>.
 //   X [*, K] f32; W [E, N, K] GGUF rows; Y [M, N] f32; offs [E+1] int32, non-decreasing, offs[E] <= M,
 //   or NULL for one group of M rows (E = 1, the plain GEMM); idx [M] int32 row indices into X, or NULL
-//   for X rows in grouped order.
-#define GEMM_KERNEL(NAME, QT, TM, TXN, BK, LEAN, CN)                                                           \
+//   for X rows in grouped order. BODY is gemm_body<QT, TM, TXN, BK> or gemm_body_lean<QT, TM, TXN, BK, CN>.
+#define GEMM_KERNEL(NAME, BODY)                                                                                \
     extern "C" __global__ void HI_BOUNDS(HI_THREADS)                                                          \
         NAME(const float* __restrict__ X, const u8* __restrict__ W, float* __restrict__ Y,                    \
              const int* __restrict__ offs, const int* __restrict__ idx, int E, int M, int N, int K,          \
              int row_nbytes) {                                                                                 \
-        gemm_body<QT, TM, TXN, BK, LEAN, CN>(X, W, Y, offs, idx, E, M, N, K, row_nbytes);                     \
+        BODY(X, W, Y, offs, idx, E, M, N, K, row_nbytes);                                                     \
     }
+#define GEMM_FULL(QT, TM, TXN) gemm_body<QT, TM, TXN, 32>
+#define GEMM_LEAN(QT, TM, TXN, CN) gemm_body_lean<QT, TM, TXN, 32, CN>
 
 #ifndef HI_REG63
 // 128-row tiles (16 x 16 threads) for long token runs; 256-row tiles (8 x 32 threads) keep 4 tokens per
 // thread at 32-token tiles, for MoE groups of a few dozen tokens. (A 32 x 512 tile with 8 x 8 outputs
 // per thread and k chunks of 16 measured no faster than 32 x 256: at 32 tokens per dequantized weight
 // the dequantization and staging, not shared-memory reads, bound it.)
-#define GEMM_TYPE(name, QT)                                    \
-    GEMM_KERNEL(gemm_##name##_b16_n128, QT, 1, 16, 32, false, 8)  \
-    GEMM_KERNEL(gemm_##name##_b32_n128, QT, 2, 16, 32, false, 8)  \
-    GEMM_KERNEL(gemm_##name##_b64_n128, QT, 4, 16, 32, false, 8)  \
-    GEMM_KERNEL(gemm_##name##_b128_n128, QT, 8, 16, 32, false, 8) \
-    GEMM_KERNEL(gemm_##name##_b16_n256, QT, 2, 32, 32, false, 8)  \
-    GEMM_KERNEL(gemm_##name##_b32_n256, QT, 4, 32, 32, false, 8)  \
-    GEMM_KERNEL(gemm_##name##_b64_n256, QT, 8, 32, 32, false, 8)
+#define GEMM_TYPE(name, QT)                                          \
+    GEMM_KERNEL(gemm_##name##_b16_n128, GEMM_FULL(QT, 1, 16))        \
+    GEMM_KERNEL(gemm_##name##_b32_n128, GEMM_FULL(QT, 2, 16))        \
+    GEMM_KERNEL(gemm_##name##_b64_n128, GEMM_FULL(QT, 4, 16))        \
+    GEMM_KERNEL(gemm_##name##_b128_n128, GEMM_FULL(QT, 8, 16))       \
+    GEMM_KERNEL(gemm_##name##_b16_n256, GEMM_FULL(QT, 2, 32))        \
+    GEMM_KERNEL(gemm_##name##_b32_n256, GEMM_FULL(QT, 4, 32))        \
+    GEMM_KERNEL(gemm_##name##_b64_n256, GEMM_FULL(QT, 8, 32))
 #else
-// 63 registers a thread (sm_2x, sm_30): the LEAN body, whose tiles hold at most 4 x 8 outputs a thread
-#define GEMM_TYPE(name, QT)                                   \
-    GEMM_KERNEL(gemm_##name##_b16_n128, QT, 1, 16, 32, true, 8)  \
-    GEMM_KERNEL(gemm_##name##_b32_n128, QT, 2, 16, 32, true, 8)  \
-    GEMM_KERNEL(gemm_##name##_b64_n128, QT, 4, 16, 32, true, 8)  \
-    GEMM_KERNEL(gemm_##name##_b16_n256, QT, 2, 32, 32, true, 8)  \
-    GEMM_KERNEL(gemm_##name##_b32_n64, QT, 2, 16, 32, true, 4)   \
-    GEMM_KERNEL(gemm_##name##_b64_n64, QT, 4, 16, 32, true, 4)   \
-    GEMM_KERNEL(gemm_##name##_b128_n64, QT, 8, 16, 32, true, 4)  \
-    GEMM_KERNEL(gemm_##name##_b32_n256, QT, 4, 32, 32, true, 8)
+// 63 registers a thread: the lean body (gemm_lean.cuh), at most 4 x 8 outputs a thread
+#define GEMM_TYPE(name, QT)                                          \
+    GEMM_KERNEL(gemm_##name##_b16_n128, GEMM_LEAN(QT, 1, 16, 8))     \
+    GEMM_KERNEL(gemm_##name##_b32_n128, GEMM_LEAN(QT, 2, 16, 8))     \
+    GEMM_KERNEL(gemm_##name##_b64_n128, GEMM_LEAN(QT, 4, 16, 8))     \
+    GEMM_KERNEL(gemm_##name##_b16_n256, GEMM_LEAN(QT, 2, 32, 8))     \
+    GEMM_KERNEL(gemm_##name##_b32_n256, GEMM_LEAN(QT, 4, 32, 8))     \
+    GEMM_KERNEL(gemm_##name##_b32_n64, GEMM_LEAN(QT, 2, 16, 4))      \
+    GEMM_KERNEL(gemm_##name##_b64_n64, GEMM_LEAN(QT, 4, 16, 4))
 #endif
 
 GEMM_TYPE(f32, HI_F32)
