@@ -108,13 +108,20 @@ class Buffers:
 
 
 class GPUModel:
-    """Prefill on the card under `vram_budget` bytes (None: the card's free memory less 512 MiB)."""
+    """Prefill on the card under `vram_budget` bytes (None: the card's free memory less 512 MiB).
+
+    card_profile: fermi | kepler | maxwell | pascal compiles the kernels and picks tiles as for that class of card
+    (cards.PROFILES), on this card's multiprocessors; None: for the card itself. The kernels are loaded (compiled
+    once per card and class, then read from the disk cache) here; `compiled` lists what this load did."""
 
     single_pass = True
 
     def __init__(self, gm, args, n_ctx: int, vram_budget: int | None = None, chunk: int = DEFAULT_CHUNK,
-                 device: int = 0, expert_counts=None):
+                 device: int = 0, expert_counts=None, card_profile: str | None = None):
         loader.init(device)  # BackendNotAvailableError without pycuda or a card
+        loader.configure(card_profile)
+        self.card_profile = card_profile
+        self.compiled = loader.compile_all()
         import pycuda.driver as drv
 
         self.gm, self.args, self.n_ctx, self.chunk = gm, args, n_ctx, int(chunk)
