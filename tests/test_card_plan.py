@@ -284,3 +284,17 @@ def test_bench_prefill_markdown_shows_the_counts_and_the_calibration():
     assert "paced to 6.0 GB/s" in md
     assert "| 1.02 | 6.19 | 4795.7, 14.83 (yes) |" in md
     assert "947 tokens: compute 0.268 of FMA peak, bus 0.998 of 6.0 GB/s" in md
+
+
+def test_calibration_follows_the_kernels_a_card_runs():
+    """A 63-register card (sm_2x, GK10x's sm_30) runs fermi's kernel class and takes its measured efficiency;
+    sm_35 and later take their class's, a class newer than the table pascal's."""
+    from hybridinfer.gpu import calibration, cards
+
+    fermi = calibration.CALIBRATION["fermi"]
+    assert calibration.efficiency_for(cards.card("gtx680").limits) == fermi
+    assert calibration.efficiency_for(cards.card("c2075").limits) == fermi
+    assert calibration.efficiency_for(cards.card("k40").limits) == calibration.CALIBRATION["kepler"]
+    assert calibration.efficiency_for(cards.limits_for((9, 0), 132)) == calibration.CALIBRATION["pascal"]
+    for e in calibration.CALIBRATION.values():
+        assert 0 < e.compute < 1 and 0 < e.bus <= 1 and "bench prefill --card-profile" in e.source

@@ -29,25 +29,32 @@ class Efficiency:
     source: str
 
 
-# compute: conservative until measured under each profile. Fermi and GK10x run the 63-register tiles (issue 23
-# measured the dense GEMM held to 63 registers at ~0.4 of an H100's FMA peak, the grouped MoE GEMM lower), so a
-# whole pass is put at 0.2; later classes at 0.25. For scale: today's tiles on an H200 reach 0.268 (bench prefill,
-# 35B-A3B Q4_K_M, 947 tokens, resident).
-# bus: measured. `hybridinfer bench prefill -m 35b-a3b-q4_k_m.gguf --prompts 947 --vram-budget 6GiB --bus-bw 6` on
-# an H200 streamed 14.83 GiB per pass at 0.998 of the paced 6 GB/s (wall 1.02x the transfer floor); the pacing
-# (gpu/pacing.py) reproduces the card table's bus rate, so this is the streamer's own share of it (gaps between
-# uploads), the same for every class: 0.99 here.
-_BUS = 0.99
-_BUS_SRC = "bus: bench prefill --bus-bw 6, 35B-A3B under 6 GiB"
+# compute: measured under each profile. `hybridinfer bench prefill -m 35b-a3b-q4_k_m.gguf --prompts 947
+# --vram-budget 6GiB --card-profile CLASS` on an H200, the whole-model-resident row: fermi (the 63-register kernel
+# class) 14.45 TFLOP/s = 0.240 of the 60.3 TFLOP/s FMA peak; kepler (K40's sm_35), maxwell and pascal (the
+# 255-register class) 16.14-16.20 = 0.268. A GK10x card (sm_30: 63 registers a thread) runs fermi's kernels, so it
+# takes fermi's figure (efficiency_for).
+# bus: measured in the same runs, the budget rows: 0.996 of the paced 6 GB/s (fermi), 0.992-0.994 of 12 GB/s (the
+# others); the pacing (gpu/pacing.py) reproduces the card table's bus rate, so this is the streamer's own share of
+# it (gaps between uploads).
+_SRC = "bench prefill --card-profile {} (35B-A3B Q4_K_M, 947 tokens; compute: resident, bus: 6 GiB budget)"
 CALIBRATION: dict[str, Efficiency] = {
-    "fermi": Efficiency(0.20, _BUS, f"compute: default (not yet measured under --card-profile fermi); {_BUS_SRC}"),
-    "kepler": Efficiency(0.20, _BUS, f"compute: default (not yet measured under --card-profile kepler); {_BUS_SRC}"),
-    "maxwell": Efficiency(0.25, _BUS, f"compute: default (not yet measured under --card-profile maxwell); "
-                                      f"{_BUS_SRC}"),
-    "pascal": Efficiency(0.25, _BUS, f"compute: default (not yet measured under --card-profile pascal); {_BUS_SRC}"),
+    "fermi": Efficiency(0.240, 0.996, _SRC.format("fermi")),
+    "kepler": Efficiency(0.268, 0.994, _SRC.format("kepler")),
+    "maxwell": Efficiency(0.268, 0.992, _SRC.format("maxwell")),
+    "pascal": Efficiency(0.268, 0.994, _SRC.format("pascal")),
 }
 # CPU decode: bench decode's fraction of the read-bandwidth floor; conservative until measured on the host
-DECODE = (0.5, "default (not yet measured: hybridinfer bench decode)")
+DECODE = (0.94, "bench batch, 35B-A3B Q4_K_M, one sequence, 16-core host: 94.3 GB/s of weights read per second "
+                "against its ~100 GB/s")
+
+
+def efficiency_for(limits) -> Efficiency:
+    """The calibration of the kernels a card runs: a 63-register card (sm_2x, sm_30) fermi's, else its class's
+    (a class newer than the table: pascal's)."""
+    if limits.regs_per_thread <= 63:
+        return CALIBRATION["fermi"]
+    return CALIBRATION.get(limits.card_class, CALIBRATION["pascal"])
 
 
 def efficiency(card_class: str) -> Efficiency:

@@ -98,7 +98,7 @@ def plan_for_card(gm, args, card_name: str, vram_budget: int | None = None, host
         raise ParameterError(f"--host-bw must be a positive rate, got {host_bw!r}")
     chunk = DEFAULT_CHUNK if chunk is None else int(chunk)
     n_ctx = max(prompts)
-    eff = eff or calibration.efficiency(c.card_class if c.card_class in calibration.CALIBRATION else "pascal")
+    eff = eff or calibration.efficiency_for(c.limits)
     d_eff, d_src = (decode_eff, "given") if decode_eff is not None else calibration.DECODE
     ws = weights_of(gm, args, matrices_only=True)
     _check_supported(gm, args, ws)  # the GPU kernels' weight types, as GPUModel checks them
