@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
@@ -19,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import kclass
-from .sm20check import STUB_HEADERS, default_cuda_path
+from .sm20check import clang_device_ptx
 
 
 @dataclass(frozen=True)
@@ -54,26 +53,12 @@ def libdevice_of(ptxas: str) -> Path | None:
 
 def clang_ptx(cu: Path, cls: str, ptxas: str, clang: str = "clang-16", arch: str = "sm_35") -> str:
     """PTX of `cu` for kernel class `cls` (its -D defines), with libdevice linked in."""
-    exe = shutil.which(clang)
-    if exe is None:
-        raise FileNotFoundError(f"{clang} not found on PATH")
     libdevice = libdevice_of(ptxas)
     if libdevice is None:
         raise FileNotFoundError(f"no libdevice.10.bc beside {ptxas}")
-    with tempfile.TemporaryDirectory(prefix="ptxcheck-") as tmp:
-        stubs = Path(tmp, "stubs")
-        stubs.mkdir()
-        for h in STUB_HEADERS:
-            (stubs / h).write_text("")
-        out = Path(tmp, "out.ptx")
-        cmd = [exe, "-x", "cuda", "--cuda-device-only", f"--cuda-gpu-arch={arch}", f"--cuda-path={default_cuda_path()}",
-               "--no-cuda-version-check", "-nocudalib", "-Xclang", "-mlink-builtin-bitcode", "-Xclang", str(libdevice),
-               "-fcuda-short-ptr", "-mllvm", "--nvptx-short-ptr", "-O3", "-S", "-isystem", str(stubs),
-               "-I", str(cu.parent), *kclass.DEFINES[cls], str(cu), "-o", str(out)]
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        if r.returncode != 0 or not out.is_file():
-            raise RuntimeError(f"clang could not compile {cu.name} ({cls}):\n{r.stderr[-4000:]}")
-        return out.read_text()
+    opts = ["-Xclang", "-mlink-builtin-bitcode", "-Xclang", str(libdevice), "-fcuda-short-ptr", "-mllvm",
+            "--nvptx-short-ptr", "-O3", *kclass.DEFINES[cls]]
+    return clang_device_ptx(cu, arch, opts, clang)
 
 
 _ENTRY = re.compile(r"Compiling entry function '(\w+)' for '(sm_\d+)'")

@@ -64,30 +64,35 @@ def forbidden_in_ptx(ptx: str) -> list[str]:
     return found
 
 
-def compile_ptx(cu_path, clang: str = "clang-16", cuda_path: str | None = None,
-                include_dirs: tuple = ()) -> str:
-    """The sm_20 PTX clang makes of `cu_path` (its own directory is on the include path). Raises
-    RuntimeError with clang's messages when it does not compile, FileNotFoundError without clang."""
+def clang_device_ptx(cu_path, arch: str, options: list[str], clang: str = "clang-16",
+                     cuda_path: str | None = None) -> str:
+    """The PTX clang makes of `cu_path` for `arch` with extra `options` (its own directory on the include path,
+    CUDA's texture and curand headers stubbed out). RuntimeError with clang's messages when it does not compile,
+    FileNotFoundError without clang."""
     cu_path = Path(cu_path)
-    cuda_path = cuda_path or default_cuda_path()
     exe = shutil.which(clang)
     if exe is None:
         raise FileNotFoundError(f"{clang} not found on PATH")
-    with tempfile.TemporaryDirectory(prefix="sm20check-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="clangptx-") as tmp:
         stubs = Path(tmp, "stubs")
         stubs.mkdir()
         for h in STUB_HEADERS:
             (stubs / h).write_text("")
         out = Path(tmp, "out.ptx")
-        cmd = [exe, "-x", "cuda", "--cuda-device-only", "--cuda-gpu-arch=sm_20", f"--cuda-path={cuda_path}",
-               "--no-cuda-version-check", "-nocudalib", "-S", "-isystem", str(stubs), "-I", str(cu_path.parent)]
-        for d in include_dirs:
-            cmd += ["-I", str(d)]
-        cmd += [str(cu_path), "-o", str(out)]
+        cmd = [exe, "-x", "cuda", "--cuda-device-only", f"--cuda-gpu-arch={arch}",
+               f"--cuda-path={cuda_path or default_cuda_path()}", "--no-cuda-version-check", "-nocudalib", "-S",
+               "-isystem", str(stubs), "-I", str(cu_path.parent), *options, str(cu_path), "-o", str(out)]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0 or not out.is_file():
-            raise RuntimeError(f"clang could not compile {cu_path.name} for sm_20:\n{r.stderr[-4000:]}")
+            raise RuntimeError(f"clang could not compile {cu_path.name} for {arch}:\n{r.stderr[-4000:]}")
         return out.read_text()
+
+
+def compile_ptx(cu_path, clang: str = "clang-16", cuda_path: str | None = None,
+                include_dirs: tuple = ()) -> str:
+    """The sm_20 PTX clang makes of `cu_path` (its own directory is on the include path). Raises
+    RuntimeError with clang's messages when it does not compile, FileNotFoundError without clang."""
+    return clang_device_ptx(cu_path, "sm_20", [a for d in include_dirs for a in ("-I", str(d))], clang, cuda_path)
 
 
 def check_sm20(cu_path, clang: str = "clang-16", cuda_path: str | None = None) -> list[str]:
