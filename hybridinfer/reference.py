@@ -143,7 +143,7 @@ class ReferenceModel(Backend):
         a = self.args
         h = self.w.rows(self.embed, ids)
         for i, block in enumerate(self.blocks):
-            ops = RefOps(self, self.layers[i], i, state)
+            ops = self.graph_ops(i, state)
             for br in block:
                 h = h + br.fn(ops, a, self.norm(h, getattr(self.layers[i], br.norm), a.rms_eps))
         state.tokens[state.pos : state.pos + T] = ids
@@ -154,12 +154,19 @@ class ReferenceModel(Backend):
         return self.w.mm(self.head[1], x).astype(np.float32)
 
 
+    def graph_ops(self, i: int, state: DecoderState, T: int | None = None) -> RefOps:
+        """The op vocabulary over block i (what forward walks; tests call single ops through it)."""
+        return RefOps(self, self.layers[i], i, state)
+
+
 class RefOps:
     """The op vocabulary (models/graph.py) in plain numpy over one block of a ReferenceModel: the maths every
     backend's ops are tested against."""
 
     def __init__(self, model: ReferenceModel, L: Layer, i: int, st: DecoderState):
         self.m, self.a, self.L, self.i, self.st = model, model.args, L, i, st
+
+    from_host = to_host = staticmethod(np.asarray)  # op tests (tests/backend_ops.py): arrays are numpy already
 
     def linears(self, x: np.ndarray, *names: str) -> list[np.ndarray]:
         return [self.L.mm(n, x) for n in names]

@@ -380,6 +380,12 @@ class CPUModel(Backend):
         self.call(ws, ("norm", len(self.layers)), "rms_norm", hs, None, self.out_norm, a.rms_eps, xs)
         return self.mm(self.out, xs, ws.logits, ws)
 
+    def graph_ops(self, i: int, state: DecoderState, T: int) -> CPUOps:
+        """The op vocabulary over block i for T rows of arbitrary arrays (tests call single ops through it): a
+        prompt workspace, whose calls are not bound to its buffers."""
+        ws = self.workspace(max(T, 2), state.n_ctx)
+        return CPUOps(self, ws, state).at(i, 0, ws.mix, ws.ffn)
+
     def _norm_of(self, where: tuple) -> np.ndarray:
         i, _, br = where
         return getattr(self.layers[i], br.norm.replace(".", "_"))

@@ -26,6 +26,14 @@ class CPUOps:
         self.i, self.j, self.L, self.out, self.spare = i, j, self.m.layers[i], out, spare
         return self
 
+    @staticmethod
+    def from_host(x: np.ndarray) -> np.ndarray:
+        return np.array(x, np.float32)
+
+    @staticmethod
+    def to_host(y: np.ndarray) -> np.ndarray:
+        return np.array(y)
+
     def _t(self, name: str):
         """Block tensor `name` (Mat or float32 vector): Layer keeps them by their short names, dots as '_'."""
         return getattr(self.L, name.replace(".", "_"))
@@ -72,7 +80,7 @@ class CPUOps:
         a, ws, st, i = self.a, self.ws, self.st, self.i
         T, hd = q.shape[0], a.head_dim
         if not (q.ndim == 3 and np.may_share_memory(q, ws.q)):  # queries as the projection left them: packed
-            q, qg = ws.q[:T], q
+            q, qg = ws.q[:T], q.reshape(T, -1)
             self._call(("qgate", i), "split_qgate", qg, q, None)
         k, v = k.reshape(T, -1, hd), v.reshape(T, -1, hd)
         o = ws.attn[:T]

@@ -13,7 +13,7 @@ recording a decode step into its native plan as it walks, the GPU layer-major ov
 weights) and an `ops` object implementing `Ops` over its own arrays. The residual adds and branch norms are the
 walker's (each backend fuses them as it likes); everything inside a branch is the description's.
 
-Op vocabulary (`Ops`; `OPS` below names each op's reference maths, CPU binding and GPU launcher):
+Op vocabulary (`Ops`; `OPS` below names each op's reference maths, CPU bindings and GPU launchers):
     linears(x, *names)             x @ W.T for each matrix (one input, several products); flat (T, rows) outputs
     linear(x, name)                one product whose output returns to the residual width
     split_gate(qg)                 heads stored [query(hd), gate(hd)] -> (queries (T, H, hd), gates (T, H*hd))
@@ -64,32 +64,32 @@ class Ops(Protocol):
 
 @dataclass(frozen=True)
 class OpInfo:
-    """Where one op lives in each backend: its reference maths (module:function), the CPU's SimdLib methods and
-    the GPU's launchers (module:function) that implement it. Each backend's ops class has a method of the op's
-    name; tests/test_ops_*.py run every backend's method against the reference one."""
+    """Where one op lives. The rule: each backend's ops class (reference.RefOps, cpu.graph_ops.CPUOps,
+    gpu.graph_ops.GPUOps) has a method of the op's name; beneath it, the reference's maths (module:function under
+    hybridinfer), the CPU's SimdLib methods (native/simd) and the GPU's launchers (module:function under
+    hybridinfer, native/cuda_sm20) it calls. tests/test_ops_<family>.py runs every backend's method against
+    RefOps'."""
 
-    reference: str
+    reference: tuple[str, ...]
     cpu: tuple[str, ...]
     gpu: tuple[str, ...]
     family: str  # the test file covering it: tests/test_ops_<family>.py
 
 
 OPS: dict[str, OpInfo] = {
-    "norm": OpInfo("reference_ops:rms_norm", ("rms_norm",), ("gpu.k_elementwise:rms_norm", "gpu.k_elementwise:add"),
-                   "elementwise"),
-    "linears": OpInfo("reference:Weights.mm", ("quantize", "matmul_many"), ("gpu.k_gemm:gemm",), "linear"),
-    "linear": OpInfo("reference:Weights.mm", ("quantize", "matmul"), ("gpu.k_gemm:gemm",), "linear"),
-    "split_gate": OpInfo("reference:RefOps.split_gate", ("split_qgate",), ("gpu.k_elementwise:rms_norm",),
-                         "attention"),
-    "head_norm": OpInfo("reference_ops:rms_norm", ("rms_norm",), ("gpu.k_elementwise:rms_norm",), "attention"),
-    "attention": OpInfo("reference_ops:causal_attention", ("attn_step", "attn_rows"),
-                        ("gpu.k_elementwise:rope_neox", "gpu.k_attention:kv_append",
-                         "gpu.k_attention:attention_prefill"), "attention"),
-    "sigmoid_gate": OpInfo("reference_ops:sigmoid", ("sigmoid_gate",), ("gpu.k_elementwise:sigmoid_mul",),
+    "linears": OpInfo(("reference:Weights.mm",), ("quantize", "matmul_many"), ("gpu.k_gemm:gemm",), "linear"),
+    "linear": OpInfo(("reference:Weights.mm",), ("quantize", "matmul"), ("gpu.k_gemm:gemm",), "linear"),
+    "swiglu": OpInfo(("reference_ops:silu",), ("swiglu",), ("gpu.k_elementwise:swiglu",), "elementwise"),
+    "sigmoid_gate": OpInfo(("reference_ops:sigmoid",), ("sigmoid_gate",), ("gpu.k_elementwise:sigmoid_mul",),
                            "elementwise"),
-    "swiglu": OpInfo("reference_ops:silu", ("swiglu",), ("gpu.k_elementwise:swiglu",), "elementwise"),
-    "gdn": OpInfo("reference_ops:delta_rule", ("gdn_layer", "gdn_rows"), ("gpu.k_gdn:gdn_prefill",), "gdn"),
-    "moe": OpInfo("reference_ops:moe_route", ("moe_route", "moe_gate_up", "moe_down", "moe_rows", "moe_combine"),
+    "split_gate": OpInfo((), ("split_qgate",), ("gpu.k_elementwise:rms_norm",), "attention"),
+    "head_norm": OpInfo(("reference_ops:rms_norm",), ("rms_norm",), ("gpu.k_elementwise:rms_norm",), "attention"),
+    "attention": OpInfo(("reference_ops:rope", "reference_ops:causal_attention"), ("split_qgate", "attn_step",
+                        "attn_rows"), ("gpu.k_elementwise:rope_neox", "gpu.k_attention:kv_append",
+                                       "gpu.k_attention:attention_prefill"), "attention"),
+    "gdn": OpInfo(("reference_ops:causal_conv", "reference_ops:l2_norm", "reference_ops:delta_rule"),
+                  ("gdn_layer", "gdn_rows"), ("gpu.k_gdn:gdn_prefill",), "gdn"),
+    "moe": OpInfo(("reference_ops:moe_route",), ("moe_route", "moe_gate_up", "moe_down", "moe_rows", "moe_combine"),
                   ("gpu.k_moe:route", "gpu.k_moe:group", "gpu.k_gemm:gemm_grouped", "gpu.k_moe:combine"), "moe"),
 }
 
