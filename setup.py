@@ -43,7 +43,9 @@ setup(
                   "prometheus-client>=0.20", "llguidance>=0.7"],
         # `hybridinfer batch`: the request models and structured output it shares with the server; ray for --ray
         "batch": ["pydantic>=2.5", "llguidance>=0.7", "ray>=2.9"],
-        "test": ["pytest", "ruff"],
+        # nvidia-cuda-nvcc-cu11: CUDA 11.8's ptxas for tests/test_ptxas.py (skipped without it)
+        "test": ["pytest", "ruff",
+                 "nvidia-cuda-nvcc-cu11==11.8.89; platform_system == 'Linux' and platform_machine == 'x86_64'"],
         "oracles": ["transformers", "llama-cpp-python", "torch"],
     },
     entry_points={"console_scripts": ["hybridinfer=hybridinfer.cli:main"]},

@@ -1,7 +1,7 @@
 """Time gemm.cu on the card: GFLOP/s (2 T N K / time) of the dequantizing GEMM per weight type and token
 tile, and of the expert-grouped form on an MoE-like shape.
 
-    python3 bench/gpu_gemm_probe.py [--T 947 --N 2048 --K 2048] [--reps 20]
+    python3 bench/gpu_gemm_probe.py [--T 947 --N 2048 --K 2048] [--reps 20] [--card-profile fermi]
 """
 
 from __future__ import annotations
@@ -42,6 +42,9 @@ def main(argv=None) -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--types", default="Q4_K,Q5_K,Q6_K,Q8_0,Q4_0,F16,F32")
     ap.add_argument("--also-T", default="1,64,4096", help="further token counts timed for Q4_K")
+    ap.add_argument("--card-profile", default=None, help="fermi | kepler | maxwell | pascal: compile and tile as "
+                    "for that class of card (hybridinfer/gpu/cards.py)")
+    ap.add_argument("--tiles", default="all", help="all: time every tile of the class; default: only the chosen")
     a = ap.parse_args(argv)
 
     from pycuda import gpuarray
@@ -49,9 +52,11 @@ def main(argv=None) -> None:
     from hybridinfer.gpu import k_gemm, loader
 
     loader.init()
+    loader.configure(a.card_profile)
     import pycuda.driver as drv
 
-    print(f"device: {drv.Context.get_device().name()}")
+    tiles = k_gemm.TILES_BY_CLASS[loader.kernel_class()] if a.tiles == "all" else ()
+    print(f"device: {drv.Context.get_device().name()}; profile {a.card_profile}; class {loader.kernel_class()}")
     rng = np.random.default_rng(0)
     T, N, K = a.T, a.N, a.K
     x = gpuarray.to_gpu(rng.standard_normal((T, K), dtype=np.float32))
@@ -62,11 +67,11 @@ def main(argv=None) -> None:
         qk, _ = quant.block_info(q)
         w = k_gemm.DeviceWeight.upload(quant.random_blocks(q, N * K // qk, rng), q, (N, K))
         row = []
-        for tile in k_gemm.TILES:
+        for tile in tiles:
             s = _time(lambda w=w, tile=tile: k_gemm.gemm(x, w, out=out, tile=tile), a.reps)
             row.append(f"{tile} {flops / s / 1e9:6.0f}")
         print(f"gemm {name:5s} T={T} N={N} K={K}: " + " | ".join(row))
-        auto = k_gemm.pick_tile(T, T, N)
+        auto = k_gemm.pick_tile(T, T, N, qtype=q, K=K)
         s = _time(lambda w=w: k_gemm.gemm(x, w, out=out), a.reps)
         print(f"    default tile {auto}: {flops / s / 1e9:.0f} GFLOP/s")
 
@@ -77,7 +82,7 @@ def main(argv=None) -> None:
         o2 = gpuarray.empty((t2, N), np.float32)
         f2 = 2.0 * t2 * N * K
         row = []
-        for tile in k_gemm.TILES:
+        for tile in tiles:
             s = _time(lambda tile=tile, x2=x2, o2=o2: k_gemm.gemm(x2, w, out=o2, tile=tile), a.reps)
             row.append(f"{tile} {f2 / s / 1e9:6.0f}")
         print(f"gemm Q4_K  T={t2} N={N} K={K}: " + " | ".join(row))
@@ -92,26 +97,26 @@ def main(argv=None) -> None:
     M = T * top
     w = k_gemm.DeviceWeight.upload(quant.random_blocks(q, E * F * K // 256, rng), q, (E, F, K))
     gflop = 2.0 * M * F * K
-    _grouped_row(k_gemm, x, w, offs, idx, gpuarray.empty((M, F), np.float32), gflop, a.reps,
+    _grouped_row(k_gemm, tiles, x, w, offs, idx, gpuarray.empty((M, F), np.float32), gflop, a.reps,
                  f"grouped Q4_K E={E} top{top} M={M} N={F} K={K}")
     # MoE down projection: grouped rows in order (no idx), [E, K, F] Q6_K
     q = quant.Q6_K
     xd = gpuarray.to_gpu(rng.standard_normal((M, F), dtype=np.float32))
     wd = k_gemm.DeviceWeight.upload(quant.random_blocks(q, E * K * F // 256, rng), q, (E, K, F))
-    _grouped_row(k_gemm, xd, wd, offs, None, gpuarray.empty((M, K), np.float32), gflop, a.reps,
+    _grouped_row(k_gemm, tiles, xd, wd, offs, None, gpuarray.empty((M, K), np.float32), gflop, a.reps,
                  f"grouped Q6_K E={E} top{top} M={M} N={K} K={F}")
 
 
-def _grouped_row(k_gemm, x, w, offs, idx, out, gflop: float, reps: int, label: str) -> None:
+def _grouped_row(k_gemm, tiles, x, w, offs, idx, out, gflop: float, reps: int, label: str) -> None:
     """GFLOP/s of one grouped GEMM for every tile and for the default pick."""
     E, N = w.shape[0], w.shape[1]
     M = out.shape[0]
     row = []
-    for tile in k_gemm.TILES:
+    for tile in tiles:
         s = _time(lambda tile=tile: k_gemm.gemm_grouped(x, w, offs, idx, out=out, tile=tile), reps)
         row.append(f"{tile} {gflop / s / 1e9:6.0f}")
     s = _time(lambda: k_gemm.gemm_grouped(x, w, offs, idx, out=out), reps)
-    row.append(f"default {k_gemm.pick_tile(M / E, M, N)} {gflop / s / 1e9:6.0f}")
+    row.append(f"default {k_gemm.pick_tile(M / E, M, N, qtype=w.qtype, K=w.shape[2])} {gflop / s / 1e9:6.0f}")
     print(f"{label} (GFLOP/s by tile): " + " | ".join(row))
 
 if __name__ == "__main__":

@@ -54,6 +54,15 @@ def _check_load_args(n_ctx, prefill_chunk, snapshot_stride, options: dict) -> No
         check_int("snapshot_stride", snapshot_stride, 0)
     if options.get("n_threads") is not None:
         check_int("n_threads", options["n_threads"], 1)
+    if options.get("card_profile") is not None:
+        from .gpu.cards import PROFILES
+
+        if options["card_profile"] not in PROFILES:
+            raise ParameterError(f"unknown card_profile {options['card_profile']!r} (known: {', '.join(PROFILES)})")
+    if options.get("bus_bw") is not None:
+        from .gpu.pacing import check_bus_bw
+
+        check_bus_bw(options["bus_bw"])
     if options.get("isa") is not None:
         from .cpu.simd_native import ISAS
 
@@ -160,6 +169,9 @@ class Engine:
         on the CPU, 1024 with GPU prefill), at the end of each prompt, before a chat's generation prompt,
         where a prompt leaves a cached one, and at the end of generation. max_seqs and state_budget (bytes of
         sequence states and K/V, None: no limit) bound the scheduler behind `submit` and `generate_batch`.
+        GPU options: vram_budget, gpu_chunk, device, card_profile (fermi | kepler | maxwell | pascal: kernels
+        compiled and tiles chosen as for that class of card, on this card, the weight stream paced to its bus),
+        bus_bw (bytes/s the weight stream is paced to, instead of the profile's bus).
         chat_template: Jinja text used instead of the GGUF's `tokenizer.chat_template` (as llama-server's
         --chat-template-file), checked to compile now. Unknown options raise TypeError.
         """

@@ -103,7 +103,8 @@ def make_backend(name: str, gm, args, options: dict, n_ctx: int):
     global _warned
     if name not in BACKENDS:
         raise BackendNotAvailableError(f"unknown backend {name!r} (choose from {', '.join(BACKENDS)})")
-    gpu_opts = {k: options.pop(k) for k in ("vram_budget", "gpu_chunk", "device") if k in options}
+    gpu_opts = {k: options.pop(k) for k in ("vram_budget", "gpu_chunk", "device", "card_profile", "bus_bw")
+                if k in options}
     placement = options.pop("numa", None)
     if placement is not None and not hasattr(placement, "mode"):
         raise ParameterError(f"numa must be a hybridinfer.numa.Plan (numa.plan(...)) or None, got {placement!r}")
@@ -127,7 +128,8 @@ def make_backend(name: str, gm, args, options: dict, n_ctx: int):
         from .gpu.backend import DEFAULT_CHUNK, GPUModel
 
         gpu = GPUModel(gm, args, n_ctx, vram_budget=gpu_opts.get("vram_budget"),
-                       chunk=gpu_opts.get("gpu_chunk", DEFAULT_CHUNK), device=gpu_opts.get("device", 0))
+                       chunk=gpu_opts.get("gpu_chunk", DEFAULT_CHUNK), device=gpu_opts.get("device", 0),
+                       card_profile=gpu_opts.get("card_profile"), bus_bw=gpu_opts.get("bus_bw"))
     except BackendNotAvailableError as e:
         if name == "gpu":
             raise

@@ -19,6 +19,7 @@ from .cli_args import (  # noqa: F401  (UsageError, parse_size: re-exported for 
     _parse_tokens,
     _Parser,
     _usage,
+    add_card_profile,
     parse_size,
 )
 from .cli_batch import add_batch_parser
@@ -45,6 +46,8 @@ def _engine(a, quiet: bool = False):
             opts["numa"] = placement
     if a.backend in ("auto", "gpu") and a.vram_budget is not None:
         opts["vram_budget"] = a.vram_budget
+    if a.backend in ("auto", "gpu") and getattr(a, "card_profile", None):
+        opts["card_profile"] = a.card_profile
     cache = None
     if getattr(a, "prefix_cache_ram", 0) or getattr(a, "prefix_cache_dir", None):
         cache = {"ram_bytes": a.prefix_cache_ram, "disk_dir": a.prefix_cache_dir,
@@ -59,6 +62,13 @@ def _engine(a, quiet: bool = False):
     if "numa" in opts:
         for line in getattr(eng.backend, "cpu", eng.backend).replicas.describe():
             say(line)
+    gpu = getattr(getattr(eng, "backend", None), "gpu", None)
+    if gpu is not None and not quiet:
+        from .gpu.loader import describe_compiles
+
+        line = describe_compiles(gpu.compiled)
+        if line:
+            print(f"hybridinfer: {line}", file=sys.stderr)
     return eng
 
 
@@ -193,6 +203,12 @@ def cmd_info(a) -> int:
     from .models import model_args
     from .models.base import describe
 
+    if a.gpu or a.compile:
+        from .gpu.info import report
+
+        for line in report(a.card_profile, compile_ahead=a.compile):
+            print(line)
+        return 0
     if a.model and a.model_file and a.model != a.model_file:
         raise ParameterError(f"info takes one model: -m {a.model!r} and {a.model_file!r} differ")
     gm = GGUFModel(a.model or a.model_file or default_model_path())
@@ -307,6 +323,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-m", "--model")
     p.add_argument("model_file", nargs="?", metavar="MODEL", help="the GGUF file (as -m)")
     p.add_argument("--tensors", action="store_true", help="list every tensor")
+    p.add_argument("--gpu", action="store_true", help="the card, its class, the tiles it will use and whether its "
+                                                      "kernels are cached (no model needed)")
+    p.add_argument("--compile", action="store_true", help="with --gpu: compile the kernels ahead into the cache")
+    add_card_profile(p)
     p.set_defaults(fn=cmd_info)
 
     p = sub.add_parser("synth", help="write a synthetic GGUF with published (or custom) shapes")

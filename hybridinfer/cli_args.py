@@ -69,6 +69,14 @@ def gb_per_s(s: str) -> float:
     return v * 1e9
 
 
+def add_card_profile(p: argparse.ArgumentParser) -> None:
+    from .gpu.cards import PROFILES
+
+    p.add_argument("--card-profile", default=None, choices=sorted(PROFILES),
+                   help="GPU prefill compiled and tiled as for that class of old card (63 registers a thread for "
+                        "fermi, its launch bounds, 48 KiB of shared memory a block), on this card")
+
+
 def _add_model(p: argparse.ArgumentParser, required: bool = False) -> None:
     p.add_argument("-m", "--model", required=required,
                    help="GGUF file (default: the embedded SmolLM2-135M-Instruct Q4_1)")
@@ -80,6 +88,7 @@ def _add_model(p: argparse.ArgumentParser, required: bool = False) -> None:
     p.add_argument("-t", "--threads", type=_int_at_least(1), default=None, help="CPU threads (default: all cores)")
     p.add_argument("--vram-budget", type=parse_size, default=None,
                    help="GPU memory the gpu backend may use, e.g. 6GiB (default: the card's free memory - 512MiB)")
+    add_card_profile(p)
     p.add_argument("--isa", default=os.environ.get("HYBRIDINFER_ISA"),
                    help="force the SIMD path: scalar | ssse3 | avx2 | avx512vnni (env HYBRIDINFER_ISA)")
     p.add_argument("--weights", default="auto", choices=["auto", "copy", "mmap"],

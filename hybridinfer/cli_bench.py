@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from .cli_args import _int_at_least, gb_per_s, parse_size
+from .cli_args import _int_at_least, add_card_profile, gb_per_s, parse_size
 from .errors import BackendNotAvailableError, HybridInferError, ParameterError
 
 
@@ -101,7 +101,7 @@ def cmd_bench_prefill(a) -> int:
     _check_tools(a, "--llama-bench", "--llama-bench-cuda")
     try:
         res = prefill.run(a.model, prompts, a.vram_budget or None, not a.no_resident, a.threads, a.llama_bench,
-                          a.llama_bench_cuda, bus_bw=a.bus_bw)
+                          a.llama_bench_cuda, bus_bw=a.bus_bw, card_profile=a.card_profile)
     except ModuleNotFoundError as e:
         if (e.name or "").split(".")[0] != "pycuda":
             raise
@@ -250,6 +250,7 @@ def add_bench_parsers(sub) -> None:
     b.add_argument("--prompts", default="128,947,4096")
     b.add_argument("--vram-budget", type=parse_size, default=parse_size("6GiB"), help="0: skip the budget run")
     b.add_argument("--no-resident", action="store_true", help="skip the whole-model-resident run")
+    add_card_profile(b)
     b.add_argument("--llama-bench", default=None, help="llama-bench, CPU build")
     b.add_argument("--llama-bench-cuda", default=None, help="llama-bench, CUDA build")
     b.add_argument("--bus-bw", type=gb_per_s, default=None, metavar="GB/s",

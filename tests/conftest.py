@@ -10,6 +10,26 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 
+def pytest_addoption(parser):
+    parser.addoption("--card-profile", default=None, choices=["fermi", "kepler", "maxwell", "pascal"],
+                     help="run the gpu-marked tests with kernels compiled and tiled as for that class of card")
+
+
+def pytest_configure(config):
+    import gpu_profile
+
+    gpu_profile.PROFILE = config.getoption("--card-profile")
+
+
+@pytest.fixture(autouse=True)
+def _configure_card_profile(request):
+    """Kernel-level gpu tests launch through the loader's process-wide profile: set it before each of them."""
+    if request.node.get_closest_marker("gpu") is not None:
+        from hybridinfer.gpu import loader
+
+        loader.configure(request.config.getoption("--card-profile"))
+
+
 def pytest_collection_modifyitems(config, items):
     from hybridinfer_gpu_probe import has_gpu  # noqa: F401  (tiny module, below)
 

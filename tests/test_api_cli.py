@@ -17,6 +17,7 @@ from hybridinfer.errors import (
     ContextLengthError,
     MissingMetadataError,
     MissingTensorError,
+    ParameterError,
     TensorShapeError,
     UnsupportedArchitectureError,
 )
@@ -106,6 +107,14 @@ def test_chat_template_override(smollm_path, tmp_path, capsys):
     assert "not UTF-8" in capsys.readouterr().err
     assert main(["run", "-m", smollm_path, "--chat-template-file", str(tmp_path / "none.jinja"), "-p", "hi"]) == 2
     assert "none.jinja" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("opt,bad,match", [("card_profile", "tesla", "card_profile 'tesla'"),
+                                           ("bus_bw", -6e9, "bus_bw must be a positive"),
+                                           ("bus_bw", "fast", "bus_bw must be bytes per second")])
+def test_bad_gpu_options_refused_before_loading(opt, bad, match):
+    with pytest.raises(ParameterError, match=match):
+        Engine.load("/nonexistent/model.gguf", backend="gpu", **{opt: bad})
 
 
 def test_engine_bad_input(smollm_ref, smollm_path):

@@ -94,4 +94,6 @@ def test_threads_smollm_cpu_with_prefix_cache(smollm_path):
 
 @pytest.mark.gpu
 def test_threads_gpu_backend(oracle_gguf):
-    _check(Engine.load(str(oracle_gguf("qwen35moe")), backend="gpu", n_ctx=128))
+    from gpu_profile import PROFILE
+
+    _check(Engine.load(str(oracle_gguf("qwen35moe")), backend="gpu", n_ctx=128, card_profile=PROFILE))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from gpu_profile import PROFILE
 
 from hybridinfer.api import Engine
 from hybridinfer.gpu.multi import plan_groups
@@ -44,7 +45,7 @@ def test_one_pass_equals_a_pass_per_prompt(arch, mode, oracle_gguf):
 
     path = oracle_gguf(arch, "q8_0")
     budget = _streaming_budget(path) if mode == "streamed" else None
-    eng = Engine.load(str(path), backend="gpu", n_ctx=256, vram_budget=budget, gpu_chunk=32)
+    eng = Engine.load(str(path), backend="gpu", n_ctx=256, vram_budget=budget, gpu_chunk=32, card_profile=PROFILE)
     be = eng.backend
     prompts, alone = _states(eng, np.random.default_rng(3))
     together = [st.copy() for st in alone]
@@ -89,7 +90,8 @@ def test_one_pass_equals_a_pass_per_prompt(arch, mode, oracle_gguf):
 @pytest.mark.gpu
 def test_scheduler_admits_prompts_into_one_pass(oracle_gguf):
     """generate_batch on the gpu backend: the admitted prompts share a pass, and each answer equals its own."""
-    eng = Engine.load(str(oracle_gguf("qwen35moe", "q8_0")), backend="gpu", n_ctx=256, max_seqs=4)
+    eng = Engine.load(str(oracle_gguf("qwen35moe", "q8_0")), backend="gpu", n_ctx=256, max_seqs=4,
+                      card_profile=PROFILE)
     rng = np.random.default_rng(5)
     reqs = [[int(t) for t in rng.integers(0, eng.args.n_vocab, n)] for n in (9, 30, 4, 51)]
     want = [eng.generate(r, max_tokens=5, temperature=0).tokens for r in reqs]

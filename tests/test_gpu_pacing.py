@@ -131,3 +131,18 @@ def test_paced_stream_gives_the_same_logits_no_faster_than_asked(arch, tmp_path)
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
     assert t["bytes_h2d"] == m.placement.stream_bytes_per_pass > 0
     assert t["copy_s"] >= 0.99 * t["bytes_h2d"] / bw
+
+
+def test_card_profile_paces_to_its_class_bus(tmp_path):
+    """--card-profile fermi paces the stream to PCIe 2.0 x16 (cards.py), kepler and later to PCIe 3.0 x16; an
+    explicit bus_bw wins."""
+    from hybridinfer.gpu.backend import GPUModel
+    from hybridinfer.gpu.cards import PCIE2_X16, PCIE3_X16
+
+    gm, a = _model(tmp_path, "qwen35moe")
+    budget = _budget(gm, a, 32, 256)
+    for profile, bw in (("fermi", PCIE2_X16), ("kepler", PCIE3_X16), (None, None)):
+        m = GPUModel(gm, a, 256, vram_budget=budget, chunk=32, card_profile=profile)
+        assert m.bus_bw == bw and (m.streamer.pacer is None) == (bw is None)
+    m = GPUModel(gm, a, 256, vram_budget=budget, chunk=32, card_profile="fermi", bus_bw=3e9)
+    assert m.bus_bw == 3e9

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from gpu_profile import PROFILE
 
 from hybridinfer.api import Engine
 
@@ -18,7 +19,8 @@ def _ids(n_vocab, n=N, seed=7):
 
 
 def _gpu(path, budget=None, chunk=512, **kw):
-    return Engine.load(str(path), backend="gpu", n_ctx=256, vram_budget=budget, gpu_chunk=chunk, **kw)
+    return Engine.load(str(path), backend="gpu", n_ctx=256, vram_budget=budget, gpu_chunk=chunk,
+                       card_profile=PROFILE, **kw)
 
 
 def _streaming_budget(path) -> int:
@@ -160,7 +162,7 @@ def test_bench_prefill_runs(oracle_gguf, tmp_path):
     path = oracle_gguf("qwen35moe", "q4_k_m")
     eng = Engine.load(str(path), backend="reference")
     budget = _streaming_budget(path) + Buffers.nbytes(eng.args, DEFAULT_CHUNK, 48)
-    res = prefill.run(str(path), prompts=(16, 40), budget=budget, resident=True, threads=2)
+    res = prefill.run(str(path), prompts=(16, 40), budget=budget, resident=True, threads=2, card_profile=PROFILE)
     print(prefill.markdown(res))
     assert res["pinned_h2d_gb_s"] > 1 and res["fma_peak_tflops"] > 0.1
     rows = [r for r in res["rows"] if r["engine"] == "hybridinfer"]

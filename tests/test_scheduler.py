@@ -272,7 +272,10 @@ def test_smollm_batch_greedy_equals_alone_and_llama_cpp(smollm_path):
 def test_gpu_prefill_then_batched_cpu_decode_equals_alone(oracle_gguf):
     """backend="gpu" on the scheduler's worker thread: GPU prefill per admitted prompt, batched CPU decode; each
     request equals the same request through Engine.generate (the card's context is pushed on the worker)."""
-    eng = Engine.load(str(oracle_gguf("qwen35moe", "q8_0")), backend="gpu", n_ctx=128, max_seqs=3)
+    from gpu_profile import PROFILE
+
+    eng = Engine.load(str(oracle_gguf("qwen35moe", "q8_0")), backend="gpu", n_ctx=128, max_seqs=3,
+                      card_profile=PROFILE)
     reqs = _requests(eng.args.n_vocab)
     want = [_alone(eng, r) for r in reqs]
     got = eng.generate_batch(reqs)

@@ -54,7 +54,7 @@ def gemm_flops(gm, args, T: int) -> float:
 
 
 def run_ours(path: str, prompts, budget: int | None, config: str, bw: float, peak: float, seed: int = 0,
-             bus_bw: float | None = None):
+             bus_bw: float | None = None, card_profile: str | None = None):
     import pycuda.driver as drv
 
     from ..gguf_model import GGUFModel
@@ -69,7 +69,7 @@ def run_ours(path: str, prompts, budget: int | None, config: str, bw: float, pea
     t0 = time.perf_counter()
     loader.init()
     free0, _ = drv.mem_get_info()
-    m = GPUModel(gm, args, n_ctx, vram_budget=budget, bus_bw=bus_bw)
+    m = GPUModel(gm, args, n_ctx, vram_budget=budget, bus_bw=bus_bw, card_profile=card_profile)
     load_s = time.perf_counter() - t0
     phases, host = {}, {}
     rows = []
@@ -95,7 +95,10 @@ def run_ours(path: str, prompts, budget: int | None, config: str, bw: float, pea
                         (t["bytes_h2d"] / max(t["copy_s"], 1e-9)) / bw if t["bytes_h2d"] else 0.0,
                         flops / t["gpu_s"] / 1e12, flops / t["gpu_s"] / peak, t["wall_s"] / floor,
                         (free0 - free1) / 2**30, flops, t["bytes_h2d"], agree))
-    info = {"config": config, "budget": budget, "load_s": load_s, "allocated_gib": m.allocated_bytes / 2**30,
+    from ..gpu.loader import describe_compiles
+
+    info = {"config": config, "budget": budget, "load_s": load_s, "compile": describe_compiles(m.compiled),
+            "allocated_gib": m.allocated_bytes / 2**30,
             "stream_gib_per_pass": m.placement.stream_bytes_per_pass / 2**30,
             "resident_gib": m.placement.resident_bytes / 2**30, "phases_s": phases, "host_s": host,
             "chunk": m.chunk}
@@ -121,17 +124,22 @@ def llama_bench(exe: str | None, path: str, T: int, threads: int, extra: list[st
 
 def run(path: str, prompts=(128, 947, 4096), budget: int | None = 6 << 30, resident: bool = True,
         threads: int = 16, llama_cpu: str | None = None, llama_cuda: str | None = None,
-        bus_bw: float | None = None) -> dict:
-    """bus_bw: pace the weight stream to this many bytes/s (an old card's bus; None: the card's own)."""
+        bus_bw: float | None = None, card_profile: str | None = None) -> dict:
+    """bus_bw: pace the weight stream to this many bytes/s (an old card's bus; None: the card's own, or the card
+    profile's bus); card_profile: compile and tile as for that class of card (gpu/cards.py PROFILES)."""
     from ..gpu.k_peak import fma_peak_flops, pinned_h2d_bytes_per_s
 
     pinned, peak = pinned_h2d_bytes_per_s(), fma_peak_flops()
+    if bus_bw is None and card_profile is not None:
+        from ..gpu.cards import card
+
+        bus_bw = card(card_profile).bus_bw  # as GPUModel paces it
     bw = min(pinned, bus_bw) if bus_bw else pinned
     rows, infos = [], []
     configs = ([(budget, f"--vram-budget {budget / 2**30:g}GiB")] if budget else []) + (
         [(None, "whole model resident")] if resident else [])
     for b, label in configs:
-        r, info = run_ours(path, prompts, b, label, bw, peak, bus_bw=bus_bw)
+        r, info = run_ours(path, prompts, b, label, bw, peak, bus_bw=bus_bw, card_profile=card_profile)
         rows += r
         infos.append(info)
     for T in prompts:
@@ -142,6 +150,7 @@ def run(path: str, prompts=(128, 947, 4096), budget: int | None = 6 << 30, resid
             if row:
                 rows.append(row)
     out = {"model": path, "pinned_h2d_gb_s": pinned / 1e9, "fma_peak_tflops": peak / 1e12, "configs": infos,
+           "card_profile": card_profile,
            "bus_gb_s": bw / 1e9, "bus_paced": bool(bus_bw), "rows": [asdict(r) for r in rows]}
     out["efficiency"] = efficiencies(out["rows"])
     return out

@@ -109,14 +109,23 @@ class Buffers:
 
 
 class GPUModel:
-    """Prefill on the card under `vram_budget` bytes (None: the card's free memory less 512 MiB); with `bus_bw`
-    (bytes/s) the weight stream is paced to that rate (an old card's bus, gpu/pacing.py)."""
+    """Prefill on the card under `vram_budget` bytes (None: the card's free memory less 512 MiB).
+
+    card_profile: fermi | kepler | maxwell | pascal compiles the kernels and picks tiles as for that class of card
+    (cards.PROFILES), on this card's multiprocessors, and paces the weight stream to that class's bus; None: for
+    the card itself. bus_bw (bytes/s) paces the weight stream to that rate instead (gpu/pacing.py). The kernels
+    are loaded (compiled once per card and class, then read from the disk cache) here; `compiled` lists what this
+    load did."""
 
     single_pass = True
 
     def __init__(self, gm, args, n_ctx: int, vram_budget: int | None = None, chunk: int = DEFAULT_CHUNK,
-                 device: int = 0, expert_counts=None, bus_bw: float | None = None):
+                 device: int = 0, expert_counts=None, bus_bw: float | None = None,
+                 card_profile: str | None = None):
         loader.init(device)  # BackendNotAvailableError without pycuda or a card
+        loader.configure(card_profile)
+        self.card_profile = card_profile
+        self.compiled = loader.compile_all()
         import pycuda.driver as drv
 
         self.gm, self.args, self.n_ctx, self.chunk = gm, args, n_ctx, int(chunk)
@@ -138,6 +147,10 @@ class GPUModel:
         # tokens routed to each (layer, expert) over the prompts seen: replan() pins the most used experts
         self.expert_counts: dict[tuple[int, int], int] = dict(expert_counts or {})
         self.placement = plan_placement(self.infos.values(), self.vram_budget, self.reserved, self.expert_counts)
+        if bus_bw is None and card_profile is not None:
+            from .cards import card
+
+            bus_bw = card(card_profile).bus_bw  # the class's bus: PCIe 2.0 x16 for Fermi, 3.0 x16 later
         self.bus_bw = bus_bw
         self.streamer = Streamer(gm, self.placement, self.infos, self.stream, bus_bw=bus_bw)
         # per layer: 2 N K summed over its expert tensors (FLOPs per routed token, from the routing's real counts)

@@ -12,13 +12,12 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import KernelArgumentError
-from . import loader
+from . import kclass, loader
 
 FAMILY = "gdn"
 MAXK = 8  # GDN_MAXK
 TC = 16  # GDN_TC
-MAXR = 16  # GDN_MAXR
-MAX_THREADS = 512  # GDN_MAX_THREADS (its __launch_bounds__)
+# GDN_MAXR and GDN_MAX_THREADS (its __launch_bounds__) depend on the kernel class: kclass.GDN_MAXR / GDN_MAX_THREADS
 CONV_THREADS = 128
 CONV_TCHUNK = 64
 NORM_THREADS = 128
@@ -100,14 +99,26 @@ def l2norm_qk(c, n_k_heads: int, d_k: int, eps: float, stream=None) -> None:
                   stream=stream)
 
 
-def delta_rule_shape(d_k: int, d_v: int) -> tuple[int, int]:
-    """(VB, NG): value columns per block and row groups (block = VB x NG threads)."""
+def delta_rule_shape(d_k: int, d_v: int, cls: str = kclass.R255) -> tuple[int, int]:
+    """(VB, NG): value columns per block and row groups (block = VB x NG threads) for kernel class `cls`: enough
+    row groups that each thread holds at most the class's GDN_MAXR rows of S, and as many columns (32 at most, a
+    power of two) as its block size bound leaves."""
+    maxr, max_threads = kclass.GDN_MAXR[cls], kclass.GDN_MAX_THREADS[cls]
+    ng = max(8, -(-d_k // maxr))
     vb = 32 if d_v >= 32 else max(1, 1 << (d_v - 1).bit_length())
-    ng = max(8, -(-d_k // MAXR))
-    if vb * ng > MAX_THREADS:
-        raise KernelArgumentError(f"gdn delta rule: d_k={d_k} needs {ng} row groups of {vb} threads "
-                                  f"(> {MAX_THREADS})")
+    while vb > 1 and vb * ng > max_threads:
+        vb //= 2
+    if vb * ng > max_threads or delta_rule_smem(vb, ng, cls) > loader.MAX_SHARED:
+        raise KernelArgumentError(f"gdn delta rule: d_k={d_k} needs {ng} row groups (at most {max_threads} threads "
+                                  f"and {loader.MAX_SHARED} bytes of shared memory a block)")
     return vb, ng
+
+
+def delta_rule_smem(vb: int, ng: int, cls: str) -> int:
+    """Bytes of dynamic shared memory of a (vb, ng) block: q and k rows padded to ng GDN_MAXR, v, decay and beta of
+    TC tokens, and the two partial-sum tiles at pitch ng + 1."""
+    dkp = ng * kclass.GDN_MAXR[cls]
+    return (2 * TC * dkp + TC * vb + 2 * TC + 2 * (ng + 1) * vb) * 4
 
 
 def delta_rule(c, a, b, ssm_a, dt_bias, S, o, n_k_heads: int, d_k: int, head_map: str = "mod",
@@ -126,7 +137,8 @@ def delta_rule(c, a, b, ssm_a, dt_bias, S, o, n_k_heads: int, d_k: int, head_map
         raise KernelArgumentError(f"gdn delta rule: C={C}, S {S.shape}, H_k={n_k_heads}, d_k={d_k} disagree")
     if head_map not in ("mod", "div"):
         raise KernelArgumentError(f"gdn delta rule: head_map {head_map!r} is not 'mod' or 'div'")
-    vb, ng = delta_rule_shape(d_k, d_v)
+    cls = loader.kernel_class()
+    vb, ng = delta_rule_shape(d_k, d_v, cls)
     pp, n, sp = _snap(snap_pos, snap_S, (H_v, d_k, d_v), "snap_S")
     args = [
         loader.arg(c, np.float32, (T, C), "c"),
@@ -140,7 +152,7 @@ def delta_rule(c, a, b, ssm_a, dt_bias, S, o, n_k_heads: int, d_k: int, head_map
         np.int32(T), np.int32(C), np.int32(n_k_heads), np.int32(H_v), np.int32(d_k), np.int32(d_v),
         np.int32(head_map == "mod"),
     ]
-    shared = (2 * TC * d_k + TC * vb + 2 * TC + 2 * ng * vb) * 4
+    shared = delta_rule_smem(vb, ng, cls)
     loader.launch(FAMILY, "gdn_delta_rule", (loader.grid_for(d_v, vb), H_v), (vb, ng), args, shared=shared,
                   stream=stream)
 

@@ -8,17 +8,23 @@ expert matrices, one row of `row_nbytes` after another. `gemm` multiplies all to
 from __future__ import annotations
 
 import math
-from functools import cache
 
 import numpy as np
 
 from .. import quant
 from ..errors import KernelArgumentError
-from . import loader
+from . import kclass, loader
+from .cards import CardLimits
+from .ptxas_table import USAGE
 
 FAMILY = "gemm"
-# (tokens, weight rows) of a block's output tile, compiled into gemm.cu (kernel suffix _b<BM>_n<BN>)
-TILES = ((16, 128), (32, 128), (64, 128), (128, 128), (16, 256), (32, 256), (64, 256))
+# (tokens, weight rows) of a block's output tile compiled into gemm.cu for each kernel class (kernel suffix
+# _b<BM>_n<BN>): the 63-register class builds the lean body, whose tiles hold at most 4 x 8 outputs a thread
+TILES_BY_CLASS = {
+    kclass.R255: ((16, 128), (32, 128), (64, 128), (128, 128), (16, 256), (32, 256), (64, 256)),
+    kclass.R63: ((16, 128), (32, 128), (64, 128), (16, 256), (32, 256), (32, 64), (64, 64)),
+}
+TILES = TILES_BY_CLASS[kclass.R255]
 GEMM_TYPES = {quant.F32: "f32", quant.F16: "f16", quant.Q4_0: "q4_0", quant.Q8_0: "q8_0", quant.Q4_K: "q4_k",
               quant.Q5_K: "q5_k", quant.Q6_K: "q6_k"}
 # base-pointer alignment the kernels' vector loads need, by type
@@ -80,42 +86,79 @@ def _check_weight(w: DeviceWeight, ndim: int, table: dict) -> str:
     return table[w.qtype]
 
 
-@cache
-def _sm_count() -> int:
-    import pycuda.driver as drv
+# each class's tiles in order of preference where the token runs fill them (bm tokens a group: rows_per_group
+# >= 0.6 bm) and they give every multiprocessor a block. r255: measured on an H100 and an H200
+# (bench/gpu_gemm_probe.py: 947 tokens x 8192 x 2048 Q4_K at 128 x 128 ~31 TFLOP/s; 256 experts x 512 x 2048,
+# ~30 tokens each, at 32 x 256 ~12 TFLOP/s, at 16 x 128 ~7). r63: the larger lean tiles first, as far as they
+# are spill-free for the weight type.
+_PREFERENCE = {
+    kclass.R255: ((128, 128), (64, 128), (32, 256), (32, 128)),
+    kclass.R63: ((64, 128), (64, 64), (32, 256), (32, 128), (32, 64)),
+}
+_FALLBACK = {kclass.R255: (16, 128), kclass.R63: (16, 128)}
 
-    loader.init()
-    return int(drv.Context.get_device().get_attribute(drv.device_attribute.MULTIPROCESSOR_COUNT))
+
+def tile_usage(cls: str, qtype: int, tile: tuple[int, int]) -> tuple[int, int, int] | None:
+    """(registers, spill bytes, shared memory) of a tile's kernel in class `cls` (ptxas_table), None if absent."""
+    return USAGE[cls].get(f"gemm_{GEMM_TYPES[qtype]}_b{tile[0]}_n{tile[1]}")
 
 
-def pick_tile(rows_per_group: float, n_rows: int, n_cols: int, sm_count: int | None = None) -> tuple[int, int]:
-    """(BM, BN) output tile: rows_per_group tokens per group (expert) on average, n_rows rows in all, n_cols
-    outputs per row.
+def tile_fits(limits: CardLimits, qtype: int, tile: tuple[int, int]) -> bool:
+    """The tile is compiled for the limits' class, does not spill there and fits a block's shared memory."""
+    cls = kclass.kernel_class(limits)
+    u = tile_usage(cls, qtype, tile) if tuple(tile) in TILES_BY_CLASS[cls] else None
+    return u is not None and u[1] == 0 and u[2] <= limits.smem_per_block
 
-    Long runs of rows (plain GEMMs of 128 tokens and more) take the 128 x 128 tile, the fastest per FLOP
-    when it gives every multiprocessor a block; groups of a few dozen rows (MoE experts) the 32 x 256 tile
-    (4 tokens x 8 rows per thread, 32 rows tall). Measured on an H100 and an H200 (bench/gpu_gemm_probe.py:
-    947 tokens x 8192 x 2048 Q4_K at 128 x 128 ~31 TFLOP/s; 256 experts x 512 x 2048, ~30 tokens each, at
-    32 x 256 ~12 TFLOP/s, at 16 x 128 ~7).
-    """
-    sms = sm_count or _sm_count()
+
+def choose_tile(limits: CardLimits, T: int, N: int, K: int, qtype: int,
+                rows_per_group: float | None = None) -> tuple[int, int]:
+    """(BM, BN) output tile for Y[T, N] = X[T, K] W^T under `limits` (a card's, or a --card-profile's), weight type
+    `qtype`, with rows_per_group tokens a group on average (MoE experts; T for a plain GEMM).
+
+    Only tiles compiled for the limits' kernel class that are spill-free there and fit its shared memory per
+    block are taken; among those the first of the class's preference that its token runs fill and that gives
+    every multiprocessor (limits.sm_count; 0: unknown, taken as enough) a block. Where none does, the class's
+    fallback, or else the spill-free tile with the fewest rows, or else (no spill-free tile for the type) the
+    one that spills least."""
+    if qtype not in GEMM_TYPES:
+        raise KernelArgumentError(f"choose_tile: weight type {quant.type_name(qtype)} has no GEMM kernel")
+    if T < 0 or N < 1 or K < 1:
+        raise KernelArgumentError(f"choose_tile: bad extents T={T} N={N} K={K}")
+    cls = kclass.kernel_class(limits)
+    rpg = T if rows_per_group is None else rows_per_group
+    sms = limits.sm_count
 
     def enough(bm: int, bn: int) -> bool:
-        return loader.grid_for(n_cols, bn) * loader.grid_for(n_rows, bm) >= 0.9 * sms
+        return not sms or loader.grid_for(N, bn) * loader.grid_for(T, bm) >= 0.9 * sms
 
-    if rows_per_group >= 128 and enough(128, 128):
-        return 128, 128
-    for tile in ((64, 128), (32, 256), (32, 128)):
-        if rows_per_group >= 0.6 * tile[0] and enough(*tile):
-            return tile
-    return 16, 128
+    ok = [t for t in TILES_BY_CLASS[cls] if tile_fits(limits, qtype, t)]
+    for t in _PREFERENCE[cls]:
+        if t in ok and rpg >= (t[0] if t[0] == 128 else 0.6 * t[0]) and enough(*t):
+            return t
+    if _FALLBACK[cls] in ok:
+        return _FALLBACK[cls]
+    if ok:
+        return min(ok, key=lambda t: (t[0] * t[1], t))
+    return min(TILES_BY_CLASS[cls], key=lambda t: (tile_usage(cls, qtype, t) or (0, 1 << 30, 0))[1])
+
+
+def pick_tile(rows_per_group: float, n_rows: int, n_cols: int, sm_count: int | None = None, qtype: int = quant.Q4_K,
+              K: int = 256) -> tuple[int, int]:
+    """choose_tile under the running card's (or its --card-profile's) limits."""
+    lim = loader.limits()
+    if sm_count is not None:
+        from dataclasses import replace
+
+        lim = replace(lim, sm_count=int(sm_count))
+    return choose_tile(lim, n_rows, n_cols, K, qtype, rows_per_group)
 
 
 def _launch(name: str, tile: tuple[int, int], x_ptr, w: DeviceWeight, y_ptr, offs_ptr, idx_ptr, n_group: int,
             m: int, n_tiles_t: int, stream):
     N, K = w.shape[-2], w.shape[-1]
-    if tuple(tile) not in TILES:
-        raise KernelArgumentError(f"gemm: tile {tile} not compiled (have {TILES})")
+    tiles = TILES_BY_CLASS[loader.kernel_class()]
+    if tuple(tile) not in tiles:
+        raise KernelArgumentError(f"gemm: tile {tile} not compiled for this card's class (have {tiles})")
     if max(m, N, K) >= 2**31 or w.row_nbytes >= 2**31:
         raise KernelArgumentError(f"gemm: extents M={m} N={N} K={K} exceed int32")
     bm, bn = tile
@@ -140,7 +183,7 @@ def gemm(x, w: DeviceWeight, out=None, tile: tuple[int, int] | None = None, stre
 
     x: float32 (T, K) C-contiguous, 16-byte aligned; w: DeviceWeight of shape (N, K), type F32, F16, Q4_0,
     Q8_0, Q4_K, Q5_K or Q6_K; out: float32 (T, N) (allocated when None; must not overlap x).
-    tile: (tokens, rows) of a block's output tile, one of TILES (chosen from T and N when None). Returns out.
+    tile: (tokens, rows) of a block's output tile, one of TILES_BY_CLASS[class] (choose_tile's when None). Returns out.
     """
     name = _check_weight(w, 2, GEMM_TYPES)
     N, K = w.shape
@@ -150,7 +193,7 @@ def gemm(x, w: DeviceWeight, out=None, tile: tuple[int, int] | None = None, stre
     yp = _aligned(out.gpudata, 16, "gemm out")
     if T == 0:
         return out
-    tile = tile or pick_tile(T, T, N)
+    tile = tile or pick_tile(T, T, N, qtype=w.qtype, K=K)
     _launch(name, tile, xp, w, yp, _NULL, _NULL, 1, T, loader.grid_for(T, tile[0]), stream)
     return out
 
@@ -177,7 +220,7 @@ def gemm_grouped(x, w: DeviceWeight, offs, idx=None, out=None, tile: tuple[int, 
     yp = _aligned(out.gpudata, 16, "gemm_grouped out")
     if M == 0:
         return out
-    tile = tile or pick_tile(M / E, M, N)
+    tile = tile or pick_tile(M / E, M, N, qtype=w.qtype, K=K)
     # expert e owns ceil(n_e / bm) tiles: at most M / bm + E in all; blocks past the last tile exit
     _launch(name, tile, xp, w, yp, op, ip, E, M, loader.grid_for(M, tile[0]) + E, stream)
     return out

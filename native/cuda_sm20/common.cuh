@@ -28,6 +28,18 @@
 
 #define HI_THREADS 256  // threads per block of every kernel here
 
+// Launch bounds by card class (hybridinfer/gpu/kclass.py passes the defines). The 63-register class (sm_2x,
+// sm_30) is compiled with -maxrregcount 63 and no bounds, because ptxas lets launch bounds override that cap;
+// the others take HI_MIN_BLOCKS resident blocks a multiprocessor as the bounds' second argument.
+#ifndef HI_MIN_BLOCKS
+#define HI_MIN_BLOCKS 1
+#endif
+#ifdef HI_REG63
+#define HI_BOUNDS(threads)
+#else
+#define HI_BOUNDS(threads) __launch_bounds__(threads, HI_MIN_BLOCKS)
+#endif
+
 typedef unsigned char u8;
 typedef unsigned short u16;
 typedef unsigned int u32;
@@ -37,6 +49,14 @@ __device__ __forceinline__ float hi_h2f(u16 h) {
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
     return f;
+}
+
+// x, opaque to the compiler: a volatile asm is not moved out of loops, so values computed from it are computed
+// where they are used instead of being hoisted and held in registers for the whole loop (what makes kernels spill
+// at 63 registers a thread)
+__device__ __forceinline__ int hi_opaque(int x) {
+    asm volatile("mov.b32 %0, %0;" : "+r"(x));
+    return x;
 }
 
 __device__ __forceinline__ u16 hi_ld16(const u8* p) { return *(const u16*)p; }  // p 2-byte aligned

@@ -20,7 +20,7 @@
 // Row-wise kernels run one block per row (grid x loops over rows); flat kernels use grid-stride loops.
 #include "common.cuh"
 
-extern "C" __global__ void __launch_bounds__(HI_THREADS)
+extern "C" __global__ void HI_BOUNDS(HI_THREADS)
     rms_norm_f32(const float* x, const float* __restrict__ w, float* y, int R, int D, int sx, int sy, float eps) {
     __shared__ float red[HI_THREADS];
     for (int r = blockIdx.x; r < R; r += gridDim.x) {
@@ -34,7 +34,7 @@ extern "C" __global__ void __launch_bounds__(HI_THREADS)
     }
 }
 
-extern "C" __global__ void __launch_bounds__(HI_THREADS)
+extern "C" __global__ void HI_BOUNDS(HI_THREADS)
     dot_rows_f32(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ y, int R, int D) {
     __shared__ float red[HI_THREADS];
     for (int r = blockIdx.x; r < R; r += gridDim.x) {
@@ -48,7 +48,7 @@ extern "C" __global__ void __launch_bounds__(HI_THREADS)
 
 #define ROPE_MAX_HALF 256
 
-extern "C" __global__ void __launch_bounds__(HI_THREADS)
+extern "C" __global__ void HI_BOUNDS(HI_THREADS)
     rope_neox_f32(float* x, const int* __restrict__ pos, int T, int H, int S, int n_rot, double theta, int neox) {
     __shared__ float cs[ROPE_MAX_HALF], sn[ROPE_MAX_HALF];
     const int half = n_rot >> 1;
@@ -93,7 +93,7 @@ __device__ __forceinline__ void embed_body(const u8* __restrict__ table, const i
 }
 
 #define EMBED_KERNEL(name, QT)                                                                                \
-    extern "C" __global__ void __launch_bounds__(HI_THREADS) embed_##name(                                   \
+    extern "C" __global__ void HI_BOUNDS(HI_THREADS) embed_##name(                                   \
         const u8* __restrict__ table, const int* __restrict__ ids, float* __restrict__ out, int T, int D,     \
         int row_nbytes) {                                                                                     \
         embed_body<QT>(table, ids, out, T, D, row_nbytes);                                                    \
@@ -109,19 +109,19 @@ EMBED_KERNEL(q5_k, HI_Q5_K)
 EMBED_KERNEL(q6_k, HI_Q6_K)
 
 // y[i] += a * x[i], i < n
-extern "C" __global__ void __launch_bounds__(HI_THREADS)
+extern "C" __global__ void HI_BOUNDS(HI_THREADS)
     add_f32(float* __restrict__ y, const float* __restrict__ x, float a, int n) {
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
         y[i] = fmaf(a, x[i], y[i]);
 }
 
 // x[i] *= s, i < n
-extern "C" __global__ void __launch_bounds__(HI_THREADS) scale_f32(float* __restrict__ x, float s, int n) {
+extern "C" __global__ void HI_BOUNDS(HI_THREADS) scale_f32(float* __restrict__ x, float s, int n) {
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) x[i] *= s;
 }
 
 // out [R, F]; g rows of pitch sg read from column goff, u rows of pitch su from column uoff
-extern "C" __global__ void __launch_bounds__(HI_THREADS)
+extern "C" __global__ void HI_BOUNDS(HI_THREADS)
     swiglu_f32(const float* g, const float* u, float* out, int R, int F, int sg, int goff, int su, int uoff) {
     const int n = R * F;
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
@@ -131,7 +131,7 @@ extern "C" __global__ void __launch_bounds__(HI_THREADS)
 }
 
 // out [R, D] in place; gate of element (r, j) at g[r * sg + goff + j * gcs]
-extern "C" __global__ void __launch_bounds__(HI_THREADS)
+extern "C" __global__ void HI_BOUNDS(HI_THREADS)
     sigmoid_mul_f32(float* out, const float* g, int R, int D, int sg, int goff, int gcs) {
     const int n = R * D;
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {

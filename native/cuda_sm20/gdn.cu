@@ -20,8 +20,24 @@
 
 #define GDN_MAXK 8     // conv kernel width K <= GDN_MAXK
 #define GDN_TC 16      // tokens staged in shared memory per step of gdn_delta_rule
-#define GDN_MAXR 16    // S rows per thread in gdn_delta_rule: ceil(d_k / blockDim.y) <= GDN_MAXR
-#define GDN_MAX_THREADS 512  // block size bound of gdn_delta_rule
+// S rows per thread in gdn_delta_rule: ceil(d_k / blockDim.y) <= GDN_MAXR (8 where a thread has 63 registers:
+// its rows of S and of k stay in registers; k_gdn.delta_rule_shape gives the block the row groups to match)
+#ifndef GDN_MAXR
+#ifdef HI_REG63
+#define GDN_MAXR 8
+#else
+#define GDN_MAXR 16
+#endif
+#endif
+// block size bound of gdn_delta_rule: 256 threads let ptxas give each 255 registers (at 512 it caps them at 128
+// and spills S); the 63-register class has no bounds (HI_BOUNDS) and takes 512
+#ifndef GDN_MAX_THREADS
+#ifdef HI_REG63
+#define GDN_MAX_THREADS 512
+#else
+#define GDN_MAX_THREADS 256
+#endif
+#endif
 
 // c[t, ch] = SiLU(sum_tau w[ch, tau] * win[t + tau, ch]) with win = [conv_state; u].
 // u, c [T, C]; conv_state [K-1, C]; w [C, K]. One thread per channel and a run of tchunk tokens:
@@ -115,55 +131,90 @@ extern "C" __global__ void gdn_l2norm_qk(float* __restrict__ c, int T, int C, in
 
 // The delta-rule recurrence over the chunk. One block per (slice of VB = blockDim.x value columns,
 // value head j): grid (ceil(d_v / VB), H_v), block (VB, NG). Thread (x, y) keeps rows
-// i = y + NG r (r < GDN_MAXR) of column blockIdx.x*VB + x of S_j in registers; sums over d_k go
-// through shared memory (partials of the NG row groups), two __syncthreads per token.
+// i = y GDN_MAXR + r (r < GDN_MAXR) of column blockIdx.x*VB + x of S_j in registers; sums over d_k go
+// through shared memory (partials of the NG row groups, column-major at pitch NG + 1: a thread's NG
+// partials are consecutive, one base address plus constants, and a warp's writes hit distinct banks),
+// two __syncthreads per token.
 // c [T, C]: q, k normalised by gdn_l2norm_qk, v raw (post-SiLU); a, b [T, H_v] (alpha and beta
 // projections); ssm_a, dt_bias [H_v]; S [H_v, d_k, d_v] read and written back; o [T, H_v, d_v].
 // snap_S [n_snap, H_v, d_k, d_v]: S after snap_pos[s] tokens (snap_pos ascending, 0 <= p <= T).
-// Dynamic shared memory: (2 GDN_TC d_k + GDN_TC VB + 2 GDN_TC + 2 NG VB) floats.
-// sum over g < NG of p[g * VB + x]; pairwise for NG = 8 (d_k = 128), a shorter dependent chain
-__device__ __forceinline__ float pf_group_sum(const float* p, int NG, int VB, int x) {
+// Dynamic shared memory: (2 GDN_TC DKP + GDN_TC VB + 2 GDN_TC + 2 (NG + 1) VB) floats, DKP = NG GDN_MAXR.
+// sum over g < NG of p[x (NG + 1) + g]; pairwise for NG = 8 (d_k = 128), a shorter dependent chain
+__device__ __forceinline__ float pf_group_sum(const float* p, int NG, int x) {
+    const float* q = p + x * (NG + 1);
     if (NG == 8) {
-        const float a0 = p[x] + p[VB + x], a1 = p[2 * VB + x] + p[3 * VB + x];
-        const float a2 = p[4 * VB + x] + p[5 * VB + x], a3 = p[6 * VB + x] + p[7 * VB + x];
+        const float a0 = q[0] + q[1], a1 = q[2] + q[3], a2 = q[4] + q[5], a3 = q[6] + q[7];
         return (a0 + a1) + (a2 + a3);
     }
     float acc = 0.0f;
-    for (int g = 0; g < NG; ++g) acc += p[g * VB + x];
+    for (int g = 0; g < NG; ++g) acc += q[g];
     return acc;
 }
 
 // At most GDN_MAX_THREADS threads per block (d_k <= 256), so the registers fit any card's register file.
 // every snapshot slot that asks for position `pos` (the state after `pos` tokens; they come in order) gets
-// this thread's rows of S (row i = y + NG r of column col of head j)
+// this thread's rows of S (rows i = y GDN_MAXR + r of column col of head j)
 __device__ __forceinline__ void gdn_snapshots(int pos, int& ns, int& next, const int* __restrict__ snap_pos,
                                               int n_snap, float* __restrict__ snap_S, const float s[GDN_MAXR], int y,
-                                              int NG, int col, int d_k, int d_v, int H_v, int j) {
+                                              int col, int d_k, int d_v, int H_v, int j) {
     while (next == pos) {
+        // rare: the addresses are computed here (hi_opaque), not held in registers across the token loop
+        const int dk = hi_opaque(d_k), dv = hi_opaque(d_v);
+        float* dst = snap_S + (((size_t)ns * H_v + j) * dk + y * GDN_MAXR) * dv + col;
 #pragma unroll
         for (int r = 0; r < GDN_MAXR; ++r) {
-            const int i = y + NG * r;
-            if (i < d_k && col < d_v) snap_S[(((size_t)ns * H_v + j) * d_k + i) * d_v + col] = s[r];
+            if (y * GDN_MAXR + r < dk && col < dv) *dst = s[r];
+            dst += dv;
         }
         ++ns;
         next = ns < n_snap ? snap_pos[ns] : -1;
     }
 }
 
-extern "C" __global__ void __launch_bounds__(GDN_MAX_THREADS)
+// stage a chunk of nt tokens from t0: q and k rows of key head kh padded with zeros to DKP, the block's VB value
+// columns of head j, the decay e^g and beta of each token
+__device__ __forceinline__ void gdn_stage(const float* __restrict__ c, const float* __restrict__ a,
+                                          const float* __restrict__ b, float* qs, float* ks, float* vs, float* gs,
+                                          float* bs, int t0, int nt, int tid, int nth, int DKP, int VB, int C, int kh,
+                                          int H_k, int H_v, int j, int d_k, int d_v, float a_j, float dt_j) {
+    const size_t qoff = (size_t)kh * d_k, koff = (size_t)(H_k + kh) * d_k;
+    const int c0 = blockIdx.x * VB;
+    const size_t voff = (size_t)2 * H_k * d_k + (size_t)j * d_v + c0;
+    for (int p = tid; p < nt * DKP; p += nth) {
+        const int tt = p / DKP, i = p - (p / DKP) * DKP;
+        const float* row = c + (size_t)(t0 + tt) * C;
+        qs[p] = i < d_k ? row[qoff + i] : 0.0f;
+        ks[p] = i < d_k ? row[koff + i] : 0.0f;
+    }
+    for (int p = tid; p < nt * VB; p += nth) {
+        const int tt = p / VB, xx = p - (p / VB) * VB;
+        vs[p] = c0 + xx < d_v ? c[(size_t)(t0 + tt) * C + voff + xx] : 0.0f;
+    }
+    if (tid < nt) {
+        const size_t ti = (size_t)(t0 + tid) * H_v + j;
+        gs[tid] = expf(a_j * pf_softplus(a[ti] + dt_j));
+        bs[tid] = pf_sigmoid(b[ti]);
+    }
+}
+
+extern "C" __global__ void HI_BOUNDS(GDN_MAX_THREADS)
     gdn_delta_rule(const float* __restrict__ c, const float* __restrict__ a, const float* __restrict__ b,
                    const float* __restrict__ ssm_a, const float* __restrict__ dt_bias, float* __restrict__ S,
                    float* __restrict__ o, const int* __restrict__ snap_pos, int n_snap, float* __restrict__ snap_S,
                    int T, int C, int H_k, int H_v, int d_k, int d_v, int head_mod) {
     extern __shared__ float sm[];
     const int VB = blockDim.x, NG = blockDim.y;
-    float* qs = sm;                    // GDN_TC x d_k
-    float* ks = qs + GDN_TC * d_k;     // GDN_TC x d_k
-    float* vs = ks + GDN_TC * d_k;     // GDN_TC x VB
+    // a thread holds rows y GDN_MAXR .. + GDN_MAXR - 1 of S (consecutive, so its q and k values are one base
+    // address plus constants), and q and k are staged with rows padded by zeros to DKP = NG GDN_MAXR >= d_k, so
+    // the per-token loops need no bounds tests (a padded row of S starts at 0 and stays 0)
+    const int DKP = NG * GDN_MAXR;
+    float* qs = sm;                    // GDN_TC x DKP
+    float* ks = qs + GDN_TC * DKP;     // GDN_TC x DKP
+    float* vs = ks + GDN_TC * DKP;     // GDN_TC x VB
     float* gs = vs + GDN_TC * VB;      // GDN_TC: decay e^g
     float* bs = gs + GDN_TC;           // GDN_TC: beta
-    float* pa = bs + GDN_TC;           // NG x VB: partials of k.S
-    float* pb = pa + NG * VB;          // NG x VB: partials of q.S
+    float* pa = bs + GDN_TC;           // VB x (NG + 1): partials of k.S
+    float* pb = pa + (NG + 1) * VB;    // VB x (NG + 1): partials of q.S
 
     const int x = threadIdx.x, y = threadIdx.y;
     const int tid = y * VB + x, nth = VB * NG;
@@ -171,81 +222,71 @@ extern "C" __global__ void __launch_bounds__(GDN_MAX_THREADS)
     const int c0 = blockIdx.x * VB;
     const int col = c0 + x;
     const int kh = head_mod ? j % H_k : j / (H_v / H_k);
-    const size_t qoff = (size_t)kh * d_k, koff = (size_t)(H_k + kh) * d_k;
-    const size_t voff = (size_t)2 * H_k * d_k + (size_t)j * d_v;
     const float a_j = ssm_a[j], dt_j = dt_bias[j];
 
     float s[GDN_MAXR];
     float* Sj = S + (size_t)j * d_k * d_v;
 #pragma unroll
     for (int r = 0; r < GDN_MAXR; ++r) {
-        const int i = y + NG * r;
+        const int i = y * GDN_MAXR + r;
         s[r] = (i < d_k && col < d_v) ? Sj[(size_t)i * d_v + col] : 0.0f;
     }
 
     int ns = 0;
     int next = n_snap > 0 ? snap_pos[0] : -1;
-    gdn_snapshots(0, ns, next, snap_pos, n_snap, snap_S, s, y, NG, col, d_k, d_v, H_v, j);  // incoming state
+    gdn_snapshots(0, ns, next, snap_pos, n_snap, snap_S, s, y, col, d_k, d_v, H_v, j);  // incoming state
 
     for (int t0 = 0; t0 < T; t0 += GDN_TC) {
         const int nt = min(GDN_TC, T - t0);
         __syncthreads();
-        for (int p = tid; p < nt * d_k; p += nth) {
-            const int tt = p / d_k, i = p - (p / d_k) * d_k;
-            const float* row = c + (size_t)(t0 + tt) * C;
-            qs[p] = row[qoff + i];
-            ks[p] = row[koff + i];
-        }
-        for (int p = tid; p < nt * VB; p += nth) {
-            const int tt = p / VB, xx = p - (p / VB) * VB;
-            vs[p] = c0 + xx < d_v ? c[(size_t)(t0 + tt) * C + voff + c0 + xx] : 0.0f;
-        }
-        if (tid < nt) {
-            const size_t ti = (size_t)(t0 + tid) * H_v + j;
-            gs[tid] = expf(a_j * pf_softplus(a[ti] + dt_j));
-            bs[tid] = pf_sigmoid(b[ti]);
-        }
+        // the staging's addresses come from opaque copies (hi_opaque), so they are computed here each chunk
+        // instead of being hoisted out of the chunk loop and held in registers through the token loop
+        gdn_stage(c, a, b, qs, ks, vs, gs, bs, t0, nt, hi_opaque(tid), hi_opaque(nth), hi_opaque(DKP), hi_opaque(VB),
+                  hi_opaque(C), hi_opaque(kh), hi_opaque(H_k), hi_opaque(H_v), hi_opaque(j), hi_opaque(d_k),
+                  hi_opaque(d_v), a_j, dt_j);
         __syncthreads();
         for (int tt = 0; tt < nt; ++tt) {
             const float dec = gs[tt], beta = bs[tt];
-            const float* kt = ks + tt * d_k;
-            const float* qt = qs + tt * d_k;
+            // shared-memory addresses from opaque copies of the thread and block indices: a few integer operations
+            // a token instead of a dozen registers held through the loop
+            const int xo = hi_opaque(x), yo = hi_opaque(y), NGo = hi_opaque(NG), VBo = hi_opaque(VB);
+            const float* kt = ks + tt * DKP + yo * GDN_MAXR;
+            const float* qt = qs + tt * DKP + yo * GDN_MAXR;
             // this thread's rows of k, used twice; two partial sums halve the dependent FMA chains
             float kr[GDN_MAXR];
             float p0 = 0.0f, p1 = 0.0f;
 #pragma unroll
             for (int r = 0; r < GDN_MAXR; ++r) {
-                const int i = y + NG * r;
-                kr[r] = i < d_k ? kt[i] : 0.0f;
+                kr[r] = kt[r];
                 s[r] *= dec;
                 if (r & 1) p1 = fmaf(kr[r], s[r], p1);
                 else p0 = fmaf(kr[r], s[r], p0);
             }
-            pa[y * VB + x] = p0 + p1;
+            pa[xo * (NGo + 1) + yo] = p0 + p1;
             __syncthreads();
-            const float kv = pf_group_sum(pa, NG, VB, x);
-            const float delta = beta * (vs[tt * VB + x] - kv);
+            const float kv = pf_group_sum(pa, NGo, xo);
+            const float delta = beta * (vs[tt * VBo + xo] - kv);
             p0 = p1 = 0.0f;
 #pragma unroll
             for (int r = 0; r < GDN_MAXR; ++r) {
-                const int i = y + NG * r;
                 s[r] = fmaf(kr[r], delta, s[r]);
-                const float qi = i < d_k ? qt[i] : 0.0f;
+                const float qi = qt[r];
                 if (r & 1) p1 = fmaf(qi, s[r], p1);
                 else p0 = fmaf(qi, s[r], p0);
             }
-            pb[y * VB + x] = p0 + p1;
+            pb[xo * (NGo + 1) + yo] = p0 + p1;
             __syncthreads();
             const int t = t0 + tt;
             if (y == 0 && col < d_v) {
-                o[((size_t)t * H_v + j) * d_v + col] = pf_group_sum(pb, NG, VB, x);
+                const int dv = hi_opaque(d_v);
+                o[((size_t)t * H_v + hi_opaque(j)) * dv + hi_opaque(col)] = pf_group_sum(pb, NGo, xo);
             }
-            gdn_snapshots(t + 1, ns, next, snap_pos, n_snap, snap_S, s, y, NG, col, d_k, d_v, H_v, j);
+            gdn_snapshots(t + 1, ns, next, snap_pos, n_snap, snap_S, s, y, col, d_k, d_v, H_v, j);
         }
     }
 #pragma unroll
     for (int r = 0; r < GDN_MAXR; ++r) {
-        const int i = y + NG * r;
+        const int i = y * GDN_MAXR + r;
         if (i < d_k && col < d_v) Sj[(size_t)i * d_v + col] = s[r];
     }
 }

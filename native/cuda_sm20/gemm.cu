@@ -321,30 +321,48 @@ __device__ __forceinline__ void gemm_body(const float* __restrict__ X, const u8*
     }
 }
 
+#ifdef HI_REG63
+#include "gemm_lean.cuh"
+#endif
+
 // One entry point per (weight type, tile): name gemm_<type>_b<BM>_n<BN>.
 //   X [*, K] f32; W [E, N, K] GGUF rows; Y [M, N] f32; offs [E+1] int32, non-decreasing, offs[E] <= M,
 //   or NULL for one group of M rows (E = 1, the plain GEMM); idx [M] int32 row indices into X, or NULL
-//   for X rows in grouped order.
-#define GEMM_KERNEL(NAME, QT, TM, TXN, BK)                                                                     \
-    extern "C" __global__ void __launch_bounds__(HI_THREADS)                                                  \
+//   for X rows in grouped order. BODY is gemm_body<QT, TM, TXN, BK> or gemm_body_lean<QT, TM, TXN, BK, CN>.
+#define GEMM_KERNEL(NAME, BODY)                                                                                \
+    extern "C" __global__ void HI_BOUNDS(HI_THREADS)                                                          \
         NAME(const float* __restrict__ X, const u8* __restrict__ W, float* __restrict__ Y,                    \
              const int* __restrict__ offs, const int* __restrict__ idx, int E, int M, int N, int K,          \
              int row_nbytes) {                                                                                 \
-        gemm_body<QT, TM, TXN, BK>(X, W, Y, offs, idx, E, M, N, K, row_nbytes);                               \
+        BODY(X, W, Y, offs, idx, E, M, N, K, row_nbytes);                                                     \
     }
+#define GEMM_FULL(QT, TM, TXN) gemm_body<QT, TM, TXN, 32>
+#define GEMM_LEAN(QT, TM, TXN, CN) gemm_body_lean<QT, TM, TXN, 32, CN>
 
+#ifndef HI_REG63
 // 128-row tiles (16 x 16 threads) for long token runs; 256-row tiles (8 x 32 threads) keep 4 tokens per
 // thread at 32-token tiles, for MoE groups of a few dozen tokens. (A 32 x 512 tile with 8 x 8 outputs
 // per thread and k chunks of 16 measured no faster than 32 x 256: at 32 tokens per dequantized weight
 // the dequantization and staging, not shared-memory reads, bound it.)
-#define GEMM_TYPE(name, QT)                             \
-    GEMM_KERNEL(gemm_##name##_b16_n128, QT, 1, 16, 32)  \
-    GEMM_KERNEL(gemm_##name##_b32_n128, QT, 2, 16, 32)  \
-    GEMM_KERNEL(gemm_##name##_b64_n128, QT, 4, 16, 32)  \
-    GEMM_KERNEL(gemm_##name##_b128_n128, QT, 8, 16, 32) \
-    GEMM_KERNEL(gemm_##name##_b16_n256, QT, 2, 32, 32)  \
-    GEMM_KERNEL(gemm_##name##_b32_n256, QT, 4, 32, 32)  \
-    GEMM_KERNEL(gemm_##name##_b64_n256, QT, 8, 32, 32)
+#define GEMM_TYPE(name, QT)                                          \
+    GEMM_KERNEL(gemm_##name##_b16_n128, GEMM_FULL(QT, 1, 16))        \
+    GEMM_KERNEL(gemm_##name##_b32_n128, GEMM_FULL(QT, 2, 16))        \
+    GEMM_KERNEL(gemm_##name##_b64_n128, GEMM_FULL(QT, 4, 16))        \
+    GEMM_KERNEL(gemm_##name##_b128_n128, GEMM_FULL(QT, 8, 16))       \
+    GEMM_KERNEL(gemm_##name##_b16_n256, GEMM_FULL(QT, 2, 32))        \
+    GEMM_KERNEL(gemm_##name##_b32_n256, GEMM_FULL(QT, 4, 32))        \
+    GEMM_KERNEL(gemm_##name##_b64_n256, GEMM_FULL(QT, 8, 32))
+#else
+// 63 registers a thread: the lean body (gemm_lean.cuh), at most 4 x 8 outputs a thread
+#define GEMM_TYPE(name, QT)                                          \
+    GEMM_KERNEL(gemm_##name##_b16_n128, GEMM_LEAN(QT, 1, 16, 8))     \
+    GEMM_KERNEL(gemm_##name##_b32_n128, GEMM_LEAN(QT, 2, 16, 8))     \
+    GEMM_KERNEL(gemm_##name##_b64_n128, GEMM_LEAN(QT, 4, 16, 8))     \
+    GEMM_KERNEL(gemm_##name##_b16_n256, GEMM_LEAN(QT, 2, 32, 8))     \
+    GEMM_KERNEL(gemm_##name##_b32_n256, GEMM_LEAN(QT, 4, 32, 8))     \
+    GEMM_KERNEL(gemm_##name##_b32_n64, GEMM_LEAN(QT, 2, 16, 4))      \
+    GEMM_KERNEL(gemm_##name##_b64_n64, GEMM_LEAN(QT, 4, 16, 4))
+#endif
 
 GEMM_TYPE(f32, HI_F32)
 GEMM_TYPE(f16, HI_F16)

@@ -1,0 +1,147 @@
+// The GEMM of gemm.cu for the 63-register class (sm_2x, sm_30; -DHI_REG63): the same maths, tiles and grid, with
+// a body that keeps little in registers besides the accumulators.
+//
+// Why a second body: held to 63 registers, gemm.cu's pipelined body spills kilobytes a thread on its large tiles,
+// and even its 16 x 128 tile spills, because registers hold the next chunk's loads, row pointers of the staged X
+// rows, and values the compiler hoists out of the tile loops (row pointers, the epilogue's addresses). Here:
+// - chunk c is staged straight from global memory into shared memory after the barrier that ends chunk c - 1,
+//   so nothing is held across the multiply (latency is hidden by the other resident blocks instead);
+// - the tile's description (first row, row count, first weight row, expert) and the X row of each tile row are
+//   kept in shared memory and read back after barriers, so they cannot be hoisted into registers;
+// - a k step reads one X value a token (scalar shared loads) instead of a float4 of four k steps;
+// - tiles hold TM x CN outputs a thread, CN = 8 (two float4 of weight rows) or 4 (64-row-wide tiles).
+#ifndef HYBRIDINFER_GEMM_LEAN_CUH
+#define HYBRIDINFER_GEMM_LEAN_CUH
+
+#ifndef GEMM_LEAN_UNROLL
+#define GEMM_LEAN_UNROLL 2
+#endif
+
+// stage k-chunk c: X rows (row index rows[m], zero past the tile's row count) and the W pieces, each loaded,
+// dequantized and stored in turn
+template <int QT, int XL, int WH, int WP, int BM, int BN, int BK>
+__device__ __forceinline__ void gemm_stage_lean(const float* __restrict__ X, const u8* __restrict__ W,
+                                                const int* rows, const int* meta, int N, int K, int row_nbytes,
+                                                int c, float* Xs, float* Ws) {
+    const int cnt = meta[1];
+#pragma unroll 1
+    for (int i = 0; i < XL; ++i) {  // not unrolled: one X load in flight, not XL float4 in registers
+        const int p = threadIdx.x + i * HI_THREADS;
+        if (p < BM * (BK / 4)) {
+            const int m = p / (BK / 4), q4 = p % (BK / 4);
+            float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if (m < cnt) v = *(const float4*)(X + (size_t)rows[m] * K + c * BK + 4 * q4);
+            *(float4*)(Xs + m * (BK + 4) + 4 * q4) = v;
+        }
+    }
+    const int n0 = meta[2], e = meta[3];
+#pragma unroll 1
+    for (int r = 0; r < WH; ++r) {  // likewise one W piece at a time
+        const int p = threadIdx.x + r * HI_THREADS;
+        if (WP % HI_THREADS && p >= WP) break;  // 64-wide tiles: half the threads stage W
+        const int wn = p % BN, wh = p / BN;
+        const u8* wrow = W + ((size_t)e * N + min(n0 + wn, N - 1)) * row_nbytes;
+        HiQ<QT> q;
+        const int h16 = c * (BK / 16) + wh;
+        q.load(wrow, h16 >> 1, h16 & 1);
+        float wv[16];
+        gemm_deq<QT>(q, wv, n0 + wn < N);
+#pragma unroll
+        for (int j = 0; j < 16; ++j) Ws[(16 * wh + j) * BN + wn] = wv[j];
+    }
+}
+
+template <int QT, int TM, int TXN, int BK, int CN>
+__device__ __forceinline__ void gemm_body_lean(const float* __restrict__ X, const u8* __restrict__ W,
+                                               float* __restrict__ Y, const int* __restrict__ offs,
+                                               const int* __restrict__ idx, int E, int M, int N, int K,
+                                               int row_nbytes) {
+    const int TYN = HI_THREADS / TXN;                             // thread rows along tokens
+    const int BM = TYN * TM, BN = CN * TXN;                       // the block's tile: BM tokens x BN weight rows
+    const int XL = (BM * BK / 4 + HI_THREADS - 1) / HI_THREADS;   // float4 X loads per thread per k chunk
+    const int WP = BN * BK / 16;                                  // W pieces (16 weights) per k chunk
+    const int WH = (WP + HI_THREADS - 1) / HI_THREADS;            // W pieces staged per thread
+    __shared__ __align__(16) float Xs[BM * (BK + 4)];
+    __shared__ __align__(16) float Ws[BK * BN];
+    __shared__ int scan[HI_THREADS];
+    __shared__ int rows[BM];  // X row of each tile row (the last valid row past the count)
+    __shared__ int meta[4];   // first row, row count, first weight row, expert of the current tile
+    const int tid = threadIdx.x;
+    const int n_tiles = (N + BN - 1) / BN;
+
+    for (int v = blockIdx.y;; v += gridDim.y) {
+        int e, r0, cnt;
+        if (!gemm_find_tile(offs, E, M, BM, v, &e, &r0, &cnt, scan)) return;
+        for (int m = tid; m < BM; m += HI_THREADS) {
+            const int r = r0 + min(m, cnt - 1);
+            rows[m] = idx ? idx[r] : r;
+        }
+        if (tid == 0) {
+            meta[0] = r0;
+            meta[1] = cnt;
+            meta[3] = e;
+        }
+        for (int nt = blockIdx.x; nt < n_tiles; nt += gridDim.x) {
+            if (tid == 0) meta[2] = nt * BN;
+            float acc[TM][CN];
+#pragma unroll
+            for (int i = 0; i < TM; ++i)
+#pragma unroll
+                for (int j = 0; j < CN; ++j) acc[i][j] = 0.0f;
+            for (int c = 0; c < K / BK; ++c) {
+                __syncthreads();  // every thread is done reading chunk c - 1 (and meta is written)
+                gemm_stage_lean<QT, XL, WH, WP, BM, BN, BK>(X, W, rows, meta, N, K, row_nbytes, c, Xs, Ws);
+                __syncthreads();
+                // warp layout as gemm.cu's: 8 weight-row groups x 4 token groups
+                const int lane = tid & 31, warp = tid >> 5;
+                const int tx = (lane & 7) | ((warp % (TXN / 8)) << 3), ty = (lane >> 3) | ((warp / (TXN / 8)) << 2);
+                const int kUnroll = GEMM_LEAN_UNROLL;
+#pragma unroll kUnroll
+                for (int k = 0; k < BK; ++k) {
+                    const float4 b0 = *(const float4*)(Ws + k * BN + 4 * tx);
+                    const float4 b1 = CN == 8 ? *(const float4*)(Ws + k * BN + 4 * TXN + 4 * tx) : b0;
+#pragma unroll
+                    for (int i = 0; i < TM; ++i) {
+                        const float a = Xs[(ty + TYN * i) * (BK + 4) + k];
+                        acc[i][0] = fmaf(a, b0.x, acc[i][0]);
+                        acc[i][1] = fmaf(a, b0.y, acc[i][1]);
+                        acc[i][2] = fmaf(a, b0.z, acc[i][2]);
+                        acc[i][3] = fmaf(a, b0.w, acc[i][3]);
+                        if (CN == 8) {
+                            acc[i][4 % CN] = fmaf(a, b1.x, acc[i][4 % CN]);
+                            acc[i][5 % CN] = fmaf(a, b1.y, acc[i][5 % CN]);
+                            acc[i][6 % CN] = fmaf(a, b1.z, acc[i][6 % CN]);
+                            acc[i][7 % CN] = fmaf(a, b1.w, acc[i][7 % CN]);
+                        }
+                    }
+                }
+            }
+            // write Y rows r0 + m, columns n0 + 4 TXN h + 4 tx + j (h < CN / 4)
+            const int r0t = meta[0], cntt = meta[1], n0 = meta[2];
+            const int lane = tid & 31, warp = tid >> 5;
+            const int tx = (lane & 7) | ((warp % (TXN / 8)) << 3), ty = (lane >> 3) | ((warp / (TXN / 8)) << 2);
+#pragma unroll
+            for (int i = 0; i < TM; ++i) {
+                const int m = ty + TYN * i;
+                if (m >= cntt) continue;
+                float* yrow = Y + (size_t)(r0t + m) * N;
+#pragma unroll
+                for (int h = 0; h < CN / 4; ++h) {
+                    const int n = n0 + 4 * TXN * h + 4 * tx;
+                    if ((N & 3) == 0 && n + 3 < N) {
+                        *(float4*)(yrow + n) = make_float4(acc[i][4 * h], acc[i][4 * h + 1], acc[i][4 * h + 2],
+                                                           acc[i][4 * h + 3]);
+                    } else {
+#pragma unroll
+                        for (int j = 0; j < 4; ++j)
+                            if (n + j < N) yrow[n + j] = acc[i][4 * h + j];
+                    }
+                }
+            }
+            __syncthreads();  // meta[2] is rewritten for the next weight tile
+        }
+        __syncthreads();  // rows and meta are rewritten for the next token tile
+    }
+}
+
+#endif

@@ -1,0 +1,145 @@
+"""Tile choice and kernel classes, pure (no GPU): choose_tile never returns a tile that spills or overflows shared
+memory for the class (against the ptxas table, which tests/test_ptxas.py checks against ptxas), kernel class
+options, resident blocks, the loader's cache key and compile line."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from hybridinfer import quant
+from hybridinfer.errors import KernelArgumentError
+from hybridinfer.gpu import cards, kclass, loader
+from hybridinfer.gpu.k_gemm import GEMM_TYPES, TILES_BY_CLASS, choose_tile, tile_fits, tile_usage
+from hybridinfer.gpu.ptxas_table import USAGE
+
+# every class a card or profile can be: each profile, and the real cards of each compute capability
+LIMITS = [cards.profile_limits(p, sms) for p in cards.PROFILES for sms in (8, 14, 56, 132)] + [
+    c.limits for c in cards.CARDS.values()] + [cards.limits_for((9, 0), 132), cards.limits_for((3, 0), 0)]
+# shape families: (T, N, K, rows per group): decode-like, short and long dense prompts, MoE groups of a few
+# tokens to hundreds, narrow and wide outputs
+SHAPES = [(1, 2048, 2048, None), (16, 248320, 2048, None), (128, 8192, 2048, None), (947, 8192, 2048, None),
+          (4096, 512, 4096, None), (947 * 8, 512, 2048, 30.0), (947 * 8, 2048, 512, 30.0), (128 * 8, 512, 2048, 4.0),
+          (4096 * 8, 512, 2048, 128.0), (40, 197, 256, 6.0), (3, 64, 32, None)]
+
+
+@pytest.mark.parametrize("lim", LIMITS, ids=lambda lim: f"{lim.sm}x{lim.sm_count}")
+def test_choose_tile_never_spills_or_overflows(lim):
+    cls = kclass.kernel_class(lim)
+    for q in GEMM_TYPES:
+        for T, N, K, rpg in SHAPES:
+            t = choose_tile(lim, T, N, K, q, rpg)
+            assert t in TILES_BY_CLASS[cls], (lim.sm, t)
+            regs, spill, smem = tile_usage(cls, q, t)
+            assert spill == 0, f"{quant.type_name(q)} {t} spills {spill} B in class {cls}"
+            assert smem <= lim.smem_per_block and regs <= lim.regs_per_thread
+
+
+def test_every_weight_type_has_a_spill_free_tile_in_every_class():
+    for cls in kclass.CLASSES:
+        lim = cards.profile_limits("fermi" if cls == kclass.R63 else "kepler", 14)
+        for q in GEMM_TYPES:
+            assert any(tile_fits(lim, q, t) for t in TILES_BY_CLASS[cls]), (cls, quant.type_name(q))
+
+
+def test_every_compiled_tile_is_in_the_table():
+    for cls, tiles in TILES_BY_CLASS.items():
+        for q in GEMM_TYPES:
+            for t in tiles:
+                assert tile_usage(cls, q, t) is not None, (cls, quant.type_name(q), t)
+
+
+def test_r255_choices_follow_the_measured_preference():
+    k40 = cards.profile_limits("kepler", 132)
+    assert choose_tile(k40, 947, 8192, 2048, quant.Q4_K) == (128, 128)  # long runs: the 128 x 128 tile
+    assert choose_tile(k40, 947 * 8, 512, 2048, quant.Q4_K, 30) == (32, 256)  # MoE groups of ~30 tokens
+    assert choose_tile(k40, 8, 2048, 2048, quant.Q4_K) == (16, 128)  # a few tokens
+    # too few tiles for the SMs at 128 x 128: a smaller tile gives every SM a block
+    assert choose_tile(k40, 128, 8192, 2048, quant.Q4_K) == (64, 128)
+    assert choose_tile(replace(k40, sm_count=0), 128, 8192, 2048, quant.Q4_K) == (128, 128)
+
+
+def test_r63_takes_the_largest_spill_free_lean_tile():
+    fermi = cards.profile_limits("fermi", 14)
+    cls = kclass.R63
+    for q in GEMM_TYPES:
+        dense = choose_tile(fermi, 947, 8192, 2048, q)
+        moe = choose_tile(fermi, 947 * 8, 512, 2048, q, 30)
+        # no spill-free tile of the preference list that the shape fills is bigger than the one chosen
+        for t in ((64, 128), (64, 64), (32, 256), (32, 128), (32, 64)):
+            if tile_fits(fermi, q, t):
+                assert dense[0] * dense[1] >= t[0] * t[1] or t == (32, 256), (quant.type_name(q), dense, t)
+                break
+        assert moe[0] <= 32 / 0.6 + 1e-9 and tile_usage(cls, q, moe)[1] == 0
+    # the 64 x 64 lean tile is spill-free for the types the 35B-A3B's dense layers use
+    assert choose_tile(fermi, 947, 8192, 2048, quant.Q4_K) == (64, 64)
+
+
+def test_choose_tile_rejects_bad_input():
+    lim = cards.profile_limits("fermi", 14)
+    with pytest.raises(KernelArgumentError, match="Q4_1"):
+        choose_tile(lim, 10, 64, 64, quant.Q4_1)
+    with pytest.raises(KernelArgumentError, match="N=0"):
+        choose_tile(lim, 10, 0, 64, quant.Q4_K)
+
+
+def test_kernel_class_options():
+    assert kclass.kernel_class(cards.limits_for((2, 0))) == kclass.R63
+    assert kclass.kernel_class(cards.limits_for((3, 0))) == kclass.R63
+    assert kclass.kernel_class(cards.limits_for((3, 5))) == kclass.R255
+    assert kclass.nvcc_options(kclass.R63) == ["-DHI_REG63", "-maxrregcount=63"]
+    assert kclass.nvcc_options(kclass.R255) == []
+    with pytest.raises(ValueError, match="r128"):
+        kclass.nvcc_options("r128")
+    # the delta rule's rows a thread times its block bound covers d_k = 256 in each class
+    for cls in kclass.CLASSES:
+        assert kclass.GDN_MAXR[cls] * kclass.GDN_MAX_THREADS[cls] >= 256 * 8
+
+
+def test_delta_rule_block_fits_the_class_bound():
+    from hybridinfer.gpu.k_gdn import delta_rule_shape
+
+    for cls in kclass.CLASSES:
+        for d_k, d_v in ((16, 16), (128, 128), (12, 10), (256, 64), (32, 48)):
+            vb, ng = delta_rule_shape(d_k, d_v, cls)
+            assert vb * ng <= kclass.GDN_MAX_THREADS[cls] and ng * kclass.GDN_MAXR[cls] >= d_k, (cls, d_k)
+            assert vb >= min(d_v, 8)
+    with pytest.raises(KernelArgumentError, match="d_k=4096"):
+        delta_rule_shape(4096, 128, kclass.R255)
+
+
+def test_resident_blocks():
+    fermi = cards.card("c2075").limits
+    # 63 registers x 256 threads: 2 blocks in Fermi's 32K registers; 18 KB of shared memory: 2 in 48 KB
+    assert kclass.resident_blocks(fermi, 63, 18 * 1024, 256) == 2
+    assert kclass.resident_blocks(fermi, 63, 30 * 1024, 256) == 1
+    k40 = cards.card("k40").limits
+    assert kclass.resident_blocks(k40, 255, 0, 256) == 1
+    assert kclass.resident_blocks(k40, 32, 0, 256) == 8  # 2048 threads a multiprocessor
+
+
+def test_table_has_every_class_and_kernel_family():
+    for cls in kclass.CLASSES:
+        names = set(USAGE[cls])
+        assert {"gdn_delta_rule", "attn_prefill", "moe_route", "rms_norm_f32"} <= names
+        assert all(v[0] <= (63 if cls == kclass.R63 else 255) for v in USAGE[cls].values())
+
+
+def test_cache_key_changes_with_every_input():
+    base = ("src", "hdr", ["-O3"], "sm_90", "nvcc 13")
+    k = loader.cache_key(*base)
+    assert k.endswith(".cubin") and k == loader.cache_key(*base)
+    for i, other in enumerate(("src2", "hdr2", ["-O3", "-DHI_REG63"], "sm_60", "nvcc 12")):
+        args = list(base)
+        args[i] = other
+        assert loader.cache_key(*args) != k, i
+
+
+def test_compile_line_says_what_was_compiled_and_how_long():
+    c = loader.Compiled
+    assert loader.describe_compiles([c("gemm", "r63", "sm_90", 1.0, True)]) is None
+    line = loader.describe_compiles([c("gemm", "r63", "sm_90", 40.0, False), c("gdn", "r63", "sm_90", 2.5, False),
+                                     c("moe", "r63", "sm_90", 0.01, True)])
+    assert "compiled 2 GPU kernel source(s) for sm_90 (r63" in line and "42.5 s" in line
+    assert loader.cache_dir() in line
