@@ -13,6 +13,8 @@ from . import actquant
 from . import reference_ops as op
 from .backends import Backend
 from .gguf_model import GGUFModel
+from .models import graph
+from .models.graph import tensor_name
 from .quant import dequantize, dequantize_rows
 from .state import DecoderState, check_tokens
 
@@ -79,19 +81,14 @@ class Weights:
 
 
 class Layer:
-    """Tensors of block i by their GGUF names: `layer.attn_q` is `blk.i.attn_q.weight`,
-    `layer.ssm_a` is `blk.i.ssm_a`, `layer.ssm_dt_bias` is `blk.i.ssm_dt.bias`."""
+    """Tensors of block i by their short names (models/graph.tensor_name): `getattr(layer, "attn_q")` is
+    `blk.i.attn_q.weight`, `getattr(layer, "ssm_dt.bias")` is `blk.i.ssm_dt.bias`."""
 
     def __init__(self, w: Weights, i: int):
-        self._w, self._p = w, f"blk.{i}."
+        self._w, self._i = w, i
 
     def name(self, attr: str) -> str:
-        p = self._p
-        if attr.endswith("_bias"):
-            return p + attr[: -len("_bias")] + ".bias"
-        if self._w.has(p + attr + ".weight"):
-            return p + attr + ".weight"
-        return p + attr
+        return tensor_name(self._w.has, self._i, attr)
 
     def __getattr__(self, attr: str) -> np.ndarray:
         if attr.startswith("_"):
@@ -103,11 +100,6 @@ class Layer:
 
     def mm(self, attr: str, x: np.ndarray, expert: int | None = None) -> np.ndarray:
         return self._w.mm(self.name(attr), x, expert)
-
-    def swiglu(self, x: np.ndarray, suffix: str = "", expert: int | None = None) -> np.ndarray:
-        """W_down (SiLU(W_gate x) * W_up x) with the block's ffn_{gate,up,down}{suffix} tensors."""
-        h = op.silu(self.mm("ffn_gate" + suffix, x, expert)) * self.mm("ffn_up" + suffix, x, expert)
-        return self.mm("ffn_down" + suffix, h, expert)
 
 
 class ReferenceModel(Backend):
@@ -121,6 +113,8 @@ class ReferenceModel(Backend):
         self.norm = op.rms_norm_ggml if act_quant else op.rms_norm
         self.w = Weights(gm, cache=cache_weights, act_quant=act_quant)
         self.layers = [Layer(self.w, i) for i in range(args.n_layer)]
+        self.blocks = graph.branches(args)
+        self.embed, self.head = graph.arch_of(args).EMBED, graph.head(args)
         self.freq_factors = self.w("rope_freqs.weight") if getattr(args, "has_rope_freqs", False) else None
 
     @property
@@ -142,86 +136,105 @@ class ReferenceModel(Backend):
 
     def forward(self, tokens, state: DecoderState, all_logits: bool = True) -> np.ndarray:
         """Consume `tokens` from `state` (advancing it); logits (T, n_vocab), or (1, n_vocab) for the
-        last token when all_logits is False."""
+        last token when all_logits is False. Walks the architecture's description (models/graph.py)."""
         ids = check_tokens(tokens, self.args.n_vocab)
         T = len(ids)
         state.check_room(T)
         a = self.args
-        h = self.w.rows("token_embd.weight", ids)
-        for i, kind in enumerate(a.layer_types):
-            L = self.layers[i]
-            x = self.norm(h, L.attn_norm, a.rms_eps)
-            if kind == "gdn":
-                h = h + self.gdn(L, i, x, state)
-            else:
-                h = h + self.attention(L, i, x, state)
-            post = L.post_attention_norm if a.arch != "llama" else L.ffn_norm
-            x = self.norm(h, post, a.rms_eps)
-            h = h + (self.moe(L, x) if a.is_moe else L.swiglu(x))
+        h = self.w.rows(self.embed, ids)
+        for i, block in enumerate(self.blocks):
+            ops = self.graph_ops(i, state)
+            for br in block:
+                h = h + br.fn(ops, a, self.norm(h, getattr(self.layers[i], br.norm), a.rms_eps))
         state.tokens[state.pos : state.pos + T] = ids
         state.pos += T
         if not all_logits:
             h = h[-1:]
-        x = self.norm(h, self.w("output_norm.weight"), a.rms_eps)
-        return self.w.mm("token_embd.weight" if a.tied_output else "output.weight", x).astype(np.float32)
+        x = self.norm(h, self.w(self.head[0]), a.rms_eps)
+        return self.w.mm(self.head[1], x).astype(np.float32)
 
-    # mixers ---------------------------------------------------------------------------------------
-    def attention(self, L: Layer, i: int, x: np.ndarray, st: DecoderState) -> np.ndarray:
-        a, T, p0 = self.args, x.shape[0], st.pos
-        hd = a.head_dim
-        if a.attn_gate:  # per head: [query(hd), gate(hd)]
-            qg = L.mm("attn_q", x).reshape(T, a.n_head, 2, hd)
-            q, gate = qg[:, :, 0], qg[:, :, 1].reshape(T, a.n_head * hd)
-        else:
-            q, gate = L.mm("attn_q", x).reshape(T, a.n_head, hd), None
-        k = L.mm("attn_k", x).reshape(T, a.n_head_kv, hd)
-        v = L.mm("attn_v", x).reshape(T, a.n_head_kv, hd)
-        if a.qk_norm:
-            q = op.rms_norm(q, L.attn_q_norm, a.rms_eps)
-            k = op.rms_norm(k, L.attn_k_norm, a.rms_eps)
+
+    def graph_ops(self, i: int, state: DecoderState, T: int | None = None) -> RefOps:
+        """The op vocabulary over block i (what forward walks; tests call single ops through it)."""
+        return RefOps(self, self.layers[i], i, state)
+
+
+class RefOps:
+    """The op vocabulary (models/graph.py) in plain numpy over one block of a ReferenceModel: the maths every
+    backend's ops are tested against."""
+
+    def __init__(self, model: ReferenceModel, L: Layer, i: int, st: DecoderState):
+        self.m, self.a, self.L, self.i, self.st = model, model.args, L, i, st
+
+    from_host = to_host = staticmethod(np.asarray)  # op tests (tests/backend_ops.py): arrays are numpy already
+
+    def linears(self, x: np.ndarray, *names: str) -> list[np.ndarray]:
+        return [self.L.mm(n, x) for n in names]
+
+    def linear(self, x: np.ndarray, name: str) -> np.ndarray:
+        return self.L.mm(name, x)
+
+    def split_gate(self, qg: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        a, T = self.a, qg.shape[0]
+        qg = qg.reshape(T, a.n_head, 2, a.head_dim)
+        return qg[:, :, 0], qg[:, :, 1].reshape(T, a.n_head * a.head_dim)
+
+    def head_norm(self, x: np.ndarray, name: str) -> np.ndarray:
+        return op.rms_norm(x.reshape(x.shape[0], -1, self.a.head_dim), getattr(self.L, name), self.a.rms_eps)
+
+    def attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+        a, st, i = self.a, self.st, self.i
+        T, p0, hd = q.shape[0], st.pos, a.head_dim
+        q, k, v = (t.reshape(T, -1, hd) for t in (q, k, v))
+        ff = self.m.freq_factors
         pos = np.arange(p0, p0 + T)
-        q = op.rope(q, pos, a.n_rot, a.rope_theta, a.rope_neox, self.freq_factors)
-        k = op.rope(k, pos, a.n_rot, a.rope_theta, a.rope_neox, self.freq_factors)
-        if self.kv_f16:
+        q = op.rope(q, pos, a.n_rot, a.rope_theta, a.rope_neox, ff)
+        k = op.rope(k, pos, a.n_rot, a.rope_theta, a.rope_neox, ff)
+        if self.m.kv_f16:
             k, v = k.astype(np.float16), v.astype(np.float16)
         st.k[i][p0 : p0 + T] = k
         st.v[i][p0 : p0 + T] = v
-        o = op.causal_attention(q, st.k[i][: p0 + T], st.v[i][: p0 + T], p0).reshape(T, a.n_head * hd)
-        if gate is not None:
-            o = o * op.sigmoid(gate)
-        return L.mm("attn_output", o)
+        return op.causal_attention(q, st.k[i][: p0 + T], st.v[i][: p0 + T], p0).reshape(T, a.n_head * hd)
 
-    def gdn(self, L: Layer, i: int, x: np.ndarray, st: DecoderState) -> np.ndarray:
-        a, T = self.args, x.shape[0]
-        Hk, Hv, dk, dv = a.ssm_n_k_heads, a.ssm_n_v_heads, a.ssm_d_k, a.ssm_d_v
-        u = L.mm("attn_qkv", x)  # (T, C)
-        z = L.mm("attn_gate", x).reshape(T, Hv, dv)
-        b = L.mm("ssm_beta", x)  # (T, H_v)
-        al = L.mm("ssm_alpha", x)
-        c, st.conv[i][...] = op.causal_conv(u, st.conv[i], L.ssm_conv1d)
+    def sigmoid_gate(self, o: np.ndarray, gate: np.ndarray) -> np.ndarray:
+        return o * op.sigmoid(gate)
+
+    def swiglu(self, g: np.ndarray, u: np.ndarray) -> np.ndarray:
+        return op.silu(g) * u
+
+    def gdn(self, u, z, beta, alpha, *, conv: str, a: str, dt_bias: str, norm: str) -> np.ndarray:
+        A, L, st, i, T = self.a, self.L, self.st, self.i, u.shape[0]
+        Hk, Hv, dk, dv = A.ssm_n_k_heads, A.ssm_n_v_heads, A.ssm_d_k, A.ssm_d_v
+        z = z.reshape(T, Hv, dv)
+        c, st.conv[i][...] = op.causal_conv(u, st.conv[i], getattr(L, conv))
         c = op.silu(c)
         q = c[:, : Hk * dk].reshape(T, Hk, dk)
         k = c[:, Hk * dk : 2 * Hk * dk].reshape(T, Hk, dk)
         v = c[:, 2 * Hk * dk :].reshape(T, Hv, dv)
-        q = op.l2_norm(q, a.rms_eps) / np.float32(np.sqrt(dk))
-        k = op.l2_norm(k, a.rms_eps)
-        kmap = np.arange(Hv) % Hk if a.gdn_head_map == "mod" else np.arange(Hv) // (Hv // Hk)
-        g = L.ssm_a[None, :] * op.softplus(al + L.ssm_dt_bias[None, :])
-        beta = op.sigmoid(b)
-        o = op.delta_rule(q[:, kmap], k[:, kmap], v, g, beta, st.ssm[i])
-        y = op.rms_norm(o, L.ssm_norm, a.rms_eps) * op.silu(z)
-        return L.mm("ssm_out", y.reshape(T, Hv * dv))
+        q = op.l2_norm(q, A.rms_eps) / np.float32(np.sqrt(dk))
+        k = op.l2_norm(k, A.rms_eps)
+        kmap = np.arange(Hv) % Hk if A.gdn_head_map == "mod" else np.arange(Hv) // (Hv // Hk)
+        g = getattr(L, a)[None, :] * op.softplus(alpha + getattr(L, dt_bias)[None, :])
+        o = op.delta_rule(q[:, kmap], k[:, kmap], v, g, op.sigmoid(beta), st.ssm[i])
+        y = op.rms_norm(o, getattr(L, norm), A.rms_eps) * op.silu(z)
+        return y.reshape(T, Hv * dv)
 
-    def moe(self, L: Layer, x: np.ndarray) -> np.ndarray:
-        a = self.args
-        idx, wts = op.moe_route(L.mm("ffn_gate_inp", x), a.n_expert_used)
+    def _swiglu(self, names: tuple[str, str, str], x: np.ndarray, expert: int | None = None) -> np.ndarray:
+        L = self.L
+        h = op.silu(L.mm(names[0], x, expert)) * L.mm(names[1], x, expert)
+        return L.mm(names[2], h, expert)
+
+    def moe(self, x, *, router: str, experts: tuple[str, str, str], shared: tuple[str, str, str] | None,
+            shared_gate: str | None) -> np.ndarray:
+        L = self.L
+        idx, wts = op.moe_route(L.mm(router, x), self.a.n_expert_used)
         out = np.zeros_like(x)
         for e in np.unique(idx):
             rows, slot = np.nonzero(idx == e)
-            y = L.swiglu(x[rows], "_exps", expert=int(e))
+            y = self._swiglu(experts, x[rows], expert=int(e))
             out[rows] += wts[rows, slot][:, None] * y
-        if a.n_ff_shexp:
-            s = L.swiglu(x, "_shexp")
-            gate = op.sigmoid(x @ L.ffn_gate_inp_shexp.reshape(-1))
+        if shared is not None:
+            s = self._swiglu(shared, x)
+            gate = op.sigmoid(x @ getattr(L, shared_gate).reshape(-1))
             out += gate[:, None] * s
         return out

@@ -14,7 +14,7 @@ import pytest
 
 from hybridinfer import reference_ops as ref
 from hybridinfer.cpu import ops, ops_gdn, sampling_nb
-from hybridinfer.reference import ReferenceModel
+from hybridinfer.reference import RefOps
 from hybridinfer.sampling import Sampler, SamplingParams
 
 TS = (1, 3, 70)
@@ -206,7 +206,6 @@ def test_gdn_layer(head_map):
     C, w = _gdn_case(rs, Hk, Hv, dk, dv, K)
     args = SimpleNamespace(ssm_n_k_heads=Hk, ssm_n_v_heads=Hv, ssm_d_k=dk, ssm_d_v=dv, rms_eps=eps,
                            gdn_head_map=head_map)
-    fake_ref = SimpleNamespace(args=args)
     st = SimpleNamespace(conv=[np.zeros((K - 1, C), np.float32)], ssm=[np.zeros((Hv, dk, dv), np.float32)])
     conv, S = st.conv[0].copy(), st.ssm[0].copy()
     conv_ch, S_ch = conv.copy(), S.copy()
@@ -215,7 +214,9 @@ def test_gdn_layer(head_map):
     for T in (3, 70, 1, 1):  # crosses the conv window start, a long chunk, then decode steps
         proj = _gdn_inputs(rs, T, C, Hv, dv)
         L = _FakeLayer(proj, **w)
-        want = ReferenceModel.gdn(fake_ref, L, 0, np.zeros((T, 1), np.float32), st)
+        want = RefOps.gdn(SimpleNamespace(a=args, L=L, i=0, st=st), proj["attn_qkv"], proj["attn_gate"],
+                          proj["ssm_beta"], proj["ssm_alpha"], conv="ssm_conv1d", a="ssm_a", dt_bias="ssm_dt_bias",
+                          norm="ssm_norm")
         y = np.full((T, Hv * dv), np.nan, np.float32)
         y_ch = np.full_like(y, np.nan)
         call = (proj["attn_qkv"], proj["attn_gate"], proj["ssm_beta"], proj["ssm_alpha"], w["ssm_conv1d"],

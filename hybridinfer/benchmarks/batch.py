@@ -66,9 +66,9 @@ def routed_experts(backend):
     seen: list[tuple[int, np.ndarray]] = []
     orig = cpu._moe
 
-    def moe(L, i, x, ws):
-        out = orig(L, i, x, ws)
-        seen.append((i, ws.route_idx[: x.shape[0]].copy()))
+    def moe(ops, x, *args):
+        out = orig(ops, x, *args)
+        seen.append((ops.i, ops.ws.route_idx[: x.shape[0]].copy()))
         return out
 
     cpu._moe = moe

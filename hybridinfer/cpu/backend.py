@@ -21,12 +21,14 @@ import numpy as np
 from ..backends import Backend
 from ..errors import BackendNotAvailableError, UnsupportedTensorTypeError
 from ..gguf_model import GGUFModel
+from ..models import graph
 from ..quant import dequantize_rows, type_name
 from ..state import DecoderState, check_tokens
 from . import ops_gdn
+from .graph_ops import CPUOps
 from .ops import NO_FREQS
 from .plan import BatchPlan, DecodePlan
-from .simd import GGML_DECODE_ROWS, GGML_MUL_MAT, GGML_MUL_MAT_ID, KERNEL_TYPES, SimdLib
+from .simd import GGML_DECODE_ROWS, GGML_MUL_MAT, KERNEL_TYPES, SimdLib
 from .weights import choose_weights_mode, copy_mats, mem_available
 
 MAX_EXPERTS_USED = 64  # the native MoE calls' limit (hi_simd.c: HI_MAX_K)
@@ -99,6 +101,7 @@ class Workspace:
         mats = model.mats
         widest = max(m.rows for m in mats if m is not model.out)
         self.out_a, self.out_b, self.out_c = f(T, widest), f(T, widest), f(T, widest)
+        self.outs = [self.out_a, self.out_b, self.out_c]  # the outputs of one input's products (CPUOps.linears)
         self.xq: dict[str, np.ndarray] = {}
         for m in mats:
             kind, nb = simd.act_kind(m.qtype), simd.act_row_bytes(m.qtype, max(m.cols, D))
@@ -111,7 +114,7 @@ class Workspace:
             self.attn = f(T, a.n_head * hd)
             self.attn_scratch = f(simd.attention_scratch_size(n_ctx, hd))
         if "gdn" in a.layer_types:
-            self.gdn_b, self.gdn_a = f(T, a.ssm_n_v_heads), f(T, a.ssm_n_v_heads)
+            self.outs.append(f(T, a.ssm_n_v_heads))  # the 4th of GDN's products (alpha)
             self.gdn_y = f(T, a.ssm_n_v_heads * a.ssm_d_v)
             per = a.ssm_n_v_heads * a.ssm_d_v + a.ssm_conv_channels  # gdn_rows: one token of each sequence
             self.gdn_scratch = f(max(ops_gdn.gdn_scratch_size(a.ssm_conv_channels, a.ssm_n_v_heads, a.ssm_d_v,
@@ -120,7 +123,7 @@ class Workspace:
             k = a.n_expert_used
             self.router = f(T, a.n_expert)
             self.route_idx, self.route_w = np.zeros((T, k), np.int32), f(T, k)
-            # decode with a shared expert as wide as the routed ones: its rows follow theirs (model.fused_shexp)
+            # decode with a shared expert as wide as the routed ones: its rows follow theirs (CPUOps.moe_impl)
             self.eg, self.eu, self.ed = f(T * k + 1, a.n_ff_exp), f(T * k + 1, a.n_ff_exp), f(T * k, D)
             if T > 1:  # moe_rows: its gathered inputs, outputs in expert order and grouping
                 need = max(simd.moe_rows_scratch(T * k, a.n_expert, L.ffn_gate_exps.qtype, D) for L in model.layers
@@ -143,9 +146,11 @@ class CPUModel(Backend):
             raise BackendNotAvailableError(
                 f"{gm.path!r} routes each token to expert_used_count={a.n_expert_used} experts; the CPU backend's "
                 f"kernels take at most {MAX_EXPERTS_USED} (use backend='reference')")
-        self.tok_embd = gm.tensor("token_embd.weight")
-        self.out = _mat(gm, "token_embd.weight" if a.tied_output else "output.weight")
-        self.out_norm = np.ascontiguousarray(gm.dequant("output_norm.weight"), dtype=np.float32)
+        self.blocks = graph.branches(a)  # the architecture's forward, walked by _forward
+        out_norm, head = graph.head(a)
+        self.tok_embd = gm.tensor(graph.arch_of(a).EMBED)
+        self.out = _mat(gm, head)
+        self.out_norm = np.ascontiguousarray(gm.dequant(out_norm), dtype=np.float32)
         self.layers = [Layer(gm, a, i) for i in range(a.n_layer)]
         self.freq_factors = (np.ascontiguousarray(gm.dequant("rope_freqs.weight"), dtype=np.float32)
                              if getattr(a, "has_rope_freqs", False) else NO_FREQS)
@@ -162,11 +167,6 @@ class CPUModel(Backend):
             from .replicas import replicate as make_replicas
 
             self.replicas = make_replicas(simd, [m.raw for m in self.mats], numa.replicas, numa.replica_cpus)
-        # decode runs the shared expert in the routed experts' two calls where its products take their
-        # activation formats and its width is theirs (each layer checked)
-        self.fused_shexp = [getattr(a, "n_ff_shexp", 0) and a.n_ff_shexp == a.n_ff_exp and len(
-            {simd.act_kind(m.qtype) for m in (L.ffn_gate_exps, L.ffn_up_exps, L.ffn_gate_shexp, L.ffn_up_shexp)}) == 1
-            and simd.act_kind(L.ffn_down_shexp.qtype) == simd.act_kind(L.ffn_down_exps.qtype) for L in self.layers]
         self._ws: dict[tuple[int, int], Workspace] = {}
         self._rows = False  # in decode_batch: every product in its one-token float shape, row by row
 
@@ -352,130 +352,44 @@ class CPUModel(Backend):
         f()
 
     def _forward(self, ids: np.ndarray, state, ws: Workspace, all_logits: bool = True) -> np.ndarray:
-        """T tokens of one sequence (`state` a DecoderState), or one token of each of T sequences (a list)."""
+        """T tokens of one sequence (`state` a DecoderState), or one token of each of T sequences (a list): the
+        architecture's description (models/graph.py) walked branch by branch, its ops CPUOps'."""
         T = len(ids)
         a = self.args
         h, x = ws.h[:T], ws.x[:T]
         t = self.tok_embd
         self._op(ws, dequantize_rows, t.raw(), t.qtype, t.ne[0], ids, h)
-        n = len(self.layers)
-        self.call(ws, ("norm", -1), "rms_norm", h, None, self.layers[0].attn_norm, a.rms_eps, x)
-        for i, L in enumerate(self.layers):  # each residual add fused with the norm that follows it
-            mix = self._gdn(L, i, x, state, ws) if L.kind == "gdn" else self._attention(L, i, x, state, ws)
-            post = L.ffn_norm if a.arch == "llama" else L.post_attention_norm
-            self.call(ws, ("norm", i, 0), "rms_norm", h, mix, post, a.rms_eps, x)
-            if i + 1 == n and not all_logits and T > 1 and not isinstance(state, list):
-                # as llama.cpp's graph (inp_out_ids): past the last layer's mixer only the output row goes on, so
-                # its FFN products take their one-token float shapes
+        flat = [(i, j, br) for i, block in enumerate(self.blocks) for j, br in enumerate(block)]
+        ops = CPUOps(self, ws, state)
+        self.call(ws, ("norm", -1), "rms_norm", h, None, self._norm_of(flat[0]), a.rms_eps, x)
+        for n, (i, j, br) in enumerate(flat):  # each residual add fused with the norm that follows it
+            last = n + 1 == len(flat)
+            if last and not all_logits and T > 1 and not isinstance(state, list):
+                # as llama.cpp's graph (inp_out_ids): past the last mixer only the output row goes on, so the
+                # last branch's products take their one-token float shapes
                 h, x = h[T - 1 :], x[T - 1 :]
-            ffn = self._moe(L, i, x, ws) if a.is_moe else self._ffn(L, x, ws)
-            if i + 1 < n:
-                self.call(ws, ("norm", i, 1), "rms_norm", h, ffn, self.layers[i + 1].attn_norm, a.rms_eps, x)
+            # branch outputs alternate between two buffers: the one not being written is free inside the branch
+            out, spare = (ws.mix, ws.ffn) if j % 2 == 0 else (ws.ffn, ws.mix)
+            y = br.fn(ops.at(i, j, out, spare), a, x)
+            if last:
+                self.call(ws, ("norm", i, j), "rms_norm", h, y, None, a.rms_eps, None)
             else:
-                self.call(ws, ("norm", i, 1), "rms_norm", h, ffn, None, a.rms_eps, None)
+                self.call(ws, ("norm", i, j), "rms_norm", h, y, self._norm_of(flat[n + 1]), a.rms_eps, x)
         hs = h if all_logits else h[-1:]
         xs = ws.x[: hs.shape[0]]
-        self.call(ws, ("norm", n), "rms_norm", hs, None, self.out_norm, a.rms_eps, xs)
+        self.call(ws, ("norm", len(self.layers)), "rms_norm", hs, None, self.out_norm, a.rms_eps, xs)
         return self.mm(self.out, xs, ws.logits, ws)
 
-    def _swiglu_ffn(self, gate: Mat, up: Mat, down: Mat, x: np.ndarray, out: np.ndarray, ws: Workspace):
-        g, u = self.mm_many([gate, up], x, [ws.out_a, ws.out_b], ws)
-        self.call(ws, ("swiglu", id(gate)), "swiglu", g, u, g)
-        return self.mm(down, g, out, ws)
+    def graph_ops(self, i: int, state: DecoderState, T: int) -> CPUOps:
+        """The op vocabulary over block i for T rows of arbitrary arrays (tests call single ops through it): a
+        prompt workspace, whose calls are not bound to its buffers."""
+        ws = self.workspace(max(T, 2), state.n_ctx)
+        return CPUOps(self, ws, state).at(i, 0, ws.mix, ws.ffn)
 
-    def _ffn(self, L: Layer, x: np.ndarray, ws: Workspace) -> np.ndarray:
-        return self._swiglu_ffn(L.ffn_gate, L.ffn_up, L.ffn_down, x, ws.ffn, ws)
+    def _norm_of(self, where: tuple) -> np.ndarray:
+        i, _, br = where
+        return getattr(self.layers[i], br.norm.replace(".", "_"))
 
-    def _attention(self, L: Layer, i: int, x: np.ndarray, st: DecoderState, ws: Workspace) -> np.ndarray:
-        a = self.args
-        T, hd = x.shape[0], a.head_dim
-        q = ws.q[:T]
-        qg, k, v = self.mm_many([L.attn_q, L.attn_k, L.attn_v], x, [ws.out_a, ws.out_b, ws.out_c], ws)
-        gate = ws.gate[:T] if a.attn_gate else None
-        self.call(ws, ("qgate", i), "split_qgate", qg, q, gate)
-        k, v = k.reshape(T, a.n_head_kv, hd), v.reshape(T, a.n_head_kv, hd)
-        if a.qk_norm:
-            self.call(ws, ("qnorm", i), "rms_norm", q, None, L.attn_q_norm, a.rms_eps, q)
-            self.call(ws, ("knorm", i), "rms_norm", k, None, L.attn_k_norm, a.rms_eps, k)
-        o = ws.attn[:T]
-        # the new k, v rows into the cache, q and those K rows roped there, attention: one call at the position
-        if isinstance(st, list):  # one token of each sequence: every (sequence, head) in one call
-            self.call(ws, ("attn", i), "attn_rows", q, k, v, [s.k[i] for s in st], [s.v[i] for s in st],
-                      [s.pos for s in st], 0, o, ws.attn_scratch, a.n_rot, a.rope_theta, a.rope_neox,
-                      self.freq_factors, fresh=True)
-        else:
-            args = (q, k, v, st.k[i], st.v[i], st.pos, o, ws.attn_scratch, a.n_rot, a.rope_theta, a.rope_neox,
-                    self.freq_factors)
-            self.call(ws, ("attn", i), "attn_step", *args, st=st, arrays=(st.k[i], st.v[i]))
-        if a.attn_gate:
-            self.call(ws, ("gate", i), "sigmoid_gate", o, gate)
-        return self.mm(L.attn_output, o, ws.mix, ws)
-
-    def _gdn(self, L: Layer, i: int, x: np.ndarray, st: DecoderState, ws: Workspace) -> np.ndarray:
-        a = self.args
-        T = x.shape[0]
-        u, z, b, al = self.mm_many([L.attn_qkv, L.attn_gate, L.ssm_beta, L.ssm_alpha], x,
-                                   [ws.out_a, ws.out_b, ws.gdn_b, ws.gdn_a], ws)
-        y = ws.gdn_y[:T]
-        # in C on the library's thread pool (heads in parallel), bit-identical to ops_gdn.gdn_layer; numba's own
-        # parallel version fought the C pool for the cores
-        if isinstance(st, list):  # one token of each sequence: every (sequence, head) in one call
-            args = (u, z, b, al, L.ssm_conv1d, L.ssm_a, L.ssm_dt_bias, L.ssm_norm, [s.conv[i] for s in st],
-                    [s.ssm[i] for s in st], a.ssm_n_k_heads, a.gdn_head_map == "mod", a.rms_eps, y, ws.gdn_scratch)
-            self.call(ws, ("gdn", i), "gdn_rows", *args, arrays=tuple(x for s in st for x in (s.conv[i], s.ssm[i])))
-        else:
-            args = (u, z, b, al, L.ssm_conv1d, L.ssm_a, L.ssm_dt_bias, L.ssm_norm, st.conv[i], st.ssm[i],
-                    a.ssm_n_k_heads, a.gdn_head_map == "mod", a.rms_eps, y, ws.gdn_scratch)
-            self.call(ws, ("gdn", i), "gdn_layer", *args, arrays=(st.conv[i], st.ssm[i]))
-        return self.mm(L.ssm_out, y, ws.mix, ws)
-
-    def _moe_rows(self, L: Layer, i: int, x: np.ndarray, idx: np.ndarray, ys: np.ndarray, ws: Workspace,
-                  op: int) -> None:
-        """ys[t * k + j] = expert idx[t, j]'s output for token t, in one native call (moe_rows): the T x k pairs
-        grouped by expert, so each selected expert is read once for all the tokens routed to it. op:
-        GGML_DECODE_ROWS (several sequences' decode tokens: each pair in its one-token float shape) or
-        GGML_MUL_MAT_ID (a prompt's tokens: each expert's product in llama.cpp's shape for its token count)."""
-        G, U, Dn = L.ffn_gate_exps, L.ffn_up_exps, L.ffn_down_exps
-        n = idx.size
-        xq = self.quantize(G, x, ws)
-        hq = ws.xq[self.simd.act_kind(Dn.qtype)][:n, : self.simd.act_row_bytes(Dn.qtype, Dn.cols)]
-        self.call(ws, ("moe_rows", i), "moe_rows", (G.raw, G.qtype), (U.raw, U.qtype), (Dn.raw, Dn.qtype), G.rows,
-                  G.cols, xq, idx, ws.eg[:n], ws.eu[:n], hq, ys, ws.moe_scratch, op)
-
-    def _moe(self, L: Layer, i: int, x: np.ndarray, ws: Workspace) -> np.ndarray:
-        a = self.args
-        T, k = x.shape[0], a.n_expert_used
-        router = self.mm(L.ffn_gate_inp, x, ws.router, ws)
-        idx, w = ws.route_idx[:T], ws.route_w[:T]
-        self.call(ws, ("route", i), "moe_route", router, k, idx, w)
-        ys = ws.ed[: T * k]
-        G, U, Dn = L.ffn_gate_exps, L.ffn_up_exps, L.ffn_down_exps
-        shared = None  # the shared expert's output when the routed experts' calls produced it
-        if T == 1:  # decode: all k experts (and a shared expert of their kind, as row k) in two calls
-            fused = self.fused_shexp[i]
-            n = k + 1 if fused else k
-            xq = self.quantize(G, x, ws)
-            eg, eu = ws.eg[:n], ws.eu[:n]
-            sh_gu = sh_d = None
-            if fused:
-                Sg, Su, Sd = L.ffn_gate_shexp, L.ffn_up_shexp, L.ffn_down_shexp
-                sh_gu = (Sg.raw, Sg.qtype, Su.raw, Su.qtype, Sg.rows, eg[k], eu[k])
-            self.call(ws, ("gate_up", id(G)), "moe_gate_up", G.raw, G.qtype, U.raw, U.qtype, G.rows, G.cols, xq[0],
-                      idx[0], eg[:k], eu[:k], GGML_MUL_MAT_ID, sh_gu)
-            self.call(ws, ("swiglu", id(G)), "swiglu", eg, eu, eg)
-            hq = self.quantize(Dn, eg, ws)
-            if fused:
-                shared = ws.mix[:1]
-                sh_d = (Sd.raw, Sd.qtype, Sd.cols, hq[k], shared[0])
-            self.call(ws, ("down", id(Dn)), "moe_down", Dn.raw, Dn.qtype, Dn.rows, Dn.cols, hq[:k], idx[0], ys,
-                      GGML_MUL_MAT_ID, sh_d)
-        else:  # several sequences' decode tokens, or a prompt's tokens: the routed pairs grouped by expert
-            self._moe_rows(L, i, x, idx, ys, ws, GGML_DECODE_ROWS if self._rows else GGML_MUL_MAT_ID)
-        out = ws.ffn[:T]
-        if not a.n_ff_shexp:
-            self.call(ws, ("combine", i), "moe_combine", ys, w, out)
-            return out
-        if shared is None:
-            shared = self._swiglu_ffn(L.ffn_gate_shexp, L.ffn_up_shexp, L.ffn_down_shexp, x, ws.mix, ws)
-        self.call(ws, ("combine", i), "moe_combine", ys, w, out, shared, x, L.ffn_gate_inp_shexp)
-        return out
+    def _moe(self, ops: CPUOps, x: np.ndarray, router: Mat, experts: tuple, shared: tuple | None, shared_gate):
+        """The moe op (CPUOps.moe_impl), here so that benchmarks can wrap it per model."""
+        return ops.moe_impl(x, router, experts, shared, shared_gate)

@@ -16,18 +16,18 @@ import weakref
 
 import numpy as np
 
+from ..models import graph
 from ..quant import dequantize_rows
 from ..state import DecoderState, check_tokens
-from . import k_attention as ka
 from . import k_elementwise as ke
-from . import k_gdn as kg
 from . import k_gemm as kgm
 from . import k_moe as km
 from . import loader
+from .graph_ops import GPUOps
 from .handoff import StateHandoff
 from .placement import is_vector, plan_placement, weights_of
 from .streamer import Streamer
-from .work import Work, attention_flops, gdn_flops, gemm_flops
+from .work import Work, gemm_flops
 
 MAX_SNAPS = 16
 # tokens per kernel call inside a layer: MoE groups of ~30 rows per expert at 8 of 256 experts (a 947-token
@@ -84,6 +84,14 @@ class Buffers:
                 self.sg, self.su, self.sgate = f(C, a.n_ff_shexp), f(C, a.n_ff_shexp), f(C, 1)
         else:
             self.fg, self.fu = f(C, a.n_ff), f(C, a.n_ff)
+
+    # the output buffer of each product the descriptions' `linears` make (GPUOps.linears), by tensor name
+    OUTS = {"attn_q": "qg", "attn_k": "k", "attn_v": "v", "attn_qkv": "u", "attn_gate": "z", "ssm_beta": "gb",
+            "ssm_alpha": "ga", "ffn_gate": "fg", "ffn_up": "fu"}
+
+    def out(self, name: str, n: int):
+        """(n, width) rows of the output buffer of product `name`."""
+        return getattr(self, self.OUTS[name])[:n].reshape(n, -1)
 
     @staticmethod
     def nbytes(a, C: int, n_ctx: int) -> int:
@@ -159,8 +167,9 @@ class GPUModel:
         self.work = Work()
         self.buf = Buffers(a, self.chunk, n_ctx)
         self.handoff = StateHandoff(self.buf, self.chunk)
-        self.head = "token_embd.weight" if a.tied_output else "output.weight"
-        self.tok_embd = gm.tensor("token_embd.weight")
+        self.blocks = graph.branches(a)  # the architecture's forward, walked layer-major by _forward
+        self.out_norm, self.head = graph.head(a)
+        self.tok_embd = gm.tensor(graph.arch_of(a).EMBED)
         self._owner = None  # the state whose copy the card holds: (weakref, pos, hash of its tokens)
         self.last_timing: dict = {}
         self.drv = drv
@@ -234,6 +243,7 @@ class GPUModel:
         ev0.record(self.stream)
         st.prefetch(0)
         self.handoff.begin(state, p0, T)
+        ops = GPUOps(self)
         for i in range(a.n_layer):
             st.prefetch(i + 1)  # the next layer's upload overlaps this layer's compute
             W = st.weights(i, self.layer_names[i])
@@ -241,19 +251,12 @@ class GPUModel:
             for c0 in range(0, T, self.chunk):
                 c1 = min(T, c0 + self.chunk)
                 self._chunk_no = c0 // self.chunk
-                x = b.x[: c1 - c0]
-                ke.rms_norm(h[c0:c1], L.v("attn_norm"), a.rms_eps, out=x, stream=self.stream)
-                kind = a.layer_types[i]
-                self._mark(kind)
-                if kind == "gdn":
-                    mix = self._gdn(L, i, x, c0, snaps, snap_host)
-                else:
-                    mix = self._attention(L, i, x, p0 + c0, b.pos[c0:c1])
-                ke.add(h[c0:c1], mix, stream=self.stream)
-                post = "ffn_norm" if a.arch == "llama" else "post_attention_norm"
-                ke.rms_norm(h[c0:c1], L.v(post), a.rms_eps, out=x, stream=self.stream)
-                self._mark("moe" if a.is_moe else "ffn")
-                ke.add(h[c0:c1], self._moe(L, x) if a.is_moe else self._ffn(L, x), stream=self.stream)
+                x, n = b.x[: c1 - c0], c1 - c0
+                ops.at(L, b.pos[c0:c1], [(0, n, p0 + c0, 0)], [(0, n, c0, snaps, None, None)], snap_host)
+                for j, br in enumerate(self.blocks[i]):
+                    ke.rms_norm(h[c0:c1], L.v(br.norm), a.rms_eps, out=x, stream=self.stream)
+                    self._mark(self._phase(i, br))
+                    ke.add(h[c0:c1], br.fn(ops.branch(j), a, x), stream=self.stream)
                 self._mark(None)
             self.handoff.layer_done(i, a.layer_types[i], self.stream)
             st.release(i)
@@ -334,113 +337,26 @@ class GPUModel:
         for r0 in rows:
             r1 = min(T, r0 + self.chunk) if all_logits else T
             x = b.x[: r1 - r0]
-            ke.rms_norm(h[r0:r1], self.vec["output_norm.weight"], a.rms_eps, out=x, stream=self.stream)
+            ke.rms_norm(h[r0:r1], self.vec[self.out_norm], a.rms_eps, out=x, stream=self.stream)
             lg = self._gemm(a.n_layer, x, W, stream=self.stream)
             out.append(lg.get(stream=self.stream))
         self.streamer.release(a.n_layer)
         return np.concatenate(out, axis=0)
 
-    # mixers --------------------------------------------------------------------------------------------
-    def _attention(self, L, i: int, x, pos0: int, pos, segs=None):
-        """segs: (row0, row1, pos0, base) per sequence among x's rows (a pass over several prompts: the projections
-        over all rows, the cache and attention per sequence, its K/V from cache row `base`); None: one sequence."""
-        a, b, s = self.args, self.buf, self.stream
-        n, hd = x.shape[0], a.head_dim
-        qg = self._gemm(L.i, x, L.w("attn_q"), out=b.qg[:n], stream=s)
-        k = self._gemm(L.i, x, L.w("attn_k"), out=b.k[:n].reshape(n, a.n_head_kv * hd), stream=s)
-        v = self._gemm(L.i, x, L.w("attn_v"), out=b.v[:n].reshape(n, a.n_head_kv * hd), stream=s)
-        q = b.q[:n]
-        pitch = 2 * hd if a.attn_gate else hd
-        q2, qg2 = q.reshape(n * a.n_head, hd), qg.reshape(n * a.n_head, pitch)
-        if a.qk_norm:  # also drops the gate halves of Qwen3.5's [query(hd), gate(hd)] heads
-            ke.rms_norm(qg2, L.v("attn_q_norm"), a.rms_eps, out=q2, stream=s)
-            kk = k.reshape(n * a.n_head_kv, hd)
-            ke.rms_norm(kk, L.v("attn_k_norm"), a.rms_eps, out=kk, stream=s)
-        else:  # llama: no gate, no norm; the projection is the query
-            q = qg.reshape(n, a.n_head, hd)
-        ke.rope_neox(q, pos, a.n_rot, a.rope_theta, stream=s, neox=a.rope_neox)
-        k3 = k.reshape(n, a.n_head_kv, hd)
-        ke.rope_neox(k3, pos, a.n_rot, a.rope_theta, stream=s, neox=a.rope_neox)
-        v3, o = v.reshape(n, a.n_head_kv, hd), b.o[:n]
-        for r0, r1, p0, base in segs or [(0, n, pos0, 0)]:
-            kc, vc = (b.kc[i], b.vc[i]) if base == 0 else (b.kc[i][base:], b.vc[i][base:])
-            ka.kv_append(k3[r0:r1], v3[r0:r1], kc, vc, p0, stream=s)
-            ka.attention_prefill(q[r0:r1], kc, vc, o[r0:r1], p0, stream=s)
-            self.work.add("attention", i, attention_flops(a.n_head, hd, p0, r1 - r0))
-        if a.attn_gate:
-            ke.sigmoid_mul(o.reshape(n * a.n_head, hd), qg2, g_off=hd, stream=s)
-        return self._gemm(L.i, o.reshape(n, a.n_head * hd), L.w("attn_output"), out=b.mix[:n], stream=s)
+    def _phase(self, i: int, br) -> str:
+        """A branch's profile phase: the mixer's layer type (gdn / attention), or moe / ffn."""
+        if br.kind == "mixer":
+            return self.args.layer_types[i]
+        return "moe" if self.args.is_moe else "ffn"
 
-    def _gdn(self, L, i: int, x, c0: int, snaps: list[int], snap_host: list, segs=None):
-        """segs: (row0, row1, c0, snaps, before, after) per sequence among x's rows (a pass over several prompts:
-        the projections over all rows, conv and recurrence per sequence, before() / after() loading and saving its
-        state on the card; c0 its first row's offset in its prompt, snaps its snapshot positions by slot);
-        None: one sequence, x's rows from c0 of it."""
-        a, b, s = self.args, self.buf, self.stream
-        n = x.shape[0]
-        side = self._fork()
-        gb = self._gemm(L.i, x, L.w("ssm_beta"), out=b.gb[:n], stream=side)
-        ga = self._gemm(L.i, x, L.w("ssm_alpha"), out=b.ga[:n], stream=side)
-        u = self._gemm(L.i, x, L.w("attn_qkv"), out=b.u[:n], stream=s)
-        z = self._gemm(L.i, x, L.w("attn_gate"), out=b.z[:n], stream=s)
-        self._join()
-        y = b.y[:n]
-        for r0, r1, q0, sn, before, after in segs or [(0, n, c0, snaps, None, None)]:
-            if before is not None:
-                before()
-            m = r1 - r0
-            self.work.add("gdn", i, gdn_flops(a, m))
-            mine = [j for j, p in enumerate(sn) if q0 < p <= q0 + m]  # positions relative to q0 are in snap_pos
-            sp = sc = sS = None
-            if mine:
-                j0, j1 = mine[0], mine[-1] + 1
-                sp, sc, sS = b.snap_pos[j0:j1], b.snap_conv[j0:j1], b.snap_S[j0:j1]
-            kg.gdn_prefill(u[r0:r1], z[r0:r1], ga[r0:r1], gb[r0:r1], L.v("ssm_conv1d"), L.v("ssm_a"),
-                           L.v("ssm_dt.bias"), L.v("ssm_norm"), b.conv[i], b.S[i], y[r0:r1], a.ssm_n_k_heads,
-                           a.ssm_d_k, a.rms_eps, a.gdn_head_map, sp, sc, sS, c=b.c[r0:r1], stream=s)
-            for r, j in enumerate(mine):  # synchronous, but only when the prefix cache asks for snapshots
-                sc[r].get(ary=snap_host[j].conv[i], stream=s)
-                sS[r].get(ary=snap_host[j].ssm[i], stream=s)
-            if after is not None:
-                after()
-        return self._gemm(L.i, y.reshape(n, -1), L.w("ssm_out"), out=b.mix[:n], stream=s)
-
-    def _ffn(self, L, x):
-        b, s, n = self.buf, self.stream, x.shape[0]
-        g = self._gemm(L.i, x, L.w("ffn_gate"), out=b.fg[:n], stream=s)
-        u = self._gemm(L.i, x, L.w("ffn_up"), out=b.fu[:n], stream=s)
-        ke.swiglu(g, u, out=g, stream=s)
-        return self._gemm(L.i, g, L.w("ffn_down"), out=b.ffn[:n], stream=s)
-
-    def _moe(self, L, x):
-        a, b, s, n = self.args, self.buf, self.stream, x.shape[0]
-        k, E = a.n_expert_used, a.n_expert
-        if a.n_ff_shexp:  # the gated shared expert, beside the routed experts
-            side = self._fork()
-            sg = self._gemm(L.i, x, L.w("ffn_gate_shexp"), out=b.sg[:n], stream=side)
-            su = self._gemm(L.i, x, L.w("ffn_up_shexp"), out=b.su[:n], stream=side)
-            ke.swiglu(sg, su, out=sg, stream=side)
-            sh = self._gemm(L.i, sg, L.w("ffn_down_shexp"), out=b.mix[:n], stream=side)
-            gl = ke.dot_rows(x, L.v("ffn_gate_inp_shexp"), out=b.sgate[:n], stream=side)
-        router = self._gemm(L.i, x, L.w("ffn_gate_inp"), out=b.router[:n], stream=s)
-        ids, wts = b.ids[:n], b.wts[:n]
-        km.route(router, k, ids, wts, stream=s)
-        P = n * k
-        km.group(ids, wts, E, b.counts, b.offs, b.perm_tok[:P], b.perm_w[:P], b.row_of_pair[:n],
-                 scratch=b.scratch[: km.group_scratch_shape(P, E)[0]], stream=s)
-        # per-expert token counts for expert pinning: copied to pinned memory now, summed after the pass
-        self.drv.memcpy_dtoh_async(self.counts_host[L.i, self._chunk_no], b.counts.gpudata, s)
-        eg = kgm.gemm_grouped(x, L.w("ffn_gate_exps"), b.offs, idx=b.perm_tok[:P], out=b.eg[:P], stream=s)
-        eu = kgm.gemm_grouped(x, L.w("ffn_up_exps"), b.offs, idx=b.perm_tok[:P], out=b.eu[:P], stream=s)
-        ke.swiglu(eg, eu, out=eg, stream=s)
-        ed = kgm.gemm_grouped(eg, L.w("ffn_down_exps"), b.offs, out=b.ed[:P], stream=s)
-        out = b.ffn[:n]
-        if a.n_ff_shexp:
-            self._join()
-            km.combine(ed, b.row_of_pair[:n], wts, out, shared_out=sh, shared_gate_logit=gl.reshape(n), stream=s)
-        else:
-            km.combine(ed, b.row_of_pair[:n], wts, out, stream=s)
-        return out
+    def graph_ops(self, i: int, state: DecoderState, T: int) -> GPUOps:
+        """The op vocabulary over layer i for T rows continuing `state` on the card (tests call single ops
+        through it; the card's state is zeroed at position 0, as a pass does)."""
+        if state.pos == 0:
+            self.handoff.upload(state, self.stream)
+        self.buf.pos[:T].set(np.arange(state.pos, state.pos + T, dtype=np.int32))
+        L = _Names(i, self.streamer.weights(i, self.layer_names[i]), self.vec)
+        return GPUOps(self).at(L, self.buf.pos[:T], [(0, T, state.pos, 0)], [(0, T, 0, [], None, None)]).branch(0)
 
 
 def _tokens_hash(st: DecoderState) -> int:

@@ -71,6 +71,7 @@ def forward_many(m, prompts) -> list[np.ndarray]:
 
 def _pass(m, items: list[Item]) -> list[np.ndarray]:
     from .backend import MAX_SNAPS, _Names
+    from .graph_ops import GPUOps
 
     a, b, s, C = m.args, m.buf, m.stream, m.chunk
     drv = m.drv
@@ -110,35 +111,29 @@ def _pass(m, items: list[Item]) -> list[np.ndarray]:
     n_chunks = m.counts_host.shape[1] if a.is_moe else 0
     used_chunks = 0
     pinned = _pinned_states(m, len(items))
-    post = "ffn_norm" if a.arch == "llama" else "post_attention_norm"
+    ops = GPUOps(m)
     for i in range(a.n_layer):
         stream_w.prefetch(i + 1)
         L = _Names(i, stream_w.weights(i, m.layer_names[i]), m.vec)
-        kind = a.layer_types[i]
-        for r0 in range(0, off, C):  # chunks of all prompts' rows: projections together, the rest per prompt
-            r1 = min(off, r0 + C)
-            h, x = b.h[r0:r1], b.x[: r1 - r0]
-            ke.rms_norm(h, L.v("attn_norm"), a.rms_eps, out=x, stream=s)
-            pieces = _pieces(items, r0, r1)
-            if kind == "gdn":
-                segs = [(q - r0, e - r0, q - it.off, [-1] * it.snap0 + it.snaps,
-                         (lambda st=it.state, i=i: _load_gdn(drv, b, i, st, s)) if q == it.off else None,
-                         (lambda j=j, i=i: _save_gdn(drv, b, i, pinned[j][i], s))
-                         if e == it.off + len(it.ids) else None)
-                        for j, it, q, e in pieces]
-                mix = m._gdn(L, i, x, 0, [], snap_host, segs=segs)
-            else:
-                segs = [(q - r0, e - r0, it.state.pos + q - it.off, it.base) for _, it, q, e in pieces]
-                mix = m._attention(L, i, x, 0, b.pos[r0:r1], segs=segs)
-            ke.add(h, mix, stream=s)
         k_chunk = 0
-        for r0 in range(0, off, C):  # the FFN is row by row: all prompts' rows together, in full chunks
-            r1 = min(off, r0 + C)
-            m._chunk_no = min(k_chunk, n_chunks - 1) if n_chunks else 0  # expert counts: shared past the end
-            k_chunk += 1
-            h, x = b.h[r0:r1], b.x[: r1 - r0]
-            ke.rms_norm(h, L.v(post), a.rms_eps, out=x, stream=s)
-            ke.add(h, m._moe(L, x) if a.is_moe else m._ffn(L, x), stream=s)
+        for j, br in enumerate(m.blocks[i]):
+            for r0 in range(0, off, C):
+                r1 = min(off, r0 + C)
+                h, x = b.h[r0:r1], b.x[: r1 - r0]
+                if br.kind == "mixer":  # projections over all prompts' rows together, the rest per prompt
+                    pieces = _pieces(items, r0, r1)
+                    gdn_segs = [(q - r0, e - r0, q - it.off, [-1] * it.snap0 + it.snaps,
+                                 (lambda st=it.state, i=i: _load_gdn(drv, b, i, st, s)) if q == it.off else None,
+                                 (lambda jj=jj, i=i: _save_gdn(drv, b, i, pinned[jj][i], s))
+                                 if e == it.off + len(it.ids) else None)
+                                for jj, it, q, e in pieces]
+                    attn_segs = [(q - r0, e - r0, it.state.pos + q - it.off, it.base) for _, it, q, e in pieces]
+                    ops.at(L, b.pos[r0:r1], attn_segs, gdn_segs, snap_host)
+                else:  # row by row: all prompts' rows together, in full chunks
+                    m._chunk_no = min(k_chunk, n_chunks - 1) if n_chunks else 0  # expert counts: shared past the end
+                    k_chunk += 1
+                ke.rms_norm(h, L.v(br.norm), a.rms_eps, out=x, stream=s)
+                ke.add(h, br.fn(ops.branch(j), a, x), stream=s)
         used_chunks = max(used_chunks, k_chunk)
         stream_w.release(i)
     logits = _heads(m, items)
@@ -220,7 +215,7 @@ def _heads(m, items: list[Item]) -> list[np.ndarray]:
         x = b.x[: len(group)]
         for r, it in enumerate(group):
             last = it.off + len(it.ids) - 1
-            ke.rms_norm(b.h[last : last + 1], m.vec["output_norm.weight"], a.rms_eps, out=x[r : r + 1], stream=s)
+            ke.rms_norm(b.h[last : last + 1], m.vec[m.out_norm], a.rms_eps, out=x[r : r + 1], stream=s)
         lg = kgm.gemm(x, W, stream=s).get(stream=s)
         out.extend(lg[r : r + 1].copy() for r in range(len(group)))
     m.streamer.release(a.n_layer)

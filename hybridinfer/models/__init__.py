@@ -1,4 +1,5 @@
-"""Architectures, one module each. `model_args(gm)` picks the module by `general.architecture`."""
+"""Architectures, one module each: its ModelArgs, tensor specs and forward (written in models/graph.py's op
+vocabulary). `model_args(gm)` picks the module by `general.architecture`."""
 
 from __future__ import annotations
 

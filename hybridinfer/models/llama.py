@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from ..gguf_model import GGUFModel
 from .base import Meta, TensorSpec, check_rope_dims, check_tensors, n_vocab_of, require
+from .graph import Branch
 
 ARCH = "llama"
 
@@ -93,3 +94,34 @@ def tensor_specs(a: ModelArgs) -> list[TensorSpec]:
             TensorSpec(b + "ffn_down.weight", (a.n_ff, D)),
         ]
     return specs
+
+
+# the forward pass (models/graph.py: the op vocabulary every backend implements) ---------------------------------
+EMBED = "token_embd.weight"
+
+
+def head(a) -> tuple[str, str]:
+    """The output norm and the LM head (the embedding, transposed, when the file ties them)."""
+    return "output_norm.weight", EMBED if a.tied_output else "output.weight"
+
+
+def attention(ops, a, x):
+    """Grouped-query attention; with a.attn_gate each query head is stored [query, gate] and the output is gated,
+    with a.qk_norm query and key heads are RMS-normed before RoPE."""
+    qg, k, v = ops.linears(x, "attn_q", "attn_k", "attn_v")
+    q, gate = ops.split_gate(qg) if a.attn_gate else (qg, None)
+    if a.qk_norm:
+        q, k = ops.head_norm(q, "attn_q_norm"), ops.head_norm(k, "attn_k_norm")
+    o = ops.attention(q, k, v)
+    if gate is not None:
+        o = ops.sigmoid_gate(o, gate)
+    return ops.linear(o, "attn_output")
+
+
+def swiglu_ffn(ops, a, x):
+    g, u = ops.linears(x, "ffn_gate", "ffn_up")
+    return ops.linear(ops.swiglu(g, u), "ffn_down")
+
+
+def layer(a, i: int) -> tuple[Branch, ...]:
+    return Branch("attn_norm", attention, "mixer"), Branch("ffn_norm", swiglu_ffn, "ffn")

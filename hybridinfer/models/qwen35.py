@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from ..errors import GGUFError, TensorShapeError
 from ..gguf_model import GGUFModel
 from .base import Meta, TensorSpec, check_rope_dims, check_tensors, n_vocab_of, require
+from .graph import Branch
+from .llama import EMBED, attention, head, swiglu_ffn
 
 ARCH = "qwen35"
 
@@ -196,3 +198,22 @@ def ffn_specs(a: ModelArgs, b: str) -> list[TensorSpec]:
             TensorSpec(b + "ffn_down_shexp.weight", (S, D)),
         ]
     return specs
+
+
+# the forward pass (models/graph.py); EMBED, head, attention and swiglu_ffn are llama's -------------------------
+__all__ = ["EMBED", "head", "attention", "swiglu_ffn", "gdn", "layer", "ModelArgs", "tensor_specs"]
+
+
+def gdn(ops, a, x):
+    """Gated DeltaNet (spec §3): the projections, the layer between them, the output projection."""
+    u, z, beta, alpha = ops.linears(x, "attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha")
+    y = ops.gdn(u, z, beta, alpha, conv="ssm_conv1d", a="ssm_a", dt_bias="ssm_dt.bias", norm="ssm_norm")
+    return ops.linear(y, "ssm_out")
+
+
+def mixer(a, i: int) -> Branch:
+    return Branch("attn_norm", gdn if a.layer_types[i] == "gdn" else attention, "mixer")
+
+
+def layer(a, i: int) -> tuple[Branch, ...]:
+    return mixer(a, i), Branch("post_attention_norm", swiglu_ffn, "ffn")

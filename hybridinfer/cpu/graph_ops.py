@@ -1,0 +1,183 @@
+"""The op vocabulary (models/graph.py) on the CPU backend: CPUOps, one method per op, over a Workspace's buffers.
+
+CPUModel walks an architecture's description with one CPUOps per pass; each op issues the backend's native calls
+through CPUModel.call / mm / mm_many, so that while a decode step is recorded (plan.py) every call lands in the
+plan in order, and the replayed step is the description's ops with no Python between them. Call-site keys name the
+block and the op, so a decode workspace binds each call once.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .simd import GGML_DECODE_ROWS, GGML_MUL_MAT_ID
+
+
+class CPUOps:
+    """One pass of CPUModel over `ws` for `st` (a DecoderState, or a list of them: one token of each). The walker
+    points it at a block and branch with at(); `out` is the branch's output buffer, `spare` another (T, n_embd)
+    buffer free inside the branch."""
+
+    def __init__(self, model, ws, st):
+        self.m, self.a, self.ws, self.st = model, model.args, ws, st
+        self.i, self.j, self.L, self.out, self.spare = 0, 0, None, None, None
+
+    def at(self, i: int, j: int, out: np.ndarray, spare: np.ndarray) -> CPUOps:
+        self.i, self.j, self.L, self.out, self.spare = i, j, self.m.layers[i], out, spare
+        return self
+
+    @staticmethod
+    def from_host(x: np.ndarray) -> np.ndarray:
+        return np.array(x, np.float32)
+
+    @staticmethod
+    def to_host(y: np.ndarray) -> np.ndarray:
+        return np.array(y)
+
+    def _t(self, name: str):
+        """Block tensor `name` (Mat or float32 vector): Layer keeps them by their short names, dots as '_'."""
+        return getattr(self.L, name.replace(".", "_"))
+
+    def _call(self, key: tuple, method: str, *args, **kw) -> None:
+        self.m.call(self.ws, key, method, *args, **kw)
+
+    # products ---------------------------------------------------------------------------------------------
+    def linears(self, x: np.ndarray, *names: str) -> list[np.ndarray]:
+        """One quantization per activation format, one pooled call; outputs in the workspace's product buffers,
+        each in the first free one wide enough."""
+        mats = [self._t(n) for n in names]
+        outs: list[np.ndarray] = []
+        for m in mats:
+            outs.append(next(b for b in self.ws.outs if b.shape[1] >= m.rows and not any(b is o for o in outs)))
+        return self.m.mm_many(mats, x, outs, self.ws)
+
+    def linear(self, x: np.ndarray, name: str) -> np.ndarray:
+        m = self._t(name)
+        if m.rows != self.a.n_embd:
+            raise ValueError(f"CPU ops: a lone product returns to the residual width {self.a.n_embd}; {m.name} "
+                             f"has {m.rows} rows (use linears)")
+        return self.m.mm(m, x, self.out, self.ws)
+
+    def swiglu(self, g: np.ndarray, u: np.ndarray) -> np.ndarray:
+        self._call(("swiglu", self.i, self.j), "swiglu", g, u, g)
+        return g
+
+    # attention --------------------------------------------------------------------------------------------
+    def split_gate(self, qg: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        T = qg.shape[0]
+        q, gate = self.ws.q[:T], self.ws.gate[:T]
+        self._call(("qgate", self.i), "split_qgate", qg, q, gate)
+        return q, gate
+
+    def head_norm(self, x: np.ndarray, name: str) -> np.ndarray:
+        x = x.reshape(x.shape[0], -1, self.a.head_dim)  # a view: normed in place
+        self._call(("hnorm", self.i, name), "rms_norm", x, None, self._t(name), self.a.rms_eps, x)
+        return x
+
+    def attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+        """The new k, v rows into the cache, q and those K rows roped there, attention: one call at the position
+        (one token of each sequence: every (sequence, head) in one call)."""
+        a, ws, st, i = self.a, self.ws, self.st, self.i
+        T, hd = q.shape[0], a.head_dim
+        if not (q.ndim == 3 and np.may_share_memory(q, ws.q)):  # queries as the projection left them: packed
+            q, qg = ws.q[:T], q.reshape(T, -1)
+            self._call(("qgate", i), "split_qgate", qg, q, None)
+        k, v = k.reshape(T, -1, hd), v.reshape(T, -1, hd)
+        o = ws.attn[:T]
+        ff = self.m.freq_factors
+        if isinstance(st, list):
+            self._call(("attn", i), "attn_rows", q, k, v, [s.k[i] for s in st], [s.v[i] for s in st],
+                       [s.pos for s in st], 0, o, ws.attn_scratch, a.n_rot, a.rope_theta, a.rope_neox, ff, fresh=True)
+        else:
+            self._call(("attn", i), "attn_step", q, k, v, st.k[i], st.v[i], st.pos, o, ws.attn_scratch, a.n_rot,
+                       a.rope_theta, a.rope_neox, ff, st=st, arrays=(st.k[i], st.v[i]))
+        return o
+
+    def sigmoid_gate(self, o: np.ndarray, gate: np.ndarray) -> np.ndarray:
+        self._call(("gate", self.i), "sigmoid_gate", o, gate)
+        return o
+
+    # Gated DeltaNet ---------------------------------------------------------------------------------------
+    def gdn(self, u, z, beta, alpha, *, conv: str, a: str, dt_bias: str, norm: str) -> np.ndarray:
+        """In C on the library's thread pool (heads in parallel), bit-identical to ops_gdn.gdn_layer; numba's own
+        parallel version fought the C pool for the cores."""
+        A, ws, st, i = self.a, self.ws, self.st, self.i
+        y = ws.gdn_y[: u.shape[0]]
+        w = (self._t(conv), self._t(a), self._t(dt_bias), self._t(norm))
+        tail = (A.ssm_n_k_heads, A.gdn_head_map == "mod", A.rms_eps, y, ws.gdn_scratch)
+        if isinstance(st, list):
+            self._call(("gdn", i), "gdn_rows", u, z, beta, alpha, *w, [s.conv[i] for s in st],
+                       [s.ssm[i] for s in st], *tail, arrays=tuple(x for s in st for x in (s.conv[i], s.ssm[i])))
+        else:
+            self._call(("gdn", i), "gdn_layer", u, z, beta, alpha, *w, st.conv[i], st.ssm[i], *tail,
+                       arrays=(st.conv[i], st.ssm[i]))
+        return y
+
+    # MoE --------------------------------------------------------------------------------------------------
+    def moe(self, x, *, router: str, experts: tuple[str, str, str], shared: tuple[str, str, str] | None,
+            shared_gate: str | None) -> np.ndarray:
+        return self.m._moe(self, x, self._t(router), tuple(self._t(n) for n in experts),
+                           None if shared is None else tuple(self._t(n) for n in shared),
+                           None if shared_gate is None else self._t(shared_gate))
+
+    def moe_impl(self, x, R, E3, S3, sgate) -> np.ndarray:
+        """CPUModel._moe's body (the model's method is the hook benchmarks wrap): decode (one token) runs its k
+        experts, and a shared expert of their kind as row k, in two calls; several rows group the routed pairs by
+        expert (moe_rows)."""
+        m, a, ws, i = self.m, self.a, self.ws, self.i
+        T, k = x.shape[0], a.n_expert_used
+        router = m.mm(R, x, ws.router, ws)
+        idx, w = ws.route_idx[:T], ws.route_w[:T]
+        self._call(("route", i), "moe_route", router, k, idx, w)
+        ys = ws.ed[: T * k]
+        G, U, Dn = E3
+        simd = m.simd
+        shared = None  # the shared expert's output when the routed experts' calls produced it
+        if T == 1:
+            # the shared expert rides in the routed experts' calls where its products take their activation
+            # formats and its width is theirs
+            fused = S3 is not None and S3[0].rows == G.rows and len(
+                {simd.act_kind(t.qtype) for t in (G, U, S3[0], S3[1])}) == 1 and simd.act_kind(
+                S3[2].qtype) == simd.act_kind(Dn.qtype)
+            n = k + 1 if fused else k
+            xq = m.quantize(G, x, ws)
+            eg, eu = ws.eg[:n], ws.eu[:n]
+            sh_gu = sh_d = None
+            if fused:
+                Sg, Su, Sd = S3
+                sh_gu = (Sg.raw, Sg.qtype, Su.raw, Su.qtype, Sg.rows, eg[k], eu[k])
+            self._call(("gate_up", id(G)), "moe_gate_up", G.raw, G.qtype, U.raw, U.qtype, G.rows, G.cols, xq[0],
+                       idx[0], eg[:k], eu[:k], GGML_MUL_MAT_ID, sh_gu)
+            self._call(("swiglu", id(G)), "swiglu", eg, eu, eg)
+            hq = m.quantize(Dn, eg, ws)
+            if fused:
+                shared = self.spare[:1]
+                sh_d = (Sd.raw, Sd.qtype, Sd.cols, hq[k], shared[0])
+            self._call(("down", id(Dn)), "moe_down", Dn.raw, Dn.qtype, Dn.rows, Dn.cols, hq[:k], idx[0], ys,
+                       GGML_MUL_MAT_ID, sh_d)
+        else:  # several sequences' decode tokens, or a prompt's tokens: the routed pairs grouped by expert
+            self._moe_rows(E3, x, idx, ys, GGML_DECODE_ROWS if m._rows else GGML_MUL_MAT_ID)
+        out = self.out[:T]
+        if S3 is None:
+            self._call(("combine", i), "moe_combine", ys, w, out)
+            return out
+        if shared is None:
+            Sg, Su, Sd = S3
+            g, u = m.mm_many([Sg, Su], x, [ws.out_a, ws.out_b], ws)
+            self._call(("swiglu", id(Sg)), "swiglu", g, u, g)
+            shared = m.mm(Sd, g, self.spare, ws)
+        self._call(("combine", i), "moe_combine", ys, w, out, shared, x, sgate)
+        return out
+
+    def _moe_rows(self, E3, x: np.ndarray, idx: np.ndarray, ys: np.ndarray, op: int) -> None:
+        """ys[t * k + j] = expert idx[t, j]'s output for token t, in one native call (moe_rows): the T x k pairs
+        grouped by expert, so each selected expert is read once for all the tokens routed to it. op:
+        GGML_DECODE_ROWS (several sequences' decode tokens: each pair in its one-token float shape) or
+        GGML_MUL_MAT_ID (a prompt's tokens: each expert's product in llama.cpp's shape for its token count)."""
+        m, ws = self.m, self.ws
+        G, U, Dn = E3
+        n = idx.size
+        xq = m.quantize(G, x, ws)
+        hq = ws.xq[m.simd.act_kind(Dn.qtype)][:n, : m.simd.act_row_bytes(Dn.qtype, Dn.cols)]
+        self._call(("moe_rows", self.i), "moe_rows", (G.raw, G.qtype), (U.raw, U.qtype), (Dn.raw, Dn.qtype), G.rows,
+                   G.cols, xq, idx, ws.eg[:n], ws.eu[:n], hq, ys, ws.moe_scratch, op)
