@@ -121,3 +121,19 @@ def run_case(op: str, case: Case, backend: str, oracle_gguf, cache: dict) -> Non
             assert err <= tol, (op, case.arch, backend, T, err)
         for s in (st_ref, st):
             s.pos += T  # the op's rows are the sequence's next positions
+
+
+def family_test(family: str):
+    """The test of one op family (test_ops_<family>.py binds it as `test_op_matches_reference`): each of the
+    family's ops and cases on every backend against the reference, the engines shared within the family's file."""
+    from hybridinfer.models.graph import OPS
+
+    cache: dict = {}
+    here = [(op, j) for op, info in OPS.items() if info.family == family for j in range(len(CASES[op]))]
+
+    @pytest.mark.parametrize("backend", backend_params())
+    @pytest.mark.parametrize("op,case", here, ids=[f"{op}-{j}" for op, j in here])
+    def test_op_matches_reference(op, case, backend, oracle_gguf):
+        run_case(op, CASES[op][case], backend, oracle_gguf, cache)
+
+    return test_op_matches_reference
