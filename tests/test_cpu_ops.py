@@ -1,6 +1,6 @@
-"""The numba ops of the CPU backend (hybridinfer/cpu/ops*.py, sampling_nb.py) against the numpy
-reference: each op on fresh random inputs with odd sizes, state updated identically, no allocation at
-decode size, sampling reproducible and distributed as sampling.py."""
+"""The numba oracles (tests/oracles/numba_ops.py, numba_gdn.py) and the sampler in use (cpu/sampling_nb.py) against
+the numpy reference: each op on fresh random inputs with odd sizes, state updated identically, no allocation at
+decode size, sampling reproducible and distributed as the plain sampler (tests/oracles/sampler.py)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,14 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from oracles import numba_gdn as ops_gdn
+from oracles import numba_ops as ops
+from oracles.sampler import Sampler
 
 from hybridinfer import reference_ops as ref
-from hybridinfer.cpu import ops, ops_gdn, sampling_nb
+from hybridinfer.cpu import sampling_nb
 from hybridinfer.reference import RefOps
-from hybridinfer.sampling import Sampler, SamplingParams
+from hybridinfer.sampling import SamplingParams
 
 TS = (1, 3, 70)
 

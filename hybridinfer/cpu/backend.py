@@ -24,12 +24,13 @@ from ..gguf_model import GGUFModel
 from ..models import graph
 from ..quant import dequantize_rows, type_name
 from ..state import DecoderState, check_tokens
-from . import ops_gdn
 from .graph_ops import CPUOps
-from .ops import NO_FREQS
 from .plan import BatchPlan, DecodePlan
 from .simd import GGML_DECODE_ROWS, GGML_MUL_MAT, KERNEL_TYPES, SimdLib
+from .simd_gdn import gdn_scratch_size
 from .weights import choose_weights_mode, copy_mats, mem_available
+
+NO_FREQS = np.zeros(0, np.float32)  # rope without frequency factors
 
 MAX_EXPERTS_USED = 64  # the native MoE calls' limit (hi_simd.c: HI_MAX_K)
 
@@ -117,7 +118,7 @@ class Workspace:
             self.outs.append(f(T, a.ssm_n_v_heads))  # the 4th of GDN's products (alpha)
             self.gdn_y = f(T, a.ssm_n_v_heads * a.ssm_d_v)
             per = a.ssm_n_v_heads * a.ssm_d_v + a.ssm_conv_channels  # gdn_rows: one token of each sequence
-            self.gdn_scratch = f(max(ops_gdn.gdn_scratch_size(a.ssm_conv_channels, a.ssm_n_v_heads, a.ssm_d_v,
+            self.gdn_scratch = f(max(gdn_scratch_size(a.ssm_conv_channels, a.ssm_n_v_heads, a.ssm_d_v,
                                                               min(T, 16)), T * per if rows else 0))
         if a.is_moe:
             k = a.n_expert_used

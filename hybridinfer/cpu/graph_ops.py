@@ -99,8 +99,8 @@ class CPUOps:
 
     # Gated DeltaNet ---------------------------------------------------------------------------------------
     def gdn(self, u, z, beta, alpha, *, conv: str, a: str, dt_bias: str, norm: str) -> np.ndarray:
-        """In C on the library's thread pool (heads in parallel), bit-identical to ops_gdn.gdn_layer; numba's own
-        parallel version fought the C pool for the cores."""
+        """In C on the library's thread pool (heads in parallel), bit-identical to the numba oracle gdn_layer; numba's
+        own parallel version fought the C pool for the cores."""
         A, ws, st, i = self.a, self.ws, self.st, self.i
         y = ws.gdn_y[: u.shape[0]]
         w = (self._t(conv), self._t(a), self._t(dt_bias), self._t(norm))

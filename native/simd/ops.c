@@ -1,5 +1,5 @@
 /* The small ops between the matrix products, on the calling thread (sigmoid_gate, one scalar
- * expf per value, in segments on the pool): the C twins of the numba ops in hybridinfer/cpu/ops.py, bit-identical
+ * expf per value, in segments on the pool): the C twins of the numba ops in tests/oracles/numba_ops.py, bit-identical
  * to them (tests/test_simd_ops.py). Plain float code compiled with -ffp-contract=off: each product, sum and
  * narrowing happens as written (ggml's order where ops.py says so), and only element-wise loops may vectorize (a
  * vectorized element-wise loop rounds as the scalar one).

@@ -1,0 +1,45 @@
+"""The runtime package imports no test oracle and no plotting or training library: every module under hybridinfer/
+is imported in a fresh interpreter, then sys.modules is checked (benchmarks import matplotlib inside their plot
+functions only, so importing them must not load it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_PROBE = r"""
+import importlib, json, os, pkgutil, sys
+import hybridinfer
+names = [m.name for m in pkgutil.walk_packages(hybridinfer.__path__, "hybridinfer.")
+         if not m.name.endswith(".__main__")]  # __main__ runs the CLI
+for n in names:
+    importlib.import_module(n)
+tests = os.path.join(sys.argv[1], "tests") + os.sep
+print(json.dumps({"names": names, "modules": {k: getattr(v, "__file__", None) or "" for k, v in sys.modules.items()},
+                  "tests": tests}))
+"""
+
+FORBIDDEN = ("matplotlib", "torch", "transformers", "oracles")
+
+
+def test_runtime_imports_no_oracle_nor_plotting():
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-c", _PROBE, ROOT], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    names = got["names"]
+    # the walk really covered the package: the CPU backend, the GPU launchers, the server and the benchmarks
+    for n in ("hybridinfer.cpu.backend", "hybridinfer.gpu.loader", "hybridinfer.sampling", "hybridinfer.cli"):
+        assert n in names
+    assert any(n.startswith("hybridinfer.benchmarks.") for n in names)
+    mods = got["modules"]
+    loaded = sorted(k for k in mods if k.split(".")[0] in FORBIDDEN)
+    assert loaded == [], f"runtime import pulled in {loaded}"
+    from_tests = sorted(k for k, f in mods.items() if f.startswith(got["tests"]))
+    assert from_tests == [], f"runtime import loaded modules from tests/: {from_tests}"
+    assert not any(k.startswith("tools.") or k == "tools" for k in mods)
