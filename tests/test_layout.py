@@ -43,3 +43,32 @@ def test_runtime_imports_no_oracle_nor_plotting():
     from_tests = sorted(k for k, f in mods.items() if f.startswith(got["tests"]))
     assert from_tests == [], f"runtime import loaded modules from tests/: {from_tests}"
     assert not any(k.startswith("tools.") or k == "tools" for k in mods)
+
+
+def test_benchmarks_without_matplotlib(monkeypatch, tmp_path, capsys):
+    """matplotlib is the `bench` extra: without it every benchmark's plot returns False and writes nothing, and
+    `hybridinfer bench` still writes its JSON with one note line instead of the PNG."""
+    import importlib
+    import pkgutil
+
+    from hybridinfer import benchmarks
+    from hybridinfer.cli_bench import _save_bench
+
+    for name in ("matplotlib", "matplotlib.pyplot"):
+        monkeypatch.setitem(sys.modules, name, None)  # `import matplotlib` raises ImportError
+    plots = []
+    for m in pkgutil.iter_modules(benchmarks.__path__, "hybridinfer.benchmarks."):
+        plot = getattr(importlib.import_module(m.name), "plot", None)
+        if plot is not None:
+            png = tmp_path / (m.name + ".png")
+            assert plot({} if "prefix" not in m.name else [], str(png)) is False, m.name
+            assert not png.exists()
+            plots.append(m.name)
+    assert len(plots) >= 6, plots  # decode, batch, prefill, prefix, serve, batch-job
+    from hybridinfer.benchmarks import decode
+
+    _save_bench(str(tmp_path), "b", '{"x": 1}', lambda png: decode.plot({}, png))
+    out = capsys.readouterr().out
+    assert (tmp_path / "b.json").read_text() == '{"x": 1}' and not (tmp_path / "b.png").exists()
+    assert [ln for ln in out.splitlines() if "matplotlib" in ln] == [f"wrote {tmp_path / 'b'}.json (no plot: "
+                                                                   "matplotlib missing)"]
