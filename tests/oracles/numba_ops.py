@@ -6,7 +6,7 @@ Optional inputs are empty arrays (`NO_GATE`, `NO_FREQS`). All functions are `@nj
 fastmath=False)`: no reassociation and no FMA contraction, so results are reproducible and follow the
 rounding written here (ggml's where the brief asks for it, see each docstring).
 
-The GDN layer is in numba_gdn.py, sampling in hybridinfer/cpu/sampling_nb.py; `warmup()` compiles all three. The backend
+The GDN layer is in numba_gdn.py, sampling in hybridinfer/sampling.py; `warmup()` compiles all three. The backend
 runs attention, rope and swiglu in C with llama.cpp's float order (native/simd/kernels_attn.h), and the norms,
 routing, gates and combine as their bit-identical C twins (native/simd/ops.c, tests/test_simd_ops.py), so that
 a decode step runs as one native call; the numba versions here stay as the plain-order references.
@@ -380,9 +380,9 @@ def moe_route(logits, k, idx_out, w_out):
 
 # warm-up -------------------------------------------------------------------------------------------
 def warmup() -> None:
-    """Compile (or load from numba's cache) every op of numba_ops, numba_gdn and sampling_nb on tiny inputs,
+    """Compile (or load from numba's cache) every op of numba_ops, numba_gdn and the sampler on tiny inputs,
     with the argument types the backend uses (C-contiguous float32 arrays, int32 indices)."""
-    from hybridinfer.cpu import sampling_nb
+    from hybridinfer import sampling
 
     from . import numba_gdn
 
@@ -407,4 +407,4 @@ def warmup() -> None:
     moe_combine(f(2, 8), f(1, 2), x)
     moe_route(f(1, 4), 2, np.zeros((1, 2), np.int32), f(1, 2))
     numba_gdn.warmup()
-    sampling_nb.warmup()
+    sampling.warmup()
