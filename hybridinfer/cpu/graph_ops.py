@@ -1,8 +1,8 @@
 """The op vocabulary (models/graph.py) on the CPU backend: CPUOps, one method per op, over a Workspace's buffers.
 
 CPUModel walks an architecture's description with one CPUOps per pass; each op issues the backend's native calls
-through CPUModel.call / mm / mm_many, so that while a decode step is recorded (plan.py) every call lands in the
-plan in order, and the replayed step is the description's ops with no Python between them. Call-site keys name the
+through CPUModel.call / mm / mm_many, so that while a decode step is recorded (replay.py) every call lands in the
+recording in order, and the replayed step is the description's ops with no Python between them. Call-site keys name the
 block and the op, so a decode workspace binds each call once.
 """
 

@@ -223,7 +223,7 @@ int hi_ctx_place_thread(hi_ctx *c, int tid, int replica, const int *cpus, int nc
 int hi_ctx_thread_replica(hi_ctx *c, int tid);
 int hi_ctx_replica_hits(hi_ctx *c, int64_t *out, int reset);
 
-/* ---- recorded steps (plan.c): a decode step's native calls run back to back without returning to Python.
+/* ---- recorded steps (replay.c): a decode step's native calls run back to back without returning to Python.
  * Each step names an entry point above (HI_OP_*) and holds its arguments after the context, in order:
  * pointers in .p, integers in .i, floats in .f; the argument at index pos_arg (-1: none) is replaced by
  * pos + its .i (the token's position). */
@@ -245,7 +245,7 @@ typedef struct {
 } hi_step;
 /* runs steps[0..n) at position pos; returns 0, or the first failing call's code with *failed = its index.
  * ns (NULL: not clocked): ns[i] += the nanoseconds step i took (two clock reads per step) */
-int hi_plan_run(hi_ctx *c, const hi_step *steps, int64_t n, int64_t pos, int64_t *failed, int64_t *ns);
+int hi_replay_run(hi_ctx *c, const hi_step *steps, int64_t n, int64_t pos, int64_t *failed, int64_t *ns);
 
 
 /* pace.c: host functions that hold a CUDA copy stream to a slower bus's rate (run by cuLaunchHostFunc) */
