@@ -72,3 +72,30 @@ def test_benchmarks_without_matplotlib(monkeypatch, tmp_path, capsys):
     assert (tmp_path / "b.json").read_text() == '{"x": 1}' and not (tmp_path / "b.png").exists()
     assert [ln for ln in out.splitlines() if "matplotlib" in ln] == [f"wrote {tmp_path / 'b'}.json (no plot: "
                                                                    "matplotlib missing)"]
+
+
+def test_every_backend_entry_point_says_decode_stays_on_the_cpu():
+    """backend "gpu" is the prefill device: each place a user picks a backend says decode stays on the CPU."""
+    import argparse
+
+    from hybridinfer import backends
+    from hybridinfer.api import Engine
+    from hybridinfer.cli import build_parser
+
+    def backend_helps(parser, path=()):
+        for act in parser._actions:
+            if "--backend" in act.option_strings:
+                yield path, act.help or ""
+            if isinstance(act, argparse._SubParsersAction):
+                for name, sub in act.choices.items():
+                    yield from backend_helps(sub, path + (name,))
+
+    helps = list(backend_helps(build_parser()))
+    assert {("run",), ("chat",), ("serve",), ("batch",), ("bench", "serve")} <= {p for p, _ in helps}, helps
+    for path, h in helps:
+        assert "gpu (prefill on the card; decode stays on the CPU)" in h, (path, h)
+    for doc in (Engine.load.__doc__, backends.__doc__, backends.GPUPrefillCPUDecode.__doc__):
+        assert '"gpu"' in doc and "decode" in doc and "CPU" in doc
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    assert "`gpu`: prefill on the card, decode on the CPU" in readme
