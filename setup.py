@@ -34,10 +34,11 @@ setup(
         "tokenizers>=0.20",
         "jinja2>=3.1",
         "tqdm>=4.60",
-        "matplotlib>=3.7",
     ],
     extras_require={
         "gpu": ["pycuda"],
+        # `hybridinfer bench ...` and bench/*.py: the PNG plots (without it a benchmark writes its table and JSON)
+        "bench": ["matplotlib>=3.7"],
         # `hybridinfer serve`: the HTTP server, its metrics and structured output
         "serve": ["fastapi>=0.110", "uvicorn>=0.29", "sse-starlette>=2.1", "pydantic>=2.5",
                   "prometheus-client>=0.20", "llguidance>=0.7"],

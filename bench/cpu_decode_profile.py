@@ -3,7 +3,7 @@
     python bench/cpu_decode_profile.py -m model.gguf -t 16 [-n 16] [--isa native] [--pool]
 
 Times n real decode steps (one native call each after the first), then records the step afresh with every
-call labelled, turns on the native step's own clock (hi_plan_run: two clock reads per call), runs n more and
+call labelled, turns on the native step's own clock (hi_replay_run: two clock reads per call), runs n more and
 prints, per kind of call, the time per token, its share of the step, and for weight products the weight bytes
 read and the GB/s they ran at (against the machine's read bandwidth measured by the same library). "Outside
 the native calls" is the wall time no call accounts for (Python, the embedding row, sampling). --pool instead
@@ -21,7 +21,7 @@ import numpy as np
 
 from hybridinfer.api import Engine
 from hybridinfer.benchmarks.decode import greedy_steps
-from hybridinfer.cpu.plan import Steps
+from hybridinfer.cpu.replay import Steps
 from hybridinfer.cpu.simd import KQ_ZIPPED, base_type
 from hybridinfer.quant import type_name as _type_name
 
@@ -156,10 +156,10 @@ def main(argv=None) -> None:
     simd.bind = bind
     for ws in be._ws.values():  # rebind every call site so that each is labelled
         ws.calls.clear()
-        ws.plans.clear()
+        ws.replays.clear()
     be.forward([t], st, all_logits=False)
     simd.bind = real_bind
-    runs = [seg for ws in be._ws.values() for p in ws.plans.values() for seg in p.segments if type(seg) is Steps]
+    runs = [seg for ws in be._ws.values() for p in ws.replays.values() for seg in p.segments if type(seg) is Steps]
     for seg in runs:
         seg.ns = np.zeros(len(seg.calls), np.int64)
     t, dt = greedy_steps(be, st, t, a.tokens)

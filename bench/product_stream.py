@@ -16,7 +16,7 @@ import time
 import numpy as np
 
 from hybridinfer.benchmarks.decode import probe_bytes
-from hybridinfer.cpu.plan import Steps
+from hybridinfer.cpu.replay import Steps
 from hybridinfer.cpu.simd import SimdLib
 from hybridinfer.cpu.weights import huge_page_buffer
 from hybridinfer.quant import F32, Q4_K, Q6_K, Q8_0

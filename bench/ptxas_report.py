@@ -1,5 +1,5 @@
 """Registers, spill bytes, shared memory, resident blocks and occupancy a multiprocessor of every kernel per kernel
-class, from clang-16 PTX assembled by CUDA 11.8's ptxas (hybridinfer/gpu/ptxcheck.py); no GPU needed.
+class, from clang-16 PTX assembled by CUDA 11.8's ptxas (tools/ptxcheck.py); no GPU needed.
 
     python bench/ptxas_report.py              # the table, one row per (class, kernel)
     python bench/ptxas_report.py --write      # also rewrite hybridinfer/gpu/ptxas_table.py (tests/test_ptxas.py
@@ -15,7 +15,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from hybridinfer.gpu import cards, kclass, ptxcheck  # noqa: E402
+from hybridinfer.gpu import cards, kclass  # noqa: E402
+from tools import ptxcheck  # noqa: E402
 
 TABLE = ROOT / "hybridinfer" / "gpu" / "ptxas_table.py"
 # the card whose limits give the resident blocks and occupancy of each class's row

@@ -1,4 +1,7 @@
-"""Backend construction: reference, cpu, gpu (GPU prefill + CPU decode) and auto (gpu when it can run here)."""
+"""Backend construction: reference, cpu, gpu and auto (gpu when it can run here).
+
+The name "gpu" names the prefill device only: the card runs the prompts' forward pass and decode stays on the CPU
+(GPUPrefillCPUDecode: prompts through gpu/backend.py's GPUModel, every decode step through a CPUBackend)."""
 
 from __future__ import annotations
 

@@ -9,6 +9,10 @@ import sys
 
 from .errors import ParameterError
 
+# every --backend says what "gpu" means: the card is the prefill device, decode stays on the CPU
+BACKEND_HELP = ("reference (the slow numpy oracle), cpu, gpu (prefill on the card; decode stays on the CPU) or auto "
+                "(gpu where a card and pycuda are present, else cpu)")
+
 
 class UsageError(SystemExit):
     """A command-line usage error: its one line is already on stderr; the process exits with status 2. A
@@ -82,8 +86,7 @@ def _add_model(p: argparse.ArgumentParser, required: bool = False) -> None:
                    help="GGUF file (default: the embedded SmolLM2-135M-Instruct Q4_1)")
     p.add_argument("--backend", default=os.environ.get("HYBRIDINFER_BACKEND") or "auto",
                    choices=["reference", "cpu", "gpu", "auto"],
-                   help="compute backend (default auto: GPU prefill where a card and pycuda are present, "
-                        "else the CPU backend; decode always runs on the CPU; reference: the slow numpy oracle)")
+                   help="compute backend: " + BACKEND_HELP + " (default auto)")
     p.add_argument("--n-ctx", type=_int_at_least(1), default=4096, help="context size in tokens (default 4096)")
     p.add_argument("-t", "--threads", type=_int_at_least(1), default=None, help="CPU threads (default: all cores)")
     p.add_argument("--vram-budget", type=parse_size, default=None,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from .cli_args import _int_at_least, add_card_profile, gb_per_s, parse_size
+from .cli_args import BACKEND_HELP, _int_at_least, add_card_profile, gb_per_s, parse_size
 from .errors import BackendNotAvailableError, HybridInferError, ParameterError
 
 
@@ -196,7 +196,8 @@ def add_bench_parsers(sub) -> None:
     b.add_argument("--llama-bench-sse", default=None, help="llama-bench built for SSE4.2 (no AVX), the same")
     b = _bench_parser(bsub, "prefix", "time to first token cold/warm with the prefix cache, and llama.cpp's server",
                       cmd_bench_prefix)
-    b.add_argument("--backend", default="cpu", choices=["reference", "cpu", "gpu", "auto"])
+    b.add_argument("--backend", default="cpu", choices=["reference", "cpu", "gpu", "auto"],
+                   help="compute backend: " + BACKEND_HELP + " (default cpu)")
     b.add_argument("--workloads", default="a,b,c,d", help="comma-separated subset of a,b,c,d")
     b.add_argument("--n-prompts", type=_int_at_least(1), default=100, help="prompts in workload d (default 100)")
     b.add_argument("--snapshot-stride", type=_int_at_least(0), default=None)
@@ -216,7 +217,8 @@ def add_bench_parsers(sub) -> None:
                    help="one system prompt for all conversations (default: one per conversation, cold first turns)")
     b.add_argument("--n-ctx", type=_int_at_least(256), default=4096,
                    help="context per sequence (llama-server: -c max_seqs * n_ctx)")
-    b.add_argument("--backend", default="cpu", choices=["reference", "cpu", "gpu", "auto"])
+    b.add_argument("--backend", default="cpu", choices=["reference", "cpu", "gpu", "auto"],
+                   help="compute backend: " + BACKEND_HELP + " (default cpu)")
     b.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary, run on the same GGUF")
     b.add_argument("--chat-template-file", default=None,
                    help="a chat template both servers render (llama-server with --jinja), so both see the same "
@@ -241,7 +243,8 @@ def add_bench_parsers(sub) -> None:
     b.add_argument("--n-ctx", type=_int_at_least(256), default=None,
                    help="context per sequence (default: the longest prompt + max_tokens, rounded up to 256)")
     b.add_argument("--seed", type=int, default=0, help="the questions' words and lengths")
-    b.add_argument("--backend", default="cpu", choices=["reference", "cpu", "gpu", "auto"])
+    b.add_argument("--backend", default="cpu", choices=["reference", "cpu", "gpu", "auto"],
+                   help="compute backend: " + BACKEND_HELP + " (default cpu)")
     b.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary, run on the same GGUF")
     b.add_argument("--llama-np", type=_int_at_least(1), default=8,
                    help="llama-server's slots (-np) and the client's requests in flight (default 8)")

@@ -80,7 +80,7 @@ class TokenSampler:
     tokens through either."""
 
     def __init__(self, req: Request, tokenizer, generation: Generation, n_vocab: int):
-        from .cpu.sampling_nb import SampleScratch, rng_new
+        from .sampling import SampleScratch, rng_new
 
         self.req, self.gen = req, generation
         self.text = TextStream(tokenizer, req.stops, generation)
@@ -89,7 +89,7 @@ class TokenSampler:
     def __call__(self, logits: np.ndarray, state) -> tuple[int, str, bool]:
         """(token, text safe to emit, ended) for the sequence in `state` with these next-token logits (a
         constraint masks them in place). ended: an end-of-generation token, a stop string or max_tokens."""
-        from .cpu.sampling_nb import sample
+        from .sampling import sample
 
         req, p, g = self.req, self.req.params, self.gen
         raw = logits.copy() if req.logprobs is not None and req.constraint is not None else logits

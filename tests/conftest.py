@@ -8,6 +8,10 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+# the repository's tools/ package (tests/test_sm20.py, test_ptxas.py): appended, so an installed hybridinfer still
+# comes first where `python -m pytest` did not already put the repository root on the path
+if os.path.dirname(os.path.dirname(os.path.abspath(__file__))) not in sys.path:
+    sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def pytest_addoption(parser):

@@ -17,7 +17,7 @@ Weights are drawn with unit-gain std 1/sqrt(fan_in) (much larger than HF's 0.02 
 around 1, A_log and dt_bias spread out, the LM head scaled so max |logit| is a few units: the logits
 are not flat, and any layout mistake moves them by O(1).
 
-GGUFs: ``make_oracle_gguf`` writes our converter's F32 file (hybridinfer.convert_hf) and, for
+GGUFs: ``make_oracle_gguf`` writes our converter's F32 file (tests/oracles/convert_hf.py) and, for
 ``quant="q8_0"|"q4_k_m"``, re-quantizes that file with llama.cpp's own quantizer
 (``llama_cpp.llama_model_quantize``). Files are cached by name inside ``dir``: pass a per-session
 directory (e.g. ``tmp_path_factory.mktemp("oracle")``).
@@ -220,7 +220,7 @@ def make_oracle_gguf(
     file re-quantized by llama.cpp. ``wide`` defaults to True for quantized variants (K-quants need
     256-wide rows; see the module docstring) and False for F32.
     """
-    from hybridinfer.convert_hf import convert_hf
+    from oracles.convert_hf import convert_hf
 
     if wide is None:
         wide = quant is not None

@@ -1,5 +1,5 @@
 """bench/cpu_decode_profile.py: where a decode step's time goes, call by call, from the native step's own clock
-(hi_plan_run), on a tiny model (the numbers are the benchmark's, not asserted; that they add up is)."""
+(hi_replay_run), on a tiny model (the numbers are the benchmark's, not asserted; that they add up is)."""
 
 from __future__ import annotations
 

@@ -190,8 +190,8 @@ def test_decode_two_sequences_interleaved(oracle_gguf):
     assert np.array_equal(np.stack(got_a), alone[0]) and np.array_equal(np.stack(got_b), alone[1])
 
 
-# the native calls of a decode step, by architecture: all of them run as one hi_plan_run after the embedding row
-PLAN_CALLS = {
+# the native calls of a decode step, by architecture: all of them run as one hi_replay_run after the embedding row
+REPLAY_CALLS = {
     "qwen35moe": {"rms_norm", "quantize", "matmul", "matmul_many", "gdn_layer", "split_qgate", "attn_step",
                   "sigmoid_gate", "moe_route", "moe_gate_up", "swiglu", "moe_down", "moe_combine"},
     "qwen35": {"rms_norm", "quantize", "matmul", "matmul_many", "gdn_layer", "split_qgate", "attn_step",
@@ -201,12 +201,12 @@ PLAN_CALLS = {
 
 
 @pytest.mark.parametrize("arch", ["qwen35moe", "qwen35", "llama"])
-def test_decode_plan_replays_the_recorded_step(arch, oracle_gguf, monkeypatch):
+def test_decode_replay_runs_the_recorded_step(arch, oracle_gguf, monkeypatch):
     """The first decode step of a state is recorded and later steps replay it without running the forward
-    code, every native call of it in one hi_plan_run; they give exactly what a step recorded afresh (each call
+    code, every native call of it in one hi_replay_run; they give exactly what a step recorded afresh (each call
     from Python) gives, also after a restore (positions are read when the step runs) and for a state whose
-    arrays were replaced (the plan is recorded again)."""
-    from hybridinfer.cpu.plan import Steps
+    arrays were replaced (the step is recorded again)."""
+    from hybridinfer.cpu.replay import Steps
 
     eng = _cpu(oracle_gguf(arch, "q8_0"))
     be = eng.backend
@@ -215,21 +215,21 @@ def test_decode_plan_replays_the_recorded_step(arch, oracle_gguf, monkeypatch):
     st = eng.new_state()
     be.forward(ids[:3], st)
     for t in ids[3:]:
-        be.workspace(1, st.n_ctx).plans.clear()
+        be.workspace(1, st.n_ctx).replays.clear()
         fresh.append(be.forward([t], st, all_logits=False)[0].copy())
     st = eng.new_state()
     be.forward(ids[:3], st)
     got = [be.forward([ids[3]], st, all_logits=False)[0].copy()]
-    plan = be.workspace(1, st.n_ctx).plans[id(st)]
-    assert [type(s) is Steps for s in plan.segments] == [False, True]  # the embedding row, then native calls
-    assert {b.name for b in plan.segments[1].calls} == PLAN_CALLS[arch]
+    rp = be.workspace(1, st.n_ctx).replays[id(st)]
+    assert [type(s) is Steps for s in rp.segments] == [False, True]  # the embedding row, then native calls
+    assert {b.name for b in rp.segments[1].calls} == REPLAY_CALLS[arch]
     snap = st.copy()
     recorded = []
     monkeypatch.setattr(type(be), "_forward", lambda *a, **k: recorded.append(1) or pytest.fail("re-recorded"))
     for t in ids[4:]:
         got.append(be.forward([t], st, all_logits=False)[0].copy())
     assert np.array_equal(np.stack(got), np.stack(fresh))
-    st.restore(snap)  # in place: the plan stays valid
+    st.restore(snap)  # in place: the replay stays valid
     assert np.array_equal(be.forward([ids[4]], st, all_logits=False)[0], fresh[1])
     monkeypatch.undo()
     if st.ssm[0] is not None:

@@ -1,6 +1,6 @@
-"""The numba ops of the CPU backend (hybridinfer/cpu/ops*.py, sampling_nb.py) against the numpy
-reference: each op on fresh random inputs with odd sizes, state updated identically, no allocation at
-decode size, sampling reproducible and distributed as sampling.py."""
+"""The numba oracles (tests/oracles/numba_ops.py, numba_gdn.py) and the sampler in use (hybridinfer/sampling.py) against
+the numpy reference: each op on fresh random inputs with odd sizes, state updated identically, no allocation at
+decode size, sampling reproducible and distributed as the plain sampler (tests/oracles/sampler.py)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,14 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from oracles import numba_gdn as ops_gdn
+from oracles import numba_ops as ops
+from oracles.sampler import Sampler
 
 from hybridinfer import reference_ops as ref
-from hybridinfer.cpu import ops, ops_gdn, sampling_nb
+from hybridinfer import sampling
 from hybridinfer.reference import RefOps
-from hybridinfer.sampling import Sampler, SamplingParams
+from hybridinfer.sampling import SamplingParams
 
 TS = (1, 3, 70)
 
@@ -313,7 +316,7 @@ def test_decode_calls_allocate_nothing():
     gscr = np.zeros(ops_gdn.gdn_scratch_size(C, Hv, dv), np.float32)
     lg, idx, rw = rnd(rs, 1, E), np.zeros((1, k), np.int32), np.zeros((1, k), np.float32)
     logits, hist = rnd(rs, V, scale=3.0), rs.integers(0, V, 64).astype(np.int32)
-    sscr, rng = sampling_nb.SampleScratch(V), sampling_nb.rng_new(1)
+    sscr, rng = sampling.SampleScratch(V), sampling.rng_new(1)
     gdn = (p["attn_qkv"], p["attn_gate"], p["ssm_beta"], p["ssm_alpha"], w["ssm_conv1d"], w["ssm_a"], w["ssm_dt_bias"],
            w["ssm_norm"], conv, S, Hk, True, 1e-6, y, gscr)
 
@@ -329,7 +332,7 @@ def test_decode_calls_allocate_nothing():
         (ops.add_inplace, (out, x)),
         (ops.gated_add, (out, x, x, wn)),
         (ops.moe_combine, (x, rw[:, :1], out)),
-    ] + [(sampling_nb.sample, (logits, 0.8, tk, 0.9, 0.05, 1.1, 0.1, 0.2, hist, 64, 64, rng, sscr.xs, sscr.idx))
+    ] + [(sampling.sample, (logits, 0.8, tk, 0.9, 0.05, 1.1, 0.1, 0.2, hist, 64, 64, rng, sscr.xs, sscr.idx))
          for tk in (0, 40)]
     for fn, args in calls:
         fn(*args)
@@ -355,13 +358,13 @@ def test_decode_calls_allocate_nothing():
 
 # sampling ------------------------------------------------------------------------------------------
 def _nb_sample(logits, p: SamplingParams, hist, rng, scr):
-    return sampling_nb.sample(logits, p.temperature, p.top_k, p.top_p, p.min_p, p.repeat_penalty,
+    return sampling.sample(logits, p.temperature, p.top_k, p.top_p, p.min_p, p.repeat_penalty,
                               p.presence_penalty, p.frequency_penalty, hist, len(hist), p.repeat_last_n, rng, scr.xs,
                               scr.idx)
 
 
 def _ref_distribution(logits, p: SamplingParams, hist):
-    """sampling.py's final candidate distribution, read by intercepting its draw."""
+    """The plain sampler's (oracles/sampler.py) final candidate distribution, read by intercepting its draw."""
 
     class Rec:
         def choice(self, n, p):
@@ -383,7 +386,7 @@ def _ref_distribution(logits, p: SamplingParams, hist):
 def test_sample_greedy_exact():
     rs = np.random.default_rng(11)
     for V in (7, 1000, 248_320):
-        scr, rng = sampling_nb.SampleScratch(V), sampling_nb.rng_new(0)
+        scr, rng = sampling.SampleScratch(V), sampling.rng_new(0)
         for trial in range(4):
             logits = rnd(rs, V, scale=3.0)
             if trial == 1:
@@ -413,7 +416,7 @@ def test_sample_distribution(params):
     hist = np.array([3, 3, 9, 0], np.int32)
     p = SamplingParams(**params)
     want = _ref_distribution(logits, p, hist)
-    scr, rng = sampling_nb.SampleScratch(V), sampling_nb.rng_new(1234)
+    scr, rng = sampling.SampleScratch(V), sampling.rng_new(1234)
     counts = np.bincount([_nb_sample(logits, p, hist, rng, scr) for _ in range(N)], minlength=V)
     freq = counts / N
     assert np.all(counts[want == 0] == 0), (counts, want)
@@ -426,12 +429,12 @@ def test_sample_reproducible_and_large_vocab():
     V = 248_320
     logits = rnd(rs, V, scale=4.0)
     hist = rs.integers(0, V, 64).astype(np.int32)
-    scr = sampling_nb.SampleScratch(V)
+    scr = sampling.SampleScratch(V)
     for p in (SamplingParams(top_k=40, seed=7), SamplingParams(top_k=0, top_p=0.9, min_p=0.0, seed=7),
               SamplingParams(top_k=0, top_p=0.5, min_p=0.02, repeat_penalty=1.2, seed=7)):
         runs = []
         for seed in (7, 7, 8):
-            rng = sampling_nb.rng_new(seed)
+            rng = sampling.rng_new(seed)
             runs.append([_nb_sample(logits, p, hist, rng, scr) for _ in range(30)])
         assert runs[0] == runs[1]
         assert runs[0] != runs[2]

@@ -1,6 +1,6 @@
 """Our HF->GGUF converter, checked independently of our own forward pass.
 
-llama.cpp (llama-cpp-python, F32 KV cache) runs the GGUF that hybridinfer.convert_hf wrote; transformers
+llama.cpp (llama-cpp-python, F32 KV cache) runs the GGUF that tests/oracles/convert_hf.py wrote; transformers
 runs the same random weights. Over 72 tokens (crossing the 64-token GDN chunk) they must agree to
 1e-4 of max |logit| with the same top-1 everywhere, batch prefill and token-by-token alike. Skipping the
 value-head reorder must make them disagree by O(1), which proves the comparison is sensitive to it.
@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from hybridinfer.convert_hf import llama_permute, reorder_v_heads
+from oracles.convert_hf import llama_permute, reorder_v_heads
 
 pytestmark = pytest.mark.oracle
 
@@ -113,7 +112,7 @@ def test_llama_cpp_batch_matches_per_token(case):
 @pytest.mark.parametrize("arch", ["qwen35", "qwen35moe"])
 def test_wrong_value_head_rule_is_detected(oracle, workdir, arch):
     """Without the V-head reorder llama.cpp pairs value head j with the wrong key head: O(1) errors."""
-    from hybridinfer.convert_hf import convert_hf
+    from oracles.convert_hf import convert_hf
 
     ids = oracle.oracle_ids(N_TOK)
     model = oracle.build_tiny_hf(arch, 0)

@@ -43,7 +43,7 @@ def test_decode_batch_rows_bit_identical(arch, quant, oracle_gguf):
 @pytest.mark.parametrize("arch,quant", [("qwen35", "q4_k_m"), ("qwen35moe", "q4_k_m")])
 def test_decode_batch_replays_its_recorded_step(arch, quant, oracle_gguf, monkeypatch):
     """The same sequences decoded together step after step: the first step is recorded (one pass through Python),
-    the next ones replay it (BatchPlan: one native call, each attention at its own position), bit-identical to each
+    the next ones replay it (BatchReplay: one native call, each attention at its own position), bit-identical to each
     sequence alone; a change of members records again; release() lets a finished sequence's memory go."""
     import gc
     import weakref
@@ -67,13 +67,13 @@ def test_decode_batch_replays_its_recorded_step(arch, quant, oracle_gguf, monkey
                          for t, j in zip(toks, live, strict=True)])
         got = be.decode_batch(toks, [together[j] for j in live])
         assert np.array_equal(got, want), (arch, step)
-    # B = 1 forwards record their own one-token plan once per state; the batch passes: 3 rows once, 2 rows once
+    # B = 1 forwards record their own one-token replay once per state; the batch passes: 3 rows once, 2 rows once
     assert [p for p in passes if p > 1] == [3, 2]
     st = together[1]
     ref = weakref.ref(st.k[next(i for i, t in enumerate(eng.args.layer_types) if t == "attention")])
     be.release(st)
     for ws in be._ws.values():
-        assert not any(p.holds({id(a) for a in st.k + st.v + st.conv + st.ssm}) for p in ws.plans.values())
+        assert not any(p.holds({id(a) for a in st.k + st.v + st.conv + st.ssm}) for p in ws.replays.values())
     together[1] = st = None
     gc.collect()
     assert ref() is None  # nothing the backend keeps holds the released sequence's cache

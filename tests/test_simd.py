@@ -349,7 +349,7 @@ def test_float_matmul(ggml, libs, qtype):
         assert np.allclose(out, want, rtol=1e-5, atol=1e-5 * scale), isa
         results[isa] = out
     # the AVX units as llama.cpp's AVX builds: ggml_vec_dot_f32 / _f16 here (173 is no multiple of the width)
-    from hybridinfer.cpu import ggml_ref as gr
+    from oracles import ggml_ref as gr
 
     for isa in FMA_ISAS:
         W = 16 if isa == "avx512vnni" else 8
@@ -377,7 +377,7 @@ def test_float_matmul(ggml, libs, qtype):
 @pytest.mark.parametrize("qtype", [0, 1])
 def test_float_matmul_tinyblas_shape(libs, qtype):
     """Two tokens or more and a length that is a multiple of the vector width: llamafile's tinyBLAS order."""
-    from hybridinfer.cpu import ggml_ref as gr
+    from oracles import ggml_ref as gr
 
     rng = np.random.default_rng(70 + qtype)
     rows, cols, T = 7, 16 * 9, 3

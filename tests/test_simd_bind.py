@@ -33,9 +33,9 @@ def test_bound_calls_follow_buffer_contents(qtype):
 
 
 def test_packed_steps_run_as_the_bound_calls_and_name_a_failing_one():
-    """Steps (the decode step as one hi_plan_run) repeat the Bound calls they pack, in order, clocking each when
+    """Steps (the decode step as one hi_replay_run) repeat the Bound calls they pack, in order, clocking each when
     asked; a call the library rejects is named in the error."""
-    from hybridinfer.cpu.plan import Steps
+    from hybridinfer.cpu.replay import Steps
 
     lib = SimdLib(n_threads=2)
     rng = np.random.default_rng(3)

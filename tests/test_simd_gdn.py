@@ -1,5 +1,5 @@
 """The native Gated DeltaNet layer (SimdLib.gdn_layer, native/simd/gdn.c) against the numba op
-(hybridinfer.cpu.ops_gdn.gdn_layer, itself checked against the reference model in test_cpu_ops.py):
+(tests/oracles/numba_gdn.gdn_layer, itself checked against the reference model in test_cpu_ops.py):
 outputs and state bit-identical, for every ISA path this CPU runs, thread counts 1, 2, 3 and any token
 chunking; bad arguments raise. `pytest -s` also prints the per-call time of both at the 35B shape."""
 
@@ -9,8 +9,8 @@ import time
 
 import numpy as np
 import pytest
+from oracles import numba_gdn as ops_gdn
 
-from hybridinfer.cpu import ops_gdn
 from hybridinfer.cpu.simd import SimdLib, supported_isas
 
 ISAS = supported_isas()

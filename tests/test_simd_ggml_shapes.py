@@ -1,5 +1,5 @@
 """The native kernels that follow llama.cpp's own float order (ggml-cpu built for this ISA level) against their
-numpy references (hybridinfer.cpu.ggml_ref), on every ISA level this CPU runs:
+numpy references (tests/oracles/ggml_ref.py), on every ISA level this CPU runs:
 
 - K-quant products with ggml_op MUL_MAT / MUL_MAT_ID take llama.cpp's shape (repacked Q4_K gemv / gemm, tiled
   kernels, or vec_dot), chosen as llama.cpp chooses (native/simd/dot_kq_shapes.h);
@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from oracles import ggml_ref as gr
+from oracles import numba_ops as ops
 
 from hybridinfer import actquant_k as ak
-from hybridinfer.cpu import ggml_ref as gr
-from hybridinfer.cpu import ops
 from hybridinfer.cpu.simd import GGML_MUL_MAT, GGML_MUL_MAT_ID, GGML_NONE, supported_isas
 from hybridinfer.quant import random_blocks
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from oracles import numba_ops as ops
 
-from hybridinfer.cpu import ops
 from hybridinfer.cpu.simd import SimdLib
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hybridinfer.gpu.sm20check import check_sm20, forbidden_in_ptx
+from tools.sm20check import check_sm20, forbidden_in_ptx
 
 SRC = Path(__file__).resolve().parents[1] / "native" / "cuda_sm20"
 SOURCES = sorted(SRC.glob("*.cu"))

@@ -81,7 +81,7 @@ def routed_experts(backend):
 def _forget_recorded_steps(backend) -> None:
     """The CPU backend's recorded decode steps dropped, so that the next step runs (and records) through Python."""
     for ws in getattr(getattr(backend, "cpu", backend), "_ws", {}).values():
-        ws.plans.clear()
+        ws.replays.clear()
 
 
 def _distinct_per_layer(seen: list[tuple[int, np.ndarray]]) -> dict[int, float]:

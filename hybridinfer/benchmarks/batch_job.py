@@ -304,18 +304,18 @@ def numa_status(policy: str, model_bytes: int, stderr: str, topo=None) -> str:
 def run_ours(model: str, job: str, ids: list[str], tmp: str, threads: int, n_ctx: int, max_seqs: int,
              configs, policies, backend: str = "cpu") -> list[dict]:
     size = os.path.getsize(model)
-    plans: list[tuple[str, str, list[tuple[int, str, int, str]]]] = []  # (config, numa, [(threads, shard, seqs)])
+    runs: list[tuple[str, str, list[tuple[int, str, int, str]]]] = []  # (config, numa, [(threads, shard, seqs)])
     if "one" in configs:
-        plans.append(("one at a time (max_seqs 1)", "off", [(threads, "0/1", 1)]))
+        runs.append(("one at a time (max_seqs 1)", "off", [(threads, "0/1", 1)]))
     if "scheduler" in configs or "off" in policies:
-        plans.append((f"scheduler (max_seqs {max_seqs})", "off", [(threads, "0/1", max_seqs)]))
+        runs.append((f"scheduler (max_seqs {max_seqs})", "off", [(threads, "0/1", max_seqs)]))
     if "shards" in configs:
         half = max(1, threads // 2)
-        plans.append((f"2 shards at once ({half} threads each)", "off",
+        runs.append((f"2 shards at once ({half} threads each)", "off",
                       [(half, "0/2", max_seqs), (half, "1/2", max_seqs)]))
-    plans += [(f"scheduler, numa {p}", p, [(threads, "0/1", max_seqs)]) for p in policies if p != "off"]
+    runs += [(f"scheduler, numa {p}", p, [(threads, "0/1", max_seqs)]) for p in policies if p != "off"]
     rows = []
-    for k, (config, policy, procs) in enumerate(plans):
+    for k, (config, policy, procs) in enumerate(runs):
         specs = []
         for j, (t, shard, seqs) in enumerate(procs):
             out, summ = os.path.join(tmp, f"out{k}-{j}.jsonl"), os.path.join(tmp, f"summary{k}-{j}.json")

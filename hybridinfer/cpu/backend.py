@@ -8,7 +8,7 @@ Weights stay in their GGUF bytes (memory-mapped); activations are quantized once
 kind, as llama.cpp does. One `forward(tokens, state)` serves decode (T = 1) and chunked prefill
 (T > 1, a GEMM over the chunk; MoE tokens grouped by expert). Work buffers live in a `Workspace` made once
 per chunk-size class and context size and reused, so the decode loop allocates no arrays. A decode step is
-recorded at a sequence's first step and then runs as one native call (plan.py).
+recorded at a sequence's first step and then runs as one native call (replay.py).
 """
 
 from __future__ import annotations
@@ -24,12 +24,13 @@ from ..gguf_model import GGUFModel
 from ..models import graph
 from ..quant import dequantize_rows, type_name
 from ..state import DecoderState, check_tokens
-from . import ops_gdn
 from .graph_ops import CPUOps
-from .ops import NO_FREQS
-from .plan import BatchPlan, DecodePlan
+from .replay import BatchReplay, DecodeReplay
 from .simd import GGML_DECODE_ROWS, GGML_MUL_MAT, KERNEL_TYPES, SimdLib
+from .simd_gdn import gdn_scratch_size
 from .weights import choose_weights_mode, copy_mats, mem_available
+
+NO_FREQS = np.zeros(0, np.float32)  # rope without frequency factors
 
 MAX_EXPERTS_USED = 64  # the native MoE calls' limit (hi_simd.c: HI_MAX_K)
 
@@ -95,7 +96,7 @@ class Workspace:
         self.bind = T == 1 or rows
         self.calls: dict[tuple, object] = {}
         self.rec: list | None = None  # decode: the step being recorded (every operation, in order)
-        self.plans: dict = {}  # decode: recorded steps by id(state) (BatchPlan: by the states' ids)
+        self.replays: dict = {}  # decode: recorded steps by id(state) (BatchReplay: by the states' ids)
         self.tok = np.zeros(T if rows else 1, np.int32)  # decode: the step's tokens
         self.h, self.x, self.mix, self.ffn = f(T, D), f(T, D), f(T, D), f(T, D)
         mats = model.mats
@@ -117,7 +118,7 @@ class Workspace:
             self.outs.append(f(T, a.ssm_n_v_heads))  # the 4th of GDN's products (alpha)
             self.gdn_y = f(T, a.ssm_n_v_heads * a.ssm_d_v)
             per = a.ssm_n_v_heads * a.ssm_d_v + a.ssm_conv_channels  # gdn_rows: one token of each sequence
-            self.gdn_scratch = f(max(ops_gdn.gdn_scratch_size(a.ssm_conv_channels, a.ssm_n_v_heads, a.ssm_d_v,
+            self.gdn_scratch = f(max(gdn_scratch_size(a.ssm_conv_channels, a.ssm_n_v_heads, a.ssm_d_v,
                                                               min(T, 16)), T * per if rows else 0))
         if a.is_moe:
             k = a.n_expert_used
@@ -192,7 +193,7 @@ class CPUModel(Backend):
              arrays: tuple = (), fresh: bool = False) -> None:
         """A native call; in decode (fixed buffers: ws.bind) bound once per workspace and call site, and per
         state for ops on its arrays (`arrays`: a layer's cache or recurrent state; a new sequence's arrays
-        rebind it). Ops in plan.POS_ARGS take the position of `st`. fresh: bound anew each time (its arguments
+        rebind it). Ops in replay.POS_ARGS take the position of `st`. fresh: bound anew each time (its arguments
         hold this step's values: attn_rows' positions, whose recorded offset is 0)."""
         if not ws.bind:
             getattr(self.simd, method)(*args)
@@ -234,11 +235,11 @@ class CPUModel(Backend):
         T = x.shape[0]
         decode = ws.bind
         if decode:  # decode: the whole call site replayed from bound calls
-            plan = ws.calls.get(("many-plan", id(mats[0]), len(mats)))
-            if plan is not None:
-                for f in plan[0]:
+            seen = ws.calls.get(("many-replay", id(mats[0]), len(mats)))
+            if seen is not None:
+                for f in seen[0]:
                     self._op(ws, f)
-                return plan[1]
+                return seen[1]
         res: list[np.ndarray] = [None] * len(mats)  # type: ignore[list-item]
         xq: dict[str, np.ndarray] = {}
         items, steps = [], []
@@ -253,7 +254,7 @@ class CPUModel(Backend):
         m0 = mats[0]
         self.call(ws, ("many", id(m0)), "matmul_many", xq, m0.cols, items, self._op_of(GGML_MUL_MAT))
         if decode:
-            ws.calls[("many-plan", id(m0), len(mats))] = (steps + [ws.calls[("many", id(m0))][1]], res)
+            ws.calls[("many-replay", id(m0), len(mats))] = (steps + [ws.calls[("many", id(m0))][1]], res)
         return res
 
     def mm(self, m: Mat, x: np.ndarray, out: np.ndarray, ws: Workspace, xq: np.ndarray | None = None,
@@ -273,7 +274,7 @@ class CPUModel(Backend):
     # forward --------------------------------------------------------------------------------------
     def forward(self, tokens, state: DecoderState, all_logits: bool = True) -> np.ndarray:
         """Logits of the T tokens (all_logits) or of the last; advances the state. A decode step (T = 1)
-        replays the operations recorded at the first step of this state over these buffers (plan.DecodePlan):
+        replays the operations recorded at the first step of this state over these buffers (replay.DecodeReplay):
         the token's embedding row, then the rest as one native call."""
         ids = check_tokens(tokens, self.args.n_vocab)
         T = len(ids)
@@ -281,14 +282,14 @@ class CPUModel(Backend):
         ws = self.workspace(T, state.n_ctx)
         if T == 1:
             ws.tok[0] = ids[0]
-            plan = ws.plans.get(id(state))
-            if plan is not None and plan.valid_for(state):
-                out = plan.run(state)
+            rp = ws.replays.get(id(state))
+            if rp is not None and rp.valid_for(state):
+                out = rp.run(state)
             else:
                 ws.rec = []
                 try:
                     out = self._forward(ws.tok, state, ws)
-                    DecodePlan.keep(ws.plans, self.simd, state, ws.rec, out)
+                    DecodeReplay.keep(ws.replays, self.simd, state, ws.rec, out)
                 finally:
                     ws.rec = None
         else:
@@ -302,7 +303,7 @@ class CPUModel(Backend):
         bit-identical to forward([tokens[j]], states[j], all_logits=False) (batch-invariant). The products run over
         B rows in GGML_DECODE_ROWS (each row in the one-token float shape), the MoE's routed (sequence, expert)
         pairs grouped by expert so each selected expert is read once; GDN and attention per sequence. The step is
-        recorded the first time these sequences run together and replayed while they go on together (BatchPlan)."""
+        recorded the first time these sequences run together and replayed while they go on together (BatchReplay)."""
         ids = check_tokens(tokens, self.args.n_vocab)
         B = len(ids)
         if B != len(states) or len({id(st) for st in states}) != B:
@@ -313,16 +314,16 @@ class CPUModel(Backend):
             st.check_room(1)
         ws = self.workspace(B, max(st.n_ctx for st in states), rows=True)
         ws.tok[:] = ids
-        plan = ws.plans.get(BatchPlan.key(states))
-        delta = plan.delta(states) if plan is not None else None
+        rp = ws.replays.get(BatchReplay.key(states))
+        delta = rp.delta(states) if rp is not None else None
         if delta is not None:  # the same sequences as at the recorded step: one native call (and the embedding)
-            out = plan.run(delta)
+            out = rp.run(delta)
         else:
             ws.rec = []
             self._rows = True
             try:
                 out = self._forward(ws.tok, states, ws, all_logits=True)
-                BatchPlan.keep(ws.plans, self.simd, states, ws.rec, out)
+                BatchReplay.keep(ws.replays, self.simd, states, ws.rec, out)
             finally:
                 self._rows = False
                 ws.rec = None
@@ -333,11 +334,11 @@ class CPUModel(Backend):
 
     def release(self, state: DecoderState) -> None:
         """Drop the recorded steps and bound calls that hold this state's arrays (a finished sequence's memory
-        goes with it, not when its plan would be pushed out)."""
-        mine = {id(a) for a in DecodePlan._arrays(state)}
+        goes with it, not when its replay would be pushed out)."""
+        mine = {id(a) for a in DecodeReplay._arrays(state)}
         for ws in self._ws.values():
-            for k in [k for k, p in ws.plans.items() if p.holds(mine)]:
-                del ws.plans[k]
+            for k in [k for k, p in ws.replays.items() if p.holds(mine)]:
+                del ws.replays[k]
             for k in [k for k, v in ws.calls.items()
                       if type(v) is tuple and len(v) == 2 and type(v[0]) is tuple and any(id(a) in mine for a in v[0])]:
                 del ws.calls[k]

@@ -1,8 +1,8 @@
 """The op vocabulary (models/graph.py) on the CPU backend: CPUOps, one method per op, over a Workspace's buffers.
 
 CPUModel walks an architecture's description with one CPUOps per pass; each op issues the backend's native calls
-through CPUModel.call / mm / mm_many, so that while a decode step is recorded (plan.py) every call lands in the
-plan in order, and the replayed step is the description's ops with no Python between them. Call-site keys name the
+through CPUModel.call / mm / mm_many, so that while a decode step is recorded (replay.py) every call lands in the
+recording in order, and the replayed step is the description's ops with no Python between them. Call-site keys name the
 block and the op, so a decode workspace binds each call once.
 """
 
@@ -99,8 +99,8 @@ class CPUOps:
 
     # Gated DeltaNet ---------------------------------------------------------------------------------------
     def gdn(self, u, z, beta, alpha, *, conv: str, a: str, dt_bias: str, norm: str) -> np.ndarray:
-        """In C on the library's thread pool (heads in parallel), bit-identical to ops_gdn.gdn_layer; numba's own
-        parallel version fought the C pool for the cores."""
+        """In C on the library's thread pool (heads in parallel), bit-identical to the numba oracle gdn_layer; numba's
+        own parallel version fought the C pool for the cores."""
         A, ws, st, i = self.a, self.ws, self.st, self.i
         y = ws.gdn_y[: u.shape[0]]
         w = (self._t(conv), self._t(a), self._t(dt_bias), self._t(norm))

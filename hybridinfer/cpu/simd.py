@@ -24,7 +24,7 @@ import numpy as np
 
 from ..errors import BackendNotAvailableError, UnsupportedTensorTypeError
 from ..quant import type_name
-from .plan import Bound
+from .replay import Bound
 from .simd_gdn import GDNCalls
 from .simd_moe import MoECalls
 from .simd_native import (
@@ -186,7 +186,7 @@ class SimdLib(MoECalls, OpCalls, ReplicaCalls, GDNCalls):
 
     # calls ------------------------------------------------------------------------------------------
     def bind(self, method: str, *args):
-        """Check the arguments of `method` once and return a `Bound` call (plan.py) that repeats it with
+        """Check the arguments of `method` once and return a `Bound` call (replay.py) that repeats it with
         everything resolved: called with no argument, or with the token's position for `attn_step` (its pos0
         is replaced). For a decode loop over fixed work buffers: the arrays must stay alive (the Bound keeps
         references) and keep their shapes; their contents may change between calls."""

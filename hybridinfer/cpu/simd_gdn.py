@@ -1,12 +1,19 @@
 """SimdLib's Gated DeltaNet calls (a part of simd.py's SimdLib): the layer after its projections for T tokens of one
 sequence (gdn_layer), and for one token of each of B sequences (gdn_rows, decode_batch), in C on the pool,
-bit-identical to `ops_gdn.gdn_layer`."""
+bit-identical to the numba oracle tests/oracles/numba_gdn.py's `gdn_layer`."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from .simd_native import _F32, _array, _check_rc, _ptr, _rows_fast
+
+
+def gdn_scratch_size(conv_channels: int, n_v_heads: int, d_v: int, T: int = 1) -> int:
+    """float32 elements of gdn_layer's scratch: one delta per value head and the conv outputs of T
+    tokens. Any T >= 1 works; the layer runs in chunks of as many tokens as the scratch holds, and
+    chunks of T >= 16 or so keep S[j] in cache during prefill."""
+    return T * conv_channels + n_v_heads * d_v
 
 
 class GDNCalls:
@@ -71,11 +78,11 @@ class GDNCalls:
                   ssm_a: np.ndarray, dt_bias: np.ndarray, norm_w: np.ndarray, conv: np.ndarray, S: np.ndarray,
                   n_k_heads: int, head_map_mod: bool, eps: float, y: np.ndarray, scratch: np.ndarray) -> None:
         """The Gated DeltaNet layer after its projections for T tokens, state (conv, S) in place: the C twin
-        of `ops_gdn.gdn_layer` (same arguments, bit-identical results), its value heads split across the
+        of the numba oracle's `gdn_layer` (same arguments, bit-identical results), its value heads split across the
         pool. u (T, C); z (T, H_v*d_v); b, a (T, H_v); y (T, H_v*d_v) (these may be views of wider rows,
         each row contiguous); conv_w (C, K), ssm_a, dt_bias (H_v,), norm_w (d_v,), conv (K-1, C),
         S (H_v, d_k, d_v), scratch (>= H_v*d_v + C,) C-contiguous; all float32, with
-        C = 2*n_k_heads*d_k + H_v*d_v. A scratch of `ops_gdn.gdn_scratch_size(C, H_v, d_v, Tc)` runs the
+        C = 2*n_k_heads*d_k + H_v*d_v. A scratch of `gdn_scratch_size(C, H_v, d_v, Tc)` runs the
         tokens in chunks of Tc."""
         T, C, K, Hv, dk, dv, Hk, rows, ptrs = self._gdn_args(u, z, b, a, conv_w, ssm_a, dt_bias, norm_w, S,
                                                              n_k_heads, y, scratch, lambda T, per: per)

@@ -1,6 +1,6 @@
 """SimdLib's small decode ops (a part of simd.py's SimdLib): the C twins (native/simd/ops.c) of the numba ops in
 ops.py, bit-identical to them, and the attention step (cache write, rope, attention) in one call. They cost
-microseconds; what they buy is a decode step with no Python between its native calls (plan.py)."""
+microseconds; what they buy is a decode step with no Python between its native calls (replay.py)."""
 
 from __future__ import annotations
 

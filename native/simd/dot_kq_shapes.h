@@ -16,7 +16,7 @@
  * sub-blocks); d, dmin the block's fp16 scales as float, D the Q8_K block scale, d*D one float product. The
  * integer sums are exact (their 16-bit intermediates stay below 2^15), so only these float steps define the
  * result. Measured bit for bit against llama.cpp 0.3.36's graph outputs (its intermediates through cb_eval);
- * tests/test_simd_ggml_shapes.py holds the kernels to the numpy reference (hybridinfer/cpu/ggml_ref.py).
+ * tests/test_simd_ggml_shapes.py holds the kernels to the numpy reference (tests/oracles/ggml_ref.py).
  * The gemm's activations come from ggml_quantize_mat_q8_K_4x8, whose bytes equal quantize_row_q8_K's except
  * for a block whose largest magnitude occurs with both signs (it takes the positive one, ggml's reference the
  * first): not reproduced.

@@ -1,5 +1,5 @@
 /* The Gated DeltaNet layer after its projections (spec §3 steps 2-8) on the context's thread pool: the C
- * twin of hybridinfer/cpu/ops_gdn.py:gdn_layer, bit-identical to it.
+ * twin of tests/oracles/numba_gdn.py:gdn_layer, bit-identical to it.
  *
  * Same float operations in the same order as the numba code (fastmath=False; this file is compiled with
  * -ffp-contract=off and without -ffast-math, so no fused or reordered arithmetic):
@@ -102,7 +102,7 @@ static inline __attribute__((always_inline)) void gdn_head_body(const gdn_args *
         float *restrict o = g->y + tt * g->y_row + j * dv;
         /* the delta rule on column blocks of S[j] (GDN_EB lanes, held in registers, the block in L1): pass 1
          * S <- alpha S, delta <- S^T k, delta <- beta (v - delta); pass 2 S <- S + k delta^T, o <- S^T q.
-         * Lane e of delta and o sums over i ascending as in ops_gdn, so blocking changes no result. */
+         * Lane e of delta and o sums over i ascending as in numba_gdn, so blocking changes no result. */
         int64_t e0 = 0;
         for (; e0 + GDN_EB <= dv; e0 += GDN_EB) {
             float d[GDN_EB], acc[GDN_EB];

@@ -145,7 +145,7 @@ int hi_ctx_prefetch(const hi_ctx *c);
 void hi_ctx_pool_stats(hi_ctx *c, int on, double *out);
 
 /* Gated DeltaNet layer after its projections (spec §3 steps 2-8) for T tokens, state in place; the C twin of
- * hybridinfer/cpu/ops_gdn.py:gdn_layer, bit-identical to it, value heads split across the pool.
+ * tests/oracles/numba_gdn.py:gdn_layer, bit-identical to it, value heads split across the pool.
  * u (T rows of C floats, row stride u_row), z (T x Hv*d_v, z_row), b, a (T x Hv, b_row, a_row), y (T x
  * Hv*d_v, y_row) <- gated-normed output; contiguous: conv_w (C, K), ssm_a, dt_bias (Hv), norm_w (d_v),
  * conv (K-1, C) (oldest row first), S (Hv, d_k, d_v); C = 2*n_k_heads*d_k + Hv*d_v; head_map_mod: value
@@ -176,7 +176,7 @@ int hi_attn_rows(hi_ctx *c, int64_t B, float *q, int64_t q_row, int64_t H, int64
                  int64_t scratch_len);
 
 /* ---- small decode ops (ops.c), on the calling thread (sigmoid_gate in segments on the pool), plain float order:
- * the C twins of the numba ops in hybridinfer/cpu/ops.py, bit-identical to them (the float operations written
+ * the C twins of the numba ops in tests/oracles/numba_ops.py, bit-identical to them (the float operations written
  * there, no FMA contraction) */
 
 /* residual add and RMSNorm over T tokens of H heads of n floats (head h of token t at x + t*x_row + h*n):
@@ -223,7 +223,7 @@ int hi_ctx_place_thread(hi_ctx *c, int tid, int replica, const int *cpus, int nc
 int hi_ctx_thread_replica(hi_ctx *c, int tid);
 int hi_ctx_replica_hits(hi_ctx *c, int64_t *out, int reset);
 
-/* ---- recorded steps (plan.c): a decode step's native calls run back to back without returning to Python.
+/* ---- recorded steps (replay.c): a decode step's native calls run back to back without returning to Python.
  * Each step names an entry point above (HI_OP_*) and holds its arguments after the context, in order:
  * pointers in .p, integers in .i, floats in .f; the argument at index pos_arg (-1: none) is replaced by
  * pos + its .i (the token's position). */
@@ -245,7 +245,7 @@ typedef struct {
 } hi_step;
 /* runs steps[0..n) at position pos; returns 0, or the first failing call's code with *failed = its index.
  * ns (NULL: not clocked): ns[i] += the nanoseconds step i took (two clock reads per step) */
-int hi_plan_run(hi_ctx *c, const hi_step *steps, int64_t n, int64_t pos, int64_t *failed, int64_t *ns);
+int hi_replay_run(hi_ctx *c, const hi_step *steps, int64_t n, int64_t pos, int64_t *failed, int64_t *ns);
 
 
 /* pace.c: host functions that hold a CUDA copy stream to a slower bus's rate (run by cuLaunchHostFunc) */

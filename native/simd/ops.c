@@ -1,5 +1,5 @@
 /* The small ops between the matrix products, on the calling thread (sigmoid_gate, one scalar
- * expf per value, in segments on the pool): the C twins of the numba ops in hybridinfer/cpu/ops.py, bit-identical
+ * expf per value, in segments on the pool): the C twins of the numba ops in tests/oracles/numba_ops.py, bit-identical
  * to them (tests/test_simd_ops.py). Plain float code compiled with -ffp-contract=off: each product, sum and
  * narrowing happens as written (ggml's order where ops.py says so), and only element-wise loops may vectorize (a
  * vectorized element-wise loop rounds as the scalar one).
@@ -10,7 +10,7 @@
  *                 w_j = (float)(p_j / max(sum_j p_j, 2^-14))
  *   moe_combine:  out = y_0 * w_0; out += y_j * w_j (j = 1..k-1); shared: out += s * (1.0f / (1.0f +
  *                 expf(-(float)(sum_i (double)x_i * (double)w_i))))
- * These cost microseconds; what they save is the return to Python between the products (plan.c). SwiGLU
+ * These cost microseconds; what they save is the return to Python between the products (replay.c). SwiGLU
  * (attn.c) and the combine's sums run in segments on the pool: element-wise, so any split gives the same bits;
  * rms_norm over a prompt's rows, a row a task.
  */

@@ -1,9 +1,9 @@
-"""A decode step as one native call.
+"""A decode step recorded once and replayed as one native call (DecodeReplay; BatchReplay for B sequences).
 
 `SimdLib.bind` checks a call's arguments once and returns a `Bound`: the C entry point and its converted
 arguments. The CPU backend records a decode step's operations at the first step of a sequence (a list of
 Bound calls, in order, and a Python callable for what has no native twin: the token's embedding row);
-`Steps` packs runs of Bound calls into arrays of `hi_step` (native/simd/hi_simd.h) that `hi_plan_run` runs
+`Steps` packs runs of Bound calls into arrays of `hi_step` (native/simd/hi_simd.h) that `hi_replay_run` runs
 back to back, so later steps return to Python once per run instead of once per operation. The arrays hold
 addresses: a Steps keeps every array it points at alive (through the Bound calls' references).
 """
@@ -18,7 +18,7 @@ from ..state import DecoderState
 from .simd_native import _check_rc
 
 # entry points whose argument at this index (after the context) is the token's position: a Bound of them is
-# called with the position, and a step of them gets it from hi_plan_run
+# called with the position, and a step of them gets it from hi_replay_run
 POS_ARGS = {"attn_step": 11, "attn_rows": 13}  # attn_rows: the offset added to its recorded positions
 
 
@@ -45,7 +45,7 @@ class Bound:
 
 
 class Steps:
-    """Bound calls packed for hi_plan_run; run(pos) runs them all at the token position pos. With `ns` set to
+    """Bound calls packed for hi_replay_run; run(pos) runs them all at the token position pos. With `ns` set to
     an int64 array of len(calls) (benchmarks), each run adds every call's nanoseconds to it."""
 
     def __init__(self, simd, calls: list[Bound]):
@@ -80,7 +80,7 @@ class Steps:
             else:
                 raise TypeError(f"{b.name}: parameter {j} of C type {t.cname} cannot be recorded")
         if b.pos_arg is not None:
-            s.a[b.pos_arg].i = 0  # hi_plan_run adds the position
+            s.a[b.pos_arg].i = 0  # hi_replay_run adds the position
 
     def run(self, pos: int) -> None:
         ns = self._ffi.NULL
@@ -89,7 +89,7 @@ class Steps:
                 raise ValueError(f"Steps.ns must be a contiguous int64 array of {len(self.calls)}, got "
                                  f"{self.ns.dtype} {self.ns.shape}")
             ns = self._ffi.from_buffer("int64_t[]", self.ns)
-        rc = self._lib.hi_plan_run(self._simd._c, self._arr, len(self.calls), int(pos), self._failed, ns)
+        rc = self._lib.hi_replay_run(self._simd._c, self._arr, len(self.calls), int(pos), self._failed, ns)
         if rc:
             _check_rc(rc, self.calls[self._failed[0]].name)
 
@@ -112,7 +112,7 @@ def segments(simd, steps: list) -> list:
 
 
 def run_segments(segs: list, pos: int) -> None:
-    """segments() in order, at position pos (DecodePlan: the state's; BatchPlan: the offset since recording)"""
+    """segments() in order, at position pos (DecodeReplay: the state's; BatchReplay: the offset since recording)"""
     for s in segs:
         if type(s) is Steps:
             s.run(pos)
@@ -122,13 +122,13 @@ def run_segments(segs: list, pos: int) -> None:
             s()
 
 
-class DecodePlan:
+class DecodeReplay:
     """A decode step's operations as recorded over one workspace for one state, replayed in order: runs of
     Bound calls as Steps (one native call each), the rest (zero-argument Python callables) as they are; the
-    position comes from the state when it runs. Valid while the state holds the same arrays (the plan keeps
+    position comes from the state when it runs. Valid while the state holds the same arrays (the replay keeps
     them alive, so their ids cannot be reused)."""
 
-    MAX_PLANS = 16  # per workspace: sequences decoded in turn over it
+    MAX_REPLAYS = 16  # per workspace: sequences decoded in turn over it
 
     def __init__(self, simd, state: DecoderState, steps: list, out):
         self.state = weakref.ref(state)
@@ -153,26 +153,26 @@ class DecodePlan:
         return self.state() is st and tuple(map(id, self._arrays(st))) == self.ids
 
     @classmethod
-    def keep(cls, plans: dict, simd, st: DecoderState, steps: list, out) -> None:
-        plans.pop(id(st), None)
-        while len(plans) >= cls.MAX_PLANS:
-            plans.pop(next(iter(plans)))
-        plans[id(st)] = cls(simd, st, steps, out)
+    def keep(cls, replays: dict, simd, st: DecoderState, steps: list, out) -> None:
+        replays.pop(id(st), None)
+        while len(replays) >= cls.MAX_REPLAYS:
+            replays.pop(next(iter(replays)))
+        replays[id(st)] = cls(simd, st, steps, out)
 
 
-class BatchPlan:
+class BatchReplay:
     """One decode step of B sequences (CPUModel.decode_batch) as recorded over a workspace of B rows, replayed in
-    order like DecodePlan. Every sequence advances one position a step, so the attention call (attn_rows) keeps the
-    positions it was recorded with and the plan runs at the number of steps since: the offset it adds to them.
+    order like DecodeReplay. Every sequence advances one position a step, so the attention call (attn_rows) keeps the
+    positions it was recorded with and the replay runs at the number of steps since: the offset it adds to them.
     Valid while the same states, in the same order, hold the same arrays and have all advanced by the same number
     of steps."""
 
-    MAX_PLANS = 8  # per workspace: sets of sequences decoded in turn over it
+    MAX_REPLAYS = 8  # per workspace: sets of sequences decoded in turn over it
 
     def __init__(self, simd, states: list[DecoderState], steps: list, out):
         self.states = [weakref.ref(st) for st in states]
-        self.ids = [tuple(map(id, DecodePlan._arrays(st))) for st in states]
-        self.arrays = [DecodePlan._arrays(st) for st in states]  # kept alive: their ids cannot be reused
+        self.ids = [tuple(map(id, DecodeReplay._arrays(st))) for st in states]
+        self.arrays = [DecodeReplay._arrays(st) for st in states]  # kept alive: their ids cannot be reused
         self.pos0 = [st.pos for st in states]
         self.out = out
         self.segments = segments(simd, steps)
@@ -186,12 +186,12 @@ class BatchPlan:
         return tuple(map(id, states))
 
     def delta(self, states: list[DecoderState]) -> int | None:
-        """steps since the recording when the plan holds for these states, else None"""
+        """steps since the recording when the replay holds for these states, else None"""
         if len(states) != len(self.states):
             return None
         d = states[0].pos - self.pos0[0]
         for ref, ids, p0, st in zip(self.states, self.ids, self.pos0, states, strict=True):
-            if ref() is not st or st.pos - p0 != d or tuple(map(id, DecodePlan._arrays(st))) != ids:
+            if ref() is not st or st.pos - p0 != d or tuple(map(id, DecodeReplay._arrays(st))) != ids:
                 return None
         return d if d >= 0 else None
 
@@ -200,9 +200,9 @@ class BatchPlan:
         return self.out
 
     @classmethod
-    def keep(cls, plans: dict, simd, states: list[DecoderState], steps: list, out) -> None:
+    def keep(cls, replays: dict, simd, states: list[DecoderState], steps: list, out) -> None:
         k = cls.key(states)
-        plans.pop(k, None)
-        while len(plans) >= cls.MAX_PLANS:
-            plans.pop(next(iter(plans)))
-        plans[k] = cls(simd, states, steps, out)
+        replays.pop(k, None)
+        while len(replays) >= cls.MAX_REPLAYS:
+            replays.pop(next(iter(replays)))
+        replays[k] = cls(simd, states, steps, out)

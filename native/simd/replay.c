@@ -1,4 +1,4 @@
-/* hi_plan_run: a recorded decode step (hybridinfer/cpu/plan.py records it from the backend's first step of a
+/* hi_replay_run: a recorded decode step (hybridinfer/cpu/replay.py records it from the backend's first step of a
  * sequence) run as one native call. Each hi_step names an entry point of hi_simd.h and holds the arguments
  * that entry point was bound with, checked once by the Python wrappers when they were recorded; the token's
  * position is the one argument that changes from step to step (pos_arg). No arithmetic here: the entry
@@ -68,7 +68,7 @@ static int hi_step_run(hi_ctx *c, const hi_step *s, int64_t pos) {
     }
 }
 
-int hi_plan_run(hi_ctx *c, const hi_step *steps, int64_t n, int64_t pos, int64_t *failed, int64_t *ns) {
+int hi_replay_run(hi_ctx *c, const hi_step *steps, int64_t n, int64_t pos, int64_t *failed, int64_t *ns) {
     if (!c || (!steps && n) || n < 0) return -2;
     for (int64_t i = 0; i < n; i++) {
         const int64_t t0 = ns ? hi_now_ns() : 0;

@@ -1,9 +1,10 @@
-"""The Gated DeltaNet layer after its projections (spec §3 steps 2-8), in numba, token by token.
+"""Test oracle: the Gated DeltaNet layer after its projections (spec §3 steps 2-8), in numba, token by token;
+the plain-order reference of the CPU backend's C layer (`SimdLib.gdn_layer`).
 
 Inputs are the projections of T tokens; the state (conv, S) is updated in place, in the DecoderState
 layout: conv (K-1, C) float32, oldest first; S (H_v, d_k, d_v) float32. Matches
 `ReferenceModel.gdn` between its projections: same operation order in float32, L2 norms in float64;
-the gated RMSNorm is rounded as ggml's rms_norm (see ops.rms_scale).
+the gated RMSNorm is rounded as ggml's rms_norm (see numba_ops.rms_scale).
 """
 
 from __future__ import annotations
@@ -13,16 +14,11 @@ import math
 import numpy as np
 from numba import njit
 
-from .ops import rms_scale
+from hybridinfer.cpu.simd_gdn import gdn_scratch_size
+
+from .numba_ops import rms_scale
 
 _jit = dict(cache=True, fastmath=False)
-
-
-def gdn_scratch_size(conv_channels: int, n_v_heads: int, d_v: int, T: int = 1) -> int:
-    """float32 elements of gdn_layer's scratch: one delta per value head and the conv outputs of T
-    tokens. Any T >= 1 works; the layer runs in chunks of as many tokens as the scratch holds, and
-    chunks of T >= 16 or so keep S[j] in cache during prefill."""
-    return T * conv_channels + n_v_heads * d_v
 
 
 @njit(**_jit)

@@ -100,7 +100,7 @@ def check_sm20(cu_path, clang: str = "clang-16", cuda_path: str | None = None) -
     return forbidden_in_ptx(compile_ptx(cu_path, clang=clang, cuda_path=cuda_path))
 
 
-if __name__ == "__main__":  # python -m hybridinfer.gpu.sm20check native/cuda_sm20/*.cu
+if __name__ == "__main__":  # python -m tools.sm20check native/cuda_sm20/*.cu
     import sys
 
     bad = 0

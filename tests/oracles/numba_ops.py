@@ -1,4 +1,4 @@
-"""numba ops of everything between the quantized matrix products: the references of the CPU backend's C ops.
+"""Test oracle: numba ops of everything between the quantized matrix products, the references of the CPU C ops.
 
 Every op works in place on preallocated, C-contiguous float32 buffers, takes T tokens (T = 1 for
 decode, up to a few hundred for chunked prefill) and allocates nothing: scratch buffers are passed in.
@@ -6,7 +6,7 @@ Optional inputs are empty arrays (`NO_GATE`, `NO_FREQS`). All functions are `@nj
 fastmath=False)`: no reassociation and no FMA contraction, so results are reproducible and follow the
 rounding written here (ggml's where the brief asks for it, see each docstring).
 
-The GDN layer is in ops_gdn.py, sampling in sampling_nb.py; `warmup()` compiles all three modules. The backend
+The GDN layer is in numba_gdn.py, sampling in hybridinfer/sampling.py; `warmup()` compiles all three. The backend
 runs attention, rope and swiglu in C with llama.cpp's float order (native/simd/kernels_attn.h), and the norms,
 routing, gates and combine as their bit-identical C twins (native/simd/ops.c, tests/test_simd_ops.py), so that
 a decode step runs as one native call; the numba versions here stay as the plain-order references.
@@ -16,7 +16,7 @@ Vectorization without reassociation: numba leaves LLVM's SLP vectorizer off, so 
 last axis with independent lanes vectorize. Dot products are therefore never vectorized along their
 own length: attention transposes K in blocks and accumulates scores for 64 keys at a time, each score
 summed over d in plain order. The ops are single-threaded (the backend runs the GDN layer in C,
-`SimdLib.gdn_layer`, on the library's thread pool; ops_gdn.gdn_layer is its reference twin).
+`SimdLib.gdn_layer`, on the library's thread pool; numba_gdn.gdn_layer is its reference twin).
 """
 
 from __future__ import annotations
@@ -380,9 +380,11 @@ def moe_route(logits, k, idx_out, w_out):
 
 # warm-up -------------------------------------------------------------------------------------------
 def warmup() -> None:
-    """Compile (or load from numba's cache) every op of ops, ops_gdn and sampling_nb on tiny inputs,
+    """Compile (or load from numba's cache) every op of numba_ops, numba_gdn and the sampler on tiny inputs,
     with the argument types the backend uses (C-contiguous float32 arrays, int32 indices)."""
-    from . import ops_gdn, sampling_nb
+    from hybridinfer import sampling
+
+    from . import numba_gdn
 
     f = lambda *s: np.zeros(s, np.float32)  # noqa: E731
     x = f(1, 8)
@@ -404,5 +406,5 @@ def warmup() -> None:
     gated_add(x, x, x, f(8))
     moe_combine(f(2, 8), f(1, 2), x)
     moe_route(f(1, 4), 2, np.zeros((1, 2), np.int32), f(1, 2))
-    ops_gdn.warmup()
-    sampling_nb.warmup()
+    numba_gdn.warmup()
+    sampling.warmup()

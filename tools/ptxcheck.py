@@ -17,7 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import kclass
+from hybridinfer.gpu import kclass
+
 from .sm20check import clang_device_ptx
 
 

@@ -1,0 +1,107 @@
+"""The runtime package imports no test oracle and no plotting or training library: every module under hybridinfer/
+is imported in a fresh interpreter, then sys.modules is checked (benchmarks import matplotlib inside their plot
+functions only, so importing them must not load it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_PROBE = r"""
+import importlib, json, os, pkgutil, sys
+import hybridinfer
+names = [m.name for m in pkgutil.walk_packages(hybridinfer.__path__, "hybridinfer.")
+         if not m.name.endswith(".__main__")]  # __main__ runs the CLI
+# a module that needs an extra that is not installed here (serve, batch, gpu) is left out, not failed
+OPTIONAL = {"fastapi", "uvicorn", "sse_starlette", "pydantic", "prometheus_client", "llguidance", "ray", "pycuda"}
+for n in names:
+    try:
+        importlib.import_module(n)
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] not in OPTIONAL:
+            raise
+tests = os.path.join(sys.argv[1], "tests") + os.sep
+print(json.dumps({"names": names, "modules": {k: getattr(v, "__file__", None) or "" for k, v in sys.modules.items()},
+                  "tests": tests}))
+"""
+
+FORBIDDEN = ("matplotlib", "torch", "transformers", "oracles")
+
+
+def test_runtime_imports_no_oracle_nor_plotting():
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-c", _PROBE, ROOT], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    names = got["names"]
+    # the walk really covered the package: the CPU backend, the GPU launchers, the server and the benchmarks
+    for n in ("hybridinfer.cpu.backend", "hybridinfer.gpu.loader", "hybridinfer.sampling", "hybridinfer.cli"):
+        assert n in names
+    assert any(n.startswith("hybridinfer.benchmarks.") for n in names)
+    mods = got["modules"]
+    loaded = sorted(k for k in mods if k.split(".")[0] in FORBIDDEN)
+    assert loaded == [], f"runtime import pulled in {loaded}"
+    from_tests = sorted(k for k, f in mods.items() if f.startswith(got["tests"]))
+    assert from_tests == [], f"runtime import loaded modules from tests/: {from_tests}"
+    assert not any(k.startswith("tools.") or k == "tools" for k in mods)
+
+
+def test_benchmarks_without_matplotlib(monkeypatch, tmp_path, capsys):
+    """matplotlib is the `bench` extra: without it every benchmark's plot returns False and writes nothing, and
+    `hybridinfer bench` still writes its JSON with one note line instead of the PNG."""
+    import importlib
+    import pkgutil
+
+    from hybridinfer import benchmarks
+    from hybridinfer.cli_bench import _save_bench
+
+    for name in ("matplotlib", "matplotlib.pyplot"):
+        monkeypatch.setitem(sys.modules, name, None)  # `import matplotlib` raises ImportError
+    plots = []
+    for m in pkgutil.iter_modules(benchmarks.__path__, "hybridinfer.benchmarks."):
+        plot = getattr(importlib.import_module(m.name), "plot", None)
+        if plot is not None:
+            png = tmp_path / (m.name + ".png")
+            assert plot({} if "prefix" not in m.name else [], str(png)) is False, m.name
+            assert not png.exists()
+            plots.append(m.name)
+    assert len(plots) >= 6, plots  # decode, batch, prefill, prefix, serve, batch-job
+    from hybridinfer.benchmarks import decode
+
+    _save_bench(str(tmp_path), "b", '{"x": 1}', lambda png: decode.plot({}, png))
+    out = capsys.readouterr().out
+    assert (tmp_path / "b.json").read_text() == '{"x": 1}' and not (tmp_path / "b.png").exists()
+    assert [ln for ln in out.splitlines() if "matplotlib" in ln] == [f"wrote {tmp_path / 'b'}.json (no plot: "
+                                                                   "matplotlib missing)"]
+
+
+def test_every_backend_entry_point_says_decode_stays_on_the_cpu():
+    """backend "gpu" is the prefill device: each place a user picks a backend says decode stays on the CPU."""
+    import argparse
+
+    from hybridinfer import backends
+    from hybridinfer.api import Engine
+    from hybridinfer.cli import build_parser
+
+    def backend_helps(parser, path=()):
+        for act in parser._actions:
+            if "--backend" in act.option_strings:
+                yield path, act.help or ""
+            if isinstance(act, argparse._SubParsersAction):
+                for name, sub in act.choices.items():
+                    yield from backend_helps(sub, path + (name,))
+
+    helps = list(backend_helps(build_parser()))
+    assert {("run",), ("chat",), ("serve",), ("batch",), ("bench", "serve")} <= {p for p, _ in helps}, helps
+    for path, h in helps:
+        assert "gpu (prefill on the card; decode stays on the CPU)" in h, (path, h)
+    for doc in (Engine.load.__doc__, backends.__doc__, backends.GPUPrefillCPUDecode.__doc__):
+        assert '"gpu"' in doc and "decode" in doc and "CPU" in doc
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    assert "`gpu`: prefill on the card, decode on the CPU" in readme
