@@ -34,6 +34,13 @@ def test_cli_run_default_model_says_paris():
     assert "Paris" in r.stdout, r.stdout
 
 
+def test_readme_quick_start_answers_paris():
+    """The README's first command (chat-templated, default backend and sampling) answers as the README says."""
+    r = _cli("run", "-p", "Name the capital of France.")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "The capital of France is Paris.", r.stdout
+
+
 def test_cli_info_and_logits(tmp_path, smollm_path, smollm_ref):
     r = _cli("info")
     assert r.returncode == 0, r.stderr
