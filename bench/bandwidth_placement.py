@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import argparse
 
-from hybridinfer.cpu.simd import SimdLib
-from hybridinfer.cpu.weights import huge_page_buffer
+from hybridinfer.backends.cpu.simd import SimdLib
+from hybridinfer.backends.cpu.weights import huge_page_buffer
 
 
 def main(argv=None) -> None:

@@ -19,11 +19,11 @@ from collections import defaultdict
 
 import numpy as np
 
-from hybridinfer.api import Engine
-from hybridinfer.benchmarks.decode import greedy_steps
-from hybridinfer.cpu.replay import Steps
-from hybridinfer.cpu.simd import KQ_ZIPPED, base_type
-from hybridinfer.quant import type_name as _type_name
+from hybridinfer.backends.cpu.replay import Steps
+from hybridinfer.backends.cpu.simd import KQ_ZIPPED, base_type
+from hybridinfer.engine.api import Engine
+from hybridinfer.format.quant import type_name as _type_name
+from hybridinfer.tools.benchmarks.decode import greedy_steps
 
 
 def type_name(q: int) -> str:
@@ -34,7 +34,7 @@ def type_name(q: int) -> str:
 def _pool_round_trip(simd, reps: int = 2000) -> tuple[float, float]:
     """Microseconds of one pooled product too small to matter (1024 x 256 Q4_K, just above the size run on the
     calling thread alone) minus the same on the calling thread: the pool's wake-up and join."""
-    from hybridinfer.cpu.simd import SimdLib
+    from hybridinfer.backends.cpu.simd import SimdLib
 
     rows, cols = 1024, 256
     w = np.zeros(rows * cols // 256 * 144, np.uint8)

@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from hybridinfer.api import Engine
+from hybridinfer.engine.api import Engine
 
 
 def main() -> None:

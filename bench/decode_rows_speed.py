@@ -21,8 +21,8 @@ import time
 
 import numpy as np
 
-from hybridinfer.cpu.simd import GGML_DECODE_ROWS, GGML_MUL_MAT, GGML_MUL_MAT_ID, GGML_NONE, SimdLib
-from hybridinfer.quant import F16, F32, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, random_blocks
+from hybridinfer.backends.cpu.simd import GGML_DECODE_ROWS, GGML_MUL_MAT, GGML_MUL_MAT_ID, GGML_NONE, SimdLib
+from hybridinfer.format.quant import F16, F32, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, random_blocks
 
 OPS = {"decode_rows": GGML_DECODE_ROWS, "mul_mat": GGML_MUL_MAT, "mul_mat_id": GGML_MUL_MAT_ID, "none": GGML_NONE}
 TYPES = {"F32": F32, "F16": F16, "Q4_0": Q4_0, "Q4_1": Q4_1, "Q5_0": Q5_0, "Q5_1": Q5_1, "Q8_0": Q8_0,

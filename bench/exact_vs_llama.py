@@ -37,8 +37,8 @@ def main(argv=None) -> int:
     ap.add_argument("--isa", default="native")
     ap.add_argument("-n", type=int, default=12, help="steps per prompt")
     a = ap.parse_args(argv)
-    from hybridinfer.api import Engine
-    from hybridinfer.default_model import default_model_path
+    from hybridinfer.engine.api import Engine
+    from hybridinfer.format.default_model import default_model_path
 
     path = a.model or default_model_path()
     eng = Engine.load(path, backend="cpu", n_ctx=512, isa=None if a.isa == "native" else a.isa, n_threads=2)

@@ -35,7 +35,7 @@ def token_ids(n_vocab: int, n: int, seed: int = 5) -> list[int]:
 def engine_logits(path: str, ids: list[int], n_prefill: int, backend: str, threads: int | None,
                   isa: str | None = None) -> np.ndarray:
     """Rows for every position: a prefill of ids[:n_prefill] (all logits), then one decode step per later token."""
-    from hybridinfer.api import Engine
+    from hybridinfer.engine.api import Engine
 
     eng = Engine.load(path, backend=backend, n_ctx=len(ids) + 16, n_threads=threads, isa=isa)
     st = eng.new_state()
@@ -112,7 +112,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if not 0 < a.prefill <= a.n:
         ap.error(f"--prefill must be in 1..n ({a.n}), got {a.prefill}")
-    from hybridinfer.gguf_model import GGUFModel
+    from hybridinfer.format.gguf_model import GGUFModel
     from hybridinfer.models import model_args
 
     args = model_args(GGUFModel(a.model))

@@ -14,7 +14,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from hybridinfer import quant  # noqa: E402
+from hybridinfer.format import quant  # noqa: E402
 
 
 def _time(fn, reps: int) -> float:
@@ -43,13 +43,13 @@ def main(argv=None) -> None:
     ap.add_argument("--types", default="Q4_K,Q5_K,Q6_K,Q8_0,Q4_0,F16,F32")
     ap.add_argument("--also-T", default="1,64,4096", help="further token counts timed for Q4_K")
     ap.add_argument("--card-profile", default=None, help="fermi | kepler | maxwell | pascal: compile and tile as "
-                    "for that class of card (hybridinfer/gpu/cards.py)")
+                    "for that class of card (hybridinfer/backends/gpu/cards.py)")
     ap.add_argument("--tiles", default="all", help="all: time every tile of the class; default: only the chosen")
     a = ap.parse_args(argv)
 
     from pycuda import gpuarray
 
-    from hybridinfer.gpu import k_gemm, loader
+    from hybridinfer.backends.gpu import k_gemm, loader
 
     loader.init()
     loader.configure(a.card_profile)

@@ -31,15 +31,15 @@ def main(argv=None) -> None:
 
     import pycuda.driver as drv
 
+    from hybridinfer.backends.gpu import loader
+    from hybridinfer.backends.gpu.backend import GPUModel
     from hybridinfer.cli import parse_size
-    from hybridinfer.gguf_model import GGUFModel
-    from hybridinfer.gpu import loader
-    from hybridinfer.gpu.backend import GPUModel
+    from hybridinfer.format.gguf_model import GGUFModel
     from hybridinfer.models import model_args
 
     path = a.model
     if not path:
-        from hybridinfer.synth import synth_model
+        from hybridinfer.tools.synth import synth_model
 
         path = "/tmp/m35-4layer.gguf"
         if not os.path.exists(path):

@@ -17,8 +17,8 @@ import numpy as np
 
 
 def main() -> None:
-    from hybridinfer.api import Engine
-    from hybridinfer.cli_args import parse_size
+    from hybridinfer.cli.args import parse_size
+    from hybridinfer.engine.api import Engine
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-m", "--model", required=True)

@@ -15,11 +15,11 @@ import time
 
 import numpy as np
 
-from hybridinfer.benchmarks.decode import probe_bytes
-from hybridinfer.cpu.replay import Steps
-from hybridinfer.cpu.simd import SimdLib
-from hybridinfer.cpu.weights import huge_page_buffer
-from hybridinfer.quant import F32, Q4_K, Q6_K, Q8_0
+from hybridinfer.backends.cpu.replay import Steps
+from hybridinfer.backends.cpu.simd import SimdLib
+from hybridinfer.backends.cpu.weights import huge_page_buffer
+from hybridinfer.format.quant import F32, Q4_K, Q6_K, Q8_0
+from hybridinfer.tools.benchmarks.decode import probe_bytes
 
 # (label, [(qtype, rows, cols)] of one call: several items run as one matmul_many)
 SHAPES = [

@@ -2,8 +2,8 @@
 class, from clang-16 PTX assembled by CUDA 11.8's ptxas (tools/ptxcheck.py); no GPU needed.
 
     python bench/ptxas_report.py              # the table, one row per (class, kernel)
-    python bench/ptxas_report.py --write      # also rewrite hybridinfer/gpu/ptxas_table.py (tests/test_ptxas.py
-                                              # checks that file against ptxas)
+    python bench/ptxas_report.py --write      # also rewrite hybridinfer/backends/gpu/ptxas_table.py
+                                              # (tests/test_ptxas.py checks that file against ptxas)
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from hybridinfer.gpu import cards, kclass  # noqa: E402
+from hybridinfer.backends.gpu import cards, kclass  # noqa: E402
 from tools import ptxcheck  # noqa: E402
 
-TABLE = ROOT / "hybridinfer" / "gpu" / "ptxas_table.py"
+TABLE = ROOT / "hybridinfer" / "backends" / "gpu" / "ptxas_table.py"
 # the card whose limits give the resident blocks and occupancy of each class's row
 CLASS_CARD = {kclass.R63: "c2075", kclass.R255: "k40"}
 
@@ -54,7 +54,7 @@ def write_table(usage: dict) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--write", action="store_true", help="rewrite hybridinfer/gpu/ptxas_table.py")
+    ap.add_argument("--write", action="store_true", help="rewrite hybridinfer/backends/gpu/ptxas_table.py")
     ap.add_argument("--class", dest="cls", choices=kclass.CLASSES, action="append", help="only this class")
     a = ap.parse_args()
     usage = measure(tuple(a.cls or kclass.CLASSES))

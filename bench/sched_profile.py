@@ -13,9 +13,9 @@ import time
 
 
 def main() -> None:
-    from hybridinfer.api import Engine
-    from hybridinfer.benchmarks.serve import system_prompt
-    from hybridinfer.scheduler import Scheduler
+    from hybridinfer.engine.api import Engine
+    from hybridinfer.engine.scheduler import Scheduler
+    from hybridinfer.tools.benchmarks.serve import system_prompt
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model")

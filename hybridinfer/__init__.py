@@ -4,9 +4,9 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name):
-    # lazy, so `import hybridinfer.quant` stays light
+    # lazy, so `import hybridinfer.format.quant` stays light
     if name == "Engine":
-        from .api import Engine
+        from .engine.api import Engine
 
         return Engine
     raise AttributeError(name)

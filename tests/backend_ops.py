@@ -17,8 +17,8 @@ import pytest
 # to Q8 as llama.cpp does (so does the reference with act_quant), the card's multiply float32 activations
 BACKENDS = {"cpu": ((), {"act_quant": True}), "gpu": ((pytest.mark.gpu,), {})}
 GPU_TOL = 2e-3  # the card's float order (tiles, fast exp) against numpy's: the prefill tests' logit tolerance
-OPS_CLASSES = {"reference": "hybridinfer.reference:RefOps", "cpu": "hybridinfer.cpu.graph_ops:CPUOps",
-               "gpu": "hybridinfer.gpu.graph_ops:GPUOps"}
+OPS_CLASSES = {"reference": "hybridinfer.backends.reference:RefOps", "cpu": "hybridinfer.backends.cpu.graph_ops:CPUOps",
+               "gpu": "hybridinfer.backends.gpu.graph_ops:GPUOps"}
 
 
 def backend_params():
@@ -81,7 +81,7 @@ CASES: dict[str, list[Case]] = {
 
 
 def engine(oracle_gguf, arch: str, backend: str, cache: dict, **opts):
-    from hybridinfer.api import Engine
+    from hybridinfer.engine.api import Engine
 
     key = (arch, backend, tuple(sorted(opts.items())))
     if key not in cache:

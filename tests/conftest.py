@@ -29,7 +29,7 @@ def pytest_configure(config):
 def _configure_card_profile(request):
     """Kernel-level gpu tests launch through the loader's process-wide profile: set it before each of them."""
     if request.node.get_closest_marker("gpu") is not None:
-        from hybridinfer.gpu import loader
+        from hybridinfer.backends.gpu import loader
 
         loader.configure(request.config.getoption("--card-profile"))
 
@@ -46,7 +46,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def smollm_path() -> str:
-    from hybridinfer.default_model import default_model_path
+    from hybridinfer.format.default_model import default_model_path
 
     return default_model_path()
 
@@ -54,7 +54,7 @@ def smollm_path() -> str:
 @pytest.fixture(scope="session")
 def smollm_ref(smollm_path):
     """The reference engine on SmolLM2 (weights dequantized once per session)."""
-    from hybridinfer.api import Engine
+    from hybridinfer.engine.api import Engine
 
     return Engine.load(smollm_path, backend="reference", n_ctx=1024)
 
@@ -107,7 +107,7 @@ def oracle_gguf(_oracle_models, request):
 @pytest.fixture(scope="module")
 def ga():
     """pycuda's gpuarray module once a context is up (gpu-marked kernel tests)."""
-    from hybridinfer.gpu import loader
+    from hybridinfer.backends.gpu import loader
 
     loader.init()
     from pycuda import gpuarray
@@ -118,7 +118,7 @@ def ga():
 @pytest.fixture(scope="module")
 def libs():
     """One SimdLib per ISA this CPU runs, 2 threads each (test_simd_gdn.py has its own, by thread count)."""
-    from hybridinfer.cpu.simd import SimdLib, supported_isas
+    from hybridinfer.backends.cpu.simd import SimdLib, supported_isas
 
     out = {isa: SimdLib(isa, n_threads=2) for isa in supported_isas()}
     yield out

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hybridinfer import actquant
-from hybridinfer.quant import random_blocks
+from hybridinfer.backends import actquant
+from hybridinfer.format.quant import random_blocks
 
 TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0"}
 
@@ -50,7 +50,7 @@ def test_qmatmul_matches_ggml_vec_dot(ggml, qtype):
         theirs = ggml_kernels.matvec(ggml, raw, qtype, rows, cols, x[t])
         # integer sums are exact in both; only the float summation order of block terms differs
         assert np.allclose(ours[t], theirs, rtol=1e-5, atol=1e-5 * np.abs(theirs).max()), TYPES[qtype]
-    from hybridinfer.quant import dequantize
+    from hybridinfer.format.quant import dequantize
 
     exact = x @ dequantize(raw, qtype, (rows, cols)).T
     assert not np.allclose(ours, exact, rtol=1e-6, atol=0)  # activation rounding really happened

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from gguf_edit import rewrite
 
-from hybridinfer.api import Engine
+from hybridinfer.engine.api import Engine
 from hybridinfer.errors import (
     BackendNotAvailableError,
     ContextLengthError,
@@ -176,7 +176,7 @@ def test_architecture_level_errors(tmp_path, oracle_gguf):
 
 def test_cli_default_backend_is_auto(monkeypatch):
     """No --backend: every command asks the library for `auto` (the reference only when asked for)."""
-    import hybridinfer.api as api
+    import hybridinfer.engine.api as api
     from hybridinfer import cli
 
     seen = []
@@ -193,9 +193,9 @@ def test_auto_backend_with_and_without_gpu(monkeypatch, smollm_path):
     backend, never the numpy reference. The GPU is mocked so both branches run on any machine."""
     import inspect
 
-    import hybridinfer.gpu.backend as gb
+    import hybridinfer.backends.gpu.backend as gb
     from hybridinfer.backends import Backend, GPUPrefillCPUDecode
-    from hybridinfer.cpu.backend import CPUModel
+    from hybridinfer.backends.cpu.backend import CPUModel
     from hybridinfer.errors import BackendNotAvailableError
 
     assert inspect.signature(Engine.load).parameters["backend"].default == "auto"
@@ -251,7 +251,7 @@ def test_cli_bench_commands_write_tables(tmp_path, oracle_gguf, capsys):
 
 
 def test_effective_bandwidth_weighs_each_run_by_its_floor_time():
-    from hybridinfer.benchmarks.decode import effective_bandwidth
+    from hybridinfer.tools.benchmarks.decode import effective_bandwidth
 
     assert effective_bandwidth([100.0, 100.0], [7]) == pytest.approx(100.0)
     # 8 steps at 50 then 8 at 150 (means of the readings around each run): floor times 8/50 + 8/150
@@ -263,7 +263,7 @@ def test_effective_bandwidth_weighs_each_run_by_its_floor_time():
 
 
 def test_run_floor_fracs_hold_each_run_to_its_own_readings():
-    from hybridinfer.benchmarks.decode import run_floor_fracs
+    from hybridinfer.tools.benchmarks.decode import run_floor_fracs
 
     # 2 tokens of 1e9 bytes at 50 GB/s (readings 40, 60) in 0.05 s: 80%; 0 tokens left out; 1 token at 150 in 0.01 s
     fr = run_floor_fracs([40e9, 60e9, 140e9, 160e9], [2, 0, 1], [0.05, 0.01, 0.01], 10**9)
@@ -275,7 +275,7 @@ def test_run_floor_fracs_hold_each_run_to_its_own_readings():
 
 
 def test_bandwidth_probe_size_outgrows_the_cache():
-    from hybridinfer.benchmarks.decode import probe_bytes
+    from hybridinfer.tools.benchmarks.decode import probe_bytes
 
     gib = 1 << 30
     assert probe_bytes(300 << 20, 100 * gib) == 8 * (300 << 20)  # 8x a 300 MiB L3

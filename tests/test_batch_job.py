@@ -13,12 +13,12 @@ pytest.importorskip("pydantic")
 
 from test_chat_template import QWEN35_TEMPLATE, TOOLS  # noqa: E402
 
-from hybridinfer.api import Engine  # noqa: E402
-from hybridinfer.batch import run_job  # noqa: E402
-from hybridinfer.batch.order import shared_prefix_tokens  # noqa: E402
-from hybridinfer.chat_template import render_chat  # noqa: E402
 from hybridinfer.cli import main  # noqa: E402
-from hybridinfer.textstream import Generation  # noqa: E402
+from hybridinfer.engine.api import Engine  # noqa: E402
+from hybridinfer.engine.textstream import Generation  # noqa: E402
+from hybridinfer.format.chat_template import render_chat  # noqa: E402
+from hybridinfer.serving.batch import run_job  # noqa: E402
+from hybridinfer.serving.batch.order import shared_prefix_tokens  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 Q = [{"role": "user", "content": "What is 2+2?"}]
@@ -57,7 +57,7 @@ def _compare_with_server(eng, tmp_path, requests, model_name=MODEL):
     """Run `requests` (url, body) as a batch job and through the server's app; every answer equal."""
     from fastapi.testclient import TestClient
 
-    from hybridinfer.serve import create_app
+    from hybridinfer.serving.serve import create_app
 
     job = tmp_path / "job.jsonl"
     write_job(job, [{"custom_id": f"r{i}", "method": "POST", "url": u, "body": b} for i, (u, b) in enumerate(requests)])

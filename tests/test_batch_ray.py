@@ -16,9 +16,9 @@ import pytest
 ray = pytest.importorskip("ray")
 pytest.importorskip("pydantic")
 
-from hybridinfer.api import Engine  # noqa: E402
-from hybridinfer.batch import run_job  # noqa: E402
-from hybridinfer.batch.ray_runner import part_path, run_ray  # noqa: E402
+from hybridinfer.engine.api import Engine  # noqa: E402
+from hybridinfer.serving.batch import run_job  # noqa: E402
+from hybridinfer.serving.batch.ray_runner import part_path, run_ray  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
-"""hybridinfer.batch without a model: input lines, output records and their resumption, the prefix order, shards."""
+"""hybridinfer.serving.batch without a model: input lines, output records and their resumption, the prefix order,
+shards."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import pytest
 
 pytest.importorskip("pydantic")
 
-from hybridinfer.batch.jobfile import (  # noqa: E402
+from hybridinfer.errors import ParameterError  # noqa: E402
+from hybridinfer.serving.batch.jobfile import (  # noqa: E402
     LineError,
     line_error_record,
     line_number,
@@ -20,18 +22,19 @@ from hybridinfer.batch.jobfile import (  # noqa: E402
     shard_key,
     shard_of,
 )
-from hybridinfer.batch.order import shared_prefix_tokens, trie_order, windows  # noqa: E402
-from hybridinfer.batch.output import LineSet, Output, scan, sort_records  # noqa: E402
-from hybridinfer.errors import ParameterError  # noqa: E402
+from hybridinfer.serving.batch.order import shared_prefix_tokens, trie_order, windows  # noqa: E402
+from hybridinfer.serving.batch.output import LineSet, Output, scan, sort_records  # noqa: E402
 
 
 def test_protocol_imports_no_http_and_no_batch():
-    code = ("import sys, hybridinfer.protocol.openai, hybridinfer.protocol.anthropic, hybridinfer.protocol.grammar; "
+    code = ("import sys, hybridinfer.serving.protocol.openai, hybridinfer.serving.protocol.anthropic, "
+            "hybridinfer.serving.protocol.grammar; "
             "bad = [m for m in sys.modules if m.split('.')[0] in ('fastapi', 'starlette', 'uvicorn') "
-            "or m.startswith(('hybridinfer.serve', 'hybridinfer.batch'))]; print(bad)")
+            "or m.startswith(('hybridinfer.serving.serve', 'hybridinfer.serving.batch'))]; print(bad)")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "[]\n"
-    code = ("import sys, hybridinfer.batch, hybridinfer.cli_batch; "
-            "print([m for m in sys.modules if m.startswith('hybridinfer.serve') or m.split('.')[0] == 'fastapi'])")
+    code = ("import sys, hybridinfer.serving.batch, hybridinfer.cli.batch; "
+            "print([m for m in sys.modules if m.startswith('hybridinfer.serving.serve') "
+            "or m.split('.')[0] == 'fastapi'])")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "[]\n"
 
 

@@ -9,8 +9,8 @@ import os
 
 import pytest
 
-from hybridinfer.benchmarks import batch
 from hybridinfer.cli import main
+from hybridinfer.tools.benchmarks import batch
 
 
 def _run(path: str, out_dir: str, capsys) -> tuple[str, dict, str]:
@@ -73,9 +73,9 @@ def test_bench_batch(arch, oracle_gguf, tmp_path, capsys):
 
 def test_step_bytes_uniform_expectation(oracle_gguf):
     """Without the backend's routing: the expectation n_expert * (1 - (1 - k/n_expert)^B) per layer."""
-    from hybridinfer.benchmarks.decode import bytes_per_token
-    from hybridinfer.gguf_model import GGUFModel
+    from hybridinfer.format.gguf_model import GGUFModel
     from hybridinfer.models import model_args
+    from hybridinfer.tools.benchmarks.decode import bytes_per_token
 
     gm = GGUFModel(str(oracle_gguf("qwen35moe", "q8_0")))
     args = model_args(gm)

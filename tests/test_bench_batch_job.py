@@ -11,10 +11,10 @@ import os
 import pytest
 from md_tables import md_rows
 
-from hybridinfer import numa
-from hybridinfer.benchmarks import batch_job as bj
-from hybridinfer.benchmarks import batch_job_report as rep
+from hybridinfer.backends import numa
 from hybridinfer.cli import main
+from hybridinfer.tools.benchmarks import batch_job as bj
+from hybridinfer.tools.benchmarks import batch_job_report as rep
 
 pytest.importorskip("pydantic")
 

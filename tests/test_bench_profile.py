@@ -33,8 +33,8 @@ def test_profile_table_accounts_for_the_step(oracle_gguf, capsys):
         assert want in names
     assert any(n.startswith("moe_gate_up Q8_0") for n in names) and any(n.startswith("moe_down") for n in names)
     # the products read every weight a step reads but the embedding row, the norms and the conv kernels
-    from hybridinfer.benchmarks.decode import bytes_per_token, model_args
-    from hybridinfer.gguf_model import GGUFModel
+    from hybridinfer.format.gguf_model import GGUFModel
+    from hybridinfer.tools.benchmarks.decode import bytes_per_token, model_args
 
     gm = GGUFModel(path)
     args = model_args(gm)  # as the bench reads them

@@ -12,8 +12,8 @@ import sys
 import pytest
 from md_tables import md_rows
 
-from hybridinfer.benchmarks import serve
 from hybridinfer.cli import main
+from hybridinfer.tools.benchmarks import serve
 
 pytest.importorskip("openai")
 pytest.importorskip("fastapi")

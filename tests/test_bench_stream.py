@@ -14,7 +14,7 @@ BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.mark.parametrize("isa", [None, "ssse3"])
 def test_product_stream_table(isa, capsys):
-    from hybridinfer.cpu.simd import supported_isas
+    from hybridinfer.backends.cpu.simd import supported_isas
 
     if isa and isa not in supported_isas():
         pytest.skip(f"{isa} not on this CPU")

@@ -8,16 +8,16 @@ import math
 import numpy as np
 import pytest
 
+from hybridinfer.backends.gpu import calibration, cards, timemodel
+from hybridinfer.backends.gpu.pacing import MAX_PIECE, pace_pieces, paced_seconds
+from hybridinfer.backends.gpu.work import attention_flops, gdn_flops, prefill_work
 from hybridinfer.cli import main
 from hybridinfer.errors import ParameterError
-from hybridinfer.gguf_model import GGUFModel
-from hybridinfer.gpu import calibration, cards, timemodel
-from hybridinfer.gpu.card_plan import plan_for_card
-from hybridinfer.gpu.pacing import MAX_PIECE, pace_pieces, paced_seconds
-from hybridinfer.gpu.work import attention_flops, gdn_flops, prefill_work
+from hybridinfer.format.gguf_model import GGUFModel
 from hybridinfer.models import model_args
-from hybridinfer.shape_model import ShapeModel
-from hybridinfer.synth import plan_model, synth_model
+from hybridinfer.tools.card_plan import plan_for_card
+from hybridinfer.tools.shape_model import ShapeModel
+from hybridinfer.tools.synth import plan_model, synth_model
 
 _GDN = dict(ssm_d_state=64, ssm_n_group=2, ssm_dt_rank=4)
 TINY_MOE = dict(n_embd=256, n_layer=4, n_head=4, n_head_kv=2, head_dim=64, n_vocab=512, n_expert=4,
@@ -56,7 +56,7 @@ def test_pace_holds_keep_the_timeline_and_never_release_early():
     the bus's free time to now + its share, NEXT waits for it and adds its own share, END waits for the last."""
     import time
 
-    from hybridinfer.cpu.simd_native import _native
+    from hybridinfer.backends.cpu.simd_native import _native
 
     m = _native()
     ffi, lib = m.ffi, m.lib
@@ -261,7 +261,7 @@ def test_plan_command_bad_values(argv, match, capsys):
 # ---- the bench's calibration figures -----------------------------------------------------------------------
 
 def test_bench_prefill_efficiencies_come_from_the_right_rows():
-    from hybridinfer.benchmarks.prefill import efficiencies
+    from hybridinfer.tools.benchmarks.prefill import efficiencies
 
     rows = [dict(engine="hybridinfer", config="--vram-budget 6GiB", tokens=947, h2d_frac=0.93, fma_frac=0.1),
             dict(engine="hybridinfer", config="whole model resident", tokens=947, h2d_frac=0.0, fma_frac=0.4),
@@ -272,7 +272,7 @@ def test_bench_prefill_efficiencies_come_from_the_right_rows():
 def test_bench_prefill_markdown_shows_the_counts_and_the_calibration():
     from dataclasses import asdict
 
-    from hybridinfer.benchmarks.prefill import Row, efficiencies, markdown
+    from hybridinfer.tools.benchmarks.prefill import Row, efficiencies, markdown
 
     rows = [asdict(Row("hybridinfer", "--vram-budget 6GiB", 947, 349.0, 2.715, 2.66, 2.70, 0.015, 5.99, 0.998, 1.78,
                        0.03, 1.02, 6.19, 4795.7e9, 14.83 * 2**30, True)),
@@ -289,7 +289,7 @@ def test_bench_prefill_markdown_shows_the_counts_and_the_calibration():
 def test_calibration_follows_the_kernels_a_card_runs():
     """A 63-register card (sm_2x, GK10x's sm_30) runs fermi's kernel class and takes its measured efficiency;
     sm_35 and later take their class's, a class newer than the table pascal's."""
-    from hybridinfer.gpu import calibration, cards
+    from hybridinfer.backends.gpu import calibration, cards
 
     fermi = calibration.CALIBRATION["fermi"]
     assert calibration.efficiency_for(cards.card("gtx680").limits) == fermi

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hybridinfer.gpu import cards
+from hybridinfer.backends.gpu import cards
 
 
 def test_register_limits_by_class():

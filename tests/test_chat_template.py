@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from hybridinfer.chat_template import chat_template_from_metadata, default_template, render_chat
 from hybridinfer.errors import HybridInferError, TemplateError
+from hybridinfer.format.chat_template import chat_template_from_metadata, default_template, render_chat
 
 # A Qwen3.5-style template written from spec section 6 (the real one cannot be downloaded here): ChatML turns,
 # `<think>` blocks kept only after the last user query, XML tool calls, tool results in a user turn, and

@@ -90,7 +90,7 @@ CASES = [
 def paths(tmp_path_factory):
     from gguf_edit import rewrite
 
-    from hybridinfer.synth import synth_model
+    from hybridinfer.tools.synth import synth_model
 
     d = tmp_path_factory.mktemp("cli")
     plain = d / "plain.txt"
@@ -173,8 +173,8 @@ def test_closed_pipe_is_quiet(tmp_path):
 @pytest.mark.parametrize("name", ["temperature", "top_p", "min_p", "repeat_penalty", "presence_penalty"])
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf"), "0.5", None, True])
 def test_sampling_params_reject_non_finite(name, value):
+    from hybridinfer.engine.sampling import SamplingParams
     from hybridinfer.errors import HybridInferError, ParameterError
-    from hybridinfer.sampling import SamplingParams
 
     with pytest.raises(ParameterError, match=name) as ei:
         SamplingParams(**{name: value})
@@ -191,7 +191,7 @@ def test_sampling_params_reject_non_finite(name, value):
     (dict(backend="cpu", isa="sse9"), "'sse9'"),
 ])
 def test_engine_load_checks_values_before_opening(tmp_path, kw, pattern):
-    from hybridinfer.api import Engine
+    from hybridinfer.engine.api import Engine
     from hybridinfer.errors import ParameterError
 
     with pytest.raises(ParameterError, match=pattern):
@@ -199,7 +199,7 @@ def test_engine_load_checks_values_before_opening(tmp_path, kw, pattern):
 
 
 def test_engine_stream_checks_values(paths, tmp_path):
-    from hybridinfer.api import Engine
+    from hybridinfer.engine.api import Engine
     from hybridinfer.errors import ParameterError
 
     eng = Engine.load(paths["good"], backend="reference", n_ctx=64)

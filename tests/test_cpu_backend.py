@@ -11,7 +11,7 @@ import os
 import numpy as np
 import pytest
 
-from hybridinfer.api import Engine
+from hybridinfer.engine.api import Engine
 
 N_POS = 90
 
@@ -28,7 +28,7 @@ def _cpu(path, **kw):
 def _native_isa_only() -> None:
     """The exactness tests compare with the llama.cpp installed here, built for this CPU's best ISA level. At a
     forced lower level this backend follows llama.cpp built for that level, which is not here to compare with."""
-    from hybridinfer.cpu.simd_native import best_isa
+    from hybridinfer.backends.cpu.simd_native import best_isa
 
     forced = os.environ.get("HYBRIDINFER_ISA")
     if forced and forced != best_isa():
@@ -146,7 +146,7 @@ def test_type_without_kernel_is_named(tmp_path, oracle_gguf):
     from gguf_edit import rewrite
 
     from hybridinfer.errors import UnsupportedTensorTypeError
-    from hybridinfer.gguf_model import GGUFModel
+    from hybridinfer.format.gguf_model import GGUFModel
 
     src = str(oracle_gguf("qwen35"))
     w = GGUFModel(src).dequant("blk.0.ssm_out.weight")
@@ -206,7 +206,7 @@ def test_decode_replay_runs_the_recorded_step(arch, oracle_gguf, monkeypatch):
     code, every native call of it in one hi_replay_run; they give exactly what a step recorded afresh (each call
     from Python) gives, also after a restore (positions are read when the step runs) and for a state whose
     arrays were replaced (the step is recorded again)."""
-    from hybridinfer.cpu.replay import Steps
+    from hybridinfer.backends.cpu.replay import Steps
 
     eng = _cpu(oracle_gguf(arch, "q8_0"))
     be = eng.backend

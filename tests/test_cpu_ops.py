@@ -15,10 +15,10 @@ from oracles import numba_gdn as ops_gdn
 from oracles import numba_ops as ops
 from oracles.sampler import Sampler
 
-from hybridinfer import reference_ops as ref
-from hybridinfer import sampling
-from hybridinfer.reference import RefOps
-from hybridinfer.sampling import SamplingParams
+from hybridinfer.backends import reference_ops as ref
+from hybridinfer.backends.reference import RefOps
+from hybridinfer.engine import sampling
+from hybridinfer.engine.sampling import SamplingParams
 
 TS = (1, 3, 70)
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hybridinfer.api import Engine
-from hybridinfer.cpu.backend import Mat
-from hybridinfer.cpu.simd import KQ_ZIPPED, base_type, supported_isas
-from hybridinfer.cpu.weights import choose_weights_mode, copy_mats, huge_page_buffer
+from hybridinfer.backends.cpu.backend import Mat
+from hybridinfer.backends.cpu.simd import KQ_ZIPPED, base_type, supported_isas
+from hybridinfer.backends.cpu.weights import choose_weights_mode, copy_mats, huge_page_buffer
+from hybridinfer.engine.api import Engine
 
 
 def test_policy():
@@ -87,7 +87,7 @@ def test_bad_weights_mode_is_named(oracle_gguf):
 
 
 def test_engine_takes_the_prefetch_setting(oracle_gguf):
-    from hybridinfer.cpu.simd import PREFETCH_BYTES
+    from hybridinfer.backends.cpu.simd import PREFETCH_BYTES
 
     path = str(oracle_gguf("qwen35", "q8_0"))
     assert Engine.load(path, backend="cpu", n_ctx=64, n_threads=2).backend.simd.prefetch == 0

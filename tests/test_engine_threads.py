@@ -10,7 +10,7 @@ import threading
 import numpy as np
 import pytest
 
-from hybridinfer.api import Engine
+from hybridinfer.engine.api import Engine
 
 N_THREADS = 8
 

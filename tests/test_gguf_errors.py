@@ -1,4 +1,4 @@
-"""hybridinfer.gguf_model on valid and malformed files: typed errors whose messages name the bad value.
+"""hybridinfer.format.gguf_model on valid and malformed files: typed errors whose messages name the bad value.
 
 Every malformed file is made at test time: a small valid GGUF written with gguf.GGUFWriter, then cut or
 patched byte by byte.
@@ -24,8 +24,8 @@ from hybridinfer.errors import (
     TruncatedGGUFError,
     UnsupportedTensorTypeError,
 )
-from hybridinfer.gguf_model import GGUFModel
-from hybridinfer.quant import random_blocks
+from hybridinfer.format.gguf_model import GGUFModel
+from hybridinfer.format.quant import random_blocks
 
 T = GGMLQuantizationType
 F32_DATA = (np.arange(24, dtype=np.float32).reshape(3, 8) - 12) / 7
@@ -316,7 +316,7 @@ _LLAMA = dict(n_embd=64, n_layer=2, n_head=2, n_ff=64, n_vocab=300)
 
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory):
-    from hybridinfer.synth import synth_model
+    from hybridinfer.tools.synth import synth_model
 
     d = tmp_path_factory.mktemp("tiny")
     return {"qwen35moe": str(synth_model(d / "moe.gguf", "qwen35moe", _MOE, quant="q8_0")["path"]),
@@ -380,9 +380,9 @@ def test_tiny_models_are_valid(tiny_models):
 def test_cpu_backend_refuses_more_experts_per_token_than_its_kernels_take(tmp_path):
     """A valid file the native MoE calls cannot run (more than 64 experts a token): a typed error at load, not a
     ValueError in the first forward."""
-    from hybridinfer.api import Engine
+    from hybridinfer.engine.api import Engine
     from hybridinfer.errors import BackendNotAvailableError
-    from hybridinfer.synth import synth_model
+    from hybridinfer.tools.synth import synth_model
 
     shape = dict(_MOE, n_layer=1, n_expert=66, n_expert_used=65, n_ff_exp=32, n_ff_shexp=32)
     p = str(synth_model(tmp_path / "wide.gguf", "qwen35moe", shape, quant="q8_0")["path"])

@@ -1,4 +1,4 @@
-"""GPU prefill attention (native/cuda_sm20/attention.cu via hybridinfer.gpu.k_attention) against the numpy
+"""GPU prefill attention (native/cuda_sm20/attention.cu via hybridinfer.backends.gpu.k_attention) against the numpy
 reference reference_ops.causal_attention: odd sizes, pos0 > 0, GQA, hd up to 256, with and without
 the output gate; outputs and unused cache rows poisoned with NaN."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hybridinfer import reference_ops as op
+from hybridinfer.backends import reference_ops as op
 from hybridinfer.errors import KernelArgumentError
 
 pytestmark = pytest.mark.gpu
@@ -44,7 +44,7 @@ CASES = [  # T, pos0, H, H_kv, hd
 @pytest.mark.parametrize("use_gate", [True, False])
 @pytest.mark.parametrize("T,pos0,H,H_kv,hd", CASES)
 def test_attention_prefill(ga, T, pos0, H, H_kv, hd, use_gate):
-    from hybridinfer.gpu import k_attention
+    from hybridinfer.backends.gpu import k_attention
 
     rs = np.random.default_rng(T * 1000 + pos0 + hd)
     q, k, v, gate = _inputs(rs, T, pos0, H, H_kv, hd)
@@ -60,7 +60,7 @@ def test_attention_prefill(ga, T, pos0, H, H_kv, hd, use_gate):
 @pytest.mark.parametrize("sharp", [8.0, 30.0])
 def test_attention_sharp_scores(ga, sharp):
     """Large score ranges: the running maximum changes between key tiles and e^(s - m) underflows."""
-    from hybridinfer.gpu import k_attention
+    from hybridinfer.backends.gpu import k_attention
 
     T, pos0, H, H_kv, hd = 67, 100, 2, 1, 64
     rs = np.random.default_rng(7)
@@ -73,7 +73,7 @@ def test_attention_sharp_scores(ga, sharp):
 
 def test_attention_long_prompt(ga):
     """A prompt spanning many query and key tiles at a large offset."""
-    from hybridinfer.gpu import k_attention
+    from hybridinfer.backends.gpu import k_attention
 
     T, pos0, H, H_kv, hd = 1200, 2100, 2, 1, 64
     rs = np.random.default_rng(11)
@@ -85,7 +85,7 @@ def test_attention_long_prompt(ga):
 
 
 def test_gate_mul(ga):
-    from hybridinfer.gpu import k_attention
+    from hybridinfer.backends.gpu import k_attention
 
     rs = np.random.default_rng(3)
     o = rs.standard_normal((67, 3, 16)).astype(np.float32)
@@ -97,7 +97,7 @@ def test_gate_mul(ga):
 
 @pytest.mark.parametrize("T,pos0", [(1, 0), (5, 3), (67, 100)])
 def test_kv_append(ga, T, pos0):
-    from hybridinfer.gpu import k_attention
+    from hybridinfer.backends.gpu import k_attention
 
     rs = np.random.default_rng(T + pos0)
     n_ctx, H_kv, hd = pos0 + T + 5, 2, 24
@@ -114,7 +114,7 @@ def test_kv_append(ga, T, pos0):
 
 def test_attention_then_append_matches_reference_step(ga):
     """Two chunks through the GPU cache (append, then attend) equal one reference pass."""
-    from hybridinfer.gpu import k_attention
+    from hybridinfer.backends.gpu import k_attention
 
     rs = np.random.default_rng(5)
     H, H_kv, hd, n_ctx = 4, 2, 32, 128
@@ -135,7 +135,7 @@ def test_attention_then_append_matches_reference_step(ga):
 
 
 def test_attention_bad_arguments(ga):
-    from hybridinfer.gpu import k_attention
+    from hybridinfer.backends.gpu import k_attention
 
     q = ga.zeros((5, 4, 16), np.float32)
     kc = ga.zeros((8, 2, 16), np.float32)

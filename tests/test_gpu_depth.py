@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hybridinfer.api import Engine
-from hybridinfer.synth import depth_scale, synth_model
+from hybridinfer.engine.api import Engine
+from hybridinfer.tools.synth import depth_scale, synth_model
 
 pytestmark = pytest.mark.gpu
 DEEP = {"n_embd": 512, "n_layer": 40, "n_head": 4, "n_head_kv": 2, "head_dim": 64, "n_vocab": 4096,

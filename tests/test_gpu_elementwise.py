@@ -1,15 +1,16 @@
-"""elementwise.cu against numpy (hybridinfer.reference_ops, hybridinfer.quant), outputs poisoned with NaN."""
+"""elementwise.cu against numpy (hybridinfer.backends.reference_ops, hybridinfer.format.quant), outputs poisoned with
+NaN."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from hybridinfer import quant
-from hybridinfer.reference_ops import rms_norm as ref_rms_norm
-from hybridinfer.reference_ops import rope as ref_rope
-from hybridinfer.reference_ops import sigmoid as ref_sigmoid
-from hybridinfer.reference_ops import silu as ref_silu
+from hybridinfer.backends.reference_ops import rms_norm as ref_rms_norm
+from hybridinfer.backends.reference_ops import rope as ref_rope
+from hybridinfer.backends.reference_ops import sigmoid as ref_sigmoid
+from hybridinfer.backends.reference_ops import silu as ref_silu
+from hybridinfer.format import quant
 
 pytestmark = pytest.mark.gpu
 
@@ -20,7 +21,7 @@ EMBED_TYPES = [quant.F32, quant.F16, quant.Q4_0, quant.Q4_1, quant.Q8_0, quant.Q
 def gpu():
     from pycuda import gpuarray
 
-    from hybridinfer.gpu import k_elementwise, k_gemm, loader
+    from hybridinfer.backends.gpu import k_elementwise, k_gemm, loader
 
     loader.init()
     return gpuarray, k_elementwise, k_gemm

@@ -1,4 +1,4 @@
-"""GPU Gated DeltaNet prefill (native/cuda_sm20/gdn.cu via hybridinfer.gpu.k_gdn) against the numpy reference
+"""GPU Gated DeltaNet prefill (native/cuda_sm20/gdn.cu via hybridinfer.backends.gpu.k_gdn) against the numpy reference
 ops as ReferenceModel.gdn composes them: each kernel alone and the whole chain, odd sizes, carried
 conv/S state, both head maps, and snapshots equal to the reference state after that many tokens.
 Outputs are poisoned with NaN before each run."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hybridinfer import reference_ops as op
+from hybridinfer.backends import reference_ops as op
 
 pytestmark = pytest.mark.gpu
 EPS = 1e-6
@@ -84,7 +84,7 @@ def snaps_for(T):
 
 @pytest.mark.parametrize("T,Hk,Hv,dk,dv,K,head_map", SHAPES)
 def test_gdn_prefill_chain(ga, T, Hk, Hv, dk, dv, K, head_map):
-    from hybridinfer.gpu import k_gdn
+    from hybridinfer.backends.gpu import k_gdn
 
     cs = make_case(T * 7 + dk + dv + K, T, Hk, Hv, dk, dv, K)
     y_ref, conv_ref, S_ref = ref_gdn(cs, head_map)
@@ -110,7 +110,7 @@ def test_gdn_prefill_chain(ga, T, Hk, Hv, dk, dv, K, head_map):
 
 def test_gdn_chunks_carry_state(ga):
     """Prefill in chunks 67 + 5 + 1 through the same state buffers equals one reference pass."""
-    from hybridinfer.gpu import k_gdn
+    from hybridinfer.backends.gpu import k_gdn
 
     T, Hk, Hv, dk, dv, K = 73, 2, 4, 32, 32, 4
     cs = make_case(99, T, Hk, Hv, dk, dv, K)
@@ -130,7 +130,7 @@ def test_gdn_chunks_carry_state(ga):
 
 @pytest.mark.parametrize("T,K", [(1, 4), (5, 4), (67, 4), (300, 3), (130, 2)])
 def test_conv_silu_and_state(ga, T, K):
-    from hybridinfer.gpu import k_gdn
+    from hybridinfer.backends.gpu import k_gdn
 
     cs = make_case(T + K, T, 2, 6, 16, 16, K)
     C = cs["u"].shape[1]
@@ -149,7 +149,7 @@ def test_conv_silu_and_state(ga, T, K):
 
 @pytest.mark.parametrize("T,Hk,dk", [(1, 2, 16), (67, 3, 128), (300, 1, 256), (5, 2, 20)])
 def test_l2norm_qk(ga, T, Hk, dk):
-    from hybridinfer.gpu import k_gdn
+    from hybridinfer.backends.gpu import k_gdn
 
     rs = np.random.default_rng(T + dk)
     Hv, dv = 2 * Hk, 8
@@ -166,7 +166,7 @@ def test_l2norm_qk(ga, T, Hk, dk):
 @pytest.mark.parametrize("T,Hk,Hv,dk,dv,head_map", [(1, 2, 6, 16, 16, "mod"), (67, 2, 4, 128, 128, "div"),
                                                     (300, 1, 3, 64, 40, "mod"), (17, 1, 1, 200, 33, "mod")])
 def test_delta_rule(ga, T, Hk, Hv, dk, dv, head_map):
-    from hybridinfer.gpu import k_gdn
+    from hybridinfer.backends.gpu import k_gdn
 
     cs = make_case(T + dk + dv, T, Hk, Hv, dk, dv, 4)
     rs = np.random.default_rng(T)
@@ -192,7 +192,7 @@ def test_delta_rule(ga, T, Hk, Hv, dk, dv, head_map):
 
 @pytest.mark.parametrize("T,Hv,dv", [(1, 2, 16), (67, 6, 128), (300, 3, 48)])
 def test_gated_norm(ga, T, Hv, dv):
-    from hybridinfer.gpu import k_gdn
+    from hybridinfer.backends.gpu import k_gdn
 
     rs = np.random.default_rng(T * Hv)
     o = rs.standard_normal((T, Hv, dv)).astype(np.float32)

@@ -1,4 +1,4 @@
-"""gemm.cu against numpy: dequantize exactly (hybridinfer.quant), multiply in float64, compare with a bound
+"""gemm.cu against numpy: dequantize exactly (hybridinfer.format.quant), multiply in float64, compare with a bound
 scaled by sum_k |x w| (fp32 accumulation over K). Outputs are poisoned with NaN before every launch."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hybridinfer import quant
-from hybridinfer.gpu.k_gemm import TILES_BY_CLASS
+from hybridinfer.backends.gpu.k_gemm import TILES_BY_CLASS
+from hybridinfer.format import quant
 
 pytestmark = pytest.mark.gpu
 
@@ -19,7 +19,7 @@ ALL_TILES = sorted({t for tiles in TILES_BY_CLASS.values() for t in tiles})
 
 def _compiled(k_gemm, tile):
     """Skip a tile the running kernel class (the card's or --card-profile's) does not compile."""
-    from hybridinfer.gpu import loader
+    from hybridinfer.backends.gpu import loader
 
     if tile is not None and tuple(tile) not in k_gemm.TILES_BY_CLASS[loader.kernel_class()]:
         pytest.skip(f"tile {tile} is not compiled for kernel class {loader.kernel_class()}")
@@ -29,7 +29,7 @@ def _compiled(k_gemm, tile):
 def gpu():
     from pycuda import gpuarray
 
-    from hybridinfer.gpu import k_gemm, loader
+    from hybridinfer.backends.gpu import k_gemm, loader
 
     loader.init()
     return gpuarray, k_gemm

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from hybridinfer.backends.gpu import loader
 from hybridinfer.errors import BackendNotAvailableError
-from hybridinfer.gpu import loader
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,8 +46,8 @@ def test_gpu_backend_knows_when_its_copy_of_the_state_is_stale():
 
     import numpy as np
 
-    from hybridinfer.gpu.backend import GPUModel, _tokens_hash
-    from hybridinfer.state import DecoderState
+    from hybridinfer.backends.gpu.backend import GPUModel, _tokens_hash
+    from hybridinfer.backends.state import DecoderState
 
     m = GPUModel.__new__(GPUModel)  # no card needed for the bookkeeping
     m._owner = None

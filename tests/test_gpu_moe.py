@@ -1,4 +1,4 @@
-"""GPU MoE routing, grouping and combination (native/cuda_sm20/moe.cu via hybridinfer.gpu.k_moe) against
+"""GPU MoE routing, grouping and combination (native/cuda_sm20/moe.cu via hybridinfer.backends.gpu.k_moe) against
 reference_ops.moe_route and ReferenceModel.moe's maths: exact expert ids (ties to the lower index),
 renormalised weights, a stable counting sort (every (token, slot) exactly once, groups contiguous by
 expert, empty experts included) and the deterministic combine with the gated shared expert.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hybridinfer import reference_ops as op
+from hybridinfer.backends import reference_ops as op
 from hybridinfer.errors import KernelArgumentError
 
 pytestmark = pytest.mark.gpu
@@ -25,7 +25,7 @@ def poison(ga, shape, dtype=np.float32):
 
 
 def gpu_route(ga, logits, k):
-    from hybridinfer.gpu import k_moe
+    from hybridinfer.backends.gpu import k_moe
 
     T = logits.shape[0]
     ids, w = poison(ga, (T, k), np.int32), poison(ga, (T, k))
@@ -34,7 +34,7 @@ def gpu_route(ga, logits, k):
 
 
 def gpu_group(ga, ids_np, w_np, E):
-    from hybridinfer.gpu import k_moe
+    from hybridinfer.backends.gpu import k_moe
 
     T, k = ids_np.shape
     out = dict(counts=poison(ga, (E,), np.int32), offsets=poison(ga, (E + 1,), np.int32),
@@ -115,7 +115,7 @@ def test_group_skewed(ga):
 @pytest.mark.parametrize("T,k,D,shared", [(1, 1, 16, False), (5, 4, 67, True), (67, 8, 300, True),
                                           (300, 16, 64, False)])
 def test_combine(ga, T, k, D, shared):
-    from hybridinfer.gpu import k_moe
+    from hybridinfer.backends.gpu import k_moe
 
     rs = np.random.default_rng(T + k + D)
     E = 40
@@ -151,7 +151,7 @@ def _swiglu(x, wg, wu, wd):
 def test_moe_end_to_end(ga, T, E, k):
     """route -> group -> gather -> (expert SwiGLU per group on the host, standing in for the grouped
     GEMMs) -> combine with the shared expert equals ReferenceModel.moe's loop."""
-    from hybridinfer.gpu import k_moe
+    from hybridinfer.backends.gpu import k_moe
 
     rs = np.random.default_rng(T * k)
     D, F = 24, 20
@@ -191,7 +191,7 @@ def test_moe_end_to_end(ga, T, E, k):
 
 
 def test_moe_bad_arguments(ga):
-    from hybridinfer.gpu import k_moe
+    from hybridinfer.backends.gpu import k_moe
 
     logits = ga.zeros((5, 8), np.float32)
     with pytest.raises(KernelArgumentError):

@@ -1,4 +1,4 @@
-"""Several prompts in one streamed GPU pass (hybridinfer/gpu/multi.py) against one pass per prompt: fresh and
+"""Several prompts in one streamed GPU pass (hybridinfer/backends/gpu/multi.py) against one pass per prompt: fresh and
 restored states, interior snapshots, resident and streamed under a small budget; and the pure grouping of prompts
 into passes (no GPU)."""
 
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from gpu_profile import PROFILE
 
-from hybridinfer.api import Engine
-from hybridinfer.gpu.multi import plan_groups
+from hybridinfer.backends.gpu.multi import plan_groups
+from hybridinfer.engine.api import Engine
 
 LENGTHS = [5, 40, 17, 90, 33]  # with chunks of 32: one, two and three chunks inside a layer
 PREFIX = {1: 12, 3: 30}  # prompts 1 and 3 continue a state already at that position (a restored prefix)

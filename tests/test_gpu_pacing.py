@@ -35,8 +35,8 @@ def test_paced_upload_keeps_to_the_asked_rate(gb_s, busy):
     import pycuda.driver as drv
     from pycuda import gpuarray
 
-    from hybridinfer.gpu import loader
-    from hybridinfer.gpu.k_pace import Pacer
+    from hybridinfer.backends.gpu import loader
+    from hybridinfer.backends.gpu.k_pace import Pacer
 
     loader.init()
     n = 768 << 20
@@ -67,9 +67,9 @@ def test_paced_upload_keeps_to_the_asked_rate(gb_s, busy):
 
 
 def _model(tmp_path, arch):
-    from hybridinfer.gguf_model import GGUFModel
+    from hybridinfer.format.gguf_model import GGUFModel
     from hybridinfer.models import model_args
-    from hybridinfer.synth import synth_model
+    from hybridinfer.tools.synth import synth_model
 
     p = tmp_path / f"{arch}.gguf"
     synth_model(p, arch, TINY[arch], "q4_k_m", seed=3)
@@ -79,9 +79,9 @@ def _model(tmp_path, arch):
 
 def _budget(gm, a, chunk, n_ctx) -> int:
     """Buffers, vectors and double staging of the largest layer, and a quarter of the weights resident."""
-    from hybridinfer.gpu.backend import Buffers
-    from hybridinfer.gpu.card_plan import vector_bytes
-    from hybridinfer.gpu.placement import weights_of
+    from hybridinfer.backends.gpu.backend import Buffers
+    from hybridinfer.backends.gpu.placement import weights_of
+    from hybridinfer.tools.card_plan import vector_bytes
 
     per_layer: dict = {}
     for w in weights_of(gm, a, matrices_only=True):
@@ -92,8 +92,8 @@ def _budget(gm, a, chunk, n_ctx) -> int:
 
 @pytest.mark.parametrize("arch", ["qwen35moe", "qwen35", "llama"])
 def test_engine_counts_equal_the_pure_count(arch, tmp_path):
-    from hybridinfer.gpu.backend import GPUModel
-    from hybridinfer.gpu.work import prefill_work
+    from hybridinfer.backends.gpu.backend import GPUModel
+    from hybridinfer.backends.gpu.work import prefill_work
 
     gm, a = _model(tmp_path, arch)
     m = GPUModel(gm, a, 256, vram_budget=_budget(gm, a, 32, 256), chunk=32)
@@ -114,7 +114,7 @@ def test_engine_counts_equal_the_pure_count(arch, tmp_path):
 
 @pytest.mark.parametrize("arch", ["qwen35moe"])
 def test_paced_stream_gives_the_same_logits_no_faster_than_asked(arch, tmp_path):
-    from hybridinfer.gpu.backend import GPUModel
+    from hybridinfer.backends.gpu.backend import GPUModel
 
     gm, a = _model(tmp_path, arch)
     budget = _budget(gm, a, 32, 256)
@@ -136,8 +136,8 @@ def test_paced_stream_gives_the_same_logits_no_faster_than_asked(arch, tmp_path)
 def test_card_profile_paces_to_its_class_bus(tmp_path):
     """--card-profile fermi paces the stream to PCIe 2.0 x16 (cards.py), kepler and later to PCIe 3.0 x16; an
     explicit bus_bw wins."""
-    from hybridinfer.gpu.backend import GPUModel
-    from hybridinfer.gpu.cards import PCIE2_X16, PCIE3_X16
+    from hybridinfer.backends.gpu.backend import GPUModel
+    from hybridinfer.backends.gpu.cards import PCIE2_X16, PCIE3_X16
 
     gm, a = _model(tmp_path, "qwen35moe")
     budget = _budget(gm, a, 32, 256)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hybridinfer.gpu.placement import BudgetError, WeightInfo, plan_placement, streamed_bytes, weights_of
+from hybridinfer.backends.gpu.placement import BudgetError, WeightInfo, plan_placement, streamed_bytes, weights_of
 
 MiB = 1 << 20
 
@@ -74,7 +74,7 @@ def test_too_small_a_budget_is_a_clear_error():
 
 
 def test_weights_of_a_real_layout(oracle_gguf):
-    from hybridinfer.gguf_model import GGUFModel
+    from hybridinfer.format.gguf_model import GGUFModel
     from hybridinfer.models import model_args
 
     gm = GGUFModel(str(oracle_gguf("qwen35moe", "q8_0")))

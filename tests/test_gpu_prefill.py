@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from gpu_profile import PROFILE
 
-from hybridinfer.api import Engine
+from hybridinfer.engine.api import Engine
 
 pytestmark = pytest.mark.gpu
 N = 72
@@ -25,9 +25,9 @@ def _gpu(path, budget=None, chunk=512, **kw):
 
 def _streaming_budget(path) -> int:
     """A budget that holds the buffers and double staging but not the whole model."""
-    from hybridinfer.gguf_model import GGUFModel
-    from hybridinfer.gpu.backend import Buffers
-    from hybridinfer.gpu.placement import weights_of
+    from hybridinfer.backends.gpu.backend import Buffers
+    from hybridinfer.backends.gpu.placement import weights_of
+    from hybridinfer.format.gguf_model import GGUFModel
     from hybridinfer.models import model_args
 
     gm = GGUFModel(str(path))
@@ -120,7 +120,7 @@ def test_gpu_snapshots_in_one_pass(oracle_gguf):
 
 
 def test_gpu_buffers_accounting_matches_allocation(oracle_gguf):
-    from hybridinfer.gpu.backend import Buffers
+    from hybridinfer.backends.gpu.backend import Buffers
 
     for arch in ("llama", "qwen35", "qwen35moe"):
         eng = _gpu(oracle_gguf(arch, "q8_0"), chunk=48)
@@ -156,8 +156,8 @@ def test_expert_counts_and_replan(oracle_gguf):
 
 
 def test_bench_prefill_runs(oracle_gguf, tmp_path):
-    from hybridinfer.benchmarks import prefill
-    from hybridinfer.gpu.backend import DEFAULT_CHUNK, Buffers
+    from hybridinfer.backends.gpu.backend import DEFAULT_CHUNK, Buffers
+    from hybridinfer.tools.benchmarks import prefill
 
     path = oracle_gguf("qwen35moe", "q4_k_m")
     eng = Engine.load(str(path), backend="reference")

@@ -40,9 +40,10 @@ def test_runtime_imports_no_oracle_nor_plotting():
     got = json.loads(out.stdout.strip().splitlines()[-1])
     names = got["names"]
     # the walk really covered the package: the CPU backend, the GPU launchers, the server and the benchmarks
-    for n in ("hybridinfer.cpu.backend", "hybridinfer.gpu.loader", "hybridinfer.sampling", "hybridinfer.cli"):
+    for n in ("hybridinfer.backends.cpu.backend", "hybridinfer.backends.gpu.loader", "hybridinfer.engine.sampling",
+              "hybridinfer.cli"):
         assert n in names
-    assert any(n.startswith("hybridinfer.benchmarks.") for n in names)
+    assert any(n.startswith("hybridinfer.tools.benchmarks.") for n in names)
     mods = got["modules"]
     loaded = sorted(k for k in mods if k.split(".")[0] in FORBIDDEN)
     assert loaded == [], f"runtime import pulled in {loaded}"
@@ -57,13 +58,13 @@ def test_benchmarks_without_matplotlib(monkeypatch, tmp_path, capsys):
     import importlib
     import pkgutil
 
-    from hybridinfer import benchmarks
-    from hybridinfer.cli_bench import _save_bench
+    from hybridinfer.cli.bench import _save_bench
+    from hybridinfer.tools import benchmarks
 
     for name in ("matplotlib", "matplotlib.pyplot"):
         monkeypatch.setitem(sys.modules, name, None)  # `import matplotlib` raises ImportError
     plots = []
-    for m in pkgutil.iter_modules(benchmarks.__path__, "hybridinfer.benchmarks."):
+    for m in pkgutil.iter_modules(benchmarks.__path__, "hybridinfer.tools.benchmarks."):
         plot = getattr(importlib.import_module(m.name), "plot", None)
         if plot is not None:
             png = tmp_path / (m.name + ".png")
@@ -71,7 +72,7 @@ def test_benchmarks_without_matplotlib(monkeypatch, tmp_path, capsys):
             assert not png.exists()
             plots.append(m.name)
     assert len(plots) >= 6, plots  # decode, batch, prefill, prefix, serve, batch-job
-    from hybridinfer.benchmarks import decode
+    from hybridinfer.tools.benchmarks import decode
 
     _save_bench(str(tmp_path), "b", '{"x": 1}', lambda png: decode.plot({}, png))
     out = capsys.readouterr().out
@@ -85,8 +86,8 @@ def test_every_backend_entry_point_says_decode_stays_on_the_cpu():
     import argparse
 
     from hybridinfer import backends
-    from hybridinfer.api import Engine
     from hybridinfer.cli import build_parser
+    from hybridinfer.engine.api import Engine
 
     def backend_helps(parser, path=()):
         for act in parser._actions:
@@ -105,3 +106,35 @@ def test_every_backend_entry_point_says_decode_stays_on_the_cpu():
     with open(os.path.join(ROOT, "README.md")) as f:
         readme = f.read()
     assert "`gpu`: prefill on the card, decode on the CPU" in readme
+
+
+LAYERS = ("errors", "format", "models", "backends", "engine", "serving", "tools", "cli")  # bottom to top
+
+
+def test_layers_import_only_downwards():
+    """Each folder of the package imports only itself and the layers below it (README's Layout)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    rank = {k: i for i, k in enumerate(LAYERS)}
+    bad = []
+    for p in sorted((root / "hybridinfer").rglob("*.py")):
+        parts = p.relative_to(root).parts
+        if len(parts) < 3 or parts[1] not in rank:
+            continue
+        for n in ast.walk(ast.parse(p.read_text())):
+            if not isinstance(n, ast.ImportFrom):
+                continue
+            if n.level:
+                base = list(parts[:-1])[: len(parts) - n.level]
+                target = base + (n.module.split(".") if n.module else [])
+            elif n.module and n.module.startswith("hybridinfer."):
+                target = n.module.split(".")
+            else:
+                continue
+            if len(target) > 1 and rank.get(target[1], -1) > rank[parts[1]]:
+                bad.append(f"{'/'.join(parts)}:{n.lineno} imports {'.'.join(target)}")
+    assert not bad, "\n".join(bad)
+    assert sorted(d.name for d in (root / "hybridinfer").iterdir() if d.is_dir() and d.name != "__pycache__"
+                  and not d.name.startswith("_")) == sorted(LAYERS[1:])

@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from hybridinfer import numa
+from hybridinfer.backends import numa
 from hybridinfer.errors import ParameterError
 
 GiB = 1 << 30

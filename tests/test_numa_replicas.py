@@ -7,11 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hybridinfer import numa
-from hybridinfer.api import Engine
-from hybridinfer.cpu.replicas import assign_threads, node_buffer, replicate, weight_spans
-from hybridinfer.cpu.simd import SimdLib
-from hybridinfer.cpu.simd_replicas import MAX_REPLICAS, MAX_SPANS
+from hybridinfer.backends import numa
+from hybridinfer.backends.cpu.replicas import assign_threads, node_buffer, replicate, weight_spans
+from hybridinfer.backends.cpu.simd import SimdLib
+from hybridinfer.backends.cpu.simd_replicas import MAX_REPLICAS, MAX_SPANS
+from hybridinfer.engine.api import Engine
 from hybridinfer.errors import ParameterError
 
 NODE = numa.read_topology().mem_nodes[0].id if numa.read_topology().mem_nodes else 0
@@ -160,7 +160,7 @@ def test_moe_products_read_the_copies(oracle_gguf, weights):
 
 
 def test_engine_numa_option_is_checked(smollm_path):
-    with pytest.raises(ParameterError, match="numa must be a hybridinfer.numa.Plan"):
+    with pytest.raises(ParameterError, match="numa must be a hybridinfer.backends.numa.Plan"):
         Engine.load(smollm_path, backend="cpu", n_ctx=64, numa="replicate")
     with pytest.raises(ParameterError, match="reference backend has no per-node weight copies"):
         Engine.load(smollm_path, backend="reference", n_ctx=64, numa=TWO_ON_ONE)

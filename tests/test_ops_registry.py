@@ -20,7 +20,7 @@ HERE = os.path.dirname(__file__)
 
 def _resolve(ref: str):
     mod, _, attr = ref.partition(":")
-    obj = importlib.import_module(f"hybridinfer.{mod}")
+    obj = importlib.import_module(f"hybridinfer.backends.{mod}")
     for part in attr.split("."):
         obj = getattr(obj, part)
     return obj
@@ -52,7 +52,7 @@ def test_every_backend_implements_every_op(backend):
 
 
 def test_every_registered_piece_exists():
-    from hybridinfer.cpu.simd import SimdLib
+    from hybridinfer.backends.cpu.simd import SimdLib
 
     for op, info in OPS.items():
         for ref in info.reference:

@@ -11,9 +11,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from hybridinfer.backends.state import DecoderState
+from hybridinfer.engine.prefix import PrefixCache
 from hybridinfer.errors import ContextLengthError, SnapshotError
-from hybridinfer.prefix import PrefixCache
-from hybridinfer.state import DecoderState
 
 B = 16
 N_CTX = 320

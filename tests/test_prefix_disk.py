@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from test_prefix_cache import ARGS, FP, N_CTX, advance, assert_same, garbage, run, sizes, tokens
 
-from hybridinfer.prefix import PrefixCache, SnapshotWarning
-from hybridinfer.prefix.snapshot import load_file, write_file
-from hybridinfer.state import DecoderState
+from hybridinfer.backends.state import DecoderState
+from hybridinfer.engine.prefix import PrefixCache, SnapshotWarning
+from hybridinfer.engine.prefix.snapshot import load_file, write_file
 
 B = 16
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -171,7 +171,7 @@ def test_a_killed_writer_leaves_the_store_readable(tmp_path):
     r = _py(f"""
         import os
         from test_prefix_cache import ARGS, FP, run
-        from hybridinfer.prefix import PrefixCache
+        from hybridinfer.engine.prefix import PrefixCache
         base = {base!r}
         c = PrefixCache(FP, ARGS.layer_types, block_size={B}, disk_dir={str(tmp_path)!r})
         c.save(run(base[:20]))
@@ -210,8 +210,8 @@ def test_two_processes_share_a_directory(tmp_path):
     assert here.lookup(base) is None
     r = _py(f"""
         from test_prefix_cache import ARGS, FP, N_CTX, advance
-        from hybridinfer.prefix import PrefixCache
-        from hybridinfer.state import DecoderState
+        from hybridinfer.engine.prefix import PrefixCache
+        from hybridinfer.backends.state import DecoderState
         import numpy as np
         base = {base!r}
         c = PrefixCache(FP, ARGS.layer_types, block_size={B}, disk_dir={str(tmp_path)!r})
@@ -232,7 +232,7 @@ def test_two_processes_share_a_directory(tmp_path):
     assert len(_files(tmp_path)) == 3
     r = _py(f"""
         from test_prefix_cache import ARGS, FP, assert_same, garbage, run
-        from hybridinfer.prefix import PrefixCache
+        from hybridinfer.engine.prefix import PrefixCache
         longer = {longer!r}
         c = PrefixCache(FP, ARGS.layer_types, block_size={B}, disk_dir={str(tmp_path)!r}, ram_bytes=0)
         hit = c.lookup(longer)

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from hybridinfer.api import Engine
+from hybridinfer.engine.api import Engine
 
 BLOCK = 16
 
@@ -153,7 +153,7 @@ def test_shared_system_prompt_gets_its_own_snapshot(oracle_gguf):
 
 def test_bench_prefix_workloads(oracle_gguf, tmp_path):
     """`hybridinfer bench prefix` on a tiny model (our engine; llama.cpp's server is not part of CI)."""
-    from hybridinfer.benchmarks import prefix
+    from hybridinfer.tools.benchmarks import prefix
 
     rows, meta = prefix.run(str(oracle_gguf("qwen35", "q8_0")), n_prompts=3, threads=2,
                             cache_dir=str(tmp_path / "disk"))

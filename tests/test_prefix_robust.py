@@ -16,12 +16,12 @@ import warnings
 import numpy as np
 import pytest
 
-from hybridinfer.api import Engine, model_cache_fingerprint
+from hybridinfer.engine.api import Engine, model_cache_fingerprint
+from hybridinfer.engine.prefix import PrefixCache, SnapshotWarning, model_key
+from hybridinfer.engine.prefix import snapshot as snapfile
 from hybridinfer.errors import SnapshotError
-from hybridinfer.gguf_model import GGUFModel
-from hybridinfer.prefix import PrefixCache, SnapshotWarning, model_key
-from hybridinfer.prefix import snapshot as snapfile
-from hybridinfer.synth import synth_model
+from hybridinfer.format.gguf_model import GGUFModel
+from hybridinfer.tools.synth import synth_model
 
 SHAPE = dict(n_embd=64, n_layer=4, n_head=2, n_head_kv=1, head_dim=32, n_vocab=300, ssm_d_state=32, ssm_n_group=1,
              ssm_dt_rank=2, n_ff=64)

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from hybridinfer import quant
-from hybridinfer.gpu import cards, kclass
-from hybridinfer.gpu.k_gemm import GEMM_TYPES, TILES_BY_CLASS, choose_tile
-from hybridinfer.gpu.ptxas_table import USAGE
+from hybridinfer.backends.gpu import cards, kclass
+from hybridinfer.backends.gpu.k_gemm import GEMM_TYPES, TILES_BY_CLASS, choose_tile
+from hybridinfer.backends.gpu.ptxas_table import USAGE
+from hybridinfer.format import quant
 from tools import ptxcheck
 
 SRC = Path(__file__).resolve().parents[1] / "native" / "cuda_sm20"

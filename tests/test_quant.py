@@ -1,4 +1,4 @@
-"""hybridinfer.quant: own numpy dequantization, bit-for-bit against gguf.quants; random valid blocks."""
+"""hybridinfer.format.quant: own numpy dequantization, bit-for-bit against gguf.quants; random valid blocks."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gq
 
-from hybridinfer import quant
 from hybridinfer.errors import UnsupportedTensorTypeError
-from hybridinfer.quant import SUPPORTED_TYPES, block_info, dequantize, random_blocks, row_nbytes, type_name
+from hybridinfer.format import quant
+from hybridinfer.format.quant import SUPPORTED_TYPES, block_info, dequantize, random_blocks, row_nbytes, type_name
 
 T = GGMLQuantizationType
 TYPES = sorted(SUPPORTED_TYPES)
@@ -135,7 +135,7 @@ def test_random_blocks_look_like_weights(qtype):
 
 def test_random_k_quant_sub_scales_vary():
     rng = np.random.default_rng(0)
-    from hybridinfer.quant_k import unpack_scale_min_k4
+    from hybridinfer.format.quant_k import unpack_scale_min_k4
 
     for q in (T.Q4_K, T.Q5_K):
         sc, mn = unpack_scale_min_k4(random_blocks(q, 4096, rng)[:, 4:16])

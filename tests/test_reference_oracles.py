@@ -14,7 +14,7 @@ def _ids(n_vocab: int, n: int = N_POS, seed: int = 7) -> list[int]:
 
 
 def _engine(path):
-    from hybridinfer.api import Engine
+    from hybridinfer.engine.api import Engine
 
     return Engine.load(path, backend="reference", n_ctx=256)
 
@@ -70,7 +70,7 @@ def test_reference_vs_llama_cpp_quantized(arch, quant, oracle_gguf):
     pytest.importorskip("llama_cpp")
     from oracle_models import llama_logits
 
-    from hybridinfer.api import Engine
+    from hybridinfer.engine.api import Engine
 
     path = oracle_gguf(arch, quant)
     eng = _engine(path)

@@ -65,8 +65,8 @@ def test_exact_on_dequantized_smollm(smollm_path, tmp_path):
     pytest.importorskip("llama_cpp")
     from gguf_edit import rewrite
 
-    from hybridinfer.api import Engine
-    from hybridinfer.gguf_model import GGUFModel
+    from hybridinfer.engine.api import Engine
+    from hybridinfer.format.gguf_model import GGUFModel
 
     gm = GGUFModel(smollm_path)
     f32 = tmp_path / "smollm-f32.gguf"

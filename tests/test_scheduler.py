@@ -8,9 +8,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hybridinfer.api import Engine
+from hybridinfer.engine.api import Engine
+from hybridinfer.engine.scheduler import state_bytes
 from hybridinfer.errors import CapacityError, ParameterError
-from hybridinfer.scheduler import state_bytes
 
 
 def _ids(n_vocab: int, n: int, seed: int) -> list[int]:
@@ -101,7 +101,7 @@ def test_batch_invariance_staggered_admission(arch, quant, oracle_gguf):
     """Sequences of different prompt lengths, admitted at different steps (max_seqs below the request count, and
     some submitted later), finishing at different lengths, one cancelled mid-way: each equals its run alone. The
     test drives the scheduler's steps itself, so the schedule is the same on every machine."""
-    from hybridinfer.scheduler import Scheduler
+    from hybridinfer.engine.scheduler import Scheduler
 
     eng = Engine.load(str(oracle_gguf(arch, quant)), backend="cpu", n_ctx=128)
     reqs = _requests(eng.args.n_vocab)
@@ -156,7 +156,7 @@ def test_limits_hold_under_a_random_workload(oracle_gguf):
     eng = Engine.load(str(oracle_gguf("qwen35moe", "q8_0")), backend="cpu", n_ctx=128)
     args = eng.args
     budget = state_bytes(args, 60) * 3  # room for about three long sequences at once
-    from hybridinfer.scheduler import Scheduler
+    from hybridinfer.engine.scheduler import Scheduler
 
     sched = Scheduler(eng, max_seqs=5, state_budget=budget)
     rng = np.random.default_rng(9)
@@ -223,7 +223,7 @@ def test_first_token_goes_out_after_its_own_prefill(smollm_path, monkeypatch):
 def test_requests_without_ends_keep_only_shared_snapshots(smollm_path):
     """keep_ends=False (a batch job's requests): the shared prefix is still snapshotted and restored, but nothing at
     a prompt's end or a reply's end (no next turn would use them); the tokens are the same either way."""
-    from hybridinfer.scheduler import Scheduler
+    from hybridinfer.engine.scheduler import Scheduler
 
     eng = Engine.load(smollm_path, backend="cpu", n_ctx=512, prefix_cache={"ram_bytes": 256 << 20},
                       snapshot_stride=0, max_seqs=4)

@@ -17,10 +17,10 @@ anthropic = pytest.importorskip("anthropic")
 
 from test_chat_template import QWEN35_TEMPLATE, TOOLS  # noqa: E402
 
-from hybridinfer.api import Engine  # noqa: E402
-from hybridinfer.chat_template import render_chat  # noqa: E402
-from hybridinfer.serve import create_app  # noqa: E402
-from hybridinfer.textstream import Generation  # noqa: E402
+from hybridinfer.engine.api import Engine  # noqa: E402
+from hybridinfer.engine.textstream import Generation  # noqa: E402
+from hybridinfer.format.chat_template import render_chat  # noqa: E402
+from hybridinfer.serving.serve import create_app  # noqa: E402
 
 MODEL = "smol"
 Q = [{"role": "user", "content": "What is 2+2?"}]

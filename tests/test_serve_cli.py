@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 
-import hybridinfer.serve as serve_pkg  # noqa: E402
+import hybridinfer.serving.serve as serve_pkg  # noqa: E402
 from hybridinfer.cli import main  # noqa: E402
 
 

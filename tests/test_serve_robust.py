@@ -18,8 +18,8 @@ anthropic = pytest.importorskip("anthropic")
 
 from test_serve_api import MODEL, running  # noqa: E402
 
-from hybridinfer.api import Engine  # noqa: E402
-from hybridinfer.serve import create_app  # noqa: E402
+from hybridinfer.engine.api import Engine  # noqa: E402
+from hybridinfer.serving.serve import create_app  # noqa: E402
 
 Q = [{"role": "user", "content": "What is 2+2?"}]
 COUNT = "1, 2, 3, 4, 5,"  # greedy SmolLM2 counts on to any length: a request that runs until stopped

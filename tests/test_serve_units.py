@@ -12,11 +12,11 @@ pytest.importorskip("fastapi")
 from pydantic import ValidationError  # noqa: E402
 from test_chat_template import QWEN35_TEMPLATE, TOOLS  # noqa: E402
 
-from hybridinfer.chat_template import render_chat  # noqa: E402
-from hybridinfer.serve.errors import from_validation  # noqa: E402
-from hybridinfer.serve.models import ChatRequest  # noqa: E402
-from hybridinfer.serve.prompt import TemplateInfo, build_chat, normalize_tool_choice  # noqa: E402
-from hybridinfer.serve.toolcalls import OutputParser, parse_all, parse_tool_call  # noqa: E402
+from hybridinfer.format.chat_template import render_chat  # noqa: E402
+from hybridinfer.serving.serve.errors import from_validation  # noqa: E402
+from hybridinfer.serving.serve.models import ChatRequest  # noqa: E402
+from hybridinfer.serving.serve.prompt import TemplateInfo, build_chat, normalize_tool_choice  # noqa: E402
+from hybridinfer.serving.serve.toolcalls import OutputParser, parse_all, parse_tool_call  # noqa: E402
 
 JSON_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n</tool_call>'
 XML_CALL = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n"

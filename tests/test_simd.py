@@ -1,8 +1,8 @@
-"""The native SIMD library (hybridinfer._simd through hybridinfer.cpu.simd): quantizers, dot products,
+"""The native SIMD library (hybridinfer._simd through hybridinfer.backends.cpu.simd): quantizers, dot products,
 GEMV/GEMM, MoE calls, threads, argument checks.
 
 Oracles: llama.cpp's own CPU kernels (libggml-cpu from llama-cpp-python, built for this CPU: its
-q8_0/q8_1/q8_K quantizers and vec_dot kernels) and the numpy reference (hybridinfer.actquant: its
+q8_0/q8_1/q8_K quantizers and vec_dot kernels) and the numpy reference (hybridinfer.backends.actquant: its
 `qmatmul_ggml` emulates ggml's AVX2 float order exactly; `qmatmul` is the plain formula).
 Every ISA path this CPU runs is checked: the quantizers give identical bytes everywhere; the dot products
 give the same integers everywhere (checked exactly with unit scales, where every float operation is
@@ -17,12 +17,12 @@ import ctypes
 import numpy as np
 import pytest
 
-from hybridinfer import actquant as aq
-from hybridinfer import actquant_k as ak
-from hybridinfer.cpu import simd
-from hybridinfer.cpu.simd import GGML_MUL_MAT, GGML_MUL_MAT_ID, SimdLib, best_isa, supported_isas
+from hybridinfer.backends import actquant as aq
+from hybridinfer.backends import actquant_k as ak
+from hybridinfer.backends.cpu import simd
+from hybridinfer.backends.cpu.simd import GGML_MUL_MAT, GGML_MUL_MAT_ID, SimdLib, best_isa, supported_isas
 from hybridinfer.errors import BackendNotAvailableError, UnsupportedTensorTypeError
-from hybridinfer.quant import Q4_K, Q6_K, Q8_0, random_blocks
+from hybridinfer.format.quant import Q4_K, Q6_K, Q8_0, random_blocks
 
 LEGACY = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0"}
 KQUANT = {12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hybridinfer.cpu.simd import SimdLib
-from hybridinfer.quant import random_blocks
+from hybridinfer.backends.cpu.simd import SimdLib
+from hybridinfer.format.quant import random_blocks
 
 Q4_K, Q8_0 = 12, 8
 
@@ -35,7 +35,7 @@ def test_bound_calls_follow_buffer_contents(qtype):
 def test_packed_steps_run_as_the_bound_calls_and_name_a_failing_one():
     """Steps (the decode step as one hi_replay_run) repeat the Bound calls they pack, in order, clocking each when
     asked; a call the library rejects is named in the error."""
-    from hybridinfer.cpu.replay import Steps
+    from hybridinfer.backends.cpu.replay import Steps
 
     lib = SimdLib(n_threads=2)
     rng = np.random.default_rng(3)

@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hybridinfer.cpu.simd import GGML_DECODE_ROWS, GGML_MUL_MAT, GGML_MUL_MAT_ID, KERNEL_TYPES
-from hybridinfer.quant import random_blocks
+from hybridinfer.backends.cpu.simd import GGML_DECODE_ROWS, GGML_MUL_MAT, GGML_MUL_MAT_ID, KERNEL_TYPES
+from hybridinfer.format.quant import random_blocks
 
 QTYPES = sorted(KERNEL_TYPES)
 

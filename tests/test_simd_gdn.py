@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from oracles import numba_gdn as ops_gdn
 
-from hybridinfer.cpu.simd import SimdLib, supported_isas
+from hybridinfer.backends.cpu.simd import SimdLib, supported_isas
 
 ISAS = supported_isas()
 SMALL = (2, 6, 12, 10, 4)  # H_k, H_v, d_k, d_v, K

@@ -16,9 +16,9 @@ import pytest
 from oracles import ggml_ref as gr
 from oracles import numba_ops as ops
 
-from hybridinfer import actquant_k as ak
-from hybridinfer.cpu.simd import GGML_MUL_MAT, GGML_MUL_MAT_ID, GGML_NONE, supported_isas
-from hybridinfer.quant import random_blocks
+from hybridinfer.backends import actquant_k as ak
+from hybridinfer.backends.cpu.simd import GGML_MUL_MAT, GGML_MUL_MAT_ID, GGML_NONE, supported_isas
+from hybridinfer.format.quant import random_blocks
 
 WIDTH = {"scalar": 1, "ssse3": 4, "avx2": 8, "avx512vnni": 16}  # ggml_vec_dot_f32's SIMD width
 EXP_WIDTH = {**WIDTH, "scalar": 4}  # ggml_v_expf's: SSE2 on every x86-64 build

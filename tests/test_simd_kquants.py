@@ -1,6 +1,6 @@
 """K-quant dot products (Q4_K, Q5_K, Q6_K x Q8_K).
 
-(a) The numpy reference (hybridinfer.actquant_k) against llama.cpp's own CPU kernels (libggml-cpu from
+(a) The numpy reference (hybridinfer.backends.actquant_k) against llama.cpp's own CPU kernels (libggml-cpu from
     llama-cpp-python): Q8_K activation bytes, and every row's dot product, bit for bit.
 (b) The C header native/simd/dot_kquants.h, compiled here once per ISA into a tiny ctypes library (this
     tests the header itself, independent of the engine's cffi build), against the references and ggml.
@@ -21,8 +21,8 @@ import subprocess
 import numpy as np
 import pytest
 
-from hybridinfer import actquant_k as ak
-from hybridinfer.quant import random_blocks
+from hybridinfer.backends import actquant_k as ak
+from hybridinfer.format.quant import random_blocks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIMD_DIR = os.path.join(ROOT, "native", "simd")

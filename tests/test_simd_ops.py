@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from oracles import numba_ops as ops
 
-from hybridinfer.cpu.simd import SimdLib
+from hybridinfer.backends.cpu.simd import SimdLib
 
 
 @pytest.fixture(scope="module")

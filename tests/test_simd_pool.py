@@ -9,10 +9,10 @@ import sys
 import numpy as np
 import pytest
 
-from hybridinfer import actquant as aq
-from hybridinfer.cpu import simd
-from hybridinfer.cpu.simd import GGML_MUL_MAT, SimdLib, best_isa
-from hybridinfer.quant import random_blocks
+from hybridinfer.backends import actquant as aq
+from hybridinfer.backends.cpu import simd
+from hybridinfer.backends.cpu.simd import GGML_MUL_MAT, SimdLib, best_isa
+from hybridinfer.format.quant import random_blocks
 
 
 @pytest.mark.parametrize("threads", [2, 3, 8])
@@ -28,7 +28,7 @@ def test_pool_small_tasks_back_to_back_with_late_workers():
     """Tiny tasks in a tight loop on more threads than cores: workers wake late, some mid-task or after the task
     they woke for is over, and must neither lose nor repeat a chunk (a lost one would hang the caller: hence the
     subprocess and its timeout)."""
-    code = ("from hybridinfer.cpu.simd import SimdLib, best_isa\n"
+    code = ("from hybridinfer.backends.cpu.simd import SimdLib, best_isa\n"
             "for th in (8, 16, 3):\n"
             "    lib = SimdLib(best_isa(), n_threads=th)\n"
             "    for total in (2, 3, 5, 17, 33):\n"

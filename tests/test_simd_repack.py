@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hybridinfer.cpu.simd import GGML_MUL_MAT_ID, KQ_ZIPPED, SimdLib, supported_isas
+from hybridinfer.backends.cpu.simd import GGML_MUL_MAT_ID, KQ_ZIPPED, SimdLib, supported_isas
 from hybridinfer.errors import UnsupportedTensorTypeError
-from hybridinfer.quant import random_blocks
+from hybridinfer.format.quant import random_blocks
 
 KQ = {12: "q4_K", 13: "q5_K", 14: "q6_K"}
 

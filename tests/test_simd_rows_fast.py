@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hybridinfer.cpu.simd import GGML_DECODE_ROWS, GGML_MUL_MAT, KERNEL_TYPES, SimdLib, supported_isas
-from hybridinfer.quant import random_blocks
+from hybridinfer.backends.cpu.simd import GGML_DECODE_ROWS, GGML_MUL_MAT, KERNEL_TYPES, SimdLib, supported_isas
+from hybridinfer.format.quant import random_blocks
 
 QTYPES = sorted(KERNEL_TYPES)
 KQ = (12, 13, 14)

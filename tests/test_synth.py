@@ -15,8 +15,8 @@ import pytest
 from gguf import GGMLQuantizationType as T
 
 from hybridinfer.errors import HybridInferError, ShapeError
-from hybridinfer.gguf_model import GGUFModel
-from hybridinfer.synth import list_shapes, plan_model, synth_model
+from hybridinfer.format.gguf_model import GGUFModel
+from hybridinfer.tools.synth import list_shapes, plan_model, synth_model
 
 _GDN = dict(ssm_d_state=64, ssm_n_group=2, ssm_dt_rank=4)
 # n_embd 256 and all row lengths multiples of 256: the K-quant rules apply without fallbacks
@@ -263,7 +263,7 @@ def test_qwen_vocab_has_special_tokens_at_real_ids(tmp_path):
 
 
 def test_vocab_from_borrows_tokenizer(tmp_path):
-    from hybridinfer.default_model import default_model_path
+    from hybridinfer.format.default_model import default_model_path
 
     try:
         src = default_model_path()
@@ -287,7 +287,7 @@ def test_vocab_from_borrows_tokenizer(tmp_path):
 
 _STREAM = """
 import json, resource, sys
-from hybridinfer.synth import synth_model
+from hybridinfer.tools.synth import synth_model
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 s = synth_model(sys.argv[1], "qwen35moe", {"base": "35b-a3b", "n_layer": 4, "n_expert": 28, "n_vocab": 8192})
 s["rss_base_kb"], s["rss_peak_kb"] = base, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

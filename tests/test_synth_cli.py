@@ -8,8 +8,8 @@ import json
 import numpy as np
 import pytest
 
-from hybridinfer.api import Engine
 from hybridinfer.cli import main
+from hybridinfer.engine.api import Engine
 
 SHAPE = dict(n_embd=256, n_layer=4, n_head=4, n_head_kv=2, head_dim=64, n_vocab=49152, n_expert=4,
              n_expert_used=2, n_ff_exp=256, n_ff_shexp=256, ssm_d_state=64, ssm_n_group=2, ssm_dt_rank=4)

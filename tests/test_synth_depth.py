@@ -12,7 +12,7 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 
 from hybridinfer.errors import ShapeError
-from hybridinfer.synth import EMBED_STD, depth_scale, synth_model
+from hybridinfer.tools.synth import EMBED_STD, depth_scale, synth_model
 
 # the 35B-A3B's structure (GDN and attention layers, routed and shared experts) at a width two cores run quickly
 DEEP = {"n_embd": 512, "n_layer": 40, "n_head": 4, "n_head_kv": 2, "head_dim": 64, "n_vocab": 4096,
@@ -59,8 +59,8 @@ def test_bad_residual_scale(tmp_path, bad):
 
 
 def _top1_isa_agreement(path, n=96) -> float:
-    from hybridinfer.api import Engine
-    from hybridinfer.cpu.simd_native import best_isa
+    from hybridinfer.backends.cpu.simd_native import best_isa
+    from hybridinfer.engine.api import Engine
 
     if best_isa() == "ssse3":
         pytest.skip("this CPU's best SIMD path is SSSE3: no second float order to compare with")

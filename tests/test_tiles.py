@@ -8,11 +8,11 @@ from dataclasses import replace
 
 import pytest
 
-from hybridinfer import quant
+from hybridinfer.backends.gpu import cards, kclass, loader
+from hybridinfer.backends.gpu.k_gemm import GEMM_TYPES, TILES_BY_CLASS, choose_tile, tile_fits, tile_usage
+from hybridinfer.backends.gpu.ptxas_table import USAGE
 from hybridinfer.errors import KernelArgumentError
-from hybridinfer.gpu import cards, kclass, loader
-from hybridinfer.gpu.k_gemm import GEMM_TYPES, TILES_BY_CLASS, choose_tile, tile_fits, tile_usage
-from hybridinfer.gpu.ptxas_table import USAGE
+from hybridinfer.format import quant
 
 # every class a card or profile can be: each profile, and the real cards of each compute capability
 LIMITS = [cards.profile_limits(p, sms) for p in cards.PROFILES for sms in (8, 14, 56, 132)] + [
@@ -98,7 +98,7 @@ def test_kernel_class_options():
 
 
 def test_delta_rule_block_fits_the_class_bound():
-    from hybridinfer.gpu.k_gdn import delta_rule_shape
+    from hybridinfer.backends.gpu.k_gdn import delta_rule_shape
 
     for cls in kclass.CLASSES:
         for d_k, d_v in ((16, 16), (128, 128), (12, 10), (256, 64), (32, 48)):

@@ -10,7 +10,7 @@ import random
 import pytest
 
 from hybridinfer.errors import HybridInferError, TokenizerError
-from hybridinfer.tokenizer import PRE_TOKENIZERS, StreamDecoder, Tokenizer
+from hybridinfer.format.tokenizer import PRE_TOKENIZERS, StreamDecoder, Tokenizer
 
 TEXTS = [
     "", " ", "  ", "   ", "\t", "\n", "\n\n", "\n\n\n", "\t\n", " \n \n", "\r\n", "\r\n\r\n  x",
@@ -141,7 +141,7 @@ def test_smollm2_vocabulary(smol_tok):
 
 
 def test_smollm2_from_gguf(smol_path, smol_tok):
-    from hybridinfer.gguf_model import GGUFModel
+    from hybridinfer.format.gguf_model import GGUFModel
 
     tok = Tokenizer.from_gguf(GGUFModel(smol_path))
     assert tok.n_vocab == smol_tok.n_vocab and tok.encode(TEXTS[20]) == smol_tok.encode(TEXTS[20])

@@ -25,8 +25,8 @@ def vocab_dir():
 def test_llama_cpp_tokenizer_test_vectors(vocab_dir, name):
     import llama_vocabs
 
-    from hybridinfer.gguf_model import GGUFModel
-    from hybridinfer.tokenizer import Tokenizer
+    from hybridinfer.format.gguf_model import GGUFModel
+    from hybridinfer.format.tokenizer import Tokenizer
 
     path = os.path.join(vocab_dir, f"ggml-vocab-{name}.gguf")
     tok = Tokenizer.from_gguf(GGUFModel(path))

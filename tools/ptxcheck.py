@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from hybridinfer.gpu import kclass
+from hybridinfer.backends.gpu import kclass
 
 from .sm20check import clang_device_ptx
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from types import ModuleType
 
 from ..errors import UnsupportedArchitectureError
-from ..gguf_model import GGUFModel
+from ..format.gguf_model import GGUFModel
 from . import llama, qwen35, qwen35moe
 
 ARCHITECTURES: dict[str, ModuleType] = {m.ARCH: m for m in (llama, qwen35, qwen35moe)}

@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from ..errors import GGUFError, MissingMetadataError, TensorShapeError
-from ..gguf_model import GGUFModel
+from ..format.gguf_model import GGUFModel
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..gguf_model import GGUFModel
+from ..format.gguf_model import GGUFModel
 from .base import Meta, TensorSpec, check_rope_dims, check_tensors, n_vocab_of, require
 from .graph import Branch
 

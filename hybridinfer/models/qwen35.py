@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import GGUFError, TensorShapeError
-from ..gguf_model import GGUFModel
+from ..format.gguf_model import GGUFModel
 from .base import Meta, TensorSpec, check_rope_dims, check_tensors, n_vocab_of, require
 from .graph import Branch
 from .llama import EMBED, attention, head, swiglu_ffn

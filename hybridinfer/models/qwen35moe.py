@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..gguf_model import GGUFModel
+from ..format.gguf_model import GGUFModel
 from . import qwen35
 from .graph import Branch
 from .qwen35 import EMBED, head  # noqa: F401  (this architecture's description: qwen35's with moe as the FFN)

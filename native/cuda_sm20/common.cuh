@@ -28,7 +28,7 @@
 
 #define HI_THREADS 256  // threads per block of every kernel here
 
-// Launch bounds by card class (hybridinfer/gpu/kclass.py passes the defines). The 63-register class (sm_2x,
+// Launch bounds by card class (hybridinfer/backends/gpu/kclass.py passes the defines). The 63-register class (sm_2x,
 // sm_30) is compiled with -maxrregcount 63 and no bounds, because ptxas lets launch bounds override that cap;
 // the others take HI_MIN_BLOCKS resident blocks a multiprocessor as the bounds' second argument.
 #ifndef HI_MIN_BLOCKS

@@ -15,7 +15,7 @@
 // same pass.
 //
 // Kernels, in launch order: gdn_conv_silu, gdn_conv_state, gdn_l2norm_qk, gdn_delta_rule,
-// gdn_gated_norm (hybridinfer/gpu/k_gdn.py runs them).
+// gdn_gated_norm (hybridinfer/backends/gpu/k_gdn.py runs them).
 #include "prefill_common.cuh"
 
 #define GDN_MAXK 8     // conv kernel width K <= GDN_MAXK

@@ -11,7 +11,7 @@ declarations come from hi_simd.h, the one header cffi and the C side share. gdn.
 plain float code) picks its avx2 or baseline loops itself; attn.c splits attention over the pool and runs the ISA
 table's `attn`; ops.c has the small ops between the products, replay.c runs a recorded decode step, probe.c the
 bandwidth probe, moe_rows.c the routed experts of several tokens grouped by expert, replica.c the per-node
-weight copies' table, pace.c the host-side holds that pace the GPU's weight stream (hybridinfer/gpu/k_pace.py).
+weight copies' table, pace.c the host-side holds that pace the GPU's weight stream (hybridinfer/backends/gpu/k_pace.py).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-/* Host-side holds that pace a CUDA copy stream to an old card's bus (hybridinfer/gpu/k_pace.py enqueues them with
- * cuLaunchHostFunc between the pieces of a layer's upload; hybridinfer/gpu/pacing.py plans the pieces). A host
+/* Host-side holds that pace a CUDA copy stream to an old card's bus (hybridinfer/backends/gpu/k_pace.py enqueues them with
+ * cuLaunchHostFunc between the pieces of a layer's upload; hybridinfer/backends/gpu/pacing.py plans the pieces). A host
  * function holds the stream in order without taking a multiprocessor from the kernels beside it, and in C it runs
  * on the driver's thread without waiting for Python.
  *

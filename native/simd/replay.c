@@ -1,4 +1,4 @@
-/* hi_replay_run: a recorded decode step (hybridinfer/cpu/replay.py records it from the backend's first step of a
+/* hi_replay_run: a recorded decode step (hybridinfer/backends/cpu/replay.py records it from the backend's first step of a
  * sequence) run as one native call. Each hi_step names an entry point of hi_simd.h and holds the arguments
  * that entry point was bound with, checked once by the Python wrappers when they were recorded; the token's
  * position is the one argument that changes from step to step (pos_arg). No arithmetic here: the entry

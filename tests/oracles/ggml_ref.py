@@ -14,7 +14,7 @@ import ctypes.util
 
 import numpy as np
 
-from hybridinfer.actquant_k import Q4_K, Q6_K, fma32, unpack_q8_K, weight_terms
+from hybridinfer.backends.actquant_k import Q4_K, Q6_K, fma32, unpack_q8_K, weight_terms
 
 F32 = np.float32
 _libm = ctypes.CDLL(ctypes.util.find_library("m") or "libm.so.6")

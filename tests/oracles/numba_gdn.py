@@ -14,7 +14,7 @@ import math
 import numpy as np
 from numba import njit
 
-from hybridinfer.cpu.simd_gdn import gdn_scratch_size
+from hybridinfer.backends.cpu.simd_gdn import gdn_scratch_size
 
 from .numba_ops import rms_scale
 

@@ -382,7 +382,7 @@ def moe_route(logits, k, idx_out, w_out):
 def warmup() -> None:
     """Compile (or load from numba's cache) every op of numba_ops, numba_gdn and the sampler on tiny inputs,
     with the argument types the backend uses (C-contiguous float32 arrays, int32 indices)."""
-    from hybridinfer import sampling
+    from hybridinfer.engine import sampling
 
     from . import numba_gdn
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hybridinfer.sampling import SamplingParams
+from hybridinfer.engine.sampling import SamplingParams
 
 
 class Sampler:

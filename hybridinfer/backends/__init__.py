@@ -1,0 +1,144 @@
+"""Backend construction: reference, cpu, gpu and auto (gpu when it can run here).
+
+The name "gpu" names the prefill device only: the card runs the prompts' forward pass and decode stays on the CPU
+(GPUPrefillCPUDecode: prompts through gpu/backend.py's GPUModel, every decode step through a CPUBackend)."""
+
+from __future__ import annotations
+
+import warnings
+from abc import ABC, abstractmethod
+
+import numpy as np
+
+from ..errors import BackendNotAvailableError, ParameterError
+
+BACKENDS = ("reference", "cpu", "gpu", "auto")
+
+
+class Backend(ABC):
+    """What the Engine needs of a compute backend. A backend is not thread-safe: the Engine serializes calls.
+
+    single_pass: prefill is one call over the whole prompt (the GPU streams each layer's weights once), taking
+    `snapshot_at` / `on_snapshot`; otherwise the Engine cuts the prompt into chunks itself.
+    numeric_path: names the float operations the backend runs, so prefix-cache snapshots made by one numeric
+    path are never restored into another (a restored run then equals a cold run of the same engine)."""
+
+    single_pass = False
+
+    @property
+    @abstractmethod
+    def numeric_path(self) -> str: ...
+
+    @abstractmethod
+    def new_state(self, n_ctx: int): ...
+
+    @abstractmethod
+    def forward(self, tokens, state, all_logits: bool = True, **kw):
+        """Consume `tokens` from `state`; logits (T, n_vocab), or (1, n_vocab) of the last token. The array may
+        be a view of the backend's buffers, valid until its next call."""
+
+    def preload(self, progress: bool = False) -> None:
+        """Make the weights ready now (with a progress bar) instead of at first use."""
+        return None  # nothing to prepare unless a backend says so
+
+    def prefill_many(self, prompts) -> list[np.ndarray]:
+        """Single-pass backends: prefill several prompts, each (ids, state, snapshot_at, on_snapshot), and return
+        each one's last-token logits (1, n_vocab). This default runs one pass per prompt; the GPU prefills them in
+        one pass. (The Engine chunks prompts itself for the other backends and never calls this on them.)"""
+        return [np.array(self.forward(ids, st, all_logits=False, snapshot_at=at, on_snapshot=cb)[-1:], copy=True)
+                for ids, st, at, cb in prompts]
+
+    def release(self, state) -> None:  # noqa: B027 (a no-op unless the backend keeps something per state)
+        """Forget what the backend keeps for this sequence's state (recorded steps, bound calls), so that its memory
+        goes as soon as its owner drops it."""
+
+    def decode_batch(self, tokens, states) -> np.ndarray:
+        """One token for each of several sequences: logits (B, n_vocab), row j as forward([tokens[j]], states[j])
+        gives it. This default runs them one by one; a backend that reads its weights once for all overrides it."""
+        return np.stack([np.array(self.forward([t], st, all_logits=False)[-1], copy=True)
+                         for t, st in zip(tokens, states, strict=True)])
+
+
+class GPUPrefillCPUDecode(Backend):
+    """backend="gpu": prompts (at least `min_gpu_tokens` tokens) are prefilled on the GPU in one pass; decode
+    (single tokens) always runs on the CPU backend. They meet only in the host DecoderState. Snapshots taken
+    after GPU prefill are restored into CPU decode by design (the hand-off is this backend's own path)."""
+
+    single_pass = True
+
+    def __init__(self, gpu, cpu, min_gpu_tokens: int = 2):
+        self.gpu, self.cpu, self.min_gpu_tokens = gpu, cpu, min_gpu_tokens
+
+    @property
+    def numeric_path(self) -> str:
+        return f"gpu-prefill+{self.cpu.numeric_path}"
+
+    def new_state(self, n_ctx: int):
+        return self.cpu.new_state(n_ctx)
+
+    def decode_batch(self, tokens, states) -> np.ndarray:
+        return self.cpu.decode_batch(tokens, states)
+
+    def release(self, state) -> None:
+        self.cpu.release(state)
+
+    def prefill_many(self, prompts) -> list[np.ndarray]:
+        """(ids, state, snapshot_at, on_snapshot) each: all in one streamed GPU pass where the buffers allow (each
+        layer's weights cross the bus once for all); each prompt's last-token logits (1, n_vocab)."""
+        if all(len(p[0]) >= self.min_gpu_tokens for p in prompts):
+            from .gpu.multi import forward_many
+
+            return forward_many(self.gpu, prompts)
+        return super().prefill_many(prompts)
+
+    def forward(self, tokens, state, all_logits: bool = True, snapshot_at=(), on_snapshot=None):
+        if len(tokens) >= self.min_gpu_tokens:
+            return self.gpu.forward(tokens, state, all_logits=all_logits, snapshot_at=snapshot_at,
+                                    on_snapshot=on_snapshot)
+        return self.cpu.forward(tokens, state, all_logits=all_logits)
+
+
+_warned = False
+
+
+def make_backend(name: str, gm, args, options: dict, n_ctx: int):
+    """The compute backend `name` for a loaded GGUF; pops the options it uses from `options`."""
+    global _warned
+    if name not in BACKENDS:
+        raise BackendNotAvailableError(f"unknown backend {name!r} (choose from {', '.join(BACKENDS)})")
+    gpu_opts = {k: options.pop(k) for k in ("vram_budget", "gpu_chunk", "device", "card_profile", "bus_bw")
+                if k in options}
+    placement = options.pop("numa", None)
+    if placement is not None and not hasattr(placement, "mode"):
+        raise ParameterError(f"numa must be a hybridinfer.backends.numa.Plan (numa.plan(...)) or None, "
+                             f"got {placement!r}")
+    if name == "reference":
+        if placement is not None and placement.mode == "replicate":
+            raise ParameterError("numa replicate: the reference backend has no per-node weight copies (use the cpu "
+                                 "backend)")
+        from .reference import ReferenceModel
+
+        return ReferenceModel(gm, args, cache_weights=options.pop("cache_weights", True),
+                              act_quant=options.pop("act_quant", False), kv_f16=options.pop("kv_f16", False))
+    from .cpu.backend import CPUModel
+    from .cpu.simd import SimdLib
+
+    simd = SimdLib(isa=options.pop("isa", None), n_threads=options.pop("n_threads", None),
+                   prefetch=options.pop("prefetch", None))
+    cpu = CPUModel(gm, args, simd, weights=options.pop("weights", "auto"), numa=placement)
+    if name == "cpu":
+        return cpu
+    try:
+        from .gpu.backend import DEFAULT_CHUNK, GPUModel
+
+        gpu = GPUModel(gm, args, n_ctx, vram_budget=gpu_opts.get("vram_budget"),
+                       chunk=gpu_opts.get("gpu_chunk", DEFAULT_CHUNK), device=gpu_opts.get("device", 0),
+                       card_profile=gpu_opts.get("card_profile"), bus_bw=gpu_opts.get("bus_bw"))
+    except BackendNotAvailableError as e:
+        if name == "gpu":
+            raise
+        if not _warned:
+            warnings.warn(f"backend='auto': no usable GPU ({e}); prefill runs on the CPU", stacklevel=3)
+            _warned = True
+        return cpu
+    return GPUPrefillCPUDecode(gpu, cpu)

@@ -1,0 +1,397 @@
+"""The CPU backend: quantized matrix products, attention, RoPE, SwiGLU, the GDN layer and the small ops between
+them (norms, routing, gates) in C (simd.py), each the twin of a numba op (ops*.py) that stays its plain-order
+reference; sampling in numba. The products, attention, RoPE and SwiGLU follow llama.cpp's float operations for the
+ISA level they run at (each product is called with the llama.cpp operation it stands for, MUL_MAT or MUL_MAT_ID,
+which decides the K-quant kernel shape), so that greedy decoding agrees with llama.cpp token for token.
+
+Weights stay in their GGUF bytes (memory-mapped); activations are quantized once per input and weight
+kind, as llama.cpp does. One `forward(tokens, state)` serves decode (T = 1) and chunked prefill
+(T > 1, a GEMM over the chunk; MoE tokens grouped by expert). Work buffers live in a `Workspace` made once
+per chunk-size class and context size and reused, so the decode loop allocates no arrays. A decode step is
+recorded at a sequence's first step and then runs as one native call (replay.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import numpy as np
+
+from ...errors import BackendNotAvailableError, UnsupportedTensorTypeError
+from ...format.gguf_model import GGUFModel
+from ...format.quant import dequantize_rows, type_name
+from ...models import graph
+from .. import Backend
+from ..state import DecoderState, check_tokens
+from .graph_ops import CPUOps
+from .replay import BatchReplay, DecodeReplay
+from .simd import GGML_DECODE_ROWS, GGML_MUL_MAT, KERNEL_TYPES, SimdLib
+from .simd_gdn import gdn_scratch_size
+from .weights import choose_weights_mode, copy_mats, mem_available
+
+NO_FREQS = np.zeros(0, np.float32)  # rope without frequency factors
+
+MAX_EXPERTS_USED = 64  # the native MoE calls' limit (hi_simd.c: HI_MAX_K)
+
+
+@dataclass(frozen=True)
+class Mat:
+    """A weight matrix (rows, cols) in its stored bytes (a uint8 view of the file). For a stacked expert
+    tensor, `raw` holds all `n_expert` matrices back to back and `expert(e)` views one of them."""
+
+    name: str
+    raw: np.ndarray
+    qtype: int
+    rows: int
+    cols: int
+    n_expert: int = 1
+
+    def expert(self, e: int) -> Mat:
+        per = self.raw.size // self.n_expert
+        return Mat(f"{self.name}[{e}]", self.raw[e * per : (e + 1) * per], self.qtype, self.rows, self.cols)
+
+
+def _mat(gm: GGUFModel, name: str) -> Mat:
+    t = gm.tensor(name)
+    if t.qtype not in KERNEL_TYPES:
+        raise UnsupportedTensorTypeError(
+            f"{gm.path!r}: tensor {name!r} has type {t.type_name}, which the CPU backend has no kernel for "
+            f"(kernels: {', '.join(type_name(q) for q in sorted(KERNEL_TYPES))}); use backend='reference'")
+    ne = [int(x) for x in t.ne]
+    return Mat(name, t.raw(), t.qtype, ne[1], ne[0], ne[2] if len(ne) == 3 else 1)
+
+
+class Layer:
+    """Block i by GGUF names: `L.attn_q` is `blk.i.attn_q.weight` (a Mat), `L.ssm_dt_bias` is
+    `blk.i.ssm_dt.bias`; vectors (norms, ssm_a, the shared-expert gate) and ssm_conv1d are float32."""
+
+    def __init__(self, gm: GGUFModel, args, i: int):
+        p = f"blk.{i}."
+        self.kind = args.layer_types[i]
+        for name, t in gm.tensors.items():
+            if not name.startswith(p):
+                continue
+            short = name[len(p) :].removesuffix(".weight").replace(".", "_")
+            if short == "ssm_conv1d":
+                setattr(self, short, np.ascontiguousarray(gm.dequant(name), dtype=np.float32))  # (C, K)
+            elif len(t.ne) == 1 or (len(t.ne) == 2 and 1 in t.ne):
+                setattr(self, short, np.ascontiguousarray(gm.dequant(name).reshape(-1), dtype=np.float32))
+            else:
+                setattr(self, short, _mat(gm, name))
+
+    def mats(self) -> list[Mat]:
+        return [v for v in vars(self).values() if isinstance(v, Mat)]
+
+
+class Workspace:
+    """Every activation buffer of one forward pass over up to T tokens with a cache of n_ctx rows."""
+
+    def __init__(self, model: CPUModel, T: int, n_ctx: int, rows: bool = False):
+        a, simd = model.args, model.simd
+        f = lambda *s: np.zeros(s, np.float32)  # noqa: E731
+        D = a.n_embd
+        self.T, self.n_ctx = T, n_ctx
+        # decode (T = 1, or `rows`: one token of each of T sequences): native calls bound to these buffers once
+        self.bind = T == 1 or rows
+        self.calls: dict[tuple, object] = {}
+        self.rec: list | None = None  # decode: the step being recorded (every operation, in order)
+        self.replays: dict = {}  # decode: recorded steps by id(state) (BatchReplay: by the states' ids)
+        self.tok = np.zeros(T if rows else 1, np.int32)  # decode: the step's tokens
+        self.h, self.x, self.mix, self.ffn = f(T, D), f(T, D), f(T, D), f(T, D)
+        mats = model.mats
+        widest = max(m.rows for m in mats if m is not model.out)
+        self.out_a, self.out_b, self.out_c = f(T, widest), f(T, widest), f(T, widest)
+        self.outs = [self.out_a, self.out_b, self.out_c]  # the outputs of one input's products (CPUOps.linears)
+        self.xq: dict[str, np.ndarray] = {}
+        for m in mats:
+            kind, nb = simd.act_kind(m.qtype), simd.act_row_bytes(m.qtype, max(m.cols, D))
+            if kind not in self.xq or self.xq[kind].shape[1] < nb:
+                self.xq[kind] = np.zeros((max(T, getattr(a, "n_expert_used", 1) * T + 1), nb), np.uint8)
+        self.logits = f(T, model.out.rows)
+        if "attention" in a.layer_types:
+            hd = a.head_dim
+            self.q, self.gate = f(T, a.n_head, hd), f(T, a.n_head * hd)
+            self.attn = f(T, a.n_head * hd)
+            self.attn_scratch = f(simd.attention_scratch_size(n_ctx, hd))
+        if "gdn" in a.layer_types:
+            self.outs.append(f(T, a.ssm_n_v_heads))  # the 4th of GDN's products (alpha)
+            self.gdn_y = f(T, a.ssm_n_v_heads * a.ssm_d_v)
+            per = a.ssm_n_v_heads * a.ssm_d_v + a.ssm_conv_channels  # gdn_rows: one token of each sequence
+            self.gdn_scratch = f(max(gdn_scratch_size(a.ssm_conv_channels, a.ssm_n_v_heads, a.ssm_d_v,
+                                                              min(T, 16)), T * per if rows else 0))
+        if a.is_moe:
+            k = a.n_expert_used
+            self.router = f(T, a.n_expert)
+            self.route_idx, self.route_w = np.zeros((T, k), np.int32), f(T, k)
+            # decode with a shared expert as wide as the routed ones: its rows follow theirs (CPUOps.moe_impl)
+            self.eg, self.eu, self.ed = f(T * k + 1, a.n_ff_exp), f(T * k + 1, a.n_ff_exp), f(T * k, D)
+            if T > 1:  # moe_rows: its gathered inputs, outputs in expert order and grouping
+                need = max(simd.moe_rows_scratch(T * k, a.n_expert, L.ffn_gate_exps.qtype, D) for L in model.layers
+                           if L.ffn_gate_exps is not None)
+                self.moe_scratch = np.zeros(need, np.uint8)
+
+
+class CPUModel(Backend):
+    """backend="cpu": the whole engine on the host CPU."""
+
+    def __init__(self, gm: GGUFModel, args, simd: SimdLib, weights: str = "mmap", numa=None):
+        """weights: where the matrices are read from (cpu/weights.py): "mmap" (the file's mapping), "copy"
+        (one huge-page copy made now) or "auto" (copy if they take at most half the available memory; the mapping
+        when per-node copies are made, which are where decode reads). numa: None, or a hybridinfer.backends.numa.Plan
+        whose
+        mode "replicate" has one copy of the matrices made on each of its nodes and the pool's threads placed on
+        them (cpu/replicas.py; `self.replicas` says what was done); other modes are process-wide, numa.apply's."""
+        self.gm, self.args, self.simd = gm, args, simd
+        a = args
+        if getattr(a, "is_moe", False) and a.n_expert_used > MAX_EXPERTS_USED:
+            raise BackendNotAvailableError(
+                f"{gm.path!r} routes each token to expert_used_count={a.n_expert_used} experts; the CPU backend's "
+                f"kernels take at most {MAX_EXPERTS_USED} (use backend='reference')")
+        self.blocks = graph.branches(a)  # the architecture's forward, walked by _forward
+        out_norm, head = graph.head(a)
+        self.tok_embd = gm.tensor(graph.arch_of(a).EMBED)
+        self.out = _mat(gm, head)
+        self.out_norm = np.ascontiguousarray(gm.dequant(out_norm), dtype=np.float32)
+        self.layers = [Layer(gm, a, i) for i in range(a.n_layer)]
+        self.freq_factors = (np.ascontiguousarray(gm.dequant("rope_freqs.weight"), dtype=np.float32)
+                             if getattr(a, "has_rope_freqs", False) else NO_FREQS)
+        owners = [(self, "out")] + [(L, k) for L in self.layers for k, v in vars(L).items() if isinstance(v, Mat)]
+        nbytes = sum(getattr(o, k).raw.nbytes for o, k in owners)
+        replicate = numa is not None and numa.mode == "replicate"
+        self.weights = choose_weights_mode("mmap" if replicate and weights == "auto" else weights, nbytes,
+                                           mem_available())
+        # a copy is also repacked for the unit (SimdLib.repack: the SSSE3 unit's K-quants zipped)
+        self.weights_bytes = copy_mats(owners, simd.repack) if self.weights == "copy" else 0  # memory held
+        self.mats = [self.out] + [m for L in self.layers for m in L.mats()]
+        self.replicas = None
+        if replicate:
+            from .replicas import replicate as make_replicas
+
+            self.replicas = make_replicas(simd, [m.raw for m in self.mats], numa.replicas, numa.replica_cpus)
+        self._ws: dict[tuple[int, int], Workspace] = {}
+        self._rows = False  # in decode_batch: every product in its one-token float shape, row by row
+
+    @property
+    def numeric_path(self) -> str:
+        return f"cpu:{self.simd.isa}"
+
+    def new_state(self, n_ctx: int) -> DecoderState:
+        return DecoderState.new(self.args, n_ctx)
+
+    def workspace(self, T: int, n_ctx: int, rows: bool = False) -> Workspace:
+        """The buffers of a pass over T tokens of one sequence (shared by prompt chunks up to a power of two), or
+        with `rows` of one token of each of exactly T sequences (decode_batch: bound calls, recorded steps)."""
+        cap = T if rows or T == 1 else max(16, 1 << (T - 1).bit_length())
+        key = (cap, n_ctx, rows)
+        ws = self._ws.get(key)
+        if ws is None:
+            ws = self._ws[key] = Workspace(self, cap, n_ctx, rows)
+        return ws
+
+    # matrix products ------------------------------------------------------------------------------
+    def call(self, ws: Workspace, key: tuple, method: str, *args, st: DecoderState | None = None,
+             arrays: tuple = (), fresh: bool = False) -> None:
+        """A native call; in decode (fixed buffers: ws.bind) bound once per workspace and call site, and per
+        state for ops on its arrays (`arrays`: a layer's cache or recurrent state; a new sequence's arrays
+        rebind it). Ops in replay.POS_ARGS take the position of `st`. fresh: bound anew each time (its arguments
+        hold this step's values: attn_rows' positions, whose recorded offset is 0)."""
+        if not ws.bind:
+            getattr(self.simd, method)(*args)
+            return
+        if fresh:
+            b = self.simd.bind(method, *args)
+            if ws.rec is not None:
+                ws.rec.append(b)
+            b(0) if b.pos_arg is not None else b()
+            return
+        hit = ws.calls.get(key)
+        if hit is None or any(a is not b for a, b in zip(hit[0], arrays, strict=True)):
+            ws.calls[key] = hit = (arrays, self.simd.bind(method, *args))
+        b = hit[1]
+        if ws.rec is not None:
+            ws.rec.append(b)
+        if b.pos_arg is None:
+            b()
+        else:
+            b(st.pos)
+
+    def quantize(self, m: Mat, x: np.ndarray, ws: Workspace) -> np.ndarray:
+        if ws.bind:  # decode: the quantized buffer of this matrix's input and its bound call, found once
+            hit = ws.calls.get(("q", id(m)))
+            if hit is not None:
+                self._op(ws, hit[0])
+                return hit[1]
+        xq = ws.xq[self.simd.act_kind(m.qtype)][: x.shape[0], : self.simd.act_row_bytes(m.qtype, m.cols)]
+        if ws.bind:  # each matrix has one input buffer per layer
+            ws.calls[("q", id(m))] = c = (self.simd.bind("quantize", x, m.qtype, xq), xq)
+            self._op(ws, c[0])
+        else:
+            self.simd.quantize(x, m.qtype, xq)
+        return xq
+
+    def mm_many(self, mats: list[Mat], x: np.ndarray, outs: list[np.ndarray], ws: Workspace) -> list[np.ndarray]:
+        """Products of one input with several matrices: one quantization per activation format, one pooled call
+        for them all (the thread pool wakes once)."""
+        T = x.shape[0]
+        decode = ws.bind
+        if decode:  # decode: the whole call site replayed from bound calls
+            seen = ws.calls.get(("many-replay", id(mats[0]), len(mats)))
+            if seen is not None:
+                for f in seen[0]:
+                    self._op(ws, f)
+                return seen[1]
+        res: list[np.ndarray] = [None] * len(mats)  # type: ignore[list-item]
+        xq: dict[str, np.ndarray] = {}
+        items, steps = [], []
+        for j, m in enumerate(mats):  # the input quantized once per activation format
+            kind = self.simd.act_kind(m.qtype)
+            if kind not in xq:
+                xq[kind] = self.quantize(m, x, ws)
+                if decode:
+                    steps.append(ws.calls[("q", id(m))][0])
+            res[j] = outs[j][:T, : m.rows]
+            items.append((m.raw, m.qtype, m.rows, res[j]))
+        m0 = mats[0]
+        self.call(ws, ("many", id(m0)), "matmul_many", xq, m0.cols, items, self._op_of(GGML_MUL_MAT))
+        if decode:
+            ws.calls[("many-replay", id(m0), len(mats))] = (steps + [ws.calls[("many", id(m0))][1]], res)
+        return res
+
+    def mm(self, m: Mat, x: np.ndarray, out: np.ndarray, ws: Workspace, xq: np.ndarray | None = None,
+           op: int = GGML_MUL_MAT) -> np.ndarray:
+        """out[:T, :rows] = x @ W.T with llama.cpp's activation rounding (pass xq to reuse a quantized x) and
+        the float shape llama.cpp's `op` (MUL_MAT, or MUL_MAT_ID for one expert's tokens) gives it."""
+        if xq is None:
+            xq = self.quantize(m, x, ws)
+        o = out[: xq.shape[0], : m.rows]
+        self.call(ws, ("mm", id(m)), "matmul", m.raw, m.qtype, m.rows, m.cols, xq, o, self._op_of(op))
+        return o
+
+    def _op_of(self, op: int) -> int:
+        # one-token MUL_MAT and MUL_MAT_ID take the same float shape, which DECODE_ROWS gives every row
+        return GGML_DECODE_ROWS if self._rows else op
+
+    # forward --------------------------------------------------------------------------------------
+    def forward(self, tokens, state: DecoderState, all_logits: bool = True) -> np.ndarray:
+        """Logits of the T tokens (all_logits) or of the last; advances the state. A decode step (T = 1)
+        replays the operations recorded at the first step of this state over these buffers (replay.DecodeReplay):
+        the token's embedding row, then the rest as one native call."""
+        ids = check_tokens(tokens, self.args.n_vocab)
+        T = len(ids)
+        state.check_room(T)
+        ws = self.workspace(T, state.n_ctx)
+        if T == 1:
+            ws.tok[0] = ids[0]
+            rp = ws.replays.get(id(state))
+            if rp is not None and rp.valid_for(state):
+                out = rp.run(state)
+            else:
+                ws.rec = []
+                try:
+                    out = self._forward(ws.tok, state, ws)
+                    DecodeReplay.keep(ws.replays, self.simd, state, ws.rec, out)
+                finally:
+                    ws.rec = None
+        else:
+            out = self._forward(ids, state, ws, all_logits)
+        state.tokens[state.pos : state.pos + T] = ids
+        state.pos += T
+        return out
+
+    def decode_batch(self, tokens, states: list[DecoderState]) -> np.ndarray:
+        """One decode token for each of B sequences in one pass over the weights: logits (B, n_vocab), row j
+        bit-identical to forward([tokens[j]], states[j], all_logits=False) (batch-invariant). The products run over
+        B rows in GGML_DECODE_ROWS (each row in the one-token float shape), the MoE's routed (sequence, expert)
+        pairs grouped by expert so each selected expert is read once; GDN and attention per sequence. The step is
+        recorded the first time these sequences run together and replayed while they go on together (BatchReplay)."""
+        ids = check_tokens(tokens, self.args.n_vocab)
+        B = len(ids)
+        if B != len(states) or len({id(st) for st in states}) != B:
+            raise ValueError(f"decode_batch takes one token per distinct state: {B} tokens, {len(states)} states")
+        if B == 1:
+            return self.forward(ids, states[0], all_logits=False)
+        for st in states:
+            st.check_room(1)
+        ws = self.workspace(B, max(st.n_ctx for st in states), rows=True)
+        ws.tok[:] = ids
+        rp = ws.replays.get(BatchReplay.key(states))
+        delta = rp.delta(states) if rp is not None else None
+        if delta is not None:  # the same sequences as at the recorded step: one native call (and the embedding)
+            out = rp.run(delta)
+        else:
+            ws.rec = []
+            self._rows = True
+            try:
+                out = self._forward(ws.tok, states, ws, all_logits=True)
+                BatchReplay.keep(ws.replays, self.simd, states, ws.rec, out)
+            finally:
+                self._rows = False
+                ws.rec = None
+        for t, st in zip(ids, states, strict=True):
+            st.tokens[st.pos] = t
+            st.pos += 1
+        return out
+
+    def release(self, state: DecoderState) -> None:
+        """Drop the recorded steps and bound calls that hold this state's arrays (a finished sequence's memory
+        goes with it, not when its replay would be pushed out)."""
+        mine = {id(a) for a in DecodeReplay._arrays(state)}
+        for ws in self._ws.values():
+            for k in [k for k, p in ws.replays.items() if p.holds(mine)]:
+                del ws.replays[k]
+            for k in [k for k, v in ws.calls.items()
+                      if type(v) is tuple and len(v) == 2 and type(v[0]) is tuple and any(id(a) in mine for a in v[0])]:
+                del ws.calls[k]
+
+    def _op(self, ws: Workspace, fn, *args) -> None:
+        """fn(*args); while a decode step is recorded, also its place in the step (a Bound call as itself)."""
+        if ws.rec is None:
+            fn(*args)
+            return
+        f = partial(fn, *args) if args else fn
+        ws.rec.append(f)
+        f()
+
+    def _forward(self, ids: np.ndarray, state, ws: Workspace, all_logits: bool = True) -> np.ndarray:
+        """T tokens of one sequence (`state` a DecoderState), or one token of each of T sequences (a list): the
+        architecture's description (models/graph.py) walked branch by branch, its ops CPUOps'."""
+        T = len(ids)
+        a = self.args
+        h, x = ws.h[:T], ws.x[:T]
+        t = self.tok_embd
+        self._op(ws, dequantize_rows, t.raw(), t.qtype, t.ne[0], ids, h)
+        flat = [(i, j, br) for i, block in enumerate(self.blocks) for j, br in enumerate(block)]
+        ops = CPUOps(self, ws, state)
+        self.call(ws, ("norm", -1), "rms_norm", h, None, self._norm_of(flat[0]), a.rms_eps, x)
+        for n, (i, j, br) in enumerate(flat):  # each residual add fused with the norm that follows it
+            last = n + 1 == len(flat)
+            if last and not all_logits and T > 1 and not isinstance(state, list):
+                # as llama.cpp's graph (inp_out_ids): past the last mixer only the output row goes on, so the
+                # last branch's products take their one-token float shapes
+                h, x = h[T - 1 :], x[T - 1 :]
+            # branch outputs alternate between two buffers: the one not being written is free inside the branch
+            out, spare = (ws.mix, ws.ffn) if j % 2 == 0 else (ws.ffn, ws.mix)
+            y = br.fn(ops.at(i, j, out, spare), a, x)
+            if last:
+                self.call(ws, ("norm", i, j), "rms_norm", h, y, None, a.rms_eps, None)
+            else:
+                self.call(ws, ("norm", i, j), "rms_norm", h, y, self._norm_of(flat[n + 1]), a.rms_eps, x)
+        hs = h if all_logits else h[-1:]
+        xs = ws.x[: hs.shape[0]]
+        self.call(ws, ("norm", len(self.layers)), "rms_norm", hs, None, self.out_norm, a.rms_eps, xs)
+        return self.mm(self.out, xs, ws.logits, ws)
+
+    def graph_ops(self, i: int, state: DecoderState, T: int) -> CPUOps:
+        """The op vocabulary over block i for T rows of arbitrary arrays (tests call single ops through it): a
+        prompt workspace, whose calls are not bound to its buffers."""
+        ws = self.workspace(max(T, 2), state.n_ctx)
+        return CPUOps(self, ws, state).at(i, 0, ws.mix, ws.ffn)
+
+    def _norm_of(self, where: tuple) -> np.ndarray:
+        i, _, br = where
+        return getattr(self.layers[i], br.norm.replace(".", "_"))
+
+    def _moe(self, ops: CPUOps, x: np.ndarray, router: Mat, experts: tuple, shared: tuple | None, shared_gate):
+        """The moe op (CPUOps.moe_impl), here so that benchmarks can wrap it per model."""
+        return ops.moe_impl(x, router, experts, shared, shared_gate)

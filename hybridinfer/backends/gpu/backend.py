@@ -1,0 +1,392 @@
+"""backend="gpu": prompt prefill on the card, one pass over the layers, then decode on the CPU backend.
+
+forward(tokens) runs layer-major: every token of the call goes through layer L before layer L+1's weights
+are used, so each streamed weight crosses the bus once per call. Inside a layer the tokens go in chunks of
+`chunk` rows (the activation budget); attention chunks read the card's K/V cache, GDN chunks carry conv
+and S. The state lives on the host (`DecoderState`); the card keeps a copy (K/V cache, conv, S) that is
+uploaded when the host state is not the one this backend last wrote, and written back after each call.
+GDN kernels also write S and conv at requested positions, so the prefix cache gets snapshots from the
+same single pass.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+
+import numpy as np
+
+from ...format.quant import dequantize_rows
+from ...models import graph
+from ..state import DecoderState, check_tokens
+from . import k_elementwise as ke
+from . import k_gemm as kgm
+from . import k_moe as km
+from . import loader
+from .graph_ops import GPUOps
+from .handoff import StateHandoff
+from .placement import is_vector, plan_placement, weights_of
+from .streamer import Streamer
+from .work import Work, gemm_flops
+
+MAX_SNAPS = 16
+# tokens per kernel call inside a layer: MoE groups of ~30 rows per expert at 8 of 256 experts (a 947-token
+# prompt in one call; 512 halved them and cost 30% of GPU time on the 35B-A3B, bench/gpu_kernel_profile.py)
+DEFAULT_CHUNK = 1024
+
+
+def _f32(gm, name):
+    from pycuda import gpuarray
+
+    v = np.ascontiguousarray(gm.dequant(name), dtype=np.float32)
+    t = gm.tensor(name)
+    return gpuarray.to_gpu(v.reshape(-1) if len(t.ne) > 1 and all(int(n) == 1 for n in t.ne[1:]) else v)
+
+
+class Buffers:
+    """Activation buffers for `C` tokens per kernel call and the card's copy of one sequence's state."""
+
+    def __init__(self, a, C: int, n_ctx: int):
+        from pycuda import gpuarray
+
+        f = lambda *s: gpuarray.empty(s, np.float32)  # noqa: E731
+        self.C, self.n_ctx = C, n_ctx
+        D = a.n_embd
+        self.h = f(n_ctx, D)
+        self.x, self.mix, self.ffn = f(C, D), f(C, D), f(C, D)
+        self.pos = gpuarray.empty((n_ctx,), np.int32)  # absolute positions of the call's tokens, set once
+        gated = 2 if a.attn_gate else 1
+        self.qg, self.q = f(C, a.n_head * a.head_dim * gated), f(C, a.n_head, a.head_dim)
+        self.k, self.v = f(C, a.n_head_kv, a.head_dim), f(C, a.n_head_kv, a.head_dim)
+        self.o = f(C, a.n_head, a.head_dim)
+        self.kc = {i: f(n_ctx, a.n_head_kv, a.head_dim) for i, t in enumerate(a.layer_types) if t != "gdn"}
+        self.vc = {i: f(n_ctx, a.n_head_kv, a.head_dim) for i in self.kc}
+        if "gdn" in a.layer_types:
+            Cc, Hv = a.ssm_conv_channels, a.ssm_n_v_heads
+            self.u, self.c, self.z = f(C, Cc), f(C, Cc), f(C, Hv * a.ssm_d_v)
+            self.ga, self.gb, self.y = f(C, Hv), f(C, Hv), f(C, Hv, a.ssm_d_v)
+            gdn = [i for i, t in enumerate(a.layer_types) if t == "gdn"]
+            self.conv = {i: f(a.ssm_conv_kernel - 1, Cc) for i in gdn}
+            self.S = {i: f(Hv, a.ssm_d_k, a.ssm_d_v) for i in gdn}
+            self.snap_conv = f(MAX_SNAPS, a.ssm_conv_kernel - 1, Cc)
+            self.snap_S = f(MAX_SNAPS, Hv, a.ssm_d_k, a.ssm_d_v)
+            self.snap_pos = gpuarray.empty((MAX_SNAPS,), np.int32)
+        if a.is_moe:
+            k, E, F = a.n_expert_used, a.n_expert, a.n_ff_exp
+            self.router = f(C, E)
+            self.ids, self.wts = gpuarray.empty((C, k), np.int32), f(C, k)
+            self.counts, self.offs = gpuarray.empty((E,), np.int32), gpuarray.empty((E + 1,), np.int32)
+            self.perm_tok, self.perm_w = gpuarray.empty((C * k,), np.int32), f(C * k)
+            self.row_of_pair = gpuarray.empty((C, k), np.int32)
+            self.scratch = gpuarray.empty(km.group_scratch_shape(C * k, E), np.int32)
+            self.eg, self.eu, self.ed = f(C * k, F), f(C * k, F), f(C * k, D)
+            if a.n_ff_shexp:
+                self.sg, self.su, self.sgate = f(C, a.n_ff_shexp), f(C, a.n_ff_shexp), f(C, 1)
+        else:
+            self.fg, self.fu = f(C, a.n_ff), f(C, a.n_ff)
+
+    # the output buffer of each product the descriptions' `linears` make (GPUOps.linears), by tensor name
+    OUTS = {"attn_q": "qg", "attn_k": "k", "attn_v": "v", "attn_qkv": "u", "attn_gate": "z", "ssm_beta": "gb",
+            "ssm_alpha": "ga", "ffn_gate": "fg", "ffn_up": "fu"}
+
+    def out(self, name: str, n: int):
+        """(n, width) rows of the output buffer of product `name`."""
+        return getattr(self, self.OUTS[name])[:n].reshape(n, -1)
+
+    @staticmethod
+    def nbytes(a, C: int, n_ctx: int) -> int:
+        """Bytes Buffers(a, C, n_ctx) allocates (for the placement's reserve), computed without a card."""
+        D, hd = a.n_embd, a.head_dim
+        n = n_ctx * D + 3 * C * D + n_ctx
+        n += C * a.n_head * hd * (2 if a.attn_gate else 1) + 2 * C * a.n_head * hd + 2 * C * a.n_head_kv * hd
+        n_attn = sum(t != "gdn" for t in a.layer_types)
+        n += 2 * n_attn * n_ctx * a.n_head_kv * hd
+        if "gdn" in a.layer_types:
+            Cc, Hv, S = a.ssm_conv_channels, a.ssm_n_v_heads, a.ssm_n_v_heads * a.ssm_d_k * a.ssm_d_v
+            n_gdn = sum(t == "gdn" for t in a.layer_types)
+            n += 2 * C * Cc + C * Hv * a.ssm_d_v * 2 + 2 * C * Hv
+            n += n_gdn * ((a.ssm_conv_kernel - 1) * Cc + S) + MAX_SNAPS * ((a.ssm_conv_kernel - 1) * Cc + S + 1)
+        if a.is_moe:
+            k, E = a.n_expert_used, a.n_expert
+            n += C * E + 2 * C * k + 2 * E + 1 + 3 * C * k
+            n += int(np.prod(km.group_scratch_shape(C * k, E)))
+            n += C * k * (2 * a.n_ff_exp + D) + (C * (2 * a.n_ff_shexp + 1) if a.n_ff_shexp else 0)
+        else:
+            n += 2 * C * a.n_ff
+        return 4 * n
+
+
+class GPUModel:
+    """Prefill on the card under `vram_budget` bytes (None: the card's free memory less 512 MiB).
+
+    card_profile: fermi | kepler | maxwell | pascal compiles the kernels and picks tiles as for that class of card
+    (cards.PROFILES), on this card's multiprocessors, and paces the weight stream to that class's bus; None: for
+    the card itself. bus_bw (bytes/s) paces the weight stream to that rate instead (gpu/pacing.py). The kernels
+    are loaded (compiled once per card and class, then read from the disk cache) here; `compiled` lists what this
+    load did."""
+
+    single_pass = True
+
+    def __init__(self, gm, args, n_ctx: int, vram_budget: int | None = None, chunk: int = DEFAULT_CHUNK,
+                 device: int = 0, expert_counts=None, bus_bw: float | None = None,
+                 card_profile: str | None = None):
+        loader.init(device)  # BackendNotAvailableError without pycuda or a card
+        loader.configure(card_profile)
+        self.card_profile = card_profile
+        self.compiled = loader.compile_all()
+        import pycuda.driver as drv
+
+        self.gm, self.args, self.n_ctx, self.chunk = gm, args, n_ctx, int(chunk)
+        a = args
+        self.stream = drv.Stream()
+        # small GEMMs that leave most of the card idle (the shared expert, GDN's alpha and beta) run on a side
+        # stream beside the main stream's larger ones; the side stream forks after and joins before main work
+        self.side = drv.Stream()
+        vec_names = [n for n, t in gm.tensors.items() if is_vector(n, t)
+                     and not (n.startswith("blk.") and int(n.split(".")[1]) >= a.n_layer)]
+        self.vec = {n: _f32(gm, n) for n in vec_names}  # norms, ssm_a, dt bias, conv kernels: float32
+        vec_bytes = sum(v.nbytes for v in self.vec.values())
+        self.infos = {w.name: w for w in weights_of(gm, args, matrices_only=True)}
+        self.layer_names = [tuple(n for n, w in self.infos.items() if w.layer == i) for i in range(a.n_layer)]
+        _check_supported(gm, args, self.infos.values())
+        free, total = drv.mem_get_info()
+        self.vram_budget = int(vram_budget) if vram_budget is not None else int(free) - (512 << 20)
+        self.reserved = Buffers.nbytes(a, self.chunk, n_ctx) + vec_bytes
+        # tokens routed to each (layer, expert) over the prompts seen: replan() pins the most used experts
+        self.expert_counts: dict[tuple[int, int], int] = dict(expert_counts or {})
+        self.placement = plan_placement(self.infos.values(), self.vram_budget, self.reserved, self.expert_counts)
+        if bus_bw is None and card_profile is not None:
+            from .cards import card
+
+            bus_bw = card(card_profile).bus_bw  # the class's bus: PCIe 2.0 x16 for Fermi, 3.0 x16 later
+        self.bus_bw = bus_bw
+        self.streamer = Streamer(gm, self.placement, self.infos, self.stream, bus_bw=bus_bw)
+        # per layer: 2 N K summed over its expert tensors (FLOPs per routed token, from the routing's real counts)
+        self._exp_nk = {i: sum(gemm_flops(1, gm.tensor(n).ne[1], gm.tensor(n).ne[0]) for n in names
+                               if self.infos[n].n_expert) for i, names in enumerate(self.layer_names)}
+        self.work = Work()
+        self.buf = Buffers(a, self.chunk, n_ctx)
+        self.handoff = StateHandoff(self.buf, self.chunk)
+        self.blocks = graph.branches(a)  # the architecture's forward, walked layer-major by _forward
+        self.out_norm, self.head = graph.head(a)
+        self.tok_embd = gm.tensor(graph.arch_of(a).EMBED)
+        self._owner = None  # the state whose copy the card holds: (weakref, pos, hash of its tokens)
+        self.last_timing: dict = {}
+        self.drv = drv
+        if a.is_moe:
+            n_chunks = -(-n_ctx // self.chunk)
+            self.counts_host = drv.pagelocked_zeros((a.n_layer, n_chunks, a.n_expert), np.int32)
+        self._chunk_no = 0
+        self.profile, self._marks = False, []  # profile: time gdn / attention / moe / ffn phases with events
+        self._fixed_bytes = Buffers.nbytes(a, self.chunk, n_ctx) + vec_bytes
+
+    def new_state(self, n_ctx: int) -> DecoderState:
+        return DecoderState.new(self.args, n_ctx)
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Card memory this backend holds: weights, staging, activation and state buffers, vectors."""
+        return self.streamer.device_bytes + self._fixed_bytes
+
+    def replan(self) -> None:
+        """Re-decide residency with the expert counts seen so far (expert pinning), and re-stage the weights."""
+        self.streamer = None  # free the old buffers before allocating the new ones
+        self.placement = plan_placement(self.infos.values(), self.vram_budget, self.reserved, self.expert_counts)
+        self.streamer = Streamer(self.gm, self.placement, self.infos, self.stream, bus_bw=self.bus_bw)
+
+    # state hand-off ------------------------------------------------------------------------------------
+    def _holds(self, st: DecoderState) -> bool:
+        """Whether the card's copy is this state as it is now: the same object (not one reusing a freed
+        object's id), at the same position, after the same tokens (CPU decode or a restore changes them)."""
+        if self._owner is None:
+            return False
+        ref, pos, h = self._owner
+        return ref() is st and pos == st.pos and h == _tokens_hash(st)
+
+    # forward -------------------------------------------------------------------------------------------
+    def forward(self, tokens, state: DecoderState, all_logits: bool = True, snapshot_at=(), on_snapshot=None):
+        with loader.on_this_thread():
+            return self._forward(tokens, state, all_logits, snapshot_at, on_snapshot)
+
+    def _forward(self, tokens, state: DecoderState, all_logits: bool, snapshot_at, on_snapshot):
+        ids = check_tokens(tokens, self.args.n_vocab)
+        T, a = len(ids), self.args
+        state.check_room(T)
+        if state.n_ctx > self.n_ctx:
+            raise ValueError(f"state n_ctx {state.n_ctx} exceeds the GPU backend's n_ctx {self.n_ctx}")
+        p0 = state.pos
+        snaps = sorted({int(p) - p0 for p in snapshot_at if p0 < int(p) < p0 + T})[:MAX_SNAPS]
+        t0 = time.perf_counter()
+        if not self._holds(state):
+            self.handoff.upload(state, self.stream)
+        t_up = time.perf_counter()
+        b, st = self.buf, self.streamer
+        st.reset_timing()
+        self.work = Work()
+        h = b.h[:T]
+        emb = np.empty((T, a.n_embd), np.float32)
+        dequantize_rows(self.tok_embd.raw(), self.tok_embd.qtype, self.tok_embd.ne[0], ids, emb)
+        h.set(emb)
+        # everything the layers need from the host goes up now: a synchronous copy inside the loop would wait
+        # for the copy stream too (legacy default stream) and undo the overlap of uploads and compute
+        b.pos[:T].set(np.arange(p0, p0 + T, dtype=np.int32))
+        if snaps and "gdn" in a.layer_types:  # attention-only models snapshot by position alone (K/V rows)
+            b.snap_pos[: len(snaps)].set(np.array([sp - (sp - 1) // self.chunk * self.chunk for sp in snaps],
+                                                  np.int32))
+        snap_host = [(DecoderState(n_ctx=state.n_ctx, layer_types=state.layer_types, pos=p0 + s,
+                                   tokens=state.tokens, k=state.k, v=state.v,
+                                   conv=[None if c is None else np.empty_like(c) for c in state.conv],
+                                   ssm=[None if c is None else np.empty_like(c) for c in state.ssm]))
+                     for s in snaps]
+        t_emb = time.perf_counter()
+        ev0, ev1 = self._event(), self._event()
+        ev0.record(self.stream)
+        st.prefetch(0)
+        self.handoff.begin(state, p0, T)
+        ops = GPUOps(self)
+        for i in range(a.n_layer):
+            st.prefetch(i + 1)  # the next layer's upload overlaps this layer's compute
+            W = st.weights(i, self.layer_names[i])
+            L = _Names(i, W, self.vec)
+            for c0 in range(0, T, self.chunk):
+                c1 = min(T, c0 + self.chunk)
+                self._chunk_no = c0 // self.chunk
+                x, n = b.x[: c1 - c0], c1 - c0
+                ops.at(L, b.pos[c0:c1], [(0, n, p0 + c0, 0)], [(0, n, c0, snaps, None, None)], snap_host)
+                for j, br in enumerate(self.blocks[i]):
+                    ke.rms_norm(h[c0:c1], L.v(br.norm), a.rms_eps, out=x, stream=self.stream)
+                    self._mark(self._phase(i, br))
+                    ke.add(h[c0:c1], br.fn(ops.branch(j), a, x), stream=self.stream)
+                self._mark(None)
+            self.handoff.layer_done(i, a.layer_types[i], self.stream)
+            st.release(i)
+            self.handoff.drain(wait_through=i - 2)
+        logits = self._head(h, T, all_logits)
+        ev1.record(self.stream)
+        t_queued = time.perf_counter()
+        self.stream.synchronize()
+        t_sync = time.perf_counter()
+        state.tokens[p0 : p0 + T] = ids
+        state.pos = p0 + T
+        self.handoff.finish()
+        t_down = time.perf_counter()
+        if a.is_moe:
+            used = self.counts_host[:, : -(-T // self.chunk)].sum(axis=1)  # (n_layer, E)
+            for i, e in zip(*np.nonzero(used), strict=True):
+                self.expert_counts[(int(i), int(e))] = self.expert_counts.get((int(i), int(e)), 0) + int(used[i, e])
+            for i in range(a.n_layer):
+                self.work.add("moe", i, float(used[i].sum()) * self._exp_nk[i])
+        self._owner = (weakref.ref(state), state.pos, _tokens_hash(state))
+        wall = time.perf_counter() - t0
+        self.last_timing = {"wall_s": wall, "gpu_s": ev1.time_since(ev0) / 1e3, "copy_s": st.copy_seconds(),
+                            "bytes_h2d": st.bytes_h2d, "tokens": T, "work": self.work.as_dict(),
+                            "phases": self._phase_seconds(),
+                            # host: state upload, embedding lookup, launching (ends before the GPU does when
+                            # the host keeps ahead), waiting for the card, state download (the rest of it)
+                            "host_s": {"upload": t_up - t0, "embed": t_emb - t_up, "launch": t_queued - t_emb,
+                                       "wait": t_sync - t_queued, "download": t_down - t_sync}}
+        if on_snapshot is not None:
+            for s in snap_host:
+                on_snapshot(s, None)
+        return logits
+
+    def _gemm(self, layer: int, x, W, **kw):
+        """kgm.gemm, its FLOPs counted in self.work."""
+        self.work.add("gemm", layer, gemm_flops(x.shape[0], W.shape[-2], W.shape[-1]))
+        return kgm.gemm(x, W, **kw)
+
+    def _fork(self):
+        """The side stream starts after the work queued on the main stream so far; returns it."""
+        ev = self.drv.Event()
+        ev.record(self.stream)
+        self.side.wait_for_event(ev)
+        return self.side
+
+    def _join(self) -> None:
+        """The main stream continues after the work queued on the side stream so far."""
+        ev = self.drv.Event()
+        ev.record(self.side)
+        self.stream.wait_for_event(ev)
+
+    def _mark(self, phase: str | None) -> None:
+        """With profile on: an event where `phase` (gdn / attention / moe / ffn) starts (None: ends)."""
+        if self.profile:
+            ev = self._event()
+            ev.record(self.stream)
+            self._marks.append((phase, ev))
+
+    def _phase_seconds(self) -> dict:
+        out: dict = {}
+        for (ph, a), (_, b) in zip(self._marks, self._marks[1:], strict=False):
+            if ph is not None:
+                out[ph] = out.get(ph, 0.0) + b.time_since(a) / 1e3
+        self._marks.clear()
+        return out
+
+    @staticmethod
+    def _event():
+        import pycuda.driver as drv
+
+        return drv.Event()
+
+    def _head(self, h, T: int, all_logits: bool) -> np.ndarray:
+        a, b = self.args, self.buf
+        W = self.streamer.weights(a.n_layer, [self.head])[self.head]
+        rows = range(0, T, self.chunk) if all_logits else [T - 1]
+        out = []
+        for r0 in rows:
+            r1 = min(T, r0 + self.chunk) if all_logits else T
+            x = b.x[: r1 - r0]
+            ke.rms_norm(h[r0:r1], self.vec[self.out_norm], a.rms_eps, out=x, stream=self.stream)
+            lg = self._gemm(a.n_layer, x, W, stream=self.stream)
+            out.append(lg.get(stream=self.stream))
+        self.streamer.release(a.n_layer)
+        return np.concatenate(out, axis=0)
+
+    def _phase(self, i: int, br) -> str:
+        """A branch's profile phase: the mixer's layer type (gdn / attention), or moe / ffn."""
+        if br.kind == "mixer":
+            return self.args.layer_types[i]
+        return "moe" if self.args.is_moe else "ffn"
+
+    def graph_ops(self, i: int, state: DecoderState, T: int) -> GPUOps:
+        """The op vocabulary over layer i for T rows continuing `state` on the card (tests call single ops
+        through it; the card's state is zeroed at position 0, as a pass does)."""
+        if state.pos == 0:
+            self.handoff.upload(state, self.stream)
+        self.buf.pos[:T].set(np.arange(state.pos, state.pos + T, dtype=np.int32))
+        L = _Names(i, self.streamer.weights(i, self.layer_names[i]), self.vec)
+        return GPUOps(self).at(L, self.buf.pos[:T], [(0, T, state.pos, 0)], [(0, T, 0, [], None, None)]).branch(0)
+
+
+def _tokens_hash(st: DecoderState) -> int:
+    return hash(st.tokens[: st.pos].tobytes())
+
+
+def _check_supported(gm, args, infos) -> None:
+    from ...errors import UnsupportedArchitectureError, UnsupportedTensorTypeError
+    from ...format.quant import type_name
+
+    if getattr(args, "has_rope_freqs", False):
+        raise UnsupportedArchitectureError(f"{gm.path!r}: rope frequency factors are not supported on the GPU yet")
+    for w in infos:
+        t = gm.tensor(w.name)
+        if t.qtype not in kgm.GEMM_TYPES:
+            raise UnsupportedTensorTypeError(
+                f"{gm.path!r}: tensor {w.name!r} has type {t.type_name}, which the GPU kernels do not handle "
+                f"(they do {', '.join(type_name(q) for q in kgm.GEMM_TYPES)}); use backend='cpu'")
+
+
+class _Names:
+    """Block i's tensors by short GGUF name: w("attn_q") -> DeviceWeight, v("attn_norm") -> f32 vector."""
+
+    def __init__(self, i: int, W: dict, vec: dict):
+        self.i, self.p, self.W, self.vec = i, f"blk.{i}.", W, vec
+
+    def w(self, short: str):
+        return self.W[f"{self.p}{short}.weight"]
+
+    def v(self, short: str):
+        """GGUF names some vectors without ".weight" (ssm_a, ssm_dt.bias)."""
+        name = f"{self.p}{short}.weight"
+        return self.vec[name] if name in self.vec else self.vec[f"{self.p}{short}"]

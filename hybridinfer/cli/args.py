@@ -1,0 +1,171 @@
+"""Command-line argument types and groups shared by the subcommands (hybridinfer.cli)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+from ..errors import ParameterError
+
+# every --backend says what "gpu" means: the card is the prefill device, decode stays on the CPU
+BACKEND_HELP = ("reference (the slow numpy oracle), cpu, gpu (prefill on the card; decode stays on the CPU) or auto "
+                "(gpu where a card and pycuda are present, else cpu)")
+
+
+class UsageError(SystemExit):
+    """A command-line usage error: its one line is already on stderr; the process exits with status 2. A
+    SystemExit, as argparse's own errors are, whose text is the message (not the status)."""
+
+    def __init__(self, message: str):
+        super().__init__(2)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error (no usage block): `hybridinfer run: error: argument -n: ...`."""
+
+    def error(self, message: str):
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        raise UsageError(message)
+
+
+def _usage(message: str) -> UsageError:
+    print(f"hybridinfer: error: {message}", file=sys.stderr)
+    return UsageError(message)
+
+
+def _int_at_least(lo: int):
+    """An argparse type: an integer >= lo (the flag's name comes with argparse's message)."""
+
+    def parse(s: str) -> int:
+        try:
+            v = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {s!r}") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {s!r}")
+        return v
+
+    return parse
+
+
+def _finite(s: str) -> float:
+    """An argparse type: a finite float (nan and inf pass float() but mean nothing as a sampling parameter)."""
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {s!r}") from None
+    if not math.isfinite(v):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {s!r}")
+    return v
+
+
+def gb_per_s(s: str) -> float:
+    """An argparse type: a positive finite rate in GB/s (10^9 bytes/s), returned in bytes/s."""
+    v = _finite(s)
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"a rate in GB/s must be > 0, got {s!r}")
+    return v * 1e9
+
+
+def add_card_profile(p: argparse.ArgumentParser) -> None:
+    from ..backends.gpu.cards import PROFILES
+
+    p.add_argument("--card-profile", default=None, choices=sorted(PROFILES),
+                   help="GPU prefill compiled and tiled as for that class of old card (63 registers a thread for "
+                        "fermi, its launch bounds, 48 KiB of shared memory a block), on this card")
+
+
+def _add_model(p: argparse.ArgumentParser, required: bool = False) -> None:
+    p.add_argument("-m", "--model", required=required,
+                   help="GGUF file (default: the embedded SmolLM2-135M-Instruct Q4_1)")
+    p.add_argument("--backend", default=os.environ.get("HYBRIDINFER_BACKEND") or "auto",
+                   choices=["reference", "cpu", "gpu", "auto"],
+                   help="compute backend: " + BACKEND_HELP + " (default auto)")
+    p.add_argument("--n-ctx", type=_int_at_least(1), default=4096, help="context size in tokens (default 4096)")
+    p.add_argument("-t", "--threads", type=_int_at_least(1), default=None, help="CPU threads (default: all cores)")
+    p.add_argument("--vram-budget", type=parse_size, default=None,
+                   help="GPU memory the gpu backend may use, e.g. 6GiB (default: the card's free memory - 512MiB)")
+    add_card_profile(p)
+    p.add_argument("--isa", default=os.environ.get("HYBRIDINFER_ISA"),
+                   help="force the SIMD path: scalar | ssse3 | avx2 | avx512vnni (env HYBRIDINFER_ISA)")
+    p.add_argument("--weights", default="auto", choices=["auto", "copy", "mmap"],
+                   help="where CPU decode reads the weights: a copy in huge pages (faster), the file's memory "
+                        "mapping (no copy), or auto: a copy when it takes at most half the available memory")
+    p.add_argument("--max-seqs", type=_int_at_least(1), default=8,
+                   help="sequences decoded together at most by the scheduler (default 8)")
+    p.add_argument("--state-budget", type=parse_size, default=None,
+                   help="bytes of sequence states and K/V the scheduler may hold at once, e.g. 4GiB (default: no "
+                        "limit); a request that cannot fit alone is refused")
+    p.add_argument("--chat-template-file", default=None,
+                   help="a Jinja chat template used instead of the GGUF's (as llama-server's --chat-template-file)")
+    from .numa import add_numa_flag
+
+    add_numa_flag(p)
+
+
+def _add_cache(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("prefix cache (reuse of repeated prompt prefixes)")
+    g.add_argument("--prefix-cache-ram", type=parse_size, default=parse_size("2GiB"),
+                   help="RAM budget for state snapshots, e.g. 2GiB, 512MiB; 0 turns the cache off (default 2GiB)")
+    g.add_argument("--prefix-cache-dir", default=os.environ.get("HYBRIDINFER_PREFIX_CACHE_DIR"),
+                   help="directory of an on-disk snapshot store shared by processes (default: none)")
+    g.add_argument("--prefix-cache-disk", type=parse_size, default=parse_size("16GiB"),
+                   help="disk budget of --prefix-cache-dir (default 16GiB)")
+    g.add_argument("--snapshot-stride", type=_int_at_least(0), default=None,
+                   help="snapshot the state every N prompt tokens during prefill (default 256 on the CPU, 1024 with "
+                        "GPU prefill; 0: only at prompt ends, chat turns and shared prefixes)")
+
+
+def parse_size(s: str) -> int:
+    """'2GiB', '512MiB', '1.5GB', '4096' -> bytes."""
+    units = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
+             "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "t": 1000**4, "tb": 1000**4, "tib": 1 << 40}
+    t = str(s).strip().lower()
+    num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
+    try:
+        v = float(num) * units[t[len(num):].strip()]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"not a size: {s!r} (e.g. 2GiB, 512MiB, 1e9)") from None
+    if not math.isfinite(v):
+        raise argparse.ArgumentTypeError(f"not a size: {s!r} (e.g. 2GiB, 512MiB, 1e9)")
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"a size must be >= 0, got {s!r}")
+    return int(v)
+
+
+def _add_sampling(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-n", type=_int_at_least(0), default=64, help="max new tokens (default 64)")
+    p.add_argument("--temp", type=_finite, default=0.0,
+                   help="sampling temperature (default 0: greedy, reproducible; e.g. 0.8 to sample)")
+    p.add_argument("--top-k", type=_int_at_least(0), default=40, help="0: off")
+    p.add_argument("--top-p", type=_finite, default=0.95)
+    p.add_argument("--min-p", type=_finite, default=0.05)
+    p.add_argument("--repeat-penalty", type=_finite, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--system", default=None, help="system message (chat mode)")
+    p.add_argument("--no-think", action="store_true", help="enable_thinking=false for Qwen templates")
+    p.add_argument("--stats", action="store_true",
+                   help="print prompt/reused/prefilled tokens and speeds to stderr after each answer")
+
+
+def _check_output(path: str, flag: str) -> None:
+    """An output file's folder must exist and the path must not be a folder: said before any work is done."""
+    if os.path.isdir(path):
+        raise ParameterError(f"{flag} {path!r} is a directory, not a file name")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ParameterError(f"{flag} {path!r}: the folder {folder!r} does not exist")
+
+
+def _parse_tokens(s: str) -> list[int]:
+    try:
+        return [int(x) for x in s.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise ParameterError(f"--tokens must be comma-separated integers, got {s!r}") from None

@@ -1,0 +1,260 @@
+"""`hybridinfer bench ...`: the benchmark subcommands (markdown table, JSON and PNG each)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from ..errors import BackendNotAvailableError, HybridInferError, ParameterError
+from .args import BACKEND_HELP, _int_at_least, add_card_profile, gb_per_s, parse_size
+
+
+def _save_bench(out_dir: str, name: str, text: str, plot) -> None:
+    """Write a benchmark's JSON (`text`) and PNG (plot(path) -> False without matplotlib) as out_dir/name.*"""
+    os.makedirs(out_dir, exist_ok=True)
+    stem = os.path.join(out_dir, name)
+    with open(stem + ".json", "w") as f:
+        f.write(text)
+    plotted = plot(stem + ".png")
+    print(f"\nwrote {stem}.json" + (f" and {stem}.png" if plotted else " (no plot: matplotlib missing)"))
+
+
+def _check_tools(a, *flags: str) -> None:
+    """A llama.cpp binary named by a flag must exist (on PATH or as a file), not be skipped in silence."""
+    import shutil
+
+    for flag in flags:
+        exe = getattr(a, flag.lstrip("-").replace("-", "_"))
+        if exe and not shutil.which(exe) and not os.path.isfile(exe):
+            raise ParameterError(f"{flag} {exe!r}: no such program")
+
+
+def _model_stem(path: str) -> str:
+    return os.path.splitext(os.path.basename(path))[0]
+
+
+def cmd_bench_decode(a) -> int:
+    import json
+
+    from ..tools.benchmarks import decode
+
+    isas = tuple(x.strip() for x in a.isa.split(",") if x.strip())
+    weights = tuple(x.strip() for x in a.weights.split(",") if x.strip())
+    bad = [w for w in weights if w not in ("auto", "copy", "mmap")]
+    if bad or not weights:
+        raise ParameterError(f"--weights takes a comma-separated subset of auto,copy,mmap, got {a.weights!r}")
+    _check_tools(a, "--llama-bench", "--llama-bench-sse")
+    res = decode.run(a.model, a.threads, a.n, a.context, isas, a.llama_bench, a.llama_bench_sse, weights=weights,
+                     llama_no_mmap=a.llama_no_mmap, segments=a.segments)
+    print(decode.markdown(res))
+    _save_bench(a.out_dir, f"decode-{_model_stem(a.model)}-t{a.threads}", json.dumps(res, indent=1),
+                lambda png: decode.plot(res, png))
+    return 0
+
+
+def _positive_ints(flag: str, value: str, what: str) -> tuple[int, ...]:
+    try:
+        out = tuple(int(x) for x in value.split(","))
+    except ValueError:
+        raise ParameterError(f"{flag} must be comma-separated integers, got {value!r}") from None
+    if not out or min(out) < 1:
+        raise ParameterError(f"{flag} must be positive {what}, got {value!r}")
+    return out
+
+
+def cmd_bench_batch(a) -> int:
+    import json
+
+    from ..tools.benchmarks import batch
+
+    sizes = _positive_ints("--batch-sizes", a.batch_sizes, "sequence counts")
+    _check_tools(a, "--llama-batched-bench", "--llama-bench", "--llama-bench-sse")
+    res = batch.run(a.model, a.threads, sizes, a.steps, a.prompt_len, a.llama_batched_bench,
+                    prefill_tokens=a.prefill_tokens, llama_bench=a.llama_bench, llama_bench_sse=a.llama_bench_sse)
+    print(batch.markdown(res))
+    _save_bench(a.out_dir, f"batch-{_model_stem(a.model)}-t{a.threads}", json.dumps(res, indent=1),
+                lambda png: batch.plot(res, png))
+    return 0
+
+
+def cmd_bench_prefix(a) -> int:
+    from ..tools.benchmarks import prefix
+
+    wl = tuple(w.strip() for w in a.workloads.split(",") if w.strip())
+    bad = [w for w in wl if w not in prefix.WORKLOADS]
+    if bad:
+        raise HybridInferError(f"unknown workload(s) {bad}; choose from {','.join(prefix.WORKLOADS)}")
+    rows, meta = prefix.run(a.model, wl, a.n_prompts, a.threads, a.llama_server, a.cache_dir, a.backend,
+                            a.snapshot_stride)
+    print(prefix.markdown(rows, meta))
+    _save_bench(a.out_dir, f"prefix-{_model_stem(a.model)}", prefix.to_json(rows, meta),
+                lambda png: prefix.plot(rows, png))
+    return 0
+
+
+def cmd_bench_prefill(a) -> int:
+    import json
+
+    from ..tools.benchmarks import prefill
+
+    prompts = _positive_ints("--prompts", a.prompts, "token counts")
+    _check_tools(a, "--llama-bench", "--llama-bench-cuda")
+    try:
+        res = prefill.run(a.model, prompts, a.vram_budget or None, not a.no_resident, a.threads, a.llama_bench,
+                          a.llama_bench_cuda, bus_bw=a.bus_bw, card_profile=a.card_profile)
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] != "pycuda":
+            raise
+        raise BackendNotAvailableError(f"bench prefill measures the GPU backend, which needs pycuda ({e})") from e
+    print(prefill.markdown(res))
+    _save_bench(a.out_dir, f"prefill-{_model_stem(a.model)}", json.dumps(res, indent=1),
+                lambda png: prefill.plot(res, png))
+    return 0
+
+
+def cmd_bench_serve(a) -> int:
+    import json
+
+    from ..tools.benchmarks import serve, serve_plot
+
+    conc = _positive_ints("--concurrency", a.concurrency, "client counts")
+    _check_tools(a, "--llama-server")
+    if a.chat_template_file and not os.path.isfile(a.chat_template_file):
+        raise ParameterError(f"--chat-template-file {a.chat_template_file!r}: no such file")
+    res = serve.run(a.model, a.threads, a.max_seqs, conc, a.requests, a.max_tokens, a.conversations, a.turns,
+                    a.system_tokens, a.shared_system, a.n_ctx, a.backend, a.llama_server,
+                    a.chat_template_file and os.path.abspath(a.chat_template_file), a.prefix_cache_ram)
+    print(serve.markdown(res))
+    _save_bench(a.out_dir, f"serve-{_model_stem(a.model)}-t{a.threads}", json.dumps(res, indent=1),
+                lambda png: serve_plot.plot(res, png))
+    return 0
+
+
+def cmd_bench_batch_job(a) -> int:
+    import json
+
+    from ..tools.benchmarks import batch_job, batch_job_report
+
+    policies = batch_job.parse_policies(a.numa_policies)
+    configs = batch_job.parse_configs(a.configs)
+    qt = _positive_ints("--question-tokens", a.question_tokens, "token counts")
+    if len(qt) != 2 or qt[0] > qt[1]:
+        raise ParameterError(f"--question-tokens must be LO,HI with LO <= HI, got {a.question_tokens!r}")
+    _check_tools(a, "--llama-server")
+    model = a.model
+    if model is None:
+        from ..format.default_model import default_model_path
+
+        model = default_model_path()
+    if not os.path.isfile(model):
+        raise ParameterError(f"-m/--model {model!r}: no such file")
+    res = batch_job.run(model, a.threads, a.requests, a.system_tokens, a.max_tokens, a.max_seqs, a.llama_server,
+                        policies, configs, a.seed, a.n_ctx, a.llama_np, a.backend, qt)
+    print(batch_job_report.markdown(res))
+    _save_bench(a.out_dir, f"batch-job-{_model_stem(model)}-t{a.threads}", json.dumps(res, indent=1),
+                lambda png: batch_job_report.plot(res, png))
+    return 0
+
+
+def _bench_parser(bsub, name: str, help: str, fn, threads_help: str | None = None,
+                  model_required: bool = True) -> argparse.ArgumentParser:
+    """A `bench` subcommand with the options every benchmark takes: the model, threads and output folder."""
+    b = bsub.add_parser(name, help=help)
+    b.add_argument("-m", "--model", required=model_required,
+                   help=None if model_required else "GGUF file (default: the embedded SmolLM2-135M-Instruct)")
+    b.add_argument("-t", "--threads", type=_int_at_least(1), default=os.cpu_count(), help=threads_help)
+    b.add_argument("--out-dir", default="bench/results")
+    b.set_defaults(fn=fn)
+    return b
+
+
+def add_bench_parsers(sub) -> None:
+    p = sub.add_parser("bench", help="benchmarks (markdown table + PNG)")
+    bsub = p.add_subparsers(dest="bench", required=True)
+    b = _bench_parser(bsub, "decode", "decode tok/s vs the memory-bandwidth floor, and llama.cpp", cmd_bench_decode)
+    b.add_argument("-n", type=_int_at_least(1), default=32, help="decode steps timed")
+    b.add_argument("--context", type=_int_at_least(0), default=0, help="prompt tokens before timing")
+    b.add_argument("--isa", default=os.environ.get("HYBRIDINFER_ISA", "native"),
+                   help="comma-separated: native,scalar,ssse3,avx2,avx512vnni")
+    b.add_argument("--llama-bench", default=None, help="llama.cpp's llama-bench (native build)")
+    b.add_argument("--llama-bench-sse", default=None, help="llama-bench built without AVX")
+    b.add_argument("--weights", default="auto", help="comma-separated weights modes to time: auto,copy,mmap")
+    b.add_argument("--llama-no-mmap", action="store_true", help="also time llama.cpp with -lm none (no mmap)")
+    b.add_argument("--segments", type=_int_at_least(1), default=4,
+                   help="runs of timed steps with a bandwidth reading between each (each run's floor at the "
+                        "mean of the two readings around it)")
+    b = _bench_parser(bsub, "batch", "batched decode (one token for each of B sequences per step) tok/s vs B, "
+                      "and llama.cpp's llama-batched-bench", cmd_bench_batch)
+    b.add_argument("--batch-sizes", default="1,2,4,8,16", help="comma-separated sequences per step (B)")
+    b.add_argument("--steps", type=_int_at_least(1), default=32, help="decode steps timed per B")
+    b.add_argument("--prompt-len", type=_int_at_least(1), default=128, help="prompt tokens of each sequence")
+    b.add_argument("--llama-batched-bench", default=None, help="llama.cpp's llama-batched-bench, run with the same "
+                   "B, prompt length and steps")
+    b.add_argument("--prefill-tokens", type=_int_at_least(0), default=512,
+                   help="also time CPU prefill of one prompt this long, at the best ISA and at SSSE3 (0: skip)")
+    b.add_argument("--llama-bench", default=None, help="llama-bench (native build), run with -p PREFILL_TOKENS -n 0")
+    b.add_argument("--llama-bench-sse", default=None, help="llama-bench built for SSE4.2 (no AVX), the same")
+    b = _bench_parser(bsub, "prefix", "time to first token cold/warm with the prefix cache, and llama.cpp's server",
+                      cmd_bench_prefix)
+    b.add_argument("--backend", default="cpu", choices=["reference", "cpu", "gpu", "auto"],
+                   help="compute backend: " + BACKEND_HELP + " (default cpu)")
+    b.add_argument("--workloads", default="a,b,c,d", help="comma-separated subset of a,b,c,d")
+    b.add_argument("--n-prompts", type=_int_at_least(1), default=100, help="prompts in workload d (default 100)")
+    b.add_argument("--snapshot-stride", type=_int_at_least(0), default=None)
+    b.add_argument("--cache-dir", default=None, help="also write snapshots to an on-disk store under this dir")
+    b.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary, run on the same GGUF")
+    b = _bench_parser(bsub, "serve", "HTTP serving: streaming clients' TTFT, inter-token latency and tok/s, and an "
+                      "agent workload's prefix reuse, against llama.cpp's llama-server", cmd_bench_serve)
+    b.add_argument("--max-seqs", type=_int_at_least(1), default=16, help="server parallelism (llama-server -np)")
+    b.add_argument("--concurrency", default="1,4,16", help="comma-separated concurrent streaming clients")
+    b.add_argument("--requests", type=_int_at_least(1), default=4, help="requests each client sends per level")
+    b.add_argument("--max-tokens", type=_int_at_least(1), default=64, help="max_tokens of every request")
+    b.add_argument("--conversations", type=_int_at_least(0), default=10, help="agent conversations (0: skip)")
+    b.add_argument("--turns", type=_int_at_least(1), default=5, help="turns of each agent conversation")
+    b.add_argument("--system-tokens", type=_int_at_least(0), default=2000,
+                   help="agent system prompt size in tokens, the tool definitions included (approximate)")
+    b.add_argument("--shared-system", action="store_true",
+                   help="one system prompt for all conversations (default: one per conversation, cold first turns)")
+    b.add_argument("--n-ctx", type=_int_at_least(256), default=4096,
+                   help="context per sequence (llama-server: -c max_seqs * n_ctx)")
+    b.add_argument("--backend", default="cpu", choices=["reference", "cpu", "gpu", "auto"],
+                   help="compute backend: " + BACKEND_HELP + " (default cpu)")
+    b.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary, run on the same GGUF")
+    b.add_argument("--chat-template-file", default=None,
+                   help="a chat template both servers render (llama-server with --jinja), so both see the same "
+                        "prompt tokens, tools included (e.g. bench/qwen35_chat_template.jinja)")
+    b.add_argument("--prefix-cache-ram", type=parse_size, default=None,
+                   help="this engine's snapshot cache in RAM (default: serve's, 2GiB); llama-server keeps each slot's "
+                        "state and its context checkpoints, which this cache stands for")
+    b = _bench_parser(bsub, "batch-job", "a batch job end to end: N requests sharing a long system prompt through "
+                      "`hybridinfer batch` (one at a time, the scheduler, 2 shards, each --numa policy) and "
+                      "llama.cpp's llama-server fed the same requests", cmd_bench_batch_job, model_required=False)
+    b.add_argument("--requests", type=_int_at_least(1), default=200, help="requests in the job (default 200)")
+    b.add_argument("--system-tokens", type=_int_at_least(0), default=2000,
+                   help="tokens of the system prompt every request shares (approximate; default 2000)")
+    b.add_argument("--question-tokens", default="30,100", help="LO,HI tokens of each request's question")
+    b.add_argument("--max-tokens", type=_int_at_least(1), default=64, help="max_tokens of every request")
+    b.add_argument("--max-seqs", type=_int_at_least(1), default=8, help="the scheduler configuration's --max-seqs")
+    b.add_argument("--configs", default="one,scheduler,shards",
+                   help="this engine's configurations: one (--max-seqs 1), scheduler, shards (2 at once)")
+    b.add_argument("--numa-policies", default="off,interleave,bind:0,replicate,auto",
+                   help="comma-separated --numa policies run with the scheduler configuration ('' for none; off "
+                        "is the scheduler row)")
+    b.add_argument("--n-ctx", type=_int_at_least(256), default=None,
+                   help="context per sequence (default: the longest prompt + max_tokens, rounded up to 256)")
+    b.add_argument("--seed", type=int, default=0, help="the questions' words and lengths")
+    b.add_argument("--backend", default="cpu", choices=["reference", "cpu", "gpu", "auto"],
+                   help="compute backend: " + BACKEND_HELP + " (default cpu)")
+    b.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary, run on the same GGUF")
+    b.add_argument("--llama-np", type=_int_at_least(1), default=8,
+                   help="llama-server's slots (-np) and the client's requests in flight (default 8)")
+    b = _bench_parser(bsub, "prefill", "GPU prefill tok/s vs transfer and compute floors, and llama.cpp",
+                      cmd_bench_prefill, threads_help="threads for llama.cpp's CPU runs")
+    b.add_argument("--prompts", default="128,947,4096")
+    b.add_argument("--vram-budget", type=parse_size, default=parse_size("6GiB"), help="0: skip the budget run")
+    b.add_argument("--no-resident", action="store_true", help="skip the whole-model-resident run")
+    add_card_profile(b)
+    b.add_argument("--llama-bench", default=None, help="llama-bench, CPU build")
+    b.add_argument("--llama-bench-cuda", default=None, help="llama-bench, CUDA build")
+    b.add_argument("--bus-bw", type=gb_per_s, default=None, metavar="GB/s",
+                   help="pace the weight stream to this rate (an old card's bus: 6 for PCIe 2.0 x16, 12 for 3.0)")

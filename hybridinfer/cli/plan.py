@@ -1,0 +1,65 @@
+"""`hybridinfer plan`: the placement and predicted times of a model on a named card (gpu/card_plan.py)."""
+
+from __future__ import annotations
+
+import os
+
+from ..errors import ParameterError
+from .args import gb_per_s, parse_size
+
+
+def _host_bandwidth() -> float:
+    """This host's read bandwidth, all threads, measured as `bench decode` measures its floor."""
+    from ..backends.cpu.simd import SimdLib
+    from ..tools.benchmarks.decode import probe_bytes
+
+    return SimdLib(n_threads=os.cpu_count() or 1).read_bandwidth(probe_bytes())
+
+
+def cmd_plan(a) -> int:
+    from ..models import model_args
+    from ..tools.card_plan import find_card, format_plan, plan_for_card
+
+    find_card(a.card)  # a bad name is reported before any model is read
+    if bool(a.model) == bool(a.shape):
+        raise ParameterError(f"plan takes one of -m MODEL or --shape SHAPE (got -m {a.model!r}, --shape {a.shape!r})")
+    if a.shape:
+        from ..tools.shape_model import ShapeModel
+
+        gm = ShapeModel(a.arch, a.shape, a.quant)
+    else:
+        from ..format.gguf_model import GGUFModel
+
+        gm = GGUFModel(a.model)
+    prompts = []
+    for x in a.prompts.split(","):
+        try:
+            prompts.append(int(x))
+        except ValueError:
+            raise ParameterError(f"--prompts must be comma-separated token counts, got {a.prompts!r}") from None
+    host_bw, note = a.host_bw, ""
+    if host_bw is None:
+        host_bw, note = _host_bandwidth(), " (--host-bw not given: measured on this host)"
+    if a.vram_budget == 0:
+        raise ParameterError("--vram-budget must be more than 0 bytes, got 0")
+    pl = plan_for_card(gm, model_args(gm), a.card, vram_budget=a.vram_budget, host_bw=host_bw,
+                       prompts=tuple(prompts))
+    print(format_plan(pl) + note)
+    return 0
+
+
+def add_plan_parser(sub) -> None:
+    p = sub.add_parser("plan", help="placement and predicted prefill / decode times of a model on a named old card "
+                                    "(from the file's header or a synthetic shape; no GPU, no weights read)")
+    p.add_argument("-m", "--model", help="GGUF file (its header only is read)")
+    p.add_argument("--shape", help="plan a synthetic shape instead of a file (e.g. 35b-a3b; see `synth`)")
+    p.add_argument("--arch", default="qwen35moe", help="architecture of --shape (default qwen35moe)")
+    p.add_argument("--quant", default="q4_k_m", help="quantization of --shape (default q4_k_m)")
+    p.add_argument("--card", required=True, help="c2075, m2090, gtx580, gtx680, k20, k40, k80, m40, gtx980ti, p100, "
+                                                 "or a class: fermi, kepler, maxwell, pascal")
+    p.add_argument("--vram-budget", type=parse_size, default=None,
+                   help="VRAM the engine may use (default: the card's memory less 512 MiB)")
+    p.add_argument("--host-bw", type=gb_per_s, default=None, metavar="GB/s",
+                   help="host memory read bandwidth for CPU decode (default: measured on this host)")
+    p.add_argument("--prompts", default="128,947,4096", help="comma-separated prompt lengths to predict")
+    p.set_defaults(fn=cmd_plan)

@@ -1,0 +1,486 @@
+"""The public API: `Engine.load(path, backend=...)`, then logits / generate / stream."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+
+from ..backends import BACKENDS, make_backend  # noqa: F401  (BACKENDS: re-exported)
+from ..backends.state import DecoderState
+from ..errors import ContextLengthError, HybridInferError, ParameterError
+from ..format.gguf_model import GGUFModel
+from ..models import model_args
+from .sampling import SamplingParams, check_int, check_stop
+from .scheduler import Handle, Request, Scheduler, TokenSampler
+from .textstream import Generation
+
+__all__ = ["Engine", "Generation", "model_cache_fingerprint"]
+
+# Snapshot stride by measurement (2026-11-21). CPU prefill, Qwen3.5-0.8B-shaped Q4_K_M on 2 cores: a snapshot
+# (18 MiB of recurrent state + its K/V segment) costs 16.6 ms to take = 1.6 tokens of prefill (10.7 ms/token),
+# so every 256 tokens costs 0.6% of prefill and a prompt diverging between snapshots re-processes at most 255
+# tokens (1.4 s on average there). GPU prefill of the 35B-A3B (0.63 ms/token under a 6 GiB budget on an H100)
+# against a ~64 ms snapshot (61 MiB recurrent + K/V): one snapshot costs ~100 tokens, so the GPU default is 1024
+# (~10% of prefill). None picks by backend.
+DEFAULT_SNAPSHOT_STRIDE = None
+CPU_SNAPSHOT_STRIDE, GPU_SNAPSHOT_STRIDE = 256, 1024
+
+
+def model_cache_fingerprint(gm: GGUFModel, numeric_path: str = "", hash_dir: str | None = None,
+                            hash_threads: int | None = None) -> str:
+    """The key prefix-cache snapshots are filed under: the model and the numeric path of the backend that makes
+    them (a snapshot restored into another path's run would print that path's answer). With `hash_dir` (a disk
+    store shared by processes and models) the model is a hash of every byte of the file with its metadata
+    fingerprint, computed once per file and remembered in hash_dir; without, a cache lives in this process and the
+    file's identity names its content."""
+    from .prefix.model_key import content_key, identity_key
+
+    if hash_dir:
+        model = content_key(gm.path, gm.fingerprint(), hash_dir, hash_threads)
+    else:
+        model = identity_key(gm.path, gm.fingerprint())
+    return f"{model}/{numeric_path}"
+
+
+def _check_load_args(n_ctx, prefill_chunk, snapshot_stride, options: dict) -> None:
+    """Refuse bad values before the model is opened (a user waits for no load to learn of a typo)."""
+    check_int("n_ctx", n_ctx, 1)
+    check_int("prefill_chunk", prefill_chunk, 1)
+    if snapshot_stride is not None:
+        check_int("snapshot_stride", snapshot_stride, 0)
+    if options.get("n_threads") is not None:
+        check_int("n_threads", options["n_threads"], 1)
+    if options.get("card_profile") is not None:
+        from ..backends.gpu.cards import PROFILES
+
+        if options["card_profile"] not in PROFILES:
+            raise ParameterError(f"unknown card_profile {options['card_profile']!r} (known: {', '.join(PROFILES)})")
+    if options.get("bus_bw") is not None:
+        from ..backends.gpu.pacing import check_bus_bw
+
+        check_bus_bw(options["bus_bw"])
+    if options.get("isa") is not None:
+        from ..backends.cpu.simd_native import ISAS
+
+        if options["isa"] not in ISAS:
+            raise ParameterError(f"unknown isa {options['isa']!r} (known: {', '.join(ISAS)})")
+
+
+def _check_cache_dir(disk_dir) -> None:
+    """An existing prefix-cache folder must be one this process can list and write; one that does not exist yet
+    is made when the cache opens (a failure there names it too)."""
+    if disk_dir and os.path.exists(disk_dir):
+        if not os.path.isdir(disk_dir):
+            raise ParameterError(f"prefix cache folder {disk_dir!r} is not a directory")
+        if not os.access(disk_dir, os.R_OK | os.W_OK | os.X_OK):
+            raise ParameterError(f"prefix cache folder {disk_dir!r} is not readable and writable by this user")
+
+
+def _make_prefix_cache(spec, gm: GGUFModel, args, backend):
+    if spec is None or spec is False:
+        return None
+    from ..errors import SnapshotError
+    from .prefix import PrefixCache, StateLayout
+
+    layout = StateLayout.of_state(backend.new_state(1), args.n_vocab)
+    npath = backend.numeric_path
+    if isinstance(spec, PrefixCache):
+        # a cache made elsewhere must have been made for this model and numeric path, or its snapshots are wrong
+        want = model_cache_fingerprint(gm, npath, spec.disk.dir if spec.disk is not None else None)
+        if spec.fingerprint != want:
+            raise SnapshotError(f"the prefix cache passed is keyed {spec.fingerprint!r}, not this model and backend's "
+                                f"{want!r} (make it with hybridinfer.engine.api.model_cache_fingerprint)")
+        spec.use_layout(layout)
+        return spec
+    opts = {} if spec is True else dict(spec)
+    _check_cache_dir(opts.get("disk_dir"))
+    try:
+        fp = model_cache_fingerprint(gm, npath, opts.get("disk_dir"))
+        return PrefixCache(fp, tuple(args.layer_types), state_layout=layout, **opts)
+    except OSError as e:
+        raise ParameterError(f"prefix cache folder {opts.get('disk_dir')!r} cannot be used: {e}") from e
+    except ValueError as e:  # a budget out of range (the cache's own check)
+        raise ParameterError(f"prefix cache: {e}") from e
+
+
+def chat_boundaries(messages: list[dict], ids: list[int], render) -> tuple[int, ...]:
+    """Token positions in `ids` worth a snapshot in a chat: the end of the leading system messages and the end of
+    the history (before the generation prompt). render(messages) gives the tokens of those messages rendered with
+    no generation prompt; a position counts only where they are a prefix of `ids`. A template that cannot render
+    the system messages alone (some require a user turn) gives no system boundary."""
+    from ..errors import TemplateError
+
+    out = []
+    k = next((i for i, m in enumerate(messages) if m.get("role") not in ("system", "developer")), len(messages))
+    for part in ([messages[:k]] if 0 < k < len(messages) else []) + [messages]:
+        try:
+            h = render(part)
+        except TemplateError:
+            continue
+        if 0 < len(h) < len(ids) and ids[: len(h)] == h:
+            out.append(len(h))
+    return tuple(sorted(set(out)))
+
+
+def boundary_points(turn_boundary) -> tuple[int, ...]:
+    """A Request's turn_boundary as positions: one int (the end of the history) or a tuple of them."""
+    return (turn_boundary,) if isinstance(turn_boundary, int | np.integer) else tuple(turn_boundary)
+
+
+class Engine:
+    """A loaded model. `backend` computes; the tokenizer and chat template come from the GGUF.
+
+    Thread-safe: one Engine may be called from many threads, and each call gets the answer it would get alone.
+    Backends share work buffers (and the GPU holds one sequence's state), so every backend call and prefix-cache
+    operation runs under the engine's lock; a stream takes it once per token, so concurrent streams interleave
+    token by token instead of waiting for each other's whole answer."""
+
+    def __init__(self, gm: GGUFModel, args, backend, tokenizer, n_ctx: int, progress: bool,
+                 prefill_chunk: int, prefix_cache=None, snapshot_stride: int | None = DEFAULT_SNAPSHOT_STRIDE,
+                 max_seqs: int = 8, state_budget: int | None = None):
+        self.gm, self.args, self.backend, self.tokenizer = gm, args, backend, tokenizer
+        self.chat_template = None  # None: the GGUF's own (or ChatML where it has none)
+        self.max_seqs, self.state_budget = max_seqs, state_budget
+        self._scheduler = None
+        self.n_ctx, self.progress, self.prefill_chunk = n_ctx, progress, prefill_chunk
+        self._lock = threading.RLock()
+        if snapshot_stride is None:
+            snapshot_stride = GPU_SNAPSHOT_STRIDE if backend.single_pass else CPU_SNAPSHOT_STRIDE
+        self.snapshot_stride = check_int("snapshot_stride", snapshot_stride, 0)
+        self.prefix_cache = _make_prefix_cache(prefix_cache, gm, args, backend)
+
+    @classmethod
+    def load(cls, path: str | None = None, backend: str = "auto", *, n_ctx: int = 4096,
+             progress: bool = False, prefill_chunk: int = 512, prefix_cache=None,
+             snapshot_stride: int | None = DEFAULT_SNAPSHOT_STRIDE, max_seqs: int = 8,
+             state_budget: int | None = None, chat_template: str | None = None, **options) -> Engine:
+        """Open a GGUF (default: the embedded SmolLM2-135M-Instruct) on `backend`: "auto" (GPU prefill + CPU
+        decode where a card and pycuda are present, else "cpu"), "cpu", "gpu" (prefill on the card, decode on
+        the CPU) or "reference" (the exact numpy oracle, slow by design).
+
+        n_ctx caps the context (at most the model's trained context_length); prefill_chunk is the number
+        of prompt tokens processed per forward call. prefix_cache: None (off), True (RAM, 2 GiB), a dict of
+        PrefixCache options (ram_bytes, disk_dir, disk_bytes, block_size) or a PrefixCache; prompts then reuse
+        the longest cached prefix, and snapshots are taken every `snapshot_stride` prompt tokens (None: 256
+        on the CPU, 1024 with GPU prefill), at the end of each prompt, before a chat's generation prompt,
+        where a prompt leaves a cached one, and at the end of generation. max_seqs and state_budget (bytes of
+        sequence states and K/V, None: no limit) bound the scheduler behind `submit` and `generate_batch`.
+        GPU options: vram_budget, gpu_chunk, device, card_profile (fermi | kepler | maxwell | pascal: kernels
+        compiled and tiles chosen as for that class of card, on this card, the weight stream paced to its bus),
+        bus_bw (bytes/s the weight stream is paced to, instead of the profile's bus).
+        chat_template: Jinja text used instead of the GGUF's `tokenizer.chat_template` (as llama-server's
+        --chat-template-file), checked to compile now. Unknown options raise TypeError.
+        """
+        from ..format.tokenizer import Tokenizer
+
+        if path is None:
+            from ..format.default_model import default_model_path
+
+            path = default_model_path()
+        _check_load_args(n_ctx, prefill_chunk, snapshot_stride, options)
+        gm = GGUFModel(path)
+        args = model_args(gm)
+        n_ctx = int(min(n_ctx, args.context_length))
+        be = make_backend(backend, gm, args, options, n_ctx)
+        if options:
+            raise TypeError(f"unknown Engine option(s): {', '.join(sorted(options))}")
+        if progress:
+            be.preload(progress=True)
+        eng = cls(gm, args, be, Tokenizer.from_gguf(gm), n_ctx, progress, prefill_chunk, prefix_cache,
+                  snapshot_stride, max_seqs, state_budget)
+        _ = eng.scheduler  # its limits checked now, not at the first request
+        if chat_template is not None:
+            from ..format.chat_template import check_template
+
+            eng.chat_template = check_template(chat_template)
+        return eng
+
+    # tokens ---------------------------------------------------------------------------------------
+    def _tok(self):
+        if self.tokenizer is None:
+            raise HybridInferError(f"{self.gm.path!r} has no vocabulary; pass token ids instead of text")
+        return self.tokenizer
+
+    def tokenize(self, text: str, add_bos: bool | None = None, parse_special: bool = True) -> list[int]:
+        return self._tok().encode(text, add_bos=add_bos, parse_special=parse_special)
+
+    def detokenize(self, ids) -> str:
+        return self._tok().decode([int(i) for i in ids])
+
+    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
+                    enable_thinking: bool | None = None, tools=None) -> str:
+        from ..format.chat_template import default_template, render_chat
+
+        tok = self._tok()
+        template = self.chat_template or self.gm.meta("tokenizer.chat_template", None) or default_template()
+        return render_chat(template, messages, add_generation_prompt=add_generation_prompt,
+                           bos_token=tok.token_text(tok.bos_id) if tok.bos_id is not None else "",
+                           eos_token=tok.token_text(tok.eos_id) if tok.eos_id is not None else "",
+                           enable_thinking=enable_thinking, tools=tools)
+
+    def encode_prompt(self, prompt, enable_thinking: bool | None = None) -> list[int]:
+        """A str is completed raw; a list of {role, content} messages is chat-templated; a list of ints
+        is taken as token ids."""
+        if isinstance(prompt, str):
+            return self.tokenize(prompt)
+        if isinstance(prompt, list | tuple) and all(isinstance(t, int | np.integer) for t in prompt):
+            return self._check_ids([int(t) for t in prompt])
+        if isinstance(prompt, list | tuple) and all(isinstance(m, dict) for m in prompt):
+            return self._encode_chat(prompt, enable_thinking)
+        raise TypeError(f"prompt must be a str, a list of messages or a list of token ids, not "
+                        f"{type(prompt).__name__}")
+
+    def _check_ids(self, ids: list[int]) -> list[int]:
+        bad = next((i for i in ids if not 0 <= i < self.args.n_vocab), None)
+        if bad is not None:
+            raise ParameterError(f"token id {bad} is outside the vocabulary [0, {self.args.n_vocab})")
+        return ids
+
+    def _encode_chat(self, messages, enable_thinking, add_generation_prompt: bool = True) -> list[int]:
+        text = self.chat_prompt(list(messages), add_generation_prompt=add_generation_prompt,
+                                enable_thinking=enable_thinking)
+        tok = self._tok()
+        bos_text = tok.token_text(tok.bos_id) if tok.bos_id is not None else None
+        return self.tokenize(text, add_bos=False if bos_text and text.startswith(bos_text) else None)
+
+    def _turn_boundary(self, prompt, ids: list[int], enable_thinking) -> tuple[int, ...] | None:
+        """For a chat prompt: where the generation prompt starts (the history before it is the next turn's
+        prefix) and where the leading system messages end (shared by every conversation with that system prompt
+        and tools), each where the rendered part's tokens are a prefix of `ids`."""
+        if not (isinstance(prompt, list | tuple) and prompt and all(isinstance(m, dict) for m in prompt)):
+            return None
+        render = lambda msgs: self._encode_chat(msgs, enable_thinking, add_generation_prompt=False)  # noqa: E731
+        return chat_boundaries(list(prompt), ids, render) or None
+
+    # compute --------------------------------------------------------------------------------------
+    def new_state(self) -> DecoderState:
+        return self.backend.new_state(self.n_ctx)
+
+    def prefill(self, ids: list[int], state: DecoderState, all_logits: bool = False,
+                snapshot_at=(), on_snapshot=None) -> np.ndarray:
+        """Feed prompt tokens in chunks; returns logits of every token (all_logits) or of the last.
+
+        snapshot_at: absolute positions (state.pos < p <= state.pos + len(ids)) where the state is handed to
+        on_snapshot(state, last_logits) as prefill passes them: chunks end there, so no second pass."""
+        with self._lock:
+            return self._prefill(ids, state, all_logits, snapshot_at, on_snapshot)
+
+    def _prefill(self, ids, state, all_logits, snapshot_at, on_snapshot) -> np.ndarray:
+        state.check_room(len(ids))
+        p0 = state.pos
+        if self.backend.single_pass:  # the GPU: one pass, chunking inside each layer
+            lg = self.backend.forward(ids, state, all_logits=all_logits, snapshot_at=snapshot_at,
+                                      on_snapshot=on_snapshot)
+            if on_snapshot is not None and state.pos in set(snapshot_at):
+                on_snapshot(state, lg[-1])
+            return lg.copy()  # a view of the backend's buffers would not outlive the lock
+        cuts = set(range(self.prefill_chunk, len(ids), self.prefill_chunk)) | {len(ids)}
+        cuts |= {p - p0 for p in snapshot_at if p0 < p <= p0 + len(ids)}
+        bounds = sorted(cuts)
+        it = zip([0] + bounds[:-1], bounds, strict=True)
+        if self.progress and len(ids) > self.prefill_chunk:
+            from tqdm import tqdm
+
+            it = tqdm(it, total=len(bounds), desc="prefill", unit="chunk", leave=False)
+        outs, snaps = [], set(snapshot_at)
+        for a, b in it:
+            lg = self.backend.forward(ids[a:b], state, all_logits=all_logits)
+            outs.append(lg.copy())  # a backend may return a view of its buffers
+            if on_snapshot is not None and p0 + b in snaps:
+                on_snapshot(state, lg[-1])
+        return np.concatenate(outs, axis=0) if all_logits else outs[-1]
+
+    def start(self, ids: list[int], state: DecoderState, turn_boundary: int | None = None,
+              shared_at=()) -> tuple[np.ndarray, dict]:
+        """Bring a fresh `state` to the end of `ids` and return (last-token logits, stats), reusing the longest
+        cached prefix and taking snapshots on the way when a prefix cache is on. Their disk copies (with a disk
+        store) wait for `prefix_cache.flush()`, which `stream` calls once the answer is out."""
+        with self._lock:
+            return self._start(ids, state, turn_boundary, shared_at)
+
+    def _start(self, ids, state, turn_boundary, shared_at=(), keep_ends: bool = True):
+        lg, stats, todo = self._restore(ids, state, turn_boundary, shared_at, keep_ends)
+        if todo is not None:
+            lg = self._prefill(*todo)[-1]
+        return lg, stats
+
+    def _start_many(self, items) -> list[tuple[np.ndarray, dict]]:
+        """`_start` for several (ids, state, turn_boundary, shared_at[, keep_ends]): each restores its cached prefix,
+        then a single-pass backend prefills all of the rest in one pass (each layer's weights streamed once for
+        all)."""
+        if not self.backend.single_pass or len(items) < 2:
+            return [self._start(*it) for it in items]
+        out, todo = [], []
+        for j, it in enumerate(items):
+            lg, stats, rest = self._restore(*it)
+            out.append((lg, stats))
+            if rest is not None:
+                todo.append((j, rest))
+        if todo:
+            lgs = self.backend.prefill_many([(ids, st, at, cb) for _, (ids, st, _, at, cb) in todo])
+            for (j, (_, st, _, at, cb)), lg in zip(todo, lgs, strict=True):
+                if cb is not None and st.pos in set(at):
+                    cb(st, lg[-1])
+                out[j] = (lg[-1], out[j][1])
+        return out
+
+    def _restore(self, ids, state, turn_boundary, shared_at, keep_ends: bool = True):
+        """The longest cached prefix of `ids` restored into `state` (with a prefix cache), its stats, and what is
+        left to prefill as _prefill's arguments (None when nothing is), with the snapshot positions on the way
+        (keep_ends False: none at the turn boundary or the prompt's end, only where prompts share a prefix)."""
+        t0 = time.perf_counter()
+        stats = {"prompt_tokens": len(ids), "reused_tokens": 0, "restore_s": 0.0}
+        cache = self.prefix_cache
+        if cache is None:
+            stats["prefilled_tokens"] = len(ids)
+            return None, stats, (ids, state, False, (), None)
+        state.check_room(len(ids))
+        hit = cache.lookup(ids, max_pos=len(ids))
+        if hit is not None and hit.pos == len(ids) and not hit.has_logits:
+            hit = cache.lookup(ids, max_pos=len(ids) - 1)
+        lg = None
+        if hit is not None:
+            lg = cache.restore(hit, state)
+            stats["reused_tokens"] = hit.pos
+            stats["restore_s"] = time.perf_counter() - t0
+        n = len(ids)
+        stats["prefilled_tokens"] = n - state.pos
+        if state.pos >= n:
+            return lg, stats, None
+        stride = self.snapshot_stride
+        at = set(range(stride, n, stride)) if stride else set()
+        if turn_boundary is not None and keep_ends:
+            at.update(p for p in boundary_points(turn_boundary) if state.pos < p < n)
+        at.update(p for p in shared_at if state.pos < p < n)  # where prompts queued beside it part ways
+        shared = cache.known_prefix(ids)  # where this prompt leaves a cached one: the next may share it too
+        if state.pos < shared < n:
+            at.add(shared)
+        if keep_ends:
+            at.add(n)
+        save = lambda st, last: cache.save(st, last if st.pos == n else None, defer_disk=True)  # noqa: E731
+        return lg, stats, (ids[state.pos :], state, False, sorted(at), save)
+
+    def logits(self, ids) -> np.ndarray:
+        """Logits (len(ids), n_vocab) float32 for every position, from a fresh state."""
+        ids = self._check_ids([int(i) for i in ids])
+        if not ids:
+            raise ParameterError("logits() needs at least one token id, got none")
+        if len(ids) > self.n_ctx:
+            raise ContextLengthError(f"{len(ids)} tokens exceed the context size n_ctx={self.n_ctx}")
+        return self.prefill(ids, self.new_state(), all_logits=True)
+
+    # generation -----------------------------------------------------------------------------------
+    def make_request(self, prompt, max_tokens: int = 128, temperature: float = 0.8, top_k: int = 40,
+                     top_p: float = 0.95, seed: int | None = None, stop: list[str] | str | None = None,
+                     min_p: float = 0.05, repeat_penalty: float = 1.0, presence_penalty: float = 0.0,
+                     frequency_penalty: float = 0.0, enable_thinking: bool | None = None, constraint=None,
+                     logprobs: int | None = None) -> Request:
+        """Check a request's parameters and make its prompt into token ids (typed errors naming a bad value).
+        constraint: structured output (an object with mask(logits) and accept(token); scheduler.Request).
+        logprobs: record each generated token's log-probability and this many alternatives (Generation.logprobs)."""
+        if logprobs is not None:
+            check_int("logprobs", logprobs, 0)
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                                repeat_penalty=repeat_penalty, presence_penalty=presence_penalty,
+                                frequency_penalty=frequency_penalty, seed=seed)
+        max_tokens = check_int("max_tokens", max_tokens, 0)
+        stops = check_stop(stop)
+        ids = self.encode_prompt(prompt, enable_thinking)
+        if not ids:
+            raise ParameterError(f"the prompt {prompt!r} gives no tokens")
+        if len(ids) + max_tokens > self.n_ctx:
+            raise ContextLengthError(
+                f"prompt of {len(ids)} tokens + max_tokens {max_tokens} exceeds the context size "
+                f"n_ctx={self.n_ctx}")
+        return Request(ids, params, max_tokens, stops, self._turn_boundary(prompt, ids, enable_thinking), constraint,
+                       logprobs)
+
+    def stream(self, prompt, max_tokens: int = 128, _result: Generation | None = None, **kw) -> Iterator[str]:
+        """Yield text pieces as they are generated (stop strings are never emitted). Sampling parameters as
+        `make_request` takes them."""
+        req = self.make_request(prompt, max_tokens, **kw)
+        ids = req.ids
+        res = _result if _result is not None else Generation("", [], len(ids), "length")
+        res.prompt_tokens = len(ids)
+        t0 = time.perf_counter()
+        state = self.new_state()
+        try:
+            logits, cstats = self.start(ids, state, req.turn_boundary)
+            t1 = time.perf_counter()
+            step = TokenSampler(req, self.tokenizer, res, logits.shape[-1])
+            for _ in range(req.max_tokens):
+                t, piece, ended = step(logits, state)
+                if piece:
+                    yield piece
+                if ended:
+                    break
+                with self._lock:  # the backend's buffers are shared: copy the row out before letting go
+                    logits = self.backend.forward([t], state, all_logits=False)[-1].copy()
+            piece = step.text.finish()
+            if piece:
+                yield piece
+            if self.prefix_cache is not None:
+                with self._lock:
+                    if state.pos > len(ids):  # end of generation: the next turn starts from the reply
+                        self.prefix_cache.save(state, logits, defer_disk=True)
+                    self.prefix_cache.flush()  # disk copies, after the answer (not in the time to first token)
+            t2 = time.perf_counter()
+            n = max(len(res.tokens), 1)
+            res.timings = {**cstats, "prefill_s": t1 - t0, "decode_s": t2 - t1,
+                           "prompt_tok_per_s": len(ids) / (t1 - t0),
+                           "decode_tok_per_s": n / (t2 - t1) if t2 > t1 else 0.0}
+        finally:  # recorded steps and bound calls holding the state let go of it
+            with self._lock:
+                self.backend.release(state)
+
+    def generate(self, prompt, max_tokens: int = 128, **kw) -> Generation:
+        res = Generation("", [], 0, "length")
+        for _ in self.stream(prompt, max_tokens, _result=res, **kw):
+            pass
+        return res
+
+    # many sequences -------------------------------------------------------------------------------
+    @property
+    def scheduler(self) -> Scheduler:
+        """The continuous-batching scheduler behind `submit` and `generate_batch` (made at first use)."""
+        with self._lock:
+            if self._scheduler is None:
+                self._scheduler = Scheduler(self, self.max_seqs, self.state_budget)
+            return self._scheduler
+
+    def submit(self, prompt, max_tokens: int = 128, **kw) -> Handle:
+        """Queue a request on the scheduler and return at once: iterate the Handle for text pieces as they are
+        made, `result()` for the Generation, `cancel()` to stop it. Thread-safe; parameters as `make_request`."""
+        return self.scheduler.submit(self.make_request(prompt, max_tokens, **kw))
+
+    def generate_batch(self, requests, **defaults) -> list[Generation]:
+        """Run many requests together (continuous batching, up to max_seqs at once) and return their Generations in
+        input order. Each request is a prompt (a string, a list of chat messages or of token ids) or a dict of
+        `prompt` (or `messages`) and per-request parameters, which override `defaults`. Every request is checked
+        before any runs. Each result equals what `generate` gives for the same request."""
+        reqs = []
+        for i, r in enumerate(requests):
+            kw = dict(defaults)
+            if isinstance(r, dict):
+                r = dict(r)
+                if ("prompt" in r) == ("messages" in r):
+                    raise ParameterError(f"request {i} must have exactly one of 'prompt' and 'messages': {r!r}")
+                prompt = r.pop("prompt") if "prompt" in r else r.pop("messages")
+                kw.update(r)
+            else:
+                prompt = r
+            try:
+                reqs.append(self.make_request(prompt, **kw))
+            except TypeError as e:
+                raise ParameterError(f"request {i}: {e}") from None
+        handles = self.scheduler.submit_many(reqs)
+        try:
+            return [h.result() for h in handles]
+        finally:
+            for h in handles:
+                if not h.done():
+                    h.cancel()

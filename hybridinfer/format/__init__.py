@@ -1,0 +1,1 @@
+"""File formats: GGUF reading, block quantization, the tokenizer, chat templates."""

@@ -1,0 +1,1 @@
+"""Serving: the request protocol, the HTTP server and the batch runner."""

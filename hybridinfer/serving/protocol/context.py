@@ -1,0 +1,113 @@
+"""What turning a request body into an engine Request and its answer back into a body needs, for the server and the
+batch runner alike: the engine, the model name clients must give, what the chat template does with tools."""
+
+from __future__ import annotations
+
+import os
+
+from pydantic import BaseModel, ValidationError
+
+from ...errors import HybridInferError
+from .errors import ApiError, from_engine, from_validation
+from .prompt import TemplateInfo
+
+
+def default_model_name(engine) -> str:
+    """The model id clients name by default: the GGUF's file name without .gguf."""
+    name = os.path.basename(getattr(engine.gm, "path", "") or "model")
+    return name[:-5] if name.lower().endswith(".gguf") else name
+
+
+class Context:
+    def __init__(self, engine, model_name: str):
+        self.engine, self.model_name = engine, model_name
+        self.info = TemplateInfo.probe(engine)
+
+    def check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise ApiError(404, f"the model {name!r} does not exist; the model served is {self.model_name!r}",
+                           param="model", code="model_not_found")
+
+    def make_request(self, prompt, max_tokens: int | None, sampling: dict, stop, turn_boundary=None):
+        """A checked Request (prompt: text or token ids). max_tokens None: the rest of the context."""
+        eng = self.engine
+        try:
+            if max_tokens is None:
+                n = len(prompt) if isinstance(prompt, list) else len(eng.tokenize(prompt))
+                if n >= eng.n_ctx:
+                    raise ApiError(400, f"the prompt of {n} tokens does not fit the context of n_ctx={eng.n_ctx} "
+                                        f"tokens", param="messages", code="context_length_exceeded")
+                max_tokens = eng.n_ctx - n
+            req = eng.make_request(prompt, max_tokens, stop=stop, **sampling)
+        except HybridInferError as e:
+            raise from_engine(e) from None
+        if turn_boundary is not None:
+            req.turn_boundary = turn_boundary
+        return req
+
+    def check_schema(self, response_format: dict | None) -> dict | None:
+        """The JSON schema a request's output must follow, or None (a 400 for a schema it cannot compile)."""
+        from .grammar import schema_of
+
+        return schema_of(response_format)
+
+    def constrain(self, req, schema: dict | None):
+        """Attach the grammar of `schema` to `req` (the scheduler masks its logits each step)."""
+        if schema is not None:
+            from .grammar import JsonConstraint
+
+            req.constraint = JsonConstraint(self.engine, schema)
+        return req
+
+
+def validate(model: type[BaseModel], obj) -> BaseModel:
+    """A decoded JSON body as `model`, or the 400 naming what is wrong with it."""
+    if not isinstance(obj, dict):
+        raise ApiError(400, f"the body must be a JSON object, not {type(obj).__name__}", code="invalid_request")
+    try:
+        return model.model_validate(obj)
+    except ValidationError as e:
+        raise from_validation(e) from None
+    except RecursionError:
+        raise ApiError(400, "the body is nested too deeply", code="invalid_request") from None
+
+
+def sampling_args(body, *, penalties: bool = True) -> dict:
+    """The engine's sampling keywords of a request body; what a body leaves out keeps the engine's default."""
+    out = {}
+    for name in ("temperature", "top_p", "top_k", "min_p", "seed"):
+        v = getattr(body, name, None)
+        if v is not None:
+            out[name] = v
+    if penalties:
+        if body.presence_penalty is not None:
+            out["presence_penalty"] = body.presence_penalty
+        if body.repeat_penalty is not None:
+            out["repeat_penalty"] = body.repeat_penalty
+        if body.frequency_penalty is not None:
+            out["frequency_penalty"] = body.frequency_penalty
+    return out
+
+
+def usage_counts(request, generation) -> tuple[int, int, int]:
+    """(prompt tokens, completion tokens, prompt tokens restored from the prefix cache) of a finished request."""
+    return len(request.ids), len(generation.tokens), int(generation.timings.get("reused_tokens", 0))
+
+
+def matched_stop(engine, request, generation) -> str | None:
+    """The stop string that ended the sequence, if one did (the Generation says "stop" for EOS as well)."""
+    stops = request.stops
+    if generation.finish_reason != "stop" or not stops or engine.tokenizer is None:
+        return None
+    full = engine.detokenize(generation.tokens)
+    hits = [(full.find(s), s) for s in stops if s in full]
+    return min(hits)[1] if hits else None
+
+
+def parse_events(parser, first, pieces) -> list:
+    """A whole answer's events: the parser's (or ("text", piece) without one) over the pieces, as a client that
+    reads the stream to its end gets them."""
+    events = list(first)
+    for piece in pieces:
+        events += parser.feed(piece) if parser is not None else [("text", piece)]
+    return events + (parser.finish() if parser is not None else [])

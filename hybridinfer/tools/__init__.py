@@ -1,0 +1,1 @@
+"""Tools in the package: synthetic models and the `hybridinfer bench` benchmarks."""
