@@ -149,7 +149,7 @@ def test_node_without_memory():
 
 _CHILD = textwrap.dedent("""
     import mmap, ctypes, json, os, sys
-    from hybridinfer import numa
+    from hybridinfer.backends import numa
     node = numa.read_topology().mem_nodes[0].id
     out = {}
     out["before"] = numa.get_mempolicy()[0]
