@@ -1,6 +1,6 @@
-"""The numba oracles (tests/oracles/numba_ops.py, numba_gdn.py) and the sampler in use (hybridinfer/sampling.py) against
-the numpy reference: each op on fresh random inputs with odd sizes, state updated identically, no allocation at
-decode size, sampling reproducible and distributed as the plain sampler (tests/oracles/sampler.py)."""
+"""The numba oracles (tests/oracles/numba_ops.py, numba_gdn.py) and the sampler in use (hybridinfer/engine/sampling.py)
+against the numpy reference: each op on fresh random inputs with odd sizes, state updated identically, no allocation
+at decode size, sampling reproducible and distributed as the plain sampler (tests/oracles/sampler.py)."""
 
 from __future__ import annotations
 

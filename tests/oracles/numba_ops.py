@@ -6,7 +6,7 @@ Optional inputs are empty arrays (`NO_GATE`, `NO_FREQS`). All functions are `@nj
 fastmath=False)`: no reassociation and no FMA contraction, so results are reproducible and follow the
 rounding written here (ggml's where the brief asks for it, see each docstring).
 
-The GDN layer is in numba_gdn.py, sampling in hybridinfer/sampling.py; `warmup()` compiles all three. The backend
+The GDN layer is in numba_gdn.py, sampling in hybridinfer/engine/sampling.py; `warmup()` compiles all three. The backend
 runs attention, rope and swiglu in C with llama.cpp's float order (native/simd/kernels_attn.h), and the norms,
 routing, gates and combine as their bit-identical C twins (native/simd/ops.c, tests/test_simd_ops.py), so that
 a decode step runs as one native call; the numba versions here stay as the plain-order references.

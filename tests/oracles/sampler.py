@@ -1,5 +1,5 @@
 """Test oracle: token sampling over one row of logits in plain numpy (float64): penalties, top-k, top-p, min-p,
-temperature, draw, in llama.cpp's order. The sampler in use (hybridinfer/sampling.py) is tested against it."""
+temperature, draw, in llama.cpp's order. The sampler in use (hybridinfer/engine/sampling.py) is tested against it."""
 
 from __future__ import annotations
 
