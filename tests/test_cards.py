@@ -59,3 +59,10 @@ def test_profile_limits_keep_the_class_and_take_the_real_sm_count():
     assert cards.profile_limits("kepler", 8).regs_per_thread == 255
     with pytest.raises(ValueError, match="unknown card profile 'volta'"):
         cards.profile_limits("volta", 80)
+
+
+def test_paced_bus_is_the_given_rate_else_the_profiles_bus():
+    assert cards.paced_bus(None) is None
+    assert cards.paced_bus("fermi") == cards.PCIE2_X16
+    assert cards.paced_bus("pascal") == cards.PCIE3_X16
+    assert cards.paced_bus("fermi", 3e9) == 3e9 and cards.paced_bus(None, 3e9) == 3e9

@@ -23,6 +23,7 @@ from . import k_elementwise as ke
 from . import k_gemm as kgm
 from . import k_moe as km
 from . import loader
+from .cards import paced_bus
 from .graph_ops import GPUOps
 from .handoff import StateHandoff
 from .placement import is_vector, plan_placement, weights_of
@@ -155,12 +156,8 @@ class GPUModel:
         # tokens routed to each (layer, expert) over the prompts seen: replan() pins the most used experts
         self.expert_counts: dict[tuple[int, int], int] = dict(expert_counts or {})
         self.placement = plan_placement(self.infos.values(), self.vram_budget, self.reserved, self.expert_counts)
-        if bus_bw is None and card_profile is not None:
-            from .cards import card
-
-            bus_bw = card(card_profile).bus_bw  # the class's bus: PCIe 2.0 x16 for Fermi, 3.0 x16 later
-        self.bus_bw = bus_bw
-        self.streamer = Streamer(gm, self.placement, self.infos, self.stream, bus_bw=bus_bw)
+        self.bus_bw = paced_bus(card_profile, bus_bw)
+        self.streamer = Streamer(gm, self.placement, self.infos, self.stream, bus_bw=self.bus_bw)
         # per layer: 2 N K summed over its expert tensors (FLOPs per routed token, from the routing's real counts)
         self._exp_nk = {i: sum(gemm_flops(1, gm.tensor(n).ne[1], gm.tensor(n).ne[0]) for n in names
                                if self.infos[n].n_expert) for i, names in enumerate(self.layer_names)}

@@ -141,3 +141,11 @@ def profile_limits(profile: str, sm_count: int) -> CardLimits:
     if profile not in PROFILES:
         raise ValueError(f"unknown card profile {profile!r} (known: {', '.join(PROFILES)})")
     return replace(CARDS[PROFILES[profile]].limits, sm_count=int(sm_count))
+
+
+def paced_bus(card_profile: str | None, bus_bw: float | None = None) -> float | None:
+    """The rate (bytes/s) the weight stream is paced to: bus_bw when given, else the profile's class bus (PCIe 2.0
+    x16 for Fermi, 3.0 x16 later), else None (the card's own, unpaced)."""
+    if bus_bw is not None or card_profile is None:
+        return bus_bw
+    return card(card_profile).bus_bw

@@ -130,10 +130,9 @@ def run(path: str, prompts=(128, 947, 4096), budget: int | None = 6 << 30, resid
     from ...backends.gpu.k_peak import fma_peak_flops, pinned_h2d_bytes_per_s
 
     pinned, peak = pinned_h2d_bytes_per_s(), fma_peak_flops()
-    if bus_bw is None and card_profile is not None:
-        from ...backends.gpu.cards import card
+    from ...backends.gpu.cards import paced_bus
 
-        bus_bw = card(card_profile).bus_bw  # as GPUModel paces it
+    bus_bw = paced_bus(card_profile, bus_bw)  # as GPUModel paces it
     bw = min(pinned, bus_bw) if bus_bw else pinned
     rows, infos = [], []
     configs = ([(budget, f"--vram-budget {budget / 2**30:g}GiB")] if budget else []) + (
