@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from ...engine.api import chat_boundaries
 from .errors import ApiError, bad_param
-from .toolcalls import TooDeep, loads_bounded
+from .toolcalls import MAX_JSON_DEPTH, TooDeep, loads_bounded, value_depth
 
 _PROBE = "hybridinfer_probe_fn"
 
@@ -52,7 +52,8 @@ def tool_schemas(tools: list[dict]) -> dict[str, dict]:
 
 def args_mapping(args, param: str = "arguments"):
     """Templates index tool-call arguments as a mapping; OpenAI sends them as a JSON string (kept as the string
-    when it is not a JSON object; a 400 naming `param` when it nests deeper than a template can render)."""
+    when it is not a JSON object; a 400 naming `param` when it nests deeper than MAX_JSON_DEPTH, past any tool's
+    arguments and towards the interpreter's stack in the template)."""
     if isinstance(args, str):
         try:
             v = loads_bounded(args) if args.strip() else {}
@@ -61,6 +62,8 @@ def args_mapping(args, param: str = "arguments"):
         except ValueError:
             return args
         return v if isinstance(v, dict) else args
+    if value_depth(args) > MAX_JSON_DEPTH:
+        raise bad_param(param, f"nested deeper than {MAX_JSON_DEPTH} levels")
     return args
 
 

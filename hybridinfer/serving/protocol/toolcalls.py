@@ -40,6 +40,20 @@ def json_depth(text: str, limit: int = MAX_JSON_DEPTH) -> int:
     return deepest
 
 
+def value_depth(value, limit: int = MAX_JSON_DEPTH) -> int:
+    """json_depth of a decoded value (dicts and lists), walked without recursion; stops past `limit`."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        v, d = todo.pop()
+        if isinstance(v, dict | list):
+            if d > deepest:
+                deepest = d
+                if deepest > limit:
+                    break
+            todo.extend((x, d + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return deepest
+
+
 class TooDeep(ValueError):
     pass
 
