@@ -1,10 +1,10 @@
 """What both APIs share: requests made on the engine, the bounded queue, and a Handle read from the event loop.
 
-A request first takes a slot (a 429 when `limit` requests are held already), so everything it costs afterwards
-is bounded by the queue: its body is read (bytes bounded), parsed and checked, and its prompt rendered and
-tokenized in a pool of `render_threads` threads (the CPU work of a hostile body happens a few at a time, never 40
-at once on anyio's default pool); then it is submitted to the engine's scheduler, and a thread of its own hands
-the Handle's pieces to the event loop. Leaving the stream early (a client gone) cancels the sequence, which
+A request's body is read (at most max_body bytes), then it takes a slot (a 429 when `limit` requests are held
+already), so all the CPU work it costs is bounded by the queue: its body is parsed and checked, and its prompt
+rendered and tokenized, in a pool of `render_threads` threads (a hostile body's work happens a few at a time,
+never 40 at once on anyio's default pool); then it is submitted to the engine's scheduler, and a thread of its own
+hands the Handle's pieces to the event loop. Leaving the stream early (a client gone) cancels the sequence, which
 frees its state at the scheduler's next step; the slot is freed when the scheduler is done with it."""
 
 from __future__ import annotations
@@ -65,13 +65,16 @@ class Service(Context):
     def held(self) -> int:
         return self._held
 
+    def _busy(self) -> ApiError:
+        self.metrics.rejected.inc()
+        return ApiError(429, f"the server is busy: {self._held} requests running or queued (limit {self.limit}); "
+                             f"retry shortly", code="queue_full", headers={"Retry-After": "1"})
+
     def reserve(self) -> Slot:
         """A slot for one request, or the 429 that says the server is full."""
         with self._lock:
             if self._held >= self.limit:
-                self.metrics.rejected.inc()
-                raise ApiError(429, f"the server is busy: {self._held} requests running or queued (limit "
-                                    f"{self.limit}); retry shortly", code="queue_full", headers={"Retry-After": "1"})
+                raise self._busy()
             self._held += 1
         return Slot(self)
 
@@ -85,31 +88,41 @@ class Service(Context):
             self._limiter = anyio.CapacityLimiter(self.render_threads)
         return await anyio.to_thread.run_sync(fn, limiter=self._limiter)
 
-    async def parse(self, request, model):
-        """The request's body read (at most max_body bytes), decoded and checked as `model`."""
+    async def _read(self, request) -> bytes:
+        """The body's bytes (at most max_body). Read before a slot is taken (a client that sends its body slowly
+        holds a connection, not a place in the queue), after a first look that the server is not full."""
+        if self._held >= self.limit:
+            raise self._busy()
         raw = await read_body(request, self.max_body)
         if not raw.strip():
             raise ApiError(400, "the body is empty; a JSON object is expected", code="invalid_json")
+        return raw
 
-        def decode():
-            try:
-                obj = json.loads(raw, parse_constant=_no_constant)
-            except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
-                raise ApiError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
-            return validate(model, obj, raw)
-
-        return await self.run(decode)
+    @staticmethod
+    def _decode(raw: bytes, model):
+        try:
+            obj = json.loads(raw, parse_constant=_no_constant)
+        except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+            raise ApiError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
+        return validate(model, obj, raw)
 
     async def start(self, request, model, make_call):
-        """A slot, the body as `model`, `make_call(self, body)` (checks it), its Request built in the render pool
-        and submitted: (call, Job). The slot goes with the Job, or back at once when anything fails."""
+        """The body read, a slot taken, then in the render pool the body decoded as `model`, `make_call(self,
+        body)` (its checks) and its Request built; then submitted: (call, Job). The slot goes with the Job, or back
+        at once when anything fails."""
+        raw = await self._read(request)
         slot = self.reserve()
         try:
-            call = make_call(self, await self.parse(request, model))
-            req = await self.run(call.build)
             tenant = getattr(request.state, "tenant", None)
-            if tenant is not None:
-                req.cache_salt = tenant  # prefix-cache snapshots of one API key are never another's
+
+            def build():
+                call = make_call(self, self._decode(raw, model))
+                req = call.build()
+                if tenant is not None:
+                    req.cache_salt = tenant  # prefix-cache snapshots of one API key are never another's
+                return call, req
+
+            call, req = await self.run(build)
             try:
                 handle = self.scheduler.submit(req)
             except HybridInferError as e:
@@ -122,10 +135,10 @@ class Service(Context):
     async def bounded(self, request, model, work):
         """`work(body)` in the render pool under a slot of its own, for answers made without the scheduler
         (count_tokens): bounded like the requests that queue."""
+        raw = await self._read(request)
         slot = self.reserve()
         try:
-            body = await self.parse(request, model)
-            return await self.run(lambda: work(body))
+            return await self.run(lambda: work(self._decode(raw, model)))
         finally:
             slot.release()
 
