@@ -68,8 +68,8 @@ class _HostGuard:
                     if host not in self.hosts:
                         bad = f"requests from the web page at {origin!r} are not allowed"
             if bad is not None:
-                e = ApiError(403, f"{bad} (a server without an API key answers only this machine's clients: "
-                                  f"Host localhost, 127.0.0.1 or [::1])", code="forbidden_host")
+                e = ApiError(403, f"{bad} (a server without an API key answers only clients that name it as one "
+                                  f"of: {', '.join(sorted(self.hosts))})", code="forbidden_host")
                 return await _error_at(scope["path"], e)(scope, receive, send)
         return await self.app(scope, receive, send)
 
