@@ -16,7 +16,7 @@ from test_chat_template import QWEN35_TEMPLATE, TOOLS  # noqa: E402
 from hybridinfer.cli import main  # noqa: E402
 from hybridinfer.engine.api import Engine  # noqa: E402
 from hybridinfer.engine.textstream import Generation  # noqa: E402
-from hybridinfer.format.chat_template import render_chat  # noqa: E402
+from hybridinfer.format.chat_text import render_for  # noqa: E402
 from hybridinfer.serving.batch import run_job  # noqa: E402
 from hybridinfer.serving.batch.order import shared_prefix_tokens  # noqa: E402
 
@@ -64,7 +64,7 @@ def _compare_with_server(eng, tmp_path, requests, model_name=MODEL):
     summary = run_job(eng, str(job), str(tmp_path / "out.jsonl"), model_name=model_name)
     assert not summary["interrupted"] and summary["written"] == len(requests)
     got = {r["custom_id"]: r for r in read_out(tmp_path / "out.jsonl")}
-    with TestClient(create_app(eng, model_name=model_name)) as client:
+    with TestClient(create_app(eng, model_name=model_name), base_url="http://127.0.0.1") as client:
         for i, (url, body) in enumerate(requests):
             rec = got[f"r{i}"]
             want = client.post(url, json=body)
@@ -142,9 +142,12 @@ class _Canned:
     def __getattr__(self, name):
         return getattr(self._eng, name)
 
+    def chat_text(self, messages, add_generation_prompt=True, enable_thinking=None, tools=None):
+        return render_for(self._eng.tokenizer, QWEN35_TEMPLATE, messages, tools,
+                          add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking)
+
     def chat_prompt(self, messages, add_generation_prompt=True, enable_thinking=None, tools=None):
-        return render_chat(QWEN35_TEMPLATE, messages, add_generation_prompt=add_generation_prompt,
-                           enable_thinking=enable_thinking, tools=tools)
+        return self.chat_text(messages, add_generation_prompt, enable_thinking, tools).text
 
     def request_bytes(self, req):
         return 0

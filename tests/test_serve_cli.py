@@ -39,11 +39,11 @@ def test_serve_flags(captured, capsys, monkeypatch):
     args = ["serve", "--backend", "cpu", "--n-ctx", "256", "--max-seqs", "2", "--max-queue", "3",
             "--prefix-cache-ram", "0"]
     assert main(args) == 0
-    assert captured["api_key"] == "from-env" and captured["max_queue"] == 3 and captured["host"] == "127.0.0.1"
+    assert captured["api_key"] == ["from-env"] and captured["max_queue"] == 3 and captured["host"] == "127.0.0.1"
     assert captured["port"] == 8080 and captured["engine"].max_seqs == 2 and captured["engine"].n_ctx == 256
     assert "warning" not in capsys.readouterr().err
     assert main(args + ["--api-key", "flag", "--host", "0.0.0.0", "--port", "9"]) == 0
-    assert captured["api_key"] == "flag" and "warning" not in capsys.readouterr().err
+    assert captured["api_key"] == ["flag"] and "warning" not in capsys.readouterr().err
     monkeypatch.delenv("HYBRIDINFER_API_KEY")
     assert main(args + ["--host", "0.0.0.0", "--model-name", "m"]) == 0
     err = capsys.readouterr().err

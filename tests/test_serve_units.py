@@ -13,6 +13,7 @@ from pydantic import ValidationError  # noqa: E402
 from test_chat_template import QWEN35_TEMPLATE, TOOLS  # noqa: E402
 
 from hybridinfer.format.chat_template import render_chat  # noqa: E402
+from hybridinfer.format.chat_text import ChatText  # noqa: E402
 from hybridinfer.serving.serve.errors import from_validation  # noqa: E402
 from hybridinfer.serving.serve.models import ChatRequest  # noqa: E402
 from hybridinfer.serving.serve.prompt import TemplateInfo, build_chat, normalize_tool_choice  # noqa: E402
@@ -86,15 +87,18 @@ class _TextEngine:
     """What build_chat needs of an Engine: a template and a tokenizer (here one id per character)."""
 
     def __init__(self, template: str):
-        self.template = template
-        self.tokenizer = type("T", (), {"bos_id": None, "token_text": lambda self, i: ""})()
+        self.template, self.n_ctx = template, 1 << 20
+        self.tokenizer = type("T", (), {"bos_id": None, "token_text": lambda self, i: "", "max_token_bytes": 1})()
+
+    def chat_text(self, messages, add_generation_prompt=True, enable_thinking=None, tools=None):
+        return ChatText(render_chat(self.template, messages, add_generation_prompt=add_generation_prompt,
+                                    enable_thinking=enable_thinking, tools=tools))
 
     def chat_prompt(self, messages, add_generation_prompt=True, enable_thinking=None, tools=None):
-        return render_chat(self.template, messages, add_generation_prompt=add_generation_prompt,
-                           enable_thinking=enable_thinking, tools=tools)
+        return self.chat_text(messages, add_generation_prompt, enable_thinking, tools).text
 
-    def tokenize(self, text, add_bos=None):
-        return [ord(ch) for ch in text]
+    def tokenize_chat(self, chat):
+        return [ord(ch) for ch in chat.text]
 
 
 def _text(prep) -> str:

@@ -16,14 +16,19 @@ def cmd_serve(a) -> int:
     except ModuleNotFoundError as e:
         raise ParameterError(f"serve needs the server's packages ({e.name} is missing): "
                              f"pip install -e '.[serve]'") from None
-    key = a.api_key or os.environ.get("HYBRIDINFER_API_KEY") or None
-    if not key and a.host not in ("127.0.0.1", "localhost", "::1"):
+    from ..serving.serve.app import LOOPBACK_HOSTS, check_api_keys
+
+    key = a.api_key if a.api_key is not None else (os.environ.get("HYBRIDINFER_API_KEY") or None)
+    keys = list(check_api_keys(key.split(","))) if key is not None else None  # as llama-server: comma-separated
+    loopback = a.host in ("127.0.0.1", "localhost", "::1")
+    if not keys and not loopback:
         print(f"hybridinfer: warning: serving on {a.host} without an API key: anyone who can reach port {a.port} "
               f"can use the model (set --api-key or HYBRIDINFER_API_KEY)", file=sys.stderr)
     from . import _engine
 
-    app = create_app(_engine(a), api_key=key, model_name=a.model_name, max_queue=a.max_queue,
-                     max_body_bytes=a.max_body)
+    app = create_app(_engine(a), api_key=keys, model_name=a.model_name, max_queue=a.max_queue,
+                     max_body_bytes=a.max_body, report_cached_tokens=a.report_cached_tokens,
+                     allowed_hosts=LOOPBACK_HOSTS if loopback and not a.no_host_check else None)
     serve(app, a.host, a.port, a.log_level)
     return 0
 
@@ -37,10 +42,20 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=_int_at_least(0), default=8080)
     p.add_argument("--api-key", default=None,
-                   help="key clients must send (Authorization: Bearer or x-api-key; env HYBRIDINFER_API_KEY)")
+                   help="key clients must send (Authorization: Bearer or x-api-key; env HYBRIDINFER_API_KEY); "
+                        "several separated by commas, each a tenant of its own in the prefix cache")
     p.add_argument("--model-name", default=None, help="the model id clients name (default: the GGUF's file name)")
     p.add_argument("--max-queue", type=_int_at_least(0), default=64,
                    help="requests that may wait beyond --max-seqs running ones; past that, 429 (default 64)")
     p.add_argument("--max-body", type=parse_size, default=parse_size("16MiB"), help="largest request body")
+    p.add_argument("--report-cached-tokens", action="store_true",
+                   help="without API keys, still report cached_tokens (it tells a client whether another's prompt "
+                        "was cached; with keys each key has its own cache and it is always reported)")
+    p.add_argument("--special-in-content", action="store_true",
+                   help="message text may make control tokens such as <|im_start|> (llama-server's behaviour); by "
+                        "default it is tokenized as text")
+    p.add_argument("--no-host-check", action="store_true",
+                   help="a keyless server on loopback answers any Host and Origin header (default: only "
+                        "localhost, 127.0.0.1 and [::1], against DNS rebinding)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(fn=cmd_serve)

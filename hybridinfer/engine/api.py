@@ -144,6 +144,7 @@ class Engine:
                  max_seqs: int = 8, state_budget: int | None = None):
         self.gm, self.args, self.backend, self.tokenizer = gm, args, backend, tokenizer
         self.chat_template = None  # None: the GGUF's own (or ChatML where it has none)
+        self.special_in_content = False  # True: message text may make control tokens (llama-server's behaviour)
         self.max_seqs, self.state_budget = max_seqs, state_budget
         self._scheduler = None
         self.n_ctx, self.progress, self.prefill_chunk = n_ctx, progress, prefill_chunk
@@ -157,7 +158,8 @@ class Engine:
     def load(cls, path: str | None = None, backend: str = "auto", *, n_ctx: int = 4096,
              progress: bool = False, prefill_chunk: int = 512, prefix_cache=None,
              snapshot_stride: int | None = DEFAULT_SNAPSHOT_STRIDE, max_seqs: int = 8,
-             state_budget: int | None = None, chat_template: str | None = None, **options) -> Engine:
+             state_budget: int | None = None, chat_template: str | None = None, special_in_content: bool = False,
+             **options) -> Engine:
         """Open a GGUF file and make its engine. Every keyword has a default:
 
         path (default None: the embedded SmolLM2-135M-Instruct Q4_1).
@@ -176,6 +178,9 @@ class Engine:
         state_budget (default None: no limit): bytes of sequence states and K/V the scheduler holds at once.
         chat_template (default None: the GGUF's `tokenizer.chat_template`): Jinja text used instead (as
             llama-server's --chat-template-file), checked to compile now.
+        special_in_content (default False): the text of chat messages may make control tokens such as
+            `<|im_start|>` (llama-server's behaviour); by default it is tokenized as text, and only the template's
+            own markup makes them.
 
         Backend options, each left to its backend when not given:
         CPU ("cpu", and decode under "gpu" and "auto"): isa (the widest SIMD unit this CPU has: scalar, ssse3,
@@ -212,6 +217,7 @@ class Engine:
             from ..format.chat_template import check_template
 
             eng.chat_template = check_template(chat_template)
+        eng.special_in_content = bool(special_in_content)
         return eng
 
     # tokens ---------------------------------------------------------------------------------------
@@ -228,14 +234,23 @@ class Engine:
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
                     enable_thinking: bool | None = None, tools=None) -> str:
-        from ..format.chat_template import default_template, render_chat
+        return self.chat_text(messages, add_generation_prompt, enable_thinking, tools).text
 
-        tok = self._tok()
-        template = self.chat_template or self.gm.meta("tokenizer.chat_template", None) or default_template()
-        return render_chat(template, messages, add_generation_prompt=add_generation_prompt,
-                           bos_token=tok.token_text(tok.bos_id) if tok.bos_id is not None else "",
-                           eos_token=tok.token_text(tok.eos_id) if tok.eos_id is not None else "",
-                           enable_thinking=enable_thinking, tools=tools)
+    def chat_text(self, messages: list[dict], add_generation_prompt: bool = True,
+                  enable_thinking: bool | None = None, tools=None):
+        """The rendered chat as a format.chat_text.ChatText: its text, and where the messages' and tools' text
+        holds control tokens' text (tokenized as text by `tokenize_chat` unless special_in_content)."""
+        from ..format.chat_text import render_for
+
+        return render_for(self._tok(), self.chat_template or self.gm.meta("tokenizer.chat_template", None),
+                          messages, tools, guarded=not self.special_in_content,
+                          add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking)
+
+    def tokenize_chat(self, chat) -> list[int]:
+        """Token ids of a ChatText (no second BOS where the template wrote one; its spans tokenized as text)."""
+        from ..format.chat_text import encode_chat
+
+        return encode_chat(self._tok(), chat)
 
     def encode_prompt(self, prompt, enable_thinking: bool | None = None) -> list[int]:
         """A str is completed raw; a list of {role, content} messages is chat-templated; a list of ints
@@ -256,11 +271,7 @@ class Engine:
         return ids
 
     def _encode_chat(self, messages, enable_thinking, add_generation_prompt: bool = True) -> list[int]:
-        text = self.chat_prompt(list(messages), add_generation_prompt=add_generation_prompt,
-                                enable_thinking=enable_thinking)
-        tok = self._tok()
-        bos_text = tok.token_text(tok.bos_id) if tok.bos_id is not None else None
-        return self.tokenize(text, add_bos=False if bos_text and text.startswith(bos_text) else None)
+        return self.tokenize_chat(self.chat_text(list(messages), add_generation_prompt, enable_thinking))
 
     def _turn_boundary(self, prompt, ids: list[int], enable_thinking) -> tuple[int, ...] | None:
         """For a chat prompt: where the generation prompt starts (the history before it is the next turn's
@@ -317,16 +328,16 @@ class Engine:
         with self._lock:
             return self._start(ids, state, turn_boundary, shared_at)
 
-    def _start(self, ids, state, turn_boundary, shared_at=(), keep_ends: bool = True):
-        lg, stats, todo = self._restore(ids, state, turn_boundary, shared_at, keep_ends)
+    def _start(self, ids, state, turn_boundary, shared_at=(), keep_ends: bool = True, salt: str | None = None):
+        lg, stats, todo = self._restore(ids, state, turn_boundary, shared_at, keep_ends, salt)
         if todo is not None:
             lg = self._prefill(*todo)[-1]
         return lg, stats
 
     def _start_many(self, items) -> list[tuple[np.ndarray, dict]]:
-        """`_start` for several (ids, state, turn_boundary, shared_at[, keep_ends]): each restores its cached prefix,
-        then a single-pass backend prefills all of the rest in one pass (each layer's weights streamed once for
-        all)."""
+        """`_start` for several (ids, state, turn_boundary, shared_at[, keep_ends[, salt]]): each restores its
+        cached prefix, then a single-pass backend prefills all of the rest in one pass (each layer's weights
+        streamed once for all)."""
         if not self.backend.single_pass or len(items) < 2:
             return [self._start(*it) for it in items]
         out, todo = [], []
@@ -343,10 +354,11 @@ class Engine:
                 out[j] = (lg[-1], out[j][1])
         return out
 
-    def _restore(self, ids, state, turn_boundary, shared_at, keep_ends: bool = True):
+    def _restore(self, ids, state, turn_boundary, shared_at, keep_ends: bool = True, salt: str | None = None):
         """The longest cached prefix of `ids` restored into `state` (with a prefix cache), its stats, and what is
         left to prefill as _prefill's arguments (None when nothing is), with the snapshot positions on the way
-        (keep_ends False: none at the turn boundary or the prompt's end, only where prompts share a prefix)."""
+        (keep_ends False: none at the turn boundary or the prompt's end, only where prompts share a prefix).
+        salt: the tenant whose snapshots it may restore and makes (PrefixCache.lookup)."""
         t0 = time.perf_counter()
         stats = {"prompt_tokens": len(ids), "reused_tokens": 0, "restore_s": 0.0}
         cache = self.prefix_cache
@@ -354,9 +366,9 @@ class Engine:
             stats["prefilled_tokens"] = len(ids)
             return None, stats, (ids, state, False, (), None)
         state.check_room(len(ids))
-        hit = cache.lookup(ids, max_pos=len(ids))
+        hit = cache.lookup(ids, max_pos=len(ids), salt=salt)
         if hit is not None and hit.pos == len(ids) and not hit.has_logits:
-            hit = cache.lookup(ids, max_pos=len(ids) - 1)
+            hit = cache.lookup(ids, max_pos=len(ids) - 1, salt=salt)
         lg = None
         if hit is not None:
             lg = cache.restore(hit, state)
@@ -371,12 +383,12 @@ class Engine:
         if turn_boundary is not None and keep_ends:
             at.update(p for p in boundary_points(turn_boundary) if state.pos < p < n)
         at.update(p for p in shared_at if state.pos < p < n)  # where prompts queued beside it part ways
-        shared = cache.known_prefix(ids)  # where this prompt leaves a cached one: the next may share it too
+        shared = cache.known_prefix(ids, salt)  # where this prompt leaves a cached one: the next may share it too
         if state.pos < shared < n:
             at.add(shared)
         if keep_ends:
             at.add(n)
-        save = lambda st, last: cache.save(st, last if st.pos == n else None, defer_disk=True)  # noqa: E731
+        save = lambda st, last: cache.save(st, last if st.pos == n else None, True, salt)  # noqa: E731
         return lg, stats, (ids[state.pos :], state, False, sorted(at), save)
 
     def logits(self, ids) -> np.ndarray:

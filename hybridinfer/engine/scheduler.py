@@ -72,6 +72,7 @@ class Request:
     # with a prefix cache: snapshots at the end of the prompt and of the reply (for a next turn); a batch job's
     # requests have no next turn, so it turns them off (the shared prefixes are still saved)
     keep_ends: bool = True
+    cache_salt: str | None = None  # the tenant (an API key's hash) whose prefix-cache snapshots it uses and makes
 
 
 class TokenSampler:
@@ -265,7 +266,7 @@ class Scheduler:
         with eng._lock:
             new = self._admit()
             with self._cv:
-                queued = [h.request.ids for h in self._waiting]
+                queued = [(h.request.ids, h.request.cache_salt) for h in self._waiting]
             started = self._start(new, queued)
             self.peak_running = max(self.peak_running, len(self._running) + len(started))
             go = []
@@ -319,7 +320,7 @@ class Scheduler:
                 out.append(_Seq(h, reserved=need))
         return out
 
-    def _start(self, new: list[_Seq], queued: list[list[int]]) -> list[tuple[_Seq, bool]]:
+    def _start(self, new: list[_Seq], queued: list[tuple[list[int], str | None]]) -> list[tuple[_Seq, bool]]:
         """Prefill the newly admitted sequences and sample each one's first token; returns (sequence, goes on).
         A single-pass backend (the GPU) takes them in one pass; otherwise each is prefilled in turn and its first
         token goes out at once, so the time to first token of one admitted beside others is its own prefill and
@@ -328,11 +329,12 @@ class Scheduler:
         items = []
         for j, s in enumerate(new):
             req = s.handle.request
-            later = [t.handle.request.ids for t in new[j + 1 :]] + queued
+            later = [t.handle.request.ids for t in new[j + 1 :] if t.handle.request.cache_salt == req.cache_salt]
+            later += [ids for ids, salt in queued if salt == req.cache_salt]
             s.t0 = time.perf_counter()
             s.state = eng.new_state()
             items.append((req.ids, s.state, req.turn_boundary,
-                          shared_points(req.ids, later) if eng.prefix_cache else (), req.keep_ends))
+                          shared_points(req.ids, later) if eng.prefix_cache else (), req.keep_ends, req.cache_salt))
         if eng.backend.single_pass and len(items) > 1:
             try:
                 got = eng._start_many(items)
@@ -383,7 +385,8 @@ class Scheduler:
             eng = self.engine
             if (eng.prefix_cache is not None and s.state is not None and s.handle.request.keep_ends
                     and s.state.pos > len(s.handle.request.ids)):
-                eng.prefix_cache.save(s.state, s.logits, defer_disk=True)  # the next turn starts from the reply
+                # the next turn starts from the reply
+                eng.prefix_cache.save(s.state, s.logits, defer_disk=True, salt=s.handle.request.cache_salt)
             t2 = time.perf_counter()
             n = max(len(g.tokens), 1)
             g.timings = {**s.stats, "prefill_s": s.t1 - s.t0, "decode_s": t2 - s.t1,

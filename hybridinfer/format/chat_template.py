@@ -373,24 +373,26 @@ def render_chat(
 
     if not isinstance(template, str) or not template:
         raise TemplateError("the chat template is empty")
-    chat = []
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping):
             raise TemplateError(f"message {i} is a {type(m).__name__}, not a dict with 'role' and 'content'")
-        chat.append(_alias_reasoning(_plain(m)))
-    variables: dict[str, Any] = {
-        "messages": chat,
-        "tools": _plain(list(tools)) if tools is not None else None,
-        "documents": _plain(list(documents)) if documents is not None else None,
-        "add_generation_prompt": bool(add_generation_prompt),
-        "bos_token": bos_token,
-        "eos_token": eos_token,
-    }
-    if enable_thinking is not None:
-        variables["enable_thinking"] = bool(enable_thinking)
-    variables.update(_plain(extra))
-    if max_output_chars is None:
-        max_output_chars = BASE_OUTPUT_CHARS + OUTPUT_PER_INPUT_CHAR * _input_chars(variables)
+    try:
+        chat = [_alias_reasoning(_plain(m)) for m in messages]
+        variables: dict[str, Any] = {
+            "messages": chat,
+            "tools": _plain(list(tools)) if tools is not None else None,
+            "documents": _plain(list(documents)) if documents is not None else None,
+            "add_generation_prompt": bool(add_generation_prompt),
+            "bos_token": bos_token,
+            "eos_token": eos_token,
+        }
+        if enable_thinking is not None:
+            variables["enable_thinking"] = bool(enable_thinking)
+        variables.update(_plain(extra))
+        if max_output_chars is None:
+            max_output_chars = BASE_OUTPUT_CHARS + OUTPUT_PER_INPUT_CHAR * _input_chars(variables)
+    except RecursionError:  # values nested deeper than the interpreter's stack (a hostile request)
+        raise TemplateError("the chat template's inputs are nested too deeply") from None
     compiled = _compile(template)
     budget = _Budget(float(time_limit_s), int(max_output_chars))
     token = _BUDGET.set(budget)

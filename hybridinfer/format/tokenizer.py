@@ -25,6 +25,7 @@ The rules as data (the regex lists, token types, special-token texts, the byte t
 
 from __future__ import annotations
 
+import bisect
 import codecs
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
@@ -168,6 +169,7 @@ class Tokenizer:
         )
         self._hf = hf
         self._pieces: list[bytes] | None = None
+        self._max_token_bytes: int | None = None
 
     # ------------------------------------------------------------------ construction helpers
 
@@ -280,34 +282,62 @@ class Tokenizer:
 
     # ------------------------------------------------------------------ encoding
 
-    def _partition(self, text: str, parse_special: bool) -> list[str | int]:
-        """Cut special tokens out of `text` (llama.cpp `tokenizer_st_partition`)."""
-        frags: list[str | int] = [text]
+    @property
+    def control_texts(self) -> tuple[str, ...]:
+        """Texts of the tokens that only `parse_special` makes (CONTROL and UNKNOWN, e.g. `<|im_start|>`), longest
+        first: what caller text must not be allowed to turn into."""
+        return tuple(t for t, i in self._special_all if self._attrs[i] & (ATTR_CONTROL | ATTR_UNKNOWN))
+
+    @property
+    def max_token_bytes(self) -> int:
+        """Bytes of the longest token: a text of n bytes is at least n / max_token_bytes tokens."""
+        if self._max_token_bytes is None:
+            if self._pieces is None:
+                self._pieces = self._build_pieces()
+            self._max_token_bytes = max(1, max(len(p) for p in self._pieces))
+        return self._max_token_bytes
+
+    def _partition(self, text: str, parse_special: bool, text_spans: Sequence[tuple[int, int]] = ()) -> list:
+        """Cut special tokens out of `text` (llama.cpp `tokenizer_st_partition`): a list of ids and (offset, text)
+        fragments. A CONTROL/UNKNOWN token text overlapping one of `text_spans` ([start, end) offsets) stays text,
+        as without parse_special."""
+        frags: list = [(0, text)]
+        spans = sorted(text_spans)
+        starts = [a for a, _ in spans]
         for stext, sid in self._special_all if parse_special else self._special_user:
             if stext not in text:
                 continue
-            out: list[str | int] = []
+            guard = bool(spans) and bool(self._attrs[sid] & (ATTR_CONTROL | ATTR_UNKNOWN))
+            out: list = []
             for f in frags:
-                if isinstance(f, int) or stext not in f:
+                if isinstance(f, int) or stext not in f[1]:
                     out.append(f)
                     continue
-                start = 0
-                while (j := f.find(stext, start)) >= 0:
+                off, s = f
+                start = pos = 0
+                while (j := s.find(stext, pos)) >= 0:
+                    if guard and _overlaps(spans, starts, off + j, off + j + len(stext)):
+                        pos = j + 1
+                        continue
                     if j > start:
-                        out.append(f[start:j])
+                        out.append((off + start, s[start:j]))
                     out.append(sid)
-                    start = j + len(stext)
-                if start < len(f):
-                    out.append(f[start:])
+                    start = pos = j + len(stext)
+                if start < len(s):
+                    out.append((off + start, s[start:]))
             frags = out
         return frags
 
     def encode(
-        self, text: str, add_bos: bool | None = None, parse_special: bool = True, add_eos: bool | None = None
+        self, text: str, add_bos: bool | None = None, parse_special: bool = True, add_eos: bool | None = None,
+        text_spans: Sequence[tuple[int, int]] = (),
     ) -> list[int]:
         """Token ids of `text`. `add_bos`/`add_eos` None follow the GGUF (`tokenizer.ggml.add_bos_token`...).
 
-        With `parse_special`, CONTROL/USER_DEFINED token texts in `text` become those tokens (never split).
+        With `parse_special`, CONTROL/USER_DEFINED token texts in `text` become those tokens (never split), except
+        CONTROL ones overlapping a `text_spans` range ([start, end) character offsets): caller text inside a chat
+        template's markup, which is tokenized as text. The rest of the text is tokenized as one, so spans change
+        nothing where they hold no control token's text.
         """
         out: list[int] = []
         if self.add_bos if add_bos is None else add_bos:
@@ -316,11 +346,11 @@ class Tokenizer:
             out.append(self.bos_id)
         if text:
             hf = self._hf
-            for frag in self._partition(text, parse_special):
+            for frag in self._partition(text, parse_special, text_spans):
                 if isinstance(frag, int):
                     out.append(frag)
                 else:
-                    out.extend(hf.encode(frag, add_special_tokens=False).ids)
+                    out.extend(hf.encode(frag[1], add_special_tokens=False).ids)
         if self.add_eos if add_eos is None else add_eos:
             if self.eos_id is None:
                 raise TokenizerError("add_eos requested but the vocabulary has no EOS token")
@@ -372,6 +402,12 @@ class Tokenizer:
 
     def stream_decoder(self, skip_special: bool = False) -> StreamDecoder:
         return StreamDecoder(self, skip_special)
+
+
+def _overlaps(spans: list[tuple[int, int]], starts: list[int], a: int, b: int) -> bool:
+    """Whether [a, b) overlaps one of the sorted, disjoint `spans` (`starts`: their starts)."""
+    i = bisect.bisect_right(starts, b - 1) - 1  # the last span starting before b
+    return i >= 0 and spans[i][1] > a
 
 
 class StreamDecoder:

@@ -134,15 +134,22 @@ class PrefixCache:
             if not self.ram.fits(s.nbytes, s.parent) or not self.ram.put(s.in_ram()):
                 return
 
-    def lookup(self, tokens: Sequence[int] | np.ndarray, max_pos: int | None = None) -> Hit | None:
+    def _root(self, salt: str | None) -> bytes:
+        """The key of the empty prefix of one tenant: snapshots saved under a salt are found only with it."""
+        return self.root if salt is None else root_key(f"{self.fingerprint}|tenant:{salt}", self.layer_types,
+                                                       self.block_size)
+
+    def lookup(self, tokens: Sequence[int] | np.ndarray, max_pos: int | None = None,
+               salt: str | None = None) -> Hit | None:
         """The cached snapshot with the largest pos <= max_pos (default len(tokens)) whose tokens are
-        tokens[:pos], or None (pos 0 is never a hit). Touches the snapshot and its ancestors."""
+        tokens[:pos], or None (pos 0 is never a hit). Touches the snapshot and its ancestors. salt: a tenant's
+        name (e.g. a hash of an API key): only snapshots saved with the same salt are found."""
         t = as_tokens(tokens)
         mp = len(t) if max_pos is None else min(int(max_pos), len(t))
         with self._lock:
             if mp >= 1:
                 indexes = self._indexes()
-                for e in walk(indexes, KeyChain(self.root, t, self.block_size), mp):
+                for e in walk(indexes, KeyChain(self._root(salt), t, self.block_size), mp):
                     chain = self._resolve(e.key)
                     if chain is None or not self._tokens_match(chain, t):
                         continue
@@ -156,12 +163,12 @@ class PrefixCache:
             self._counters["misses"] += 1
             return None
 
-    def known_prefix(self, tokens: Sequence[int] | np.ndarray) -> int:
+    def known_prefix(self, tokens: Sequence[int] | np.ndarray, salt: str | None = None) -> int:
         """Length (a multiple of block_size) of the longest prefix of `tokens` that a cached snapshot's tokens
         also start with. Where a new prompt leaves such a prefix, another prompt shared it: a snapshot there
         serves the next prompt that shares it too (a system prompt followed by varied questions)."""
         t = as_tokens(tokens)
-        kc = KeyChain(self.root, t, self.block_size)
+        kc = KeyChain(self._root(salt), t, self.block_size)
         with self._lock:
             return known_blocks(self._indexes(), kc, len(t)) * self.block_size
 
@@ -187,17 +194,18 @@ class PrefixCache:
         return None if lg is None else np.array(lg)
 
     # save ------------------------------------------------------------------------------------------------
-    def save(self, state, logits: np.ndarray | None = None, defer_disk: bool = False) -> str | None:
+    def save(self, state, logits: np.ndarray | None = None, defer_disk: bool = False,
+             salt: str | None = None) -> str | None:
         """Snapshot `state` at state.pos (its data is copied) with the logits of its last token (optional);
         returns the key (hex), or None at pos 0. Already cached: only touched (and given the logits if it had
         none). defer_disk: when the snapshot is in RAM, its disk copy is written by the next flush() (so a
-        prompt's time to first token does not include file writes and fsyncs)."""
+        prompt's time to first token does not include file writes and fsyncs). salt: as lookup's."""
         self._check_layout(state)
         p = int(state.pos)
         if p <= 0:
             return None
         t0 = time.perf_counter()
-        kc = KeyChain(self.root, as_tokens(state.tokens[:p]), self.block_size)
+        kc = KeyChain(self._root(salt), as_tokens(state.tokens[:p]), self.block_size)
         with self._lock:
             bkey, tail, key = kc.locate(p)
             created = False

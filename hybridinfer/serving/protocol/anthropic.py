@@ -8,7 +8,7 @@ import uuid
 from .context import Context, matched_stop, sampling_args, usage_counts
 from .errors import bad_param
 from .models import ACountTokens, AMessagesRequest
-from .prompt import build_chat
+from .prompt import args_mapping, build_chat
 from .toolcalls import OutputParser
 
 
@@ -46,7 +46,7 @@ def messages_of(body: ACountTokens) -> list[dict]:
                 if not b.name:
                     raise bad_param(f"{where}.name", "a tool_use block needs the tool's name")
                 calls.append({"id": b.id or f"toolu_{i}_{j}", "type": "function",
-                              "function": {"name": b.name, "arguments": b.input or {}}})
+                              "function": {"name": b.name, "arguments": args_mapping(b.input or {}, f"{where}.input")}})
             elif b.type == "tool_result" and m.role == "user":
                 content = _text_blocks(b.content, f"{where}.content")
                 results.append({"role": "tool", "tool_call_id": b.tool_use_id,

@@ -4,12 +4,13 @@ batch runner alike: the engine, the model name clients must give, what the chat 
 from __future__ import annotations
 
 import os
+import re
 
 from pydantic import BaseModel, ValidationError
 
 from ...errors import HybridInferError
 from .errors import ApiError, from_engine, from_validation
-from .prompt import TemplateInfo
+from .prompt import TemplateInfo, check_text_fits
 
 
 def default_model_name(engine) -> str:
@@ -31,6 +32,8 @@ class Context:
     def make_request(self, prompt, max_tokens: int | None, sampling: dict, stop, turn_boundary=None):
         """A checked Request (prompt: text or token ids). max_tokens None: the rest of the context."""
         eng = self.engine
+        if isinstance(prompt, str):
+            check_text_fits(eng, len(prompt), "prompt")
         try:
             if max_tokens is None:
                 n = len(prompt) if isinstance(prompt, list) else len(eng.tokenize(prompt))
@@ -60,10 +63,40 @@ class Context:
         return req
 
 
-def validate(model: type[BaseModel], obj) -> BaseModel:
-    """A decoded JSON body as `model`, or the 400 naming what is wrong with it."""
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def lone_surrogate(obj) -> str | None:
+    """Where in a decoded JSON value a string holds a lone surrogate (JSON's `"\\ud800"` decodes to one; it is
+    no Unicode text and no tokenizer or encoder takes it), as a field path; None when nowhere. Walked without
+    recursion (a body nests as deep as its parser allows)."""
+    todo = [("", obj)]
+    while todo:
+        path, v = todo.pop()
+        if isinstance(v, str):
+            if _SURROGATE.search(v):
+                return path or "the body"
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                if _SURROGATE.search(k):
+                    return f"{path}.{k!a}" if path else repr(k)
+                todo.append((f"{path}.{k}" if path else k, x))
+        elif isinstance(v, list):
+            todo.extend((f"{path}[{i}]", x) for i, x in enumerate(v))
+    return None
+
+
+def validate(model: type[BaseModel], obj, raw: bytes | None = None) -> BaseModel:
+    """A decoded JSON body as `model`, or the 400 naming what is wrong with it. raw: the body's bytes, if known
+    (lone surrogates can only come from `\\uD8xx`-style escapes in it; without them it is not searched)."""
     if not isinstance(obj, dict):
         raise ApiError(400, f"the body must be a JSON object, not {type(obj).__name__}", code="invalid_request")
+    if raw is None or _SURROGATE_ESCAPE.search(raw):
+        where = lone_surrogate(obj)
+        if where is not None:
+            raise ApiError(400, f"{where}: holds a lone UTF-16 surrogate (an escape such as \\ud800 without its "
+                                f"pair), which is not Unicode text", param=where, code="invalid_value")
     try:
         return model.model_validate(obj)
     except ValidationError as e:

@@ -43,6 +43,7 @@ def unsupported(param: str, value) -> ApiError:
 
 # pydantic marks which member of a union it tried with the member's type name; a client knows only field names
 _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "json-or-python"}
+_TAG_PREFIXES = ("function-", "literal", "constrained-")
 
 
 def _loc_name(loc) -> str:
@@ -50,7 +51,7 @@ def _loc_name(loc) -> str:
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part in _TYPE_TAGS or "[" in part or part[:1].isupper() or part.startswith(("function-", "literal")):
+        elif part in _TYPE_TAGS or "[" in part or part[:1].isupper() or part.startswith(_TAG_PREFIXES):
             continue
         else:
             out += f".{part}" if out else part
@@ -59,12 +60,12 @@ def _loc_name(loc) -> str:
 
 def from_validation(e: ValidationError) -> ApiError:
     """The most specific error of a failed validation (the deepest location: inside a union, the member that got
-    furthest), as a 400 naming the field."""
+    furthest, and of those one whose value was of the right type but out of range), as a 400 naming the field."""
     errs = e.errors(include_url=False)
     if any(x["type"] == "json_invalid" for x in errs):
         err = next(x for x in errs if x["type"] == "json_invalid")
         return ApiError(400, f"the body is not valid JSON: {err['msg']}", code="invalid_json")
-    err = max(errs, key=lambda x: len(x["loc"]))
+    err = max(errs, key=lambda x: (len(x["loc"]), not x["type"].endswith("_type")))
     name = _loc_name(err["loc"])
     if not name:
         return ApiError(400, f"the body must be a JSON object: {err['msg']}", code="invalid_request")

@@ -6,13 +6,29 @@ rather than guessed at. Unknown fields are allowed, since clients send fields th
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+# the lists a body may hold: an agent's longest history fits; 470k one-word messages (seconds of rendering) do not
+MAX_MESSAGES = 8192
+MAX_TOOLS = 1024
+MAX_STOPS = 16  # as llama-server's default cap on stop strings (OpenAI allows 4)
+
+
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]  # larger ones overflow the engine's C types
+Stops = Annotated[list[str], Field(max_length=MAX_STOPS)]
+
+
+def _count(n: int | None = None, lo: int = 0):
+    """An optional whole number from `lo` up to int64's largest."""
+    return Field(n, ge=lo, le=INT64_MAX)
+
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+    # finite numbers only: JSON's NaN / Infinity extensions (which Python's json reads) and 1e999 are refused
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
 
 # OpenAI -----------------------------------------------------------------------------------------------------------
@@ -59,38 +75,38 @@ class StreamOptions(_Body):
 
 class _Sampling(_Body):
     model: str
-    max_tokens: int | None = Field(None, ge=0)
+    max_tokens: int | None = _count()
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=0)
+    top_k: int | None = _count()
     min_p: float | None = Field(None, ge=0, lt=1)
-    seed: int | None = None
+    seed: Int64 | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repeat_penalty: float | None = Field(None, gt=0)  # llama.cpp's name, for its clients
-    stop: str | list[str] | None = None
+    stop: str | Stops | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int | None = Field(None, ge=1)
-    logprobs: bool | int | None = None
+    n: int | None = _count(None, 1)
+    logprobs: bool | Int64 | None = None
     response_format: dict[str, Any] | None = None
 
 
 class ChatRequest(_Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=0)
-    tools: list[ToolDef] | None = None
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_completion_tokens: int | None = _count()
+    tools: list[ToolDef] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    top_logprobs: int | None = None
+    top_logprobs: Int64 | None = None
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[Int64] | list[list[Int64]]
     echo: bool | None = None
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: Int64 | None = None
 
 
 # Anthropic --------------------------------------------------------------------------------------------------------
@@ -127,22 +143,22 @@ class AToolChoice(_Body):
 
 class AThinking(_Body):
     type: Literal["enabled", "disabled", "adaptive"]
-    budget_tokens: int | None = None
+    budget_tokens: int | None = _count()  # negative budgets are refused; the model's template has no use for it
 
 
 class ACountTokens(_Body):
     model: str
-    messages: list[AMessage] = Field(min_length=1)
+    messages: list[AMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     system: str | list[ABlock] | None = None
-    tools: list[ATool] | None = None
+    tools: list[ATool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: AToolChoice | None = None
     thinking: AThinking | None = None
 
 
 class AMessagesRequest(ACountTokens):
-    max_tokens: int = Field(ge=1)
-    stop_sequences: list[str] | None = None
+    max_tokens: int = Field(ge=1, le=INT64_MAX)
+    stop_sequences: Stops | None = None
     stream: bool = False
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=0)
+    top_k: int | None = _count()

@@ -37,8 +37,8 @@ def chat_messages(body: ChatRequest) -> list[dict]:
         if m.role == "assistant":
             if m.tool_calls:
                 d["tool_calls"] = [{"id": c.id or f"call_{i}_{j}", "type": "function",
-                                    "function": {"name": c.function.name,
-                                                 "arguments": args_mapping(c.function.arguments)}}
+                                    "function": {"name": c.function.name, "arguments": args_mapping(
+                                        c.function.arguments, f"messages[{i}].tool_calls[{j}].function.arguments")}}
                                    for j, c in enumerate(m.tool_calls)]
             if m.reasoning_content:
                 d["reasoning_content"] = m.reasoning_content

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from ...engine.api import chat_boundaries
 from .errors import ApiError, bad_param
+from .toolcalls import MAX_JSON_DEPTH, TooDeep, loads_bounded, value_depth
 
 _PROBE = "hybridinfer_probe_fn"
 
@@ -49,14 +50,20 @@ def tool_schemas(tools: list[dict]) -> dict[str, dict]:
     return {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools}
 
 
-def args_mapping(args):
-    """Templates index tool-call arguments as a mapping; OpenAI sends them as a JSON string."""
+def args_mapping(args, param: str = "arguments"):
+    """Templates index tool-call arguments as a mapping; OpenAI sends them as a JSON string (kept as the string
+    when it is not a JSON object; a 400 naming `param` when it nests deeper than MAX_JSON_DEPTH, past any tool's
+    arguments and towards the interpreter's stack in the template)."""
     if isinstance(args, str):
         try:
-            v = json.loads(args) if args.strip() else {}
+            v = loads_bounded(args) if args.strip() else {}
+        except TooDeep as e:
+            raise bad_param(param, str(e)) from None
         except ValueError:
             return args
         return v if isinstance(v, dict) else args
+    if value_depth(args) > MAX_JSON_DEPTH:
+        raise bad_param(param, f"nested deeper than {MAX_JSON_DEPTH} levels")
     return args
 
 
@@ -130,41 +137,48 @@ def normalize_tool_choice(choice, tools, param: str = "tool_choice"):
                            f"...}}}}, got {choice!r}")
 
 
+def check_text_fits(engine, n_chars: int, param: str) -> None:
+    """A 400 for text that cannot fit the context whatever it says (no token holds more than the vocabulary's
+    longest token's bytes, nor a character less than one byte), before any time goes into rendering and
+    tokenizing it."""
+    tok = engine.tokenizer
+    cap = engine.n_ctx * (tok.max_token_bytes if tok is not None else 1)
+    if n_chars > cap:
+        raise ApiError(400, f"{param}: {n_chars} characters cannot fit the context of n_ctx={engine.n_ctx} tokens "
+                            f"(at most {cap} characters)", param=param, code="context_length_exceeded")
+
+
 def build_chat(engine, info: TemplateInfo, messages: list[dict], tools: list[dict] | None, choice,
                enable_thinking: bool | None, structured: bool = False) -> Prepared:
     """Render and tokenize a chat. `choice`: None (tools not offered), "auto", "required" or {"name": ...}.
     structured: the answer is held to a grammar from its first token, so an open reasoning block is closed
     (the grammar's JSON would land inside it) and no tool calls are looked for."""
+    check_text_fits(engine, sum(len(c) for m in messages if isinstance(c := m.get("content"), str)), "messages")
     use_tools = tools if choice is not None and tools else None
     if info.native_tools:
         msgs, tmpl_tools = messages, use_tools
     else:
-        msgs, tmpl_tools = _hermes_messages(messages, use_tools), None
-    text = engine.chat_prompt(msgs, enable_thinking=enable_thinking, tools=tmpl_tools)
-    in_reasoning = text.endswith(("<think>\n", "<think>"))
+        try:
+            msgs, tmpl_tools = _hermes_messages(messages, use_tools), None
+        except RecursionError:  # tool-call arguments nested deeper than the interpreter's stack
+            raise bad_param("messages", "tool-call arguments are nested too deeply") from None
+    if engine.tokenizer is None:
+        raise ApiError(400, "this model has no vocabulary: send token ids to /v1/completions", param="messages")
+    chat = engine.chat_text(msgs, enable_thinking=enable_thinking, tools=tmpl_tools)
+    in_reasoning = chat.text.endswith(("<think>\n", "<think>"))
     prefix = ""
     if use_tools and choice != "auto":
         prefix = forced_prefix(choice if choice == "required" else choice["name"], use_tools, info)
         if in_reasoning:  # a forced call skips the reasoning: close the block as the no-think prompt does
-            text += "\n</think>\n\n"
+            chat = chat.plus("\n</think>\n\n")
             in_reasoning = False
-        text += prefix
+        chat = chat.plus(text=prefix)  # it names a tool of the request: text, as the tools are
     elif structured and in_reasoning:
-        text += "\n</think>\n\n"
+        chat = chat.plus("\n</think>\n\n")
         in_reasoning = False
-    ids = _encode(engine, text)
-    hist = lambda ms: _encode(engine, engine.chat_prompt(  # noqa: E731
+    ids = engine.tokenize_chat(chat)
+    hist = lambda ms: engine.tokenize_chat(engine.chat_text(  # noqa: E731
         ms, add_generation_prompt=False, enable_thinking=enable_thinking, tools=tmpl_tools))
     boundary = chat_boundaries(msgs, ids, hist) or None
     return Prepared(ids, boundary, in_reasoning, prefix, bool(use_tools) and not structured,
                     tool_schemas(use_tools) if use_tools else {})
-
-
-def _encode(engine, text: str) -> list[int]:
-    """Tokenize a rendered chat as Engine does, so a request's ids equal those of Engine.generate(messages):
-    no second BOS where the template wrote one."""
-    tok = engine.tokenizer
-    if tok is None:
-        raise ApiError(400, "this model has no vocabulary: send token ids to /v1/completions", param="messages")
-    bos = tok.token_text(tok.bos_id) if tok.bos_id is not None else None
-    return engine.tokenize(text, add_bos=False if bos and text.startswith(bos) else None)

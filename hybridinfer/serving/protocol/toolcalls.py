@@ -19,6 +19,52 @@ _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|\Z)", re.S)
 _PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?(?:</parameter>|(?=<parameter=)|\Z)", re.S)
 
 
+MAX_JSON_DEPTH = 64  # nesting of tool-call arguments: far past any real tool's, far below the interpreter's stack
+_JSON_TOKENS = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]')
+
+
+def json_depth(text: str, limit: int = MAX_JSON_DEPTH) -> int:
+    """How deep the arrays and objects of JSON `text` nest, counted without recursion; counting stops past `limit`
+    (so the cost of a hostile `[[[[...` is its length, not the parser's stack)."""
+    depth = deepest = 0
+    for m in _JSON_TOKENS.finditer(text):
+        c = m.group()
+        if c in "[{":
+            depth += 1
+            if depth > deepest:
+                deepest = depth
+                if deepest > limit:
+                    break
+        elif c in "]}":
+            depth -= 1
+    return deepest
+
+
+def value_depth(value, limit: int = MAX_JSON_DEPTH) -> int:
+    """json_depth of a decoded value (dicts and lists), walked without recursion; stops past `limit`."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        v, d = todo.pop()
+        if isinstance(v, dict | list):
+            if d > deepest:
+                deepest = d
+                if deepest > limit:
+                    break
+            todo.extend((x, d + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return deepest
+
+
+class TooDeep(ValueError):
+    pass
+
+
+def loads_bounded(text: str, limit: int = MAX_JSON_DEPTH):
+    """json.loads of `text`, refused (TooDeep, a ValueError) when it nests deeper than `limit`."""
+    if json_depth(text, limit) > limit:
+        raise TooDeep(f"nested deeper than {limit} levels")
+    return json.loads(text)
+
+
 @dataclass
 class ToolCall:
     name: str
@@ -28,7 +74,7 @@ class ToolCall:
     def input(self) -> dict:
         """The arguments as a dict (Anthropic's `input`)."""
         try:
-            v = json.loads(self.arguments)
+            v = loads_bounded(self.arguments)
         except ValueError:
             return {}
         return v if isinstance(v, dict) else {}
@@ -48,7 +94,7 @@ def _xml_value(raw: str, schema: dict | None):
     if isinstance(schema, dict) and schema.get("type") == "string":
         return raw
     try:
-        return json.loads(raw)
+        return loads_bounded(raw)
     except ValueError:
         return raw
 
@@ -58,7 +104,7 @@ def parse_tool_call(body: str, schemas: dict[str, dict] | None = None) -> list[T
     body = body.strip()
     if body.startswith("{"):
         try:
-            obj = json.loads(body)
+            obj = loads_bounded(body)
         except ValueError:
             return None
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
@@ -66,7 +112,7 @@ def parse_tool_call(body: str, schemas: dict[str, dict] | None = None) -> list[T
         args = obj.get("arguments", obj.get("parameters", {}))
         if isinstance(args, str):  # some models write the arguments as a JSON string already
             try:
-                args = json.loads(args)
+                args = loads_bounded(args)
             except ValueError:
                 return None
         if not isinstance(args, dict):

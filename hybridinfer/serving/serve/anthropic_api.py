@@ -3,7 +3,6 @@ assembled by hybridinfer.serving.protocol.anthropic; the stream is HTTP's own)."
 
 from __future__ import annotations
 
-import anyio
 from fastapi import APIRouter, Request
 
 from ...errors import HybridInferError
@@ -11,7 +10,7 @@ from ..protocol.anthropic import MessagesCall, messages_of, stop_of, thinking_of
 from ..protocol.errors import ApiError, from_engine
 from ..protocol.models import ACountTokens, AMessagesRequest
 from ..protocol.prompt import build_chat
-from .httpio import dumps, parse_body, sse
+from .httpio import dumps, sse
 from .service import Service, collect
 
 
@@ -23,27 +22,24 @@ def _stop(job, calls: int) -> tuple[str, str | None]:
     return stop_of(job.service.engine, job.request, job.generation, calls)
 
 
-def router(svc: Service, max_body: int) -> APIRouter:
+def router(svc: Service) -> APIRouter:
     r = APIRouter()
+
+    def count(body: ACountTokens) -> int:
+        svc.check_model(body.model)
+        msgs, (tools, choice, _) = messages_of(body), tools_of(body)
+        try:
+            return len(build_chat(svc.engine, svc.info, msgs, tools, choice, thinking_of(body)).ids)
+        except HybridInferError as e:
+            raise from_engine(e) from None
 
     @r.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request):
-        body = await parse_body(request, ACountTokens, max_body)
-        svc.check_model(body.model)
-        msgs, (tools, choice, _) = messages_of(body), tools_of(body)
-
-        def count():
-            try:
-                return len(build_chat(svc.engine, svc.info, msgs, tools, choice, thinking_of(body)).ids)
-            except HybridInferError as e:
-                raise from_engine(e) from None
-
-        return {"input_tokens": await anyio.to_thread.run_sync(count)}
+        return {"input_tokens": await svc.bounded(request, ACountTokens, count)}
 
     @r.post("/v1/messages")
     async def messages(request: Request):
-        call = MessagesCall(svc, await parse_body(request, AMessagesRequest, max_body))
-        job = await svc.submit(call.build)
+        call, job = await svc.start(request, AMessagesRequest, MessagesCall)
         parser, first = call.parser()
         head = call.head()
         if call.body.stream:

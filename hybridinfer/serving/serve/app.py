@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import hmac
+from urllib.parse import urlsplit
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -10,23 +12,66 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ...errors import HybridInferError
+from ...errors import HybridInferError, ParameterError
 from ..protocol.context import default_model_name
 from . import anthropic_api, openai_api
 from .errors import ApiError, from_engine
 from .metrics import Metrics
-from .service import Service
+from .service import DEFAULT_RENDER_THREADS, Service
 
 DEFAULT_MAX_QUEUE = 64
 DEFAULT_MAX_BODY = 16 << 20  # bytes: long agent histories fit; a runaway upload does not
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 
 _ROUTES = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/messages", "/v1/messages/count_tokens",
            "/health", "/metrics"}
 
 
 def _error_response(request, e: ApiError) -> JSONResponse:
-    body = e.anthropic_body() if request.url.path.startswith("/v1/messages") else e.openai_body()
+    return _error_at(request.url.path, e)
+
+
+def _error_at(path: str, e: ApiError) -> JSONResponse:
+    body = e.anthropic_body() if path.startswith("/v1/messages") else e.openai_body()
     return JSONResponse(body, status_code=e.status, headers=e.headers)
+
+
+def _host_of(value: str) -> str:
+    """The host name of a Host header ("127.0.0.1:8080", "[::1]:80", "localhost"), lower case."""
+    v = value.strip().lower()
+    if v.startswith("["):
+        return v[1 : v.find("]")] if "]" in v else v
+    name, colon, port = v.rpartition(":")
+    return name if colon and port.isdigit() else v
+
+
+class _HostGuard:
+    """For a keyless server on loopback: refuse (403) a Host that is not a loopback name and an Origin that is
+    not a loopback page. A page on evil.example whose name the attacker re-points at 127.0.0.1 reaches this server
+    with `Host: evil.example` (and its own Origin); a local client sends its address, and no Origin."""
+
+    def __init__(self, app, hosts: frozenset):
+        self.app, self.hosts = app, hosts
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            bad = None
+            for name, value in scope["headers"]:
+                if name == b"host" and _host_of(value.decode("latin-1")) not in self.hosts:
+                    bad = f"the Host {value.decode('latin-1')!r} is not one this server answers to"
+                elif name == b"origin":
+                    origin = value.decode("latin-1")
+                    try:
+                        host = urlsplit(origin).hostname
+                    except ValueError:
+                        host = None
+                    if host not in self.hosts:
+                        bad = f"requests from the web page at {origin!r} are not allowed"
+            if bad is not None:
+                e = ApiError(403, f"{bad} (a server without an API key answers only clients that name it as one "
+                                  f"of: {', '.join(sorted(self.hosts))})", code="forbidden_host")
+                return await _error_at(scope["path"], e)(scope, receive, send)
+        return await self.app(scope, receive, send)
 
 
 class _CountRequests:
@@ -52,35 +97,70 @@ class _CountRequests:
             self.metrics.requests.labels(route, str(status[0])).inc()
 
 
-def create_app(engine, api_key: str | None = None, model_name: str | None = None,
-               max_queue: int = DEFAULT_MAX_QUEUE, max_body_bytes: int = DEFAULT_MAX_BODY) -> FastAPI:
-    """An app serving `engine` (its scheduler runs every request). api_key: required on every route but /health
-    (`Authorization: Bearer KEY` or `x-api-key: KEY`), None for none. model_name: the one model id clients must
-    name (default: the GGUF's file name without .gguf). max_queue: requests that may wait beyond the engine's
-    max_seqs running ones; past that, 429. max_body_bytes: larger bodies get 413."""
+def check_api_keys(api_key) -> tuple[str, ...]:
+    """The API keys of `api_key` (None: none; a str: one; a sequence: several), each checked: a blank key, or one
+    with whitespace around it (which an HTTP header cannot carry), would lock every client out, so it is refused."""
+    keys = () if api_key is None else (api_key,) if isinstance(api_key, str) else tuple(api_key)
+    for k in keys:
+        if not isinstance(k, str) or not k.strip():
+            raise ParameterError(f"an API key must be non-blank text, got {k!r}")
+        if k != k.strip():
+            raise ParameterError(f"the API key {k!r} has whitespace around it, which no HTTP header carries")
+        if any(ord(c) < 32 or ord(c) == 127 for c in k):
+            raise ParameterError("an API key may not hold control characters")
+    return keys
+
+
+def _tenant(key: bytes) -> str:
+    """The prefix-cache salt of one API key (a hash: the key itself is kept nowhere else)."""
+    return hashlib.blake2b(key, digest_size=16, person=b"hi-tenant").hexdigest()
+
+
+def create_app(engine, api_key=None, model_name: str | None = None, max_queue: int = DEFAULT_MAX_QUEUE,
+               max_body_bytes: int = DEFAULT_MAX_BODY, *, report_cached_tokens: bool = False,
+               allowed_hosts=LOOPBACK_HOSTS, render_threads: int = DEFAULT_RENDER_THREADS) -> FastAPI:
+    """An app serving `engine` (its scheduler runs every request).
+
+    api_key: a key (or a list of keys) required on every route but /health (`Authorization: Bearer KEY` or
+    `x-api-key: KEY`, compared as UTF-8 bytes), None for none. With keys, each key is a tenant of its own in the
+    prefix cache: a prompt restores only snapshots made under the same key, and usage reports its cached tokens.
+    Without keys every client shares one cache, so `cached_tokens` is reported as 0 unless report_cached_tokens.
+    model_name: the one model id clients must name (default: the GGUF's file name without .gguf). max_queue:
+    requests that may wait beyond the engine's max_seqs running ones; past that, 429 (parsing and rendering count
+    too: they happen under the same bound, render_threads at a time). max_body_bytes: larger bodies get 413.
+    allowed_hosts: without keys, the Host header must name one of these (and an Origin header, if sent, too), else
+    403: a web page the browser was tricked into sending to this loopback server (DNS rebinding) is refused. None
+    turns the check off (a server bound to a public address, reached by other names)."""
     if max_queue < 0:
         raise ValueError(f"max_queue must be >= 0, got {max_queue!r}")
+    if render_threads < 1:
+        raise ValueError(f"render_threads must be >= 1, got {render_threads!r}")
+    keys = [k.encode() for k in check_api_keys(api_key)]
     metrics = Metrics()
-    svc = Service(engine, model_name or default_model_name(engine), max_queue, metrics)
-    key = api_key.encode() if api_key else None
+    svc = Service(engine, model_name or default_model_name(engine), max_queue, metrics, max_body_bytes,
+                  render_threads, report_cached=report_cached_tokens or bool(keys))
 
     async def check_key(request: Request) -> None:
-        if key is None:
+        if not keys:
             return
         given = [request.headers.get("x-api-key")]
         auth = request.headers.get("authorization", "")
         if auth[:7].lower() == "bearer ":
             given.append(auth[7:].strip())
-        if not any(g and hmac.compare_digest(g.encode(), key) for g in given):
-            which = "wrong" if any(given) else "missing"
+        # Starlette decodes header bytes as latin-1: encoding back gives the bytes sent (a UTF-8 key's too)
+        sent = [g.encode("latin-1") for g in given if g]
+        match = next((k for k in keys for g in sent if hmac.compare_digest(g, k)), None)
+        if match is None:
+            which = "wrong" if sent else "missing"
             raise ApiError(401, f"{which} API key: send it as 'Authorization: Bearer KEY' or 'x-api-key: KEY'",
                            code="invalid_api_key")
+        request.state.tenant = _tenant(match)
 
     app = FastAPI(title="hybridinfer", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = svc
     deps = [Depends(check_key)]
-    app.include_router(openai_api.router(svc, max_body_bytes), dependencies=deps)
-    app.include_router(anthropic_api.router(svc, max_body_bytes), dependencies=deps)
+    app.include_router(openai_api.router(svc), dependencies=deps)
+    app.include_router(anthropic_api.router(svc), dependencies=deps)
 
     @app.get("/health")
     async def health():
@@ -114,5 +194,7 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
     async def server_error(request: Request, e: Exception):
         return _error_response(request, ApiError(500, f"internal error: {type(e).__name__}: {e}"))
 
+    if not keys and allowed_hosts is not None:
+        app.add_middleware(_HostGuard, hosts=frozenset(h.lower() for h in allowed_hosts))
     app.add_middleware(_CountRequests, metrics=metrics)
     return app

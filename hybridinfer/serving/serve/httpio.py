@@ -1,15 +1,17 @@
-"""Reading request bodies (size-bounded, validated) and writing server-sent events."""
+"""Reading request bodies (size-bounded) and writing server-sent events."""
 
 from __future__ import annotations
 
 import json
 
-from pydantic import BaseModel
 from sse_starlette import EventSourceResponse
 from starlette.background import BackgroundTask
 
-from ..protocol.context import validate
 from ..protocol.errors import ApiError
+
+# after a shutdown signal a stream has this long to send its error event and end before it is cut (uvicorn waits
+# serve()'s timeout_graceful_shutdown, 5 s, for every connection)
+SHUTDOWN_GRACE_S = 2.0
 
 
 async def read_body(request, limit: int) -> bytes:
@@ -33,17 +35,6 @@ async def read_body(request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def parse_body(request, model: type[BaseModel], limit: int):
-    raw = await read_body(request, limit)
-    if not raw.strip():
-        raise ApiError(400, "the body is empty; a JSON object is expected", code="invalid_json")
-    try:
-        obj = json.loads(raw)
-    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
-        raise ApiError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
-    return validate(model, obj)
-
-
 def dumps(obj) -> str:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
 
@@ -51,6 +42,8 @@ def dumps(obj) -> str:
 def sse(events, job) -> EventSourceResponse:
     """An SSE response of an async iterator of dicts ({"data": str, "event": str?}). Pings keep idle
     connections (a long prefill) open through proxies. However the response ends, the job is cancelled after it
-    (a stream closed before its first event never reaches the generator's own clean-up)."""
+    (a stream closed before its first event never reaches the generator's own clean-up). When the server shuts
+    down (SIGTERM), `job.shutdown` is set: the job's pieces end in an error the stream sends before it closes."""
     return EventSourceResponse(events, sep="\n", ping=15, background=BackgroundTask(job.cancel),
-                               headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                               headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                               shutdown_event=job.shutdown, shutdown_grace_period=SHUTDOWN_GRACE_S)

@@ -9,7 +9,7 @@ from ..protocol.errors import ApiError
 from ..protocol.models import ChatRequest, CompletionRequest
 from ..protocol.openai import FINISH, ChatCall, CompletionCall, chat_logprobs, completion_logprobs, tool_json
 from ..protocol.openai import usage as _usage_of
-from .httpio import dumps, parse_body, sse
+from .httpio import dumps, sse
 from .service import Service, collect
 
 
@@ -17,7 +17,7 @@ def _usage(job) -> dict:
     return _usage_of(job.request, job.generation)
 
 
-def router(svc: Service, max_body: int) -> APIRouter:
+def router(svc: Service) -> APIRouter:
     r = APIRouter()
 
     @r.get("/v1/models")
@@ -31,8 +31,7 @@ def router(svc: Service, max_body: int) -> APIRouter:
 
     @r.post("/v1/chat/completions")
     async def chat(request: Request):
-        call = ChatCall(svc, await parse_body(request, ChatRequest, max_body))
-        job = await svc.submit(call.build)
+        call, job = await svc.start(request, ChatRequest, ChatCall)
         parser, first = call.parser()
         head, body = call.head(), call.body
         if body.stream:
@@ -43,8 +42,7 @@ def router(svc: Service, max_body: int) -> APIRouter:
 
     @r.post("/v1/completions")
     async def completions(request: Request):
-        call = CompletionCall(svc, await parse_body(request, CompletionRequest, max_body))
-        job = await svc.submit(call.build)
+        call, job = await svc.start(request, CompletionRequest, CompletionCall)
         head = call.head()
         if call.body.stream:
             usage_on = bool(call.body.stream_options and call.body.stream_options.include_usage)

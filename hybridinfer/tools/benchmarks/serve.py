@@ -361,7 +361,8 @@ def ours_cmd(model: str, port: int, threads: int, max_seqs: int, n_ctx: int, bac
              template: str | None = None, cache_ram: int | None = None) -> list[str]:
     return [sys.executable, "-m", "hybridinfer", "serve", "-m", model, "--port", str(port), "--host", "127.0.0.1",
             "--max-seqs", str(max_seqs), "-t", str(threads), "--backend", backend, "--n-ctx", str(n_ctx),
-            "--log-level", "warning"] + (["--chat-template-file", template] if template else []) + (
+            "--log-level", "warning", "--report-cached-tokens"] + (
+                ["--chat-template-file", template] if template else []) + (
                 [] if cache_ram is None else ["--prefix-cache-ram", str(cache_ram)])
 
 
