@@ -30,11 +30,17 @@ def check_number(name: str, value, *, integer: bool = False):
     return value
 
 
-def check_int(name: str, value, lo: int) -> int:
-    """`value` as an int, after checking it is an integer >= lo."""
+INT64_MAX = 2**63 - 1  # the numba sampler takes int64 arguments: a larger Python int cannot cross into it
+
+
+def check_int(name: str, value, lo: int, hi: int = INT64_MAX) -> int:
+    """`value` as an int, after checking it is an integer in [lo, hi] (by default at most int64's maximum: every
+    integer setting ends in native code or numpy, where a larger one overflows)."""
     check_number(name, value, integer=True)
     if value < lo:
         raise ParameterError(f"{name} must be >= {lo}, got {value!r}")
+    if value > hi:
+        raise ParameterError(f"{name} must be <= {hi}, got {value!r}")
     return int(value)
 
 
@@ -50,6 +56,12 @@ def check_stop(stop) -> list[str]:
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """Every field is checked here, where it enters, so the sampler never sees a value it cannot take: floats
+    finite (temperature >= 0, top_p in (0, 1], min_p in [0, 1), repeat_penalty > 0), integers in int64 (top_k and
+    repeat_last_n in [0, 2**63 - 1]; seed in [-2**63, 2**64 - 1], either signed or unsigned 64-bit, taken mod
+    2**64). top_k at or above the vocabulary size keeps every token, as top_k = 0 does (llama.cpp clamps it the same
+    way); the vocabulary is not known here, so a large top_k is no error."""
+
     temperature: float = 0.8
     top_k: int = 40
     top_p: float = 0.95
@@ -74,7 +86,7 @@ class SamplingParams:
             raise ParameterError(f"repeat_penalty must be > 0, got {self.repeat_penalty!r}")
         check_int("repeat_last_n", self.repeat_last_n, 0)
         if self.seed is not None:
-            check_number("seed", self.seed, integer=True)
+            check_int("seed", self.seed, -(2**63), 2**64 - 1)
 
 
 # the sampler ---------------------------------------------------------------------------------------------------------

@@ -165,6 +165,7 @@ class _Seq:
     t0: float = 0.0
     t1: float = 0.0
     stats: dict = field(default_factory=dict)
+    freed: bool = False  # its handle answered and its reservation returned
 
 
 class Scheduler:
@@ -183,6 +184,7 @@ class Scheduler:
         self._cv = threading.Condition()
         self._waiting: deque[Handle] = deque()
         self._running: list[_Seq] = []
+        self._admitted: list[_Seq] = []  # admitted by the step under way (not yet running)
         self._reserved = 0
         self._thread: threading.Thread | None = None
         self._worker = worker
@@ -251,43 +253,41 @@ class Scheduler:
                     return
             try:
                 self.step()
-            except BaseException as e:  # noqa: BLE001 - a bug must not leave callers waiting forever
-                for s in self._running:
-                    self._release(s, error=e)
-                self._running.clear()
+            except BaseException:  # noqa: BLE001 - step() gave the error to every sequence it held
+                pass
 
     def idle(self) -> bool:
         return not self._waiting and not self._running
 
     def step(self) -> None:
-        """Admit what fits, then one token for every running sequence."""
+        """Admit what fits, then one token for every running sequence.
+
+        A failure belongs to its sequence: an exception in one sequence's prefill, sampler, constraint, text or
+        snapshot ends that sequence with the error (its handle raises it, its state and bytes are freed at once)
+        and the others go on; a failed batched decode ends exactly the sequences in it. Anything else raised here
+        (a bug of the step itself) is given to every sequence the step held, then re-raised: no admitted sequence
+        is ever left unanswered or holding its reservation."""
+        with self.engine._lock:
+            try:
+                self._drop_cancelled()
+                self._step()
+            except BaseException as e:
+                self._fail_all(e)
+                raise
+            finally:
+                self._admitted = []
+
+    def _step(self) -> None:
         eng = self.engine
-        self._drop_cancelled()
-        with eng._lock:
-            new = self._admit()
-            with self._cv:
-                queued = [(h.request.ids, h.request.cache_salt) for h in self._waiting]
-            started = self._start(new, queued)
-            self.peak_running = max(self.peak_running, len(self._running) + len(started))
-            go = []
-            for s in self._running:
-                if self._sample(s):
-                    go.append(s)
-                else:
-                    self._release(s)
-            for s, alive in started:  # sampled once already, as soon as its own prefill ended
-                if alive:
-                    go.append(s)
-                else:
-                    self._release(s)
-            self._running = go
-            if go:
-                lg = eng.backend.decode_batch([s.next_tok for s in go], [s.state for s in go])
-                for j, s in enumerate(go):
-                    s.logits = np.array(lg[j], copy=True)
-            self.steps += 1
-            if eng.prefix_cache is not None:
-                eng.prefix_cache.flush()
+        self._admitted = new = self._admit()
+        self.peak_running = max(self.peak_running, len(self._running) + len(new))
+        with self._cv:
+            queued = [(h.request.ids, h.request.cache_salt) for h in self._waiting]
+        started = self._start(new, queued)  # each sampled once already, as soon as its own prefill ended
+        self._running = self._decode([s for s in self._running if self._advance(s)] + started)
+        self.steps += 1
+        if eng.prefix_cache is not None:
+            self._flush_cache()
 
     def _drop_cancelled(self) -> None:
         with self._cv:
@@ -301,7 +301,7 @@ class Scheduler:
         for s in self._running:
             if s.handle.cancelled:
                 s.handle.generation.finish_reason = "cancelled"
-                self._release(s)
+                self._end(s)
             else:
                 keep.append(s)
         self._running = keep
@@ -320,51 +320,78 @@ class Scheduler:
                 out.append(_Seq(h, reserved=need))
         return out
 
-    def _start(self, new: list[_Seq], queued: list[tuple[list[int], str | None]]) -> list[tuple[_Seq, bool]]:
-        """Prefill the newly admitted sequences and sample each one's first token; returns (sequence, goes on).
+    def _start(self, new: list[_Seq], queued: list[tuple[list[int], str | None]]) -> list[_Seq]:
+        """Prefill the newly admitted sequences and sample each one's first token; returns those that go on.
         A single-pass backend (the GPU) takes them in one pass; otherwise each is prefilled in turn and its first
         token goes out at once, so the time to first token of one admitted beside others is its own prefill and
         those before it, not all of theirs. One whose prefill fails gets its error, the others go on."""
         eng = self.engine
-        items = []
+        items = []  # (sequence, _start's arguments after the state)
         for j, s in enumerate(new):
             req = s.handle.request
             later = [t.handle.request.ids for t in new[j + 1 :] if t.handle.request.cache_salt == req.cache_salt]
             later += [ids for ids, salt in queued if salt == req.cache_salt]
             s.t0 = time.perf_counter()
-            s.state = eng.new_state()
-            items.append((req.ids, s.state, req.turn_boundary,
-                          shared_points(req.ids, later) if eng.prefix_cache else (), req.keep_ends, req.cache_salt))
+            try:
+                s.state = eng.new_state()
+            except Exception as e:  # noqa: BLE001 - e.g. no memory for it: this request's error
+                self._fail(s, e)
+                continue
+            items.append((s, (req.turn_boundary, shared_points(req.ids, later) if eng.prefix_cache else (),
+                              req.keep_ends, req.cache_salt)))
         if eng.backend.single_pass and len(items) > 1:
-            try:
-                got = eng._start_many(items)
-            except Exception:  # noqa: BLE001 - find whose it is: one by one, each error to its own caller
-                got = None
-                for s in new:
-                    s.state = eng.new_state()
+            got = self._prefill_together(items)
             if got is not None:
-                return [x for x in map(self._first, new, got) if x is not None]
-        out = []
-        for s, it in zip(new, items, strict=True):
-            try:
-                got = eng._start(it[0], s.state, *it[2:])
-            except Exception as e:  # noqa: BLE001
-                got = e
-            x = self._first(s, got)
-            if x is not None:
-                out.append(x)
-        return out
+                return [s for (s, _), g in zip(items, got, strict=True) if self._first(s, g)]
+        return [s for s, rest in items if self._first(s, self._prefill_alone(s, rest))]
 
-    def _first(self, s: _Seq, got) -> tuple[_Seq, bool] | None:
-        """A started sequence's first token (None when its prefill failed: its caller has the error)."""
-        if isinstance(got, Exception):
-            self._release(s, error=got)
+    def _prefill_alone(self, s: _Seq, rest):
+        """Engine._start of one sequence: (logits, stats), or the exception it raised."""
+        try:
+            return self.engine._start(s.handle.request.ids, s.state, *rest)
+        except Exception as e:  # noqa: BLE001 - its own caller gets it
+            return e
+
+    def _prefill_together(self, items):
+        """Engine._start_many of several sequences, or None when that pass failed: the pass is shared, so whose
+        fault it was is unknown; each sequence then gets a fresh state to be prefilled alone (its own error, if
+        it fails again, goes to its own caller)."""
+        eng = self.engine
+        try:
+            return eng._start_many([(s.handle.request.ids, s.state, *rest) for s, rest in items])
+        except Exception:  # noqa: BLE001
+            for s, _ in items:
+                eng.backend.release(s.state)
+                s.state = eng.new_state()
             return None
-        req = s.handle.request
-        s.logits, s.stats = np.array(got[0], copy=True), got[1]
-        s.t1 = time.perf_counter()
-        s.sampler = TokenSampler(req, self.engine.tokenizer, s.handle.generation, s.logits.shape[-1])
-        return s, self._sample(s)
+
+    def _first(self, s: _Seq, got) -> bool:
+        """A started sequence's first token: False when it has ended (a failed prefill included), True when it
+        goes on to the decode step."""
+        if isinstance(got, BaseException):
+            self._fail(s, got)
+            return False
+        try:
+            s.logits, s.stats = np.array(got[0], copy=True), got[1]
+            s.t1 = time.perf_counter()
+            s.sampler = TokenSampler(s.handle.request, self.engine.tokenizer, s.handle.generation,
+                                     s.logits.shape[-1])
+        except Exception as e:  # noqa: BLE001
+            self._fail(s, e)
+            return False
+        return self._advance(s)
+
+    def _advance(self, s: _Seq) -> bool:
+        """Sample the next token of `s`: True when it goes on; else it has ended (finished, or failed with its
+        error) and is released."""
+        try:
+            if self._sample(s):
+                return True
+        except Exception as e:  # noqa: BLE001 - the sampler, the constraint or the text of this sequence alone
+            self._fail(s, e)
+            return False
+        self._end(s)
+        return False
 
     def _sample(self, s: _Seq) -> bool:
         """Sample the next token of `s` from its logits; False when the sequence has ended. A token that goes on
@@ -378,22 +405,81 @@ class Scheduler:
         s.next_tok = t
         return True
 
-    def _release(self, s: _Seq, error: BaseException | None = None) -> None:
+    def _decode(self, go: list[_Seq]) -> list[_Seq]:
+        """One batched decode step for `go`; returns those still running: all of them, or none when the step
+        failed (each then gets the error: it is theirs together)."""
+        if not go:
+            return go
+        try:
+            lg = self.engine.backend.decode_batch([s.next_tok for s in go], [s.state for s in go])
+            for j, s in enumerate(go):
+                s.logits = np.array(lg[j], copy=True)
+        except Exception as e:  # noqa: BLE001
+            for s in go:
+                self._fail(s, e)
+            return []
+        return go
+
+    def _flush_cache(self) -> None:
+        """The prefix cache's deferred disk copies. They belong to no sequence (each answer is out already), so a
+        failure here is a warning, not an error of any request."""
+        try:
+            self.engine.prefix_cache.flush()
+        except Exception as e:  # noqa: BLE001
+            import warnings
+
+            from .prefix import SnapshotWarning
+
+            warnings.warn(f"prefix cache: writing snapshots to disk failed: {e}", SnapshotWarning, stacklevel=2)
+
+    # ending a sequence ----------------------------------------------------------------------------
+    def _end(self, s: _Seq) -> None:
+        """A sequence that ended normally (or was cancelled): its last text, its end-of-reply snapshot and its
+        timings, then its release; an exception in any of them makes it fail with that error instead."""
+        try:
+            self._complete(s)
+        except Exception as e:  # noqa: BLE001
+            self._fail(s, e)
+            return
+        self._free(s)
+
+    def _complete(self, s: _Seq) -> None:
         g = s.handle.generation
-        if error is None and s.sampler is not None:
-            s.handle._put(s.sampler.text.finish())
-            eng = self.engine
-            if (eng.prefix_cache is not None and s.state is not None and s.handle.request.keep_ends
-                    and s.state.pos > len(s.handle.request.ids)):
-                # the next turn starts from the reply
-                eng.prefix_cache.save(s.state, s.logits, defer_disk=True, salt=s.handle.request.cache_salt)
-            t2 = time.perf_counter()
-            n = max(len(g.tokens), 1)
-            g.timings = {**s.stats, "prefill_s": s.t1 - s.t0, "decode_s": t2 - s.t1,
-                         "prompt_tok_per_s": len(s.handle.request.ids) / max(s.t1 - s.t0, 1e-9),
-                         "decode_tok_per_s": n / (t2 - s.t1) if t2 > s.t1 else 0.0}
-        if s.state is not None:
-            self.engine.backend.release(s.state)
+        if s.sampler is None:
+            return
+        s.handle._put(s.sampler.text.finish())
+        eng = self.engine
+        if (eng.prefix_cache is not None and s.state is not None and s.handle.request.keep_ends
+                and s.state.pos > len(s.handle.request.ids)):
+            # the next turn starts from the reply
+            eng.prefix_cache.save(s.state, s.logits, defer_disk=True, salt=s.handle.request.cache_salt)
+        t2 = time.perf_counter()
+        n = max(len(g.tokens), 1)
+        g.timings = {**s.stats, "prefill_s": s.t1 - s.t0, "decode_s": t2 - s.t1,
+                     "prompt_tok_per_s": len(s.handle.request.ids) / max(s.t1 - s.t0, 1e-9),
+                     "decode_tok_per_s": n / (t2 - s.t1) if t2 > s.t1 else 0.0}
+
+    def _fail(self, s: _Seq, error: BaseException) -> None:
+        """End `s` with `error` (its handle raises it); its state and reserved bytes go now."""
+        self._free(s, error)
+
+    def _fail_all(self, error: BaseException) -> None:
+        """Every sequence this scheduler holds (running, or admitted in the step that failed) ends with `error`."""
+        held, self._running = self._running + self._admitted, []
+        for s in held:
+            self._free(s, error)
+
+    def _free(self, s: _Seq, error: BaseException | None = None) -> None:
+        """Release the sequence's state and reserved bytes and answer its handle, once: a sequence already freed is
+        left as it is. A backend that fails to release the state makes that the sequence's error."""
+        if s.freed:
+            return
+        s.freed = True
+        try:
+            if s.state is not None:
+                self.engine.backend.release(s.state)
+        except Exception as e:  # noqa: BLE001
+            error = error or e
         s.state, s.logits, s.sampler = None, None, None  # the memory goes now, not when the handle does
         with self._cv:
             self._reserved -= s.reserved

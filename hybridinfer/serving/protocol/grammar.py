@@ -2,7 +2,13 @@
 
 A `JsonConstraint` is what a sequence's sampler consults each step: `mask(logits)` sets the logits of tokens the
 grammar forbids next to -inf (in place), `accept(token)` advances the grammar by the sampled token. The scheduler
-calls both when a Request carries one (`Request.constraint`; see the serve report for the hook)."""
+calls both when a Request carries one (`Request.constraint`; see the serve report for the hook).
+
+A grammar that cannot produce an answer fails loudly, never as a "stop" with no JSON: one llguidance refuses to
+compile, or that fails at its first step or the one after (a schema with no finite value such as {"$ref": "#"}, or
+one past llguidance's complexity limits such as an anyOf of 3,000 objects), is a 400 naming response_format when the
+request is made; one that fails later, while the answer is generated, ends its sequence with a ParameterError naming
+response_format (a 400, or the error event of a stream that has begun)."""
 
 from __future__ import annotations
 
@@ -10,7 +16,12 @@ import threading
 
 import numpy as np
 
+from ...errors import ParameterError
 from .errors import ApiError, bad_param
+
+# first tokens a new grammar is tried with, each in a copy of its matcher, before the request is accepted: llguidance
+# finds most grammars it cannot run (limits, no finite value) at the first or second step
+LOOKAHEAD_TOKENS = 16
 
 _VOCABS: dict[int, object] = {}
 _LOCK = threading.Lock()
@@ -67,10 +78,16 @@ def schema_of(response_format: dict | None) -> dict | None:
     raise bad_param("response_format.type", f"must be 'text', 'json_object' or 'json_schema', got {kind!r}")
 
 
-class JsonConstraint:
-    """One sequence's grammar state. Not thread-safe: the scheduler's worker alone calls it."""
+def _first_line(error: str) -> str:
+    """llguidance's error without the parser state it appends."""
+    return error.strip().splitlines()[0] if error.strip() else "unknown error"
 
-    def __init__(self, engine, schema: dict, param: str = "response_format"):
+
+class JsonConstraint:
+    """One sequence's grammar state. Not thread-safe: the scheduler's worker alone calls it. `limits`: fields of
+    llguidance.LLParserLimits (max_items_in_row, step_lexer_fuel, ...) to use instead of llguidance's defaults."""
+
+    def __init__(self, engine, schema: dict, param: str = "response_format", limits: dict | None = None):
         import llguidance
 
         lt = ll_tokenizer(engine)
@@ -78,25 +95,62 @@ class JsonConstraint:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(schema)
         except ValueError as e:
             raise bad_param(param, f"is not a usable JSON schema: {e}") from None
-        self.m = llguidance.LLMatcher(lt, grammar, log_level=0)
+        self.m = llguidance.LLMatcher(lt, grammar, log_level=0,
+                                      limits=llguidance.LLParserLimits(**limits) if limits else None)
         if self.m.is_error():
-            raise bad_param(param, f"is not a usable JSON schema: {self.m.get_error()}")
+            raise bad_param(param, f"is not a usable JSON schema: {_first_line(self.m.get_error())}")
+        self.param, self.n_tokens = param, 0
         self.n_vocab = engine.args.n_vocab
         self.stops = np.array(sorted(engine.tokenizer.stop_ids), dtype=np.int64)
         self._bits = np.zeros((lt.vocab_size + 31) // 32, dtype=np.int32)
+        self._check_start()
+
+    def _check_start(self) -> None:
+        """Refuse now a grammar that fails at its first step or, for up to LOOKAHEAD_TOKENS of its first tokens, the
+        step after, or that allows nothing at all."""
+        first = self._mask_of(self.m)
+        if first is None:
+            raise bad_param(self.param, f"cannot be satisfied (llguidance: {_first_line(self.m.get_error())})")
+        starts = np.flatnonzero(first)
+        starts = starts[~np.isin(starts, self.stops)]
+        if starts.size == 0:
+            raise bad_param(self.param, "cannot be satisfied: its grammar allows no output")
+        for t in starts[:LOOKAHEAD_TOKENS]:
+            m = self.m.deep_copy()
+            if not m.consume_token(int(t)) or (not m.is_stopped() and self._mask_of(m) is None):
+                raise bad_param(self.param, f"cannot be satisfied (llguidance: {_first_line(m.get_error())})")
+
+    def _mask_of(self, m) -> np.ndarray | None:
+        """A bool per token of `m`'s next step: may it come next? None when the matcher is in its error state."""
+        if m.is_error():
+            return None
+        m.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
+        if m.is_error():
+            return None
+        return np.unpackbits(self._bits.view(np.uint8), bitorder="little")[: self.n_vocab].astype(bool)
+
+    def _failed(self) -> ParameterError:
+        return ParameterError(f"{self.param}: the schema cannot be followed after {self.n_tokens} generated tokens "
+                              f"(llguidance: {_first_line(self.m.get_error())})")
 
     def allowed(self) -> np.ndarray:
-        """A bool per token: may it come next?"""
-        if self.m.is_error() or self.m.is_stopped():
+        """A bool per token: may it come next? A finished grammar lets the sequence end, nothing else; a broken one
+        raises (the sequence fails with the error rather than end as if its answer were complete)."""
+        if self.m.is_stopped() and not self.m.is_error():
             ok = np.zeros(self.n_vocab, dtype=bool)
-            ok[self.stops] = True  # a finished (or broken) grammar lets the sequence end, nothing else
+            ok[self.stops] = True
             return ok
-        self.m.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
-        return np.unpackbits(self._bits.view(np.uint8), bitorder="little")[: self.n_vocab].astype(bool)
+        ok = self._mask_of(self.m)
+        if ok is None or not ok.any():
+            raise self._failed()
+        return ok
 
     def mask(self, logits: np.ndarray) -> None:
         logits[~self.allowed()] = -np.inf
 
     def accept(self, token: int) -> bool:
-        """Advance by the sampled token; False once the grammar is broken (it never is after `mask`)."""
-        return bool(self.m.consume_token(int(token)))
+        """Advance by the sampled token; a token the grammar refuses (never one `mask` allowed) raises."""
+        if not self.m.consume_token(int(token)) or self.m.is_error():
+            raise self._failed()
+        self.n_tokens += 1
+        return True
