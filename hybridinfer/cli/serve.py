@@ -6,7 +6,7 @@ import os
 import sys
 
 from ..errors import ParameterError
-from .args import _add_cache, _add_model, _int_at_least, parse_size
+from .args import _add_cache, _add_model, _int_at_least, _int_in, parse_size
 
 
 def cmd_serve(a) -> int:
@@ -33,7 +33,7 @@ def add_serve_parser(sub) -> None:
     _add_model(p)
     _add_cache(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=_int_at_least(0), default=8080)
+    p.add_argument("--port", type=_int_in(1, 65535), default=8080)
     p.add_argument("--api-key", default=None,
                    help="key clients must send (Authorization: Bearer or x-api-key; env HYBRIDINFER_API_KEY)")
     p.add_argument("--model-name", default=None, help="the model id clients name (default: the GGUF's file name)")
