@@ -76,6 +76,9 @@ def _int_at_least(lo: int):
     return _int_in(lo, INT64_MAX)
 
 
+# -t/--threads: at most the SIMD library's pool (hi_ctx_new refuses more)
+threads_int = _int_in(1, 4096)
+
 # a seed: any 64-bit pattern, signed or not (the sampler keeps its low 64 bits)
 seed_int = _int_in(-(1 << 63), (1 << 64) - 1)
 
@@ -114,7 +117,7 @@ def _add_model(p: argparse.ArgumentParser, required: bool = False) -> None:
                    choices=["reference", "cpu", "gpu", "auto"],
                    help="compute backend: " + BACKEND_HELP + " (default auto)")
     p.add_argument("--n-ctx", type=_int_at_least(1), default=4096, help="context size in tokens (default 4096)")
-    p.add_argument("-t", "--threads", type=_int_at_least(1), default=None, help="CPU threads (default: all cores)")
+    p.add_argument("-t", "--threads", type=threads_int, default=None, help="CPU threads (default: all cores)")
     p.add_argument("--vram-budget", type=parse_size, default=None,
                    help="GPU memory the gpu backend may use, e.g. 6GiB (default: the card's free memory - 512MiB)")
     add_card_profile(p)

@@ -6,7 +6,16 @@ import argparse
 import os
 
 from ..errors import BackendNotAvailableError, HybridInferError, ParameterError
-from .args import BACKEND_HELP, _int_at_least, add_card_profile, gb_per_s, parse_size, positive_ints, seed_int
+from .args import (
+    BACKEND_HELP,
+    _int_at_least,
+    add_card_profile,
+    gb_per_s,
+    parse_size,
+    positive_ints,
+    seed_int,
+    threads_int,
+)
 
 
 def _save_bench(out_dir: str, name: str, text: str, plot) -> None:
@@ -154,7 +163,7 @@ def _bench_parser(bsub, name: str, help: str, fn, threads_help: str | None = Non
     b = bsub.add_parser(name, help=help)
     b.add_argument("-m", "--model", required=model_required,
                    help=None if model_required else "GGUF file (default: the embedded SmolLM2-135M-Instruct)")
-    b.add_argument("-t", "--threads", type=_int_at_least(1), default=os.cpu_count(), help=threads_help)
+    b.add_argument("-t", "--threads", type=threads_int, default=os.cpu_count(), help=threads_help)
     b.add_argument("--out-dir", default="bench/results")
     b.set_defaults(fn=fn)
     return b
