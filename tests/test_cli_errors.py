@@ -74,6 +74,8 @@ CASES = [
     (SYNTH + ["--shape", SHAPE % ', "rms_eps": -1', "-o", "{tmp}/s.gguf"], "-1"),
     (SYNTH + ["--shape", SHAPE % ', "rope_theta": "1e4"', "-o", "{tmp}/s.gguf"], "'1e4'"),
     (SYNTH + ["--shape", SHAPE % ', "n_layer": 0', "-o", "{tmp}/s.gguf"], "n_layer"),
+    (SYNTH + ["--shape", SHAPE % ', "n_vocab": 100000000000000000000', "-o", "{tmp}/s.gguf"],
+     "'n_vocab' must be a positive integer at most 2147483647, got 100000000000000000000"),
     (SYNTH + ["--shape", SHAPE % ', "n_head": 128', "-o", "{tmp}/s.gguf"], "head_dim"),
     (SYNTH + ["--shape", "70b", "-o", "{tmp}/s.gguf"], "'70b'"),
     (["synth", "--arch", "mamba", "--shape", "0.8b", "-o", "{tmp}/s.gguf"], "'mamba'"),
