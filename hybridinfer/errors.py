@@ -73,3 +73,17 @@ class ParameterError(HybridInferError, ValueError):
 
 class CapacityError(HybridInferError):
     """A request cannot fit the engine's limits (sequence count, state or K/V byte budget) and is refused."""
+
+
+class NotRegularFileError(ParameterError):
+    """A path named for reading (a model, a chat template) is not a regular file: a FIFO, which could block its
+    reader forever, a device (/dev/zero never ends), a socket or a directory. `kind` says which ("a FIFO")."""
+
+    def __init__(self, message: str, kind: str = ""):
+        super().__init__(message)
+        self.kind = kind
+
+
+class NonFiniteWeightsError(GGUFError):
+    """A tensor of the model holds NaN or infinity (in its float values or a quantized block's scales): the file is
+    damaged, and a model run on it would answer with nothing."""

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from bounded import bounded
 
 from hybridinfer.cli import UsageError, main
 
@@ -73,6 +74,8 @@ CASES = [
     (SYNTH + ["--shape", SHAPE % ', "rms_eps": -1', "-o", "{tmp}/s.gguf"], "-1"),
     (SYNTH + ["--shape", SHAPE % ', "rope_theta": "1e4"', "-o", "{tmp}/s.gguf"], "'1e4'"),
     (SYNTH + ["--shape", SHAPE % ', "n_layer": 0', "-o", "{tmp}/s.gguf"], "n_layer"),
+    (SYNTH + ["--shape", SHAPE % ', "n_vocab": 100000000000000000000', "-o", "{tmp}/s.gguf"],
+     "'n_vocab' must be a positive integer at most 2147483647, got 100000000000000000000"),
     (SYNTH + ["--shape", SHAPE % ', "n_head": 128', "-o", "{tmp}/s.gguf"], "head_dim"),
     (SYNTH + ["--shape", "70b", "-o", "{tmp}/s.gguf"], "'70b'"),
     (["synth", "--arch", "mamba", "--shape", "0.8b", "-o", "{tmp}/s.gguf"], "'mamba'"),
@@ -83,6 +86,23 @@ CASES = [
     (["bench", "prefix", "-m", "{tmp}/m.gguf", "--n-prompts", "0"], "'0'"),
     (["run", "-p", "hi", "--bogus-flag"], "--bogus-flag"),
     ([], "required"),
+    # issue 29: bytes that are not UTF-8 (Python gives them as lone surrogates), ints past int64, a port past 65535
+    (RUN + ["-p", "\udcff\udcfe"], "'\\udcff\\udcfe'"),
+    (RUN + ["--system", "a\ud800", "-p", "hi"], "'a\\ud800'"),
+    (RUN + ["--seed", "18446744073709551616", "-p", "hi"], "'18446744073709551616'"),
+    (RUN + ["--seed", "-9223372036854775809", "-p", "hi"], "'-9223372036854775809'"),
+    (RUN + ["-n", "9" * 5000, "-p", "hi"], "'99999"),
+    (RUN + ["--prefix-cache-ram", "9223372036854775808", "-p", "hi"], "'9223372036854775808'"),
+    (RUN + ["--state-budget", "1e19", "-p", "hi"], "'1e19'"),
+    (RUN + ["-t", "9223372036854775807", "-p", "hi"], "must be <= 4096, got '9223372036854775807'"),
+    (["serve", "--port", "70000"], "'70000'"),  # (port 0 and the other serve flags: the walk below, parse only)
+    (["serve", "--port", "http"], "'http'"),
+    (["plan", "--card", "k80", "--shape", "0.8b", "--host-bw", "10", "--prompts", "0"], "'0'"),
+    (["plan", "--card", "k80", "--shape", "0.8b", "--host-bw", "10", "--prompts", "128,9223372036854775808"],
+     "'128,9223372036854775808'"),
+    (["bench", "prefill", "-m", "{tmp}/m.gguf", "--prompts", "9223372036854775808"], "'9223372036854775808'"),
+    (["bench", "batch-job", "--seed", "1.5"], "'1.5'"),
+    (["info", "-m", "{tmp}/\udcff.gguf"], "'{tmp}/\\udcff.gguf'"),
 ]
 
 
@@ -126,6 +146,91 @@ def test_bad_value_is_one_line_and_status_2(argv, want, tmp_path, paths, capsys,
     assert rc == 2
 
 
+def _subparsers(parser, path=()):
+    """(argv prefix, parser) of every command and subcommand."""
+    import argparse
+
+    for act in parser._actions:
+        if isinstance(act, argparse._SubParsersAction):
+            for name, sub in act.choices.items():
+                yield path + (name,), sub
+                yield from _subparsers(sub, path + (name,))
+
+
+def _bad_values(t) -> list[str]:
+    """Values the flag's type must refuse: garbage always, then each end of its range passed by one."""
+    from hybridinfer.cli.args import INT64_MAX, _finite, gb_per_s, parse_size
+
+    bad = ["x", ""]
+    if getattr(t, "bounds", None):
+        lo, hi = t.bounds
+        bad += [str(lo - 1), str(hi + 1), "2.5", "9" * 5000]
+    elif t in (_finite, gb_per_s):
+        bad += ["nan", "-inf", "1e400"]
+    elif t is parse_size:
+        bad += ["-1", str(INT64_MAX + 1), "1e400"]
+    return bad
+
+
+def test_every_numeric_flag_is_checked_at_parse_time(capsys):
+    """Each typed flag of every command (run, chat, logits, serve, batch, bench *, info, plan, synth), given garbage
+    or one past either end of its range: status 2 and one line naming the value, before anything runs. No flag takes
+    a bare int or float (unbounded, or nan)."""
+    from hybridinfer.cli import build_parser
+
+    parser = build_parser()  # one parser for every try: main() would build it anew each time (1000 tries)
+    tried, failed = 0, []
+    for path, sub in _subparsers(parser):
+        for act in sub._actions:
+            if not act.option_strings or act.type is None:
+                continue
+            assert act.type not in (int, float), (path, act.option_strings)
+            for value in _bad_values(act.type):
+                argv = [*path, f"{act.option_strings[-1]}={value}"]  # "=": a value may start with "-"
+                try:
+                    parser.parse_args(argv)
+                    rc = 0
+                except UsageError as e:  # what main() turns into status 2
+                    rc = e.code
+                err = capsys.readouterr().err
+                lines = [ln for ln in err.splitlines() if ln.strip()]
+                tried += 1
+                if rc != 2 or len(lines) != 1 or "Traceback" in err or repr(value)[:60] not in lines[0]:
+                    failed.append((argv[:-1], value[:20], rc, err[-300:]))
+    assert tried > 150, tried  # the walk reached every command's flags
+    assert not failed, failed
+
+
+def test_top_k_past_int64_is_refused_not_hung(capsys):
+    """The issue's `run --top-k 9223372036854775808`, which hung the sampler's scheduler: one line before any model
+    loads (bounded in time, so a regression fails here instead of hanging)."""
+    got = bounded(lambda: main(RUN + ["--top-k", "9223372036854775808", "-p", "hi"]), timeout=120)
+    assert got.get("value") == 2, got
+    _one_error_line(capsys.readouterr().err, "argument --top-k: must be <= 9223372036854775807, got "
+                                             "'9223372036854775808'")
+
+
+def test_undecodable_argument_bytes_in_a_real_process():
+    """The bytes a shell passes for $'\\xff\\xfe': one line and status 2 before any model is read."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    r = subprocess.run([sys.executable, "-m", "hybridinfer", "run", "--backend", "cpu", "-p", b"\xff\xfe"],
+                       capture_output=True, env=env, timeout=120)
+    err = r.stderr.decode("utf-8", "replace")
+    assert r.returncode == 2, err
+    _one_error_line(err, "not UTF-8 text: '\\udcff\\udcfe'")
+
+
+def test_chat_line_that_is_not_utf8_is_skipped():
+    """A chat line of bytes that are not UTF-8: one error line, the line skipped, the session going on."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    r = subprocess.run([sys.executable, "-m", "hybridinfer", "chat", "--backend", "cpu", "-n", "2", "--stats"],
+                       input=b"bad \xff\xfe\nHi\n/exit\n", capture_output=True, env=env, timeout=300)
+    err = r.stderr.decode("utf-8", "replace").splitlines()
+    assert r.returncode == 0 and "Traceback" not in r.stderr.decode(), err
+    assert err[0] == "hybridinfer: error: the line is not UTF-8 text, skipped: 'bad \\udcff\\udcfe'", err
+    assert len(err) == 2 and err[1].startswith("[prompt "), err  # "Hi" was answered
+
+
 def test_environment_values_are_checked(capsys, monkeypatch):
     monkeypatch.setenv("HYBRIDINFER_ISA", "sse9")
     assert main(RUN + ["-p", "hi"]) == 2
@@ -155,6 +260,9 @@ def test_good_values_still_run(tmp_path, capsys):
     out = tmp_path / "o.npy"
     assert main(LOGITS + ["--tokens", "1,2,3", "-o", str(out)]) == 0 and out.exists()
     assert main(RUN + ["--raw", "-p", "Hi", "-n", "2", "--top-k", "0", "--seed", "-7", "--temp", "0.5"]) == 0
+    # the ends of the int64 flags' ranges run (top_k past the vocabulary is no limit, a seed is 64 bits)
+    assert main(RUN + ["--raw", "-p", "Hi", "-n", "2", "--top-k", str(2**63 - 1), "--seed", str(2**64 - 1),
+                       "--temp", "0.5"]) == 0
     assert capsys.readouterr().err == ""
 
 

@@ -9,7 +9,7 @@ import sys
 import warnings
 from collections import Counter
 
-from ..errors import HybridInferError, ParameterError, ShapeError
+from ..errors import HybridInferError, NonFiniteWeightsError, ParameterError, ShapeError
 from .args import (  # noqa: F401  (UsageError, parse_size: re-exported for callers of hybridinfer.cli)
     UsageError,
     _add_cache,
@@ -22,6 +22,7 @@ from .args import (  # noqa: F401  (UsageError, parse_size: re-exported for call
     _usage,
     add_card_profile,
     parse_size,
+    write_output,
 )
 from .batch import add_batch_parser
 from .bench import add_bench_parsers
@@ -55,7 +56,9 @@ def _engine(a, quiet: bool = False):
         opts["snapshot_stride"] = a.snapshot_stride
     template = None
     if getattr(a, "chat_template_file", None):
-        template = _read_text(a.chat_template_file, "--chat-template-file")
+        from ..format.chat_template import read_template_file
+
+        template = read_template_file(a.chat_template_file, "--chat-template-file")
     eng = Engine.load(a.model, backend=a.backend, n_ctx=a.n_ctx, progress=sys.stderr.isatty(),
                       prefix_cache=cache, chat_template=template, max_seqs=a.max_seqs,
                       state_budget=a.state_budget or None,
@@ -71,14 +74,6 @@ def _engine(a, quiet: bool = False):
         if line:
             print(f"hybridinfer: {line}", file=sys.stderr)
     return eng
-
-
-def _read_text(path: str, flag: str) -> str:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return f.read()
-    except UnicodeDecodeError as e:
-        raise ParameterError(f"{flag} {path!r} is not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
 def _sampling(a) -> dict:
@@ -133,6 +128,8 @@ def cmd_chat(a) -> int:
     system = [{"role": "system", "content": a.system}] if a.system else []
     history: list[dict] = []
     tty = sys.stdin.isatty()
+    if hasattr(sys.stdin, "reconfigure"):  # bytes that are not UTF-8 come as lone surrogates, said below, not raised
+        sys.stdin.reconfigure(errors="surrogateescape")
     if tty:
         print("hybridinfer chat: /reset clears the history, /stats shows the prefix cache, /exit quits",
               file=sys.stderr)
@@ -153,6 +150,11 @@ def cmd_chat(a) -> int:
             continue
         if text.strip() == "/stats":
             print(eng.prefix_cache.stats if eng.prefix_cache is not None else "prefix cache off", file=sys.stderr)
+            continue
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            print(f"hybridinfer: error: the line is not UTF-8 text, skipped: {text!r}", file=sys.stderr)
             continue
         history.append({"role": "user", "content": text})
         res = Generation("", [], 0, "length")
@@ -185,7 +187,7 @@ def cmd_logits(a) -> int:
     if not ids:
         raise ParameterError(f"--text {a.text!r} gives no tokens")
     lg = eng.logits(ids)
-    np.save(a.output, lg)
+    write_output(a.output, "-o/--output", lambda f: np.save(f, lg))  # the name given (np.save(name) adds .npy)
     print(f"wrote {a.output}: logits {lg.shape} float32 for {len(ids)} tokens")
     return 0
 
@@ -229,6 +231,11 @@ def cmd_info(a) -> int:
     print(f"tensors:       {len(gm.tensors)}, {_fmt_bytes(sum(by_type.values()))}")
     for name, nb in by_type.most_common():
         print(f"  {name:<6} {n_by_type[name]:>5} tensors  {_fmt_bytes(nb):>12}")
+    try:
+        gm.check_finite()
+        print("weights:       no NaN or infinity in the blocks sampled")
+    except NonFiniteWeightsError as e:
+        print(f"weights:       damaged: {e}")
     toks = gm.meta("tokenizer.ggml.tokens", None)
     print(f"tokenizer:     {gm.meta('tokenizer.ggml.model', 'none')} / pre "
           f"{gm.meta('tokenizer.ggml.pre', '-')}, {len(toks) if toks else 0} tokens; chat template: "

@@ -7,8 +7,10 @@ import copy
 import math
 import os
 import sys
+from types import SimpleNamespace
 
 from ..errors import ParameterError
+from ..format.files import check_regular
 
 # every --backend says what "gpu" means: the card is the prefill device, decode stays on the CPU
 BACKEND_HELP = ("reference (the slow numpy oracle), cpu, gpu (prefill on the card; decode stays on the CPU) or auto "
@@ -52,7 +54,8 @@ class _HelpFormatter(argparse.HelpFormatter):
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse with a one-line error (no usage block): `hybridinfer run: error: argument -n: ...`, and a --help
+    """argparse with a one-line error (no usage block): `hybridinfer run: error: argument -n: ...`; every value must
+    be UTF-8 text (bytes that are not arrive as lone surrogates, which no prompt, path or output can carry); a --help
     that names each option's default (_HelpFormatter; subcommands' parsers are _Parsers too)."""
 
     def __init__(self, *args, **kwargs):
@@ -63,25 +66,51 @@ class _Parser(argparse.ArgumentParser):
         print(f"{self.prog}: error: {message}", file=sys.stderr)
         raise UsageError(message)
 
+    def _get_value(self, action, arg_string):
+        if isinstance(arg_string, str):
+            try:
+                arg_string.encode("utf-8")
+            except UnicodeEncodeError:
+                raise argparse.ArgumentError(action, f"not UTF-8 text: {arg_string!r}") from None
+        return super()._get_value(action, arg_string)
+
 
 def _usage(message: str) -> UsageError:
     print(f"hybridinfer: error: {message}", file=sys.stderr)
     return UsageError(message)
 
 
-def _int_at_least(lo: int):
-    """An argparse type: an integer >= lo (the flag's name comes with argparse's message)."""
+INT64_MAX = (1 << 63) - 1
+
+
+def _int_in(lo: int, hi: int):
+    """An argparse type: an integer in [lo, hi] (the flag's name comes with argparse's message)."""
 
     def parse(s: str) -> int:
         try:
             v = int(s)
-        except ValueError:
+        except ValueError:  # not a number, or more digits than int() converts
             raise argparse.ArgumentTypeError(f"not an integer: {s!r}") from None
         if v < lo:
             raise argparse.ArgumentTypeError(f"must be >= {lo}, got {s!r}")
+        if v > hi:
+            raise argparse.ArgumentTypeError(f"must be <= {hi}, got {s!r}")
         return v
 
+    parse.bounds = (lo, hi)  # read by the tests that try every numeric flag past its ends
     return parse
+
+
+def _int_at_least(lo: int):
+    """An argparse type: an integer >= lo that a 64-bit signed integer holds (what the numeric code takes)."""
+    return _int_in(lo, INT64_MAX)
+
+
+# -t/--threads: at most the SIMD library's pool (hi_ctx_new refuses more)
+threads_int = _int_in(1, 4096)
+
+# a seed: any 64-bit pattern, signed or not (the sampler keeps its low 64 bits)
+seed_int = _int_in(-(1 << 63), (1 << 64) - 1)
 
 
 def _finite(s: str) -> float:
@@ -118,7 +147,7 @@ def _add_model(p: argparse.ArgumentParser, required: bool = False) -> None:
                    choices=["reference", "cpu", "gpu", "auto"],
                    help="compute backend: " + BACKEND_HELP + " (default auto)")
     p.add_argument("--n-ctx", type=_int_at_least(1), default=4096, help="context size in tokens (default 4096)")
-    p.add_argument("-t", "--threads", type=_int_at_least(1), default=None, help="CPU threads (default: all cores)")
+    p.add_argument("-t", "--threads", type=threads_int, default=None, help="CPU threads (default: all cores)")
     p.add_argument("--vram-budget", type=parse_size, default=None,
                    help="GPU memory the gpu backend may use, e.g. 6GiB (default: the card's free memory - 512MiB)")
     add_card_profile(p)
@@ -161,13 +190,19 @@ def parse_size(s: str) -> int:
     t = str(s).strip().lower()
     num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
     try:
-        v = float(num) * units[t[len(num):].strip()]
+        unit = units[t[len(num):].strip()]
+        try:
+            v: float = int(num) * unit  # exact, up to the last byte of the int64 bound
+        except ValueError:
+            v = float(num) * unit
     except (ValueError, KeyError):
         raise argparse.ArgumentTypeError(f"not a size: {s!r} (e.g. 2GiB, 512MiB, 1e9)") from None
     if not math.isfinite(v):
         raise argparse.ArgumentTypeError(f"not a size: {s!r} (e.g. 2GiB, 512MiB, 1e9)")
     if v < 0:
         raise argparse.ArgumentTypeError(f"a size must be >= 0, got {s!r}")
+    if v > INT64_MAX:
+        raise argparse.ArgumentTypeError(f"a size must be at most {INT64_MAX} bytes, got {s!r}")
     return int(v)
 
 
@@ -187,7 +222,7 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=_finite, default=0.95)
     p.add_argument("--min-p", type=_finite, default=0.05)
     p.add_argument("--repeat-penalty", type=_finite, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=seed_int, default=None)
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--system", default=None, help="system message (chat mode)")
     p.add_argument("--no-think", action="store_true", help="enable_thinking=false for Qwen templates")
@@ -196,12 +231,56 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
 
 
 def _check_output(path: str, flag: str) -> None:
-    """An output file's folder must exist and the path must not be a folder: said before any work is done."""
+    """An output file's folder must exist and the path must be a regular file if it exists (not a folder, a FIFO or
+    a device such as /dev/full): said before any work is done."""
     if os.path.isdir(path):
         raise ParameterError(f"{flag} {path!r} is a directory, not a file name")
+    if os.path.exists(path):
+        check_regular(path, os.stat(path).st_mode, flag)
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise ParameterError(f"{flag} {path!r}: the folder {folder!r} does not exist")
+
+
+def write_output(path: str, flag: str, write) -> None:
+    """write(sink) into `path`, exactly that name (sink.write(bytes)), opened for binary writing: created, or
+    truncated once it is known to be a regular file (O_NONBLOCK, so a FIFO put there cannot block the open). A write
+    that fails (a full disk) leaves no partial file and is an OSError naming the path."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0), 0o666)
+    try:
+        check_regular(path, os.fstat(fd).st_mode, flag)
+        os.set_blocking(fd, True)
+        os.ftruncate(fd, 0)
+    except BaseException:
+        os.close(fd)
+        raise
+    f = os.fdopen(fd, "wb")
+    try:
+        # write() gets an object with only .write: np.save writes a real file with fwrite (ndarray.tofile), whose
+        # failure loses errno; through .write a failure says why (no space left on device)
+        write(SimpleNamespace(write=f.write))
+        f.close()
+    except OSError as e:
+        try:
+            f.close()
+        except OSError:
+            pass  # the buffer it could not flush: the error is the write's, already in hand
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        raise OSError(e.errno, e.strerror, path) from None
+
+
+def positive_ints(flag: str, value: str, what: str) -> tuple[int, ...]:
+    """A flag's comma-separated positive integers ("128,947,4096"), each at most INT64_MAX."""
+    try:
+        out = tuple(int(x) for x in value.split(","))
+    except ValueError:
+        raise ParameterError(f"{flag} must be comma-separated integers, got {value!r}") from None
+    if not out or min(out) < 1 or max(out) > INT64_MAX:
+        raise ParameterError(f"{flag} must be positive {what} (at most {INT64_MAX}), got {value!r}")
+    return out
 
 
 def _parse_tokens(s: str) -> list[int]:

@@ -6,7 +6,16 @@ import argparse
 import os
 
 from ..errors import BackendNotAvailableError, HybridInferError, ParameterError
-from .args import BACKEND_HELP, _int_at_least, add_card_profile, gb_per_s, parse_size
+from .args import (
+    BACKEND_HELP,
+    _int_at_least,
+    add_card_profile,
+    gb_per_s,
+    parse_size,
+    positive_ints,
+    seed_int,
+    threads_int,
+)
 
 
 def _save_bench(out_dir: str, name: str, text: str, plot) -> None:
@@ -52,22 +61,12 @@ def cmd_bench_decode(a) -> int:
     return 0
 
 
-def _positive_ints(flag: str, value: str, what: str) -> tuple[int, ...]:
-    try:
-        out = tuple(int(x) for x in value.split(","))
-    except ValueError:
-        raise ParameterError(f"{flag} must be comma-separated integers, got {value!r}") from None
-    if not out or min(out) < 1:
-        raise ParameterError(f"{flag} must be positive {what}, got {value!r}")
-    return out
-
-
 def cmd_bench_batch(a) -> int:
     import json
 
     from ..tools.benchmarks import batch
 
-    sizes = _positive_ints("--batch-sizes", a.batch_sizes, "sequence counts")
+    sizes = positive_ints("--batch-sizes", a.batch_sizes, "sequence counts")
     _check_tools(a, "--llama-batched-bench", "--llama-bench", "--llama-bench-sse")
     res = batch.run(a.model, a.threads, sizes, a.steps, a.prompt_len, a.llama_batched_bench,
                     prefill_tokens=a.prefill_tokens, llama_bench=a.llama_bench, llama_bench_sse=a.llama_bench_sse)
@@ -97,7 +96,7 @@ def cmd_bench_prefill(a) -> int:
 
     from ..tools.benchmarks import prefill
 
-    prompts = _positive_ints("--prompts", a.prompts, "token counts")
+    prompts = positive_ints("--prompts", a.prompts, "token counts")
     _check_tools(a, "--llama-bench", "--llama-bench-cuda")
     try:
         res = prefill.run(a.model, prompts, a.vram_budget or None, not a.no_resident, a.threads, a.llama_bench,
@@ -117,10 +116,12 @@ def cmd_bench_serve(a) -> int:
 
     from ..tools.benchmarks import serve, serve_plot
 
-    conc = _positive_ints("--concurrency", a.concurrency, "client counts")
+    conc = positive_ints("--concurrency", a.concurrency, "client counts")
     _check_tools(a, "--llama-server")
-    if a.chat_template_file and not os.path.isfile(a.chat_template_file):
-        raise ParameterError(f"--chat-template-file {a.chat_template_file!r}: no such file")
+    if a.chat_template_file:  # what both servers will read: a regular file of UTF-8 text, no larger than a template
+        from ..format.chat_template import read_template_file
+
+        read_template_file(a.chat_template_file, "--chat-template-file")
     res = serve.run(a.model, a.threads, a.max_seqs, conc, a.requests, a.max_tokens, a.conversations, a.turns,
                     a.system_tokens, a.shared_system, a.n_ctx, a.backend, a.llama_server,
                     a.chat_template_file and os.path.abspath(a.chat_template_file), a.prefix_cache_ram)
@@ -137,7 +138,7 @@ def cmd_bench_batch_job(a) -> int:
 
     policies = batch_job.parse_policies(a.numa_policies)
     configs = batch_job.parse_configs(a.configs)
-    qt = _positive_ints("--question-tokens", a.question_tokens, "token counts")
+    qt = positive_ints("--question-tokens", a.question_tokens, "token counts")
     if len(qt) != 2 or qt[0] > qt[1]:
         raise ParameterError(f"--question-tokens must be LO,HI with LO <= HI, got {a.question_tokens!r}")
     _check_tools(a, "--llama-server")
@@ -162,7 +163,7 @@ def _bench_parser(bsub, name: str, help: str, fn, threads_help: str | None = Non
     b = bsub.add_parser(name, help=help)
     b.add_argument("-m", "--model", required=model_required,
                    help=None if model_required else "GGUF file (default: the embedded SmolLM2-135M-Instruct)")
-    b.add_argument("-t", "--threads", type=_int_at_least(1), default=os.cpu_count(), help=threads_help)
+    b.add_argument("-t", "--threads", type=threads_int, default=os.cpu_count(), help=threads_help)
     b.add_argument("--out-dir", default="bench/results")
     b.set_defaults(fn=fn)
     return b
@@ -242,7 +243,7 @@ def add_bench_parsers(sub) -> None:
                         "is the scheduler row)")
     b.add_argument("--n-ctx", type=_int_at_least(256), default=None,
                    help="context per sequence (default: the longest prompt + max_tokens, rounded up to 256)")
-    b.add_argument("--seed", type=int, default=0, help="the questions' words and lengths")
+    b.add_argument("--seed", type=seed_int, default=0, help="the questions' words and lengths")
     b.add_argument("--backend", default="cpu", choices=["reference", "cpu", "gpu", "auto"],
                    help="compute backend: " + BACKEND_HELP + " (default cpu)")
     b.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary, run on the same GGUF")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from ..errors import ParameterError
-from .args import gb_per_s, parse_size
+from .args import gb_per_s, parse_size, positive_ints
 
 
 def _host_bandwidth() -> float:
@@ -21,6 +21,7 @@ def cmd_plan(a) -> int:
     from ..tools.card_plan import find_card, format_plan, plan_for_card
 
     find_card(a.card)  # a bad name is reported before any model is read
+    prompts = positive_ints("--prompts", a.prompts, "token counts")
     if bool(a.model) == bool(a.shape):
         raise ParameterError(f"plan takes one of -m MODEL or --shape SHAPE (got -m {a.model!r}, --shape {a.shape!r})")
     if a.shape:
@@ -31,19 +32,13 @@ def cmd_plan(a) -> int:
         from ..format.gguf_model import GGUFModel
 
         gm = GGUFModel(a.model)
-    prompts = []
-    for x in a.prompts.split(","):
-        try:
-            prompts.append(int(x))
-        except ValueError:
-            raise ParameterError(f"--prompts must be comma-separated token counts, got {a.prompts!r}") from None
     host_bw, note = a.host_bw, ""
     if host_bw is None:
         host_bw, note = _host_bandwidth(), " (--host-bw not given: measured on this host)"
     if a.vram_budget == 0:
         raise ParameterError("--vram-budget must be more than 0 bytes, got 0")
     pl = plan_for_card(gm, model_args(gm), a.card, vram_budget=a.vram_budget, host_bw=host_bw,
-                       prompts=tuple(prompts))
+                       prompts=prompts)
     print(format_plan(pl) + note)
     return 0
 

@@ -6,7 +6,7 @@ import os
 import sys
 
 from ..errors import ParameterError
-from .args import _add_cache, _add_model, _int_at_least, parse_size
+from .args import _add_cache, _add_model, _int_at_least, _int_in, parse_size
 
 
 def cmd_serve(a) -> int:
@@ -40,7 +40,7 @@ def add_serve_parser(sub) -> None:
     # stride snapshots inside every long prompt would fill the RAM budget and evict those (issue 21's agent load)
     _add_cache(p, snapshot_stride=0)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=_int_at_least(0), default=8080)
+    p.add_argument("--port", type=_int_in(1, 65535), default=8080)
     p.add_argument("--api-key", default=None,
                    help="key clients must send (Authorization: Bearer or x-api-key; env HYBRIDINFER_API_KEY); "
                         "several separated by commas, each a tenant of its own in the prefix cache")

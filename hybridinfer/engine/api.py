@@ -203,6 +203,7 @@ class Engine:
             path = default_model_path()
         _check_load_args(n_ctx, prefill_chunk, snapshot_stride, options)
         gm = GGUFModel(path)
+        gm.check_finite()  # a damaged file (NaN scales) is refused here, not answered with nothing
         args = model_args(gm)
         n_ctx = int(min(n_ctx, args.context_length))
         be = make_backend(backend, gm, args, options, n_ctx)

@@ -27,6 +27,7 @@ from functools import lru_cache
 from typing import Any
 
 from ..errors import TemplateError
+from .files import read_text
 
 # ChatML, for GGUFs without `tokenizer.chat_template` (the format of Qwen and SmolLM models).
 _CHATML = (
@@ -51,6 +52,7 @@ MAX_RANGE = 100_000
 BASE_OUTPUT_CHARS = 1 << 20
 OUTPUT_PER_INPUT_CHAR = 16
 MAX_INT_BITS = 1 << 16  # integer arithmetic past this is never template work and may not return (10**10**10)
+MAX_TEMPLATE_FILE_BYTES = 1 << 20  # a template file: real ones are tens of KiB
 
 
 class _Budget:
@@ -169,6 +171,13 @@ def _input_chars(v: Any) -> int:
 def default_template() -> str:
     """The ChatML template used when a GGUF carries none."""
     return _CHATML
+
+
+def read_template_file(path: str, what: str = "chat template file") -> str:
+    """The text of a template file (as llama-server's --chat-template-file): a regular file of at most
+    MAX_TEMPLATE_FILE_BYTES of UTF-8, its newlines read as text mode reads them. A FIFO or a device is refused
+    before it is read (NotRegularFileError), a larger or undecodable file with a ParameterError naming `what`."""
+    return read_text(path, what, MAX_TEMPLATE_FILE_BYTES).replace("\r\n", "\n").replace("\r", "\n")
 
 
 def chat_template_from_metadata(md: Mapping[str, Any], name: str | None = None) -> str:

@@ -23,11 +23,14 @@ from ..errors import (
     GGUFError,
     MissingMetadataError,
     MissingTensorError,
+    NonFiniteWeightsError,
     NotGGUFError,
+    NotRegularFileError,
     TensorShapeError,
     TruncatedGGUFError,
     UnsupportedTensorTypeError,
 )
+from .files import open_regular
 from .quant import SUPPORTED_TYPES, block_info, dequantize, type_name
 
 GGUF_MAGIC = b"GGUF"
@@ -139,6 +142,22 @@ class _HeaderParser:
         raise GGUFError(f"{self.path!r}: metadata key {key!r} is an array of unknown value type {itype}")
 
 
+# check_finite's sample: every value of a tensor of at most _SMALL bytes, else _SPAN bytes' blocks at three places
+_SMALL, _SPAN = 1 << 16, 1 << 12
+
+
+def _finite_sample(t: TensorInfo) -> np.ndarray:
+    """Some of `t`'s values as float32 (see GGUFModel.check_finite)."""
+    qk, bs = block_info(t.qtype)
+    raw = t.raw()
+    n = t.nbytes // bs
+    if t.nbytes > _SMALL:
+        k = max(1, _SPAN // bs)
+        raw = np.concatenate([raw[b * bs:(b + k) * bs] for b in (0, (n - k) // 2, n - k)])
+        n = 3 * k
+    return dequantize(raw, t.qtype, (n * qk,))
+
+
 class GGUFModel:
     """A memory-mapped GGUF file.
 
@@ -149,15 +168,19 @@ class GGUFModel:
     def __init__(self, path: str | os.PathLike[str]):
         self.path = os.fspath(path)
         try:
-            size = os.path.getsize(self.path)
-            with open(self.path, "rb") as f:
+            # a FIFO or a device is refused before any read: a FIFO with no writer would block here for ever
+            with open_regular(self.path, "model file") as f:
+                size = os.fstat(f.fileno()).st_size
                 head = f.read(4)
+                if head == GGUF_MAGIC:
+                    self._mm = np.memmap(f, mode="r")  # the file checked, not whatever the name points to now
         except OSError as e:
             raise GGUFError(f"cannot open model file {self.path!r}: {e.strerror}") from e
+        except NotRegularFileError as e:
+            raise GGUFError(f"cannot open model file {self.path!r}: it is {e.kind}, not a regular file") from None
         if head != GGUF_MAGIC:
             raise NotGGUFError(f"{self.path!r} is not a GGUF file: it starts with {head!r}, not b'GGUF'")
         self.file_size = size
-        self._mm = np.memmap(self.path, mode="r")
         self._parse(memoryview(self._mm), size)
 
     def _parse(self, buf: memoryview, size: int) -> None:
@@ -282,6 +305,22 @@ class GGUFModel:
         """The tensor as float32 in numpy order (shape reversed from `ne`)."""
         t = self.tensor(name, ne)
         return dequantize(t.raw(), t.qtype, t.shape)
+
+    def check_finite(self) -> None:
+        """NonFiniteWeightsError naming the first tensor, in file order, with NaN or infinity among a sample of its
+        values: all of a small tensor (norms, biases), else the blocks of a few KiB at its start, middle and end
+        (a block's scales are in every value of it, so a damaged scale shows): at most 64 KiB a tensor, read in file
+        order, whatever the model's size. A check for a damaged file (a data region overwritten with 0xFF), not a
+        proof that every weight is sound."""
+        for t in sorted(self.tensors.values(), key=lambda t: t.offset):
+            if t.qtype not in SUPPORTED_TYPES or not t.nbytes:
+                continue  # an unsupported type is reported when the model asks for the tensor
+            vals = _finite_sample(t)
+            bad = vals[~np.isfinite(vals)]
+            if bad.size:
+                raise NonFiniteWeightsError(
+                    f"{self.path!r}: tensor {t.name!r} ({t.type_name}) holds {bad[0]} among its weights; the file is "
+                    f"damaged")
 
     def fingerprint(self) -> str:
         """A hash of the metadata and tensor layout (names, types, shapes, offsets), not the data."""

@@ -84,6 +84,7 @@ _KEYS = {
                                  "full_attention_interval", "n_expert", "n_expert_used", "n_ff_exp", "n_ff_shexp"),
 }
 _FLOAT_KEYS = ("rms_eps", "rope_theta", "rope_frac")
+_MAX_INT_KEY = (1 << 31) - 1
 QUANTS = {  # name -> (default ggml type, llama_ftype value written to general.file_type)
     "q4_k_m": (T.Q4_K, 15), "q8_0": (T.Q8_0, 7), "q4_0": (T.Q4_0, 2), "f16": (T.F16, 1), "f32": (T.F32, 0),
 }
@@ -164,9 +165,9 @@ def _validate(arch: str, hp: dict) -> dict:
             if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v <= 0:
                 raise ShapeError(f"shape key {k!r} must be a positive finite number, got {v!r}")
             hp[k] = float(v)
-        else:
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise ShapeError(f"shape key {k!r} must be a positive integer, got {v!r}")
+        else:  # at most what the GGUF's 32-bit metadata fields and numpy's indices hold
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0 or v > _MAX_INT_KEY:
+                raise ShapeError(f"shape key {k!r} must be a positive integer at most {_MAX_INT_KEY}, got {v!r}")
     if hp.get("rope_frac", 1.0) > 1:
         raise ShapeError(f"shape key 'rope_frac' must be at most 1 (a fraction of head_dim), got {hp['rope_frac']!r}")
     if hp["n_head"] % hp["n_head_kv"]:

@@ -33,9 +33,10 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from ...errors import SnapshotError
+from ...format.files import describe_mode
 from .index import BlockIndex, Entry
 from .layout import StateLayout, check_snapshot
-from .snapshot import FileHeader, Snapshot, describe_mode, file_size, load_file, read_header, write_file
+from .snapshot import FileHeader, Snapshot, file_size, load_file, read_header, write_file
 
 SNAP_RE = re.compile(r"^([0-9a-f]{32})\.snap$")
 TMP_PREFIX = ".tmp-"

@@ -23,14 +23,14 @@ import hashlib
 import json
 import math
 import os
-import stat
 import struct
 import tempfile
 from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 
-from ...errors import ContextLengthError, SnapshotError
+from ...errors import ContextLengthError, NotRegularFileError, SnapshotError
+from ...format import files
 from ..fsutil import fsync_dir
 
 MAGIC = b"HYBSNAP\0"
@@ -288,26 +288,12 @@ class NotAFileError(SnapshotError):
 
 
 def open_regular(path: str):
-    """`path` opened for reading as a binary file object, if it is a regular file (NotAFileError otherwise).
-    O_NONBLOCK so that opening a FIFO cannot wait for a writer; fstat of the opened file, not a stat of the name
-    before, so a file swapped in between is still checked."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    """`path` opened for reading as a binary file object, if it is a regular file (NotAFileError otherwise), as
+    format.files.open_regular opens it: a FIFO cannot make the open wait for a writer."""
     try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise NotAFileError(f"not a regular file ({describe_mode(mode)})")
-        return os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
-
-
-def describe_mode(mode: int) -> str:
-    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a symlink")):
-        if test(mode):
-            return name
-    return f"mode {mode:#o}"
+        return files.open_regular(path)
+    except NotRegularFileError as e:
+        raise NotAFileError(f"not a regular file ({e.kind})") from None
 
 
 def read_header(path: str) -> FileHeader | None:
