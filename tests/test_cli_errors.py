@@ -296,6 +296,7 @@ def test_sampling_params_reject_non_finite(name, value):
     (dict(prefill_chunk=0), "prefill_chunk must be >= 1, got 0"),
     (dict(snapshot_stride=-1), "snapshot_stride must be >= 0, got -1"),
     (dict(backend="cpu", n_threads=0), "n_threads must be >= 1, got 0"),
+    (dict(backend="cpu", n_threads=2**40), "n_threads must be <= 4096, got 1099511627776"),
     (dict(backend="cpu", isa="sse9"), "'sse9'"),
 ])
 def test_engine_load_checks_values_before_opening(tmp_path, kw, pattern):

@@ -9,6 +9,7 @@ import os
 import sys
 from types import SimpleNamespace
 
+from ..backends.cpu.simd_native import MAX_THREADS
 from ..errors import ParameterError
 from ..format.files import check_regular
 
@@ -107,7 +108,7 @@ def _int_at_least(lo: int):
 
 
 # -t/--threads: at most the SIMD library's pool (hi_ctx_new refuses more)
-threads_int = _int_in(1, 4096)
+threads_int = _int_in(1, MAX_THREADS)
 
 # a seed: any 64-bit pattern, signed or not (the sampler keeps its low 64 bits)
 seed_int = _int_in(-(1 << 63), (1 << 64) - 1)

@@ -53,7 +53,9 @@ def _check_load_args(n_ctx, prefill_chunk, snapshot_stride, options: dict) -> No
     if snapshot_stride is not None:
         check_int("snapshot_stride", snapshot_stride, 0)
     if options.get("n_threads") is not None:
-        check_int("n_threads", options["n_threads"], 1)
+        from ..backends.cpu.simd_native import MAX_THREADS
+
+        check_int("n_threads", options["n_threads"], 1, MAX_THREADS)
     if options.get("card_profile") is not None:
         from ..backends.gpu.cards import PROFILES
 

@@ -11,6 +11,8 @@ import numpy as np
 from ...errors import BackendNotAvailableError, UnsupportedTensorTypeError
 from ...format.quant import type_name
 
+MAX_THREADS = 4096  # the pool size hi_ctx_new (native/simd/hi_ctx.c) refuses beyond
+
 ISAS: tuple[str, ...] = ("scalar", "ssse3", "avx2", "avx512vnni")
 ACT_KINDS: tuple[str, ...] = ("f32", "f16", "q8_0", "q8_1", "q8_K")
 # weight types with a kernel -> activation kind
