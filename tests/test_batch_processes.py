@@ -87,3 +87,23 @@ def test_cli_refuses_a_file_that_is_no_batch_output(tmp_path, capsys):
     assert notes.read_bytes() == data
     assert main(["batch", "--backend", "cpu", str(job), "-o", "/dev/full"]) == 2
     assert "not a regular file" in capsys.readouterr().err
+
+
+def test_a_full_disk_ends_the_cli_in_one_line(tmp_path):
+    """The output on a 16 KiB tmpfs (mounting one needs root: skipped where it cannot be mounted; the library's
+    write errors are tested without it in test_batch_robust): status 2, one line naming the input line, no hang,
+    and the output ends with a whole record."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        job, out = tmp_path / "job.jsonl", disk / "out.jsonl"
+        _write(job, 48, 2)
+        r = subprocess.run(_cmd(job, out), capture_output=True, text=True, timeout=300)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+        assert "writing the answer to input line" in r.stderr and "No space left" in r.stderr, r.stderr
+        got = _records(out)
+        assert 0 < len(got) < 48 and out.read_bytes().endswith(b"\n")
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)

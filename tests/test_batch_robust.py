@@ -169,6 +169,9 @@ def test_a_line_over_the_limit_is_an_error_line(engine, tmp_path):
     rec = _records(out)["batch_req_2"]
     assert rec["error"]["code"] == "line_too_long" and rec["response"] is None
     assert "line 2 is 1200" in rec["error"]["message"] and f"{1 << 20} bytes" in rec["error"]["message"]
+    # resumed with a higher limit: the line answered as too long (no custom_id read then) stays answered
+    s, err = _run(engine, job, out, max_line_bytes=4 << 20)
+    assert err is None and s["written"] == 0 and s["done"] == 3, (s, err)
 
 
 def test_a_request_that_fails_alone_is_its_error_line(engine, tmp_path, monkeypatch):
