@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("pydantic")
 
-from hybridinfer.errors import ParameterError  # noqa: E402
+from hybridinfer.serving.batch.guard import BatchOutputError  # noqa: E402
 from hybridinfer.serving.batch.jobfile import (  # noqa: E402
     LineError,
     line_error_record,
@@ -23,7 +23,7 @@ from hybridinfer.serving.batch.jobfile import (  # noqa: E402
     shard_of,
 )
 from hybridinfer.serving.batch.order import shared_prefix_tokens, trie_order, windows  # noqa: E402
-from hybridinfer.serving.batch.output import LineSet, Output, scan, sort_records  # noqa: E402
+from hybridinfer.serving.batch.output import Done, Output, scan, sort_records  # noqa: E402
 
 
 def test_protocol_imports_no_http_and_no_batch():
@@ -93,11 +93,13 @@ def test_trie_order_groups_shared_prefixes():
     assert list(windows(range(5), 2)) == [[0, 1], [2, 3], [4]]
 
 
-def test_lineset():
-    s = LineSet()
-    for n in (1, 9, 1_000_000, 9):
-        s.add(n)
-    assert len(s) == 3 and 9 in s and 1_000_000 in s and 8 not in s and 2_000_000 not in s
+def test_done_lines_keep_their_custom_id():
+    s = Done()
+    for n, cid in ((1, "a"), (9, None), (1_000_000, "z"), (9, None)):
+        s.add(n, cid)
+    assert len(s) == 3 and 9 in s and 1_000_000 in s and 8 not in s and 2_000_000 not in s and -1 not in s
+    assert s.matches(1, "a") and not s.matches(1, "b") and not s.matches(1, None)
+    assert s.matches(9, None) and not s.matches(9, "a") and not s.matches(8, None)
 
 
 def _rec(n):
@@ -131,5 +133,5 @@ def test_output_resumes_and_truncates_a_torn_line(tmp_path):
 def test_output_refuses_a_foreign_file(tmp_path):
     p = tmp_path / "notes.jsonl"
     p.write_bytes(b'{"hello": 1}\n' + json.dumps(_rec(1)).encode() + b"\n")
-    with pytest.raises(ParameterError, match="not the output of a batch job"):
+    with pytest.raises(BatchOutputError, match="not the output of a batch job"):
         Output(str(p))

@@ -9,7 +9,7 @@ import sys
 import threading
 
 from ..errors import ParameterError
-from .args import _add_cache, _add_model, _check_output, _int_at_least
+from .args import _add_cache, _add_model, _check_output, _int_at_least, parse_size
 
 
 def _stop_on_signals(stop: threading.Event) -> None:
@@ -42,14 +42,20 @@ def cmd_batch(a) -> int:
     _check_output(a.output, "-o/--output")
     if os.path.exists(a.output) and os.path.samefile(a.input, a.output):
         raise ParameterError(f"-o/--output {a.output!r} is the input file")
+    if a.max_line_bytes is not None and a.max_line_bytes < 1:
+        raise ParameterError(f"--max-line-bytes must be at least 1 byte, got {a.max_line_bytes}")
     try:
         shard = parse_shard(a.shard)
     except ValueError as e:
         raise ParameterError(f"--shard: {e}") from None
     try:
         from ..serving.batch import run_job
+        from ..serving.batch.guard import check_output
+        from ..serving.batch.inputfile import JobInput
     except ModuleNotFoundError as e:
         raise ParameterError(f"batch needs its packages ({e.name} is missing): pip install -e '.[batch]'") from None
+    JobInput(a.input, 1)  # neither file nor pipe: said before the model loads
+    check_output(a.output)  # another process's output, or no batch output at all: refused before the model loads
     progress = a.progress or ("bar" if sys.stderr.isatty() else "none")
     if a.ray:
         if shard != (0, 1):
@@ -61,7 +67,7 @@ def cmd_batch(a) -> int:
     _stop_on_signals(stop)
     summary = run_job(_engine(a, quiet=progress == "json"), a.input, a.output, model_name=a.model_name, shard=shard,
                       window=a.window, max_inflight=a.max_inflight, sync_every=a.sync_every, ordered=a.ordered,
-                      progress=progress, progress_stream=sys.stderr, stop=stop)
+                      progress=progress, progress_stream=sys.stderr, stop=stop, max_line_bytes=a.max_line_bytes)
     if progress != "json":
         from ..serving.batch.progress import format_summary
 
@@ -100,7 +106,7 @@ def _cmd_ray(a, progress: str) -> int:
             print(json.dumps({"event": "progress", "done": done, "total": total}), file=sys.stderr, flush=True)
 
     job = {"model_name": a.model_name, "window": a.window, "max_inflight": a.max_inflight,
-           "sync_every": a.sync_every}
+           "sync_every": a.sync_every, "max_line_bytes": a.max_line_bytes}
     local = a.ray == "local"
     summary = run_ray(functools.partial(_shard_engine, a), a.input, a.output, n_shards=a.ray_shards,
                       address=None if local else a.ray, init_kwargs={"include_dashboard": False} if local else {},
@@ -126,7 +132,9 @@ def add_batch_parser(sub) -> None:
                                    "...sampling}. Each output line: {id, custom_id, response: {status_code, "
                                    "request_id, body}, error}, in completion order (--ordered: input order at the "
                                    "end). Running the same command again resumes: lines already answered are "
-                                   "skipped, a torn last line is redone.")
+                                   "skipped, a torn last line is redone. OUTPUT must be absent, empty or this "
+                                   "job's own (OUTPUT.job names its input's hash and model), and one process "
+                                   "writes it at a time (OUTPUT.lock).")
     _add_model(p)
     _add_cache(p)
     p.add_argument("input", nargs="?", help="the job: a JSONL file")
@@ -144,6 +152,9 @@ def add_batch_parser(sub) -> None:
                    help="requests read ahead and sorted together so shared prefixes run together (default 1024)")
     p.add_argument("--max-inflight", type=_int_at_least(1), default=None,
                    help="requests on the scheduler at once (default 2 x --max-seqs)")
+    p.add_argument("--max-line-bytes", type=parse_size, default=None,
+                   help="input lines longer than this are error lines, never parsed (default: 64 bytes a token of "
+                        "--n-ctx, at least 1MiB)")
     p.add_argument("--numa-plan", action="store_true", help="print the NUMA topology's plan for --numa and exit")
     p.add_argument("--summary", default=None, help="also write the summary as JSON to this file")
     p.add_argument("--ray", default=None, metavar="ADDRESS|local",

@@ -8,8 +8,9 @@ which is a chat/completions or completions body without the `model` field (the l
 Output: `{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}`. A request the server
 would refuse (an invalid body, a prompt too long) gets the server's status and error body, with `error` null, as
 OpenAI writes HTTP errors; a line that is no request at all (not JSON, no custom_id, an unknown url, a custom_id
-used before) gets `response` null and `error` {code, message}. The `id` is `batch_req_<input line number>`: it is
-what a resumed job keys on, so a line is done once whatever its custom_id."""
+used before, a line over the length limit) gets `response` null and `error` {code, message}. The `id` is
+`batch_req_<input line number>`: a resumed job keys on it and checks that the record's custom_id is that line's (the
+input itself is the one the output was begun on: guard.py), so a line is done once whatever its custom_id."""
 
 from __future__ import annotations
 
@@ -125,7 +126,13 @@ def line_error_record(number: int, err: LineError) -> dict:
 
 
 def dumps(record: dict) -> bytes:
-    return (json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
+    """A record as one line of UTF-8 JSON. A string that UTF-8 cannot carry (a lone surrogate, as in a custom_id
+    "bad\\ud800", which is valid JSON) is written as its \\u escape instead, so the line reads back the same."""
+    text = json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n"
+    try:
+        return text.encode()
+    except UnicodeEncodeError:
+        return (json.dumps(record, separators=(",", ":")) + "\n").encode()
 
 
 # shards -----------------------------------------------------------------------------------------------------------

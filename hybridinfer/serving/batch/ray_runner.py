@@ -4,10 +4,13 @@ run `run_job` on their shard into a part file; the driver merges the parts into 
 Exactly once across failures: a part file is a resumable output of its own, so an actor that dies (its machine
 lost, its process killed) is replaced by a new one that resumes the same part, and the merge happens only when
 every shard has finished. The input and the output's folder must be at the same path on every node (a shared
-filesystem, as a shared prefix-cache folder is). Needs `ray` (the `batch` extra)."""
+filesystem, as a shared prefix-cache folder is), so the input is a file, not a pipe. The driver holds the output's
+lock and claims it as a single job's output is claimed (guard.py); each part has its own lock and job file.
+Needs `ray` (the `batch` extra)."""
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import json
 import os
@@ -15,8 +18,11 @@ import time
 from collections import Counter
 
 from ...engine.fsutil import fsync_dir
+from ...errors import ParameterError
+from .guard import OutputLock, claim, job_identity, sidecar_path
+from .inputfile import JobInput
 from .output import scan
-from .runner import count_lines
+from .reader import input_lines
 
 RETRY_ERRORS = ("ActorDiedError", "RayActorError", "WorkerCrashedError", "ActorUnavailableError",
                 "NodeDiedError", "OwnerDiedError")
@@ -81,15 +87,28 @@ def run_ray(make_engine, input_path: str, output_path: str, *, n_shards: int | N
     start a local one (init_kwargs go to ray.init). max_retries: replacements of a dead actor per shard. job:
     run_job's options. on_actor(shard, actor): called with each actor started; on_progress(done, total): called
     while the shards run."""
+    job = dict(job or {})
+    with OutputLock(output_path):
+        inp = JobInput(input_path, 1 << 20)
+        if inp.is_pipe:
+            raise ParameterError(f"a Ray job's shards read its input {input_path!r} on their nodes: name a file (on a "
+                                 f"shared filesystem), not a pipe")
+        digest = hashlib.sha256()
+        total = sum(1 for _ in input_lines(inp, (0, 1), digest))
+        if claim(output_path, job_identity(digest.hexdigest(), job.get("model_name"), (0, 1), input_path)):
+            done, _, torn = scan(output_path)
+            if len(done) >= total and not torn:  # merged by an earlier run
+                return {"done": total, "total": total, "written": 0, "already_complete": True, "interrupted": False,
+                        "by_status": {}, "shards": 0, "retries": 0}
+        return _run(make_engine, input_path, output_path, total, job, n_shards=n_shards, address=address,
+                    init_kwargs=init_kwargs, cpus_per_shard=cpus_per_shard, max_retries=max_retries,
+                    on_actor=on_actor, on_progress=on_progress, poll_s=poll_s)
+
+
+def _run(make_engine, input_path: str, output_path: str, total: int, job: dict, *, n_shards, address, init_kwargs,
+         cpus_per_shard, max_retries, on_actor, on_progress, poll_s) -> dict:
     import ray
 
-    job = dict(job or {})
-    total = count_lines(input_path)
-    if os.path.exists(output_path):
-        done, _, torn = scan(output_path)
-        if len(done) >= total and not torn:  # merged by an earlier run
-            return {"done": total, "total": total, "written": 0, "already_complete": True, "interrupted": False,
-                    "by_status": {}, "shards": 0, "retries": 0}
     if not ray.is_initialized():
         ray.init(address=address, **(init_kwargs or {}))
     n = n_shards or max(1, sum(1 for nd in ray.nodes() if nd.get("Alive")))
@@ -135,6 +154,7 @@ def run_ray(make_engine, input_path: str, output_path: str, *, n_shards: int | N
     written = merge(parts, output_path)
     for p in parts:
         os.remove(p)
+        os.remove(sidecar_path(p))
     by_status: Counter = Counter()
     for s in summaries.values():
         by_status.update(s["by_status"])
