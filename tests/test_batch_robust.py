@@ -216,3 +216,15 @@ def test_a_request_that_fails_alone_is_its_error_line(engine, tmp_path, monkeypa
         resp = recs[cid]["response"]
         assert resp["status_code"] == 500 and what in resp["body"]["error"]["message"], recs[cid]
     assert all(recs[c]["response"]["status_code"] == 200 for c in ("q0", "q1", "z0"))
+
+
+def test_a_top_k_past_int64_is_its_error_line(engine, tmp_path):
+    """The finding: a line with top_k 2**63 made the job never end (and hang again on every resume)."""
+    job, out = tmp_path / "job.jsonl", tmp_path / "out.jsonl"
+    _job(job, _lines(1) + [{"custom_id": "huge", "prompt": "Hi", "max_tokens": 3, "top_k": 2**63}] + _lines(1, "z"))
+    s, err = _run(engine, job, out)
+    assert err is None and s["done"] == 3 and s["by_status"] == {"200": 2, "400": 1}, (s, err)
+    rec = next(r for r in _records(out).values() if r["custom_id"] == "huge")
+    assert rec["response"]["status_code"] == 400 and "top_k" in json.dumps(rec["response"]["body"]), rec
+    s, err = _run(engine, job, out)  # a resume finds every line answered
+    assert err is None and s["written"] == 0 and s["done"] == 3, (s, err)
