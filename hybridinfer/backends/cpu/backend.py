@@ -22,6 +22,7 @@ from ...errors import BackendNotAvailableError, UnsupportedTensorTypeError
 from ...format.gguf_model import GGUFModel
 from ...format.quant import dequantize_rows, type_name
 from ...models import graph
+from ...models.state_kinds import kind_of
 from .. import Backend
 from ..state import DecoderState, check_tokens
 from .graph_ops import CPUOps
@@ -85,11 +86,12 @@ class Layer:
 
 
 class Workspace:
-    """Every activation buffer of one forward pass over up to T tokens with a cache of n_ctx rows."""
+    """Every activation buffer of one forward pass over up to T tokens with a cache of n_ctx rows; each mixer op's
+    own (`op_<op>`, models/state_kinds.py names the op of each layer's kind) for the ops the layers use."""
 
     def __init__(self, model: CPUModel, T: int, n_ctx: int, rows: bool = False):
         a, simd = model.args, model.simd
-        f = lambda *s: np.zeros(s, np.float32)  # noqa: E731
+        f = _zeros
         D = a.n_embd
         self.T, self.n_ctx = T, n_ctx
         # decode (T = 1, or `rows`: one token of each of T sequences): native calls bound to these buffers once
@@ -109,17 +111,8 @@ class Workspace:
             if kind not in self.xq or self.xq[kind].shape[1] < nb:
                 self.xq[kind] = np.zeros((max(T, getattr(a, "n_expert_used", 1) * T + 1), nb), np.uint8)
         self.logits = f(T, model.out.rows)
-        if "attention" in a.layer_types:
-            hd = a.head_dim
-            self.q, self.gate = f(T, a.n_head, hd), f(T, a.n_head * hd)
-            self.attn = f(T, a.n_head * hd)
-            self.attn_scratch = f(simd.attention_scratch_size(n_ctx, hd))
-        if "gdn" in a.layer_types:
-            self.outs.append(f(T, a.ssm_n_v_heads))  # the 4th of GDN's products (alpha)
-            self.gdn_y = f(T, a.ssm_n_v_heads * a.ssm_d_v)
-            per = a.ssm_n_v_heads * a.ssm_d_v + a.ssm_conv_channels  # gdn_rows: one token of each sequence
-            self.gdn_scratch = f(max(gdn_scratch_size(a.ssm_conv_channels, a.ssm_n_v_heads, a.ssm_d_v,
-                                                              min(T, 16)), T * per if rows else 0))
+        for op in dict.fromkeys(kind_of(t).op for t in a.layer_types):  # the buffers of the mixers' ops
+            getattr(self, f"op_{op}")(a, simd, T, n_ctx, rows)
         if a.is_moe:
             k = a.n_expert_used
             self.router = f(T, a.n_expert)
@@ -130,6 +123,24 @@ class Workspace:
                 need = max(simd.moe_rows_scratch(T * k, a.n_expert, L.ffn_gate_exps.qtype, D) for L in model.layers
                            if L.ffn_gate_exps is not None)
                 self.moe_scratch = np.zeros(need, np.uint8)
+
+
+    def op_attention(self, a, simd, T: int, n_ctx: int, rows: bool) -> None:
+        hd = a.head_dim
+        self.q, self.gate = _zeros(T, a.n_head, hd), _zeros(T, a.n_head * hd)
+        self.attn = _zeros(T, a.n_head * hd)
+        self.attn_scratch = _zeros(simd.attention_scratch_size(n_ctx, hd))
+
+    def op_gdn(self, a, simd, T: int, n_ctx: int, rows: bool) -> None:
+        self.outs.append(_zeros(T, a.ssm_n_v_heads))  # the 4th of GDN's products (alpha)
+        self.gdn_y = _zeros(T, a.ssm_n_v_heads * a.ssm_d_v)
+        per = a.ssm_n_v_heads * a.ssm_d_v + a.ssm_conv_channels  # gdn_rows: one token of each sequence
+        self.gdn_scratch = _zeros(max(gdn_scratch_size(a.ssm_conv_channels, a.ssm_n_v_heads, a.ssm_d_v, min(T, 16)),
+                                      T * per if rows else 0))
+
+
+def _zeros(*shape) -> np.ndarray:
+    return np.zeros(shape, np.float32)
 
 
 class CPUModel(Backend):

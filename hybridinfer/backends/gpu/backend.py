@@ -18,6 +18,7 @@ import numpy as np
 
 from ...format.quant import dequantize_rows
 from ...models import graph
+from ...models.state_kinds import kind_of, layer_arrays
 from ..state import DecoderState, check_tokens
 from . import k_elementwise as ke
 from . import k_gemm as kgm
@@ -44,47 +45,73 @@ def _f32(gm, name):
     return gpuarray.to_gpu(v.reshape(-1) if len(t.ne) > 1 and all(int(n) == 1 for n in t.ne[1:]) else v)
 
 
+F32, I32 = np.dtype(np.float32), np.dtype(np.int32)
+
+
 class Buffers:
-    """Activation buffers for `C` tokens per kernel call and the card's copy of one sequence's state."""
+    """Activation buffers for `C` tokens per kernel call and the card's copy of one sequence's state, as `layout`
+    lists them: the walker's rows (h, x, mix, ffn, pos), each op's own buffers (`op_<op>` for the mixer kinds' ops,
+    then the FFN's), and the state the mixer kinds declare (models/state_kinds.py): `state[name, layer]` for every
+    array a layer keeps (per-token arrays with n_ctx rows) and, for each recurrent array, MAX_SNAPS slots
+    `snap[name]` that the kernels write mid-prompt snapshots into (at the rows `snap_pos` names)."""
 
     def __init__(self, a, C: int, n_ctx: int):
         from pycuda import gpuarray
 
-        f = lambda *s: gpuarray.empty(s, np.float32)  # noqa: E731
         self.C, self.n_ctx = C, n_ctx
+        self.state: dict[tuple[str, int], object] = {}
+        self.snap: dict[str, object] = {}
+        for key, (shape, dt) in self.layout(a, C, n_ctx).items():
+            arr = gpuarray.empty(shape, dt)
+            if isinstance(key, tuple):
+                getattr(self, key[0])[key[1]] = arr
+            else:
+                setattr(self, key, arr)
+
+    @classmethod
+    def layout(cls, a, C: int, n_ctx: int) -> dict:
+        """Every buffer: attribute name, or (dict attribute, key), -> (shape, dtype)."""
         D = a.n_embd
-        self.h = f(n_ctx, D)
-        self.x, self.mix, self.ffn = f(C, D), f(C, D), f(C, D)
-        self.pos = gpuarray.empty((n_ctx,), np.int32)  # absolute positions of the call's tokens, set once
-        gated = 2 if a.attn_gate else 1
-        self.qg, self.q = f(C, a.n_head * a.head_dim * gated), f(C, a.n_head, a.head_dim)
-        self.k, self.v = f(C, a.n_head_kv, a.head_dim), f(C, a.n_head_kv, a.head_dim)
-        self.o = f(C, a.n_head, a.head_dim)
-        self.kc = {i: f(n_ctx, a.n_head_kv, a.head_dim) for i, t in enumerate(a.layer_types) if t != "gdn"}
-        self.vc = {i: f(n_ctx, a.n_head_kv, a.head_dim) for i in self.kc}
-        if "gdn" in a.layer_types:
-            Cc, Hv = a.ssm_conv_channels, a.ssm_n_v_heads
-            self.u, self.c, self.z = f(C, Cc), f(C, Cc), f(C, Hv * a.ssm_d_v)
-            self.ga, self.gb, self.y = f(C, Hv), f(C, Hv), f(C, Hv, a.ssm_d_v)
-            gdn = [i for i, t in enumerate(a.layer_types) if t == "gdn"]
-            self.conv = {i: f(a.ssm_conv_kernel - 1, Cc) for i in gdn}
-            self.S = {i: f(Hv, a.ssm_d_k, a.ssm_d_v) for i in gdn}
-            self.snap_conv = f(MAX_SNAPS, a.ssm_conv_kernel - 1, Cc)
-            self.snap_S = f(MAX_SNAPS, Hv, a.ssm_d_k, a.ssm_d_v)
-            self.snap_pos = gpuarray.empty((MAX_SNAPS,), np.int32)
-        if a.is_moe:
-            k, E, F = a.n_expert_used, a.n_expert, a.n_ff_exp
-            self.router = f(C, E)
-            self.ids, self.wts = gpuarray.empty((C, k), np.int32), f(C, k)
-            self.counts, self.offs = gpuarray.empty((E,), np.int32), gpuarray.empty((E + 1,), np.int32)
-            self.perm_tok, self.perm_w = gpuarray.empty((C * k,), np.int32), f(C * k)
-            self.row_of_pair = gpuarray.empty((C, k), np.int32)
-            self.scratch = gpuarray.empty(km.group_scratch_shape(C * k, E), np.int32)
-            self.eg, self.eu, self.ed = f(C * k, F), f(C * k, F), f(C * k, D)
-            if a.n_ff_shexp:
-                self.sg, self.su, self.sgate = f(C, a.n_ff_shexp), f(C, a.n_ff_shexp), f(C, 1)
-        else:
-            self.fg, self.fu = f(C, a.n_ff), f(C, a.n_ff)
+        out: dict = {"h": ((n_ctx, D), F32), "x": ((C, D), F32), "mix": ((C, D), F32), "ffn": ((C, D), F32),
+                     "pos": ((n_ctx,), I32)}  # pos: absolute positions of the call's tokens, set once
+        for op in dict.fromkeys(kind_of(t).op for t in a.layer_types):
+            out.update(getattr(cls, f"op_{op}")(a, C))
+        out.update(cls.op_moe(a, C) if a.is_moe else cls.op_ffn(a, C))
+        for i, s in layer_arrays(a.layer_types):
+            out[("state", (s.name, i))] = (s.full_shape(a, n_ctx), F32)
+        recurrent = {s.name: s for _, s in layer_arrays(a.layer_types) if not s.per_token}
+        for name, s in recurrent.items():
+            out[("snap", name)] = ((MAX_SNAPS, *s.full_shape(a, 0)), F32)
+        if recurrent:
+            out["snap_pos"] = ((MAX_SNAPS,), I32)
+        return out
+
+    @staticmethod
+    def op_attention(a, C: int) -> dict:
+        hd, gated = a.head_dim, 2 if a.attn_gate else 1
+        return {"qg": ((C, a.n_head * hd * gated), F32), "q": ((C, a.n_head, hd), F32),
+                "k": ((C, a.n_head_kv, hd), F32), "v": ((C, a.n_head_kv, hd), F32), "o": ((C, a.n_head, hd), F32)}
+
+    @staticmethod
+    def op_gdn(a, C: int) -> dict:
+        Cc, Hv = a.ssm_conv_channels, a.ssm_n_v_heads
+        return {"u": ((C, Cc), F32), "c": ((C, Cc), F32), "z": ((C, Hv * a.ssm_d_v), F32), "ga": ((C, Hv), F32),
+                "gb": ((C, Hv), F32), "y": ((C, Hv, a.ssm_d_v), F32)}
+
+    @staticmethod
+    def op_moe(a, C: int) -> dict:
+        k, E, F, D = a.n_expert_used, a.n_expert, a.n_ff_exp, a.n_embd
+        out = {"router": ((C, E), F32), "ids": ((C, k), I32), "wts": ((C, k), F32), "counts": ((E,), I32),
+               "offs": ((E + 1,), I32), "perm_tok": ((C * k,), I32), "perm_w": ((C * k,), F32),
+               "row_of_pair": ((C, k), I32), "scratch": (tuple(km.group_scratch_shape(C * k, E)), I32),
+               "eg": ((C * k, F), F32), "eu": ((C * k, F), F32), "ed": ((C * k, D), F32)}
+        if a.n_ff_shexp:
+            out.update({"sg": ((C, a.n_ff_shexp), F32), "su": ((C, a.n_ff_shexp), F32), "sgate": ((C, 1), F32)})
+        return out
+
+    @staticmethod
+    def op_ffn(a, C: int) -> dict:
+        return {"fg": ((C, a.n_ff), F32), "fu": ((C, a.n_ff), F32)}
 
     # the output buffer of each product the descriptions' `linears` make (GPUOps.linears), by tensor name
     OUTS = {"attn_q": "qg", "attn_k": "k", "attn_v": "v", "attn_qkv": "u", "attn_gate": "z", "ssm_beta": "gb",
@@ -94,27 +121,10 @@ class Buffers:
         """(n, width) rows of the output buffer of product `name`."""
         return getattr(self, self.OUTS[name])[:n].reshape(n, -1)
 
-    @staticmethod
-    def nbytes(a, C: int, n_ctx: int) -> int:
+    @classmethod
+    def nbytes(cls, a, C: int, n_ctx: int) -> int:
         """Bytes Buffers(a, C, n_ctx) allocates (for the placement's reserve), computed without a card."""
-        D, hd = a.n_embd, a.head_dim
-        n = n_ctx * D + 3 * C * D + n_ctx
-        n += C * a.n_head * hd * (2 if a.attn_gate else 1) + 2 * C * a.n_head * hd + 2 * C * a.n_head_kv * hd
-        n_attn = sum(t != "gdn" for t in a.layer_types)
-        n += 2 * n_attn * n_ctx * a.n_head_kv * hd
-        if "gdn" in a.layer_types:
-            Cc, Hv, S = a.ssm_conv_channels, a.ssm_n_v_heads, a.ssm_n_v_heads * a.ssm_d_k * a.ssm_d_v
-            n_gdn = sum(t == "gdn" for t in a.layer_types)
-            n += 2 * C * Cc + C * Hv * a.ssm_d_v * 2 + 2 * C * Hv
-            n += n_gdn * ((a.ssm_conv_kernel - 1) * Cc + S) + MAX_SNAPS * ((a.ssm_conv_kernel - 1) * Cc + S + 1)
-        if a.is_moe:
-            k, E = a.n_expert_used, a.n_expert
-            n += C * E + 2 * C * k + 2 * E + 1 + 3 * C * k
-            n += int(np.prod(km.group_scratch_shape(C * k, E)))
-            n += C * k * (2 * a.n_ff_exp + D) + (C * (2 * a.n_ff_shexp + 1) if a.n_ff_shexp else 0)
-        else:
-            n += 2 * C * a.n_ff
-        return 4 * n
+        return sum(int(np.prod(shape)) * dt.itemsize for shape, dt in cls.layout(a, C, n_ctx).values())
 
 
 class GPUModel:
@@ -227,14 +237,10 @@ class GPUModel:
         # everything the layers need from the host goes up now: a synchronous copy inside the loop would wait
         # for the copy stream too (legacy default stream) and undo the overlap of uploads and compute
         b.pos[:T].set(np.arange(p0, p0 + T, dtype=np.int32))
-        if snaps and "gdn" in a.layer_types:  # attention-only models snapshot by position alone (K/V rows)
+        if snaps and b.snap:  # without recurrent arrays a snapshot is its position alone (per-token rows)
             b.snap_pos[: len(snaps)].set(np.array([sp - (sp - 1) // self.chunk * self.chunk for sp in snaps],
                                                   np.int32))
-        snap_host = [(DecoderState(n_ctx=state.n_ctx, layer_types=state.layer_types, pos=p0 + s,
-                                   tokens=state.tokens, k=state.k, v=state.v,
-                                   conv=[None if c is None else np.empty_like(c) for c in state.conv],
-                                   ssm=[None if c is None else np.empty_like(c) for c in state.ssm]))
-                     for s in snaps]
+        snap_host = [state.sharing_rows(p0 + s) for s in snaps]
         t_emb = time.perf_counter()
         ev0, ev1 = self._event(), self._event()
         ev0.record(self.stream)
@@ -255,7 +261,7 @@ class GPUModel:
                     self._mark(self._phase(i, br))
                     ke.add(h[c0:c1], br.fn(ops.branch(j), a, x), stream=self.stream)
                 self._mark(None)
-            self.handoff.layer_done(i, a.layer_types[i], self.stream)
+            self.handoff.layer_done(i, self.stream)
             st.release(i)
             self.handoff.drain(wait_through=i - 2)
         logits = self._head(h, T, all_logits)

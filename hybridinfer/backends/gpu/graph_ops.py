@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from ...models.state_kinds import kind_of
 from . import k_attention as ka
 from . import k_elementwise as ke
 from . import k_gdn as kg
 from . import k_gemm as kgm
 from . import k_moe as km
-from .work import attention_flops, gdn_flops
 
 SIDE_RATIO = 32  # products this many times narrower than their group's widest go on the side stream
 
@@ -78,6 +78,11 @@ class GPUOps:
             y = y.dense(gpuarray.empty(y.shape, np.float32))
         return y.get()
 
+    def _count(self, pos0: int, T: int) -> None:
+        """The mixer's FLOPs over T rows from position pos0, as its kind declares them, in the pass's work count."""
+        kind = self.a.layer_types[self.i]
+        self.m.work.add(kind, self.i, kind_of(kind).flops(self.a, pos0, T))
+
     # products ---------------------------------------------------------------------------------------------
     def linears(self, x, *names: str) -> list:
         """The products of x, each into its Buffers output; the narrow ones (GDN's beta and alpha) on the side
@@ -135,10 +140,11 @@ class GPUOps:
         ke.rope_neox(k3, self.pos, a.n_rot, a.rope_theta, stream=s, neox=a.rope_neox)
         o = b.o[:n]
         for r0, r1, p0, base in self.attn_segs:
-            kc, vc = (b.kc[i], b.vc[i]) if base == 0 else (b.kc[i][base:], b.vc[i][base:])
+            kc, vc = b.state["k", i], b.state["v", i]
+            kc, vc = (kc, vc) if base == 0 else (kc[base:], vc[base:])
             ka.kv_append(k3[r0:r1], v3[r0:r1], kc, vc, p0, stream=s)
             ka.attention_prefill(q[r0:r1], kc, vc, o[r0:r1], p0, stream=s)
-            self.m.work.add("attention", i, attention_flops(a.n_head, hd, p0, r1 - r0))
+            self._count(p0, r1 - r0)
         return o.reshape(n, a.n_head * hd)
 
     def sigmoid_gate(self, o, gate):
@@ -158,15 +164,15 @@ class GPUOps:
             if before is not None:
                 before()
             rows = r1 - r0
-            self.m.work.add("gdn", i, gdn_flops(A, rows))
+            self._count(0, rows)  # the same work at every position
             mine = [j for j, p in enumerate(sn) if q0 < p <= q0 + rows]  # positions relative to q0 in snap_pos
             sp = sc = sS = None
             if mine:
                 j0, j1 = mine[0], mine[-1] + 1
-                sp, sc, sS = b.snap_pos[j0:j1], b.snap_conv[j0:j1], b.snap_S[j0:j1]
+                sp, sc, sS = b.snap_pos[j0:j1], b.snap["conv"][j0:j1], b.snap["ssm"][j0:j1]
             kg.gdn_prefill(u[r0:r1], z[r0:r1], alpha[r0:r1], beta[r0:r1], L.v(conv), L.v(a), L.v(dt_bias),
-                           L.v(norm), b.conv[i], b.S[i], y[r0:r1], A.ssm_n_k_heads, A.ssm_d_k, A.rms_eps,
-                           A.gdn_head_map, sp, sc, sS, c=b.c[r0:r1], stream=s)
+                           L.v(norm), b.state["conv", i], b.state["ssm", i], y[r0:r1], A.ssm_n_k_heads, A.ssm_d_k,
+                           A.rms_eps, A.gdn_head_map, sp, sc, sS, c=b.c[r0:r1], stream=s)
             for r, j in enumerate(mine):  # synchronous, but only when the prefix cache asks for snapshots
                 sc[r].get(ary=self.snap_host[j].conv[i], stream=s)
                 sS[r].get(ary=self.snap_host[j].ssm[i], stream=s)

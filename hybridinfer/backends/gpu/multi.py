@@ -16,10 +16,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ...format.quant import dequantize_rows
+from ...models.state_kinds import ARRAYS
 from ..state import DecoderState, check_tokens
 from . import k_elementwise as ke
 from . import k_gemm as kgm
 from . import loader
+from .handoff import zero_or_upload
 
 
 @dataclass
@@ -90,21 +92,18 @@ def _pass(m, items: list[Item]) -> list[np.ndarray]:
     b.h[:off].set(emb)
     b.pos[:off].set(np.concatenate([np.arange(it.state.pos, it.state.pos + len(it.ids), dtype=np.int32)
                                     for it in items]))
-    if n_snap and "gdn" in a.layer_types:  # each snapshot's position within the piece of its prompt holding it
+    if n_snap and b.snap:  # each snapshot's position within the piece of its prompt holding it
         sp = [p - _piece_start(it, p, C) for it in items for p in it.snaps]
         b.snap_pos[:n_snap].set(np.array(sp, np.int32))
     snap_host = [None] * n_snap
+    rows = [(name, i, card) for (name, i), card in b.state.items() if ARRAYS[name].per_token]
     for it in items:
         st = it.state
         for r, p in enumerate(it.snaps):
-            snap_host[it.snap0 + r] = DecoderState(
-                n_ctx=st.n_ctx, layer_types=st.layer_types, pos=st.pos + p, tokens=st.tokens, k=st.k, v=st.v,
-                conv=[None if c is None else np.empty_like(c) for c in st.conv],
-                ssm=[None if c is None else np.empty_like(c) for c in st.ssm])
-        if st.pos:  # a restored prefix: its K/V rows up to this prompt's rows of the cache
-            for i in b.kc:
-                b.kc[i][it.base : it.base + st.pos].set(np.ascontiguousarray(st.k[i][: st.pos]))
-                b.vc[i][it.base : it.base + st.pos].set(np.ascontiguousarray(st.v[i][: st.pos]))
+            snap_host[it.snap0 + r] = st.sharing_rows(st.pos + p)
+        if st.pos:  # a restored prefix: its per-token rows up to this prompt's rows of the cache
+            for name, i, card in rows:
+                card[it.base : it.base + st.pos].set(np.ascontiguousarray(st.arrays[name][i][: st.pos]))
     stream_w = m.streamer
     stream_w.reset_timing()
     stream_w.prefetch(0)
@@ -123,8 +122,8 @@ def _pass(m, items: list[Item]) -> list[np.ndarray]:
                 if br.kind == "mixer":  # projections over all prompts' rows together, the rest per prompt
                     pieces = _pieces(items, r0, r1)
                     gdn_segs = [(q - r0, e - r0, q - it.off, [-1] * it.snap0 + it.snaps,
-                                 (lambda st=it.state, i=i: _load_gdn(drv, b, i, st, s)) if q == it.off else None,
-                                 (lambda jj=jj, i=i: _save_gdn(drv, b, i, pinned[jj][i], s))
+                                 (lambda st=it.state, i=i: _load_recurrent(drv, b, i, st, s)) if q == it.off else None,
+                                 (lambda jj=jj, i=i: _save_recurrent(drv, b, i, pinned[jj], s))
                                  if e == it.off + len(it.ids) else None)
                                 for jj, it, q, e in pieces]
                     attn_segs = [(q - r0, e - r0, it.state.pos + q - it.off, it.base) for _, it, q, e in pieces]
@@ -142,12 +141,10 @@ def _pass(m, items: list[Item]) -> list[np.ndarray]:
                      "prompts": len(items)}
     for j, it in enumerate(items):
         st, p0, T = it.state, it.state.pos, len(it.ids)
-        for i, (S_h, conv_h) in pinned[j].items():
-            np.copyto(st.ssm[i], S_h)
-            np.copyto(st.conv[i], conv_h)
-        for i in b.kc:
-            st.k[i][p0 : p0 + T] = b.kc[i][it.base + p0 : it.base + p0 + T].get()
-            st.v[i][p0 : p0 + T] = b.vc[i][it.base + p0 : it.base + p0 + T].get()
+        for (name, i), mirror in pinned[j].items():
+            np.copyto(st.arrays[name][i], mirror)
+        for name, i, card in rows:
+            st.arrays[name][i][p0 : p0 + T] = card[it.base + p0 : it.base + p0 + T].get()
         st.tokens[p0 : p0 + T] = it.ids
         st.pos = p0 + T
     if a.is_moe:
@@ -162,13 +159,13 @@ def _pass(m, items: list[Item]) -> list[np.ndarray]:
 
 
 def _pinned_states(m, n: int) -> list[dict]:
-    """Page-locked host mirrors of every GDN layer's S and conv for n prompts (kept on the model and grown as
-    needed): a prompt's layer state goes down into them without waiting for the card, while it goes on."""
+    """Page-locked host mirrors of every recurrent array (GDN S and conv) for n prompts (kept on the model and grown
+    as needed): a prompt's layer state goes down into them without waiting for the card, while it goes on."""
     b = m.buf
     have = getattr(m, "_multi_pinned", [])
     while len(have) < n:
-        have.append({i: (m.drv.pagelocked_empty(b.S[i].shape, np.float32),
-                         m.drv.pagelocked_empty(b.conv[i].shape, np.float32)) for i in getattr(b, "S", {})})
+        have.append({key: m.drv.pagelocked_empty(card.shape, np.float32) for key, card in b.state.items()
+                     if not ARRAYS[key[0]].per_token})
     m._multi_pinned = have
     return have[:n]
 
@@ -189,20 +186,19 @@ def _piece_start(it: Item, p: int, C: int) -> int:
     return max(r0, it.off) - it.off
 
 
-def _save_gdn(drv, b, i: int, mirrors, s) -> None:
-    S_h, conv_h = mirrors
-    drv.memcpy_dtoh_async(S_h, b.S[i].gpudata, s)
-    drv.memcpy_dtoh_async(conv_h, b.conv[i].gpudata, s)
+def _save_recurrent(drv, b, i: int, mirrors: dict, s) -> None:
+    """Layer i's recurrent arrays queued down into the prompt's pinned mirrors."""
+    for (name, j), mirror in mirrors.items():
+        if j == i:
+            drv.memcpy_dtoh_async(mirror, b.state[name, i].gpudata, s)
 
 
-def _load_gdn(drv, b, i: int, st: DecoderState, s) -> None:
-    """The card's conv and S of GDN layer i made the prompt's: zeros at position 0, else its state copied up."""
-    if st.pos == 0:
-        drv.memset_d32_async(b.S[i].gpudata, 0, b.S[i].size, s)
-        drv.memset_d32_async(b.conv[i].gpudata, 0, b.conv[i].size, s)
-    else:  # a synchronous copy (the null stream waits for the pass's stream): only after a restore
-        b.S[i].set(np.ascontiguousarray(st.ssm[i]))
-        b.conv[i].set(np.ascontiguousarray(st.conv[i]))
+def _load_recurrent(drv, b, i: int, st: DecoderState, s) -> None:
+    """The card's recurrent arrays of layer i made the prompt's: zeros at position 0, else its state copied up (a
+    synchronous copy: only after a restore)."""
+    for (name, j), card in b.state.items():
+        if j == i and not ARRAYS[name].per_token:
+            zero_or_upload(drv, card, st.arrays[name][i], st.pos, s)
 
 
 def _heads(m, items: list[Item]) -> list[np.ndarray]:
