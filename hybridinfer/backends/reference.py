@@ -11,13 +11,12 @@ import numpy as np
 
 from ..format.gguf_model import GGUFModel
 from ..format.quant import dequantize, dequantize_rows
+from ..format.quant_types import act_of
 from ..models import graph
 from ..models.graph import tensor_name
 from . import Backend, actquant
 from . import reference_ops as op
 from .state import DecoderState, check_tokens
-
-F16 = 1  # ggml type id
 
 
 class Weights:
@@ -41,7 +40,7 @@ class Weights:
                     per = t.nbytes // t.ne[2]
                     raw = raw[expert * per : (expert + 1) * per]
                 return actquant.qmatmul(x, raw, t.qtype, t.ne[1], t.ne[0])
-            if t.qtype == F16:
+            if act_of(t.qtype) == "f16":  # the input rounded to fp16, as llama.cpp's F16 products take it
                 x = x.astype(np.float16).astype(np.float32)
         w = self(name) if expert is None else self.expert(name, expert)
         return x @ w.T
