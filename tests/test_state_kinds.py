@@ -263,22 +263,22 @@ def test_state_handoff_moves_exactly_the_declared_arrays(fake_card, p0, T):
 
 
 def test_several_prompts_load_and_save_their_own_recurrent_state(fake_card):
-    from hybridinfer.backends.gpu import multi
+    from hybridinfer.backends.gpu import walker
     from hybridinfer.backends.gpu.backend import Buffers
 
     a = next(_args())
     b = Buffers(a, 16, 64)
     m = SimpleNamespace(buf=b, drv=fake_card)
-    pinned = multi._pinned_states(m, 2)
+    pinned = walker.pinned_states(m, 2)
     assert [set(p) for p in pinned] == [{k for k in b.state if not ARRAYS[k[0]].per_token}] * 2
     fresh, restored = DecoderState.new(a, 64), _random_state(a, 64, 5, seed=3)
     for i, s in layer_arrays(a.layer_types):
         if s.per_token:
             continue
-        multi._load_recurrent(fake_card, b, i, fresh, None)
+        walker.load_recurrent(fake_card, b, i, fresh, None)
         assert not b.state[s.name, i].a.any()
-        multi._load_recurrent(fake_card, b, i, restored, None)
+        walker.load_recurrent(fake_card, b, i, restored, None)
         assert np.array_equal(b.state[s.name, i].a, restored.arrays[s.name][i])
-        multi._save_recurrent(fake_card, b, i, pinned[1], None)
+        walker.save_recurrent(fake_card, b, i, pinned[1], None)
         assert np.array_equal(pinned[1][s.name, i], restored.arrays[s.name][i])
         assert np.isnan(pinned[0][s.name, i]).all()

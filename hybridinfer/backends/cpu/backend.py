@@ -22,6 +22,7 @@ from ...errors import BackendNotAvailableError, UnsupportedTensorTypeError
 from ...format.gguf_model import GGUFModel
 from ...format.quant import dequantize_rows, type_name
 from ...models import graph
+from ...models.graph import BlockTensors, block_names
 from ...models.state_kinds import kind_of
 from .. import Backend
 from ..state import DecoderState, check_tokens
@@ -63,26 +64,27 @@ def _mat(gm: GGUFModel, name: str) -> Mat:
     return Mat(name, t.raw(), t.qtype, ne[1], ne[0], ne[2] if len(ne) == 3 else 1)
 
 
-class Layer:
-    """Block i by GGUF names: `L.attn_q` is `blk.i.attn_q.weight` (a Mat), `L.ssm_dt_bias` is
-    `blk.i.ssm_dt.bias`; vectors (norms, ssm_a, the shared-expert gate) and ssm_conv1d are float32."""
+class Layer(BlockTensors):
+    """Block i's tensors by short name (models/graph.BlockTensors): `L["attn_q"]` is `blk.i.attn_q.weight` (a Mat),
+    `L["ssm_dt.bias"]` is `blk.i.ssm_dt.bias`; vectors (norms, ssm_a, the shared-expert gate) and ssm_conv1d are
+    float32. `tensors` holds them by GGUF name."""
 
-    def __init__(self, gm: GGUFModel, args, i: int):
-        p = f"blk.{i}."
-        self.kind = args.layer_types[i]
-        for name, t in gm.tensors.items():
-            if not name.startswith(p):
-                continue
-            short = name[len(p) :].removesuffix(".weight").replace(".", "_")
-            if short == "ssm_conv1d":
-                setattr(self, short, np.ascontiguousarray(gm.dequant(name), dtype=np.float32))  # (C, K)
-            elif len(t.ne) == 1 or (len(t.ne) == 2 and 1 in t.ne):
-                setattr(self, short, np.ascontiguousarray(gm.dequant(name).reshape(-1), dtype=np.float32))
-            else:
-                setattr(self, short, _mat(gm, name))
+    def __init__(self, gm: GGUFModel, i: int):
+        names = block_names(gm.tensors, i)
+        self.tensors = {n: _tensor(gm, short, n) for short, n in names.items()}
+        super().__init__(i, names, self.tensors.__getitem__)
 
     def mats(self) -> list[Mat]:
-        return [v for v in vars(self).values() if isinstance(v, Mat)]
+        return [v for v in self.tensors.values() if isinstance(v, Mat)]
+
+
+def _tensor(gm: GGUFModel, short: str, name: str):
+    t = gm.tensor(name)
+    if short == "ssm_conv1d":
+        return np.ascontiguousarray(gm.dequant(name), dtype=np.float32)  # (C, K)
+    if len(t.ne) == 1 or (len(t.ne) == 2 and 1 in t.ne):
+        return np.ascontiguousarray(gm.dequant(name).reshape(-1), dtype=np.float32)
+    return _mat(gm, name)
 
 
 class Workspace:
@@ -120,8 +122,8 @@ class Workspace:
             # decode with a shared expert as wide as the routed ones: its rows follow theirs (CPUOps.moe_impl)
             self.eg, self.eu, self.ed = f(T * k + 1, a.n_ff_exp), f(T * k + 1, a.n_ff_exp), f(T * k, D)
             if T > 1:  # moe_rows: its gathered inputs, outputs in expert order and grouping
-                need = max(simd.moe_rows_scratch(T * k, a.n_expert, L.ffn_gate_exps.qtype, D) for L in model.layers
-                           if L.ffn_gate_exps is not None)
+                need = max(simd.moe_rows_scratch(T * k, a.n_expert, L["ffn_gate_exps"].qtype, D)
+                           for L in model.layers if "ffn_gate_exps" in L)
                 self.moe_scratch = np.zeros(need, np.uint8)
 
 
@@ -164,16 +166,19 @@ class CPUModel(Backend):
         self.tok_embd = gm.tensor(graph.arch_of(a).EMBED)
         self.out = _mat(gm, head)
         self.out_norm = np.ascontiguousarray(gm.dequant(out_norm), dtype=np.float32)
-        self.layers = [Layer(gm, a, i) for i in range(a.n_layer)]
+        self.layers = [Layer(gm, i) for i in range(a.n_layer)]
         self.freq_factors = (np.ascontiguousarray(gm.dequant("rope_freqs.weight"), dtype=np.float32)
                              if getattr(a, "has_rope_freqs", False) else NO_FREQS)
-        owners = [(self, "out")] + [(L, k) for L in self.layers for k, v in vars(L).items() if isinstance(v, Mat)]
-        nbytes = sum(getattr(o, k).raw.nbytes for o, k in owners)
+        held = {"out": self.out}
+        owners = [(held, "out")] + [(L.tensors, k) for L in self.layers for k, v in L.tensors.items()
+                                    if isinstance(v, Mat)]
+        nbytes = sum(o[k].raw.nbytes for o, k in owners)
         replicate = numa is not None and numa.mode == "replicate"
         self.weights = choose_weights_mode("mmap" if replicate and weights == "auto" else weights, nbytes,
                                            mem_available())
         # a copy is also repacked for the unit (SimdLib.repack: the SSSE3 unit's K-quants zipped)
         self.weights_bytes = copy_mats(owners, simd.repack) if self.weights == "copy" else 0  # memory held
+        self.out = held["out"]
         self.mats = [self.out] + [m for L in self.layers for m in L.mats()]
         self.replicas = None
         if replicate:
@@ -401,7 +406,7 @@ class CPUModel(Backend):
 
     def _norm_of(self, where: tuple) -> np.ndarray:
         i, _, br = where
-        return getattr(self.layers[i], br.norm.replace(".", "_"))
+        return self.layers[i][br.norm]
 
     def _moe(self, ops: CPUOps, x: np.ndarray, router: Mat, experts: tuple, shared: tuple | None, shared_gate):
         """The moe op (CPUOps.moe_impl), here so that benchmarks can wrap it per model."""

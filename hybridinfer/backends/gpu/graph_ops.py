@@ -52,9 +52,10 @@ class GPUOps:
         self.pos, self.attn_segs, self.gdn_segs, self.snap_host = None, [], [], []
 
     def at(self, L, pos, attn_segs: list, gdn_segs: list, snap_host=()) -> GPUOps:
-        """Layer L's weights (backend._Names); pos: the rows' positions on the card; attn_segs: (row0, row1, pos0,
-        cache base) per sequence among the rows; gdn_segs: (row0, row1, offset in its prompt, snapshot positions,
-        before, after) per sequence (before/after load and save its state on the card, or None)."""
+        """Layer L's tensors by short name (models/graph.BlockTensors: its streamed matrices and its vectors); pos:
+        the rows' positions on the card; attn_segs: (row0, row1, pos0, cache base) per sequence among the rows;
+        gdn_segs: (row0, row1, offset in its prompt, snapshot positions, before, after) per sequence (before/after
+        load and save its state on the card, or None)."""
         self.L, self.i, self.pos, self.attn_segs, self.gdn_segs = L, L.i, pos, attn_segs, gdn_segs
         self.snap_host = snap_host
         return self
@@ -96,17 +97,17 @@ class GPUOps:
             sd = m._fork()
             for j, nm in enumerate(names):
                 if side[j]:
-                    res[j] = m._gemm(self.i, x, L.w(nm), out=outs[j], stream=sd)
+                    res[j] = m._gemm(self.i, x, L[nm], out=outs[j], stream=sd)
         for j, nm in enumerate(names):
             if not side[j]:
-                res[j] = m._gemm(self.i, x, L.w(nm), out=outs[j], stream=self.s)
+                res[j] = m._gemm(self.i, x, L[nm], out=outs[j], stream=self.s)
         if any(side):
             m._join()
         return res
 
     def linear(self, x, name: str):
         n = x.shape[0]
-        return self.m._gemm(self.i, x.reshape(n, -1), self.L.w(name), out=self.out[:n], stream=self.s)
+        return self.m._gemm(self.i, x.reshape(n, -1), self.L[name], out=self.out[:n], stream=self.s)
 
     def swiglu(self, g, u):
         return ke.swiglu(g, u, out=g, stream=self.s)
@@ -123,10 +124,10 @@ class GPUOps:
             if x.off:
                 raise ValueError("head_norm on GPU: only the query half of [query, gate] heads is read in place")
             q = self.b.q[: x.n]
-            ke.rms_norm(x.rows, self.L.v(name), a.rms_eps, out=q.reshape(x.rows.shape[0], hd), stream=self.s)
+            ke.rms_norm(x.rows, self.L[name], a.rms_eps, out=q.reshape(x.rows.shape[0], hd), stream=self.s)
             return q
         rows = x.reshape(x.shape[0] * (int(np.prod(x.shape[1:])) // hd), hd)
-        ke.rms_norm(rows, self.L.v(name), a.rms_eps, out=rows, stream=self.s)
+        ke.rms_norm(rows, self.L[name], a.rms_eps, out=rows, stream=self.s)
         return x
 
     def attention(self, q, k, v):
@@ -170,8 +171,8 @@ class GPUOps:
             if mine:
                 j0, j1 = mine[0], mine[-1] + 1
                 sp, sc, sS = b.snap_pos[j0:j1], b.snap["conv"][j0:j1], b.snap["ssm"][j0:j1]
-            kg.gdn_prefill(u[r0:r1], z[r0:r1], alpha[r0:r1], beta[r0:r1], L.v(conv), L.v(a), L.v(dt_bias),
-                           L.v(norm), b.state["conv", i], b.state["ssm", i], y[r0:r1], A.ssm_n_k_heads, A.ssm_d_k,
+            kg.gdn_prefill(u[r0:r1], z[r0:r1], alpha[r0:r1], beta[r0:r1], L[conv], L[a], L[dt_bias],
+                           L[norm], b.state["conv", i], b.state["ssm", i], y[r0:r1], A.ssm_n_k_heads, A.ssm_d_k,
                            A.rms_eps, A.gdn_head_map, sp, sc, sS, c=b.c[r0:r1], stream=s)
             for r, j in enumerate(mine):  # synchronous, but only when the prefix cache asks for snapshots
                 sc[r].get(ary=self.snap_host[j].conv[i], stream=s)
@@ -187,12 +188,12 @@ class GPUOps:
         k, E = a.n_expert_used, a.n_expert
         if shared is not None:  # the gated shared expert, beside the routed experts
             side = m._fork()
-            sg = m._gemm(L.i, x, L.w(shared[0]), out=b.sg[:n], stream=side)
-            su = m._gemm(L.i, x, L.w(shared[1]), out=b.su[:n], stream=side)
+            sg = m._gemm(L.i, x, L[shared[0]], out=b.sg[:n], stream=side)
+            su = m._gemm(L.i, x, L[shared[1]], out=b.su[:n], stream=side)
             ke.swiglu(sg, su, out=sg, stream=side)
-            sh = m._gemm(L.i, sg, L.w(shared[2]), out=self.spare[:n], stream=side)
-            gl = ke.dot_rows(x, L.v(shared_gate), out=b.sgate[:n], stream=side)
-        logits = m._gemm(L.i, x, L.w(router), out=b.router[:n], stream=s)
+            sh = m._gemm(L.i, sg, L[shared[2]], out=self.spare[:n], stream=side)
+            gl = ke.dot_rows(x, L[shared_gate], out=b.sgate[:n], stream=side)
+        logits = m._gemm(L.i, x, L[router], out=b.router[:n], stream=s)
         ids, wts = b.ids[:n], b.wts[:n]
         km.route(logits, k, ids, wts, stream=s)
         P = n * k
@@ -200,7 +201,7 @@ class GPUOps:
                  scratch=b.scratch[: km.group_scratch_shape(P, E)[0]], stream=s)
         # per-expert token counts for expert pinning: copied to pinned memory now, summed after the pass
         m.drv.memcpy_dtoh_async(m.counts_host[L.i, m._chunk_no], b.counts.gpudata, s)
-        G, U, D = (L.w(nm) for nm in experts)
+        G, U, D = (L[nm] for nm in experts)
         eg = kgm.gemm_grouped(x, G, b.offs, idx=b.perm_tok[:P], out=b.eg[:P], stream=s)
         eu = kgm.gemm_grouped(x, U, b.offs, idx=b.perm_tok[:P], out=b.eu[:P], stream=s)
         ke.swiglu(eg, eu, out=eg, stream=s)
