@@ -27,8 +27,9 @@ Op vocabulary (`Ops`; `OPS` below names each op's reference maths, CPU bindings 
                                    the Gated DeltaNet layer between its projections (spec qwen35 §3 steps 2-8)
     moe(x, router=, experts=, shared=, shared_gate=)
                                    softmax-top-k routed SwiGLU experts plus an optional sigmoid-gated shared expert
-A new layer type is a branch function here in its architecture module (and any new op in each backend's ops
-class); a new architecture is one module with EMBED, head and layer.
+A new layer type is a branch function in its architecture module and any new op in each backend's ops class (with
+the op's own work buffers: CPU Workspace.op_<op>, GPU Buffers.op_<op>); a new mixer kind also declares the state it
+keeps per sequence in state_kinds.py (one entry). A new architecture is one module with EMBED, head and layer.
 """
 
 from __future__ import annotations
