@@ -50,7 +50,8 @@ setup(
         "oracles": ["transformers", "llama-cpp-python", "torch"],
     },
     entry_points={"console_scripts": ["hybridinfer=hybridinfer.cli:main"]},
-    # the native SIMD library hybridinfer._simd (cffi API mode; sources and flags in native/simd/build.py)
-    cffi_modules=["native/simd/build.py:ffibuilder"],
+    # the native SIMD library hybridinfer._simd (cffi API mode; sources and flags in native/simd/build.py) and the
+    # GPU backend's bus pacing hybridinfer.backends.gpu._pace (native/pace/build.py)
+    cffi_modules=["native/simd/build.py:ffibuilder", "native/pace/build.py:ffibuilder"],
     zip_safe=False,
 )

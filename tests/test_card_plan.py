@@ -52,13 +52,14 @@ def test_pace_pieces_rejects_bad_rates_and_sizes():
 
 
 def test_pace_holds_keep_the_timeline_and_never_release_early():
-    """hi_pace_hold (native/simd/pace.c), run here directly as the CUDA driver runs it between copies: START sets
-    the bus's free time to now + its share, NEXT waits for it and adds its own share, END waits for the last."""
+    """hi_pace_hold (native/pace/pace.c, the GPU package's own module), run here directly as the CUDA driver runs it
+    between copies: START sets the bus's free time to now + its share, NEXT waits for it and adds its own share, END
+    waits for the last."""
     import time
 
-    from hybridinfer.backends.cpu.simd_native import _native
+    from hybridinfer.backends.gpu.k_pace import END, NEXT, START, native
 
-    m = _native()
+    m = native()
     ffi, lib = m.ffi, m.lib
     clock = ffi.new("hi_pace_clock *")
 
@@ -67,16 +68,17 @@ def test_pace_holds_keep_the_timeline_and_never_release_early():
 
     t0 = lib.hi_pace_now_ns()
     w0 = time.perf_counter()
-    hold(0, 20_000_000)
+    assert (START, NEXT, END) == (lib.HI_PACE_START, lib.HI_PACE_NEXT, lib.HI_PACE_END)
+    hold(START, 20_000_000)
     t1 = lib.hi_pace_now_ns()
     start = clock.t_next - 20_000_000
     assert t0 <= start <= t1 and t1 - t0 < 20_000_000  # START does not wait
-    hold(1, 30_000_000)
+    hold(NEXT, 30_000_000)
     assert clock.t_next == start + 50_000_000 and lib.hi_pace_now_ns() >= start + 20_000_000
-    hold(2, 0)
+    hold(END, 0)
     assert clock.t_next == start + 50_000_000 and lib.hi_pace_now_ns() >= start + 50_000_000
     assert time.perf_counter() - w0 >= 0.05
-    hold(2, 0)  # a hold past its time returns at once
+    hold(END, 0)  # a hold past its time returns at once
     assert lib.hi_pace_now_ns() - (start + 50_000_000) < 10**9
 
 

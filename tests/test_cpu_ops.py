@@ -184,6 +184,9 @@ class _FakeLayer:
         self.proj = proj
         self.__dict__.update(tensors)
 
+    def __getitem__(self, short):  # a block's tensor by short name, as models/graph.BlockTensors
+        return self.__dict__[short]
+
     def mm(self, attr, x, expert=None):
         return x if attr == "ssm_out" else self.proj[attr]
 

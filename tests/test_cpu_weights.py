@@ -34,23 +34,18 @@ def test_huge_page_buffer_is_aligned_and_writable():
 
 
 def test_copy_mats_moves_bytes_into_one_buffer():
-    class Owner:
-        pass
-
     rng = np.random.default_rng(0)
     owners = []
     for n in (100, 64, 3000):
-        o = Owner()
-        o.m = Mat("w", rng.integers(0, 256, n, dtype=np.uint8), 8, 1, 32)
-        owners.append((o, "m"))
-    before = [o.m.raw.copy() for o, _ in owners]
+        owners.append(({"m": Mat("w", rng.integers(0, 256, n, dtype=np.uint8), 8, 1, 32)}, "m"))
+    before = [o["m"].raw.copy() for o, _ in owners]
     size = copy_mats(owners)
     assert size >= 100 + 64 + 3000
     bases = set()
     for (o, _), b in zip(owners, before, strict=True):
-        assert np.array_equal(o.m.raw, b)
-        assert o.m.raw.ctypes.data % 64 == 0
-        bases.add(o.m.raw.base.ctypes.data if o.m.raw.base is not None else None)
+        assert np.array_equal(o["m"].raw, b)
+        assert o["m"].raw.ctypes.data % 64 == 0
+        bases.add(o["m"].raw.base.ctypes.data if o["m"].raw.base is not None else None)
     assert len(bases) == 1  # views of one buffer
 
 

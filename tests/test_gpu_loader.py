@@ -46,7 +46,8 @@ def test_gpu_backend_knows_when_its_copy_of_the_state_is_stale():
 
     import numpy as np
 
-    from hybridinfer.backends.gpu.backend import GPUModel, _tokens_hash
+    from hybridinfer.backends.gpu.backend import GPUModel
+    from hybridinfer.backends.gpu.walker import tokens_hash
     from hybridinfer.backends.state import DecoderState
 
     m = GPUModel.__new__(GPUModel)  # no card needed for the bookkeeping
@@ -54,7 +55,7 @@ def test_gpu_backend_knows_when_its_copy_of_the_state_is_stale():
     st = DecoderState(n_ctx=8, layer_types=("gdn",), tokens=np.zeros(8, np.int32), pos=3)
     st.tokens[:3] = [5, 6, 7]
     assert not m._holds(st)
-    m._owner = (weakref.ref(st), st.pos, _tokens_hash(st))
+    m._owner = (weakref.ref(st), st.pos, tokens_hash(st))
     assert m._holds(st)
     other = DecoderState(n_ctx=8, layer_types=("gdn",), tokens=st.tokens.copy(), pos=3)
     assert not m._holds(other)

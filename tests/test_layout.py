@@ -111,9 +111,30 @@ def test_every_backend_entry_point_says_decode_stays_on_the_cpu():
 LAYERS = ("errors", "format", "models", "backends", "engine", "serving", "tools", "cli")  # bottom to top
 
 
+def _imports(path, root) -> list[tuple[int, list[str]]]:
+    """(line, dotted target as parts) of every `from ... import` of a hybridinfer module in the file, at any depth
+    (imports inside functions too), relative ones resolved."""
+    import ast
+
+    parts = path.relative_to(root).parts
+    out = []
+    for n in ast.walk(ast.parse(path.read_text())):
+        if isinstance(n, ast.ImportFrom):
+            if n.level:
+                target = list(parts[:-1])[: len(parts) - n.level] + (n.module.split(".") if n.module else [])
+            elif n.module and n.module.startswith("hybridinfer."):
+                target = n.module.split(".")
+            else:
+                continue
+            # `from . import x`: the names may be modules
+            out += [(n.lineno, target + [a.name]) for a in n.names] if not n.module else [(n.lineno, target)]
+        elif isinstance(n, ast.Import):
+            out += [(n.lineno, a.name.split(".")) for a in n.names if a.name.startswith("hybridinfer.")]
+    return out
+
+
 def test_layers_import_only_downwards():
     """Each folder of the package imports only itself and the layers below it (README's Layout)."""
-    import ast
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
@@ -123,18 +144,34 @@ def test_layers_import_only_downwards():
         parts = p.relative_to(root).parts
         if len(parts) < 3 or parts[1] not in rank:
             continue
-        for n in ast.walk(ast.parse(p.read_text())):
-            if not isinstance(n, ast.ImportFrom):
-                continue
-            if n.level:
-                base = list(parts[:-1])[: len(parts) - n.level]
-                target = base + (n.module.split(".") if n.module else [])
-            elif n.module and n.module.startswith("hybridinfer."):
-                target = n.module.split(".")
-            else:
-                continue
+        for line, target in _imports(p, root):
             if len(target) > 1 and rank.get(target[1], -1) > rank[parts[1]]:
-                bad.append(f"{'/'.join(parts)}:{n.lineno} imports {'.'.join(target)}")
+                bad.append(f"{'/'.join(parts)}:{line} imports {'.'.join(target)}")
     assert not bad, "\n".join(bad)
     assert sorted(d.name for d in (root / "hybridinfer").iterdir() if d.is_dir() and d.name != "__pycache__"
                   and not d.name.startswith("_")) == sorted(LAYERS[1:])
+
+
+def test_backends_keep_to_their_own_code():
+    """The GPU backend imports nothing of the CPU backend (bus pacing is its own native module, native/pace), and
+    the numpy reference and its activation quantizer (actquant*.py) import no backend: read from every import in
+    their sources, and from what importing them loads in a fresh interpreter."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    backends = root / "hybridinfer" / "backends"
+    rules = [(p, ("cpu",)) for p in sorted((backends / "gpu").rglob("*.py"))]
+    rules += [(backends / f, ("cpu", "gpu")) for f in ("reference.py", "reference_ops.py", "actquant.py",
+                                                        "actquant_k.py")]
+    bad = [f"{p.relative_to(root)}:{line} imports {'.'.join(t)}" for p, banned in rules for line, t in _imports(p, root)
+           if t[:2] == ["hybridinfer", "backends"] and len(t) > 2 and t[2] in banned]
+    assert not bad, "\n".join(bad)
+    assert _imports(backends / "gpu" / "k_pace.py", root), "the scan reads imports inside functions too"
+    probe = ("import json, sys; import hybridinfer.backends.reference, hybridinfer.backends.gpu.k_pace, "
+             "hybridinfer.backends.gpu.streamer; print(json.dumps(sorted(sys.modules)))")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    loaded = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "hybridinfer.backends.reference" in loaded
+    assert [m for m in loaded if m.startswith("hybridinfer.backends.cpu")] == []

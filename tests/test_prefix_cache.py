@@ -18,8 +18,8 @@ from hybridinfer.errors import ContextLengthError, SnapshotError
 B = 16
 N_CTX = 320
 FP = "test-model-fingerprint"
-ARGS = SimpleNamespace(layer_types=("gdn", "gdn", "attn", "gdn", "attn"), ssm_conv_kernel=4, ssm_conv_channels=6,
-                       ssm_n_v_heads=2, ssm_d_k=3, ssm_d_v=2, n_head_kv=2, head_dim=4)
+ARGS = SimpleNamespace(layer_types=("gdn", "gdn", "attention", "gdn", "attention"), ssm_conv_kernel=4,
+                       ssm_conv_channels=6, ssm_n_v_heads=2, ssm_d_k=3, ssm_d_v=2, n_head_kv=2, head_dim=4)
 
 
 # a fake model: K/V row i is a function of tokens[:i+1], conv and S of all tokens so far ----------------------
@@ -290,7 +290,7 @@ def test_restore_checks_the_target_state():
     hit = cache.lookup(base)
     with pytest.raises(ContextLengthError):
         cache.restore(hit, DecoderState.new(ARGS, 20))
-    other = SimpleNamespace(**{**vars(ARGS), "layer_types": ("gdn", "attn")})
+    other = SimpleNamespace(**{**vars(ARGS), "layer_types": ("gdn", "attention")})
     with pytest.raises(SnapshotError):
         cache.restore(hit, DecoderState.new(other, N_CTX))
     wide = SimpleNamespace(**{**vars(ARGS), "head_dim": 8})

@@ -22,12 +22,12 @@ from __future__ import annotations
 import numpy as np
 
 from ..format.quant import SUPPORTED_TYPES
+from ..format.quant_types import ACT_FORMATS, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, TYPES  # noqa: F401
 from .actquant_k import fma32, quantize_q8_K  # noqa: F401  (Q8_K: one implementation, re-exported here)
 
-# ggml type ids
-Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 2, 3, 6, 7, 8
 QK = 32
-LEGACY = {Q4_0: (18, "q8_0"), Q4_1: (20, "q8_1"), Q5_0: (22, "q8_0"), Q5_1: (24, "q8_1"), Q8_0: (34, "q8_0")}
+# the 32-wide weight types, multiplied by Q8_0 or Q8_1 activations: type -> (bytes per block, activation format)
+LEGACY = {q: (t.nbytes, t.act) for q, t in TYPES.items() if t.act in ("q8_0", "q8_1")}
 
 
 def quantize_q8(x: np.ndarray, with_sum: bool, ref: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
@@ -54,7 +54,7 @@ def quantize_q8(x: np.ndarray, with_sum: bool, ref: bool = False) -> tuple[np.nd
     return q, d.astype(np.float16).astype(np.float32), s
 
 
-_ACT_BLOCK = {"q8_0": (32, 34), "q8_1": (32, 36), "q8_K": (256, 292)}
+_ACT_BLOCK = {k: (a.block, a.nbytes) for k, a in ACT_FORMATS.items() if k.startswith("q8")}
 
 
 def quantize_act(x: np.ndarray, kind: str, ref: bool = False) -> np.ndarray:

@@ -11,13 +11,12 @@ import numpy as np
 
 from ..format.gguf_model import GGUFModel
 from ..format.quant import dequantize, dequantize_rows
+from ..format.quant_types import act_of
 from ..models import graph
-from ..models.graph import tensor_name
+from ..models.graph import BlockTensors, block_names
 from . import Backend, actquant
 from . import reference_ops as op
 from .state import DecoderState, check_tokens
-
-F16 = 1  # ggml type id
 
 
 class Weights:
@@ -41,7 +40,7 @@ class Weights:
                     per = t.nbytes // t.ne[2]
                     raw = raw[expert * per : (expert + 1) * per]
                 return actquant.qmatmul(x, raw, t.qtype, t.ne[1], t.ne[0])
-            if t.qtype == F16:
+            if act_of(t.qtype) == "f16":  # the input rounded to fp16, as llama.cpp's F16 products take it
                 x = x.astype(np.float16).astype(np.float32)
         w = self(name) if expert is None else self.expert(name, expert)
         return x @ w.T
@@ -79,26 +78,16 @@ class Weights:
         return self._c[key]
 
 
-class Layer:
-    """Tensors of block i by their short names (models/graph.tensor_name): `getattr(layer, "attn_q")` is
-    `blk.i.attn_q.weight`, `getattr(layer, "ssm_dt.bias")` is `blk.i.ssm_dt.bias`."""
+class Layer(BlockTensors):
+    """Tensors of block i by their short names (models/graph.BlockTensors): `layer["attn_q"]` is `blk.i.attn_q.weight`
+    dequantized, `layer["ssm_dt.bias"]` is `blk.i.ssm_dt.bias`; `mm` multiplies by one."""
 
     def __init__(self, w: Weights, i: int):
-        self._w, self._i = w, i
+        super().__init__(i, block_names(w.gm.tensors, i), w)
+        self._w = w
 
-    def name(self, attr: str) -> str:
-        return tensor_name(self._w.has, self._i, attr)
-
-    def __getattr__(self, attr: str) -> np.ndarray:
-        if attr.startswith("_"):
-            raise AttributeError(attr)
-        return self._w(self.name(attr))
-
-    def has(self, attr: str) -> bool:
-        return self._w.has(self.name(attr))
-
-    def mm(self, attr: str, x: np.ndarray, expert: int | None = None) -> np.ndarray:
-        return self._w.mm(self.name(attr), x, expert)
+    def mm(self, short: str, x: np.ndarray, expert: int | None = None) -> np.ndarray:
+        return self._w.mm(self.name(short), x, expert)
 
 
 class ReferenceModel(Backend):
@@ -144,7 +133,7 @@ class ReferenceModel(Backend):
         for i, block in enumerate(self.blocks):
             ops = self.graph_ops(i, state)
             for br in block:
-                h = h + br.fn(ops, a, self.norm(h, getattr(self.layers[i], br.norm), a.rms_eps))
+                h = h + br.fn(ops, a, self.norm(h, self.layers[i][br.norm], a.rms_eps))
         state.tokens[state.pos : state.pos + T] = ids
         state.pos += T
         if not all_logits:
@@ -179,7 +168,7 @@ class RefOps:
         return qg[:, :, 0], qg[:, :, 1].reshape(T, a.n_head * a.head_dim)
 
     def head_norm(self, x: np.ndarray, name: str) -> np.ndarray:
-        return op.rms_norm(x.reshape(x.shape[0], -1, self.a.head_dim), getattr(self.L, name), self.a.rms_eps)
+        return op.rms_norm(x.reshape(x.shape[0], -1, self.a.head_dim), self.L[name], self.a.rms_eps)
 
     def attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
         a, st, i = self.a, self.st, self.i
@@ -205,7 +194,7 @@ class RefOps:
         A, L, st, i, T = self.a, self.L, self.st, self.i, u.shape[0]
         Hk, Hv, dk, dv = A.ssm_n_k_heads, A.ssm_n_v_heads, A.ssm_d_k, A.ssm_d_v
         z = z.reshape(T, Hv, dv)
-        c, st.conv[i][...] = op.causal_conv(u, st.conv[i], getattr(L, conv))
+        c, st.conv[i][...] = op.causal_conv(u, st.conv[i], L[conv])
         c = op.silu(c)
         q = c[:, : Hk * dk].reshape(T, Hk, dk)
         k = c[:, Hk * dk : 2 * Hk * dk].reshape(T, Hk, dk)
@@ -213,9 +202,9 @@ class RefOps:
         q = op.l2_norm(q, A.rms_eps) / np.float32(np.sqrt(dk))
         k = op.l2_norm(k, A.rms_eps)
         kmap = np.arange(Hv) % Hk if A.gdn_head_map == "mod" else np.arange(Hv) // (Hv // Hk)
-        g = getattr(L, a)[None, :] * op.softplus(alpha + getattr(L, dt_bias)[None, :])
+        g = L[a][None, :] * op.softplus(alpha + L[dt_bias][None, :])
         o = op.delta_rule(q[:, kmap], k[:, kmap], v, g, op.sigmoid(beta), st.ssm[i])
-        y = op.rms_norm(o, getattr(L, norm), A.rms_eps) * op.silu(z)
+        y = op.rms_norm(o, L[norm], A.rms_eps) * op.silu(z)
         return y.reshape(T, Hv * dv)
 
     def _swiglu(self, names: tuple[str, str, str], x: np.ndarray, expert: int | None = None) -> np.ndarray:
@@ -234,6 +223,6 @@ class RefOps:
             out[rows] += wts[rows, slot][:, None] * y
         if shared is not None:
             s = self._swiglu(shared, x)
-            gate = op.sigmoid(x @ getattr(L, shared_gate).reshape(-1))
+            gate = op.sigmoid(x @ L[shared_gate].reshape(-1))
             out += gate[:, None] * s
         return out

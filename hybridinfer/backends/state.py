@@ -1,11 +1,11 @@
 """DecoderState: everything one sequence owns, in one layout shared by every backend.
 
-Per GDN layer:        conv (K-1, C) float32: the last K-1 pre-conv projections u, oldest first
-                      (zeros before the first token); S (H_v, d_k, d_v) float32. GGUF head order.
-Per attention layer:  k, v (n_ctx, H_kv, hd) float32; rows < pos are valid. K is stored after
-                      k_norm and RoPE, V raw.
-pos:                  the number of tokens consumed; the next token has position `pos`.
-tokens:               (n_ctx,) int32; tokens[:pos] produced this state.
+Per layer:  the arrays its mixer kind declares (models/state_kinds.py), as `state.<array name>[layer]` (None in the
+            layers of other kinds). GDN: conv (K-1, C) float32, the last K-1 pre-conv projections u, oldest first
+            (zeros before the first token), and ssm (H_v, d_k, d_v) float32, S in GGUF head order. Attention: k, v
+            (n_ctx, H_kv, hd) float32, rows < pos valid; K is stored after k_norm and RoPE, V raw.
+pos:        the number of tokens consumed; the next token has position `pos`.
+tokens:     (n_ctx,) int32; tokens[:pos] produced this state.
 
 All buffers are allocated once, at `new()`; prefill and decode write into them.
 """
@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import ContextLengthError
+from ..models.state_kinds import ARRAYS, layer_arrays
 
 
 @dataclass
@@ -25,36 +26,37 @@ class DecoderState:
     layer_types: tuple[str, ...]
     pos: int = 0
     tokens: np.ndarray = field(default=None)  # (n_ctx,) int32
-    conv: list[np.ndarray | None] = field(default_factory=list)  # per layer: (K-1, C) f32 or None
-    ssm: list[np.ndarray | None] = field(default_factory=list)  # per layer: (H_v, d_k, d_v) f32 or None
-    k: list[np.ndarray | None] = field(default_factory=list)  # per layer: (n_ctx, H_kv, hd) f32 or None
-    v: list[np.ndarray | None] = field(default_factory=list)  # per layer: (n_ctx, H_kv, hd) f32 or None
+    # per declared array name (state_kinds.ARRAYS): per layer, the array or None; read as state.conv, state.k, ...
+    arrays: dict[str, list[np.ndarray | None]] = field(default_factory=dict)
+
+    def __post_init__(self):
+        L = len(self.layer_types)
+        for name in ARRAYS:
+            self.arrays.setdefault(name, [None] * L)
+
+    def __getattr__(self, name: str):
+        arrays = self.__dict__.get("arrays")
+        if arrays is not None and name in arrays:
+            return arrays[name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @classmethod
     def new(cls, args, n_ctx: int) -> DecoderState:
         """Zero state for `args` (any architecture's ModelArgs) with room for `n_ctx` tokens.
         np.zeros maps pages lazily, so a long n_ctx costs only what is written. The per-layer arrays are views
-        of two blocks (recurrent state, K/V): numpy asks the kernel for huge pages on blocks of 4 MiB and
+        of two blocks (recurrent state, per-token rows): numpy asks the kernel for huge pages on blocks of 4 MiB and
         more, so the first write of a 60 MB recurrent state (a GPU prefill's hand-off) faults 2 MiB pages, not
         15,000 small ones."""
         st = cls(n_ctx=n_ctx, layer_types=tuple(args.layer_types), tokens=np.zeros(n_ctx, np.int32))
-        gdn = [i for i, kind in enumerate(args.layer_types) if kind == "gdn"]
-        attn = [i for i, kind in enumerate(args.layer_types) if kind != "gdn"]
-        L = len(args.layer_types)
-        st.conv, st.ssm, st.k, st.v = [None] * L, [None] * L, [None] * L, [None] * L
-        if gdn:
-            conv_shape = (args.ssm_conv_kernel - 1, args.ssm_conv_channels)
-            ssm_shape = (args.ssm_n_v_heads, args.ssm_d_k, args.ssm_d_v)
-            n_conv, n_ssm = int(np.prod(conv_shape)), int(np.prod(ssm_shape))
-            rec = np.zeros(len(gdn) * (n_conv + n_ssm), np.float32)
-            for j, i in enumerate(gdn):
-                base = j * (n_conv + n_ssm)
-                st.ssm[i] = rec[base : base + n_ssm].reshape(ssm_shape)
-                st.conv[i] = rec[base + n_ssm : base + n_ssm + n_conv].reshape(conv_shape)
-        if attn:
-            kv = np.zeros((len(attn), 2, n_ctx, args.n_head_kv, args.head_dim), np.float32)
-            for j, i in enumerate(attn):
-                st.k[i], st.v[i] = kv[j, 0], kv[j, 1]
+        parts = [(i, s, s.full_shape(args, n_ctx)) for i, s in layer_arrays(args.layer_types)]
+        for per_token in (False, True):
+            mine = [p for p in parts if p[1].per_token == per_token]
+            block = np.zeros(sum(int(np.prod(shape)) for _, _, shape in mine), np.float32)
+            off = 0
+            for i, s, shape in mine:
+                n = int(np.prod(shape))
+                st.arrays[s.name][i] = block[off : off + n].reshape(shape)
+                off += n
         return st
 
     def check_room(self, n_new: int) -> None:
@@ -63,15 +65,26 @@ class DecoderState:
                 f"{self.pos} tokens in context + {n_new} new = {self.pos + n_new} exceeds the context "
                 f"size n_ctx={self.n_ctx}")
 
+    def _each(self, per_token: bool):
+        """(array spec, layer, array) of every array this state holds of one sort."""
+        for name, s in ARRAYS.items():
+            if s.per_token == per_token:
+                for i, a in enumerate(self.arrays[name]):
+                    if a is not None:
+                        yield s, i, a
+
     def reset(self) -> None:
         self.pos = 0
-        for a in (*self.conv, *self.ssm):
-            if a is not None:
-                a.fill(0)
+        for _, _, a in self._each(per_token=False):
+            a.fill(0)
 
     @property
     def token_ids(self) -> np.ndarray:
         return self.tokens[: self.pos]
+
+    def buffers(self) -> list:
+        """The token ids and every per-layer array (None where a layer keeps none), in a fixed order."""
+        return [self.tokens, *(a for name in ARRAYS for a in self.arrays[name])]
 
     def copy(self, n_ctx: int | None = None) -> DecoderState:
         """A deep copy (a snapshot) of the state at its current position."""
@@ -81,16 +94,22 @@ class DecoderState:
         st = DecoderState(n_ctx=n_ctx, layer_types=self.layer_types, pos=self.pos,
                           tokens=np.zeros(n_ctx, np.int32))
         st.tokens[: self.pos] = self.tokens[: self.pos]
-        st.conv = [None if a is None else a.copy() for a in self.conv]
-        st.ssm = [None if a is None else a.copy() for a in self.ssm]
-        for src, dst in ((self.k, st.k), (self.v, st.v)):
-            for a in src:
-                if a is None:
-                    dst.append(None)
-                else:
-                    b = np.zeros((n_ctx,) + a.shape[1:], np.float32)
-                    b[: self.pos] = a[: self.pos]
-                    dst.append(b)
+        for s, i, a in self._each(per_token=False):
+            st.arrays[s.name][i] = a.copy()
+        for s, i, a in self._each(per_token=True):
+            b = np.zeros((n_ctx,) + a.shape[1:], np.float32)
+            b[: self.pos] = a[: self.pos]
+            st.arrays[s.name][i] = b
+        return st
+
+    def sharing_rows(self, pos: int) -> DecoderState:
+        """A state at `pos` (within this one's tokens) that shares this state's tokens and per-token rows (rows
+        before `pos` stay as they are when the state goes on) and has fresh, unset recurrent arrays: a GPU pass
+        writes the recurrent state of a snapshot in the middle of its prompt into them."""
+        st = DecoderState(n_ctx=self.n_ctx, layer_types=self.layer_types, pos=pos, tokens=self.tokens)
+        for name, s in ARRAYS.items():
+            st.arrays[name] = (list(self.arrays[name]) if s.per_token else
+                               [None if a is None else np.empty_like(a) for a in self.arrays[name]])
         return st
 
     def restore(self, snap: DecoderState) -> None:
@@ -101,19 +120,15 @@ class DecoderState:
             raise ContextLengthError(f"snapshot at position {snap.pos} exceeds n_ctx={self.n_ctx}")
         self.pos = snap.pos
         self.tokens[: snap.pos] = snap.tokens[: snap.pos]
-        for dst, src in ((self.conv, snap.conv), (self.ssm, snap.ssm)):
-            for a, b in zip(dst, src, strict=True):
-                if a is not None:
-                    a[...] = b
-        for dst, src in ((self.k, snap.k), (self.v, snap.v)):
-            for a, b in zip(dst, src, strict=True):
-                if a is not None:
-                    a[: snap.pos] = b[: snap.pos]
+        for s, i, a in self._each(per_token=False):
+            a[...] = snap.arrays[s.name][i]
+        for s, i, a in self._each(per_token=True):
+            a[: snap.pos] = snap.arrays[s.name][i][: snap.pos]
 
     def nbytes(self) -> int:
-        """Bytes of live state: recurrent buffers plus the K/V rows in use."""
-        n = sum(a.nbytes for a in (*self.conv, *self.ssm) if a is not None)
-        n += sum(a[: self.pos].nbytes for a in (*self.k, *self.v) if a is not None)
+        """Bytes of live state: recurrent arrays plus the per-token rows in use."""
+        n = sum(a.nbytes for _, _, a in self._each(per_token=False))
+        n += sum(a[: self.pos].nbytes for _, _, a in self._each(per_token=True))
         return n
 
 

@@ -205,6 +205,7 @@ def cmd_info(a) -> int:
     from ..format.gguf_model import GGUFModel
     from ..models import model_args
     from ..models.base import describe
+    from ..models.state_kinds import kind_of
 
     if a.gpu or a.compile:
         from ..backends.gpu.info import report
@@ -218,7 +219,7 @@ def cmd_info(a) -> int:
     args = model_args(gm)
     print(f"file:          {gm.path} ({_fmt_bytes(gm.file_size)})")
     print(f"architecture:  {gm.arch}   name: {gm.meta('general.name', '?')}")
-    pattern = "".join({"gdn": "G", "attention": "A"}[k] for k in args.layer_types)
+    pattern = "".join(kind_of(k).letter for k in args.layer_types)
     print(f"layers:        {args.n_layer}  pattern {pattern}")
     for k, v in describe(args).items():
         if k != "layer_types":

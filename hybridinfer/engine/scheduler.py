@@ -43,15 +43,12 @@ def shared_points(ids: list[int], others: list[list[int]], min_len: int = MIN_SH
 
 
 def state_bytes(args, n_tokens: int) -> int:
-    """Bytes of one sequence's state holding `n_tokens` tokens: its recurrent buffers (GDN conv and S) and its K/V
-    rows (float32), the memory the state budget counts."""
-    n = 0
-    for kind in args.layer_types:
-        if kind == "gdn":
-            n += (args.ssm_conv_kernel - 1) * args.ssm_conv_channels + args.ssm_n_v_heads * args.ssm_d_k * args.ssm_d_v
-        else:
-            n += 2 * n_tokens * args.n_head_kv * args.head_dim
-    return 4 * n
+    """Bytes of one sequence's state holding `n_tokens` tokens: its recurrent arrays (GDN conv and S) and its
+    per-token rows (K/V), float32, as each mixer kind declares them (models/state_kinds.py); the memory the state
+    budget counts."""
+    from ..models.state_kinds import state_bytes as declared
+
+    return declared(args, n_tokens)
 
 
 @dataclass

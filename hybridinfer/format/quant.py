@@ -19,18 +19,10 @@ import numpy as np
 
 from ..errors import UnsupportedTensorTypeError
 from . import quant_k as _k
+from .quant_types import BF16, F16, F32, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, TYPES  # noqa: F401
 
-# ggml type ids (ggml.h `enum ggml_type`)
-F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 0, 1, 2, 3, 6, 7, 8
-Q4_K, Q5_K, Q6_K = 12, 13, 14
-BF16 = 30
-
-# id -> (name, elements per block, bytes per block)
-_BLOCKS: dict[int, tuple[str, int, int]] = {
-    F32: ("F32", 1, 4), F16: ("F16", 1, 2), BF16: ("BF16", 1, 2),
-    Q4_0: ("Q4_0", 32, 18), Q4_1: ("Q4_1", 32, 20), Q5_0: ("Q5_0", 32, 22), Q5_1: ("Q5_1", 32, 24),
-    Q8_0: ("Q8_0", 32, 34), Q4_K: ("Q4_K", 256, 144), Q5_K: ("Q5_K", 256, 176), Q6_K: ("Q6_K", 256, 210),
-}
+# id -> (name, elements per block, bytes per block), from the one table of types (quant_types.py)
+_BLOCKS: dict[int, tuple[str, int, int]] = {q: (t.name, t.block, t.nbytes) for q, t in TYPES.items()}
 SUPPORTED_TYPES: frozenset[int] = frozenset(_BLOCKS)
 
 # weights per chunk of blocks: output 1 MiB, scratch about as much (stays in L2 on most CPUs)

@@ -6,7 +6,8 @@ An architecture module (llama.py, qwen35.py, qwen35moe.py) describes its model o
 - `layer(a, i)`: block i as residual branches, `h += branch.fn(ops, a, rms_norm(h) * branch.norm)`, in order;
 - the branch functions (attention, gdn, swiglu_ffn, moe): the ops they call and the GGUF tensors they take, by
   their names inside the block (`"attn_q"` is `blk.i.attn_q.weight`, `"ssm_a"` is `blk.i.ssm_a`, `"ssm_dt.bias"`
-  is `blk.i.ssm_dt.bias`; `tensor_name` is the rule).
+  is `blk.i.ssm_dt.bias`; `tensor_name` is the rule). Every backend holds a block's tensors by these names in a
+  `BlockTensors`.
 
 A backend walks the branches (`branches(a)`) with its own loop (the reference token-parallel over the call, the CPU
 recording a decode step into its native plan as it walks, the GPU layer-major over chunks of a prompt with streamed
@@ -26,8 +27,9 @@ Op vocabulary (`Ops`; `OPS` below names each op's reference maths, CPU bindings 
                                    the Gated DeltaNet layer between its projections (docs/gguf-qwen35.md §3 steps 2-8)
     moe(x, router=, experts=, shared=, shared_gate=)
                                    softmax-top-k routed SwiGLU experts plus an optional sigmoid-gated shared expert
-A new layer type is a branch function here in its architecture module (and any new op in each backend's ops
-class); a new architecture is one module with EMBED, head and layer.
+A new layer type is a branch function in its architecture module and any new op in each backend's ops class (with
+the op's own work buffers: CPU Workspace.op_<op>, GPU Buffers.op_<op>); a new mixer kind also declares the state it
+keeps per sequence in state_kinds.py (one entry). A new architecture is one module with EMBED, head and layer.
 """
 
 from __future__ import annotations
@@ -99,6 +101,36 @@ def tensor_name(has: Callable[[str], bool], i: int, short: str) -> str:
     `blk.i.<short>` (ssm_a, ssm_dt.bias)."""
     p = f"blk.{i}.{short}"
     return p + ".weight" if has(p + ".weight") else p
+
+
+def block_names(names, i: int) -> dict[str, str]:
+    """Block i's tensors among the GGUF `names`, by short name: `blk.i.` and a `.weight` suffix dropped (the inverse
+    of tensor_name): {"attn_q": "blk.i.attn_q.weight", "ssm_dt.bias": "blk.i.ssm_dt.bias", ...}."""
+    p = f"blk.{i}."
+    return {n[len(p) :].removesuffix(".weight"): n for n in names if n.startswith(p)}
+
+
+class BlockTensors:
+    """Block i's tensors by short name, `L["attn_q"]`, `L["ssm_dt.bias"]` (the names the descriptions pass to the
+    ops), each in the form its backend computes with: the reference's float32 arrays, the CPU's Mats and float32
+    vectors, the GPU's DeviceWeights and vectors on the card. `get(gguf_name)` gives that form; `names` maps each
+    short name to its GGUF name (block_names)."""
+
+    def __init__(self, i: int, names: dict[str, str], get: Callable[[str], Any]):
+        self.i, self.names, self._get = i, names, get
+
+    def name(self, short: str) -> str:
+        """The GGUF name of tensor `short` (a KeyError naming the block's tensors when it has none)."""
+        try:
+            return self.names[short]
+        except KeyError:
+            raise KeyError(f"block {self.i} has no tensor {short!r} (it has {', '.join(sorted(self.names))})") from None
+
+    def __getitem__(self, short: str):
+        return self._get(self.name(short))
+
+    def __contains__(self, short: str) -> bool:
+        return short in self.names
 
 
 def arch_of(args):

@@ -321,7 +321,7 @@ def _layer_order(s: TensorSpec) -> tuple[int, str]:
 def check_tensor_types(tensor_types) -> list[tuple[re.Pattern, int]]:
     """llama-quantize's --tensor-type overrides: (regex, type name) pairs, in order, as compiled patterns and ggml
     types; a ShapeError names a bad pattern or a type without synthetic blocks."""
-    from ..format.quant import _BLOCKS
+    from ..format.quant import SUPPORTED_TYPES
 
     out = []
     for item in tensor_types or ():
@@ -334,8 +334,8 @@ def check_tensor_types(tensor_types) -> list[tuple[re.Pattern, int]]:
         except re.error as e:
             raise ShapeError(f"bad tensor type pattern {pat!r}: {e}") from None
         t = getattr(T, str(name).upper(), None)
-        if t is None or int(t) not in _BLOCKS or t in (T.F32, T.F16, T.BF16):
-            ok = ", ".join(T(q).name.lower() for q in sorted(_BLOCKS) if q not in (T.F32, T.F16, T.BF16))
+        if t is None or int(t) not in SUPPORTED_TYPES or t in (T.F32, T.F16, T.BF16):
+            ok = ", ".join(T(q).name.lower() for q in sorted(SUPPORTED_TYPES) if q not in (T.F32, T.F16, T.BF16))
             raise ShapeError(f"tensor type override {pat}={name}: {name!r} is not a quantized type here ({ok})")
         out.append((rx, int(t)))
     return out

@@ -11,7 +11,7 @@ declarations come from hi_simd.h, the one header cffi and the C side share. gdn.
 plain float code) picks its avx2 or baseline loops itself; attn.c splits attention over the pool and runs the ISA
 table's `attn`; ops.c has the small ops between the products, replay.c runs a recorded decode step, probe.c the
 bandwidth probe, moe_rows.c the routed experts of several tokens grouped by expert, replica.c the per-node
-weight copies' table, pace.c the host-side holds that pace the GPU's weight stream (hybridinfer/backends/gpu/k_pace.py).
+weight copies' table. (The GPU backend's bus pacing is its own module, native/pace.)
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from cffi import FFI
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _SOURCES = [
     "hi_simd.c", "hi_ctx.c", "hi_cpu.c", "hi_pool.c", "isa_scalar.c", "isa_ssse3.c", "isa_avx2.c", "isa_avx512vnni.c",
-    "gdn.c", "attn.c", "ops.c", "replay.c", "probe.c", "moe_rows.c", "replica.c", "pace.c",
+    "gdn.c", "attn.c", "ops.c", "replay.c", "probe.c", "moe_rows.c", "replica.c",
 ]
 _HEADERS = [
     "hi_simd.h", "hi_ctx.h", "hi_internal.h", "hi_pool.h", "hi_replica.h", "blocks.h",

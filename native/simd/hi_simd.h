@@ -247,18 +247,4 @@ typedef struct {
  * ns (NULL: not clocked): ns[i] += the nanoseconds step i took (two clock reads per step) */
 int hi_replay_run(hi_ctx *c, const hi_step *steps, int64_t n, int64_t pos, int64_t *failed, int64_t *ns);
 
-
-/* pace.c: host functions that hold a CUDA copy stream to a slower bus's rate (run by cuLaunchHostFunc) */
-enum { HI_PACE_START = 0, HI_PACE_NEXT = 1, HI_PACE_END = 2 };
-typedef struct {
-    int64_t t_next; /* CLOCK_MONOTONIC ns when the emulated bus is free again */
-} hi_pace_clock;
-typedef struct {
-    hi_pace_clock *clock;
-    int64_t dur_ns;
-    int32_t mode;
-} hi_pace_hold_arg;
-int64_t hi_pace_now_ns(void);
-void hi_pace_hold(void *arg); /* arg: a hi_pace_hold_arg */
-
 #endif

@@ -22,6 +22,8 @@ from ...errors import BackendNotAvailableError, UnsupportedTensorTypeError
 from ...format.gguf_model import GGUFModel
 from ...format.quant import dequantize_rows, type_name
 from ...models import graph
+from ...models.graph import BlockTensors, block_names
+from ...models.state_kinds import kind_of
 from .. import Backend
 from ..state import DecoderState, check_tokens
 from .graph_ops import CPUOps
@@ -62,34 +64,36 @@ def _mat(gm: GGUFModel, name: str) -> Mat:
     return Mat(name, t.raw(), t.qtype, ne[1], ne[0], ne[2] if len(ne) == 3 else 1)
 
 
-class Layer:
-    """Block i by GGUF names: `L.attn_q` is `blk.i.attn_q.weight` (a Mat), `L.ssm_dt_bias` is
-    `blk.i.ssm_dt.bias`; vectors (norms, ssm_a, the shared-expert gate) and ssm_conv1d are float32."""
+class Layer(BlockTensors):
+    """Block i's tensors by short name (models/graph.BlockTensors): `L["attn_q"]` is `blk.i.attn_q.weight` (a Mat),
+    `L["ssm_dt.bias"]` is `blk.i.ssm_dt.bias`; vectors (norms, ssm_a, the shared-expert gate) and ssm_conv1d are
+    float32. `tensors` holds them by GGUF name."""
 
-    def __init__(self, gm: GGUFModel, args, i: int):
-        p = f"blk.{i}."
-        self.kind = args.layer_types[i]
-        for name, t in gm.tensors.items():
-            if not name.startswith(p):
-                continue
-            short = name[len(p) :].removesuffix(".weight").replace(".", "_")
-            if short == "ssm_conv1d":
-                setattr(self, short, np.ascontiguousarray(gm.dequant(name), dtype=np.float32))  # (C, K)
-            elif len(t.ne) == 1 or (len(t.ne) == 2 and 1 in t.ne):
-                setattr(self, short, np.ascontiguousarray(gm.dequant(name).reshape(-1), dtype=np.float32))
-            else:
-                setattr(self, short, _mat(gm, name))
+    def __init__(self, gm: GGUFModel, i: int):
+        names = block_names(gm.tensors, i)
+        self.tensors = {n: _tensor(gm, short, n) for short, n in names.items()}
+        super().__init__(i, names, self.tensors.__getitem__)
 
     def mats(self) -> list[Mat]:
-        return [v for v in vars(self).values() if isinstance(v, Mat)]
+        return [v for v in self.tensors.values() if isinstance(v, Mat)]
+
+
+def _tensor(gm: GGUFModel, short: str, name: str):
+    t = gm.tensor(name)
+    if short == "ssm_conv1d":
+        return np.ascontiguousarray(gm.dequant(name), dtype=np.float32)  # (C, K)
+    if len(t.ne) == 1 or (len(t.ne) == 2 and 1 in t.ne):
+        return np.ascontiguousarray(gm.dequant(name).reshape(-1), dtype=np.float32)
+    return _mat(gm, name)
 
 
 class Workspace:
-    """Every activation buffer of one forward pass over up to T tokens with a cache of n_ctx rows."""
+    """Every activation buffer of one forward pass over up to T tokens with a cache of n_ctx rows; each mixer op's
+    own (`op_<op>`, models/state_kinds.py names the op of each layer's kind) for the ops the layers use."""
 
     def __init__(self, model: CPUModel, T: int, n_ctx: int, rows: bool = False):
         a, simd = model.args, model.simd
-        f = lambda *s: np.zeros(s, np.float32)  # noqa: E731
+        f = _zeros
         D = a.n_embd
         self.T, self.n_ctx = T, n_ctx
         # decode (T = 1, or `rows`: one token of each of T sequences): native calls bound to these buffers once
@@ -109,17 +113,8 @@ class Workspace:
             if kind not in self.xq or self.xq[kind].shape[1] < nb:
                 self.xq[kind] = np.zeros((max(T, getattr(a, "n_expert_used", 1) * T + 1), nb), np.uint8)
         self.logits = f(T, model.out.rows)
-        if "attention" in a.layer_types:
-            hd = a.head_dim
-            self.q, self.gate = f(T, a.n_head, hd), f(T, a.n_head * hd)
-            self.attn = f(T, a.n_head * hd)
-            self.attn_scratch = f(simd.attention_scratch_size(n_ctx, hd))
-        if "gdn" in a.layer_types:
-            self.outs.append(f(T, a.ssm_n_v_heads))  # the 4th of GDN's products (alpha)
-            self.gdn_y = f(T, a.ssm_n_v_heads * a.ssm_d_v)
-            per = a.ssm_n_v_heads * a.ssm_d_v + a.ssm_conv_channels  # gdn_rows: one token of each sequence
-            self.gdn_scratch = f(max(gdn_scratch_size(a.ssm_conv_channels, a.ssm_n_v_heads, a.ssm_d_v,
-                                                              min(T, 16)), T * per if rows else 0))
+        for op in dict.fromkeys(kind_of(t).op for t in a.layer_types):  # the buffers of the mixers' ops
+            getattr(self, f"op_{op}")(a, simd, T, n_ctx, rows)
         if a.is_moe:
             k = a.n_expert_used
             self.router = f(T, a.n_expert)
@@ -127,9 +122,27 @@ class Workspace:
             # decode with a shared expert as wide as the routed ones: its rows follow theirs (CPUOps.moe_impl)
             self.eg, self.eu, self.ed = f(T * k + 1, a.n_ff_exp), f(T * k + 1, a.n_ff_exp), f(T * k, D)
             if T > 1:  # moe_rows: its gathered inputs, outputs in expert order and grouping
-                need = max(simd.moe_rows_scratch(T * k, a.n_expert, L.ffn_gate_exps.qtype, D) for L in model.layers
-                           if L.ffn_gate_exps is not None)
+                need = max(simd.moe_rows_scratch(T * k, a.n_expert, L["ffn_gate_exps"].qtype, D)
+                           for L in model.layers if "ffn_gate_exps" in L)
                 self.moe_scratch = np.zeros(need, np.uint8)
+
+
+    def op_attention(self, a, simd, T: int, n_ctx: int, rows: bool) -> None:
+        hd = a.head_dim
+        self.q, self.gate = _zeros(T, a.n_head, hd), _zeros(T, a.n_head * hd)
+        self.attn = _zeros(T, a.n_head * hd)
+        self.attn_scratch = _zeros(simd.attention_scratch_size(n_ctx, hd))
+
+    def op_gdn(self, a, simd, T: int, n_ctx: int, rows: bool) -> None:
+        self.outs.append(_zeros(T, a.ssm_n_v_heads))  # the 4th of GDN's products (alpha)
+        self.gdn_y = _zeros(T, a.ssm_n_v_heads * a.ssm_d_v)
+        per = a.ssm_n_v_heads * a.ssm_d_v + a.ssm_conv_channels  # gdn_rows: one token of each sequence
+        self.gdn_scratch = _zeros(max(gdn_scratch_size(a.ssm_conv_channels, a.ssm_n_v_heads, a.ssm_d_v, min(T, 16)),
+                                      T * per if rows else 0))
+
+
+def _zeros(*shape) -> np.ndarray:
+    return np.zeros(shape, np.float32)
 
 
 class CPUModel(Backend):
@@ -153,16 +166,19 @@ class CPUModel(Backend):
         self.tok_embd = gm.tensor(graph.arch_of(a).EMBED)
         self.out = _mat(gm, head)
         self.out_norm = np.ascontiguousarray(gm.dequant(out_norm), dtype=np.float32)
-        self.layers = [Layer(gm, a, i) for i in range(a.n_layer)]
+        self.layers = [Layer(gm, i) for i in range(a.n_layer)]
         self.freq_factors = (np.ascontiguousarray(gm.dequant("rope_freqs.weight"), dtype=np.float32)
                              if getattr(a, "has_rope_freqs", False) else NO_FREQS)
-        owners = [(self, "out")] + [(L, k) for L in self.layers for k, v in vars(L).items() if isinstance(v, Mat)]
-        nbytes = sum(getattr(o, k).raw.nbytes for o, k in owners)
+        held = {"out": self.out}
+        owners = [(held, "out")] + [(L.tensors, k) for L in self.layers for k, v in L.tensors.items()
+                                    if isinstance(v, Mat)]
+        nbytes = sum(o[k].raw.nbytes for o, k in owners)
         replicate = numa is not None and numa.mode == "replicate"
         self.weights = choose_weights_mode("mmap" if replicate and weights == "auto" else weights, nbytes,
                                            mem_available())
         # a copy is also repacked for the unit (SimdLib.repack: the SSSE3 unit's K-quants zipped)
         self.weights_bytes = copy_mats(owners, simd.repack) if self.weights == "copy" else 0  # memory held
+        self.out = held["out"]
         self.mats = [self.out] + [m for L in self.layers for m in L.mats()]
         self.replicas = None
         if replicate:
@@ -390,7 +406,7 @@ class CPUModel(Backend):
 
     def _norm_of(self, where: tuple) -> np.ndarray:
         i, _, br = where
-        return getattr(self.layers[i], br.norm.replace(".", "_"))
+        return self.layers[i][br.norm]
 
     def _moe(self, ops: CPUOps, x: np.ndarray, router: Mat, experts: tuple, shared: tuple | None, shared_gate):
         """The moe op (CPUOps.moe_impl), here so that benchmarks can wrap it per model."""

@@ -35,8 +35,8 @@ class CPUOps:
         return np.array(y)
 
     def _t(self, name: str):
-        """Block tensor `name` (Mat or float32 vector): Layer keeps them by their short names, dots as '_'."""
-        return getattr(self.L, name.replace(".", "_"))
+        """Block tensor `name` (Mat or float32 vector), by its short name."""
+        return self.L[name]
 
     def _call(self, key: tuple, method: str, *args, **kw) -> None:
         self.m.call(self.ws, key, method, *args, **kw)

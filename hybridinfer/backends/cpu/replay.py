@@ -143,7 +143,7 @@ class DecodeReplay:
 
     @staticmethod
     def _arrays(st: DecoderState) -> list:
-        return [st.tokens, *st.conv, *st.ssm, *st.k, *st.v]
+        return st.buffers()
 
     def holds(self, ids: set[int]) -> bool:
         """whether it keeps any of these arrays (by id) alive"""

@@ -10,14 +10,14 @@ import numpy as np
 
 from ...errors import BackendNotAvailableError, UnsupportedTensorTypeError
 from ...format.quant import type_name
+from ...format.quant_types import ACT_FORMATS, TYPES
 
 MAX_THREADS = 4096  # the pool size hi_ctx_new (native/simd/hi_ctx.c) refuses beyond
 
 ISAS: tuple[str, ...] = ("scalar", "ssse3", "avx2", "avx512vnni")
-ACT_KINDS: tuple[str, ...] = ("f32", "f16", "q8_0", "q8_1", "q8_K")
-# weight types with a kernel -> activation kind
-KERNEL_TYPES: dict[int, str] = {0: "f32", 1: "f16", 2: "q8_0", 3: "q8_1", 6: "q8_0", 7: "q8_1", 8: "q8_0",
-                                12: "q8_K", 13: "q8_K", 14: "q8_K"}
+ACT_KINDS: tuple[str, ...] = tuple(ACT_FORMATS)  # the C library's HI_ACT_* order
+# weight types with a kernel -> activation kind: every type the table (format/quant_types.py) gives one
+KERNEL_TYPES: dict[int, str] = {q: t.act for q, t in TYPES.items() if t.act is not None}
 # a qtype flag: K-quant rows repacked by SimdLib.repack into the layout of a unit that reads them zipped
 KQ_ZIPPED = 0x100
 _KQ = tuple(q for q, kind in KERNEL_TYPES.items() if kind == "q8_K")  # the K-quants

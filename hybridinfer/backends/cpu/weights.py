@@ -63,12 +63,12 @@ def huge_page_buffer(nbytes: int) -> np.ndarray:
     return whole[start : start + nbytes]
 
 
-def copy_mats(owners: list[tuple[object, str]], repack=None) -> int:
-    """Replace the Mat at getattr(owner, attr), for every pair, by one whose bytes live in a single shared
-    huge-page buffer (the same bytes; the file mapping is no longer read). Returns the buffer's size.
+def copy_mats(owners: list[tuple[dict, str]], repack=None) -> int:
+    """Replace the Mat at owner[key], for every pair, by one whose bytes live in a single shared huge-page buffer
+    (the same bytes; the file mapping is no longer read). Returns the buffer's size.
     repack: None, or `SimdLib.repack`: each copy is then repacked for the unit that reads it (the Mat takes
     the qtype it returns)."""
-    mats = [getattr(o, k) for o, k in owners]
+    mats = [o[k] for o, k in owners]
     sizes = [(m.raw.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN for m in mats]
     if not mats:
         return 0
@@ -77,7 +77,7 @@ def copy_mats(owners: list[tuple[object, str]], repack=None) -> int:
     for (o, k), m, n in zip(owners, mats, sizes, strict=True):
         dst = buf[off : off + m.raw.nbytes]
         np.copyto(dst, m.raw)
-        setattr(o, k, replace(m, raw=dst, qtype=m.qtype if repack is None else repack(dst, m.qtype)))
+        o[k] = replace(m, raw=dst, qtype=m.qtype if repack is None else repack(dst, m.qtype))
         off += n
     return buf.nbytes
 

@@ -1,25 +1,21 @@
 """backend="gpu": prompt prefill on the card, one pass over the layers, then decode on the CPU backend.
 
-forward(tokens) runs layer-major: every token of the call goes through layer L before layer L+1's weights
-are used, so each streamed weight crosses the bus once per call. Inside a layer the tokens go in chunks of
-`chunk` rows (the activation budget); attention chunks read the card's K/V cache, GDN chunks carry conv
-and S. The state lives on the host (`DecoderState`); the card keeps a copy (K/V cache, conv, S) that is
-uploaded when the host state is not the one this backend last wrote, and written back after each call.
-GDN kernels also write S and conv at requested positions, so the prefix cache gets snapshots from the
-same single pass.
+forward(tokens) is one pass of the GPU walker (walker.py, which also runs several prompts in one pass for
+multi.forward_many): layer-major, so each streamed weight crosses the bus once per call; inside a layer the tokens
+go in chunks of `chunk` rows (the activation budget); attention chunks read the card's K/V cache, GDN chunks carry
+conv and S. The state lives on the host (`DecoderState`); the card keeps a copy (K/V cache, conv, S) that is
+uploaded when the host state is not the one this backend last wrote, and written back after each call. GDN kernels
+also write S and conv at requested positions, so the prefix cache gets snapshots from the same single pass.
 """
 
 from __future__ import annotations
 
-import time
-import weakref
-
 import numpy as np
 
-from ...format.quant import dequantize_rows
 from ...models import graph
-from ..state import DecoderState, check_tokens
-from . import k_elementwise as ke
+from ...models.graph import BlockTensors, block_names
+from ...models.state_kinds import kind_of, layer_arrays
+from ..state import DecoderState
 from . import k_gemm as kgm
 from . import k_moe as km
 from . import loader
@@ -28,9 +24,9 @@ from .graph_ops import GPUOps
 from .handoff import StateHandoff
 from .placement import is_vector, plan_placement, weights_of
 from .streamer import Streamer
+from .walker import MAX_SNAPS, item, tokens_hash, walk
 from .work import Work, gemm_flops
 
-MAX_SNAPS = 16
 # tokens per kernel call inside a layer: MoE groups of ~30 rows per expert at 8 of 256 experts (a 947-token
 # prompt in one call; 512 halved them and cost 30% of GPU time on the 35B-A3B, bench/gpu_kernel_profile.py)
 DEFAULT_CHUNK = 1024
@@ -44,47 +40,73 @@ def _f32(gm, name):
     return gpuarray.to_gpu(v.reshape(-1) if len(t.ne) > 1 and all(int(n) == 1 for n in t.ne[1:]) else v)
 
 
+F32, I32 = np.dtype(np.float32), np.dtype(np.int32)
+
+
 class Buffers:
-    """Activation buffers for `C` tokens per kernel call and the card's copy of one sequence's state."""
+    """Activation buffers for `C` tokens per kernel call and the card's copy of one sequence's state, as `layout`
+    lists them: the walker's rows (h, x, mix, ffn, pos), each op's own buffers (`op_<op>` for the mixer kinds' ops,
+    then the FFN's), and the state the mixer kinds declare (models/state_kinds.py): `state[name, layer]` for every
+    array a layer keeps (per-token arrays with n_ctx rows) and, for each recurrent array, MAX_SNAPS slots
+    `snap[name]` that the kernels write mid-prompt snapshots into (at the rows `snap_pos` names)."""
 
     def __init__(self, a, C: int, n_ctx: int):
         from pycuda import gpuarray
 
-        f = lambda *s: gpuarray.empty(s, np.float32)  # noqa: E731
         self.C, self.n_ctx = C, n_ctx
+        self.state: dict[tuple[str, int], object] = {}
+        self.snap: dict[str, object] = {}
+        for key, (shape, dt) in self.layout(a, C, n_ctx).items():
+            arr = gpuarray.empty(shape, dt)
+            if isinstance(key, tuple):
+                getattr(self, key[0])[key[1]] = arr
+            else:
+                setattr(self, key, arr)
+
+    @classmethod
+    def layout(cls, a, C: int, n_ctx: int) -> dict:
+        """Every buffer: attribute name, or (dict attribute, key), -> (shape, dtype)."""
         D = a.n_embd
-        self.h = f(n_ctx, D)
-        self.x, self.mix, self.ffn = f(C, D), f(C, D), f(C, D)
-        self.pos = gpuarray.empty((n_ctx,), np.int32)  # absolute positions of the call's tokens, set once
-        gated = 2 if a.attn_gate else 1
-        self.qg, self.q = f(C, a.n_head * a.head_dim * gated), f(C, a.n_head, a.head_dim)
-        self.k, self.v = f(C, a.n_head_kv, a.head_dim), f(C, a.n_head_kv, a.head_dim)
-        self.o = f(C, a.n_head, a.head_dim)
-        self.kc = {i: f(n_ctx, a.n_head_kv, a.head_dim) for i, t in enumerate(a.layer_types) if t != "gdn"}
-        self.vc = {i: f(n_ctx, a.n_head_kv, a.head_dim) for i in self.kc}
-        if "gdn" in a.layer_types:
-            Cc, Hv = a.ssm_conv_channels, a.ssm_n_v_heads
-            self.u, self.c, self.z = f(C, Cc), f(C, Cc), f(C, Hv * a.ssm_d_v)
-            self.ga, self.gb, self.y = f(C, Hv), f(C, Hv), f(C, Hv, a.ssm_d_v)
-            gdn = [i for i, t in enumerate(a.layer_types) if t == "gdn"]
-            self.conv = {i: f(a.ssm_conv_kernel - 1, Cc) for i in gdn}
-            self.S = {i: f(Hv, a.ssm_d_k, a.ssm_d_v) for i in gdn}
-            self.snap_conv = f(MAX_SNAPS, a.ssm_conv_kernel - 1, Cc)
-            self.snap_S = f(MAX_SNAPS, Hv, a.ssm_d_k, a.ssm_d_v)
-            self.snap_pos = gpuarray.empty((MAX_SNAPS,), np.int32)
-        if a.is_moe:
-            k, E, F = a.n_expert_used, a.n_expert, a.n_ff_exp
-            self.router = f(C, E)
-            self.ids, self.wts = gpuarray.empty((C, k), np.int32), f(C, k)
-            self.counts, self.offs = gpuarray.empty((E,), np.int32), gpuarray.empty((E + 1,), np.int32)
-            self.perm_tok, self.perm_w = gpuarray.empty((C * k,), np.int32), f(C * k)
-            self.row_of_pair = gpuarray.empty((C, k), np.int32)
-            self.scratch = gpuarray.empty(km.group_scratch_shape(C * k, E), np.int32)
-            self.eg, self.eu, self.ed = f(C * k, F), f(C * k, F), f(C * k, D)
-            if a.n_ff_shexp:
-                self.sg, self.su, self.sgate = f(C, a.n_ff_shexp), f(C, a.n_ff_shexp), f(C, 1)
-        else:
-            self.fg, self.fu = f(C, a.n_ff), f(C, a.n_ff)
+        out: dict = {"h": ((n_ctx, D), F32), "x": ((C, D), F32), "mix": ((C, D), F32), "ffn": ((C, D), F32),
+                     "pos": ((n_ctx,), I32)}  # pos: absolute positions of the call's tokens, set once
+        for op in dict.fromkeys(kind_of(t).op for t in a.layer_types):
+            out.update(getattr(cls, f"op_{op}")(a, C))
+        out.update(cls.op_moe(a, C) if a.is_moe else cls.op_ffn(a, C))
+        for i, s in layer_arrays(a.layer_types):
+            out[("state", (s.name, i))] = (s.full_shape(a, n_ctx), F32)
+        recurrent = {s.name: s for _, s in layer_arrays(a.layer_types) if not s.per_token}
+        for name, s in recurrent.items():
+            out[("snap", name)] = ((MAX_SNAPS, *s.full_shape(a, 0)), F32)
+        if recurrent:
+            out["snap_pos"] = ((MAX_SNAPS,), I32)
+        return out
+
+    @staticmethod
+    def op_attention(a, C: int) -> dict:
+        hd, gated = a.head_dim, 2 if a.attn_gate else 1
+        return {"qg": ((C, a.n_head * hd * gated), F32), "q": ((C, a.n_head, hd), F32),
+                "k": ((C, a.n_head_kv, hd), F32), "v": ((C, a.n_head_kv, hd), F32), "o": ((C, a.n_head, hd), F32)}
+
+    @staticmethod
+    def op_gdn(a, C: int) -> dict:
+        Cc, Hv = a.ssm_conv_channels, a.ssm_n_v_heads
+        return {"u": ((C, Cc), F32), "c": ((C, Cc), F32), "z": ((C, Hv * a.ssm_d_v), F32), "ga": ((C, Hv), F32),
+                "gb": ((C, Hv), F32), "y": ((C, Hv, a.ssm_d_v), F32)}
+
+    @staticmethod
+    def op_moe(a, C: int) -> dict:
+        k, E, F, D = a.n_expert_used, a.n_expert, a.n_ff_exp, a.n_embd
+        out = {"router": ((C, E), F32), "ids": ((C, k), I32), "wts": ((C, k), F32), "counts": ((E,), I32),
+               "offs": ((E + 1,), I32), "perm_tok": ((C * k,), I32), "perm_w": ((C * k,), F32),
+               "row_of_pair": ((C, k), I32), "scratch": (tuple(km.group_scratch_shape(C * k, E)), I32),
+               "eg": ((C * k, F), F32), "eu": ((C * k, F), F32), "ed": ((C * k, D), F32)}
+        if a.n_ff_shexp:
+            out.update({"sg": ((C, a.n_ff_shexp), F32), "su": ((C, a.n_ff_shexp), F32), "sgate": ((C, 1), F32)})
+        return out
+
+    @staticmethod
+    def op_ffn(a, C: int) -> dict:
+        return {"fg": ((C, a.n_ff), F32), "fu": ((C, a.n_ff), F32)}
 
     # the output buffer of each product the descriptions' `linears` make (GPUOps.linears), by tensor name
     OUTS = {"attn_q": "qg", "attn_k": "k", "attn_v": "v", "attn_qkv": "u", "attn_gate": "z", "ssm_beta": "gb",
@@ -94,27 +116,10 @@ class Buffers:
         """(n, width) rows of the output buffer of product `name`."""
         return getattr(self, self.OUTS[name])[:n].reshape(n, -1)
 
-    @staticmethod
-    def nbytes(a, C: int, n_ctx: int) -> int:
+    @classmethod
+    def nbytes(cls, a, C: int, n_ctx: int) -> int:
         """Bytes Buffers(a, C, n_ctx) allocates (for the placement's reserve), computed without a card."""
-        D, hd = a.n_embd, a.head_dim
-        n = n_ctx * D + 3 * C * D + n_ctx
-        n += C * a.n_head * hd * (2 if a.attn_gate else 1) + 2 * C * a.n_head * hd + 2 * C * a.n_head_kv * hd
-        n_attn = sum(t != "gdn" for t in a.layer_types)
-        n += 2 * n_attn * n_ctx * a.n_head_kv * hd
-        if "gdn" in a.layer_types:
-            Cc, Hv, S = a.ssm_conv_channels, a.ssm_n_v_heads, a.ssm_n_v_heads * a.ssm_d_k * a.ssm_d_v
-            n_gdn = sum(t == "gdn" for t in a.layer_types)
-            n += 2 * C * Cc + C * Hv * a.ssm_d_v * 2 + 2 * C * Hv
-            n += n_gdn * ((a.ssm_conv_kernel - 1) * Cc + S) + MAX_SNAPS * ((a.ssm_conv_kernel - 1) * Cc + S + 1)
-        if a.is_moe:
-            k, E = a.n_expert_used, a.n_expert
-            n += C * E + 2 * C * k + 2 * E + 1 + 3 * C * k
-            n += int(np.prod(km.group_scratch_shape(C * k, E)))
-            n += C * k * (2 * a.n_ff_exp + D) + (C * (2 * a.n_ff_shexp + 1) if a.n_ff_shexp else 0)
-        else:
-            n += 2 * C * a.n_ff
-        return 4 * n
+        return sum(int(np.prod(shape)) * dt.itemsize for shape, dt in cls.layout(a, C, n_ctx).values())
 
 
 class GPUModel:
@@ -149,6 +154,7 @@ class GPUModel:
         vec_bytes = sum(v.nbytes for v in self.vec.values())
         self.infos = {w.name: w for w in weights_of(gm, args, matrices_only=True)}
         self.layer_names = [tuple(n for n, w in self.infos.items() if w.layer == i) for i in range(a.n_layer)]
+        self.block_names = [block_names(gm.tensors, i) for i in range(a.n_layer)]
         _check_supported(gm, args, self.infos.values())
         free, total = drv.mem_get_info()
         self.vram_budget = int(vram_budget) if vram_budget is not None else int(free) - (512 << 20)
@@ -198,7 +204,7 @@ class GPUModel:
         if self._owner is None:
             return False
         ref, pos, h = self._owner
-        return ref() is st and pos == st.pos and h == _tokens_hash(st)
+        return ref() is st and pos == st.pos and h == tokens_hash(st)
 
     # forward -------------------------------------------------------------------------------------------
     def forward(self, tokens, state: DecoderState, all_logits: bool = True, snapshot_at=(), on_snapshot=None):
@@ -206,86 +212,11 @@ class GPUModel:
             return self._forward(tokens, state, all_logits, snapshot_at, on_snapshot)
 
     def _forward(self, tokens, state: DecoderState, all_logits: bool, snapshot_at, on_snapshot):
-        ids = check_tokens(tokens, self.args.n_vocab)
-        T, a = len(ids), self.args
-        state.check_room(T)
-        if state.n_ctx > self.n_ctx:
-            raise ValueError(f"state n_ctx {state.n_ctx} exceeds the GPU backend's n_ctx {self.n_ctx}")
-        p0 = state.pos
-        snaps = sorted({int(p) - p0 for p in snapshot_at if p0 < int(p) < p0 + T})[:MAX_SNAPS]
-        t0 = time.perf_counter()
-        if not self._holds(state):
-            self.handoff.upload(state, self.stream)
-        t_up = time.perf_counter()
-        b, st = self.buf, self.streamer
-        st.reset_timing()
-        self.work = Work()
-        h = b.h[:T]
-        emb = np.empty((T, a.n_embd), np.float32)
-        dequantize_rows(self.tok_embd.raw(), self.tok_embd.qtype, self.tok_embd.ne[0], ids, emb)
-        h.set(emb)
-        # everything the layers need from the host goes up now: a synchronous copy inside the loop would wait
-        # for the copy stream too (legacy default stream) and undo the overlap of uploads and compute
-        b.pos[:T].set(np.arange(p0, p0 + T, dtype=np.int32))
-        if snaps and "gdn" in a.layer_types:  # attention-only models snapshot by position alone (K/V rows)
-            b.snap_pos[: len(snaps)].set(np.array([sp - (sp - 1) // self.chunk * self.chunk for sp in snaps],
-                                                  np.int32))
-        snap_host = [(DecoderState(n_ctx=state.n_ctx, layer_types=state.layer_types, pos=p0 + s,
-                                   tokens=state.tokens, k=state.k, v=state.v,
-                                   conv=[None if c is None else np.empty_like(c) for c in state.conv],
-                                   ssm=[None if c is None else np.empty_like(c) for c in state.ssm]))
-                     for s in snaps]
-        t_emb = time.perf_counter()
-        ev0, ev1 = self._event(), self._event()
-        ev0.record(self.stream)
-        st.prefetch(0)
-        self.handoff.begin(state, p0, T)
-        ops = GPUOps(self)
-        for i in range(a.n_layer):
-            st.prefetch(i + 1)  # the next layer's upload overlaps this layer's compute
-            W = st.weights(i, self.layer_names[i])
-            L = _Names(i, W, self.vec)
-            for c0 in range(0, T, self.chunk):
-                c1 = min(T, c0 + self.chunk)
-                self._chunk_no = c0 // self.chunk
-                x, n = b.x[: c1 - c0], c1 - c0
-                ops.at(L, b.pos[c0:c1], [(0, n, p0 + c0, 0)], [(0, n, c0, snaps, None, None)], snap_host)
-                for j, br in enumerate(self.blocks[i]):
-                    ke.rms_norm(h[c0:c1], L.v(br.norm), a.rms_eps, out=x, stream=self.stream)
-                    self._mark(self._phase(i, br))
-                    ke.add(h[c0:c1], br.fn(ops.branch(j), a, x), stream=self.stream)
-                self._mark(None)
-            self.handoff.layer_done(i, a.layer_types[i], self.stream)
-            st.release(i)
-            self.handoff.drain(wait_through=i - 2)
-        logits = self._head(h, T, all_logits)
-        ev1.record(self.stream)
-        t_queued = time.perf_counter()
-        self.stream.synchronize()
-        t_sync = time.perf_counter()
-        state.tokens[p0 : p0 + T] = ids
-        state.pos = p0 + T
-        self.handoff.finish()
-        t_down = time.perf_counter()
-        if a.is_moe:
-            used = self.counts_host[:, : -(-T // self.chunk)].sum(axis=1)  # (n_layer, E)
-            for i, e in zip(*np.nonzero(used), strict=True):
-                self.expert_counts[(int(i), int(e))] = self.expert_counts.get((int(i), int(e)), 0) + int(used[i, e])
-            for i in range(a.n_layer):
-                self.work.add("moe", i, float(used[i].sum()) * self._exp_nk[i])
-        self._owner = (weakref.ref(state), state.pos, _tokens_hash(state))
-        wall = time.perf_counter() - t0
-        self.last_timing = {"wall_s": wall, "gpu_s": ev1.time_since(ev0) / 1e3, "copy_s": st.copy_seconds(),
-                            "bytes_h2d": st.bytes_h2d, "tokens": T, "work": self.work.as_dict(),
-                            "phases": self._phase_seconds(),
-                            # host: state upload, embedding lookup, launching (ends before the GPU does when
-                            # the host keeps ahead), waiting for the card, state download (the rest of it)
-                            "host_s": {"upload": t_up - t0, "embed": t_emb - t_up, "launch": t_queued - t_emb,
-                                       "wait": t_sync - t_queued, "download": t_down - t_sync}}
-        if on_snapshot is not None:
-            for s in snap_host:
-                on_snapshot(s, None)
-        return logits
+        return walk(self, [item(self, tokens, state, snapshot_at, on_snapshot)], all_logits)[0]
+
+    def block(self, i: int, W: dict) -> BlockTensors:
+        """Block i's tensors by short name: its streamed matrices (W, by GGUF name) and its float32 vectors."""
+        return BlockTensors(i, self.block_names[i], lambda name: W[name] if name in W else self.vec[name])
 
     def _gemm(self, layer: int, x, W, **kw):
         """kgm.gemm, its FLOPs counted in self.work."""
@@ -326,20 +257,6 @@ class GPUModel:
 
         return drv.Event()
 
-    def _head(self, h, T: int, all_logits: bool) -> np.ndarray:
-        a, b = self.args, self.buf
-        W = self.streamer.weights(a.n_layer, [self.head])[self.head]
-        rows = range(0, T, self.chunk) if all_logits else [T - 1]
-        out = []
-        for r0 in rows:
-            r1 = min(T, r0 + self.chunk) if all_logits else T
-            x = b.x[: r1 - r0]
-            ke.rms_norm(h[r0:r1], self.vec[self.out_norm], a.rms_eps, out=x, stream=self.stream)
-            lg = self._gemm(a.n_layer, x, W, stream=self.stream)
-            out.append(lg.get(stream=self.stream))
-        self.streamer.release(a.n_layer)
-        return np.concatenate(out, axis=0)
-
     def _phase(self, i: int, br) -> str:
         """A branch's profile phase: the mixer's layer type (gdn / attention), or moe / ffn."""
         if br.kind == "mixer":
@@ -352,12 +269,8 @@ class GPUModel:
         if state.pos == 0:
             self.handoff.upload(state, self.stream)
         self.buf.pos[:T].set(np.arange(state.pos, state.pos + T, dtype=np.int32))
-        L = _Names(i, self.streamer.weights(i, self.layer_names[i]), self.vec)
+        L = self.block(i, self.streamer.weights(i, self.layer_names[i]))
         return GPUOps(self).at(L, self.buf.pos[:T], [(0, T, state.pos, 0)], [(0, T, 0, [], None, None)]).branch(0)
-
-
-def _tokens_hash(st: DecoderState) -> int:
-    return hash(st.tokens[: st.pos].tobytes())
 
 
 def _check_supported(gm, args, infos) -> None:
@@ -372,18 +285,3 @@ def _check_supported(gm, args, infos) -> None:
             raise UnsupportedTensorTypeError(
                 f"{gm.path!r}: tensor {w.name!r} has type {t.type_name}, which the GPU kernels do not handle "
                 f"(they do {', '.join(type_name(q) for q in kgm.GEMM_TYPES)}); use backend='cpu'")
-
-
-class _Names:
-    """Block i's tensors by short GGUF name: w("attn_q") -> DeviceWeight, v("attn_norm") -> f32 vector."""
-
-    def __init__(self, i: int, W: dict, vec: dict):
-        self.i, self.p, self.W, self.vec = i, f"blk.{i}.", W, vec
-
-    def w(self, short: str):
-        return self.W[f"{self.p}{short}.weight"]
-
-    def v(self, short: str):
-        """GGUF names some vectors without ".weight" (ssm_a, ssm_dt.bias)."""
-        name = f"{self.p}{short}.weight"
-        return self.vec[name] if name in self.vec else self.vec[f"{self.p}{short}"]

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from ...models.state_kinds import kind_of
 from . import k_attention as ka
 from . import k_elementwise as ke
 from . import k_gdn as kg
 from . import k_gemm as kgm
 from . import k_moe as km
-from .work import attention_flops, gdn_flops
 
 SIDE_RATIO = 32  # products this many times narrower than their group's widest go on the side stream
 
@@ -52,9 +52,10 @@ class GPUOps:
         self.pos, self.attn_segs, self.gdn_segs, self.snap_host = None, [], [], []
 
     def at(self, L, pos, attn_segs: list, gdn_segs: list, snap_host=()) -> GPUOps:
-        """Layer L's weights (backend._Names); pos: the rows' positions on the card; attn_segs: (row0, row1, pos0,
-        cache base) per sequence among the rows; gdn_segs: (row0, row1, offset in its prompt, snapshot positions,
-        before, after) per sequence (before/after load and save its state on the card, or None)."""
+        """Layer L's tensors by short name (models/graph.BlockTensors: its streamed matrices and its vectors); pos:
+        the rows' positions on the card; attn_segs: (row0, row1, pos0, cache base) per sequence among the rows;
+        gdn_segs: (row0, row1, offset in its prompt, snapshot positions, before, after) per sequence (before/after
+        load and save its state on the card, or None)."""
         self.L, self.i, self.pos, self.attn_segs, self.gdn_segs = L, L.i, pos, attn_segs, gdn_segs
         self.snap_host = snap_host
         return self
@@ -78,6 +79,11 @@ class GPUOps:
             y = y.dense(gpuarray.empty(y.shape, np.float32))
         return y.get()
 
+    def _count(self, pos0: int, T: int) -> None:
+        """The mixer's FLOPs over T rows from position pos0, as its kind declares them, in the pass's work count."""
+        kind = self.a.layer_types[self.i]
+        self.m.work.add(kind, self.i, kind_of(kind).flops(self.a, pos0, T))
+
     # products ---------------------------------------------------------------------------------------------
     def linears(self, x, *names: str) -> list:
         """The products of x, each into its Buffers output; the narrow ones (GDN's beta and alpha) on the side
@@ -91,17 +97,17 @@ class GPUOps:
             sd = m._fork()
             for j, nm in enumerate(names):
                 if side[j]:
-                    res[j] = m._gemm(self.i, x, L.w(nm), out=outs[j], stream=sd)
+                    res[j] = m._gemm(self.i, x, L[nm], out=outs[j], stream=sd)
         for j, nm in enumerate(names):
             if not side[j]:
-                res[j] = m._gemm(self.i, x, L.w(nm), out=outs[j], stream=self.s)
+                res[j] = m._gemm(self.i, x, L[nm], out=outs[j], stream=self.s)
         if any(side):
             m._join()
         return res
 
     def linear(self, x, name: str):
         n = x.shape[0]
-        return self.m._gemm(self.i, x.reshape(n, -1), self.L.w(name), out=self.out[:n], stream=self.s)
+        return self.m._gemm(self.i, x.reshape(n, -1), self.L[name], out=self.out[:n], stream=self.s)
 
     def swiglu(self, g, u):
         return ke.swiglu(g, u, out=g, stream=self.s)
@@ -118,10 +124,10 @@ class GPUOps:
             if x.off:
                 raise ValueError("head_norm on GPU: only the query half of [query, gate] heads is read in place")
             q = self.b.q[: x.n]
-            ke.rms_norm(x.rows, self.L.v(name), a.rms_eps, out=q.reshape(x.rows.shape[0], hd), stream=self.s)
+            ke.rms_norm(x.rows, self.L[name], a.rms_eps, out=q.reshape(x.rows.shape[0], hd), stream=self.s)
             return q
         rows = x.reshape(x.shape[0] * (int(np.prod(x.shape[1:])) // hd), hd)
-        ke.rms_norm(rows, self.L.v(name), a.rms_eps, out=rows, stream=self.s)
+        ke.rms_norm(rows, self.L[name], a.rms_eps, out=rows, stream=self.s)
         return x
 
     def attention(self, q, k, v):
@@ -135,10 +141,11 @@ class GPUOps:
         ke.rope_neox(k3, self.pos, a.n_rot, a.rope_theta, stream=s, neox=a.rope_neox)
         o = b.o[:n]
         for r0, r1, p0, base in self.attn_segs:
-            kc, vc = (b.kc[i], b.vc[i]) if base == 0 else (b.kc[i][base:], b.vc[i][base:])
+            kc, vc = b.state["k", i], b.state["v", i]
+            kc, vc = (kc, vc) if base == 0 else (kc[base:], vc[base:])
             ka.kv_append(k3[r0:r1], v3[r0:r1], kc, vc, p0, stream=s)
             ka.attention_prefill(q[r0:r1], kc, vc, o[r0:r1], p0, stream=s)
-            self.m.work.add("attention", i, attention_flops(a.n_head, hd, p0, r1 - r0))
+            self._count(p0, r1 - r0)
         return o.reshape(n, a.n_head * hd)
 
     def sigmoid_gate(self, o, gate):
@@ -158,15 +165,15 @@ class GPUOps:
             if before is not None:
                 before()
             rows = r1 - r0
-            self.m.work.add("gdn", i, gdn_flops(A, rows))
+            self._count(0, rows)  # the same work at every position
             mine = [j for j, p in enumerate(sn) if q0 < p <= q0 + rows]  # positions relative to q0 in snap_pos
             sp = sc = sS = None
             if mine:
                 j0, j1 = mine[0], mine[-1] + 1
-                sp, sc, sS = b.snap_pos[j0:j1], b.snap_conv[j0:j1], b.snap_S[j0:j1]
-            kg.gdn_prefill(u[r0:r1], z[r0:r1], alpha[r0:r1], beta[r0:r1], L.v(conv), L.v(a), L.v(dt_bias),
-                           L.v(norm), b.conv[i], b.S[i], y[r0:r1], A.ssm_n_k_heads, A.ssm_d_k, A.rms_eps,
-                           A.gdn_head_map, sp, sc, sS, c=b.c[r0:r1], stream=s)
+                sp, sc, sS = b.snap_pos[j0:j1], b.snap["conv"][j0:j1], b.snap["ssm"][j0:j1]
+            kg.gdn_prefill(u[r0:r1], z[r0:r1], alpha[r0:r1], beta[r0:r1], L[conv], L[a], L[dt_bias],
+                           L[norm], b.state["conv", i], b.state["ssm", i], y[r0:r1], A.ssm_n_k_heads, A.ssm_d_k,
+                           A.rms_eps, A.gdn_head_map, sp, sc, sS, c=b.c[r0:r1], stream=s)
             for r, j in enumerate(mine):  # synchronous, but only when the prefix cache asks for snapshots
                 sc[r].get(ary=self.snap_host[j].conv[i], stream=s)
                 sS[r].get(ary=self.snap_host[j].ssm[i], stream=s)
@@ -181,12 +188,12 @@ class GPUOps:
         k, E = a.n_expert_used, a.n_expert
         if shared is not None:  # the gated shared expert, beside the routed experts
             side = m._fork()
-            sg = m._gemm(L.i, x, L.w(shared[0]), out=b.sg[:n], stream=side)
-            su = m._gemm(L.i, x, L.w(shared[1]), out=b.su[:n], stream=side)
+            sg = m._gemm(L.i, x, L[shared[0]], out=b.sg[:n], stream=side)
+            su = m._gemm(L.i, x, L[shared[1]], out=b.su[:n], stream=side)
             ke.swiglu(sg, su, out=sg, stream=side)
-            sh = m._gemm(L.i, sg, L.w(shared[2]), out=self.spare[:n], stream=side)
-            gl = ke.dot_rows(x, L.v(shared_gate), out=b.sgate[:n], stream=side)
-        logits = m._gemm(L.i, x, L.w(router), out=b.router[:n], stream=s)
+            sh = m._gemm(L.i, sg, L[shared[2]], out=self.spare[:n], stream=side)
+            gl = ke.dot_rows(x, L[shared_gate], out=b.sgate[:n], stream=side)
+        logits = m._gemm(L.i, x, L[router], out=b.router[:n], stream=s)
         ids, wts = b.ids[:n], b.wts[:n]
         km.route(logits, k, ids, wts, stream=s)
         P = n * k
@@ -194,7 +201,7 @@ class GPUOps:
                  scratch=b.scratch[: km.group_scratch_shape(P, E)[0]], stream=s)
         # per-expert token counts for expert pinning: copied to pinned memory now, summed after the pass
         m.drv.memcpy_dtoh_async(m.counts_host[L.i, m._chunk_no], b.counts.gpudata, s)
-        G, U, D = (L.w(nm) for nm in experts)
+        G, U, D = (L[nm] for nm in experts)
         eg = kgm.gemm_grouped(x, G, b.offs, idx=b.perm_tok[:P], out=b.eg[:P], stream=s)
         eu = kgm.gemm_grouped(x, U, b.offs, idx=b.perm_tok[:P], out=b.eu[:P], stream=s)
         ke.swiglu(eg, eu, out=eg, stream=s)

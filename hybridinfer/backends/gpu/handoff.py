@@ -1,10 +1,11 @@
-"""The decoder state between the host `DecoderState` and the card's copy (Buffers), for the GPU backend.
+"""The decoder state between the host `DecoderState` and the card's copy (Buffers.state), for the GPU backend.
 
-Up: a state at position 0 has no history, so the card's conv and S are zeroed in place (no copy); a state
-further on (a prefix-cache restore, or CPU decode since the last prefill) is copied up.
-Down: each layer's final conv and S (GDN) or its new K/V rows (attention) are queued for copy into pinned
-host memory as soon as the layer's last chunk is queued, and copied on into the host state between later
-layers once they have arrived, so both copies overlap the card's work. K/V rows beyond one chunk come down
+What moves is what the mixer kinds declare (models/state_kinds.py). Up: a state at position 0 has no history, so
+the card's recurrent arrays (GDN conv and S) are zeroed in place (no copy); a state further on (a prefix-cache
+restore, or CPU decode since the last prefill) is copied up, recurrent arrays whole and per-token arrays (K/V) up to
+its position. Down: each layer's final recurrent arrays and its new per-token rows are queued for copy into pinned
+host memory as soon as the layer's last chunk is queued, and copied on into the host state between later layers
+once they have arrived, so both copies overlap the card's work. Per-token rows beyond one chunk come down
 synchronously after the pass.
 """
 
@@ -12,20 +13,28 @@ from __future__ import annotations
 
 import numpy as np
 
+from ...models.state_kinds import ARRAYS
 from ..state import DecoderState
 
 
+def zero_or_upload(drv, card, host: np.ndarray, pos: int, stream) -> None:
+    """A recurrent array on the card made the host's: zeros at position 0 (in place, on `stream`), else a copy up
+    (synchronous: the null stream waits for the pass's stream)."""
+    if pos == 0:
+        drv.memset_d32_async(card.gpudata, 0, card.size, stream)
+    else:
+        card.set(np.ascontiguousarray(host))
+
+
 class StateHandoff:
-    """Pinned host mirrors of one sequence's conv and S (every GDN layer) and `chunk` K/V rows (every
-    attention layer): one page-locked allocation, made once."""
+    """Pinned host mirrors of one sequence's recurrent arrays (whole) and `chunk` rows of its per-token arrays,
+    for every layer: one page-locked allocation, made once."""
 
     def __init__(self, buf, chunk: int):
         import pycuda.driver as drv
 
         self.drv, self.buf, self.chunk = drv, buf, chunk
-        parts = [(("S", i), a) for i, a in getattr(buf, "S", {}).items()]
-        parts += [(("conv", i), a) for i, a in getattr(buf, "conv", {}).items()]
-        parts += [((kind, i), a[:chunk]) for kind, d in (("k", buf.kc), ("v", buf.vc)) for i, a in d.items()]
+        parts = [(key, a[:chunk] if ARRAYS[key[0]].per_token else a) for key, a in buf.state.items()]
         total = sum(a.size for _, a in parts)
         self.pinned = drv.pagelocked_empty(max(total, 1), np.float32)  # float32 [total]
         self.host: dict[tuple[str, int], np.ndarray] = {}
@@ -34,45 +43,45 @@ class StateHandoff:
             self.host[key] = self.pinned[off : off + a.size].reshape(a.shape)
             off += a.size
         self.nbytes = self.pinned.nbytes
+        self.layers: dict[int, list] = {}  # layer -> (array spec, card array, host mirror) of each array it keeps
+        for (name, i), a in buf.state.items():
+            self.layers.setdefault(i, []).append((ARRAYS[name], a, self.host[name, i]))
         self._st, self._p0, self._T, self._kv_rows = None, 0, 0, 0  # the pass in progress
-        self._pending: list[tuple[int, str, object]] = []  # (layer, kind, event after its copies)
+        self._pending: list[tuple[int, object]] = []  # (layer, event after its copies)
 
     def upload(self, st: DecoderState, stream) -> None:
-        """Make the card's copy equal `st` (zeroing in place at position 0)."""
-        b, p = self.buf, st.pos
-        for i in getattr(b, "S", {}):
-            if p == 0:
-                self.drv.memset_d32_async(b.S[i].gpudata, 0, b.S[i].size, stream)
-                self.drv.memset_d32_async(b.conv[i].gpudata, 0, b.conv[i].size, stream)
-            else:
-                b.S[i].set(st.ssm[i])
-                b.conv[i].set(st.conv[i])
-        if p:
-            for i in b.kc:
-                b.kc[i][:p].set(np.ascontiguousarray(st.k[i][:p]))
-                b.vc[i][:p].set(np.ascontiguousarray(st.v[i][:p]))
+        """Make the card's copy equal `st` (zeroing recurrent arrays in place at position 0)."""
+        p = st.pos
+        for (name, i), card in self.buf.state.items():
+            host = st.arrays[name][i]
+            if not ARRAYS[name].per_token:
+                zero_or_upload(self.drv, card, host, p, stream)
+            elif p:
+                card[:p].set(np.ascontiguousarray(host[:p]))
 
     def begin(self, st: DecoderState, p0: int, T: int) -> None:
         """A pass of T tokens from position p0 into `st` starts."""
         self._st, self._p0, self._T = st, p0, T
         self._kv_rows = T if T <= self.chunk else 0
-        self._pending: list[tuple[int, str, object]] = []
+        self._pending = []
 
-    def layer_done(self, i: int, kind: str, stream) -> None:
+    def layer_done(self, i: int, stream) -> None:
         """Queue layer i's final state for the host (call after its last chunk is queued on `stream`)."""
-        b, d, p0 = self.buf, self.drv, self._p0
-        if kind == "gdn":
-            d.memcpy_dtoh_async(self.host[("S", i)], b.S[i].gpudata, stream)
-            d.memcpy_dtoh_async(self.host[("conv", i)], b.conv[i].gpudata, stream)
-        elif self._kv_rows:
-            n = self._kv_rows
-            d.memcpy_dtoh_async(self.host[("k", i)][:n], b.kc[i][p0 : p0 + n].gpudata, stream)
-            d.memcpy_dtoh_async(self.host[("v", i)][:n], b.vc[i][p0 : p0 + n].gpudata, stream)
-        else:
+        d, p0, n = self.drv, self._p0, self._kv_rows
+        queued = False
+        for s, card, host in self.layers.get(i, ()):
+            if not s.per_token:
+                d.memcpy_dtoh_async(host, card.gpudata, stream)
+            elif n:
+                d.memcpy_dtoh_async(host[:n], card[p0 : p0 + n].gpudata, stream)
+            else:
+                continue
+            queued = True
+        if not queued:
             return
         ev = d.Event()
         ev.record(stream)
-        self._pending.append((i, kind, ev))
+        self._pending.append((i, ev))
 
     def drain(self, wait_through: int | None = None) -> None:
         """Copy the layers whose state has arrived into the host state, in order, waiting for those up to layer
@@ -80,27 +89,26 @@ class StateHandoff:
         host keeps only that far ahead of the card, and its copies overlap the card's work on later layers
         (the pinned copies wait until the card is there, so without waiting most were left for the end)."""
         while self._pending:
-            i, kind, ev = self._pending[0]
+            i, ev = self._pending[0]
             if wait_through is not None and i <= wait_through:
                 ev.synchronize()
             elif not ev.query():
                 return
             self._pending.pop(0)
-            st = self._st
-            if kind == "gdn":
-                np.copyto(st.ssm[i], self.host[("S", i)])
-                np.copyto(st.conv[i], self.host[("conv", i)])
-            else:
-                p0, n = self._p0, self._kv_rows
-                st.k[i][p0 : p0 + n] = self.host[("k", i)][:n]
-                st.v[i][p0 : p0 + n] = self.host[("v", i)][:n]
+            st, p0, n = self._st, self._p0, self._kv_rows
+            for s, _, host in self.layers.get(i, ()):
+                if not s.per_token:
+                    np.copyto(st.arrays[s.name][i], host)
+                elif n:
+                    st.arrays[s.name][i][p0 : p0 + n] = host[:n]
 
     def finish(self) -> None:
-        """After the pass: the rest of the queued copies; K/V runs longer than a chunk straight from the card."""
+        """After the pass: the rest of the queued copies; per-token runs longer than a chunk straight from the
+        card."""
         self.drain(wait_through=1 << 30)
         if not self._kv_rows:
-            st, p0, p1, b = self._st, self._p0, self._p0 + self._T, self.buf
-            for i in b.kc:
-                st.k[i][p0:p1] = b.kc[i][p0:p1].get()
-                st.v[i][p0:p1] = b.vc[i][p0:p1].get()
+            st, p0, p1 = self._st, self._p0, self._p0 + self._T
+            for (name, i), card in self.buf.state.items():
+                if ARRAYS[name].per_token:
+                    st.arrays[name][i][p0:p1] = card[p0:p1].get()
         self._st = None

@@ -8,14 +8,13 @@ from __future__ import annotations
 import numpy as np
 
 from ...errors import KernelArgumentError
-from ...format import quant
+from ...format.quant_types import TYPES
 from . import loader
 from .k_gemm import _ALIGN, DeviceWeight, _aligned, _check_weight
 
 FAMILY = "elementwise"
 THREADS = 256
-EMBED_TYPES = {quant.F32: "f32", quant.F16: "f16", quant.Q4_0: "q4_0", quant.Q4_1: "q4_1", quant.Q8_0: "q8_0",
-               quant.Q4_K: "q4_k", quant.Q5_K: "q5_k", quant.Q6_K: "q6_k"}
+EMBED_TYPES = {q: t.kernel_name for q, t in TYPES.items() if t.gpu_embed}  # format/quant_types.py
 ROPE_MAX_HALF = 256
 
 

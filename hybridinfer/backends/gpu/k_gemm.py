@@ -13,6 +13,7 @@ import numpy as np
 
 from ...errors import KernelArgumentError
 from ...format import quant
+from ...format.quant_types import TYPES
 from . import kclass, loader
 from .cards import CardLimits
 from .ptxas_table import USAGE
@@ -25,10 +26,10 @@ TILES_BY_CLASS = {
     kclass.R63: ((16, 128), (32, 128), (64, 128), (16, 256), (32, 256), (32, 64), (64, 64)),
 }
 TILES = TILES_BY_CLASS[kclass.R255]
-GEMM_TYPES = {quant.F32: "f32", quant.F16: "f16", quant.Q4_0: "q4_0", quant.Q8_0: "q8_0", quant.Q4_K: "q4_k",
-              quant.Q5_K: "q5_k", quant.Q6_K: "q6_k"}
+# the types gemm.cu has kernels for, by their name in the kernels' (format/quant_types.py is the table)
+GEMM_TYPES = {q: t.kernel_name for q, t in TYPES.items() if t.gpu_gemm}
 # base-pointer alignment the kernels' vector loads need, by type
-_ALIGN = {quant.F32: 16, quant.F16: 16, quant.Q4_K: 16, quant.Q5_K: 16, quant.Q4_1: 4}
+_ALIGN = {q: t.gpu_align for q, t in TYPES.items()}
 _NULL = np.uintp(0)
 
 

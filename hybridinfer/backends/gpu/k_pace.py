@@ -1,8 +1,8 @@
 """Launcher of the bus pacing: a Pacer runs pacing.pace_pieces' schedule on a copy stream, so the host-to-device
 copies queued through it keep to `bus_bw` bytes/s (an old card's bus emulated on a faster one). The holds are host
-functions (native/simd/pace.c, hi_pace_hold) enqueued with the driver's cuLaunchHostFunc: they hold the stream in
-order and take no multiprocessor from the kernels beside it (a hold kernel waits for room on a busy card, which
-made uploads slower than asked)."""
+functions (native/pace/pace.c, hi_pace_hold, in this package's own compiled module `_pace`) enqueued with the
+driver's cuLaunchHostFunc: they hold the stream in order and take no multiprocessor from the kernels beside it (a
+hold kernel waits for room on a busy card, which made uploads slower than asked)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,19 @@ from functools import cache
 from ...errors import BackendNotAvailableError
 from .pacing import MAX_PIECE, check_bus_bw, pace_pieces
 
-START, NEXT, END = 0, 1, 2  # HI_PACE_* of hi_simd.h
+START, NEXT, END = 0, 1, 2  # HI_PACE_* of native/pace/pace.h
+
+
+@cache
+def native():
+    """The compiled pacing module (cffi: .ffi, .lib)."""
+    try:
+        from . import _pace
+    except ImportError as e:
+        raise BackendNotAvailableError(
+            "the bus-pacing helper hybridinfer.backends.gpu._pace is not built: `pip install -e .` (or "
+            f"`python native/pace/build.py`) builds it ({e})") from e
+    return _pace
 
 
 @cache
@@ -30,9 +42,7 @@ def _launch_host_func():
 
 class Pacer:
     def __init__(self, bus_bw: float, max_piece: int = MAX_PIECE):
-        from ..cpu.simd_native import _native
-
-        mod = _native()
+        mod = native()
         self.ffi, self.lib = mod.ffi, mod.lib
         self.bus_bw, self.max_piece = check_bus_bw(bus_bw), int(max_piece)
         self.clock = self.ffi.new("hi_pace_clock *")

@@ -1,9 +1,9 @@
 """A snapshot of a DecoderState at position p, and its file format.
 
-A snapshot holds the recurrent state of every GDN layer (conv, S), the logits of the last token (optional) and
-one segment [kv_from, p) of the K/V rows of every attention layer and of the token ids; `parent` names the
-snapshot at kv_from (None when kv_from == 0) that, with its own ancestors, holds the rows before. Restoring a
-snapshot copies the segments of its chain, root first, then its recurrent state.
+A snapshot holds every recurrent array of the state (GDN conv, S; models/state_kinds.py declares them), the logits
+of the last token (optional) and one segment [kv_from, p) of every per-token array (attention K/V) and of the
+token ids; `parent` names the snapshot at kv_from (None when kv_from == 0) that, with its own ancestors, holds the
+rows before. Restoring a snapshot copies the segments of its chain, root first, then its recurrent state.
 
 File (one per snapshot, `<key hex>.snap`), all little-endian:
 
@@ -31,6 +31,7 @@ import numpy as np
 
 from ...errors import ContextLengthError, NotRegularFileError, SnapshotError
 from ...format import files
+from ...models.state_kinds import ARRAYS
 from ..fsutil import fsync_dir
 
 MAGIC = b"HYBSNAP\0"
@@ -79,23 +80,31 @@ class ChainLink:
 @dataclass(frozen=True, eq=False)
 class Snapshot(ChainLink):
     tokens: np.ndarray  # (pos - kv_from,) int32: tokens[kv_from:pos]
-    conv: dict[int, np.ndarray]  # GDN layer -> (K-1, C) f32
-    ssm: dict[int, np.ndarray]  # GDN layer -> (H_v, d_k, d_v) f32
-    k: dict[int, np.ndarray]  # attention layer -> (pos - kv_from, H_kv, hd) f32
-    v: dict[int, np.ndarray]
+    # per declared state array (models/state_kinds.py), by layer: a recurrent array whole (GDN conv (K-1, C), S
+    # (H_v, d_k, d_v)), a per-token array's rows [kv_from, pos) (attention K, V (pos - kv_from, H_kv, hd)); all
+    # float32, read as snap.conv, snap.k, ...
+    parts: dict[str, dict[int, np.ndarray]]
     logits: np.ndarray | None = None
     nbytes: int = field(default=0, compare=False)
 
     def __post_init__(self):
+        for name in ARRAYS:
+            self.parts.setdefault(name, {})
         object.__setattr__(self, "nbytes", sum(a.nbytes for _, _, a in self.arrays()))
+
+    def __getattr__(self, name: str):
+        parts = self.__dict__.get("parts")
+        if parts is not None and name in parts:
+            return parts[name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def arrays(self):
         """(kind, layer, array) in file order; layer -1 for tokens and logits."""
         yield "tokens", -1, self.tokens
-        for i in sorted({*self.conv, *self.k}):
-            for kind, d in (("conv", self.conv), ("ssm", self.ssm), ("k", self.k), ("v", self.v)):
-                if i in d:
-                    yield kind, i, d[i]
+        for i in sorted({i for d in self.parts.values() for i in d}):
+            for name in ARRAYS:
+                if i in self.parts[name]:
+                    yield name, i, self.parts[name][i]
         if self.logits is not None:
             yield "logits", -1, self.logits
 
@@ -104,38 +113,42 @@ class Snapshot(ChainLink):
 
     def in_ram(self) -> Snapshot:
         """A copy whose arrays are plain in-memory arrays (for a snapshot read from a mapped file)."""
-
-        def cp(d):
-            return {i: np.array(a) for i, a in d.items()}
-
-        return replace(self, tokens=np.array(self.tokens), conv=cp(self.conv), ssm=cp(self.ssm), k=cp(self.k),
-                       v=cp(self.v), logits=None if self.logits is None else np.array(self.logits))
+        return replace(self, tokens=np.array(self.tokens),
+                       parts={name: {i: np.array(a) for i, a in d.items()} for name, d in self.parts.items()},
+                       logits=None if self.logits is None else np.array(self.logits))
 
 
 def from_state(state, *, key: bytes, block_key: bytes, tail, parent: bytes | None, kv_from: int,
                seg_blocks: tuple[bytes, ...], logits: np.ndarray | None = None, copy: bool = True) -> Snapshot:
-    """The snapshot of `state` at state.pos holding K/V rows [kv_from, pos). copy=False keeps views of the
+    """The snapshot of `state` at state.pos holding per-token rows [kv_from, pos). copy=False keeps views of the
     state's buffers (only to write them out at once)."""
     p = state.pos
     cp = np.array if copy else np.asarray
-    conv = {i: cp(a) for i, a in enumerate(state.conv) if a is not None}
-    ssm = {i: cp(a) for i, a in enumerate(state.ssm) if a is not None}
-    k = {i: cp(a[kv_from:p]) for i, a in enumerate(state.k) if a is not None}
-    v = {i: cp(a[kv_from:p]) for i, a in enumerate(state.v) if a is not None}
+    parts = {name: {i: cp(a[kv_from:p] if s.per_token else a) for i, a in enumerate(state.arrays[name])
+                    if a is not None} for name, s in ARRAYS.items()}
     if logits is not None:
         logits = np.array(logits, dtype=np.float32).reshape(-1)  # always a copy: a backend may reuse its buffer
     return Snapshot(key=key, pos=p, block_key=block_key, tail=tuple(int(t) for t in tail), parent=parent,
                     kv_from=kv_from, seg_blocks=tuple(seg_blocks), tokens=cp(state.tokens[kv_from:p]),
-                    conv=conv, ssm=ssm, k=k, v=v, logits=logits)
+                    parts=parts, logits=logits)
+
+
+def _held(state, per_token: bool):
+    """(array spec, layer, array) of the arrays of one sort that `state` holds."""
+    for name, s in ARRAYS.items():
+        if s.per_token == per_token:
+            for i, a in enumerate(state.arrays[name]):
+                if a is not None:
+                    yield s, i, a
 
 
 def recurrent_bytes(state) -> int:
-    return sum(a.nbytes for a in (*state.conv, *state.ssm) if a is not None)
+    return sum(a.nbytes for _, _, a in _held(state, per_token=False))
 
 
 def row_bytes(state) -> int:
-    """Bytes of one position's K/V rows (all attention layers) plus its token id."""
-    return 4 + sum(a[0].nbytes for a in (*state.k, *state.v) if a is not None)
+    """Bytes of one position's per-token rows (all layers) plus its token id."""
+    return 4 + sum(a[0].nbytes for _, _, a in _held(state, per_token=True))
 
 
 def check_chain(chain) -> None:
@@ -153,20 +166,19 @@ def restore_chain(chain, state) -> None:
     last = chain[-1]
     if last.pos > state.n_ctx:
         raise ContextLengthError(f"snapshot at position {last.pos} exceeds n_ctx={state.n_ctx}")
-    attn = {i for i, a in enumerate(state.k) if a is not None}
-    gdn = {i for i, a in enumerate(state.ssm) if a is not None}
-    if set(last.conv) != {i for i, a in enumerate(state.conv) if a is not None} or set(last.ssm) != gdn:
-        raise SnapshotError("the snapshot's recurrent layers differ from the state's")
+    held = {name: {i for i, a in enumerate(state.arrays[name]) if a is not None} for name in ARRAYS}
+    for name, s in ARRAYS.items():
+        if not s.per_token and set(last.parts[name]) != held[name]:
+            raise SnapshotError(f"the snapshot's {s.label} layers differ from the state's")
     copies = []
-    for s in chain:
-        if set(s.k) != attn or set(s.v) != attn:
-            raise SnapshotError("the snapshot's attention layers differ from the state's")
-        a, b = s.kv_from, s.pos
-        copies.append((state.tokens[a:b], s.tokens, "tokens"))
-        for i in attn:
-            copies += [(state.k[i][a:b], s.k[i], f"K of layer {i}"), (state.v[i][a:b], s.v[i], f"V of layer {i}")]
-    for i in gdn:
-        copies += [(state.conv[i], last.conv[i], f"conv of layer {i}"), (state.ssm[i], last.ssm[i], f"S of layer {i}")]
+    for snap in chain:
+        for name, s in ARRAYS.items():
+            if s.per_token and set(snap.parts[name]) != held[name]:
+                raise SnapshotError(f"the snapshot's {s.label} layers differ from the state's")
+        a, b = snap.kv_from, snap.pos
+        copies.append((state.tokens[a:b], snap.tokens, "tokens"))
+        copies += [(arr[a:b], snap.parts[s.name][i], f"{s.label} of layer {i}") for s, i, arr in _held(state, True)]
+    copies += [(arr, last.parts[s.name][i], f"{s.label} of layer {i}") for s, i, arr in _held(state, False)]
     for dst, src, what in copies:
         if dst.shape != src.shape:
             raise SnapshotError(f"snapshot {what} has shape {src.shape}, the state expects {dst.shape}")
@@ -316,7 +328,7 @@ def load_file(path: str) -> tuple[FileHeader, Snapshot] | None:
         mm = np.memmap(f, dtype=np.uint8, mode="r", offset=hdr.payload_offset, shape=(hdr.payload_size,))
     if hashlib.blake2b(mm, digest_size=16).hexdigest() != hdr.payload_blake2b:
         raise SnapshotError("payload checksum mismatch")
-    parts: dict[str, dict[int, np.ndarray]] = {"conv": {}, "ssm": {}, "k": {}, "v": {}, "tokens": {}, "logits": {}}
+    parts: dict[str, dict[int, np.ndarray]] = {name: {} for name in (*ARRAYS, "tokens", "logits")}
     try:
         for d in hdr.arrays:
             dt = _DTYPES[d["dtype"]]
@@ -328,9 +340,10 @@ def load_file(path: str) -> tuple[FileHeader, Snapshot] | None:
             parts[d["kind"]][int(d["layer"])] = np.asarray(mm[off : off + n]).view(dt).reshape(shape)
         n_seg = hdr.pos - hdr.kv_from
         tokens = parts["tokens"][-1]
-        if tokens.shape != (n_seg,) or any(a.shape[0] != n_seg for a in (*parts["k"].values(), *parts["v"].values())):
+        if tokens.shape != (n_seg,) or any(a.shape[0] != n_seg for name, s in ARRAYS.items() if s.per_token
+                                           for a in parts[name].values()):
             raise SnapshotError("segment arrays disagree with pos - kv_from")
-        snap = Snapshot(**hdr.link(), tokens=tokens, conv=parts["conv"], ssm=parts["ssm"], k=parts["k"], v=parts["v"],
+        snap = Snapshot(**hdr.link(), tokens=tokens, parts={name: parts[name] for name in ARRAYS},
                         logits=parts["logits"].get(-1))
     except _MALFORMED as e:
         raise SnapshotError(f"malformed array descriptors ({e!r})") from None

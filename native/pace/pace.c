@@ -13,7 +13,7 @@
 #include <errno.h>
 #include <time.h>
 
-#include "hi_simd.h"
+#include "pace.h"
 
 int64_t hi_pace_now_ns(void) {
     struct timespec ts;

@@ -1,0 +1,305 @@
+"""The one GPU walker: a streamed, layer-major pass over one prompt or several (GPUModel.forward, multi.forward_many).
+
+Every token of the pass goes through layer L before layer L+1's weights are used, so each streamed weight crosses
+the bus once per pass. The prompts' hidden rows lie one after another in the hidden buffer (each at its `off`) and
+their cached rows one after another in the card's per-token state (each at its `base`). Within a layer each branch
+runs over the rows in chunks of `chunk`: the mixer (models/state_kinds.py declares its state) per prompt, each
+continuing its own state, in the pieces of the chunk that hold that prompt's rows; the FFN or MoE over all prompts'
+rows together (short prompts would otherwise each make small GEMMs and read every selected expert again). Each
+prompt's logits equal those of a pass of its own to the float rounding of the GEMM tiles.
+
+What moves a prompt's state between the host and the card is the walker's one difference between one prompt and
+several (`OneState`, `ManyStates`). Mid-prompt snapshots (the prefix cache's) are written by the kernels at requested
+positions within the same pass, into MAX_SNAPS slots shared by the pass's prompts.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ...format.quant import dequantize_rows
+from ...models.state_kinds import ARRAYS
+from ..state import DecoderState, check_tokens
+from . import k_elementwise as ke
+from .graph_ops import GPUOps
+from .handoff import zero_or_upload
+from .work import Work
+
+MAX_SNAPS = 16  # mid-prompt snapshots per pass (the card's snapshot slots)
+
+
+@dataclass
+class Item:
+    """One prompt of a pass: its tokens, the state it continues (at any position), and where to snapshot."""
+
+    ids: np.ndarray
+    state: DecoderState
+    snapshot_at: tuple = ()
+    on_snapshot: object = None
+    off: int = 0  # its first row in the hidden buffer
+    base: int = 0  # its first row in the card's per-token state
+    snaps: list = field(default_factory=list)  # its snapshot positions relative to its first token
+    snap0: int = 0  # its first slot in the card's snapshot buffers
+
+
+def item(m, ids, state: DecoderState, snapshot_at=(), on_snapshot=None) -> Item:
+    """A prompt for GPUModel m, after checking its tokens and that it fits its state and the card's buffers."""
+    ids = check_tokens(ids, m.args.n_vocab)
+    state.check_room(len(ids))
+    if state.n_ctx > m.n_ctx:
+        raise ValueError(f"state n_ctx {state.n_ctx} exceeds the GPU backend's n_ctx {m.n_ctx}")
+    return Item(ids, state, tuple(snapshot_at), on_snapshot)
+
+
+class OneState:
+    """One prompt: the card keeps its copy of the state between passes (uploaded only when the host's is another,
+    GPUModel._holds), and each layer's state comes down through the StateHandoff while later layers run."""
+
+    def __init__(self, m, it: Item):
+        self.m, self.it, self.p0 = m, it, it.state.pos
+
+    def up(self) -> None:
+        if not self.m._holds(self.it.state):
+            self.m.handoff.upload(self.it.state, self.m.stream)
+
+    def begin(self) -> None:
+        self.m.handoff.begin(self.it.state, self.p0, len(self.it.ids))
+
+    def before(self, j: int, i: int):
+        return None  # the card holds the prompt's state already
+
+    def after(self, j: int, i: int):
+        return None
+
+    def layer_done(self, i: int) -> None:
+        self.m.handoff.layer_done(i, self.m.stream)
+
+    def drain(self, i: int) -> None:
+        self.m.handoff.drain(wait_through=i - 2)
+
+    def down(self) -> None:
+        st = self.it.state
+        st.tokens[self.p0 : self.p0 + len(self.it.ids)] = self.it.ids
+        st.pos = self.p0 + len(self.it.ids)
+        self.m.handoff.finish()
+        self.m._owner = (weakref.ref(st), st.pos, tokens_hash(st))
+
+
+class ManyStates:
+    """Several prompts: each one's per-token rows go up to its own rows of the card's state before the pass (after a
+    restore) and come down after it; the card's one copy of a layer's recurrent arrays is loaded with the prompt's
+    before its first piece (zeroed at position 0, copied up after a restore) and queued down into page-locked
+    mirrors after its last, without waiting for the card."""
+
+    def __init__(self, m, items: list[Item]):
+        self.m, self.items, self.b = m, items, m.buf
+        self.rows = [(name, i, card) for (name, i), card in self.b.state.items() if ARRAYS[name].per_token]
+        self.pinned = pinned_states(m, len(items))
+
+    def up(self) -> None:
+        self.m._owner = None  # the card's state buffers end holding pieces of several sequences
+        for it in self.items:
+            st = it.state
+            if st.pos:  # a restored prefix: its per-token rows up to this prompt's rows of the cache
+                for name, i, card in self.rows:
+                    card[it.base : it.base + st.pos].set(np.ascontiguousarray(st.arrays[name][i][: st.pos]))
+
+    def begin(self) -> None:
+        pass
+
+    def before(self, j: int, i: int):
+        st = self.items[j].state
+        return lambda: load_recurrent(self.m.drv, self.b, i, st, self.m.stream)
+
+    def after(self, j: int, i: int):
+        return lambda: save_recurrent(self.m.drv, self.b, i, self.pinned[j], self.m.stream)
+
+    def layer_done(self, i: int) -> None:
+        pass
+
+    def drain(self, i: int) -> None:
+        pass
+
+    def down(self) -> None:
+        for j, it in enumerate(self.items):
+            st, p0, T = it.state, it.state.pos, len(it.ids)
+            for (name, i), mirror in self.pinned[j].items():
+                np.copyto(st.arrays[name][i], mirror)
+            for name, i, card in self.rows:
+                st.arrays[name][i][p0 : p0 + T] = card[it.base + p0 : it.base + p0 + T].get()
+            st.tokens[p0 : p0 + T] = it.ids
+            st.pos = p0 + T
+
+
+def walk(m, items: list[Item], all_logits: bool = False) -> list[np.ndarray]:
+    """One streamed pass of GPUModel m over `items` (their rows and cached rows must fit its buffers, as
+    multi.plan_groups groups them): each prompt's logits, (T, n_vocab) with all_logits (one prompt), else its last
+    token's (1, n_vocab). The states advance; snapshots go to each prompt's on_snapshot once the pass is done."""
+    a, b, s, C, st = m.args, m.buf, m.stream, m.chunk, m.streamer
+    if all_logits and len(items) > 1:
+        raise ValueError("all_logits: a pass of one prompt")
+    off = base = n_snap = 0
+    for it in items:
+        p0, T = it.state.pos, len(it.ids)
+        it.off, it.base = off, base
+        off, base = off + T, base + p0 + T
+        it.snaps = sorted({int(p) - p0 for p in it.snapshot_at if p0 < int(p) < p0 + T})[: MAX_SNAPS - n_snap]
+        it.snap0 = n_snap
+        n_snap += len(it.snaps)
+    moves = OneState(m, items[0]) if len(items) == 1 else ManyStates(m, items)
+    t0 = time.perf_counter()
+    moves.up()
+    t_up = time.perf_counter()
+    st.reset_timing()
+    m.work = Work()
+    emb = np.empty((off, a.n_embd), np.float32)
+    tok = m.tok_embd
+    dequantize_rows(tok.raw(), tok.qtype, tok.ne[0], np.concatenate([it.ids for it in items]), emb)
+    b.h[:off].set(emb)
+    # everything the layers need from the host goes up now: a synchronous copy inside the loop would wait for the
+    # copy stream too (legacy default stream) and undo the overlap of uploads and compute
+    b.pos[:off].set(np.concatenate([np.arange(it.state.pos, it.state.pos + len(it.ids), dtype=np.int32)
+                                    for it in items]))
+    if n_snap and b.snap:  # each snapshot's row within the piece of its prompt holding it (none: rows alone)
+        b.snap_pos[:n_snap].set(np.array([p - _piece_start(it, p, C) for it in items for p in it.snaps], np.int32))
+    snap_host = [it.state.sharing_rows(it.state.pos + p) for it in items for p in it.snaps]
+    t_emb = time.perf_counter()
+    ev0, ev1 = m._event(), m._event()
+    ev0.record(s)
+    st.prefetch(0)
+    moves.begin()
+    n_chunks = m.counts_host.shape[1] if a.is_moe else 0
+    used_chunks = 0
+    ops = GPUOps(m)
+    for i in range(a.n_layer):
+        st.prefetch(i + 1)  # the next layer's upload overlaps this layer's compute
+        L = m.block(i, st.weights(i, m.layer_names[i]))
+        k_chunk = 0
+        for j, br in enumerate(m.blocks[i]):
+            for r0 in range(0, off, C):
+                r1 = min(off, r0 + C)
+                h, x = b.h[r0:r1], b.x[: r1 - r0]
+                if br.kind == "mixer":  # projections over all prompts' rows together, the rest per prompt
+                    pieces = _pieces(items, r0, r1)
+                    gdn_segs = [(q - r0, e - r0, q - it.off, [-1] * it.snap0 + it.snaps,
+                                 moves.before(jj, i) if q == it.off else None,
+                                 moves.after(jj, i) if e == it.off + len(it.ids) else None)
+                                for jj, it, q, e in pieces]
+                    attn_segs = [(q - r0, e - r0, it.state.pos + q - it.off, it.base) for _, it, q, e in pieces]
+                    ops.at(L, b.pos[r0:r1], attn_segs, gdn_segs, snap_host)
+                else:  # row by row: all prompts' rows together, in full chunks
+                    m._chunk_no = min(k_chunk, n_chunks - 1) if n_chunks else 0  # expert counts: shared past the end
+                    k_chunk += 1
+                ke.rms_norm(h, L[br.norm], a.rms_eps, out=x, stream=s)
+                m._mark(m._phase(i, br))
+                ke.add(h, br.fn(ops.branch(j), a, x), stream=s)
+                m._mark(None)
+        used_chunks = max(used_chunks, k_chunk)
+        moves.layer_done(i)
+        st.release(i)
+        moves.drain(i)
+    logits = _heads(m, items, all_logits)
+    ev1.record(s)
+    t_queued = time.perf_counter()
+    s.synchronize()
+    t_sync = time.perf_counter()
+    moves.down()
+    t_down = time.perf_counter()
+    if a.is_moe:
+        used = m.counts_host[:, : min(used_chunks, n_chunks)].sum(axis=1)  # (n_layer, E)
+        for i, e in zip(*np.nonzero(used), strict=True):
+            m.expert_counts[(int(i), int(e))] = m.expert_counts.get((int(i), int(e)), 0) + int(used[i, e])
+        for i in range(a.n_layer):
+            m.work.add("moe", i, float(used[i].sum()) * m._exp_nk[i])
+    m.last_timing = {"wall_s": time.perf_counter() - t0, "gpu_s": ev1.time_since(ev0) / 1e3,
+                     "copy_s": st.copy_seconds(), "bytes_h2d": st.bytes_h2d, "tokens": off, "prompts": len(items),
+                     "work": m.work.as_dict(), "phases": m._phase_seconds(),
+                     # host: state upload, embedding lookup, launching (ends before the GPU does when the host keeps
+                     # ahead), waiting for the card, state download (the rest of it)
+                     "host_s": {"upload": t_up - t0, "embed": t_emb - t_up, "launch": t_queued - t_emb,
+                                "wait": t_sync - t_queued, "download": t_down - t_sync}}
+    for it in items:
+        if it.on_snapshot is not None:
+            for r in range(len(it.snaps)):
+                it.on_snapshot(snap_host[it.snap0 + r], None)
+    return logits
+
+
+def tokens_hash(st: DecoderState) -> int:
+    return hash(st.tokens[: st.pos].tobytes())
+
+
+def pinned_states(m, n: int) -> list[dict]:
+    """Page-locked host mirrors of every recurrent array (GDN S and conv) for n prompts (kept on the model and grown
+    as needed): a prompt's layer state goes down into them without waiting for the card, while it goes on."""
+    b = m.buf
+    have = getattr(m, "_multi_pinned", [])
+    while len(have) < n:
+        have.append({key: m.drv.pagelocked_empty(card.shape, np.float32) for key, card in b.state.items()
+                     if not ARRAYS[key[0]].per_token})
+    m._multi_pinned = have
+    return have[:n]
+
+
+def save_recurrent(drv, b, i: int, mirrors: dict, s) -> None:
+    """Layer i's recurrent arrays queued down into the prompt's pinned mirrors."""
+    for (name, j), mirror in mirrors.items():
+        if j == i:
+            drv.memcpy_dtoh_async(mirror, b.state[name, i].gpudata, s)
+
+
+def load_recurrent(drv, b, i: int, st: DecoderState, s) -> None:
+    """The card's recurrent arrays of layer i made the prompt's: zeros at position 0, else its state copied up (a
+    synchronous copy: only after a restore)."""
+    for (name, j), card in b.state.items():
+        if j == i and not ARRAYS[name].per_token:
+            zero_or_upload(drv, card, st.arrays[name][i], st.pos, s)
+
+
+def _pieces(items: list[Item], r0: int, r1: int) -> list[tuple[int, Item, int, int]]:
+    """(index, item, first row, end row) of each prompt with rows in [r0, r1) of the hidden buffer, in order."""
+    out = []
+    for j, it in enumerate(items):
+        q, e = max(r0, it.off), min(r1, it.off + len(it.ids))
+        if q < e:
+            out.append((j, it, q, e))
+    return out
+
+
+def _piece_start(it: Item, p: int, C: int) -> int:
+    """The offset in its prompt of the piece (the part of a chunk of C hidden rows) holding its position p."""
+    r0 = (it.off + p - 1) // C * C
+    return max(r0, it.off) - it.off
+
+
+def _heads(m, items: list[Item], all_logits: bool) -> list[np.ndarray]:
+    """Through the output norm and the LM head: with all_logits every row of the one prompt, in chunks of rows;
+    else each prompt's last row, up to a chunk of prompts per product."""
+    a, b, s, C = m.args, m.buf, m.stream, m.chunk
+    W = m.streamer.weights(a.n_layer, [m.head])[m.head]
+    norm = m.vec[m.out_norm]
+    out = []
+    if all_logits:
+        T = len(items[0].ids)
+        parts = []
+        for r0 in range(0, T, C):
+            r1 = min(T, r0 + C)
+            x = b.x[: r1 - r0]
+            ke.rms_norm(b.h[r0:r1], norm, a.rms_eps, out=x, stream=s)
+            parts.append(m._gemm(a.n_layer, x, W, stream=s).get(stream=s))
+        out.append(np.concatenate(parts, axis=0))
+    else:
+        for g0 in range(0, len(items), C):
+            group = items[g0 : g0 + C]
+            x = b.x[: len(group)]
+            for r, it in enumerate(group):
+                last = it.off + len(it.ids) - 1
+                ke.rms_norm(b.h[last : last + 1], norm, a.rms_eps, out=x[r : r + 1], stream=s)
+            lg = m._gemm(a.n_layer, x, W, stream=s).get(stream=s)
+            out.extend(lg[r : r + 1].copy() for r in range(len(group)))
+    m.streamer.release(a.n_layer)
+    return out

@@ -1,0 +1,81 @@
+"""Every ggml type the engine reads, declared once: its block, the activation format a product with it quantizes
+its input to, and the kernels each backend has for it.
+
+The rest is derived from TYPES: format/quant.py's block sizes and supported set, the CPU kernel map
+(backends/cpu/simd_native.KERNEL_TYPES: every type with an activation format has a native/simd kernel), the GPU
+kernel maps (backends/gpu/k_gemm.GEMM_TYPES and _ALIGN, k_elementwise.EMBED_TYPES) and the reference's choice of
+activation quantizer (actquant.py). tests/test_quant_types.py checks the table against the C enums and
+block sizes of native/simd and native/cuda_sm20 and against the kernels they define.
+
+Adding a type: its row here, its dequantization in quant.py (or quant_k.py), and in each backend that multiplies
+it, its kernel (native/simd: HI_T_<NAME>; native/cuda_sm20: HI_<NAME> and GEMM_TYPE / EMBED_KERNEL).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# ggml type ids (ggml.h `enum ggml_type`)
+F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 0, 1, 2, 3, 6, 7, 8
+Q4_K, Q5_K, Q6_K = 12, 13, 14
+BF16 = 30
+
+
+@dataclass(frozen=True)
+class ActFormat:
+    """An activation row format (ggml's vec_dot_type): values per block and bytes per block."""
+
+    name: str
+    block: int
+    nbytes: int
+
+
+# in the order of native/simd's HI_ACT_* enum (its values are the indices)
+ACT_FORMATS: dict[str, ActFormat] = {a.name: a for a in (
+    ActFormat("f32", 1, 4), ActFormat("f16", 1, 2), ActFormat("q8_0", 32, 34), ActFormat("q8_1", 32, 36),
+    ActFormat("q8_K", 256, 292))}
+
+
+@dataclass(frozen=True)
+class QuantType:
+    """A ggml type. act: the activation format llama.cpp multiplies it with (its vec_dot_type), which is also the
+    CPU backend's (native/simd has a kernel for every type with one; None: none). gpu_gemm / gpu_embed: whether
+    native/cuda_sm20 has the product (gemm_<kernel name>_*) / the embedding lookup (embed_<kernel name>) for it;
+    gpu_align: the device-pointer alignment those kernels' vector loads need."""
+
+    id: int
+    name: str
+    block: int  # values per block
+    nbytes: int  # bytes per block
+    act: str | None = None
+    gpu_gemm: bool = False
+    gpu_embed: bool = False
+    gpu_align: int = 2
+
+    @property
+    def kernel_name(self) -> str:
+        """The type in kernel names (gemm_q4_k_b64_n128, embed_q8_0)."""
+        return self.name.lower()
+
+
+TYPES: dict[int, QuantType] = {t.id: t for t in (
+    QuantType(F32, "F32", 1, 4, "f32", gpu_gemm=True, gpu_embed=True, gpu_align=16),
+    QuantType(F16, "F16", 1, 2, "f16", gpu_gemm=True, gpu_embed=True, gpu_align=16),
+    QuantType(BF16, "BF16", 1, 2),
+    QuantType(Q4_0, "Q4_0", 32, 18, "q8_0", gpu_gemm=True, gpu_embed=True),
+    QuantType(Q4_1, "Q4_1", 32, 20, "q8_1", gpu_embed=True, gpu_align=4),
+    QuantType(Q5_0, "Q5_0", 32, 22, "q8_0"),
+    QuantType(Q5_1, "Q5_1", 32, 24, "q8_1"),
+    QuantType(Q8_0, "Q8_0", 32, 34, "q8_0", gpu_gemm=True, gpu_embed=True),
+    QuantType(Q4_K, "Q4_K", 256, 144, "q8_K", gpu_gemm=True, gpu_embed=True, gpu_align=16),
+    QuantType(Q5_K, "Q5_K", 256, 176, "q8_K", gpu_gemm=True, gpu_embed=True, gpu_align=16),
+    QuantType(Q6_K, "Q6_K", 256, 210, "q8_K", gpu_gemm=True, gpu_embed=True),
+)}
+assert all(t.act is None or t.act in ACT_FORMATS for t in TYPES.values())
+
+
+def act_of(qtype: int) -> str | None:
+    """The activation format a product with weights of `qtype` quantizes its input to (None: an unknown type or
+    one no product kernel reads)."""
+    t = TYPES.get(int(qtype))
+    return None if t is None else t.act

@@ -1,0 +1,130 @@
+"""What each mixer kind keeps per sequence, declared once.
+
+A model's `args.layer_types` names each layer's mixer kind. Everything that holds, counts, copies or moves a
+sequence's state works from the declarations here and never from a kind's name: DecoderState's arrays
+(backends/state.py), the scheduler's byte budget (`state_bytes`), the prefix cache's snapshots, checks and file
+arrays (engine/prefix), the GPU's copy of the state, its mid-prompt snapshots and its hand-off to the host
+(backends/gpu), the CPU's work buffers (one method per op, backends/cpu) and the GPU work count (`flops`).
+
+Each kind keeps float32 arrays of two sorts:
+- recurrent (per_token False): one array of `shape(args)` that every token rewrites (GDN's conv window and S
+  matrix). A snapshot copies it whole; a restore writes the snapshot's; it starts at zero.
+- per token (per_token True): one row of `shape(args)` per position (attention's K and V). Rows before `pos` are
+  valid and never change once written, so a snapshot holds only the rows of its segment [kv_from, pos), a restore
+  writes its chain's segments, and the GPU hands only a pass's new rows to the host.
+
+Adding a mixer kind: one `MixerKind` in KINDS (its arrays and FLOPs), its branch in the architecture module and
+its op in each backend's ops class (with that op's work buffers).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+F32_BYTES = 4  # every state array is float32
+
+
+@dataclass(frozen=True)
+class StateArray:
+    """One array a mixer kind keeps per layer and sequence. `name` is DecoderState's attribute (`state.conv[i]`)
+    and the array kind in a snapshot file; `label` names it in messages."""
+
+    name: str
+    label: str
+    per_token: bool
+    shape: Callable[[Any], tuple[int, ...]]  # recurrent: the whole array's shape; per token: one row's
+    ndim: int  # dimensions of the array a snapshot holds (per token: rows + the row's dimensions)
+
+    def full_shape(self, args, n_rows: int) -> tuple[int, ...]:
+        """The array one sequence holds: per token, n_rows rows of the row shape."""
+        s = tuple(int(x) for x in self.shape(args))
+        return (int(n_rows), *s) if self.per_token else s
+
+    def nbytes(self, args, n_tokens: int) -> int:
+        return F32_BYTES * math.prod(self.full_shape(args, n_tokens))
+
+
+@dataclass(frozen=True)
+class MixerKind:
+    """A mixer kind: its name in args.layer_types, its letter in `hybridinfer info`'s layer pattern, the graph op
+    (models/graph.py) that reads and writes its state, that state's arrays, and its FLOPs for T tokens after
+    position pos0 (what the GPU work count adds up)."""
+
+    name: str
+    letter: str
+    op: str
+    arrays: tuple[StateArray, ...]
+    flops: Callable[[Any, int, int], float]
+
+    def nbytes(self, args, n_tokens: int) -> int:
+        """Bytes one layer of this kind keeps for a sequence of n_tokens tokens."""
+        return sum(s.nbytes(args, n_tokens) for s in self.arrays)
+
+
+def attention_flops(n_head: int, head_dim: int, pos0: int, T: int) -> float:
+    """Causal softmax(Q K^T) V for queries at positions pos0 .. pos0+T-1, each over the keys 0 .. its own position:
+    per head, 2 hd for Q.K and 2 hd for P.V per (query, visible key) pair."""
+    pairs = T * pos0 + T * (T + 1) // 2
+    return 4.0 * n_head * head_dim * pairs
+
+
+def gdn_flops(args, T: int) -> float:
+    """The gated delta rule per token and value head over S [d_k, d_v]: decay (1), S^T k (2), the rank-1 update (2)
+    and S^T q (2): 7 d_k d_v; the causal conv: 2 K per channel."""
+    per_tok = 7 * args.ssm_n_v_heads * args.ssm_d_k * args.ssm_d_v + 2 * args.ssm_conv_kernel * args.ssm_conv_channels
+    return float(T) * per_tok
+
+
+def _kv_row(a) -> tuple[int, ...]:
+    return (a.n_head_kv, a.head_dim)
+
+
+GDN = MixerKind(
+    name="gdn", letter="G", op="gdn",
+    # conv: the last K-1 pre-conv projections u, oldest first (zeros before the first token); S: GGUF head order
+    arrays=(StateArray("conv", "conv", False, lambda a: (a.ssm_conv_kernel - 1, a.ssm_conv_channels), 2),
+            StateArray("ssm", "S", False, lambda a: (a.ssm_n_v_heads, a.ssm_d_k, a.ssm_d_v), 3)),
+    flops=lambda a, pos0, T: gdn_flops(a, T))
+ATTENTION = MixerKind(
+    name="attention", letter="A", op="attention",
+    # K after k_norm and RoPE, V raw
+    arrays=(StateArray("k", "K", True, _kv_row, 3), StateArray("v", "V", True, _kv_row, 3)),
+    flops=lambda a, pos0, T: attention_flops(a.n_head, a.head_dim, pos0, T))
+
+KINDS: dict[str, MixerKind] = {k.name: k for k in (ATTENTION, GDN)}
+# every array of every kind by name (names are unique across kinds), in the order a snapshot file lists a layer's
+ARRAYS: dict[str, StateArray] = {s.name: s for k in KINDS.values() for s in k.arrays}
+assert len(ARRAYS) == sum(len(k.arrays) for k in KINDS.values()), "state array names must be unique"
+
+
+def kind_of(name: str) -> MixerKind:
+    k = KINDS.get(name)
+    if k is None:
+        raise ValueError(f"mixer kind {name!r} is not declared (declared: {', '.join(KINDS)})")
+    return k
+
+
+def layer_arrays(layer_types) -> Iterator[tuple[int, StateArray]]:
+    """(layer, array) for every array the layers keep, layer by layer, each layer's arrays in declared order."""
+    for i, t in enumerate(layer_types):
+        for s in kind_of(t).arrays:
+            yield i, s
+
+
+def layers_keeping(layer_types, name: str) -> set[int]:
+    """The layers that keep array `name`."""
+    return {i for i, s in layer_arrays(layer_types) if s.name == name}
+
+
+def has_recurrent(layer_types) -> bool:
+    """Whether some layer keeps a recurrent array (then a mid-prompt snapshot needs that array at its position;
+    per-token rows are read from the finished pass)."""
+    return any(not s.per_token for _, s in layer_arrays(layer_types))
+
+
+def state_bytes(args, n_tokens: int) -> int:
+    """Bytes of one sequence's state holding n_tokens tokens (float32): every layer's arrays."""
+    return sum(kind_of(t).nbytes(args, n_tokens) for t in args.layer_types)

@@ -1,0 +1,284 @@
+"""Each mixer kind's per-sequence state is declared once (models/state_kinds.py) and everything else is derived
+from it: no module outside models/ branches on a kind's name; DecoderState, the scheduler's byte budget, the
+prefix-cache layout, the GPU's card buffers and its hand-off to the host all hold exactly the declared arrays.
+
+The GPU hand-off runs here against a numpy stand-in for the card (FakeCard below: device arrays are numpy arrays,
+asynchronous copies happen at once), which checks which rows go where; the real card runs it in tests/test_gpu_*."""
+
+from __future__ import annotations
+
+import ast
+import math
+import sys
+import types
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from hybridinfer.backends.state import DecoderState
+from hybridinfer.engine.prefix.layout import StateLayout, check_snapshot
+from hybridinfer.engine.prefix.snapshot import from_state, recurrent_bytes, row_bytes
+from hybridinfer.engine.scheduler import state_bytes
+from hybridinfer.models import model_args
+from hybridinfer.models.state_kinds import ARRAYS, KINDS, kind_of, layer_arrays
+from hybridinfer.tools.shape_model import ShapeModel
+
+ROOT = Path(__file__).resolve().parents[1]
+_BASE = dict(n_embd=256, n_layer=4, n_head=4, n_head_kv=2, head_dim=64, n_vocab=512, ssm_d_state=64, ssm_n_group=2,
+             ssm_dt_rank=4)
+TINY = dict(_BASE, n_ff=512)
+TINY_MOE = dict(_BASE, n_expert=4, n_expert_used=2, n_ff_exp=256, n_ff_shexp=256)
+
+
+# ---- no branching on a kind's name ----------------------------------------------------------------------------
+
+def _kind_strings(node) -> set[str]:
+    """The kind names a constant (or a literal tuple / list / set of constants) spells."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return {node.value} & set(KINDS)
+    if isinstance(node, ast.Tuple | ast.List | ast.Set):
+        return set().union(*(_kind_strings(e) for e in node.elts)) if node.elts else set()
+    return set()
+
+
+def kind_branches(source: str) -> list[tuple[int, str]]:
+    """(line, kind) of each place `source` decides by a mixer kind's name: a comparison with it (==, !=, in, not
+    in), a dict literal keyed by it and indexed at once, or a count / index of it in a sequence."""
+    hits = []
+    for n in ast.walk(ast.parse(source)):
+        if isinstance(n, ast.Compare):
+            for side in (n.left, *n.comparators):
+                hits += [(n.lineno, k) for k in _kind_strings(side)]
+        elif isinstance(n, ast.Subscript) and isinstance(n.value, ast.Dict):
+            hits += [(n.lineno, k) for key in n.value.keys if key is not None for k in _kind_strings(key)]
+        elif isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in ("count", "index"):
+            hits += [(n.lineno, k) for arg in n.args for k in _kind_strings(arg)]
+        elif isinstance(n, ast.MatchValue):
+            hits += [(n.lineno, k) for k in _kind_strings(n.value)]
+    return hits
+
+
+def test_the_scan_finds_every_way_of_branching_on_a_kind():
+    branching = {
+        'if kind == "gdn": pass': 1,
+        'x = [i for i, t in enumerate(a.layer_types) if t != "gdn"]': 1,
+        'if "attention" in a.layer_types: pass': 1,
+        'ok = kind in ("attention", "other")': 1,
+        'p = "".join({"gdn": "G", "attention": "A"}[k] for k in ts)': 2,
+        'n = a.layer_types.count("gdn")': 1,
+        'match k:\n    case "gdn":\n        pass': 1,
+    }
+    for src, n in branching.items():
+        assert len(kind_branches(src)) == n, src
+    for src in ('w.add("gdn", i, f)', 'FAMILY = "attention"', 'call(("gdn", i), "gdn_rows")', 'x == "gemm"',
+                'if kind_of(t).letter == "G": pass'):
+        assert kind_branches(src) == [], src
+
+
+def test_no_module_outside_models_branches_on_a_mixer_kind():
+    found = []
+    for p in sorted((ROOT / "hybridinfer").rglob("*.py")):
+        rel = p.relative_to(ROOT).as_posix()
+        if rel.startswith("hybridinfer/models/"):
+            continue  # the architectures name their layers' kinds; state_kinds.py declares them
+        found += [f"{rel}:{line} decides by the kind name {k!r}" for line, k in kind_branches(p.read_text())]
+    assert found == [], "\n".join(found)
+
+
+# ---- derived from the declarations ------------------------------------------------------------------------------
+
+def _args():
+    yield model_args(ShapeModel("qwen35", TINY))
+    yield model_args(ShapeModel("qwen35moe", TINY_MOE))
+    yield SimpleNamespace(layer_types=("attention",) * 3, n_head_kv=2, head_dim=8)  # a llama's layers
+
+
+def test_every_architecture_uses_declared_kinds_only(smollm_path):
+    from hybridinfer.format.gguf_model import GGUFModel
+
+    seen = set()
+    for a in (*_args(), model_args(GGUFModel(smollm_path))):
+        for t in a.layer_types:
+            kind_of(t)  # raises for an undeclared kind
+            seen.add(t)
+    assert seen == set(KINDS)
+    with pytest.raises(ValueError, match="'mamba' is not declared"):
+        kind_of("mamba")
+
+
+@pytest.mark.parametrize("n", [0, 1, 37])
+def test_decoder_state_holds_the_declared_arrays_and_the_budget_counts_them(n):
+    for a in _args():
+        st = DecoderState.new(a, 64)
+        want = {(s.name, i): s.full_shape(a, 64) for i, s in layer_arrays(a.layer_types)}
+        got = {(name, i): arr.shape for name in ARRAYS for i, arr in enumerate(st.arrays[name]) if arr is not None}
+        assert got == want
+        assert all(getattr(st, name) is st.arrays[name] for name in ARRAYS)
+        st.pos = n
+        assert st.nbytes() == state_bytes(a, n) == sum(kind_of(t).nbytes(a, n) for t in a.layer_types)
+        # the prefix cache's per-snapshot sizes are the same arrays: recurrent whole, one row per token
+        assert recurrent_bytes(st) + n * (row_bytes(st) - 4) == state_bytes(a, n)
+
+
+def test_snapshot_layout_and_parts_follow_the_declarations():
+    a = next(_args())
+    st = DecoderState.new(a, 32)
+    rng = np.random.default_rng(0)
+    for arr in st.buffers()[1:]:
+        if arr is not None:
+            arr[...] = rng.standard_normal(arr.shape, dtype=np.float32)
+    st.pos = 9
+    lay = StateLayout.of_state(st, a.n_vocab)
+    assert {(name, i) for name, i, _ in lay.shapes} == {(s.name, i) for i, s in layer_arrays(a.layer_types)}
+    snap = from_state(st, key=b"k", block_key=b"b", tail=(), parent=None, kv_from=2, seg_blocks=())
+    check_snapshot(snap, a.layer_types, lay)
+    for i, s in layer_arrays(a.layer_types):
+        want = st.arrays[s.name][i][2:9] if s.per_token else st.arrays[s.name][i]
+        assert np.array_equal(snap.parts[s.name][i], want)
+    assert snap.nbytes == 4 * 7 + recurrent_bytes(st) + 7 * (row_bytes(st) - 4)
+
+
+# ---- the GPU's copy of the state, on a numpy stand-in for the card --------------------------------------------
+
+class FakeArray:
+    """A device array: a numpy array, its own device pointer."""
+
+    def __init__(self, a: np.ndarray):
+        self.a = a
+
+    shape = property(lambda self: self.a.shape)
+    size = property(lambda self: self.a.size)
+    nbytes = property(lambda self: self.a.nbytes)
+    gpudata = property(lambda self: self)
+
+    def __getitem__(self, k):
+        return FakeArray(self.a[k])
+
+    def set(self, x):
+        self.a[...] = x
+
+    def get(self, ary=None, stream=None):
+        return self.a.copy()
+
+
+class FakeEvent:
+    def record(self, stream=None):
+        pass
+
+    def query(self):
+        return True
+
+    def synchronize(self):
+        pass
+
+
+@pytest.fixture
+def fake_card(monkeypatch):
+    """pycuda's gpuarray and driver as far as Buffers and StateHandoff use them; new device memory is NaN (or -1)
+    so that what is read without being written shows."""
+    gpuarray = types.ModuleType("pycuda.gpuarray")
+    gpuarray.empty = lambda shape, dt: FakeArray(np.full(shape, np.nan if np.dtype(dt).kind == "f" else -1, dt))
+    drv = types.ModuleType("pycuda.driver")
+    drv.pagelocked_empty = lambda shape, dt: np.full(shape, np.nan, dt)
+    drv.Event = FakeEvent
+
+    def dtoh(host, src, stream=None):
+        host[...] = src.a
+
+    def memset(dst, value, n, stream=None):
+        assert n == dst.size
+        dst.a.view(np.uint32)[...] = value
+
+    drv.memcpy_dtoh_async, drv.memset_d32_async = dtoh, memset
+    pycuda = types.ModuleType("pycuda")
+    pycuda.gpuarray, pycuda.driver = gpuarray, drv
+    for name, mod in (("pycuda", pycuda), ("pycuda.gpuarray", gpuarray), ("pycuda.driver", drv)):
+        monkeypatch.setitem(sys.modules, name, mod)
+    return drv
+
+
+def _random_state(a, n_ctx: int, pos: int, seed: int) -> DecoderState:
+    st = DecoderState.new(a, n_ctx)
+    rng = np.random.default_rng(seed)
+    for arr in st.buffers()[1:]:
+        if arr is not None:
+            arr[...] = rng.standard_normal(arr.shape, dtype=np.float32)
+    st.pos = pos
+    return st
+
+
+def test_card_buffers_hold_the_declared_state(fake_card):
+    from hybridinfer.backends.gpu.backend import MAX_SNAPS, Buffers
+
+    for a in list(_args())[:2]:
+        b = Buffers(a, 16, 64)
+        assert {k: v.shape for k, v in b.state.items()} == \
+            {(s.name, i): s.full_shape(a, 64) for i, s in layer_arrays(a.layer_types)}
+        assert {k: v.shape for k, v in b.snap.items()} == \
+            {s.name: (MAX_SNAPS, *s.full_shape(a, 0)) for s in ARRAYS.values() if not s.per_token}
+        arrays = [x for v in vars(b).values() for x in (v.values() if isinstance(v, dict) else [v])
+                  if isinstance(x, FakeArray)]
+        assert sum(x.nbytes for x in arrays) == Buffers.nbytes(a, 16, 64)
+        kv_rows = sum(math.prod(s.full_shape(a, 64)) for i, s in layer_arrays(a.layer_types) if s.per_token)
+        assert kv_rows == 2 * a.layer_types.count("attention") * 64 * a.n_head_kv * a.head_dim
+
+
+@pytest.mark.parametrize("p0,T", [(0, 5), (7, 5), (3, 40)])  # T > chunk: the rows come down after the pass
+def test_state_handoff_moves_exactly_the_declared_arrays(fake_card, p0, T):
+    from hybridinfer.backends.gpu.backend import Buffers
+    from hybridinfer.backends.gpu.handoff import StateHandoff
+
+    a = next(_args())
+    n_ctx, chunk = 64, 16
+    b = Buffers(a, chunk, n_ctx)
+    h = StateHandoff(b, chunk)
+    st = _random_state(a, n_ctx, p0, seed=1)
+    h.upload(st, None)
+    for (name, i), card in b.state.items():
+        host = st.arrays[name][i]
+        if ARRAYS[name].per_token:
+            assert np.array_equal(card.a[:p0], host[:p0])
+        else:
+            assert np.array_equal(card.a, host if p0 else np.zeros_like(host))
+    # the pass: new recurrent state and rows [p0, p0 + T) on the card
+    rng = np.random.default_rng(2)
+    for (name, _), card in b.state.items():
+        rows = card.a[p0 : p0 + T] if ARRAYS[name].per_token else card.a
+        rows[...] = rng.standard_normal(rows.shape, dtype=np.float32)
+    before = {(name, i): arr.copy() for name in ARRAYS for i, arr in enumerate(st.arrays[name]) if arr is not None}
+    h.begin(st, p0, T)
+    for i in range(a.n_layer):
+        h.layer_done(i, None)
+        h.drain(wait_through=i - 2)
+    h.finish()
+    for (name, i), card in b.state.items():
+        host, old = st.arrays[name][i], before[name, i]
+        if ARRAYS[name].per_token:
+            assert np.array_equal(host[p0 : p0 + T], card.a[p0 : p0 + T])
+            assert np.array_equal(host[:p0], old[:p0]) and np.array_equal(host[p0 + T :], old[p0 + T :])
+        else:
+            assert np.array_equal(host, card.a)
+
+
+def test_several_prompts_load_and_save_their_own_recurrent_state(fake_card):
+    from hybridinfer.backends.gpu import walker
+    from hybridinfer.backends.gpu.backend import Buffers
+
+    a = next(_args())
+    b = Buffers(a, 16, 64)
+    m = SimpleNamespace(buf=b, drv=fake_card)
+    pinned = walker.pinned_states(m, 2)
+    assert [set(p) for p in pinned] == [{k for k in b.state if not ARRAYS[k[0]].per_token}] * 2
+    fresh, restored = DecoderState.new(a, 64), _random_state(a, 64, 5, seed=3)
+    for i, s in layer_arrays(a.layer_types):
+        if s.per_token:
+            continue
+        walker.load_recurrent(fake_card, b, i, fresh, None)
+        assert not b.state[s.name, i].a.any()
+        walker.load_recurrent(fake_card, b, i, restored, None)
+        assert np.array_equal(b.state[s.name, i].a, restored.arrays[s.name][i])
+        walker.save_recurrent(fake_card, b, i, pinned[1], None)
+        assert np.array_equal(pinned[1][s.name, i], restored.arrays[s.name][i])
+        assert np.isnan(pinned[0][s.name, i]).all()
