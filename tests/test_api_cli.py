@@ -22,6 +22,8 @@ from hybridinfer.errors import (
     UnsupportedArchitectureError,
 )
 
+pytestmark = pytest.mark.isa  # the CLI's answers at the ISA level HYBRIDINFER_ISA forces: re-run at each (.ci/run)
+
 
 def _cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "hybridinfer", *args], capture_output=True, text=True,
@@ -70,7 +72,8 @@ def test_generate_stream_and_stop(smollm_ref):
     eng = smollm_ref
     g = eng.generate("Once upon a time", max_tokens=12, temperature=0.7, seed=3)
     pieces = list(eng.stream("Once upon a time", max_tokens=12, temperature=0.7, seed=3))
-    assert "".join(pieces) == g.text and len(g.tokens) == 12 and g.finish_reason == "length"
+    # a sample may meet the end of text before 12 tokens: what holds for any sample
+    assert "".join(pieces) == g.text and (len(g.tokens) == 12) == (g.finish_reason == "length")
     assert eng.detokenize(g.tokens) == g.text
     g2 = eng.generate("Once upon a time", max_tokens=12, temperature=0.7, seed=3)
     assert g2.tokens == g.tokens  # seeded
