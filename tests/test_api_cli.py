@@ -22,20 +22,20 @@ from hybridinfer.errors import (
     UnsupportedArchitectureError,
 )
 
-pytestmark = pytest.mark.isa  # the CLI's answers at the ISA level HYBRIDINFER_ISA forces: re-run at each (.ci/run)
-
 
 def _cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "hybridinfer", *args], capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
+@pytest.mark.isa  # the CLI computes at the level HYBRIDINFER_ISA forces: re-run at each (.ci/run)
 def test_cli_run_default_model_says_paris():
     r = _cli("run", "--raw", "-p", "The capital of France is", "-n", "8", "--temp", "0")
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout, r.stdout
 
 
+@pytest.mark.isa  # the CLI computes at the level HYBRIDINFER_ISA forces: re-run at each (.ci/run)
 def test_readme_quick_start_answers_paris():
     """The README's first command (chat-templated, default backend and sampling) answers as the README says."""
     r = _cli("run", "-p", "Name the capital of France.")
