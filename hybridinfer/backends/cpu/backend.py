@@ -1,11 +1,11 @@
 """The CPU backend: quantized matrix products, attention, RoPE, SwiGLU, the GDN layer and the small ops between
 them (norms, routing, gates) in C (simd.py), each the twin of a numba op (ops*.py) that stays its plain-order
 reference; sampling in numba. The products, attention, RoPE and SwiGLU follow llama.cpp's float operations for the
-ISA level they run at, so that greedy decoding agrees with llama.cpp token for token. Every product and attention
-takes the float order of llama.cpp's one-token step (GGML_DECODE_ROWS) whatever the number of tokens in the call:
-llama.cpp's multi-token shapes (repacked and tiled K-quants, tinyBLAS) change with the token count, and here a
-token's logits never depend on how a prompt is cut into chunks, where a restored snapshot resumes, or which
-sequences share a decode step.
+ISA level they run at. Every product and attention takes the float order of llama.cpp's one-token step
+(GGML_DECODE_ROWS) whatever the number of tokens in the call, so greedy decoding agrees token for token with llama.cpp
+fed one token at a time; llama.cpp's multi-token shapes (repacked and tiled K-quants, tinyBLAS) change with the token
+count, and here a token's logits never depend on how a prompt is cut into chunks, where a restored snapshot resumes,
+or which sequences share a decode step.
 
 Weights stay in their GGUF bytes (memory-mapped); activations are quantized once per input and weight
 kind, as llama.cpp does. One `forward(tokens, state)` serves decode (T = 1) and chunked prefill

@@ -17,7 +17,6 @@ from .simd import GGML_DECODE_ROWS
 SHAPE = GGML_DECODE_ROWS
 
 
-
 class CPUOps:
     """One pass of CPUModel over `ws` for `st` (a DecoderState, or a list of them: one token of each). The walker
     points it at a block and branch with at(); `out` is the branch's output buffer, `spare` another (T, n_embd)
