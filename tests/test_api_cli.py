@@ -28,12 +28,14 @@ def _cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
                           timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
+@pytest.mark.isa  # the CLI computes at the level HYBRIDINFER_ISA forces: re-run at each (.ci/run)
 def test_cli_run_default_model_says_paris():
     r = _cli("run", "--raw", "-p", "The capital of France is", "-n", "8", "--temp", "0")
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout, r.stdout
 
 
+@pytest.mark.isa  # the CLI computes at the level HYBRIDINFER_ISA forces: re-run at each (.ci/run)
 def test_readme_quick_start_answers_paris():
     """The README's first command (chat-templated, default backend and sampling) answers as the README says."""
     r = _cli("run", "-p", "Name the capital of France.")
@@ -70,7 +72,8 @@ def test_generate_stream_and_stop(smollm_ref):
     eng = smollm_ref
     g = eng.generate("Once upon a time", max_tokens=12, temperature=0.7, seed=3)
     pieces = list(eng.stream("Once upon a time", max_tokens=12, temperature=0.7, seed=3))
-    assert "".join(pieces) == g.text and len(g.tokens) == 12 and g.finish_reason == "length"
+    # a sample may meet the end of text before 12 tokens: what holds for any sample
+    assert "".join(pieces) == g.text and (len(g.tokens) == 12) == (g.finish_reason == "length")
     assert eng.detokenize(g.tokens) == g.text
     g2 = eng.generate("Once upon a time", max_tokens=12, temperature=0.7, seed=3)
     assert g2.tokens == g.tokens  # seeded

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 
 import pytest
 
@@ -20,6 +21,10 @@ from hybridinfer.format.chat_text import render_for  # noqa: E402
 from hybridinfer.serving.batch import run_job  # noqa: E402
 from hybridinfer.serving.batch.order import shared_prefix_tokens  # noqa: E402
 
+pytestmark = pytest.mark.isa  # sampled and greedy answers: re-run at every ISA level (.ci/run)
+# the CPU unit HYBRIDINFER_ISA forces (library calls take it as an argument; only the CLI reads the variable)
+ISA = os.environ.get("HYBRIDINFER_ISA")
+
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 Q = [{"role": "user", "content": "What is 2+2?"}]
 CHAT, COMPL, MSGS = "/v1/chat/completions", "/v1/completions", "/v1/messages"
@@ -28,7 +33,7 @@ CHAT, COMPL, MSGS = "/v1/chat/completions", "/v1/completions", "/v1/messages"
 @pytest.fixture(scope="module")
 def engine(smollm_path):
     # no prefix cache: cached_tokens in the usage then does not depend on which of the two ran a request first
-    eng = Engine.load(smollm_path, backend="cpu", n_ctx=512, max_seqs=4)
+    eng = Engine.load(smollm_path, backend="cpu", isa=ISA, n_ctx=512, max_seqs=4)
     yield eng
     eng.scheduler.close()
 
@@ -225,7 +230,8 @@ def test_bad_lines_and_the_job_goes_on(engine, tmp_path):
 
 
 def test_shared_prefix_is_prefilled_once(smollm_path, tmp_path):
-    eng = Engine.load(smollm_path, backend="cpu", n_ctx=1024, max_seqs=4, prefix_cache={"ram_bytes": 256 << 20})
+    eng = Engine.load(smollm_path, backend="cpu", isa=ISA, n_ctx=1024, max_seqs=4,
+                      prefix_cache={"ram_bytes": 256 << 20})
     system = "You answer questions about arithmetic for a school. Be brief and exact. " * 8
     job, out = tmp_path / "job.jsonl", tmp_path / "out.jsonl"
     # interleaved with prompts that share nothing, so only the order brings the system prompt's requests together

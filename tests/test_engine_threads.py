@@ -5,12 +5,17 @@ lock concurrent calls overwrite each other's activations and silently produce wr
 
 from __future__ import annotations
 
+import os
 import threading
 
 import numpy as np
 import pytest
 
 from hybridinfer.engine.api import Engine
+
+pytestmark = pytest.mark.isa  # sampled and greedy answers: re-run at every ISA level (.ci/run)
+# the CPU unit HYBRIDINFER_ISA forces (library calls take it as an argument; only the CLI reads the variable)
+ISA = os.environ.get("HYBRIDINFER_ISA")
 
 N_THREADS = 8
 
@@ -69,12 +74,13 @@ def _check(eng: Engine) -> None:
 
 @pytest.mark.parametrize("backend", ["cpu", "reference"])
 def test_threads_tiny_qwen35moe(backend, oracle_gguf):
-    _check(Engine.load(str(oracle_gguf("qwen35moe")), backend=backend, n_ctx=128))
+    _check(Engine.load(str(oracle_gguf("qwen35moe")), backend=backend, n_ctx=128, **({"isa": ISA} if backend == "cpu"
+                                                                                      else {})))
 
 
 def test_threads_smollm_cpu_with_prefix_cache(smollm_path):
     """The real model on the CPU backend, with the prefix cache on (its lookups and saves are shared too)."""
-    eng = Engine.load(smollm_path, backend="cpu", n_ctx=256, prefix_cache={"ram_bytes": 64 << 20},
+    eng = Engine.load(smollm_path, backend="cpu", isa=ISA, n_ctx=256, prefix_cache={"ram_bytes": 64 << 20},
                       snapshot_stride=8)
     _check(eng)
     msgs = [[{"role": "user", "content": f"Name a colour number {i}."}] for i in range(N_THREADS)]

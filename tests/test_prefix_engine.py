@@ -12,6 +12,7 @@ import pytest
 
 from hybridinfer.engine.api import Engine
 
+pytestmark = pytest.mark.isa  # at the ISA level HYBRIDINFER_ISA forces: re-run at each (.ci/run)
 BLOCK = 16
 
 

@@ -1,7 +1,8 @@
 """GGML_DECODE_ROWS: several sequences' decode tokens in one product, each row bit-identical to its own one-token
-product (llama.cpp's decode shape), for every weight type, ISA and row count. This is what makes the CPU backend's
-multi-sequence decode step batch-invariant: MUL_MAT over T rows takes other float shapes (tinyBLAS for F32/F16,
-the repacked Q4_K gemm, the tiled K-quant kernels from 8 rows)."""
+product (llama.cpp's decode shape), for every weight type, ISA and row count; attention likewise. This is what makes
+the CPU backend's multi-sequence decode step batch-invariant and its prompt logits independent of the chunk size:
+MUL_MAT over T rows takes other float shapes (tinyBLAS for F32/F16, the repacked Q4_K gemm, the tiled K-quant kernels
+from 8 rows), and so does attention over T >= 2 queries (tinyBLAS's output sum)."""
 
 from __future__ import annotations
 
@@ -99,3 +100,30 @@ def test_moe_grouped_equals_one_token_calls(libs, gate_type, down_type):
             assert np.array_equal(y[rows], y1[slots]), (isa, t)
     with pytest.raises(ValueError, match="starts"):
         libs[next(iter(libs))].moe_grouped([(wd, down_type)], D, F, hq, srt[starts[:-1]], starts[::-1], [y])
+
+
+@pytest.mark.parametrize("T,pos0,hd", [(2, 0, 64), (7, 5, 64), (12, 30, 32)])
+def test_attention_decode_rows_equal_one_token_calls(libs, T, pos0, hd):
+    """Attention of T query tokens with GGML_DECODE_ROWS: each row equals the one-token call at its position, bit
+    for bit, on every ISA (the CPU backend's prompt chunks; llama.cpp's T >= 2 order, tinyBLAS's output sum on the AVX
+    units, is another, tested in test_simd_ggml_shapes.py)."""
+    rng = np.random.default_rng(T * 31 + pos0)
+    H, Hkv, n_ctx = 4, 2, 64
+    q = (rng.standard_normal((T, H, hd)) * 2).astype(np.float32)
+    kc = rng.standard_normal((n_ctx, Hkv, hd)).astype(np.float32)
+    vc = rng.standard_normal((n_ctx, Hkv, hd)).astype(np.float32)
+    kc[pos0 + T :] = np.nan  # rows past the causal window are never read
+    for isa, lib in libs.items():
+        scratch = np.zeros(lib.attention_scratch_size(n_ctx, hd), np.float32)
+        got = np.zeros((T, H * hd), np.float32)
+        lib.attention(q, kc, vc, pos0, got, scratch, GGML_DECODE_ROWS)
+        want = np.zeros_like(got)
+        for t in range(T):
+            lib.attention(np.ascontiguousarray(q[t : t + 1]), kc, vc, pos0 + t, want[t : t + 1], scratch)
+        assert np.array_equal(got, want), (isa, T, np.abs(got - want).max())
+        mm = np.zeros_like(got)
+        lib.attention(q, kc, vc, pos0, mm, scratch, GGML_MUL_MAT)
+        if isa not in ("avx2", "avx512vnni"):  # no tinyBLAS below AVX: one order for any T
+            assert np.array_equal(mm, want), isa
+        elif pos0 + T > 16:  # the mode's reason: over more cache rows than a vector's lanes, tinyBLAS's order differs
+            assert not np.array_equal(mm, want), isa

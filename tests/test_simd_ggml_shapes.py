@@ -5,8 +5,10 @@ numpy references (tests/oracles/ggml_ref.py), on every ISA level this CPU runs:
   kernels, or vec_dot), chosen as llama.cpp chooses (native/simd/dot_kq_shapes.h);
 - attention (dot, softmax with ggml's vector exp, the two output sums), SwiGLU and RoPE (kernels_attn.h, attn.c).
 
-Levels below avx2 mirror a ggml build without SIMD. That these shapes are llama.cpp's is checked end to end by
-tests/test_cpu_backend.py (bit-identical logits, greedy continuations) on the host's llama.cpp.
+Levels below avx2 mirror a ggml build without SIMD. The CPU backend gives every token the one-token shapes
+(GGML_DECODE_ROWS, so that no result depends on the chunking); that those are llama.cpp's is checked end to end by
+tests/test_cpu_backend.py (greedy continuations equal to llama.cpp's fed one token at a time). The multi-token shapes
+here stay the library's for callers that want llama.cpp's batched bits.
 """
 
 from __future__ import annotations

@@ -47,8 +47,9 @@ int64_t hi_attention_scratch(const hi_ctx *c, int64_t n_ctx, int64_t hd) {
 
 int hi_attention(hi_ctx *c, const float *q, int64_t q_row, int64_t T, int64_t H, int64_t hd, const float *k,
                  const float *v, int64_t kv_row, int64_t Hkv, int64_t pos0, float scale, float *out, int64_t out_row,
-                 float *scratch, int64_t scratch_len) {
-    if (!c || !q || !k || !v || !out || !scratch || T < 1 || H < 1 || hd < 1 || Hkv < 1 || H % Hkv || pos0 < 0)
+                 float *scratch, int64_t scratch_len, int ggml_op) {
+    if (!c || !q || !k || !v || !out || !scratch || T < 1 || H < 1 || hd < 1 || Hkv < 1 || H % Hkv || pos0 < 0 ||
+        ggml_op < HI_GGML_NONE || ggml_op > HI_GGML_DECODE_ROWS)
         return -2;
     if (q_row < H * hd || out_row < H * hd || kv_row < Hkv * hd) return -2;
     const hi_kernels *kt = hi_ctx_kernels(c);
@@ -58,7 +59,8 @@ int hi_attention(hi_ctx *c, const float *q, int64_t q_row, int64_t T, int64_t H,
     if (chunks < 1) return -2;
     attn_job j = {.k = kt,
                   .a = {.q = q, .k = k, .v = v, .out = out, .T = T, .H = H, .Hkv = Hkv, .hd = hd, .pos0 = pos0,
-                        .q_row = q_row, .kv_row = kv_row, .out_row = out_row, .scale = scale},
+                        .q_row = q_row, .kv_row = kv_row, .out_row = out_row, .scale = scale,
+                        .rows1 = ggml_op == HI_GGML_DECODE_ROWS},
                   .rows = rows, .per = (rows + chunks - 1) / chunks, .chunks = chunks, .row_scratch = row_scratch,
                   .scratch = scratch};
     hi_ctx_lock(c);
@@ -149,15 +151,15 @@ static int attn_store_rope(hi_ctx *c, float *q, int64_t T, int64_t H, int64_t hd
 int hi_attn_step(hi_ctx *c, float *q, int64_t T, int64_t H, int64_t hd, const float *k_new, const float *v_new,
                  int64_t kv_new_row, float *k_cache, float *v_cache, int64_t n_ctx, int64_t Hkv, int64_t pos0,
                  int64_t n_rot, float theta_base, int neox, const float *freq_factors, float scale, float *out,
-                 int64_t out_row, float *scratch, int64_t scratch_len) {
+                 int64_t out_row, float *scratch, int64_t scratch_len, int ggml_op) {
     const int64_t kv = Hkv * hd;
     if (!c || !q || !k_new || !v_new || !k_cache || !v_cache || T < 1 || Hkv < 1 || hd < 1 || kv_new_row < kv ||
-        pos0 < 0 || pos0 > n_ctx - T)
+        pos0 < 0 || pos0 > n_ctx - T || ggml_op < HI_GGML_NONE || ggml_op > HI_GGML_DECODE_ROWS)
         return -2;
     int rc = attn_store_rope(c, q, T, H, hd, k_new, v_new, kv_new_row, k_cache, v_cache, Hkv, pos0, n_rot, theta_base,
                              neox, freq_factors);
     if (!rc) rc = hi_attention(c, q, H * hd, T, H, hd, k_cache, v_cache, kv, Hkv, pos0, scale, out, out_row, scratch,
-                               scratch_len);
+                               scratch_len, ggml_op);
     return rc;
 }
 
@@ -203,7 +205,7 @@ int hi_attn_rows(hi_ctx *c, int64_t B, float *q, int64_t q_row, int64_t H, int64
             if (rc) return rc;
             a[i] = (hi_attn){.q = q + j * q_row, .k = k_cache[j], .v = v_cache[j], .out = out + j * out_row, .T = 1,
                              .H = H, .Hkv = Hkv, .hd = hd, .pos0 = p, .q_row = H * hd, .kv_row = kv,
-                             .out_row = out_row, .scale = scale};
+                             .out_row = out_row, .scale = scale, .rows1 = 1};
             if (p + 1 > longest) longest = p + 1;
         }
         const int64_t row_scratch = kt->attn_scratch(longest, hd), rows = nb * H;

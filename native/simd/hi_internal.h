@@ -74,12 +74,14 @@ enum { HI_KS_VEC = 0, HI_KS_REPACK = 1, HI_KS_REPACK_GEMM = 2, HI_KS_TILED = 3 }
 
 /* One causal attention over an F32 K/V cache (kernels_attn.h): T query tokens at positions pos0.. of H heads of
  * hd values (row t at q + t * q_row floats), cache rows 0..pos0+T-1 (position s of KV head g at k + s * kv_row +
- * g * hd, likewise v), out row t at out + t * out_row (H * hd floats); query head h reads KV head h / (H / Hkv). */
+ * g * hd, likewise v), out row t at out + t * out_row (H * hd floats); query head h reads KV head h / (H / Hkv).
+ * rows1: every query row in the float order of a one-token step, whatever T (HI_GGML_DECODE_ROWS). */
 typedef struct hi_attn {
     const float *q, *k, *v;
     float *out;
     int64_t T, H, Hkv, hd, pos0, q_row, kv_row, out_row;
     float scale;
+    int rows1;
 } hi_attn;
 
 typedef struct hi_kernels {

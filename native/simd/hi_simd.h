@@ -44,7 +44,8 @@ int hi_quantize(hi_ctx *c, int qtype, const float *x, int64_t x_row, int64_t T, 
  * tokens), 2 MUL_MAT_ID (one expert over the T tokens routed to it). On ISA levels below avx2, where
  * llama.cpp neither repacks nor tiles, every op takes vec_dot's shape. Other weight types ignore it. */
 /* HI_GGML_DECODE_ROWS: every row takes the float shape of a one-token MUL_MAT (llama.cpp's decode), whatever T,
- * so a row's result does not depend on the rows beside it (several sequences' decode tokens in one product) */
+ * so a row's result does not depend on the rows beside it (several sequences' decode tokens in one product; the
+ * CPU backend's every product, so that a prompt's logits do not depend on how it is cut into chunks) */
 enum { HI_GGML_NONE = 0, HI_GGML_MUL_MAT = 1, HI_GGML_MUL_MAT_ID = 2, HI_GGML_DECODE_ROWS = 3 };
 
 /* out[t][r] = W[r] . x[t]: W (rows x cols, type qtype), xq T activation rows, out T rows of >= rows floats */
@@ -67,7 +68,9 @@ int hi_moe_grouped(hi_ctx *c, int nw, const int *qtypes, const void *const *ws, 
  *   ys[p] = Wd[e] . q_down(swiglu(Wg[e] . xq_t, Wu[e] . xq_t))
  * grouped by expert (each selected expert read once); eg, eu (T*k rows of n_ff, e_row apart) and hq (T*k rows in
  * the down matrix's activation format) are work rows; scratch of hi_moe_rows_scratch(T*k, n_expert, x_bytes,
- * n_embd) bytes (x_bytes: hi_act_row_bytes(gate_qt, n_embd)). ggml_op: GGML_DECODE_ROWS (several sequences' decode tokens) or GGML_MUL_MAT_ID (a prompt). */
+ * n_embd) bytes (x_bytes: hi_act_row_bytes(gate_qt, n_embd)). ggml_op: GGML_DECODE_ROWS (each pair in its one-token
+ * shape: several sequences' decode tokens, or a prompt's tokens independent of the chunk) or GGML_MUL_MAT_ID
+ * (llama.cpp's shape for a prompt). */
 int64_t hi_moe_rows_scratch(int64_t n_pairs, int64_t n_expert, int64_t x_bytes, int64_t n_embd);
 int hi_moe_rows(hi_ctx *c, int gate_qt, const void *wg, int up_qt, const void *wu, int down_qt, const void *wd,
                 int64_t n_expert, int64_t n_ff, int64_t n_embd, const void *xq, int64_t xq_row, int64_t T,
@@ -96,10 +99,11 @@ int hi_moe_down(hi_ctx *c, int qtype, const void *w, int64_t n_expert, int64_t r
  * kernels_attn.h). q: T rows of H*hd floats (stride q_row); k, v: cache rows 0..pos0+T-1 of Hkv*hd floats
  * (stride kv_row, position-major); out: T rows of H*hd floats (stride out_row); query head h reads KV head
  * h / (H / Hkv); scores scaled by `scale`. scratch: scratch_len >= hi_attention_scratch(c, n_ctx, hd) floats
- * for pos0 + T <= n_ctx. No allocation. */
+ * for pos0 + T <= n_ctx. ggml_op: HI_GGML_DECODE_ROWS gives every query row the float order of a one-token step
+ * (a row then never depends on T); any other the order llama.cpp's graph takes for T tokens. No allocation. */
 int hi_attention(hi_ctx *c, const float *q, int64_t q_row, int64_t T, int64_t H, int64_t hd, const float *k,
                  const float *v, int64_t kv_row, int64_t Hkv, int64_t pos0, float scale, float *out, int64_t out_row,
-                 float *scratch, int64_t scratch_len);
+                 float *scratch, int64_t scratch_len, int ggml_op);
 int64_t hi_attention_scratch(const hi_ctx *c, int64_t n_ctx, int64_t hd);
 
 /* RoPE in place on x (T, H, hd) contiguous, token t at position pos0 + t, the first n_rot dims of each head:
@@ -202,11 +206,11 @@ int hi_moe_combine(hi_ctx *c, const float *ys, const float *w, int64_t T, int k,
 
 /* attention of T new tokens at pos0.. (a whole step): writes their k, v rows (T rows of Hkv*hd floats, stride
  * kv_new_row) to the caches (n_ctx rows of Hkv*hd) at pos0.., ropes q (T, H, hd contiguous) and those cache K
- * rows (hi_rope), then hi_attention into out */
+ * rows (hi_rope), then hi_attention into out (ggml_op as there) */
 int hi_attn_step(hi_ctx *c, float *q, int64_t T, int64_t H, int64_t hd, const float *k_new, const float *v_new,
                  int64_t kv_new_row, float *k_cache, float *v_cache, int64_t n_ctx, int64_t Hkv, int64_t pos0,
                  int64_t n_rot, float theta_base, int neox, const float *freq_factors, float scale, float *out,
-                 int64_t out_row, float *scratch, int64_t scratch_len);
+                 int64_t out_row, float *scratch, int64_t scratch_len, int ggml_op);
 
 /* ---- per-node weight copies (replica.c) ------------------------------------------------------------------
  * A product's chunk reads its weights from the copy of its thread's replica (the same bytes, so the same result)

@@ -12,7 +12,9 @@
  *            horizontal sum in double; then p[s] = e[s] * (float)(1.0 / sum)
  *   out[i] = sum_s p[s] v[s][i]: for T >= 2 llamafile's tinyBLAS (one accumulator of W lanes over s, lane s % W,
  *            fused multiply-adds, then its hsum), for T = 1 ggml_vec_dot_f32 over n_kv (4 accumulators of W
- *            lanes: s in accumulator (s / W) % 4, then (a0 + a2) + (a1 + a3) and the horizontal sum).
+ *            lanes: s in accumulator (s / W) % 4, then (a0 + a2) + (a1 + a3) and the horizontal sum); with
+ *            rows1 (HI_GGML_DECODE_ROWS) the T = 1 order for every T, so a row does not depend on how many
+ *            tokens share the call (the rest of a row's operations never do).
  * ggml_vec_dot_f32 of n values: W-lane accumulators a_j (j < 4) take the fused products of the 4W-element steps,
  * then (a0 + a2) + (a1 + a3), its horizontal sum, and the n % 4W tail added with fmaf (the build contracts it).
  * W = 16 and horizontal sums by _mm512_reduce_add_ps (AVX-512 unit); W = 8 with ggml's hadd tree for the dot
@@ -314,7 +316,8 @@ static void hi_attn_run(const hi_attn *a, int64_t r0, int64_t r1, float *scratch
         const float *q = a->q + t * a->q_row + h * hd;
         for (int64_t s = 0; s < n; s++) w[s] = hi_ggml_dot_f32(a->k + s * a->kv_row + kvh * hd, q, hd);
         hi_ggml_softmax(w, n, a->scale);
-        hi_ggml_pv(w, a->v + kvh * hd, a->kv_row, n, hd, a->T >= 2 && hd % 4 == 0, a->out + t * a->out_row + h * hd, acc);
+        hi_ggml_pv(w, a->v + kvh * hd, a->kv_row, n, hd, a->T >= 2 && !a->rows1 && hd % 4 == 0,
+                   a->out + t * a->out_row + h * hd, acc);
     }
 }
 

@@ -1,8 +1,11 @@
 """The CPU backend: quantized matrix products, attention, RoPE, SwiGLU, the GDN layer and the small ops between
 them (norms, routing, gates) in C (simd.py), each the twin of a numba op (ops*.py) that stays its plain-order
 reference; sampling in numba. The products, attention, RoPE and SwiGLU follow llama.cpp's float operations for the
-ISA level they run at (each product is called with the llama.cpp operation it stands for, MUL_MAT or MUL_MAT_ID,
-which decides the K-quant kernel shape), so that greedy decoding agrees with llama.cpp token for token.
+ISA level they run at. Every product and attention takes the float order of llama.cpp's one-token step
+(GGML_DECODE_ROWS) whatever the number of tokens in the call, so greedy decoding agrees token for token with llama.cpp
+fed one token at a time; llama.cpp's multi-token shapes (repacked and tiled K-quants, tinyBLAS) change with the token
+count, and here a token's logits never depend on how a prompt is cut into chunks, where a restored snapshot resumes,
+or which sequences share a decode step.
 
 Weights stay in their GGUF bytes (memory-mapped); activations are quantized once per input and weight
 kind, as llama.cpp does. One `forward(tokens, state)` serves decode (T = 1) and chunked prefill
@@ -26,9 +29,9 @@ from ...models.graph import BlockTensors, block_names
 from ...models.state_kinds import kind_of
 from .. import Backend
 from ..state import DecoderState, check_tokens
-from .graph_ops import CPUOps
+from .graph_ops import SHAPE, CPUOps
 from .replay import BatchReplay, DecodeReplay
-from .simd import GGML_DECODE_ROWS, GGML_MUL_MAT, KERNEL_TYPES, SimdLib
+from .simd import KERNEL_TYPES, SimdLib
 from .simd_gdn import gdn_scratch_size
 from .weights import choose_weights_mode, copy_mats, mem_available
 
@@ -186,7 +189,6 @@ class CPUModel(Backend):
 
             self.replicas = make_replicas(simd, [m.raw for m in self.mats], numa.replicas, numa.replica_cpus)
         self._ws: dict[tuple[int, int], Workspace] = {}
-        self._rows = False  # in decode_batch: every product in its one-token float shape, row by row
 
     @property
     def numeric_path(self) -> str:
@@ -269,24 +271,19 @@ class CPUModel(Backend):
             res[j] = outs[j][:T, : m.rows]
             items.append((m.raw, m.qtype, m.rows, res[j]))
         m0 = mats[0]
-        self.call(ws, ("many", id(m0)), "matmul_many", xq, m0.cols, items, self._op_of(GGML_MUL_MAT))
+        self.call(ws, ("many", id(m0)), "matmul_many", xq, m0.cols, items, SHAPE)
         if decode:
             ws.calls[("many-replay", id(m0), len(mats))] = (steps + [ws.calls[("many", id(m0))][1]], res)
         return res
 
-    def mm(self, m: Mat, x: np.ndarray, out: np.ndarray, ws: Workspace, xq: np.ndarray | None = None,
-           op: int = GGML_MUL_MAT) -> np.ndarray:
-        """out[:T, :rows] = x @ W.T with llama.cpp's activation rounding (pass xq to reuse a quantized x) and
-        the float shape llama.cpp's `op` (MUL_MAT, or MUL_MAT_ID for one expert's tokens) gives it."""
+    def mm(self, m: Mat, x: np.ndarray, out: np.ndarray, ws: Workspace, xq: np.ndarray | None = None) -> np.ndarray:
+        """out[:T, :rows] = x @ W.T with llama.cpp's activation rounding (pass xq to reuse a quantized x), each
+        row in the float shape of llama.cpp's one-token product (SHAPE)."""
         if xq is None:
             xq = self.quantize(m, x, ws)
         o = out[: xq.shape[0], : m.rows]
-        self.call(ws, ("mm", id(m)), "matmul", m.raw, m.qtype, m.rows, m.cols, xq, o, self._op_of(op))
+        self.call(ws, ("mm", id(m)), "matmul", m.raw, m.qtype, m.rows, m.cols, xq, o, SHAPE)
         return o
-
-    def _op_of(self, op: int) -> int:
-        # one-token MUL_MAT and MUL_MAT_ID take the same float shape, which DECODE_ROWS gives every row
-        return GGML_DECODE_ROWS if self._rows else op
 
     # forward --------------------------------------------------------------------------------------
     def forward(self, tokens, state: DecoderState, all_logits: bool = True) -> np.ndarray:
@@ -318,7 +315,7 @@ class CPUModel(Backend):
     def decode_batch(self, tokens, states: list[DecoderState]) -> np.ndarray:
         """One decode token for each of B sequences in one pass over the weights: logits (B, n_vocab), row j
         bit-identical to forward([tokens[j]], states[j], all_logits=False) (batch-invariant). The products run over
-        B rows in GGML_DECODE_ROWS (each row in the one-token float shape), the MoE's routed (sequence, expert)
+        B rows in SHAPE (each row in the one-token float shape), the MoE's routed (sequence, expert)
         pairs grouped by expert so each selected expert is read once; GDN and attention per sequence. The step is
         recorded the first time these sequences run together and replayed while they go on together (BatchReplay)."""
         ids = check_tokens(tokens, self.args.n_vocab)
@@ -337,12 +334,10 @@ class CPUModel(Backend):
             out = rp.run(delta)
         else:
             ws.rec = []
-            self._rows = True
             try:
                 out = self._forward(ws.tok, states, ws, all_logits=True)
                 BatchReplay.keep(ws.replays, self.simd, states, ws.rec, out)
             finally:
-                self._rows = False
                 ws.rec = None
         for t, st in zip(ids, states, strict=True):
             st.tokens[st.pos] = t
@@ -383,8 +378,7 @@ class CPUModel(Backend):
         for n, (i, j, br) in enumerate(flat):  # each residual add fused with the norm that follows it
             last = n + 1 == len(flat)
             if last and not all_logits and T > 1 and not isinstance(state, list):
-                # as llama.cpp's graph (inp_out_ids): past the last mixer only the output row goes on, so the
-                # last branch's products take their one-token float shapes
+                # as llama.cpp's graph (inp_out_ids): past the last mixer only the output row goes on
                 h, x = h[T - 1 :], x[T - 1 :]
             # branch outputs alternate between two buffers: the one not being written is free inside the branch
             out, spare = (ws.mix, ws.ffn) if j % 2 == 0 else (ws.ffn, ws.mix)

@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from .simd import GGML_DECODE_ROWS, GGML_MUL_MAT_ID
+from .simd import GGML_DECODE_ROWS
+
+# the float shape of every product and attention: each row as llama.cpp's one-token step computes it, so no row
+# depends on how many rows share the call (chunk-size, restore-point and batch invariance on every ISA unit)
+SHAPE = GGML_DECODE_ROWS
 
 
 class CPUOps:
@@ -90,7 +94,7 @@ class CPUOps:
                        [s.pos for s in st], 0, o, ws.attn_scratch, a.n_rot, a.rope_theta, a.rope_neox, ff, fresh=True)
         else:
             self._call(("attn", i), "attn_step", q, k, v, st.k[i], st.v[i], st.pos, o, ws.attn_scratch, a.n_rot,
-                       a.rope_theta, a.rope_neox, ff, st=st, arrays=(st.k[i], st.v[i]))
+                       a.rope_theta, a.rope_neox, ff, SHAPE, st=st, arrays=(st.k[i], st.v[i]))
         return o
 
     def sigmoid_gate(self, o: np.ndarray, gate: np.ndarray) -> np.ndarray:
@@ -147,16 +151,16 @@ class CPUOps:
                 Sg, Su, Sd = S3
                 sh_gu = (Sg.raw, Sg.qtype, Su.raw, Su.qtype, Sg.rows, eg[k], eu[k])
             self._call(("gate_up", id(G)), "moe_gate_up", G.raw, G.qtype, U.raw, U.qtype, G.rows, G.cols, xq[0],
-                       idx[0], eg[:k], eu[:k], GGML_MUL_MAT_ID, sh_gu)
+                       idx[0], eg[:k], eu[:k], SHAPE, sh_gu)
             self._call(("swiglu", id(G)), "swiglu", eg, eu, eg)
             hq = m.quantize(Dn, eg, ws)
             if fused:
                 shared = self.spare[:1]
                 sh_d = (Sd.raw, Sd.qtype, Sd.cols, hq[k], shared[0])
             self._call(("down", id(Dn)), "moe_down", Dn.raw, Dn.qtype, Dn.rows, Dn.cols, hq[:k], idx[0], ys,
-                       GGML_MUL_MAT_ID, sh_d)
+                       SHAPE, sh_d)
         else:  # several sequences' decode tokens, or a prompt's tokens: the routed pairs grouped by expert
-            self._moe_rows(E3, x, idx, ys, GGML_DECODE_ROWS if m._rows else GGML_MUL_MAT_ID)
+            self._moe_rows(E3, x, idx, ys)
         out = self.out[:T]
         if S3 is None:
             self._call(("combine", i), "moe_combine", ys, w, out)
@@ -169,15 +173,14 @@ class CPUOps:
         self._call(("combine", i), "moe_combine", ys, w, out, shared, x, sgate)
         return out
 
-    def _moe_rows(self, E3, x: np.ndarray, idx: np.ndarray, ys: np.ndarray, op: int) -> None:
+    def _moe_rows(self, E3, x: np.ndarray, idx: np.ndarray, ys: np.ndarray) -> None:
         """ys[t * k + j] = expert idx[t, j]'s output for token t, in one native call (moe_rows): the T x k pairs
-        grouped by expert, so each selected expert is read once for all the tokens routed to it. op:
-        GGML_DECODE_ROWS (several sequences' decode tokens: each pair in its one-token float shape) or
-        GGML_MUL_MAT_ID (a prompt's tokens: each expert's product in llama.cpp's shape for its token count)."""
+        grouped by expert, so each selected expert is read once for all the tokens routed to it, each pair in its
+        one-token float shape (SHAPE: the same bits whichever tokens share the call)."""
         m, ws = self.m, self.ws
         G, U, Dn = E3
         n = idx.size
         xq = m.quantize(G, x, ws)
         hq = ws.xq[m.simd.act_kind(Dn.qtype)][:n, : m.simd.act_row_bytes(Dn.qtype, Dn.cols)]
         self._call(("moe_rows", self.i), "moe_rows", (G.raw, G.qtype), (U.raw, U.qtype), (Dn.raw, Dn.qtype), G.rows,
-                   G.cols, xq, idx, ws.eg[:n], ws.eu[:n], hq, ys, ws.moe_scratch, op)
+                   G.cols, xq, idx, ws.eg[:n], ws.eu[:n], hq, ys, ws.moe_scratch, SHAPE)

@@ -314,17 +314,18 @@ class SimdLib(MoECalls, OpCalls, ReplicaCalls, GDNCalls):
         return int(self._lib.hi_attention_scratch(self._c, int(n_ctx), int(head_dim)))
 
     def attention(self, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, pos0: int, out: np.ndarray,
-                  scratch: np.ndarray) -> None:
+                  scratch: np.ndarray, ggml_op: int = GGML_MUL_MAT) -> None:
         """Causal softmax attention of the T queries q (T, H, hd) at positions pos0..pos0+T-1 over cache rows
         0..pos0+T-1 of k_cache, v_cache (n_ctx, H_kv, hd), scale 1/sqrtf(hd), with llama.cpp's float operations
-        (native/simd/kernels_attn.h); out (T, H*hd) may be a view of wider rows; scratch (>=
+        (native/simd/kernels_attn.h): for T tokens as its graph takes them, or with GGML_DECODE_ROWS each row as a
+        one-token step (independent of T); out (T, H*hd) may be a view of wider rows; scratch (>=
         attention_scratch_size(n_ctx, hd),) float32. All float32, q and the caches C-contiguous."""
         T, H, hd, n_ctx, Hkv, os_ = attention_args(q, k_cache, v_cache, pos0, out, scratch)
         ffi = self._ffi
         rc = self._lib.hi_attention(self._c, _ptr(ffi, "float *", q), H * hd, T, H, hd, _ptr(ffi, "float *", k_cache),
                                     _ptr(ffi, "float *", v_cache), Hkv * hd, Hkv, int(pos0),
                                     float(np.float32(1.0) / np.sqrt(np.float32(hd))), _ptr(ffi, "float *", out), os_,
-                                    _ptr(ffi, "float *", scratch), scratch.shape[0])
+                                    _ptr(ffi, "float *", scratch), scratch.shape[0], _op(ggml_op))
         if rc:
             _check_rc(rc, "attention")
 

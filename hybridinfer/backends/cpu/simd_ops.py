@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .simd_native import _F32, _I32, _array, _check_rc, _ptr, _rows_fast
+from .simd_native import _F32, _I32, GGML_MUL_MAT, _array, _check_rc, _op, _ptr, _rows_fast
 
 
 def _heads(name: str, a, n: int, writable: bool = False) -> tuple[int, int, int]:
@@ -171,9 +171,10 @@ class OpCalls:
 
     def attn_step(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
                   pos0: int, out: np.ndarray, scratch: np.ndarray, n_rot: int, theta_base: float, neox: bool,
-                  freq_factors: np.ndarray) -> None:
+                  freq_factors: np.ndarray, ggml_op: int = GGML_MUL_MAT) -> None:
         """One attention step of T tokens at pos0..: their k, v (T, H_kv, hd) (views of wider rows allowed) into
-        the caches' rows pos0.., `rope` of q and those K rows, `attention` into out. As those calls in turn."""
+        the caches' rows pos0.., `rope` of q and those K rows, `attention` into out (ggml_op as there). As those
+        calls in turn."""
         T, H, hd, n_ctx, Hkv, os_ = attention_args(q, k_cache, v_cache, pos0, out, scratch, True)
         _, _, kvs = _heads("k", k, hd)
         if k.shape != (T, Hkv, hd) or v.shape != k.shape or _heads("v", v, hd)[2] != kvs:
@@ -184,7 +185,7 @@ class OpCalls:
             self._c, _ptr(ffi, "float *", q), T, H, hd, _ptr(ffi, "float *", k), _ptr(ffi, "float *", v), kvs,
             _ptr(ffi, "float *", k_cache), _ptr(ffi, "float *", v_cache), n_ctx, Hkv, int(pos0), int(n_rot),
             float(np.float32(theta_base)), 1 if neox else 0, ff, float(np.float32(1.0) / np.sqrt(np.float32(hd))),
-            _ptr(ffi, "float *", out), os_, _ptr(ffi, "float *", scratch), scratch.shape[0])
+            _ptr(ffi, "float *", out), os_, _ptr(ffi, "float *", scratch), scratch.shape[0], _op(ggml_op))
         if rc:
             _check_rc(rc, "attn_step")
 
