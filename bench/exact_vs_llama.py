@@ -4,7 +4,10 @@
 
 PATH is llama.cpp's `llama-simple` with bench/llama_simple_dump.patch applied (F32 K/V, no flash attention, two
 threads; it prints the prompt and generated token ids to stderr and writes each step's logits to $LOGITS_OUT).
-Build it from llama-cpp-python's source distribution (vendor/llama.cpp), e.g. for the SSE4.2 level:
+On the AVX units the CPU backend computes every prompt row in llama.cpp's one-token order (docs/numerics.md), so
+its prompt rows equal llama.cpp's only where llama-simple decodes the prompt with a batch of one token; on the
+SSSE3 level both take the one-token order at any batch. Build it from llama-cpp-python's source distribution
+(vendor/llama.cpp), e.g. for the SSE4.2 level:
 
     patch -p1 < bench/llama_simple_dump.patch   # in vendor/llama.cpp
     cmake -B build-sse -DGGML_NATIVE=OFF -DGGML_AVX=OFF -DGGML_AVX2=OFF -DGGML_FMA=OFF -DGGML_F16C=OFF \\
