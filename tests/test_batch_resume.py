@@ -13,6 +13,7 @@ import sys
 import time
 
 import pytest
+from batch_records import records
 
 pytest.importorskip("pydantic")
 
@@ -45,16 +46,6 @@ def _lines(path) -> int:
         return 0
 
 
-def _records(path) -> dict[str, dict]:
-    out = {}
-    with open(path, "rb") as f:
-        for raw in f:
-            r = json.loads(raw)
-            assert r["id"] not in out, f"{r['id']} written twice"
-            out[r["id"]] = r
-    return out
-
-
 def _answer(r: dict):
     """What must not change between runs: status, text, finish reason, token counts (not ids or times)."""
     if r["response"] is None:
@@ -72,7 +63,7 @@ def test_kill9_at_random_points_gives_each_line_once(tmp_path):
     n = _job(job)
     base = tmp_path / "base.jsonl"
     subprocess.run(_cmd(job, base), check=True, capture_output=True, timeout=300)
-    want = {k: _answer(v) for k, v in _records(base).items()}
+    want = {k: _answer(v) for k, v in records(base).items()}
     assert len(want) == n
 
     out, rng, kills = tmp_path / "out.jsonl", random.Random(1), 0
@@ -96,7 +87,7 @@ def test_kill9_at_random_points_gives_each_line_once(tmp_path):
     assert kills >= 3
     r = subprocess.run(_cmd(job, out), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    got = _records(out)
+    got = records(out)
     assert sorted(got) == sorted(want)  # every input line once, none twice
     assert {k: _answer(v) for k, v in got.items()} == want  # and the same answers as the uninterrupted run
 
@@ -113,7 +104,7 @@ def test_sigint_stops_after_writing_what_finished(tmp_path):
     _, err = p.communicate(timeout=60)
     assert p.returncode == 130, err
     assert "interrupted" in err
-    before = _records(out)  # every line whole and valid
+    before = records(out)  # every line whole and valid
     assert 0 < len(before) < n
     with open(out, "rb") as f:
         assert f.read().endswith(b"\n")
@@ -121,5 +112,5 @@ def test_sigint_stops_after_writing_what_finished(tmp_path):
     assert r.returncode == 0
     summary = json.loads(r.stderr.strip().splitlines()[-1])
     assert summary["event"] == "summary" and summary["done_before"] == len(before) and summary["done"] == n
-    assert len(_records(out)) == n
+    assert len(records(out)) == n
     os.remove(out)

@@ -12,6 +12,7 @@ import os
 import threading
 
 import pytest
+from batch_records import records
 
 pytest.importorskip("pydantic")
 
@@ -40,16 +41,6 @@ def _job(path, lines) -> None:
 
 def _lines(n: int, tag: str = "q") -> list[dict]:
     return [{"custom_id": f"{tag}{i}", "prompt": f"Number {i} is", **G} for i in range(n)]
-
-
-def _records(path) -> dict[str, dict]:
-    out = {}
-    with open(path, "rb") as f:
-        for raw in f:
-            r = json.loads(raw)
-            assert r["id"] not in out, f"{r['id']} written twice"
-            out[r["id"]] = r
-    return out
 
 
 def _run(engine, job, out, **kw):
@@ -111,14 +102,14 @@ def test_duplicate_custom_ids_are_error_lines_and_resume_keeps_them(engine, tmp_
                {"custom_id": "a", "prompt": "Again", **G}])
     s, err = _run(engine, job, out)
     assert err is None and s["by_status"] == {"200": 2, "error": 1}
-    recs = _records(out)
+    recs = records(out)
     assert recs["batch_req_3"]["error"]["code"] == "duplicate_custom_id" and recs["batch_req_3"]["custom_id"] == "a"
     first = recs["batch_req_1"]
     kept = [raw for raw in out.read_bytes().splitlines(keepends=True) if b'"batch_req_1"' not in raw]
     out.write_bytes(b"".join(kept))
     s, err = _run(engine, job, out)
     assert err is None and s["written"] == 1 and s["done"] == 3
-    recs = _records(out)
+    recs = records(out)
     assert recs["batch_req_1"]["response"]["body"]["choices"] == first["response"]["body"]["choices"]
 
 
@@ -145,9 +136,9 @@ def test_a_full_disk_stops_the_job_naming_the_line(engine, tmp_path, monkeypatch
     s, err = _run(engine, job, out, max_inflight=4)
     assert isinstance(err, HybridInferError) and "input line" in str(err) and "No space left" in str(err), (s, err)
     monkeypatch.undo()
-    assert len(_records(out)) == 3  # what was written is whole
+    assert len(records(out)) == 3  # what was written is whole
     s, err = _run(engine, job, out)  # the disk has room again: the job goes on where it stopped
-    assert err is None and s["done_before"] == 3 and s["done"] == 10 and len(_records(out)) == 10
+    assert err is None and s["done_before"] == 3 and s["done"] == 10 and len(records(out)) == 10
 
 
 def test_a_custom_id_utf8_cannot_carry_is_answered(engine, tmp_path):
@@ -156,7 +147,7 @@ def test_a_custom_id_utf8_cannot_carry_is_answered(engine, tmp_path):
     _job(job, [{"custom_id": "bad\ud800", "prompt": "Hello", **G}] + _lines(2))
     s, err = _run(engine, job, out)
     assert err is None and s["done"] == 3 and s["by_status"] == {"200": 3}, (s, err)
-    assert _records(out)["batch_req_1"]["custom_id"] == "bad\ud800"
+    assert records(out)["batch_req_1"]["custom_id"] == "bad\ud800"
     s, err = _run(engine, job, out)  # and a resumed job finds it answered
     assert err is None and s["written"] == 0 and s["done"] == 3
 
@@ -166,7 +157,7 @@ def test_a_line_over_the_limit_is_an_error_line(engine, tmp_path):
     _job(job, _lines(1) + [{"custom_id": "big", "prompt": "x " * 600_000, **G}] + _lines(1, "z"))
     s, err = _run(engine, job, out)  # n_ctx 512: the default limit is 1 MiB
     assert err is None and s["done"] == 3 and s["by_status"] == {"200": 2, "error": 1}, (s, err)
-    rec = _records(out)["batch_req_2"]
+    rec = records(out)["batch_req_2"]
     assert rec["error"]["code"] == "line_too_long" and rec["response"] is None
     assert "line 2 is 1200" in rec["error"]["message"] and f"{1 << 20} bytes" in rec["error"]["message"]
     # resumed with a higher limit: the line answered as too long (no custom_id read then) stays answered
@@ -210,7 +201,7 @@ def test_a_request_that_fails_alone_is_its_error_line(engine, tmp_path, monkeypa
     monkeypatch.setattr(runner, "ok_record", ok_record)
     s, err = _run(engine, job, out)
     assert err is None and not s["interrupted"] and s["done"] == 7, (s, err)
-    recs = {r["custom_id"]: r for r in _records(out).values()}
+    recs = {r["custom_id"]: r for r in records(out).values()}
     for cid, what in (("bad5", "OverflowError"), ("bad6", "injected sampler failure"),
                       ("bad7", "injected failure while making the body")):
         resp = recs[cid]["response"]
@@ -224,7 +215,7 @@ def test_a_top_k_past_int64_is_its_error_line(engine, tmp_path):
     _job(job, _lines(1) + [{"custom_id": "huge", "prompt": "Hi", "max_tokens": 3, "top_k": 2**63}] + _lines(1, "z"))
     s, err = _run(engine, job, out)
     assert err is None and s["done"] == 3 and s["by_status"] == {"200": 2, "400": 1}, (s, err)
-    rec = next(r for r in _records(out).values() if r["custom_id"] == "huge")
+    rec = next(r for r in records(out).values() if r["custom_id"] == "huge")
     assert rec["response"]["status_code"] == 400 and "top_k" in json.dumps(rec["response"]["body"]), rec
     s, err = _run(engine, job, out)  # a resume finds every line answered
     assert err is None and s["written"] == 0 and s["done"] == 3, (s, err)
