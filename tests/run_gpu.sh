@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The gpu-marked tests on the GPU machine (CUDA, Python 3.12, no package index), run through the device tool from the
-# checkout's root with .whl (bash ../shared/device/stage.sh), .devcache/oracle (the oracle models, made here by
-# tests/oracle_models.make_oracle_gguf: that machine has no llama.cpp quantizer) and hybridinfer/_simd.abi3.so
-# (the native library, built here; abi3, so Python 3.12 loads it) carried. Extra arguments go to pytest.
+# checkout's root with .whl (that host's wheels and the env.sh that installs them, staged into the checkout
+# beforehand), .devcache/oracle (the oracle models, made here by tests/oracle_models.make_oracle_gguf: that machine
+# has no llama.cpp quantizer) and hybridinfer/_simd.abi3.so (the native library, built here; abi3, so Python 3.12
+# loads it) carried. Extra arguments go to pytest.
 set -eu
 source .whl/env.sh
 export HYBRIDINFER_ORACLE_CACHE=$PWD/.devcache/oracle

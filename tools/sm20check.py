@@ -1,4 +1,4 @@
-"""Mechanical check of the sm_20 rules (DESIGN.md "sm_20 rules"): compile one kernel source to sm_20 PTX
+"""Mechanical check of the sm_20 rules (docs/sm20.md): compile one kernel source to sm_20 PTX
 with clang and list the instructions in it that sm_20 does not have.
 
 Clang emits inline asm verbatim into the PTX, so the scan catches hand-written instructions too. Allowed

@@ -26,7 +26,7 @@ def rms_norm_ggml(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
 
 
 def l2_norm(x: np.ndarray, eps: float) -> np.ndarray:
-    """y = x / sqrt(sum(x^2) + eps) over the last axis (spec §3 step 4)."""
+    """y = x / sqrt(sum(x^2) + eps) over the last axis (docs/gguf-qwen35.md §3 step 4)."""
     x64 = x.astype(np.float64)
     return (x64 / np.sqrt(np.sum(x64 * x64, axis=-1, keepdims=True) + eps)).astype(np.float32)
 
@@ -113,7 +113,7 @@ def causal_conv(u: np.ndarray, conv_state: np.ndarray, w: np.ndarray) -> tuple[n
 
 def delta_rule(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray,
                S: np.ndarray) -> np.ndarray:
-    """Gated delta rule, token by token, all value heads at once (spec §3 step 7).
+    """Gated delta rule, token by token, all value heads at once (docs/gguf-qwen35.md §3 step 7).
 
     q, k (T, H_v, d_k) already L2-normed and mapped to value heads, q scaled by 1/sqrt(d_k);
     v (T, H_v, d_v); g, beta (T, H_v); S (H_v, d_k, d_v) updated in place. Returns o (T, H_v, d_v):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import math
 import os
 import sys
@@ -26,8 +27,37 @@ class UsageError(SystemExit):
         return self.message
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """--help names every option's default: "(default: X)" after its help, unless the help already says what the
+    default is or there is none to name (an option that is unset, off or empty by default). Sizes are shown in the
+    units one would type (16MiB, not 16777216)."""
+
+    @staticmethod
+    def _note(action) -> str:
+        d = action.default
+        if (not action.option_strings or "default" in (action.help or "").lower() or d is None or d is False
+                or d is argparse.SUPPRESS or (isinstance(d, list | tuple) and not d)):
+            return ""
+        return f"(default: {size_text(d) if action.type is parse_size else '%(default)s'})"
+
+    def _get_help_string(self, action):
+        note = self._note(action)
+        return f"{action.help} {note}" if note else action.help
+
+    def _format_action(self, action):
+        if not action.help and self._note(action):  # argparse prints no help line for an option without help
+            action = copy.copy(action)
+            action.help = self._note(action)
+        return super()._format_action(action)
+
+
 class _Parser(argparse.ArgumentParser):
-    """argparse with a one-line error (no usage block): `hybridinfer run: error: argument -n: ...`."""
+    """argparse with a one-line error (no usage block): `hybridinfer run: error: argument -n: ...`, and a --help
+    that names each option's default (_HelpFormatter; subcommands' parsers are _Parsers too)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         print(f"{self.prog}: error: {message}", file=sys.stderr)
@@ -109,7 +139,8 @@ def _add_model(p: argparse.ArgumentParser, required: bool = False) -> None:
     add_numa_flag(p)
 
 
-def _add_cache(p: argparse.ArgumentParser) -> None:
+def _add_cache(p: argparse.ArgumentParser, snapshot_stride: int | None = None) -> None:
+    """The prefix-cache flags; snapshot_stride: the command's default for --snapshot-stride (None: by backend)."""
     g = p.add_argument_group("prefix cache (reuse of repeated prompt prefixes)")
     g.add_argument("--prefix-cache-ram", type=parse_size, default=parse_size("2GiB"),
                    help="RAM budget for state snapshots, e.g. 2GiB, 512MiB; 0 turns the cache off (default 2GiB)")
@@ -117,9 +148,10 @@ def _add_cache(p: argparse.ArgumentParser) -> None:
                    help="directory of an on-disk snapshot store shared by processes (default: none)")
     g.add_argument("--prefix-cache-disk", type=parse_size, default=parse_size("16GiB"),
                    help="disk budget of --prefix-cache-dir (default 16GiB)")
-    g.add_argument("--snapshot-stride", type=_int_at_least(0), default=None,
-                   help="snapshot the state every N prompt tokens during prefill (default 256 on the CPU, 1024 with "
-                        "GPU prefill; 0: only at prompt ends, chat turns and shared prefixes)")
+    stride = "256 on the CPU, 1024 with GPU prefill" if snapshot_stride is None else str(snapshot_stride)
+    g.add_argument("--snapshot-stride", type=_int_at_least(0), default=snapshot_stride,
+                   help=f"snapshot the state every N prompt tokens during prefill (default {stride}; 0: only at "
+                        "prompt ends, chat turns and shared prefixes)")
 
 
 def parse_size(s: str) -> int:
@@ -137,6 +169,14 @@ def parse_size(s: str) -> int:
     if v < 0:
         raise argparse.ArgumentTypeError(f"a size must be >= 0, got {s!r}")
     return int(v)
+
+
+def size_text(n: int) -> str:
+    """A byte count as parse_size reads it back: the largest binary unit that divides it (2GiB), else bytes."""
+    for unit, name in ((1 << 40, "TiB"), (1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")):
+        if n and n % unit == 0:
+            return f"{n // unit}{name}"
+    return str(n)
 
 
 def _add_sampling(p: argparse.ArgumentParser) -> None:

@@ -31,7 +31,9 @@ def cmd_serve(a) -> int:
 def add_serve_parser(sub) -> None:
     p = sub.add_parser("serve", help="OpenAI- and Anthropic-compatible HTTP server (needs the serve extra)")
     _add_model(p)
-    _add_cache(p)
+    # a server's prefixes repeat at turn boundaries and where prompts part ways, which the cache snapshots anyway;
+    # stride snapshots inside every long prompt would fill the RAM budget and evict those (issue 21's agent load)
+    _add_cache(p, snapshot_stride=0)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=_int_at_least(0), default=8080)
     p.add_argument("--api-key", default=None,
@@ -41,6 +43,4 @@ def add_serve_parser(sub) -> None:
                    help="requests that may wait beyond --max-seqs running ones; past that, 429 (default 64)")
     p.add_argument("--max-body", type=parse_size, default=parse_size("16MiB"), help="largest request body")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    # a server's prefixes repeat at turn boundaries and where prompts part ways, which the cache snapshots anyway;
-    # stride snapshots inside every long prompt would fill the RAM budget and evict those (issue 21's agent load)
-    p.set_defaults(fn=cmd_serve, snapshot_stride=0)
+    p.set_defaults(fn=cmd_serve)

@@ -158,22 +158,37 @@ class Engine:
              progress: bool = False, prefill_chunk: int = 512, prefix_cache=None,
              snapshot_stride: int | None = DEFAULT_SNAPSHOT_STRIDE, max_seqs: int = 8,
              state_budget: int | None = None, chat_template: str | None = None, **options) -> Engine:
-        """Open a GGUF (default: the embedded SmolLM2-135M-Instruct) on `backend`: "auto" (GPU prefill + CPU
-        decode where a card and pycuda are present, else "cpu"), "cpu", "gpu" (prefill on the card, decode on
-        the CPU) or "reference" (the exact numpy oracle, slow by design).
+        """Open a GGUF file and make its engine. Every keyword has a default:
 
-        n_ctx caps the context (at most the model's trained context_length); prefill_chunk is the number
-        of prompt tokens processed per forward call. prefix_cache: None (off), True (RAM, 2 GiB), a dict of
-        PrefixCache options (ram_bytes, disk_dir, disk_bytes, block_size) or a PrefixCache; prompts then reuse
-        the longest cached prefix, and snapshots are taken every `snapshot_stride` prompt tokens (None: 256
-        on the CPU, 1024 with GPU prefill), at the end of each prompt, before a chat's generation prompt,
-        where a prompt leaves a cached one, and at the end of generation. max_seqs and state_budget (bytes of
-        sequence states and K/V, None: no limit) bound the scheduler behind `submit` and `generate_batch`.
-        GPU options: vram_budget, gpu_chunk, device, card_profile (fermi | kepler | maxwell | pascal: kernels
-        compiled and tiles chosen as for that class of card, on this card, the weight stream paced to its bus),
-        bus_bw (bytes/s the weight stream is paced to, instead of the profile's bus).
-        chat_template: Jinja text used instead of the GGUF's `tokenizer.chat_template` (as llama-server's
-        --chat-template-file), checked to compile now. Unknown options raise TypeError.
+        path (default None: the embedded SmolLM2-135M-Instruct Q4_1).
+        backend (default "auto": GPU prefill with CPU decode where a card and pycuda are present, else "cpu");
+            "cpu", "gpu" (prefill on the card, decode on the CPU) or "reference" (the exact numpy oracle, slow by
+            design).
+        n_ctx (default 4096): the context of each sequence, at most the model's trained context_length.
+        progress (default False): progress bars while the weights load and long prompts prefill.
+        prefill_chunk (default 512): prompt tokens per forward call on the CPU and reference backends.
+        prefix_cache (default None: off): True (RAM, 2 GiB), a dict of PrefixCache options (ram_bytes, disk_dir,
+            disk_bytes, block_size) or a PrefixCache; prompts then reuse their longest cached prefix.
+        snapshot_stride (default None: 256 on the CPU, 1024 with GPU prefill): with a prefix cache, a snapshot
+            every that many prompt tokens (0: none), besides those at the end of each prompt, before a chat's
+            generation prompt, where a prompt leaves a cached one, and at the end of generation.
+        max_seqs (default 8): sequences the scheduler behind `submit` and `generate_batch` decodes together.
+        state_budget (default None: no limit): bytes of sequence states and K/V the scheduler holds at once.
+        chat_template (default None: the GGUF's `tokenizer.chat_template`): Jinja text used instead (as
+            llama-server's --chat-template-file), checked to compile now.
+
+        Backend options, each left to its backend when not given:
+        CPU ("cpu", and decode under "gpu" and "auto"): isa (the widest SIMD unit this CPU has: scalar, ssse3,
+            avx2, avx512vnni), n_threads (all cores), weights ("auto": a copy in huge pages when it takes at most
+            half the available memory, else "mmap"; or "copy"), prefetch (4096 bytes of weight stream ahead with
+            4 threads or more, else 0), numa (None: no placement; a hybridinfer.backends.numa.Plan).
+        GPU ("gpu", "auto"): vram_budget (the card's free memory less 512 MiB), gpu_chunk (1024 tokens per kernel
+            call), device (0), card_profile (None: the card itself; fermi | kepler | maxwell | pascal: kernels
+            compiled and tiles chosen as for that class, the weight stream paced to its bus), bus_bw (None: the
+            profile's bus; bytes/s the weight stream is paced to).
+        Reference: cache_weights (True), act_quant (False: float activations; True: llama.cpp's Q8 rounding),
+            kv_f16 (False: F32 K/V; True: F16 as llama.cpp's default cache).
+        Unknown options raise TypeError.
         """
         from ..format.tokenizer import Tokenizer
 
@@ -380,8 +395,14 @@ class Engine:
                      frequency_penalty: float = 0.0, enable_thinking: bool | None = None, constraint=None,
                      logprobs: int | None = None) -> Request:
         """Check a request's parameters and make its prompt into token ids (typed errors naming a bad value).
-        constraint: structured output (an object with mask(logits) and accept(token); scheduler.Request).
-        logprobs: record each generated token's log-probability and this many alternatives (Generation.logprobs)."""
+
+        max_tokens (default 128). Sampling: temperature (default 0.8; 0: greedy), top_k (default 40; 0: off),
+        top_p (default 0.95), min_p (default 0.05), repeat_penalty (default 1.0), presence_penalty (default 0.0),
+        frequency_penalty (default 0.0), seed (default None: drawn from the OS). stop (default None): a string or
+        list of strings that end the reply (never emitted). enable_thinking (default None: the template's own
+        choice). constraint (default None): structured output, an object with mask(logits) and accept(token)
+        (scheduler.Request). logprobs (default None: off): record each generated token's log-probability and
+        this many alternatives (Generation.logprobs)."""
         if logprobs is not None:
             check_int("logprobs", logprobs, 0)
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,

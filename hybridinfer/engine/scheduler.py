@@ -168,10 +168,11 @@ class _Seq:
 
 
 class Scheduler:
-    """Continuous batching over one Engine. `max_seqs`: sequences decoded together at most; `state_budget`: bytes
-    of states (recurrent buffers and K/V rows up to prompt + max_tokens) held at once, None for no limit. A request
-    that could never fit (alone over the budget) is refused at `submit` with a CapacityError; others wait.
-    worker=False: no thread; the caller drives `step()` (tests, or a loop of its own)."""
+    """Continuous batching over one Engine. max_seqs (default 8): sequences decoded together at most.
+    state_budget (default None: no limit): bytes of states (recurrent buffers and K/V rows up to prompt +
+    max_tokens) held at once; a request that could never fit (alone over the budget) is refused at `submit` with a
+    CapacityError, others wait. worker (default True): a worker thread runs the steps; False: no thread, the caller
+    drives `step()` (tests, or a loop of its own)."""
 
     def __init__(self, engine, max_seqs: int = 8, state_budget: int | None = None, worker: bool = True):
         if type(max_seqs) is not int or max_seqs < 1:

@@ -23,7 +23,7 @@ Op vocabulary (`Ops`; `OPS` below names each op's reference maths, CPU bindings 
     sigmoid_gate(o, gate)          o * sigmoid(gate)
     swiglu(g, u)                   SiLU(g) * u
     gdn(u, z, beta, alpha, conv=, a=, dt_bias=, norm=)
-                                   the Gated DeltaNet layer between its projections (spec qwen35 §3 steps 2-8)
+                                   the Gated DeltaNet layer between its projections (docs/gguf-qwen35.md §3 steps 2-8)
     moe(x, router=, experts=, shared=, shared_gate=)
                                    softmax-top-k routed SwiGLU experts plus an optional sigmoid-gated shared expert
 A new layer type is a branch function here in its architecture module (and any new op in each backend's ops

@@ -1,8 +1,8 @@
 """`qwen35`: Qwen3.5 / 3.6 dense hybrid. Gated DeltaNet layers and gated full-attention layers
-(see shared/spec/qwen35.md). `qwen35moe` reuses this module with a MoE FFN in every layer.
+(docs/gguf-qwen35.md). `qwen35moe` reuses this module with a MoE FFN in every layer.
 
-Traps handled here (spec §8): block_count counts MTP blocks; value heads are tiled so GGUF value head j
-reads key head j mod H_k; norms already carry +1 (except ssm_norm); ssm_a is already -exp(A_log).
+Traps handled here (docs/gguf-qwen35.md §8): block_count counts MTP blocks; value heads are tiled so GGUF value
+head j reads key head j mod H_k; norms already carry +1 (except ssm_norm); ssm_a is already -exp(A_log).
 """
 
 from __future__ import annotations
@@ -205,7 +205,7 @@ __all__ = ["EMBED", "head", "attention", "swiglu_ffn", "gdn", "layer", "ModelArg
 
 
 def gdn(ops, a, x):
-    """Gated DeltaNet (spec §3): the projections, the layer between them, the output projection."""
+    """Gated DeltaNet (docs/gguf-qwen35.md §3): the projections, the layer between them, the output projection."""
     u, z, beta, alpha = ops.linears(x, "attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha")
     y = ops.gdn(u, z, beta, alpha, conv="ssm_conv1d", a="ssm_a", dt_bias="ssm_dt.bias", norm="ssm_norm")
     return ops.linear(y, "ssm_out")

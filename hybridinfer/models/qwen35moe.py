@@ -1,5 +1,5 @@
 """`qwen35moe`: Qwen3.5 / 3.6 MoE hybrid (35B-A3B, 122B-A10B). Same trunk as `qwen35`; every layer's FFN
-is a softmax-top-k-renormalised MoE plus a sigmoid-gated shared expert (spec §5)."""
+is a softmax-top-k-renormalised MoE plus a sigmoid-gated shared expert (docs/gguf-qwen35.md §5)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ class ModelArgs(qwen35.ModelArgs):
 
 
 def moe(ops, a, x):
-    """Routed SwiGLU experts (softmax, top k, renormalised) plus the sigmoid-gated shared expert (spec §5)."""
+    """Routed SwiGLU experts (softmax, top k, renormalised) plus the sigmoid-gated shared expert
+    (docs/gguf-qwen35.md §5)."""
     shared = ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp") if a.n_ff_shexp else None
     return ops.moe(x, router="ffn_gate_inp", experts=("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"),
                    shared=shared, shared_gate="ffn_gate_inp_shexp" if a.n_ff_shexp else None)

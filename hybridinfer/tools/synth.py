@@ -100,7 +100,7 @@ def _small_gain(s: TensorSpec, hp: dict, residual_scale: float | None) -> float:
     return 1.0
 
 
-# Qwen3.5 special tokens at their real ids (spec §6); tiny vocabularies put them at the end instead.
+# Qwen3.5 special tokens at their real ids (docs/gguf-qwen35.md §6); tiny vocabularies put them at the end instead.
 _SPECIALS = [("<|endoftext|>", 248044, TokenType.CONTROL), ("<|im_start|>", 248045, TokenType.CONTROL),
              ("<|im_end|>", 248046, TokenType.CONTROL), ("<think>", 248068, TokenType.USER_DEFINED),
              ("</think>", 248069, TokenType.USER_DEFINED)]

@@ -1,4 +1,4 @@
-// Causal GQA attention for prefill (spec §4 steps 5-7), fp32, sm_20 subset.
+// Causal GQA attention for prefill (docs/gguf-qwen35.md §4 steps 5-7), fp32, sm_20 subset.
 //
 // Maths. T queries at absolute positions pos0..pos0+T-1, query head h reading KV head
 // kv(h) = h / (H / H_kv) (division, as ggml and HF repeat_kv). Query row t sees keys s <= pos0 + t:

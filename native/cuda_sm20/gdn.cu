@@ -1,4 +1,4 @@
-// Gated DeltaNet layer over a prompt chunk of T tokens (spec §3; reference.py ReferenceModel.gdn),
+// Gated DeltaNet layer over a prompt chunk of T tokens (docs/gguf-qwen35.md §3; backends/reference.py RefOps.gdn),
 // fp32, sm_20 subset. The projections (u = W_qkv x, z, b, a) and ssm_out are GEMMs done elsewhere.
 //
 // Maths, per chunk, with the carried state (conv (K-1, C), S (H_v, d_k, d_v)):

@@ -1,4 +1,4 @@
-// MoE routing, grouping by expert and combination (spec §5; reference_ops.moe_route and
+// MoE routing, grouping by expert and combination (docs/gguf-qwen35.md §5; reference_ops.moe_route and
 // ReferenceModel.moe), fp32 and int32, sm_20 subset.
 //
 // Maths. Router logits l [T, E]: P = softmax(l) over all experts; I = the k largest P (ties: lower

@@ -1,5 +1,5 @@
-/* The Gated DeltaNet layer after its projections (spec §3 steps 2-8) on the context's thread pool: the C
- * twin of tests/oracles/numba_gdn.py:gdn_layer, bit-identical to it.
+/* The Gated DeltaNet layer after its projections (docs/gguf-qwen35.md §3 steps 2-8) on the context's thread
+ * pool: the C twin of tests/oracles/numba_gdn.py:gdn_layer, bit-identical to it.
  *
  * Same float operations in the same order as the numba code (fastmath=False; this file is compiled with
  * -ffp-contract=off and without -ffast-math, so no fused or reordered arithmetic):

@@ -144,8 +144,8 @@ int hi_ctx_prefetch(const hi_ctx *c);
  * start_max_ns, spread_ns (first to last thread done) */
 void hi_ctx_pool_stats(hi_ctx *c, int on, double *out);
 
-/* Gated DeltaNet layer after its projections (spec §3 steps 2-8) for T tokens, state in place; the C twin of
- * tests/oracles/numba_gdn.py:gdn_layer, bit-identical to it, value heads split across the pool.
+/* Gated DeltaNet layer after its projections (docs/gguf-qwen35.md §3 steps 2-8) for T tokens, state in place;
+ * the C twin of tests/oracles/numba_gdn.py:gdn_layer, bit-identical to it, value heads split across the pool.
  * u (T rows of C floats, row stride u_row), z (T x Hv*d_v, z_row), b, a (T x Hv, b_row, a_row), y (T x
  * Hv*d_v, y_row) <- gated-normed output; contiguous: conv_w (C, K), ssm_a, dt_bias (Hv), norm_w (d_v),
  * conv (K-1, C) (oldest row first), S (Hv, d_k, d_v); C = 2*n_k_heads*d_k + Hv*d_v; head_map_mod: value

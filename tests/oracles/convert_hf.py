@@ -1,4 +1,4 @@
-"""HF (transformers) -> GGUF converter for tiny test models, written from docs/spec (qwen35.md §1-§2).
+"""HF (transformers) -> GGUF converter for tiny test models, written from docs/gguf-qwen35.md §1-§2.
 
 Supports `Qwen3_5ForCausalLM` (arch `qwen35`), `Qwen3_5MoeForCausalLM` (`qwen35moe`) and
 `LlamaForCausalLM` (`llama`). It produces the same tensors llama.cpp's own converter would:

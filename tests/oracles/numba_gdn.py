@@ -1,5 +1,5 @@
-"""Test oracle: the Gated DeltaNet layer after its projections (spec §3 steps 2-8), in numba, token by token;
-the plain-order reference of the CPU backend's C layer (`SimdLib.gdn_layer`).
+"""Test oracle: the Gated DeltaNet layer after its projections (docs/gguf-qwen35.md §3 steps 2-8), in numba, token
+by token; the plain-order reference of the CPU backend's C layer (`SimdLib.gdn_layer`).
 
 Inputs are the projections of T tokens; the state (conv, S) is updated in place, in the DecoderState
 layout: conv (K-1, C) float32, oldest first; S (H_v, d_k, d_v) float32. Matches
@@ -105,7 +105,7 @@ def _gdn_head(j, c, z_t, b_t, a_t, ssm_a, dt_bias, norm_w, S, n_k_heads, head_ma
 @njit(**_jit)
 def gdn_layer(u, z, b, a, conv_w, ssm_a, dt_bias, norm_w, conv, S, n_k_heads, head_map_mod, eps, y,
               scratch):
-    """GDN mixer for T tokens, state in place (spec §3 steps 2-8); the recurrence runs token by token.
+    """GDN mixer for T tokens, state in place (docs/gguf-qwen35.md §3 steps 2-8); the recurrence runs token by token.
 
     u (T, C) pre-conv qkv projection; z (T, H_v*d_v); b, a (T, H_v) (beta and alpha projections);
     conv_w (C, K); ssm_a, dt_bias (H_v,); norm_w (d_v,); conv (K-1, C); S (H_v, d_k, d_v);
