@@ -73,3 +73,7 @@ class ParameterError(HybridInferError, ValueError):
 
 class CapacityError(HybridInferError):
     """A request cannot fit the engine's limits (sequence count, state or K/V byte budget) and is refused."""
+
+
+class EngineClosed(CapacityError):
+    """The Engine was closed (`Engine.close`): a request queued or running then, or made after, is refused."""

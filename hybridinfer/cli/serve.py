@@ -23,7 +23,7 @@ def cmd_serve(a) -> int:
     from . import _engine
 
     app = create_app(_engine(a), api_key=key, model_name=a.model_name, max_queue=a.max_queue,
-                     max_body_bytes=a.max_body)
+                     max_body_bytes=a.max_body, close_engine=True)
     serve(app, a.host, a.port, a.log_level)
     return 0
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 
+import anyio
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -53,11 +55,14 @@ class _CountRequests:
 
 
 def create_app(engine, api_key: str | None = None, model_name: str | None = None,
-               max_queue: int = DEFAULT_MAX_QUEUE, max_body_bytes: int = DEFAULT_MAX_BODY) -> FastAPI:
+               max_queue: int = DEFAULT_MAX_QUEUE, max_body_bytes: int = DEFAULT_MAX_BODY,
+               close_engine: bool = False) -> FastAPI:
     """An app serving `engine` (its scheduler runs every request). api_key: required on every route but /health
     (`Authorization: Bearer KEY` or `x-api-key: KEY`), None for none. model_name: the one model id clients must
     name (default: the GGUF's file name without .gguf). max_queue: requests that may wait beyond the engine's
-    max_seqs running ones; past that, 429. max_body_bytes: larger bodies get 413."""
+    max_seqs running ones; past that, 429. max_body_bytes: larger bodies get 413. close_engine: the app owns the
+    engine and closes it (`Engine.close`) when the server shuts down (its lifespan's end), as `hybridinfer serve`
+    does."""
     if max_queue < 0:
         raise ValueError(f"max_queue must be >= 0, got {max_queue!r}")
     metrics = Metrics()
@@ -76,7 +81,15 @@ def create_app(engine, api_key: str | None = None, model_name: str | None = None
             raise ApiError(401, f"{which} API key: send it as 'Authorization: Bearer KEY' or 'x-api-key: KEY'",
                            code="invalid_api_key")
 
-    app = FastAPI(title="hybridinfer", docs_url=None, redoc_url=None, openapi_url=None)
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        try:
+            yield
+        finally:
+            if close_engine:  # requests still queued or running end with EngineClosed; the weights' memory goes
+                await anyio.to_thread.run_sync(engine.close)
+
+    app = FastAPI(title="hybridinfer", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.service = svc
     deps = [Depends(check_key)]
     app.include_router(openai_api.router(svc, max_body_bytes), dependencies=deps)
