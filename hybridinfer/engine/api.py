@@ -177,7 +177,7 @@ class Engine(Compute):
             generation prompt, where a prompt leaves a cached one, and at the end of generation.
         max_seqs (default 8): sequences the scheduler behind `submit` and `generate_batch` decodes together.
         state_budget (default None: no limit): bytes of sequence states and K/V the scheduler holds at once.
-        step_tokens (default 512): tokens one scheduler step computes: every running sequence's next token, then
+        step_tokens (default 256): tokens one scheduler step computes: every running sequence's next token, then
             chunks of waiting prompts up to this (llama.cpp's n_batch); a long prompt holds running streams up
             by one step at a time. A GPU prefill takes every waiting prompt whole in one pass.
         chat_template (default None: the GGUF's `tokenizer.chat_template`): Jinja text used instead (as

@@ -83,7 +83,7 @@ class Scheduler:
     decoding). state_budget (default None: no limit): bytes of states (recurrent buffers and K/V rows up to prompt +
     max_tokens) held at once; a request that could never fit (alone over the budget) is refused at `submit` with a
     CapacityError, others wait. worker (default True): a worker thread runs the steps; False: no thread, the caller
-    drives `step()` (tests, or a loop of its own). step_tokens (default 512): the tokens one step computes, decode
+    drives `step()` (tests, or a loop of its own). step_tokens (default 256): the tokens one step computes, decode
     tokens first, then prompt chunks."""
 
     def __init__(self, engine, max_seqs: int = 8, state_budget: int | None = None, worker: bool = True,
