@@ -87,3 +87,5 @@ class NotRegularFileError(ParameterError):
 class NonFiniteWeightsError(GGUFError):
     """A tensor of the model holds NaN or infinity (in its float values or a quantized block's scales): the file is
     damaged, and a model run on it would answer with nothing."""
+class EngineClosed(CapacityError):
+    """The Engine was closed (`Engine.close`): a request queued or running then, or made after, is refused."""

@@ -236,4 +236,5 @@ def test_engine_and_scheduler_docstrings_state_their_defaults():
         assert not missing, f"{fn.__qualname__}'s docstring does not state: {missing}"
     # and the check can fail: a docstring that leaves a default out is caught
     assert _documented(Scheduler.__init__, "max_seqs (default 8): ...") == ["state_budget (default None",
-                                                                           "worker (default True"]
+                                                                           "worker (default True",
+                                                                           "step_tokens (default 256"]

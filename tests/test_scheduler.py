@@ -210,14 +210,14 @@ def test_first_token_goes_out_after_its_own_prefill(smollm_path, monkeypatch):
     begins, so its time to first token does not wait for the prefills of those admitted after it."""
     eng = Engine.load(smollm_path, backend="cpu", isa=ISA, n_ctx=256, max_seqs=4)
     reqs = [eng.make_request(p, max_tokens=3, temperature=0) for p in ("One.", "Two, two.", "Three, three, three.")]
-    seen, start = [], eng._start
+    seen, step = [], eng.prefill_step
 
-    def spy(ids, *a, **kw):  # at each prefill: how many tokens every request has generated so far
+    def spy(work, budget):  # at each prefill chunk: how many tokens every request has generated so far
         seen.append([len(h.generation.tokens) for h in handles])
-        return start(ids, *a, **kw)
+        return step(work, budget)
 
-    monkeypatch.setattr(eng, "_start", spy)
-    with eng._lock:  # all three wait until submitted together, so they are admitted in one step
+    monkeypatch.setattr(eng, "prefill_step", spy)
+    with eng.lock:  # all three wait until submitted together, so they are admitted in one step
         handles = eng.scheduler.submit_many(reqs)
     for h in handles:
         h.result(timeout=120)

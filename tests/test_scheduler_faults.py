@@ -232,8 +232,8 @@ def _raise(e):
 
 
 def test_engine_generate_raises_a_fault_and_goes_on(eng, want, monkeypatch):
-    """Engine.generate (no scheduler): a fault in its sampler is raised to the caller, and the engine answers the
-    next request as before."""
+    """Engine.generate (a request on the scheduler): a fault in its sampler is raised to the caller, and the engine
+    answers the next request as before."""
     monkeypatch.setattr(TokenSampler, "__call__", lambda self, *a: _raise(Boom("injected")))
     with pytest.raises(Boom):
         eng.generate(PROMPTS[0], max_tokens=N, temperature=0)

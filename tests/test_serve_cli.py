@@ -41,6 +41,7 @@ def test_serve_flags(captured, capsys, monkeypatch):
     assert main(args) == 0
     assert captured["api_key"] == ["from-env"] and captured["max_queue"] == 3 and captured["host"] == "127.0.0.1"
     assert captured["port"] == 8080 and captured["engine"].max_seqs == 2 and captured["engine"].n_ctx == 256
+    assert captured["close_engine"] is True  # the server's shutdown closes the engine (its lifespan)
     assert "warning" not in capsys.readouterr().err
     assert main(args + ["--api-key", "flag", "--host", "0.0.0.0", "--port", "9"]) == 0
     assert captured["api_key"] == ["flag"] and "warning" not in capsys.readouterr().err

@@ -52,6 +52,10 @@ class Backend(ABC):
         """Forget what the backend keeps for this sequence's state (recorded steps, bound calls), so that its memory
         goes as soon as its owner drops it."""
 
+    def close(self) -> None:  # noqa: B027 (a no-op unless the backend holds more than its Python objects)
+        """Let go of what the backend holds beyond its objects (thread pools, work buffers, weight copies): after
+        this it computes no more."""
+
     def decode_batch(self, tokens, states) -> np.ndarray:
         """One token for each of several sequences: logits (B, n_vocab), row j as forward([tokens[j]], states[j])
         gives it. This default runs them one by one; a backend that reads its weights once for all overrides it."""
@@ -81,6 +85,12 @@ class GPUPrefillCPUDecode(Backend):
 
     def release(self, state) -> None:
         self.cpu.release(state)
+
+    def close(self) -> None:
+        self.cpu.close()
+        if hasattr(self.gpu, "close"):
+            self.gpu.close()
+        self.gpu = None  # its device buffers go with the last reference
 
     def prefill_many(self, prompts) -> list[np.ndarray]:
         """(ids, state, snapshot_at, on_snapshot) each: all in one streamed GPU pass where the buffers allow (each

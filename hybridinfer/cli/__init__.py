@@ -61,7 +61,7 @@ def _engine(a, quiet: bool = False):
         template = read_template_file(a.chat_template_file, "--chat-template-file")
     eng = Engine.load(a.model, backend=a.backend, n_ctx=a.n_ctx, progress=sys.stderr.isatty(),
                       prefix_cache=cache, chat_template=template, max_seqs=a.max_seqs,
-                      state_budget=a.state_budget or None,
+                      step_tokens=a.step_tokens, state_budget=a.state_budget or None,
                       special_in_content=getattr(a, "special_in_content", False), **opts)
     if "numa" in opts:
         for line in getattr(eng.backend, "cpu", eng.backend).replicas.describe():

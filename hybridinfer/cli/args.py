@@ -10,6 +10,7 @@ import sys
 from types import SimpleNamespace
 
 from ..backends.cpu.simd_native import MAX_THREADS
+from ..engine.compute import DEFAULT_STEP_TOKENS
 from ..errors import ParameterError
 from ..format.files import check_regular
 
@@ -159,6 +160,10 @@ def _add_model(p: argparse.ArgumentParser, required: bool = False) -> None:
                         "mapping (no copy), or auto: a copy when it takes at most half the available memory")
     p.add_argument("--max-seqs", type=_int_at_least(1), default=8,
                    help="sequences decoded together at most by the scheduler (default 8)")
+    p.add_argument("--step-tokens", type=_int_at_least(1), default=DEFAULT_STEP_TOKENS,
+                   help="tokens one scheduler step computes: each running sequence's next token, then chunks of "
+                        "waiting prompts up to this (as llama.cpp's --batch-size); a long prompt delays running "
+                        f"streams by one step at a time (default {DEFAULT_STEP_TOKENS})")
     p.add_argument("--state-budget", type=parse_size, default=None,
                    help="bytes of sequence states and K/V the scheduler may hold at once, e.g. 4GiB (default: no "
                         "limit); a request that cannot fit alone is refused")

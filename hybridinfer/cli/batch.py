@@ -65,9 +65,10 @@ def cmd_batch(a) -> int:
 
     stop = threading.Event()
     _stop_on_signals(stop)
-    summary = run_job(_engine(a, quiet=progress == "json"), a.input, a.output, model_name=a.model_name, shard=shard,
-                      window=a.window, max_inflight=a.max_inflight, sync_every=a.sync_every, ordered=a.ordered,
-                      progress=progress, progress_stream=sys.stderr, stop=stop, max_line_bytes=a.max_line_bytes)
+    with _engine(a, quiet=progress == "json") as eng:  # closed at the end: worker stopped, memory let go
+        summary = run_job(eng, a.input, a.output, model_name=a.model_name, shard=shard, window=a.window,
+                          max_inflight=a.max_inflight, sync_every=a.sync_every, ordered=a.ordered,
+                          progress=progress, progress_stream=sys.stderr, stop=stop, max_line_bytes=a.max_line_bytes)
     if progress != "json":
         from ..serving.batch.progress import format_summary
 

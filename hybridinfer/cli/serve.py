@@ -28,7 +28,7 @@ def cmd_serve(a) -> int:
 
     app = create_app(_engine(a), api_key=keys, model_name=a.model_name, max_queue=a.max_queue,
                      max_body_bytes=a.max_body, report_cached_tokens=a.report_cached_tokens,
-                     allowed_hosts=LOOPBACK_HOSTS if loopback and not a.no_host_check else None)
+                     allowed_hosts=LOOPBACK_HOSTS if loopback and not a.no_host_check else None, close_engine=True)
     serve(app, a.host, a.port, a.log_level)
     return 0
 

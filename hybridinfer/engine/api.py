@@ -4,18 +4,17 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from collections.abc import Iterator
 
 import numpy as np
 
 from ..backends import BACKENDS, make_backend  # noqa: F401  (BACKENDS: re-exported)
-from ..backends.state import DecoderState
 from ..errors import ContextLengthError, HybridInferError, ParameterError
 from ..format.gguf_model import GGUFModel
 from ..models import model_args
+from .compute import Compute
 from .sampling import SamplingParams, check_int, check_stop
-from .scheduler import Handle, Request, Scheduler, TokenSampler
+from .scheduler import DEFAULT_STEP_TOKENS, Handle, Request, Scheduler
 from .textstream import Generation
 
 __all__ = ["Engine", "Generation", "model_cache_fingerprint"]
@@ -46,9 +45,10 @@ def model_cache_fingerprint(gm: GGUFModel, numeric_path: str = "", hash_dir: str
     return f"{model}/{numeric_path}"
 
 
-def _check_load_args(n_ctx, prefill_chunk, snapshot_stride, options: dict) -> None:
+def _check_load_args(n_ctx, prefill_chunk, snapshot_stride, step_tokens, options: dict) -> None:
     """Refuse bad values before the model is opened (a user waits for no load to learn of a typo)."""
     check_int("n_ctx", n_ctx, 1)
+    check_int("step_tokens", step_tokens, 1)
     check_int("prefill_chunk", prefill_chunk, 1)
     if snapshot_stride is not None:
         check_int("snapshot_stride", snapshot_stride, 0)
@@ -133,24 +133,26 @@ def boundary_points(turn_boundary) -> tuple[int, ...]:
     return (turn_boundary,) if isinstance(turn_boundary, int | np.integer) else tuple(turn_boundary)
 
 
-class Engine:
+class Engine(Compute):
     """A loaded model. `backend` computes; the tokenizer and chat template come from the GGUF.
 
     Thread-safe: one Engine may be called from many threads, and each call gets the answer it would get alone.
-    Backends share work buffers (and the GPU holds one sequence's state), so every backend call and prefix-cache
-    operation runs under the engine's lock; a stream takes it once per token, so concurrent streams interleave
-    token by token instead of waiting for each other's whole answer."""
+    Every generating call (generate, stream, submit, generate_batch) is a request on the engine's scheduler, whose
+    one worker thread computes. Backends share work buffers, so every backend call and prefix-cache operation runs
+    under the engine's lock (`lock`); the worker holds it for each step, and the direct calls that are not
+    generation (logits, prefill, start) take it too. `close()` (or leaving `with Engine.load(...) as e:`) ends
+    it."""
 
     def __init__(self, gm: GGUFModel, args, backend, tokenizer, n_ctx: int, progress: bool,
                  prefill_chunk: int, prefix_cache=None, snapshot_stride: int | None = DEFAULT_SNAPSHOT_STRIDE,
-                 max_seqs: int = 8, state_budget: int | None = None):
+                 max_seqs: int = 8, state_budget: int | None = None, step_tokens: int = DEFAULT_STEP_TOKENS):
         self.gm, self.args, self.backend, self.tokenizer = gm, args, backend, tokenizer
         self.chat_template = None  # None: the GGUF's own (or ChatML where it has none)
         self.special_in_content = False  # True: message text may make control tokens (llama-server's behaviour)
-        self.max_seqs, self.state_budget = max_seqs, state_budget
+        self.max_seqs, self.state_budget, self.step_tokens = max_seqs, state_budget, step_tokens
         self._scheduler = None
         self.n_ctx, self.progress, self.prefill_chunk = n_ctx, progress, prefill_chunk
-        self._lock = threading.RLock()
+        self.lock = threading.RLock()
         if snapshot_stride is None:
             snapshot_stride = GPU_SNAPSHOT_STRIDE if backend.single_pass else CPU_SNAPSHOT_STRIDE
         self.snapshot_stride = check_int("snapshot_stride", snapshot_stride, 0)
@@ -160,8 +162,8 @@ class Engine:
     def load(cls, path: str | None = None, backend: str = "auto", *, n_ctx: int = 4096,
              progress: bool = False, prefill_chunk: int = 512, prefix_cache=None,
              snapshot_stride: int | None = DEFAULT_SNAPSHOT_STRIDE, max_seqs: int = 8,
-             state_budget: int | None = None, chat_template: str | None = None, special_in_content: bool = False,
-             **options) -> Engine:
+             state_budget: int | None = None, step_tokens: int = DEFAULT_STEP_TOKENS,
+             chat_template: str | None = None, special_in_content: bool = False, **options) -> Engine:
         """Open a GGUF file and make its engine. Every keyword has a default:
 
         path (default None: the embedded SmolLM2-135M-Instruct Q4_1).
@@ -178,6 +180,9 @@ class Engine:
             generation prompt, where a prompt leaves a cached one, and at the end of generation.
         max_seqs (default 8): sequences the scheduler behind `submit` and `generate_batch` decodes together.
         state_budget (default None: no limit): bytes of sequence states and K/V the scheduler holds at once.
+        step_tokens (default 256): tokens one scheduler step computes: every running sequence's next token, then
+            chunks of waiting prompts up to this (llama.cpp's n_batch); a long prompt holds running streams up
+            by one step at a time. A GPU prefill takes every waiting prompt whole in one pass.
         chat_template (default None: the GGUF's `tokenizer.chat_template`): Jinja text used instead (as
             llama-server's --chat-template-file), checked to compile now.
         special_in_content (default False): the text of chat messages may make control tokens such as
@@ -203,7 +208,7 @@ class Engine:
             from ..format.default_model import default_model_path
 
             path = default_model_path()
-        _check_load_args(n_ctx, prefill_chunk, snapshot_stride, options)
+        _check_load_args(n_ctx, prefill_chunk, snapshot_stride, step_tokens, options)
         gm = GGUFModel(path)
         gm.check_finite()  # a damaged file (NaN scales) is refused here, not answered with nothing
         args = model_args(gm)
@@ -214,7 +219,7 @@ class Engine:
         if progress:
             be.preload(progress=True)
         eng = cls(gm, args, be, Tokenizer.from_gguf(gm), n_ctx, progress, prefill_chunk, prefix_cache,
-                  snapshot_stride, max_seqs, state_budget)
+                  snapshot_stride, max_seqs, state_budget, step_tokens)
         _ = eng.scheduler  # its limits checked now, not at the first request
         if chat_template is not None:
             from ..format.chat_template import check_template
@@ -285,117 +290,10 @@ class Engine:
         render = lambda msgs: self._encode_chat(msgs, enable_thinking, add_generation_prompt=False)  # noqa: E731
         return chat_boundaries(list(prompt), ids, render) or None
 
-    # compute --------------------------------------------------------------------------------------
-    def new_state(self) -> DecoderState:
-        return self.backend.new_state(self.n_ctx)
-
-    def prefill(self, ids: list[int], state: DecoderState, all_logits: bool = False,
-                snapshot_at=(), on_snapshot=None) -> np.ndarray:
-        """Feed prompt tokens in chunks; returns logits of every token (all_logits) or of the last.
-
-        snapshot_at: absolute positions (state.pos < p <= state.pos + len(ids)) where the state is handed to
-        on_snapshot(state, last_logits) as prefill passes them: chunks end there, so no second pass."""
-        with self._lock:
-            return self._prefill(ids, state, all_logits, snapshot_at, on_snapshot)
-
-    def _prefill(self, ids, state, all_logits, snapshot_at, on_snapshot) -> np.ndarray:
-        state.check_room(len(ids))
-        p0 = state.pos
-        if self.backend.single_pass:  # the GPU: one pass, chunking inside each layer
-            lg = self.backend.forward(ids, state, all_logits=all_logits, snapshot_at=snapshot_at,
-                                      on_snapshot=on_snapshot)
-            if on_snapshot is not None and state.pos in set(snapshot_at):
-                on_snapshot(state, lg[-1])
-            return lg.copy()  # a view of the backend's buffers would not outlive the lock
-        cuts = set(range(self.prefill_chunk, len(ids), self.prefill_chunk)) | {len(ids)}
-        cuts |= {p - p0 for p in snapshot_at if p0 < p <= p0 + len(ids)}
-        bounds = sorted(cuts)
-        it = zip([0] + bounds[:-1], bounds, strict=True)
-        if self.progress and len(ids) > self.prefill_chunk:
-            from tqdm import tqdm
-
-            it = tqdm(it, total=len(bounds), desc="prefill", unit="chunk", leave=False)
-        outs, snaps = [], set(snapshot_at)
-        for a, b in it:
-            lg = self.backend.forward(ids[a:b], state, all_logits=all_logits)
-            outs.append(lg.copy())  # a backend may return a view of its buffers
-            if on_snapshot is not None and p0 + b in snaps:
-                on_snapshot(state, lg[-1])
-        return np.concatenate(outs, axis=0) if all_logits else outs[-1]
-
-    def start(self, ids: list[int], state: DecoderState, turn_boundary: int | None = None,
-              shared_at=()) -> tuple[np.ndarray, dict]:
-        """Bring a fresh `state` to the end of `ids` and return (last-token logits, stats), reusing the longest
-        cached prefix and taking snapshots on the way when a prefix cache is on. Their disk copies (with a disk
-        store) wait for `prefix_cache.flush()`, which `stream` calls once the answer is out."""
-        with self._lock:
-            return self._start(ids, state, turn_boundary, shared_at)
-
-    def _start(self, ids, state, turn_boundary, shared_at=(), keep_ends: bool = True, salt: str | None = None):
-        lg, stats, todo = self._restore(ids, state, turn_boundary, shared_at, keep_ends, salt)
-        if todo is not None:
-            lg = self._prefill(*todo)[-1]
-        return lg, stats
-
-    def _start_many(self, items) -> list[tuple[np.ndarray, dict]]:
-        """`_start` for several (ids, state, turn_boundary, shared_at[, keep_ends[, salt]]): each restores its
-        cached prefix, then a single-pass backend prefills all of the rest in one pass (each layer's weights
-        streamed once for all)."""
-        if not self.backend.single_pass or len(items) < 2:
-            return [self._start(*it) for it in items]
-        out, todo = [], []
-        for j, it in enumerate(items):
-            lg, stats, rest = self._restore(*it)
-            out.append((lg, stats))
-            if rest is not None:
-                todo.append((j, rest))
-        if todo:
-            lgs = self.backend.prefill_many([(ids, st, at, cb) for _, (ids, st, _, at, cb) in todo])
-            for (j, (_, st, _, at, cb)), lg in zip(todo, lgs, strict=True):
-                if cb is not None and st.pos in set(at):
-                    cb(st, lg[-1])
-                out[j] = (lg[-1], out[j][1])
-        return out
-
-    def _restore(self, ids, state, turn_boundary, shared_at, keep_ends: bool = True, salt: str | None = None):
-        """The longest cached prefix of `ids` restored into `state` (with a prefix cache), its stats, and what is
-        left to prefill as _prefill's arguments (None when nothing is), with the snapshot positions on the way
-        (keep_ends False: none at the turn boundary or the prompt's end, only where prompts share a prefix).
-        salt: the tenant whose snapshots it may restore and makes (PrefixCache.lookup)."""
-        t0 = time.perf_counter()
-        stats = {"prompt_tokens": len(ids), "reused_tokens": 0, "restore_s": 0.0}
-        cache = self.prefix_cache
-        if cache is None:
-            stats["prefilled_tokens"] = len(ids)
-            return None, stats, (ids, state, False, (), None)
-        state.check_room(len(ids))
-        hit = cache.lookup(ids, max_pos=len(ids), salt=salt)
-        if hit is not None and hit.pos == len(ids) and not hit.has_logits:
-            hit = cache.lookup(ids, max_pos=len(ids) - 1, salt=salt)
-        lg = None
-        if hit is not None:
-            lg = cache.restore(hit, state)
-            stats["reused_tokens"] = hit.pos
-            stats["restore_s"] = time.perf_counter() - t0
-        n = len(ids)
-        stats["prefilled_tokens"] = n - state.pos
-        if state.pos >= n:
-            return lg, stats, None
-        stride = self.snapshot_stride
-        at = set(range(stride, n, stride)) if stride else set()
-        if turn_boundary is not None and keep_ends:
-            at.update(p for p in boundary_points(turn_boundary) if state.pos < p < n)
-        at.update(p for p in shared_at if state.pos < p < n)  # where prompts queued beside it part ways
-        shared = cache.known_prefix(ids, salt)  # where this prompt leaves a cached one: the next may share it too
-        if state.pos < shared < n:
-            at.add(shared)
-        if keep_ends:
-            at.add(n)
-        save = lambda st, last: cache.save(st, last if st.pos == n else None, True, salt)  # noqa: E731
-        return lg, stats, (ids[state.pos :], state, False, sorted(at), save)
-
+    # compute (engine/compute.py: restore, prefill_step, prefill_whole, decode_step, snapshot, release) -----------
     def logits(self, ids) -> np.ndarray:
         """Logits (len(ids), n_vocab) float32 for every position, from a fresh state."""
+        self._open()
         ids = self._check_ids([int(i) for i in ids])
         if not ids:
             raise ParameterError("logits() needs at least one token id, got none")
@@ -437,56 +335,53 @@ class Engine:
 
     def stream(self, prompt, max_tokens: int = 128, _result: Generation | None = None, **kw) -> Iterator[str]:
         """Yield text pieces as they are generated (stop strings are never emitted). Sampling parameters as
-        `make_request` takes them."""
-        req = self.make_request(prompt, max_tokens, **kw)
-        ids = req.ids
-        res = _result if _result is not None else Generation("", [], len(ids), "length")
-        res.prompt_tokens = len(ids)
-        t0 = time.perf_counter()
-        state = self.new_state()
+        `make_request` takes them. The request runs on the scheduler like any other; leaving the loop early
+        cancels it. _result, when given, receives the Generation's fields at the end."""
+        h = self.submit(prompt, max_tokens, **kw)
         try:
-            logits, cstats = self.start(ids, state, req.turn_boundary)
-            t1 = time.perf_counter()
-            step = TokenSampler(req, self.tokenizer, res, logits.shape[-1])
-            for _ in range(req.max_tokens):
-                t, piece, ended = step(logits, state)
-                if piece:
-                    yield piece
-                if ended:
-                    break
-                with self._lock:  # the backend's buffers are shared: copy the row out before letting go
-                    logits = self.backend.forward([t], state, all_logits=False)[-1].copy()
-            piece = step.text.finish()
-            if piece:
-                yield piece
-            if self.prefix_cache is not None:
-                with self._lock:
-                    if state.pos > len(ids):  # end of generation: the next turn starts from the reply
-                        self.prefix_cache.save(state, logits, defer_disk=True)
-                    self.prefix_cache.flush()  # disk copies, after the answer (not in the time to first token)
-            t2 = time.perf_counter()
-            n = max(len(res.tokens), 1)
-            res.timings = {**cstats, "prefill_s": t1 - t0, "decode_s": t2 - t1,
-                           "prompt_tok_per_s": len(ids) / (t1 - t0),
-                           "decode_tok_per_s": n / (t2 - t1) if t2 > t1 else 0.0}
-        finally:  # recorded steps and bound calls holding the state let go of it
-            with self._lock:
-                self.backend.release(state)
+            yield from h
+        finally:
+            if not h.done():
+                h.cancel()
+            if _result is not None:
+                _result.__dict__.update(vars(h.generation))
 
     def generate(self, prompt, max_tokens: int = 128, **kw) -> Generation:
-        res = Generation("", [], 0, "length")
-        for _ in self.stream(prompt, max_tokens, _result=res, **kw):
-            pass
-        return res
+        """The whole Generation of one request (through the scheduler, as `submit(...).result()`)."""
+        return self.submit(prompt, max_tokens, **kw).result()
 
     # many sequences -------------------------------------------------------------------------------
     @property
     def scheduler(self) -> Scheduler:
         """The continuous-batching scheduler behind `submit` and `generate_batch` (made at first use)."""
-        with self._lock:
+        with self.lock:
             if self._scheduler is None:
-                self._scheduler = Scheduler(self, self.max_seqs, self.state_budget)
+                self._open()
+                self._scheduler = Scheduler(self, self.max_seqs, self.state_budget, step_tokens=self.step_tokens)
             return self._scheduler
+
+    def close(self) -> None:
+        """Stop the scheduler's worker (every request queued or running ends with EngineClosed), write the prefix
+        cache's waiting snapshots, and let go of the backend's memory. Later calls raise EngineClosed; closing
+        twice is harmless."""
+        if self._scheduler is not None:
+            self._scheduler.close()
+        with self.lock:
+            be, self.backend = self.backend, None
+            if be is None:
+                return
+            try:
+                if self.prefix_cache is not None:
+                    self.prefix_cache.flush()
+            finally:
+                be.close()
+                self.gm.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def submit(self, prompt, max_tokens: int = 128, **kw) -> Handle:
         """Queue a request on the scheduler and return at once: iterate the Handle for text pieces as they are

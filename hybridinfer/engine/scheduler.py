@@ -1,16 +1,24 @@
-"""Many sequences at once on one Engine: continuous batching.
+"""Many sequences at once on one Engine: continuous batching with chunked prefill. The only path to compute.
 
-One worker thread owns the compute. Callers `submit` requests from any thread and get a `Handle` that yields text
-pieces as they are made, `cancel()`s, or waits for the `result()`. Each step the worker admits waiting requests
-while `max_seqs` and the state budget allow (their prompts prefilled, restoring cached prefixes), samples one token
-for every running sequence, and runs one decode step for all of them together (`Backend.decode_batch`: each weight
-byte read once per step serves every sequence). A sequence's tokens do not depend on which others share its steps
-(batch invariance), so a request gives the same answer here as through `Engine.generate`.
+One worker thread owns the compute. Callers `submit` requests from any thread (Engine.generate, stream, submit and
+generate_batch all do) and get a `Handle` that yields text pieces as they are made, `cancel()`s, or waits for the
+`result()`. Each step, under the engine's lock, the worker
+1. admits waiting requests while `max_seqs` and the state budget allow, restoring each one's longest cached prefix
+   (`Engine.restore`);
+2. samples the next token of every running sequence;
+3. spends what is left of `step_tokens` (the step's token budget, less one token per running sequence) on chunks
+   of the admitted prompts, oldest first, several prompts in one step (`Engine.prefill_step`; a chunk ends at the
+   next snapshot position). A prompt whose prefill ends samples its first token at once. A single-pass backend
+   (the GPU) takes every admitted prompt whole in one streamed pass (`Engine.prefill_whole`);
+4. decodes one token of every running sequence together (`Engine.decode_step`: each weight byte read once per
+   step serves every sequence).
+So a long prompt holds running streams up by one step's budget at a time, never by its whole prefill. A sequence's
+tokens and logits do not depend on which others share its steps nor on how its prompt was cut into chunks (batch
+and chunk invariance on the CPU: docs/numerics.md), so a request gives the same answer whatever else runs.
 """
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from collections import deque
@@ -18,11 +26,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..errors import CapacityError, ParameterError
-from .sampling import SamplingParams
-from .textstream import Generation, TextStream, token_logprobs
+from ..errors import CapacityError, EngineClosed, ParameterError
+from .compute import DEFAULT_STEP_TOKENS
+from .request import Handle, Request, TokenSampler
 
-_END = object()
+__all__ = ["DEFAULT_STEP_TOKENS", "Handle", "Request", "Scheduler", "TokenSampler", "state_bytes"]
 
 
 MIN_SHARED_PREFIX = 16  # tokens: a shorter common prefix is not worth a snapshot of the whole state
@@ -51,111 +59,12 @@ def state_bytes(args, n_tokens: int) -> int:
     return declared(args, n_tokens)
 
 
-@dataclass
-class Request:
-    """A prompt made into token ids, with everything that decides its tokens."""
-
-    ids: list[int]
-    params: SamplingParams
-    max_tokens: int
-    stops: list[str]
-    # chat prompts: where the history (before the generation prompt) and the leading system messages end, the
-    # positions a next turn or another conversation shares (an int or a tuple of them)
-    turn_boundary: int | tuple[int, ...] | None = None
-    # structured output: mask(logits) sets the logits of tokens it forbids next to -inf in place, accept(token)
-    # advances it by the sampled token (hybridinfer.serving.protocol.grammar.JsonConstraint)
-    constraint: object | None = None
-    logprobs: int | None = None  # also record each token's log-probability and this many alternatives
-    # with a prefix cache: snapshots at the end of the prompt and of the reply (for a next turn); a batch job's
-    # requests have no next turn, so it turns them off (the shared prefixes are still saved)
-    keep_ends: bool = True
-    cache_salt: str | None = None  # the tenant (an API key's hash) whose prefix-cache snapshots it uses and makes
-
-
-class TokenSampler:
-    """One sequence's choice of each next token: the request's constraint, the numba sampler (its own rng and
-    scratch), logprobs and text. Engine.stream and the scheduler both sample through it, so a request gives the same
-    tokens through either."""
-
-    def __init__(self, req: Request, tokenizer, generation: Generation, n_vocab: int):
-        from .sampling import SampleScratch, rng_new
-
-        self.req, self.gen = req, generation
-        self.text = TextStream(tokenizer, req.stops, generation)
-        self.scratch, self.rng = SampleScratch(n_vocab), rng_new(req.params.seed)
-
-    def __call__(self, logits: np.ndarray, state) -> tuple[int, str, bool]:
-        """(token, text safe to emit, ended) for the sequence in `state` with these next-token logits (a
-        constraint masks them in place). ended: an end-of-generation token, a stop string or max_tokens."""
-        from .sampling import sample
-
-        req, p, g = self.req, self.req.params, self.gen
-        raw = logits.copy() if req.logprobs is not None and req.constraint is not None else logits
-        if req.constraint is not None:
-            req.constraint.mask(logits)
-        t = int(sample(logits, p.temperature, p.top_k, p.top_p, p.min_p, p.repeat_penalty, p.presence_penalty,
-                       p.frequency_penalty, state.tokens, state.pos, p.repeat_last_n, self.rng, self.scratch.xs,
-                       self.scratch.idx))
-        if req.logprobs is not None and t not in self.text.stop_ids:
-            if g.logprobs is None:
-                g.logprobs = []
-            g.logprobs.append(token_logprobs(raw, t, req.logprobs))
-        piece, ended = self.text.push(t)
-        if req.constraint is not None and not ended:
-            req.constraint.accept(t)
-        return t, piece, ended or len(g.tokens) >= req.max_tokens
-
-
-class Handle:
-    """A submitted request: iterate it for its text pieces, `result()` for the whole Generation, `cancel()`."""
-
-    def __init__(self, sched: Scheduler, req: Request):
-        self._sched, self.request = sched, req
-        self._pieces: queue.Queue = queue.Queue()
-        self._done = threading.Event()
-        self.generation = Generation("", [], len(req.ids), "length")
-        self.error: BaseException | None = None
-        self.cancelled = False
-
-    def __iter__(self):
-        while True:
-            p = self._pieces.get()
-            if p is _END:
-                break
-            yield p
-        if self.error is not None:
-            raise self.error
-
-    def cancel(self) -> None:
-        """Stop the sequence at the next step; its state is freed there and its result says "cancelled"."""
-        self.cancelled = True
-        self._sched._wake()
-
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    def result(self, timeout: float | None = None) -> Generation:
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"the request did not finish within {timeout} s")
-        if self.error is not None:
-            raise self.error
-        return self.generation
-
-    def _put(self, piece: str) -> None:
-        if piece:
-            self._pieces.put(piece)
-
-    def _finish(self, error: BaseException | None = None) -> None:
-        self.error = error
-        self._pieces.put(_END)
-        self._done.set()
-
-
 @dataclass(eq=False)
 class _Seq:
     handle: Handle
     state: object = None
     logits: np.ndarray | None = None
+    work: object = None  # Engine.restore's PromptWork: what is left of its prompt to prefill
     sampler: TokenSampler | None = None
     reserved: int = 0
     next_tok: int = -1
@@ -163,25 +72,31 @@ class _Seq:
     t1: float = 0.0
     stats: dict = field(default_factory=dict)
     freed: bool = False  # its handle answered and its reservation returned
+    restored: bool = False  # its state made and its cached prefix restored (Engine.restore)
 
 
 class Scheduler:
-    """Continuous batching over one Engine. max_seqs (default 8): sequences decoded together at most.
-    state_budget (default None: no limit): bytes of states (recurrent buffers and K/V rows up to prompt +
+    """Continuous batching over one Engine. max_seqs (default 8): sequences admitted at once at most (prefilling or
+    decoding). state_budget (default None: no limit): bytes of states (recurrent buffers and K/V rows up to prompt +
     max_tokens) held at once; a request that could never fit (alone over the budget) is refused at `submit` with a
     CapacityError, others wait. worker (default True): a worker thread runs the steps; False: no thread, the caller
-    drives `step()` (tests, or a loop of its own)."""
+    drives `step()` (tests, or a loop of its own). step_tokens (default 256): the tokens one step computes, decode
+    tokens first, then prompt chunks."""
 
-    def __init__(self, engine, max_seqs: int = 8, state_budget: int | None = None, worker: bool = True):
+    def __init__(self, engine, max_seqs: int = 8, state_budget: int | None = None, worker: bool = True,
+                 step_tokens: int = DEFAULT_STEP_TOKENS):
         if type(max_seqs) is not int or max_seqs < 1:
             raise ParameterError(f"max_seqs must be a whole number >= 1, got {max_seqs!r}")
         if state_budget is not None and (type(state_budget) is not int or state_budget < 1):
             raise ParameterError(f"state_budget must be a whole number of bytes >= 1 or None, got {state_budget!r}")
+        if type(step_tokens) is not int or step_tokens < 1:
+            raise ParameterError(f"step_tokens must be a whole number >= 1, got {step_tokens!r}")
         self.engine, self.max_seqs, self.state_budget = engine, max_seqs, state_budget
+        self.step_tokens = step_tokens
         self._cv = threading.Condition()
         self._waiting: deque[Handle] = deque()
-        self._running: list[_Seq] = []
-        self._admitted: list[_Seq] = []  # admitted by the step under way (not yet running)
+        self._running: list[_Seq] = []  # decoding
+        self._prefilling: list[_Seq] = []  # admitted, their prompts not yet all prefilled
         self._reserved = 0
         self._thread: threading.Thread | None = None
         self._worker = worker
@@ -205,7 +120,7 @@ class Scheduler:
         hs = [Handle(self, req) for req in reqs]
         with self._cv:
             if self._closed:
-                raise CapacityError("the scheduler is closed")
+                raise EngineClosed("the engine is closed (Engine.close was called): no request is taken")
             self._waiting.extend(hs)
             if self._thread is None and self._worker:
                 self._thread = threading.Thread(target=self._loop, name="hybridinfer-scheduler", daemon=True)
@@ -222,68 +137,84 @@ class Scheduler:
 
     @property
     def running(self) -> int:
-        return len(self._running)
+        """Sequences admitted (prefilling their prompt or decoding)."""
+        return len(self._running) + len(self._prefilling)
 
     @property
     def waiting(self) -> int:
         return len(self._waiting)
 
+    @property
+    def worker_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
     def close(self) -> None:
-        """Cancel everything and stop the worker."""
+        """Stop the worker after its step under way; every request still queued or admitted ends with
+        EngineClosed (its handle raises it), and later submits are refused with it."""
         with self._cv:
             self._closed = True
-            for h in self._waiting:
-                h.cancelled = True
-            for s in self._running:
-                s.handle.cancelled = True
             self._cv.notify()
-        if self._thread is not None:
-            self._thread.join(timeout=60)
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=60)
+        if thread is None or not thread.is_alive():
+            self._shutdown()
+
+    def _shutdown(self) -> None:
+        with self.engine.lock:
+            with self._cv:
+                gone = list(self._waiting)
+                self._waiting.clear()
+            for h in gone:
+                h._finish(EngineClosed("the engine was closed before this request was admitted"))
+            held, self._running, self._prefilling = self._running + self._prefilling, [], []
+            for s in held:
+                self._free(s, EngineClosed("the engine was closed while this request ran"))
 
     # the worker -----------------------------------------------------------------------------------
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._waiting and not self._running and not self._closed:
+                while self.idle() and not self._closed:
                     self._cv.wait()
-                if self._closed and not self._waiting and not self._running:
-                    return
+                if self._closed:
+                    break
             try:
                 self.step()
             except BaseException:  # noqa: BLE001 - step() gave the error to every sequence it held
                 pass
+        self._shutdown()
 
     def idle(self) -> bool:
-        return not self._waiting and not self._running
+        return not self._waiting and not self._running and not self._prefilling
 
     def step(self) -> None:
-        """Admit what fits, then one token for every running sequence.
+        """Admit what fits, sample every running sequence's token, prefill prompt chunks with what is left of the
+        step's budget, then one decode step for all running sequences.
 
-        A failure belongs to its sequence: an exception in one sequence's prefill, sampler, constraint, text or
-        snapshot ends that sequence with the error (its handle raises it, its state and bytes are freed at once)
-        and the others go on; a failed batched decode ends exactly the sequences in it. Anything else raised here
-        (a bug of the step itself) is given to every sequence the step held, then re-raised: no admitted sequence
-        is ever left unanswered or holding its reservation."""
-        with self.engine._lock:
+        A failure belongs to its sequence: an exception in one sequence's restore, prefill, sampler, constraint,
+        text or snapshot ends that sequence with the error (its handle raises it, its state and bytes are freed at
+        once) and the others go on; a failed batched decode ends exactly the sequences in it. Anything else raised
+        here (a bug of the step itself) is given to every sequence the scheduler holds, then re-raised: no admitted
+        sequence is ever left unanswered or holding its reservation."""
+        with self.engine.lock:
             try:
                 self._drop_cancelled()
                 self._step()
             except BaseException as e:
                 self._fail_all(e)
                 raise
-            finally:
-                self._admitted = []
 
     def _step(self) -> None:
-        eng = self.engine
-        self._admitted = new = self._admit()
-        self.peak_running = max(self.peak_running, len(self._running) + len(new))
+        self._admit()
+        self.peak_running = max(self.peak_running, self.running)
         with self._cv:
             queued = [(h.request.ids, h.request.cache_salt) for h in self._waiting]
-        started = self._start(new, queued)  # each sampled once already, as soon as its own prefill ended
-        self._running = self._decode([s for s in self._running if self._advance(s)] + started)
+        going = [s for s in self._running if self._advance(s)]
+        started = self._prefill(self.step_tokens - len(going), queued)
+        self._running = self._decode(going + started)
         self.steps += 1
-        if eng.prefix_cache is not None:
+        if self.engine.prefix_cache is not None:
             self._flush_cache()
 
     def _drop_cancelled(self) -> None:
@@ -294,19 +225,17 @@ class Scheduler:
         for h in gone:
             h.generation.finish_reason = "cancelled"
             h._finish()
-        keep = []
-        for s in self._running:
+        for s in self._running + self._prefilling:
             if s.handle.cancelled:
                 s.handle.generation.finish_reason = "cancelled"
                 self._end(s)
-            else:
-                keep.append(s)
-        self._running = keep
+        self._running = [s for s in self._running if not s.freed]
+        self._prefilling = [s for s in self._prefilling if not s.freed]
 
     def _admit(self) -> list[_Seq]:
         out = []
         with self._cv:
-            while self._waiting and len(self._running) + len(out) < self.max_seqs:
+            while self._waiting and self.running + len(out) < self.max_seqs:
                 h = self._waiting[0]
                 need = self.request_bytes(h.request)
                 if self.state_budget is not None and self._reserved + need > self.state_budget:
@@ -314,62 +243,103 @@ class Scheduler:
                 self._waiting.popleft()
                 self._reserved += need
                 self.peak_reserved = max(self.peak_reserved, self._reserved)
-                out.append(_Seq(h, reserved=need))
+                out.append(_Seq(h, reserved=need, t0=time.perf_counter()))
+        self._prefilling += out
         return out
 
-    def _start(self, new: list[_Seq], queued: list[tuple[list[int], str | None]]) -> list[_Seq]:
-        """Prefill the newly admitted sequences and sample each one's first token; returns those that go on.
-        A single-pass backend (the GPU) takes them in one pass; otherwise each is prefilled in turn and its first
-        token goes out at once, so the time to first token of one admitted beside others is its own prefill and
-        those before it, not all of theirs. One whose prefill fails gets its error, the others go on."""
-        eng = self.engine
-        items = []  # (sequence, _start's arguments after the state)
-        for j, s in enumerate(new):
-            req = s.handle.request
-            later = [t.handle.request.ids for t in new[j + 1 :] if t.handle.request.cache_salt == req.cache_salt]
-            later += [ids for ids, salt in queued if salt == req.cache_salt]
-            s.t0 = time.perf_counter()
-            try:
-                s.state = eng.new_state()
-            except Exception as e:  # noqa: BLE001 - e.g. no memory for it: this request's error
-                self._fail(s, e)
-                continue
-            items.append((s, (req.turn_boundary, shared_points(req.ids, later) if eng.prefix_cache else (),
-                              req.keep_ends, req.cache_salt)))
-        if eng.backend.single_pass and len(items) > 1:
-            got = self._prefill_together(items)
-            if got is not None:
-                return [s for (s, _), g in zip(items, got, strict=True) if self._first(s, g)]
-        return [s for s, rest in items if self._first(s, self._prefill_alone(s, rest))]
-
-    def _prefill_alone(self, s: _Seq, rest):
-        """Engine._start of one sequence: (logits, stats), or the exception it raised."""
+    def _restore(self, s: _Seq, later: list[list[int]]) -> None:
+        """A fresh state for `s`, its cached prefix restored, snapshot positions on the way (where it parts from the
+        prompts admitted or queued after it). A failure is its error."""
+        eng, req = self.engine, s.handle.request
+        s.restored = True
         try:
-            return self.engine._start(s.handle.request.ids, s.state, *rest)
-        except Exception as e:  # noqa: BLE001 - its own caller gets it
-            return e
+            s.state = eng.new_state()
+            s.logits, s.stats, s.work = eng.restore(
+                req.ids, s.state, req.turn_boundary, shared_points(req.ids, later) if eng.prefix_cache else (),
+                req.keep_ends, req.cache_salt)
+        except Exception as e:  # noqa: BLE001 - e.g. no memory for it: this request's error
+            self._fail(s, e)
 
-    def _prefill_together(self, items):
-        """Engine._start_many of several sequences, or None when that pass failed: the pass is shared, so whose
-        fault it was is unknown; each sequence then gets a fresh state to be prefilled alone (its own error, if
-        it fails again, goes to its own caller)."""
-        eng = self.engine
-        try:
-            return eng._start_many([(s.handle.request.ids, s.state, *rest) for s, rest in items])
-        except Exception:  # noqa: BLE001
-            for s, _ in items:
-                eng.backend.release(s.state)
-                s.state = eng.new_state()
-            return None
+    def _waits(self, s: _Seq, earlier: list[_Seq]) -> bool:
+        """With a prefix cache, a prompt that shares a prefix with one admitted before it waits until that one's
+        prefill has passed (and snapshotted) the shared part, then restores it instead of computing it again."""
+        if self.engine.prefix_cache is None:
+            return False
+        req = s.handle.request
+        return any(not e.freed and e.work is not None and (not e.restored or e.state.pos < p)
+                   for e in earlier if e.handle.request.cache_salt == req.cache_salt
+                   for p in [common_prefix(req.ids, e.handle.request.ids)] if p >= MIN_SHARED_PREFIX)
 
-    def _first(self, s: _Seq, got) -> bool:
-        """A started sequence's first token: False when it has ended (a failed prefill included), True when it
-        goes on to the decode step."""
+    def _prefill(self, budget: int, queued: list[tuple[list[int], str | None]]) -> list[_Seq]:
+        """Prompt chunks for `budget` tokens (at least one), oldest admitted first; each prompt done samples its
+        first token at once (so its time to first token does not wait for the prompts after it). Returns those
+        that go on to the decode step."""
+        seqs = self._prefilling
+        def later(j: int) -> list[list[int]]:  # prompts after seqs[j] of the same tenant: it snapshots where they part
+            salt = seqs[j].handle.request.cache_salt
+            return [t.handle.request.ids for t in seqs[j + 1 :] if t.handle.request.cache_salt == salt] + [
+                ids for ids, s in queued if s == salt]
+
+        if self.engine.backend.single_pass:  # every admitted prompt in one streamed pass
+            for j, s in enumerate(seqs):
+                if not s.restored:
+                    self._restore(s, later(j))
+            pending = [s for s in seqs if s.work is not None and not s.freed]
+            for s, got in zip(pending, self._prefill_whole(pending), strict=True):
+                self._took(s, got)
+        started, left = [], max(budget, 1)
+        for j, s in enumerate(seqs):
+            if not s.restored and left > 0 and not self._waits(s, seqs[:j]):
+                self._restore(s, later(j))
+            if s.restored and s.work is not None and not s.freed and left > 0:
+                before = s.state.pos
+                try:
+                    got = self.engine.prefill_step(s.work, left)
+                except Exception as e:  # noqa: BLE001 - its own caller gets it
+                    got = e
+                left -= s.state.pos - before
+                self._took(s, got)
+            if s.restored and s.work is None and not s.freed and self._first(s):
+                started.append(s)
+        self._prefilling = [s for s in seqs if not s.freed and (s.work is not None or not s.restored)]
+        return started
+
+    def _took(self, s: _Seq, got) -> None:
+        """The result of a prefill call for `s`: its error, None (more to come), or its prompt's last logits."""
         if isinstance(got, BaseException):
             self._fail(s, got)
-            return False
+        elif got is not None:
+            s.logits, s.work = got, None
+
+    def _prefill_whole(self, seqs: list[_Seq]) -> list:
+        """Engine.prefill_whole of several sequences in one pass; when that pass fails, whose fault it was is
+        unknown, so each is restored on a fresh state and prefilled alone (its own error, if it fails again, goes
+        to its own caller). Each one's logits or exception."""
+        eng = self.engine
+        if not seqs:
+            return []
         try:
-            s.logits, s.stats = np.array(got[0], copy=True), got[1]
+            return eng.prefill_whole([s.work for s in seqs])
+        except Exception as e:  # noqa: BLE001
+            if len(seqs) == 1:
+                return [e]
+        out = []
+        for s in seqs:
+            req = s.handle.request
+            try:
+                eng.release(s.state)
+                s.state = eng.new_state()
+                lg, s.stats, s.work = eng.restore(req.ids, s.state, req.turn_boundary, (), req.keep_ends,
+                                                  req.cache_salt)
+                out.append(lg if s.work is None else eng.prefill_whole([s.work])[0])
+            except Exception as e:  # noqa: BLE001
+                out.append(e)
+        return out
+
+    def _first(self, s: _Seq) -> bool:
+        """A sequence whose prompt is in: its sampler and first token. False when it has ended (or failed), True
+        when it goes on to the decode step."""
+        try:
             s.t1 = time.perf_counter()
             s.sampler = TokenSampler(s.handle.request, self.engine.tokenizer, s.handle.generation,
                                      s.logits.shape[-1])
@@ -408,20 +378,20 @@ class Scheduler:
         if not go:
             return go
         try:
-            lg = self.engine.backend.decode_batch([s.next_tok for s in go], [s.state for s in go])
-            for j, s in enumerate(go):
-                s.logits = np.array(lg[j], copy=True)
+            lg = self.engine.decode_step([s.next_tok for s in go], [s.state for s in go])
         except Exception as e:  # noqa: BLE001
             for s in go:
                 self._fail(s, e)
             return []
+        for j, s in enumerate(go):
+            s.logits = lg[j]  # a row of the step's own array: no copy
         return go
 
     def _flush_cache(self) -> None:
         """The prefix cache's deferred disk copies. They belong to no sequence (each answer is out already), so a
         failure here is a warning, not an error of any request."""
         try:
-            self.engine.prefix_cache.flush()
+            self.engine.flush_snapshots()
         except Exception as e:  # noqa: BLE001
             import warnings
 
@@ -448,8 +418,7 @@ class Scheduler:
         eng = self.engine
         if (eng.prefix_cache is not None and s.state is not None and s.handle.request.keep_ends
                 and s.state.pos > len(s.handle.request.ids)):
-            # the next turn starts from the reply
-            eng.prefix_cache.save(s.state, s.logits, defer_disk=True, salt=s.handle.request.cache_salt)
+            eng.snapshot(s.state, s.logits, s.handle.request.cache_salt)  # the next turn starts from the reply
         t2 = time.perf_counter()
         n = max(len(g.tokens), 1)
         g.timings = {**s.stats, "prefill_s": s.t1 - s.t0, "decode_s": t2 - s.t1,
@@ -461,8 +430,8 @@ class Scheduler:
         self._free(s, error)
 
     def _fail_all(self, error: BaseException) -> None:
-        """Every sequence this scheduler holds (running, or admitted in the step that failed) ends with `error`."""
-        held, self._running = self._running + self._admitted, []
+        """Every sequence this scheduler holds (decoding or prefilling) ends with `error`."""
+        held, self._running, self._prefilling = self._running + self._prefilling, [], []
         for s in held:
             self._free(s, error)
 
@@ -474,10 +443,10 @@ class Scheduler:
         s.freed = True
         try:
             if s.state is not None:
-                self.engine.backend.release(s.state)
+                self.engine.release(s.state)
         except Exception as e:  # noqa: BLE001
             error = error or e
-        s.state, s.logits, s.sampler = None, None, None  # the memory goes now, not when the handle does
+        s.state, s.logits, s.sampler, s.work = None, None, None, None  # the memory goes now, not with the handle
         with self._cv:
             self._reserved -= s.reserved
             s.reserved = 0

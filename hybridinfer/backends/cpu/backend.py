@@ -344,6 +344,13 @@ class CPUModel(Backend):
             st.pos += 1
         return out
 
+    def close(self) -> None:
+        """Work buffers, recorded steps, weight copies and the C thread pool go now (the mapped file goes with the
+        last view of it)."""
+        self._ws.clear()
+        self.layers, self.mats, self.replicas, self.out, self.tok_embd = [], [], None, None, None
+        self.simd.close()
+
     def release(self, state: DecoderState) -> None:
         """Drop the recorded steps and bound calls that hold this state's arrays (a finished sequence's memory
         goes with it, not when its replay would be pushed out)."""

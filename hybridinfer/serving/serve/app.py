@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 from urllib.parse import urlsplit
 
+import anyio
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -118,7 +120,8 @@ def _tenant(key: bytes) -> str:
 
 def create_app(engine, api_key=None, model_name: str | None = None, max_queue: int = DEFAULT_MAX_QUEUE,
                max_body_bytes: int = DEFAULT_MAX_BODY, *, report_cached_tokens: bool = False,
-               allowed_hosts=LOOPBACK_HOSTS, render_threads: int = DEFAULT_RENDER_THREADS) -> FastAPI:
+               allowed_hosts=LOOPBACK_HOSTS, render_threads: int = DEFAULT_RENDER_THREADS,
+               close_engine: bool = False) -> FastAPI:
     """An app serving `engine` (its scheduler runs every request).
 
     api_key: a key (or a list of keys) required on every route but /health (`Authorization: Bearer KEY` or
@@ -130,7 +133,9 @@ def create_app(engine, api_key=None, model_name: str | None = None, max_queue: i
     too: they happen under the same bound, render_threads at a time). max_body_bytes: larger bodies get 413.
     allowed_hosts: without keys, the Host header must name one of these (and an Origin header, if sent, too), else
     403: a web page the browser was tricked into sending to this loopback server (DNS rebinding) is refused. None
-    turns the check off (a server bound to a public address, reached by other names)."""
+    turns the check off (a server bound to a public address, reached by other names). close_engine: the app owns the
+    engine and closes it (`Engine.close`) when the server shuts down (its lifespan's end), as `hybridinfer serve`
+    does."""
     if max_queue < 0:
         raise ValueError(f"max_queue must be >= 0, got {max_queue!r}")
     if render_threads < 1:
@@ -156,7 +161,15 @@ def create_app(engine, api_key=None, model_name: str | None = None, max_queue: i
                            code="invalid_api_key")
         request.state.tenant = _tenant(match)
 
-    app = FastAPI(title="hybridinfer", docs_url=None, redoc_url=None, openapi_url=None)
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        try:
+            yield
+        finally:
+            if close_engine:  # requests still queued or running end with EngineClosed; the weights' memory goes
+                await anyio.to_thread.run_sync(engine.close)
+
+    app = FastAPI(title="hybridinfer", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.service = svc
     deps = [Depends(check_key)]
     app.include_router(openai_api.router(svc), dependencies=deps)

@@ -1,0 +1,205 @@
+"""The Engine's compute interface, which the scheduler drives: restore a cached prefix, prefill a chunk, decode a
+step, snapshot, release. Every call takes the engine's lock (`Engine.lock`): backends share work buffers and are
+not thread-safe. The scheduler's worker holds the lock for a whole step, so these calls nest inside it."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import EngineClosed
+
+# The step's token budget (2026-11-27, 2 cores of an AMD EPYC under a load of ~4.5, so absolute rates are low): one
+# forward of N prompt tokens gave, for N = 16 / 64 / 128 / 256 / 512, SmolLM2-135M Q4_1 36 / 45 / 49 / 46 / 48 tok/s
+# and a 6-layer qwen35moe synth (1024 wide, 128 experts) 73 / 133 / 102 / 88 / 92 tok/s: per-token cost is flat
+# from 64-128 tokens up, while every prompt token in a step delays each running stream. 256 keeps prefill at its
+# plateau, halves the worst delay of 512 (llama.cpp's n_ubatch), and ends chunks on the CPU snapshot stride.
+DEFAULT_STEP_TOKENS = 256
+
+
+@dataclass(eq=False)
+class PromptWork:
+    """What is left of one prompt's prefill: the whole prompt `ids`, the `state` (at its position), the absolute
+    positions where a snapshot is taken (`at`, ascending) and the callback that takes it (`save(state, logits)`)."""
+
+    ids: list[int]
+    state: object
+    at: list[int] = field(default_factory=list)
+    save: object = None
+
+    @property
+    def left(self) -> int:
+        return len(self.ids) - self.state.pos
+
+
+def chunk_end(pos: int, end: int, at, budget: int, max_chunk: int) -> int:
+    """Where the next prefill chunk from `pos` ends: at most `budget` and `max_chunk` tokens, never past the
+    prompt's `end`, and cut at the first snapshot position after `pos` (a snapshot is the state at a chunk's end,
+    so no second pass). At least one token."""
+    b = min(end, pos + max(1, min(budget, max_chunk)))
+    return min([p for p in at if pos < p < b] + [b])
+
+
+class Compute:
+    """The compute methods of Engine (a mixin: it uses backend, prefix_cache, lock, prefill_chunk and
+    snapshot_stride of the Engine)."""
+
+    def _open(self):
+        if self.backend is None:
+            raise EngineClosed("the engine is closed (Engine.close was called)")
+        return self.backend
+
+    def new_state(self):
+        return self._open().new_state(self.n_ctx)
+
+    def restore(self, ids: list[int], state, turn_boundary=None, shared_at=(), keep_ends: bool = True,
+                salt: str | None = None):
+        """Restore the longest cached prefix of `ids` into the fresh `state` (with a prefix cache). Returns
+        (logits, stats, work): the last-token logits when the whole prompt was cached (else None), the prompt's
+        stats (prompt_tokens, reused_tokens, prefilled_tokens, restore_s), and a PromptWork of what is left to
+        prefill (None when nothing is) with its snapshot positions: every snapshot_stride tokens, the turn
+        boundaries, `shared_at` (where prompts queued beside it part ways), where it leaves a cached prompt and its
+        end (keep_ends False: neither turn boundaries nor the end). salt: the tenant whose snapshots it may restore
+        and makes (PrefixCache.lookup)."""
+        from .api import boundary_points
+
+        with self.lock:
+            self._open()
+            t0 = time.perf_counter()
+            stats = {"prompt_tokens": len(ids), "reused_tokens": 0, "restore_s": 0.0}
+            state.check_room(len(ids))
+            cache = self.prefix_cache
+            if cache is None:
+                stats["prefilled_tokens"] = len(ids)
+                return None, stats, PromptWork(ids, state)
+            hit = cache.lookup(ids, max_pos=len(ids), salt=salt)
+            if hit is not None and hit.pos == len(ids) and not hit.has_logits:
+                hit = cache.lookup(ids, max_pos=len(ids) - 1, salt=salt)
+            lg = None
+            if hit is not None:
+                lg = cache.restore(hit, state)
+                stats["reused_tokens"] = hit.pos
+                stats["restore_s"] = time.perf_counter() - t0
+            n = len(ids)
+            stats["prefilled_tokens"] = n - state.pos
+            if state.pos >= n:
+                return lg, stats, None
+            stride = self.snapshot_stride
+            at = set(range(stride, n, stride)) if stride else set()
+            if turn_boundary is not None and keep_ends:
+                at.update(p for p in boundary_points(turn_boundary) if state.pos < p < n)
+            at.update(p for p in shared_at if state.pos < p < n)
+            shared = cache.known_prefix(ids, salt)  # where this prompt leaves a cached one: the next may share it too
+            if state.pos < shared < n:
+                at.add(shared)
+            if keep_ends:
+                at.add(n)
+            save = lambda st, last: cache.save(st, last if st.pos == n else None, True, salt)  # noqa: E731
+            return None, stats, PromptWork(ids, state, sorted(p for p in at if p > state.pos), save)
+
+    def prefill_step(self, work: PromptWork, budget: int) -> np.ndarray | None:
+        """One chunk of `work` on a chunking backend (CPU, reference): at most `budget` and `prefill_chunk` tokens,
+        cut at the next snapshot position (taken there). Returns the last token's logits (a copy) once the prompt
+        is done, else None."""
+        with self.lock:
+            be, st = self._open(), work.state
+            b = chunk_end(st.pos, len(work.ids), work.at, budget, self.prefill_chunk)
+            lg = be.forward(work.ids[st.pos : b], st, all_logits=False)
+            if work.save is not None and st.pos in work.at:
+                work.save(st, lg[-1])
+            return np.array(lg[-1], copy=True) if st.pos == len(work.ids) else None
+
+    def prefill_whole(self, works: list[PromptWork]) -> list[np.ndarray]:
+        """Every prompt of `works` to its end; each one's last-token logits (copies). A single-pass backend (the
+        GPU) takes them in one streamed pass (each layer's weights cross the bus once for all); a chunking backend
+        runs prefill_step until each is done."""
+        with self.lock:
+            be = self._open()
+            if not be.single_pass:
+                out = []
+                for w in works:
+                    lg = None
+                    while lg is None:
+                        lg = self.prefill_step(w, w.left)
+                    out.append(lg)
+                return out
+            items = [(w.ids[w.state.pos :], w.state, w.at, w.save) for w in works]
+            if len(works) == 1:
+                ids, st, at, cb = items[0]
+                lgs = [be.forward(ids, st, all_logits=False, snapshot_at=at, on_snapshot=cb)[-1:]]
+            else:
+                lgs = be.prefill_many(items)
+            out = []
+            for w, lg in zip(works, lgs, strict=True):
+                if w.save is not None and w.state.pos in w.at:
+                    w.save(w.state, lg[-1])
+                out.append(np.array(lg[-1], copy=True))  # a view of the backend's buffers would not outlive the lock
+            return out
+
+    def decode_step(self, tokens: list[int], states: list) -> np.ndarray:
+        """One token for each sequence (Backend.decode_batch, each weight read once for all): logits (B, n_vocab),
+        one array that is the caller's."""
+        with self.lock:
+            return np.array(self._open().decode_batch(tokens, states), copy=True)
+
+    def snapshot(self, state, logits, salt: str | None = None) -> None:
+        """With a prefix cache: keep `state` (and its next-token logits) for a later prompt that starts with its
+        tokens; the disk copy waits for flush_snapshots()."""
+        with self.lock:
+            if self.prefix_cache is not None:
+                self.prefix_cache.save(state, logits, defer_disk=True, salt=salt)
+
+    def flush_snapshots(self) -> None:
+        """Write the snapshots waiting for their disk copy (none without a disk store)."""
+        with self.lock:
+            if self.prefix_cache is not None:
+                self.prefix_cache.flush()
+
+    def release(self, state) -> None:
+        """The backend forgets what it keeps for this sequence (recorded steps, bound calls)."""
+        with self.lock:
+            if self.backend is not None:
+                self.backend.release(state)
+
+    def start(self, ids: list[int], state, turn_boundary=None, shared_at=()) -> tuple[np.ndarray, dict]:
+        """restore, then prefill what is left: (last-token logits, stats) of `ids` in the fresh `state`."""
+        with self.lock:
+            lg, stats, work = self.restore(ids, state, turn_boundary, shared_at)
+            if work is not None:
+                lg = self.prefill_whole([work])[0]
+            return lg, stats
+
+    def prefill(self, ids: list[int], state, all_logits: bool = False, snapshot_at=(), on_snapshot=None):
+        """Feed prompt tokens (teacher-forced, no sampling); logits of every token (all_logits) or of the last.
+
+        snapshot_at: absolute positions (state.pos < p <= state.pos + len(ids)) where the state is handed to
+        on_snapshot(state, last_logits) as prefill passes them: chunks end there, so no second pass."""
+        with self.lock:
+            be = self._open()
+            state.check_room(len(ids))
+            if be.single_pass:  # the GPU: one pass, chunking inside each layer
+                lg = be.forward(ids, state, all_logits=all_logits, snapshot_at=snapshot_at, on_snapshot=on_snapshot)
+                if on_snapshot is not None and state.pos in set(snapshot_at):
+                    on_snapshot(state, lg[-1])
+                return lg.copy()
+            work, p0, outs = PromptWork(list(ids), state, sorted(snapshot_at), on_snapshot), state.pos, []
+            work.ids = [0] * p0 + work.ids  # PromptWork counts from position 0
+            bar = None
+            if self.progress and len(ids) > self.prefill_chunk:
+                from tqdm import tqdm
+
+                bar = tqdm(total=len(ids), desc="prefill", unit="tok", leave=False)
+            while work.left:
+                a = state.pos
+                b = chunk_end(a, len(work.ids), work.at, self.prefill_chunk, self.prefill_chunk)
+                lg = be.forward(work.ids[a:b], state, all_logits=all_logits)
+                outs.append(lg.copy())  # a backend may return a view of its buffers
+                if on_snapshot is not None and state.pos in work.at:
+                    on_snapshot(state, lg[-1])
+                if bar is not None:
+                    bar.update(b - a)
+            if bar is not None:
+                bar.close()
+            return np.concatenate(outs, axis=0) if all_logits else outs[-1]

@@ -1,0 +1,157 @@
+"""Issue 30, items 1-2: the scheduler is the only path to compute, with chunked prefill mixed with decode.
+
+- Chunk and co-scheduling invariance: on the CPU backend a request's tokens and log-probabilities are bit-identical
+  for step budgets of 16, 64 and 512 tokens, alone or with others admitted at other steps (llama, qwen35,
+  qwen35moe), and `generate` (now through the scheduler) is the teacher-forced greedy answer of `Engine.logits`.
+- No stall: while 4 sequences decode, a 2,000-token prompt is admitted; every running sequence gets a token at
+  every step (counted in steps).
+- Engine.close(): the worker thread ends, queued and running requests get EngineClosed, the backend's memory goes;
+  the server's lifespan calls it."""
+
+from __future__ import annotations
+
+import gc
+import os
+import weakref
+
+import numpy as np
+import pytest
+
+from hybridinfer.engine.api import Engine
+from hybridinfer.engine.compute import chunk_end
+from hybridinfer.engine.scheduler import Scheduler
+from hybridinfer.errors import EngineClosed, ParameterError
+
+
+def _ids(n_vocab: int, n: int, seed: int) -> list[int]:
+    return [int(x) for x in np.random.default_rng(seed).integers(3, n_vocab, n)]
+
+
+class _NoEos:
+    """A constraint that forbids the end-of-generation token, so a sequence runs to max_tokens."""
+
+    def __init__(self, eos: int):
+        self.eos = eos
+
+    def mask(self, logits):
+        logits[self.eos] = -np.inf
+
+    def accept(self, t):
+        return True
+
+
+def _drive(sched: Scheduler, limit: int = 2000) -> None:
+    for _ in range(limit):
+        if sched.idle():
+            return
+        sched.step()
+    raise AssertionError("the scheduler did not become idle")
+
+
+def test_chunk_end_cuts_at_budget_chunk_snapshot_and_end():
+    assert chunk_end(0, 100, [], 16, 512) == 16
+    assert chunk_end(10, 100, [], 512, 32) == 42  # prefill_chunk bounds it too
+    assert chunk_end(10, 100, [20, 50], 64, 512) == 20  # the next snapshot position ends the chunk
+    assert chunk_end(20, 100, [20, 50], 64, 512) == 50
+    assert chunk_end(90, 100, [], 64, 512) == 100
+    assert chunk_end(5, 100, [], 0, 512) == 6  # at least one token
+
+
+@pytest.mark.isa
+@pytest.mark.parametrize("arch,quant", [("llama", "q4_k_m"), ("qwen35", "q8_0"), ("qwen35moe", "q4_k_m")])
+def test_tokens_and_logprobs_do_not_depend_on_step_budget_or_company(arch, quant, oracle_gguf):
+    # every ISA unit (HYBRIDINFER_ISA, re-run by CI at each level): no unit's prefill depends on its chunking
+    eng = Engine.load(str(oracle_gguf(arch, quant)), backend="cpu", n_ctx=128, isa=os.environ.get("HYBRIDINFER_ISA"))
+    V = eng.args.n_vocab
+    mine, others = _ids(V, 45, 1), [_ids(V, 37, 2), _ids(V, 9, 3), _ids(V, 60, 4)]
+    kw = dict(max_tokens=6, temperature=0, logprobs=2)
+    want = eng.generate(mine, **kw)
+    # generate through the scheduler equals the teacher-forced greedy argmax of Engine.logits (the old path's answer)
+    lg = eng.logits(mine + want.tokens[:-1])
+    assert want.tokens == [int(t) for t in np.argmax(lg[len(mine) - 1 :], axis=-1)]
+    for budget in (16, 64, 512):
+        alone = Scheduler(eng, max_seqs=4, worker=False, step_tokens=budget)
+        (h,) = alone.submit_many([eng.make_request(mine, **kw)])
+        _drive(alone)
+        g = h.result(timeout=0)
+        assert (g.tokens, g.logprobs) == (want.tokens, want.logprobs), (arch, budget, "alone")
+        # with others: two admitted before it (one long), it joins at the third step, one more after it
+        mixed = Scheduler(eng, max_seqs=4, worker=False, step_tokens=budget)
+        first = mixed.submit_many([eng.make_request(p, **kw) for p in others[:2]])
+        mixed.step()
+        mixed.step()
+        (h,) = mixed.submit_many([eng.make_request(mine, **kw)])
+        mixed.step()
+        last = mixed.submit_many([eng.make_request(others[2], **kw)])
+        _drive(mixed)
+        g = h.result(timeout=0)
+        assert (g.tokens, g.logprobs) == (want.tokens, want.logprobs), (arch, budget, "mixed")
+        for hh, p in zip(first + last, others[:2] + others[2:], strict=True):
+            assert hh.result(timeout=0).tokens == eng.generate(p, **kw).tokens
+
+
+def test_a_long_prompt_does_not_stall_running_streams(smollm_path):
+    """4 sequences decoding; a 2,000-token prompt admitted beside them with a 64-token step budget is prefilled
+    over many steps, and every step gives each of the 4 exactly one token."""
+    eng = Engine.load(smollm_path, backend="cpu", n_ctx=2100, max_seqs=5)
+    eos = eng.tokenizer.eos_id
+    sched = Scheduler(eng, max_seqs=5, worker=False, step_tokens=64)
+    runners = sched.submit_many([eng.make_request(p, max_tokens=60, temperature=0, constraint=_NoEos(eos))
+                                 for p in ("One.", "Two, two.", "Three.", "Four, four.")])
+    sched.step()
+    assert [len(h.generation.tokens) for h in runners] == [1, 1, 1, 1]
+    (long,) = sched.submit_many([eng.make_request(_ids(eng.args.n_vocab, 2000, 9), max_tokens=2, temperature=0)])
+    steps = 0
+    while not long.generation.tokens:
+        before = [len(h.generation.tokens) for h in runners]
+        sched.step()
+        steps += 1
+        assert [len(h.generation.tokens) for h in runners] == [b + 1 for b in before], steps
+        assert steps < 100
+    assert steps >= 2000 // 64  # the prompt went in chunks within the budget (less the 4 decode tokens)
+    for h in runners:
+        h.cancel()
+    _drive(sched)
+    assert sched._reserved == 0
+
+
+def test_close_ends_the_worker_answers_every_request_and_frees_memory(smollm_path):
+    with Engine.load(smollm_path, backend="cpu", n_ctx=256, max_seqs=1) as eng:
+        eos = eng.tokenizer.eos_id
+        sched = eng.scheduler
+        running = eng.submit("Once upon a time", max_tokens=200, temperature=0, constraint=_NoEos(eos))
+        queued = [eng.submit("Hello", max_tokens=4, temperature=0) for _ in range(3)]
+        next(iter(running))  # it runs: the worker is there
+        assert sched.worker_alive
+        be = weakref.ref(eng.backend)
+    assert not sched.worker_alive and sched._thread is not None and not sched._thread.is_alive()
+    for h in [running, *queued]:
+        with pytest.raises(EngineClosed, match="closed"):
+            h.result(timeout=5)
+    assert sched._reserved == 0 and sched.idle()
+    with pytest.raises(EngineClosed):
+        eng.generate("Hello", max_tokens=2)
+    with pytest.raises(EngineClosed):
+        eng.logits([1, 2, 3])
+    eng.close()  # twice: harmless
+    gc.collect()
+    assert be() is None  # nothing holds the backend (its weights, work buffers and thread pool) any more
+
+
+def test_server_lifespan_closes_the_engine(smollm_path):
+    from fastapi.testclient import TestClient
+
+    from hybridinfer.serving.serve import create_app
+
+    eng = Engine.load(smollm_path, backend="cpu", n_ctx=256)
+    with TestClient(create_app(eng, close_engine=True)) as client:
+        assert client.get("/health").json()["status"] == "ok"
+        assert eng.backend is not None
+    assert eng.backend is None  # the app's shutdown closed it
+    with pytest.raises(EngineClosed):
+        eng.submit("Hello", max_tokens=2)
+
+
+def test_step_tokens_is_checked_before_loading():
+    with pytest.raises(ParameterError, match="step_tokens"):
+        Engine.load("/nonexistent.gguf", step_tokens=0)
