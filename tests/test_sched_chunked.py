@@ -144,7 +144,7 @@ def test_server_lifespan_closes_the_engine(smollm_path):
     from hybridinfer.serving.serve import create_app
 
     eng = Engine.load(smollm_path, backend="cpu", n_ctx=256)
-    with TestClient(create_app(eng, close_engine=True)) as client:
+    with TestClient(create_app(eng, close_engine=True), base_url="http://127.0.0.1") as client:  # a loopback Host
         assert client.get("/health").json()["status"] == "ok"
         assert eng.backend is not None
     assert eng.backend is None  # the app's shutdown closed it
