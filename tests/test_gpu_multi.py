@@ -4,6 +4,8 @@ into passes (no GPU)."""
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 from gpu_profile import PROFILE
@@ -101,3 +103,7 @@ def test_scheduler_admits_prompts_into_one_pass(oracle_gguf):
     got = eng.generate_batch(reqs, max_tokens=5, temperature=0)
     assert [g.tokens for g in got] == want
     assert passes == [4]
+    with warnings.catch_warnings(record=True) as caught:  # the card's buffers, made on the worker thread, go now
+        warnings.simplefilter("always")
+        eng.close()
+    assert not [w for w in caught if "could not be cleaned up" in str(w.message)], [str(w.message) for w in caught]

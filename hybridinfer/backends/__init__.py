@@ -88,9 +88,17 @@ class GPUPrefillCPUDecode(Backend):
 
     def close(self) -> None:
         self.cpu.close()
-        if hasattr(self.gpu, "close"):
-            self.gpu.close()
-        self.gpu = None  # its device buffers go with the last reference
+        gpu, self.gpu = self.gpu, None
+        if gpu is None:
+            return
+        from .gpu.loader import on_this_thread
+
+        # the card's buffers were made on the scheduler's worker thread: PyCUDA frees them only where the context
+        # is current, so they go here, inside it, and not at a later collection on whichever thread runs it
+        with on_this_thread():
+            if hasattr(gpu, "close"):
+                gpu.close()
+            del gpu
 
     def prefill_many(self, prompts) -> list[np.ndarray]:
         """(ids, state, snapshot_at, on_snapshot) each: all in one streamed GPU pass where the buffers allow (each
