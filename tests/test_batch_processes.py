@@ -15,7 +15,8 @@ import pytest
 
 pytest.importorskip("pydantic")
 
-from test_batch_resume import _cmd, _lines, _records  # noqa: E402
+from batch_records import records as _records  # noqa: E402
+from test_batch_resume import _cmd, _lines  # noqa: E402
 
 from hybridinfer.cli import main  # noqa: E402
 
