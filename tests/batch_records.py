@@ -1,8 +1,11 @@
-"""A batch job's output file as {record id: record}, failing on any id written twice (no line may be doubled)."""
+"""Helpers of the batch tests: a job's output file as {record id: record}, failing on any id written twice (no line
+may be doubled), and an `os` for output.py whose disk fills up."""
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 
 
 def records(path) -> dict[str, dict]:
@@ -13,3 +16,22 @@ def records(path) -> dict[str, dict]:
             assert r["id"] not in out, f"{r['id']} written twice"
             out[r["id"]] = r
     return out
+
+
+class FullDisk:
+    """os for output.py whose writes fail (ENOSPC) after `ok` of them; short_last: the last one that succeeds writes
+    only half its bytes (a short write, then the disk is full)."""
+
+    def __init__(self, ok: int, short_last: bool = False):
+        self.ok, self.short_last = ok, short_last
+
+    def __getattr__(self, name):
+        return getattr(os, name)
+
+    def write(self, fd, data):
+        if self.ok <= 0:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        self.ok -= 1
+        if self.short_last and self.ok == 0:
+            return os.write(fd, bytes(data[: len(data) // 2]))
+        return os.write(fd, data)

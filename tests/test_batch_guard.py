@@ -5,7 +5,6 @@ read in bounded memory."""
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import io
 import json
@@ -16,6 +15,7 @@ import threading
 import tracemalloc
 
 import pytest
+from batch_records import FullDisk
 
 pytest.importorskip("pydantic")
 
@@ -129,30 +129,12 @@ def test_one_process_per_output_and_a_dead_holders_lock_is_taken_over(tmp_path):
     assert (tmp_path / "y.jsonl.lock").read_text() == "a file of mine\n"
 
 
-class _FullDisk:
-    """os for output.py whose writes fail (ENOSPC) after `ok` of them, the first failing one after half its bytes."""
-
-    def __init__(self, ok: int):
-        self.ok = ok
-
-    def __getattr__(self, name):
-        return getattr(os, name)
-
-    def write(self, fd, data):
-        if self.ok <= 0:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        self.ok -= 1
-        if self.ok == 0:
-            return os.write(fd, bytes(data[: len(data) // 2]))  # a short write, then the disk is full
-        return os.write(fd, data)
-
-
 def test_a_failed_write_names_the_line_and_takes_back_the_partial_line(tmp_path, monkeypatch):
     path = str(tmp_path / "out.jsonl")
     out = Output(path, sync_every=1)
     out.write(ok_record(1, "a", {"x": 1}))
     whole = open(path, "rb").read()
-    monkeypatch.setattr(output_mod, "os", _FullDisk(1))
+    monkeypatch.setattr(output_mod, "os", FullDisk(1, short_last=True))
     with pytest.raises(BatchOutputError, match="input line 2 .*No space left"):
         out.write(ok_record(2, "b", {"x": 2}))
     assert out.failed and open(path, "rb").read() == whole and 2 not in out.done

@@ -6,13 +6,11 @@ on. Every job runs in a thread joined with a timeout, so a hang fails the test i
 
 from __future__ import annotations
 
-import errno
 import json
-import os
 import threading
 
 import pytest
-from batch_records import records
+from batch_records import FullDisk, records
 
 pytest.importorskip("pydantic")
 
@@ -113,26 +111,10 @@ def test_duplicate_custom_ids_are_error_lines_and_resume_keeps_them(engine, tmp_
     assert recs["batch_req_1"]["response"]["body"]["choices"] == first["response"]["body"]["choices"]
 
 
-class _FullDisk:
-    """os for output.py whose writes fail with ENOSPC from the `ok`+1-th on."""
-
-    def __init__(self, ok: int):
-        self.ok = ok
-
-    def __getattr__(self, name):
-        return getattr(os, name)
-
-    def write(self, fd, data):
-        if self.ok <= 0:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        self.ok -= 1
-        return os.write(fd, data)
-
-
 def test_a_full_disk_stops_the_job_naming_the_line(engine, tmp_path, monkeypatch):
     job, out = tmp_path / "job.jsonl", tmp_path / "out.jsonl"
     _job(job, _lines(10))
-    monkeypatch.setattr(output_mod, "os", _FullDisk(3))
+    monkeypatch.setattr(output_mod, "os", FullDisk(3))
     s, err = _run(engine, job, out, max_inflight=4)
     assert isinstance(err, HybridInferError) and "input line" in str(err) and "No space left" in str(err), (s, err)
     monkeypatch.undo()
