@@ -65,8 +65,9 @@ class DecoderState:
                 f"{self.pos} tokens in context + {n_new} new = {self.pos + n_new} exceeds the context "
                 f"size n_ctx={self.n_ctx}")
 
-    def _each(self, per_token: bool):
-        """(array spec, layer, array) of every array this state holds of one sort."""
+    def held(self, per_token: bool):
+        """(array spec, layer, array) of every array this state holds of one sort (per-token K/V rows, or the
+        recurrent buffers a GDN layer keeps whole)."""
         for name, s in ARRAYS.items():
             if s.per_token == per_token:
                 for i, a in enumerate(self.arrays[name]):
@@ -75,7 +76,7 @@ class DecoderState:
 
     def reset(self) -> None:
         self.pos = 0
-        for _, _, a in self._each(per_token=False):
+        for _, _, a in self.held(per_token=False):
             a.fill(0)
 
     @property
@@ -94,9 +95,9 @@ class DecoderState:
         st = DecoderState(n_ctx=n_ctx, layer_types=self.layer_types, pos=self.pos,
                           tokens=np.zeros(n_ctx, np.int32))
         st.tokens[: self.pos] = self.tokens[: self.pos]
-        for s, i, a in self._each(per_token=False):
+        for s, i, a in self.held(per_token=False):
             st.arrays[s.name][i] = a.copy()
-        for s, i, a in self._each(per_token=True):
+        for s, i, a in self.held(per_token=True):
             b = np.zeros((n_ctx,) + a.shape[1:], np.float32)
             b[: self.pos] = a[: self.pos]
             st.arrays[s.name][i] = b
@@ -120,15 +121,15 @@ class DecoderState:
             raise ContextLengthError(f"snapshot at position {snap.pos} exceeds n_ctx={self.n_ctx}")
         self.pos = snap.pos
         self.tokens[: snap.pos] = snap.tokens[: snap.pos]
-        for s, i, a in self._each(per_token=False):
+        for s, i, a in self.held(per_token=False):
             a[...] = snap.arrays[s.name][i]
-        for s, i, a in self._each(per_token=True):
+        for s, i, a in self.held(per_token=True):
             a[: snap.pos] = snap.arrays[s.name][i][: snap.pos]
 
     def nbytes(self) -> int:
         """Bytes of live state: recurrent arrays plus the per-token rows in use."""
-        n = sum(a.nbytes for _, _, a in self._each(per_token=False))
-        n += sum(a[: self.pos].nbytes for _, _, a in self._each(per_token=True))
+        n = sum(a.nbytes for _, _, a in self.held(per_token=False))
+        n += sum(a[: self.pos].nbytes for _, _, a in self.held(per_token=True))
         return n
 
 

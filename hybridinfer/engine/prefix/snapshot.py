@@ -133,22 +133,13 @@ def from_state(state, *, key: bytes, block_key: bytes, tail, parent: bytes | Non
                     parts=parts, logits=logits)
 
 
-def _held(state, per_token: bool):
-    """(array spec, layer, array) of the arrays of one sort that `state` holds."""
-    for name, s in ARRAYS.items():
-        if s.per_token == per_token:
-            for i, a in enumerate(state.arrays[name]):
-                if a is not None:
-                    yield s, i, a
-
-
 def recurrent_bytes(state) -> int:
-    return sum(a.nbytes for _, _, a in _held(state, per_token=False))
+    return sum(a.nbytes for _, _, a in state.held(per_token=False))
 
 
 def row_bytes(state) -> int:
     """Bytes of one position's per-token rows (all layers) plus its token id."""
-    return 4 + sum(a[0].nbytes for _, _, a in _held(state, per_token=True))
+    return 4 + sum(a[0].nbytes for _, _, a in state.held(per_token=True))
 
 
 def check_chain(chain) -> None:
@@ -177,8 +168,8 @@ def restore_chain(chain, state) -> None:
                 raise SnapshotError(f"the snapshot's {s.label} layers differ from the state's")
         a, b = snap.kv_from, snap.pos
         copies.append((state.tokens[a:b], snap.tokens, "tokens"))
-        copies += [(arr[a:b], snap.parts[s.name][i], f"{s.label} of layer {i}") for s, i, arr in _held(state, True)]
-    copies += [(arr, last.parts[s.name][i], f"{s.label} of layer {i}") for s, i, arr in _held(state, False)]
+        copies += [(arr[a:b], snap.parts[s.name][i], f"{s.label} of layer {i}") for s, i, arr in state.held(True)]
+    copies += [(arr, last.parts[s.name][i], f"{s.label} of layer {i}") for s, i, arr in state.held(False)]
     for dst, src, what in copies:
         if dst.shape != src.shape:
             raise SnapshotError(f"snapshot {what} has shape {src.shape}, the state expects {dst.shape}")
