@@ -84,3 +84,28 @@ def test_restore_at_stride_4_equals_cold(model, name, isa):
     ids = base[:21] + other  # a greedy answer, restored at 20
     assert warm.generate(ids, max_tokens=4, temperature=0).tokens == cold.generate(ids, max_tokens=4,
                                                                                   temperature=0).tokens
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("isa", ISAS)
+def test_prompts_sharing_a_pass_change_no_bit(model, name, isa):
+    """Several sequences' prompt chunks in one pass (CPUModel.forward_many: every product over all their rows,
+    attention and GDN per sequence), at fresh states and mid-prompt, give each sequence the bits of its own pass."""
+    eng = Engine.load(model(name), backend="cpu", n_ctx=64, isa=isa, n_threads=2)
+    be = eng.backend
+    heads = [_ids(eng, n, 20 + n) for n in (9, 3, 17)]  # already in each state before the shared pass
+    tails = [_ids(eng, n, 40 + n) for n in (6, 1, 11)]
+    alone, shared = [], [eng.new_state() for _ in heads]
+    for h, t, st in zip(heads, tails, shared, strict=True):
+        own = eng.new_state()
+        eng.prefill(h, own)
+        alone.append(np.array(be.forward(t, own, all_logits=False)[-1]))
+        eng.prefill(h, st)
+    got = be.forward_many([(t, st) for t, st in zip(tails, shared, strict=True)])
+    assert got.shape == (3, eng.args.n_vocab)
+    for j, st in enumerate(shared):
+        assert st.pos == len(heads[j]) + len(tails[j])
+        assert np.array_equal(got[j], alone[j]), (name, isa, j, float(np.abs(got[j] - alone[j]).max()))
+    # the states go on as their own passes' would: one more decode token each
+    nxt = [int(np.argmax(g)) for g in got]
+    assert np.array_equal(be.decode_batch(nxt, shared)[0], eng.logits(heads[0] + tails[0] + nxt[:1])[-1])

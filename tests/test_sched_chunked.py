@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from hybridinfer.engine.api import Engine
-from hybridinfer.engine.compute import chunk_end
+from hybridinfer.engine.compute import MAX_PASS_STEPS, chunk_end, pass_tokens
 from hybridinfer.engine.scheduler import Scheduler
 from hybridinfer.errors import EngineClosed, ParameterError
 
@@ -113,6 +113,62 @@ def test_a_long_prompt_does_not_stall_running_streams(smollm_path):
         h.cancel()
     _drive(sched)
     assert sched._reserved == 0
+
+
+def test_pass_tokens_bounds_a_streamed_pass_only_while_others_decode():
+    assert pass_tokens(64, 0, {"tokens": 900, "wall_s": 1.0, "copy_s": 1.0}) is None  # nobody waits: whole
+    assert pass_tokens(64, 3, None) == 64  # no pass timed yet: the step budget
+    assert pass_tokens(64, 3, {"tokens": 100, "wall_s": 1.0, "copy_s": 0.95}) == 200  # transfer-bound: more ride
+    assert pass_tokens(64, 3, {"tokens": 1000, "wall_s": 2.0, "copy_s": 0.5}) == 250  # compute-bound: to the stream
+    assert pass_tokens(64, 3, {"tokens": 10, "wall_s": 2.0, "copy_s": 0.5}) == 64  # never under the budget
+    assert pass_tokens(64, 3, {"tokens": 10**6, "wall_s": 1.0, "copy_s": 1.0}) == 64 * MAX_PASS_STEPS
+
+
+class _CPUPass:
+    """A single-pass prefill device made of a CPU backend (GPUPrefillCPUDecode's `gpu`), timing its passes as the GPU
+    does (last_timing: a transfer-bound pass) and keeping each pass's token count."""
+
+    def __init__(self, cpu):
+        self.cpu, self.passes, self.last_timing = cpu, [], {}
+
+    def forward(self, tokens, state, all_logits=True, snapshot_at=(), on_snapshot=None):
+        self.passes.append(len(tokens))
+        self.last_timing = {"tokens": len(tokens), "wall_s": 1.0, "copy_s": 1.0}
+        return self.cpu.forward(tokens, state, all_logits=all_logits)
+
+
+def test_a_long_prompt_on_a_single_pass_backend_waits_one_pass_at_a_time(smollm_path):
+    """The GPU's path (one streamed pass per step): while 2 sequences decode, a 600-token prompt goes in several
+    passes, each within pass_tokens, and every step gives each running sequence one token; with nothing decoding,
+    a prompt goes whole in one pass. Its answer is the CPU's (the device here computes as the CPU does)."""
+    from hybridinfer.backends import GPUPrefillCPUDecode
+
+    eng = Engine.load(smollm_path, backend="cpu", n_ctx=700, max_seqs=3)
+    dev = _CPUPass(eng.backend)
+    eng.backend = GPUPrefillCPUDecode(dev, eng.backend)
+    eos = eng.tokenizer.eos_id
+    sched = Scheduler(eng, max_seqs=3, worker=False, step_tokens=64)
+    prompt = _ids(eng.args.n_vocab, 600, 4)
+    (alone,) = sched.submit_many([eng.make_request(prompt, max_tokens=2, temperature=0)])
+    _drive(sched)
+    assert dev.passes == [600]
+    runners = sched.submit_many([eng.make_request(p, max_tokens=40, temperature=0, constraint=_NoEos(eos))
+                                 for p in ("One.", "Two, two.")])
+    sched.step()
+    dev.passes.clear()
+    (long,) = sched.submit_many([eng.make_request(prompt, max_tokens=2, temperature=0)])
+    steps = 0
+    while not long.generation.tokens:
+        before = [len(h.generation.tokens) for h in runners]
+        sched.step()
+        steps += 1
+        assert [len(h.generation.tokens) for h in runners] == [b + 1 for b in before], steps
+    assert dev.passes == [64, 128, 256, 152], dev.passes  # transfer-bound passes: each twice the last
+    assert steps == len(dev.passes)
+    for h in runners:
+        h.cancel()
+    _drive(sched)
+    assert long.result().tokens == alone.result().tokens
 
 
 def test_close_ends_the_worker_answers_every_request_and_frees_memory(smollm_path):

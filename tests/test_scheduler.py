@@ -205,23 +205,25 @@ def test_shared_system_prompt_restores_one_snapshot(smollm_path):
         assert cold.generate(r, max_tokens=4, temperature=0).tokens == g.tokens
 
 
-def test_first_token_goes_out_after_its_own_prefill(smollm_path, monkeypatch):
-    """Sequences admitted together on the CPU: each one's first token is out before the next one's prefill
-    begins, so its time to first token does not wait for the prefills of those admitted after it."""
+def test_prompts_admitted_together_share_one_prefill_pass(smollm_path, monkeypatch):
+    """Sequences admitted together on the CPU: their prompts' chunks go through one pass (each weight read once for
+    all), and each samples its first token in that step, before the step's decode; the answers are each one's
+    own."""
     eng = Engine.load(smollm_path, backend="cpu", isa=ISA, n_ctx=256, max_seqs=4)
     reqs = [eng.make_request(p, max_tokens=3, temperature=0) for p in ("One.", "Two, two.", "Three, three, three.")]
-    seen, step = [], eng.prefill_step
+    seen, steps = [], eng.prefill_steps
 
-    def spy(work, budget):  # at each prefill chunk: how many tokens every request has generated so far
-        seen.append([len(h.generation.tokens) for h in handles])
-        return step(work, budget)
+    def spy(plan):  # at each prefill pass: its prompts, and how many tokens every request has generated so far
+        seen.append((len(plan), [len(h.generation.tokens) for h in handles]))
+        return steps(plan)
 
-    monkeypatch.setattr(eng, "prefill_step", spy)
+    monkeypatch.setattr(eng, "prefill_steps", spy)
     with eng.lock:  # all three wait until submitted together, so they are admitted in one step
         handles = eng.scheduler.submit_many(reqs)
     for h in handles:
         h.result(timeout=120)
-    assert seen[:3] == [[0, 0, 0], [1, 0, 0], [1, 1, 0]]
+    assert seen[0] == (3, [0, 0, 0]), seen
+    assert len(seen) == 1, seen  # short prompts: done in that one pass
     assert [h.generation.tokens for h in handles] == [eng.generate(r.ids, max_tokens=3, temperature=0).tokens
                                                       for r in reqs]
 

@@ -179,7 +179,14 @@ def test_a_failed_prefill_fails_its_sequence(eng, want, monkeypatch):
             raise Boom("injected")
         return orig(tokens, *a, **kw)
 
+    def forward_many(chunks):  # a shared pass with the victim's prompt in it fails as a whole
+        if any(list(t) == ids for t, _ in chunks):
+            raise Boom("injected")
+        return orig_many(chunks)
+
+    orig_many = eng.backend.forward_many
     monkeypatch.setattr(eng.backend, "forward", forward)
+    monkeypatch.setattr(eng.backend, "forward_many", forward_many)
     sched, handles = _run(eng, reqs)
     _check(sched, handles, want, {VICTIM})
 

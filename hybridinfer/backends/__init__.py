@@ -24,6 +24,7 @@ class Backend(ABC):
     path are never restored into another (a restored run then equals a cold run of the same engine)."""
 
     single_pass = False
+    last_pass: dict | None = None  # single-pass backends: the last pass's timing (wall_s, copy_s, tokens)
 
     @property
     @abstractmethod
@@ -47,6 +48,12 @@ class Backend(ABC):
         one pass. (The Engine chunks prompts itself for the other backends and never calls this on them.)"""
         return [np.array(self.forward(ids, st, all_logits=False, snapshot_at=at, on_snapshot=cb)[-1:], copy=True)
                 for ids, st, at, cb in prompts]
+
+    def forward_many(self, chunks) -> np.ndarray:
+        """Chunking backends: one prompt chunk of each of several sequences, each (ids, state), in one pass where
+        the backend can (their rows share every product, each weight read once for all); the last-token logits of
+        each chunk, (n, n_vocab), an array that is the caller's. This default runs them one after another."""
+        return np.stack([np.array(self.forward(ids, st, all_logits=False)[-1], copy=True) for ids, st in chunks])
 
     def release(self, state) -> None:  # noqa: B027 (a no-op unless the backend keeps something per state)
         """Forget what the backend keeps for this sequence's state (recorded steps, bound calls), so that its memory
@@ -82,6 +89,10 @@ class GPUPrefillCPUDecode(Backend):
 
     def decode_batch(self, tokens, states) -> np.ndarray:
         return self.cpu.decode_batch(tokens, states)
+
+    @property
+    def last_pass(self) -> dict | None:
+        return None if self.gpu is None else self.gpu.last_timing
 
     def release(self, state) -> None:
         self.cpu.release(state)

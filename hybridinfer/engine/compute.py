@@ -1,5 +1,5 @@
-"""The Engine's compute interface, which the scheduler drives: restore a cached prefix, prefill a chunk, decode a
-step, snapshot, release. Every call takes the engine's lock (`Engine.lock`): backends share work buffers and are
+"""The Engine's compute interface, which the scheduler drives: restore a cached prefix, prefill a chunk (of one
+prompt, or of several in one pass), decode a step, snapshot, release. Every call takes the engine's lock (`Engine.lock`): backends share work buffers and are
 not thread-safe. The scheduler's worker holds the lock for a whole step, so these calls nest inside it."""
 
 from __future__ import annotations
@@ -17,6 +17,30 @@ from ..errors import EngineClosed
 # from 64-128 tokens up, while every prompt token in a step delays each running stream. 256 keeps prefill at its
 # plateau, halves the worst delay of 512 (llama.cpp's n_ubatch), and ends chunks on the CPU snapshot stride.
 DEFAULT_STEP_TOKENS = 256
+
+
+# a streamed pass's prompt tokens while others decode never grow past this many times the step budget
+MAX_PASS_STEPS = 16
+
+
+def pass_tokens(step_tokens: int, running: int, last: dict | None) -> int | None:
+    """The prompt tokens one streamed prefill pass (single-pass backends: the GPU) may take in a step: None (every
+    admitted prompt whole, one pass) while no sequence decodes, since nobody waits for it; else a bound, so that
+    running streams wait for one pass at a time. Every pass streams the same weight bytes whatever its length, so
+    the bound is the tokens the card computes in the time that stream takes (`last`: the previous pass's timing,
+    GPUModel.last_timing: wall_s, copy_s, tokens): a pass that was transfer-bound doubles it, a compute-bound one
+    scales it to copy_s. Never under `step_tokens` nor over MAX_PASS_STEPS times it."""
+    if running <= 0:
+        return None
+    lo, hi = step_tokens, step_tokens * MAX_PASS_STEPS
+    if not last or not last.get("tokens") or not last.get("wall_s"):
+        return lo
+    n, wall, copy = int(last["tokens"]), float(last["wall_s"]), float(last.get("copy_s") or 0.0)
+    if wall <= 1.25 * copy:  # the stream set the pass's time: more tokens ride on it for free
+        want = 2 * n
+    else:
+        want = int(n * copy / wall) if copy > 0 else n
+    return max(lo, min(hi, want))
 
 
 @dataclass(eq=False)
@@ -111,10 +135,34 @@ class Compute:
                 work.save(st, lg[-1])
             return np.array(lg[-1], copy=True) if st.pos == len(work.ids) else None
 
-    def prefill_whole(self, works: list[PromptWork]) -> list[np.ndarray]:
-        """Every prompt of `works` to its end; each one's last-token logits (copies). A single-pass backend (the
-        GPU) takes them in one streamed pass (each layer's weights cross the bus once for all); a chunking backend
-        runs prefill_step until each is done."""
+    def chunk_len(self, work: PromptWork, budget: int) -> int:
+        """How many tokens prefill_steps takes from `work` under `budget` (chunk_end's rule)."""
+        st = work.state
+        return chunk_end(st.pos, len(work.ids), work.at, budget, self.prefill_chunk) - st.pos
+
+    def prefill_steps(self, plan: list[tuple[PromptWork, int]]) -> list[np.ndarray | None]:
+        """One chunk of each (work, budget) of `plan` in one pass on a chunking backend (Backend.forward_many: the
+        prompts' rows share every product), each cut as prefill_step cuts it and snapshotted at its end when that
+        is a snapshot position. For each: the last token's logits (a copy) once its prompt is done, else None."""
+        with self.lock:
+            be = self._open()
+            if len(plan) == 1:
+                return [self.prefill_step(*plan[0])]
+            chunks = [(w.ids[w.state.pos : w.state.pos + self.chunk_len(w, b)], w.state) for w, b in plan]
+            lgs = be.forward_many(chunks)
+            out = []
+            for (w, _), lg in zip(plan, lgs, strict=True):
+                st = w.state
+                if w.save is not None and st.pos in w.at:
+                    w.save(st, lg)
+                out.append(np.array(lg, copy=True) if st.pos == len(w.ids) else None)
+            return out
+
+    def prefill_whole(self, works: list[PromptWork], limit: int | None = None) -> list[np.ndarray | None]:
+        """Every prompt of `works` to its end, or (limit) the oldest prompts' next `limit` tokens at most; each
+        one's last-token logits (copies) once its prompt is done, else None. A single-pass backend (the GPU) takes
+        them in one streamed pass (each layer's weights cross the bus once for all), each cut at a snapshot
+        position inside the limit; a chunking backend runs prefill_step until each is done (no limit)."""
         with self.lock:
             be = self._open()
             if not be.single_pass:
@@ -125,18 +173,33 @@ class Compute:
                         lg = self.prefill_step(w, w.left)
                     out.append(lg)
                 return out
-            items = [(w.ids[w.state.pos :], w.state, w.at, w.save) for w in works]
-            if len(works) == 1:
+            ends, left = [], limit
+            for w in works:
+                st = w.state
+                if left is None:
+                    ends.append(len(w.ids))
+                elif left > 0:
+                    b = chunk_end(st.pos, len(w.ids), w.at, left, w.left)
+                    if b < len(w.ids):  # a cut pass ends at a snapshot position when one is inside the limit
+                        b = max([p for p in w.at if st.pos < p <= b], default=b)
+                    ends.append(b)
+                    left -= b - st.pos
+                else:
+                    ends.append(st.pos)
+            todo = [(w, b) for w, b in zip(works, ends, strict=True) if b > w.state.pos]
+            items = [(w.ids[w.state.pos : b], w.state, [p for p in w.at if p <= b], w.save) for w, b in todo]
+            if len(items) == 1:
                 ids, st, at, cb = items[0]
                 lgs = [be.forward(ids, st, all_logits=False, snapshot_at=at, on_snapshot=cb)[-1:]]
             else:
                 lgs = be.prefill_many(items)
-            out = []
-            for w, lg in zip(works, lgs, strict=True):
+            got = {}
+            for (w, _), lg in zip(todo, lgs, strict=True):
                 if w.save is not None and w.state.pos in w.at:
                     w.save(w.state, lg[-1])
-                out.append(np.array(lg[-1], copy=True))  # a view of the backend's buffers would not outlive the lock
-            return out
+                # a view of the backend's buffers would not outlive the lock
+                got[id(w)] = np.array(lg[-1], copy=True) if w.state.pos == len(w.ids) else None
+            return [got.get(id(w)) for w in works]
 
     def decode_step(self, tokens: list[int], states: list) -> np.ndarray:
         """One token for each sequence (Backend.decode_batch, each weight read once for all): logits (B, n_vocab),

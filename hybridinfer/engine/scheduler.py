@@ -7,9 +7,11 @@ generate_batch all do) and get a `Handle` that yields text pieces as they are ma
    (`Engine.restore`);
 2. samples the next token of every running sequence;
 3. spends what is left of `step_tokens` (the step's token budget, less one token per running sequence) on chunks
-   of the admitted prompts, oldest first, several prompts in one step (`Engine.prefill_step`; a chunk ends at the
-   next snapshot position). A prompt whose prefill ends samples its first token at once. A single-pass backend
-   (the GPU) takes every admitted prompt whole in one streamed pass (`Engine.prefill_whole`);
+   of the admitted prompts, oldest first, several prompts' chunks in one pass whose products they share
+   (`Engine.prefill_steps`; a chunk ends at the next snapshot position). A prompt whose prefill ends samples its
+   first token in the same step. A single-pass backend (the GPU) takes the admitted prompts in one streamed pass
+   (`Engine.prefill_whole`): whole while nothing decodes, else as many tokens as the card computes in the time the
+   pass's weight stream takes anyway (`compute.pass_tokens`), so running streams wait one pass at a time;
 4. decodes one token of every running sequence together (`Engine.decode_step`: each weight byte read once per
    step serves every sequence).
 So a long prompt holds running streams up by one step's budget at a time, never by its whole prefill. A sequence's
@@ -27,7 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import CapacityError, EngineClosed, ParameterError
-from .compute import DEFAULT_STEP_TOKENS
+from .compute import DEFAULT_STEP_TOKENS, pass_tokens
 from .request import Handle, Request, TokenSampler
 
 __all__ = ["DEFAULT_STEP_TOKENS", "Handle", "Request", "Scheduler", "TokenSampler", "state_bytes"]
@@ -211,7 +213,7 @@ class Scheduler:
         with self._cv:
             queued = [(h.request.ids, h.request.cache_salt) for h in self._waiting]
         going = [s for s in self._running if self._advance(s)]
-        started = self._prefill(self.step_tokens - len(going), queued)
+        started = self._prefill(self.step_tokens - len(going), queued, len(going))
         self._running = self._decode(going + started)
         self.steps += 1
         if self.engine.prefix_cache is not None:
@@ -270,39 +272,62 @@ class Scheduler:
                    for e in earlier if e.handle.request.cache_salt == req.cache_salt
                    for p in [common_prefix(req.ids, e.handle.request.ids)] if p >= MIN_SHARED_PREFIX)
 
-    def _prefill(self, budget: int, queued: list[tuple[list[int], str | None]]) -> list[_Seq]:
-        """Prompt chunks for `budget` tokens (at least one), oldest admitted first; each prompt done samples its
-        first token at once (so its time to first token does not wait for the prompts after it). Returns those
-        that go on to the decode step."""
+    def _prefill(self, budget: int, queued: list[tuple[list[int], str | None]], running: int = 0) -> list[_Seq]:
+        """Prompt chunks for `budget` tokens (at least one), oldest admitted first, in one pass; each prompt done
+        samples its first token in this step, before the decode. A single-pass backend takes one streamed pass,
+        bounded by pass_tokens while `running` sequences decode. Returns those that go on to the decode step."""
         seqs = self._prefilling
         def later(j: int) -> list[list[int]]:  # prompts after seqs[j] of the same tenant: it snapshots where they part
             salt = seqs[j].handle.request.cache_salt
             return [t.handle.request.ids for t in seqs[j + 1 :] if t.handle.request.cache_salt == salt] + [
                 ids for ids, s in queued if s == salt]
 
-        if self.engine.backend.single_pass:  # every admitted prompt in one streamed pass
+        be = self.engine.backend
+        if be.single_pass:  # the admitted prompts in one streamed pass: whole, or cut while others decode
             for j, s in enumerate(seqs):
                 if not s.restored:
                     self._restore(s, later(j))
             pending = [s for s in seqs if s.work is not None and not s.freed]
-            for s, got in zip(pending, self._prefill_whole(pending), strict=True):
+            limit = pass_tokens(self.step_tokens, running, be.last_pass)
+            for s, got in zip(pending, self._prefill_whole(pending, limit), strict=True):
                 self._took(s, got)
-        started, left = [], max(budget, 1)
+        plan, left = [], 0 if be.single_pass else max(budget, 1)
         for j, s in enumerate(seqs):
             if not s.restored and left > 0 and not self._waits(s, seqs[:j]):
                 self._restore(s, later(j))
             if s.restored and s.work is not None and not s.freed and left > 0:
-                before = s.state.pos
-                try:
-                    got = self.engine.prefill_step(s.work, left)
-                except Exception as e:  # noqa: BLE001 - its own caller gets it
-                    got = e
-                left -= s.state.pos - before
-                self._took(s, got)
-            if s.restored and s.work is None and not s.freed and self._first(s):
-                started.append(s)
+                plan.append((s, left))
+                left -= self.engine.chunk_len(s.work, left)
+        for (s, _), got in zip(plan, self._prefill_steps(plan), strict=True):
+            self._took(s, got)
+        started = [s for s in seqs if s.restored and s.work is None and not s.freed and self._first(s)]
         self._prefilling = [s for s in seqs if not s.freed and (s.work is not None or not s.restored)]
         return started
+
+    def _prefill_steps(self, plan: list[tuple[_Seq, int]]) -> list:
+        """Engine.prefill_steps: the planned chunks in one pass. When that pass fails, whose fault it was is unknown
+        (and some states may have moved): each is restored on a fresh state and takes its chunk alone, its own
+        error going to its own caller. Each one's logits, None or exception."""
+        eng = self.engine
+        if not plan:
+            return []
+        try:
+            return eng.prefill_steps([(s.work, b) for s, b in plan])
+        except Exception as e:  # noqa: BLE001
+            if len(plan) == 1:
+                return [e]
+        out = []
+        for s, b in plan:
+            req = s.handle.request
+            try:
+                eng.release(s.state)
+                s.state = eng.new_state()
+                lg, s.stats, s.work = eng.restore(req.ids, s.state, req.turn_boundary, (), req.keep_ends,
+                                                  req.cache_salt)
+                out.append(lg if s.work is None else eng.prefill_step(s.work, b))
+            except Exception as e:  # noqa: BLE001
+                out.append(e)
+        return out
 
     def _took(self, s: _Seq, got) -> None:
         """The result of a prefill call for `s`: its error, None (more to come), or its prompt's last logits."""
@@ -311,7 +336,7 @@ class Scheduler:
         elif got is not None:
             s.logits, s.work = got, None
 
-    def _prefill_whole(self, seqs: list[_Seq]) -> list:
+    def _prefill_whole(self, seqs: list[_Seq], limit: int | None) -> list:
         """Engine.prefill_whole of several sequences in one pass; when that pass fails, whose fault it was is
         unknown, so each is restored on a fresh state and prefilled alone (its own error, if it fails again, goes
         to its own caller). Each one's logits or exception."""
@@ -319,7 +344,7 @@ class Scheduler:
         if not seqs:
             return []
         try:
-            return eng.prefill_whole([s.work for s in seqs])
+            return eng.prefill_whole([s.work for s in seqs], limit)
         except Exception as e:  # noqa: BLE001
             if len(seqs) == 1:
                 return [e]
@@ -331,7 +356,7 @@ class Scheduler:
                 s.state = eng.new_state()
                 lg, s.stats, s.work = eng.restore(req.ids, s.state, req.turn_boundary, (), req.keep_ends,
                                                   req.cache_salt)
-                out.append(lg if s.work is None else eng.prefill_whole([s.work])[0])
+                out.append(lg if s.work is None else eng.prefill_whole([s.work], limit)[0])
             except Exception as e:  # noqa: BLE001
                 out.append(e)
         return out

@@ -29,7 +29,7 @@ from ...models.graph import BlockTensors, block_names
 from ...models.state_kinds import kind_of
 from .. import Backend
 from ..state import DecoderState, check_tokens
-from .graph_ops import SHAPE, CPUOps
+from .graph_ops import SHAPE, CPUOps, Segments
 from .replay import BatchReplay, DecodeReplay
 from .simd import KERNEL_TYPES, SimdLib
 from .simd_gdn import gdn_scratch_size
@@ -344,6 +344,29 @@ class CPUModel(Backend):
             st.pos += 1
         return out
 
+    def forward_many(self, chunks) -> np.ndarray:
+        """Several sequences' prompt chunks, each (ids, state), in one pass: their rows share every product (each
+        weight, each selected expert read once for all), attention and GDN run per sequence over its own rows.
+        Each row is computed in its one-token float shape (SHAPE), so chunk j's logits are bit-identical to
+        forward(ids_j, state_j, all_logits=False). Returns (n, n_vocab), the caller's array."""
+        if len(chunks) == 1:
+            ids, st = chunks[0]
+            return np.array(self.forward(ids, st, all_logits=False)[-1:], copy=True)
+        if len({id(st) for _, st in chunks}) != len(chunks):
+            raise ValueError("forward_many takes one chunk per distinct state")
+        parts = [check_tokens(ids, self.args.n_vocab) for ids, _ in chunks]
+        segs, a0 = [], 0
+        for ids, (_, st) in zip(parts, chunks, strict=True):
+            st.check_room(len(ids))
+            segs.append((st, a0, a0 + len(ids)))
+            a0 += len(ids)
+        ws = self.workspace(max(a0, 2), max(st.n_ctx for st, _, _ in segs))
+        out = np.array(self._forward(np.concatenate(parts), Segments(segs), ws, all_logits=False), copy=True)
+        for ids, (st, _, _) in zip(parts, segs, strict=True):
+            st.tokens[st.pos : st.pos + len(ids)] = ids
+            st.pos += len(ids)
+        return out
+
     def close(self) -> None:
         """Work buffers, recorded steps, weight copies and the C thread pool go now (the mapped file goes with the
         last view of it)."""
@@ -385,8 +408,15 @@ class CPUModel(Backend):
         for n, (i, j, br) in enumerate(flat):  # each residual add fused with the norm that follows it
             last = n + 1 == len(flat)
             if last and not all_logits and T > 1 and not isinstance(state, list):
-                # as llama.cpp's graph (inp_out_ids): past the last mixer only the output row goes on
-                h, x = h[T - 1 :], x[T - 1 :]
+                # as llama.cpp's graph (inp_out_ids): past the last mixer only the output rows go on (one per
+                # sequence; their own rows, in the same buffers, in order)
+                if isinstance(state, Segments):
+                    ends = [b - 1 for _, _, b in state]
+                    h[: len(ends)], x[: len(ends)] = h[ends], x[ends]
+                    h, x = h[: len(ends)], x[: len(ends)]
+                    all_logits = True
+                else:
+                    h, x = h[T - 1 :], x[T - 1 :]
             # branch outputs alternate between two buffers: the one not being written is free inside the branch
             out, spare = (ws.mix, ws.ffn) if j % 2 == 0 else (ws.ffn, ws.mix)
             y = br.fn(ops.at(i, j, out, spare), a, x)

@@ -17,8 +17,14 @@ from .simd import GGML_DECODE_ROWS
 SHAPE = GGML_DECODE_ROWS
 
 
+class Segments(tuple):
+    """The sequences of one pass over several prompts' chunks (CPUModel.forward_many): (state, first row, end row)
+    each, in row order. Products run over all rows; attention and GDN per sequence over its rows."""
+
+
 class CPUOps:
-    """One pass of CPUModel over `ws` for `st` (a DecoderState, or a list of them: one token of each). The walker
+    """One pass of CPUModel over `ws` for `st` (a DecoderState, a list of them: one token of each, or Segments:
+    several prompts' chunks). The walker
     points it at a block and branch with at(); `out` is the branch's output buffer, `spare` another (T, n_embd)
     buffer free inside the branch."""
 
@@ -89,7 +95,11 @@ class CPUOps:
         k, v = k.reshape(T, -1, hd), v.reshape(T, -1, hd)
         o = ws.attn[:T]
         ff = self.m.freq_factors
-        if isinstance(st, list):
+        if isinstance(st, Segments):
+            for s, r0, r1 in st:
+                self._call(("attn", i), "attn_step", q[r0:r1], k[r0:r1], v[r0:r1], s.k[i], s.v[i], s.pos, o[r0:r1],
+                           ws.attn_scratch, a.n_rot, a.rope_theta, a.rope_neox, ff, SHAPE)
+        elif isinstance(st, list):
             self._call(("attn", i), "attn_rows", q, k, v, [s.k[i] for s in st], [s.v[i] for s in st],
                        [s.pos for s in st], 0, o, ws.attn_scratch, a.n_rot, a.rope_theta, a.rope_neox, ff, fresh=True)
         else:
@@ -109,7 +119,11 @@ class CPUOps:
         y = ws.gdn_y[: u.shape[0]]
         w = (self._t(conv), self._t(a), self._t(dt_bias), self._t(norm))
         tail = (A.ssm_n_k_heads, A.gdn_head_map == "mod", A.rms_eps, y, ws.gdn_scratch)
-        if isinstance(st, list):
+        if isinstance(st, Segments):
+            for s, r0, r1 in st:
+                self._call(("gdn", i), "gdn_layer", u[r0:r1], z[r0:r1], beta[r0:r1], alpha[r0:r1], *w, s.conv[i],
+                           s.ssm[i], *tail[:3], y[r0:r1], ws.gdn_scratch)
+        elif isinstance(st, list):
             self._call(("gdn", i), "gdn_rows", u, z, beta, alpha, *w, [s.conv[i] for s in st],
                        [s.ssm[i] for s in st], *tail, arrays=tuple(x for s in st for x in (s.conv[i], s.ssm[i])))
         else:
