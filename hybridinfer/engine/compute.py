@@ -1,6 +1,7 @@
 """The Engine's compute interface, which the scheduler drives: restore a cached prefix, prefill a chunk (of one
-prompt, or of several in one pass), decode a step, snapshot, release. Every call takes the engine's lock (`Engine.lock`): backends share work buffers and are
-not thread-safe. The scheduler's worker holds the lock for a whole step, so these calls nest inside it."""
+prompt, or of several in one pass), decode a step, snapshot, release. Every call takes the engine's lock
+(`Engine.lock`): backends share work buffers and are not thread-safe. The scheduler's worker holds the lock for a
+whole step, so these calls nest inside it."""
 
 from __future__ import annotations
 
