@@ -82,3 +82,16 @@ def test_ray_shards_with_a_killed_worker(cluster, smollm_path, tmp_path):
     assert not os.path.exists(part)
     # run again: already complete, nothing redone
     assert run_ray(make, str(job), out, n_shards=2)["already_complete"]
+
+
+def test_a_shard_closes_its_engine_when_its_job_ends(smollm_path, tmp_path):
+    """The actor's body outside Ray: its engine (worker, backend memory) is closed once the shard's job returns."""
+    from hybridinfer.serving.batch.ray_runner import _Shard
+
+    job = tmp_path / "job.jsonl"
+    job.write_text("".join(json.dumps({"custom_id": f"q{i}", "prompt": "Hi.", "max_tokens": 2, "temperature": 0})
+                           + "\n" for i in range(3)))
+    shard = _Shard(functools.partial(Engine.load, smollm_path, backend="cpu", n_ctx=256, n_threads=1))
+    got = shard.run(str(job), str(tmp_path / "part"), (0, 1), {})
+    assert got["done"] == 3
+    assert shard.engine.backend is None and not shard.engine._scheduler.worker_alive

@@ -25,7 +25,7 @@ def _table(out: str) -> list[list[str]]:
     """the batched-decode table's rows (the prefill table follows it)"""
     rows = []
     for r in out.splitlines():
-        if r.startswith("| engine "):
+        if r.startswith("| engine ") or r.startswith("Through `Engine.generate_batch`"):
             break
         if r.startswith("| ") and not r.startswith("| B "):
             rows.append([c.strip() for c in r.strip("|").split("|")])
@@ -60,6 +60,13 @@ def test_bench_batch(arch, oracle_gguf, tmp_path, capsys):
     else:
         assert not res["is_moe"] and step == [step[0]] * 3  # a dense step reads every matrix once, whatever B
         assert batch.UNIFORM_NOTE not in out
+    # the same B through Engine.generate_batch: every request ran to its 2 tokens (end-of-generation masked)
+    api = res["api"]
+    assert [r["batch"] for r in api] == [1, 2, 3] and api[0]["speedup"] == 1.0
+    for r in api:
+        assert r["tokens"] == 2 * r["batch"] and r["tok_s"] == pytest.approx(r["tokens"] / r["seconds"])
+        assert r["prefill_s"] > 0 and r["decode_tok_s"] > 0
+    assert "Through `Engine.generate_batch`" in out and "| B | wall s | tok/s | x vs B=1 | decode tok/s |" in out
     # CPU prefill: the best ISA and SSSE3 (no llama-bench given: no llama.cpp rows, no ratios)
     pre = res["prefill"]
     assert pre["tokens"] == 24 and [r["engine"] for r in pre["rows"]] == ["hybridinfer"] * 2

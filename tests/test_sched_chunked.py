@@ -211,3 +211,25 @@ def test_server_lifespan_closes_the_engine(smollm_path):
 def test_step_tokens_is_checked_before_loading():
     with pytest.raises(ParameterError, match="step_tokens"):
         Engine.load("/nonexistent.gguf", step_tokens=0)
+
+
+def test_an_engine_left_open_is_closed_at_exit(smollm_path, tmp_path):
+    """A program that never calls close(): its engine (kept alive by its worker) is closed by the exit hook, before
+    the interpreter's teardown (where a card's buffers would be freed outside their context). A hook registered
+    before the engine runs after its close and sees it closed."""
+    import subprocess
+    import sys
+
+    prog = tmp_path / "prog.py"
+    prog.write_text(
+        "import atexit\n"
+        "from hybridinfer.engine.api import Engine\n"
+        "box = []\n"
+        "atexit.register(lambda: print('at exit:', 'closed' if box[0].backend is None else 'open', flush=True))\n"
+        f"e = Engine.load({smollm_path!r}, backend='cpu', n_ctx=256, n_threads=1)\n"
+        "box.append(e)\n"
+        "print('ok' if e.generate('Hi.', max_tokens=2, temperature=0).tokens else 'none', flush=True)\n")
+    r = subprocess.run([sys.executable, str(prog)], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["ok", "at", "exit:", "closed"], r.stdout

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
+import weakref
 from collections.abc import Iterator
 
 import numpy as np
@@ -157,6 +159,11 @@ class Engine(Compute):
             snapshot_stride = GPU_SNAPSHOT_STRIDE if backend.single_pass else CPU_SNAPSHOT_STRIDE
         self.snapshot_stride = check_int("snapshot_stride", snapshot_stride, 0)
         self.prefix_cache = _make_prefix_cache(prefix_cache, gm, args, backend)
+        # an engine left open is closed at exit: its worker keeps it alive until then, and the interpreter's own
+        # teardown would free a card's buffers on a thread where their context is not current (PyCUDA warns that
+        # it "could not be cleaned up") and drop the prefix cache's snapshots still waiting for the disk
+        self._at_exit = _closer(weakref.ref(self))
+        atexit.register(self._at_exit)
 
     @classmethod
     def load(cls, path: str | None = None, backend: str = "auto", *, n_ctx: int = 4096,
@@ -364,6 +371,7 @@ class Engine(Compute):
         """Stop the scheduler's worker (every request queued or running ends with EngineClosed), write the prefix
         cache's waiting snapshots, and let go of the backend's memory. Later calls raise EngineClosed; closing
         twice is harmless."""
+        atexit.unregister(self._at_exit)
         if self._scheduler is not None:
             self._scheduler.close()
         with self.lock:
@@ -415,3 +423,13 @@ class Engine(Compute):
             for h in handles:
                 if not h.done():
                     h.cancel()
+
+
+def _closer(ref):
+    """Engine.close of the engine behind the weak reference `ref`, if it still exists (an atexit hook that does not
+    keep its engine alive)."""
+    def close() -> None:
+        e = ref()
+        if e is not None:
+            e.close()
+    return close

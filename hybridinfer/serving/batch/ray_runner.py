@@ -42,9 +42,13 @@ class _Shard:
         return os.getpid()
 
     def run(self, input_path: str, part: str, shard: tuple[int, int], job: dict) -> dict:
+        """The shard's job; then the engine is closed (an actor runs one shard: a retry is a new actor)."""
         from .runner import run_job
 
-        return run_job(self.engine, input_path, part, shard=shard, ordered=True, **job)
+        try:
+            return run_job(self.engine, input_path, part, shard=shard, ordered=True, **job)
+        finally:
+            self.engine.close()
 
 
 def _records(path: str):

@@ -23,6 +23,8 @@ from contextlib import contextmanager
 import numpy as np
 
 from ...format.gguf_model import GGUFModel
+from .batch_api import markdown as api_markdown
+from .batch_api import measure_api
 from .decode import bytes_per_token
 
 UNIFORM_NOTE = ("Synthetic routing is uniform (random router weights), the worst case for sharing experts between "
@@ -212,19 +214,21 @@ def measure_llama_batched(exe: str, path: str, threads: int, batch_sizes, prompt
 
 def run(path: str, threads: int, batch_sizes=(1, 2, 4, 8, 16), n_steps: int = 32, prompt_len: int = 128,
         llama_batched_bench: str | None = None, weights: str = "auto", seed: int = 0, prefill_tokens: int = 0,
-        llama_bench: str | None = None, llama_bench_sse: str | None = None) -> dict:
+        llama_bench: str | None = None, llama_bench_sse: str | None = None, api: bool = True) -> dict:
     """This engine's batched decode on the CPU backend, then llama-batched-bench with the same B, prompt length
     and decode steps; with prefill_tokens, CPU prefill of one prompt that long (prefill_cpu) against llama-bench."""
     from ...engine.api import Engine
 
-    eng = Engine.load(path, backend="cpu", n_threads=threads, n_ctx=prompt_len + n_steps + 8, weights=weights)
+    eng = Engine.load(path, backend="cpu", n_threads=threads, n_ctx=prompt_len + n_steps + 8, weights=weights,
+                      max_seqs=max(batch_sizes))
     rows = measure_batch_decode(eng, batch_sizes, n_steps, prompt_len, seed)
+    api_rows = measure_api(eng, batch_sizes, n_steps, prompt_len, seed) if api else None
     args = eng.args
     res = {"model": path, "arch": args.arch, "is_moe": bool(getattr(args, "n_expert", 0)),
            "n_expert": getattr(args, "n_expert", 0), "n_expert_used": getattr(args, "n_expert_used", 0),
            "bytes_per_token": bytes_per_token(eng.gm, args), "threads": threads, "isa": eng.backend.simd.isa,
            "weights": eng.backend.weights, "prompt_len": prompt_len, "steps": n_steps, "rows": rows,
-           "llama_batched_bench": None}
+           "llama_batched_bench": None, "api": api_rows}
     del eng
     gc.collect()  # the weights' copy goes before llama.cpp loads its own
     if llama_batched_bench:
@@ -277,6 +281,8 @@ def markdown(res: dict) -> str:
             out.append("* the backend's routing is not seen: the experts per layer and the GB per step are the "
                        "uniform-routing expectation.")
         out.append(UNIFORM_NOTE)
+    if res.get("api"):
+        out += ["", api_markdown(res["api"], res["prompt_len"], res["steps"])]
     if res.get("prefill"):
         from . import prefill_cpu
 
