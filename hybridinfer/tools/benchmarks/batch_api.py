@@ -58,7 +58,8 @@ def measure_api(engine, batch_sizes=(1, 2, 4, 8, 16), n_steps: int = 32, prompt_
 def markdown(rows: list[dict], prompt_len: int, n_steps: int) -> str:
     out = [f"Through `Engine.generate_batch` (B requests at once, greedy, {prompt_len}-token prompts, {n_steps} new "
            "tokens each, timed from call to return; decode tok/s leaves out each request's prefill):", "",
-           "| B | wall s | tok/s | x vs B=1 | decode tok/s | x vs B=1 | mean prefill s |", "|---|---|---|---|---|---|---|"]
+           "| B | wall s | tok/s | x vs B=1 | decode tok/s | x vs B=1 | mean prefill s |",
+           "|---|---|---|---|---|---|---|"]
     for r in rows:
         f = (lambda x, s="": "" if x is None else f"{x:.2f}{s}")  # noqa: E731
         out.append(f"| {r['batch']} | {r['seconds']:.2f} | {r['tok_s']:.2f} | {f(r['speedup'], 'x')} | "
