@@ -290,6 +290,52 @@ def test_gpu_prefill_then_batched_cpu_decode_equals_alone(oracle_gguf):
         assert g.tokens == w.tokens and g.finish_reason == w.finish_reason
 
 
+@pytest.mark.gpu
+def test_gpu_pass_is_cut_while_others_decode(oracle_gguf):
+    """backend="gpu": while 2 sequences decode, a 160-token prompt goes through several streamed passes (each within
+    compute.pass_tokens), and every step gives each running sequence one token; alone, the same prompt is one
+    pass."""
+    from gpu_profile import PROFILE
+
+    from hybridinfer.engine.scheduler import Scheduler
+    from hybridinfer.tools.benchmarks.batch_api import NoEnd
+
+    eng = Engine.load(str(oracle_gguf("qwen35moe", "q8_0")), backend="gpu", n_ctx=256, max_seqs=3,
+                      card_profile=PROFILE)
+    gpu, passes = eng.backend.gpu, []
+    orig = gpu.forward
+
+    def forward(tokens, *a, **kw):
+        passes.append(len(tokens))
+        return orig(tokens, *a, **kw)
+
+    gpu.forward = forward
+    sched = Scheduler(eng, max_seqs=3, worker=False, step_tokens=16)
+    prompt = [int(x) for x in np.random.default_rng(3).integers(3, eng.args.n_vocab, 160)]
+    (alone,) = sched.submit_many([eng.make_request(prompt, max_tokens=2, temperature=0)])
+    while not sched.idle():
+        sched.step()
+    assert passes == [160] and len(alone.result().tokens) >= 1
+    end = NoEnd(getattr(eng.tokenizer, "stop_ids", ()))  # the runners decode until cancelled
+    runners = sched.submit_many([eng.make_request(p, max_tokens=60, temperature=0, constraint=end)
+                                 for p in ([5, 6, 7, 8], [9, 10, 11, 12, 13])])
+    sched.step()
+    passes.clear()
+    (long,) = sched.submit_many([eng.make_request(prompt[::-1], max_tokens=2, temperature=0)])
+    steps = 0
+    while not long.generation.tokens:
+        before = [len(h.generation.tokens) for h in runners]
+        sched.step()
+        steps += 1
+        assert [len(h.generation.tokens) for h in runners] == [b + 1 for b in before], steps
+    assert len(passes) == steps >= 2 and sum(passes) == 160 and max(passes) < 160, passes
+    for h in runners:
+        h.cancel()
+    while not sched.idle():
+        sched.step()
+    eng.close()
+
+
 class _OnlyEven:
     """A toy constraint: odd token ids are forbidden; records what it was told."""
 

@@ -11,14 +11,13 @@ import numpy as np
 
 
 class NoEnd:
-    """A constraint that forbids the end-of-generation token: every request runs to max_tokens."""
+    """A constraint that forbids the tokens that end a generation: every request runs to max_tokens."""
 
-    def __init__(self, eos: int | None):
-        self.eos = eos
+    def __init__(self, stop_ids):
+        self.stop = np.array(sorted(set(int(t) for t in stop_ids)), np.int64)
 
     def mask(self, logits) -> None:
-        if self.eos is not None:
-            logits[self.eos] = -np.inf
+        logits[self.stop] = -np.inf
 
     def accept(self, token: int) -> bool:
         return True
@@ -31,7 +30,7 @@ def measure_api(engine, batch_sizes=(1, 2, 4, 8, 16), n_steps: int = 32, prompt_
     longest decode window: prefill excluded), mean prefill seconds, x vs B=1. The engine's max_seqs must be at
     least max(batch_sizes), its n_ctx at least prompt_len + n_steps."""
     vocab = min(engine.args.n_vocab, 32000)
-    end = NoEnd(getattr(engine.tokenizer, "eos_id", None))
+    end = NoEnd(getattr(engine.tokenizer, "stop_ids", ()))
     rows = []
     for B in batch_sizes:
         rng = np.random.default_rng([seed, B, 7])
