@@ -92,7 +92,7 @@ class GPUPrefillCPUDecode(Backend):
 
     @property
     def last_pass(self) -> dict | None:
-        return None if self.gpu is None else self.gpu.last_timing
+        return getattr(self.gpu, "last_timing", None)
 
     def release(self, state) -> None:
         self.cpu.release(state)

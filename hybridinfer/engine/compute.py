@@ -180,8 +180,8 @@ class Compute:
                 if left is None:
                     ends.append(len(w.ids))
                 elif left > 0:
-                    b = chunk_end(st.pos, len(w.ids), w.at, left, w.left)
-                    if b < len(w.ids):  # a cut pass ends at a snapshot position when one is inside the limit
+                    b = min(len(w.ids), st.pos + left)
+                    if b < len(w.ids):  # the card snapshots inside its pass; a cut ends at the last such position
                         b = max([p for p in w.at if st.pos < p <= b], default=b)
                     ends.append(b)
                     left -= b - st.pos
