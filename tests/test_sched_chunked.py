@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from hybridinfer.engine.api import Engine
-from hybridinfer.engine.compute import MAX_PASS_STEPS, chunk_end, pass_tokens
+from hybridinfer.engine.compute import MAX_PASS_STEPS, MIN_PROMPT_TOKENS, STALL, chunk_end, pass_tokens, prompt_budget
 from hybridinfer.engine.scheduler import Scheduler
 from hybridinfer.errors import EngineClosed, ParameterError
 
@@ -96,7 +96,7 @@ def test_a_long_prompt_does_not_stall_running_streams(smollm_path):
     eng = Engine.load(smollm_path, backend="cpu", n_ctx=2100, max_seqs=5)
     eos = eng.tokenizer.eos_id
     sched = Scheduler(eng, max_seqs=5, worker=False, step_tokens=64)
-    runners = sched.submit_many([eng.make_request(p, max_tokens=60, temperature=0, constraint=_NoEos(eos))
+    runners = sched.submit_many([eng.make_request(p, max_tokens=300, temperature=0, constraint=_NoEos(eos))
                                  for p in ("One.", "Two, two.", "Three.", "Four, four.")])
     sched.step()
     assert [len(h.generation.tokens) for h in runners] == [1, 1, 1, 1]
@@ -107,7 +107,7 @@ def test_a_long_prompt_does_not_stall_running_streams(smollm_path):
         sched.step()
         steps += 1
         assert [len(h.generation.tokens) for h in runners] == [b + 1 for b in before], steps
-        assert steps < 100
+        assert steps < 290  # (at least 16 prompt tokens a step: prefill always advances)
     assert steps >= 2000 // 64  # the prompt went in chunks within the budget (less the 4 decode tokens)
     for h in runners:
         h.cancel()
@@ -122,6 +122,40 @@ def test_pass_tokens_bounds_a_streamed_pass_only_while_others_decode():
     assert pass_tokens(64, 3, {"tokens": 1000, "wall_s": 2.0, "copy_s": 0.5}) == 250  # compute-bound: to the stream
     assert pass_tokens(64, 3, {"tokens": 10, "wall_s": 2.0, "copy_s": 0.5}) == 64  # never under the budget
     assert pass_tokens(64, 3, {"tokens": 10**6, "wall_s": 1.0, "copy_s": 1.0}) == 64 * MAX_PASS_STEPS
+
+
+def test_prompt_budget_is_the_step_in_time_while_others_decode():
+    assert prompt_budget(256, 0, 0.05, 0.001) == 256  # nobody decodes: the whole step budget
+    assert prompt_budget(256, 4, None, None) == 252  # nothing measured yet: the budget less the decode tokens
+    assert prompt_budget(256, 4, 0.05, 0.001) == int(STALL * 50)  # 3 decode steps' time of prompt tokens
+    assert prompt_budget(256, 4, 0.5, 0.001) == 252  # never past what the step leaves
+    assert prompt_budget(256, 4, 0.001, 0.01) == MIN_PROMPT_TOKENS  # prefill always advances
+    assert prompt_budget(8, 8, 0.05, 0.001) == 1
+
+
+def test_a_step_takes_the_prompt_tokens_of_stall_decode_steps(smollm_path, monkeypatch):
+    """With a decode step measured at 10 ms and a prompt token at 1 ms (held there), a 300-token prompt admitted
+    beside 2 decoding sequences advances by at most 30 tokens a step; each step still gives every runner a token."""
+    import hybridinfer.engine.scheduler as sm
+
+    eng = Engine.load(smollm_path, backend="cpu", n_ctx=400, max_seqs=3)
+    sched = Scheduler(eng, max_seqs=3, worker=False, step_tokens=256)
+    monkeypatch.setattr(sm, "_ema", lambda old, new, keep=0.7: old if old is not None else new)
+    runners = sched.submit_many([eng.make_request(p, max_tokens=40, temperature=0,
+                                                  constraint=_NoEos(eng.tokenizer.eos_id)) for p in ("One.", "Two.")])
+    sched.step()
+    sched._decode_s, sched._token_s = 0.010, 0.001
+    (long,) = sched.submit_many([eng.make_request(_ids(eng.args.n_vocab, 300, 2), max_tokens=2, temperature=0)])
+    seen = []
+    while not long.generation.tokens:
+        sched.step()
+        s = next((q for q in sched._prefilling if q.handle is long), None)
+        seen.append(s.state.pos if s is not None and s.state is not None else 300)
+    steps = [b - a for a, b in zip([0] + seen, seen, strict=False)]
+    assert max(steps) <= 30 and len(seen) >= 10, seen
+    for h in runners:
+        h.cancel()
+    _drive(sched)
 
 
 class _CPUPass:

@@ -20,6 +20,24 @@ from ..errors import EngineClosed
 DEFAULT_STEP_TOKENS = 256
 
 
+# while sequences decode, a step's prompt chunks may take at most this many times a decode step's time
+STALL = 3.0
+MIN_PROMPT_TOKENS = 16  # the fewest prompt tokens a step with prompts waiting takes: prefill always advances
+
+
+def prompt_budget(step_tokens: int, running: int, decode_s: float | None, token_s: float | None,
+                  stall: float = STALL) -> int:
+    """Prompt tokens a chunking backend's step may take: what `step_tokens` leaves after the `running` sequences'
+    decode tokens, and, while any decode, no more than the step's prompt chunks compute in `stall` times a decode
+    step (decode_s: a decode step's measured seconds; token_s: a prompt token's), so a running stream's token gap
+    stays within (1 + stall) times its usual one: the step budget's size in time on this host and model, not a
+    count fixed for all. At least MIN_PROMPT_TOKENS (or all the step leaves, if fewer) and 1."""
+    left = max(1, step_tokens - running)
+    if running <= 0 or not decode_s or not token_s:
+        return left
+    return max(1, min(left, max(MIN_PROMPT_TOKENS, int(stall * decode_s / token_s))))
+
+
 # a streamed pass's prompt tokens while others decode never grow past this many times the step budget
 MAX_PASS_STEPS = 16
 

@@ -6,7 +6,8 @@ generate_batch all do) and get a `Handle` that yields text pieces as they are ma
 1. admits waiting requests while `max_seqs` and the state budget allow, restoring each one's longest cached prefix
    (`Engine.restore`);
 2. samples the next token of every running sequence;
-3. spends what is left of `step_tokens` (the step's token budget, less one token per running sequence) on chunks
+3. spends what is left of `step_tokens` (the step's token budget, less one token per running sequence, and while
+   any decode no more than the prompt tokens computed in STALL times a decode step: `compute.prompt_budget`) on chunks
    of the admitted prompts, oldest first, several prompts' chunks in one pass whose products they share
    (`Engine.prefill_steps`; a chunk ends at the next snapshot position). A prompt whose prefill ends samples its
    first token in the same step. A single-pass backend (the GPU) takes the admitted prompts in one streamed pass
@@ -29,7 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import CapacityError, EngineClosed, ParameterError
-from .compute import DEFAULT_STEP_TOKENS, pass_tokens
+from .compute import DEFAULT_STEP_TOKENS, MIN_PROMPT_TOKENS, pass_tokens, prompt_budget
 from .request import Handle, Request, TokenSampler
 
 __all__ = ["DEFAULT_STEP_TOKENS", "Handle", "Request", "Scheduler", "TokenSampler", "state_bytes"]
@@ -95,6 +96,9 @@ class Scheduler:
             raise ParameterError(f"step_tokens must be a whole number >= 1, got {step_tokens!r}")
         self.engine, self.max_seqs, self.state_budget = engine, max_seqs, state_budget
         self.step_tokens = step_tokens
+        # measured: a decode step's seconds and a prompt token's (prompt_budget sizes a step's chunks by them)
+        self._decode_s: float | None = None
+        self._token_s: float | None = None
         self._cv = threading.Condition()
         self._waiting: deque[Handle] = deque()
         self._running: list[_Seq] = []  # decoding
@@ -213,7 +217,8 @@ class Scheduler:
         with self._cv:
             queued = [(h.request.ids, h.request.cache_salt) for h in self._waiting]
         going = [s for s in self._running if self._advance(s)]
-        started = self._prefill(self.step_tokens - len(going), queued, len(going))
+        budget = prompt_budget(self.step_tokens, len(going), self._decode_s, self._token_s)
+        started = self._prefill(budget, queued, len(going))
         self._running = self._decode(going + started)
         self.steps += 1
         if self.engine.prefix_cache is not None:
@@ -312,7 +317,12 @@ class Scheduler:
         if not plan:
             return []
         try:
-            return eng.prefill_steps([(s.work, b) for s, b in plan])
+            t0, pos0 = time.perf_counter(), sum(s.state.pos for s, _ in plan)
+            got = eng.prefill_steps([(s.work, b) for s, b in plan])
+            n = sum(s.state.pos for s, _ in plan) - pos0
+            if n >= MIN_PROMPT_TOKENS:  # a few tokens' pass is mostly its fixed cost, not a rate
+                self._token_s = _ema(self._token_s, (time.perf_counter() - t0) / n)
+            return got
         except Exception as e:  # noqa: BLE001
             if len(plan) == 1:
                 return [e]
@@ -403,7 +413,9 @@ class Scheduler:
         if not go:
             return go
         try:
+            t0 = time.perf_counter()
             lg = self.engine.decode_step([s.next_tok for s in go], [s.state for s in go])
+            self._decode_s = _ema(self._decode_s, time.perf_counter() - t0)
         except Exception as e:  # noqa: BLE001
             for s in go:
                 self._fail(s, e)
@@ -476,3 +488,8 @@ class Scheduler:
             self._reserved -= s.reserved
             s.reserved = 0
         s.handle._finish(error)
+
+
+def _ema(old: float | None, new: float, keep: float = 0.7) -> float:
+    """A step time's running estimate: the last measurements weigh most (load and context lengths drift)."""
+    return new if old is None else keep * old + (1 - keep) * new
