@@ -16,6 +16,7 @@ import weakref
 
 import numpy as np
 import pytest
+from sched_steps import steps_until_first_token
 
 from hybridinfer.engine.api import Engine
 from hybridinfer.engine.compute import MAX_PASS_STEPS, MIN_PROMPT_TOKENS, STALL, chunk_end, pass_tokens, prompt_budget
@@ -101,13 +102,7 @@ def test_a_long_prompt_does_not_stall_running_streams(smollm_path):
     sched.step()
     assert [len(h.generation.tokens) for h in runners] == [1, 1, 1, 1]
     (long,) = sched.submit_many([eng.make_request(_ids(eng.args.n_vocab, 2000, 9), max_tokens=2, temperature=0)])
-    steps = 0
-    while not long.generation.tokens:
-        before = [len(h.generation.tokens) for h in runners]
-        sched.step()
-        steps += 1
-        assert [len(h.generation.tokens) for h in runners] == [b + 1 for b in before], steps
-        assert steps < 290  # (at least 16 prompt tokens a step: prefill always advances)
+    steps = steps_until_first_token(sched, long, runners, limit=290)  # >= 16 prompt tokens a step
     assert steps >= 2000 // 64  # the prompt went in chunks within the budget (less the 4 decode tokens)
     for h in runners:
         h.cancel()
@@ -191,12 +186,7 @@ def test_a_long_prompt_on_a_single_pass_backend_waits_one_pass_at_a_time(smollm_
     sched.step()
     dev.passes.clear()
     (long,) = sched.submit_many([eng.make_request(prompt, max_tokens=2, temperature=0)])
-    steps = 0
-    while not long.generation.tokens:
-        before = [len(h.generation.tokens) for h in runners]
-        sched.step()
-        steps += 1
-        assert [len(h.generation.tokens) for h in runners] == [b + 1 for b in before], steps
+    steps = steps_until_first_token(sched, long, runners)
     assert dev.passes == [64, 128, 256, 152], dev.passes  # transfer-bound passes: each twice the last
     assert steps == len(dev.passes)
     for h in runners:

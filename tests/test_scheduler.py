@@ -296,6 +296,7 @@ def test_gpu_pass_is_cut_while_others_decode(oracle_gguf):
     compute.pass_tokens), and every step gives each running sequence one token; alone, the same prompt is one
     pass."""
     from gpu_profile import PROFILE
+    from sched_steps import steps_until_first_token
 
     from hybridinfer.engine.scheduler import Scheduler
     from hybridinfer.tools.benchmarks.batch_api import NoEnd
@@ -322,12 +323,7 @@ def test_gpu_pass_is_cut_while_others_decode(oracle_gguf):
     sched.step()
     passes.clear()
     (long,) = sched.submit_many([eng.make_request(prompt[::-1], max_tokens=2, temperature=0)])
-    steps = 0
-    while not long.generation.tokens:
-        before = [len(h.generation.tokens) for h in runners]
-        sched.step()
-        steps += 1
-        assert [len(h.generation.tokens) for h in runners] == [b + 1 for b in before], steps
+    steps = steps_until_first_token(sched, long, runners)
     assert len(passes) == steps >= 2 and sum(passes) == 160 and max(passes) < 160, passes
     for h in runners:
         h.cancel()

@@ -326,18 +326,19 @@ class Scheduler:
         except Exception as e:  # noqa: BLE001
             if len(plan) == 1:
                 return [e]
-        out = []
-        for s, b in plan:
-            req = s.handle.request
-            try:
-                eng.release(s.state)
-                s.state = eng.new_state()
-                lg, s.stats, s.work = eng.restore(req.ids, s.state, req.turn_boundary, (), req.keep_ends,
-                                                  req.cache_salt)
-                out.append(lg if s.work is None else eng.prefill_step(s.work, b))
-            except Exception as e:  # noqa: BLE001
-                out.append(e)
-        return out
+        return [self._alone(s, lambda w, b=b: eng.prefill_step(w, b)) for s, b in plan]
+
+    def _alone(self, s: _Seq, prefill) -> object:
+        """After a shared pass failed: `s` restored on a fresh state and prefilled alone (`prefill(work)`); its
+        logits, None (more to come) or its own exception."""
+        eng, req = self.engine, s.handle.request
+        try:
+            eng.release(s.state)
+            s.state = eng.new_state()
+            lg, s.stats, s.work = eng.restore(req.ids, s.state, req.turn_boundary, (), req.keep_ends, req.cache_salt)
+            return lg if s.work is None else prefill(s.work)
+        except Exception as e:  # noqa: BLE001
+            return e
 
     def _took(self, s: _Seq, got) -> None:
         """The result of a prefill call for `s`: its error, None (more to come), or its prompt's last logits."""
@@ -358,18 +359,7 @@ class Scheduler:
         except Exception as e:  # noqa: BLE001
             if len(seqs) == 1:
                 return [e]
-        out = []
-        for s in seqs:
-            req = s.handle.request
-            try:
-                eng.release(s.state)
-                s.state = eng.new_state()
-                lg, s.stats, s.work = eng.restore(req.ids, s.state, req.turn_boundary, (), req.keep_ends,
-                                                  req.cache_salt)
-                out.append(lg if s.work is None else eng.prefill_whole([s.work], limit)[0])
-            except Exception as e:  # noqa: BLE001
-                out.append(e)
-        return out
+        return [self._alone(s, lambda w: eng.prefill_whole([w], limit)[0]) for s in seqs]
 
     def _first(self, s: _Seq) -> bool:
         """A sequence whose prompt is in: its sampler and first token. False when it has ended (or failed), True
