@@ -107,3 +107,30 @@ def test_scheduler_admits_prompts_into_one_pass(oracle_gguf):
         warnings.simplefilter("always")
         eng.close()
     assert not [w for w in caught if "could not be cleaned up" in str(w.message)], [str(w.message) for w in caught]
+
+
+@pytest.mark.gpu
+def test_a_gpu_engine_left_open_is_closed_at_exit(oracle_gguf, tmp_path):
+    """A program that generates on the gpu backend (the card's buffers made on the scheduler's worker) and exits
+    without close(): the exit hook closes the engine, the card's buffers freed inside their context (a hook
+    registered before the engine runs after it and sees it closed), and the process exits 0 with nothing PyCUDA
+    could not clean up."""
+    import os
+    import subprocess
+    import sys
+
+    prog = tmp_path / "prog.py"
+    model = str(oracle_gguf("qwen35moe", "q8_0"))
+    prog.write_text(
+        "import atexit\n"
+        "from hybridinfer.engine.api import Engine\n"
+        "box = []\n"
+        "atexit.register(lambda: print('at exit:', 'closed' if box[0].backend is None else 'open', flush=True))\n"
+        f"e = Engine.load({model!r}, backend='gpu', n_ctx=128, card_profile={PROFILE!r})\n"
+        "box.append(e)\n"
+        "print(len(e.generate([5, 6, 7, 8], max_tokens=2, temperature=0).tokens) > 0, flush=True)\n")
+    r = subprocess.run([sys.executable, "-W", "always", str(prog)], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["True", "at", "exit:", "closed"], r.stdout
+    assert "could not be cleaned up" not in r.stderr, r.stderr[-2000:]
