@@ -135,7 +135,7 @@ def test_a_step_takes_the_prompt_tokens_of_stall_decode_steps(smollm_path, monke
 
     eng = Engine.load(smollm_path, backend="cpu", n_ctx=400, max_seqs=3)
     sched = Scheduler(eng, max_seqs=3, worker=False, step_tokens=256)
-    monkeypatch.setattr(sm, "_ema", lambda old, new, keep=0.7: old if old is not None else new)
+    monkeypatch.setattr(sm, "ema", lambda old, new, keep=0.7: old if old is not None else new)
     runners = sched.submit_many([eng.make_request(p, max_tokens=40, temperature=0,
                                                   constraint=_NoEos(eng.tokenizer.eos_id)) for p in ("One.", "Two.")])
     sched.step()
@@ -216,6 +216,25 @@ def test_close_ends_the_worker_answers_every_request_and_frees_memory(smollm_pat
     eng.close()  # twice: harmless
     gc.collect()
     assert be() is None  # nothing holds the backend (its weights, work buffers and thread pool) any more
+
+
+def test_an_engine_dropped_without_close_lets_go_of_everything(smollm_path):
+    """An engine whose program drops it after generating (its worker started, close() never called) is collected:
+    its worker thread ends and its backend is closed (its thread pool gone) and freed."""
+    import time
+
+    eng = Engine.load(smollm_path, backend="cpu", n_ctx=256)
+    assert eng.generate("Hello", max_tokens=2, temperature=0).finish_reason in ("length", "stop")
+    thread, ref = eng.scheduler._thread, weakref.ref(eng)
+    be = eng.backend
+    assert thread.is_alive()
+    del eng
+    t0 = time.monotonic()
+    while (ref() is not None or thread.is_alive()) and time.monotonic() - t0 < 30:
+        gc.collect()
+        time.sleep(0.1)
+    assert ref() is None and not thread.is_alive()
+    assert be.layers == [] and be.out is None  # CPUModel.close ran: weights, buffers and the pool let go
 
 
 def test_server_lifespan_closes_the_engine(smollm_path):

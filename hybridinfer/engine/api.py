@@ -164,6 +164,10 @@ class Engine(Compute):
         # it "could not be cleaned up") and drop the prefix cache's snapshots still waiting for the disk
         self._at_exit = _closer(weakref.ref(self))
         atexit.register(self._at_exit)
+        # and one dropped without close() lets go of its backend when it is collected (its worker holds it only
+        # during a step): the parts live in a list the finalizer shares, emptied by close()
+        self._parts = [backend, gm, self.prefix_cache]
+        weakref.finalize(self, _let_go, self._parts)
 
     @classmethod
     def load(cls, path: str | None = None, backend: str = "auto", *, n_ctx: int = 4096,
@@ -375,15 +379,8 @@ class Engine(Compute):
         if self._scheduler is not None:
             self._scheduler.close()
         with self.lock:
-            be, self.backend = self.backend, None
-            if be is None:
-                return
-            try:
-                if self.prefix_cache is not None:
-                    self.prefix_cache.flush()
-            finally:
-                be.close()
-                self.gm.close()
+            self.backend = None
+            _let_go(self._parts)
 
     def __enter__(self) -> Engine:
         return self
@@ -433,3 +430,18 @@ def _closer(ref):
         if e is not None:
             e.close()
     return close
+
+
+def _let_go(parts: list) -> None:
+    """Close an engine's parts (backend, GGUF file, prefix cache) once: the cache's waiting snapshots written, the
+    backend's memory freed (a card's inside its context: GPUPrefillCPUDecode.close), the file unmapped."""
+    if not parts:
+        return
+    be, gm, cache = parts
+    parts.clear()
+    try:
+        if cache is not None:
+            cache.flush()
+    finally:
+        be.close()
+        gm.close()

@@ -38,6 +38,12 @@ def prompt_budget(step_tokens: int, running: int, decode_s: float | None, token_
     return max(1, min(left, max(MIN_PROMPT_TOKENS, int(stall * decode_s / token_s))))
 
 
+def ema(old: float | None, new: float, keep: float = 0.7) -> float:
+    """A running estimate of a step's time (prompt_budget's inputs): the last measurements weigh most, as load and
+    context lengths drift."""
+    return new if old is None else keep * old + (1 - keep) * new
+
+
 # a streamed pass's prompt tokens while others decode never grow past this many times the step budget
 MAX_PASS_STEPS = 16
 

@@ -24,14 +24,16 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from ..errors import CapacityError, EngineClosed, ParameterError
-from .compute import DEFAULT_STEP_TOKENS, MIN_PROMPT_TOKENS, pass_tokens, prompt_budget
+from .compute import DEFAULT_STEP_TOKENS, MIN_PROMPT_TOKENS, ema, pass_tokens, prompt_budget
 from .request import Handle, Request, TokenSampler
+from .worker import work
 
 __all__ = ["DEFAULT_STEP_TOKENS", "Handle", "Request", "Scheduler", "TokenSampler", "state_bytes"]
 
@@ -129,7 +131,8 @@ class Scheduler:
                 raise EngineClosed("the engine is closed (Engine.close was called): no request is taken")
             self._waiting.extend(hs)
             if self._thread is None and self._worker:
-                self._thread = threading.Thread(target=self._loop, name="hybridinfer-scheduler", daemon=True)
+                self._thread = threading.Thread(target=work, args=(weakref.ref(self), self._cv),
+                                                name="hybridinfer-scheduler", daemon=True)
                 self._thread.start()
             self._cv.notify()
         return hs
@@ -178,18 +181,18 @@ class Scheduler:
                 self._free(s, EngineClosed("the engine was closed while this request ran"))
 
     # the worker -----------------------------------------------------------------------------------
-    def _loop(self) -> None:
-        while True:
-            with self._cv:
-                while self.idle() and not self._closed:
-                    self._cv.wait()
-                if self._closed:
-                    break
-            try:
-                self.step()
-            except BaseException:  # noqa: BLE001 - step() gave the error to every sequence it held
-                pass
-        self._shutdown()
+    def _once(self) -> bool:
+        """The worker's turn: a step, or once closed the answer to what is left (then False)."""
+        with self._cv:
+            closed = self._closed
+        if closed:
+            self._shutdown()
+            return False
+        try:
+            self.step()
+        except BaseException:  # noqa: BLE001 - step() gave the error to every sequence it held
+            pass
+        return True
 
     def idle(self) -> bool:
         return not self._waiting and not self._running and not self._prefilling
@@ -321,7 +324,7 @@ class Scheduler:
             got = eng.prefill_steps([(s.work, b) for s, b in plan])
             n = sum(s.state.pos for s, _ in plan) - pos0
             if n >= MIN_PROMPT_TOKENS:  # a few tokens' pass is mostly its fixed cost, not a rate
-                self._token_s = _ema(self._token_s, (time.perf_counter() - t0) / n)
+                self._token_s = ema(self._token_s, (time.perf_counter() - t0) / n)
             return got
         except Exception as e:  # noqa: BLE001
             if len(plan) == 1:
@@ -405,7 +408,7 @@ class Scheduler:
         try:
             t0 = time.perf_counter()
             lg = self.engine.decode_step([s.next_tok for s in go], [s.state for s in go])
-            self._decode_s = _ema(self._decode_s, time.perf_counter() - t0)
+            self._decode_s = ema(self._decode_s, time.perf_counter() - t0)
         except Exception as e:  # noqa: BLE001
             for s in go:
                 self._fail(s, e)
@@ -478,8 +481,3 @@ class Scheduler:
             self._reserved -= s.reserved
             s.reserved = 0
         s.handle._finish(error)
-
-
-def _ema(old: float | None, new: float, keep: float = 0.7) -> float:
-    """A step time's running estimate: the last measurements weigh most (load and context lengths drift)."""
-    return new if old is None else keep * old + (1 - keep) * new
