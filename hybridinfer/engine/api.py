@@ -159,8 +159,8 @@ class Engine(Compute):
             snapshot_stride = GPU_SNAPSHOT_STRIDE if backend.single_pass else CPU_SNAPSHOT_STRIDE
         self.snapshot_stride = check_int("snapshot_stride", snapshot_stride, 0)
         self.prefix_cache = _make_prefix_cache(prefix_cache, gm, args, backend)
-        # an engine left open is closed at exit: its worker keeps it alive until then, and the interpreter's own
-        # teardown would free a card's buffers on a thread where their context is not current (PyCUDA warns that
+        # an engine still open at exit is closed then (its worker stopped first): the interpreter's own teardown
+        # would free a card's buffers on a thread where their context is not current (PyCUDA warns that
         # it "could not be cleaned up") and drop the prefix cache's snapshots still waiting for the disk
         self._at_exit = _closer(weakref.ref(self))
         atexit.register(self._at_exit)
