@@ -16,14 +16,14 @@
 typedef struct {
     const hi_kernels *k;
     hi_attn a;
-    int64_t rows, per, chunks, row_scratch;
+    int64_t rows, per, chunks, chunk_scratch;
     float *scratch;
 } attn_job;
 
 static void attn_chunk(void *arg, int64_t i) {
     const attn_job *j = (const attn_job *)arg;
     const int64_t r0 = i * j->per, r1 = r0 + j->per < j->rows ? r0 + j->per : j->rows;
-    if (r0 < r1) j->k->attn(&j->a, r0, r1, j->scratch + i * j->row_scratch);
+    if (r0 < r1) j->k->attn(&j->a, r0, r1, j->scratch + i * j->chunk_scratch);
 }
 
 static int64_t attn_max_chunks(const hi_ctx *c) {
@@ -31,18 +31,28 @@ static int64_t attn_max_chunks(const hi_ctx *c) {
     return n < HI_ATTN_MAX_CHUNKS ? n : HI_ATTN_MAX_CHUNKS;
 }
 
-/* pool chunks for `rows` query rows: as many as the scratch holds (fits; < 1: too small), at most
- * attn_max_chunks and one per row, and one alone when the call is too small to wake the pool (inline) */
-static int64_t attn_chunks(const hi_ctx *c, int64_t fits, int64_t rows, int inline_call) {
-    if (fits < 1) return fits;
-    const int64_t most = inline_call ? 1 : attn_max_chunks(c);
-    const int64_t n = fits < most ? fits : most;
-    return n < rows ? n : rows;
+/* the split of `rows` query rows (G consecutive rows of a token share a K/V head) into pool chunks: rows per chunk
+ * (*per) and rows computed together (*slots: G where there are enough such groups to keep every thread busy and
+ * scratch for G rows per chunk, else 1); the chunk count, at most attn_max_chunks and one per unit, one alone
+ * when the call is too small to wake the pool (inline); < 1 when the scratch is too small */
+static int64_t attn_split(const hi_ctx *c, int64_t rows, int64_t G, int64_t row_scratch, int64_t scratch_len,
+                          int inline_call, int64_t *per, int64_t *slots) {
+    const int64_t fits = scratch_len / row_scratch, most = inline_call ? 1 : attn_max_chunks(c);
+    int64_t R = 1;
+    if (G > 1 && rows % G == 0 && rows / G >= (int64_t)hi_ctx_threads(c) && fits / G >= (most < rows / G ? most : rows / G))
+        R = G;
+    const int64_t units = rows / R;
+    int64_t n = fits / R < most ? fits / R : most;
+    if (n > units) n = units;
+    if (n < 1) return n;
+    *slots = R;
+    *per = (units + n - 1) / n * R;
+    return (rows + *per - 1) / *per;
 }
 
-int64_t hi_attention_scratch(const hi_ctx *c, int64_t n_ctx, int64_t hd) {
-    if (!c || n_ctx < 1 || hd < 1) return -2;
-    return attn_max_chunks(c) * hi_ctx_kernels(c)->attn_scratch(n_ctx, hd);
+int64_t hi_attention_scratch(const hi_ctx *c, int64_t n_ctx, int64_t hd, int64_t group) {
+    if (!c || n_ctx < 1 || hd < 1 || group < 1) return -2;
+    return attn_max_chunks(c) * group * hi_ctx_kernels(c)->attn_scratch(n_ctx, hd);
 }
 
 int hi_attention(hi_ctx *c, const float *q, int64_t q_row, int64_t T, int64_t H, int64_t hd, const float *k,
@@ -55,13 +65,15 @@ int hi_attention(hi_ctx *c, const float *q, int64_t q_row, int64_t T, int64_t H,
     const hi_kernels *kt = hi_ctx_kernels(c);
     const int64_t row_scratch = kt->attn_scratch(pos0 + T, hd);
     const int64_t rows = T * H, n = pos0 + T;
-    const int64_t chunks = attn_chunks(c, scratch_len / row_scratch, rows, n * rows * hd < HI_ATTN_INLINE_MACS);
+    int64_t per = 1, slots = 1;
+    const int64_t chunks = attn_split(c, rows, H / Hkv, row_scratch, scratch_len, n * rows * hd < HI_ATTN_INLINE_MACS,
+                                      &per, &slots);
     if (chunks < 1) return -2;
     attn_job j = {.k = kt,
                   .a = {.q = q, .k = k, .v = v, .out = out, .T = T, .H = H, .Hkv = Hkv, .hd = hd, .pos0 = pos0,
                         .q_row = q_row, .kv_row = kv_row, .out_row = out_row, .scale = scale,
-                        .rows1 = ggml_op == HI_GGML_DECODE_ROWS},
-                  .rows = rows, .per = (rows + chunks - 1) / chunks, .chunks = chunks, .row_scratch = row_scratch,
+                        .rows1 = ggml_op == HI_GGML_DECODE_ROWS, .slots = slots},
+                  .rows = rows, .per = per, .chunks = chunks, .chunk_scratch = slots * row_scratch,
                   .scratch = scratch};
     hi_ctx_lock(c);
     if (chunks == 1) attn_chunk(&j, 0);
@@ -172,14 +184,18 @@ int hi_attn_step(hi_ctx *c, float *q, int64_t T, int64_t H, int64_t hd, const fl
 typedef struct {
     const hi_kernels *k;
     const hi_attn *a; /* one per sequence */
-    int64_t H, rows, per, row_scratch;
+    int64_t H, rows, per, chunk_scratch;
     float *scratch;
 } attn_rows_job;
 
 static void attn_rows_chunk(void *arg, int64_t i) {
     const attn_rows_job *j = (const attn_rows_job *)arg;
     const int64_t r0 = i * j->per, r1 = r0 + j->per < j->rows ? r0 + j->per : j->rows;
-    for (int64_t r = r0; r < r1; r++) j->k->attn(&j->a[r / j->H], r % j->H, r % j->H + 1, j->scratch + i * j->row_scratch);
+    for (int64_t r = r0; r < r1;) { /* each sequence's heads in the chunk, in one call */
+        const int64_t b = r / j->H, h1 = (b + 1) * j->H < r1 ? j->H : r1 - b * j->H;
+        j->k->attn(&j->a[b], r % j->H, h1, j->scratch + i * j->chunk_scratch);
+        r = b * j->H + h1;
+    }
 }
 
 int hi_attn_rows(hi_ctx *c, int64_t B, float *q, int64_t q_row, int64_t H, int64_t hd, const float *k_new,
@@ -209,10 +225,12 @@ int hi_attn_rows(hi_ctx *c, int64_t B, float *q, int64_t q_row, int64_t H, int64
             if (p + 1 > longest) longest = p + 1;
         }
         const int64_t row_scratch = kt->attn_scratch(longest, hd), rows = nb * H;
-        const int64_t chunks = attn_chunks(c, scratch_len / row_scratch, rows, 0);
+        int64_t per = 1, slots = 1;
+        const int64_t chunks = attn_split(c, rows, H / Hkv, row_scratch, scratch_len, 0, &per, &slots);
         if (chunks < 1) return -2;
-        attn_rows_job job = {.k = kt, .a = a, .H = H, .rows = rows, .per = (rows + chunks - 1) / chunks,
-                             .row_scratch = row_scratch, .scratch = scratch};
+        for (int64_t i = 0; i < nb; i++) a[i].slots = slots;
+        attn_rows_job job = {.k = kt, .a = a, .H = H, .rows = rows, .per = per, .chunk_scratch = slots * row_scratch,
+                             .scratch = scratch};
         hi_ctx_lock(c);
         if (chunks == 1) attn_rows_chunk(&job, 0);
         else hi_ctx_run(c, attn_rows_chunk, &job, chunks);

@@ -82,6 +82,7 @@ typedef struct hi_attn {
     int64_t T, H, Hkv, hd, pos0, q_row, kv_row, out_row;
     float scale;
     int rows1;
+    int64_t slots; /* rows' scratch the call has: up to this many rows sharing a K/V head go together */
 } hi_attn;
 
 typedef struct hi_kernels {
@@ -102,7 +103,8 @@ typedef struct hi_kernels {
     void (*mm)(const hi_mm *m, int64_t r0, int64_t r1);
     /* streaming read of n bytes (n a multiple of 256, p 64-byte aligned); returns a checksum */
     uint64_t (*read_sum)(const void *p, size_t n);
-    /* query rows [r0, r1) (row r: token r / H, head r % H) of job a, with attn_scratch(n_ctx, hd) floats */
+    /* query rows [r0, r1) (row r: token r / H, head r % H) of job a, with a->slots * attn_scratch(n_ctx, hd)
+     * floats */
     void (*attn)(const hi_attn *a, int64_t r0, int64_t r1, float *scratch);
     int64_t (*attn_scratch)(int64_t n_ctx, int64_t hd);
     /* out[0..n) = silu(g) * u, ggml's vector SwiGLU (out may alias g or u) */

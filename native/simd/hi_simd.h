@@ -98,13 +98,14 @@ int hi_moe_down(hi_ctx *c, int qtype, const void *w, int64_t n_expert, int64_t r
  * llama.cpp's float operations (its CPU backend without flash attention, built for this ISA level:
  * kernels_attn.h). q: T rows of H*hd floats (stride q_row); k, v: cache rows 0..pos0+T-1 of Hkv*hd floats
  * (stride kv_row, position-major); out: T rows of H*hd floats (stride out_row); query head h reads KV head
- * h / (H / Hkv); scores scaled by `scale`. scratch: scratch_len >= hi_attention_scratch(c, n_ctx, hd) floats
- * for pos0 + T <= n_ctx. ggml_op: HI_GGML_DECODE_ROWS gives every query row the float order of a one-token step
+ * h / (H / Hkv); scores scaled by `scale`. scratch: scratch_len >= hi_attention_scratch(c, n_ctx, hd, 1) floats
+ * for pos0 + T <= n_ctx; with hi_attention_scratch(c, n_ctx, hd, H / Hkv) the query heads that share a K/V head
+ * are computed together where the rows are many enough (each K/V block read once for them). ggml_op: HI_GGML_DECODE_ROWS gives every query row the float order of a one-token step
  * (a row then never depends on T); any other the order llama.cpp's graph takes for T tokens. No allocation. */
 int hi_attention(hi_ctx *c, const float *q, int64_t q_row, int64_t T, int64_t H, int64_t hd, const float *k,
                  const float *v, int64_t kv_row, int64_t Hkv, int64_t pos0, float scale, float *out, int64_t out_row,
                  float *scratch, int64_t scratch_len, int ggml_op);
-int64_t hi_attention_scratch(const hi_ctx *c, int64_t n_ctx, int64_t hd);
+int64_t hi_attention_scratch(const hi_ctx *c, int64_t n_ctx, int64_t hd, int64_t group);
 
 /* RoPE in place on x (T, H, hd) contiguous, token t at position pos0 + t, the first n_rot dims of each head:
  * pairs (i, i + n_rot/2) (neox) or (2i, 2i+1); freq_factors (n_rot/2) or NULL; llama.cpp's float operations

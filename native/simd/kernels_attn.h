@@ -262,17 +262,49 @@ HI_INLINE void hi_attn_hsum_rows(float *a, int64_t hd, int dot) {
 #undef HI_ROWADD
 }
 
-/* out[0..hd) = sum_s p[s] v[s] for s < n (row s at v + s * v_row); acc: 4 * HI_AW * hd floats of scratch */
-HI_INLINE void hi_ggml_pv(const float *p, const float *v, int64_t v_row, int64_t n, int64_t hd, int tinyblas,
-                          float *out, float *acc) {
+/* out[0..hd) = sum_s p[s] v[s] for s < n (row s at v + s * v_row), in three parts so that several query rows can
+ * take the cache's rows block by block (hi_attn_run): pv_begin, pv_add over s in [s0, s1) for consecutive ranges
+ * from 0 (each s lands in the accumulator its absolute index picks, so the ranges change no bit), pv_end.
+ * acc: 4 * HI_AW * hd floats of scratch (8 * 4 * hd for the SSSE3 unit, 2 * hd doubles for the scalar unit) */
+HI_INLINE void hi_pv_begin(int64_t hd, int tinyblas, float *acc) {
+#if defined(HI_VNNI) || defined(HI_AVX2)
+    memset(acc, 0, sizeof(float) * (size_t)((tinyblas ? 1 : 4) * HI_AW * hd));
+#elif defined(HI_SSSE3)
+    (void)tinyblas;
+    memset(acc, 0, sizeof(float) * (size_t)(8 * 4 * hd));
+#else
+    (void)tinyblas;
+    double *d = (double *)acc;
+    for (int64_t i = 0; i < hd; i++) d[i] = 0.0;
+#endif
+}
+
+HI_INLINE void hi_pv_add(const float *p, const float *v, int64_t v_row, int64_t s0, int64_t s1, int64_t hd,
+                         int tinyblas, float *acc) {
 #if defined(HI_VNNI) || defined(HI_AVX2)
     const int A = tinyblas ? 1 : 4;
-    memset(acc, 0, sizeof(float) * (size_t)(A * HI_AW * hd));
-    for (int64_t s = 0; s < n; s++) {
+    for (int64_t s = s0; s < s1; s++) {
         float *a = acc + ((s / HI_AW) % A * HI_AW + s % HI_AW) * hd;
         const float *vs = v + s * v_row, ps = p[s];
         for (int64_t i = 0; i < hd; i++) a[i] = fmaf(ps, vs[i], a[i]);
     }
+#elif defined(HI_SSSE3)
+    (void)tinyblas;
+    for (int64_t s = s0; s < s1; s++) {
+        float *a = acc + ((s / 4) % 8 * 4 + s % 4) * hd;
+        const float *vs = v + s * v_row, ps = p[s];
+        for (int64_t i = 0; i < hd; i++) a[i] = ps * vs[i] + a[i];
+    }
+#else
+    (void)tinyblas;
+    double *d = (double *)acc;
+    for (int64_t s = s0; s < s1; s++)
+        for (int64_t i = 0; i < hd; i++) d[i] += (double)(p[s] * v[s * v_row + i]);
+#endif
+}
+
+HI_INLINE void hi_pv_end(int64_t hd, int tinyblas, float *acc, float *out) {
+#if defined(HI_VNNI) || defined(HI_AVX2)
     if (!tinyblas) { /* (a0 + a2) + (a1 + a3), lane by lane */
         const int64_t L = HI_AW * hd;
         for (int64_t i = 0; i < L; i++) acc[i] = (acc[i] + acc[2 * L + i]) + (acc[L + i] + acc[3 * L + i]);
@@ -283,12 +315,6 @@ HI_INLINE void hi_ggml_pv(const float *p, const float *v, int64_t v_row, int64_t
     /* ggml_vec_dot_f32 over s (no tinyBLAS below AVX): 8 accumulators of 4 lanes, products rounded apart */
     (void)tinyblas;
     const int64_t L = 4 * hd;
-    memset(acc, 0, sizeof(float) * (size_t)(8 * L));
-    for (int64_t s = 0; s < n; s++) {
-        float *a = acc + ((s / 4) % 8 * 4 + s % 4) * hd;
-        const float *vs = v + s * v_row, ps = p[s];
-        for (int64_t i = 0; i < hd; i++) a[i] = ps * vs[i] + a[i];
-    }
     for (int j = 0; j < 4; j++)
         for (int64_t i = 0; i < L; i++) acc[j * L + i] = acc[j * L + i] + acc[(j + 4) * L + i];
     for (int j = 0; j < 2; j++)
@@ -298,26 +324,48 @@ HI_INLINE void hi_ggml_pv(const float *p, const float *v, int64_t v_row, int64_t
     memcpy(out, acc, sizeof(float) * (size_t)hd);
 #else
     (void)tinyblas;
-    double *d = (double *)acc; /* acc holds 4 * hd floats at least: 2 * hd doubles */
-    for (int64_t i = 0; i < hd; i++) d[i] = 0.0;
-    for (int64_t s = 0; s < n; s++)
-        for (int64_t i = 0; i < hd; i++) d[i] += (double)(p[s] * v[s * v_row + i]);
+    const double *d = (const double *)acc;
     for (int64_t i = 0; i < hd; i++) out[i] = (float)d[i];
 #endif
 }
 
-/* query rows [r0, r1) of job a (row r: token r / H, head r % H), scratch of hi_attn_scratch_row floats */
+/* cache rows a block of query rows takes at a time: a block of K (or V) rows stays in L1/L2 while each of the rows
+ * that share its K/V head reads it */
+#define HI_ATTN_SB 64
+
+/* query rows [r0, r1) of job a (row r: token r / H, head r % H), scratch of a->slots * hi_attn_scratch_row floats.
+ * Consecutive rows of one token whose heads share a K/V head (up to a->slots of them) are computed together: each
+ * block of the cache's K rows, then of its V rows, is read once for all of them, from cache, instead of once per
+ * row from memory. Every row's own operations and their order are those of the row alone. */
 static void hi_attn_run(const hi_attn *a, int64_t r0, int64_t r1, float *scratch) {
-    const int64_t H = a->H, hd = a->hd, G = a->H / a->Hkv;
-    const int64_t npad = (a->pos0 + a->T + 63) & ~(int64_t)63;
-    float *w = scratch, *acc = scratch + npad;
-    for (int64_t r = r0; r < r1; r++) {
-        const int64_t t = r / H, h = r % H, kvh = h / G, n = a->pos0 + t + 1;
-        const float *q = a->q + t * a->q_row + h * hd;
-        for (int64_t s = 0; s < n; s++) w[s] = hi_ggml_dot_f32(a->k + s * a->kv_row + kvh * hd, q, hd);
-        hi_ggml_softmax(w, n, a->scale);
-        hi_ggml_pv(w, a->v + kvh * hd, a->kv_row, n, hd, a->T >= 2 && !a->rows1 && hd % 4 == 0,
-                   a->out + t * a->out_row + h * hd, acc);
+    const int64_t H = a->H, hd = a->hd, G = a->H / a->Hkv, R = a->slots > 0 ? a->slots : 1;
+    const int64_t npad = (a->pos0 + a->T + 63) & ~(int64_t)63, accn = 4 * 16 * hd;
+    const int tinyblas = a->T >= 2 && !a->rows1 && hd % 4 == 0;
+    float *w = scratch, *acc = scratch + R * npad;
+    for (int64_t r = r0; r < r1;) {
+        const int64_t t = r / H, kvh = (r % H) / G, n = a->pos0 + t + 1;
+        int64_t m = 1; /* rows in this run: the same token and K/V head */
+        while (m < R && r + m < r1 && (r + m) / H == t && ((r + m) % H) / G == kvh) m++;
+        const float *k = a->k + kvh * hd, *v = a->v + kvh * hd;
+        for (int64_t s0 = 0; s0 < n; s0 += HI_ATTN_SB) {
+            const int64_t s1 = s0 + HI_ATTN_SB < n ? s0 + HI_ATTN_SB : n;
+            for (int64_t i = 0; i < m; i++) {
+                const float *q = a->q + t * a->q_row + ((r + i) % H) * hd;
+                float *wi = w + i * npad;
+                for (int64_t s = s0; s < s1; s++) wi[s] = hi_ggml_dot_f32(k + s * a->kv_row, q, hd);
+            }
+        }
+        for (int64_t i = 0; i < m; i++) {
+            hi_ggml_softmax(w + i * npad, n, a->scale);
+            hi_pv_begin(hd, tinyblas, acc + i * accn);
+        }
+        for (int64_t s0 = 0; s0 < n; s0 += HI_ATTN_SB) {
+            const int64_t s1 = s0 + HI_ATTN_SB < n ? s0 + HI_ATTN_SB : n;
+            for (int64_t i = 0; i < m; i++) hi_pv_add(w + i * npad, v, a->kv_row, s0, s1, hd, tinyblas, acc + i * accn);
+        }
+        for (int64_t i = 0; i < m; i++)
+            hi_pv_end(hd, tinyblas, acc + i * accn, a->out + t * a->out_row + ((r + i) % H) * hd);
+        r += m;
     }
 }
 

@@ -99,6 +99,7 @@ class Workspace:
         f = _zeros
         D = a.n_embd
         self.T, self.n_ctx = T, n_ctx
+        self.shared = model.shared_scratch  # buffers every workspace of the model shares
         # decode (T = 1, or `rows`: one token of each of T sequences): native calls bound to these buffers once
         self.bind = T == 1 or rows
         self.calls: dict[tuple, object] = {}
@@ -134,7 +135,13 @@ class Workspace:
         hd = a.head_dim
         self.q, self.gate = _zeros(T, a.n_head, hd), _zeros(T, a.n_head * hd)
         self.attn = _zeros(T, a.n_head * hd)
-        self.attn_scratch = _zeros(simd.attention_scratch_size(n_ctx, hd))
+        # one scratch per cache size for every workspace (one call runs at a time), with room for the query heads
+        # that share a K/V head to go together
+        G = a.n_head // a.n_head_kv
+        key = ("attn", n_ctx, hd, G)
+        if key not in self.shared:
+            self.shared[key] = _zeros(simd.attention_scratch_size(n_ctx, hd, G))
+        self.attn_scratch = self.shared[key]
 
     def op_gdn(self, a, simd, T: int, n_ctx: int, rows: bool) -> None:
         self.outs.append(_zeros(T, a.ssm_n_v_heads))  # the 4th of GDN's products (alpha)
@@ -189,6 +196,7 @@ class CPUModel(Backend):
 
             self.replicas = make_replicas(simd, [m.raw for m in self.mats], numa.replicas, numa.replica_cpus)
         self._ws: dict[tuple[int, int], Workspace] = {}
+        self.shared_scratch: dict = {}
 
     @property
     def numeric_path(self) -> str:
@@ -371,6 +379,7 @@ class CPUModel(Backend):
         """Work buffers, recorded steps, weight copies and the C thread pool go now (the mapped file goes with the
         last view of it)."""
         self._ws.clear()
+        self.shared_scratch.clear()
         self.layers, self.mats, self.replicas, self.out, self.tok_embd = [], [], None, None, None
         self.simd.close()
 

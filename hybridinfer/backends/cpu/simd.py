@@ -309,9 +309,10 @@ class SimdLib(MoECalls, OpCalls, ReplicaCalls, GDNCalls):
         if rc:
             _check_rc(rc, "matmul_many")
 
-    def attention_scratch_size(self, n_ctx: int, head_dim: int) -> int:
-        """float32 elements of `attention`'s scratch for a cache of n_ctx rows."""
-        return int(self._lib.hi_attention_scratch(self._c, int(n_ctx), int(head_dim)))
+    def attention_scratch_size(self, n_ctx: int, head_dim: int, group: int = 1) -> int:
+        """float32 elements of `attention`'s scratch for a cache of n_ctx rows; with `group` (query heads per K/V
+        head) room to compute those heads together (each K/V block read once for them)."""
+        return int(self._lib.hi_attention_scratch(self._c, int(n_ctx), int(head_dim), int(group)))
 
     def attention(self, q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, pos0: int, out: np.ndarray,
                   scratch: np.ndarray, ggml_op: int = GGML_MUL_MAT) -> None:
