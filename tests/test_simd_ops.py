@@ -135,8 +135,9 @@ def test_attention_rows_equal_one_step_per_sequence(n_threads):
     k, v = kv[:, : Hkv * hd].reshape(B, Hkv, hd), kv[:, Hkv * hd : 2 * Hkv * hd].reshape(B, Hkv, hd)
     q = _f(rng, B, H, hd)
     scratch = np.zeros(lib.attention_scratch_size(n_ctx, hd), np.float32)
+    grouped = np.zeros(lib.attention_scratch_size(n_ctx, hd, H // Hkv), np.float32)  # the heads of a K/V head together
     rot = (hd // 2, 10000.0, True, np.zeros(0, np.float32))
-    for dpos in (0, 1):
+    for dpos, rows_scratch in ((0, scratch), (1, scratch), (0, grouped), (1, grouped)):
         want_q, want_o = q.copy(), np.zeros((B, H * hd), np.float32)
         want_c = [(kc.copy(), vc.copy()) for kc, vc in caches]
         for j in range(B):
@@ -144,7 +145,8 @@ def test_attention_rows_equal_one_step_per_sequence(n_threads):
                           want_o[j : j + 1], scratch, *rot)
         got_q, got_o = q.copy(), np.full((B, H * hd), np.nan, np.float32)
         got_c = [(kc.copy(), vc.copy()) for kc, vc in caches]
-        lib.attn_rows(got_q, k, v, [c[0] for c in got_c], [c[1] for c in got_c], pos, dpos, got_o, scratch, *rot)
+        lib.attn_rows(got_q, k, v, [c[0] for c in got_c], [c[1] for c in got_c], pos, dpos, got_o, rows_scratch,
+                      *rot)
         assert np.array_equal(got_q, want_q) and np.array_equal(got_o, want_o), dpos
         for (gk, gv), (wk, wv) in zip(got_c, want_c, strict=True):
             assert np.array_equal(gk, wk) and np.array_equal(gv, wv), dpos
