@@ -237,6 +237,19 @@ def test_an_engine_dropped_without_close_lets_go_of_everything(smollm_path):
     assert be.layers == [] and be.out is None  # CPUModel.close ran: weights, buffers and the pool let go
 
 
+def test_a_device_stand_in_closes_without_a_card(smollm_path):
+    """GPUPrefillCPUDecode over a stand-in device (no CUDA context ever made, no pycuda needed) closes: its CPU
+    backend and the stand-in let go, nothing of CUDA's is touched (an engine's finalizer runs this)."""
+    from hybridinfer.backends import GPUPrefillCPUDecode
+
+    eng = Engine.load(smollm_path, backend="cpu", n_ctx=128)
+    closed = []
+    dev = _CPUPass(eng.backend)
+    dev.close = lambda: closed.append(True)
+    GPUPrefillCPUDecode(dev, eng.backend).close()
+    assert closed == [True] and eng.backend.layers == []
+
+
 def test_server_lifespan_closes_the_engine(smollm_path):
     from fastapi.testclient import TestClient
 

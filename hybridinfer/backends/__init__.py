@@ -102,11 +102,15 @@ class GPUPrefillCPUDecode(Backend):
         gpu, self.gpu = self.gpu, None
         if gpu is None:
             return
-        from .gpu.loader import on_this_thread
+        from .gpu import loader
 
+        if loader._ctx is None:  # no card context was ever made (a device stand-in): nothing of CUDA's to free
+            if hasattr(gpu, "close"):
+                gpu.close()
+            return
         # the card's buffers were made on the scheduler's worker thread: PyCUDA frees them only where the context
         # is current, so they go here, inside it, and not at a later collection on whichever thread runs it
-        with on_this_thread():
+        with loader.on_this_thread():
             if hasattr(gpu, "close"):
                 gpu.close()
             del gpu
