@@ -1,11 +1,18 @@
-"""Helpers of the batch tests: a job's output file as {record id: record}, failing on any id written twice (no line
-may be doubled), and an `os` for output.py whose disk fills up."""
+"""Helpers of the batch tests: a job's input file from its lines, its output file as {record id: record}, failing on
+any id written twice (no line may be doubled), and an `os` for output.py whose disk fills up."""
 
 from __future__ import annotations
 
 import errno
 import json
 import os
+
+
+def write_job(path, lines) -> None:
+    """A job file: each line a dict (written as JSON) or a str (written as it is: malformed lines)."""
+    with open(path, "w") as f:
+        for ln in lines:
+            f.write((ln if isinstance(ln, str) else json.dumps(ln)) + "\n")
 
 
 def records(path) -> dict[str, dict]:

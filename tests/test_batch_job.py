@@ -12,6 +12,7 @@ import pytest
 
 pytest.importorskip("pydantic")
 
+from batch_records import write_job  # noqa: E402
 from test_chat_template import QWEN35_TEMPLATE, TOOLS  # noqa: E402
 
 from hybridinfer.cli import main  # noqa: E402
@@ -35,13 +36,8 @@ def engine(smollm_path):
     # no prefix cache: cached_tokens in the usage then does not depend on which of the two ran a request first
     eng = Engine.load(smollm_path, backend="cpu", isa=ISA, n_ctx=512, max_seqs=4)
     yield eng
-    eng.scheduler.close()
+    eng.close()
 
-
-def write_job(path, lines) -> None:
-    with open(path, "w") as f:
-        for ln in lines:
-            f.write((ln if isinstance(ln, str) else json.dumps(ln)) + "\n")
 
 
 def read_out(path) -> list[dict]:

@@ -50,7 +50,7 @@ def test_ray_shards_with_a_killed_worker(cluster, smollm_path, tmp_path):
     make = functools.partial(Engine.load, smollm_path, backend="cpu", n_ctx=512, max_seqs=4, n_threads=1)
     eng = make()
     run_job(eng, str(job), str(tmp_path / "base.jsonl"))
-    eng.scheduler.close()
+    eng.close()
     want = _answers(tmp_path / "base.jsonl")
 
     out = str(tmp_path / "out.jsonl")

@@ -10,7 +10,7 @@ import json
 import threading
 
 import pytest
-from batch_records import FullDisk, records
+from batch_records import FullDisk, records, write_job
 
 pytest.importorskip("pydantic")
 
@@ -28,13 +28,8 @@ TIMEOUT = 120
 def engine(smollm_path):
     eng = Engine.load(smollm_path, backend="cpu", n_ctx=512, max_seqs=4)
     yield eng
-    eng.scheduler.close()
+    eng.close()
 
-
-def _job(path, lines) -> None:
-    with open(path, "w") as f:
-        for ln in lines:
-            f.write((ln if isinstance(ln, str) else json.dumps(ln)) + "\n")
 
 
 def _lines(n: int, tag: str = "q") -> list[dict]:
@@ -60,7 +55,7 @@ def _run(engine, job, out, **kw):
 
 def test_a_file_that_is_no_batch_output_is_refused_untouched(engine, tmp_path):
     job, notes = tmp_path / "job.jsonl", tmp_path / "notes.jsonl"
-    _job(job, _lines(3))
+    write_job(job, _lines(3))
     data = b"".join(json.dumps({"note": i, "text": "remember the milk " * 5}).encode() + b"\n" for i in range(400))
     notes.write_bytes(data)
     s, err = _run(engine, job, notes)
@@ -71,23 +66,23 @@ def test_a_file_that_is_no_batch_output_is_refused_untouched(engine, tmp_path):
 def test_an_edited_input_or_another_jobs_output_is_refused(engine, tmp_path):
     job, out = tmp_path / "job.jsonl", tmp_path / "out.jsonl"
     lines = _lines(5)
-    _job(job, lines)
+    write_job(job, lines)
     s, err = _run(engine, job, out)
     assert err is None and s["done"] == 5
     data = out.read_bytes()
     # a line inserted at the top between runs: resuming by line number would skip it and answer another twice
-    _job(job, [{"custom_id": "new", "prompt": "Inserted", **G}] + lines)
+    write_job(job, [{"custom_id": "new", "prompt": "Inserted", **G}] + lines)
     s, err = _run(engine, job, out)
     assert isinstance(err, HybridInferError) and "another input" in str(err), (s, err)
     assert out.read_bytes() == data
     # another job of the same line count pointed at this output: refused, not "nothing to do"
     other = tmp_path / "other.jsonl"
-    _job(other, _lines(5, "other"))
+    write_job(other, _lines(5, "other"))
     s, err = _run(engine, other, out)
     assert isinstance(err, HybridInferError) and "another input" in str(err), (s, err)
     assert out.read_bytes() == data
     # the input put back as it was: the job is its own and complete
-    _job(job, lines)
+    write_job(job, lines)
     s, err = _run(engine, job, out)
     assert err is None and s["written"] == 0 and s["done"] == 5 and out.read_bytes() == data
 
@@ -96,7 +91,7 @@ def test_duplicate_custom_ids_are_error_lines_and_resume_keeps_them(engine, tmp_
     """The first line with a custom_id is run; a later one with the same id is an error line. A resumed job whose
     output lost the first's answer (killed while it ran) runs it and writes the duplicate's line no second time."""
     job, out = tmp_path / "job.jsonl", tmp_path / "out.jsonl"
-    _job(job, [{"custom_id": "a", "prompt": "First", **G}, {"custom_id": "b", "prompt": "Second", **G},
+    write_job(job, [{"custom_id": "a", "prompt": "First", **G}, {"custom_id": "b", "prompt": "Second", **G},
                {"custom_id": "a", "prompt": "Again", **G}])
     s, err = _run(engine, job, out)
     assert err is None and s["by_status"] == {"200": 2, "error": 1}
@@ -113,7 +108,7 @@ def test_duplicate_custom_ids_are_error_lines_and_resume_keeps_them(engine, tmp_
 
 def test_a_full_disk_stops_the_job_naming_the_line(engine, tmp_path, monkeypatch):
     job, out = tmp_path / "job.jsonl", tmp_path / "out.jsonl"
-    _job(job, _lines(10))
+    write_job(job, _lines(10))
     monkeypatch.setattr(output_mod, "os", FullDisk(3))
     s, err = _run(engine, job, out, max_inflight=4)
     assert isinstance(err, HybridInferError) and "input line" in str(err) and "No space left" in str(err), (s, err)
@@ -126,7 +121,7 @@ def test_a_full_disk_stops_the_job_naming_the_line(engine, tmp_path, monkeypatch
 def test_a_custom_id_utf8_cannot_carry_is_answered(engine, tmp_path):
     job, out = tmp_path / "job.jsonl", tmp_path / "out.jsonl"
     # valid JSON whose custom_id is a lone surrogate (json.dumps writes it as \ud800)
-    _job(job, [{"custom_id": "bad\ud800", "prompt": "Hello", **G}] + _lines(2))
+    write_job(job, [{"custom_id": "bad\ud800", "prompt": "Hello", **G}] + _lines(2))
     s, err = _run(engine, job, out)
     assert err is None and s["done"] == 3 and s["by_status"] == {"200": 3}, (s, err)
     assert records(out)["batch_req_1"]["custom_id"] == "bad\ud800"
@@ -136,7 +131,7 @@ def test_a_custom_id_utf8_cannot_carry_is_answered(engine, tmp_path):
 
 def test_a_line_over_the_limit_is_an_error_line(engine, tmp_path):
     job, out = tmp_path / "job.jsonl", tmp_path / "out.jsonl"
-    _job(job, _lines(1) + [{"custom_id": "big", "prompt": "x " * 600_000, **G}] + _lines(1, "z"))
+    write_job(job, _lines(1) + [{"custom_id": "big", "prompt": "x " * 600_000, **G}] + _lines(1, "z"))
     s, err = _run(engine, job, out)  # n_ctx 512: the default limit is 1 MiB
     assert err is None and s["done"] == 3 and s["by_status"] == {"200": 2, "error": 1}, (s, err)
     rec = records(out)["batch_req_2"]
@@ -152,7 +147,7 @@ def test_a_request_that_fails_alone_is_its_error_line(engine, tmp_path, monkeypa
     7 fails while its record is made; the other lines are answered and the job ends."""
     job, out = tmp_path / "job.jsonl", tmp_path / "out.jsonl"
     bad = [{"custom_id": f"bad{n}", "prompt": "Fail", "max_tokens": n, "temperature": 0} for n in (5, 6, 7)]
-    _job(job, _lines(2) + bad + _lines(2, "z"))
+    write_job(job, _lines(2) + bad + _lines(2, "z"))
     sched = engine.scheduler
     real = sched.submit_many
 
@@ -194,7 +189,8 @@ def test_a_request_that_fails_alone_is_its_error_line(engine, tmp_path, monkeypa
 def test_a_top_k_past_int64_is_its_error_line(engine, tmp_path):
     """The finding: a line with top_k 2**63 made the job never end (and hang again on every resume)."""
     job, out = tmp_path / "job.jsonl", tmp_path / "out.jsonl"
-    _job(job, _lines(1) + [{"custom_id": "huge", "prompt": "Hi", "max_tokens": 3, "top_k": 2**63}] + _lines(1, "z"))
+    huge = {"custom_id": "huge", "prompt": "Hi", "max_tokens": 3, "top_k": 2**63}
+    write_job(job, _lines(1) + [huge] + _lines(1, "z"))
     s, err = _run(engine, job, out)
     assert err is None and s["done"] == 3 and s["by_status"] == {"200": 2, "400": 1}, (s, err)
     rec = next(r for r in records(out).values() if r["custom_id"] == "huge")

@@ -58,7 +58,7 @@ def engine(smollm_path):
     eng = Engine.load(smollm_path, backend="cpu", n_ctx=1024, max_seqs=4, prefix_cache={"ram_bytes": 64 << 20},
                       isa=os.environ.get("HYBRIDINFER_ISA"))
     yield eng
-    eng.scheduler.close()
+    eng.close()
 
 
 def json_prefix(text: str) -> bool:

@@ -29,7 +29,7 @@ BIG = 1 << 63  # one past int64's largest
 def engine(smollm_path):
     eng = Engine.load(smollm_path, backend="cpu", n_ctx=1024, max_seqs=4)
     yield eng
-    eng.scheduler.close()
+    eng.close()
 
 
 @pytest.fixture(scope="module")

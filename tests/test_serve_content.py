@@ -25,7 +25,7 @@ BENIGN = [
 def engine(smollm_path):
     eng = Engine.load(smollm_path, backend="cpu", n_ctx=1024, max_seqs=2)
     yield eng
-    eng.scheduler.close()
+    eng.close()
 
 
 def _starts(engine, ids) -> int:

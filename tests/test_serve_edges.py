@@ -34,7 +34,7 @@ CHAT, MSGS, COMP, COUNT = "/v1/chat/completions", "/v1/messages", "/v1/completio
 def engine(smollm_path):
     eng = Engine.load(smollm_path, backend="cpu", n_ctx=512, max_seqs=2)
     yield eng
-    eng.scheduler.close()
+    eng.close()
 
 
 @pytest.fixture(scope="module")

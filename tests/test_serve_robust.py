@@ -37,7 +37,7 @@ def _wait(cond, timeout_s: float = 15.0, what: str = "") -> None:
 def engine(smollm_path):
     eng = Engine.load(smollm_path, backend="cpu", n_ctx=1024, max_seqs=4, prefix_cache={"ram_bytes": 64 << 20})
     yield eng
-    eng.scheduler.close()
+    eng.close()
 
 
 @pytest.fixture(scope="module")

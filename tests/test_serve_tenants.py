@@ -24,7 +24,7 @@ SYSTEM = ("You are the assistant of a small bakery in Lyon. Answer questions abo
 def engine(smollm_path):
     eng = Engine.load(smollm_path, backend="cpu", n_ctx=1024, max_seqs=2, prefix_cache={"ram_bytes": 64 << 20})
     yield eng
-    eng.scheduler.close()
+    eng.close()
 
 
 def _msgs(system: str, q: str) -> list[dict]:

@@ -48,7 +48,7 @@ def _fails_later(n: int) -> dict:
 def engine(smollm_path):
     eng = Engine.load(smollm_path, backend="cpu", n_ctx=512, max_seqs=4)
     yield eng
-    eng.scheduler.close()
+    eng.close()
 
 
 @pytest.mark.parametrize("name,schema", UNSATISFIABLE)
