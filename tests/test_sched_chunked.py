@@ -22,23 +22,11 @@ from hybridinfer.engine.api import Engine
 from hybridinfer.engine.compute import MAX_PASS_STEPS, MIN_PROMPT_TOKENS, STALL, chunk_end, pass_tokens, prompt_budget
 from hybridinfer.engine.scheduler import Scheduler
 from hybridinfer.errors import EngineClosed, ParameterError
+from hybridinfer.tools.benchmarks.batch_api import NoEnd
 
 
 def _ids(n_vocab: int, n: int, seed: int) -> list[int]:
     return [int(x) for x in np.random.default_rng(seed).integers(3, n_vocab, n)]
-
-
-class _NoEos:
-    """A constraint that forbids the end-of-generation token, so a sequence runs to max_tokens."""
-
-    def __init__(self, eos: int):
-        self.eos = eos
-
-    def mask(self, logits):
-        logits[self.eos] = -np.inf
-
-    def accept(self, t):
-        return True
 
 
 def _drive(sched: Scheduler, limit: int = 2000) -> None:
@@ -97,7 +85,7 @@ def test_a_long_prompt_does_not_stall_running_streams(smollm_path):
     eng = Engine.load(smollm_path, backend="cpu", n_ctx=2100, max_seqs=5)
     eos = eng.tokenizer.eos_id
     sched = Scheduler(eng, max_seqs=5, worker=False, step_tokens=64)
-    runners = sched.submit_many([eng.make_request(p, max_tokens=300, temperature=0, constraint=_NoEos(eos))
+    runners = sched.submit_many([eng.make_request(p, max_tokens=300, temperature=0, constraint=NoEnd([eos]))
                                  for p in ("One.", "Two, two.", "Three.", "Four, four.")])
     sched.step()
     assert [len(h.generation.tokens) for h in runners] == [1, 1, 1, 1]
@@ -137,7 +125,7 @@ def test_a_step_takes_the_prompt_tokens_of_stall_decode_steps(smollm_path, monke
     sched = Scheduler(eng, max_seqs=3, worker=False, step_tokens=256)
     monkeypatch.setattr(sm, "ema", lambda old, new, keep=0.7: old if old is not None else new)
     runners = sched.submit_many([eng.make_request(p, max_tokens=40, temperature=0,
-                                                  constraint=_NoEos(eng.tokenizer.eos_id)) for p in ("One.", "Two.")])
+                                                  constraint=NoEnd([eng.tokenizer.eos_id])) for p in ("One.", "Two.")])
     sched.step()
     sched._decode_s, sched._token_s = 0.010, 0.001
     (long,) = sched.submit_many([eng.make_request(_ids(eng.args.n_vocab, 300, 2), max_tokens=2, temperature=0)])
@@ -181,7 +169,7 @@ def test_a_long_prompt_on_a_single_pass_backend_waits_one_pass_at_a_time(smollm_
     (alone,) = sched.submit_many([eng.make_request(prompt, max_tokens=2, temperature=0)])
     _drive(sched)
     assert dev.passes == [600]
-    runners = sched.submit_many([eng.make_request(p, max_tokens=40, temperature=0, constraint=_NoEos(eos))
+    runners = sched.submit_many([eng.make_request(p, max_tokens=40, temperature=0, constraint=NoEnd([eos]))
                                  for p in ("One.", "Two, two.")])
     sched.step()
     dev.passes.clear()
@@ -199,7 +187,7 @@ def test_close_ends_the_worker_answers_every_request_and_frees_memory(smollm_pat
     with Engine.load(smollm_path, backend="cpu", n_ctx=256, max_seqs=1) as eng:
         eos = eng.tokenizer.eos_id
         sched = eng.scheduler
-        running = eng.submit("Once upon a time", max_tokens=200, temperature=0, constraint=_NoEos(eos))
+        running = eng.submit("Once upon a time", max_tokens=200, temperature=0, constraint=NoEnd([eos]))
         queued = [eng.submit("Hello", max_tokens=4, temperature=0) for _ in range(3)]
         next(iter(running))  # it runs: the worker is there
         assert sched.worker_alive

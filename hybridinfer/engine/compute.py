@@ -82,6 +82,14 @@ class PromptWork:
     def left(self) -> int:
         return len(self.ids) - self.state.pos
 
+    def chunk_done(self, last: np.ndarray) -> np.ndarray | None:
+        """After a chunk whose last token's logits are `last`: the snapshot, when the state's position is one of
+        `at`; then those logits (a copy: a view of the backend's buffers would not outlive the lock) once the
+        prompt is done, else None."""
+        if self.save is not None and self.state.pos in self.at:
+            self.save(self.state, last)
+        return np.array(last, copy=True) if self.state.pos == len(self.ids) else None
+
 
 def chunk_end(pos: int, end: int, at, budget: int, max_chunk: int) -> int:
     """Where the next prefill chunk from `pos` ends: at most `budget` and `max_chunk` tokens, never past the
@@ -155,10 +163,7 @@ class Compute:
         with self.lock:
             be, st = self._open(), work.state
             b = chunk_end(st.pos, len(work.ids), work.at, budget, self.prefill_chunk)
-            lg = be.forward(work.ids[st.pos : b], st, all_logits=False)
-            if work.save is not None and st.pos in work.at:
-                work.save(st, lg[-1])
-            return np.array(lg[-1], copy=True) if st.pos == len(work.ids) else None
+            return work.chunk_done(be.forward(work.ids[st.pos : b], st, all_logits=False)[-1])
 
     def chunk_len(self, work: PromptWork, budget: int) -> int:
         """How many tokens prefill_steps takes from `work` under `budget` (chunk_end's rule)."""
@@ -175,13 +180,7 @@ class Compute:
                 return [self.prefill_step(*plan[0])]
             chunks = [(w.ids[w.state.pos : w.state.pos + self.chunk_len(w, b)], w.state) for w, b in plan]
             lgs = be.forward_many(chunks)
-            out = []
-            for (w, _), lg in zip(plan, lgs, strict=True):
-                st = w.state
-                if w.save is not None and st.pos in w.at:
-                    w.save(st, lg)
-                out.append(np.array(lg, copy=True) if st.pos == len(w.ids) else None)
-            return out
+            return [w.chunk_done(lg) for (w, _), lg in zip(plan, lgs, strict=True)]
 
     def prefill_whole(self, works: list[PromptWork], limit: int | None = None) -> list[np.ndarray | None]:
         """Every prompt of `works` to its end, or (limit) the oldest prompts' next `limit` tokens at most; each
@@ -218,12 +217,7 @@ class Compute:
                 lgs = [be.forward(ids, st, all_logits=False, snapshot_at=at, on_snapshot=cb)[-1:]]
             else:
                 lgs = be.prefill_many(items)
-            got = {}
-            for (w, _), lg in zip(todo, lgs, strict=True):
-                if w.save is not None and w.state.pos in w.at:
-                    w.save(w.state, lg[-1])
-                # a view of the backend's buffers would not outlive the lock
-                got[id(w)] = np.array(lg[-1], copy=True) if w.state.pos == len(w.ids) else None
+            got = {id(w): w.chunk_done(lg[-1]) for (w, _), lg in zip(todo, lgs, strict=True)}
             return [got.get(id(w)) for w in works]
 
     def decode_step(self, tokens: list[int], states: list) -> np.ndarray:

@@ -299,15 +299,16 @@ class Scheduler:
             limit = pass_tokens(self.step_tokens, running, be.last_pass)
             for s, got in zip(pending, self._prefill_whole(pending, limit), strict=True):
                 self._took(s, got)
-        plan, left = [], 0 if be.single_pass else max(budget, 1)
-        for j, s in enumerate(seqs):
-            if not s.restored and left > 0 and not self._waits(s, seqs[:j]):
-                self._restore(s, later(j))
-            if s.restored and s.work is not None and not s.freed and left > 0:
-                plan.append((s, left))
-                left -= self.engine.chunk_len(s.work, left)
-        for (s, _), got in zip(plan, self._prefill_steps(plan), strict=True):
-            self._took(s, got)
+        else:
+            plan, left = [], max(budget, 1)
+            for j, s in enumerate(seqs):
+                if not s.restored and left > 0 and not self._waits(s, seqs[:j]):
+                    self._restore(s, later(j))
+                if s.restored and s.work is not None and not s.freed and left > 0:
+                    plan.append((s, left))
+                    left -= self.engine.chunk_len(s.work, left)
+            for (s, _), got in zip(plan, self._prefill_steps(plan), strict=True):
+                self._took(s, got)
         started = [s for s in seqs if s.restored and s.work is None and not s.freed and self._first(s)]
         self._prefilling = [s for s in seqs if not s.freed and (s.work is not None or not s.restored)]
         return started
