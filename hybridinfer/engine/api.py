@@ -167,7 +167,9 @@ class Engine(Compute):
         # and one dropped without close() lets go of its backend when it is collected (its worker holds it only
         # during a step): the parts live in a list the finalizer shares, emptied by close()
         self._parts = [backend, gm, self.prefix_cache]
-        weakref.finalize(self, _let_go, self._parts)
+        # not at exit: the hook above does that, stopping the worker first (finalizers would run before it, with
+        # the worker perhaps mid-step)
+        weakref.finalize(self, _let_go, self._parts).atexit = False
 
     @classmethod
     def load(cls, path: str | None = None, backend: str = "auto", *, n_ctx: int = 4096,
