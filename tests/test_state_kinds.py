@@ -131,7 +131,7 @@ def test_snapshot_layout_and_parts_follow_the_declarations():
             arr[...] = rng.standard_normal(arr.shape, dtype=np.float32)
     st.pos = 9
     lay = StateLayout.of_state(st, a.n_vocab)
-    assert {(name, i) for name, i, _ in lay.shapes} == {(s.name, i) for i, s in layer_arrays(a.layer_types)}
+    assert {(name, i) for name, i, _, _ in lay.shapes} == {(s.name, i) for i, s in layer_arrays(a.layer_types)}
     snap = from_state(st, key=b"k", block_key=b"b", tail=(), parent=None, kv_from=2, seg_blocks=())
     check_snapshot(snap, a.layer_types, lay)
     for i, s in layer_arrays(a.layer_types):

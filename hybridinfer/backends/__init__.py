@@ -152,7 +152,7 @@ def make_backend(name: str, gm, args, options: dict, n_ctx: int):
         from .reference import ReferenceModel
 
         return ReferenceModel(gm, args, cache_weights=options.pop("cache_weights", True),
-                              act_quant=options.pop("act_quant", False), kv_f16=options.pop("kv_f16", False))
+                              act_quant=options.pop("act_quant", False))
     from .cpu.backend import CPUModel
     from .cpu.simd import SimdLib
 

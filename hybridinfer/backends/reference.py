@@ -14,6 +14,7 @@ from ..format.quant import dequantize, dequantize_rows
 from ..format.quant_types import act_of
 from ..models import graph
 from ..models.graph import BlockTensors, block_names
+from ..models.state_kinds import cache_path, cache_types
 from . import Backend, actquant
 from . import reference_ops as op
 from .state import DecoderState, check_tokens
@@ -93,11 +94,11 @@ class Layer(BlockTensors):
 class ReferenceModel(Backend):
     """backend="reference": the exact numpy oracle (float activations unless act_quant); slow by design."""
 
-    def __init__(self, gm: GGUFModel, args, cache_weights: bool = True, act_quant: bool = False,
-                 kv_f16: bool = False):
-        """act_quant and kv_f16 reproduce llama.cpp's rounding (Q8 activations, F16 K/V cache) for
-        comparisons with it; the defaults are the exact float32 reference."""
-        self.gm, self.args, self.kv_f16, self.act_quant = gm, args, kv_f16, act_quant
+    def __init__(self, gm: GGUFModel, args, cache_weights: bool = True, act_quant: bool = False):
+        """act_quant reproduces llama.cpp's rounding of Q8 activations for comparisons with it; the default is the
+        exact float32 reference. The K/V rows are kept in args' cache types (gguf.quants' blocks), and a query is
+        rounded as llama.cpp's flash attention rounds it for them (reference_ops.kv_query)."""
+        self.gm, self.args, self.act_quant = gm, args, act_quant
         self.norm = op.rms_norm_ggml if act_quant else op.rms_norm
         self.w = Weights(gm, cache=cache_weights, act_quant=act_quant)
         self.layers = [Layer(self.w, i) for i in range(args.n_layer)]
@@ -107,7 +108,7 @@ class ReferenceModel(Backend):
 
     @property
     def numeric_path(self) -> str:
-        return "reference" + (":act_quant" if self.act_quant else "") + (":kv_f16" if self.kv_f16 else "")
+        return "reference" + (":act_quant" if self.act_quant else "") + cache_path(self.args)
 
     def preload(self, progress: bool = False) -> None:
         """Dequantize every tensor now (with a progress bar) instead of on first use."""
@@ -178,11 +179,11 @@ class RefOps:
         pos = np.arange(p0, p0 + T)
         q = op.rope(q, pos, a.n_rot, a.rope_theta, a.rope_neox, ff)
         k = op.rope(k, pos, a.n_rot, a.rope_theta, a.rope_neox, ff)
-        if self.m.kv_f16:
-            k, v = k.astype(np.float16), v.astype(np.float16)
-        st.k[i][p0 : p0 + T] = k
-        st.v[i][p0 : p0 + T] = v
-        return op.causal_attention(q, st.k[i][: p0 + T], st.v[i][: p0 + T], p0).reshape(T, a.n_head * hd)
+        kt, vt = cache_types(a)
+        st.k[i][p0 : p0 + T] = op.kv_encode(k, kt)
+        st.v[i][p0 : p0 + T] = op.kv_encode(v, vt)
+        k_all, v_all = op.kv_decode(st.k[i][: p0 + T], kt, hd), op.kv_decode(st.v[i][: p0 + T], vt, hd)
+        return op.causal_attention(op.kv_query(q, kt), k_all, v_all, p0).reshape(T, a.n_head * hd)
 
     def sigmoid_gate(self, o: np.ndarray, gate: np.ndarray) -> np.ndarray:
         return o * op.sigmoid(gate)

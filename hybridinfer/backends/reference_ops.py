@@ -6,6 +6,11 @@ Activations are float32 (T, ...) arrays for T tokens; norms accumulate in float6
 from __future__ import annotations
 
 import numpy as np
+from gguf import GGMLQuantizationType as _Q
+from gguf import quants as _gq
+
+# the K/V cache types in gguf.quants' names (an independent implementation of ggml's blocks)
+_KV = {"f16": _Q.F16, "q8_0": _Q.Q8_0, "q4_0": _Q.Q4_0}
 
 
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -72,6 +77,29 @@ def rope(x: np.ndarray, positions: np.ndarray, n_rot: int, theta: float, neox: b
         out[..., 0:n_rot:2] = a * cos - b * sin
         out[..., 1:n_rot:2] = b * cos + a * sin
     return out
+
+
+def kv_encode(x: np.ndarray, t: str) -> np.ndarray:
+    """K or V rows (T, H_kv, hd) float32 in cache type t's storage (DecoderState's: float32, float16, or each head's
+    row as the type's blocks in bytes)."""
+    return x.astype(np.float32) if t == "f32" else _gq.quantize(np.ascontiguousarray(x, np.float32), _KV[t])
+
+
+def kv_decode(rows: np.ndarray, t: str, hd: int) -> np.ndarray:
+    """Cache rows of type t back to float32 (n, H_kv, hd)."""
+    if t == "f32":
+        return rows
+    return np.asarray(_gq.dequantize(rows, _KV[t]), np.float32).reshape(*rows.shape[:-1], hd)
+
+
+def kv_query(q: np.ndarray, k_type: str) -> np.ndarray:
+    """The query as llama.cpp's flash attention multiplies it with K of type k_type: converted to K's vec_dot type
+    (fp16 for f16, q8_0 for q8_0 and q4_0) and back; unchanged for f32."""
+    if k_type == "f32":
+        return q
+    vt = _Q.F16 if k_type == "f16" else _Q.Q8_0
+    return np.asarray(_gq.dequantize(_gq.quantize(np.ascontiguousarray(q, np.float32), vt), vt),
+                      np.float32).reshape(q.shape)
 
 
 def causal_attention(q: np.ndarray, k_all: np.ndarray, v_all: np.ndarray, pos0: int) -> np.ndarray:

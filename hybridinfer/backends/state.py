@@ -3,7 +3,8 @@
 Per layer:  the arrays its mixer kind declares (models/state_kinds.py), as `state.<array name>[layer]` (None in the
             layers of other kinds). GDN: conv (K-1, C) float32, the last K-1 pre-conv projections u, oldest first
             (zeros before the first token), and ssm (H_v, d_k, d_v) float32, S in GGUF head order. Attention: k, v
-            (n_ctx, H_kv, hd) float32, rows < pos valid; K is stored after k_norm and RoPE, V raw.
+            (n_ctx, H_kv, hd) in the K / V cache type (float32, float16, or (n_ctx, H_kv, bytes) of a quantized
+            type's blocks: StateArray.storage), rows < pos valid; K is stored after k_norm and RoPE, V raw.
 pos:        the number of tokens consumed; the next token has position `pos`.
 tokens:     (n_ctx,) int32; tokens[:pos] produced this state.
 
@@ -48,15 +49,18 @@ class DecoderState:
         more, so the first write of a 60 MB recurrent state (a GPU prefill's hand-off) faults 2 MiB pages, not
         15,000 small ones."""
         st = cls(n_ctx=n_ctx, layer_types=tuple(args.layer_types), tokens=np.zeros(n_ctx, np.int32))
-        parts = [(i, s, s.full_shape(args, n_ctx)) for i, s in layer_arrays(args.layer_types)]
+        parts = [(i, s, s.storage(args)[0], s.full_shape(args, n_ctx)) for i, s in layer_arrays(args.layer_types)]
         for per_token in (False, True):
             mine = [p for p in parts if p[1].per_token == per_token]
-            block = np.zeros(sum(int(np.prod(shape)) for _, _, shape in mine), np.float32)
-            off = 0
-            for i, s, shape in mine:
-                n = int(np.prod(shape))
-                st.arrays[s.name][i] = block[off : off + n].reshape(shape)
-                off += n
+            # one byte block; each array starts at a multiple of 64 bytes (its dtype's alignment and a cache line)
+            offs, off = [], 0
+            for _, _, dt, shape in mine:
+                offs.append(off)
+                off += -(-dt.itemsize * int(np.prod(shape)) // 64) * 64
+            block = np.zeros(off, np.uint8)
+            for (i, s, dt, shape), o in zip(mine, offs, strict=True):
+                n = dt.itemsize * int(np.prod(shape))
+                st.arrays[s.name][i] = block[o : o + n].view(dt).reshape(shape)
         return st
 
     def check_room(self, n_new: int) -> None:
@@ -98,7 +102,7 @@ class DecoderState:
         for s, i, a in self.held(per_token=False):
             st.arrays[s.name][i] = a.copy()
         for s, i, a in self.held(per_token=True):
-            b = np.zeros((n_ctx,) + a.shape[1:], np.float32)
+            b = np.zeros((n_ctx,) + a.shape[1:], a.dtype)
             b[: self.pos] = a[: self.pos]
             st.arrays[s.name][i] = b
         return st

@@ -14,6 +14,7 @@ from ..backends import BACKENDS, make_backend  # noqa: F401  (BACKENDS: re-expor
 from ..errors import ContextLengthError, HybridInferError, ParameterError
 from ..format.gguf_model import GGUFModel
 from ..models import model_args
+from ..models.state_kinds import with_cache_types
 from .compute import Compute
 from .sampling import SamplingParams, check_int, check_stop
 from .scheduler import DEFAULT_STEP_TOKENS, Handle, Request, Scheduler
@@ -176,7 +177,8 @@ class Engine(Compute):
              progress: bool = False, prefill_chunk: int = 512, prefix_cache=None,
              snapshot_stride: int | None = DEFAULT_SNAPSHOT_STRIDE, max_seqs: int = 8,
              state_budget: int | None = None, step_tokens: int = DEFAULT_STEP_TOKENS,
-             chat_template: str | None = None, special_in_content: bool = False, **options) -> Engine:
+             chat_template: str | None = None, special_in_content: bool = False, cache_type_k: str = "f32",
+             cache_type_v: str = "f32", **options) -> Engine:
         """Open a GGUF file and make its engine. Every keyword has a default:
 
         path (default None: the embedded SmolLM2-135M-Instruct Q4_1).
@@ -201,6 +203,12 @@ class Engine(Compute):
         special_in_content (default False): the text of chat messages may make control tokens such as
             `<|im_start|>` (llama-server's behaviour); by default it is tokenized as text, and only the template's
             own markup makes them.
+        cache_type_k, cache_type_v (default "f32" each): the type the K and V cache rows are kept in, llama.cpp's
+            -ctk / -ctv names: f32, f16, q8_0, q4_0. F32 K/V attend in llama.cpp's order without flash attention;
+            any other in the order of its CPU flash attention, which reads the quantized rows directly (so a run
+            compares with llama.cpp at the same types with flash attention on). Sequence states, snapshots and
+            the scheduler's state budget hold the rows in these types; a prefix-cache snapshot of other types is
+            a miss.
 
         Backend options, each left to its backend when not given:
         CPU ("cpu", and decode under "gpu" and "auto"): isa (the widest SIMD unit this CPU has: scalar, ssse3,
@@ -211,8 +219,7 @@ class Engine(Compute):
             call), device (0), card_profile (None: the card itself; fermi | kepler | maxwell | pascal: kernels
             compiled and tiles chosen as for that class, the weight stream paced to its bus), bus_bw (None: the
             profile's bus; bytes/s the weight stream is paced to).
-        Reference: cache_weights (True), act_quant (False: float activations; True: llama.cpp's Q8 rounding),
-            kv_f16 (False: F32 K/V; True: F16 as llama.cpp's default cache).
+        Reference: cache_weights (True), act_quant (False: float activations; True: llama.cpp's Q8 rounding).
         Unknown options raise TypeError.
         """
         from ..format.tokenizer import Tokenizer
@@ -224,7 +231,7 @@ class Engine(Compute):
         _check_load_args(n_ctx, prefill_chunk, snapshot_stride, step_tokens, options)
         gm = GGUFModel(path)
         gm.check_finite()  # a damaged file (NaN scales) is refused here, not answered with nothing
-        args = model_args(gm)
+        args = with_cache_types(model_args(gm), cache_type_k, cache_type_v)
         n_ctx = int(min(n_ctx, args.context_length))
         be = make_backend(backend, gm, args, options, n_ctx)
         if options:

@@ -57,8 +57,8 @@ def shared_points(ids: list[int], others: list[list[int]], min_len: int = MIN_SH
 
 def state_bytes(args, n_tokens: int) -> int:
     """Bytes of one sequence's state holding `n_tokens` tokens: its recurrent arrays (GDN conv and S) and its
-    per-token rows (K/V), float32, as each mixer kind declares them (models/state_kinds.py); the memory the state
-    budget counts."""
+    per-token rows (K/V, in the engine's cache types), as each mixer kind declares them (models/state_kinds.py); the
+    memory the state budget counts."""
     from ..models.state_kinds import state_bytes as declared
 
     return declared(args, n_tokens)

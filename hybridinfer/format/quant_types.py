@@ -41,7 +41,8 @@ class QuantType:
     """A ggml type. act: the activation format llama.cpp multiplies it with (its vec_dot_type), which is also the
     CPU backend's (native/simd has a kernel for every type with one; None: none). gpu_gemm / gpu_embed: whether
     native/cuda_sm20 has the product (gemm_<kernel name>_*) / the embedding lookup (embed_<kernel name>) for it;
-    gpu_align: the device-pointer alignment those kernels' vector loads need."""
+    gpu_align: the device-pointer alignment those kernels' vector loads need. kv: whether a K/V cache may hold it
+    (`-ctk`/`-ctv`, CACHE_TYPES below; every backend's attention reads it)."""
 
     id: int
     name: str
@@ -51,6 +52,7 @@ class QuantType:
     gpu_gemm: bool = False
     gpu_embed: bool = False
     gpu_align: int = 2
+    kv: bool = False
 
     @property
     def kernel_name(self) -> str:
@@ -59,14 +61,14 @@ class QuantType:
 
 
 TYPES: dict[int, QuantType] = {t.id: t for t in (
-    QuantType(F32, "F32", 1, 4, "f32", gpu_gemm=True, gpu_embed=True, gpu_align=16),
-    QuantType(F16, "F16", 1, 2, "f16", gpu_gemm=True, gpu_embed=True, gpu_align=16),
+    QuantType(F32, "F32", 1, 4, "f32", gpu_gemm=True, gpu_embed=True, gpu_align=16, kv=True),
+    QuantType(F16, "F16", 1, 2, "f16", gpu_gemm=True, gpu_embed=True, gpu_align=16, kv=True),
     QuantType(BF16, "BF16", 1, 2),
-    QuantType(Q4_0, "Q4_0", 32, 18, "q8_0", gpu_gemm=True, gpu_embed=True),
+    QuantType(Q4_0, "Q4_0", 32, 18, "q8_0", gpu_gemm=True, gpu_embed=True, kv=True),
     QuantType(Q4_1, "Q4_1", 32, 20, "q8_1", gpu_embed=True, gpu_align=4),
     QuantType(Q5_0, "Q5_0", 32, 22, "q8_0"),
     QuantType(Q5_1, "Q5_1", 32, 24, "q8_1"),
-    QuantType(Q8_0, "Q8_0", 32, 34, "q8_0", gpu_gemm=True, gpu_embed=True),
+    QuantType(Q8_0, "Q8_0", 32, 34, "q8_0", gpu_gemm=True, gpu_embed=True, kv=True),
     QuantType(Q4_K, "Q4_K", 256, 144, "q8_K", gpu_gemm=True, gpu_embed=True, gpu_align=16),
     QuantType(Q5_K, "Q5_K", 256, 176, "q8_K", gpu_gemm=True, gpu_embed=True, gpu_align=16),
     QuantType(Q6_K, "Q6_K", 256, 210, "q8_K", gpu_gemm=True, gpu_embed=True),
@@ -79,3 +81,15 @@ def act_of(qtype: int) -> str | None:
     one no product kernel reads)."""
     t = TYPES.get(int(qtype))
     return None if t is None else t.act
+
+
+# the K/V cache types by their llama.cpp names (`-ctk q8_0`), in llama.cpp's order of size
+CACHE_TYPES: dict[str, QuantType] = {t.kernel_name: t for t in TYPES.values() if t.kv}
+
+
+def cache_type(name) -> QuantType:
+    """A K/V cache type by its llama.cpp name (f32, f16, q8_0, q4_0); a ValueError naming the choices otherwise."""
+    t = CACHE_TYPES.get(str(name).lower()) if isinstance(name, str) else None
+    if t is None:
+        raise ValueError(f"K/V cache type {name!r} is not one of {', '.join(CACHE_TYPES)}")
+    return t

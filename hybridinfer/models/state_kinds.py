@@ -6,7 +6,8 @@ sequence's state works from the declarations here and never from a kind's name: 
 arrays (engine/prefix), the GPU's copy of the state, its mid-prompt snapshots and its hand-off to the host
 (backends/gpu), the CPU's work buffers (one method per op, backends/cpu) and the GPU work count (`flops`).
 
-Each kind keeps float32 arrays of two sorts:
+Each kind keeps arrays of two sorts (float32, except the K/V rows, which take the cache type the model's args name:
+`args.cache_type_k` / `cache_type_v`, llama.cpp's `-ctk` / `-ctv`; see `StateArray.storage`):
 - recurrent (per_token False): one array of `shape(args)` that every token rewrites (GDN's conv window and S
   matrix). A snapshot copies it whole; a restore writes the snapshot's; it starts at zero.
 - per token (per_token True): one row of `shape(args)` per position (attention's K and V). Rows before `pos` are
@@ -21,10 +22,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-F32_BYTES = 4  # every state array is float32
+import numpy as np
+
+from ..errors import ParameterError
+from ..format.quant_types import F16, F32, cache_type
+
+_STORE = {F32: np.dtype(np.float32), F16: np.dtype(np.float16)}  # other cache types: their blocks' bytes
 
 
 @dataclass(frozen=True)
@@ -35,16 +41,30 @@ class StateArray:
     name: str
     label: str
     per_token: bool
-    shape: Callable[[Any], tuple[int, ...]]  # recurrent: the whole array's shape; per token: one row's
+    shape: Callable[[Any], tuple[int, ...]]  # recurrent: the whole array's shape; per token: one row's (in values)
     ndim: int  # dimensions of the array a snapshot holds (per token: rows + the row's dimensions)
+    cache: str | None = None  # "k" / "v": the rows take args.cache_type_<cache>; None: float32
+
+    def storage(self, args) -> tuple[np.dtype, tuple[int, ...]]:
+        """The dtype and shape (recurrent: whole; per token: a row) the array is kept in: float32 values, float16
+        values for an f16 cache, or a quantized cache's blocks as bytes (the last dimension's values in blocks of
+        the type, llama.cpp's block layout: a row of hd values takes hd / block * block bytes)."""
+        s = tuple(int(x) for x in self.shape(args))
+        if self.cache is None:
+            return _STORE[F32], s
+        t = cache_type(getattr(args, f"cache_type_{self.cache}", "f32"))
+        if t.id in _STORE:
+            return _STORE[t.id], s
+        return np.dtype(np.uint8), (*s[:-1], s[-1] // t.block * t.nbytes)
 
     def full_shape(self, args, n_rows: int) -> tuple[int, ...]:
-        """The array one sequence holds: per token, n_rows rows of the row shape."""
-        s = tuple(int(x) for x in self.shape(args))
+        """The array one sequence holds (in its storage): per token, n_rows rows of the row shape."""
+        s = self.storage(args)[1]
         return (int(n_rows), *s) if self.per_token else s
 
     def nbytes(self, args, n_tokens: int) -> int:
-        return F32_BYTES * math.prod(self.full_shape(args, n_tokens))
+        dt, _ = self.storage(args)
+        return dt.itemsize * math.prod(self.full_shape(args, n_tokens))
 
 
 @dataclass(frozen=True)
@@ -91,7 +111,7 @@ GDN = MixerKind(
 ATTENTION = MixerKind(
     name="attention", letter="A", op="attention",
     # K after k_norm and RoPE, V raw
-    arrays=(StateArray("k", "K", True, _kv_row, 3), StateArray("v", "V", True, _kv_row, 3)),
+    arrays=(StateArray("k", "K", True, _kv_row, 3, cache="k"), StateArray("v", "V", True, _kv_row, 3, cache="v")),
     flops=lambda a, pos0, T: attention_flops(a.n_head, a.head_dim, pos0, T))
 
 KINDS: dict[str, MixerKind] = {k.name: k for k in (ATTENTION, GDN)}
@@ -126,5 +146,34 @@ def has_recurrent(layer_types) -> bool:
 
 
 def state_bytes(args, n_tokens: int) -> int:
-    """Bytes of one sequence's state holding n_tokens tokens (float32): every layer's arrays."""
+    """Bytes of one sequence's state holding n_tokens tokens (in the args' cache types): every layer's arrays."""
     return sum(kind_of(t).nbytes(args, n_tokens) for t in args.layer_types)
+
+
+def with_cache_types(args, k: str = "f32", v: str = "f32"):
+    """`args` with K/V rows kept in cache types k and v (llama.cpp's names); a ParameterError naming a type that is
+    not a cache type, or one whose block does not divide the rows it would hold."""
+    names = {}
+    for role, name in (("k", k), ("v", v)):
+        try:
+            t = cache_type(name)
+        except ValueError as e:
+            raise ParameterError(f"cache_type_{role}: {e}") from None
+        for s in ARRAYS.values():
+            if s.cache == role and s.shape(args)[-1] % t.block:
+                raise ParameterError(f"cache_type_{role} {t.kernel_name}: rows of {s.shape(args)[-1]} values do "
+                                     f"not divide into its blocks of {t.block}")
+        names[f"cache_type_{role}"] = t.kernel_name
+    return replace(args, **names)
+
+
+def cache_types(args) -> tuple[str, str]:
+    """The (K, V) cache type names of `args`."""
+    return getattr(args, "cache_type_k", "f32"), getattr(args, "cache_type_v", "f32")
+
+
+def cache_path(args) -> str:
+    """The K/V types' part of a backend's numeric path ("" for F32 K/V): snapshots made with other types are another
+    path's, a miss in the prefix cache, never restored into this one."""
+    k, v = cache_types(args)
+    return "" if (k, v) == ("f32", "f32") else f"/kv:{k},{v}"

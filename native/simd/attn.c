@@ -4,6 +4,7 @@
  * Every row is computed by one thread in a fixed order, so the result does not depend on the thread count.
  */
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "hi_internal.h"
@@ -18,12 +19,13 @@ typedef struct {
     hi_attn a;
     int64_t rows, per, chunks, chunk_scratch;
     float *scratch;
+    int fa; /* a typed cache: the table's attn_fa */
 } attn_job;
 
 static void attn_chunk(void *arg, int64_t i) {
     const attn_job *j = (const attn_job *)arg;
     const int64_t r0 = i * j->per, r1 = r0 + j->per < j->rows ? r0 + j->per : j->rows;
-    if (r0 < r1) j->k->attn(&j->a, r0, r1, j->scratch + i * j->chunk_scratch);
+    if (r0 < r1) (j->fa ? j->k->attn_fa : j->k->attn)(&j->a, r0, r1, j->scratch + i * j->chunk_scratch);
 }
 
 static int64_t attn_max_chunks(const hi_ctx *c) {
@@ -55,6 +57,45 @@ int64_t hi_attention_scratch(const hi_ctx *c, int64_t n_ctx, int64_t hd, int64_t
     return attn_max_chunks(c) * group * hi_ctx_kernels(c)->attn_scratch(n_ctx, hd);
 }
 
+/* bytes of one cache position's row of Hkv heads of hd values in cache type t; -1: no cache holds t (or hd does not
+ * divide into its blocks) */
+static int64_t kv_row_bytes(int t, int64_t Hkv, int64_t hd) {
+    switch (t) {
+    case HI_T_F32: return Hkv * hd * 4;
+    case HI_T_F16: return Hkv * hd * 2;
+    case HI_T_Q8_0: return hd % 32 ? -1 : Hkv * hd / 32 * 34;
+    case HI_T_Q4_0: return hd % 32 ? -1 : Hkv * hd / 32 * 18;
+    default: return -1;
+    }
+}
+
+/* rows of job j (its q, k, v, out, shape and types set) on the pool: the F32 cache in llama.cpp's order without
+ * flash attention (`attn`, K/V heads grouped where it pays), any other in its flash-attention order (`attn_fa`) */
+static int attn_go(hi_ctx *c, attn_job *j, float *scratch, int64_t scratch_len, int inline_call) {
+    const hi_kernels *kt = hi_ctx_kernels(c);
+    hi_attn *a = &j->a;
+    const int fa = !(a->k_type == HI_T_F32 && a->v_type == HI_T_F32);
+    const int64_t rows = a->T * a->H;
+    const int64_t row_scratch = fa ? kt->attn_fa_scratch(a->hd) : kt->attn_scratch(a->pos0 + a->T, a->hd);
+    int64_t per = 1, slots = 1;
+    const int64_t chunks = attn_split(c, rows, fa ? 1 : a->H / a->Hkv, row_scratch, scratch_len, inline_call, &per,
+                                      &slots);
+    if (chunks < 1) return -2;
+    a->slots = slots;
+    j->k = kt;
+    j->rows = rows;
+    j->per = per;
+    j->chunks = chunks;
+    j->chunk_scratch = slots * row_scratch;
+    j->scratch = scratch;
+    j->fa = fa;
+    hi_ctx_lock(c);
+    if (chunks == 1) attn_chunk(j, 0);
+    else hi_ctx_run(c, attn_chunk, j, chunks);
+    hi_ctx_unlock(c);
+    return 0;
+}
+
 int hi_attention(hi_ctx *c, const float *q, int64_t q_row, int64_t T, int64_t H, int64_t hd, const float *k,
                  const float *v, int64_t kv_row, int64_t Hkv, int64_t pos0, float scale, float *out, int64_t out_row,
                  float *scratch, int64_t scratch_len, int ggml_op) {
@@ -62,24 +103,12 @@ int hi_attention(hi_ctx *c, const float *q, int64_t q_row, int64_t T, int64_t H,
         ggml_op < HI_GGML_NONE || ggml_op > HI_GGML_DECODE_ROWS)
         return -2;
     if (q_row < H * hd || out_row < H * hd || kv_row < Hkv * hd) return -2;
-    const hi_kernels *kt = hi_ctx_kernels(c);
-    const int64_t row_scratch = kt->attn_scratch(pos0 + T, hd);
-    const int64_t rows = T * H, n = pos0 + T;
-    int64_t per = 1, slots = 1;
-    const int64_t chunks = attn_split(c, rows, H / Hkv, row_scratch, scratch_len, n * rows * hd < HI_ATTN_INLINE_MACS,
-                                      &per, &slots);
-    if (chunks < 1) return -2;
-    attn_job j = {.k = kt,
-                  .a = {.q = q, .k = k, .v = v, .out = out, .T = T, .H = H, .Hkv = Hkv, .hd = hd, .pos0 = pos0,
+    const int64_t n = pos0 + T;
+    attn_job j = {.a = {.q = q, .k = k, .v = v, .out = out, .T = T, .H = H, .Hkv = Hkv, .hd = hd, .pos0 = pos0,
                         .q_row = q_row, .kv_row = kv_row, .out_row = out_row, .scale = scale,
-                        .rows1 = ggml_op == HI_GGML_DECODE_ROWS, .slots = slots},
-                  .rows = rows, .per = per, .chunks = chunks, .chunk_scratch = slots * row_scratch,
-                  .scratch = scratch};
-    hi_ctx_lock(c);
-    if (chunks == 1) attn_chunk(&j, 0);
-    else hi_ctx_run(c, attn_chunk, &j, chunks);
-    hi_ctx_unlock(c);
-    return 0;
+                        .rows1 = ggml_op == HI_GGML_DECODE_ROWS, .k_type = HI_T_F32, .v_type = HI_T_F32,
+                        .k_bytes = kv_row * 4, .v_bytes = kv_row * 4}};
+    return attn_go(c, &j, scratch, scratch_len, n * T * H * hd < HI_ATTN_INLINE_MACS);
 }
 
 typedef struct {
@@ -147,32 +176,85 @@ int hi_rope(hi_ctx *c, float *x, int64_t T, int64_t H, int64_t hd, int64_t pos0,
     return 0;
 }
 
-/* the first half of an attention step: T new K/V rows into the caches at pos0.., q and those K rows roped there */
-static int attn_store_rope(hi_ctx *c, float *q, int64_t T, int64_t H, int64_t hd, const float *k_new,
-                           const float *v_new, int64_t kv_new_row, float *k_cache, float *v_cache, int64_t Hkv,
-                           int64_t pos0, int64_t n_rot, float theta_base, int neox, const float *freq_factors) {
-    const int64_t kv = Hkv * hd;
-    for (int64_t t = 0; t < T; t++) {
-        memcpy(k_cache + (pos0 + t) * kv, k_new + t * kv_new_row, (size_t)kv * sizeof(float));
-        memcpy(v_cache + (pos0 + t) * kv, v_new + t * kv_new_row, (size_t)kv * sizeof(float));
+/* quantize_row_q4_0_ref: d = the value of largest magnitude / -8, q = min(15, (int8)(x / d + 8.5)) */
+static void kv_q4_0(const float *x, int64_t n, uint8_t *y) {
+    for (int64_t b = 0; b < n / 32; b++, x += 32, y += 18) {
+        float amax = 0.0f, max = 0.0f;
+        for (int j = 0; j < 32; j++)
+            if (amax < fabsf(x[j])) {
+                amax = fabsf(x[j]);
+                max = x[j];
+            }
+        const float d = max / -8, id = d ? 1.0f / d : 0.0f;
+        const uint16_t h = hi_f2h_soft(d);
+        memcpy(y, &h, 2);
+        for (int j = 0; j < 16; j++) {
+            const int8_t a = (int8_t)(x[j] * id + 8.5f), b2 = (int8_t)(x[16 + j] * id + 8.5f);
+            const uint8_t q0 = (uint8_t)(a < 15 ? a : 15), q1 = (uint8_t)(b2 < 15 ? b2 : 15);
+            y[2 + j] = (uint8_t)(q0 | (q1 << 4));
+        }
     }
-    const int rc = hi_rope(c, q, T, H, hd, pos0, n_rot, theta_base, neox, freq_factors);
-    return rc ? rc : hi_rope(c, k_cache + pos0 * kv, T, Hkv, hd, pos0, n_rot, theta_base, neox, freq_factors);
+}
+
+/* one row of n values into cache type t, as llama.cpp's set_rows writes a cache row (the type's from_float: fp16
+ * rounded to nearest even, quantize_row_q8_0 of this ISA's build, quantize_row_q4_0_ref) */
+static void kv_store_row(const hi_kernels *kt, int t, const float *x, int64_t n, uint8_t *y) {
+    if (t == HI_T_F32) {
+        memcpy(y, x, sizeof(float) * (size_t)n);
+    } else if (t == HI_T_F16) {
+        for (int64_t i = 0; i < n; i++) {
+            const uint16_t h = hi_f2h_soft(x[i]);
+            memcpy(y + 2 * i, &h, 2);
+        }
+    } else if (t == HI_T_Q8_0) {
+        kt->quantize(HI_ACT_Q8_0, x, n, y);
+    } else {
+        kv_q4_0(x, n, y);
+    }
+}
+
+/* the first half of an attention step: q roped at pos0.., the T new K rows roped there and written with the T new
+ * V rows to the caches' rows pos0.. in their types */
+static int attn_store_rope(hi_ctx *c, float *q, int64_t T, int64_t H, int64_t hd, const float *k_new,
+                           const float *v_new, int64_t kv_new_row, uint8_t *k_cache, uint8_t *v_cache, int k_type,
+                           int v_type, int64_t Hkv, int64_t pos0, int64_t n_rot, float theta_base, int neox,
+                           const float *freq_factors) {
+    const int64_t kv = Hkv * hd, kb = kv_row_bytes(k_type, Hkv, hd), vb = kv_row_bytes(v_type, Hkv, hd);
+    const hi_kernels *kt = hi_ctx_kernels(c);
+    int rc = hi_rope(c, q, T, H, hd, pos0, n_rot, theta_base, neox, freq_factors);
+    if (rc) return rc;
+    if (k_type == HI_T_F32) { /* roped in place in the cache */
+        for (int64_t t = 0; t < T; t++) memcpy(k_cache + (pos0 + t) * kb, k_new + t * kv_new_row, (size_t)kb);
+        rc = hi_rope(c, (float *)(k_cache + pos0 * kb), T, Hkv, hd, pos0, n_rot, theta_base, neox, freq_factors);
+    } else {
+        float *tmp = (float *)malloc(sizeof(float) * (size_t)(T * kv));
+        if (!tmp) return -1;
+        for (int64_t t = 0; t < T; t++) memcpy(tmp + t * kv, k_new + t * kv_new_row, sizeof(float) * (size_t)kv);
+        rc = hi_rope(c, tmp, T, Hkv, hd, pos0, n_rot, theta_base, neox, freq_factors);
+        for (int64_t t = 0; !rc && t < T; t++) kv_store_row(kt, k_type, tmp + t * kv, kv, k_cache + (pos0 + t) * kb);
+        free(tmp);
+    }
+    for (int64_t t = 0; !rc && t < T; t++) kv_store_row(kt, v_type, v_new + t * kv_new_row, kv, v_cache + (pos0 + t) * vb);
+    return rc;
 }
 
 int hi_attn_step(hi_ctx *c, float *q, int64_t T, int64_t H, int64_t hd, const float *k_new, const float *v_new,
-                 int64_t kv_new_row, float *k_cache, float *v_cache, int64_t n_ctx, int64_t Hkv, int64_t pos0,
-                 int64_t n_rot, float theta_base, int neox, const float *freq_factors, float scale, float *out,
-                 int64_t out_row, float *scratch, int64_t scratch_len, int ggml_op) {
-    const int64_t kv = Hkv * hd;
-    if (!c || !q || !k_new || !v_new || !k_cache || !v_cache || T < 1 || Hkv < 1 || hd < 1 || kv_new_row < kv ||
-        pos0 < 0 || pos0 > n_ctx - T || ggml_op < HI_GGML_NONE || ggml_op > HI_GGML_DECODE_ROWS)
+                 int64_t kv_new_row, void *k_cache, void *v_cache, int k_type, int v_type, int64_t n_ctx, int64_t Hkv,
+                 int64_t pos0, int64_t n_rot, float theta_base, int neox, const float *freq_factors, float scale,
+                 float *out, int64_t out_row, float *scratch, int64_t scratch_len, int ggml_op) {
+    const int64_t kv = Hkv * hd, kb = kv_row_bytes(k_type, Hkv, hd), vb = kv_row_bytes(v_type, Hkv, hd);
+    if (!c || !q || !k_new || !v_new || !k_cache || !v_cache || !out || !scratch || T < 1 || H < 1 || Hkv < 1 ||
+        hd < 1 || H % Hkv || kv_new_row < kv || out_row < H * hd || kb < 0 || vb < 0 || pos0 < 0 ||
+        pos0 > n_ctx - T || ggml_op < HI_GGML_NONE || ggml_op > HI_GGML_DECODE_ROWS)
         return -2;
-    int rc = attn_store_rope(c, q, T, H, hd, k_new, v_new, kv_new_row, k_cache, v_cache, Hkv, pos0, n_rot, theta_base,
-                             neox, freq_factors);
-    if (!rc) rc = hi_attention(c, q, H * hd, T, H, hd, k_cache, v_cache, kv, Hkv, pos0, scale, out, out_row, scratch,
-                               scratch_len, ggml_op);
-    return rc;
+    int rc = attn_store_rope(c, q, T, H, hd, k_new, v_new, kv_new_row, (uint8_t *)k_cache, (uint8_t *)v_cache, k_type,
+                             v_type, Hkv, pos0, n_rot, theta_base, neox, freq_factors);
+    if (rc) return rc;
+    attn_job j = {.a = {.q = q, .k = (const float *)k_cache, .v = (const float *)v_cache, .out = out, .T = T, .H = H,
+                        .Hkv = Hkv, .hd = hd, .pos0 = pos0, .q_row = H * hd, .kv_row = kv, .out_row = out_row,
+                        .scale = scale, .rows1 = ggml_op == HI_GGML_DECODE_ROWS, .k_type = k_type, .v_type = v_type,
+                        .k_bytes = kb, .v_bytes = vb}};
+    return attn_go(c, &j, scratch, scratch_len, (pos0 + T) * T * H * hd < HI_ATTN_INLINE_MACS);
 }
 
 /* ---- one token of each of B sequences (decode_batch): each sequence's new K/V rows into its cache and its q and
@@ -186,6 +268,7 @@ typedef struct {
     const hi_attn *a; /* one per sequence */
     int64_t H, rows, per, chunk_scratch;
     float *scratch;
+    int fa;
 } attn_rows_job;
 
 static void attn_rows_chunk(void *arg, int64_t i) {
@@ -193,21 +276,22 @@ static void attn_rows_chunk(void *arg, int64_t i) {
     const int64_t r0 = i * j->per, r1 = r0 + j->per < j->rows ? r0 + j->per : j->rows;
     for (int64_t r = r0; r < r1;) { /* each sequence's heads in the chunk, in one call */
         const int64_t b = r / j->H, h1 = (b + 1) * j->H < r1 ? j->H : r1 - b * j->H;
-        j->k->attn(&j->a[b], r % j->H, h1, j->scratch + i * j->chunk_scratch);
+        (j->fa ? j->k->attn_fa : j->k->attn)(&j->a[b], r % j->H, h1, j->scratch + i * j->chunk_scratch);
         r = b * j->H + h1;
     }
 }
 
 int hi_attn_rows(hi_ctx *c, int64_t B, float *q, int64_t q_row, int64_t H, int64_t hd, const float *k_new,
-                 const float *v_new, int64_t kv_new_row, float *const *k_cache, float *const *v_cache, int64_t n_ctx,
-                 int64_t Hkv, const int64_t *pos, int64_t dpos, int64_t n_rot, float theta_base, int neox,
-                 const float *freq_factors, float scale, float *out, int64_t out_row, float *scratch,
-                 int64_t scratch_len) {
-    const int64_t kv = Hkv * hd;
+                 const float *v_new, int64_t kv_new_row, void *const *k_cache, void *const *v_cache, int k_type,
+                 int v_type, int64_t n_ctx, int64_t Hkv, const int64_t *pos, int64_t dpos, int64_t n_rot,
+                 float theta_base, int neox, const float *freq_factors, float scale, float *out, int64_t out_row,
+                 float *scratch, int64_t scratch_len) {
+    const int64_t kv = Hkv * hd, kb = kv_row_bytes(k_type, Hkv, hd), vb = kv_row_bytes(v_type, Hkv, hd);
     if (!c || !q || !k_new || !v_new || !k_cache || !v_cache || !pos || !out || !scratch || B < 1 || H < 1 ||
-        hd < 1 || Hkv < 1 || H % Hkv || kv_new_row < kv || q_row < H * hd || out_row < H * hd)
+        hd < 1 || Hkv < 1 || H % Hkv || kv_new_row < kv || q_row < H * hd || out_row < H * hd || kb < 0 || vb < 0)
         return -2;
     const hi_kernels *kt = hi_ctx_kernels(c);
+    const int fa = !(k_type == HI_T_F32 && v_type == HI_T_F32);
     hi_attn a[HI_ATTN_ROWS_MAX];
     for (int64_t j0 = 0; j0 < B; j0 += HI_ATTN_ROWS_MAX) {
         const int64_t nb = B - j0 < HI_ATTN_ROWS_MAX ? B - j0 : HI_ATTN_ROWS_MAX;
@@ -216,21 +300,22 @@ int hi_attn_rows(hi_ctx *c, int64_t B, float *q, int64_t q_row, int64_t H, int64
             const int64_t j = j0 + i, p = pos[j] + dpos;
             if (p < 0 || p > n_ctx - 1 || !k_cache[j] || !v_cache[j]) return -2;
             const int rc = attn_store_rope(c, q + j * q_row, 1, H, hd, k_new + j * kv_new_row, v_new + j * kv_new_row,
-                                           kv_new_row, k_cache[j], v_cache[j], Hkv, p, n_rot, theta_base, neox,
-                                           freq_factors);
+                                           kv_new_row, (uint8_t *)k_cache[j], (uint8_t *)v_cache[j], k_type, v_type,
+                                           Hkv, p, n_rot, theta_base, neox, freq_factors);
             if (rc) return rc;
-            a[i] = (hi_attn){.q = q + j * q_row, .k = k_cache[j], .v = v_cache[j], .out = out + j * out_row, .T = 1,
-                             .H = H, .Hkv = Hkv, .hd = hd, .pos0 = p, .q_row = H * hd, .kv_row = kv,
-                             .out_row = out_row, .scale = scale, .rows1 = 1};
+            a[i] = (hi_attn){.q = q + j * q_row, .k = (const float *)k_cache[j], .v = (const float *)v_cache[j],
+                             .out = out + j * out_row, .T = 1, .H = H, .Hkv = Hkv, .hd = hd, .pos0 = p,
+                             .q_row = H * hd, .kv_row = kv, .out_row = out_row, .scale = scale, .rows1 = 1,
+                             .k_type = k_type, .v_type = v_type, .k_bytes = kb, .v_bytes = vb};
             if (p + 1 > longest) longest = p + 1;
         }
-        const int64_t row_scratch = kt->attn_scratch(longest, hd), rows = nb * H;
+        const int64_t row_scratch = fa ? kt->attn_fa_scratch(hd) : kt->attn_scratch(longest, hd), rows = nb * H;
         int64_t per = 1, slots = 1;
-        const int64_t chunks = attn_split(c, rows, H / Hkv, row_scratch, scratch_len, 0, &per, &slots);
+        const int64_t chunks = attn_split(c, rows, fa ? 1 : H / Hkv, row_scratch, scratch_len, 0, &per, &slots);
         if (chunks < 1) return -2;
         for (int64_t i = 0; i < nb; i++) a[i].slots = slots;
         attn_rows_job job = {.k = kt, .a = a, .H = H, .rows = rows, .per = per, .chunk_scratch = slots * row_scratch,
-                             .scratch = scratch};
+                             .scratch = scratch, .fa = fa};
         hi_ctx_lock(c);
         if (chunks == 1) attn_rows_chunk(&job, 0);
         else hi_ctx_run(c, attn_rows_chunk, &job, chunks);

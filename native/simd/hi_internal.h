@@ -83,6 +83,10 @@ typedef struct hi_attn {
     float scale;
     int rows1;
     int64_t slots; /* rows' scratch the call has: up to this many rows sharing a K/V head go together */
+    /* a typed cache (the table's attn_fa): k, v point at its bytes, K/V head g of position s at
+     * k + s * k_bytes + g * (k_bytes / Hkv) (likewise v), each head's hd values in type k_type / v_type's blocks */
+    int k_type, v_type;
+    int64_t k_bytes, v_bytes;
 } hi_attn;
 
 typedef struct hi_kernels {
@@ -107,6 +111,10 @@ typedef struct hi_kernels {
      * floats */
     void (*attn)(const hi_attn *a, int64_t r0, int64_t r1, float *scratch);
     int64_t (*attn_scratch)(int64_t n_ctx, int64_t hd);
+    /* the same rows over a typed cache (a->k_type, a->v_type: f32, f16, q8_0, q4_0) in the order of llama.cpp's
+     * CPU flash attention (online softmax, one pass over the cache per query row), with attn_fa_scratch(hd) floats */
+    void (*attn_fa)(const hi_attn *a, int64_t r0, int64_t r1, float *scratch);
+    int64_t (*attn_fa_scratch)(int64_t hd);
     /* out[0..n) = silu(g) * u, ggml's vector SwiGLU (out may alias g or u) */
     void (*swiglu)(const float *g, const float *u, float *out, int64_t n);
 } hi_kernels;

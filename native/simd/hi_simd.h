@@ -172,13 +172,14 @@ int hi_gdn_rows(hi_ctx *ctx, int64_t B, const float *u, int64_t u_row, const flo
                 float *y, int64_t y_row, float *scratch, int64_t scratch_len);
 
 /* hi_attn_step for one token of each of B sequences: row j of q, k_new, v_new, out is sequence j's token, at
- * position pos[j] + dpos in its caches k_cache[j], v_cache[j] (n_ctx rows of Hkv*hd); every (sequence, head) query
- * row in one pool run, each computed as alone (bit-identical to B hi_attn_step calls); scratch as hi_attention's. */
+ * position pos[j] + dpos in its caches k_cache[j], v_cache[j] (n_ctx rows, types as hi_attn_step's); every
+ * (sequence, head) query row in one pool run, each computed as alone (bit-identical to B hi_attn_step calls);
+ * scratch as hi_attention's. */
 int hi_attn_rows(hi_ctx *c, int64_t B, float *q, int64_t q_row, int64_t H, int64_t hd, const float *k_new,
-                 const float *v_new, int64_t kv_new_row, float *const *k_cache, float *const *v_cache, int64_t n_ctx,
-                 int64_t Hkv, const int64_t *pos, int64_t dpos, int64_t n_rot, float theta_base, int neox,
-                 const float *freq_factors, float scale, float *out, int64_t out_row, float *scratch,
-                 int64_t scratch_len);
+                 const float *v_new, int64_t kv_new_row, void *const *k_cache, void *const *v_cache, int k_type,
+                 int v_type, int64_t n_ctx, int64_t Hkv, const int64_t *pos, int64_t dpos, int64_t n_rot,
+                 float theta_base, int neox, const float *freq_factors, float scale, float *out, int64_t out_row,
+                 float *scratch, int64_t scratch_len);
 
 /* ---- small decode ops (ops.c), on the calling thread (sigmoid_gate in segments on the pool), plain float order:
  * the C twins of the numba ops in tests/oracles/numba_ops.py, bit-identical to them (the float operations written
@@ -205,13 +206,15 @@ int hi_moe_route(hi_ctx *c, const float *logits, int64_t l_row, int64_t T, int64
 int hi_moe_combine(hi_ctx *c, const float *ys, const float *w, int64_t T, int k, int64_t n, float *out,
                    const float *s, const float *x, const float *w_shg);
 
-/* attention of T new tokens at pos0.. (a whole step): writes their k, v rows (T rows of Hkv*hd floats, stride
- * kv_new_row) to the caches (n_ctx rows of Hkv*hd) at pos0.., ropes q (T, H, hd contiguous) and those cache K
- * rows (hi_rope), then hi_attention into out (ggml_op as there) */
+/* attention of T new tokens at pos0.. (a whole step): ropes q (T, H, hd contiguous) and their k rows (T rows of
+ * Hkv*hd floats, stride kv_new_row) at pos0.. (hi_rope), writes those and the v rows to the caches' rows pos0..
+ * (n_ctx rows of Hkv heads of hd values) in the caches' ggml types k_type / v_type (f32, f16, q8_0, q4_0; as
+ * llama.cpp's set_rows writes them), then attends: both F32, hi_attention (ggml_op as there); else in the order of
+ * llama.cpp's CPU flash attention (kernels_attn.h), every row as a one-token step. scratch as hi_attention's. */
 int hi_attn_step(hi_ctx *c, float *q, int64_t T, int64_t H, int64_t hd, const float *k_new, const float *v_new,
-                 int64_t kv_new_row, float *k_cache, float *v_cache, int64_t n_ctx, int64_t Hkv, int64_t pos0,
-                 int64_t n_rot, float theta_base, int neox, const float *freq_factors, float scale, float *out,
-                 int64_t out_row, float *scratch, int64_t scratch_len, int ggml_op);
+                 int64_t kv_new_row, void *k_cache, void *v_cache, int k_type, int v_type, int64_t n_ctx, int64_t Hkv,
+                 int64_t pos0, int64_t n_rot, float theta_base, int neox, const float *freq_factors, float scale,
+                 float *out, int64_t out_row, float *scratch, int64_t scratch_len, int ggml_op);
 
 /* ---- per-node weight copies (replica.c) ------------------------------------------------------------------
  * A product's chunk reads its weights from the copy of its thread's replica (the same bytes, so the same result)

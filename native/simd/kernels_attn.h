@@ -375,6 +375,149 @@ static int64_t hi_attn_scratch_row(int64_t n_ctx, int64_t hd) {
 }
 
 /* ================================================================================================ */
+/* Attention over a typed K/V cache (f32, f16, q8_0, q4_0 rows: -ctk / -ctv) in the order of llama.cpp's CPU flash
+ * attention (ggml_compute_forward_flash_attn_ext_f16_one_chunk, the path it takes for quantized K at any T), per
+ * query row (token t, head h) over the cache positions s = 0 .. pos0 + t in order:
+ *   Qv     = q converted to K's vec_dot_type once: f32 as is, fp16 for f16 K, q8_0 blocks (quantize_row_q8_0 of this
+ *            ISA's build) for q8_0 / q4_0 K
+ *   x      = vec_dot(K[s], Qv) * scale (+ 0.0f, the mask)
+ *   x > M:   M = x, ms = expf(M_old - M), VKQ *= ms, vs = 1     else: vs = expf(x - M)
+ *   VKQ   += V[s] * vs (a fused multiply-add where the build has FMA: the AVX2 and AVX-512 units; f16 V: VKQ is
+ *            kept in fp16, each value rounded after every update, as ggml_vec_mad_f16 / ggml_vec_scale_f16)
+ *   S      = S * ms + vs
+ *   out    = VKQ * (1 / S)
+ * Every step but vec_dot is element by element, so only the dots depend on the vector width: q8_0 / q4_0 x q8_0 are
+ * the products' dots (ggml_vec_dot_q8_0_q8_0 / q4_0_q8_0, AVX2's float shape), f32 ggml_vec_dot_f32 of this build,
+ * f16 ggml_vec_dot_f16 in AVX2's shape (4 x 8 lanes over 32-value steps, the tail in double). llama.cpp takes another
+ * order for f16 K/V with many query rows (its tiled kernel) or a long one-row decode (split over the context). */
+
+HI_INLINE float hi_fa_mad(float acc, float x, float w) {
+#if defined(HI_AVX2)
+    return fmaf(x, w, acc);
+#else
+    return acc + x * w;
+#endif
+}
+
+/* ggml_vec_dot_f16 of two fp16 rows in AVX2's shape: lane j = i % 32 takes the products of elements i (fused), then
+ * lanes (j, j + 8, j + 16, j + 24) as (a0 + a2) + (a1 + a3), then l and l + 4, then hadd twice */
+HI_INLINE float hi_fa_dot_f16(const uint16_t *x, const uint16_t *y, int64_t n) {
+    float a[32] = {0};
+    const int64_t np = n & ~(int64_t)31;
+    for (int64_t i = 0; i < np; i += 32)
+        for (int j = 0; j < 32; j++) a[j] = hi_fa_mad(a[j], hi_h2f(x[i + j]), hi_h2f(y[i + j]));
+    float r[8], t[4];
+    for (int l = 0; l < 8; l++) r[l] = (a[l] + a[16 + l]) + (a[8 + l] + a[24 + l]);
+    for (int l = 0; l < 4; l++) t[l] = r[l] + r[l + 4];
+    double sum = (double)((t[0] + t[1]) + (t[2] + t[3]));
+    for (int64_t i = np; i < n; i++) sum += (double)(hi_h2f(x[i]) * hi_h2f(y[i]));
+    return (float)sum;
+}
+
+/* a q8_0 / q4_0 row of nb blocks against the query's q8_0 row prepared by hi_prep (the products' tile, one row) */
+HI_INLINE float hi_fa_dot_legacy(const int qt, const uint8_t *w, const uint8_t *xq, const int32_t *corr,
+                                 const float *dy, int64_t nb) {
+    const int bs = hi_wbs(qt), need_corr = HI_CORR(qt) != 0;
+    hi_fv acc = hi_fzero();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * bs;
+        const hi_iv nc = need_corr ? hi_load_corr(corr + 8 * b) : hi_izero();
+        acc = hi_fmadd8(hi_h2f(hi_rd16(blk)) * dy[b], hi_lanes(qt, hi_load_w(qt, blk), hi_load_y(xq + b * 34 + 2), nc),
+                        acc);
+    }
+    return hi_hsum8(acc);
+}
+
+/* one value row of type vt (hd values) -> float (ggml's to_float: q8_0 q * d, q4_0 (q - 8) * d, f16 exact) */
+HI_INLINE void hi_fa_v_float(const int vt, const uint8_t *v, float *out, int64_t hd) {
+    if (vt == HI_T_F32) {
+        memcpy(out, v, sizeof(float) * (size_t)hd);
+    } else if (vt == HI_T_F16) {
+        for (int64_t i = 0; i < hd; i++) out[i] = hi_h2f(hi_rd16(v + 2 * i));
+    } else if (vt == HI_T_Q8_0) {
+        for (int64_t b = 0; b < hd / 32; b++) {
+            const uint8_t *blk = v + b * 34;
+            const float d = hi_h2f(hi_rd16(blk));
+            for (int j = 0; j < 32; j++) out[32 * b + j] = (float)(int8_t)blk[2 + j] * d;
+        }
+    } else { /* q4_0 */
+        for (int64_t b = 0; b < hd / 32; b++) {
+            const uint8_t *blk = v + b * 18;
+            const float d = hi_h2f(hi_rd16(blk));
+            for (int j = 0; j < 16; j++) {
+                out[32 * b + j] = (float)((blk[2 + j] & 0x0F) - 8) * d;
+                out[32 * b + j + 16] = (float)((blk[2 + j] >> 4) - 8) * d;
+            }
+        }
+    }
+}
+
+static int64_t hi_attn_fa_scratch(int64_t hd) { return 5 * hd + 64; }
+
+static void hi_attn_fa_run(const hi_attn *a, int64_t r0, int64_t r1, float *scratch) {
+    const int64_t H = a->H, hd = a->hd, G = a->H / a->Hkv, nb = hd / 32;
+    const int kt = a->k_type, vt = a->v_type;
+    const int64_t kh = a->k_bytes / a->Hkv, vh = a->v_bytes / a->Hkv;
+    float *vkq = scratch, *v32 = scratch + hd, *dy = scratch + 2 * hd;
+    int32_t *corr = (int32_t *)(scratch + 2 * hd + nb);
+    uint16_t *vkq16 = (uint16_t *)(scratch + 2 * hd + nb + hd / 4);
+    uint8_t *qv = (uint8_t *)(scratch + 3 * hd + nb + hd / 4); /* <= hd floats: f32 q, fp16 q or q8_0 blocks */
+    const hi_kernels *self = &HI_TABLE;
+    for (int64_t r = r0; r < r1; r++) {
+        const int64_t t = r / H, h = r % H, g = h / G, n = a->pos0 + t + 1;
+        const float *q = a->q + t * a->q_row + h * hd;
+        if (kt == HI_T_F16) {
+            for (int64_t i = 0; i < hd; i++) ((uint16_t *)qv)[i] = hi_f2h(q[i]);
+        } else if (kt == HI_T_Q8_0 || kt == HI_T_Q4_0) {
+            self->quantize(HI_ACT_Q8_0, q, hd, qv);
+            hi_prep(kt, qv, nb, corr, dy, NULL);
+        }
+        const uint8_t *kb = (const uint8_t *)a->k + g * kh, *vb = (const uint8_t *)a->v + g * vh;
+        float S = 0.0f, M = -INFINITY;
+        if (vt == HI_T_F16) memset(vkq16, 0, sizeof(uint16_t) * (size_t)hd);
+        else memset(vkq, 0, sizeof(float) * (size_t)hd);
+        for (int64_t s = 0; s < n; s++) {
+            const uint8_t *ks = kb + s * a->k_bytes, *vs_row = vb + s * a->v_bytes;
+            float x;
+            if (kt == HI_T_F32) x = hi_ggml_dot_f32((const float *)ks, q, hd);
+            else if (kt == HI_T_F16) x = hi_fa_dot_f16((const uint16_t *)ks, (const uint16_t *)qv, hd);
+            else x = hi_fa_dot_legacy(kt, ks, qv, corr, dy, nb);
+            x = x * a->scale;
+            x += 0.0f;
+            const float Mold = M;
+            float ms = 1.0f, vs = 1.0f;
+            if (x > M) {
+                M = x;
+                ms = expf(Mold - M);
+            } else {
+                vs = expf(x - M);
+            }
+            if (vt == HI_T_F16) {
+                if (ms != 1.0f)
+                    for (int64_t i = 0; i < hd; i++) vkq16[i] = hi_f2h(hi_h2f(vkq16[i]) * ms);
+                for (int64_t i = 0; i < hd; i++)
+                    vkq16[i] = hi_f2h(hi_fa_mad(hi_h2f(vkq16[i]), hi_h2f(hi_rd16(vs_row + 2 * i)), vs));
+            } else {
+                if (ms != 1.0f)
+                    for (int64_t i = 0; i < hd; i++) vkq[i] *= ms;
+                const float *vf = (const float *)vs_row;
+                if (vt != HI_T_F32) {
+                    hi_fa_v_float(vt, vs_row, v32, hd);
+                    vf = v32;
+                }
+                for (int64_t i = 0; i < hd; i++) vkq[i] = hi_fa_mad(vkq[i], vf[i], vs);
+            }
+            S = S * ms + vs;
+        }
+        if (vt == HI_T_F16)
+            for (int64_t i = 0; i < hd; i++) vkq[i] = hi_h2f(vkq16[i]);
+        const float S_inv = S == 0.0f ? 0.0f : 1.0f / S;
+        float *o = a->out + t * a->out_row + h * hd;
+        for (int64_t i = 0; i < hd; i++) o[i] = vkq[i] * S_inv;
+    }
+}
+
+/* ================================================================================================ */
 /* SwiGLU, ggml_vec_swiglu_f32 of this ISA's build: out = silu(g) * u with silu(x) = x / (1 + expf(-x)), expf
  * ggml_v_expf a vector at a time (libm's expf for the n % W tail and in builds without SIMD). Here because it
  * shares ggml_v_expf with the softmax. */

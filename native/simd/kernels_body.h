@@ -188,5 +188,7 @@ const hi_kernels HI_TABLE = {
     .read_sum = hi_read_sum,
     .attn = hi_attn_run,
     .attn_scratch = hi_attn_scratch_row,
+    .attn_fa = hi_attn_fa_run,
+    .attn_fa_scratch = hi_attn_fa_scratch,
     .swiglu = hi_swiglu_row,
 };

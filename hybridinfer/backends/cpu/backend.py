@@ -24,9 +24,10 @@ import numpy as np
 from ...errors import BackendNotAvailableError, UnsupportedTensorTypeError
 from ...format.gguf_model import GGUFModel
 from ...format.quant import dequantize_rows, type_name
+from ...format.quant_types import cache_type
 from ...models import graph
 from ...models.graph import BlockTensors, block_names
-from ...models.state_kinds import kind_of
+from ...models.state_kinds import cache_path, cache_types, kind_of
 from .. import Backend
 from ..state import DecoderState, check_tokens
 from .graph_ops import SHAPE, CPUOps, Segments
@@ -179,6 +180,7 @@ class CPUModel(Backend):
         self.layers = [Layer(gm, i) for i in range(a.n_layer)]
         self.freq_factors = (np.ascontiguousarray(gm.dequant("rope_freqs.weight"), dtype=np.float32)
                              if getattr(a, "has_rope_freqs", False) else NO_FREQS)
+        self.kv_types = tuple(cache_type(t).id for t in cache_types(a))  # ggml ids of the K and V cache types
         held = {"out": self.out}
         owners = [(held, "out")] + [(L.tensors, k) for L in self.layers for k, v in L.tensors.items()
                                     if isinstance(v, Mat)]
@@ -200,7 +202,7 @@ class CPUModel(Backend):
 
     @property
     def numeric_path(self) -> str:
-        return f"cpu:{self.simd.isa}"
+        return f"cpu:{self.simd.isa}{cache_path(self.args)}"
 
     def new_state(self, n_ctx: int) -> DecoderState:
         return DecoderState.new(self.args, n_ctx)

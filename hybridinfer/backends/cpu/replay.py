@@ -19,7 +19,7 @@ from .simd_native import _check_rc
 
 # entry points whose argument at this index (after the context) is the token's position: a Bound of them is
 # called with the position, and a step of them gets it from hi_replay_run
-POS_ARGS = {"attn_step": 11, "attn_rows": 13}  # attn_rows: the offset added to its recorded positions
+POS_ARGS = {"attn_step": 13, "attn_rows": 15}  # attn_rows: the offset added to its recorded positions
 
 
 class Bound:

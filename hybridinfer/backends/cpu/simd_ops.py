@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ...format.quant_types import CACHE_TYPES, F16, F32, TYPES
 from .simd_native import _F32, _I32, GGML_MUL_MAT, _array, _check_rc, _op, _ptr, _rows_fast
 
 
@@ -26,22 +27,43 @@ def _heads(name: str, a, n: int, writable: bool = False) -> tuple[int, int, int]
     return T, a.shape[-1] // n, st
 
 
-def attention_args(q, k_cache, v_cache, pos0: int, out, scratch, writable: bool = False
-                   ) -> tuple[int, int, int, int, int, int]:
-    """The checks of an attention call: q (T, H, hd) and the caches (n_ctx, H_kv, hd) C-contiguous float32,
-    positions inside the cache, out (T, H*hd) rows, scratch a writable 1-D float32 array; writable: q and the
-    caches too (an attention step writes them). Returns
-    (T, H, hd, n_ctx, H_kv, out's row stride)."""
-    for name, arr in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if not (type(arr) is np.ndarray and arr.dtype is _F32 and arr.ndim == 3 and arr.flags.c_contiguous
-                and (arr.flags.writeable or not writable)):
-            arr = _array(name, arr, (_F32,))
-            raise ValueError(f"{name} must be a{' writable' if writable else ''} C-contiguous 3-D array, got shape "
-                             f"{arr.shape}{' (read-only)' if arr.ndim == 3 and arr.flags.c_contiguous else ''}")
+def _cache_row(t: int, hd: int) -> tuple[np.dtype, int]:
+    """The dtype and length of one head's row of hd values in K/V cache type t (ggml id)."""
+    qt = TYPES.get(int(t))
+    if qt is None or not qt.kv:
+        raise ValueError(f"ggml type {t} is not a K/V cache type ({', '.join(CACHE_TYPES)})")
+    if qt.id in (F32, F16):
+        return np.dtype(np.float32 if qt.id == F32 else np.float16), hd
+    if hd % qt.block:
+        raise ValueError(f"heads of {hd} values do not divide into {qt.kernel_name} blocks of {qt.block}")
+    return np.dtype(np.uint8), hd // qt.block * qt.nbytes
+
+
+def attention_args(q, k_cache, v_cache, pos0: int, out, scratch, writable: bool = False, k_type: int = F32,
+                   v_type: int = F32) -> tuple[int, int, int, int, int, int]:
+    """The checks of an attention call: q (T, H, hd) C-contiguous float32, the caches (n_ctx, H_kv, row)
+    C-contiguous in their types' storage (f32: float32 hd values; f16: float16; q8_0 / q4_0: uint8, hd / 32 blocks'
+    bytes), positions inside the cache, out (T, H*hd) rows, scratch a writable 1-D float32 array; writable: q and
+    the caches too (an attention step writes them). Returns (T, H, hd, n_ctx, H_kv, out's row stride)."""
+    if not (type(q) is np.ndarray and q.dtype is _F32 and q.ndim == 3 and q.flags.c_contiguous
+            and (q.flags.writeable or not writable)):
+        q = _array("q", q, (_F32,))
+        raise ValueError(f"q must be a{' writable' if writable else ''} C-contiguous 3-D array, got shape "
+                         f"{q.shape}{' (read-only)' if q.ndim == 3 and q.flags.c_contiguous else ''}")
     T, H, hd = q.shape
-    n_ctx, Hkv, hd_kv = k_cache.shape
-    if v_cache.shape != k_cache.shape or hd_kv != hd or H % Hkv:
-        raise ValueError(f"q {q.shape}, k_cache {k_cache.shape} and v_cache {v_cache.shape} do not fit")
+    shapes = []
+    for name, arr, t in (("k_cache", k_cache, k_type), ("v_cache", v_cache, v_type)):
+        dt, row = _cache_row(t, hd)
+        if not (type(arr) is np.ndarray and arr.dtype == dt and arr.ndim == 3 and arr.flags.c_contiguous
+                and (arr.flags.writeable or not writable)):
+            arr = _array(name, arr, (dt,))
+            raise ValueError(f"{name} must be a{' writable' if writable else ''} C-contiguous 3-D {dt} array, got "
+                             f"shape {arr.shape}{' (read-only)' if arr.ndim == 3 and arr.flags.c_contiguous else ''}")
+        shapes.append((arr.shape, row))
+    (kshape, krow), (vshape, vrow) = shapes
+    n_ctx, Hkv = kshape[:2]
+    if kshape[2] != krow or vshape != (n_ctx, Hkv, vrow) or H % Hkv:
+        raise ValueError(f"q {q.shape}, k_cache {kshape} and v_cache {vshape} do not fit")
     pos0 = int(pos0)
     if pos0 < 0 or pos0 + T > n_ctx:
         raise ValueError(f"positions {pos0}..{pos0 + T - 1} are outside the cache of {n_ctx} rows")
@@ -171,11 +193,12 @@ class OpCalls:
 
     def attn_step(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
                   pos0: int, out: np.ndarray, scratch: np.ndarray, n_rot: int, theta_base: float, neox: bool,
-                  freq_factors: np.ndarray, ggml_op: int = GGML_MUL_MAT) -> None:
-        """One attention step of T tokens at pos0..: their k, v (T, H_kv, hd) (views of wider rows allowed) into
-        the caches' rows pos0.., `rope` of q and those K rows, `attention` into out (ggml_op as there). As those
-        calls in turn."""
-        T, H, hd, n_ctx, Hkv, os_ = attention_args(q, k_cache, v_cache, pos0, out, scratch, True)
+                  freq_factors: np.ndarray, ggml_op: int = GGML_MUL_MAT, k_type: int = F32, v_type: int = F32) -> None:
+        """One attention step of T tokens at pos0..: `rope` of q and their k (T, H_kv, hd) (views of wider rows
+        allowed), those K rows and the v rows written to the caches' rows pos0.. in the caches' ggml types k_type,
+        v_type (f32, f16, q8_0, q4_0), then attention into out: both F32 as `attention` (ggml_op as there), any
+        other type in the order of llama.cpp's CPU flash attention."""
+        T, H, hd, n_ctx, Hkv, os_ = attention_args(q, k_cache, v_cache, pos0, out, scratch, True, k_type, v_type)
         _, _, kvs = _heads("k", k, hd)
         if k.shape != (T, Hkv, hd) or v.shape != k.shape or _heads("v", v, hd)[2] != kvs:
             raise ValueError(f"k {k.shape} and v {v.shape} must be ({T}, {Hkv}, {hd}) with the same strides")
@@ -183,32 +206,33 @@ class OpCalls:
         ff = rope_freqs(ffi, freq_factors, n_rot)
         rc = self._lib.hi_attn_step(
             self._c, _ptr(ffi, "float *", q), T, H, hd, _ptr(ffi, "float *", k), _ptr(ffi, "float *", v), kvs,
-            _ptr(ffi, "float *", k_cache), _ptr(ffi, "float *", v_cache), n_ctx, Hkv, int(pos0), int(n_rot),
-            float(np.float32(theta_base)), 1 if neox else 0, ff, float(np.float32(1.0) / np.sqrt(np.float32(hd))),
-            _ptr(ffi, "float *", out), os_, _ptr(ffi, "float *", scratch), scratch.shape[0], _op(ggml_op))
+            _ptr(ffi, "char *", k_cache), _ptr(ffi, "char *", v_cache), int(k_type), int(v_type), n_ctx, Hkv,
+            int(pos0), int(n_rot), float(np.float32(theta_base)), 1 if neox else 0, ff,
+            float(np.float32(1.0) / np.sqrt(np.float32(hd))), _ptr(ffi, "float *", out), os_,
+            _ptr(ffi, "float *", scratch), scratch.shape[0], _op(ggml_op))
         if rc:
             _check_rc(rc, "attn_step")
 
     def attn_rows(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, k_caches, v_caches, positions, dpos: int,
                   out: np.ndarray, scratch: np.ndarray, n_rot: int, theta_base: float, neox: bool,
-                  freq_factors: np.ndarray) -> None:
+                  freq_factors: np.ndarray, k_type: int = F32, v_type: int = F32) -> None:
         """attn_step for one token of each of B sequences in one call: row j of q (B, H, hd), k, v (B, H_kv, hd)
         and out (B, H*hd) is sequence j's token, at position positions[j] + dpos of its caches k_caches[j],
-        v_caches[j] (n_ctx, H_kv, hd); every (sequence, head) row in one pool run, bit-identical to B attn_step calls.
-        The positions are copied (a recorded call replays them, dpos moving on)."""
+        v_caches[j] (n_ctx rows, in types k_type / v_type); every (sequence, head) row in one pool run, bit-identical
+        to B attn_step calls. The positions are copied (a recorded call replays them, dpos moving on)."""
         k_caches, v_caches = list(k_caches), list(v_caches)
         B = len(k_caches)
         if B == 0 or len(v_caches) != B:
             raise ValueError(f"attn_rows takes one K and one V cache per sequence, got {B} and {len(v_caches)}")
-        T, H, hd, n_ctx, Hkv, os_ = attention_args(q, k_caches[0], v_caches[0], 0, out, scratch, True)
+        T, H, hd, n_ctx, Hkv, os_ = attention_args(q, k_caches[0], v_caches[0], 0, out, scratch, True, k_type,
+                                                   v_type)
         if T != B:
             raise ValueError(f"q has {T} rows for {B} sequences")
         for j, (kc, vc) in enumerate(zip(k_caches, v_caches, strict=True)):
-            for name, c in ((f"k_caches[{j}]", kc), (f"v_caches[{j}]", vc)):
-                if not (type(c) is np.ndarray and c.dtype is _F32 and c.shape == k_caches[0].shape
+            for name, c, c0 in ((f"k_caches[{j}]", kc, k_caches[0]), (f"v_caches[{j}]", vc, v_caches[0])):
+                if not (type(c) is np.ndarray and c.dtype == c0.dtype and c.shape == c0.shape
                         and c.flags.c_contiguous and c.flags.writeable):
-                    raise ValueError(f"{name} must be a writable C-contiguous float32 array of shape "
-                                     f"{k_caches[0].shape}")
+                    raise ValueError(f"{name} must be a writable C-contiguous {c0.dtype} array of shape {c0.shape}")
         pos = np.array(positions, dtype=np.int64).reshape(-1)
         if pos.shape != (B,) or (pos + int(dpos) < 0).any() or (pos + int(dpos) >= n_ctx).any():
             raise ValueError(f"positions {pos.tolist()} (+ {int(dpos)}) must be one per sequence inside the cache of "
@@ -219,9 +243,10 @@ class OpCalls:
         ffi = self._ffi
         rc = self._lib.hi_attn_rows(
             self._c, B, _ptr(ffi, "float *", q), H * hd, H, hd, _ptr(ffi, "float *", k), _ptr(ffi, "float *", v), kvs,
-            [ffi.from_buffer("float[]", c) for c in k_caches], [ffi.from_buffer("float[]", c) for c in v_caches],
-            n_ctx, Hkv, ffi.from_buffer("int64_t[]", pos), int(dpos), int(n_rot), float(np.float32(theta_base)),
-            1 if neox else 0, rope_freqs(ffi, freq_factors, n_rot), float(np.float32(1.0) / np.sqrt(np.float32(hd))),
-            _ptr(ffi, "float *", out), os_, _ptr(ffi, "float *", scratch), scratch.shape[0])
+            [ffi.from_buffer("char[]", c) for c in k_caches], [ffi.from_buffer("char[]", c) for c in v_caches],
+            int(k_type), int(v_type), n_ctx, Hkv, ffi.from_buffer("int64_t[]", pos), int(dpos), int(n_rot),
+            float(np.float32(theta_base)), 1 if neox else 0, rope_freqs(ffi, freq_factors, n_rot),
+            float(np.float32(1.0) / np.sqrt(np.float32(hd))), _ptr(ffi, "float *", out), os_,
+            _ptr(ffi, "float *", scratch), scratch.shape[0])
         if rc:
             _check_rc(rc, "attn_rows")

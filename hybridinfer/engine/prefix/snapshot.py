@@ -39,7 +39,8 @@ VERSION = 1
 _PRE = struct.Struct("<8sII16s")
 _ALIGN = 64
 _MAX_HEADER = 64 << 20
-_DTYPES = {"<f4": np.dtype("<f4"), "<i4": np.dtype("<i4")}
+# float32 state, int32 tokens, and the K/V rows of an f16 or quantized cache (state_kinds.StateArray.storage)
+_DTYPES = {d.str: d for d in (np.dtype("<f4"), np.dtype("<i4"), np.dtype("<f2"), np.dtype("|u1"))}
 # what a header's JSON can make its parsing raise: each means a damaged file, not a bug here
 _MALFORMED = (ValueError, KeyError, TypeError, OverflowError, IndexError, AttributeError)
 
@@ -81,8 +82,8 @@ class ChainLink:
 class Snapshot(ChainLink):
     tokens: np.ndarray  # (pos - kv_from,) int32: tokens[kv_from:pos]
     # per declared state array (models/state_kinds.py), by layer: a recurrent array whole (GDN conv (K-1, C), S
-    # (H_v, d_k, d_v)), a per-token array's rows [kv_from, pos) (attention K, V (pos - kv_from, H_kv, hd)); all
-    # float32, read as snap.conv, snap.k, ...
+    # (H_v, d_k, d_v)), a per-token array's rows [kv_from, pos) (attention K, V (pos - kv_from, H_kv, row) in the
+    # cache type's storage); read as snap.conv, snap.k, ...
     parts: dict[str, dict[int, np.ndarray]]
     logits: np.ndarray | None = None
     nbytes: int = field(default=0, compare=False)
