@@ -14,7 +14,7 @@ from ..format.quant import dequantize, dequantize_rows
 from ..format.quant_types import act_of
 from ..models import graph
 from ..models.graph import BlockTensors, block_names
-from ..models.state_kinds import cache_path, cache_types
+from ..models.state_kinds import cache_path, cache_types, kv_rotation
 from . import Backend, actquant
 from . import reference_ops as op
 from .state import DecoderState, check_tokens
@@ -180,10 +180,13 @@ class RefOps:
         q = op.rope(q, pos, a.n_rot, a.rope_theta, a.rope_neox, ff)
         k = op.rope(k, pos, a.n_rot, a.rope_theta, a.rope_neox, ff)
         kt, vt = cache_types(a)
+        rk, rv = kv_rotation(a)  # quantized rows rotated before they are kept, the output rotated back
+        q, k, v = op.hadamard(q, rk), op.hadamard(k, rk), op.hadamard(v, rv)
         st.k[i][p0 : p0 + T] = op.kv_encode(k, kt)
         st.v[i][p0 : p0 + T] = op.kv_encode(v, vt)
         k_all, v_all = op.kv_decode(st.k[i][: p0 + T], kt, hd), op.kv_decode(st.v[i][: p0 + T], vt, hd)
-        return op.causal_attention(op.kv_query(q, kt), k_all, v_all, p0).reshape(T, a.n_head * hd)
+        o = op.causal_attention(op.kv_query(q, kt), k_all, v_all, p0)
+        return op.hadamard(o, rv).reshape(T, a.n_head * hd)
 
     def sigmoid_gate(self, o: np.ndarray, gate: np.ndarray) -> np.ndarray:
         return o * op.sigmoid(gate)

@@ -79,6 +79,22 @@ def rope(x: np.ndarray, positions: np.ndarray, n_rot: int, theta: float, neox: b
     return out
 
 
+def hadamard(x: np.ndarray, n: int) -> np.ndarray:
+    """x with each consecutive n values of its last axis multiplied by the orthonormal Sylvester-Hadamard matrix of
+    order n (n a power of two; its own inverse): every value times 1/sqrt(n) in float32, then the butterflies
+    (u, v) -> (u + v, u - v) over spans 1, 2, 4, .. in float32; n = 0 leaves x as it is."""
+    if not n:
+        return x
+    y = (x.astype(np.float32) * np.float32(1.0 / np.sqrt(np.float32(n)))).reshape(-1, n)
+    h = 1
+    while h < n:
+        y = y.reshape(-1, n // (2 * h), 2, h)
+        u, v = y[:, :, 0, :].copy(), y[:, :, 1, :].copy()
+        y[:, :, 0, :], y[:, :, 1, :] = u + v, u - v
+        h *= 2
+    return y.reshape(x.shape)
+
+
 def kv_encode(x: np.ndarray, t: str) -> np.ndarray:
     """K or V rows (T, H_kv, hd) float32 in cache type t's storage (DecoderState's: float32, float16, or each head's
     row as the type's blocks in bytes)."""

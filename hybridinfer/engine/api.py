@@ -178,7 +178,7 @@ class Engine(Compute):
              snapshot_stride: int | None = DEFAULT_SNAPSHOT_STRIDE, max_seqs: int = 8,
              state_budget: int | None = None, step_tokens: int = DEFAULT_STEP_TOKENS,
              chat_template: str | None = None, special_in_content: bool = False, cache_type_k: str = "f32",
-             cache_type_v: str = "f32", **options) -> Engine:
+             cache_type_v: str = "f32", cache_rotate: bool = True, **options) -> Engine:
         """Open a GGUF file and make its engine. Every keyword has a default:
 
         path (default None: the embedded SmolLM2-135M-Instruct Q4_1).
@@ -209,6 +209,9 @@ class Engine(Compute):
             compares with llama.cpp at the same types with flash attention on). Sequence states, snapshots and
             the scheduler's state budget hold the rows in these types; a prefix-cache snapshot of other types is
             a miss.
+        cache_rotate (default True): quantized K/V rows (q8_0, q4_0) are Walsh-Hadamard rotated before they are
+            kept, as llama.cpp does unless LLAMA_ATTN_ROT_DISABLE is set (state_kinds.kv_rotation); False keeps them
+            as they are.
 
         Backend options, each left to its backend when not given:
         CPU ("cpu", and decode under "gpu" and "auto"): isa (the widest SIMD unit this CPU has: scalar, ssse3,
@@ -231,7 +234,7 @@ class Engine(Compute):
         _check_load_args(n_ctx, prefill_chunk, snapshot_stride, step_tokens, options)
         gm = GGUFModel(path)
         gm.check_finite()  # a damaged file (NaN scales) is refused here, not answered with nothing
-        args = with_cache_types(model_args(gm), cache_type_k, cache_type_v)
+        args = with_cache_types(model_args(gm), cache_type_k, cache_type_v, cache_rotate)
         n_ctx = int(min(n_ctx, args.context_length))
         be = make_backend(backend, gm, args, options, n_ctx)
         if options:

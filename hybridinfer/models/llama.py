@@ -31,9 +31,10 @@ class ModelArgs:
     context_length: int
     tied_output: bool
     has_rope_freqs: bool
-    # K/V cache types (llama.cpp's -ctk / -ctv names): the engine's setting, not the file's (state_kinds.with_cache_types)
+    # K/V cache types (llama.cpp's -ctk / -ctv names): the engine's setting (state_kinds.with_cache_types)
     cache_type_k: str = "f32"
     cache_type_v: str = "f32"
+    cache_rotate: bool = True  # llama.cpp's Hadamard rotation of quantized K/V (state_kinds.kv_rotation)
 
     # the shared vocabulary of every ModelArgs the engine reads
     @property

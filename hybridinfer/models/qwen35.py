@@ -48,9 +48,10 @@ class ModelArgs:
     n_expert_used: int = 0
     n_ff_exp: int = 0
     n_ff_shexp: int = 0
-    # K/V cache types (llama.cpp's -ctk / -ctv names): the engine's setting, not the file's (state_kinds.with_cache_types)
+    # K/V cache types (llama.cpp's -ctk / -ctv names): the engine's setting (state_kinds.with_cache_types)
     cache_type_k: str = "f32"
     cache_type_v: str = "f32"
+    cache_rotate: bool = True  # llama.cpp's Hadamard rotation of quantized K/V (state_kinds.kv_rotation)
 
     rope_neox = True
     attn_gate = True

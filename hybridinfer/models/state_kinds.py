@@ -150,10 +150,11 @@ def state_bytes(args, n_tokens: int) -> int:
     return sum(kind_of(t).nbytes(args, n_tokens) for t in args.layer_types)
 
 
-def with_cache_types(args, k: str = "f32", v: str = "f32"):
-    """`args` with K/V rows kept in cache types k and v (llama.cpp's names); a ParameterError naming a type that is
-    not a cache type, or one whose block does not divide the rows it would hold."""
-    names = {}
+def with_cache_types(args, k: str = "f32", v: str = "f32", rotate: bool = True):
+    """`args` with K/V rows kept in cache types k and v (llama.cpp's names) and, with `rotate`, quantized ones
+    rotated as llama.cpp rotates them (kv_rotation); a ParameterError naming a type that is not a cache type, or one
+    whose block does not divide the rows it would hold."""
+    names: dict = {"cache_rotate": bool(rotate)}
     for role, name in (("k", k), ("v", v)):
         try:
             t = cache_type(name)
@@ -167,6 +168,25 @@ def with_cache_types(args, k: str = "f32", v: str = "f32"):
     return replace(args, **names)
 
 
+def kv_rotation(args) -> tuple[int, int]:
+    """The Walsh-Hadamard rotation sizes of the K and V rows (0: none), llama.cpp's rule (llama_kv_cache's attn_rot_k /
+    attn_rot_v, on unless LLAMA_ATTN_ROT_DISABLE): a quantized type (not f32 or f16) on heads of a multiple of 64
+    values; K (and the query with it) in chunks of the largest power of two from 64 dividing the head, V in chunks of
+    64. A rotation is orthogonal, so the attention it leaves is the same maths; the quantization error is spread over
+    the chunk instead of sitting on the few large values."""
+    if not getattr(args, "cache_rotate", True):
+        return 0, 0
+    hd, out = int(args.head_dim), []
+    for role, t in zip("kv", cache_types(args), strict=True):
+        n = 0
+        if cache_type(t).block > 1 and hd % 64 == 0:
+            n = 64
+            while role == "k" and hd % (2 * n) == 0:
+                n *= 2
+        out.append(n)
+    return out[0], out[1]
+
+
 def cache_types(args) -> tuple[str, str]:
     """The (K, V) cache type names of `args`."""
     return getattr(args, "cache_type_k", "f32"), getattr(args, "cache_type_v", "f32")
@@ -176,4 +196,5 @@ def cache_path(args) -> str:
     """The K/V types' part of a backend's numeric path ("" for F32 K/V): snapshots made with other types are another
     path's, a miss in the prefix cache, never restored into this one."""
     k, v = cache_types(args)
-    return "" if (k, v) == ("f32", "f32") else f"/kv:{k},{v}"
+    rk, rv = kv_rotation(args)
+    return "" if (k, v) == ("f32", "f32") else f"/kv:{k},{v}" + (f",rot{rk},{rv}" if rk or rv else "")

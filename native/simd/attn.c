@@ -176,6 +176,24 @@ int hi_rope(hi_ctx *c, float *x, int64_t T, int64_t H, int64_t hd, int64_t pos0,
     return 0;
 }
 
+/* ggml's Walsh-Hadamard rotation (ggml_compute_forward_fwht, what llama.cpp's MUL_MAT with a Hadamard hint runs) of
+ * each n-value chunk of x[0..len) in place, n a power of two: every value times 1 / sqrtf(n), then the butterflies
+ * (u, v) -> (u + v, u - v) for spans 1, 2, 4, ..; each a single rounding, so its vector passes give these bits */
+static void kv_fwht(float *x, int64_t len, int64_t n) {
+    const float s = 1.0f / sqrtf((float)n);
+    for (int64_t c = 0; c < len; c += n) {
+        float *r = x + c;
+        for (int64_t j = 0; j < n; j++) r[j] = r[j] * s;
+        for (int64_t h = 1; h < n; h <<= 1)
+            for (int64_t i = 0; i < n; i += 2 * h)
+                for (int64_t j = i; j < i + h; j++) {
+                    const float u = r[j], v = r[j + h];
+                    r[j] = u + v;
+                    r[j + h] = u - v;
+                }
+    }
+}
+
 /* quantize_row_q4_0_ref: d = the value of largest magnitude / -8, q = min(15, (int8)(x / d + 8.5)) */
 static void kv_q4_0(const float *x, int64_t n, uint8_t *y) {
     for (int64_t b = 0; b < n / 32; b++, x += 32, y += 18) {
@@ -214,16 +232,20 @@ static void kv_store_row(const hi_kernels *kt, int t, const float *x, int64_t n,
 }
 
 /* the first half of an attention step: q roped at pos0.., the T new K rows roped there and written with the T new
- * V rows to the caches' rows pos0.. in their types */
-static int attn_store_rope(hi_ctx *c, float *q, int64_t T, int64_t H, int64_t hd, const float *k_new,
+ * V rows to the caches' rows pos0.. in their types; rot_k > 0: q and the K rows rotated (kv_fwht, chunks of rot_k)
+ * after the rope, rot_v > 0: the V rows rotated (chunks of rot_v) before they are written (llama.cpp's attention
+ * rotation for quantized caches) */
+static int attn_store_rope(hi_ctx *c, float *q, int64_t q_row, int64_t T, int64_t H, int64_t hd, const float *k_new,
                            const float *v_new, int64_t kv_new_row, uint8_t *k_cache, uint8_t *v_cache, int k_type,
                            int v_type, int64_t Hkv, int64_t pos0, int64_t n_rot, float theta_base, int neox,
-                           const float *freq_factors) {
+                           const float *freq_factors, int64_t rot_k, int64_t rot_v) {
     const int64_t kv = Hkv * hd, kb = kv_row_bytes(k_type, Hkv, hd), vb = kv_row_bytes(v_type, Hkv, hd);
     const hi_kernels *kt = hi_ctx_kernels(c);
     int rc = hi_rope(c, q, T, H, hd, pos0, n_rot, theta_base, neox, freq_factors);
     if (rc) return rc;
-    if (k_type == HI_T_F32) { /* roped in place in the cache */
+    if (rot_k)
+        for (int64_t t = 0; t < T; t++) kv_fwht(q + t * q_row, H * hd, rot_k);
+    if (k_type == HI_T_F32 && !rot_k) { /* roped in place in the cache */
         for (int64_t t = 0; t < T; t++) memcpy(k_cache + (pos0 + t) * kb, k_new + t * kv_new_row, (size_t)kb);
         rc = hi_rope(c, (float *)(k_cache + pos0 * kb), T, Hkv, hd, pos0, n_rot, theta_base, neox, freq_factors);
     } else {
@@ -231,30 +253,54 @@ static int attn_store_rope(hi_ctx *c, float *q, int64_t T, int64_t H, int64_t hd
         if (!tmp) return -1;
         for (int64_t t = 0; t < T; t++) memcpy(tmp + t * kv, k_new + t * kv_new_row, sizeof(float) * (size_t)kv);
         rc = hi_rope(c, tmp, T, Hkv, hd, pos0, n_rot, theta_base, neox, freq_factors);
+        if (rot_k) kv_fwht(tmp, T * kv, rot_k);
         for (int64_t t = 0; !rc && t < T; t++) kv_store_row(kt, k_type, tmp + t * kv, kv, k_cache + (pos0 + t) * kb);
         free(tmp);
     }
-    for (int64_t t = 0; !rc && t < T; t++) kv_store_row(kt, v_type, v_new + t * kv_new_row, kv, v_cache + (pos0 + t) * vb);
-    return rc;
+    if (rc) return rc;
+    if (rot_v) {
+        float *tmp = (float *)malloc(sizeof(float) * (size_t)kv);
+        if (!tmp) return -1;
+        for (int64_t t = 0; t < T; t++) {
+            memcpy(tmp, v_new + t * kv_new_row, sizeof(float) * (size_t)kv);
+            kv_fwht(tmp, kv, rot_v);
+            kv_store_row(kt, v_type, tmp, kv, v_cache + (pos0 + t) * vb);
+        }
+        free(tmp);
+    } else {
+        for (int64_t t = 0; t < T; t++) kv_store_row(kt, v_type, v_new + t * kv_new_row, kv, v_cache + (pos0 + t) * vb);
+    }
+    return 0;
+}
+
+/* a rotation of n values (0: none) a cache of type t with heads of hd values may take: a power of two from 64
+ * dividing hd, for a quantized type */
+static int rot_ok(int64_t n, int t, int64_t hd) {
+    return n == 0 || (n >= 64 && !(n & (n - 1)) && hd % n == 0 && (t == HI_T_Q8_0 || t == HI_T_Q4_0));
 }
 
 int hi_attn_step(hi_ctx *c, float *q, int64_t T, int64_t H, int64_t hd, const float *k_new, const float *v_new,
                  int64_t kv_new_row, void *k_cache, void *v_cache, int k_type, int v_type, int64_t n_ctx, int64_t Hkv,
                  int64_t pos0, int64_t n_rot, float theta_base, int neox, const float *freq_factors, float scale,
-                 float *out, int64_t out_row, float *scratch, int64_t scratch_len, int ggml_op) {
+                 float *out, int64_t out_row, float *scratch, int64_t scratch_len, int ggml_op, int64_t rot_k,
+                 int64_t rot_v) {
     const int64_t kv = Hkv * hd, kb = kv_row_bytes(k_type, Hkv, hd), vb = kv_row_bytes(v_type, Hkv, hd);
     if (!c || !q || !k_new || !v_new || !k_cache || !v_cache || !out || !scratch || T < 1 || H < 1 || Hkv < 1 ||
         hd < 1 || H % Hkv || kv_new_row < kv || out_row < H * hd || kb < 0 || vb < 0 || pos0 < 0 ||
-        pos0 > n_ctx - T || ggml_op < HI_GGML_NONE || ggml_op > HI_GGML_DECODE_ROWS)
+        pos0 > n_ctx - T || ggml_op < HI_GGML_NONE || ggml_op > HI_GGML_DECODE_ROWS || !rot_ok(rot_k, k_type, hd) ||
+        !rot_ok(rot_v, v_type, hd))
         return -2;
-    int rc = attn_store_rope(c, q, T, H, hd, k_new, v_new, kv_new_row, (uint8_t *)k_cache, (uint8_t *)v_cache, k_type,
-                             v_type, Hkv, pos0, n_rot, theta_base, neox, freq_factors);
+    int rc = attn_store_rope(c, q, H * hd, T, H, hd, k_new, v_new, kv_new_row, (uint8_t *)k_cache, (uint8_t *)v_cache,
+                             k_type, v_type, Hkv, pos0, n_rot, theta_base, neox, freq_factors, rot_k, rot_v);
     if (rc) return rc;
     attn_job j = {.a = {.q = q, .k = (const float *)k_cache, .v = (const float *)v_cache, .out = out, .T = T, .H = H,
                         .Hkv = Hkv, .hd = hd, .pos0 = pos0, .q_row = H * hd, .kv_row = kv, .out_row = out_row,
                         .scale = scale, .rows1 = ggml_op == HI_GGML_DECODE_ROWS, .k_type = k_type, .v_type = v_type,
                         .k_bytes = kb, .v_bytes = vb}};
-    return attn_go(c, &j, scratch, scratch_len, (pos0 + T) * T * H * hd < HI_ATTN_INLINE_MACS);
+    rc = attn_go(c, &j, scratch, scratch_len, (pos0 + T) * T * H * hd < HI_ATTN_INLINE_MACS);
+    if (!rc && rot_v) /* the output back from V's rotation (its own inverse) */
+        for (int64_t t = 0; t < T; t++) kv_fwht(out + t * out_row, H * hd, rot_v);
+    return rc;
 }
 
 /* ---- one token of each of B sequences (decode_batch): each sequence's new K/V rows into its cache and its q and
@@ -285,10 +331,11 @@ int hi_attn_rows(hi_ctx *c, int64_t B, float *q, int64_t q_row, int64_t H, int64
                  const float *v_new, int64_t kv_new_row, void *const *k_cache, void *const *v_cache, int k_type,
                  int v_type, int64_t n_ctx, int64_t Hkv, const int64_t *pos, int64_t dpos, int64_t n_rot,
                  float theta_base, int neox, const float *freq_factors, float scale, float *out, int64_t out_row,
-                 float *scratch, int64_t scratch_len) {
+                 float *scratch, int64_t scratch_len, int64_t rot_k, int64_t rot_v) {
     const int64_t kv = Hkv * hd, kb = kv_row_bytes(k_type, Hkv, hd), vb = kv_row_bytes(v_type, Hkv, hd);
     if (!c || !q || !k_new || !v_new || !k_cache || !v_cache || !pos || !out || !scratch || B < 1 || H < 1 ||
-        hd < 1 || Hkv < 1 || H % Hkv || kv_new_row < kv || q_row < H * hd || out_row < H * hd || kb < 0 || vb < 0)
+        hd < 1 || Hkv < 1 || H % Hkv || kv_new_row < kv || q_row < H * hd || out_row < H * hd || kb < 0 || vb < 0 ||
+        !rot_ok(rot_k, k_type, hd) || !rot_ok(rot_v, v_type, hd))
         return -2;
     const hi_kernels *kt = hi_ctx_kernels(c);
     const int fa = !(k_type == HI_T_F32 && v_type == HI_T_F32);
@@ -299,9 +346,10 @@ int hi_attn_rows(hi_ctx *c, int64_t B, float *q, int64_t q_row, int64_t H, int64
         for (int64_t i = 0; i < nb; i++) {
             const int64_t j = j0 + i, p = pos[j] + dpos;
             if (p < 0 || p > n_ctx - 1 || !k_cache[j] || !v_cache[j]) return -2;
-            const int rc = attn_store_rope(c, q + j * q_row, 1, H, hd, k_new + j * kv_new_row, v_new + j * kv_new_row,
-                                           kv_new_row, (uint8_t *)k_cache[j], (uint8_t *)v_cache[j], k_type, v_type,
-                                           Hkv, p, n_rot, theta_base, neox, freq_factors);
+            const int rc = attn_store_rope(c, q + j * q_row, q_row, 1, H, hd, k_new + j * kv_new_row,
+                                           v_new + j * kv_new_row, kv_new_row, (uint8_t *)k_cache[j],
+                                           (uint8_t *)v_cache[j], k_type, v_type, Hkv, p, n_rot, theta_base, neox,
+                                           freq_factors, rot_k, rot_v);
             if (rc) return rc;
             a[i] = (hi_attn){.q = q + j * q_row, .k = (const float *)k_cache[j], .v = (const float *)v_cache[j],
                              .out = out + j * out_row, .T = 1, .H = H, .Hkv = Hkv, .hd = hd, .pos0 = p,
@@ -320,6 +368,8 @@ int hi_attn_rows(hi_ctx *c, int64_t B, float *q, int64_t q_row, int64_t H, int64
         if (chunks == 1) attn_rows_chunk(&job, 0);
         else hi_ctx_run(c, attn_rows_chunk, &job, chunks);
         hi_ctx_unlock(c);
+        if (rot_v)
+            for (int64_t i = 0; i < nb; i++) kv_fwht(out + (j0 + i) * out_row, H * hd, rot_v);
     }
     return 0;
 }

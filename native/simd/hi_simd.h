@@ -179,7 +179,7 @@ int hi_attn_rows(hi_ctx *c, int64_t B, float *q, int64_t q_row, int64_t H, int64
                  const float *v_new, int64_t kv_new_row, void *const *k_cache, void *const *v_cache, int k_type,
                  int v_type, int64_t n_ctx, int64_t Hkv, const int64_t *pos, int64_t dpos, int64_t n_rot,
                  float theta_base, int neox, const float *freq_factors, float scale, float *out, int64_t out_row,
-                 float *scratch, int64_t scratch_len);
+                 float *scratch, int64_t scratch_len, int64_t rot_k, int64_t rot_v);
 
 /* ---- small decode ops (ops.c), on the calling thread (sigmoid_gate in segments on the pool), plain float order:
  * the C twins of the numba ops in tests/oracles/numba_ops.py, bit-identical to them (the float operations written
@@ -210,11 +210,15 @@ int hi_moe_combine(hi_ctx *c, const float *ys, const float *w, int64_t T, int k,
  * Hkv*hd floats, stride kv_new_row) at pos0.. (hi_rope), writes those and the v rows to the caches' rows pos0..
  * (n_ctx rows of Hkv heads of hd values) in the caches' ggml types k_type / v_type (f32, f16, q8_0, q4_0; as
  * llama.cpp's set_rows writes them), then attends: both F32, hi_attention (ggml_op as there); else in the order of
- * llama.cpp's CPU flash attention (kernels_attn.h), every row as a one-token step. scratch as hi_attention's. */
+ * llama.cpp's CPU flash attention (kernels_attn.h), every row as a one-token step. scratch as hi_attention's.
+ * rot_k, rot_v (0: none; a power of two from 64 dividing hd, quantized types only): llama.cpp's rotation of a
+ * quantized cache: q and K after the rope, and V, rotated by the Walsh-Hadamard transform of that many values
+ * (ggml's fwht) before the cache is written, and the output rotated back from V's. */
 int hi_attn_step(hi_ctx *c, float *q, int64_t T, int64_t H, int64_t hd, const float *k_new, const float *v_new,
                  int64_t kv_new_row, void *k_cache, void *v_cache, int k_type, int v_type, int64_t n_ctx, int64_t Hkv,
                  int64_t pos0, int64_t n_rot, float theta_base, int neox, const float *freq_factors, float scale,
-                 float *out, int64_t out_row, float *scratch, int64_t scratch_len, int ggml_op);
+                 float *out, int64_t out_row, float *scratch, int64_t scratch_len, int ggml_op, int64_t rot_k,
+                 int64_t rot_v);
 
 /* ---- per-node weight copies (replica.c) ------------------------------------------------------------------
  * A product's chunk reads its weights from the copy of its thread's replica (the same bytes, so the same result)

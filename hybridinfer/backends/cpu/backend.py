@@ -27,7 +27,7 @@ from ...format.quant import dequantize_rows, type_name
 from ...format.quant_types import cache_type
 from ...models import graph
 from ...models.graph import BlockTensors, block_names
-from ...models.state_kinds import cache_path, cache_types, kind_of
+from ...models.state_kinds import cache_path, cache_types, kind_of, kv_rotation
 from .. import Backend
 from ..state import DecoderState, check_tokens
 from .graph_ops import SHAPE, CPUOps, Segments
@@ -181,6 +181,7 @@ class CPUModel(Backend):
         self.freq_factors = (np.ascontiguousarray(gm.dequant("rope_freqs.weight"), dtype=np.float32)
                              if getattr(a, "has_rope_freqs", False) else NO_FREQS)
         self.kv_types = tuple(cache_type(t).id for t in cache_types(a))  # ggml ids of the K and V cache types
+        self.kv_rot = kv_rotation(a)  # their rotation sizes (0: none)
         held = {"out": self.out}
         owners = [(held, "out")] + [(L.tensors, k) for L in self.layers for k, v in L.tensors.items()
                                     if isinstance(v, Mat)]

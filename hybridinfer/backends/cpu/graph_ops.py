@@ -94,18 +94,18 @@ class CPUOps:
             self._call(("qgate", i), "split_qgate", qg, q, None)
         k, v = k.reshape(T, -1, hd), v.reshape(T, -1, hd)
         o = ws.attn[:T]
-        ff, kt, vt = self.m.freq_factors, *self.m.kv_types
+        ff, kt, vt, rk, rv = self.m.freq_factors, *self.m.kv_types, *self.m.kv_rot
         if isinstance(st, Segments):
             for s, r0, r1 in st:
                 self._call(("attn", i), "attn_step", q[r0:r1], k[r0:r1], v[r0:r1], s.k[i], s.v[i], s.pos, o[r0:r1],
-                           ws.attn_scratch, a.n_rot, a.rope_theta, a.rope_neox, ff, SHAPE, kt, vt)
+                           ws.attn_scratch, a.n_rot, a.rope_theta, a.rope_neox, ff, SHAPE, kt, vt, rk, rv)
         elif isinstance(st, list):
             self._call(("attn", i), "attn_rows", q, k, v, [s.k[i] for s in st], [s.v[i] for s in st],
-                       [s.pos for s in st], 0, o, ws.attn_scratch, a.n_rot, a.rope_theta, a.rope_neox, ff, kt, vt,
-                       fresh=True)
+                       [s.pos for s in st], 0, o, ws.attn_scratch, a.n_rot, a.rope_theta, a.rope_neox, ff, kt, vt, rk,
+                       rv, fresh=True)
         else:
             self._call(("attn", i), "attn_step", q, k, v, st.k[i], st.v[i], st.pos, o, ws.attn_scratch, a.n_rot,
-                       a.rope_theta, a.rope_neox, ff, SHAPE, kt, vt, st=st, arrays=(st.k[i], st.v[i]))
+                       a.rope_theta, a.rope_neox, ff, SHAPE, kt, vt, rk, rv, st=st, arrays=(st.k[i], st.v[i]))
         return o
 
     def sigmoid_gate(self, o: np.ndarray, gate: np.ndarray) -> np.ndarray:

@@ -193,11 +193,13 @@ class OpCalls:
 
     def attn_step(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
                   pos0: int, out: np.ndarray, scratch: np.ndarray, n_rot: int, theta_base: float, neox: bool,
-                  freq_factors: np.ndarray, ggml_op: int = GGML_MUL_MAT, k_type: int = F32, v_type: int = F32) -> None:
+                  freq_factors: np.ndarray, ggml_op: int = GGML_MUL_MAT, k_type: int = F32, v_type: int = F32,
+                  rot_k: int = 0, rot_v: int = 0) -> None:
         """One attention step of T tokens at pos0..: `rope` of q and their k (T, H_kv, hd) (views of wider rows
         allowed), those K rows and the v rows written to the caches' rows pos0.. in the caches' ggml types k_type,
         v_type (f32, f16, q8_0, q4_0), then attention into out: both F32 as `attention` (ggml_op as there), any
-        other type in the order of llama.cpp's CPU flash attention."""
+        other type in the order of llama.cpp's CPU flash attention. rot_k, rot_v: the rotation of quantized K / V
+        rows (state_kinds.kv_rotation; 0: none)."""
         T, H, hd, n_ctx, Hkv, os_ = attention_args(q, k_cache, v_cache, pos0, out, scratch, True, k_type, v_type)
         _, _, kvs = _heads("k", k, hd)
         if k.shape != (T, Hkv, hd) or v.shape != k.shape or _heads("v", v, hd)[2] != kvs:
@@ -209,13 +211,14 @@ class OpCalls:
             _ptr(ffi, "char *", k_cache), _ptr(ffi, "char *", v_cache), int(k_type), int(v_type), n_ctx, Hkv,
             int(pos0), int(n_rot), float(np.float32(theta_base)), 1 if neox else 0, ff,
             float(np.float32(1.0) / np.sqrt(np.float32(hd))), _ptr(ffi, "float *", out), os_,
-            _ptr(ffi, "float *", scratch), scratch.shape[0], _op(ggml_op))
+            _ptr(ffi, "float *", scratch), scratch.shape[0], _op(ggml_op), int(rot_k), int(rot_v))
         if rc:
             _check_rc(rc, "attn_step")
 
     def attn_rows(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, k_caches, v_caches, positions, dpos: int,
                   out: np.ndarray, scratch: np.ndarray, n_rot: int, theta_base: float, neox: bool,
-                  freq_factors: np.ndarray, k_type: int = F32, v_type: int = F32) -> None:
+                  freq_factors: np.ndarray, k_type: int = F32, v_type: int = F32, rot_k: int = 0,
+                  rot_v: int = 0) -> None:
         """attn_step for one token of each of B sequences in one call: row j of q (B, H, hd), k, v (B, H_kv, hd)
         and out (B, H*hd) is sequence j's token, at position positions[j] + dpos of its caches k_caches[j],
         v_caches[j] (n_ctx rows, in types k_type / v_type); every (sequence, head) row in one pool run, bit-identical
@@ -247,6 +250,6 @@ class OpCalls:
             int(k_type), int(v_type), n_ctx, Hkv, ffi.from_buffer("int64_t[]", pos), int(dpos), int(n_rot),
             float(np.float32(theta_base)), 1 if neox else 0, rope_freqs(ffi, freq_factors, n_rot),
             float(np.float32(1.0) / np.sqrt(np.float32(hd))), _ptr(ffi, "float *", out), os_,
-            _ptr(ffi, "float *", scratch), scratch.shape[0])
+            _ptr(ffi, "float *", scratch), scratch.shape[0], int(rot_k), int(rot_v))
         if rc:
             _check_rc(rc, "attn_rows")
