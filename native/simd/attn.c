@@ -19,13 +19,12 @@ typedef struct {
     hi_attn a;
     int64_t rows, per, chunks, chunk_scratch;
     float *scratch;
-    int fa; /* a typed cache: the table's attn_fa */
 } attn_job;
 
 static void attn_chunk(void *arg, int64_t i) {
     const attn_job *j = (const attn_job *)arg;
     const int64_t r0 = i * j->per, r1 = r0 + j->per < j->rows ? r0 + j->per : j->rows;
-    if (r0 < r1) (j->fa ? j->k->attn_fa : j->k->attn)(&j->a, r0, r1, j->scratch + i * j->chunk_scratch);
+    if (r0 < r1) j->k->attn(&j->a, r0, r1, j->scratch + i * j->chunk_scratch);
 }
 
 static int64_t attn_max_chunks(const hi_ctx *c) {
@@ -69,17 +68,144 @@ static int64_t kv_row_bytes(int t, int64_t Hkv, int64_t hd) {
     }
 }
 
+/* ---- typed caches: work units of (job, token, context chunk, rows of one K/V head) */
+
+#define HI_FA_CHUNK 1024 /* positions per context chunk of a long row */
+/* a row over more positions is split into chunks computed apart and merged (llama.cpp's split decode): a rule of the
+ * row's own length alone, so no bit depends on the thread count, the batch or the other rows of the call */
+#define HI_FA_SPLIT 2048
+#define HI_FA_PART_FLOATS ((int64_t)8 << 20) /* partials held at once (32 MiB): longer calls go in waves */
+
+static int64_t fa_chunks(int64_t n) { return n > HI_FA_SPLIT ? (n + HI_FA_CHUNK - 1) / HI_FA_CHUNK : 1; }
+
+typedef struct {
+    int64_t j, t, nc, u0, part; /* job, token, context chunks, first unit, offset of its partials (floats) */
+} fa_pair;
+
+typedef struct {
+    const hi_kernels *k;
+    const hi_attn *a; /* per job */
+    const fa_pair *pairs;
+    int64_t npairs, R, upc, units, per, unit_scratch; /* R rows a unit, upc units per (pair, chunk) */
+    float *scratch, *part;
+} fa_job;
+
+static void fa_chunk_run(void *arg, int64_t i) {
+    const fa_job *f = (const fa_job *)arg;
+    const int64_t u0 = i * f->per, u1 = u0 + f->per < f->units ? u0 + f->per : f->units;
+    float *scratch = f->scratch + i * f->unit_scratch;
+    int64_t p = 0, lo = 0, hi = f->npairs - 1;
+    while (lo <= hi) { /* the last pair starting at or before u0 */
+        const int64_t mid = (lo + hi) / 2;
+        if (f->pairs[mid].u0 <= u0) p = mid, lo = mid + 1;
+        else hi = mid - 1;
+    }
+    for (int64_t u = u0; u < u1; u++) {
+        while (p + 1 < f->npairs && f->pairs[p + 1].u0 <= u) p++;
+        const fa_pair *pr = &f->pairs[p];
+        const hi_attn *a = &f->a[pr->j];
+        const int64_t local = u - pr->u0, c = local / f->upc, h0 = (local % f->upc) * f->R;
+        const int64_t n = a->pos0 + pr->t + 1, s0 = c * HI_FA_CHUNK;
+        const int64_t s1 = pr->nc == 1 ? n : (s0 + HI_FA_CHUNK < n ? s0 + HI_FA_CHUNK : n);
+        const int64_t prow = pr->nc * (a->hd + 2);
+        f->k->attn_fa(a, pr->t, h0, f->R, s0, s1, scratch,
+                      pr->nc == 1 ? NULL : f->part + pr->part + h0 * prow + c * (a->hd + 2), prow);
+    }
+}
+
+/* a split row's output from its chunks' partials (M, S, VKQ), in chunk order, as llama.cpp's
+ * ggml_flash_attn_ext_reduce_partials merges them */
+static void fa_merge(const float *part, int64_t nc, int64_t hd, float *vkq, float *out) {
+    float M = -INFINITY, S = 0.0f;
+    memset(vkq, 0, sizeof(float) * (size_t)hd);
+    for (int64_t c = 0; c < nc; c++) {
+        const float *p = part + c * (hd + 2), Mc = p[0], Sc = p[1];
+        if (Sc == 0.0f) continue;
+        const float Mn = fmaxf(M, Mc), so = expf(M - Mn), sn = expf(Mc - Mn);
+        for (int64_t d = 0; d < hd; d++) vkq[d] = vkq[d] * so + p[2 + d] * sn;
+        S = S * so + Sc * sn;
+        M = Mn;
+    }
+    const float S_inv = S == 0.0f ? 0.0f : 1.0f / S;
+    for (int64_t d = 0; d < hd; d++) out[d] = vkq[d] * S_inv;
+}
+
+/* the query rows of jobs a[0 .. nj) (each T tokens at its pos0 over its typed caches; all the same H, Hkv, hd) on
+ * the pool: units of R rows of one K/V head (R the largest divisor of H / Hkv leaving every thread work, which
+ * changes no bit) over one context chunk; split rows merged after each wave */
+static int attn_fa_go(hi_ctx *c, const hi_attn *a, int64_t nj, float *scratch, int64_t scratch_len, int inline_call) {
+    const hi_kernels *kt = hi_ctx_kernels(c);
+    const int64_t H = a[0].H, Hkv = a[0].Hkv, hd = a[0].hd, G = H / Hkv;
+    if (G > HI_FA_MAXG || (a[0].k_type != HI_T_F32 && a[0].k_type != HI_T_F16 && hd % 32)) return -2;
+    int64_t npairs = 0, total_chunks = 0;
+    for (int64_t j = 0; j < nj; j++) {
+        npairs += a[j].T;
+        for (int64_t t = 0; t < a[j].T; t++) total_chunks += fa_chunks(a[j].pos0 + t + 1);
+    }
+    const int64_t want = inline_call ? 1 : 2 * (int64_t)hi_ctx_threads(c);
+    int64_t R = G;
+    while (R % 2 == 0 && total_chunks * Hkv * (G / R) < want) R /= 2;
+    const int64_t unit_scratch = kt->attn_fa_scratch(hd, R), fits = scratch_len / unit_scratch;
+    if (fits < 1) return -2;
+    fa_pair *pairs = (fa_pair *)malloc(sizeof(fa_pair) * (size_t)npairs);
+    float *part = NULL, *vkq = (float *)malloc(sizeof(float) * (size_t)hd);
+    if (!pairs || !vkq) {
+        free(pairs);
+        free(vkq);
+        return -1;
+    }
+    int rc = 0;
+    int64_t j = 0, t = 0;
+    while (!rc && j < nj) { /* a wave: pairs in (job, token) order while their partials fit */
+        int64_t n = 0, units = 0, pf = 0;
+        while (j < nj) {
+            const int64_t nc = fa_chunks(a[j].pos0 + t + 1), need = nc > 1 ? H * nc * (hd + 2) : 0;
+            if (n && pf + need > HI_FA_PART_FLOATS) break;
+            pairs[n] = (fa_pair){.j = j, .t = t, .nc = nc, .u0 = units, .part = need ? pf : -1};
+            units += nc * Hkv * (G / R);
+            pf += need;
+            n++;
+            if (++t == a[j].T) t = 0, j++;
+        }
+        if (pf && !part && !(part = (float *)malloc(sizeof(float) * (size_t)(pf > HI_FA_PART_FLOATS ? pf : HI_FA_PART_FLOATS)))) {
+            rc = -1;
+            break;
+        }
+        int64_t nch = inline_call ? 1 : attn_max_chunks(c);
+        if (nch > fits) nch = fits;
+        if (nch > units) nch = units;
+        fa_job f = {.k = kt, .a = a, .pairs = pairs, .npairs = n, .R = R, .upc = Hkv * (G / R), .units = units,
+                    .per = (units + nch - 1) / nch, .unit_scratch = unit_scratch, .scratch = scratch, .part = part};
+        nch = (units + f.per - 1) / f.per;
+        hi_ctx_lock(c);
+        if (nch == 1) fa_chunk_run(&f, 0);
+        else hi_ctx_run(c, fa_chunk_run, &f, nch);
+        hi_ctx_unlock(c);
+        for (int64_t p = 0; p < n; p++) {
+            const fa_pair *pr = &pairs[p];
+            if (pr->nc == 1) continue;
+            const hi_attn *aj = &a[pr->j];
+            for (int64_t h = 0; h < H; h++)
+                fa_merge(part + pr->part + h * pr->nc * (hd + 2), pr->nc, hd, vkq,
+                         aj->out + pr->t * aj->out_row + h * hd);
+        }
+    }
+    free(part);
+    free(pairs);
+    free(vkq);
+    return rc;
+}
+
 /* rows of job j (its q, k, v, out, shape and types set) on the pool: the F32 cache in llama.cpp's order without
- * flash attention (`attn`, K/V heads grouped where it pays), any other in its flash-attention order (`attn_fa`) */
+ * flash attention (`attn`, K/V heads grouped where it pays), any other in its flash-attention order (attn_fa_go) */
 static int attn_go(hi_ctx *c, attn_job *j, float *scratch, int64_t scratch_len, int inline_call) {
     const hi_kernels *kt = hi_ctx_kernels(c);
     hi_attn *a = &j->a;
-    const int fa = !(a->k_type == HI_T_F32 && a->v_type == HI_T_F32);
+    if (!(a->k_type == HI_T_F32 && a->v_type == HI_T_F32)) return attn_fa_go(c, a, 1, scratch, scratch_len, inline_call);
     const int64_t rows = a->T * a->H;
-    const int64_t row_scratch = fa ? kt->attn_fa_scratch(a->hd) : kt->attn_scratch(a->pos0 + a->T, a->hd);
+    const int64_t row_scratch = kt->attn_scratch(a->pos0 + a->T, a->hd);
     int64_t per = 1, slots = 1;
-    const int64_t chunks = attn_split(c, rows, fa ? 1 : a->H / a->Hkv, row_scratch, scratch_len, inline_call, &per,
-                                      &slots);
+    const int64_t chunks = attn_split(c, rows, a->H / a->Hkv, row_scratch, scratch_len, inline_call, &per, &slots);
     if (chunks < 1) return -2;
     a->slots = slots;
     j->k = kt;
@@ -88,7 +214,6 @@ static int attn_go(hi_ctx *c, attn_job *j, float *scratch, int64_t scratch_len, 
     j->chunks = chunks;
     j->chunk_scratch = slots * row_scratch;
     j->scratch = scratch;
-    j->fa = fa;
     hi_ctx_lock(c);
     if (chunks == 1) attn_chunk(j, 0);
     else hi_ctx_run(c, attn_chunk, j, chunks);
@@ -314,7 +439,6 @@ typedef struct {
     const hi_attn *a; /* one per sequence */
     int64_t H, rows, per, chunk_scratch;
     float *scratch;
-    int fa;
 } attn_rows_job;
 
 static void attn_rows_chunk(void *arg, int64_t i) {
@@ -322,7 +446,7 @@ static void attn_rows_chunk(void *arg, int64_t i) {
     const int64_t r0 = i * j->per, r1 = r0 + j->per < j->rows ? r0 + j->per : j->rows;
     for (int64_t r = r0; r < r1;) { /* each sequence's heads in the chunk, in one call */
         const int64_t b = r / j->H, h1 = (b + 1) * j->H < r1 ? j->H : r1 - b * j->H;
-        (j->fa ? j->k->attn_fa : j->k->attn)(&j->a[b], r % j->H, h1, j->scratch + i * j->chunk_scratch);
+        j->k->attn(&j->a[b], r % j->H, h1, j->scratch + i * j->chunk_scratch);
         r = b * j->H + h1;
     }
 }
@@ -357,17 +481,22 @@ int hi_attn_rows(hi_ctx *c, int64_t B, float *q, int64_t q_row, int64_t H, int64
                              .k_type = k_type, .v_type = v_type, .k_bytes = kb, .v_bytes = vb};
             if (p + 1 > longest) longest = p + 1;
         }
-        const int64_t row_scratch = fa ? kt->attn_fa_scratch(hd) : kt->attn_scratch(longest, hd), rows = nb * H;
-        int64_t per = 1, slots = 1;
-        const int64_t chunks = attn_split(c, rows, fa ? 1 : H / Hkv, row_scratch, scratch_len, 0, &per, &slots);
-        if (chunks < 1) return -2;
-        for (int64_t i = 0; i < nb; i++) a[i].slots = slots;
-        attn_rows_job job = {.k = kt, .a = a, .H = H, .rows = rows, .per = per, .chunk_scratch = slots * row_scratch,
-                             .scratch = scratch, .fa = fa};
-        hi_ctx_lock(c);
-        if (chunks == 1) attn_rows_chunk(&job, 0);
-        else hi_ctx_run(c, attn_rows_chunk, &job, chunks);
-        hi_ctx_unlock(c);
+        if (fa) {
+            const int rc = attn_fa_go(c, a, nb, scratch, scratch_len, 0);
+            if (rc) return rc;
+        } else {
+            const int64_t row_scratch = kt->attn_scratch(longest, hd), rows = nb * H;
+            int64_t per = 1, slots = 1;
+            const int64_t chunks = attn_split(c, rows, H / Hkv, row_scratch, scratch_len, 0, &per, &slots);
+            if (chunks < 1) return -2;
+            for (int64_t i = 0; i < nb; i++) a[i].slots = slots;
+            attn_rows_job job = {.k = kt, .a = a, .H = H, .rows = rows, .per = per,
+                                 .chunk_scratch = slots * row_scratch, .scratch = scratch};
+            hi_ctx_lock(c);
+            if (chunks == 1) attn_rows_chunk(&job, 0);
+            else hi_ctx_run(c, attn_rows_chunk, &job, chunks);
+            hi_ctx_unlock(c);
+        }
         if (rot_v)
             for (int64_t i = 0; i < nb; i++) kv_fwht(out + (j0 + i) * out_row, H * hd, rot_v);
     }

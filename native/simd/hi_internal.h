@@ -76,6 +76,8 @@ enum { HI_KS_VEC = 0, HI_KS_REPACK = 1, HI_KS_REPACK_GEMM = 2, HI_KS_TILED = 3 }
  * hd values (row t at q + t * q_row floats), cache rows 0..pos0+T-1 (position s of KV head g at k + s * kv_row +
  * g * hd, likewise v), out row t at out + t * out_row (H * hd floats); query head h reads KV head h / (H / Hkv).
  * rows1: every query row in the float order of a one-token step, whatever T (HI_GGML_DECODE_ROWS). */
+#define HI_FA_MAXG 64 /* query heads a K/V head may serve (typed caches) */
+
 typedef struct hi_attn {
     const float *q, *k, *v;
     float *out;
@@ -111,10 +113,13 @@ typedef struct hi_kernels {
      * floats */
     void (*attn)(const hi_attn *a, int64_t r0, int64_t r1, float *scratch);
     int64_t (*attn_scratch)(int64_t n_ctx, int64_t hd);
-    /* the same rows over a typed cache (a->k_type, a->v_type: f32, f16, q8_0, q4_0) in the order of llama.cpp's
-     * CPU flash attention (online softmax, one pass over the cache per query row), with attn_fa_scratch(hd) floats */
-    void (*attn_fa)(const hi_attn *a, int64_t r0, int64_t r1, float *scratch);
-    int64_t (*attn_fa_scratch)(int64_t hd);
+    /* a typed cache (a->k_type, a->v_type: f32, f16, q8_0, q4_0) in the order of llama.cpp's CPU flash attention
+     * (online softmax): rows h0 .. h0 + m - 1 of token t (m <= HI_FA_MAXG query heads of one K/V head) over cache
+     * positions [s0, s1), with attn_fa_scratch(hd, m) floats; part NULL: their outputs; else their partial
+     * (M, S, VKQ[hd]) at part + i * part_row (attn.c merges a row's partials) */
+    void (*attn_fa)(const hi_attn *a, int64_t t, int64_t h0, int64_t m, int64_t s0, int64_t s1, float *scratch,
+                    float *part, int64_t part_row);
+    int64_t (*attn_fa_scratch)(int64_t hd, int64_t m);
     /* out[0..n) = silu(g) * u, ggml's vector SwiGLU (out may alias g or u) */
     void (*swiglu)(const float *g, const float *u, float *out, int64_t n);
 } hi_kernels;

@@ -452,69 +452,96 @@ HI_INLINE void hi_fa_v_float(const int vt, const uint8_t *v, float *out, int64_t
     }
 }
 
-static int64_t hi_attn_fa_scratch(int64_t hd) { return 5 * hd + 64; }
+/* floats of scratch a unit of m rows sharing a K/V head needs (hi_attn_fa_run) */
+static int64_t hi_attn_fa_scratch(int64_t hd, int64_t m) { return m * (3 * hd + 8) + hd + 64; }
 
-static void hi_attn_fa_run(const hi_attn *a, int64_t r0, int64_t r1, float *scratch) {
-    const int64_t H = a->H, hd = a->hd, G = a->H / a->Hkv, nb = hd / 32;
+/* rows h0 .. h0 + m - 1 of token t (query heads sharing one K/V head) over cache positions [s0, s1): each row's
+ * operations and their order are those of the row alone, so how rows are grouped changes no bit; every K row is
+ * read once for the m rows and every V row converted once. part == NULL: the rows' outputs (VKQ / S); else each
+ * row's (M, S, VKQ[hd]) at part + i * part_row, as llama.cpp's split decode writes its partials (VKQ in float). */
+static void hi_attn_fa_run(const hi_attn *a, int64_t t, int64_t h0, int64_t m, int64_t s0, int64_t s1,
+                           float *scratch, float *part, int64_t part_row) {
+    const int64_t hd = a->hd, G = a->H / a->Hkv, nb = hd / 32, g = h0 / G, row = 3 * hd + 8;
     const int kt = a->k_type, vt = a->v_type;
     const int64_t kh = a->k_bytes / a->Hkv, vh = a->v_bytes / a->Hkv;
-    float *vkq = scratch, *v32 = scratch + hd, *dy = scratch + 2 * hd;
-    int32_t *corr = (int32_t *)(scratch + 2 * hd + nb);
-    uint16_t *vkq16 = (uint16_t *)(scratch + 2 * hd + nb + hd / 4);
-    uint8_t *qv = (uint8_t *)(scratch + 3 * hd + nb + hd / 4); /* <= hd floats: f32 q, fp16 q or q8_0 blocks */
     const hi_kernels *self = &HI_TABLE;
-    for (int64_t r = r0; r < r1; r++) {
-        const int64_t t = r / H, h = r % H, g = h / G, n = a->pos0 + t + 1;
-        const float *q = a->q + t * a->q_row + h * hd;
+    float *v32 = scratch + m * row, M[HI_FA_MAXG], S[HI_FA_MAXG];
+    /* per row: vkq [hd] | vkq16 [hd / 2] | qv [hd] (f32 q, fp16 q or q8_0 blocks) | dy [nb] | corr [hd / 4] */
+#define HI_FA_VKQ(i) (scratch + (i) * row)
+#define HI_FA_VKQ16(i) ((uint16_t *)(scratch + (i) * row + hd))
+#define HI_FA_QV(i) ((uint8_t *)(scratch + (i) * row + hd + hd / 2))
+#define HI_FA_DY(i) (scratch + (i) * row + 2 * hd + hd / 2)
+#define HI_FA_CORR(i) ((int32_t *)(scratch + (i) * row + 2 * hd + hd / 2 + nb))
+    for (int64_t i = 0; i < m; i++) {
+        const float *q = a->q + t * a->q_row + (h0 + i) * hd;
         if (kt == HI_T_F16) {
-            for (int64_t i = 0; i < hd; i++) ((uint16_t *)qv)[i] = hi_f2h(q[i]);
+            for (int64_t e = 0; e < hd; e++) ((uint16_t *)HI_FA_QV(i))[e] = hi_f2h(q[e]);
         } else if (kt == HI_T_Q8_0 || kt == HI_T_Q4_0) {
-            self->quantize(HI_ACT_Q8_0, q, hd, qv);
-            hi_prep(kt, qv, nb, corr, dy, NULL);
+            self->quantize(HI_ACT_Q8_0, q, hd, HI_FA_QV(i));
+            hi_prep(kt, HI_FA_QV(i), nb, HI_FA_CORR(i), HI_FA_DY(i), NULL);
         }
-        const uint8_t *kb = (const uint8_t *)a->k + g * kh, *vb = (const uint8_t *)a->v + g * vh;
-        float S = 0.0f, M = -INFINITY;
-        if (vt == HI_T_F16) memset(vkq16, 0, sizeof(uint16_t) * (size_t)hd);
-        else memset(vkq, 0, sizeof(float) * (size_t)hd);
-        for (int64_t s = 0; s < n; s++) {
-            const uint8_t *ks = kb + s * a->k_bytes, *vs_row = vb + s * a->v_bytes;
+        S[i] = 0.0f;
+        M[i] = -INFINITY;
+        if (vt == HI_T_F16) memset(HI_FA_VKQ16(i), 0, sizeof(uint16_t) * (size_t)hd);
+        else memset(HI_FA_VKQ(i), 0, sizeof(float) * (size_t)hd);
+    }
+    const uint8_t *kb = (const uint8_t *)a->k + g * kh, *vb = (const uint8_t *)a->v + g * vh;
+    for (int64_t s = s0; s < s1; s++) {
+        const uint8_t *ks = kb + s * a->k_bytes, *vs_row = vb + s * a->v_bytes;
+        const float *vf = (const float *)vs_row;
+        if (vt != HI_T_F32 && vt != HI_T_F16) {
+            hi_fa_v_float(vt, vs_row, v32, hd);
+            vf = v32;
+        }
+        for (int64_t i = 0; i < m; i++) {
             float x;
-            if (kt == HI_T_F32) x = hi_ggml_dot_f32((const float *)ks, q, hd);
-            else if (kt == HI_T_F16) x = hi_fa_dot_f16((const uint16_t *)ks, (const uint16_t *)qv, hd);
-            else x = hi_fa_dot_legacy(kt, ks, qv, corr, dy, nb);
+            if (kt == HI_T_F32) x = hi_ggml_dot_f32((const float *)ks, a->q + t * a->q_row + (h0 + i) * hd, hd);
+            else if (kt == HI_T_F16) x = hi_fa_dot_f16((const uint16_t *)ks, (const uint16_t *)HI_FA_QV(i), hd);
+            else x = hi_fa_dot_legacy(kt, ks, HI_FA_QV(i), HI_FA_CORR(i), HI_FA_DY(i), nb);
             x = x * a->scale;
             x += 0.0f;
-            const float Mold = M;
+            const float Mold = M[i];
             float ms = 1.0f, vs = 1.0f;
-            if (x > M) {
-                M = x;
-                ms = expf(Mold - M);
+            if (x > M[i]) {
+                M[i] = x;
+                ms = expf(Mold - x);
             } else {
-                vs = expf(x - M);
+                vs = expf(x - M[i]);
             }
             if (vt == HI_T_F16) {
+                uint16_t *y = HI_FA_VKQ16(i);
                 if (ms != 1.0f)
-                    for (int64_t i = 0; i < hd; i++) vkq16[i] = hi_f2h(hi_h2f(vkq16[i]) * ms);
-                for (int64_t i = 0; i < hd; i++)
-                    vkq16[i] = hi_f2h(hi_fa_mad(hi_h2f(vkq16[i]), hi_h2f(hi_rd16(vs_row + 2 * i)), vs));
+                    for (int64_t e = 0; e < hd; e++) y[e] = hi_f2h(hi_h2f(y[e]) * ms);
+                for (int64_t e = 0; e < hd; e++) y[e] = hi_f2h(hi_fa_mad(hi_h2f(y[e]), hi_h2f(hi_rd16(vs_row + 2 * e)), vs));
             } else {
+                float *y = HI_FA_VKQ(i);
                 if (ms != 1.0f)
-                    for (int64_t i = 0; i < hd; i++) vkq[i] *= ms;
-                const float *vf = (const float *)vs_row;
-                if (vt != HI_T_F32) {
-                    hi_fa_v_float(vt, vs_row, v32, hd);
-                    vf = v32;
-                }
-                for (int64_t i = 0; i < hd; i++) vkq[i] = hi_fa_mad(vkq[i], vf[i], vs);
+                    for (int64_t e = 0; e < hd; e++) y[e] *= ms;
+                for (int64_t e = 0; e < hd; e++) y[e] = hi_fa_mad(y[e], vf[e], vs);
             }
-            S = S * ms + vs;
+            S[i] = hi_fa_mad(vs, S[i], ms); /* contracted where the build has FMA, as ggml-cpu compiles S*ms + vs */
         }
-        if (vt == HI_T_F16)
-            for (int64_t i = 0; i < hd; i++) vkq[i] = hi_h2f(vkq16[i]);
-        const float S_inv = S == 0.0f ? 0.0f : 1.0f / S;
-        float *o = a->out + t * a->out_row + h * hd;
-        for (int64_t i = 0; i < hd; i++) o[i] = vkq[i] * S_inv;
     }
+    for (int64_t i = 0; i < m; i++) {
+        float *y = HI_FA_VKQ(i);
+        if (vt == HI_T_F16)
+            for (int64_t e = 0; e < hd; e++) y[e] = hi_h2f(HI_FA_VKQ16(i)[e]);
+        if (part) {
+            float *p = part + i * part_row;
+            p[0] = M[i];
+            p[1] = S[i];
+            memcpy(p + 2, y, sizeof(float) * (size_t)hd);
+        } else {
+            const float S_inv = S[i] == 0.0f ? 0.0f : 1.0f / S[i];
+            float *o = a->out + t * a->out_row + (h0 + i) * hd;
+            for (int64_t e = 0; e < hd; e++) o[e] = y[e] * S_inv;
+        }
+    }
+#undef HI_FA_VKQ
+#undef HI_FA_VKQ16
+#undef HI_FA_QV
+#undef HI_FA_DY
+#undef HI_FA_CORR
 }
 
 /* ================================================================================================ */
