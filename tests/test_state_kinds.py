@@ -11,6 +11,7 @@ import ast
 import math
 import sys
 import types
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -127,8 +128,9 @@ def test_snapshot_layout_and_parts_follow_the_declarations():
     st = DecoderState.new(a, 32)
     rng = np.random.default_rng(0)
     for arr in st.buffers()[1:]:
-        if arr is not None:
-            arr[...] = rng.standard_normal(arr.shape, dtype=np.float32)
+        if arr is not None:  # K/V rows of a quantized cache type: random bytes
+            arr[...] = (rng.standard_normal(arr.shape, dtype=np.float32) if arr.dtype.kind == "f"
+                        else rng.integers(0, 256, arr.shape, dtype=np.uint8))
     st.pos = 9
     lay = StateLayout.of_state(st, a.n_vocab)
     assert {(name, i) for name, i, _, _ in lay.shapes} == {(s.name, i) for i, s in layer_arrays(a.layer_types)}
@@ -149,6 +151,7 @@ class FakeArray:
         self.a = a
 
     shape = property(lambda self: self.a.shape)
+    dtype = property(lambda self: self.a.dtype)
     size = property(lambda self: self.a.size)
     nbytes = property(lambda self: self.a.nbytes)
     gpudata = property(lambda self: self)
@@ -179,9 +182,10 @@ def fake_card(monkeypatch):
     """pycuda's gpuarray and driver as far as Buffers and StateHandoff use them; new device memory is NaN (or -1)
     so that what is read without being written shows."""
     gpuarray = types.ModuleType("pycuda.gpuarray")
-    gpuarray.empty = lambda shape, dt: FakeArray(np.full(shape, np.nan if np.dtype(dt).kind == "f" else -1, dt))
+    gpuarray.empty = lambda shape, dt: FakeArray(np.full(shape, {"f": np.nan, "u": 0xFF}.get(np.dtype(dt).kind, -1),
+                                                          dt))
     drv = types.ModuleType("pycuda.driver")
-    drv.pagelocked_empty = lambda shape, dt: np.full(shape, np.nan, dt)
+    drv.pagelocked_empty = lambda shape, dt: np.full(shape, np.nan if np.dtype(dt).kind == "f" else 0xFF, dt)
     drv.Event = FakeEvent
 
     def dtoh(host, src, stream=None):
@@ -203,8 +207,9 @@ def _random_state(a, n_ctx: int, pos: int, seed: int) -> DecoderState:
     st = DecoderState.new(a, n_ctx)
     rng = np.random.default_rng(seed)
     for arr in st.buffers()[1:]:
-        if arr is not None:
-            arr[...] = rng.standard_normal(arr.shape, dtype=np.float32)
+        if arr is not None:  # K/V rows of a quantized cache type: random bytes
+            arr[...] = (rng.standard_normal(arr.shape, dtype=np.float32) if arr.dtype.kind == "f"
+                        else rng.integers(0, 256, arr.shape, dtype=np.uint8))
     st.pos = pos
     return st
 
@@ -225,12 +230,19 @@ def test_card_buffers_hold_the_declared_state(fake_card):
         assert kv_rows == 2 * a.layer_types.count("attention") * 64 * a.n_head_kv * a.head_dim
 
 
+@pytest.mark.parametrize("kv", [("f32", "f32"), ("q8_0", "f16"), ("q4_0", "q8_0")])
 @pytest.mark.parametrize("p0,T", [(0, 5), (7, 5), (3, 40)])  # T > chunk: the rows come down after the pass
-def test_state_handoff_moves_exactly_the_declared_arrays(fake_card, p0, T):
+def test_state_handoff_moves_exactly_the_declared_arrays(fake_card, p0, T, kv):
+    """Also for K/V cache types: the card's rows and the pinned mirrors take the state's storage (fp16 values, or a
+    quantized type's blocks as bytes) and move unchanged."""
     from hybridinfer.backends.gpu.backend import Buffers
     from hybridinfer.backends.gpu.handoff import StateHandoff
+    from hybridinfer.models.state_kinds import with_cache_types
 
     a = next(_args())
+    if a.head_dim % 32:
+        a = replace(a, head_dim=64)
+    a = with_cache_types(a, *kv)
     n_ctx, chunk = 64, 16
     b = Buffers(a, chunk, n_ctx)
     h = StateHandoff(b, chunk)
@@ -246,7 +258,9 @@ def test_state_handoff_moves_exactly_the_declared_arrays(fake_card, p0, T):
     rng = np.random.default_rng(2)
     for (name, _), card in b.state.items():
         rows = card.a[p0 : p0 + T] if ARRAYS[name].per_token else card.a
-        rows[...] = rng.standard_normal(rows.shape, dtype=np.float32)
+        assert card.a.dtype == st.arrays[name][_].dtype
+        rows[...] = (rng.standard_normal(rows.shape, dtype=np.float32) if rows.dtype.kind == "f"
+                     else rng.integers(0, 256, rows.shape, dtype=np.uint8))
     before = {(name, i): arr.copy() for name in ARRAYS for i, arr in enumerate(st.arrays[name]) if arr is not None}
     h.begin(st, p0, T)
     for i in range(a.n_layer):

@@ -85,7 +85,7 @@ def hadamard(x: np.ndarray, n: int) -> np.ndarray:
     (u, v) -> (u + v, u - v) over spans 1, 2, 4, .. in float32; n = 0 leaves x as it is."""
     if not n:
         return x
-    y = (x.astype(np.float32) * np.float32(1.0 / np.sqrt(np.float32(n)))).reshape(-1, n)
+    y = (x.astype(np.float32) * (np.float32(1) / np.sqrt(np.float32(n)))).reshape(-1, n)
     h = 1
     while h < n:
         y = y.reshape(-1, n // (2 * h), 2, h)

@@ -15,16 +15,39 @@
 // out [T, H, hd]. One block of ATT_THREADS threads per (tile of ATT_BQ queries, head); grid
 // (ceil(T / ATT_BQ), H). Shared memory (dynamic): Q tile, K-or-V tile (rows padded to hd+1 floats
 // to avoid bank conflicts), the score/probability tile and per-row m, l, c.
+//
+// Typed caches (-ctk / -ctv: f16, q8_0, q4_0 rows in ggml's block layouts, docs/numerics.md): attn_prefill_kv
+// reads them element by element (kv_load: fp16 converted, q * d for q8_0, (q - 8) * d for q4_0), kv_store writes
+// new rows as llama.cpp's set_rows does (fp16 rounded to nearest even, quantize_row_q8_0's d = amax / 127 and
+// round-to-nearest-even, quantize_row_q4_0_ref), q_round rounds the queries through K's vec_dot type (fp16 for
+// f16 K, q8_0 for q8_0 / q4_0 K) as llama.cpp's flash attention converts them, and kv_fwht is ggml's
+// Walsh-Hadamard rotation of quantized K / V (llama.cpp's attn_rot_k / attn_rot_v).
 #include "prefill_common.cuh"
 
 #define ATT_BQ 16
 #define ATT_THREADS 256
 #define ATT_MAXR 16  // ATT_BQ * hd / ATT_THREADS for hd <= 256: accumulator registers per thread
 
-extern "C" __global__ void attn_prefill(const float* __restrict__ q, const float* __restrict__ kc,
-                                        const float* __restrict__ vc, const float* __restrict__ gate,
-                                        float* __restrict__ out, int T, int H, int H_kv, int hd, int pos0,
-                                        int bk, float scale) {
+// element d of K/V head row r (= position * H_kv + head) of a cache of ggml type `type` (f32 when !TYPED)
+template <bool TYPED>
+__device__ __forceinline__ float kv_load(const void* c, int type, size_t r, int hd, int d) {
+    if (!TYPED || type == HI_F32) return ((const float*)c)[r * hd + d];
+    if (type == HI_F16) return hi_h2f(((const u16*)c)[r * hd + d]);
+    const int j = d & 31;
+    if (type == HI_Q8_0) {
+        const u8* b = (const u8*)c + r * (size_t)(hd / 32 * HI_Q8_0_BYTES) + (d >> 5) * HI_Q8_0_BYTES;
+        return __fmul_rn((float)(signed char)b[2 + j], hi_h2f(*(const u16*)b));
+    }
+    const u8* b = (const u8*)c + r * (size_t)(hd / 32 * HI_Q4_0_BYTES) + (d >> 5) * HI_Q4_0_BYTES;
+    const int qv = j < 16 ? (b[2 + j] & 15) : (b[2 + j - 16] >> 4);
+    return __fmul_rn((float)(qv - 8), hi_h2f(*(const u16*)b));
+}
+
+template <bool TYPED>
+__device__ __forceinline__ void attn_prefill_body(const float* __restrict__ q, const void* __restrict__ kc,
+                                                  const void* __restrict__ vc, const float* __restrict__ gate,
+                                                  float* __restrict__ out, int T, int H, int H_kv, int hd, int pos0,
+                                                  int bk, float scale, int k_type, int v_type) {
     extern __shared__ float sm[];
     const int ld = hd + 1;
     float* Qs = sm;                    // ATT_BQ x ld
@@ -61,7 +84,7 @@ extern "C" __global__ void attn_prefill(const float* __restrict__ q, const float
         __syncthreads();  // previous tile's readers of KV are done
         for (int p = tid; p < bk * hd; p += nth) {
             const int j = p / hd, d = p - (p / hd) * hd;
-            KV[j * ld + d] = j < nk ? kc[((size_t)(k0 + j) * H_kv + kvh) * hd + d] : 0.0f;
+            KV[j * ld + d] = j < nk ? kv_load<TYPED>(kc, k_type, (size_t)(k0 + j) * H_kv + kvh, hd, d) : 0.0f;
         }
         __syncthreads();
         for (int p = tid; p < ATT_BQ * bk; p += nth) {
@@ -96,7 +119,7 @@ extern "C" __global__ void attn_prefill(const float* __restrict__ q, const float
         }
         for (int p = tid; p < bk * hd; p += nth) {  // V tile may overwrite K: scores are in Ps already
             const int j = p / hd, d = p - (p / hd) * hd;
-            KV[j * ld + d] = j < nk ? vc[((size_t)(k0 + j) * H_kv + kvh) * hd + d] : 0.0f;
+            KV[j * ld + d] = j < nk ? kv_load<TYPED>(vc, v_type, (size_t)(k0 + j) * H_kv + kvh, hd, d) : 0.0f;
         }
         __syncthreads();
 #pragma unroll
@@ -125,6 +148,122 @@ extern "C" __global__ void attn_prefill(const float* __restrict__ q, const float
                 out[(t * H + h) * hd + d] = o;
             }
         }
+    }
+}
+
+extern "C" __global__ void attn_prefill(const float* __restrict__ q, const float* __restrict__ kc,
+                                        const float* __restrict__ vc, const float* __restrict__ gate,
+                                        float* __restrict__ out, int T, int H, int H_kv, int hd, int pos0,
+                                        int bk, float scale) {
+    attn_prefill_body<false>(q, kc, vc, gate, out, T, H, H_kv, hd, pos0, bk, scale, HI_F32, HI_F32);
+}
+
+// attn_prefill over caches of ggml types k_type / v_type (f32, f16, q8_0, q4_0)
+extern "C" __global__ void attn_prefill_kv(const float* __restrict__ q, const void* __restrict__ kc,
+                                           const void* __restrict__ vc, const float* __restrict__ gate,
+                                           float* __restrict__ out, int T, int H, int H_kv, int hd, int pos0,
+                                           int bk, float scale, int k_type, int v_type) {
+    attn_prefill_body<true>(q, kc, vc, gate, out, T, H, H_kv, hd, pos0, bk, scale, k_type, v_type);
+}
+
+// fp32 -> fp16 bits, rounded to nearest even: a conversion (cvt), available on every PTX target; widened to 32 bits
+// inside the asm (a 16-bit asm output whose low byte alone was used came back as 0 from one compiler)
+__device__ __forceinline__ u16 hi_f2h(float f) {
+    u32 h;
+    asm("{ .reg .b16 t; cvt.rn.f16.f32 t, %1; cvt.u32.u16 %0, t; }" : "=r"(h) : "f"(f));
+    return (u16)h;
+}
+
+// quantize_row_q8_0 of x[0..32) (AVX builds: d = amax / 127, id = 127 / amax, q = round half even (x * id)); the
+// block's scale and values written when y is set, the values x takes back (q * fp16(d)) written to r when set
+__device__ __forceinline__ void q8_0_block(const float* x, u8* y, float* r) {
+    float amax = 0.0f;
+    for (int j = 0; j < 32; ++j) amax = fmaxf(amax, fabsf(x[j]));
+    const float d = __fdiv_rn(amax, 127.0f), id = amax != 0.0f ? __fdiv_rn(127.0f, amax) : 0.0f;
+    const u16 dh = hi_f2h(d);
+    const float df = hi_h2f(dh);
+    if (y) {
+        y[0] = (u8)(dh & 0xff);
+        y[1] = (u8)(dh >> 8);
+    }
+    for (int j = 0; j < 32; ++j) {
+        const float qv = rintf(__fmul_rn(x[j], id));
+        if (y) y[2 + j] = (u8)(signed char)(int)qv;
+        if (r) r[j] = __fmul_rn(qv, df);
+    }
+}
+
+// quantize_row_q4_0_ref of x[0..32): d = (the value of largest magnitude) / -8, q = min(15, (int8)(x / d + 8.5))
+__device__ __forceinline__ void q4_0_block(const float* x, u8* y) {
+    float amax = 0.0f, mx = 0.0f;
+    for (int j = 0; j < 32; ++j)
+        if (amax < fabsf(x[j])) {
+            amax = fabsf(x[j]);
+            mx = x[j];
+        }
+    const float d = __fdiv_rn(mx, -8.0f), id = d != 0.0f ? __fdiv_rn(1.0f, d) : 0.0f;
+    const u16 dh = hi_f2h(d);
+    y[0] = (u8)(dh & 0xff);
+    y[1] = (u8)(dh >> 8);
+    for (int j = 0; j < 16; ++j) {
+        const int a = min(15, (int)(signed char)(int)__fadd_rn(__fmul_rn(x[j], id), 8.5f));
+        const int b = min(15, (int)(signed char)(int)__fadd_rn(__fmul_rn(x[16 + j], id), 8.5f));
+        y[2 + j] = (u8)(a | (b << 4));
+    }
+}
+
+// T new rows (each `row` = H_kv * hd values, contiguous) of k_new / v_new written into the caches at row pos0 in
+// their types: one thread per 32 values (per value for f32 / f16). nb = T * row / 32.
+extern "C" __global__ void kv_store(const float* __restrict__ k_new, const float* __restrict__ v_new,
+                                   void* __restrict__ k_cache, void* __restrict__ v_cache, int nb, int row,
+                                   int pos0, int k_type, int v_type) {
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < 2 * nb; i += gridDim.x * blockDim.x) {
+        const bool is_v = i >= nb;
+        const int b = is_v ? i - nb : i, type = is_v ? v_type : k_type;
+        const float* x = (is_v ? v_new : k_new) + (size_t)b * 32;
+        void* c = is_v ? v_cache : k_cache;
+        const size_t e0 = (size_t)pos0 * row + (size_t)b * 32;  // first value's index in the cache
+        if (type == HI_F32) {
+            for (int j = 0; j < 32; ++j) ((float*)c)[e0 + j] = x[j];
+        } else if (type == HI_F16) {
+            for (int j = 0; j < 32; ++j) ((u16*)c)[e0 + j] = hi_f2h(x[j]);
+        } else if (type == HI_Q8_0) {
+            q8_0_block(x, (u8*)c + e0 / 32 * HI_Q8_0_BYTES, 0);
+        } else {
+            q4_0_block(x, (u8*)c + e0 / 32 * HI_Q4_0_BYTES);
+        }
+    }
+}
+
+// the queries (n values, a multiple of 32) rounded through K's vec_dot type, in place: fp16 for f16 K, q8_0 for
+// q8_0 / q4_0 K (quantized and taken back); one thread per 32 values
+extern "C" __global__ void q_round(float* __restrict__ q, int nb, int k_type) {
+    for (int b = blockIdx.x * blockDim.x + threadIdx.x; b < nb; b += gridDim.x * blockDim.x) {
+        float* x = q + (size_t)b * 32;
+        if (k_type == HI_F16) {
+            for (int j = 0; j < 32; ++j) x[j] = hi_h2f(hi_f2h(x[j]));
+        } else {
+            float r[32];
+            q8_0_block(x, 0, r);
+            for (int j = 0; j < 32; ++j) x[j] = r[j];
+        }
+    }
+}
+
+// ggml's Walsh-Hadamard rotation of each n-value chunk of x (n a power of two), in place: every value times
+// 1 / sqrtf(n), then the butterflies (u, v) -> (u + v, u - v) over spans 1, 2, 4, ..; one thread per chunk
+extern "C" __global__ void kv_fwht(float* __restrict__ x, int chunks, int n) {
+    const float s = __fdiv_rn(1.0f, sqrtf((float)n));
+    for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < chunks; c += gridDim.x * blockDim.x) {
+        float* r = x + (size_t)c * n;
+        for (int j = 0; j < n; ++j) r[j] = __fmul_rn(r[j], s);
+        for (int h = 1; h < n; h <<= 1)
+            for (int i = 0; i < n; i += 2 * h)
+                for (int j = i; j < i + h; ++j) {
+                    const float u = r[j], v = r[j + h];
+                    r[j] = __fadd_rn(u, v);
+                    r[j + h] = __fsub_rn(u, v);
+                }
     }
 }
 

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from ...format.quant_types import cache_type
 from ...models import graph
 from ...models.graph import BlockTensors, block_names
-from ...models.state_kinds import kind_of, layer_arrays
+from ...models.state_kinds import cache_types, kind_of, kv_rotation, layer_arrays
 from ..state import DecoderState
 from . import k_gemm as kgm
 from . import k_moe as km
@@ -72,8 +73,8 @@ class Buffers:
         for op in dict.fromkeys(kind_of(t).op for t in a.layer_types):
             out.update(getattr(cls, f"op_{op}")(a, C))
         out.update(cls.op_moe(a, C) if a.is_moe else cls.op_ffn(a, C))
-        for i, s in layer_arrays(a.layer_types):
-            out[("state", (s.name, i))] = (s.full_shape(a, n_ctx), F32)
+        for i, s in layer_arrays(a.layer_types):  # in the storage DecoderState keeps them in (K/V: their types)
+            out[("state", (s.name, i))] = (s.full_shape(a, n_ctx), s.storage(a)[0])
         recurrent = {s.name: s for _, s in layer_arrays(a.layer_types) if not s.per_token}
         for name, s in recurrent.items():
             out[("snap", name)] = ((MAX_SNAPS, *s.full_shape(a, 0)), F32)
@@ -122,6 +123,26 @@ class Buffers:
         return sum(int(np.prod(shape)) * dt.itemsize for shape, dt in cls.layout(a, C, n_ctx).values())
 
 
+def pass_tokens_fitting(a, chunk: int, budget: int, weights) -> int:
+    """The most tokens a pass may hold (0: none) so that its Buffers (the K/V and hidden rows of every position, the
+    chunk's activations) take half of what `budget` leaves beside the double staging of every layer streamed (the
+    least the weights need): the other half keeps weights resident, so short prompts are not slowed by a long
+    context; plan_placement fits whatever this leaves (each of its moves keeps the total within the budget)."""
+    from .placement import HOST_ONLY, staged
+
+    fixed = Buffers.nbytes(a, chunk, 0)
+    per = Buffers.nbytes(a, chunk, 1) - fixed  # Buffers grow by whole rows of n_ctx
+    layers: dict[int, int] = {}
+    for w in weights:
+        if w.name not in HOST_ONLY:
+            layers[w.layer] = layers.get(w.layer, 0) + staged(w)
+    room = budget - fixed - 2 * max(layers.values(), default=0)
+    return max(0, room // 2 // per)
+
+
+FIT_STEP = 256  # a pass length fitted to the budget is a multiple of this (as the engine's chosen n_ctx)
+
+
 class GPUModel:
     """Prefill on the card under `vram_budget` bytes (None: the card's free memory less 512 MiB).
 
@@ -129,13 +150,14 @@ class GPUModel:
     (cards.PROFILES), on this card's multiprocessors, and paces the weight stream to that class's bus; None: for
     the card itself. bus_bw (bytes/s) paces the weight stream to that rate instead (gpu/pacing.py). The kernels
     are loaded (compiled once per card and class, then read from the disk cache) here; `compiled` lists what this
-    load did."""
+    load did. fit_n_ctx: n_ctx is only the most a pass may hold; it becomes what fits the budget (pass_tokens_fitting)
+    where that is less."""
 
     single_pass = True
 
     def __init__(self, gm, args, n_ctx: int, vram_budget: int | None = None, chunk: int = DEFAULT_CHUNK,
                  device: int = 0, expert_counts=None, bus_bw: float | None = None,
-                 card_profile: str | None = None):
+                 card_profile: str | None = None, fit_n_ctx: bool = False):
         loader.init(device)  # BackendNotAvailableError without pycuda or a card
         loader.configure(card_profile)
         self.card_profile = card_profile
@@ -158,6 +180,10 @@ class GPUModel:
         _check_supported(gm, args, self.infos.values())
         free, total = drv.mem_get_info()
         self.vram_budget = int(vram_budget) if vram_budget is not None else int(free) - (512 << 20)
+        if fit_n_ctx:  # n_ctx is the most the engine would hold; a pass takes what the budget leaves of it
+            fit = pass_tokens_fitting(a, self.chunk, self.vram_budget - vec_bytes, self.infos.values())
+            if fit < n_ctx:  # at least one step even where none fits: plan_placement then says why
+                n_ctx = self.n_ctx = min(n_ctx, max(FIT_STEP, fit // FIT_STEP * FIT_STEP))
         self.reserved = Buffers.nbytes(a, self.chunk, n_ctx) + vec_bytes
         # tokens routed to each (layer, expert) over the prompts seen: replan() pins the most used experts
         self.expert_counts: dict[tuple[int, int], int] = dict(expert_counts or {})
@@ -168,6 +194,8 @@ class GPUModel:
         self._exp_nk = {i: sum(gemm_flops(1, gm.tensor(n).ne[1], gm.tensor(n).ne[0]) for n in names
                                if self.infos[n].n_expert) for i, names in enumerate(self.layer_names)}
         self.work = Work()
+        self.kv_types = tuple(cache_type(t).id for t in cache_types(a))  # ggml ids of the K and V cache types
+        self.kv_rot = kv_rotation(a)  # their rotation sizes (0: none)
         self.buf = Buffers(a, self.chunk, n_ctx)
         self.handoff = StateHandoff(self.buf, self.chunk)
         self.blocks = graph.branches(a)  # the architecture's forward, walked layer-major by _forward

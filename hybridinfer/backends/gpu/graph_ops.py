@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ...format.quant_types import F32
 from ...models.state_kinds import kind_of
 from . import k_attention as ka
 from . import k_elementwise as ke
@@ -139,13 +140,25 @@ class GPUOps:
         ke.rope_neox(q, self.pos, a.n_rot, a.rope_theta, stream=s, neox=a.rope_neox)
         k3, v3 = k.reshape(n, a.n_head_kv, hd), v.reshape(n, a.n_head_kv, hd)
         ke.rope_neox(k3, self.pos, a.n_rot, a.rope_theta, stream=s, neox=a.rope_neox)
+        kt, vt, rk, rv = *self.m.kv_types, *self.m.kv_rot
+        typed = (kt, vt) != (F32, F32)
+        if typed:  # as the CPU: rotated (quantized types), the queries rounded as llama.cpp's flash attention does
+            ka.fwht(q, rk, stream=s)
+            ka.fwht(k3, rk, stream=s)
+            ka.fwht(v3, rv, stream=s)
+            ka.q_round(q, kt, stream=s)
         o = b.o[:n]
         for r0, r1, p0, base in self.attn_segs:
             kc, vc = b.state["k", i], b.state["v", i]
             kc, vc = (kc, vc) if base == 0 else (kc[base:], vc[base:])
-            ka.kv_append(k3[r0:r1], v3[r0:r1], kc, vc, p0, stream=s)
-            ka.attention_prefill(q[r0:r1], kc, vc, o[r0:r1], p0, stream=s)
+            if typed:
+                ka.kv_store(k3[r0:r1], v3[r0:r1], kc, vc, p0, kt, vt, stream=s)
+                ka.attention_prefill_kv(q[r0:r1], kc, vc, o[r0:r1], p0, kt, vt, stream=s)
+            else:
+                ka.kv_append(k3[r0:r1], v3[r0:r1], kc, vc, p0, stream=s)
+                ka.attention_prefill(q[r0:r1], kc, vc, o[r0:r1], p0, stream=s)
             self._count(p0, r1 - r0)
+        ka.fwht(o, rv, stream=s)
         return o.reshape(n, a.n_head * hd)
 
     def sigmoid_gate(self, o, gate):

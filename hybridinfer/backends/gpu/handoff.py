@@ -35,13 +35,14 @@ class StateHandoff:
 
         self.drv, self.buf, self.chunk = drv, buf, chunk
         parts = [(key, a[:chunk] if ARRAYS[key[0]].per_token else a) for key, a in buf.state.items()]
-        total = sum(a.size for _, a in parts)
-        self.pinned = drv.pagelocked_empty(max(total, 1), np.float32)  # float32 [total]
+        offs, total = [], 0
+        for _, a in parts:  # each mirror at a multiple of 64 bytes, in its array's dtype (K/V: their cache types)
+            offs.append(total)
+            total += -(-a.nbytes // 64) * 64
+        self.pinned = drv.pagelocked_empty(max(total, 1), np.uint8)
         self.host: dict[tuple[str, int], np.ndarray] = {}
-        off = 0
-        for key, a in parts:
-            self.host[key] = self.pinned[off : off + a.size].reshape(a.shape)
-            off += a.size
+        for (key, a), off in zip(parts, offs, strict=True):
+            self.host[key] = self.pinned[off : off + a.nbytes].view(a.dtype).reshape(a.shape)
         self.nbytes = self.pinned.nbytes
         self.layers: dict[int, list] = {}  # layer -> (array spec, card array, host mirror) of each array it keeps
         for (name, i), a in buf.state.items():

@@ -1,7 +1,9 @@
-"""Launchers for native/cuda_sm20/attention.cu: causal GQA prefill attention and the K/V cache append.
+"""Launchers for native/cuda_sm20/attention.cu: causal GQA prefill attention, the K/V cache append, and for caches
+of other types (-ctk / -ctv) the typed store, the queries' rounding and the Walsh-Hadamard rotation.
 
-All buffers are pycuda GPUArrays, float32, C-contiguous; shapes are checked by loader.arg() before a
-launch. Kernels run asynchronously on `stream` (None: the default stream).
+All buffers are pycuda GPUArrays, C-contiguous (float32, except typed caches: float16 values or uint8 blocks, as
+DecoderState keeps them); shapes are checked by loader.arg() before a launch. Kernels run asynchronously on
+`stream` (None: the default stream).
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...errors import KernelArgumentError
+from ...format.quant_types import F16, F32, TYPES
 from . import loader
 
 FAMILY = "attention"
@@ -92,3 +95,80 @@ def kv_append(k_new, v_new, k_cache, v_cache, pos0: int, stream=None) -> None:
         np.int32(n), np.int32(H_kv * hd), np.int32(pos0),
     ]
     loader.launch(FAMILY, "kv_append", (min(loader.grid_for(n, THREADS), 4096),), (THREADS,), args, stream=stream)
+
+
+def _cache_arg(c, t: int, n_ctx: int, H_kv: int, hd: int, what: str):
+    """The device pointer of a cache of ggml type t: (n_ctx, H_kv, hd) float32 / float16 values, or (n_ctx, H_kv,
+    hd / 32 * block bytes) uint8 for q8_0 / q4_0."""
+    qt = TYPES.get(int(t))
+    if qt is None or not qt.kv:
+        raise KernelArgumentError(f"{what}: ggml type {t} is not a K/V cache type")
+    if qt.id in (F32, F16):
+        return loader.arg(c, np.float32 if qt.id == F32 else np.float16, (n_ctx, H_kv, hd), what)
+    if hd % qt.block:
+        raise KernelArgumentError(f"{what}: heads of {hd} values are not whole {qt.kernel_name} blocks")
+    return loader.arg(c, np.uint8, (n_ctx, H_kv, hd // qt.block * qt.nbytes), what)
+
+
+def attention_prefill_kv(q, k_cache, v_cache, out, pos0: int, k_type: int, v_type: int, stream=None) -> None:
+    """attention_prefill over caches of ggml types k_type, v_type (f32, f16, q8_0, q4_0; _cache_arg's shapes), each
+    K / V value taken as its type gives it back (attn_prefill_kv's kv_load)."""
+    T, H, hd = q.shape
+    n_ctx, H_kv = k_cache.shape[0], k_cache.shape[1]
+    if hd > MAX_HD or H_kv < 1 or H % H_kv:
+        raise KernelArgumentError(f"attention: hd={hd} (max {MAX_HD}), H={H} not a multiple of H_kv={H_kv}")
+    if pos0 < 0 or pos0 + T > n_ctx:
+        raise KernelArgumentError(f"attention: rows [{pos0}, {pos0 + T}) outside the cache of {n_ctx}")
+    bk = key_tile(hd)
+    args = [loader.arg(q, np.float32, (T, H, hd), "q"), _cache_arg(k_cache, k_type, n_ctx, H_kv, hd, "k_cache"),
+            _cache_arg(v_cache, v_type, n_ctx, H_kv, hd, "v_cache"), _NULL,
+            loader.arg(out, np.float32, (T, H, hd), "out"), np.int32(T), np.int32(H), np.int32(H_kv),
+            np.int32(hd), np.int32(pos0), np.int32(bk), np.float32(1.0 / np.sqrt(hd)), np.int32(k_type),
+            np.int32(v_type)]
+    loader.launch(FAMILY, "attn_prefill_kv", (loader.grid_for(T, BQ), H), (THREADS,), args,
+                  shared=_smem_floats(hd, bk) * 4, stream=stream)
+
+
+def kv_store(k_new, v_new, k_cache, v_cache, pos0: int, k_type: int, v_type: int, stream=None) -> None:
+    """kv_append into caches of ggml types k_type, v_type: the T new rows (T, H_kv, hd) float32 written at pos0 as
+    llama.cpp's set_rows writes them (fp16 rounded to nearest even, quantize_row_q8_0, quantize_row_q4_0_ref)."""
+    T, H_kv, hd = k_new.shape
+    n_ctx = k_cache.shape[0]
+    if pos0 < 0 or pos0 + T > n_ctx:
+        raise KernelArgumentError(f"kv_store: rows [{pos0}, {pos0 + T}) outside the cache of {n_ctx}")
+    if hd % 32:
+        raise KernelArgumentError(f"kv_store: heads of {hd} values are not whole blocks of 32")
+    nb = T * H_kv * hd // 32
+    args = [loader.arg(k_new, np.float32, (T, H_kv, hd), "k_new"),
+            loader.arg(v_new, np.float32, (T, H_kv, hd), "v_new"),
+            _cache_arg(k_cache, k_type, n_ctx, H_kv, hd, "k_cache"),
+            _cache_arg(v_cache, v_type, n_ctx, H_kv, hd, "v_cache"), np.int32(nb), np.int32(H_kv * hd),
+            np.int32(pos0), np.int32(k_type), np.int32(v_type)]
+    loader.launch(FAMILY, "kv_store", (min(loader.grid_for(2 * nb, THREADS), 4096),), (THREADS,), args,
+                  stream=stream)
+
+
+def q_round(q, k_type: int, stream=None) -> None:
+    """The queries (any shape, a multiple of 32 values) rounded in place through the type llama.cpp's flash attention
+    converts them to for K of ggml type k_type: fp16 for f16, q8_0 for q8_0 and q4_0 (nothing for f32)."""
+    if int(k_type) == F32:
+        return
+    n = int(np.prod(q.shape))
+    if n % 32:
+        raise KernelArgumentError(f"q_round: {n} values are not whole blocks of 32")
+    args = [loader.arg(q, np.float32, tuple(q.shape), "q"), np.int32(n // 32), np.int32(k_type)]
+    loader.launch(FAMILY, "q_round", (min(loader.grid_for(n // 32, THREADS), 4096),), (THREADS,), args,
+                  stream=stream)
+
+
+def fwht(x, n: int, stream=None) -> None:
+    """ggml's Walsh-Hadamard rotation of each n consecutive values of x (float32, a multiple of n values; n a power of
+    two) in place; n = 0 does nothing."""
+    if not n:
+        return
+    total = int(np.prod(x.shape))
+    if n & (n - 1) or total % n:
+        raise KernelArgumentError(f"fwht: {total} values are not whole chunks of {n} (a power of two)")
+    args = [loader.arg(x, np.float32, tuple(x.shape), "x"), np.int32(total // n), np.int32(n)]
+    loader.launch(FAMILY, "kv_fwht", (min(loader.grid_for(total // n, THREADS), 4096),), (THREADS,), args,
+                  stream=stream)
