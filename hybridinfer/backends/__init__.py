@@ -134,8 +134,9 @@ class GPUPrefillCPUDecode(Backend):
 _warned = False
 
 
-def make_backend(name: str, gm, args, options: dict, n_ctx: int):
-    """The compute backend `name` for a loaded GGUF; pops the options it uses from `options`."""
+def make_backend(name: str, gm, args, options: dict, n_ctx: int, fit_n_ctx: bool = False):
+    """The compute backend `name` for a loaded GGUF; pops the options it uses from `options`. fit_n_ctx: a GPU
+    prefill may take fewer than n_ctx tokens a pass, as many as fit its VRAM budget (its n_ctx says)."""
     global _warned
     if name not in BACKENDS:
         raise BackendNotAvailableError(f"unknown backend {name!r} (choose from {', '.join(BACKENDS)})")
@@ -166,7 +167,8 @@ def make_backend(name: str, gm, args, options: dict, n_ctx: int):
 
         gpu = GPUModel(gm, args, n_ctx, vram_budget=gpu_opts.get("vram_budget"),
                        chunk=gpu_opts.get("gpu_chunk", DEFAULT_CHUNK), device=gpu_opts.get("device", 0),
-                       card_profile=gpu_opts.get("card_profile"), bus_bw=gpu_opts.get("bus_bw"))
+                       card_profile=gpu_opts.get("card_profile"), bus_bw=gpu_opts.get("bus_bw"),
+                       fit_n_ctx=fit_n_ctx)
     except BackendNotAvailableError as e:
         if name == "gpu":
             raise

@@ -62,7 +62,11 @@ def _engine(a, quiet: bool = False):
     eng = Engine.load(a.model, backend=a.backend, n_ctx=a.n_ctx, progress=sys.stderr.isatty(),
                       prefix_cache=cache, chat_template=template, max_seqs=a.max_seqs,
                       step_tokens=a.step_tokens, state_budget=a.state_budget or None,
-                      special_in_content=getattr(a, "special_in_content", False), **opts)
+                      special_in_content=getattr(a, "special_in_content", False), cache_type_k=a.cache_type_k,
+                      cache_type_v=a.cache_type_v, cache_rotate=not a.no_cache_rotate, **opts)
+    note = getattr(eng, "ctx_note", "")
+    if note and not quiet:
+        print(f"hybridinfer: {note}", file=sys.stderr)
     if "numa" in opts:
         for line in getattr(eng.backend, "cpu", eng.backend).replicas.describe():
             say(line)

@@ -6,6 +6,7 @@ import argparse
 import copy
 import math
 import os
+import re
 import sys
 from types import SimpleNamespace
 
@@ -13,6 +14,7 @@ from ..backends.cpu.simd_native import MAX_THREADS
 from ..engine.compute import DEFAULT_STEP_TOKENS
 from ..errors import ParameterError
 from ..format.files import check_regular
+from ..format.quant_types import CACHE_TYPES
 
 # every --backend says what "gpu" means: the card is the prefill device, decode stays on the CPU
 BACKEND_HELP = ("reference (the slow numpy oracle), cpu, gpu (prefill on the card; decode stays on the CPU) or auto "
@@ -142,13 +144,40 @@ def add_card_profile(p: argparse.ArgumentParser) -> None:
                         "fermi, its launch bounds, 48 KiB of shared memory a block), on this card")
 
 
+def _atoi(s: str) -> int:
+    """C's atoi, as llama.cpp reads its numeric environment variables: the leading integer, 0 without one."""
+    m = re.match(r"\s*[+-]?\d+", s)
+    return int(m.group()) if m else 0
+
+
+def add_cache_types(p: argparse.ArgumentParser, rotate: bool = False, default: str | None = "f32",
+                    note: str = "") -> None:
+    """llama.cpp's -ctk / -ctv (the K/V cache types) and, with `rotate`, --no-cache-rotate; note: said after each
+    type flag's help (where the default is not f32)."""
+    names = list(CACHE_TYPES)
+    for role, flags in (("K", ("-ctk", "--cache-type-k")), ("V", ("-ctv", "--cache-type-v"))):
+        p.add_argument(*flags, default=default, choices=names, metavar="TYPE",
+                       help=f"type the {role} cache rows are kept in: {', '.join(names)} (as llama.cpp's "
+                            f"{flags[0]}){note}")
+    if rotate:
+        p.add_argument("--no-cache-rotate", action="store_true",
+                       default=_atoi(os.environ.get("LLAMA_ATTN_ROT_DISABLE", "")) != 0,
+                       help="keep quantized K/V rows unrotated (default: Walsh-Hadamard rotated as llama.cpp "
+                            "does, unless the env LLAMA_ATTN_ROT_DISABLE is a nonzero number, as there)")
+
+
 def _add_model(p: argparse.ArgumentParser, required: bool = False) -> None:
     p.add_argument("-m", "--model", required=required,
                    help="GGUF file (default: the embedded SmolLM2-135M-Instruct Q4_1)")
     p.add_argument("--backend", default=os.environ.get("HYBRIDINFER_BACKEND") or "auto",
                    choices=["reference", "cpu", "gpu", "auto"],
                    help="compute backend: " + BACKEND_HELP + " (default auto)")
-    p.add_argument("--n-ctx", type=_int_at_least(1), default=4096, help="context size in tokens (default 4096)")
+    p.add_argument("-c", "--ctx-size", "--n-ctx", dest="n_ctx", type=_int_at_least(1), default=None,
+                   help="context of each sequence in tokens, at most the model's trained length (default: the "
+                        "trained length where the K/V of --max-seqs sequences that long fits the available memory "
+                        "and, with GPU prefill, a pass's K/V the VRAM budget; else the longest that fits, said on "
+                        "stderr)")
+    add_cache_types(p, rotate=True)
     p.add_argument("-t", "--threads", type=threads_int, default=None, help="CPU threads (default: all cores)")
     p.add_argument("--vram-budget", type=parse_size, default=None,
                    help="GPU memory the gpu backend may use, e.g. 6GiB (default: the card's free memory - 512MiB)")

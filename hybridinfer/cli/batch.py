@@ -155,7 +155,7 @@ def add_batch_parser(sub) -> None:
                    help="requests on the scheduler at once (default 2 x --max-seqs)")
     p.add_argument("--max-line-bytes", type=parse_size, default=None,
                    help="input lines longer than this are error lines, never parsed (default: 64 bytes a token of "
-                        "--n-ctx, at least 1MiB)")
+                        "-c/--ctx-size, at least 1MiB)")
     p.add_argument("--numa-plan", action="store_true", help="print the NUMA topology's plan for --numa and exit")
     p.add_argument("--summary", default=None, help="also write the summary as JSON to this file")
     p.add_argument("--ray", default=None, metavar="ADDRESS|local",

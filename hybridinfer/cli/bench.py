@@ -9,6 +9,7 @@ from ..errors import BackendNotAvailableError, HybridInferError, ParameterError
 from .args import (
     BACKEND_HELP,
     _int_at_least,
+    add_cache_types,
     add_card_profile,
     gb_per_s,
     parse_size,
@@ -54,7 +55,7 @@ def cmd_bench_decode(a) -> int:
         raise ParameterError(f"--weights takes a comma-separated subset of auto,copy,mmap, got {a.weights!r}")
     _check_tools(a, "--llama-bench", "--llama-bench-sse")
     res = decode.run(a.model, a.threads, a.n, a.context, isas, a.llama_bench, a.llama_bench_sse, weights=weights,
-                     llama_no_mmap=a.llama_no_mmap, segments=a.segments)
+                     llama_no_mmap=a.llama_no_mmap, segments=a.segments, kv=_kv(a))
     print(decode.markdown(res))
     _save_bench(a.out_dir, f"decode-{_model_stem(a.model)}-t{a.threads}", json.dumps(res, indent=1),
                 lambda png: decode.plot(res, png))
@@ -69,7 +70,8 @@ def cmd_bench_batch(a) -> int:
     sizes = positive_ints("--batch-sizes", a.batch_sizes, "sequence counts")
     _check_tools(a, "--llama-batched-bench", "--llama-bench", "--llama-bench-sse")
     res = batch.run(a.model, a.threads, sizes, a.steps, a.prompt_len, a.llama_batched_bench,
-                    prefill_tokens=a.prefill_tokens, llama_bench=a.llama_bench, llama_bench_sse=a.llama_bench_sse)
+                    prefill_tokens=a.prefill_tokens, llama_bench=a.llama_bench, llama_bench_sse=a.llama_bench_sse,
+                    kv=_kv(a))
     print(batch.markdown(res))
     _save_bench(a.out_dir, f"batch-{_model_stem(a.model)}-t{a.threads}", json.dumps(res, indent=1),
                 lambda png: batch.plot(res, png))
@@ -157,6 +159,21 @@ def cmd_bench_batch_job(a) -> int:
     return 0
 
 
+def _kv(a) -> dict | None:
+    """The K/V flags as Engine.load's keywords for both engines (None: neither type named, each engine's own)."""
+    if a.cache_type_k is None and a.cache_type_v is None and not a.no_cache_rotate:
+        return None
+    return {"cache_type_k": a.cache_type_k or "f32", "cache_type_v": a.cache_type_v or "f32",
+            "cache_rotate": not a.no_cache_rotate}
+
+
+def _add_kv(b: argparse.ArgumentParser) -> None:
+    """-ctk / -ctv / --no-cache-rotate for a benchmark that runs this engine beside llama.cpp: given, both get them
+    (llama.cpp with flash attention for any type but f32, as this engine then attends in its order)."""
+    add_cache_types(b, rotate=True, default=None,
+                    note="; given, llama.cpp gets it too (default: each engine's own, f32 here, f16 in llama.cpp)")
+
+
 def _bench_parser(bsub, name: str, help: str, fn, threads_help: str | None = None,
                   model_required: bool = True) -> argparse.ArgumentParser:
     """A `bench` subcommand with the options every benchmark takes: the model, threads and output folder."""
@@ -184,6 +201,7 @@ def add_bench_parsers(sub) -> None:
     b.add_argument("--segments", type=_int_at_least(1), default=4,
                    help="runs of timed steps with a bandwidth reading between each (each run's floor at the "
                         "mean of the two readings around it)")
+    _add_kv(b)
     b = _bench_parser(bsub, "batch", "batched decode (one token for each of B sequences per step) tok/s vs B, "
                       "and llama.cpp's llama-batched-bench", cmd_bench_batch)
     b.add_argument("--batch-sizes", default="1,2,4,8,16", help="comma-separated sequences per step (B)")
@@ -195,6 +213,7 @@ def add_bench_parsers(sub) -> None:
                    help="also time CPU prefill of one prompt this long, at the best ISA and at SSSE3 (0: skip)")
     b.add_argument("--llama-bench", default=None, help="llama-bench (native build), run with -p PREFILL_TOKENS -n 0")
     b.add_argument("--llama-bench-sse", default=None, help="llama-bench built for SSE4.2 (no AVX), the same")
+    _add_kv(b)
     b = _bench_parser(bsub, "prefix", "time to first token cold/warm with the prefix cache, and llama.cpp's server",
                       cmd_bench_prefix)
     b.add_argument("--backend", default="cpu", choices=["reference", "cpu", "gpu", "auto"],

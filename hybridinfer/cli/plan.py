@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from ..errors import ParameterError
-from .args import gb_per_s, parse_size, positive_ints
+from .args import add_cache_types, gb_per_s, parse_size, positive_ints
 
 
 def _host_bandwidth() -> float:
@@ -18,6 +18,7 @@ def _host_bandwidth() -> float:
 
 def cmd_plan(a) -> int:
     from ..models import model_args
+    from ..models.state_kinds import with_cache_types
     from ..tools.card_plan import find_card, format_plan, plan_for_card
 
     find_card(a.card)  # a bad name is reported before any model is read
@@ -37,8 +38,14 @@ def cmd_plan(a) -> int:
         host_bw, note = _host_bandwidth(), " (--host-bw not given: measured on this host)"
     if a.vram_budget == 0:
         raise ParameterError("--vram-budget must be more than 0 bytes, got 0")
-    pl = plan_for_card(gm, model_args(gm), a.card, vram_budget=a.vram_budget, host_bw=host_bw,
-                       prompts=prompts)
+    ram = a.ram
+    if ram is None:
+        from ..backends.cpu.weights import mem_available
+
+        ram = mem_available()
+    args = with_cache_types(model_args(gm), a.cache_type_k, a.cache_type_v)
+    pl = plan_for_card(gm, args, a.card, vram_budget=a.vram_budget, host_bw=host_bw, prompts=prompts,
+                       ram_bytes=ram)
     print(format_plan(pl) + note)
     return 0
 
@@ -57,4 +64,8 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--host-bw", type=gb_per_s, default=None, metavar="GB/s",
                    help="host memory read bandwidth for CPU decode (default: measured on this host)")
     p.add_argument("--prompts", default="128,947,4096", help="comma-separated prompt lengths to predict")
+    add_cache_types(p)
+    p.add_argument("--ram", type=parse_size, default=None,
+                   help="host memory for the weights and sequence states, e.g. 64GiB (default: what this host has "
+                        "available)")
     p.set_defaults(fn=cmd_plan)

@@ -13,9 +13,11 @@ import numpy as np
 from ..backends import BACKENDS, make_backend  # noqa: F401  (BACKENDS: re-exported)
 from ..errors import ContextLengthError, HybridInferError, ParameterError
 from ..format.gguf_model import GGUFModel
+from ..format.quant_types import cache_type
 from ..models import model_args
 from ..models.state_kinds import with_cache_types
 from .compute import Compute
+from .context import choose_n_ctx, gpu_cut, room_beside
 from .sampling import SamplingParams, check_int, check_stop
 from .scheduler import DEFAULT_STEP_TOKENS, Handle, Request, Scheduler
 from .textstream import Generation
@@ -48,9 +50,17 @@ def model_cache_fingerprint(gm: GGUFModel, numeric_path: str = "", hash_dir: str
     return f"{model}/{numeric_path}"
 
 
-def _check_load_args(n_ctx, prefill_chunk, snapshot_stride, step_tokens, options: dict) -> None:
+def _check_load_args(n_ctx, prefill_chunk, snapshot_stride, step_tokens, max_seqs, kv_types, options: dict) -> None:
     """Refuse bad values before the model is opened (a user waits for no load to learn of a typo)."""
-    check_int("n_ctx", n_ctx, 1)
+    if n_ctx is not None:
+        check_int("n_ctx", n_ctx, 1)
+    for role, name in zip("kv", kv_types, strict=True):
+        try:
+            cache_type(name)
+        except ValueError as e:
+            raise ParameterError(f"cache_type_{role}: {e}") from None
+    if type(max_seqs) is not int or max_seqs < 1:  # the scheduler's own words; the context choice needs it first
+        raise ParameterError(f"max_seqs must be a whole number >= 1, got {max_seqs!r}")
     check_int("step_tokens", step_tokens, 1)
     check_int("prefill_chunk", prefill_chunk, 1)
     if snapshot_stride is not None:
@@ -155,6 +165,7 @@ class Engine(Compute):
         self.max_seqs, self.state_budget, self.step_tokens = max_seqs, state_budget, step_tokens
         self._scheduler = None
         self.n_ctx, self.progress, self.prefill_chunk = n_ctx, progress, prefill_chunk
+        self.ctx_note = ""  # why n_ctx is less than asked for, in one line (Engine.load)
         self.lock = threading.RLock()
         if snapshot_stride is None:
             snapshot_stride = GPU_SNAPSHOT_STRIDE if backend.single_pass else CPU_SNAPSHOT_STRIDE
@@ -173,7 +184,7 @@ class Engine(Compute):
         weakref.finalize(self, _let_go, self._parts).atexit = False
 
     @classmethod
-    def load(cls, path: str | None = None, backend: str = "auto", *, n_ctx: int = 4096,
+    def load(cls, path: str | None = None, backend: str = "auto", *, n_ctx: int | None = None,
              progress: bool = False, prefill_chunk: int = 512, prefix_cache=None,
              snapshot_stride: int | None = DEFAULT_SNAPSHOT_STRIDE, max_seqs: int = 8,
              state_budget: int | None = None, step_tokens: int = DEFAULT_STEP_TOKENS,
@@ -185,7 +196,12 @@ class Engine(Compute):
         backend (default "auto": GPU prefill with CPU decode where a card and pycuda are present, else "cpu");
             "cpu", "gpu" (prefill on the card, decode on the CPU) or "reference" (the exact numpy oracle, slow by
             design).
-        n_ctx (default 4096): the context of each sequence, at most the model's trained context_length.
+        n_ctx (default None: chosen): the context of each sequence, at most the model's trained context_length.
+            None takes the trained length where the state (K/V in the cache types) of max_seqs sequences that long
+            fits the memory available beside the model, else the longest that fits (a multiple of 256, at least
+            256; engine/context.choose_n_ctx); a GPU prefill also keeps a pass's K/V of that many tokens on the
+            card, so there it is at most what fits the VRAM budget beside the least weight staging. `ctx_note` says
+            in one line why n_ctx is less than asked for ("" when it is not).
         progress (default False): progress bars while the weights load and long prompts prefill.
         prefill_chunk (default 512): prompt tokens per forward call on the CPU and reference backends.
         prefix_cache (default None: off): True (RAM, 2 GiB), a dict of PrefixCache options (ram_bytes, disk_dir,
@@ -203,10 +219,10 @@ class Engine(Compute):
         special_in_content (default False): the text of chat messages may make control tokens such as
             `<|im_start|>` (llama-server's behaviour); by default it is tokenized as text, and only the template's
             own markup makes them.
-        cache_type_k, cache_type_v (default "f32" each): the type the K and V cache rows are kept in, llama.cpp's
-            -ctk / -ctv names: f32, f16, q8_0, q4_0. F32 K/V attend in llama.cpp's order without flash attention;
-            any other in the order of its CPU flash attention, which reads the quantized rows directly (so a run
-            compares with llama.cpp at the same types with flash attention on). Sequence states, snapshots and
+        cache_type_k (default "f32"), cache_type_v (default "f32"): the type the K and V cache rows are kept in,
+            llama.cpp's -ctk / -ctv names: f32, f16, q8_0, q4_0. F32 K/V attend in llama.cpp's order without flash
+            attention; any other in the order of its CPU flash attention, which reads the quantized rows directly
+            (so a run compares with llama.cpp at the same types with flash attention on). Sequence states, snapshots and
             the scheduler's state budget hold the rows in these types; a prefix-cache snapshot of other types is
             a miss.
         cache_rotate (default True): quantized K/V rows (q8_0, q4_0) are Walsh-Hadamard rotated before they are
@@ -231,18 +247,21 @@ class Engine(Compute):
             from ..format.default_model import default_model_path
 
             path = default_model_path()
-        _check_load_args(n_ctx, prefill_chunk, snapshot_stride, step_tokens, options)
+        _check_load_args(n_ctx, prefill_chunk, snapshot_stride, step_tokens, max_seqs, (cache_type_k, cache_type_v),
+                         options)
         gm = GGUFModel(path)
         gm.check_finite()  # a damaged file (NaN scales) is refused here, not answered with nothing
         args = with_cache_types(model_args(gm), cache_type_k, cache_type_v, cache_rotate)
-        n_ctx = int(min(n_ctx, args.context_length))
-        be = make_backend(backend, gm, args, options, n_ctx)
+        ctx = choose_n_ctx(args, max_seqs, None if n_ctx is not None else room_beside(gm.file_size), n_ctx)
+        be = make_backend(backend, gm, args, options, ctx.n_ctx, fit_n_ctx=n_ctx is None)
+        ctx = gpu_cut(ctx, getattr(be, "gpu", None))
         if options:
             raise TypeError(f"unknown Engine option(s): {', '.join(sorted(options))}")
         if progress:
             be.preload(progress=True)
-        eng = cls(gm, args, be, Tokenizer.from_gguf(gm), n_ctx, progress, prefill_chunk, prefix_cache,
+        eng = cls(gm, args, be, Tokenizer.from_gguf(gm), ctx.n_ctx, progress, prefill_chunk, prefix_cache,
                   snapshot_stride, max_seqs, state_budget, step_tokens)
+        eng.ctx_note = ctx.note
         _ = eng.scheduler  # its limits checked now, not at the first request
         if chat_template is not None:
             from ..format.chat_template import check_template

@@ -54,11 +54,78 @@ class CardPlan:
     host_bw: float | None = None
     decode_eff: float = 0.0
     decode_source: str = ""
+    kv: KVPlan | None = None
 
     @property
     def decode_s(self) -> float | None:
         return None if self.host_bw is None else timemodel.decode_seconds(self.decode_bytes, self.host_bw,
                                                                           self.decode_eff)
+
+
+@dataclass(frozen=True)
+class KVPlan:
+    """Where a sequence's state lives and how long a prompt it allows. Host: every sequence's state, its K/V in the
+    cache types (what CPU decode reads); card: a GPU prefill pass's copy, the K/V and hidden rows of each of its
+    positions as GPUModel's Buffers hold them."""
+
+    types: tuple[str, str]  # (K, V) cache types
+    attention_layers: int  # layers keeping per-token rows
+    host_per_token: int  # K/V bytes a token in the host state
+    recurrent_bytes: int  # recurrent (GDN conv and S) bytes a sequence
+    card_kv_per_token: int  # K/V bytes a token of a GPU pass on the card
+    card_per_token: int  # all the pass's per-token bytes on the card (K/V and hidden rows)
+    trained: int  # the model's trained context
+    longest_pass: int  # most tokens a pass fits in the VRAM budget beside the least weight staging
+    ram_bytes: int | None = None  # host memory counted for states (None: not given)
+    model_bytes: int = 0  # the weights, which take host memory beside the states
+    longest_host: int | None = None  # most tokens one sequence's state fits in ram_bytes beside the weights
+
+
+def kv_plan(gm, args, vram_budget: int, chunk: int, ram_bytes: int | None = None) -> KVPlan:
+    """KVPlan of `gm` (args in the cache types: state_kinds.with_cache_types) under `vram_budget` bytes of VRAM
+    (GPU passes of `chunk` tokens a kernel call) and `ram_bytes` of host memory (None: no host figure)."""
+    from ..backends.gpu.backend import Buffers, pass_tokens_fitting
+    from ..engine.context import longest_fitting
+    from ..models.state_kinds import ARRAYS, cache_types, layer_arrays, state_bytes
+
+    per_token = [(i, s) for i, s in layer_arrays(args.layer_types) if s.per_token]
+    host = sum(s.nbytes(args, 1) for _, s in per_token)
+    recurrent = state_bytes(args, 0)
+    card = Buffers.layout(args, chunk, 1)
+    card_kv = sum(math.prod(shape) * dt.itemsize for key, (shape, dt) in card.items()
+                  if isinstance(key, tuple) and key[0] == "state" and ARRAYS[key[1][0]].per_token)
+    ws = weights_of(gm, args, matrices_only=True)
+    model = sum(w.nbytes for w in weights_of(gm, args))
+    longest_host = None if ram_bytes is None else longest_fitting(recurrent, host, ram_bytes - model)
+    return KVPlan(cache_types(args), len({i for i, _ in per_token}), host, recurrent, card_kv,
+                  Buffers.nbytes(args, chunk, 1) - Buffers.nbytes(args, chunk, 0), int(args.context_length),
+                  pass_tokens_fitting(args, chunk, vram_budget - vector_bytes(gm, args), ws), ram_bytes, model,
+                  longest_host)
+
+
+def format_kv(kv: KVPlan, vram_budget: int) -> list[str]:
+    from ..engine.context import size_text
+
+    k, v = kv.types
+    out = [f"K/V:        {k} K, {v} V: {size_text(kv.host_per_token)} a token over {kv.attention_layers} attention "
+           f"layers, and {size_text(kv.recurrent_bytes)} of recurrent state a sequence, in host RAM (every "
+           f"sequence's state, which CPU decode reads); a sequence of the trained {kv.trained} tokens takes "
+           f"{size_text(kv.recurrent_bytes + kv.trained * kv.host_per_token)}"]
+    if kv.ram_bytes is not None:
+        n, room = kv.longest_host, kv.ram_bytes - kv.model_bytes
+        seqs = room // (kv.recurrent_bytes + kv.trained * kv.host_per_token)
+        fit = (f"{seqs} sequence(s) of the trained length (the default context with --max-seqs {seqs} or fewer)"
+               if seqs else f"one sequence of at most {n} tokens" if n else "no sequence's state")
+        out.append(f"host:       {size_text(kv.ram_bytes)} of RAM, less {size_text(kv.model_bytes)} of weights, hold "
+                   + fit)
+    n = kv.longest_pass
+    out.append(f"GPU pass:   a prefill pass keeps its K/V ({size_text(kv.card_kv_per_token)} a token, as the GPU "
+               f"backend holds them) and hidden rows on the card, {size_text(kv.card_per_token)} a token in all; the "
+               f"{size_text(vram_budget)} "
+               "VRAM budget holds " + (f"a prompt of {min(n, kv.trained)} tokens" if n else "no prompt")
+               + (" (the trained length)" if n >= kv.trained else "") + " beside the least weight staging (the "
+               "default context there; a shorter -c leaves more of the budget to resident weights)")
+    return out
 
 
 def find_card(name: str) -> cards.Card:
@@ -76,10 +143,11 @@ def vector_bytes(gm, args) -> int:
 
 def plan_for_card(gm, args, card_name: str, vram_budget: int | None = None, host_bw: float | None = None,
                   prompts=PROMPTS, chunk: int | None = None, eff: calibration.Efficiency | None = None,
-                  decode_eff: float | None = None) -> CardPlan:
-    """The plan of `gm` (a GGUFModel or ShapeModel; args = model_args(gm)) on card `card_name` under
-    `vram_budget` bytes (None: the card's memory less CONTEXT_RESERVE), for prompts of `prompts` tokens
-    (n_ctx: the longest), decode at `host_bw` bytes/s (None: no decode figure)."""
+                  decode_eff: float | None = None, ram_bytes: int | None = None) -> CardPlan:
+    """The plan of `gm` (a GGUFModel or ShapeModel; args = model_args(gm), in the K/V cache types of
+    state_kinds.with_cache_types) on card `card_name` under `vram_budget` bytes (None: the card's memory less
+    CONTEXT_RESERVE), for prompts of `prompts` tokens (n_ctx: the longest), decode at `host_bw` bytes/s (None: no
+    decode figure), sequence states in `ram_bytes` of host memory (None: no host figure)."""
     from ..backends.gpu.backend import DEFAULT_CHUNK, Buffers
     from .benchmarks.decode import bytes_per_token
 
@@ -114,7 +182,8 @@ def plan_for_card(gm, args, card_name: str, vram_budget: int | None = None, host
     pinned = sum(len(v) for v in p.pinned_experts.values()) + sum(
         byname[n].n_expert for n in p.resident if byname[n].n_expert)
     plan = CardPlan(gm.path, c, vram_budget, n_ctx, chunk, p, sum(w.nbytes for w in placed), slabs, pinned, eff,
-                    decode_bytes=bytes_per_token(gm, args), host_bw=host_bw, decode_eff=d_eff, decode_source=d_src)
+                    decode_bytes=bytes_per_token(gm, args), host_bw=host_bw, decode_eff=d_eff, decode_source=d_src,
+                    kv=kv_plan(gm, args, vram_budget, chunk, ram_bytes))
     layers = list(range(args.n_layer + 1))  # the head is planned as layer n_layer
     by_bytes = [p.layer_stream_bytes(byname, i) for i in layers]
     for T in prompts:
@@ -148,6 +217,8 @@ def format_plan(pl: CardPlan) -> str:
         out.append(f"| {r.tokens} | {r.flops / 1e9:.0f} | {r.compute_s:.2f} | {r.transfer_s:.2f} | {r.seconds:.2f} | "
                    f"{r.tok_s:.0f} | {r.bound} |")
     out.append("")
+    if pl.kv is not None:
+        out += format_kv(pl.kv, pl.vram_budget)
     dec = f"decode:     {pl.decode_bytes / 1e9:.3f} GB of weights per token"
     if pl.host_bw is None:
         out.append(dec + " (give --host-bw for a time)")

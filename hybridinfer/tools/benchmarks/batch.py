@@ -25,7 +25,7 @@ import numpy as np
 from ...format.gguf_model import GGUFModel
 from .batch_api import markdown as api_markdown
 from .batch_api import measure_api
-from .decode import bytes_per_token
+from .decode import bytes_per_token, llama_kv
 
 UNIFORM_NOTE = ("Synthetic routing is uniform (random router weights), the worst case for sharing experts between "
                 "sequences; a trained model's skewed routing lets a batch share more of them.")
@@ -186,23 +186,24 @@ def parse_batched_bench(text: str) -> dict[int, dict]:
     return out
 
 
-def batched_bench_cmd(exe: str, path: str, threads: int, batch_sizes, prompt_len: int, n_steps: int) -> list[str]:
+def batched_bench_cmd(exe: str, path: str, threads: int, batch_sizes, prompt_len: int, n_steps: int,
+                      kv: dict | None = None) -> list[str]:
     """The llama-batched-bench command line. Its context must hold every sequence's prompt and tokens at the
-    largest B (it skips a B whose pl * (pp + tg) exceeds it, without a word)."""
+    largest B (it skips a B whose pl * (pp + tg) exceeds it, without a word). kv: the K/V types (decode.llama_kv)."""
     ctx = max(batch_sizes) * (prompt_len + n_steps)
     return [exe, "-m", path, "-c", str(ctx), "-b", "2048", "-ub", "512", "-npp", str(prompt_len), "-ntg",
-            str(n_steps), "-npl", ",".join(str(b) for b in batch_sizes), "-t", str(threads), "-fa", "off",
-            "--output-format", "jsonl"]
+            str(n_steps), "-npl", ",".join(str(b) for b in batch_sizes), "-t", str(threads),
+            *(llama_kv(kv, ("off", "on"))[0] or ["-fa", "off"]), "--output-format", "jsonl"]
 
 
 def measure_llama_batched(exe: str, path: str, threads: int, batch_sizes, prompt_len: int,
-                          n_steps: int) -> dict[int, dict] | None:
+                          n_steps: int, kv: dict | None = None) -> dict[int, dict] | None:
     """llama-batched-bench's rows by B, or None if it is missing or fails."""
     found = shutil.which(exe) or (exe if exe and os.path.exists(exe) else None)
     if not found:
         return None
-    r = subprocess.run(batched_bench_cmd(found, path, threads, batch_sizes, prompt_len, n_steps),
-                       capture_output=True, text=True)
+    r = subprocess.run(batched_bench_cmd(found, path, threads, batch_sizes, prompt_len, n_steps, kv),
+                       capture_output=True, text=True, env=llama_kv(kv)[1])
     if r.returncode != 0:
         print(f"{found} failed ({r.returncode}): {r.stderr.strip()[-300:]}")
         return None
@@ -214,13 +215,15 @@ def measure_llama_batched(exe: str, path: str, threads: int, batch_sizes, prompt
 
 def run(path: str, threads: int, batch_sizes=(1, 2, 4, 8, 16), n_steps: int = 32, prompt_len: int = 128,
         llama_batched_bench: str | None = None, weights: str = "auto", seed: int = 0, prefill_tokens: int = 0,
-        llama_bench: str | None = None, llama_bench_sse: str | None = None, api: bool = True) -> dict:
+        llama_bench: str | None = None, llama_bench_sse: str | None = None, api: bool = True,
+        kv: dict | None = None) -> dict:
     """This engine's batched decode on the CPU backend, then llama-batched-bench with the same B, prompt length
-    and decode steps; with prefill_tokens, CPU prefill of one prompt that long (prefill_cpu) against llama-bench."""
+    and decode steps; with prefill_tokens, CPU prefill of one prompt that long (prefill_cpu) against llama-bench.
+    kv: both engines' K/V cache types and rotation (decode.llama_kv; None: each one's defaults)."""
     from ...engine.api import Engine
 
     eng = Engine.load(path, backend="cpu", n_threads=threads, n_ctx=prompt_len + n_steps + 8, weights=weights,
-                      max_seqs=max(batch_sizes))
+                      max_seqs=max(batch_sizes), **(kv or {}))
     rows = measure_batch_decode(eng, batch_sizes, n_steps, prompt_len, seed)
     api_rows = measure_api(eng, batch_sizes, n_steps, prompt_len, seed) if api else None
     args = eng.args
@@ -228,14 +231,14 @@ def run(path: str, threads: int, batch_sizes=(1, 2, 4, 8, 16), n_steps: int = 32
            "n_expert": getattr(args, "n_expert", 0), "n_expert_used": getattr(args, "n_expert_used", 0),
            "bytes_per_token": bytes_per_token(eng.gm, args), "threads": threads, "isa": eng.backend.simd.isa,
            "weights": eng.backend.weights, "prompt_len": prompt_len, "steps": n_steps, "rows": rows,
-           "llama_batched_bench": None, "api": api_rows}
+           "llama_batched_bench": None, "api": api_rows, "kv": kv or None}
     del eng
     gc.collect()  # the weights' copy goes before llama.cpp loads its own
     if llama_batched_bench:
-        lrows = measure_llama_batched(llama_batched_bench, path, threads, batch_sizes, prompt_len, n_steps)
+        lrows = measure_llama_batched(llama_batched_bench, path, threads, batch_sizes, prompt_len, n_steps, kv)
         if lrows is not None:
             res["llama_batched_bench"] = {"cmd": batched_bench_cmd(llama_batched_bench, path, threads, batch_sizes,
-                                                                   prompt_len, n_steps),
+                                                                   prompt_len, n_steps, kv),
                                           "rows": {str(b): v for b, v in lrows.items()}}
             for r in rows:
                 lr = lrows.get(r["batch"])
@@ -244,7 +247,7 @@ def run(path: str, threads: int, batch_sizes=(1, 2, 4, 8, 16), n_steps: int = 32
     if prefill_tokens:
         from . import prefill_cpu
 
-        res["prefill"] = prefill_cpu.run(path, threads, prefill_tokens, llama_bench, llama_bench_sse)
+        res["prefill"] = prefill_cpu.run(path, threads, prefill_tokens, llama_bench, llama_bench_sse, kv=kv)
     return res
 
 

@@ -11,6 +11,7 @@ run on 16 cores), so one reading for the whole table would rate an engine agains
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import time
@@ -101,9 +102,22 @@ def run_floor_fracs(readings: list[float], counts: list[int], seconds: list[floa
     return [f * bytes_per_token / s for f, s, n in zip(floor, seconds, counts, strict=True) if n]
 
 
+def llama_kv(kv: dict | None, fa: tuple[str, str] = ("0", "1")) -> tuple[list[str], dict | None]:
+    """llama.cpp's flags and environment for this engine's K/V settings (kv: Engine.load's cache_type_k,
+    cache_type_v, cache_rotate; None or empty: each engine's own defaults, no flags): -ctk / -ctv, flash attention
+    (fa: its off / on values) on for any type but f32, since this engine then attends in the order of llama.cpp's CPU
+    flash attention (and llama.cpp needs it for a quantized V), and LLAMA_ATTN_ROT_DISABLE=1 where ours keeps the
+    rows unrotated."""
+    if not kv:
+        return [], None
+    k, v = kv.get("cache_type_k", "f32"), kv.get("cache_type_v", "f32")
+    env = None if kv.get("cache_rotate", True) else dict(os.environ, LLAMA_ATTN_ROT_DISABLE="1")
+    return ["-ctk", k, "-ctv", v, "-fa", fa[(k, v) != ("f32", "f32")]], env
+
+
 def measure_ours(path: str, isa: str | None, threads: int, n_tokens: int, context: int, seed: int = 0,
-                 weights: str = "auto", probe=None,
-                 segments: int = 4) -> tuple[float, float, str, list[float], list[int], list[float]]:
+                 weights: str = "auto", probe=None, segments: int = 4,
+                 kv: dict | None = None) -> tuple[float, float, str, list[float], list[int], list[float]]:
     """Decode tokens/s of the CPU backend after a `context`-token prompt (greedy; time of n_tokens steps), the
     share of Python in it, where the weights were read from ("copy" or "mmap"), probe()'s readings (none
     without a probe): one before the steps, one after, and one between each of `segments` equal runs of them,
@@ -112,7 +126,7 @@ def measure_ours(path: str, isa: str | None, threads: int, n_tokens: int, contex
     from ...engine.api import Engine
 
     eng = Engine.load(path, backend="cpu", isa=isa, n_threads=threads, n_ctx=context + 2 * n_tokens + 16,
-                      weights=weights)
+                      weights=weights, **(kv or {}))
     rng = np.random.default_rng(seed)
     ids = [int(x) for x in rng.integers(0, min(eng.args.n_vocab, 32000), max(context, 1))]
     st = eng.new_state()
@@ -176,7 +190,7 @@ def python_share(be, st, t: int, n: int) -> float:
 
 
 def measure_llama(llama_bench: str, path: str, threads: int, n_tokens: int, context: int,
-                  mmap: bool = True, prompt: int = 0) -> float | None:
+                  mmap: bool = True, prompt: int = 0, kv: dict | None = None) -> float | None:
     """llama.cpp's `llama-bench -p P -n N -t T [-d ctx] [-lm none]` tokens/s (-lm none: weights read into
     buffers instead of mapped; P = 0 and N > 0: decode, N = 0 and P > 0: prompt processing), or None if it is
     missing or fails."""
@@ -188,7 +202,8 @@ def measure_llama(llama_bench: str, path: str, threads: int, n_tokens: int, cont
         cmd += ["-d", str(context)]
     if not mmap:
         cmd += ["-lm", "none"]
-    r = subprocess.run(cmd, capture_output=True, text=True)
+    flags, env = llama_kv(kv)
+    r = subprocess.run(cmd + flags, capture_output=True, text=True, env=env)
     if r.returncode != 0:
         print(f"{exe} failed ({r.returncode}): {r.stderr.strip()[-300:]}")
         return None
@@ -201,10 +216,12 @@ def measure_llama(llama_bench: str, path: str, threads: int, n_tokens: int, cont
 
 def run(path: str, threads: int, n_tokens: int = 32, context: int = 0, isas: tuple[str, ...] = ("native",),
         llama_bench: str | None = None, llama_bench_sse: str | None = None, bw_bytes: int | None = None,
-        weights: tuple[str, ...] = ("auto",), llama_no_mmap: bool = False, segments: int = 4) -> dict:
+        weights: tuple[str, ...] = ("auto",), llama_no_mmap: bool = False, segments: int = 4,
+        kv: dict | None = None) -> dict:
     """One run of the table: each ISA level x each weights mode of this engine, then llama.cpp (native build,
     also with -lm none if llama_no_mmap, and the SSE4.2 build). Each row's floor comes from the bandwidth readings
-    taken around its timing, for this engine also between `segments` runs of its steps (effective_bandwidth)."""
+    taken around its timing, for this engine also between `segments` runs of its steps (effective_bandwidth).
+    kv: both engines' K/V cache types and rotation (llama_kv; None: each one's defaults)."""
     from ...backends.cpu.simd import SimdLib, best_isa
 
     gm = GGUFModel(path)
@@ -226,7 +243,7 @@ def run(path: str, threads: int, n_tokens: int = 32, context: int = 0, isas: tup
 
     def llama(exe, **kw):
         b0 = read_bw()
-        tok_s = measure_llama(exe, path, threads, n_tokens, context, **kw)
+        tok_s = measure_llama(exe, path, threads, n_tokens, context, kv=kv, **kw)
         return tok_s, [b0, read_bw()], [n_tokens]
 
     for isa in isas:
@@ -234,7 +251,7 @@ def run(path: str, threads: int, n_tokens: int = 32, context: int = 0, isas: tup
         for mode in weights:
             tok_s, py, used, bw, counts, secs = measure_ours(path, None if isa == "native" else isa, threads,
                                                              n_tokens, context, weights=mode, probe=read_bw,
-                                                             segments=segments)
+                                                             segments=segments, kv=kv)
             add("hybridinfer", real, tok_s, bw, counts, py, f"weights: {used}", secs)
     if llama_bench:
         add("llama.cpp", "native", *llama(llama_bench), note="mmap")
@@ -253,7 +270,7 @@ def run(path: str, threads: int, n_tokens: int = 32, context: int = 0, isas: tup
         rows.append(Row(e, i, threads, t, t * bpt / 1e9, t * bpt / eff, n, py, eff / 1e9, [x / 1e9 for x in b], runs))
     return {"model": path, "arch": args.arch, "bytes_per_token": bpt, "read_bw_gb_s": bw / 1e9,
             "read_bw_readings_gb_s": [x / 1e9 for x in readings], "floor_tok_s": bw / bpt,
-            "threads": threads, "context": context, "rows": [asdict(r) for r in rows]}
+            "threads": threads, "context": context, "kv": kv or None, "rows": [asdict(r) for r in rows]}
 
 
 def markdown(res: dict) -> str:

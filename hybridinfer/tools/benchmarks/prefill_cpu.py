@@ -15,12 +15,14 @@ from .decode import measure_llama
 from .prefill import gemm_flops
 
 
-def measure_ours(path: str, isa: str | None, threads: int, tokens: int, reps: int = 2, seed: int = 0) -> dict:
+def measure_ours(path: str, isa: str | None, threads: int, tokens: int, reps: int = 2, seed: int = 0,
+                 kv: dict | None = None) -> dict:
     """The best of `reps` cold prefills of one random prompt (one forward call of all its tokens, last logits only)
     after a short warm-up: the engine, the ISA it ran, tok/s and seconds."""
     from ...engine.api import Engine
 
-    eng = Engine.load(path, backend="cpu", n_threads=threads, n_ctx=tokens + 8, prefill_chunk=tokens, isa=isa)
+    eng = Engine.load(path, backend="cpu", n_threads=threads, n_ctx=tokens + 8, prefill_chunk=tokens, isa=isa,
+                      **(kv or {}))
     be = eng.backend
     ids = np.random.default_rng(seed).integers(0, min(eng.args.n_vocab, 32000), tokens).tolist()
     be.forward(ids[:16], be.new_state(tokens + 8), all_logits=False)
@@ -37,21 +39,23 @@ def measure_ours(path: str, isa: str | None, threads: int, tokens: int, reps: in
 
 
 def run(path: str, threads: int, tokens: int = 512, llama_bench: str | None = None,
-        llama_bench_sse: str | None = None, isas: tuple[str | None, ...] = (None, "ssse3")) -> dict:
+        llama_bench_sse: str | None = None, isas: tuple[str | None, ...] = (None, "ssse3"),
+        kv: dict | None = None) -> dict:
     """Rows for this engine at each ISA (None: the best this CPU runs) and llama-bench's builds; each of this
-    engine's rows gets its ratio to the llama.cpp build of its class (SSSE3 against the SSE4.2 build)."""
+    engine's rows gets its ratio to the llama.cpp build of its class (SSSE3 against the SSE4.2 build). kv: both
+    engines' K/V cache types and rotation (decode.llama_kv; None: each one's defaults)."""
     from ...format.gguf_model import GGUFModel
     from ...models import model_args
 
     gm = GGUFModel(path)
     flops = gemm_flops(gm, model_args(gm), tokens)
     del gm
-    rows = [measure_ours(path, isa, threads, tokens) for isa in isas]
+    rows = [measure_ours(path, isa, threads, tokens, kv=kv) for isa in isas]
     for r in rows:
         r["gflop_s"] = flops / r["seconds"] / 1e9
     llama = {}
     for name, exe in (("native", llama_bench), ("sse4.2", llama_bench_sse)):
-        tok_s = measure_llama(exe, path, threads, 0, 0, prompt=tokens) if exe else None
+        tok_s = measure_llama(exe, path, threads, 0, 0, prompt=tokens, kv=kv) if exe else None
         if tok_s:
             llama[name] = tok_s
             rows.append({"engine": "llama.cpp", "build": name, "tok_s": tok_s, "seconds": tokens / tok_s,
