@@ -33,7 +33,7 @@ def _cache(ga, t: str, n_ctx: int, Hkv: int, hd: int):
     return ga.to_gpu(np.zeros((n_ctx, Hkv, hd // qt.block * qt.nbytes), np.uint8))
 
 
-@pytest.mark.parametrize("t", ["f16", "q8_0", "q4_0"])
+@pytest.mark.parametrize("t", ["f16", "q8_0", "q4_0", "lm3", "lm4"])
 def test_kv_store_writes_ggml_blocks(ga, t):
     """The rows the card writes are gguf.quants' blocks of the same values at the row pos0 asks (fp16 bit for bit;
     q8_0 / q4_0 the same scales and, but for values within an ulp of a rounding edge, the same quants)."""
@@ -47,7 +47,10 @@ def test_kv_store_writes_ggml_blocks(ga, t):
     ka.kv_store(ga.to_gpu(k), ga.to_gpu(v), kc, vc, pos0, tid, tid)
     for got, x in ((kc.get(), k), (vc.get(), v)):
         got = got[pos0 : pos0 + T].view(np.uint8).reshape(-1)
-        want = np.asarray(quants.quantize(x, GG[t])).view(np.uint8).reshape(-1)
+        want = np.asarray(quants.quantize(x, GG[t])).view(np.uint8).reshape(-1) if t in GG else None
+        if t in ("lm3", "lm4"):  # this engine's types: the reference's blocks bit for bit (the same float steps)
+            assert np.array_equal(got, op.lm_encode(x, t).reshape(-1)), t
+            continue
         if t == "f16":
             assert np.array_equal(got, want)
             continue
@@ -85,7 +88,7 @@ def test_q_round_and_fwht(ga, t):
 
 
 @pytest.mark.parametrize("kt,vt", [("f16", "f16"), ("q8_0", "q8_0"), ("q4_0", "q4_0"), ("f16", "q4_0"),
-                                   ("q8_0", "f32")])
+                                   ("q8_0", "f32"), ("lm3", "lm3"), ("lm4", "q8_0")])
 @pytest.mark.parametrize("T,pos0,hd", [(1, 300, 64), (67, 13, 128), (40, 0, 256)])
 def test_typed_attention_matches_reference(ga, kt, vt, T, pos0, hd):
     """attn_prefill_kv over typed rows equals the reference's softmax attention over the same rows dequantized."""
@@ -116,7 +119,8 @@ def _ids(n_vocab, n, seed=7):
 
 
 @pytest.mark.parametrize("arch", ["qwen35", "qwen35moe"])
-@pytest.mark.parametrize("kt,vt", [("q8_0", "q8_0"), ("q4_0", "q4_0"), ("f16", "f16"), ("f16", "q8_0")])
+@pytest.mark.parametrize("kt,vt", [("q8_0", "q8_0"), ("q4_0", "q4_0"), ("f16", "f16"), ("f16", "q8_0"),
+                                   ("lm3", "lm3"), ("lm4", "lm4")])
 def test_gpu_prefill_at_cache_types_matches_reference(oracle_gguf, arch, kt, vt):
     """A 72-token prompt in chunks of 32 on the card (the wide oracle models: heads of 64, rotated where quantized)
     against the float reference at the same types (the CPU backend's Q8 activations move these random models' logits
@@ -140,7 +144,7 @@ def test_gpu_prefill_at_cache_types_matches_reference(oracle_gguf, arch, kt, vt)
                 continue
             assert x.dtype == y.dtype and x.shape == y.shape
             a, b = op.kv_decode(x[:72], t, hd), op.kv_decode(y[:72], t, hd)
-            step = 0.15 if t == "q4_0" else 0.02  # a value near a rounding edge may land one step away
+            step = {"q4_0": 0.15, "lm4": 0.2, "lm3": 0.4}.get(t, 0.02)  # a value near an edge lands a step away
             assert np.abs(a - b).max() <= step * np.abs(b).max(), (name, t)
     cl, gl = want[-1], got[-1]
     for step in range(6):

@@ -95,23 +95,92 @@ def hadamard(x: np.ndarray, n: int) -> np.ndarray:
     return y.reshape(x.shape)
 
 
+def _lm_levels(t: str) -> np.ndarray:
+    from ..format.quant_types import LLOYD_MAX, cache_type
+
+    return np.array(LLOYD_MAX[cache_type(t).id], np.float32)
+
+
+def lm_encode(x: np.ndarray, t: str) -> np.ndarray:
+    """Rows (..., n) float32, n a multiple of 32, as lm3 / lm4 blocks (..., n / 32 * (2 + bits * 4)) uint8: per 32
+    values the fp16 scale d (of 0.8, 0.9, 1.0, 1.1, 1.2 times the RMS, squares summed in order and fused, and the
+    largest magnitude over the outermost level) whose codes leave the least squared error (summed in float64 in
+    order; the first of equals), codes of the nearest Lloyd-Max level to x * (1 / d)."""
+    lv = _lm_levels(t)
+    bits = 3 if len(lv) == 8 else 4
+    b = np.ascontiguousarray(x, np.float32).reshape(-1, 32)
+    s = np.zeros(len(b), np.float32)
+    for j in range(32):  # fmaf(x, x, s) in order: the square is exact in float64, then one rounding
+        s = (b[:, j].astype(np.float64) ** 2 + s).astype(np.float32)
+    rms = np.sqrt(s / np.float32(32)).astype(np.float32)
+    amax = np.abs(b).max(axis=1)
+    mids = (np.float32(0.5) * (lv[:-1] + lv[1:])).astype(np.float32)
+
+    def codes_of(d):
+        df = d.astype(np.float32)
+        with np.errstate(divide="ignore"):
+            inv = np.where(df != 0, np.float32(1) / df, np.float32(0)).astype(np.float32)
+        return df, ((b * inv[:, None])[:, :, None] > mids[None, None, :]).sum(-1)
+
+    best, d = np.full(len(b), np.inf), np.zeros(len(b), np.float16)
+    for k in range(6):
+        cand = (rms * np.float32((0.8, 0.9, 1.0, 1.1, 1.2)[k]) if k < 5 else amax / lv[-1]).astype(np.float16)
+        df, codes = codes_of(cand)
+        e = b - df[:, None] * lv[codes]
+        err = np.zeros(len(b))
+        for j in range(32):
+            err = err + e[:, j].astype(np.float64) ** 2
+        take = err < best
+        best, d = np.where(take, err, best), np.where(take, cand, d)
+    codes = codes_of(d)[1].astype(np.uint32)
+    if bits == 3:
+        w = (codes.reshape(-1, 4, 8) << (3 * np.arange(8, dtype=np.uint32))).sum(-1, dtype=np.uint32)
+        q = np.stack([w & 255, (w >> 8) & 255, (w >> 16) & 255], -1).reshape(-1, 12).astype(np.uint8)
+    else:
+        q = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)
+    out = np.concatenate([d.astype(np.float16).reshape(-1, 1).view(np.uint8), q], axis=1)
+    return out.reshape(*x.shape[:-1], -1)
+
+
+def lm_decode(rows: np.ndarray, t: str, n: int) -> np.ndarray:
+    """lm3 / lm4 blocks back to float32 (..., n): d * level."""
+    lv = _lm_levels(t)
+    bits = 3 if len(lv) == 8 else 4
+    b = np.ascontiguousarray(rows).reshape(-1, 2 + 4 * bits)
+    d = b[:, :2].copy().view(np.float16).astype(np.float32)
+    if bits == 3:
+        w = b[:, 2:].reshape(-1, 4, 3).astype(np.uint32)
+        w = w[..., 0] | (w[..., 1] << 8) | (w[..., 2] << 16)
+        codes = ((w[..., None] >> (3 * np.arange(8, dtype=np.uint32))) & 7).reshape(-1, 32)
+    else:
+        q = b[:, 2:]
+        codes = np.stack([q & 15, q >> 4], -1).reshape(-1, 32)
+    return (d * lv[codes]).astype(np.float32).reshape(*rows.shape[:-1], n)
+
+
 def kv_encode(x: np.ndarray, t: str) -> np.ndarray:
     """K or V rows (T, H_kv, hd) float32 in cache type t's storage (DecoderState's: float32, float16, or each head's
     row as the type's blocks in bytes)."""
-    return x.astype(np.float32) if t == "f32" else _gq.quantize(np.ascontiguousarray(x, np.float32), _KV[t])
+    if t == "f32":
+        return x.astype(np.float32)
+    if t in ("lm3", "lm4"):
+        return lm_encode(x, t)
+    return _gq.quantize(np.ascontiguousarray(x, np.float32), _KV[t])
 
 
 def kv_decode(rows: np.ndarray, t: str, hd: int) -> np.ndarray:
     """Cache rows of type t back to float32 (n, H_kv, hd)."""
     if t == "f32":
         return rows
+    if t in ("lm3", "lm4"):
+        return lm_decode(rows, t, hd)
     return np.asarray(_gq.dequantize(rows, _KV[t]), np.float32).reshape(*rows.shape[:-1], hd)
 
 
 def kv_query(q: np.ndarray, k_type: str) -> np.ndarray:
     """The query as llama.cpp's flash attention multiplies it with K of type k_type: converted to K's vec_dot type
     (fp16 for f16, q8_0 for q8_0 and q4_0) and back; unchanged for f32."""
-    if k_type == "f32":
+    if k_type in ("f32", "lm3", "lm4"):  # no vec_dot type for Lloyd-Max codes: K is taken back to float
         return q
     vt = _Q.F16 if k_type == "f16" else _Q.Q8_0
     return np.asarray(_gq.dequantize(_gq.quantize(np.ascontiguousarray(q, np.float32), vt), vt),

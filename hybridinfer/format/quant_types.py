@@ -83,12 +83,26 @@ def act_of(qtype: int) -> str | None:
     return None if t is None else t.act
 
 
-# the K/V cache types by their llama.cpp names (`-ctk q8_0`), in llama.cpp's order of size
-CACHE_TYPES: dict[str, QuantType] = {t.kernel_name: t for t in TYPES.values() if t.kv}
+# K/V cache types of this engine's own (no GGUF holds them, so not in TYPES; ids outside ggml's): rows rotated, then
+# per 32 values an fp16 RMS scale and 3- or 4-bit Lloyd-Max codes of a unit Gaussian (native/simd/hi_internal.h,
+# docs/numerics.md)
+LM3, LM4 = 1003, 1004
+LLOYD_MAX = {
+    LM3: (-2.1520, -1.3439, -0.7560, -0.2451, 0.2451, 0.7560, 1.3439, 2.1520),
+    LM4: (-2.7326, -2.0690, -1.6181, -1.2562, -0.9424, -0.6568, -0.3881, -0.1284,
+          0.1284, 0.3881, 0.6568, 0.9424, 1.2562, 1.6181, 2.0690, 2.7326),
+}
+CACHE_ONLY: dict[int, QuantType] = {t.id: t for t in (QuantType(LM3, "LM3", 32, 14, kv=True),
+                                                      QuantType(LM4, "LM4", 32, 18, kv=True))}
+
+# the K/V cache types by their llama.cpp names (`-ctk q8_0`), ggml's then this engine's
+CACHE_TYPES: dict[str, QuantType] = {t.kernel_name: t for t in (*TYPES.values(), *CACHE_ONLY.values()) if t.kv}
+CACHE_BY_ID: dict[int, QuantType] = {t.id: t for t in CACHE_TYPES.values()}
 
 
 def cache_type(name) -> QuantType:
-    """A K/V cache type by its llama.cpp name (f32, f16, q8_0, q4_0); a ValueError naming the choices otherwise."""
+    """A K/V cache type by its name (llama.cpp's f32, f16, q8_0, q4_0; this engine's lm3, lm4); a ValueError naming the
+    choices otherwise."""
     t = CACHE_TYPES.get(str(name).lower()) if isinstance(name, str) else None
     if t is None:
         raise ValueError(f"K/V cache type {name!r} is not one of {', '.join(CACHE_TYPES)}")

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ParameterError
-from ..format.quant_types import F16, F32, cache_type
+from ..format.quant_types import CACHE_ONLY, F16, F32, cache_type
 
 _STORE = {F32: np.dtype(np.float32), F16: np.dtype(np.float16)}  # other cache types: their blocks' bytes
 
@@ -164,6 +164,9 @@ def with_cache_types(args, k: str = "f32", v: str = "f32", rotate: bool = True):
             if s.cache == role and s.shape(args)[-1] % t.block:
                 raise ParameterError(f"cache_type_{role} {t.kernel_name}: rows of {s.shape(args)[-1]} values do "
                                      f"not divide into its blocks of {t.block}")
+            if s.cache == role and t.id in CACHE_ONLY and s.shape(args)[-1] % 64:
+                raise ParameterError(f"cache_type_{role} {t.kernel_name}: its codes need rows rotated in chunks of "
+                                     f"64 values; heads of {s.shape(args)[-1]} are not")
         names[f"cache_type_{role}"] = t.kernel_name
     return replace(args, **names)
 
@@ -172,14 +175,14 @@ def kv_rotation(args) -> tuple[int, int]:
     """The Walsh-Hadamard rotation sizes of the K and V rows (0: none), llama.cpp's rule (llama_kv_cache's attn_rot_k /
     attn_rot_v, on unless LLAMA_ATTN_ROT_DISABLE): a quantized type (not f32 or f16) on heads of a multiple of 64
     values; K (and the query with it) in chunks of the largest power of two from 64 dividing the head, V in chunks of
-    64. A rotation is orthogonal, so the attention it leaves is the same maths; the quantization error is spread over
-    the chunk instead of sitting on the few large values."""
-    if not getattr(args, "cache_rotate", True):
-        return 0, 0
+    64. cache_rotate=False turns it off, except for this engine's lm3 / lm4, whose codes assume rotated rows. A
+    rotation is orthogonal, so the attention it leaves is the same maths; the quantization error is spread over the
+    chunk instead of sitting on the few large values."""
     hd, out = int(args.head_dim), []
     for role, t in zip("kv", cache_types(args), strict=True):
-        n = 0
-        if cache_type(t).block > 1 and hd % 64 == 0:
+        n, qt = 0, cache_type(t)
+        # the Lloyd-Max types' codes are those of a Gaussian: rotated whatever cache_rotate says
+        if qt.block > 1 and hd % 64 == 0 and (getattr(args, "cache_rotate", True) or qt.id in CACHE_ONLY):
             n = 64
             while role == "k" and hd % (2 * n) == 0:
                 n *= 2

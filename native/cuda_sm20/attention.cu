@@ -28,12 +28,33 @@
 #define ATT_THREADS 256
 #define ATT_MAXR 16  // ATT_BQ * hd / ATT_THREADS for hd <= 256: accumulator registers per thread
 
+// this engine's lm3 / lm4 cache types (native/simd/hi_internal.h has their layout): Lloyd-Max levels of a unit
+// Gaussian, a fp16 RMS scale per 32 values
+#define HI_LM3 1003
+#define HI_LM4 1004
+#define HI_LM3_BYTES 14
+#define HI_LM4_BYTES 18
+__constant__ float c_lm3[8] = {-2.1520f, -1.3439f, -0.7560f, -0.2451f, 0.2451f, 0.7560f, 1.3439f, 2.1520f};
+__constant__ float c_lm4[16] = {-2.7326f, -2.0690f, -1.6181f, -1.2562f, -0.9424f, -0.6568f, -0.3881f, -0.1284f,
+                                0.1284f,  0.3881f,  0.6568f,  0.9424f,  1.2562f,  1.6181f,  2.0690f,  2.7326f};
+
 // element d of K/V head row r (= position * H_kv + head) of a cache of ggml type `type` (f32 when !TYPED)
 template <bool TYPED>
 __device__ __forceinline__ float kv_load(const void* c, int type, size_t r, int hd, int d) {
     if (!TYPED || type == HI_F32) return ((const float*)c)[r * hd + d];
     if (type == HI_F16) return hi_h2f(((const u16*)c)[r * hd + d]);
     const int j = d & 31;
+    if (type == HI_LM3) {
+        const u8* b = (const u8*)c + r * (size_t)(hd / 32 * HI_LM3_BYTES) + (d >> 5) * HI_LM3_BYTES;
+        const u8* g = b + 2 + 3 * (j >> 3);
+        const u32 w = (u32)g[0] | ((u32)g[1] << 8) | ((u32)g[2] << 16);
+        return __fmul_rn(hi_h2f(*(const u16*)b), c_lm3[(w >> (3 * (j & 7))) & 7]);
+    }
+    if (type == HI_LM4) {
+        const u8* b = (const u8*)c + r * (size_t)(hd / 32 * HI_LM4_BYTES) + (d >> 5) * HI_LM4_BYTES;
+        const u8 q = b[2 + (j >> 1)];
+        return __fmul_rn(hi_h2f(*(const u16*)b), c_lm4[(j & 1) ? q >> 4 : q & 15]);
+    }
     if (type == HI_Q8_0) {
         const u8* b = (const u8*)c + r * (size_t)(hd / 32 * HI_Q8_0_BYTES) + (d >> 5) * HI_Q8_0_BYTES;
         return __fmul_rn((float)(signed char)b[2 + j], hi_h2f(*(const u16*)b));
@@ -212,6 +233,57 @@ __device__ __forceinline__ void q4_0_block(const float* x, u8* y) {
     }
 }
 
+// the level nearest y of n ascending levels (a tie to the lower), as hi_lm_code
+__device__ __forceinline__ int lm_code(const float* lv, int n, float y) {
+    int c = 0;
+    for (int j = 0; j + 1 < n; ++j) c += y > __fmul_rn(0.5f, __fadd_rn(lv[j], lv[j + 1]));
+    return c;
+}
+
+// hi_lm_encode of x[0..32): of six fp16 scales (0.8 .. 1.2 times the RMS, squares fused in order; the largest
+// magnitude over the outermost level) the one leaving the least squared error (double, in order), then the codes
+__device__ __forceinline__ void lm_block(int type, const float* x, u8* y) {
+    const float* lv = type == HI_LM3 ? c_lm3 : c_lm4;
+    const int n = type == HI_LM3 ? 8 : 16;
+    const float mul[5] = {0.8f, 0.9f, 1.0f, 1.1f, 1.2f};
+    float s = 0.0f, amax = 0.0f;
+    for (int j = 0; j < 32; ++j) {
+        s = __fmaf_rn(x[j], x[j], s);
+        amax = fmaxf(amax, fabsf(x[j]));
+    }
+    const float rms = sqrtf(__fdiv_rn(s, 32.0f));
+    u16 dh = 0;
+    double best = 1e300;
+    for (int k = 0; k < 6; ++k) {
+        const u16 h = hi_f2h(k < 5 ? __fmul_rn(rms, mul[k]) : __fdiv_rn(amax, lv[n - 1]));
+        const float d = hi_h2f(h), id = d != 0.0f ? __fdiv_rn(1.0f, d) : 0.0f;
+        double err = 0.0;
+        for (int j = 0; j < 32; ++j) {
+            const float e = __fsub_rn(x[j], __fmul_rn(d, lv[lm_code(lv, n, __fmul_rn(x[j], id))]));
+            err = __dadd_rn(err, __dmul_rn((double)e, (double)e));
+        }
+        if (err < best) {
+            best = err;
+            dh = h;
+        }
+    }
+    const float d = hi_h2f(dh), id = d != 0.0f ? __fdiv_rn(1.0f, d) : 0.0f;
+    y[0] = (u8)(dh & 0xff);
+    y[1] = (u8)(dh >> 8);
+    if (type == HI_LM3) {
+        for (int k = 0; k < 4; ++k) {
+            u32 w = 0;
+            for (int j = 0; j < 8; ++j) w |= (u32)lm_code(lv, 8, __fmul_rn(x[8 * k + j], id)) << (3 * j);
+            y[2 + 3 * k] = (u8)(w & 0xff);
+            y[3 + 3 * k] = (u8)((w >> 8) & 0xff);
+            y[4 + 3 * k] = (u8)(w >> 16);
+        }
+    } else {
+        for (int j = 0; j < 16; ++j)
+            y[2 + j] = (u8)(lm_code(lv, 16, __fmul_rn(x[2 * j], id)) | (lm_code(lv, 16, __fmul_rn(x[2 * j + 1], id)) << 4));
+    }
+}
+
 // T new rows (each `row` = H_kv * hd values, contiguous) of k_new / v_new written into the caches at row pos0 in
 // their types: one thread per 32 values (per value for f32 / f16). nb = T * row / 32.
 extern "C" __global__ void kv_store(const float* __restrict__ k_new, const float* __restrict__ v_new,
@@ -229,8 +301,10 @@ extern "C" __global__ void kv_store(const float* __restrict__ k_new, const float
             for (int j = 0; j < 32; ++j) ((u16*)c)[e0 + j] = hi_f2h(x[j]);
         } else if (type == HI_Q8_0) {
             q8_0_block(x, (u8*)c + e0 / 32 * HI_Q8_0_BYTES, 0);
-        } else {
+        } else if (type == HI_Q4_0) {
             q4_0_block(x, (u8*)c + e0 / 32 * HI_Q4_0_BYTES);
+        } else {
+            lm_block(type, x, (u8*)c + e0 / 32 * (type == HI_LM3 ? HI_LM3_BYTES : HI_LM4_BYTES));
         }
     }
 }

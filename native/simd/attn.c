@@ -64,6 +64,8 @@ static int64_t kv_row_bytes(int t, int64_t Hkv, int64_t hd) {
     case HI_T_F16: return Hkv * hd * 2;
     case HI_T_Q8_0: return hd % 32 ? -1 : Hkv * hd / 32 * 34;
     case HI_T_Q4_0: return hd % 32 ? -1 : Hkv * hd / 32 * 18;
+    case HI_T_LM3: return hd % 32 ? -1 : Hkv * hd / 32 * HI_LM3_BYTES;
+    case HI_T_LM4: return hd % 32 ? -1 : Hkv * hd / 32 * HI_LM4_BYTES;
     default: return -1;
     }
 }
@@ -136,7 +138,7 @@ static void fa_merge(const float *part, int64_t nc, int64_t hd, float *vkq, floa
 static int attn_fa_go(hi_ctx *c, const hi_attn *a, int64_t nj, float *scratch, int64_t scratch_len, int inline_call) {
     const hi_kernels *kt = hi_ctx_kernels(c);
     const int64_t H = a[0].H, Hkv = a[0].Hkv, hd = a[0].hd, G = H / Hkv;
-    if (G > HI_FA_MAXG || (a[0].k_type != HI_T_F32 && a[0].k_type != HI_T_F16 && hd % 32)) return -2;
+    if (G > HI_FA_MAXG || hd % 32) return -2;
     int64_t npairs = 0, total_chunks = 0;
     for (int64_t j = 0; j < nj; j++) {
         npairs += a[j].T;
@@ -351,8 +353,11 @@ static void kv_store_row(const hi_kernels *kt, int t, const float *x, int64_t n,
         }
     } else if (t == HI_T_Q8_0) {
         kt->quantize(HI_ACT_Q8_0, x, n, y);
-    } else {
+    } else if (t == HI_T_Q4_0) {
         kv_q4_0(x, n, y);
+    } else {
+        const int64_t bs = t == HI_T_LM3 ? HI_LM3_BYTES : HI_LM4_BYTES;
+        for (int64_t b = 0; b < n / 32; b++) hi_lm_encode(t, x + 32 * b, y + b * bs);
     }
 }
 
@@ -401,7 +406,7 @@ static int attn_store_rope(hi_ctx *c, float *q, int64_t q_row, int64_t T, int64_
 /* a rotation of n values (0: none) a cache of type t with heads of hd values may take: a power of two from 64
  * dividing hd, for a quantized type */
 static int rot_ok(int64_t n, int t, int64_t hd) {
-    return n == 0 || (n >= 64 && !(n & (n - 1)) && hd % n == 0 && (t == HI_T_Q8_0 || t == HI_T_Q4_0));
+    return n == 0 || (n >= 64 && !(n & (n - 1)) && hd % n == 0 && (t == HI_T_Q8_0 || t == HI_T_Q4_0 || hi_is_lm(t)));
 }
 
 int hi_attn_step(hi_ctx *c, float *q, int64_t T, int64_t H, int64_t hd, const float *k_new, const float *v_new,

@@ -202,4 +202,91 @@ static inline float hi_rms_scale(const float *x, int64_t n, float eps) {
 /* 1 / (1 + expf(-x)), libm's expf */
 static inline float hi_sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
 
+/* ---- the lm3 / lm4 K/V cache types (not ggml's): rows Walsh-Hadamard rotated before they are kept (kv_rotation),
+ * then per block of 32 values a fp16 scale d (of six tried: 0.8 .. 1.2 times the block's RMS, its squares fused in
+ * order, and its largest magnitude over the outermost level; the least squared error wins) and each value coded as
+ * the nearest of the 8 / 16 Lloyd-Max levels of a unit Gaussian (Max 1960) to x * (1 / d): lm3 = d + 32
+ * 3-bit codes (14 bytes, 3.5 bits a value; codes 8k..8k+7 in bytes 3k..3k+2, code j at bit 3 (j % 8) of that 24-bit
+ * little-endian word), lm4 = d + 32 4-bit codes (18 bytes; code j in byte j / 2, low nibble for even j). A value
+ * comes back as d * level. docs/numerics.md says why and what it costs. */
+#define HI_T_LM3 1003
+#define HI_T_LM4 1004
+#define HI_LM3_BYTES 14
+#define HI_LM4_BYTES 18
+
+static const float hi_lm3_levels[8] = {-2.1520f, -1.3439f, -0.7560f, -0.2451f, 0.2451f, 0.7560f, 1.3439f, 2.1520f};
+static const float hi_lm4_levels[16] = {-2.7326f, -2.0690f, -1.6181f, -1.2562f, -0.9424f, -0.6568f, -0.3881f,
+                                        -0.1284f, 0.1284f,  0.3881f,  0.6568f,  0.9424f,  1.2562f,  1.6181f,
+                                        2.0690f,  2.7326f};
+
+static inline int hi_is_lm(int t) { return t == HI_T_LM3 || t == HI_T_LM4; }
+
+/* the level nearest y of n ascending levels (a tie goes to the lower one) */
+static inline int hi_lm_code(const float *lv, int n, float y) {
+    int c = 0;
+    for (int j = 0; j + 1 < n; j++) c += y > 0.5f * (lv[j] + lv[j + 1]);
+    return c;
+}
+
+/* the scales an lm block tries (times its RMS; then its largest magnitude over the outermost level): the one whose
+ * codes leave the least squared error (in double, in order; the first of equals) is kept */
+static const float hi_lm_scales[5] = {0.8f, 0.9f, 1.0f, 1.1f, 1.2f};
+
+static inline void hi_lm_encode(int t, const float *x, uint8_t *y) {
+    const float *lv = t == HI_T_LM3 ? hi_lm3_levels : hi_lm4_levels;
+    const int n = t == HI_T_LM3 ? 8 : 16;
+    float s = 0.0f, amax = 0.0f;
+    for (int j = 0; j < 32; j++) {
+        s = fmaf(x[j], x[j], s);
+        amax = fmaxf(amax, fabsf(x[j]));
+    }
+    const float rms = sqrtf(s / 32.0f);
+    uint16_t dh = 0;
+    double best = INFINITY;
+    for (int k = 0; k < 6; k++) {
+        const uint16_t h = hi_f2h_soft(k < 5 ? rms * hi_lm_scales[k] : amax / lv[n - 1]);
+        const float d = hi_h2f_soft(h), id = d != 0.0f ? 1.0f / d : 0.0f;
+        double err = 0.0;
+        for (int j = 0; j < 32; j++) {
+            const float e = x[j] - d * lv[hi_lm_code(lv, n, x[j] * id)];
+            err += (double)e * (double)e;
+        }
+        if (err < best) {
+            best = err;
+            dh = h;
+        }
+    }
+    const float d = hi_h2f_soft(dh), id = d != 0.0f ? 1.0f / d : 0.0f;
+    memcpy(y, &dh, 2);
+    if (t == HI_T_LM3) {
+        for (int k = 0; k < 4; k++) {
+            uint32_t w = 0;
+            for (int j = 0; j < 8; j++) w |= (uint32_t)hi_lm_code(lv, 8, x[8 * k + j] * id) << (3 * j);
+            y[2 + 3 * k] = (uint8_t)w;
+            y[3 + 3 * k] = (uint8_t)(w >> 8);
+            y[4 + 3 * k] = (uint8_t)(w >> 16);
+        }
+    } else {
+        for (int j = 0; j < 16; j++)
+            y[2 + j] = (uint8_t)(hi_lm_code(lv, 16, x[2 * j] * id) | (hi_lm_code(lv, 16, x[2 * j + 1] * id) << 4));
+    }
+}
+
+static inline void hi_lm_decode(int t, const uint8_t *b, float *out) {
+    uint16_t dh;
+    memcpy(&dh, b, 2);
+    const float d = hi_h2f_soft(dh);
+    if (t == HI_T_LM3) {
+        for (int k = 0; k < 4; k++) {
+            const uint32_t w = (uint32_t)b[2 + 3 * k] | ((uint32_t)b[3 + 3 * k] << 8) | ((uint32_t)b[4 + 3 * k] << 16);
+            for (int j = 0; j < 8; j++) out[8 * k + j] = d * hi_lm3_levels[(w >> (3 * j)) & 7];
+        }
+    } else {
+        for (int j = 0; j < 16; j++) {
+            out[2 * j] = d * hi_lm4_levels[b[2 + j] & 15];
+            out[2 * j + 1] = d * hi_lm4_levels[b[2 + j] >> 4];
+        }
+    }
+}
+
 #endif

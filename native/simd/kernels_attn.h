@@ -440,6 +440,9 @@ HI_INLINE void hi_fa_v_float(const int vt, const uint8_t *v, float *out, int64_t
             const float d = hi_h2f(hi_rd16(blk));
             for (int j = 0; j < 32; j++) out[32 * b + j] = (float)(int8_t)blk[2 + j] * d;
         }
+    } else if (hi_is_lm(vt)) {
+        const int64_t bs = vt == HI_T_LM3 ? HI_LM3_BYTES : HI_LM4_BYTES;
+        for (int64_t b = 0; b < hd / 32; b++) hi_lm_decode(vt, v + b * bs, out + 32 * b);
     } else { /* q4_0 */
         for (int64_t b = 0; b < hd / 32; b++) {
             const uint8_t *blk = v + b * 18;
@@ -453,7 +456,7 @@ HI_INLINE void hi_fa_v_float(const int vt, const uint8_t *v, float *out, int64_t
 }
 
 /* floats of scratch a unit of m rows sharing a K/V head needs (hi_attn_fa_run) */
-static int64_t hi_attn_fa_scratch(int64_t hd, int64_t m) { return m * (3 * hd + 8) + hd + 64; }
+static int64_t hi_attn_fa_scratch(int64_t hd, int64_t m) { return m * (3 * hd + 8) + 2 * hd + 64; }
 
 /* rows h0 .. h0 + m - 1 of token t (query heads sharing one K/V head) over cache positions [s0, s1): each row's
  * operations and their order are those of the row alone, so how rows are grouped changes no bit; every K row is
@@ -465,7 +468,7 @@ static void hi_attn_fa_run(const hi_attn *a, int64_t t, int64_t h0, int64_t m, i
     const int kt = a->k_type, vt = a->v_type;
     const int64_t kh = a->k_bytes / a->Hkv, vh = a->v_bytes / a->Hkv;
     const hi_kernels *self = &HI_TABLE;
-    float *v32 = scratch + m * row, M[HI_FA_MAXG], S[HI_FA_MAXG];
+    float *v32 = scratch + m * row, *k32 = v32 + hd, M[HI_FA_MAXG], S[HI_FA_MAXG];
     /* per row: vkq [hd] | vkq16 [hd / 2] | qv [hd] (f32 q, fp16 q or q8_0 blocks) | dy [nb] | corr [hd / 4] */
 #define HI_FA_VKQ(i) (scratch + (i) * row)
 #define HI_FA_VKQ16(i) ((uint16_t *)(scratch + (i) * row + hd))
@@ -493,9 +496,11 @@ static void hi_attn_fa_run(const hi_attn *a, int64_t t, int64_t h0, int64_t m, i
             hi_fa_v_float(vt, vs_row, v32, hd);
             vf = v32;
         }
+        if (hi_is_lm(kt)) hi_fa_v_float(kt, ks, k32, hd); /* no integer dot for Lloyd-Max codes: K in float */
         for (int64_t i = 0; i < m; i++) {
             float x;
             if (kt == HI_T_F32) x = hi_ggml_dot_f32((const float *)ks, a->q + t * a->q_row + (h0 + i) * hd, hd);
+            else if (hi_is_lm(kt)) x = hi_ggml_dot_f32(k32, a->q + t * a->q_row + (h0 + i) * hd, hd);
             else if (kt == HI_T_F16) x = hi_fa_dot_f16((const uint16_t *)ks, (const uint16_t *)HI_FA_QV(i), hd);
             else x = hi_fa_dot_legacy(kt, ks, HI_FA_QV(i), HI_FA_CORR(i), HI_FA_DY(i), nb);
             x = x * a->scale;

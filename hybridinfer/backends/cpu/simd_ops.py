@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...format.quant_types import CACHE_TYPES, F16, F32, TYPES
+from ...format.quant_types import CACHE_BY_ID, CACHE_TYPES, F16, F32
 from .simd_native import _F32, _I32, GGML_MUL_MAT, _array, _check_rc, _op, _ptr, _rows_fast
 
 
@@ -29,8 +29,8 @@ def _heads(name: str, a, n: int, writable: bool = False) -> tuple[int, int, int]
 
 def _cache_row(t: int, hd: int) -> tuple[np.dtype, int]:
     """The dtype and length of one head's row of hd values in K/V cache type t (ggml id)."""
-    qt = TYPES.get(int(t))
-    if qt is None or not qt.kv:
+    qt = CACHE_BY_ID.get(int(t))
+    if qt is None:
         raise ValueError(f"ggml type {t} is not a K/V cache type ({', '.join(CACHE_TYPES)})")
     if qt.id in (F32, F16):
         return np.dtype(np.float32 if qt.id == F32 else np.float16), hd

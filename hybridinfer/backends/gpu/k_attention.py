@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...errors import KernelArgumentError
-from ...format.quant_types import F16, F32, TYPES
+from ...format.quant_types import CACHE_BY_ID, CACHE_ONLY, F16, F32
 from . import loader
 
 FAMILY = "attention"
@@ -100,8 +100,8 @@ def kv_append(k_new, v_new, k_cache, v_cache, pos0: int, stream=None) -> None:
 def _cache_arg(c, t: int, n_ctx: int, H_kv: int, hd: int, what: str):
     """The device pointer of a cache of ggml type t: (n_ctx, H_kv, hd) float32 / float16 values, or (n_ctx, H_kv,
     hd / 32 * block bytes) uint8 for q8_0 / q4_0."""
-    qt = TYPES.get(int(t))
-    if qt is None or not qt.kv:
+    qt = CACHE_BY_ID.get(int(t))
+    if qt is None:
         raise KernelArgumentError(f"{what}: ggml type {t} is not a K/V cache type")
     if qt.id in (F32, F16):
         return loader.arg(c, np.float32 if qt.id == F32 else np.float16, (n_ctx, H_kv, hd), what)
@@ -151,7 +151,7 @@ def kv_store(k_new, v_new, k_cache, v_cache, pos0: int, k_type: int, v_type: int
 def q_round(q, k_type: int, stream=None) -> None:
     """The queries (any shape, a multiple of 32 values) rounded in place through the type llama.cpp's flash attention
     converts them to for K of ggml type k_type: fp16 for f16, q8_0 for q8_0 and q4_0 (nothing for f32)."""
-    if int(k_type) == F32:
+    if int(k_type) == F32 or int(k_type) in CACHE_ONLY:  # Lloyd-Max K is taken back to float: the queries stay
         return
     n = int(np.prod(q.shape))
     if n % 32:
