@@ -159,6 +159,30 @@ def cmd_bench_batch_job(a) -> int:
     return 0
 
 
+def cmd_bench_context(a) -> int:
+    import json
+
+    from ..tools.benchmarks import context, context_report
+
+    depths = positive_ints("--depths", a.depths, "token counts")
+    types = context.parse_cache_types(a.cache_types)
+    _check_tools(a, "--llama-bench")
+    model = a.model
+    if model is None:
+        from ..format.default_model import default_model_path
+
+        model = default_model_path()
+    if not os.path.isfile(model):
+        raise ParameterError(f"-m/--model {model!r}: no such file")
+    isa = None if a.isa in (None, "", "native") else a.isa
+    res = context.run(model, a.threads, depths, types, a.p, a.n, a.backend, isa, a.llama_bench, a.reps,
+                      a.probe_bytes)
+    print(context_report.markdown(res))
+    _save_bench(a.out_dir, f"context-{_model_stem(model)}-t{a.threads}", json.dumps(res, indent=1),
+                lambda png: context_report.plot(res, png))
+    return 0
+
+
 def _kv(a) -> dict | None:
     """The K/V flags as Engine.load's keywords for both engines (None: neither type named, each engine's own)."""
     if a.cache_type_k is None and a.cache_type_v is None and not a.no_cache_rotate:
@@ -268,6 +292,25 @@ def add_bench_parsers(sub) -> None:
     b.add_argument("--llama-server", default=None, help="llama.cpp's llama-server binary, run on the same GGUF")
     b.add_argument("--llama-np", type=_int_at_least(1), default=8,
                    help="llama-server's slots (-np) and the client's requests in flight (default 8)")
+    b = _bench_parser(bsub, "context", "prefill and decode tok/s at context depths for each K/V cache type, K/V bytes "
+                      "per token and in all, against llama-bench -d", cmd_bench_context, model_required=False)
+    b.add_argument("--backend", default="cpu", choices=["reference", "cpu", "gpu", "auto"],
+                   help="compute backend: " + BACKEND_HELP + " (default cpu)")
+    b.add_argument("--depths", default="1024,8192,32768,131072",
+                   help="comma-separated context depths in tokens; one beyond the trained context or the memory "
+                        "available is skipped, and the table says so")
+    b.add_argument("--cache-types", default="f32,f16,q8_0,q4_0",
+                   help="comma-separated K/V cache types, each for both K and V, or K/V pairs such as q8_0/q4_0")
+    b.add_argument("-p", type=_int_at_least(1), default=512, help="prompt tokens prefilled (timed) at each depth")
+    b.add_argument("-n", type=_int_at_least(1), default=32, help="decode steps timed at each depth")
+    b.add_argument("-r", "--reps", type=_int_at_least(1), default=2, help="timed runs of each (both engines)")
+    b.add_argument("--isa", default=os.environ.get("HYBRIDINFER_ISA", "native"),
+                   help="SIMD path: native, scalar, ssse3, avx2, avx512vnni")
+    b.add_argument("--llama-bench", default=None, help="llama.cpp's llama-bench, run with -d at each depth, the same "
+                   "types, flash attention off and on")
+    b.add_argument("--probe-bytes", type=parse_size, default=None,
+                   help="buffer of the read-bandwidth probe behind the decode floor (default: 8x the last-level "
+                        "cache, at least 1GiB; 0: no probe, no floor)")
     b = _bench_parser(bsub, "prefill", "GPU prefill tok/s vs transfer and compute floors, and llama.cpp",
                       cmd_bench_prefill, threads_help="threads for llama.cpp's CPU runs")
     b.add_argument("--prompts", default="128,947,4096")
