@@ -384,7 +384,7 @@ static int64_t hi_attn_scratch_row(int64_t n_ctx, int64_t hd) {
  *   x > M:   M = x, ms = expf(M_old - M), VKQ *= ms, vs = 1     else: vs = expf(x - M)
  *   VKQ   += V[s] * vs (a fused multiply-add where the build has FMA: the AVX2 and AVX-512 units; f16 V: VKQ is
  *            kept in fp16, each value rounded after every update, as ggml_vec_mad_f16 / ggml_vec_scale_f16)
- *   S      = S * ms + vs
+ *   S      = S * ms + vs (one fused multiply-add where ggml-cpu's build contracts it: the AVX2 and AVX-512 units)
  *   out    = VKQ * (1 / S)
  * Every step but vec_dot is element by element, so only the dots depend on the vector width: q8_0 / q4_0 x q8_0 are
  * the products' dots (ggml_vec_dot_q8_0_q8_0 / q4_0_q8_0, AVX2's float shape), f32 ggml_vec_dot_f32 of this build,
