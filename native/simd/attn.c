@@ -110,8 +110,9 @@ static void fa_chunk_run(void *arg, int64_t i) {
         const int64_t n = a->pos0 + pr->t + 1, s0 = c * HI_FA_CHUNK;
         const int64_t s1 = pr->nc == 1 ? n : (s0 + HI_FA_CHUNK < n ? s0 + HI_FA_CHUNK : n);
         const int64_t prow = pr->nc * (a->hd + 2);
-        f->k->attn_fa(a, pr->t, h0, f->R, s0, s1, scratch,
-                      pr->nc == 1 ? NULL : f->part + pr->part + h0 * prow + c * (a->hd + 2), prow);
+        if (pr->nc == 1) f->k->attn_fa(a, pr->t, h0, f->R, s0, s1, scratch, NULL, prow);
+        else f->k->attn_fa_tiled(a, pr->t, h0, f->R, s0, s1, scratch, f->part + pr->part + h0 * prow + c * (a->hd + 2),
+                                 prow);
     }
 }
 

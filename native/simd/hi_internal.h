@@ -120,6 +120,10 @@ typedef struct hi_kernels {
     void (*attn_fa)(const hi_attn *a, int64_t t, int64_t h0, int64_t m, int64_t s0, int64_t s1, float *scratch,
                     float *part, int64_t part_row);
     int64_t (*attn_fa_scratch)(int64_t hd, int64_t m);
+    /* a chunk of a long row (attn.c's split): the same rows over [s0, s1) in tiles (faster; its own float order),
+     * always to partials */
+    void (*attn_fa_tiled)(const hi_attn *a, int64_t t, int64_t h0, int64_t m, int64_t s0, int64_t s1, float *scratch,
+                          float *part, int64_t part_row);
     /* out[0..n) = silu(g) * u, ggml's vector SwiGLU (out may alias g or u) */
     void (*swiglu)(const float *g, const float *u, float *out, int64_t n);
 } hi_kernels;

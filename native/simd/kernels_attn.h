@@ -456,7 +456,11 @@ HI_INLINE void hi_fa_v_float(const int vt, const uint8_t *v, float *out, int64_t
 }
 
 /* floats of scratch a unit of m rows sharing a K/V head needs (hi_attn_fa_run) */
-static int64_t hi_attn_fa_scratch(int64_t hd, int64_t m) { return m * (3 * hd + 8) + 2 * hd + 64; }
+static int64_t hi_attn_fa_scratch(int64_t hd, int64_t m) {
+    const int64_t one = m * (3 * hd + 8) + 2 * hd + 64; /* hi_attn_fa_run; hi_attn_fa_tiled's below */
+    const int64_t tiled = m * (3 * hd + 8 + 64) + 65 * hd + 64;
+    return one > tiled ? one : tiled;
+}
 
 /* rows h0 .. h0 + m - 1 of token t (query heads sharing one K/V head) over cache positions [s0, s1): each row's
  * operations and their order are those of the row alone, so how rows are grouped changes no bit; every K row is
@@ -547,6 +551,110 @@ static void hi_attn_fa_run(const hi_attn *a, int64_t t, int64_t h0, int64_t m, i
 #undef HI_FA_QV
 #undef HI_FA_DY
 #undef HI_FA_CORR
+}
+
+/* ---- a chunk of a long row (attn.c splits rows over more than HI_FA_SPLIT positions; their bits follow llama.cpp's
+ * split decode, not its one pass, already): tiles of HI_FA_TILE positions, every score of a tile first (each K row
+ * converted or dotted once for the m rows), then per row one rescale by the tile's maximum, the tile's exps in
+ * vectors, and VKQ += sum_s p[s] V[s] over the tile with the accumulators a vector register block at a time (V
+ * converted to float once a tile for the m rows); VKQ in float for every V type. Writes each row's partial
+ * (M, S, VKQ). The operations depend only on the unit's ISA, the tile and the rows' values. */
+#define HI_FA_TILE 64
+
+/* p[0..n) <- expf(p - M) (a vector at a time where the unit has ggml's vector exp); returns their sum in order */
+HI_INLINE float hi_fa_exps(float *p, int64_t n, float M) {
+    int64_t s = 0;
+#if defined(HI_VNNI)
+    for (; s + 16 <= n; s += 16)
+        _mm512_storeu_ps(p + s, hi_ggml_v_expf(_mm512_sub_ps(_mm512_loadu_ps(p + s), _mm512_set1_ps(M))));
+#elif defined(HI_AVX2)
+    for (; s + 8 <= n; s += 8)
+        _mm256_storeu_ps(p + s, hi_ggml_v_expf(_mm256_sub_ps(_mm256_loadu_ps(p + s), _mm256_set1_ps(M))));
+#elif defined(HI_SSE_EXP)
+    for (; s + 4 <= n; s += 4) _mm_storeu_ps(p + s, hi_ggml_v_expf4(_mm_sub_ps(_mm_loadu_ps(p + s), _mm_set1_ps(M))));
+#endif
+    for (; s < n; s++) p[s] = expf(p[s] - M);
+    float sum = 0.0f;
+    for (s = 0; s < n; s++) sum += p[s];
+    return sum;
+}
+
+/* floats of scratch a tiled unit of m rows needs */
+HI_INLINE int64_t hi_fa_tiled_scratch(int64_t hd, int64_t m) {
+    return m * (3 * hd + 8 + HI_FA_TILE) + (HI_FA_TILE + 1) * hd + 64;
+}
+
+static void hi_attn_fa_tiled(const hi_attn *a, int64_t t, int64_t h0, int64_t m, int64_t s0, int64_t s1,
+                             float *scratch, float *part, int64_t part_row) {
+    const int64_t hd = a->hd, G = a->H / a->Hkv, nb = hd / 32, g = h0 / G, row = 3 * hd + 8 + HI_FA_TILE;
+    const int kt = a->k_type, vt = a->v_type;
+    const int64_t kh = a->k_bytes / a->Hkv, vh = a->v_bytes / a->Hkv;
+    const hi_kernels *self = &HI_TABLE;
+    float *vtile = scratch + m * row, *k32 = vtile + HI_FA_TILE * hd, M[HI_FA_MAXG], S[HI_FA_MAXG];
+    /* per row: acc [hd] | qv [hd] | dy [nb] | corr [hd / 4] | scores [HI_FA_TILE] */
+#define HI_T_ACC(i) (scratch + (i) * row)
+#define HI_T_QV(i) ((uint8_t *)(scratch + (i) * row + hd))
+#define HI_T_DY(i) (scratch + (i) * row + 2 * hd)
+#define HI_T_CORR(i) ((int32_t *)(scratch + (i) * row + 2 * hd + nb))
+#define HI_T_SC(i) (scratch + (i) * row + 2 * hd + nb + hd / 4 + 8)
+    for (int64_t i = 0; i < m; i++) {
+        const float *q = a->q + t * a->q_row + (h0 + i) * hd;
+        if (kt == HI_T_F16) {
+            for (int64_t e = 0; e < hd; e++) ((uint16_t *)HI_T_QV(i))[e] = hi_f2h(q[e]);
+        } else if (kt == HI_T_Q8_0 || kt == HI_T_Q4_0) {
+            self->quantize(HI_ACT_Q8_0, q, hd, HI_T_QV(i));
+            hi_prep(kt, HI_T_QV(i), nb, HI_T_CORR(i), HI_T_DY(i), NULL);
+        }
+        M[i] = -INFINITY;
+        S[i] = 0.0f;
+        memset(HI_T_ACC(i), 0, sizeof(float) * (size_t)hd);
+    }
+    const uint8_t *kb = (const uint8_t *)a->k + g * kh, *vb = (const uint8_t *)a->v + g * vh;
+    for (int64_t p0 = s0; p0 < s1; p0 += HI_FA_TILE) {
+        const int64_t n = s1 - p0 < HI_FA_TILE ? s1 - p0 : HI_FA_TILE;
+        for (int64_t j = 0; j < n; j++) {
+            const uint8_t *ks = kb + (p0 + j) * a->k_bytes;
+            if (hi_is_lm(kt)) hi_fa_v_float(kt, ks, k32, hd);
+            for (int64_t i = 0; i < m; i++) {
+                float x;
+                const float *q = a->q + t * a->q_row + (h0 + i) * hd;
+                if (kt == HI_T_F32) x = hi_ggml_dot_f32((const float *)ks, q, hd);
+                else if (hi_is_lm(kt)) x = hi_ggml_dot_f32(k32, q, hd);
+                else if (kt == HI_T_F16) x = hi_fa_dot_f16((const uint16_t *)ks, (const uint16_t *)HI_T_QV(i), hd);
+                else x = hi_fa_dot_legacy(kt, ks, HI_T_QV(i), HI_T_CORR(i), HI_T_DY(i), nb);
+                HI_T_SC(i)[j] = x * a->scale;
+            }
+            hi_fa_v_float(vt, vb + (p0 + j) * a->v_bytes, vtile + j * hd, hd);
+        }
+        for (int64_t i = 0; i < m; i++) {
+            float *sc = HI_T_SC(i), mt = -INFINITY;
+            for (int64_t j = 0; j < n; j++) mt = sc[j] > mt ? sc[j] : mt;
+            const float Mn = mt > M[i] ? mt : M[i], ms = expf(M[i] - Mn);
+            S[i] = S[i] * ms + hi_fa_exps(sc, n, Mn);
+            M[i] = Mn;
+            float *acc = HI_T_ACC(i);
+            for (int64_t e0 = 0; e0 < hd; e0 += 32) { /* 32 accumulators held while the tile's rows go by */
+                float r[32];
+                for (int e = 0; e < 32; e++) r[e] = acc[e0 + e] * ms;
+                for (int64_t j = 0; j < n; j++) {
+                    const float pj = sc[j], *v = vtile + j * hd + e0;
+                    for (int e = 0; e < 32; e++) r[e] = hi_fa_mad(r[e], v[e], pj);
+                }
+                for (int e = 0; e < 32; e++) acc[e0 + e] = r[e];
+            }
+        }
+    }
+    for (int64_t i = 0; i < m; i++) {
+        float *pr = part + i * part_row;
+        pr[0] = M[i];
+        pr[1] = S[i];
+        memcpy(pr + 2, HI_T_ACC(i), sizeof(float) * (size_t)hd);
+    }
+#undef HI_T_ACC
+#undef HI_T_QV
+#undef HI_T_DY
+#undef HI_T_CORR
+#undef HI_T_SC
 }
 
 /* ================================================================================================ */

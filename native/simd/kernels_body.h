@@ -190,5 +190,6 @@ const hi_kernels HI_TABLE = {
     .attn_scratch = hi_attn_scratch_row,
     .attn_fa = hi_attn_fa_run,
     .attn_fa_scratch = hi_attn_fa_scratch,
+    .attn_fa_tiled = hi_attn_fa_tiled,
     .swiglu = hi_swiglu_row,
 };
