@@ -19,6 +19,18 @@ from .args import (
 )
 
 
+def _bench_model(a) -> str:
+    """-m's file, or the embedded default model; a ParameterError naming a path that is not a file."""
+    model = a.model
+    if model is None:
+        from ..format.default_model import default_model_path
+
+        model = default_model_path()
+    if not os.path.isfile(model):
+        raise ParameterError(f"-m/--model {model!r}: no such file")
+    return model
+
+
 def _save_bench(out_dir: str, name: str, text: str, plot) -> None:
     """Write a benchmark's JSON (`text`) and PNG (plot(path) -> False without matplotlib) as out_dir/name.*"""
     os.makedirs(out_dir, exist_ok=True)
@@ -144,13 +156,7 @@ def cmd_bench_batch_job(a) -> int:
     if len(qt) != 2 or qt[0] > qt[1]:
         raise ParameterError(f"--question-tokens must be LO,HI with LO <= HI, got {a.question_tokens!r}")
     _check_tools(a, "--llama-server")
-    model = a.model
-    if model is None:
-        from ..format.default_model import default_model_path
-
-        model = default_model_path()
-    if not os.path.isfile(model):
-        raise ParameterError(f"-m/--model {model!r}: no such file")
+    model = _bench_model(a)
     res = batch_job.run(model, a.threads, a.requests, a.system_tokens, a.max_tokens, a.max_seqs, a.llama_server,
                         policies, configs, a.seed, a.n_ctx, a.llama_np, a.backend, qt)
     print(batch_job_report.markdown(res))
@@ -167,13 +173,7 @@ def cmd_bench_context(a) -> int:
     depths = positive_ints("--depths", a.depths, "token counts")
     types = context.parse_cache_types(a.cache_types)
     _check_tools(a, "--llama-bench")
-    model = a.model
-    if model is None:
-        from ..format.default_model import default_model_path
-
-        model = default_model_path()
-    if not os.path.isfile(model):
-        raise ParameterError(f"-m/--model {model!r}: no such file")
+    model = _bench_model(a)
     isa = None if a.isa in (None, "", "native") else a.isa
     res = context.run(model, a.threads, depths, types, a.p, a.n, a.backend, isa, a.llama_bench, a.reps,
                       a.probe_bytes)

@@ -456,6 +456,17 @@ HI_INLINE void hi_fa_v_float(const int vt, const uint8_t *v, float *out, int64_t
 }
 
 /* floats of scratch a unit of m rows sharing a K/V head needs (hi_attn_fa_run) */
+/* a query row converted once to K's vec_dot type: fp16 for f16 K, q8_0 blocks (with their dot's per-block data) for
+ * q8_0 / q4_0 K; f32 and Lloyd-Max K read q itself */
+HI_INLINE void hi_fa_query(int kt, const float *q, int64_t hd, uint8_t *qv, int32_t *corr, float *dy) {
+    if (kt == HI_T_F16) {
+        for (int64_t e = 0; e < hd; e++) ((uint16_t *)qv)[e] = hi_f2h(q[e]);
+    } else if (kt == HI_T_Q8_0 || kt == HI_T_Q4_0) {
+        hi_quantize(HI_ACT_Q8_0, q, hd, qv);
+        hi_prep(kt, qv, hd / 32, corr, dy, NULL);
+    }
+}
+
 static int64_t hi_attn_fa_scratch(int64_t hd, int64_t m) {
     const int64_t one = m * (3 * hd + 8) + 2 * hd + 64; /* hi_attn_fa_run; hi_attn_fa_tiled's below */
     const int64_t tiled = m * (3 * hd + 8 + 64) + 65 * hd + 64;
@@ -471,7 +482,6 @@ static void hi_attn_fa_run(const hi_attn *a, int64_t t, int64_t h0, int64_t m, i
     const int64_t hd = a->hd, G = a->H / a->Hkv, nb = hd / 32, g = h0 / G, row = 3 * hd + 8;
     const int kt = a->k_type, vt = a->v_type;
     const int64_t kh = a->k_bytes / a->Hkv, vh = a->v_bytes / a->Hkv;
-    const hi_kernels *self = &HI_TABLE;
     float *v32 = scratch + m * row, *k32 = v32 + hd, M[HI_FA_MAXG], S[HI_FA_MAXG];
     /* per row: vkq [hd] | vkq16 [hd / 2] | qv [hd] (f32 q, fp16 q or q8_0 blocks) | dy [nb] | corr [hd / 4] */
 #define HI_FA_VKQ(i) (scratch + (i) * row)
@@ -480,13 +490,7 @@ static void hi_attn_fa_run(const hi_attn *a, int64_t t, int64_t h0, int64_t m, i
 #define HI_FA_DY(i) (scratch + (i) * row + 2 * hd + hd / 2)
 #define HI_FA_CORR(i) ((int32_t *)(scratch + (i) * row + 2 * hd + hd / 2 + nb))
     for (int64_t i = 0; i < m; i++) {
-        const float *q = a->q + t * a->q_row + (h0 + i) * hd;
-        if (kt == HI_T_F16) {
-            for (int64_t e = 0; e < hd; e++) ((uint16_t *)HI_FA_QV(i))[e] = hi_f2h(q[e]);
-        } else if (kt == HI_T_Q8_0 || kt == HI_T_Q4_0) {
-            self->quantize(HI_ACT_Q8_0, q, hd, HI_FA_QV(i));
-            hi_prep(kt, HI_FA_QV(i), nb, HI_FA_CORR(i), HI_FA_DY(i), NULL);
-        }
+        hi_fa_query(kt, a->q + t * a->q_row + (h0 + i) * hd, hd, HI_FA_QV(i), HI_FA_CORR(i), HI_FA_DY(i));
         S[i] = 0.0f;
         M[i] = -INFINITY;
         if (vt == HI_T_F16) memset(HI_FA_VKQ16(i), 0, sizeof(uint16_t) * (size_t)hd);
@@ -589,7 +593,6 @@ static void hi_attn_fa_tiled(const hi_attn *a, int64_t t, int64_t h0, int64_t m,
     const int64_t hd = a->hd, G = a->H / a->Hkv, nb = hd / 32, g = h0 / G, row = 3 * hd + 8 + HI_FA_TILE;
     const int kt = a->k_type, vt = a->v_type;
     const int64_t kh = a->k_bytes / a->Hkv, vh = a->v_bytes / a->Hkv;
-    const hi_kernels *self = &HI_TABLE;
     float *vtile = scratch + m * row, *k32 = vtile + HI_FA_TILE * hd, M[HI_FA_MAXG], S[HI_FA_MAXG];
     /* per row: acc [hd] | qv [hd] | dy [nb] | corr [hd / 4] | scores [HI_FA_TILE] */
 #define HI_T_ACC(i) (scratch + (i) * row)
@@ -598,13 +601,7 @@ static void hi_attn_fa_tiled(const hi_attn *a, int64_t t, int64_t h0, int64_t m,
 #define HI_T_CORR(i) ((int32_t *)(scratch + (i) * row + 2 * hd + nb))
 #define HI_T_SC(i) (scratch + (i) * row + 2 * hd + nb + hd / 4 + 8)
     for (int64_t i = 0; i < m; i++) {
-        const float *q = a->q + t * a->q_row + (h0 + i) * hd;
-        if (kt == HI_T_F16) {
-            for (int64_t e = 0; e < hd; e++) ((uint16_t *)HI_T_QV(i))[e] = hi_f2h(q[e]);
-        } else if (kt == HI_T_Q8_0 || kt == HI_T_Q4_0) {
-            self->quantize(HI_ACT_Q8_0, q, hd, HI_T_QV(i));
-            hi_prep(kt, HI_T_QV(i), nb, HI_T_CORR(i), HI_T_DY(i), NULL);
-        }
+        hi_fa_query(kt, a->q + t * a->q_row + (h0 + i) * hd, hd, HI_T_QV(i), HI_T_CORR(i), HI_T_DY(i));
         M[i] = -INFINITY;
         S[i] = 0.0f;
         memset(HI_T_ACC(i), 0, sizeof(float) * (size_t)hd);

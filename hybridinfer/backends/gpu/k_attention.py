@@ -31,6 +31,19 @@ def key_tile(hd: int) -> int:
     return 32 if _smem_floats(hd, 32) * 4 <= SMEM_LIMIT else 16
 
 
+def _attn_shape(q, k_cache, pos0: int) -> tuple[int, int, int, int, int]:
+    """(T, H, hd, n_ctx, H_kv) of an attention call, after the checks every cache type shares."""
+    if len(q.shape) != 3 or len(k_cache.shape) != 3:
+        raise KernelArgumentError(f"attention: q {q.shape} and k_cache {k_cache.shape} must be 3-D")
+    T, H, hd = q.shape
+    n_ctx, H_kv = k_cache.shape[0], k_cache.shape[1]
+    if hd > MAX_HD or H_kv < 1 or H % H_kv:
+        raise KernelArgumentError(f"attention: hd={hd} (max {MAX_HD}), H={H} not a multiple of H_kv={H_kv}")
+    if pos0 < 0 or pos0 + T > n_ctx:
+        raise KernelArgumentError(f"attention: rows [{pos0}, {pos0 + T}) outside the cache of {n_ctx}")
+    return T, H, hd, n_ctx, H_kv
+
+
 def attention_prefill(q, k_cache, v_cache, out, pos0: int, gate=None, stream=None) -> None:
     """out = causal softmax attention of the T queries at positions pos0..pos0+T-1 over cache rows
     0..pos0+T-1, scale 1/sqrt(hd), times sigmoid(gate) when gate is given.
@@ -42,14 +55,7 @@ def attention_prefill(q, k_cache, v_cache, out, pos0: int, gate=None, stream=Non
     out     (T, H, hd) float32 (must not alias q)
     Query head h reads KV head h // (H // H_kv). hd <= 256.
     """
-    if len(q.shape) != 3 or len(k_cache.shape) != 3:
-        raise KernelArgumentError(f"attention: q {q.shape} and k_cache {k_cache.shape} must be 3-D")
-    T, H, hd = q.shape
-    n_ctx, H_kv = k_cache.shape[0], k_cache.shape[1]
-    if hd > MAX_HD or H_kv < 1 or H % H_kv:
-        raise KernelArgumentError(f"attention: hd={hd} (max {MAX_HD}), H={H} not a multiple of H_kv={H_kv}")
-    if pos0 < 0 or pos0 + T > n_ctx:
-        raise KernelArgumentError(f"attention: rows [{pos0}, {pos0 + T}) outside the cache of {n_ctx}")
+    T, H, hd, n_ctx, H_kv = _attn_shape(q, k_cache, pos0)
     args = [
         loader.arg(q, np.float32, (T, H, hd), "q"),
         loader.arg(k_cache, np.float32, (n_ctx, H_kv, hd), "k_cache"),
@@ -113,12 +119,7 @@ def _cache_arg(c, t: int, n_ctx: int, H_kv: int, hd: int, what: str):
 def attention_prefill_kv(q, k_cache, v_cache, out, pos0: int, k_type: int, v_type: int, stream=None) -> None:
     """attention_prefill over caches of ggml types k_type, v_type (f32, f16, q8_0, q4_0; _cache_arg's shapes), each
     K / V value taken as its type gives it back (attn_prefill_kv's kv_load)."""
-    T, H, hd = q.shape
-    n_ctx, H_kv = k_cache.shape[0], k_cache.shape[1]
-    if hd > MAX_HD or H_kv < 1 or H % H_kv:
-        raise KernelArgumentError(f"attention: hd={hd} (max {MAX_HD}), H={H} not a multiple of H_kv={H_kv}")
-    if pos0 < 0 or pos0 + T > n_ctx:
-        raise KernelArgumentError(f"attention: rows [{pos0}, {pos0 + T}) outside the cache of {n_ctx}")
+    T, H, hd, n_ctx, H_kv = _attn_shape(q, k_cache, pos0)
     bk = key_tile(hd)
     args = [loader.arg(q, np.float32, (T, H, hd), "q"), _cache_arg(k_cache, k_type, n_ctx, H_kv, hd, "k_cache"),
             _cache_arg(v_cache, v_type, n_ctx, H_kv, hd, "v_cache"), _NULL,
