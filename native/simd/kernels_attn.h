@@ -583,6 +583,63 @@ HI_INLINE float hi_fa_exps(float *p, int64_t n, float M) {
     return sum;
 }
 
+/* acc[0..hd) = acc * ms + sum_j p[j] v[j] over a tile's n V rows (row j at v + j * hd), a block of accumulators held
+ * in registers while the rows go by (hd a multiple of 32) */
+HI_INLINE void hi_fa_tile_pv(float *acc, float ms, const float *p, const float *v, int64_t n, int64_t hd) {
+#if defined(HI_VNNI)
+    for (int64_t e0 = 0; e0 < hd; e0 += 64) {
+        const __m512 m = _mm512_set1_ps(ms);
+        __m512 r0 = _mm512_mul_ps(_mm512_loadu_ps(acc + e0), m), r1 = _mm512_mul_ps(_mm512_loadu_ps(acc + e0 + 16), m);
+        __m512 r2, r3;
+        const int wide = e0 + 64 <= hd;
+        r2 = wide ? _mm512_mul_ps(_mm512_loadu_ps(acc + e0 + 32), m) : _mm512_setzero_ps();
+        r3 = wide ? _mm512_mul_ps(_mm512_loadu_ps(acc + e0 + 48), m) : _mm512_setzero_ps();
+        for (int64_t j = 0; j < n; j++) {
+            const __m512 pj = _mm512_set1_ps(p[j]);
+            const float *vj = v + j * hd + e0;
+            r0 = _mm512_fmadd_ps(_mm512_loadu_ps(vj), pj, r0);
+            r1 = _mm512_fmadd_ps(_mm512_loadu_ps(vj + 16), pj, r1);
+            if (wide) {
+                r2 = _mm512_fmadd_ps(_mm512_loadu_ps(vj + 32), pj, r2);
+                r3 = _mm512_fmadd_ps(_mm512_loadu_ps(vj + 48), pj, r3);
+            }
+        }
+        _mm512_storeu_ps(acc + e0, r0);
+        _mm512_storeu_ps(acc + e0 + 16, r1);
+        if (wide) {
+            _mm512_storeu_ps(acc + e0 + 32, r2);
+            _mm512_storeu_ps(acc + e0 + 48, r3);
+        }
+    }
+#elif defined(HI_AVX2)
+    for (int64_t e0 = 0; e0 < hd; e0 += 32) {
+        const __m256 m = _mm256_set1_ps(ms);
+        __m256 r0 = _mm256_mul_ps(_mm256_loadu_ps(acc + e0), m), r1 = _mm256_mul_ps(_mm256_loadu_ps(acc + e0 + 8), m);
+        __m256 r2 = _mm256_mul_ps(_mm256_loadu_ps(acc + e0 + 16), m), r3 = _mm256_mul_ps(_mm256_loadu_ps(acc + e0 + 24), m);
+        for (int64_t j = 0; j < n; j++) {
+            const __m256 pj = _mm256_set1_ps(p[j]);
+            const float *vj = v + j * hd + e0;
+            r0 = _mm256_fmadd_ps(_mm256_loadu_ps(vj), pj, r0);
+            r1 = _mm256_fmadd_ps(_mm256_loadu_ps(vj + 8), pj, r1);
+            r2 = _mm256_fmadd_ps(_mm256_loadu_ps(vj + 16), pj, r2);
+            r3 = _mm256_fmadd_ps(_mm256_loadu_ps(vj + 24), pj, r3);
+        }
+        _mm256_storeu_ps(acc + e0, r0);
+        _mm256_storeu_ps(acc + e0 + 8, r1);
+        _mm256_storeu_ps(acc + e0 + 16, r2);
+        _mm256_storeu_ps(acc + e0 + 24, r3);
+    }
+#else
+    for (int64_t e0 = 0; e0 < hd; e0 += 32) {
+        float r[32];
+        for (int e = 0; e < 32; e++) r[e] = acc[e0 + e] * ms;
+        for (int64_t j = 0; j < n; j++)
+            for (int e = 0; e < 32; e++) r[e] = r[e] + v[j * hd + e0 + e] * p[j];
+        for (int e = 0; e < 32; e++) acc[e0 + e] = r[e];
+    }
+#endif
+}
+
 /* floats of scratch a tiled unit of m rows needs */
 HI_INLINE int64_t hi_fa_tiled_scratch(int64_t hd, int64_t m) {
     return m * (3 * hd + 8 + HI_FA_TILE) + (HI_FA_TILE + 1) * hd + 64;
@@ -629,16 +686,7 @@ static void hi_attn_fa_tiled(const hi_attn *a, int64_t t, int64_t h0, int64_t m,
             const float Mn = mt > M[i] ? mt : M[i], ms = expf(M[i] - Mn);
             S[i] = S[i] * ms + hi_fa_exps(sc, n, Mn);
             M[i] = Mn;
-            float *acc = HI_T_ACC(i);
-            for (int64_t e0 = 0; e0 < hd; e0 += 32) { /* 32 accumulators held while the tile's rows go by */
-                float r[32];
-                for (int e = 0; e < 32; e++) r[e] = acc[e0 + e] * ms;
-                for (int64_t j = 0; j < n; j++) {
-                    const float pj = sc[j], *v = vtile + j * hd + e0;
-                    for (int e = 0; e < 32; e++) r[e] = hi_fa_mad(r[e], v[e], pj);
-                }
-                for (int e = 0; e < 32; e++) acc[e0 + e] = r[e];
-            }
+            hi_fa_tile_pv(HI_T_ACC(i), ms, sc, vtile, n, hd);
         }
     }
     for (int64_t i = 0; i < m; i++) {
