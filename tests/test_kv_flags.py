@@ -300,3 +300,7 @@ def test_llama_cpp_gets_the_types_flash_attention_and_rotation(tmp_path):
     assert "-ctk q8_0 -ctv q8_0 -fa 1" in got and "rot=1" in got
     assert measure_llama(str(fake), "m.gguf", 2, 8, 0) == 12.5
     assert "-ctk" not in (tmp_path / "argv").read_text()
+    # llama-bench takes no f32 cache type: f32 K/V send none (llama.cpp keeps its f16), never a rejected -ctk f32
+    assert llama_kv({"cache_type_k": "f32", "cache_type_v": "f32"}, f32=False)[0] == ["-fa", "0"]
+    assert measure_llama(str(fake), "m.gguf", 2, 8, 0, kv={"cache_type_k": "f32", "cache_type_v": "f32"}) == 12.5
+    assert "-ctk" not in (tmp_path / "argv").read_text()

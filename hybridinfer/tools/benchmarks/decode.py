@@ -102,17 +102,19 @@ def run_floor_fracs(readings: list[float], counts: list[int], seconds: list[floa
     return [f * bytes_per_token / s for f, s, n in zip(floor, seconds, counts, strict=True) if n]
 
 
-def llama_kv(kv: dict | None, fa: tuple[str, str] = ("0", "1")) -> tuple[list[str], dict | None]:
+def llama_kv(kv: dict | None, fa: tuple[str, str] = ("0", "1"), f32: bool = True) -> tuple[list[str], dict | None]:
     """llama.cpp's flags and environment for this engine's K/V settings (kv: Engine.load's cache_type_k,
     cache_type_v, cache_rotate; None or empty: each engine's own defaults, no flags): -ctk / -ctv, flash attention
     (fa: its off / on values) on for any type but f32, since this engine then attends in the order of llama.cpp's CPU
     flash attention (and llama.cpp needs it for a quantized V), and LLAMA_ATTN_ROT_DISABLE=1 where ours keeps the
-    rows unrotated."""
+    rows unrotated. f32=False: the tool takes no f32 cache type (llama-bench), so f32 K/V pass no -ctk / -ctv and
+    llama.cpp keeps its f16 default."""
     if not kv:
         return [], None
     k, v = kv.get("cache_type_k", "f32"), kv.get("cache_type_v", "f32")
     env = None if kv.get("cache_rotate", True) else dict(os.environ, LLAMA_ATTN_ROT_DISABLE="1")
-    return ["-ctk", k, "-ctv", v, "-fa", fa[(k, v) != ("f32", "f32")]], env
+    types = [] if not f32 and "f32" in (k, v) else ["-ctk", k, "-ctv", v]
+    return [*types, "-fa", fa[(k, v) != ("f32", "f32")]], env
 
 
 def measure_ours(path: str, isa: str | None, threads: int, n_tokens: int, context: int, seed: int = 0,
@@ -202,7 +204,7 @@ def measure_llama(llama_bench: str, path: str, threads: int, n_tokens: int, cont
         cmd += ["-d", str(context)]
     if not mmap:
         cmd += ["-lm", "none"]
-    flags, env = llama_kv(kv)
+    flags, env = llama_kv(kv, f32=False)  # llama-bench's -ctk has no f32
     r = subprocess.run(cmd + flags, capture_output=True, text=True, env=env)
     if r.returncode != 0:
         print(f"{exe} failed ({r.returncode}): {r.stderr.strip()[-300:]}")
