@@ -404,14 +404,46 @@ HI_INLINE float hi_fa_mad(float acc, float x, float w) {
 HI_INLINE float hi_fa_dot_f16(const uint16_t *x, const uint16_t *y, int64_t n) {
     float a[32] = {0};
     const int64_t np = n & ~(int64_t)31;
+#if defined(HI_AVX2)
+    { /* the same lanes in vectors: F16C's conversions are the exact ones, each lane one fused multiply-add */
+        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (int64_t i = 0; i < np; i += 32)
+            for (int k = 0; k < 4; k++)
+                acc[k] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(x + i + 8 * k))),
+                                         _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(y + i + 8 * k))), acc[k]);
+        for (int k = 0; k < 4; k++) _mm256_storeu_ps(a + 8 * k, acc[k]);
+    }
+#else
     for (int64_t i = 0; i < np; i += 32)
         for (int j = 0; j < 32; j++) a[j] = hi_fa_mad(a[j], hi_h2f(x[i + j]), hi_h2f(y[i + j]));
+#endif
     float r[8], t[4];
     for (int l = 0; l < 8; l++) r[l] = (a[l] + a[16 + l]) + (a[8 + l] + a[24 + l]);
     for (int l = 0; l < 4; l++) t[l] = r[l] + r[l + 4];
     double sum = (double)((t[0] + t[1]) + (t[2] + t[3]));
     for (int64_t i = np; i < n; i++) sum += (double)(hi_h2f(x[i]) * hi_h2f(y[i]));
     return (float)sum;
+}
+
+/* ggml_vec_scale_f16 by ms (where ms != 1) then ggml_vec_mad_f16 of v by vs on an fp16 accumulator y of hd values:
+ * each value rounded to fp16 after each step (F16C's conversions where the unit has them: the same bits) */
+HI_INLINE void hi_fa_mad_f16(uint16_t *y, const uint16_t *v, int64_t hd, float ms, float vs) {
+    int64_t e = 0;
+#if defined(HI_AVX2)
+    const __m256 m = _mm256_set1_ps(ms), w = _mm256_set1_ps(vs);
+    for (; e + 8 <= hd; e += 8) {
+        __m128i yh = _mm_loadu_si128((const __m128i *)(y + e));
+        if (ms != 1.0f) yh = _mm256_cvtps_ph(_mm256_mul_ps(_mm256_cvtph_ps(yh), m), _MM_FROUND_TO_NEAREST_INT);
+        const __m256 vv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(v + e)));
+        _mm_storeu_si128((__m128i *)(y + e),
+                         _mm256_cvtps_ph(_mm256_fmadd_ps(vv, w, _mm256_cvtph_ps(yh)), _MM_FROUND_TO_NEAREST_INT));
+    }
+#endif
+    for (; e < hd; e++) {
+        uint16_t t = y[e];
+        if (ms != 1.0f) t = hi_f2h(hi_h2f(t) * ms);
+        y[e] = hi_f2h(hi_fa_mad(hi_h2f(t), hi_h2f(v[e]), vs));
+    }
 }
 
 /* a q8_0 / q4_0 row of nb blocks against the query's q8_0 row prepared by hi_prep (the products' tile, one row) */
@@ -433,7 +465,11 @@ HI_INLINE void hi_fa_v_float(const int vt, const uint8_t *v, float *out, int64_t
     if (vt == HI_T_F32) {
         memcpy(out, v, sizeof(float) * (size_t)hd);
     } else if (vt == HI_T_F16) {
-        for (int64_t i = 0; i < hd; i++) out[i] = hi_h2f(hi_rd16(v + 2 * i));
+        int64_t i = 0;
+#if defined(HI_AVX2)
+        for (; i + 8 <= hd; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(v + 2 * i))));
+#endif
+        for (; i < hd; i++) out[i] = hi_h2f(hi_rd16(v + 2 * i));
     } else if (vt == HI_T_Q8_0) {
         for (int64_t b = 0; b < hd / 32; b++) {
             const uint8_t *blk = v + b * 34;
@@ -522,10 +558,7 @@ static void hi_attn_fa_run(const hi_attn *a, int64_t t, int64_t h0, int64_t m, i
                 vs = expf(x - M[i]);
             }
             if (vt == HI_T_F16) {
-                uint16_t *y = HI_FA_VKQ16(i);
-                if (ms != 1.0f)
-                    for (int64_t e = 0; e < hd; e++) y[e] = hi_f2h(hi_h2f(y[e]) * ms);
-                for (int64_t e = 0; e < hd; e++) y[e] = hi_f2h(hi_fa_mad(hi_h2f(y[e]), hi_h2f(hi_rd16(vs_row + 2 * e)), vs));
+                hi_fa_mad_f16(HI_FA_VKQ16(i), (const uint16_t *)vs_row, hd, ms, vs);
             } else {
                 float *y = HI_FA_VKQ(i);
                 if (ms != 1.0f)
