@@ -12,10 +12,9 @@ import numpy as np
 import pytest
 
 from hybridinfer.backends import reference_ops as op
-from hybridinfer.backends.cpu.simd_ops import _cache_row
 from hybridinfer.engine.api import Engine
 from hybridinfer.errors import ParameterError
-from hybridinfer.format.quant_types import CACHE_TYPES, LLOYD_MAX, LM3, LM4, cache_type
+from hybridinfer.format.quant_types import CACHE_TYPES, LLOYD_MAX, LM3, LM4, cache_row, cache_type
 from hybridinfer.models.state_kinds import kv_rotation, with_cache_types
 
 NO_FREQS = np.zeros(0, np.float32)
@@ -54,7 +53,7 @@ def test_cpu_writes_the_references_blocks_and_attends_as_it(libs, t):
     H, Hkv, hd, n = 4, 2, 128, 40
     tid = cache_type(t).id
     for lib in libs.values():
-        kd, kr = _cache_row(tid, hd)
+        kd, kr = cache_row(tid, hd)
         kc, vc = np.zeros((n, Hkv, kr), kd), np.zeros((n, Hkv, kr), kd)
         scratch = np.zeros(lib.attention_scratch_size(n, hd, H // Hkv), np.float32)
         for p in range(n):

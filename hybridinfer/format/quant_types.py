@@ -100,6 +100,22 @@ CACHE_TYPES: dict[str, QuantType] = {t.kernel_name: t for t in (*TYPES.values(),
 CACHE_BY_ID: dict[int, QuantType] = {t.id: t for t in CACHE_TYPES.values()}
 
 
+def cache_row(t: int, n: int):
+    """(numpy dtype, length) of a row of n values kept in K/V cache type t (a ggml id, or lm3 / lm4's): n float32 or
+    float16 values, or n / block blocks of a quantized type as bytes; a ValueError for another type or an n that does
+    not divide into its blocks."""
+    import numpy as np
+
+    qt = CACHE_BY_ID.get(int(t))
+    if qt is None:
+        raise ValueError(f"ggml type {t} is not a K/V cache type ({', '.join(CACHE_TYPES)})")
+    if qt.id in (F32, F16):
+        return np.dtype(np.float32 if qt.id == F32 else np.float16), n
+    if n % qt.block:
+        raise ValueError(f"rows of {n} values do not divide into {qt.kernel_name} blocks of {qt.block}")
+    return np.dtype(np.uint8), n // qt.block * qt.nbytes
+
+
 def cache_type(name) -> QuantType:
     """A K/V cache type by its name (llama.cpp's f32, f16, q8_0, q4_0; this engine's lm3, lm4); a ValueError naming the
     choices otherwise."""

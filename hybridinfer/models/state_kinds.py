@@ -28,9 +28,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ParameterError
-from ..format.quant_types import CACHE_ONLY, F16, F32, cache_type
-
-_STORE = {F32: np.dtype(np.float32), F16: np.dtype(np.float16)}  # other cache types: their blocks' bytes
+from ..format.quant_types import CACHE_ONLY, cache_row, cache_type
 
 
 @dataclass(frozen=True)
@@ -51,11 +49,9 @@ class StateArray:
         the type, llama.cpp's block layout: a row of hd values takes hd / block * block bytes)."""
         s = tuple(int(x) for x in self.shape(args))
         if self.cache is None:
-            return _STORE[F32], s
-        t = cache_type(getattr(args, f"cache_type_{self.cache}", "f32"))
-        if t.id in _STORE:
-            return _STORE[t.id], s
-        return np.dtype(np.uint8), (*s[:-1], s[-1] // t.block * t.nbytes)
+            return np.dtype(np.float32), s
+        dt, n = cache_row(cache_type(getattr(args, f"cache_type_{self.cache}", "f32")).id, s[-1])
+        return dt, (*s[:-1], n)
 
     def full_shape(self, args, n_rows: int) -> tuple[int, ...]:
         """The array one sequence holds (in its storage): per token, n_rows rows of the row shape."""
@@ -150,16 +146,22 @@ def state_bytes(args, n_tokens: int) -> int:
     return sum(kind_of(t).nbytes(args, n_tokens) for t in args.layer_types)
 
 
+def role_cache_type(role: str, name):
+    """The cache type `name` for the K or V rows (role "k" / "v"); a ParameterError naming cache_type_<role> and the
+    value otherwise."""
+    try:
+        return cache_type(name)
+    except ValueError as e:
+        raise ParameterError(f"cache_type_{role}: {e}") from None
+
+
 def with_cache_types(args, k: str = "f32", v: str = "f32", rotate: bool = True):
     """`args` with K/V rows kept in cache types k and v (llama.cpp's names) and, with `rotate`, quantized ones
     rotated as llama.cpp rotates them (kv_rotation); a ParameterError naming a type that is not a cache type, or one
     whose block does not divide the rows it would hold."""
     names: dict = {"cache_rotate": bool(rotate)}
     for role, name in (("k", k), ("v", v)):
-        try:
-            t = cache_type(name)
-        except ValueError as e:
-            raise ParameterError(f"cache_type_{role}: {e}") from None
+        t = role_cache_type(role, name)
         for s in ARRAYS.values():
             if s.cache == role and s.shape(args)[-1] % t.block:
                 raise ParameterError(f"cache_type_{role} {t.kernel_name}: rows of {s.shape(args)[-1]} values do "

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...format.quant_types import CACHE_BY_ID, CACHE_TYPES, F16, F32
+from ...format.quant_types import F32, cache_row
 from .simd_native import _F32, _I32, GGML_MUL_MAT, _array, _check_rc, _op, _ptr, _rows_fast
 
 
@@ -27,18 +27,6 @@ def _heads(name: str, a, n: int, writable: bool = False) -> tuple[int, int, int]
     return T, a.shape[-1] // n, st
 
 
-def _cache_row(t: int, hd: int) -> tuple[np.dtype, int]:
-    """The dtype and length of one head's row of hd values in K/V cache type t (ggml id)."""
-    qt = CACHE_BY_ID.get(int(t))
-    if qt is None:
-        raise ValueError(f"ggml type {t} is not a K/V cache type ({', '.join(CACHE_TYPES)})")
-    if qt.id in (F32, F16):
-        return np.dtype(np.float32 if qt.id == F32 else np.float16), hd
-    if hd % qt.block:
-        raise ValueError(f"heads of {hd} values do not divide into {qt.kernel_name} blocks of {qt.block}")
-    return np.dtype(np.uint8), hd // qt.block * qt.nbytes
-
-
 def attention_args(q, k_cache, v_cache, pos0: int, out, scratch, writable: bool = False, k_type: int = F32,
                    v_type: int = F32) -> tuple[int, int, int, int, int, int]:
     """The checks of an attention call: q (T, H, hd) C-contiguous float32, the caches (n_ctx, H_kv, row)
@@ -53,7 +41,7 @@ def attention_args(q, k_cache, v_cache, pos0: int, out, scratch, writable: bool 
     T, H, hd = q.shape
     shapes = []
     for name, arr, t in (("k_cache", k_cache, k_type), ("v_cache", v_cache, v_type)):
-        dt, row = _cache_row(t, hd)
+        dt, row = cache_row(t, hd)
         if not (type(arr) is np.ndarray and arr.dtype == dt and arr.ndim == 3 and arr.flags.c_contiguous
                 and (arr.flags.writeable or not writable)):
             arr = _array(name, arr, (dt,))

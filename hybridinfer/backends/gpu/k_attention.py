@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...errors import KernelArgumentError
-from ...format.quant_types import CACHE_BY_ID, CACHE_ONLY, F16, F32
+from ...format.quant_types import CACHE_ONLY, F32, cache_row
 from . import loader
 
 FAMILY = "attention"
@@ -106,14 +106,11 @@ def kv_append(k_new, v_new, k_cache, v_cache, pos0: int, stream=None) -> None:
 def _cache_arg(c, t: int, n_ctx: int, H_kv: int, hd: int, what: str):
     """The device pointer of a cache of ggml type t: (n_ctx, H_kv, hd) float32 / float16 values, or (n_ctx, H_kv,
     hd / 32 * block bytes) uint8 for q8_0 / q4_0."""
-    qt = CACHE_BY_ID.get(int(t))
-    if qt is None:
-        raise KernelArgumentError(f"{what}: ggml type {t} is not a K/V cache type")
-    if qt.id in (F32, F16):
-        return loader.arg(c, np.float32 if qt.id == F32 else np.float16, (n_ctx, H_kv, hd), what)
-    if hd % qt.block:
-        raise KernelArgumentError(f"{what}: heads of {hd} values are not whole {qt.kernel_name} blocks")
-    return loader.arg(c, np.uint8, (n_ctx, H_kv, hd // qt.block * qt.nbytes), what)
+    try:
+        dt, row = cache_row(t, hd)
+    except ValueError as e:
+        raise KernelArgumentError(f"{what}: {e}") from None
+    return loader.arg(c, dt, (n_ctx, H_kv, row), what)
 
 
 def attention_prefill_kv(q, k_cache, v_cache, out, pos0: int, k_type: int, v_type: int, stream=None) -> None:
