@@ -13,9 +13,8 @@ import numpy as np
 from ..backends import BACKENDS, make_backend  # noqa: F401  (BACKENDS: re-exported)
 from ..errors import ContextLengthError, HybridInferError, ParameterError
 from ..format.gguf_model import GGUFModel
-from ..format.quant_types import cache_type
 from ..models import model_args
-from ..models.state_kinds import with_cache_types
+from ..models.state_kinds import role_cache_type, with_cache_types
 from .compute import Compute
 from .context import choose_n_ctx, gpu_cut, room_beside
 from .sampling import SamplingParams, check_int, check_stop
@@ -54,11 +53,8 @@ def _check_load_args(n_ctx, prefill_chunk, snapshot_stride, step_tokens, max_seq
     """Refuse bad values before the model is opened (a user waits for no load to learn of a typo)."""
     if n_ctx is not None:
         check_int("n_ctx", n_ctx, 1)
-    for role, name in zip("kv", kv_types, strict=True):
-        try:
-            cache_type(name)
-        except ValueError as e:
-            raise ParameterError(f"cache_type_{role}: {e}") from None
+    for role, name in zip("kv", kv_types, strict=True):  # before the model is opened
+        role_cache_type(role, name)
     if type(max_seqs) is not int or max_seqs < 1:  # the scheduler's own words; the context choice needs it first
         raise ParameterError(f"max_seqs must be a whole number >= 1, got {max_seqs!r}")
     check_int("step_tokens", step_tokens, 1)
@@ -220,7 +216,8 @@ class Engine(Compute):
             `<|im_start|>` (llama-server's behaviour); by default it is tokenized as text, and only the template's
             own markup makes them.
         cache_type_k (default "f32"), cache_type_v (default "f32"): the type the K and V cache rows are kept in,
-            llama.cpp's -ctk / -ctv names: f32, f16, q8_0, q4_0. F32 K/V attend in llama.cpp's order without flash
+            llama.cpp's -ctk / -ctv names: f32, f16, q8_0, q4_0, and this engine's rotated lm3 / lm4
+            (docs/numerics.md). F32 K/V attend in llama.cpp's order without flash
             attention; any other in the order of its CPU flash attention, which reads the quantized rows directly
             (so a run compares with llama.cpp at the same types with flash attention on). Sequence states, snapshots and
             the scheduler's state budget hold the rows in these types; a prefix-cache snapshot of other types is
