@@ -62,8 +62,8 @@ static int64_t kv_row_bytes(int t, int64_t Hkv, int64_t hd) {
     switch (t) {
     case HI_T_F32: return Hkv * hd * 4;
     case HI_T_F16: return Hkv * hd * 2;
-    case HI_T_Q8_0: return hd % 32 ? -1 : Hkv * hd / 32 * 34;
-    case HI_T_Q4_0: return hd % 32 ? -1 : Hkv * hd / 32 * 18;
+    case HI_T_Q8_0: return hd % 32 ? -1 : Hkv * hd / 32 * (int64_t)sizeof(block_q8_0);
+    case HI_T_Q4_0: return hd % 32 ? -1 : Hkv * hd / 32 * (int64_t)sizeof(block_q4_0);
     case HI_T_LM3: return hd % 32 ? -1 : Hkv * hd / 32 * HI_LM3_BYTES;
     case HI_T_LM4: return hd % 32 ? -1 : Hkv * hd / 32 * HI_LM4_BYTES;
     default: return -1;
@@ -152,6 +152,7 @@ static int attn_fa_go(hi_ctx *c, const hi_attn *a, int64_t nj, float *scratch, i
     if (fits < 1) return -2;
     fa_pair *pairs = (fa_pair *)malloc(sizeof(fa_pair) * (size_t)npairs);
     float *part = NULL, *vkq = (float *)malloc(sizeof(float) * (size_t)hd);
+    int64_t part_cap = 0; /* floats `part` holds: a wave's first pair may alone need more than HI_FA_PART_FLOATS */
     if (!pairs || !vkq) {
         free(pairs);
         free(vkq);
@@ -170,9 +171,14 @@ static int attn_fa_go(hi_ctx *c, const hi_attn *a, int64_t nj, float *scratch, i
             n++;
             if (++t == a[j].T) t = 0, j++;
         }
-        if (pf && !part && !(part = (float *)malloc(sizeof(float) * (size_t)(pf > HI_FA_PART_FLOATS ? pf : HI_FA_PART_FLOATS)))) {
-            rc = -1;
-            break;
+        if (pf > part_cap) {
+            const int64_t cap = pf > HI_FA_PART_FLOATS ? pf : HI_FA_PART_FLOATS;
+            free(part);
+            if (!(part = (float *)malloc(sizeof(float) * (size_t)cap))) {
+                rc = -1;
+                break;
+            }
+            part_cap = cap;
         }
         int64_t nch = inline_call ? 1 : attn_max_chunks(c);
         if (nch > fits) nch = fits;

@@ -492,6 +492,15 @@ HI_INLINE void hi_fa_v_float(const int vt, const uint8_t *v, float *out, int64_t
 }
 
 /* floats of scratch a unit of m rows sharing a K/V head needs (hi_attn_fa_run) */
+/* K row ks (k32: it taken back to float, for a Lloyd-Max type) . query q (qv, corr, dy: as hi_fa_query made them) */
+HI_INLINE float hi_fa_dot(int kt, const uint8_t *ks, const float *k32, const float *q, const uint8_t *qv,
+                          const int32_t *corr, const float *dy, int64_t hd) {
+    if (kt == HI_T_F32) return hi_ggml_dot_f32((const float *)ks, q, hd);
+    if (hi_is_lm(kt)) return hi_ggml_dot_f32(k32, q, hd);
+    if (kt == HI_T_F16) return hi_fa_dot_f16((const uint16_t *)ks, (const uint16_t *)qv, hd);
+    return hi_fa_dot_legacy(kt, ks, qv, corr, dy, hd / 32);
+}
+
 /* a query row converted once to K's vec_dot type: fp16 for f16 K, q8_0 blocks (with their dot's per-block data) for
  * q8_0 / q4_0 K; f32 and Lloyd-Max K read q itself */
 HI_INLINE void hi_fa_query(int kt, const float *q, int64_t hd, uint8_t *qv, int32_t *corr, float *dy) {
@@ -503,9 +512,11 @@ HI_INLINE void hi_fa_query(int kt, const float *q, int64_t hd, uint8_t *qv, int3
     }
 }
 
+#define HI_FA_TILE 64 /* positions a tile of hi_attn_fa_tiled (below) */
+
 static int64_t hi_attn_fa_scratch(int64_t hd, int64_t m) {
-    const int64_t one = m * (3 * hd + 8) + 2 * hd + 64; /* hi_attn_fa_run; hi_attn_fa_tiled's below */
-    const int64_t tiled = m * (3 * hd + 8 + 64) + 65 * hd + 64;
+    const int64_t one = m * (3 * hd + 8) + 2 * hd + 64; /* hi_attn_fa_run's layout, then hi_attn_fa_tiled's */
+    const int64_t tiled = m * (3 * hd + 8 + HI_FA_TILE) + (HI_FA_TILE + 1) * hd + 64;
     return one > tiled ? one : tiled;
 }
 
@@ -542,11 +553,8 @@ static void hi_attn_fa_run(const hi_attn *a, int64_t t, int64_t h0, int64_t m, i
         }
         if (hi_is_lm(kt)) hi_fa_v_float(kt, ks, k32, hd); /* no integer dot for Lloyd-Max codes: K in float */
         for (int64_t i = 0; i < m; i++) {
-            float x;
-            if (kt == HI_T_F32) x = hi_ggml_dot_f32((const float *)ks, a->q + t * a->q_row + (h0 + i) * hd, hd);
-            else if (hi_is_lm(kt)) x = hi_ggml_dot_f32(k32, a->q + t * a->q_row + (h0 + i) * hd, hd);
-            else if (kt == HI_T_F16) x = hi_fa_dot_f16((const uint16_t *)ks, (const uint16_t *)HI_FA_QV(i), hd);
-            else x = hi_fa_dot_legacy(kt, ks, HI_FA_QV(i), HI_FA_CORR(i), HI_FA_DY(i), nb);
+            float x = hi_fa_dot(kt, ks, k32, a->q + t * a->q_row + (h0 + i) * hd, HI_FA_QV(i), HI_FA_CORR(i),
+                                HI_FA_DY(i), hd);
             x = x * a->scale;
             x += 0.0f;
             const float Mold = M[i];
@@ -596,7 +604,6 @@ static void hi_attn_fa_run(const hi_attn *a, int64_t t, int64_t h0, int64_t m, i
  * vectors, and VKQ += sum_s p[s] V[s] over the tile with the accumulators a vector register block at a time (V
  * converted to float once a tile for the m rows); VKQ in float for every V type. Writes each row's partial
  * (M, S, VKQ). The operations depend only on the unit's ISA, the tile and the rows' values. */
-#define HI_FA_TILE 64
 
 /* p[0..n) <- expf(p - M) (a vector at a time where the unit has ggml's vector exp); returns their sum in order */
 HI_INLINE float hi_fa_exps(float *p, int64_t n, float M) {
@@ -673,10 +680,6 @@ HI_INLINE void hi_fa_tile_pv(float *acc, float ms, const float *p, const float *
 #endif
 }
 
-/* floats of scratch a tiled unit of m rows needs */
-HI_INLINE int64_t hi_fa_tiled_scratch(int64_t hd, int64_t m) {
-    return m * (3 * hd + 8 + HI_FA_TILE) + (HI_FA_TILE + 1) * hd + 64;
-}
 
 static void hi_attn_fa_tiled(const hi_attn *a, int64_t t, int64_t h0, int64_t m, int64_t s0, int64_t s1,
                              float *scratch, float *part, int64_t part_row) {
@@ -702,15 +705,9 @@ static void hi_attn_fa_tiled(const hi_attn *a, int64_t t, int64_t h0, int64_t m,
         for (int64_t j = 0; j < n; j++) {
             const uint8_t *ks = kb + (p0 + j) * a->k_bytes;
             if (hi_is_lm(kt)) hi_fa_v_float(kt, ks, k32, hd);
-            for (int64_t i = 0; i < m; i++) {
-                float x;
-                const float *q = a->q + t * a->q_row + (h0 + i) * hd;
-                if (kt == HI_T_F32) x = hi_ggml_dot_f32((const float *)ks, q, hd);
-                else if (hi_is_lm(kt)) x = hi_ggml_dot_f32(k32, q, hd);
-                else if (kt == HI_T_F16) x = hi_fa_dot_f16((const uint16_t *)ks, (const uint16_t *)HI_T_QV(i), hd);
-                else x = hi_fa_dot_legacy(kt, ks, HI_T_QV(i), HI_T_CORR(i), HI_T_DY(i), nb);
-                HI_T_SC(i)[j] = x * a->scale;
-            }
+            for (int64_t i = 0; i < m; i++)
+                HI_T_SC(i)[j] = hi_fa_dot(kt, ks, k32, a->q + t * a->q_row + (h0 + i) * hd, HI_T_QV(i), HI_T_CORR(i),
+                                          HI_T_DY(i), hd) * a->scale;
             hi_fa_v_float(vt, vb + (p0 + j) * a->v_bytes, vtile + j * hd, hd);
         }
         for (int64_t i = 0; i < m; i++) {
