@@ -140,7 +140,8 @@ def make_backend(name: str, gm, args, options: dict, n_ctx: int, fit_n_ctx: bool
     global _warned
     if name not in BACKENDS:
         raise BackendNotAvailableError(f"unknown backend {name!r} (choose from {', '.join(BACKENDS)})")
-    gpu_opts = {k: options.pop(k) for k in ("vram_budget", "gpu_chunk", "device", "card_profile", "bus_bw")
+    gpu_opts = {k: options.pop(k) for k in ("vram_budget", "gpu_chunk", "device", "card_profile", "bus_bw",
+                                                   "kv_stream")
                 if k in options}
     placement = options.pop("numa", None)
     if placement is not None and not hasattr(placement, "mode"):
@@ -168,7 +169,7 @@ def make_backend(name: str, gm, args, options: dict, n_ctx: int, fit_n_ctx: bool
         gpu = GPUModel(gm, args, n_ctx, vram_budget=gpu_opts.get("vram_budget"),
                        chunk=gpu_opts.get("gpu_chunk", DEFAULT_CHUNK), device=gpu_opts.get("device", 0),
                        card_profile=gpu_opts.get("card_profile"), bus_bw=gpu_opts.get("bus_bw"),
-                       fit_n_ctx=fit_n_ctx)
+                       fit_n_ctx=fit_n_ctx, kv_stream=gpu_opts.get("kv_stream"))
     except BackendNotAvailableError as e:
         if name == "gpu":
             raise

@@ -49,6 +49,8 @@ def _engine(a, quiet: bool = False):
         opts["vram_budget"] = a.vram_budget
     if a.backend in ("auto", "gpu") and getattr(a, "card_profile", None):
         opts["card_profile"] = a.card_profile
+    if a.backend in ("auto", "gpu") and getattr(a, "no_kv_offload", False):
+        opts["kv_stream"] = True
     cache = None
     if getattr(a, "prefix_cache_ram", 0) or getattr(a, "prefix_cache_dir", None):
         cache = {"ram_bytes": a.prefix_cache_ram, "disk_dir": a.prefix_cache_dir,

@@ -181,6 +181,10 @@ def _add_model(p: argparse.ArgumentParser, required: bool = False) -> None:
     p.add_argument("-t", "--threads", type=threads_int, default=None, help="CPU threads (default: all cores)")
     p.add_argument("--vram-budget", type=parse_size, default=None,
                    help="GPU memory the gpu backend may use, e.g. 6GiB (default: the card's free memory - 512MiB)")
+    p.add_argument("-nkvo", "--no-kv-offload", action="store_true",
+                   help="GPU prefill keeps every pass's K/V in host memory and streams each attention layer's "
+                        "through the card (default: only a pass too long for its K/V to stay on the card beside "
+                        "the weights does)")
     add_card_profile(p)
     p.add_argument("--isa", default=os.environ.get("HYBRIDINFER_ISA"),
                    help="force the SIMD path: scalar | ssse3 | avx2 | avx512vnni (env HYBRIDINFER_ISA)")

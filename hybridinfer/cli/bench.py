@@ -114,7 +114,8 @@ def cmd_bench_prefill(a) -> int:
     _check_tools(a, "--llama-bench", "--llama-bench-cuda")
     try:
         res = prefill.run(a.model, prompts, a.vram_budget or None, not a.no_resident, a.threads, a.llama_bench,
-                          a.llama_bench_cuda, bus_bw=a.bus_bw, card_profile=a.card_profile)
+                          a.llama_bench_cuda, bus_bw=a.bus_bw, card_profile=a.card_profile,
+                          kv_stream=True if a.no_kv_offload else None)
     except ModuleNotFoundError as e:
         if (e.name or "").split(".")[0] != "pycuda":
             raise
@@ -316,6 +317,9 @@ def add_bench_parsers(sub) -> None:
     b.add_argument("--prompts", default="128,947,4096")
     b.add_argument("--vram-budget", type=parse_size, default=parse_size("6GiB"), help="0: skip the budget run")
     b.add_argument("--no-resident", action="store_true", help="skip the whole-model-resident run")
+    b.add_argument("-nkvo", "--no-kv-offload", action="store_true",
+                   help="stream every pass's K/V through the card from host memory (default: only passes too long "
+                        "to keep them on the card)")
     add_card_profile(b)
     b.add_argument("--llama-bench", default=None, help="llama-bench, CPU build")
     b.add_argument("--llama-bench-cuda", default=None, help="llama-bench, CUDA build")

@@ -70,6 +70,8 @@ def _check_load_args(n_ctx, prefill_chunk, snapshot_stride, step_tokens, max_seq
 
         if options["card_profile"] not in PROFILES:
             raise ParameterError(f"unknown card_profile {options['card_profile']!r} (known: {', '.join(PROFILES)})")
+    if options.get("kv_stream") not in (None, True, False):
+        raise ParameterError(f"kv_stream must be None, True or False, got {options['kv_stream']!r}")
     if options.get("bus_bw") is not None:
         from ..backends.gpu.pacing import check_bus_bw
 
@@ -234,7 +236,9 @@ class Engine(Compute):
         GPU ("gpu", "auto"): vram_budget (the card's free memory less 512 MiB), gpu_chunk (1024 tokens per kernel
             call), device (0), card_profile (None: the card itself; fermi | kepler | maxwell | pascal: kernels
             compiled and tiles chosen as for that class, the weight stream paced to its bus), bus_bw (None: the
-            profile's bus; bytes/s the weight stream is paced to).
+            profile's bus; bytes/s the weight stream is paced to), kv_stream (None: a pass keeps its K/V on the card
+            where they fit beside the weights, else it streams each attention layer's K/V through the card from
+            the host state; True: every pass streams them, as llama.cpp's --no-kv-offload keeps them on the host).
         Reference: cache_weights (True), act_quant (False: float activations; True: llama.cpp's Q8 rounding).
         Unknown options raise TypeError.
         """
