@@ -21,7 +21,9 @@ from .args import (  # noqa: F401  (UsageError, parse_size: re-exported for call
     _Parser,
     _usage,
     add_card_profile,
+    add_model_source,
     parse_size,
+    resolve_hf,
     write_output,
 )
 from .batch import add_batch_parser
@@ -333,7 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("info", help="architecture, shapes, layer pattern, tensor types and bytes; the CPU, the NUMA "
                                     "topology and the placement each --numa policy would give the model")
-    p.add_argument("-m", "--model")
+    add_model_source(p)
     p.add_argument("model_file", nargs="?", metavar="MODEL", help="the GGUF file (as -m)")
     p.add_argument("--tensors", action="store_true", help="list every tensor")
     p.add_argument("--gpu", action="store_true", help="the card, its class, the tiles it will use and whether its "
@@ -391,6 +393,7 @@ def _run(a) -> int:
                 a.shape = json.loads(a.shape)
             except ValueError as e:
                 raise ShapeError(f"--shape is not valid JSON ({e}): {a.shape!r}") from None
+        resolve_hf(a)
         return a.fn(a)
     except HybridInferError as e:
         print(f"hybridinfer: error: {e}", file=sys.stderr)

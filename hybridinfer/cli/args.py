@@ -166,9 +166,39 @@ def add_cache_types(p: argparse.ArgumentParser, rotate: bool = False, default: s
                             "does, unless the env LLAMA_ATTN_ROT_DISABLE is a nonzero number, as there)")
 
 
+def add_model_source(p, required: bool = False, model_help: str | None = None) -> None:
+    """-m/--model and llama.cpp's -hf/-hff/-hft (a model on the Hugging Face Hub), one of -m and -hf at most
+    (`required`: exactly one)."""
+    g = p.add_mutually_exclusive_group(required=required)
+    g.add_argument("-m", "--model",
+                   help=model_help or "GGUF file (default: the embedded SmolLM2-135M-Instruct Q4_1)")
+    g.add_argument("-hf", "-hfr", "--hf-repo", dest="hf_repo", metavar="OWNER/REPO[:QUANT|:FILE]",
+                   help="a GGUF on the Hugging Face Hub, downloaded once into its cache (HF_HOME, HF_ENDPOINT and "
+                        "HF_HUB_OFFLINE=1 are honoured): QUANT a tag such as Q4_K_M, any case (none: Q4_K_M, else "
+                        "the first GGUF), or a FILE.gguf in the repository")
+    p.add_argument("-hff", "--hf-file", default=None, metavar="FILE",
+                   help="with -hf: this file of the repository (instead of a QUANT)")
+    p.add_argument("-hft", "--hf-token", default=None, metavar="TOKEN",
+                   help="the Hub token sent with -hf (default: huggingface_hub's: the env HF_TOKEN, else the saved "
+                        "login)")
+
+
+def resolve_hf(a) -> None:
+    """A -hf model (-hf/-hff/-hft) downloaded or found in the cache, its path put in a.model (so every command,
+    and each --ray shard, sees a file); a progress bar on a terminal."""
+    repo, file = getattr(a, "hf_repo", None), getattr(a, "hf_file", None)
+    if file and not repo:
+        raise _usage(f"-hff/--hf-file {file!r} needs -hf OWNER/REPO")
+    if not repo:
+        return
+    from ..format.hub import resolve
+
+    a.model = resolve(repo, file=file, token=a.hf_token, progress=sys.stderr.isatty())
+    a.hf_repo = a.hf_file = None
+
+
 def _add_model(p: argparse.ArgumentParser, required: bool = False) -> None:
-    p.add_argument("-m", "--model", required=required,
-                   help="GGUF file (default: the embedded SmolLM2-135M-Instruct Q4_1)")
+    add_model_source(p, required)
     p.add_argument("--backend", default=os.environ.get("HYBRIDINFER_BACKEND") or "auto",
                    choices=["reference", "cpu", "gpu", "auto"],
                    help="compute backend: " + BACKEND_HELP + " (default auto)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from ..errors import ParameterError
-from .args import add_cache_types, gb_per_s, parse_size, positive_ints
+from .args import add_cache_types, add_model_source, gb_per_s, parse_size, positive_ints
 
 
 def _host_bandwidth() -> float:
@@ -53,7 +53,7 @@ def cmd_plan(a) -> int:
 def add_plan_parser(sub) -> None:
     p = sub.add_parser("plan", help="placement and predicted prefill / decode times of a model on a named old card "
                                     "(from the file's header or a synthetic shape; no GPU, no weights read)")
-    p.add_argument("-m", "--model", help="GGUF file (its header only is read)")
+    add_model_source(p, model_help="GGUF file (its header only is read)")
     p.add_argument("--shape", help="plan a synthetic shape instead of a file (e.g. 35b-a3b; see `synth`)")
     p.add_argument("--arch", default="qwen35moe", help="architecture of --shape (default qwen35moe)")
     p.add_argument("--quant", default="q4_k_m", help="quantization of --shape (default q4_k_m)")

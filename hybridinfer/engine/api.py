@@ -185,10 +185,16 @@ class Engine(Compute):
              snapshot_stride: int | None = DEFAULT_SNAPSHOT_STRIDE, max_seqs: int = 8,
              state_budget: int | None = None, step_tokens: int = DEFAULT_STEP_TOKENS,
              chat_template: str | None = None, special_in_content: bool = False, cache_type_k: str = "f32",
-             cache_type_v: str = "f32", cache_rotate: bool = True, **options) -> Engine:
+             cache_type_v: str = "f32", cache_rotate: bool = True, hf: str | None = None,
+             hf_token: str | None = None, **options) -> Engine:
         """Open a GGUF file and make its engine. Every keyword has a default:
 
-        path (default None: the embedded SmolLM2-135M-Instruct Q4_1).
+        path (default None: the embedded SmolLM2-135M-Instruct Q4_1, unless hf names a model).
+        hf (default None): a model on the Hugging Face Hub instead of a path, as llama.cpp's -hf: "OWNER/REPO",
+            "OWNER/REPO:QUANT" (a quant tag such as Q4_K_M, any case; without one Q4_K_M, else the repository's
+            first GGUF) or "OWNER/REPO:FILE.gguf"; downloaded into huggingface_hub's cache unless it is there
+            (format/hub.py; huggingface_hub reads HF_ENDPOINT, HF_HUB_OFFLINE, HF_HOME and HF_TOKEN itself).
+            hf_token (default None: huggingface_hub's own) is the token sent.
         backend (default "auto": GPU prefill with CPU decode where a card and pycuda are present, else "cpu");
             "cpu", "gpu" (prefill on the card, decode on the CPU) or "reference" (the exact numpy oracle, slow by
             design).
@@ -240,6 +246,12 @@ class Engine(Compute):
         """
         from ..format.tokenizer import Tokenizer
 
+        if hf is not None:
+            if path is not None:
+                raise ParameterError(f"give a path or hf, not both: {path!r} and hf={hf!r}")
+            from ..format.hub import resolve
+
+            path = resolve(hf, token=hf_token, progress=progress)
         if path is None:
             from ..format.default_model import default_model_path
 
