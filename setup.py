@@ -34,6 +34,8 @@ setup(
         "tokenizers>=0.20",
         "jinja2>=3.1",
         "tqdm>=4.60",
+        # -hf: models by name from the Hugging Face Hub (its cache, resumable downloads)
+        "huggingface_hub>=0.30",
     ],
     extras_require={
         "gpu": ["pycuda"],

@@ -165,7 +165,7 @@ def resolve(spec: str | HubSpec, *, file: str | None = None, token: str | None =
     except ModuleNotFoundError:
         raise HubError("models by name (-hf) need huggingface_hub: pip install huggingface_hub") from None
     spec = spec if isinstance(spec, HubSpec) else parse_spec(spec, file)
-    offline = constants.is_offline_mode()
+    offline = getattr(constants, "is_offline_mode", lambda: constants.HF_HUB_OFFLINE)()
     where = f"{spec.repo} on {constants.ENDPOINT}"
     files: list[str] | None = None
     reason = "HF_HUB_OFFLINE is set"
