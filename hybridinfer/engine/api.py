@@ -204,7 +204,8 @@ class Engine(Compute):
             256; engine/context.choose_n_ctx); a GPU prefill also keeps a pass's K/V of that many tokens on the
             card, so there it is at most what fits the VRAM budget beside the least weight staging. `ctx_note` says
             in one line why n_ctx is less than asked for ("" when it is not).
-        progress (default False): progress bars while the weights load and long prompts prefill.
+        progress (default False): progress bars on stderr while the model downloads (hf), the weights are copied
+            and repacked (CPU) or loaded (GPU), and long prompts prefill.
         prefill_chunk (default 512): prompt tokens per forward call on the CPU and reference backends.
         prefix_cache (default None: off): True (RAM, 2 GiB), a dict of PrefixCache options (ram_bytes, disk_dir,
             disk_bytes, block_size) or a PrefixCache; prompts then reuse their longest cached prefix.
@@ -262,7 +263,7 @@ class Engine(Compute):
         gm.check_finite()  # a damaged file (NaN scales) is refused here, not answered with nothing
         args = with_cache_types(model_args(gm), cache_type_k, cache_type_v, cache_rotate)
         ctx = choose_n_ctx(args, max_seqs, None if n_ctx is not None else room_beside(gm.file_size), n_ctx)
-        be = make_backend(backend, gm, args, options, ctx.n_ctx, fit_n_ctx=n_ctx is None)
+        be = make_backend(backend, gm, args, options, ctx.n_ctx, fit_n_ctx=n_ctx is None, progress=progress)
         ctx = gpu_cut(ctx, getattr(be, "gpu", None))
         if options:
             raise TypeError(f"unknown Engine option(s): {', '.join(sorted(options))}")
