@@ -90,11 +90,12 @@ def _shard_engine(a):
 
 def _cmd_ray(a, progress: str) -> int:
     import functools
+    import importlib.util
 
-    try:
-        from ..serving.batch.ray_runner import run_ray
-    except ModuleNotFoundError as e:
-        raise ParameterError(f"--ray needs ray ({e.name} is missing): pip install -e '.[batch]'") from None
+    if importlib.util.find_spec("ray") is None:  # said before the model loads (ray_runner imports it late)
+        raise ParameterError("--ray needs Ray, which is not installed: pip install -e '.[ray]' (batch without "
+                             "--ray runs without it)")
+    from ..serving.batch.ray_runner import run_ray
     bar = None
     if progress == "bar":
         from tqdm import tqdm
