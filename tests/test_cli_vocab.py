@@ -145,3 +145,24 @@ def test_llama_alias_and_api_key_reach_the_app(serve_env, monkeypatch):
     assert (seen["host"], seen["port"]) == ("127.0.0.2", 9123)
     assert main(["serve", "--backend", "cpu", "--prefix-cache-ram", "0", "--alias", "mine"]) == 0
     assert seen["model_name"] == ["mine"]  # the flag, not the variable
+
+
+def test_llama_hf_repo_environment_never_beats_a_flag(serve_env):
+    import hybridinfer.format.hub as hub
+    from hybridinfer.cli.args import resolve_hf
+
+    asked = []
+    serve_env.setattr(hub, "resolve", lambda repo, file=None, **kw: asked.append((repo, file)) or f"/c/{repo}.gguf")
+    serve_env.delenv("LLAMA_ARG_MODEL")
+    serve_env.setenv("LLAMA_ARG_HF_REPO", "acme/env-GGUF:Q8_0")
+    serve_env.setenv("LLAMA_ARG_HF_FILE", "x.gguf")
+    for argv, model, want in ((["serve"], "/c/acme/env-GGUF:Q8_0.gguf", [("acme/env-GGUF:Q8_0", "x.gguf")]),
+                              (["serve", "-m", "mine.gguf"], "mine.gguf", []),
+                              (["serve", "-hf", "acme/flag-GGUF"], "/c/acme/flag-GGUF.gguf",
+                               [("acme/flag-GGUF", None)])):
+        asked.clear()
+        a = build_parser().parse_args(argv)
+        resolve_hf(a)
+        assert (a.model, asked) == (model, want), argv
+    helptext = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()
+    assert "LLAMA_ARG_HF_REPO" in helptext and "LLAMA_ARG_HF_FILE" in helptext

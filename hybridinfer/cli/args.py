@@ -185,8 +185,12 @@ def add_model_source(p, required: bool = False, model_help: str | None = None) -
 
 def resolve_hf(a) -> None:
     """A -hf model (-hf/-hff/-hft) downloaded or found in the cache, its path put in a.model (so every command,
-    and each --ray shard, sees a file); a progress bar on a terminal."""
+    and each --ray shard, sees a file); a progress bar on a terminal. `a.env_hf` (serve: LLAMA_ARG_HF_REPO and
+    LLAMA_ARG_HF_FILE) stands in for -hf/-hff when neither -m nor -hf is given."""
     repo, file = getattr(a, "hf_repo", None), getattr(a, "hf_file", None)
+    env_repo, env_file = getattr(a, "env_hf", (None, None))
+    if env_repo and not repo and a.model is None:
+        repo, file = env_repo, file or env_file
     if file and not repo:
         raise _usage(f"-hff/--hf-file {file!r} needs -hf OWNER/REPO")
     if not repo:

@@ -9,7 +9,8 @@ from ..errors import ParameterError
 from .args import _add_cache, _add_model, _int_at_least, _int_in, add_model_names, env_defaults, parse_size
 
 # llama-server's environment variables, each the default of the flag of the same meaning (a flag given wins);
-# LLAMA_API_KEY and LLAMA_ARG_ALIAS are read in cmd_serve
+# LLAMA_API_KEY and LLAMA_ARG_ALIAS are read in cmd_serve, LLAMA_ARG_HF_REPO / _HF_FILE by args.resolve_hf (where
+# neither -m nor -hf is given: a variable never overrides a flag)
 LLAMA_ENV = {"LLAMA_ARG_MODEL": "model", "LLAMA_ARG_CTX_SIZE": "n_ctx", "LLAMA_ARG_THREADS": "threads",
              "LLAMA_ARG_N_PARALLEL": "max_seqs", "LLAMA_ARG_BATCH": "step_tokens", "LLAMA_ARG_HOST": "host",
              "LLAMA_ARG_PORT": "port", "LLAMA_ARG_CACHE_TYPE_K": "cache_type_k",
@@ -71,4 +72,8 @@ def add_serve_parser(sub) -> None:
                         "localhost, 127.0.0.1 and [::1], against DNS rebinding)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     env_defaults(p, LLAMA_ENV)
+    p.set_defaults(env_hf=(os.environ.get("LLAMA_ARG_HF_REPO") or None, os.environ.get("LLAMA_ARG_HF_FILE") or None))
+    for x in p._actions:
+        if x.dest in ("hf_repo", "hf_file"):
+            x.help += f" [env LLAMA_ARG_{x.dest.upper()}]"
     p.set_defaults(fn=cmd_serve)
