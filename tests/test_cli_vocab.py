@@ -45,6 +45,11 @@ def test_parallel_and_threads_on_every_engine_command(cmd):
         assert (a.n, a.max_seqs) == (7, 2)
 
 
+def test_plan_takes_threads():
+    a = build_parser().parse_args(["plan", "--shape", "0.8b", "--card", "k80", "-t", "2"])
+    assert a.threads == 2 and build_parser().parse_args(["plan", "--shape", "0.8b", "--card", "k80"]).threads is None
+
+
 def _args(prompt=None, file=None):
     return SimpleNamespace(prompt=prompt, file=file)
 
