@@ -134,9 +134,10 @@ class GPUPrefillCPUDecode(Backend):
 _warned = False
 
 
-def make_backend(name: str, gm, args, options: dict, n_ctx: int, fit_n_ctx: bool = False):
+def make_backend(name: str, gm, args, options: dict, n_ctx: int, fit_n_ctx: bool = False, progress: bool = False):
     """The compute backend `name` for a loaded GGUF; pops the options it uses from `options`. fit_n_ctx: a GPU
-    prefill may take fewer than n_ctx tokens a pass, as many as fit its VRAM budget (its n_ctx says)."""
+    prefill may take fewer than n_ctx tokens a pass, as many as fit its VRAM budget (its n_ctx says). progress:
+    a bar while the CPU backend copies (and repacks) the weights."""
     global _warned
     if name not in BACKENDS:
         raise BackendNotAvailableError(f"unknown backend {name!r} (choose from {', '.join(BACKENDS)})")
@@ -160,7 +161,7 @@ def make_backend(name: str, gm, args, options: dict, n_ctx: int, fit_n_ctx: bool
 
     simd = SimdLib(isa=options.pop("isa", None), n_threads=options.pop("n_threads", None),
                    prefetch=options.pop("prefetch", None))
-    cpu = CPUModel(gm, args, simd, weights=options.pop("weights", "auto"), numa=placement)
+    cpu = CPUModel(gm, args, simd, weights=options.pop("weights", "auto"), numa=placement, progress=progress)
     if name == "cpu":
         return cpu
     try:

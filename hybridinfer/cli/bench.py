@@ -11,6 +11,7 @@ from .args import (
     _int_at_least,
     add_cache_types,
     add_card_profile,
+    add_model_source,
     gb_per_s,
     parse_size,
     positive_ints,
@@ -203,8 +204,7 @@ def _bench_parser(bsub, name: str, help: str, fn, threads_help: str | None = Non
                   model_required: bool = True) -> argparse.ArgumentParser:
     """A `bench` subcommand with the options every benchmark takes: the model, threads and output folder."""
     b = bsub.add_parser(name, help=help)
-    b.add_argument("-m", "--model", required=model_required,
-                   help=None if model_required else "GGUF file (default: the embedded SmolLM2-135M-Instruct)")
+    add_model_source(b, model_required, "GGUF file" if model_required else None)
     b.add_argument("-t", "--threads", type=threads_int, default=os.cpu_count(), help=threads_help)
     b.add_argument("--out-dir", default="bench/results")
     b.set_defaults(fn=fn)

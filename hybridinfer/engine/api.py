@@ -187,10 +187,16 @@ class Engine(Compute):
              snapshot_stride: int | None = DEFAULT_SNAPSHOT_STRIDE, max_seqs: int = 8,
              state_budget: int | None = None, step_tokens: int = DEFAULT_STEP_TOKENS,
              chat_template: str | None = None, special_in_content: bool = False, cache_type_k: str = "f32",
-             cache_type_v: str = "f32", cache_rotate: bool = True, **options) -> Engine:
+             cache_type_v: str = "f32", cache_rotate: bool = True, hf: str | None = None,
+             hf_token: str | None = None, **options) -> Engine:
         """Open a GGUF file and make its engine. Every keyword has a default:
 
-        path (default None: the embedded SmolLM2-135M-Instruct Q4_1).
+        path (default None: the embedded SmolLM2-135M-Instruct Q4_1, unless hf names a model).
+        hf (default None): a model on the Hugging Face Hub instead of a path, as llama.cpp's -hf: "OWNER/REPO",
+            "OWNER/REPO:QUANT" (a quant tag such as Q4_K_M, any case; without one Q4_K_M, else the repository's
+            first GGUF) or "OWNER/REPO:FILE.gguf"; downloaded into huggingface_hub's cache unless it is there
+            (format/hub.py; huggingface_hub reads HF_ENDPOINT, HF_HUB_OFFLINE, HF_HOME and HF_TOKEN itself).
+            hf_token (default None: huggingface_hub's own) is the token sent.
         backend (default "auto": GPU prefill with CPU decode where a card and pycuda are present, else "cpu");
             "cpu", "gpu" (prefill on the card, decode on the CPU) or "reference" (the exact numpy oracle, slow by
             design).
@@ -200,7 +206,8 @@ class Engine(Compute):
             256; engine/context.choose_n_ctx); a GPU prefill also keeps a pass's K/V of that many tokens on the
             card, so there it is at most what fits the VRAM budget beside the least weight staging. `ctx_note` says
             in one line why n_ctx is less than asked for ("" when it is not).
-        progress (default False): progress bars while the weights load and long prompts prefill.
+        progress (default False): progress bars on stderr while the model downloads (hf), the weights are copied
+            and repacked (CPU) or loaded (GPU), and long prompts prefill.
         prefill_chunk (default 512): prompt tokens per forward call on the CPU and reference backends.
         prefix_cache (default None: off): True (RAM, 2 GiB), a dict of PrefixCache options (ram_bytes, disk_dir,
             disk_bytes, block_size) or a PrefixCache; prompts then reuse their longest cached prefix.
@@ -244,6 +251,12 @@ class Engine(Compute):
         """
         from ..format.tokenizer import Tokenizer
 
+        if hf is not None:
+            if path is not None:
+                raise ParameterError(f"give a path or hf, not both: {path!r} and hf={hf!r}")
+            from ..format.hub import resolve
+
+            path = resolve(hf, token=hf_token, progress=progress)
         if path is None:
             from ..format.default_model import default_model_path
 
@@ -254,7 +267,7 @@ class Engine(Compute):
         gm.check_finite()  # a damaged file (NaN scales) is refused here, not answered with nothing
         args = with_cache_types(model_args(gm), cache_type_k, cache_type_v, cache_rotate)
         ctx = choose_n_ctx(args, max_seqs, None if n_ctx is not None else room_beside(gm.file_size), n_ctx)
-        be = make_backend(backend, gm, args, options, ctx.n_ctx, fit_n_ctx=n_ctx is None)
+        be = make_backend(backend, gm, args, options, ctx.n_ctx, fit_n_ctx=n_ctx is None, progress=progress)
         ctx = gpu_cut(ctx, getattr(be, "gpu", None))
         if options:
             raise TypeError(f"unknown Engine option(s): {', '.join(sorted(options))}")
