@@ -133,7 +133,7 @@ class ChatCall:
         p = self.prepared = build_chat(ctx.engine, ctx.info, self.messages, self.tools, self.choice, self.thinking,
                                        self.schema is not None)
         return ctx.constrain(ctx.make_request(p.ids, self.max_tokens, self.sampling, self.body.stop,
-                                              p.turn_boundary), self.schema)
+                                              p.turn_boundary), self.schema, p)
 
     def parser(self) -> tuple[OutputParser, list]:
         """The output parser of the built prompt and the events of the assistant text the prompt already holds."""
