@@ -102,6 +102,23 @@ class ChatRequest(_Sampling):
     top_logprobs: Int64 | None = None
 
 
+class ApplyTemplateRequest(ChatRequest):
+    """llama-server's /apply-template: a chat body whose model may be left out."""
+
+    model: str | None = None
+
+
+class TokenizeRequest(_Body):
+    content: str
+    add_special: bool = False
+    parse_special: bool = True
+    with_pieces: bool = False
+
+
+class DetokenizeRequest(_Body):
+    tokens: list[Int64] = Field(max_length=1 << 20)
+
+
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[Int64] | list[list[Int64]]
     echo: bool | None = None

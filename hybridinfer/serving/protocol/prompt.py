@@ -46,6 +46,7 @@ class Prepared:
     tools: bool = False
     schemas: dict[str, dict] = field(default_factory=dict)
     grammar: str | None = None  # a forced call's Lark grammar (protocol.toolgrammar): what must follow the prefix
+    text: str = ""  # the rendered prompt
 
 
 def tool_schemas(tools: list[dict]) -> dict[str, dict]:
@@ -186,4 +187,4 @@ def build_chat(engine, info: TemplateInfo, messages: list[dict], tools: list[dic
         ms, add_generation_prompt=False, enable_thinking=enable_thinking, tools=tmpl_tools))
     boundary = chat_boundaries(msgs, ids, hist) or None
     return Prepared(ids, boundary, in_reasoning, prefix, bool(use_tools) and not structured,
-                    tool_schemas(use_tools) if use_tools else {}, grammar)
+                    tool_schemas(use_tools) if use_tools else {}, grammar, chat.text)
