@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ...errors import HybridInferError, ParameterError
 from ..protocol.context import default_model_name
-from . import anthropic_api, llama_api, openai_api, responses_api
+from . import anthropic_api, llama_api, openai_api, page, responses_api
 from .errors import ApiError, from_engine
 from .metrics import Metrics
 from .service import DEFAULT_RENDER_THREADS, Service
@@ -28,7 +28,7 @@ LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 LOOPBACK_ORIGINS = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:\d+)?"
 
 _ROUTES = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/messages", "/v1/messages/count_tokens",
-           "/health", "/metrics", "/tokenize", "/detokenize", "/apply-template", "/props", "/v1/responses"}
+           "/health", "/metrics", "/tokenize", "/detokenize", "/apply-template", "/props", "/v1/responses", "/"}
 
 
 def _error_response(request, e: ApiError) -> JSONResponse:
@@ -181,6 +181,8 @@ def create_app(engine, api_key=None, model_name: str | None = None, max_queue: i
     app.include_router(anthropic_api.router(svc), dependencies=deps)
     app.include_router(llama_api.router(svc), dependencies=deps)
     app.include_router(responses_api.router(svc), dependencies=deps)
+
+    page.mount(app)
 
     @app.get("/health")
     async def health():
