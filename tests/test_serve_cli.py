@@ -50,6 +50,10 @@ def test_serve_flags(captured, capsys, monkeypatch):
     err = capsys.readouterr().err
     assert "warning: serving on 0.0.0.0 without an API key" in err and captured["model_name"] == "m"
     assert main(["serve", "--port", "-1"]) == 2
+    assert captured["cors_origins"] is None  # the default: loopback pages for this keyless loopback server
+    assert main(args + ["--cors-origin", "http://a.example,http://b.example", "--cors-origin", "*"]) == 0
+    assert captured["cors_origins"] == ["http://a.example", "http://b.example", "*"]
+    assert main(args + ["--cors-origin", ""]) == 0 and captured["cors_origins"] == []  # none
 
 
 def test_serve_command_answers():
