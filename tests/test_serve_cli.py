@@ -54,6 +54,9 @@ def test_serve_flags(captured, capsys, monkeypatch):
     assert main(args + ["--cors-origin", "http://a.example,http://b.example", "--cors-origin", "*"]) == 0
     assert captured["cors_origins"] == ["http://a.example", "http://b.example", "*"]
     assert main(args + ["--cors-origin", ""]) == 0 and captured["cors_origins"] == []  # none
+    assert captured["pooling"] == "mean"
+    assert main(args + ["--pooling", "last"]) == 0 and captured["pooling"] == "last"
+    assert main(args + ["--pooling", "cls"]) == 2
 
 
 def test_serve_command_answers():

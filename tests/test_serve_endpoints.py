@@ -8,6 +8,7 @@ import os
 import re
 import uuid
 
+import numpy as np
 import pytest
 
 pytestmark = pytest.mark.isa
@@ -143,3 +144,23 @@ def test_cors_origins_named(engine):
         with httpx.Client(base_url=u, timeout=60) as c:
             r = c.options("/v1/messages", headers={"Origin": "https://any.example", **PREFLIGHT})
             assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+
+
+def test_embeddings(oa, http, engine):
+    texts = ["The cat sat on the mat.", "A dog slept on the rug."]
+    r = oa.embeddings.create(model=MODEL, input=texts)  # the client asks for base64
+    assert [d.index for d in r.data] == [0, 1] and r.model == MODEL
+    vecs = np.array([d.embedding for d in r.data])
+    assert vecs.shape == (2, engine.args.n_embd)
+    np.testing.assert_allclose(np.linalg.norm(vecs, axis=1), 1, atol=1e-5)
+    np.testing.assert_array_equal(vecs[0], engine.embed(texts[0]))  # mean-pooled by default
+    again = oa.embeddings.create(model=MODEL, input=texts[0], encoding_format="float")
+    assert again.data[0].embedding == vecs[0].tolist()  # deterministic, and floats as base64 give the same
+    assert r.usage.prompt_tokens == sum(len(engine.tokenize(t)) for t in texts)
+    ids = engine.tokenize(texts[1])
+    by_ids = http.post("/v1/embeddings", json={"model": MODEL, "input": ids}).json()
+    assert by_ids["data"][0]["embedding"] == vecs[1].tolist()
+    for body, where in (({"input": "x", "dimensions": 3}, "dimensions"), ({"input": [[1] * 2000]}, "input[0]"),
+                        ({"input": []}, "input"), ({"input": [10 ** 9]}, "input[0]")):
+        r = http.post("/v1/embeddings", json={"model": MODEL, **body})
+        assert r.status_code == 400 and where in r.json()["error"]["message"], (body, r.text)

@@ -30,7 +30,8 @@ def cmd_serve(a) -> int:
                      max_body_bytes=a.max_body, report_cached_tokens=a.report_cached_tokens,
                      allowed_hosts=LOOPBACK_HOSTS if loopback and not a.no_host_check else None, close_engine=True,
                      cors_origins=None if a.cors_origin is None else [o for v in a.cors_origin for o in v.split(",")
-                                                                       if o.strip()])
+                                                                       if o.strip()],
+                     pooling=a.pooling)
     serve(app, a.host, a.port, a.log_level)
     return 0
 
@@ -63,5 +64,8 @@ def add_serve_parser(sub) -> None:
                    help="a web page origin (http://host:port, or '*') whose scripts may call the server (CORS); "
                         "repeatable or comma-separated; '' for none (default: loopback pages for a keyless server "
                         "on loopback, else '*')")
+    p.add_argument("--pooling", default="mean", choices=["mean", "last"],
+                   help="how /v1/embeddings pools an input's final hidden states: the mean over its tokens, or the "
+                        "last token's (for last-token embedding models such as Qwen3-Embedding) (default: mean)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(fn=cmd_serve)

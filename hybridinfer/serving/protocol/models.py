@@ -141,6 +141,13 @@ class ResponsesRequest(_Body):
     metadata: dict[str, Any] | None = None
 
 
+class EmbeddingsRequest(_Body):
+    model: str
+    input: str | list[str] | list[Int64] | list[list[Int64]] = Field(max_length=2048)  # OpenAI's bound
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = _count(None, 1)
+
+
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[Int64] | list[list[Int64]]
     echo: bool | None = None

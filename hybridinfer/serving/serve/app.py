@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ...errors import HybridInferError, ParameterError
 from ..protocol.context import default_model_name
-from . import anthropic_api, llama_api, openai_api, page, responses_api
+from . import anthropic_api, embeddings_api, llama_api, openai_api, page, responses_api
 from .errors import ApiError, from_engine
 from .metrics import Metrics
 from .service import DEFAULT_RENDER_THREADS, Service
@@ -28,7 +28,8 @@ LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 LOOPBACK_ORIGINS = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:\d+)?"
 
 _ROUTES = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/messages", "/v1/messages/count_tokens",
-           "/health", "/metrics", "/tokenize", "/detokenize", "/apply-template", "/props", "/v1/responses", "/"}
+           "/health", "/metrics", "/tokenize", "/detokenize", "/apply-template", "/props", "/v1/responses",
+           "/v1/embeddings", "/"}
 
 
 def _error_response(request, e: ApiError) -> JSONResponse:
@@ -123,7 +124,7 @@ def _tenant(key: bytes) -> str:
 def create_app(engine, api_key=None, model_name: str | None = None, max_queue: int = DEFAULT_MAX_QUEUE,
                max_body_bytes: int = DEFAULT_MAX_BODY, *, report_cached_tokens: bool = False,
                allowed_hosts=LOOPBACK_HOSTS, render_threads: int = DEFAULT_RENDER_THREADS,
-               close_engine: bool = False, cors_origins=None) -> FastAPI:
+               close_engine: bool = False, cors_origins=None, pooling: str = "mean") -> FastAPI:
     """An app serving `engine` (its scheduler runs every request).
 
     api_key: a key (or a list of keys) required on every route but /health (`Authorization: Bearer KEY` or
@@ -140,9 +141,12 @@ def create_app(engine, api_key=None, model_name: str | None = None, max_queue: i
     does. cors_origins: the web pages (origins such as "http://localhost:5173", or "*" for any) whose scripts may
     call this server (CORS: preflights answered, Access-Control-Allow-Origin sent); an empty list: none. None (the
     default): pages on loopback origins for a keyless server that checks hosts (no other page may call it), any
-    page ("*", as llama-server) otherwise, where an API key or the network guards it."""
+    page ("*", as llama-server) otherwise, where an API key or the network guards it. pooling: how /v1/embeddings
+    pools an input's hidden states, "mean" or "last" (Engine.embed)."""
     if max_queue < 0:
         raise ValueError(f"max_queue must be >= 0, got {max_queue!r}")
+    if pooling not in ("mean", "last"):
+        raise ValueError(f"pooling must be 'mean' or 'last', got {pooling!r}")
     if render_threads < 1:
         raise ValueError(f"render_threads must be >= 1, got {render_threads!r}")
     keys = [k.encode() for k in check_api_keys(api_key)]
@@ -181,6 +185,7 @@ def create_app(engine, api_key=None, model_name: str | None = None, max_queue: i
     app.include_router(anthropic_api.router(svc), dependencies=deps)
     app.include_router(llama_api.router(svc), dependencies=deps)
     app.include_router(responses_api.router(svc), dependencies=deps)
+    app.include_router(embeddings_api.router(svc, pooling), dependencies=deps)
 
     page.mount(app)
 
