@@ -18,7 +18,9 @@ pytest.importorskip("llguidance")
 openai = pytest.importorskip("openai")
 anthropic = pytest.importorskip("anthropic")
 jsonschema = pytest.importorskip("jsonschema")
+httpx = pytest.importorskip("httpx")
 
+from test_chat_template import QWEN35_TEMPLATE  # noqa: E402
 from test_serve_api import MODEL, running  # noqa: E402
 
 from hybridinfer.engine.api import Engine  # noqa: E402
@@ -107,3 +109,38 @@ def test_forced_unknown_tool_is_400(oa, an):
     # the server goes on serving
     r = oa.chat.completions.create(model=MODEL, messages=PROSE, max_tokens=4, temperature=0)
     assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_anthropic_streamed(an):
+    with an.messages.stream(model=MODEL, messages=PROSE, tools=A_TOOLS, tool_choice={"type": "any"}, max_tokens=96,
+                            extra_body={"temperature": 0.8, "seed": 9}) as st:
+        final = st.get_final_message()
+    uses = [b for b in final.content if b.type == "tool_use"]
+    assert final.stop_reason == "tool_use" and len(uses) == 1
+    _valid(uses[0].name, uses[0].input)
+
+
+def test_qwen35_xml_form(smollm_path):
+    """SmolLM2 under Qwen3.5's template (ChatML too, with tools in its own words and the XML call form): a forced
+    call comes in the XML form, its values typed by the schema (text, integers, booleans), through the thinking
+    block the template opens (closed for a forced call)."""
+    eng = Engine.load(smollm_path, backend="cpu", n_ctx=2048, max_seqs=2, chat_template=QWEN35_TEMPLATE,
+                      isa=os.environ.get("HYBRIDINFER_ISA"))
+    try:
+        with running(create_app(eng, model_name=MODEL)) as u:
+            oa = openai.OpenAI(base_url=u + "/v1", api_key="none", max_retries=0, timeout=120)
+            named = {"type": "function", "function": {"name": "set_alarm"}}
+            prompt = httpx.post(u + "/apply-template", timeout=60, json={
+                "messages": PROSE, "tools": TOOLS, "tool_choice": named}).json()["prompt"]
+            assert prompt.endswith("</think>\n\n<tool_call>\n<function=set_alarm>\n"), prompt[-80:]  # the XML form
+            for choice, want in (("required", None), ({"type": "function", "function": {"name": "set_alarm"}},
+                                                      "set_alarm")):
+                r = oa.chat.completions.create(model=MODEL, messages=PROSE, tools=TOOLS, tool_choice=choice,
+                                               max_tokens=96, temperature=0.8, seed=11)
+                c = r.choices[0]
+                assert c.finish_reason == "tool_calls", c
+                (call,) = c.message.tool_calls
+                assert want is None or call.function.name == want
+                _valid(call.function.name, json.loads(call.function.arguments))
+    finally:
+        eng.close()
