@@ -140,6 +140,12 @@ def test_cors_origins_named(engine):
             assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
             r = c.get("/v1/models", headers={"Origin": "https://ui.example", "Authorization": "Bearer k"})
             assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://ui.example"
+    with running(create_app(engine, model_name=MODEL, cors_origins=["https://ui.example"])) as u:
+        with httpx.Client(base_url=u, timeout=60) as c:  # keyless on loopback: a page named is let past the guard
+            r = c.options("/v1/models", headers={"Origin": "https://ui.example", **PREFLIGHT})
+            assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://ui.example"
+            assert c.get("/v1/models", headers={"Origin": "https://ui.example"}).status_code == 200
+            assert c.get("/v1/models", headers={"Origin": "https://evil.example"}).status_code == 403
     with running(create_app(engine, model_name=MODEL, api_key="k")) as u:  # with a key: any page, as llama-server
         with httpx.Client(base_url=u, timeout=60) as c:
             r = c.options("/v1/messages", headers={"Origin": "https://any.example", **PREFLIGHT})
