@@ -76,6 +76,7 @@ def test_apply_template_and_props(http, engine):
     props = http.get("/props").json()
     assert props["default_generation_settings"]["n_ctx"] == engine.n_ctx == 1024
     assert props["total_slots"] == 4 and props["model_alias"] == MODEL
+    assert props["default_generation_settings"]["params"]["temperature"] == engine.make_request("x").params.temperature
     assert "im_start" in props["chat_template"] and props["modalities"] == {"vision": False, "audio": False}
 
 

@@ -4,6 +4,8 @@ server's settings). Each runs in the render pool under a slot of its own, bounde
 
 from __future__ import annotations
 
+import inspect
+
 from fastapi import APIRouter, Request
 
 from ... import __version__
@@ -14,9 +16,14 @@ from ..protocol.openai import chat_messages
 from ..protocol.prompt import build_chat, check_text_fits, normalize_tool_choice
 from .service import Service
 
-# what a request that sets no sampling field gets (Engine.make_request's defaults)
-DEFAULT_SAMPLING = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repeat_penalty": 1.0,
-                    "presence_penalty": 0.0, "frequency_penalty": 0.0}
+_SAMPLING = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repeat_penalty", "presence_penalty",
+             "frequency_penalty")
+
+
+def default_sampling(engine) -> dict:
+    """What a request that sets no sampling field gets: Engine.make_request's own defaults, read from it."""
+    sig = inspect.signature(engine.make_request)
+    return {k: sig.parameters[k].default for k in _SAMPLING if k in sig.parameters}
 
 
 def _piece(tok, t: int):
@@ -82,7 +89,7 @@ def router(svc: Service) -> APIRouter:
         tok = eng.tokenizer
         template = eng.chat_template or eng.gm.meta("tokenizer.chat_template", None) or ""
         return {
-            "default_generation_settings": {"n_ctx": eng.n_ctx, "params": dict(DEFAULT_SAMPLING)},
+            "default_generation_settings": {"n_ctx": eng.n_ctx, "params": default_sampling(eng)},
             "total_slots": eng.max_seqs,
             "model_path": getattr(eng.gm, "path", None),
             "model_alias": svc.model_name,
