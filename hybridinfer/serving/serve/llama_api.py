@@ -16,8 +16,8 @@ from ..protocol.openai import chat_messages
 from ..protocol.prompt import build_chat, check_text_fits, normalize_tool_choice
 from .service import Service
 
-_SAMPLING = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repeat_penalty", "presence_penalty",
-             "frequency_penalty")
+# (max_tokens is not among them: a request without it may generate to the end of the context)
+_SAMPLING = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty")
 
 
 def default_sampling(engine) -> dict:
