@@ -79,6 +79,15 @@ def test_tools_and_previous_response_id(oa):
     (call,) = [o for o in named.output if o.type == "function_call"]
     assert call.name == "get_weather"
     jsonschema.validate(json.loads(call.arguments), SCHEMAS["get_weather"])
+    # streamed, the call comes as its own item: added, its arguments, done
+    events = list(oa.responses.create(model=MODEL, input="Wake me at seven.", tools=TOOLS, tool_choice="required",
+                                      max_output_tokens=64, temperature=0.8, stream=True, extra_body={"seed": 5}))
+    kinds = [e.type for e in events]
+    assert kinds[-1] == "response.completed" and "response.function_call_arguments.done" in kinds
+    (args_done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
+    (fc,) = [o for o in events[-1].response.output if o.type == "function_call"]
+    assert args_done.arguments == fc.arguments and args_done.item_id == fc.id
+    jsonschema.validate(json.loads(fc.arguments), SCHEMAS[fc.name])
     # the tool's result, continuing the stored conversation: its history is this prompt's prefix
     second = oa.responses.create(model=MODEL, previous_response_id=first.id, tools=TOOLS, max_output_tokens=8,
                                  temperature=0, input=[{"type": "function_call_output", "call_id": calls[0].call_id,
