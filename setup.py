@@ -58,6 +58,8 @@ setup(
     version="0.1.0",
     description="Hybrid MoE (Qwen3.5/3.6) inference for pre-DP4A GPUs and big-RAM hosts",
     packages=find_packages(include=["hybridinfer", "hybridinfer.*"]),
+    # the chat page `hybridinfer serve` answers at / (plain HTML, CSS and JavaScript: nothing to build)
+    package_data={"hybridinfer.serving.serve": ["static/*.html", "static/*.css", "static/*.js"]},
     python_requires=">=3.11",
     install_requires=[
         "numpy>=1.26",
@@ -83,7 +85,8 @@ setup(
         # `hybridinfer batch --ray`: shards as Ray actors (about 240 MB, so not in batch)
         "ray": ["pydantic>=2.5", "llguidance>=0.7", "ray>=2.9"],
         # nvidia-cuda-nvcc-cu11: CUDA 11.8's ptxas for tests/test_ptxas.py (skipped without it)
-        "test": ["pytest", "ruff",
+        # jsonschema: forced tool calls' arguments validated; selenium: the chat page driven in Debian's chromium
+        "test": ["pytest", "ruff", "jsonschema", "selenium",
                  "nvidia-cuda-nvcc-cu11==11.8.89; platform_system == 'Linux' and platform_machine == 'x86_64'"],
         "oracles": ["transformers", "llama-cpp-python", "torch"],
     },

@@ -89,7 +89,7 @@ def test_bodies_equal_the_servers(engine, tmp_path):
         (MSGS, {"model": MODEL, "max_tokens": 20, "messages": Q, "stop_sequences": ["."], **g}),
         (CHAT, {"model": "gpt-4o", "messages": Q, "max_tokens": 4, **g}),  # any name: the served one answers
         # the server's refusals: the same status and error body
-        (CHAT, {"model": MODEL, "messages": Q, "n": 2}),
+        (CHAT, {"model": MODEL, "messages": Q, "n": 17}),
         (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
         (CHAT, {"model": MODEL, "messages": Q, "max_tokens": "12"}),
         (CHAT, {"model": MODEL, "messages": Q, "frequency_penalty": 3.5}),
@@ -270,3 +270,13 @@ def test_cli_shards_partition_and_ordered(tmp_path, capsys):
     assert main(common + ["-o", str(tmp_path / "x.jsonl"), "--shard", "3/3"]) == 2
     assert main(common + ["-o", str(job)]) == 2  # the input is not an output
     assert main(["batch", str(tmp_path / "missing.jsonl"), "-o", str(tmp_path / "y.jsonl")]) == 2
+
+
+def test_n_choices_refused_in_a_batch(engine, tmp_path):
+    """The server answers n choices as several sequences; a batch line is one, so n > 1 is refused there, naming n."""
+    job, out = tmp_path / "job.jsonl", tmp_path / "out.jsonl"
+    write_job(job, [{"custom_id": "n2", "method": "POST", "url": CHAT,
+                     "body": {"model": MODEL, "messages": Q, "n": 2, "max_tokens": 2}}])
+    run_job(engine, str(job), str(out))
+    (rec,) = read_out(out)
+    assert rec["response"]["status_code"] == 400 and rec["response"]["body"]["error"]["param"] == "n"

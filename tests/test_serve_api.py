@@ -212,7 +212,7 @@ def test_anthropic_messages(engine, an):
 
 def test_live_request_with_tools_does_not_fail(oa, an):
     """SmolLM2's template knows no tools: they go into the system prompt. Whatever the model writes, the answer
-    is well formed (forced calls start it with `<tool_call>`)."""
+    is well formed (forced calls are held to the tools' schemas by a grammar: tests/test_serve_toolchoice.py)."""
     for choice in ("auto", "required", {"type": "function", "function": {"name": "get_weather"}}):
         r = oa.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}],
                                        tools=TOOLS, tool_choice=choice, max_tokens=24, temperature=0)

@@ -53,6 +53,13 @@ def test_serve_flags(captured, capsys, monkeypatch):
     assert main(args + ["--alias", "a", "-a", "b", "--strict-model-name"]) == 0
     assert captured["model_name"] == ["a", "b"] and captured["strict_model_name"] is True
     assert main(["serve", "--port", "-1"]) == 2
+    assert captured["cors_origins"] is None  # the default: loopback pages for this keyless loopback server
+    assert main(args + ["--cors-origin", "http://a.example,http://b.example", "--cors-origin", "*"]) == 0
+    assert captured["cors_origins"] == ["http://a.example", "http://b.example", "*"]
+    assert main(args + ["--cors-origin", ""]) == 0 and captured["cors_origins"] == []  # none
+    assert captured["pooling"] == "mean"
+    assert main(args + ["--pooling", "last"]) == 0 and captured["pooling"] == "last"
+    assert main(args + ["--pooling", "cls"]) == 2
 
 
 def test_serve_command_answers():

@@ -83,7 +83,8 @@ BAD = [
     (CHAT, {"model": MODEL, "messages": Q, "temperature": -1}, 400, "temperature"),
     (CHAT, {"model": MODEL, "messages": Q, "top_p": 0}, 400, "top_p"),
     (CHAT, {"model": MODEL, "messages": Q, "frequency_penalty": 3.5}, 400, "frequency_penalty"),
-    (CHAT, {"model": MODEL, "messages": Q, "n": 2}, 400, "n"),
+    (CHAT, {"model": MODEL, "messages": Q, "n": 17}, 400, "n"),  # past MAX_N choices
+    (COMP, {"model": MODEL, "prompt": "x", "n": 2}, 400, "n"),  # one choice per completion
     (CHAT, {"model": MODEL, "messages": Q, "logprobs": True, "top_logprobs": 50}, 400, "top_logprobs"),
     (CHAT, {"model": MODEL, "messages": Q, "top_logprobs": 2}, 400, "top_logprobs"),
     (CHAT, {"model": MODEL, "messages": Q, "response_format": {"type": "json_schema", "json_schema": {

@@ -38,6 +38,11 @@ class Backend(ABC):
         """Consume `tokens` from `state`; logits (T, n_vocab), or (1, n_vocab) of the last token. The array may
         be a view of the backend's buffers, valid until its next call."""
 
+    def hidden(self, tokens, state) -> np.ndarray:
+        """Consume `tokens` from `state` as forward does; the final norm's output of every token (what the head
+        reads: the model's embedding of each position), (T, n_embd) float32. For Engine.embed."""
+        raise NotImplementedError(f"the {type(self).__name__} backend computes no hidden states")
+
     def preload(self, progress: bool = False) -> None:
         """Make the weights ready now (with a progress bar) instead of at first use."""
         return None  # nothing to prepare unless a backend says so
@@ -123,6 +128,10 @@ class GPUPrefillCPUDecode(Backend):
 
             return forward_many(self.gpu, prompts)
         return super().prefill_many(prompts)
+
+    def hidden(self, tokens, state) -> np.ndarray:
+        # embeddings are computed by the CPU backend (the card's walk ends in the head), in CPU decode's numerics
+        return self.cpu.hidden(tokens, state)
 
     def forward(self, tokens, state, all_logits: bool = True, snapshot_at=(), on_snapshot=None):
         if len(tokens) >= self.min_gpu_tokens:

@@ -126,6 +126,14 @@ class ReferenceModel(Backend):
     def forward(self, tokens, state: DecoderState, all_logits: bool = True) -> np.ndarray:
         """Consume `tokens` from `state` (advancing it); logits (T, n_vocab), or (1, n_vocab) for the
         last token when all_logits is False. Walks the architecture's description (models/graph.py)."""
+        x = self._walk(tokens, state, all_logits)
+        return self.w.mm(self.head[1], x).astype(np.float32)
+
+    def hidden(self, tokens, state: DecoderState) -> np.ndarray:
+        """The final norm's output of each token (what the head reads), (T, n_embd) float32; advances the state."""
+        return np.asarray(self._walk(tokens, state, True), dtype=np.float32)
+
+    def _walk(self, tokens, state: DecoderState, all_logits: bool) -> np.ndarray:
         ids = check_tokens(tokens, self.args.n_vocab)
         T = len(ids)
         state.check_room(T)
@@ -139,8 +147,7 @@ class ReferenceModel(Backend):
         state.pos += T
         if not all_logits:
             h = h[-1:]
-        x = self.norm(h, self.w(self.head[0]), a.rms_eps)
-        return self.w.mm(self.head[1], x).astype(np.float32)
+        return self.norm(h, self.w(self.head[0]), a.rms_eps)
 
 
     def graph_ops(self, i: int, state: DecoderState, T: int | None = None) -> RefOps:

@@ -39,7 +39,10 @@ def cmd_serve(a) -> int:
 
     app = create_app(_engine(a), api_key=keys, model_name=a.alias or None, strict_model_name=a.strict_model_name,
                      max_queue=a.max_queue, max_body_bytes=a.max_body, report_cached_tokens=a.report_cached_tokens,
-                     allowed_hosts=LOOPBACK_HOSTS if loopback and not a.no_host_check else None, close_engine=True)
+                     allowed_hosts=LOOPBACK_HOSTS if loopback and not a.no_host_check else None, close_engine=True,
+                     cors_origins=None if a.cors_origin is None else [o for v in a.cors_origin for o in v.split(",")
+                                                                       if o.strip()],
+                     pooling=a.pooling)
     serve(app, a.host, a.port, a.log_level)
     return 0
 
@@ -70,6 +73,13 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--no-host-check", action="store_true",
                    help="a keyless server on loopback answers any Host and Origin header (default: only "
                         "localhost, 127.0.0.1 and [::1], against DNS rebinding)")
+    p.add_argument("--cors-origin", action="append", default=None, metavar="ORIGIN",
+                   help="a web page origin (http://host:port, or '*') whose scripts may call the server (CORS); "
+                        "repeatable or comma-separated; '' for none (default: loopback pages for a keyless server "
+                        "on loopback, else '*')")
+    p.add_argument("--pooling", default="mean", choices=["mean", "last"],
+                   help="how /v1/embeddings pools an input's final hidden states: the mean over its tokens, or the "
+                        "last token's (for last-token embedding models such as Qwen3-Embedding) (default: mean)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     env_defaults(p, LLAMA_ENV)
     p.set_defaults(env_hf=(os.environ.get("LLAMA_ARG_HF_REPO") or None, os.environ.get("LLAMA_ARG_HF_FILE") or None))

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..errors import EngineClosed
+from ..errors import ContextLengthError, EngineClosed, ParameterError
 
 # The step's token budget (2026-11-27, 2 cores of an AMD EPYC under a load of ~4.5, so absolute rates are low): one
 # forward of N prompt tokens gave, for N = 16 / 64 / 128 / 256 / 512, SmolLM2-135M Q4_1 36 / 45 / 49 / 46 / 48 tok/s
@@ -244,6 +244,39 @@ class Compute:
         with self.lock:
             if self.backend is not None:
                 self.backend.release(state)
+
+    def hidden_states(self, ids: list[int]) -> np.ndarray:
+        """The final norm's output (what the head reads) of every token of `ids` from a fresh state, (len(ids),
+        n_embd) float32, prefilled in prefill_chunk chunks through Backend.hidden (each row in its one-token float
+        shape on the CPU, so the chunks change nothing); the state is let go after."""
+        with self.lock:
+            be = self._open()
+            state = self.new_state()
+            state.check_room(len(ids))
+            step = self.prefill_chunk
+            try:
+                return np.concatenate([be.hidden(ids[a : a + step], state) for a in range(0, len(ids), step)])
+            finally:
+                be.release(state)
+
+    def embed(self, prompt, pooling: str = "mean", normalize: bool = True) -> np.ndarray:
+        """The embedding of `prompt` (text, tokenized as `tokenize` does, or token ids): its tokens' final hidden
+        states pooled, "mean" over every token or "last" (the last token's, which alone has read the whole
+        prompt: what last-token embedding models such as Qwen3-Embedding are trained for), then scaled to unit
+        length (normalize). (n_embd,) float32. Computed on the caller's thread under the engine's lock, between two
+        scheduler steps, as `logits` is."""
+        if pooling not in ("mean", "last"):
+            raise ParameterError(f"pooling must be 'mean' or 'last', got {pooling!r}")
+        ids = self.tokenize(prompt) if isinstance(prompt, str) else self._check_ids([int(t) for t in prompt])
+        if not ids:
+            raise ParameterError("embed() needs at least one token, got none")
+        if len(ids) > self.n_ctx:
+            raise ContextLengthError(f"{len(ids)} tokens exceed the context size n_ctx={self.n_ctx}")
+        h = self.hidden_states(ids).astype(np.float64)
+        v = h.mean(axis=0) if pooling == "mean" else h[-1]
+        if normalize:
+            v = v / max(float(np.linalg.norm(v)), 1e-12)
+        return v.astype(np.float32)
 
     def start(self, ids: list[int], state, turn_boundary=None, shared_at=()) -> tuple[np.ndarray, dict]:
         """restore, then prefill what is left: (last-token logits, stats) of `ids` in the fresh `state`."""

@@ -357,6 +357,17 @@ class CPUModel(Backend):
             st.pos += 1
         return out
 
+    def hidden(self, tokens, state: DecoderState) -> np.ndarray:
+        """The final norm's output (what the head reads) of each of the T tokens, (T, n_embd) float32, the
+        caller's array; advances the state as forward does (the same walk, stopped before the head)."""
+        ids = check_tokens(tokens, self.args.n_vocab)
+        T = len(ids)
+        state.check_room(T)
+        out = np.array(self._forward(ids, state, self.workspace(max(T, 2), state.n_ctx), True, head=False), copy=True)
+        state.tokens[state.pos : state.pos + T] = ids
+        state.pos += T
+        return out
+
     def forward_many(self, chunks) -> np.ndarray:
         """Several sequences' prompt chunks, each (ids, state), in one pass: their rows share every product (each
         weight, each selected expert read once for all), attention and GDN run per sequence over its own rows.
@@ -408,9 +419,10 @@ class CPUModel(Backend):
         ws.rec.append(f)
         f()
 
-    def _forward(self, ids: np.ndarray, state, ws: Workspace, all_logits: bool = True) -> np.ndarray:
+    def _forward(self, ids: np.ndarray, state, ws: Workspace, all_logits: bool = True, head: bool = True) -> np.ndarray:
         """T tokens of one sequence (`state` a DecoderState), or one token of each of T sequences (a list): the
-        architecture's description (models/graph.py) walked branch by branch, its ops CPUOps'."""
+        architecture's description (models/graph.py) walked branch by branch, its ops CPUOps'. head False: the
+        final norm's output (a view of the workspace) instead of the logits."""
         T = len(ids)
         a = self.args
         h, x = ws.h[:T], ws.x[:T]
@@ -441,7 +453,7 @@ class CPUModel(Backend):
         hs = h if all_logits else h[-1:]
         xs = ws.x[: hs.shape[0]]
         self.call(ws, ("norm", len(self.layers)), "rms_norm", hs, None, self.out_norm, a.rms_eps, xs)
-        return self.mm(self.out, xs, ws.logits, ws)
+        return self.mm(self.out, xs, ws.logits, ws) if head else xs
 
     def graph_ops(self, i: int, state: DecoderState, T: int) -> CPUOps:
         """The op vocabulary over block i for T rows of arbitrary arrays (tests call single ops through it): a

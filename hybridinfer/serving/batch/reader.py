@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from ...errors import CapacityError, HybridInferError
 from ..protocol.context import Context
-from ..protocol.errors import ApiError, from_engine
+from ..protocol.errors import ApiError, from_engine, unsupported
 from .guard import BatchOutputError
 from .inputfile import JobInput, TooLong
 from .jobfile import (
@@ -128,6 +128,8 @@ class Reader(threading.Thread):
                                                        line.custom_id))
         try:
             call = make_call(self.ctx, line)
+            if getattr(call, "n", 1) != 1:  # the server's n choices are several sequences; a batch line is one
+                raise unsupported("n", call.n)
             req = call.build()
             sched = self.ctx.engine.scheduler
             need = sched.request_bytes(req)

@@ -139,7 +139,7 @@ class MessagesCall:
         p = self.prepared = build_chat(ctx.engine, ctx.info, self.messages, self.tools, self.choice, self.thinking,
                                        self.schema is not None)
         req = ctx.make_request(p.ids, self.body.max_tokens, self.sampling, self.body.stop_sequences, p.turn_boundary)
-        return ctx.constrain(req, self.schema)
+        return ctx.constrain(req, self.schema, p)
 
     def parser(self) -> tuple[OutputParser, list]:
         p = self.prepared

@@ -64,12 +64,17 @@ class Context:
 
         return schema_of(response_format)
 
-    def constrain(self, req, schema: dict | None):
-        """Attach the grammar of `schema` to `req` (the scheduler masks its logits each step)."""
+    def constrain(self, req, schema: dict | None, prepared=None):
+        """Attach the grammar of `schema`, or of the forced tool call of `prepared` (a prompt.Prepared), to `req`
+        (the scheduler masks its logits each step)."""
         if schema is not None:
             from .grammar import JsonConstraint
 
             req.constraint = JsonConstraint(self.engine, schema)
+        elif prepared is not None and prepared.grammar is not None:
+            from .grammar import JsonConstraint
+
+            req.constraint = JsonConstraint(self.engine, param="tool_choice", lark=prepared.grammar)
         return req
 
 

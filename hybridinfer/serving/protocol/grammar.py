@@ -84,21 +84,25 @@ def _first_line(error: str) -> str:
 
 
 class JsonConstraint:
-    """One sequence's grammar state. Not thread-safe: the scheduler's worker alone calls it. `limits`: fields of
+    """One sequence's grammar state: a JSON schema's, or (lark) a Lark grammar's in llguidance's dialect (a forced
+    tool call's, protocol.toolgrammar). Not thread-safe: the scheduler's worker alone calls it. `limits`: fields of
     llguidance.LLParserLimits (max_items_in_row, step_lexer_fuel, ...) to use instead of llguidance's defaults."""
 
-    def __init__(self, engine, schema: dict, param: str = "response_format", limits: dict | None = None):
+    def __init__(self, engine, schema: dict | None = None, param: str = "response_format", limits: dict | None = None,
+                 *, lark: str | None = None):
         import llguidance
 
         lt = ll_tokenizer(engine)
+        what = "JSON schema" if lark is None else "tool schema"
         try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema)
+            grammar = (llguidance.LLMatcher.grammar_from_lark(lark) if lark is not None
+                       else llguidance.LLMatcher.grammar_from_json_schema(schema))
         except ValueError as e:
-            raise bad_param(param, f"is not a usable JSON schema: {e}") from None
+            raise bad_param(param, f"is not a usable {what}: {e}") from None
         self.m = llguidance.LLMatcher(lt, grammar, log_level=0,
                                       limits=llguidance.LLParserLimits(**limits) if limits else None)
         if self.m.is_error():
-            raise bad_param(param, f"is not a usable JSON schema: {_first_line(self.m.get_error())}")
+            raise bad_param(param, f"is not a usable {what}: {_first_line(self.m.get_error())}")
         self.param, self.n_tokens = param, 0
         self.n_vocab = engine.args.n_vocab
         self.stops = np.array(sorted(engine.tokenizer.stop_ids), dtype=np.int64)

@@ -102,6 +102,52 @@ class ChatRequest(_Sampling):
     top_logprobs: Int64 | None = None
 
 
+class ApplyTemplateRequest(ChatRequest):
+    """llama-server's /apply-template: a chat body whose model may be left out."""
+
+    model: str | None = None
+
+
+class TokenizeRequest(_Body):
+    content: str
+    add_special: bool = False
+    parse_special: bool = True
+    with_pieces: bool = False
+
+
+class DetokenizeRequest(_Body):
+    tokens: list[Int64] = Field(max_length=1 << 20)
+
+
+class ResponsesRequest(_Body):
+    """OpenAI's /v1/responses body (input items and tools are checked where they are turned into a chat)."""
+
+    model: str
+    input: str | list[dict[str, Any]] = Field(max_length=MAX_MESSAGES)
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    max_output_tokens: int | None = _count(None, 1)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = _count()
+    seed: Int64 | None = None
+    stream: bool = False
+    previous_response_id: str | None = None
+    store: bool = True
+    reasoning: dict[str, Any] | None = None
+    text: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+
+
+class EmbeddingsRequest(_Body):
+    model: str
+    input: str | list[str] | list[Int64] | list[list[Int64]] = Field(max_length=2048)  # OpenAI's bound
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = _count(None, 1)
+
+
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[Int64] | list[list[Int64]]
     echo: bool | None = None

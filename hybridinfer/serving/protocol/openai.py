@@ -3,6 +3,8 @@ assembled. The server's routes and the batch runner both go through these, so a 
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import time
 import uuid
 
@@ -51,9 +53,25 @@ def chat_messages(body: ChatRequest) -> list[dict]:
     return out
 
 
-def _check_common(body) -> None:
-    if body.n not in (None, 1):
-        raise unsupported("n", body.n)
+MAX_N = 16  # choices of one chat request: each is a sequence of its own, holding a slot of the server's queue
+
+
+def fork_request(req, i: int):
+    """Choice `i` of a request of several: the same prompt and settings, its own sampler seed (the request's seed
+    plus i, so a seeded request repeats) and no constraint (the caller attaches a fresh one: a grammar's state is
+    one sequence's)."""
+    r = copy.copy(req)
+    seed = req.params.seed
+    r.params = dataclasses.replace(req.params, seed=None if seed is None else (seed + i) % (1 << 64))
+    r.constraint = None
+    return r
+
+
+def _check_common(body, max_n: int = 1) -> None:
+    if body.n is not None and not 1 <= body.n <= max_n:
+        if max_n == 1:
+            raise unsupported("n", body.n)
+        raise bad_param("n", f"must be from 1 to {max_n}, got {body.n!r}")
     extra = body.model_extra or {}
     # fields that would change the answer if honoured: refused rather than silently ignored
     for name in ("logit_bias", "functions", "function_call", "audio", "prediction"):
@@ -103,7 +121,8 @@ class ChatCall:
 
     def __init__(self, ctx: Context, body: ChatRequest):
         ctx.check_model(body.model)
-        _check_common(body)
+        _check_common(body, MAX_N)
+        self.n = body.n or 1
         if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
             raise bad_param("top_logprobs", f"must be between 0 and 20, got {body.top_logprobs!r}")
         if body.top_logprobs and not body.logprobs:
@@ -133,7 +152,11 @@ class ChatCall:
         p = self.prepared = build_chat(ctx.engine, ctx.info, self.messages, self.tools, self.choice, self.thinking,
                                        self.schema is not None)
         return ctx.constrain(ctx.make_request(p.ids, self.max_tokens, self.sampling, self.body.stop,
-                                              p.turn_boundary), self.schema)
+                                              p.turn_boundary), self.schema, p)
+
+    def fork(self, req, i: int):
+        """Choice i's Request (n > 1), with a grammar of its own where the first has one."""
+        return self.ctx.constrain(fork_request(req, i), self.schema, self.prepared)
 
     def parser(self) -> tuple[OutputParser, list]:
         """The output parser of the built prompt and the events of the assistant text the prompt already holds."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from ...engine.api import chat_boundaries
 from .errors import ApiError, bad_param
 from .toolcalls import MAX_JSON_DEPTH, TooDeep, loads_bounded, value_depth
+from .toolgrammar import call_grammar
 
 _PROBE = "hybridinfer_probe_fn"
 
@@ -44,6 +45,8 @@ class Prepared:
     prefix: str = ""  # assistant text the prompt already holds (a forced tool call's start): parsed, not generated
     tools: bool = False
     schemas: dict[str, dict] = field(default_factory=dict)
+    grammar: str | None = None  # a forced call's Lark grammar (protocol.toolgrammar): what must follow the prefix
+    text: str = ""  # the rendered prompt
 
 
 def tool_schemas(tools: list[dict]) -> dict[str, dict]:
@@ -108,12 +111,13 @@ def _hermes_messages(messages: list[dict], tools: list[dict] | None) -> list[dic
 
 
 def forced_prefix(name: str, tools: list[dict], info: TemplateInfo) -> str:
-    """The start of the assistant turn that makes a call happen: "required" (any tool) or one named tool.
-    Without constrained decoding this is how the choice is enforced: the model continues a call it has begun."""
+    """The start of the assistant turn that makes a call happen: "required" (any tool) or one named tool. The
+    model continues a call it has begun, and toolgrammar.call_grammar holds the rest to a declared tool's schema."""
     if name == "required":
         return "<tool_call>\n"
     if name not in {t["function"]["name"] for t in tools}:
-        raise bad_param("tool_choice", f"names the tool {name!r}, which is not among the tools given")
+        names = ", ".join(repr(t["function"]["name"]) for t in tools)
+        raise bad_param("tool_choice", f"names the tool {name!r}, which is not among the tools given ({names})")
     if info.xml_calls:
         return f"<tool_call>\n<function={name}>\n"
     return '<tool_call>\n{"name": ' + json.dumps(name) + ', "arguments": '
@@ -166,9 +170,11 @@ def build_chat(engine, info: TemplateInfo, messages: list[dict], tools: list[dic
         raise ApiError(400, "this model has no vocabulary: send token ids to /v1/completions", param="messages")
     chat = engine.chat_text(msgs, enable_thinking=enable_thinking, tools=tmpl_tools)
     in_reasoning = chat.text.endswith(("<think>\n", "<think>"))
-    prefix = ""
+    prefix, grammar = "", None
     if use_tools and choice != "auto":
-        prefix = forced_prefix(choice if choice == "required" else choice["name"], use_tools, info)
+        name = None if choice == "required" else choice["name"]
+        prefix = forced_prefix(name or "required", use_tools, info)
+        grammar = call_grammar(use_tools, name, info.xml_calls)
         if in_reasoning:  # a forced call skips the reasoning: close the block as the no-think prompt does
             chat = chat.plus("\n</think>\n\n")
             in_reasoning = False
@@ -181,4 +187,4 @@ def build_chat(engine, info: TemplateInfo, messages: list[dict], tools: list[dic
         ms, add_generation_prompt=False, enable_thinking=enable_thinking, tools=tmpl_tools))
     boundary = chat_boundaries(msgs, ids, hist) or None
     return Prepared(ids, boundary, in_reasoning, prefix, bool(use_tools) and not structured,
-                    tool_schemas(use_tools) if use_tools else {})
+                    tool_schemas(use_tools) if use_tools else {}, grammar, chat.text)

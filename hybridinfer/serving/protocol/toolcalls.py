@@ -132,11 +132,14 @@ class OutputParser:
 
     in_reasoning: the prompt already opened a `<think>` block. tools: look for tool calls at all (off with no
     tools, so a model quoting the tag in prose is left alone). schemas: tool name -> JSON schema of its parameters
-    (types of XML-form values). Whitespace around tool calls and after `</think>` is dropped, as clients show it."""
+    (types of XML-form values); when given, they are the declared tools, and a block that calls any other name is
+    no call: it is left as the text the model wrote (a client never receives a call to a tool it did not declare).
+    Whitespace around tool calls and after `</think>` is dropped, as clients show it."""
 
     def __init__(self, in_reasoning: bool = False, tools: bool = False, schemas: dict[str, dict] | None = None):
         self.mode = "reasoning" if in_reasoning else "start"
         self.tools, self.schemas = tools, schemas or {}
+        self.declared = set(schemas) if schemas else None
         self.buf, self.ws = "", ""  # ws: trailing whitespace held in text mode (it may precede a tool call)
         self.n_calls = 0
         self._strip = False  # drop leading whitespace of the next text (after </think> or </tool_call>)
@@ -155,7 +158,7 @@ class OutputParser:
             if buf:
                 out.append(("reasoning", buf))
         elif self.mode == "tool":
-            calls = parse_tool_call(buf, self.schemas)
+            calls = self._parse(buf)
             if calls:  # a call cut off just before its closing tag (a stop string, EOS) is still a call
                 self._calls(calls, out)
             else:
@@ -196,7 +199,7 @@ class OutputParser:
             if i < 0:
                 return False
             body, self.buf = self.buf[:i], self.buf[i + len(CALL_CLOSE):]
-            calls = parse_tool_call(body, self.schemas)
+            calls = self._parse(body)
             if calls:
                 self._calls(calls, out)
             else:  # not a call after all: the client sees what the model wrote
@@ -218,6 +221,13 @@ class OutputParser:
         self._text(self.buf[: len(self.buf) - keep], out)
         self.buf = self.buf[len(self.buf) - keep:]
         return False
+
+    def _parse(self, body: str) -> list[ToolCall] | None:
+        """The calls of one block, None when it is none or names a tool that was not declared."""
+        calls = parse_tool_call(body, self.schemas)
+        if calls and self.declared is not None and any(c.name not in self.declared for c in calls):
+            return None
+        return calls
 
     def _text(self, s: str, out) -> None:
         if self._strip:

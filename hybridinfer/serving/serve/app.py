@@ -10,13 +10,14 @@ from urllib.parse import urlsplit
 import anyio
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ...errors import HybridInferError, ParameterError
 from ..protocol.context import default_model_name
-from . import anthropic_api, openai_api
+from . import anthropic_api, embeddings_api, llama_api, openai_api, page, responses_api
 from .errors import ApiError, from_engine
 from .metrics import Metrics
 from .service import DEFAULT_RENDER_THREADS, Service
@@ -24,9 +25,11 @@ from .service import DEFAULT_RENDER_THREADS, Service
 DEFAULT_MAX_QUEUE = 64
 DEFAULT_MAX_BODY = 16 << 20  # bytes: long agent histories fit; a runaway upload does not
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+LOOPBACK_ORIGINS = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:\d+)?"
 
 _ROUTES = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/messages", "/v1/messages/count_tokens",
-           "/health", "/metrics"}
+           "/health", "/metrics", "/tokenize", "/detokenize", "/apply-template", "/props", "/v1/responses",
+           "/v1/embeddings", "/"}
 
 
 def _error_response(request, e: ApiError) -> JSONResponse:
@@ -52,8 +55,8 @@ class _HostGuard:
     not a loopback page. A page on evil.example whose name the attacker re-points at 127.0.0.1 reaches this server
     with `Host: evil.example` (and its own Origin); a local client sends its address, and no Origin."""
 
-    def __init__(self, app, hosts: frozenset):
-        self.app, self.hosts = app, hosts
+    def __init__(self, app, hosts: frozenset, origins: frozenset = frozenset()):
+        self.app, self.hosts, self.origins = app, hosts, origins  # origins: pages let in by name (cors_origins)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http":
@@ -67,7 +70,7 @@ class _HostGuard:
                         host = urlsplit(origin).hostname
                     except ValueError:
                         host = None
-                    if host not in self.hosts:
+                    if host not in self.hosts and origin not in self.origins and "*" not in self.origins:
                         bad = f"requests from the web page at {origin!r} are not allowed"
             if bad is not None:
                 e = ApiError(403, f"{bad} (a server without an API key answers only clients that name it as one "
@@ -122,7 +125,7 @@ def create_app(engine, api_key=None, model_name=None, max_queue: int = DEFAULT_M
                max_body_bytes: int = DEFAULT_MAX_BODY, *, strict_model_name: bool = False,
                report_cached_tokens: bool = False,
                allowed_hosts=LOOPBACK_HOSTS, render_threads: int = DEFAULT_RENDER_THREADS,
-               close_engine: bool = False) -> FastAPI:
+               close_engine: bool = False, cors_origins=None, pooling: str = "mean") -> FastAPI:
     """An app serving `engine` (its scheduler runs every request).
 
     api_key: a key (or a list of keys) required on every route but /health (`Authorization: Bearer KEY` or
@@ -138,9 +141,15 @@ def create_app(engine, api_key=None, model_name=None, max_queue: int = DEFAULT_M
     403: a web page the browser was tricked into sending to this loopback server (DNS rebinding) is refused. None
     turns the check off (a server bound to a public address, reached by other names). close_engine: the app owns the
     engine and closes it (`Engine.close`) when the server shuts down (its lifespan's end), as `hybridinfer serve`
-    does."""
+    does. cors_origins: the web pages (origins such as "http://localhost:5173", or "*" for any) whose scripts may
+    call this server (CORS: preflights answered, Access-Control-Allow-Origin sent); an empty list: none. None (the
+    default): pages on loopback origins for a keyless server that checks hosts (no other page may call it), any
+    page ("*", as llama-server) otherwise, where an API key or the network guards it. pooling: how /v1/embeddings
+    pools an input's hidden states, "mean" or "last" (Engine.embed)."""
     if max_queue < 0:
         raise ValueError(f"max_queue must be >= 0, got {max_queue!r}")
+    if pooling not in ("mean", "last"):
+        raise ValueError(f"pooling must be 'mean' or 'last', got {pooling!r}")
     if render_threads < 1:
         raise ValueError(f"render_threads must be >= 1, got {render_threads!r}")
     keys = [k.encode() for k in check_api_keys(api_key)]
@@ -178,6 +187,11 @@ def create_app(engine, api_key=None, model_name=None, max_queue: int = DEFAULT_M
     deps = [Depends(check_key)]
     app.include_router(openai_api.router(svc), dependencies=deps)
     app.include_router(anthropic_api.router(svc), dependencies=deps)
+    app.include_router(llama_api.router(svc), dependencies=deps)
+    app.include_router(responses_api.router(svc), dependencies=deps)
+    app.include_router(embeddings_api.router(svc, pooling), dependencies=deps)
+
+    page.mount(app)
 
     @app.get("/health")
     async def health():
@@ -211,7 +225,18 @@ def create_app(engine, api_key=None, model_name=None, max_queue: int = DEFAULT_M
     async def server_error(request: Request, e: Exception):
         return _error_response(request, ApiError(500, f"internal error: {type(e).__name__}: {e}"))
 
-    if not keys and allowed_hosts is not None:
-        app.add_middleware(_HostGuard, hosts=frozenset(h.lower() for h in allowed_hosts))
+    guarded = not keys and allowed_hosts is not None
+    origins = tuple(cors_origins) if cors_origins is not None else None
+    # the host guard (added last: outside) refuses a page it does not let in, its preflight included; CORS answers
+    # the preflights of the others before any route (an OPTIONS request carries no key)
+    if origins is None and guarded:
+        app.add_middleware(CORSMiddleware, allow_origin_regex=LOOPBACK_ORIGINS, allow_methods=["*"],
+                           allow_headers=["*"])
+    elif origins or origins is None:
+        app.add_middleware(CORSMiddleware, allow_origins=list(origins or ["*"]), allow_methods=["*"],
+                           allow_headers=["*"])
+    if guarded:
+        app.add_middleware(_HostGuard, hosts=frozenset(h.lower() for h in allowed_hosts),
+                           origins=frozenset(origins or ()))
     app.add_middleware(_CountRequests, metrics=metrics)
     return app

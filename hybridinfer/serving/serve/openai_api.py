@@ -3,6 +3,8 @@ hybridinfer.serving.protocol.openai; the streams are HTTP's own)."""
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import APIRouter, Request
 
 from ..protocol.errors import ApiError
@@ -10,7 +12,7 @@ from ..protocol.models import ChatRequest, CompletionRequest
 from ..protocol.openai import FINISH, ChatCall, CompletionCall, chat_logprobs, completion_logprobs, tool_json
 from ..protocol.openai import usage as _usage_of
 from .httpio import dumps, sse
-from .service import Service, collect
+from .service import Jobs, Service, collect
 
 
 def _usage(job) -> dict:
@@ -31,14 +33,18 @@ def router(svc: Service) -> APIRouter:
 
     @r.post("/v1/chat/completions")
     async def chat(request: Request):
-        call, job = await svc.start(request, ChatRequest, ChatCall)
-        parser, first = call.parser()
+        call, jobs = await svc.start_many(request, ChatRequest, ChatCall)
         head, body = call.head(), call.body
         if body.stream:
             usage_on = bool(body.stream_options and body.stream_options.include_usage)
-            lp = _Logprobs(svc.engine, job) if call.n_logprobs is not None else None
-            return sse(_chat_stream(job, parser, first, head, usage_on, call.one_call, lp), job)
-        return call.answer(head, await collect(request, job, parser, first), job.request, job.generation)
+            group = Jobs(jobs)
+            choices = [_chat_choice(j, *call.parser(), head, usage_on, call.one_call,
+                                    _Logprobs(svc.engine, j) if call.n_logprobs is not None else None, i)
+                       for i, j in enumerate(jobs)]
+            return sse(_chat_stream(jobs, choices, head, usage_on), group)
+        events = await asyncio.gather(*(collect(request, j, *call.parser()) for j in jobs))
+        answers = [call.answer(head, ev, j.request, j.generation) for ev, j in zip(events, jobs, strict=True)]
+        return _merged(answers)
 
     @r.post("/v1/completions")
     async def completions(request: Request):
@@ -84,14 +90,72 @@ class _Logprobs:
         return lp
 
 
-async def _chat_stream(job, parser, first, head, usage_on: bool, one_call: bool, lp: _Logprobs | None = None):
+def _merged(answers: list[dict]) -> dict:
+    """One response of several choices' answers: their choices indexed in order, the prompt counted once."""
+    out = answers[0]
+    if len(answers) > 1:
+        out["choices"] = [{**a["choices"][0], "index": i} for i, a in enumerate(answers)]
+        completion = sum(a["usage"]["completion_tokens"] for a in answers)
+        out["usage"] = {**out["usage"], "completion_tokens": completion,
+                        "total_tokens": out["usage"]["prompt_tokens"] + completion}
+    return out
+
+
+async def _merge(streams):
+    """The items of several async iterators as they come (each iterator's own order kept)."""
+    q: asyncio.Queue = asyncio.Queue()
+    end = object()
+
+    async def drain(it):
+        try:
+            async for x in it:
+                await q.put((x, None))
+        except Exception as e:  # noqa: BLE001 - handed to the reader, which ends the stream with it
+            await q.put((None, e))
+        await q.put((end, None))
+
+    tasks = [asyncio.ensure_future(drain(it)) for it in streams]
+    try:
+        left = len(tasks)
+        while left:
+            x, err = await q.get()
+            if err is not None:
+                raise err
+            if x is end:
+                left -= 1
+            else:
+                yield x
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def _chat_stream(jobs, choices, head, usage_on: bool):
+    """Every choice's chunks as they come, then the usage chunk (only when asked for) and [DONE]."""
+    base = {**head, "object": "chat.completion.chunk"}
+    try:
+        async for c in (_merge(choices) if len(choices) > 1 else choices[0]):
+            yield c
+    except Exception as e:  # noqa: BLE001 - the status is sent already: the error goes in the stream
+        yield _error_event(e)
+        yield {"data": "[DONE]"}
+        return
+    if usage_on:
+        usage = _merged([{"choices": [{}], "usage": _usage(j)} for j in jobs])["usage"]
+        yield {"data": dumps({**base, "choices": [], "usage": usage})}
+    yield {"data": "[DONE]"}
+
+
+async def _chat_choice(job, parser, first, head, usage_on: bool, one_call: bool, lp: _Logprobs | None = None,
+                       index: int = 0):
+    """One choice's chunks, from its role to its finish_reason."""
     base = {**head, "object": "chat.completion.chunk"}
     extra = {"usage": None} if usage_on else {}
     n_calls = 0
 
     def chunk(delta: dict, finish=None) -> dict:
         logprobs = lp.chat() if lp is not None and (delta.get("content") or finish) else None
-        return {"data": dumps({**base, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
+        return {"data": dumps({**base, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
                                                      "finish_reason": finish}], **extra})}
 
     def deltas(events):
@@ -106,22 +170,14 @@ async def _chat_stream(job, parser, first, head, usage_on: bool, one_call: bool,
                 n_calls += 1
 
     yield chunk({"role": "assistant", "content": ""})
-    try:
-        for c in deltas(first):
+    for c in deltas(first):
+        yield c
+    async for piece in job.pieces():
+        for c in deltas(parser.feed(piece)):
             yield c
-        async for piece in job.pieces():
-            for c in deltas(parser.feed(piece)):
-                yield c
-        for c in deltas(parser.finish()):
-            yield c
-    except Exception as e:  # noqa: BLE001 - the status is sent already: the error goes in the stream
-        yield _error_event(e)
-        yield {"data": "[DONE]"}
-        return
+    for c in deltas(parser.finish()):
+        yield c
     yield chunk({}, "tool_calls" if n_calls else FINISH[job.generation.finish_reason])
-    if usage_on:
-        yield {"data": dumps({**base, "choices": [], "usage": _usage(job)})}
-    yield {"data": "[DONE]"}
 
 
 async def _completion_stream(job, head, usage_on: bool, lp: _Logprobs | None = None):

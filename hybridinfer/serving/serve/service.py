@@ -111,26 +111,37 @@ class Service(Context):
         """The body read, a slot taken, then in the render pool the body decoded as `model`, `make_call(self,
         body)` (its checks) and its Request built; then submitted: (call, Job). The slot goes with the Job, or back
         at once when anything fails."""
+        call, jobs = await self.start_many(request, model, make_call)
+        return call, jobs[0]
+
+    async def start_many(self, request, model, make_call):
+        """As start, for a call of `call.n` choices (one Request each: `call.fork(req, i)` makes the others, which
+        the scheduler queues together, so with a prefix cache the prompt is prefilled once and the others restore
+        it): (call, [Job]). Each job holds a slot of its own."""
         raw = await self._read(request)
-        slot = self.reserve()
+        slots = [self.reserve()]
         try:
             tenant = getattr(request.state, "tenant", None)
 
             def build():
                 call = make_call(self, self._decode(raw, model))
-                req = call.build()
-                if tenant is not None:
-                    req.cache_salt = tenant  # prefix-cache snapshots of one API key are never another's
-                return call, req
+                reqs = [call.build()]
+                reqs += [call.fork(reqs[0], i) for i in range(1, getattr(call, "n", 1))]
+                for req in reqs:
+                    if tenant is not None:
+                        req.cache_salt = tenant  # prefix-cache snapshots of one API key are never another's
+                return call, reqs
 
-            call, req = await self.run(build)
+            call, reqs = await self.run(build)
+            slots += [self.reserve() for _ in reqs[1:]]
             try:
-                handle = self.scheduler.submit(req)
+                handles = self.scheduler.submit_many(reqs) if len(reqs) > 1 else [self.scheduler.submit(reqs[0])]
             except HybridInferError as e:
                 raise from_engine(e) from None
-            return call, Job(self, handle, req, slot)
+            return call, [Job(self, h, r, s) for h, r, s in zip(handles, reqs, slots, strict=True)]
         except BaseException:
-            slot.release()
+            for s in slots:
+                s.release()
             raise
 
     async def bounded(self, request, model, work):
@@ -142,6 +153,21 @@ class Service(Context):
             return await self.run(lambda: work(self._decode(raw, model)))
         finally:
             slot.release()
+
+
+class Jobs:
+    """The jobs of one answer's choices, as the SSE response takes one job: cancelled together, shut down
+    together."""
+
+    def __init__(self, jobs: list[Job]):
+        self.jobs = jobs
+        self.shutdown = anyio.Event()
+        for j in jobs:
+            j.shutdown = self.shutdown
+
+    def cancel(self) -> None:
+        for j in self.jobs:
+            j.cancel()
 
 
 class Job:
