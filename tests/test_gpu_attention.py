@@ -177,3 +177,39 @@ def test_register_tiled_kernel_gives_the_plain_kernels_bits(ga, monkeypatch, typ
             ka.attention_prefill_kv(ga.to_gpu(q), kc, vc, out, pos0, t, t)
         outs.append(out.get())
     assert np.all(np.isfinite(outs[0])) and np.array_equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("typed", ["f32", "q8_0"])
+@pytest.mark.parametrize("T,pos0,H,H_kv,hd,nseg", [(1, 5000, 4, 2, 256, 5), (40, 100, 4, 2, 64, 8),
+                                                   (3, 2500, 16, 2, 128, 3), (17, 3000, 2, 1, 256, 2)])
+def test_split_over_the_context_joins_to_the_whole(ga, typed, T, pos0, H, H_kv, hd, nseg):
+    """nseg segments of the keys, each block writing its rows' partials, joined by attn_merge: the output of the
+    unsplit call to float rounding and the reference's, also where some segments hold no key a row sees (40 rows
+    after 100 positions in 8 segments of 32 keys: the last three see none) and with the gate (f32)."""
+    from hybridinfer.backends.gpu import k_attention as ka
+    from hybridinfer.format.quant_types import cache_row, cache_type
+
+    rs = np.random.default_rng(T + pos0 + nseg)
+    q, k, v, gate = _inputs(rs, T, pos0, H, H_kv, hd)
+    part = ga.to_gpu(np.full((ka.SPLIT_ROWS, hd + 2), np.nan, np.float32))
+    outs = []
+    for n in (1, nseg):
+        out = ga.to_gpu(np.full((T, H, hd), np.nan, np.float32))
+        if typed == "f32":
+            ka.attention_prefill(ga.to_gpu(q), ga.to_gpu(k), ga.to_gpu(v), out, pos0, gate=ga.to_gpu(gate),
+                                 part=part, nseg=n)
+        else:
+            t = cache_type(typed).id
+            dt, row = cache_row(t, hd)
+            kc = ga.to_gpu(np.zeros((k.shape[0], H_kv, row), dt))
+            vc = ga.to_gpu(np.zeros_like(kc.get()))
+            ka.kv_store(ga.to_gpu(k[: pos0 + T]), ga.to_gpu(v[: pos0 + T]), kc, vc, 0, t, t)
+            ka.attention_prefill_kv(ga.to_gpu(q), kc, vc, out, pos0, t, t, part=part, nseg=n)
+        outs.append(out.get())
+    whole, split = outs
+    assert np.all(np.isfinite(split)) and rel_err(split, whole) < 1e-5
+    if typed == "f32":
+        ref = op.causal_attention(q, k[: pos0 + T], v[: pos0 + T], pos0).reshape(T, H * hd) * op.sigmoid(gate)
+        assert rel_err(split.reshape(T, H * hd), ref) < 1e-4
+    with pytest.raises(KernelArgumentError, match="scratch"):
+        ka.attention_prefill(ga.to_gpu(q), ga.to_gpu(k), ga.to_gpu(v), out, pos0, nseg=2)

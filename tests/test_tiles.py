@@ -143,3 +143,20 @@ def test_compile_line_says_what_was_compiled_and_how_long():
                                      c("moe", "r63", "sm_90", 0.01, True)])
     assert "compiled 2 GPU kernel source(s) for sm_90 (r63" in line and "42.5 s" in line
     assert loader.cache_dir() in line
+
+
+def test_attention_splits_over_the_context_only_where_cards_idle():
+    """k_attention.split_count: a call of few query rows over a long context goes in segments enough to give every
+    multiprocessor about two blocks, each segment at least SPLIT_MIN_KEYS keys, the partials within SPLIT_ROWS; a call
+    with blocks enough, a short context or an unknown card does not split."""
+    from hybridinfer.backends.gpu.k_attention import BQ, SPLIT_MIN_KEYS, SPLIT_ROWS, split_count
+
+    assert split_count(1, 16, 32768, 14) == 2  # one query tile, 16 heads: 16 blocks on a C2075's 14 SMs
+    assert split_count(1, 16, 32768, 132) == 17  # an H200: 264 blocks wanted
+    assert split_count(1, 16, 4000, 132) == 4000 // SPLIT_MIN_KEYS  # segments of at least SPLIT_MIN_KEYS keys
+    assert split_count(200, 16, 32768, 14) == 1  # 208 blocks: every SM busy already
+    assert split_count(1, 16, 2 * SPLIT_MIN_KEYS - 1, 132) == 1  # a short context
+    assert split_count(1, 16, 32768, 0) == 1  # the card unknown
+    for T, H, sms in ((1, 2, 132), (16, 64, 132), (5, 8, 80), (3, 1, 1000)):
+        n = split_count(T, H, 1 << 20, sms)
+        assert n * T * H <= SPLIT_ROWS and (n == 1 or -(-T // BQ) * H < 2 * sms)

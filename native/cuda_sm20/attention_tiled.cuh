@@ -13,6 +13,11 @@
 // Each sum is taken in attn_prefill_body's order (scores over d, the tile's sum and the outputs over keys in
 // order, one rescale a tile) with attn_prefill_body's key tile, so the results are the same bits. Needs hd in {64,
 // 128, 256} (R a multiple of 4).
+//
+// Split over the context (nseg > 1: gridDim.z segments of the keys, for calls of few query rows over a long
+// context, which would leave most multiprocessors idle): each block takes the keys of its segment and writes its
+// rows' unnormalised outputs and (running maximum, sum) to `part`; attn_merge joins the segments as llama.cpp
+// merges split-decode partials. A row may see no key of a segment: its maximum stays -inf, its sum and outputs 0.
 
 #define ATT_RPT 16  // ATT_BQ query rows / 16 threads a row
 
@@ -22,7 +27,8 @@ template <bool TYPED, int HD>
 __device__ __forceinline__ void attn_prefill_tiled_body(const float* __restrict__ q, const void* __restrict__ kc,
                                                         const void* __restrict__ vc, const float* __restrict__ gate,
                                                         float* __restrict__ out, int T, int H, int H_kv, int pos0,
-                                                        float scale, int k_type, int v_type) {
+                                                        float scale, int k_type, int v_type, int nseg,
+                                                        float* __restrict__ part) {
     const int hd = HD, bk = HD == 256 ? 16 : 32;
     extern __shared__ float4 sm4[];
     float* sm = (float*)sm4;
@@ -58,8 +64,13 @@ __device__ __forceinline__ void attn_prefill_tiled_body(const float* __restrict_
 #pragma unroll
     for (int r = 0; r < ATT_RPT; ++r) acc[r] = 0.0f;
 
-    const int nkeys = pos0 + t0 + nq;
-    for (int k0 = 0; k0 < nkeys; k0 += bk) {
+    int kbeg = 0, nkeys = pos0 + t0 + nq;
+    if (nseg > 1) {  // segments of the whole call's keys, whole key tiles each
+        const int seg = ((pos0 + T + nseg - 1) / nseg + bk - 1) / bk * bk;
+        kbeg = blockIdx.z * seg;
+        nkeys = min(nkeys, kbeg + seg);
+    }
+    for (int k0 = kbeg; k0 < nkeys; k0 += bk) {
         const int nk = min(bk, nkeys - k0);
         __syncthreads();  // the last tile's readers of KV and Pt are done
         for (int p = tid; p < bk * hd; p += ATT_THREADS) {
@@ -83,12 +94,13 @@ __device__ __forceinline__ void attn_prefill_tiled_body(const float* __restrict_
         __syncthreads();
         float mx = m;
         for (int j = 0; j < nk; ++j) mx = fmaxf(mx, S[si * ls + j]);
-        const float c = expf(m - mx);  // 0 on the first tile (m = -inf)
+        const float c = mx == -INFINITY ? 1.0f : expf(m - mx);  // 0 on the first seen key's tile (m = -inf)
         m = mx;
 #pragma unroll
         for (int u = 0; u < kpt; ++u) {
             const int j = sj + 16 * u;
-            Pt[j * ATT_BQ + si] = j < nk ? expf(S[si * ls + j] - mx) : 0.0f;
+            const float sv = S[si * ls + j];
+            Pt[j * ATT_BQ + si] = j < nk && sv != -INFINITY ? expf(sv - mx) : 0.0f;
         }
         if (sj == 0) crow[si] = c;
         for (int p = tid; p < bk * hd; p += ATT_THREADS) {  // V over K: every score is taken
@@ -119,6 +131,19 @@ __device__ __forceinline__ void attn_prefill_tiled_body(const float* __restrict_
                 }
         }
     }
+    if (nseg > 1) {  // this segment's partial rows: outputs unnormalised, then (m, l) per row
+        const size_t base = (size_t)blockIdx.z * T;
+        for (int r = 0; r < ATT_RPT; ++r) {
+            const int i = orow + r;
+            if (r < R && i < nq) part[((base + t0 + i) * H + h) * hd + od] = acc[r];
+        }
+        if (sj == 0 && si < nq) {
+            float* ml = part + (size_t)nseg * T * H * hd + ((base + t0 + si) * H + h) * 2;
+            ml[0] = m;
+            ml[1] = l;
+        }
+        return;
+    }
     __syncthreads();
     if (sj == 0) lrow[si] = l;
     __syncthreads();
@@ -139,15 +164,40 @@ __device__ __forceinline__ void attn_prefill_tiled_body(const float* __restrict_
     extern "C" __global__ void attn_prefill_tiled##HDV(const float* __restrict__ q, const float* __restrict__ kc, \
                                                        const float* __restrict__ vc,                             \
                                                        const float* __restrict__ gate, float* __restrict__ out,  \
-                                                       int T, int H, int H_kv, int pos0, float scale) {          \
-        attn_prefill_tiled_body<false, HDV>(q, kc, vc, gate, out, T, H, H_kv, pos0, scale, HI_F32, HI_F32);     \
+                                                       int T, int H, int H_kv, int pos0, float scale, int nseg,  \
+                                                       float* __restrict__ part) {                               \
+        attn_prefill_tiled_body<false, HDV>(q, kc, vc, gate, out, T, H, H_kv, pos0, scale, HI_F32, HI_F32, nseg, \
+                                            part);                                                               \
     }                                                                                                            \
     extern "C" __global__ void attn_prefill_tiled##HDV##_kv(                                                     \
         const float* __restrict__ q, const void* __restrict__ kc, const void* __restrict__ vc,                    \
         const float* __restrict__ gate, float* __restrict__ out, int T, int H, int H_kv, int pos0, float scale,   \
-        int k_type, int v_type) {                                                                                \
-        attn_prefill_tiled_body<true, HDV>(q, kc, vc, gate, out, T, H, H_kv, pos0, scale, k_type, v_type);      \
+        int k_type, int v_type, int nseg, float* __restrict__ part) {                                            \
+        attn_prefill_tiled_body<true, HDV>(q, kc, vc, gate, out, T, H, H_kv, pos0, scale, k_type, v_type, nseg,  \
+                                           part);                                                                \
     }
 ATT_TILED(64)
 ATT_TILED(128)
 ATT_TILED(256)
+
+// the nseg partials of attn_prefill_tiled* joined, one thread per output value (n = T * H * hd): with M the largest
+// segment maximum, out = sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M), segments in order, times sigmoid(gate)
+extern "C" __global__ void attn_merge(const float* __restrict__ part, const float* __restrict__ gate,
+                                      float* __restrict__ out, int n, int hd, int nseg) {
+    for (int p = blockIdx.x * blockDim.x + threadIdx.x; p < n; p += gridDim.x * blockDim.x) {
+        const float* ml = part + (size_t)nseg * n + (size_t)(p / hd) * 2;
+        float M = -INFINITY;
+        for (int s = 0; s < nseg; ++s) M = fmaxf(M, ml[(size_t)s * (n / hd) * 2]);
+        float num = 0.0f, den = 0.0f;
+        for (int s = 0; s < nseg; ++s) {
+            const float ms = ml[(size_t)s * (n / hd) * 2];
+            if (ms == -INFINITY) continue;
+            const float w = expf(ms - M);
+            num = fmaf(part[(size_t)s * n + p], w, num);
+            den = fmaf(ml[(size_t)s * (n / hd) * 2 + 1], w, den);
+        }
+        float o = num / den;
+        if (gate) o *= pf_sigmoid(gate[p]);
+        out[p] = o;
+    }
+}

@@ -19,6 +19,7 @@ from ...models import graph
 from ...models.graph import BlockTensors, block_names
 from ...models.state_kinds import cache_types, kind_of, kv_rotation, layer_arrays
 from ..state import DecoderState
+from . import k_attention as ka
 from . import k_gemm as kgm
 from . import k_moe as km
 from . import loader
@@ -100,7 +101,8 @@ class Buffers:
     def op_attention(a, C: int) -> dict:
         hd, gated = a.head_dim, 2 if a.attn_gate else 1
         return {"qg": ((C, a.n_head * hd * gated), F32), "q": ((C, a.n_head, hd), F32),
-                "k": ((C, a.n_head_kv, hd), F32), "v": ((C, a.n_head_kv, hd), F32), "o": ((C, a.n_head, hd), F32)}
+                "k": ((C, a.n_head_kv, hd), F32), "v": ((C, a.n_head_kv, hd), F32), "o": ((C, a.n_head, hd), F32),
+                "attn_part": ((ka.SPLIT_ROWS, hd + 2), F32)}  # the partials of a call split over the context
 
     @staticmethod
     def op_gdn(a, C: int) -> dict:

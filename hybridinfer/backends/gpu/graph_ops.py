@@ -153,10 +153,10 @@ class GPUOps:
             kc, vc = (kc, vc) if base == 0 else (kc[base:], vc[base:])
             if typed:
                 ka.kv_store(k3[r0:r1], v3[r0:r1], kc, vc, p0, kt, vt, stream=s)
-                ka.attention_prefill_kv(q[r0:r1], kc, vc, o[r0:r1], p0, kt, vt, stream=s)
+                ka.attention_prefill_kv(q[r0:r1], kc, vc, o[r0:r1], p0, kt, vt, stream=s, part=b.attn_part)
             else:
                 ka.kv_append(k3[r0:r1], v3[r0:r1], kc, vc, p0, stream=s)
-                ka.attention_prefill(q[r0:r1], kc, vc, o[r0:r1], p0, stream=s)
+                ka.attention_prefill(q[r0:r1], kc, vc, o[r0:r1], p0, stream=s, part=b.attn_part)
             self._count(p0, r1 - r0)
         ka.fwht(o, rv, stream=s)
         return o.reshape(n, a.n_head * hd)

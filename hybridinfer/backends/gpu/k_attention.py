@@ -31,17 +31,44 @@ def _tiled_smem_floats(hd: int, bk: int) -> int:
 
 
 TILED_HD = (64, 128, 256)  # heads with a register-tiled kernel (attention_tiled.cuh), one kernel each
+SPLIT_ROWS = 4096  # segments x query rows x heads the partials of a call split over the context may hold
+SPLIT_MIN_KEYS = 1024  # keys a segment takes at least
 
 
-def _launch(args: list, T: int, H: int, hd: int, bk: int, typed: bool, stream) -> None:
+def split_count(T: int, H: int, span: int, sms: int) -> int:
+    """Segments of the context an attention call is split into (1: none), a pure rule of its shape and the card's
+    multiprocessors: only where its query tiles x heads would leave most of them idle over a long context (a short
+    prompt after a long history), enough to give each about two blocks, each segment at least SPLIT_MIN_KEYS keys,
+    the partials within SPLIT_ROWS rows."""
+    blocks = -(-T // BQ) * H
+    if sms <= 0 or blocks >= 2 * sms or span < 2 * SPLIT_MIN_KEYS:
+        return 1
+    return max(1, min(-(-2 * sms // blocks), span // SPLIT_MIN_KEYS, SPLIT_ROWS // (T * H)))
+
+
+def _launch(args: list, T: int, H: int, hd: int, bk: int, typed: bool, stream, part, nseg, gate, out) -> None:
     """The register-tiled kernel (the same sums in the same order, with the key tile it fixes for the head: key_tile's)
-    where the head has one, else the plain one (which takes hd and bk)."""
-    if hd in TILED_HD:
-        name, smem = f"attn_prefill_tiled{hd}" + ("_kv" if typed else ""), _tiled_smem_floats(hd, bk) * 4
-        args = [x for j, x in enumerate(args) if j not in (8, 10)]  # hd and bk are the kernel's constants
-    else:
+    where the head has one, split over the context into nseg segments joined by attn_merge where nseg > 1 (None:
+    split_count's, given `part`, a (SPLIT_ROWS, hd + 2) float32 scratch; without it no split); else the plain
+    kernel (which takes hd and bk)."""
+    if hd not in TILED_HD:
         name, smem = "attn_prefill_kv" if typed else "attn_prefill", _smem_floats(hd, bk) * 4
-    loader.launch(FAMILY, name, (loader.grid_for(T, BQ), H), (THREADS,), args, shared=smem, stream=stream)
+        loader.launch(FAMILY, name, (loader.grid_for(T, BQ), H), (THREADS,), args, shared=smem, stream=stream)
+        return
+    if nseg is None:
+        nseg = 1 if part is None else split_count(T, H, int(args[9]) + T, loader.limits().sm_count)
+    if nseg > 1 and (part is None or part.size < nseg * T * H * (hd + 2) or part.dtype != np.float32):
+        raise KernelArgumentError(f"attention: {nseg} segments of {T} rows x {H} heads need a float32 scratch of "
+                                  f"{nseg * T * H * (hd + 2)} values, got {None if part is None else part.size}")
+    name, smem = f"attn_prefill_tiled{hd}" + ("_kv" if typed else ""), _tiled_smem_floats(hd, bk) * 4
+    args = [x for j, x in enumerate(args) if j not in (8, 10)]  # hd and bk are the kernel's constants
+    args += [np.int32(nseg), part.gpudata if nseg > 1 else _NULL]
+    loader.launch(FAMILY, name, (loader.grid_for(T, BQ), H, nseg), (THREADS,), args, shared=smem, stream=stream)
+    if nseg > 1:
+        n = T * H * hd
+        loader.launch(FAMILY, "attn_merge", (min(loader.grid_for(n, THREADS), 4096),), (THREADS,),
+                      [part.gpudata, _NULL if gate is None else gate.gpudata, out.gpudata, np.int32(n), np.int32(hd),
+                       np.int32(nseg)], stream=stream)
 
 
 def key_tile(hd: int) -> int:
@@ -62,7 +89,8 @@ def _attn_shape(q, k_cache, pos0: int) -> tuple[int, int, int, int, int]:
     return T, H, hd, n_ctx, H_kv
 
 
-def attention_prefill(q, k_cache, v_cache, out, pos0: int, gate=None, stream=None) -> None:
+def attention_prefill(q, k_cache, v_cache, out, pos0: int, gate=None, stream=None, part=None,
+                      nseg: int | None = None) -> None:
     """out = causal softmax attention of the T queries at positions pos0..pos0+T-1 over cache rows
     0..pos0+T-1, scale 1/sqrt(hd), times sigmoid(gate) when gate is given.
 
@@ -71,7 +99,7 @@ def attention_prefill(q, k_cache, v_cache, out, pos0: int, gate=None, stream=Non
     v_cache (n_ctx, H_kv, hd) float32
     gate    (T, H*hd) float32 or None
     out     (T, H, hd) float32 (must not alias q)
-    Query head h reads KV head h // (H // H_kv). hd <= 256.
+    Query head h reads KV head h // (H // H_kv). hd <= 256. part, nseg: the split over the context (_launch).
     """
     T, H, hd, n_ctx, H_kv = _attn_shape(q, k_cache, pos0)
     args = [
@@ -84,7 +112,7 @@ def attention_prefill(q, k_cache, v_cache, out, pos0: int, gate=None, stream=Non
     bk = key_tile(hd)
     args += [np.int32(T), np.int32(H), np.int32(H_kv), np.int32(hd), np.int32(pos0), np.int32(bk),
              np.float32(1.0 / np.sqrt(hd))]
-    _launch(args, T, H, hd, bk, False, stream)
+    _launch(args, T, H, hd, bk, False, stream, part, nseg, gate, out)
 
 
 def gate_mul(out, gate, stream=None) -> None:
@@ -130,9 +158,10 @@ def _cache_arg(c, t: int, n_ctx: int, H_kv: int, hd: int, what: str):
     return loader.arg(c, dt, (n_ctx, H_kv, row), what)
 
 
-def attention_prefill_kv(q, k_cache, v_cache, out, pos0: int, k_type: int, v_type: int, stream=None) -> None:
+def attention_prefill_kv(q, k_cache, v_cache, out, pos0: int, k_type: int, v_type: int, stream=None, part=None,
+                         nseg: int | None = None) -> None:
     """attention_prefill over caches of ggml types k_type, v_type (f32, f16, q8_0, q4_0; _cache_arg's shapes), each
-    K / V value taken as its type gives it back (attn_prefill_kv's kv_load)."""
+    K / V value taken as its type gives it back (attn_prefill_kv's kv_load); part, nseg as attention_prefill's."""
     T, H, hd, n_ctx, H_kv = _attn_shape(q, k_cache, pos0)
     bk = key_tile(hd)
     args = [loader.arg(q, np.float32, (T, H, hd), "q"), _cache_arg(k_cache, k_type, n_ctx, H_kv, hd, "k_cache"),
@@ -140,7 +169,7 @@ def attention_prefill_kv(q, k_cache, v_cache, out, pos0: int, k_type: int, v_typ
             loader.arg(out, np.float32, (T, H, hd), "out"), np.int32(T), np.int32(H), np.int32(H_kv),
             np.int32(hd), np.int32(pos0), np.int32(bk), np.float32(1.0 / np.sqrt(hd)), np.int32(k_type),
             np.int32(v_type)]
-    _launch(args, T, H, hd, bk, True, stream)
+    _launch(args, T, H, hd, bk, True, stream, part, nseg, None, out)
 
 
 def kv_store(k_new, v_new, k_cache, v_cache, pos0: int, k_type: int, v_type: int, stream=None) -> None:
