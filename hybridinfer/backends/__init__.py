@@ -55,6 +55,13 @@ class Backend(ABC):
         each chunk, (n, n_vocab), an array that is the caller's. This default runs them one after another."""
         return np.stack([np.array(self.forward(ids, st, all_logits=False)[-1], copy=True) for ids, st in chunks])
 
+    def forward_rows(self, chunks) -> list[np.ndarray]:
+        """The decode path's pass over a few tokens of each of several sequences, each (ids, state) (speculative
+        verify rows): every row's logits, one (len(ids), n_vocab) array per chunk, the caller's; row i equal to what
+        a one-token decode step at that position gives. This default runs them one token at a time."""
+        return [np.stack([np.array(self.forward([t], st, all_logits=False)[-1], copy=True) for t in ids])
+                for ids, st in chunks]
+
     def release(self, state) -> None:  # noqa: B027 (a no-op unless the backend keeps something per state)
         """Forget what the backend keeps for this sequence's state (recorded steps, bound calls), so that its memory
         goes as soon as its owner drops it."""
@@ -89,6 +96,9 @@ class GPUPrefillCPUDecode(Backend):
 
     def decode_batch(self, tokens, states) -> np.ndarray:
         return self.cpu.decode_batch(tokens, states)
+
+    def forward_rows(self, chunks) -> list[np.ndarray]:
+        return self.cpu.forward_rows(chunks)  # verify rows are decode work: the CPU's, as every decode step
 
     @property
     def last_pass(self) -> dict | None:

@@ -63,7 +63,8 @@ def _engine(a, quiet: bool = False):
                       prefix_cache=cache, chat_template=template, max_seqs=a.max_seqs,
                       step_tokens=a.step_tokens, state_budget=a.state_budget or None,
                       special_in_content=getattr(a, "special_in_content", False), cache_type_k=a.cache_type_k,
-                      cache_type_v=a.cache_type_v, cache_rotate=not a.no_cache_rotate, **opts)
+                      cache_type_v=a.cache_type_v, cache_rotate=not a.no_cache_rotate, spec_type=a.spec_type,
+                      draft_max=a.draft_max, **opts)
     note = getattr(eng, "ctx_note", "")
     if note and not quiet:
         print(f"hybridinfer: {note}", file=sys.stderr)

@@ -78,6 +78,8 @@ class _Seq:
     stats: dict = field(default_factory=dict)
     freed: bool = False  # its handle answered and its reservation returned
     restored: bool = False  # its state made and its cached prefix restored (Engine.restore)
+    pending: int | None = None  # a token sampled at a rejected draft (spec.py): the next one fed, not sampled again
+    spec: object = None  # its drafting (spec.SeqSpec)
 
 
 class Scheduler:
@@ -394,6 +396,9 @@ class Scheduler:
         is kept for the decode step."""
         if len(s.handle.generation.tokens) >= s.handle.request.max_tokens:
             return False
+        if s.pending is not None:
+            s.next_tok, s.pending = s.pending, None
+            return True
         t, piece, ended = s.sampler(s.logits, s.state)
         s.handle._put(piece)
         if ended:
@@ -406,10 +411,16 @@ class Scheduler:
         failed (each then gets the error: it is theirs together)."""
         if not go:
             return go
+        spec = self.engine.spec
+        drafts = spec.drafts(go) if spec is not None else None
+        if drafts is not None and any(drafts):  # drafts to check: a verify step (its rows decode the others too)
+            return spec.verify(self, go, drafts)
         try:
             t0 = time.perf_counter()
             lg = self.engine.decode_step([s.next_tok for s in go], [s.state for s in go])
             self._decode_s = ema(self._decode_s, time.perf_counter() - t0)
+            if spec is not None:
+                spec.timed(len(go), time.perf_counter() - t0)
         except Exception as e:  # noqa: BLE001
             for s in go:
                 self._fail(s, e)

@@ -378,6 +378,28 @@ class CPUModel(Backend):
             st.pos += len(ids)
         return out
 
+    def forward_rows(self, chunks) -> list[np.ndarray]:
+        """A few tokens of each of several sequences (speculative verify rows), each (ids, state), in one pass as
+        forward_many runs them, every row's logits kept: one (len(ids), n_vocab) array per chunk, the caller's. Every
+        row is in its one-token float shape (SHAPE), so row i is bit-identical to a decode step at that position."""
+        if len(chunks) == 1:
+            ids, st = chunks[0]
+            return [np.array(self.forward(ids, st, all_logits=True), copy=True)]
+        if len({id(st) for _, st in chunks}) != len(chunks):
+            raise ValueError("forward_rows takes one chunk per distinct state")
+        parts = [check_tokens(ids, self.args.n_vocab) for ids, _ in chunks]
+        segs, a0 = [], 0
+        for ids, (_, st) in zip(parts, chunks, strict=True):
+            st.check_room(len(ids))
+            segs.append((st, a0, a0 + len(ids)))
+            a0 += len(ids)
+        ws = self.workspace(max(a0, 2), max(st.n_ctx for st, _, _ in segs))
+        out = self._forward(np.concatenate(parts), Segments(segs), ws, all_logits=True)
+        for ids, (st, _, _) in zip(parts, segs, strict=True):
+            st.tokens[st.pos : st.pos + len(ids)] = ids
+            st.pos += len(ids)
+        return [np.array(out[a:b], copy=True) for _, a, b in segs]
+
     def close(self) -> None:
         """Work buffers, recorded steps, weight copies and the C thread pool go now (the mapped file goes with the
         last view of it)."""
