@@ -100,31 +100,33 @@ def test_sampled_with_drafts_equals_sampled_without(model, arch):
         assert 0 < eng.spec.accepted < eng.spec.drafted
 
 
-@pytest.mark.parametrize("arch", ["qwen35", "qwen35moe"])
-def test_rollback_leaves_the_state_of_never_having_seen_the_drafts(model, arch):
-    with _engine(path := model(arch)) as eng:
+@pytest.mark.parametrize("arch,backend", [("qwen35", "cpu"), ("qwen35moe", "cpu"), ("qwen35", "reference")])
+def test_rollback_leaves_the_state_of_never_having_seen_the_drafts(model, arch, backend):
+    """The CPU keeps each GDN call's inputs and runs the GDN layers again over the kept rows; the reference (the
+    backends' default, row by row) keeps a copy after each row. Either way: the no-draft state, bit for bit."""
+    path = model(arch)
+    eng = Engine.load(path, backend=backend, n_ctx=64, **({} if backend == "reference" else
+                                                          dict(isa=ISA, n_threads=2)))
+    with eng:
         prompt = _prompts(eng.args.n_vocab)[1]
-        plain, spec = eng.new_state(), eng.new_state()
-        for st in (plain, spec):
+        plain, spec, again = eng.new_state(), eng.new_state(), eng.new_state()
+        for st in (plain, spec, again):
             eng.prefill(prompt, st)
         t0, t1, bad = 7, 11, [13, 17]
         for t in (t0, t1):
             eng.decode_step([t], [plain])
-        saved = sp.recurrent_copy(spec)
-        assert saved is not None  # GDN layers: there is recurrent state to roll back
-        rows = eng.verify_rows([([t0, t1, *bad], spec)])[0]
-        assert rows.shape == (4, eng.args.n_vocab)
-        sp.put_back(spec, saved, len(prompt))
-        eng.rerun([([t0, t1], spec)])
+        (rows,), (undo,) = eng.verify_rows([([t0, t1, *bad], spec)])
+        assert rows.shape == (4, eng.args.n_vocab) and undo.saved  # GDN layers: recurrent state to roll back
+        assert spec.pos == len(prompt) + 4
+        undo(2)  # t0 and t1 accepted, the two drafts after them rejected
         assert spec.pos == plain.pos == len(prompt) + 2
         assert np.array_equal(spec.token_ids, plain.token_ids)
         for (s, i, a), (_, _, b) in zip(spec.held(False), plain.held(False), strict=True):
             assert np.array_equal(a, b), (s.name, i)
         for (s, i, a), (_, _, b) in zip(spec.held(True), plain.held(True), strict=True):
             assert np.array_equal(a[: spec.pos], b[: plain.pos]), (s.name, i)
-        # and the verify's rows were the one-token decode's logits at each position
-        again = eng.new_state()
-        eng.prefill(prompt, again)
+        # the state goes on as the plain one does, and the verify's rows were the one-token decode's logits
+        assert np.array_equal(eng.decode_step([5], [spec]), eng.decode_step([5], [plain]))
         for j, t in enumerate([t0, t1, *bad]):
             assert np.array_equal(eng.decode_step([t], [again])[0], rows[j]), (path, j)
 

@@ -466,6 +466,8 @@ class Scheduler:
         g.timings = {**s.stats, "prefill_s": s.t1 - s.t0, "decode_s": t2 - s.t1,
                      "prompt_tok_per_s": len(s.handle.request.ids) / max(s.t1 - s.t0, 1e-9),
                      "decode_tok_per_s": n / (t2 - s.t1) if t2 > s.t1 else 0.0}
+        if s.spec is not None:  # llama-server's names for them
+            g.timings.update(draft_n=s.spec.drafted, draft_n_accepted=s.spec.accepted)
 
     def _fail(self, s: _Seq, error: BaseException) -> None:
         """End `s` with `error` (its handle raises it); its state and reserved bytes go now."""

@@ -11,10 +11,10 @@ row in the float shape of a one-token step (docs/numerics.md), so greedy output 
 are the same tokens with drafts and without.
 
 Rollback. A K/V row past the accepted positions is simply never read again (rows >= pos are invalid). A GDN layer's
-recurrent state cannot be cut back: before a verify step the recurrent arrays of each drafting sequence are copied,
-and after a rejection they are put back and the accepted tokens are run again (one more pass of those rows, which
-the CPU computes to the same bits as the first time). Snapshots and the prefix cache only ever see a state after
-this, so they hold accepted positions only.
+recurrent state cannot be cut back: the verify pass copies each sequence's recurrent arrays first and keeps each GDN
+call's inputs (backends/state.RowsUndo), and after a rejection the arrays are put back and the GDN layers alone run
+again over the accepted rows (no product again: the same bits the pass computed there). Snapshots and the prefix
+cache only ever see a state after this, so they hold accepted positions only.
 
 Drafters are found by name in DRAFTERS (`--spec-type`); "mtp" (Qwen3.5/3.6's multi-token-prediction block) is
 named but not built yet, and is refused with a typed error.
@@ -200,42 +200,26 @@ class Speculator:
         the sequences still running (a failed pass fails them all, as a failed decode step does)."""
         eng = sched.engine
         pos0 = [s.state.pos for s in go]
-        saved = [recurrent_copy(s.state) if d else None for s, d in zip(go, drafts, strict=True)]
         try:
             t0 = time.perf_counter()
-            rows = eng.verify_rows([([s.next_tok] + d, s.state) for s, d in zip(go, drafts, strict=True)])
+            rows, undos = eng.verify_rows([([s.next_tok] + d, s.state) for s, d in zip(go, drafts, strict=True)])
             self.timed(sum(1 + len(d) for d in drafts), time.perf_counter() - t0)
         except Exception as e:  # noqa: BLE001
             for s in go:
                 sched._fail(s, e)
             return []
-        keep, redo, ended = [], [], []
-        for s, d, r, p0, sv in zip(go, drafts, rows, pos0, saved, strict=True):
+        keep = []
+        for s, d, r, p0, undo in zip(go, drafts, rows, pos0, undos, strict=True):
             try:
                 stop, end = self._accept(s, d, r, p0)
+                undo(1 + stop)  # the state of the accepted rows alone (nothing to do when all were)
             except Exception as e:  # noqa: BLE001 - the sampler, the constraint or the text of this sequence
-                s.state.pos = p0 + 1
                 sched._fail(s, e)
                 continue
-            if stop < len(d):  # rejected drafts: the state goes back to the last accepted position
-                if sv is None:
-                    s.state.pos = p0 + 1 + stop
-                else:
-                    put_back(s.state, sv, p0)
-                    redo.append(([s.next_tok] + d[:stop], s.state))
-            (ended if end else keep).append(s)
-        if redo:
-            try:
-                eng.rerun(redo)
-            except Exception as e:  # noqa: BLE001
-                failed = {id(st) for _, st in redo}
-                for s in keep + ended:
-                    if id(s.state) in failed:
-                        sched._fail(s, e)
-                keep = [s for s in keep if not s.freed]
-                ended = [s for s in ended if not s.freed]
-        for s in ended:
-            sched._end(s)
+            if end:
+                sched._end(s)
+            else:
+                keep.append(s)
         return keep
 
     def _accept(self, s, d: list[int], r: np.ndarray, p0: int) -> tuple[int, bool]:
@@ -269,17 +253,3 @@ class Speculator:
         # a draft after a rejection is not looked at: the estimate takes acc successes in acc + 1 tries
         tries = min(acc + 1, n)
         sp.accept = ema(sp.accept, acc / tries, 0.8)
-
-
-def recurrent_copy(state) -> list[np.ndarray] | None:
-    """Copies of the state's recurrent arrays (None when it keeps none: K/V rows need no copy to roll back)."""
-    held = [a.copy() for _, _, a in state.held(per_token=False)]
-    return held or None
-
-
-def put_back(state, saved: list[np.ndarray], pos: int) -> None:
-    """The recurrent arrays copied by recurrent_copy back in place, the state at `pos` (its K/V rows before it
-    are untouched by a verify step)."""
-    for (_, _, a), b in zip(state.held(per_token=False), saved, strict=True):
-        a[...] = b
-    state.pos = pos

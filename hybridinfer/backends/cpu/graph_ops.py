@@ -19,7 +19,11 @@ SHAPE = GGML_DECODE_ROWS
 
 class Segments(tuple):
     """The sequences of one pass over several prompts' chunks (CPUModel.forward_many): (state, first row, end row)
-    each, in row order. Products run over all rows; attention and GDN per sequence over its rows."""
+    each, in row order. Products run over all rows; attention and GDN per sequence over its rows. keep: None, or
+    keep(state, layer, args) called with each GDN call's arguments before it runs (a speculative verify keeps them
+    to roll the layer's state back to any of its rows: CPUModel.forward_rows)."""
+
+    keep = None
 
 
 class CPUOps:
@@ -122,8 +126,10 @@ class CPUOps:
         tail = (A.ssm_n_k_heads, A.gdn_head_map == "mod", A.rms_eps, y, ws.gdn_scratch)
         if isinstance(st, Segments):
             for s, r0, r1 in st:
-                self._call(("gdn", i), "gdn_layer", u[r0:r1], z[r0:r1], beta[r0:r1], alpha[r0:r1], *w, s.conv[i],
-                           s.ssm[i], *tail[:3], y[r0:r1], ws.gdn_scratch)
+                args = (u[r0:r1], z[r0:r1], beta[r0:r1], alpha[r0:r1], *w, s.conv[i], s.ssm[i], *tail[:3])
+                if st.keep is not None:
+                    st.keep(s, i, args)
+                self._call(("gdn", i), "gdn_layer", *args, y[r0:r1], ws.gdn_scratch)
         elif isinstance(st, list):
             self._call(("gdn", i), "gdn_rows", u, z, beta, alpha, *w, [s.conv[i] for s in st],
                        [s.ssm[i] for s in st], *tail, arrays=tuple(x for s in st for x in (s.conv[i], s.ssm[i])))
