@@ -144,9 +144,17 @@ class RowsUndo:
     (`snap()`, a backend that runs the rows one at a time) or each GDN call's inputs are kept (`keep(layer, args)`)
     and `again(kept, m)` runs those calls over their first m rows on the restored arrays."""
 
-    def __init__(self, state: DecoderState, n: int, again=None):
+    def __init__(self, state: DecoderState, n: int, again=None, into: list[np.ndarray] | None = None):
+        """into: buffers of the recurrent arrays' shapes to copy them into (a backend reuses them from step to
+        step: fresh pages cost ten times the copy)."""
         self.state, self.n, self.pos0, self.again = state, n, state.pos, again
-        self.saved = [a.copy() for _, _, a in state.held(per_token=False)]
+        held = [a for _, _, a in state.held(per_token=False)]
+        if into is None:
+            self.saved = [a.copy() for a in held]
+        else:
+            self.saved = into
+            for a, b in zip(held, into, strict=True):
+                np.copyto(b, a)
         self.kept: dict[int, tuple] = {}
         self.after: list[list[np.ndarray]] = []
 

@@ -29,7 +29,7 @@ from ...models import graph
 from ...models.graph import BlockTensors, block_names
 from ...models.state_kinds import cache_path, cache_types, kind_of, kv_rotation
 from .. import Backend
-from ..state import DecoderState, RowsUndo, check_tokens
+from ..state import DecoderState, check_tokens
 from .graph_ops import SHAPE, CPUOps, Segments
 from .replay import BatchReplay, DecodeReplay
 from .simd import KERNEL_TYPES, SimdLib
@@ -200,6 +200,7 @@ class CPUModel(Backend):
             self.replicas = make_replicas(simd, [m.raw for m in self.mats], numa.replicas, numa.replica_cpus)
         self._ws: dict[tuple[int, int], Workspace] = {}
         self.shared_scratch: dict = {}
+        self.undo_buffers: dict[int, list[np.ndarray]] = {}  # per state: cpu/verify.py
 
     @property
     def numeric_path(self) -> str:
@@ -379,55 +380,25 @@ class CPUModel(Backend):
         return out
 
     def forward_rows(self, chunks, undo: bool = False):
-        """A few tokens of each of several sequences (speculative verify rows), each (ids, state), in one pass as
-        forward_many runs them, every row's logits kept: one (len(ids), n_vocab) array per chunk, the caller's. Every
-        row is in its one-token float shape (SHAPE), so row i is bit-identical to a decode step at that position.
-        undo: also one RowsUndo per chunk, which puts its state back to after any number of its rows: the recurrent
-        arrays copied before the pass and each GDN call's inputs kept, so going back runs the GDN layers alone over
-        the rows kept (the same bits as the pass computed there), no product again."""
-        if len({id(st) for _, st in chunks}) != len(chunks):
-            raise ValueError("forward_rows takes one chunk per distinct state")
-        parts = [check_tokens(ids, self.args.n_vocab) for ids, _ in chunks]
-        rows, a0 = [], 0
-        for ids, (_, st) in zip(parts, chunks, strict=True):
-            st.check_room(len(ids))
-            rows.append((st, a0, a0 + len(ids)))
-            a0 += len(ids)
-        segs = Segments(rows)
-        undos = [RowsUndo(st, b - a, self._gdn_again) for st, a, b in rows] if undo else None
-        if undo:
-            mine = {id(u.state): u for u in undos}
-            segs.keep = lambda st, i, args: mine[id(st)].keep(i, args)
-        ws = self.workspace(max(a0, 2), max(st.n_ctx for st, _, _ in rows))
-        out = self._forward(np.concatenate(parts), segs, ws, all_logits=True)
-        for ids, (st, _, _) in zip(parts, rows, strict=True):
-            st.tokens[st.pos : st.pos + len(ids)] = ids
-            st.pos += len(ids)
-        got = [np.array(out[a:b], copy=True) for _, a, b in rows]
-        return (got, undos) if undo else got
+        """Speculative verify rows of several sequences in one pass, every row's logits (and with `undo` a RowsUndo
+        each): cpu/verify.py."""
+        from .verify import forward_rows
 
-    def _gdn_again(self, kept: dict, n: int) -> None:
-        """The GDN layers' calls kept by a verify pass, run again over their first n rows on the restored state."""
-        a = self.args
-        y = np.empty((n, a.ssm_n_v_heads * a.ssm_d_v), np.float32)
-        key = ("gdn-again", n)
-        if key not in self.shared_scratch:
-            self.shared_scratch[key] = _zeros(gdn_scratch_size(a.ssm_conv_channels, a.ssm_n_v_heads, a.ssm_d_v,
-                                                               min(n, 16)))
-        for args in kept.values():
-            self.simd.gdn_layer(*(x[:n] for x in args[:4]), *args[4:], y, self.shared_scratch[key])
+        return forward_rows(self, chunks, undo)
 
     def close(self) -> None:
         """Work buffers, recorded steps, weight copies and the C thread pool go now (the mapped file goes with the
         last view of it)."""
         self._ws.clear()
         self.shared_scratch.clear()
+        self.undo_buffers.clear()
         self.layers, self.mats, self.replicas, self.out, self.tok_embd = [], [], None, None, None
         self.simd.close()
 
     def release(self, state: DecoderState) -> None:
         """Drop the recorded steps and bound calls that hold this state's arrays (a finished sequence's memory
         goes with it, not when its replay would be pushed out)."""
+        self.undo_buffers.pop(id(state), None)
         mine = {id(a) for a in DecodeReplay._arrays(state)}
         for ws in self._ws.values():
             for k in [k for k, p in ws.replays.items() if p.holds(mine)]:
