@@ -52,3 +52,27 @@ def test_server_counts_drafts_and_answers_the_same(smollm_path):
     drafted = float(re.search(r"^hybridinfer_draft_tokens_total (\S+)$", metrics, re.M).group(1))
     accepted = float(re.search(r"^hybridinfer_draft_tokens_accepted_total (\S+)$", metrics, re.M).group(1))
     assert drafted > 0 and 0 < accepted <= drafted, (drafted, accepted)
+
+
+def test_bench_spec_reports_every_row_lossless(tmp_path):
+    from hybridinfer.tools.synth import synth_model
+
+    path = str(tmp_path / "q.gguf")
+    synth_model(path, "qwen35", dict(n_embd=256, n_layer=2, n_head=4, n_head_kv=2, head_dim=64, n_ff=512,
+                                     n_vocab=512, ssm_d_state=64, ssm_n_group=2, ssm_dt_rank=4), "q8_0", seed=3)
+    r = _cli("bench", "spec", "-m", path, "-t", "2", "-n", "10", "-p", "6", "--draft-max", "1,2",
+             "--acceptance", "0,1", "-r", "1", "--out-dir", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    import json
+
+    res = json.loads((tmp_path / "spec-q-t2.json").read_text())
+    assert [(row["k"], row["acceptance"]) for row in res["rows"]] == [(1, 0.0), (1, 1.0), (2, 0.0), (2, 1.0),
+                                                                      ("auto<=2", 0.0), ("auto<=2", 1.0)]
+    assert all(row["same_tokens"] for row in res["rows"])
+    full = [row for row in res["rows"] if row["acceptance"] == 1.0 and row["k"] != "auto<=2"]
+    assert all(row["seen"] == 1.0 for row in full)  # every draft of the known continuation accepted
+    assert all(row["seen"] == 0.0 for row in res["rows"] if row["acceptance"] == 0.0)
+    assert res["costs"]["decode_s"] > 0 and res["costs"]["verify_3_s"] > 0
+    assert "| verify (3 rows, rolled back) |" in r.stdout
+    bad = _cli("bench", "spec", "-m", path, "--acceptance", "1.5")
+    assert bad.returncode != 0 and "--acceptance" in bad.stderr

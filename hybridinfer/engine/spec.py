@@ -233,10 +233,10 @@ class Speculator:
                 return i, True
             t, piece, end = s.sampler(r[i], SimpleNamespace(tokens=s.state.tokens, pos=p0 + 1 + i))
             s.handle._put(piece)
-            if end or t != d[i]:
+            if end or t != d[i]:  # (a draft equal to the token that ends the sequence was right: counted)
                 s.logits = r[i]
                 s.pending = None if end else t
-                self._count(sp, len(d), i)
+                self._count(sp, len(d), i + (t == d[i]))
                 return i, end
             i += 1
         s.logits = r[len(d)]
