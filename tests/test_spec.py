@@ -175,3 +175,50 @@ def test_bad_spec_options_are_refused_by_name(model):
             _engine(path, **kw)
     with pytest.raises(UnsupportedArchitectureError, match="mtp"):
         _engine(path, spec_type="mtp")
+
+
+def test_a_failed_verify_step_fails_its_sequences_and_the_engine_goes_on(model):
+    path = model("qwen35")
+    with _engine(path) as eng:
+        prompts = _prompts(eng.args.n_vocab)
+        want = [g.tokens for g in eng.generate_batch(prompts, max_tokens=N, temperature=0)]
+        eng.spec = sp.Speculator(sp.ScriptedDrafter([p + w for p, w in zip(prompts, want, strict=True)], 1.0), 2,
+                                 adaptive=False)
+        real, calls = eng.backend.forward_rows, []
+
+        def once_broken(chunks, undo=False):
+            calls.append(len(chunks))
+            if len(calls) == 1:
+                raise RuntimeError("verify broke")
+            return real(chunks, undo)
+
+        eng.backend.forward_rows = once_broken
+        hs = [eng.submit(p, max_tokens=N, temperature=0) for p in prompts]
+        errors = []
+        for h in hs:
+            try:
+                h.result(timeout=120)
+            except RuntimeError as e:
+                errors.append(str(e))
+        assert errors and all(e == "verify broke" for e in errors)
+        assert [g.tokens for g in eng.generate_batch(prompts, max_tokens=N, temperature=0)] == want
+        assert eng.scheduler.idle() and len(calls) > 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["qwen35", "qwen35moe"])
+def test_gpu_prefill_then_drafts_gives_the_tokens_without(model, arch):
+    """backend="gpu": prompts prefilled on the card, decode and verify rows on the CPU: the same tokens as that
+    backend gives without drafts, one sequence and many."""
+    path = model(arch)
+    kw = dict(backend="gpu", n_ctx=128, isa=ISA)
+    with Engine.load(path, **kw) as base:
+        prompts = _prompts(base.args.n_vocab)
+        want = [g.tokens for g in base.generate_batch(prompts, max_tokens=N, temperature=0)]
+        one = base.generate(prompts[1], max_tokens=N, temperature=0).tokens
+    with Engine.load(path, **kw) as eng:
+        eng.spec = sp.Speculator(sp.ScriptedDrafter([p + w for p, w in zip(prompts, want, strict=True)], 0.7), 3,
+                                 adaptive=False)
+        assert [g.tokens for g in eng.generate_batch(prompts, max_tokens=N, temperature=0)] == want
+        assert eng.generate(prompts[1], max_tokens=N, temperature=0).tokens == one
+        assert 0 < eng.spec.accepted < eng.spec.drafted
