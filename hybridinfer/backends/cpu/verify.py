@@ -9,6 +9,7 @@ import numpy as np
 
 from ..state import DecoderState, RowsUndo, check_tokens
 from .graph_ops import Segments
+from .replay import DecodeReplay
 from .simd_gdn import gdn_scratch_size
 
 
@@ -21,6 +22,8 @@ def forward_rows(model, chunks, undo: bool = False):
     product again."""
     if len({id(st) for _, st in chunks}) != len(chunks):
         raise ValueError("forward_rows takes one chunk per distinct state")
+    if len(chunks) == 1 and len(chunks[0][0]) > 1:
+        return _one(model, *chunks[0], undo)
     parts = [check_tokens(ids, model.args.n_vocab) for ids, _ in chunks]
     rows, a0 = [], 0
     for ids, (_, st) in zip(parts, chunks, strict=True):
@@ -41,6 +44,38 @@ def forward_rows(model, chunks, undo: bool = False):
         st.pos += len(ids)
     got = [np.array(out[a:b], copy=True) for _, a, b in rows]
     return (got, undos) if undo else got
+
+
+def _one(model, ids, st: DecoderState, undo: bool):
+    """One sequence's verify rows: a pass over a workspace of exactly that many rows whose calls are bound, recorded
+    at the first such step of this state and replayed after (as a decode step is: DecodeReplay), so a verify step
+    costs its native calls and not the Python walk of the model. The GDN layers' inputs are copied as steps of the
+    recording (CPUOps._keep_inputs) for the rollback."""
+    ids = check_tokens(ids, model.args.n_vocab)
+    T = len(ids)
+    st.check_room(T)
+    ws = model.workspace(T, st.n_ctx, verify=True)
+    ws.tok[:] = ids
+    u = RowsUndo(st, T, partial(_gdn_again, model), _buffers(model, st)) if undo else None
+    rp = ws.replays.get(id(st))
+    if rp is not None and rp.valid_for(st):
+        out = rp.run(st)
+    else:
+        ws.rec = []
+        try:
+            out = model._forward(ws.tok, st, ws, all_logits=True)
+            DecodeReplay.keep(ws.replays, model.simd, st, ws.rec, out)
+        finally:
+            ws.rec = None
+    st.tokens[st.pos : st.pos + T] = ids
+    st.pos += T
+    got = [np.array(out[:T], copy=True)]
+    if not undo:
+        return got
+    for i, (bufs, rest) in ws.gdn_keep.items():
+        w, tail = rest[:4], rest[4:]
+        u.kept[i] = (*bufs, *w, st.conv[i], st.ssm[i], *tail)
+    return got, [u]
 
 
 def _buffers(model, st: DecoderState) -> list[np.ndarray]:
