@@ -222,3 +222,23 @@ def test_gpu_prefill_then_drafts_gives_the_tokens_without(model, arch):
         assert [g.tokens for g in eng.generate_batch(prompts, max_tokens=N, temperature=0)] == want
         assert eng.generate(prompts[1], max_tokens=N, temperature=0).tokens == one
         assert 0 < eng.spec.accepted < eng.spec.drafted
+
+
+def test_stop_strings_logprobs_and_max_tokens_end_where_they_do_without_drafts(model):
+    """A sequence that ends inside a verified span (a stop string, max_tokens) ends at the same token, with the
+    same text, finish reason and log-probabilities as without drafts."""
+    path = model("qwen35")
+    with _engine(path) as base:
+        prompt = _prompts(base.args.n_vocab)[0]
+        full = base.generate(prompt, max_tokens=N, temperature=0)
+        stop = base.detokenize(full.tokens[7:9])  # a stop string a few tokens in
+        kw = dict(max_tokens=N, temperature=0, logprobs=2)
+        want = [base.generate(prompt, stop=[stop], **kw), base.generate(prompt, **{**kw, "max_tokens": 6})]
+        assert want[0].finish_reason == "stop" and len(want[0].tokens) < N and want[1].finish_reason == "length"
+    with _engine(path) as eng:
+        eng.spec = sp.Speculator(sp.ScriptedDrafter([prompt + full.tokens], 1.0), 4, adaptive=False)
+        got = [eng.generate(prompt, stop=[stop], **kw), eng.generate(prompt, **{**kw, "max_tokens": 6})]
+        assert eng.spec.accepted > 0
+    for g, w in zip(got, want, strict=True):
+        assert (g.text, g.tokens, g.finish_reason) == (w.text, w.tokens, w.finish_reason)
+        assert g.logprobs == w.logprobs
