@@ -97,7 +97,8 @@ def _print_stats(res, eng) -> None:
     t = res.timings
     line = (f"[prompt {t.get('prompt_tokens', res.prompt_tokens)} tok, reused {t.get('reused_tokens', 0)}, "
             f"prefilled {t.get('prefilled_tokens', res.prompt_tokens)} in {t['prefill_s'] * 1e3:.0f} ms; "
-            f"{len(res.tokens)} generated at {t['decode_tok_per_s']:.1f} tok/s]")
+            f"{len(res.tokens)} generated at {t['decode_tok_per_s']:.1f} tok/s"
+            + (f", drafts accepted {t['draft_n_accepted']}/{t['draft_n']}" if "draft_n" in t else "") + "]")
     print(line, file=sys.stderr)
 
 
