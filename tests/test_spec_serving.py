@@ -78,3 +78,24 @@ def test_bench_spec_reports_every_row_lossless(tmp_path):
     assert "| verify (3 rows, rolled back) |" in r.stdout
     bad = _cli("bench", "spec", "-m", path, "--acceptance", "1.5")
     assert bad.returncode != 0 and "--acceptance" in bad.stderr
+
+
+def test_batch_job_with_ngram_drafts_writes_the_same_answers(tmp_path):
+    import json
+
+    from batch_records import write_job
+
+    from hybridinfer.cli import main
+
+    job = tmp_path / "job.jsonl"
+    write_job(job, [{"custom_id": f"id{i}", "prompt": PROMPT + " " * i, "max_tokens": 16, "temperature": 0}
+                    for i in range(3)])
+    texts = []
+    for spec in ("none", "ngram"):
+        out = tmp_path / f"{spec}.jsonl"
+        args = ["batch", "--backend", "cpu", "--n-ctx", "256", "--prefix-cache-ram", "0", str(job), "-o", str(out),
+                "--progress", "none", "--spec-type", spec, *(["--isa", ISA] if ISA else [])]
+        assert main(args) == 0
+        rows = [json.loads(ln) for ln in out.read_text().splitlines()]
+        texts.append(sorted((r["custom_id"], r["response"]["body"]["choices"][0]["text"]) for r in rows))
+    assert len(texts[0]) == 3 and all(t for _, t in texts[0]) and texts[1] == texts[0]
