@@ -167,6 +167,29 @@ def test_cost_model_backs_off():
     assert sp.best_k(0.5, 4, 64, (0.001, 0.01)) == 0  # compute-bound batch: a row costs as much as a token saves
 
 
+def test_a_sequence_whose_drafts_all_fail_backs_off():
+    """Drafts that are always rejected: the waits double (1, 2, 4, ...), so over 200 steps the sequence drafts on
+    fewer than one step in ten; an accepted draft ends the wait."""
+    from types import SimpleNamespace as NS
+
+    class Always:
+        def propose(self, history, k):
+            return [1] * k
+
+    spec = sp.Speculator(Always(), 3)
+    st = NS(n_ctx=1000, pos=10, tokens=np.zeros(1000, np.int32))
+    seq = NS(spec=None, next_tok=2, state=st, handle=NS(request=NS(max_tokens=500), generation=NS(tokens=[])))
+    drafted = 0
+    for _ in range(200):
+        (d,) = spec.drafts([seq])
+        if d:
+            drafted += 1
+            spec._count(seq.spec, len(d), 0)
+    assert 3 <= drafted < 20, drafted
+    spec._count(seq.spec, 3, 2)
+    assert seq.spec.wait == 0 and spec.drafts([seq])[0]
+
+
 def test_bad_spec_options_are_refused_by_name(model):
     path = model("llama")
     for kw in (dict(spec_type="medusa"), dict(spec_type="ngram", draft_max=0), dict(draft_max=5),

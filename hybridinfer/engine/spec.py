@@ -34,6 +34,7 @@ from .compute import ema
 SPEC_TYPES = ("none", "ngram", "mtp")
 MAX_DRAFT = 4  # --draft-max's range is 1..MAX_DRAFT (the k = 1..4)
 DEFAULT_DRAFT_MAX = 3
+MAX_BACKOFF = 64  # steps a sequence whose drafts are all rejected waits at most before it drafts again
 
 
 class NgramDrafter:
@@ -118,6 +119,8 @@ class SeqSpec:
     accept: float = 0.6  # prior before any verify
     drafted: int = 0
     accepted: int = 0
+    wait: int = 0  # steps left without drafts after a verify that accepted nothing
+    backoff: int = 0  # that wait's length, doubled by each such verify in a row (up to MAX_BACKOFF)
 
 
 @dataclass
@@ -184,6 +187,10 @@ class Speculator:
             left = s.handle.request.max_tokens - len(s.handle.generation.tokens)
             k = best_k(sp.accept, self.draft_max, len(seqs), fit) if self.adaptive else self.draft_max
             k = min(k, left, s.state.n_ctx - s.state.pos - 1)
+            if self.adaptive and sp.wait > 0:  # backing off after wasted drafts: a wasted verify costs a step
+                sp.wait -= 1
+                out.append([])
+                continue
             if k <= 0:
                 sp.accept = ema(sp.accept, 0.6, 0.98)  # unprobed for a while: the prior comes back, a probe follows
                 out.append([])
@@ -253,3 +260,5 @@ class Speculator:
         # a draft after a rejection is not looked at: the estimate takes acc successes in acc + 1 tries
         tries = min(acc + 1, n)
         sp.accept = ema(sp.accept, acc / tries, 0.8)
+        sp.backoff = 0 if acc else min(MAX_BACKOFF, max(1, 2 * sp.backoff))
+        sp.wait = sp.backoff
