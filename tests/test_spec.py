@@ -82,6 +82,20 @@ def test_greedy_with_drafts_equals_greedy_without(model, arch):
         assert base.generate(rep, max_tokens=N, temperature=0).tokens == got
 
 
+@pytest.mark.parametrize("arch", ["qwen35moe", "llama"])
+def test_drafting_and_plain_sequences_in_one_verify_step(model, arch):
+    """Only some sequences have drafts: the others ride in the verify pass with their one token (one-row segments)."""
+    path = model(arch)
+    with _engine(path) as base:
+        prompts = _prompts(base.args.n_vocab)
+        want = [g.tokens for g in base.generate_batch(prompts, max_tokens=N, temperature=0)]
+    with _engine(path) as eng:
+        eng.spec = sp.Speculator(sp.ScriptedDrafter([prompts[0] + want[0], prompts[2] + want[2]], 0.7), 3,
+                                 adaptive=False)
+        assert [g.tokens for g in eng.generate_batch(prompts, max_tokens=N, temperature=0)] == want
+        assert 0 < eng.spec.accepted < eng.spec.drafted
+
+
 @pytest.mark.parametrize("arch", ["qwen35", "llama"])
 def test_sampled_with_drafts_equals_sampled_without(model, arch):
     """Each token is sampled once from the logits of its own position with one draw of the request's generator,
