@@ -1,9 +1,43 @@
 import glob
+import importlib.util
 import os
 import shutil
 
 from setuptools import find_packages, setup
+from setuptools.command.build_ext import build_ext
 from setuptools.command.build_py import build_py
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _build_cache():
+    # loaded by path: a PEP 517 build does not put the project folder on sys.path
+    spec = importlib.util.spec_from_file_location("_hi_build_cache", os.path.join(_HERE, "native", "build_cache.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class CachedBuildExt(build_ext):
+    """build_ext that reuses a native library built before from the same sources, flags and cffi version
+    (native/build_cache.py), so installing an extra does not compile the C library again."""
+
+    def build_extension(self, ext):
+        bc = _build_cache() if os.path.exists(os.path.join(_HERE, "native", "build_cache.py")) else None
+        out = self.get_ext_fullpath(ext.name)
+        if bc is None or not bc.enabled() or self.force:
+            return super().build_extension(ext)
+        import cffi
+
+        key = bc.source_key(ext.name, os.path.basename(out), bc.SOURCES.get(ext.name, [bc.HERE]),
+                            extra=(cffi.__version__,))
+        root = bc.cache_dir()
+        if bc.fetch(key, out, root):
+            print(f"hybridinfer: {ext.name}: unchanged sources, reusing the build cached in {root}")
+            return None
+        super().build_extension(ext)
+        bc.store(key, out, root)
+        return None
 
 
 class BuildPyWithKernels(build_py):
@@ -14,12 +48,12 @@ class BuildPyWithKernels(build_py):
         super().run()
         dst = os.path.join(self.build_lib, "hybridinfer", "_cuda_sm20")
         os.makedirs(dst, exist_ok=True)
-        for f in glob.glob(os.path.join(os.path.dirname(os.path.abspath(__file__)), "native", "cuda_sm20", "*.cu*")):
+        for f in glob.glob(os.path.join(_HERE, "native", "cuda_sm20", "*.cu*")):
             shutil.copy(f, dst)
 
 
 setup(
-    cmdclass={"build_py": BuildPyWithKernels},
+    cmdclass={"build_py": BuildPyWithKernels, "build_ext": CachedBuildExt},
     name="hybridinfer",
     version="0.1.0",
     description="Hybrid MoE (Qwen3.5/3.6) inference for pre-DP4A GPUs and big-RAM hosts",
@@ -34,6 +68,8 @@ setup(
         "tokenizers>=0.20",
         "jinja2>=3.1",
         "tqdm>=4.60",
+        # -hf: models by name from the Hugging Face Hub (its cache, resumable downloads)
+        "huggingface_hub>=0.30",
     ],
     extras_require={
         "gpu": ["pycuda"],
@@ -42,8 +78,10 @@ setup(
         # `hybridinfer serve`: the HTTP server, its metrics and structured output
         "serve": ["fastapi>=0.110", "uvicorn>=0.29", "sse-starlette>=2.1", "pydantic>=2.5",
                   "prometheus-client>=0.20", "llguidance>=0.7"],
-        # `hybridinfer batch`: the request models and structured output it shares with the server; ray for --ray
-        "batch": ["pydantic>=2.5", "llguidance>=0.7", "ray>=2.9"],
+        # `hybridinfer batch`: the request models and structured output it shares with the server
+        "batch": ["pydantic>=2.5", "llguidance>=0.7"],
+        # `hybridinfer batch --ray`: shards as Ray actors (about 240 MB, so not in batch)
+        "ray": ["pydantic>=2.5", "llguidance>=0.7", "ray>=2.9"],
         # nvidia-cuda-nvcc-cu11: CUDA 11.8's ptxas for tests/test_ptxas.py (skipped without it)
         "test": ["pytest", "ruff",
                  "nvidia-cuda-nvcc-cu11==11.8.89; platform_system == 'Linux' and platform_machine == 'x86_64'"],

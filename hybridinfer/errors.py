@@ -84,6 +84,12 @@ class NotRegularFileError(ParameterError):
         self.kind = kind
 
 
+class HubError(HybridInferError):
+    """A model named on the Hugging Face Hub (`-hf REPO[:QUANT|:FILE]`) cannot be had: the repository, the file or
+    the quant does not exist (the message lists what does), or the Hub cannot be reached (or HF_HUB_OFFLINE is set)
+    and the cache does not hold it."""
+
+
 class NonFiniteWeightsError(GGUFError):
     """A tensor of the model holds NaN or infinity (in its float values or a quantized block's scales): the file is
     damaged, and a model run on it would answer with nothing."""

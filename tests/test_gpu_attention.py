@@ -148,3 +148,32 @@ def test_attention_bad_arguments(ga):
         k_attention.attention_prefill(q, ga.zeros((8, 3, 16), np.float32), kc, out, 0)  # H % H_kv
     with pytest.raises(KernelArgumentError):
         k_attention.attention_prefill(q.astype(np.float64), kc, kc, out, 0)
+
+
+@pytest.mark.parametrize("typed", ["f32", "q8_0", "f16"])
+@pytest.mark.parametrize("T,pos0,H,H_kv,hd", [(67, 13, 8, 2, 128), (300, 517, 4, 2, 256), (5, 40, 4, 1, 64),
+                                              (1, 1000, 4, 4, 256), (33, 0, 16, 2, 256)])
+def test_register_tiled_kernel_gives_the_plain_kernels_bits(ga, monkeypatch, typed, T, pos0, H, H_kv, hd):
+    """attention_tiled.cuh holds the same sums in the same order as attn_prefill_body with the same key tile: for the
+    heads it takes (64, 128, 256) its output equals the plain kernel's bit for bit, over f32 and typed caches, with
+    a gate, across query and key tiles, rows past the prompt poisoned."""
+    from hybridinfer.backends.gpu import k_attention as ka
+    from hybridinfer.format.quant_types import cache_row, cache_type
+
+    rs = np.random.default_rng(T + pos0 + hd)
+    q, k, v, gate = _inputs(rs, T, pos0, H, H_kv, hd)
+    outs = []
+    for tiled in (ka.TILED_HD, ()):
+        monkeypatch.setattr(ka, "TILED_HD", tiled)
+        out = ga.to_gpu(np.full((T, H, hd), np.nan, np.float32))
+        if typed == "f32":
+            ka.attention_prefill(ga.to_gpu(q), ga.to_gpu(k), ga.to_gpu(v), out, pos0, gate=ga.to_gpu(gate))
+        else:
+            t = cache_type(typed).id
+            dt, row = cache_row(t, hd)
+            kc = ga.to_gpu(np.zeros((k.shape[0], H_kv, row), dt))
+            vc = ga.to_gpu(np.zeros_like(kc.get()))
+            ka.kv_store(ga.to_gpu(k[: pos0 + T]), ga.to_gpu(v[: pos0 + T]), kc, vc, 0, t, t)
+            ka.attention_prefill_kv(ga.to_gpu(q), kc, vc, out, pos0, t, t)
+        outs.append(out.get())
+    assert np.all(np.isfinite(outs[0])) and np.array_equal(outs[0], outs[1])

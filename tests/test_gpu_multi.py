@@ -26,6 +26,8 @@ def test_plan_groups_fit_the_buffers():
     assert sorted(j for g in groups for j in g) == list(range(6))
     for g in groups:
         assert sum(t for p, t in [[(0, 7), (3, 9), (9, 30), (0, 64), (60, 4), (1, 2)][j] for j in g]) <= 64
+    # K/V streamed (a slot of 256 cached rows, 32 new rows a pass): groups by new rows; a longer prompt alone
+    assert plan_groups([(0, 10), (100, 20), (5, 30), (0, 200), (0, 8)], 256, 32) == [[0, 1], [2], [3], [4]]
 
 
 def _states(eng, rng):

@@ -245,6 +245,12 @@ def test_plan_shows_kv_bytes_a_token_and_the_longest_prompt(capsys, hybrid_args)
     assert f"{size_text(state_bytes(hybrid_args, 0))} of recurrent state a sequence" in f32
     assert re.search(r"^host: .*16\.0 GiB of RAM", f32, re.M) and re.search(r"^GPU pass: .*holds a prompt of", f32,
                                                                              re.M)
+    assert main([*base, "--vram-budget", "2GiB"]) == 0
+    two = capsys.readouterr().out
+    kept = int(re.search(r"budget holds a prompt of (\d+) tokens", two).group(1))
+    streamed = int(re.search(r"^K/V stream: .* in passes of (\d+) tokens: the budget holds a context of (\d+) tokens",
+                             two, re.M).group(2))
+    assert kept * 5 < streamed <= hybrid_args.context_length
     assert main([*base, "-ctk", "q8_0", "-ctv", "q4_0"]) == 0
     q = capsys.readouterr().out
     assert "q8_0 K, q4_0 V:" in q and _kv_line(q) != _kv_line(f32)
@@ -259,6 +265,9 @@ def test_plan_longest_prompts_follow_the_budgets(hybrid_args):
     small = plan_for_card(gm, hybrid_args, "k80", vram_budget=2 << 30, prompts=(64,), ram_bytes=4 << 30).kv
     big = plan_for_card(gm, hybrid_args, "k80", vram_budget=8 << 30, prompts=(64,), ram_bytes=64 << 30).kv
     assert 0 < small.longest_pass < big.longest_pass
+    # a longer context streams its K/V through the card: one layer's rows there instead of six layers'
+    assert small.longest_pass * 5 < small.longest_stream <= small.trained
+    assert small.card_stream_per_token * 6 == small.card_kv_per_token
     assert 0 < small.longest_host < big.longest_host
     per, rec = small.host_per_token, small.recurrent_bytes
     assert rec + small.longest_host * per <= (4 << 30) - small.model_bytes < rec + (small.longest_host + 1) * per
@@ -304,3 +313,60 @@ def test_llama_cpp_gets_the_types_flash_attention_and_rotation(tmp_path):
     assert llama_kv({"cache_type_k": "f32", "cache_type_v": "f32"}, f32=False)[0] == ["-fa", "0"]
     assert measure_llama(str(fake), "m.gguf", 2, 8, 0, kv={"cache_type_k": "f32", "cache_type_v": "f32"}) == 12.5
     assert "-ctk" not in (tmp_path / "argv").read_text()
+
+
+def test_a_pass_too_long_for_its_kv_on_the_card_streams_them(hybrid_args, smol_args):
+    """plan_pass: K/V stay on the card up to what fits there (n_res); a longer context streams them, in passes of as
+    many new rows, and holds about as many times more as the model has attention layers in the same reserve."""
+    from hybridinfer.backends.gpu.backend import FIT_STEP, Buffers, PassPlan, pass_tokens_fitting, plan_pass
+    from hybridinfer.backends.gpu.placement import plan_placement, weights_of
+
+    for gm, a in ((ShapeModel("qwen35", "0.8b", "q4_k_m"), hybrid_args), (None, smol_args)):
+        C, budget = 256, 2 << 30
+        ws = weights_of(gm, a, matrices_only=True) if gm is not None else []
+        res = pass_tokens_fitting(a, C, budget, ws)
+        assert 1000 < res < a.context_length * 8
+        assert plan_pass(a, C, budget, ws, res) == PassPlan(res, res, res)  # fits: never streams
+        assert plan_pass(a, C, budget, ws, 3 * res) == PassPlan(res, res, 3 * res)
+        assert plan_pass(a, C, budget, ws, 3 * res, kv_stream=True) == PassPlan(0, res, 3 * res)
+        assert plan_pass(a, C, budget, ws, res // 2, kv_stream=True) == PassPlan(0, res // 2, res // 2)
+        kept = res // FIT_STEP * FIT_STEP
+        assert plan_pass(a, C, budget, ws, 3 * res, kv_stream=False, fit=True) == PassPlan(kept, kept, kept)
+        p = plan_pass(a, C, budget, ws, 1 << 40, fit=True)
+        most = pass_tokens_fitting(a, C, budget, ws, kv_stream=True, n_rows=res)
+        assert (p.n_res, p.n_rows) == (res, res) and p.n_ctx % FIT_STEP == 0 and most - FIT_STEP < p.n_ctx <= most
+        n_attn = sum(t == "attention" for t in a.layer_types)
+        assert p.n_ctx >= (n_attn - 1) * res  # one layer's K/V on the card instead of n_attn layers'
+        # the reserve is the larger layout, and each fits where pass_tokens_fitting said
+        assert p.reserve(a, C) == max(Buffers.nbytes(a, C, res), Buffers.nbytes(a, C, p.n_ctx, True, res))
+        if gm is not None:
+            plan_placement(ws, budget, p.reserve(a, C))  # no BudgetError
+
+
+def test_no_kv_offload_flag_streams_every_pass(monkeypatch, smollm_path):
+    """-nkvo / --no-kv-offload (llama.cpp's name: K/V kept in host memory) reaches the GPU backend as kv_stream=True
+    on every engine command; without it the backend decides (None)."""
+    import hybridinfer.backends.gpu.backend as gb
+
+    got = []
+
+    class Card:
+        def __init__(self, gm, args, n_ctx, kv_stream=None, **kw):
+            got.append(kv_stream)
+            self.n_ctx, self.vram_budget = n_ctx, 1 << 30
+
+    monkeypatch.setattr(gb, "GPUModel", Card)
+    p = build_parser()
+    for argv in ENGINE_COMMANDS:
+        assert p.parse_args(argv).no_kv_offload is False
+        assert p.parse_args([*argv, "-nkvo"]).no_kv_offload is True
+        assert p.parse_args([*argv, "--no-kv-offload"]).no_kv_offload is True
+    from hybridinfer.cli import _engine as open_engine
+
+    for flag, want in (([], None), (["-nkvo"], True)):
+        eng = open_engine(p.parse_args(["run", "-m", smollm_path, "-p", "x", "--backend", "gpu", "-t", "1", *flag]),
+                          quiet=True)
+        eng.close()
+        assert got[-1] is want
+    with pytest.raises(ParameterError, match="kv_stream must be None, True or False, got 'yes'"):
+        Engine.load(smollm_path, backend="gpu", kv_stream="yes")

@@ -48,7 +48,10 @@ def test_serve_flags(captured, capsys, monkeypatch):
     monkeypatch.delenv("HYBRIDINFER_API_KEY")
     assert main(args + ["--host", "0.0.0.0", "--model-name", "m"]) == 0
     err = capsys.readouterr().err
-    assert "warning: serving on 0.0.0.0 without an API key" in err and captured["model_name"] == "m"
+    assert "warning: serving on 0.0.0.0 without an API key" in err and captured["model_name"] == ["m"]
+    assert captured["strict_model_name"] is False
+    assert main(args + ["--alias", "a", "-a", "b", "--strict-model-name"]) == 0
+    assert captured["model_name"] == ["a", "b"] and captured["strict_model_name"] is True
     assert main(["serve", "--port", "-1"]) == 2
 
 

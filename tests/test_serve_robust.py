@@ -42,7 +42,8 @@ def engine(smollm_path):
 
 @pytest.fixture(scope="module")
 def app(engine):
-    return create_app(engine, model_name=MODEL, max_queue=8, max_body_bytes=64 << 10)
+    # strict: a name other than the served one is a 404 (the default answers any name: test_model_names.py)
+    return create_app(engine, model_name=MODEL, strict_model_name=True, max_queue=8, max_body_bytes=64 << 10)
 
 
 @pytest.fixture(scope="module")

@@ -296,3 +296,49 @@ def test_several_prompts_load_and_save_their_own_recurrent_state(fake_card):
         walker.save_recurrent(fake_card, b, i, pinned[1], None)
         assert np.array_equal(pinned[1][s.name, i], restored.arrays[s.name][i])
         assert np.isnan(pinned[0][s.name, i]).all()
+
+
+@pytest.mark.parametrize("kv", [("f32", "f32"), ("q8_0", "q4_0")])
+def test_streamed_kv_pass_through_one_slot(fake_card, kv):
+    """Buffers kv_stream: no layer keeps K/V on the card, one slot per per-token array takes n_ctx rows and the hidden
+    rows n_rows; kv_up puts each prompt's cached rows of a layer at its base in the slot, kv_down takes the pass's new
+    rows of that layer back into each host state and nothing else."""
+    from hybridinfer.backends.gpu.backend import Buffers
+    from hybridinfer.backends.gpu.handoff import kv_down, kv_up
+    from hybridinfer.models.state_kinds import with_cache_types
+
+    def htod(dst, host, stream=None):
+        dst.a[...] = host
+
+    fake_card.memcpy_htod_async = htod
+    a = next(_args())
+    if a.head_dim % 32:
+        a = replace(a, head_dim=64)
+    a = with_cache_types(a, *kv)
+    b = Buffers(a, 16, 64, kv_stream=True, n_rows=20)
+    assert b.h.shape[0] == 20 and b.pos.shape == (20,)
+    assert not any(ARRAYS[name].per_token for name, _ in b.state) and set(b.slot) == {"k", "v"}
+    assert {k: v.shape for k, v in b.state.items()} == \
+        {(s.name, i): s.full_shape(a, 64) for i, s in layer_arrays(a.layer_types) if not s.per_token}
+    arrays = [x for v in vars(b).values() for x in (v.values() if isinstance(v, dict) else [v])
+              if isinstance(x, FakeArray)]
+    assert sum(x.nbytes for x in arrays) == Buffers.nbytes(a, 16, 64, True, 20) < Buffers.nbytes(a, 16, 64)
+    sts = [_random_state(a, 64, p, seed=10 + p) for p in (7, 0, 5)]
+    prompts = [(sts[0], 0, 4), (sts[1], 11, 6), (sts[2], 17, 3)]  # bases: the cached and new rows before each
+    rng = np.random.default_rng(4)
+    for i, s in layer_arrays(a.layer_types):
+        if not s.per_token:
+            continue
+        assert b.kv(s.name, i) is b.slot[s.name]
+        kv_up(fake_card, b, i, prompts, None)
+        slot = b.slot[s.name].a
+        for st, base, _ in prompts:
+            assert np.array_equal(slot[base : base + st.pos], st.arrays[s.name][i][: st.pos])
+        slot[...] = (rng.standard_normal(slot.shape, dtype=np.float32) if slot.dtype.kind == "f"
+                     else rng.integers(0, 256, slot.shape, dtype=np.uint8))  # the pass writes the rows
+        before = [st.arrays[s.name][i].copy() for st in sts]
+        kv_down(fake_card, b, i, prompts, None)
+        for (st, base, T), old in zip(prompts, before, strict=True):
+            host, p = st.arrays[s.name][i], st.pos
+            assert np.array_equal(host[p : p + T], slot[base + p : base + p + T])
+            assert np.array_equal(host[:p], old[:p]) and np.array_equal(host[p + T :], old[p + T :])

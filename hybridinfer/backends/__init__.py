@@ -156,13 +156,15 @@ class GPUPrefillCPUDecode(Backend):
 _warned = False
 
 
-def make_backend(name: str, gm, args, options: dict, n_ctx: int, fit_n_ctx: bool = False):
+def make_backend(name: str, gm, args, options: dict, n_ctx: int, fit_n_ctx: bool = False, progress: bool = False):
     """The compute backend `name` for a loaded GGUF; pops the options it uses from `options`. fit_n_ctx: a GPU
-    prefill may take fewer than n_ctx tokens a pass, as many as fit its VRAM budget (its n_ctx says)."""
+    prefill may take fewer than n_ctx tokens a pass, as many as fit its VRAM budget (its n_ctx says). progress:
+    a bar while the CPU backend copies (and repacks) the weights."""
     global _warned
     if name not in BACKENDS:
         raise BackendNotAvailableError(f"unknown backend {name!r} (choose from {', '.join(BACKENDS)})")
-    gpu_opts = {k: options.pop(k) for k in ("vram_budget", "gpu_chunk", "device", "card_profile", "bus_bw")
+    gpu_opts = {k: options.pop(k) for k in ("vram_budget", "gpu_chunk", "device", "card_profile", "bus_bw",
+                                                   "kv_stream")
                 if k in options}
     placement = options.pop("numa", None)
     if placement is not None and not hasattr(placement, "mode"):
@@ -181,7 +183,7 @@ def make_backend(name: str, gm, args, options: dict, n_ctx: int, fit_n_ctx: bool
 
     simd = SimdLib(isa=options.pop("isa", None), n_threads=options.pop("n_threads", None),
                    prefetch=options.pop("prefetch", None))
-    cpu = CPUModel(gm, args, simd, weights=options.pop("weights", "auto"), numa=placement)
+    cpu = CPUModel(gm, args, simd, weights=options.pop("weights", "auto"), numa=placement, progress=progress)
     if name == "cpu":
         return cpu
     try:
@@ -190,7 +192,7 @@ def make_backend(name: str, gm, args, options: dict, n_ctx: int, fit_n_ctx: bool
         gpu = GPUModel(gm, args, n_ctx, vram_budget=gpu_opts.get("vram_budget"),
                        chunk=gpu_opts.get("gpu_chunk", DEFAULT_CHUNK), device=gpu_opts.get("device", 0),
                        card_profile=gpu_opts.get("card_profile"), bus_bw=gpu_opts.get("bus_bw"),
-                       fit_n_ctx=fit_n_ctx)
+                       fit_n_ctx=fit_n_ctx, kv_stream=gpu_opts.get("kv_stream"))
     except BackendNotAvailableError as e:
         if name == "gpu":
             raise

@@ -21,7 +21,10 @@ from .args import (  # noqa: F401  (UsageError, parse_size: re-exported for call
     _Parser,
     _usage,
     add_card_profile,
+    add_model_source,
     parse_size,
+    resolve_hf,
+    show_progress,
     write_output,
 )
 from .batch import add_batch_parser
@@ -49,6 +52,8 @@ def _engine(a, quiet: bool = False):
         opts["vram_budget"] = a.vram_budget
     if a.backend in ("auto", "gpu") and getattr(a, "card_profile", None):
         opts["card_profile"] = a.card_profile
+    if a.backend in ("auto", "gpu") and getattr(a, "no_kv_offload", False):
+        opts["kv_stream"] = True
     cache = None
     if getattr(a, "prefix_cache_ram", 0) or getattr(a, "prefix_cache_dir", None):
         cache = {"ram_bytes": a.prefix_cache_ram, "disk_dir": a.prefix_cache_dir,
@@ -59,7 +64,7 @@ def _engine(a, quiet: bool = False):
         from ..format.chat_template import read_template_file
 
         template = read_template_file(a.chat_template_file, "--chat-template-file")
-    eng = Engine.load(a.model, backend=a.backend, n_ctx=a.n_ctx, progress=sys.stderr.isatty(),
+    eng = Engine.load(a.model, backend=a.backend, n_ctx=a.n_ctx, progress=show_progress(a) and not quiet,
                       prefix_cache=cache, chat_template=template, max_seqs=a.max_seqs,
                       step_tokens=a.step_tokens, state_budget=a.state_budget or None,
                       special_in_content=getattr(a, "special_in_content", False), cache_type_k=a.cache_type_k,
@@ -102,10 +107,38 @@ def _print_stats(res, eng) -> None:
     print(line, file=sys.stderr)
 
 
+MAX_PROMPT_BYTES = 64 << 20
+
+
+def _read_prompt(a) -> str:
+    """-p TEXT, -p - / -f - (stdin) or -f FILE, as UTF-8 text; one trailing newline dropped from what is read."""
+    if a.file is None and a.prompt != "-":
+        if not a.prompt:
+            raise ParameterError(f"-p/--prompt is empty: {a.prompt!r}")
+        return a.prompt
+    flag = "-f/--file" if a.file is not None else "-p/--prompt"
+    if (a.file or "-") == "-":
+        data = sys.stdin.buffer.read(MAX_PROMPT_BYTES + 1)
+        if len(data) > MAX_PROMPT_BYTES:
+            raise ParameterError(f"{flag} -: stdin holds over {MAX_PROMPT_BYTES} bytes")
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ParameterError(f"{flag} -: stdin is not UTF-8 text ({e.reason} at byte {e.start})") from None
+        where = f"{flag} - (stdin)"
+    else:
+        from ..format.files import read_text
+
+        text, where = read_text(a.file, flag, MAX_PROMPT_BYTES), f"{flag} {a.file!r}"
+    text = text[:-1] if text.endswith("\n") else text
+    if not text:
+        raise ParameterError(f"{where} gives an empty prompt")
+    return text
+
+
 def cmd_run(a) -> int:
     opts = _sampling(a)
-    if not a.prompt:
-        raise ParameterError(f"-p/--prompt is empty: {a.prompt!r}")
+    a.prompt = _read_prompt(a)
     eng = _engine(a)
     if a.raw:
         prompt = a.prompt
@@ -307,14 +340,20 @@ def cmd_synth(a) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .. import __version__
+
     ap = _Parser(prog="hybridinfer", description="Qwen3.5 hybrid MoE inference for old GPUs")
+    ap.add_argument("--version", action="version", version=f"hybridinfer {__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     p = sub.add_parser("run", help="generate a completion (chat-templated unless --raw)")
     _add_model(p)
     _add_cache(p)
     _add_sampling(p)
-    p.add_argument("-p", "--prompt", required=True)
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("-p", "--prompt", help="the prompt; - reads it from stdin")
+    g.add_argument("-f", "--file", help="read the prompt from this file (UTF-8; - : stdin); one trailing newline "
+                                        "is dropped, as llama.cpp does")
     p.add_argument("--raw", action="store_true", help="complete the prompt as is, no chat template")
     p.set_defaults(fn=cmd_run)
 
@@ -335,7 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("info", help="architecture, shapes, layer pattern, tensor types and bytes; the CPU, the NUMA "
                                     "topology and the placement each --numa policy would give the model")
-    p.add_argument("-m", "--model")
+    add_model_source(p)
     p.add_argument("model_file", nargs="?", metavar="MODEL", help="the GGUF file (as -m)")
     p.add_argument("--tensors", action="store_true", help="list every tensor")
     p.add_argument("--gpu", action="store_true", help="the card, its class, the tiles it will use and whether its "
@@ -393,6 +432,7 @@ def _run(a) -> int:
                 a.shape = json.loads(a.shape)
             except ValueError as e:
                 raise ShapeError(f"--shape is not valid JSON ({e}): {a.shape!r}") from None
+        resolve_hf(a)
         return a.fn(a)
     except HybridInferError as e:
         print(f"hybridinfer: error: {e}", file=sys.stderr)

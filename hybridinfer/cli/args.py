@@ -166,9 +166,95 @@ def add_cache_types(p: argparse.ArgumentParser, rotate: bool = False, default: s
                             "does, unless the env LLAMA_ATTN_ROT_DISABLE is a nonzero number, as there)")
 
 
+def add_model_source(p, required: bool = False, model_help: str | None = None) -> None:
+    """-m/--model and llama.cpp's -hf/-hff/-hft (a model on the Hugging Face Hub), one of -m and -hf at most
+    (`required`: exactly one)."""
+    g = p.add_mutually_exclusive_group(required=required)
+    g.add_argument("-m", "--model",
+                   help=model_help or "GGUF file (default: the embedded SmolLM2-135M-Instruct Q4_1)")
+    g.add_argument("-hf", "-hfr", "--hf-repo", dest="hf_repo", metavar="OWNER/REPO[:QUANT|:FILE]",
+                   help="a GGUF on the Hugging Face Hub, downloaded once into its cache (HF_HOME, HF_ENDPOINT and "
+                        "HF_HUB_OFFLINE=1 are honoured): QUANT a tag such as Q4_K_M, any case (none: Q4_K_M, else "
+                        "the first GGUF), or a FILE.gguf in the repository")
+    p.add_argument("-hff", "--hf-file", default=None, metavar="FILE",
+                   help="with -hf: this file of the repository (instead of a QUANT)")
+    p.add_argument("-hft", "--hf-token", default=None, metavar="TOKEN",
+                   help="the Hub token sent with -hf (default: huggingface_hub's: the env HF_TOKEN, else the saved "
+                        "login)")
+
+
+def resolve_hf(a) -> None:
+    """A -hf model (-hf/-hff/-hft) downloaded or found in the cache, its path put in a.model (so every command,
+    and each --ray shard, sees a file); a progress bar on a terminal. `a.env_hf` (serve: LLAMA_ARG_HF_REPO and
+    LLAMA_ARG_HF_FILE) stands in for -hf/-hff when neither -m nor -hf is given."""
+    repo, file = getattr(a, "hf_repo", None), getattr(a, "hf_file", None)
+    env_repo, env_file = getattr(a, "env_hf", (None, None))
+    if env_repo and not repo and a.model is None:
+        repo, file = env_repo, file or env_file
+    if file and not repo:
+        raise _usage(f"-hff/--hf-file {file!r} needs -hf OWNER/REPO")
+    if not repo:
+        return
+    from ..format.hub import resolve
+
+    a.model = resolve(repo, file=file, token=a.hf_token, progress=show_progress(a))
+    a.hf_repo = a.hf_file = None
+
+
+def env_defaults(p: argparse.ArgumentParser, table: dict[str, str]) -> None:
+    """llama-server's environment variables (LLAMA_ARG_CTX_SIZE=4096 ...): each one set is its flag's default, so
+    a flag on the command line wins, as there; its value is checked as the flag's (a bad one is a usage error
+    naming the variable) and --help names the variable."""
+    actions = {a.dest: a for a in p._actions}
+    for var, dest in table.items():
+        act = actions[dest]
+        act.help = f"{act.help} [env {var}]" if act.help else f"[env {var}]"
+        val = os.environ.get(var)
+        if val is None:
+            continue
+        act.default = val  # argparse converts a string default with the flag's type when the flag is absent
+        if act.type is not None:
+            act.type = _named_env(act.type, var, val)
+
+
+def _named_env(conv, var: str, val: str):
+    def parse(s: str):
+        try:
+            return conv(s)
+        except (argparse.ArgumentTypeError, ValueError) as e:
+            if s != val:
+                raise
+            raise argparse.ArgumentTypeError(f"{e} (the value of the env {var})") from None
+
+    parse.__name__ = getattr(conv, "__name__", "value")
+    if hasattr(conv, "bounds"):
+        parse.bounds = conv.bounds
+    return parse
+
+
+def add_model_names(p: argparse.ArgumentParser) -> None:
+    """-a/--alias (llama-server's; --model-name, the earlier name, kept) and --strict-model-name, for serve and
+    batch."""
+    p.add_argument("-a", "--alias", "--model-name", dest="alias", action="append", default=[], metavar="NAME",
+                   help="the model's name in answers and /v1/models (repeatable: the first is reported, each is "
+                        "listed; default: the GGUF's file name without .gguf)")
+    p.add_argument("--strict-model-name", action="store_true",
+                   help="a request's `model` must be the served name or an alias, else 404 (as vLLM's "
+                        "--served-model-name); by default the one loaded model answers whatever name is given, "
+                        "as llama-server does")
+
+
+def show_progress(a) -> bool:
+    """Progress bars (a download, the weights' copy, a long prefill) go to stderr when it is a terminal, unless
+    --no-progress."""
+    return sys.stderr.isatty() and not getattr(a, "no_progress", False)
+
+
 def _add_model(p: argparse.ArgumentParser, required: bool = False) -> None:
-    p.add_argument("-m", "--model", required=required,
-                   help="GGUF file (default: the embedded SmolLM2-135M-Instruct Q4_1)")
+    add_model_source(p, required)
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bars on stderr (a -hf download, the weights' copy and repacking, a long "
+                        "prefill); by default they are shown when stderr is a terminal")
     p.add_argument("--backend", default=os.environ.get("HYBRIDINFER_BACKEND") or "auto",
                    choices=["reference", "cpu", "gpu", "auto"],
                    help="compute backend: " + BACKEND_HELP + " (default auto)")
@@ -181,14 +267,19 @@ def _add_model(p: argparse.ArgumentParser, required: bool = False) -> None:
     p.add_argument("-t", "--threads", type=threads_int, default=None, help="CPU threads (default: all cores)")
     p.add_argument("--vram-budget", type=parse_size, default=None,
                    help="GPU memory the gpu backend may use, e.g. 6GiB (default: the card's free memory - 512MiB)")
+    p.add_argument("-nkvo", "--no-kv-offload", action="store_true",
+                   help="GPU prefill keeps every pass's K/V in host memory and streams each attention layer's "
+                        "through the card (default: only a pass too long for its K/V to stay on the card beside "
+                        "the weights does)")
     add_card_profile(p)
     p.add_argument("--isa", default=os.environ.get("HYBRIDINFER_ISA"),
                    help="force the SIMD path: scalar | ssse3 | avx2 | avx512vnni (env HYBRIDINFER_ISA)")
     p.add_argument("--weights", default="auto", choices=["auto", "copy", "mmap"],
                    help="where CPU decode reads the weights: a copy in huge pages (faster), the file's memory "
                         "mapping (no copy), or auto: a copy when it takes at most half the available memory")
-    p.add_argument("--max-seqs", type=_int_at_least(1), default=8,
-                   help="sequences decoded together at most by the scheduler (default 8)")
+    p.add_argument("-np", "--parallel", "--max-seqs", dest="max_seqs", type=_int_at_least(1), default=8,
+                   help="sequences decoded together at most by the scheduler (llama.cpp's -np/--parallel; "
+                        "default 8)")
     p.add_argument("--step-tokens", type=_int_at_least(1), default=DEFAULT_STEP_TOKENS,
                    help="tokens one scheduler step computes: each running sequence's next token, then chunks of "
                         "waiting prompts up to this (as llama.cpp's --batch-size); a long prompt delays running "
@@ -260,7 +351,9 @@ def size_text(n: int) -> str:
 def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("-n", type=_int_at_least(0), default=64, help="max new tokens (default 64)")
     p.add_argument("--temp", type=_finite, default=0.0,
-                   help="sampling temperature (default 0: greedy, reproducible; e.g. 0.8 to sample)")
+                   help="sampling temperature (default 0: greedy, so a command gives the same answer each time; "
+                        "e.g. 0.8 to sample. Engine.generate and a server request without `temperature` take "
+                        "llama.cpp's 0.8: an API caller chooses per request)")
     p.add_argument("--top-k", type=_int_at_least(0), default=40, help="0: off")
     p.add_argument("--top-p", type=_finite, default=0.95)
     p.add_argument("--min-p", type=_finite, default=0.05)

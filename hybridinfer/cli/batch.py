@@ -9,7 +9,7 @@ import sys
 import threading
 
 from ..errors import ParameterError
-from .args import _add_cache, _add_model, _check_output, _int_at_least, parse_size
+from .args import _add_cache, _add_model, _check_output, _int_at_least, add_model_names, parse_size
 
 
 def _stop_on_signals(stop: threading.Event) -> None:
@@ -57,6 +57,7 @@ def cmd_batch(a) -> int:
     JobInput(a.input, 1)  # neither file nor pipe: said before the model loads
     check_output(a.output)  # another process's output, or no batch output at all: refused before the model loads
     progress = a.progress or ("bar" if sys.stderr.isatty() else "none")
+    a.no_progress = a.no_progress or progress != "bar"  # the load's bars only where the job's bar is shown
     if a.ray:
         if shard != (0, 1):
             raise ParameterError("--ray runs every shard itself: leave out --shard")
@@ -66,7 +67,8 @@ def cmd_batch(a) -> int:
     stop = threading.Event()
     _stop_on_signals(stop)
     with _engine(a, quiet=progress == "json") as eng:  # closed at the end: worker stopped, memory let go
-        summary = run_job(eng, a.input, a.output, model_name=a.model_name, shard=shard, window=a.window,
+        summary = run_job(eng, a.input, a.output, model_name=a.alias or None,
+                          strict_model_name=a.strict_model_name, shard=shard, window=a.window,
                           max_inflight=a.max_inflight, sync_every=a.sync_every, ordered=a.ordered,
                           progress=progress, progress_stream=sys.stderr, stop=stop, max_line_bytes=a.max_line_bytes)
     if progress != "json":
@@ -88,11 +90,12 @@ def _shard_engine(a):
 
 def _cmd_ray(a, progress: str) -> int:
     import functools
+    import importlib.util
 
-    try:
-        from ..serving.batch.ray_runner import run_ray
-    except ModuleNotFoundError as e:
-        raise ParameterError(f"--ray needs ray ({e.name} is missing): pip install -e '.[batch]'") from None
+    if importlib.util.find_spec("ray") is None:  # said before the model loads (ray_runner imports it late)
+        raise ParameterError("--ray needs Ray, which is not installed: pip install -e '.[ray]' (batch without "
+                             "--ray runs without it)")
+    from ..serving.batch.ray_runner import run_ray
     bar = None
     if progress == "bar":
         from tqdm import tqdm
@@ -106,8 +109,8 @@ def _cmd_ray(a, progress: str) -> int:
         elif progress == "json":
             print(json.dumps({"event": "progress", "done": done, "total": total}), file=sys.stderr, flush=True)
 
-    job = {"model_name": a.model_name, "window": a.window, "max_inflight": a.max_inflight,
-           "sync_every": a.sync_every, "max_line_bytes": a.max_line_bytes}
+    job = {"model_name": a.alias or None, "strict_model_name": a.strict_model_name, "window": a.window,
+           "max_inflight": a.max_inflight, "sync_every": a.sync_every, "max_line_bytes": a.max_line_bytes}
     local = a.ray == "local"
     summary = run_ray(functools.partial(_shard_engine, a), a.input, a.output, n_shards=a.ray_shards,
                       address=None if local else a.ray, init_kwargs={"include_dashboard": False} if local else {},
@@ -140,8 +143,7 @@ def add_batch_parser(sub) -> None:
     _add_cache(p)
     p.add_argument("input", nargs="?", help="the job: a JSONL file")
     p.add_argument("-o", "--output", help="the results (JSONL), appended to and resumed from")
-    p.add_argument("--model-name", default=None,
-                   help="the model name bodies must give, as serve's (default: the GGUF's file name)")
+    add_model_names(p)
     p.add_argument("--sync-every", type=_int_at_least(0), default=100,
                    help="fsync the output every N lines (and at the end; 0: only at the end; default 100)")
     p.add_argument("--progress", choices=["bar", "json", "none"], default=None,

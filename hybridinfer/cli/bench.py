@@ -11,6 +11,7 @@ from .args import (
     _int_at_least,
     add_cache_types,
     add_card_profile,
+    add_model_source,
     gb_per_s,
     parse_size,
     positive_ints,
@@ -114,7 +115,8 @@ def cmd_bench_prefill(a) -> int:
     _check_tools(a, "--llama-bench", "--llama-bench-cuda")
     try:
         res = prefill.run(a.model, prompts, a.vram_budget or None, not a.no_resident, a.threads, a.llama_bench,
-                          a.llama_bench_cuda, bus_bw=a.bus_bw, card_profile=a.card_profile)
+                          a.llama_bench_cuda, bus_bw=a.bus_bw, card_profile=a.card_profile,
+                          kv_stream=True if a.no_kv_offload else None)
     except ModuleNotFoundError as e:
         if (e.name or "").split(".")[0] != "pycuda":
             raise
@@ -220,8 +222,7 @@ def _bench_parser(bsub, name: str, help: str, fn, threads_help: str | None = Non
                   model_required: bool = True) -> argparse.ArgumentParser:
     """A `bench` subcommand with the options every benchmark takes: the model, threads and output folder."""
     b = bsub.add_parser(name, help=help)
-    b.add_argument("-m", "--model", required=model_required,
-                   help=None if model_required else "GGUF file (default: the embedded SmolLM2-135M-Instruct)")
+    add_model_source(b, model_required, "GGUF file" if model_required else None)
     b.add_argument("-t", "--threads", type=threads_int, default=os.cpu_count(), help=threads_help)
     b.add_argument("--out-dir", default="bench/results")
     b.set_defaults(fn=fn)
@@ -345,6 +346,9 @@ def add_bench_parsers(sub) -> None:
     b.add_argument("--prompts", default="128,947,4096")
     b.add_argument("--vram-budget", type=parse_size, default=parse_size("6GiB"), help="0: skip the budget run")
     b.add_argument("--no-resident", action="store_true", help="skip the whole-model-resident run")
+    b.add_argument("-nkvo", "--no-kv-offload", action="store_true",
+                   help="stream every pass's K/V through the card from host memory (default: only passes too long "
+                        "to keep them on the card)")
     add_card_profile(b)
     b.add_argument("--llama-bench", default=None, help="llama-bench, CPU build")
     b.add_argument("--llama-bench-cuda", default=None, help="llama-bench, CUDA build")

@@ -5,15 +5,15 @@ from __future__ import annotations
 import os
 
 from ..errors import ParameterError
-from .args import add_cache_types, gb_per_s, parse_size, positive_ints
+from .args import add_cache_types, add_model_source, gb_per_s, parse_size, positive_ints, threads_int
 
 
-def _host_bandwidth() -> float:
-    """This host's read bandwidth, all threads, measured as `bench decode` measures its floor."""
+def _host_bandwidth(threads: int | None) -> float:
+    """This host's read bandwidth with `threads` (default all), measured as `bench decode` measures its floor."""
     from ..backends.cpu.simd import SimdLib
     from ..tools.benchmarks.decode import probe_bytes
 
-    return SimdLib(n_threads=os.cpu_count() or 1).read_bandwidth(probe_bytes())
+    return SimdLib(n_threads=threads or os.cpu_count() or 1).read_bandwidth(probe_bytes())
 
 
 def cmd_plan(a) -> int:
@@ -35,7 +35,7 @@ def cmd_plan(a) -> int:
         gm = GGUFModel(a.model)
     host_bw, note = a.host_bw, ""
     if host_bw is None:
-        host_bw, note = _host_bandwidth(), " (--host-bw not given: measured on this host)"
+        host_bw, note = _host_bandwidth(a.threads), " (--host-bw not given: measured on this host)"
     if a.vram_budget == 0:
         raise ParameterError("--vram-budget must be more than 0 bytes, got 0")
     ram = a.ram
@@ -53,7 +53,7 @@ def cmd_plan(a) -> int:
 def add_plan_parser(sub) -> None:
     p = sub.add_parser("plan", help="placement and predicted prefill / decode times of a model on a named old card "
                                     "(from the file's header or a synthetic shape; no GPU, no weights read)")
-    p.add_argument("-m", "--model", help="GGUF file (its header only is read)")
+    add_model_source(p, model_help="GGUF file (its header only is read)")
     p.add_argument("--shape", help="plan a synthetic shape instead of a file (e.g. 35b-a3b; see `synth`)")
     p.add_argument("--arch", default="qwen35moe", help="architecture of --shape (default qwen35moe)")
     p.add_argument("--quant", default="q4_k_m", help="quantization of --shape (default q4_k_m)")
@@ -63,6 +63,9 @@ def add_plan_parser(sub) -> None:
                    help="VRAM the engine may use (default: the card's memory less 512 MiB)")
     p.add_argument("--host-bw", type=gb_per_s, default=None, metavar="GB/s",
                    help="host memory read bandwidth for CPU decode (default: measured on this host)")
+    p.add_argument("-t", "--threads", type=threads_int, default=None,
+                   help="threads of the host bandwidth probe without --host-bw, as decode would run (default: all "
+                        "cores)")
     p.add_argument("--prompts", default="128,947,4096", help="comma-separated prompt lengths to predict")
     add_cache_types(p)
     p.add_argument("--ram", type=parse_size, default=None,

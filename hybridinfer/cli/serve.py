@@ -6,7 +6,15 @@ import os
 import sys
 
 from ..errors import ParameterError
-from .args import _add_cache, _add_model, _int_at_least, _int_in, parse_size
+from .args import _add_cache, _add_model, _int_at_least, _int_in, add_model_names, env_defaults, parse_size
+
+# llama-server's environment variables, each the default of the flag of the same meaning (a flag given wins);
+# LLAMA_API_KEY and LLAMA_ARG_ALIAS are read in cmd_serve, LLAMA_ARG_HF_REPO / _HF_FILE by args.resolve_hf (where
+# neither -m nor -hf is given: a variable never overrides a flag)
+LLAMA_ENV = {"LLAMA_ARG_MODEL": "model", "LLAMA_ARG_CTX_SIZE": "n_ctx", "LLAMA_ARG_THREADS": "threads",
+             "LLAMA_ARG_N_PARALLEL": "max_seqs", "LLAMA_ARG_BATCH": "step_tokens", "LLAMA_ARG_HOST": "host",
+             "LLAMA_ARG_PORT": "port", "LLAMA_ARG_CACHE_TYPE_K": "cache_type_k",
+             "LLAMA_ARG_CACHE_TYPE_V": "cache_type_v", "LLAMA_ARG_CHAT_TEMPLATE_FILE": "chat_template_file"}
 
 
 def cmd_serve(a) -> int:
@@ -18,7 +26,10 @@ def cmd_serve(a) -> int:
                              f"pip install -e '.[serve]'") from None
     from ..serving.serve.app import LOOPBACK_HOSTS, check_api_keys
 
-    key = a.api_key if a.api_key is not None else (os.environ.get("HYBRIDINFER_API_KEY") or None)
+    key = a.api_key if a.api_key is not None else (os.environ.get("HYBRIDINFER_API_KEY")
+                                                   or os.environ.get("LLAMA_API_KEY") or None)
+    if not a.alias and os.environ.get("LLAMA_ARG_ALIAS"):  # a default here, not in the parser: --alias appends
+        a.alias = [os.environ["LLAMA_ARG_ALIAS"]]
     keys = list(check_api_keys(key.split(","))) if key is not None else None  # as llama-server: comma-separated
     loopback = a.host in ("127.0.0.1", "localhost", "::1")
     if not keys and not loopback:
@@ -26,8 +37,8 @@ def cmd_serve(a) -> int:
               f"can use the model (set --api-key or HYBRIDINFER_API_KEY)", file=sys.stderr)
     from . import _engine
 
-    app = create_app(_engine(a), api_key=keys, model_name=a.model_name, max_queue=a.max_queue,
-                     max_body_bytes=a.max_body, report_cached_tokens=a.report_cached_tokens,
+    app = create_app(_engine(a), api_key=keys, model_name=a.alias or None, strict_model_name=a.strict_model_name,
+                     max_queue=a.max_queue, max_body_bytes=a.max_body, report_cached_tokens=a.report_cached_tokens,
                      allowed_hosts=LOOPBACK_HOSTS if loopback and not a.no_host_check else None, close_engine=True)
     serve(app, a.host, a.port, a.log_level)
     return 0
@@ -42,9 +53,11 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=_int_in(1, 65535), default=8080)
     p.add_argument("--api-key", default=None,
-                   help="key clients must send (Authorization: Bearer or x-api-key; env HYBRIDINFER_API_KEY); "
+                   help="key clients must send (Authorization: Bearer or x-api-key; env HYBRIDINFER_API_KEY, else "
+                        "llama-server's LLAMA_API_KEY); "
                         "several separated by commas, each a tenant of its own in the prefix cache")
-    p.add_argument("--model-name", default=None, help="the model id clients name (default: the GGUF's file name)")
+    add_model_names(p)
+    next(x for x in p._actions if x.dest == "alias").help += " [env LLAMA_ARG_ALIAS]"
     p.add_argument("--max-queue", type=_int_at_least(0), default=64,
                    help="requests that may wait beyond --max-seqs running ones; past that, 429 (default 64)")
     p.add_argument("--max-body", type=parse_size, default=parse_size("16MiB"), help="largest request body")
@@ -58,4 +71,9 @@ def add_serve_parser(sub) -> None:
                    help="a keyless server on loopback answers any Host and Origin header (default: only "
                         "localhost, 127.0.0.1 and [::1], against DNS rebinding)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    env_defaults(p, LLAMA_ENV)
+    p.set_defaults(env_hf=(os.environ.get("LLAMA_ARG_HF_REPO") or None, os.environ.get("LLAMA_ARG_HF_FILE") or None))
+    for x in p._actions:
+        if x.dest in ("hf_repo", "hf_file"):
+            x.help += f" [env LLAMA_ARG_{x.dest.upper()}]"
     p.set_defaults(fn=cmd_serve)

@@ -71,6 +71,8 @@ def _check_load_args(n_ctx, prefill_chunk, snapshot_stride, step_tokens, max_seq
 
         if options["card_profile"] not in PROFILES:
             raise ParameterError(f"unknown card_profile {options['card_profile']!r} (known: {', '.join(PROFILES)})")
+    if options.get("kv_stream") not in (None, True, False):
+        raise ParameterError(f"kv_stream must be None, True or False, got {options['kv_stream']!r}")
     if options.get("bus_bw") is not None:
         from ..backends.gpu.pacing import check_bus_bw
 
@@ -187,11 +189,17 @@ class Engine(Compute):
              snapshot_stride: int | None = DEFAULT_SNAPSHOT_STRIDE, max_seqs: int = 8,
              state_budget: int | None = None, step_tokens: int = DEFAULT_STEP_TOKENS,
              chat_template: str | None = None, special_in_content: bool = False, cache_type_k: str = "f32",
-             cache_type_v: str = "f32", cache_rotate: bool = True, spec_type: str | None = None,
-             draft_max: int = DEFAULT_DRAFT_MAX, **options) -> Engine:
+             cache_type_v: str = "f32", cache_rotate: bool = True, hf: str | None = None,
+             hf_token: str | None = None, spec_type: str | None = None, draft_max: int = DEFAULT_DRAFT_MAX,
+             **options) -> Engine:
         """Open a GGUF file and make its engine. Every keyword has a default:
 
-        path (default None: the embedded SmolLM2-135M-Instruct Q4_1).
+        path (default None: the embedded SmolLM2-135M-Instruct Q4_1, unless hf names a model).
+        hf (default None): a model on the Hugging Face Hub instead of a path, as llama.cpp's -hf: "OWNER/REPO",
+            "OWNER/REPO:QUANT" (a quant tag such as Q4_K_M, any case; without one Q4_K_M, else the repository's
+            first GGUF) or "OWNER/REPO:FILE.gguf"; downloaded into huggingface_hub's cache unless it is there
+            (format/hub.py; huggingface_hub reads HF_ENDPOINT, HF_HUB_OFFLINE, HF_HOME and HF_TOKEN itself).
+            hf_token (default None: huggingface_hub's own) is the token sent.
         backend (default "auto": GPU prefill with CPU decode where a card and pycuda are present, else "cpu");
             "cpu", "gpu" (prefill on the card, decode on the CPU) or "reference" (the exact numpy oracle, slow by
             design).
@@ -201,7 +209,8 @@ class Engine(Compute):
             256; engine/context.choose_n_ctx); a GPU prefill also keeps a pass's K/V of that many tokens on the
             card, so there it is at most what fits the VRAM budget beside the least weight staging. `ctx_note` says
             in one line why n_ctx is less than asked for ("" when it is not).
-        progress (default False): progress bars while the weights load and long prompts prefill.
+        progress (default False): progress bars on stderr while the model downloads (hf), the weights are copied
+            and repacked (CPU) or loaded (GPU), and long prompts prefill.
         prefill_chunk (default 512): prompt tokens per forward call on the CPU and reference backends.
         prefix_cache (default None: off): True (RAM, 2 GiB), a dict of PrefixCache options (ram_bytes, disk_dir,
             disk_bytes, block_size) or a PrefixCache; prompts then reuse their longest cached prefix.
@@ -228,10 +237,8 @@ class Engine(Compute):
         cache_rotate (default True): quantized K/V rows (q8_0, q4_0) are Walsh-Hadamard rotated before they are
             kept, as llama.cpp does unless LLAMA_ATTN_ROT_DISABLE is set (state_kinds.kv_rotation); False keeps them
             as they are.
-        spec_type (default None: the file's own drafter where it has one, else none), draft_max (default 3):
-            speculative decoding (engine/spec.py): "ngram" drafts up to draft_max (1-4) tokens by prompt lookup and
-            one pass checks them; the output is the same tokens as without drafts. "none": off. ("mtp" is refused:
-            not built yet.)
+        spec_type (default None: none, until a file's MTP block is read), draft_max (default 3): "ngram" drafts up to
+            draft_max (1-4) tokens by prompt lookup, checked in one pass: the same tokens as without (engine/spec.py).
 
         Backend options, each left to its backend when not given:
         CPU ("cpu", and decode under "gpu" and "auto"): isa (the widest SIMD unit this CPU has: scalar, ssse3,
@@ -241,12 +248,20 @@ class Engine(Compute):
         GPU ("gpu", "auto"): vram_budget (the card's free memory less 512 MiB), gpu_chunk (1024 tokens per kernel
             call), device (0), card_profile (None: the card itself; fermi | kepler | maxwell | pascal: kernels
             compiled and tiles chosen as for that class, the weight stream paced to its bus), bus_bw (None: the
-            profile's bus; bytes/s the weight stream is paced to).
+            profile's bus; bytes/s the weight stream is paced to), kv_stream (None: a pass keeps its K/V on the card
+            where they fit beside the weights, else it streams each attention layer's K/V through the card from
+            the host state; True: every pass streams them, as llama.cpp's --no-kv-offload keeps them on the host).
         Reference: cache_weights (True), act_quant (False: float activations; True: llama.cpp's Q8 rounding).
         Unknown options raise TypeError.
         """
         from ..format.tokenizer import Tokenizer
 
+        if hf is not None:
+            if path is not None:
+                raise ParameterError(f"give a path or hf, not both: {path!r} and hf={hf!r}")
+            from ..format.hub import resolve
+
+            path = resolve(hf, token=hf_token, progress=progress)
         if path is None:
             from ..format.default_model import default_model_path
 
@@ -258,7 +273,7 @@ class Engine(Compute):
         gm.check_finite()  # a damaged file (NaN scales) is refused here, not answered with nothing
         args = with_cache_types(model_args(gm), cache_type_k, cache_type_v, cache_rotate)
         ctx = choose_n_ctx(args, max_seqs, None if n_ctx is not None else room_beside(gm.file_size), n_ctx)
-        be = make_backend(backend, gm, args, options, ctx.n_ctx, fit_n_ctx=n_ctx is None)
+        be = make_backend(backend, gm, args, options, ctx.n_ctx, fit_n_ctx=n_ctx is None, progress=progress)
         ctx = gpu_cut(ctx, getattr(be, "gpu", None))
         if options:
             raise TypeError(f"unknown Engine option(s): {', '.join(sorted(options))}")

@@ -61,13 +61,15 @@ def choose_n_ctx(args, max_seqs: int, available_bytes: int | None, requested: in
 
 
 def gpu_cut(ctx: ContextChoice, gpu) -> ContextChoice:
-    """The choice as a GPU prefill left it (gpu: its backend, or None): the card holds a pass's K/V and hidden rows
-    for every position, so GPUModel(fit_n_ctx=True) may have taken fewer tokens to fit its VRAM budget."""
+    """The choice as a GPU prefill left it (gpu: its backend, or None): the card holds a pass's hidden rows and its
+    K/V (every layer's, or one layer's at a time where they stream), so GPUModel(fit_n_ctx=True) may have taken
+    fewer tokens to fit its VRAM budget."""
     n = getattr(gpu, "n_ctx", None)
     if type(n) is not int or n >= ctx.n_ctx:
         return ctx
-    return ContextChoice(n, f"n_ctx {n}: a GPU prefill pass of more tokens would not fit its K/V and hidden rows "
-                            f"in the VRAM budget of {size_text(gpu.vram_budget)} beside the least weight staging")
+    return ContextChoice(n, f"n_ctx {n}: a GPU prefill of a longer context would not fit its K/V (streamed one "
+                            f"attention layer at a time) and hidden rows in the VRAM budget of "
+                            f"{size_text(gpu.vram_budget)} beside the least weight staging")
 
 
 def room_beside(model_bytes: int) -> int | None:

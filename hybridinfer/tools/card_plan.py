@@ -79,12 +79,14 @@ class KVPlan:
     ram_bytes: int | None = None  # host memory counted for states (None: not given)
     model_bytes: int = 0  # the weights, which take host memory beside the states
     longest_host: int | None = None  # most tokens one sequence's state fits in ram_bytes beside the weights
+    card_stream_per_token: int = 0  # a pass's per-token bytes on the card when its K/V stream (one layer's at a time)
+    longest_stream: int = 0  # most tokens a pass fits so, its K/V in host memory and streamed per attention layer
 
 
 def kv_plan(gm, args, vram_budget: int, chunk: int, ram_bytes: int | None = None) -> KVPlan:
     """KVPlan of `gm` (args in the cache types: state_kinds.with_cache_types) under `vram_budget` bytes of VRAM
     (GPU passes of `chunk` tokens a kernel call) and `ram_bytes` of host memory (None: no host figure)."""
-    from ..backends.gpu.backend import Buffers, pass_tokens_fitting
+    from ..backends.gpu.backend import Buffers, pass_tokens_fitting, plan_pass
     from ..engine.context import longest_fitting
     from ..models.state_kinds import ARRAYS, cache_types, layer_arrays, state_bytes
 
@@ -97,10 +99,13 @@ def kv_plan(gm, args, vram_budget: int, chunk: int, ram_bytes: int | None = None
     ws = weights_of(gm, args, matrices_only=True)
     model = sum(w.nbytes for w in weights_of(gm, args))
     longest_host = None if ram_bytes is None else longest_fitting(recurrent, host, ram_bytes - model)
+    room = vram_budget - vector_bytes(gm, args)
     return KVPlan(cache_types(args), len({i for i, _ in per_token}), host, recurrent, card_kv,
                   Buffers.nbytes(args, chunk, 1) - Buffers.nbytes(args, chunk, 0), int(args.context_length),
-                  pass_tokens_fitting(args, chunk, vram_budget - vector_bytes(gm, args), ws), ram_bytes, model,
-                  longest_host)
+                  pass_tokens_fitting(args, chunk, room, ws), ram_bytes, model, longest_host,
+                  card_stream_per_token=Buffers.nbytes(args, chunk, 1, True, 0) - Buffers.nbytes(args, chunk, 0, True,
+                                                                                                0),
+                  longest_stream=plan_pass(args, chunk, room, ws, 1 << 30, fit=True).n_ctx)
 
 
 def format_kv(kv: KVPlan, vram_budget: int) -> list[str]:
@@ -123,8 +128,14 @@ def format_kv(kv: KVPlan, vram_budget: int) -> list[str]:
                f"backend holds them) and hidden rows on the card, {size_text(kv.card_per_token)} a token in all; the "
                f"{size_text(vram_budget)} "
                "VRAM budget holds " + (f"a prompt of {min(n, kv.trained)} tokens" if n else "no prompt")
-               + (" (the trained length)" if n >= kv.trained else "") + " beside the least weight staging (the "
-               "default context there; a shorter -c leaves more of the budget to resident weights)")
+               + (" (the trained length)" if n >= kv.trained else "") + " beside the least weight staging (a "
+               "shorter -c leaves more of the budget to resident weights)")
+    if n < kv.trained and kv.longest_stream > n:
+        m = min(kv.longest_stream, kv.trained)
+        out.append(f"K/V stream: a longer prompt keeps its K/V in host memory and streams each attention layer's "
+                   f"through the card ({size_text(kv.card_stream_per_token)} a token of context on the card), in "
+                   f"passes of {n} tokens: the budget holds a context of {m} tokens"
+                   + (" (the trained length)" if m >= kv.trained else "") + " (the default context there)")
     return out
 
 
@@ -148,7 +159,7 @@ def plan_for_card(gm, args, card_name: str, vram_budget: int | None = None, host
     state_kinds.with_cache_types) on card `card_name` under `vram_budget` bytes (None: the card's memory less
     CONTEXT_RESERVE), for prompts of `prompts` tokens (n_ctx: the longest), decode at `host_bw` bytes/s (None: no
     decode figure), sequence states in `ram_bytes` of host memory (None: no host figure)."""
-    from ..backends.gpu.backend import DEFAULT_CHUNK, Buffers
+    from ..backends.gpu.backend import DEFAULT_CHUNK, plan_pass
     from .benchmarks.decode import bytes_per_token
 
     c = find_card(card_name)
@@ -170,7 +181,8 @@ def plan_for_card(gm, args, card_name: str, vram_budget: int | None = None, host
     d_eff, d_src = (decode_eff, "given") if decode_eff is not None else calibration.DECODE
     ws = weights_of(gm, args, matrices_only=True)
     _check_supported(gm, args, ws)  # the GPU kernels' weight types, as GPUModel checks them
-    reserved = Buffers.nbytes(args, chunk, n_ctx) + vector_bytes(gm, args)
+    vec = vector_bytes(gm, args)
+    reserved = plan_pass(args, chunk, vram_budget - vec, ws, n_ctx).reserve(args, chunk) + vec
     try:
         p = plan_placement(ws, vram_budget, reserved)
     except BudgetError as e:

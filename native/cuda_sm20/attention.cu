@@ -187,6 +187,8 @@ extern "C" __global__ void attn_prefill_kv(const float* __restrict__ q, const vo
     attn_prefill_body<true>(q, kc, vc, gate, out, T, H, H_kv, hd, pos0, bk, scale, k_type, v_type);
 }
 
+#include "attention_tiled.cuh"
+
 // fp32 -> fp16 bits, rounded to nearest even: a conversion (cvt), available on every PTX target; widened to 32 bits
 // inside the asm (a 16-bit asm output whose low byte alone was used came back as 0 from one compiler)
 __device__ __forceinline__ u16 hi_f2h(float f) {

@@ -162,13 +162,14 @@ def _zeros(*shape) -> np.ndarray:
 class CPUModel(Backend):
     """backend="cpu": the whole engine on the host CPU."""
 
-    def __init__(self, gm: GGUFModel, args, simd: SimdLib, weights: str = "mmap", numa=None):
+    def __init__(self, gm: GGUFModel, args, simd: SimdLib, weights: str = "mmap", numa=None, progress: bool = False):
         """weights: where the matrices are read from (cpu/weights.py): "mmap" (the file's mapping), "copy"
         (one huge-page copy made now) or "auto" (copy if they take at most half the available memory; the mapping
         when per-node copies are made, which are where decode reads). numa: None, or a hybridinfer.backends.numa.Plan
         whose
         mode "replicate" has one copy of the matrices made on each of its nodes and the pool's threads placed on
-        them (cpu/replicas.py; `self.replicas` says what was done); other modes are process-wide, numa.apply's."""
+        them (cpu/replicas.py; `self.replicas` says what was done); other modes are process-wide, numa.apply's.
+        progress: a bar on stderr while the copy is made."""
         self.gm, self.args, self.simd = gm, args, simd
         a = args
         if getattr(a, "is_moe", False) and a.n_expert_used > MAX_EXPERTS_USED:
@@ -193,7 +194,8 @@ class CPUModel(Backend):
         self.weights = choose_weights_mode("mmap" if replicate and weights == "auto" else weights, nbytes,
                                            mem_available())
         # a copy is also repacked for the unit (SimdLib.repack: the SSSE3 unit's K-quants zipped)
-        self.weights_bytes = copy_mats(owners, simd.repack) if self.weights == "copy" else 0  # memory held
+        self.weights_bytes = (copy_mats(owners, simd.repack, progress) if self.weights == "copy"
+                              else 0)  # memory held
         self.out = held["out"]
         self.mats = [self.out] + [m for L in self.layers for m in L.mats()]
         self.replicas = None

@@ -63,21 +63,28 @@ def huge_page_buffer(nbytes: int) -> np.ndarray:
     return whole[start : start + nbytes]
 
 
-def copy_mats(owners: list[tuple[dict, str]], repack=None) -> int:
+def copy_mats(owners: list[tuple[dict, str]], repack=None, progress: bool = False) -> int:
     """Replace the Mat at owner[key], for every pair, by one whose bytes live in a single shared huge-page buffer
     (the same bytes; the file mapping is no longer read). Returns the buffer's size.
     repack: None, or `SimdLib.repack`: each copy is then repacked for the unit that reads it (the Mat takes
-    the qtype it returns)."""
+    the qtype it returns). progress: a tqdm bar of the bytes copied on stderr (a large model's copy reads the whole
+    file: minutes from a cold disk)."""
     mats = [o[k] for o, k in owners]
     sizes = [(m.raw.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN for m in mats]
     if not mats:
         return 0
     buf = huge_page_buffer(sum(sizes))
     off = 0
-    for (o, k), m, n in zip(owners, mats, sizes, strict=True):
-        dst = buf[off : off + m.raw.nbytes]
-        np.copyto(dst, m.raw)
-        o[k] = replace(m, raw=dst, qtype=m.qtype if repack is None else repack(dst, m.qtype))
-        off += n
+    from tqdm import tqdm
+
+    with tqdm(total=sum(m.raw.nbytes for m in mats), unit="B", unit_scale=True, unit_divisor=1024, leave=False,
+              desc="copying weights" if repack is None else "copying and repacking weights",
+              disable=not progress) as bar:
+        for (o, k), m, n in zip(owners, mats, sizes, strict=True):
+            dst = buf[off : off + m.raw.nbytes]
+            np.copyto(dst, m.raw)
+            o[k] = replace(m, raw=dst, qtype=m.qtype if repack is None else repack(dst, m.qtype))
+            off += n
+            bar.update(m.raw.nbytes)
     return buf.nbytes
 

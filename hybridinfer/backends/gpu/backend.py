@@ -10,6 +10,8 @@ also write S and conv at requested positions, so the prefix cache gets snapshots
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from ...format.quant_types import cache_type
@@ -49,32 +51,44 @@ class Buffers:
     lists them: the walker's rows (h, x, mix, ffn, pos), each op's own buffers (`op_<op>` for the mixer kinds' ops,
     then the FFN's), and the state the mixer kinds declare (models/state_kinds.py): `state[name, layer]` for every
     array a layer keeps (per-token arrays with n_ctx rows) and, for each recurrent array, MAX_SNAPS slots
-    `snap[name]` that the kernels write mid-prompt snapshots into (at the rows `snap_pos` names)."""
+    `snap[name]` that the kernels write mid-prompt snapshots into (at the rows `snap_pos` names).
 
-    def __init__(self, a, C: int, n_ctx: int):
+    kv_stream: the per-token arrays (K/V) of every layer stay in the host state; the card keeps one `slot[name]` of
+    n_ctx rows that each layer's rows pass through (walker.py: up before the layer, its new rows down after), so a
+    pass holds one layer's K/V instead of all of them; n_rows (default n_ctx): the hidden rows, the most new tokens
+    a pass takes (a longer prompt goes in several passes, each continuing the last)."""
+
+    def __init__(self, a, C: int, n_ctx: int, kv_stream: bool = False, n_rows: int | None = None):
         from pycuda import gpuarray
 
-        self.C, self.n_ctx = C, n_ctx
+        self.C, self.n_ctx, self.kv_stream = C, n_ctx, kv_stream
+        self.n_rows = n_ctx if n_rows is None else n_rows
         self.state: dict[tuple[str, int], object] = {}
+        self.slot: dict[str, object] = {}
         self.snap: dict[str, object] = {}
-        for key, (shape, dt) in self.layout(a, C, n_ctx).items():
+        for key, (shape, dt) in self.layout(a, C, n_ctx, kv_stream, n_rows).items():
             arr = gpuarray.empty(shape, dt)
             if isinstance(key, tuple):
                 getattr(self, key[0])[key[1]] = arr
             else:
                 setattr(self, key, arr)
 
+    def kv(self, name: str, i: int):
+        """The card's rows of per-token array `name` (K or V) of layer i: its own, or the slot they stream through."""
+        return self.slot[name] if self.kv_stream else self.state[name, i]
+
     @classmethod
-    def layout(cls, a, C: int, n_ctx: int) -> dict:
+    def layout(cls, a, C: int, n_ctx: int, kv_stream: bool = False, n_rows: int | None = None) -> dict:
         """Every buffer: attribute name, or (dict attribute, key), -> (shape, dtype)."""
-        D = a.n_embd
-        out: dict = {"h": ((n_ctx, D), F32), "x": ((C, D), F32), "mix": ((C, D), F32), "ffn": ((C, D), F32),
-                     "pos": ((n_ctx,), I32)}  # pos: absolute positions of the call's tokens, set once
+        D, R = a.n_embd, n_ctx if n_rows is None else n_rows
+        out: dict = {"h": ((R, D), F32), "x": ((C, D), F32), "mix": ((C, D), F32), "ffn": ((C, D), F32),
+                     "pos": ((R,), I32)}  # pos: absolute positions of the call's tokens, set once
         for op in dict.fromkeys(kind_of(t).op for t in a.layer_types):
             out.update(getattr(cls, f"op_{op}")(a, C))
         out.update(cls.op_moe(a, C) if a.is_moe else cls.op_ffn(a, C))
         for i, s in layer_arrays(a.layer_types):  # in the storage DecoderState keeps them in (K/V: their types)
-            out[("state", (s.name, i))] = (s.full_shape(a, n_ctx), s.storage(a)[0])
+            key = ("slot", s.name) if kv_stream and s.per_token else ("state", (s.name, i))
+            out[key] = (s.full_shape(a, n_ctx), s.storage(a)[0])
         recurrent = {s.name: s for _, s in layer_arrays(a.layer_types) if not s.per_token}
         for name, s in recurrent.items():
             out[("snap", name)] = ((MAX_SNAPS, *s.full_shape(a, 0)), F32)
@@ -118,20 +132,22 @@ class Buffers:
         return getattr(self, self.OUTS[name])[:n].reshape(n, -1)
 
     @classmethod
-    def nbytes(cls, a, C: int, n_ctx: int) -> int:
-        """Bytes Buffers(a, C, n_ctx) allocates (for the placement's reserve), computed without a card."""
-        return sum(int(np.prod(shape)) * dt.itemsize for shape, dt in cls.layout(a, C, n_ctx).values())
+    def nbytes(cls, a, C: int, n_ctx: int, kv_stream: bool = False, n_rows: int | None = None) -> int:
+        """Bytes Buffers(a, C, n_ctx, kv_stream, n_rows) allocates (for the placement's reserve), without a card."""
+        return sum(int(np.prod(shape)) * dt.itemsize
+                   for shape, dt in cls.layout(a, C, n_ctx, kv_stream, n_rows).values())
 
 
-def pass_tokens_fitting(a, chunk: int, budget: int, weights) -> int:
+def pass_tokens_fitting(a, chunk: int, budget: int, weights, kv_stream: bool = False,
+                        n_rows: int | None = None) -> int:
     """The most tokens a pass may hold (0: none) so that its Buffers (the K/V and hidden rows of every position, the
     chunk's activations) take half of what `budget` leaves beside the double staging of every layer streamed (the
     least the weights need): the other half keeps weights resident, so short prompts are not slowed by a long
     context; plan_placement fits whatever this leaves (each of its moves keeps the total within the budget)."""
     from .placement import HOST_ONLY, staged
 
-    fixed = Buffers.nbytes(a, chunk, 0)
-    per = Buffers.nbytes(a, chunk, 1) - fixed  # Buffers grow by whole rows of n_ctx
+    fixed = Buffers.nbytes(a, chunk, 0, kv_stream, n_rows)
+    per = Buffers.nbytes(a, chunk, 1, kv_stream, n_rows) - fixed  # Buffers grow by whole rows of n_ctx
     layers: dict[int, int] = {}
     for w in weights:
         if w.name not in HOST_ONLY:
@@ -143,6 +159,45 @@ def pass_tokens_fitting(a, chunk: int, budget: int, weights) -> int:
 FIT_STEP = 256  # a pass length fitted to the budget is a multiple of this (as the engine's chosen n_ctx)
 
 
+@dataclass(frozen=True)
+class PassPlan:
+    """How long a GPU pass may be. A pass whose cached and new rows fit n_res keeps every layer's K/V on the card;
+    a longer one streams them (Buffers kv_stream: one layer's rows on the card at a time, up to n_ctx, the rest in
+    the host state) and takes at most n_rows new tokens (a longer prompt goes in several passes)."""
+
+    n_res: int
+    n_rows: int
+    n_ctx: int
+
+    def reserve(self, a, chunk: int) -> int:
+        """Card bytes its buffers take at most: the larger of the two layouts (GPUModel.use_layout frees one before
+        making the other)."""
+        return max(Buffers.nbytes(a, chunk, self.n_res) if self.n_res else 0,
+                   Buffers.nbytes(a, chunk, self.n_ctx, True, self.n_rows) if self.n_res < self.n_ctx else 0)
+
+
+def plan_pass(a, chunk: int, budget: int, weights, n_ctx: int, kv_stream: bool | None = None,
+              fit: bool = False) -> PassPlan:
+    """The PassPlan of passes up to n_ctx rows under `budget` bytes (what the vectors leave). n_res is what fits with
+    the K/V on the card (pass_tokens_fitting), up to n_ctx, and a streamed pass takes as many new rows: both layouts
+    then take about the same memory, and streaming holds a context about as many times longer as the model has
+    attention layers. kv_stream None streams only passes longer than n_res, True every pass (n_res 0), False none.
+    fit: n_ctx is only the most a pass may hold and becomes what fits where that is less (a multiple of FIT_STEP,
+    at least one step: plan_placement then says why none fits)."""
+    has_kv = any(s.per_token for _, s in layer_arrays(a.layer_types))
+    res = pass_tokens_fitting(a, chunk, budget, weights)
+    if kv_stream is False or not has_kv or (kv_stream is None and res >= n_ctx):
+        if fit and res < n_ctx:
+            n_ctx = min(n_ctx, max(FIT_STEP, res // FIT_STEP * FIT_STEP))
+        return PassPlan(n_ctx, n_ctx, n_ctx)
+    rows = min(n_ctx, max(res, chunk))
+    if fit:
+        n = pass_tokens_fitting(a, chunk, budget, weights, kv_stream=True, n_rows=rows)
+        if n < n_ctx:
+            n_ctx = max(rows, n // FIT_STEP * FIT_STEP)
+    return PassPlan(0 if kv_stream else min(res, n_ctx), rows, n_ctx)
+
+
 class GPUModel:
     """Prefill on the card under `vram_budget` bytes (None: the card's free memory less 512 MiB).
 
@@ -150,14 +205,15 @@ class GPUModel:
     (cards.PROFILES), on this card's multiprocessors, and paces the weight stream to that class's bus; None: for
     the card itself. bus_bw (bytes/s) paces the weight stream to that rate instead (gpu/pacing.py). The kernels
     are loaded (compiled once per card and class, then read from the disk cache) here; `compiled` lists what this
-    load did. fit_n_ctx: n_ctx is only the most a pass may hold; it becomes what fits the budget (pass_tokens_fitting)
-    where that is less."""
+    load did. fit_n_ctx: n_ctx is only the most a pass may hold; it becomes what fits the budget where that is less.
+    kv_stream: None streams the K/V of a pass through the card layer by layer only where the pass is too long to
+    keep them there (plan_pass); True / False: every pass or none."""
 
     single_pass = True
 
     def __init__(self, gm, args, n_ctx: int, vram_budget: int | None = None, chunk: int = DEFAULT_CHUNK,
                  device: int = 0, expert_counts=None, bus_bw: float | None = None,
-                 card_profile: str | None = None, fit_n_ctx: bool = False):
+                 card_profile: str | None = None, fit_n_ctx: bool = False, kv_stream: bool | None = None):
         loader.init(device)  # BackendNotAvailableError without pycuda or a card
         loader.configure(card_profile)
         self.card_profile = card_profile
@@ -180,11 +236,11 @@ class GPUModel:
         _check_supported(gm, args, self.infos.values())
         free, total = drv.mem_get_info()
         self.vram_budget = int(vram_budget) if vram_budget is not None else int(free) - (512 << 20)
-        if fit_n_ctx:  # n_ctx is the most the engine would hold; a pass takes what the budget leaves of it
-            fit = pass_tokens_fitting(a, self.chunk, self.vram_budget - vec_bytes, self.infos.values())
-            if fit < n_ctx:  # at least one step even where none fits: plan_placement then says why
-                n_ctx = self.n_ctx = min(n_ctx, max(FIT_STEP, fit // FIT_STEP * FIT_STEP))
-        self.reserved = Buffers.nbytes(a, self.chunk, n_ctx) + vec_bytes
+        self.plan = plan_pass(a, self.chunk, self.vram_budget - vec_bytes, self.infos.values(), n_ctx, kv_stream,
+                              fit_n_ctx)
+        self.n_res, self.n_rows, self.n_ctx = self.plan.n_res, self.plan.n_rows, self.plan.n_ctx
+        n_ctx = self.n_ctx
+        self.reserved = vec_bytes + self.plan.reserve(a, self.chunk)
         # tokens routed to each (layer, expert) over the prompts seen: replan() pins the most used experts
         self.expert_counts: dict[tuple[int, int], int] = dict(expert_counts or {})
         self.placement = plan_placement(self.infos.values(), self.vram_budget, self.reserved, self.expert_counts)
@@ -196,12 +252,11 @@ class GPUModel:
         self.work = Work()
         self.kv_types = tuple(cache_type(t).id for t in cache_types(a))  # ggml ids of the K and V cache types
         self.kv_rot = kv_rotation(a)  # their rotation sizes (0: none)
-        self.buf = Buffers(a, self.chunk, n_ctx)
-        self.handoff = StateHandoff(self.buf, self.chunk)
+        self.buf = self.handoff = None
+        self.use_layout(self.n_res == 0)
         self.blocks = graph.branches(a)  # the architecture's forward, walked layer-major by _forward
         self.out_norm, self.head = graph.head(a)
         self.tok_embd = gm.tensor(graph.arch_of(a).EMBED)
-        self._owner = None  # the state whose copy the card holds: (weakref, pos, hash of its tokens)
         self.last_timing: dict = {}
         self.drv = drv
         if a.is_moe:
@@ -209,7 +264,19 @@ class GPUModel:
             self.counts_host = drv.pagelocked_zeros((a.n_layer, n_chunks, a.n_expert), np.int32)
         self._chunk_no = 0
         self.profile, self._marks = False, []  # profile: time gdn / attention / moe / ffn phases with events
-        self._fixed_bytes = Buffers.nbytes(a, self.chunk, n_ctx) + vec_bytes
+        self._fixed_bytes = self.reserved
+
+    def use_layout(self, kv_stream: bool) -> None:
+        """The card's buffers as a pass of this kind needs them: every layer's K/V on the card (n_res rows), or
+        streamed through it (n_ctx rows). A switch frees one layout before making the other (both fit the reserve)
+        and forgets the card's copy of a state."""
+        if self.buf is not None and self.buf.kv_stream == kv_stream:
+            return
+        self.buf = self.handoff = None
+        self._owner = None  # the state whose copy the card holds: (weakref, pos, hash of its tokens)
+        self.buf = (Buffers(self.args, self.chunk, self.n_ctx, True, self.n_rows) if kv_stream
+                    else Buffers(self.args, self.chunk, self.n_res))
+        self.handoff = StateHandoff(self.buf, self.chunk)
 
     def new_state(self, n_ctx: int) -> DecoderState:
         return DecoderState.new(self.args, n_ctx)
@@ -240,7 +307,17 @@ class GPUModel:
             return self._forward(tokens, state, all_logits, snapshot_at, on_snapshot)
 
     def _forward(self, tokens, state: DecoderState, all_logits: bool, snapshot_at, on_snapshot):
-        return walk(self, [item(self, tokens, state, snapshot_at, on_snapshot)], all_logits)[0]
+        """One pass, or where the K/V stream (PassPlan) and the prompt is longer than a pass's rows, passes of n_rows
+        tokens each continuing the last (a snapshot asked for where one ends is taken there)."""
+        T = len(tokens)
+        step = max(1, self.n_rows if state.pos + T > self.n_res else T)
+        outs = []
+        for r0 in range(0, T, step):
+            lg = walk(self, [item(self, tokens[r0 : r0 + step], state, snapshot_at, on_snapshot)], all_logits)[0]
+            outs.append(lg)
+            if r0 + step < T and on_snapshot is not None and state.pos in set(snapshot_at):
+                on_snapshot(state, lg[-1])
+        return np.concatenate(outs, axis=0) if all_logits and len(outs) > 1 else outs[-1]
 
     def block(self, i: int, W: dict) -> BlockTensors:
         """Block i's tensors by short name: its streamed matrices (W, by GGUF name) and its float32 vectors."""

@@ -149,7 +149,7 @@ class GPUOps:
             ka.q_round(q, kt, stream=s)
         o = b.o[:n]
         for r0, r1, p0, base in self.attn_segs:
-            kc, vc = b.state["k", i], b.state["v", i]
+            kc, vc = b.kv("k", i), b.kv("v", i)
             kc, vc = (kc, vc) if base == 0 else (kc[base:], vc[base:])
             if typed:
                 ka.kv_store(k3[r0:r1], v3[r0:r1], kc, vc, p0, kt, vt, stream=s)

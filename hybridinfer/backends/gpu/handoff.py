@@ -113,3 +113,23 @@ class StateHandoff:
                 if ARRAYS[name].per_token:
                     st.arrays[name][i][p0:p1] = card[p0:p1].get()
         self._st = None
+
+
+def kv_up(drv, buf, i: int, prompts, stream) -> None:
+    """Before layer i in a pass that streams K/V (Buffers kv_stream): each prompt's cached rows of the layer (rows
+    [0, pos) of its host state) up into the card's slot at its base. prompts: (state, base, T) of each prompt."""
+    for name, slot in buf.slot.items():
+        for st, base, _ in prompts:
+            if st.pos:
+                drv.memcpy_htod_async(slot[base : base + st.pos].gpudata,
+                                      np.ascontiguousarray(st.arrays[name][i][: st.pos]), stream)
+
+
+def kv_down(drv, buf, i: int, prompts, stream) -> None:
+    """After layer i's last chunk is queued: the pass's new rows of the layer (rows [pos, pos + T) of each prompt)
+    down from the slot into the host states before a later layer takes the slot. The host state is not page-locked,
+    so the copy waits for the card: a long prompt's layer takes far longer than that wait."""
+    for name, slot in buf.slot.items():
+        for st, base, T in prompts:
+            p = st.pos
+            drv.memcpy_dtoh_async(st.arrays[name][i][p : p + T], slot[base + p : base + p + T].gpudata, stream)

@@ -26,6 +26,24 @@ def _smem_floats(hd: int, bk: int) -> int:
     return BQ * (hd + 1) + bk * (hd + 1) + BQ * bk + 3 * BQ
 
 
+def _tiled_smem_floats(hd: int, bk: int) -> int:
+    return BQ * (hd + 4) + bk * (hd + 4) + BQ * (bk + 1) + bk * BQ + 2 * BQ
+
+
+TILED_HD = (64, 128, 256)  # heads with a register-tiled kernel (attention_tiled.cuh), one kernel each
+
+
+def _launch(args: list, T: int, H: int, hd: int, bk: int, typed: bool, stream) -> None:
+    """The register-tiled kernel (the same sums in the same order, with the key tile it fixes for the head: key_tile's)
+    where the head has one, else the plain one (which takes hd and bk)."""
+    if hd in TILED_HD:
+        name, smem = f"attn_prefill_tiled{hd}" + ("_kv" if typed else ""), _tiled_smem_floats(hd, bk) * 4
+        args = [x for j, x in enumerate(args) if j not in (8, 10)]  # hd and bk are the kernel's constants
+    else:
+        name, smem = "attn_prefill_kv" if typed else "attn_prefill", _smem_floats(hd, bk) * 4
+    loader.launch(FAMILY, name, (loader.grid_for(T, BQ), H), (THREADS,), args, shared=smem, stream=stream)
+
+
 def key_tile(hd: int) -> int:
     """Keys per tile: 32 where the tiles fit in 48 KiB of shared memory, else 16."""
     return 32 if _smem_floats(hd, 32) * 4 <= SMEM_LIMIT else 16
@@ -66,8 +84,7 @@ def attention_prefill(q, k_cache, v_cache, out, pos0: int, gate=None, stream=Non
     bk = key_tile(hd)
     args += [np.int32(T), np.int32(H), np.int32(H_kv), np.int32(hd), np.int32(pos0), np.int32(bk),
              np.float32(1.0 / np.sqrt(hd))]
-    loader.launch(FAMILY, "attn_prefill", (loader.grid_for(T, BQ), H), (THREADS,), args,
-                  shared=_smem_floats(hd, bk) * 4, stream=stream)
+    _launch(args, T, H, hd, bk, False, stream)
 
 
 def gate_mul(out, gate, stream=None) -> None:
@@ -123,8 +140,7 @@ def attention_prefill_kv(q, k_cache, v_cache, out, pos0: int, k_type: int, v_typ
             loader.arg(out, np.float32, (T, H, hd), "out"), np.int32(T), np.int32(H), np.int32(H_kv),
             np.int32(hd), np.int32(pos0), np.int32(bk), np.float32(1.0 / np.sqrt(hd)), np.int32(k_type),
             np.int32(v_type)]
-    loader.launch(FAMILY, "attn_prefill_kv", (loader.grid_for(T, BQ), H), (THREADS,), args,
-                  shared=_smem_floats(hd, bk) * 4, stream=stream)
+    _launch(args, T, H, hd, bk, True, stream)
 
 
 def kv_store(k_new, v_new, k_cache, v_cache, pos0: int, k_type: int, v_type: int, stream=None) -> None:

@@ -14,13 +14,15 @@ from . import loader
 from .walker import item, walk
 
 
-def plan_groups(lengths: list[tuple[int, int]], n_ctx: int) -> list[list[int]]:
-    """Prompts (p0, T) in order, grouped into passes: in each, the new tokens fit the hidden buffer (n_ctx rows)
-    and every prompt's whole K/V (p0 + T rows) fits the cache beside the others'."""
+def plan_groups(lengths: list[tuple[int, int]], n_ctx: int, n_rows: int | None = None) -> list[list[int]]:
+    """Prompts (p0, T) in order, grouped into passes: in each, the new tokens fit the hidden buffer (n_rows rows,
+    default n_ctx) and every prompt's whole K/V (p0 + T rows) fits the cache (n_ctx rows) beside the others'. A
+    prompt longer than n_rows goes alone (GPUModel.forward cuts it into passes)."""
+    n_rows = n_ctx if n_rows is None else n_rows
     groups: list[list[int]] = []
     rows = kv = 0
     for j, (p0, T) in enumerate(lengths):
-        if groups and rows + T <= n_ctx and kv + p0 + T <= n_ctx:
+        if groups and rows + T <= n_rows and kv + p0 + T <= n_ctx:
             groups[-1].append(j)
             rows, kv = rows + T, kv + p0 + T
         else:
@@ -35,7 +37,11 @@ def forward_many(m, prompts) -> list[np.ndarray]:
     items = [item(m, ids, st, at, cb) for ids, st, at, cb in prompts]
     out: list = [None] * len(items)
     with loader.on_this_thread():
-        for group in plan_groups([(it.state.pos, len(it.ids)) for it in items], m.n_ctx):
+        for group in plan_groups([(it.state.pos, len(it.ids)) for it in items], m.n_ctx, m.n_rows):
+            if len(group) == 1:  # alone: in passes of its own where it is longer than one
+                it = items[group[0]]
+                out[group[0]] = m._forward(it.ids, it.state, False, it.snapshot_at, it.on_snapshot)
+                continue
             for j, lg in zip(group, walk(m, [items[j] for j in group]), strict=True):
                 out[j] = lg
     return out

@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ...format.quant import dequantize_rows
-from ...models.state_kinds import ARRAYS
+from ...models.state_kinds import ARRAYS, layer_arrays
 from ..state import DecoderState, check_tokens
 from . import k_elementwise as ke
 from .graph_ops import GPUOps
-from .handoff import zero_or_upload
+from .handoff import kv_down, kv_up, zero_or_upload
 from .work import Work
 
 MAX_SNAPS = 16  # mid-prompt snapshots per pass (the card's snapshot slots)
@@ -139,7 +139,6 @@ def walk(m, items: list[Item], all_logits: bool = False) -> list[np.ndarray]:
     """One streamed pass of GPUModel m over `items` (their rows and cached rows must fit its buffers, as
     multi.plan_groups groups them): each prompt's logits, (T, n_vocab) with all_logits (one prompt), else its last
     token's (1, n_vocab). The states advance; snapshots go to each prompt's on_snapshot once the pass is done."""
-    a, b, s, C, st = m.args, m.buf, m.stream, m.chunk, m.streamer
     if all_logits and len(items) > 1:
         raise ValueError("all_logits: a pass of one prompt")
     off = base = n_snap = 0
@@ -150,6 +149,10 @@ def walk(m, items: list[Item], all_logits: bool = False) -> list[np.ndarray]:
         it.snaps = sorted({int(p) - p0 for p in it.snapshot_at if p0 < int(p) < p0 + T})[: MAX_SNAPS - n_snap]
         it.snap0 = n_snap
         n_snap += len(it.snaps)
+    m.use_layout(base > m.n_res)  # the K/V stay on the card where the pass's rows fit n_res, else they stream
+    a, b, s, C, st = m.args, m.buf, m.stream, m.chunk, m.streamer
+    kv_layers = {i for i, arr in layer_arrays(a.layer_types) if arr.per_token} if b.kv_stream else set()
+    prompts = [(it.state, it.base, len(it.ids)) for it in items]
     moves = OneState(m, items[0]) if len(items) == 1 else ManyStates(m, items)
     t0 = time.perf_counter()
     moves.up()
@@ -178,6 +181,8 @@ def walk(m, items: list[Item], all_logits: bool = False) -> list[np.ndarray]:
     for i in range(a.n_layer):
         st.prefetch(i + 1)  # the next layer's upload overlaps this layer's compute
         L = m.block(i, st.weights(i, m.layer_names[i]))
+        if i in kv_layers:
+            kv_up(m.drv, b, i, prompts, s)
         k_chunk = 0
         for j, br in enumerate(m.blocks[i]):
             for r0 in range(0, off, C):
@@ -202,6 +207,8 @@ def walk(m, items: list[Item], all_logits: bool = False) -> list[np.ndarray]:
         moves.layer_done(i)
         st.release(i)
         moves.drain(i)
+        if i in kv_layers:
+            kv_down(m.drv, b, i, prompts, s)
     logits = _heads(m, items, all_logits)
     ev1.record(s)
     t_queued = time.perf_counter()

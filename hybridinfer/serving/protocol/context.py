@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Sequence
 
 from pydantic import BaseModel, ValidationError
 
@@ -20,13 +21,22 @@ def default_model_name(engine) -> str:
 
 
 class Context:
-    def __init__(self, engine, model_name: str):
-        self.engine, self.model_name = engine, model_name
+    """model_name: the served name, or several (aliases): the first is the one answers report. One loaded model
+    answers whatever `model` a request names (as llama-server; answers still report the served name), unless
+    strict_model_name, where a name that is none of them is a 404 (as vLLM's --served-model-name)."""
+
+    def __init__(self, engine, model_name: str | Sequence[str], strict_model_name: bool = False):
+        names = [model_name] if isinstance(model_name, str) else list(model_name)
+        if not names or not all(isinstance(n, str) and n for n in names):
+            raise ValueError(f"model names must be non-empty strings, got {model_name!r}")
+        self.engine, self.model_names = engine, tuple(dict.fromkeys(names))
+        self.model_name, self.strict_model_name = self.model_names[0], strict_model_name
         self.info = TemplateInfo.probe(engine)
 
     def check_model(self, name: str) -> None:
-        if name != self.model_name:
-            raise ApiError(404, f"the model {name!r} does not exist; the model served is {self.model_name!r}",
+        if self.strict_model_name and name not in self.model_names:
+            served = ", ".join(repr(n) for n in self.model_names)
+            raise ApiError(404, f"the model {name!r} does not exist; the model served is {served}",
                            param="model", code="model_not_found")
 
     def make_request(self, prompt, max_tokens: int | None, sampling: dict, stop, turn_boundary=None):

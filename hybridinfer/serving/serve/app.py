@@ -118,8 +118,9 @@ def _tenant(key: bytes) -> str:
     return hashlib.blake2b(key, digest_size=16, person=b"hi-tenant").hexdigest()
 
 
-def create_app(engine, api_key=None, model_name: str | None = None, max_queue: int = DEFAULT_MAX_QUEUE,
-               max_body_bytes: int = DEFAULT_MAX_BODY, *, report_cached_tokens: bool = False,
+def create_app(engine, api_key=None, model_name=None, max_queue: int = DEFAULT_MAX_QUEUE,
+               max_body_bytes: int = DEFAULT_MAX_BODY, *, strict_model_name: bool = False,
+               report_cached_tokens: bool = False,
                allowed_hosts=LOOPBACK_HOSTS, render_threads: int = DEFAULT_RENDER_THREADS,
                close_engine: bool = False) -> FastAPI:
     """An app serving `engine` (its scheduler runs every request).
@@ -128,7 +129,9 @@ def create_app(engine, api_key=None, model_name: str | None = None, max_queue: i
     `x-api-key: KEY`, compared as UTF-8 bytes), None for none. With keys, each key is a tenant of its own in the
     prefix cache: a prompt restores only snapshots made under the same key, and usage reports its cached tokens.
     Without keys every client shares one cache, so `cached_tokens` is reported as 0 unless report_cached_tokens.
-    model_name: the one model id clients must name (default: the GGUF's file name without .gguf). max_queue:
+    model_name: the model id answers report (default: the GGUF's file name without .gguf), or a list of them
+    (aliases: the first is reported, all are listed); any name a request gives is answered, unless
+    strict_model_name, where a name not among them is a 404. max_queue:
     requests that may wait beyond the engine's max_seqs running ones; past that, 429 (parsing and rendering count
     too: they happen under the same bound, render_threads at a time). max_body_bytes: larger bodies get 413.
     allowed_hosts: without keys, the Host header must name one of these (and an Origin header, if sent, too), else
@@ -143,7 +146,8 @@ def create_app(engine, api_key=None, model_name: str | None = None, max_queue: i
     keys = [k.encode() for k in check_api_keys(api_key)]
     metrics = Metrics()
     svc = Service(engine, model_name or default_model_name(engine), max_queue, metrics, max_body_bytes,
-                  render_threads, report_cached=report_cached_tokens or bool(keys))
+                  render_threads, report_cached=report_cached_tokens or bool(keys),
+                  strict_model_name=strict_model_name)
 
     async def check_key(request: Request) -> None:
         if not keys:

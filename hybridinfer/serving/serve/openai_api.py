@@ -22,12 +22,12 @@ def router(svc: Service) -> APIRouter:
 
     @r.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [_model(svc)]}
+        return {"object": "list", "data": [_model(svc, n) for n in svc.model_names]}
 
     @r.get("/v1/models/{name:path}")
     async def model(name: str):
         svc.check_model(name)
-        return _model(svc)
+        return _model(svc, name if name in svc.model_names else svc.model_name)
 
     @r.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -53,8 +53,8 @@ def router(svc: Service) -> APIRouter:
     return r
 
 
-def _model(svc: Service) -> dict:
-    return {"id": svc.model_name, "object": "model", "created": 0, "owned_by": "hybridinfer",
+def _model(svc: Service, name: str) -> dict:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "hybridinfer",
             "max_model_len": svc.engine.n_ctx}
 
 

@@ -49,9 +49,10 @@ class Service(Context):
     report_cached: usage reports the prompt tokens restored from the prefix cache (off where clients share a cache
     and must not learn of each other's prompts)."""
 
-    def __init__(self, engine, model_name: str, max_queue: int, metrics: Metrics, max_body: int,
-                 render_threads: int = DEFAULT_RENDER_THREADS, report_cached: bool = True):
-        super().__init__(engine, model_name)
+    def __init__(self, engine, model_name, max_queue: int, metrics: Metrics, max_body: int,
+                 render_threads: int = DEFAULT_RENDER_THREADS, report_cached: bool = True,
+                 strict_model_name: bool = False):
+        super().__init__(engine, model_name, strict_model_name)
         self.metrics, self.max_body, self.report_cached = metrics, max_body, report_cached
         self.scheduler = engine.scheduler
         self.limit = engine.max_seqs + max_queue  # requests held at once: running plus queued

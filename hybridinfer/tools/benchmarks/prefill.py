@@ -54,7 +54,7 @@ def gemm_flops(gm, args, T: int) -> float:
 
 
 def run_ours(path: str, prompts, budget: int | None, config: str, bw: float, peak: float, seed: int = 0,
-             bus_bw: float | None = None, card_profile: str | None = None):
+             bus_bw: float | None = None, card_profile: str | None = None, kv_stream: bool | None = None):
     import pycuda.driver as drv
 
     from ...backends.gpu import loader
@@ -69,7 +69,7 @@ def run_ours(path: str, prompts, budget: int | None, config: str, bw: float, pea
     t0 = time.perf_counter()
     loader.init()
     free0, _ = drv.mem_get_info()
-    m = GPUModel(gm, args, n_ctx, vram_budget=budget, bus_bw=bus_bw, card_profile=card_profile)
+    m = GPUModel(gm, args, n_ctx, vram_budget=budget, bus_bw=bus_bw, card_profile=card_profile, kv_stream=kv_stream)
     load_s = time.perf_counter() - t0
     phases, host = {}, {}
     rows = []
@@ -101,7 +101,7 @@ def run_ours(path: str, prompts, budget: int | None, config: str, bw: float, pea
             "allocated_gib": m.allocated_bytes / 2**30,
             "stream_gib_per_pass": m.placement.stream_bytes_per_pass / 2**30,
             "resident_gib": m.placement.resident_bytes / 2**30, "phases_s": phases, "host_s": host,
-            "chunk": m.chunk}
+            "chunk": m.chunk, "kv_streamed": bool(m.buf.kv_stream), "pass_plan": vars(m.plan)}
     del m
     gc.collect()
     return rows, info
@@ -124,9 +124,10 @@ def llama_bench(exe: str | None, path: str, T: int, threads: int, extra: list[st
 
 def run(path: str, prompts=(128, 947, 4096), budget: int | None = 6 << 30, resident: bool = True,
         threads: int = 16, llama_cpu: str | None = None, llama_cuda: str | None = None,
-        bus_bw: float | None = None, card_profile: str | None = None) -> dict:
+        bus_bw: float | None = None, card_profile: str | None = None, kv_stream: bool | None = None) -> dict:
     """bus_bw: pace the weight stream to this many bytes/s (an old card's bus; None: the card's own, or the card
-    profile's bus); card_profile: compile and tile as for that class of card (gpu/cards.py PROFILES)."""
+    profile's bus); card_profile: compile and tile as for that class of card (gpu/cards.py PROFILES); kv_stream:
+    GPUModel's (None: K/V streamed through the card only for passes too long to keep them there; True: always)."""
     from ...backends.gpu.k_peak import fma_peak_flops, pinned_h2d_bytes_per_s
 
     pinned, peak = pinned_h2d_bytes_per_s(), fma_peak_flops()
@@ -138,7 +139,8 @@ def run(path: str, prompts=(128, 947, 4096), budget: int | None = 6 << 30, resid
     configs = ([(budget, f"--vram-budget {budget / 2**30:g}GiB")] if budget else []) + (
         [(None, "whole model resident")] if resident else [])
     for b, label in configs:
-        r, info = run_ours(path, prompts, b, label, bw, peak, bus_bw=bus_bw, card_profile=card_profile)
+        r, info = run_ours(path, prompts, b, label, bw, peak, bus_bw=bus_bw, card_profile=card_profile,
+                           kv_stream=kv_stream)
         rows += r
         infos.append(info)
     for T in prompts:
@@ -179,7 +181,9 @@ def markdown(res: dict) -> str:
         out.append(f"- {c['config']}: {c['resident_gib']:.2f} GiB resident, {c['stream_gib_per_pass']:.2f} GiB "
                    f"streamed per prompt, {c['allocated_gib']:.2f} GiB allocated, load {c['load_s']:.1f} s; "
                    f"{c.get('chunk')} tokens per kernel call; GPU time by phase (s): {c['phases_s']}; host time "
-                   f"(s): {c.get('host_s')}")
+                   f"(s): {c.get('host_s')}"
+                   + ("; K/V streamed through the card" if c.get("kv_streamed") else "")
+                   + (f"; passes: {c['pass_plan']}" if c.get("pass_plan") else ""))
     out += ["", "| engine | config | prompt | tok/s | wall s | transfer s | compute s | idle s | H2D GB/s "
             "(% bus) | TFLOP/s counted (% peak) | wall / floor | VRAM GiB | GFLOP, GiB streamed (= model) |",
             "|---" * 13 + "|"]
