@@ -210,8 +210,11 @@ def test_bad_spec_options_are_refused_by_name(model):
                dict(draft_max=2.0)):
         with pytest.raises(ParameterError, match="spec_type|draft_max"):
             _engine(path, **kw)
-    with pytest.raises(UnsupportedArchitectureError, match="mtp"):
-        _engine(path, spec_type="mtp")
+    for name in ("mtp", "draft-mtp"):  # llama.cpp's name for it too
+        with pytest.raises(UnsupportedArchitectureError, match="mtp"):
+            _engine(path, spec_type=name)
+    with _engine(path, spec_type="ngram-simple", draft_max=2) as eng:  # llama.cpp's name for prompt lookup
+        assert isinstance(eng.spec.drafter, sp.NgramDrafter) and eng.spec.draft_max == 2
 
 
 def test_a_failed_verify_step_fails_its_sequences_and_the_engine_goes_on(model):

@@ -29,6 +29,8 @@ def test_cli_run_with_ngram_drafts_says_the_same():
     plain, spec = _cli(*base), _cli(*base, "--spec-type", "ngram", "--draft-max", "4")
     assert plain.returncode == 0 and spec.returncode == 0, (plain.stderr, spec.stderr)
     assert plain.stdout.strip() and spec.stdout == plain.stdout
+    llama = _cli(*base, "--spec-type", "ngram-simple", "--spec-draft-n-max", "2")  # llama.cpp's words for it
+    assert llama.returncode == 0 and llama.stdout == plain.stdout, llama.stderr
     stats = _cli(*base, "--spec-type", "ngram", "--stats")
     assert re.search(r"drafts accepted [1-9]\d*/[1-9]\d*\]", stats.stderr), stats.stderr
     bad = _cli(*base, "--draft-max", "5")

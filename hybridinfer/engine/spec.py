@@ -32,6 +32,8 @@ from ..errors import ParameterError, UnsupportedArchitectureError
 from .compute import ema
 
 SPEC_TYPES = ("none", "ngram", "mtp")
+# llama.cpp's --spec-type names for the same kinds (its ngram-simple: the last n tokens looked up, the m after them)
+SPEC_ALIASES = {"ngram-simple": "ngram", "draft-mtp": "mtp"}
 MAX_DRAFT = 4  # --draft-max's range is 1..MAX_DRAFT (the issue's k = 1..4)
 DEFAULT_DRAFT_MAX = 3
 MAX_BACKOFF = 64  # steps a sequence whose drafts are all rejected waits at most before it drafts again
@@ -96,19 +98,20 @@ def _no_mtp(args):
 DRAFTERS = {"none": lambda args: None, "ngram": lambda args: NgramDrafter(), "mtp": _no_mtp}
 
 
-def check_spec(spec_type: str | None, draft_max: int) -> None:
-    """Refuse a bad --spec-type / --draft-max before the model is opened."""
+def check_spec(spec_type: str | None, draft_max: int) -> str | None:
+    """Refuse a bad --spec-type / --draft-max before the model is opened; the drafter's name (an alias resolved)."""
+    spec_type = SPEC_ALIASES.get(spec_type, spec_type)
     if spec_type is not None and spec_type not in DRAFTERS:
-        raise ParameterError(f"unknown spec_type {spec_type!r} (known: {', '.join(DRAFTERS)})")
+        raise ParameterError(f"unknown spec_type {spec_type!r} (known: {', '.join([*DRAFTERS, *SPEC_ALIASES])})")
     if type(draft_max) is not int or not 1 <= draft_max <= MAX_DRAFT:
         raise ParameterError(f"draft_max must be a whole number in [1, {MAX_DRAFT}], got {draft_max!r}")
+    return spec_type
 
 
 def make_speculator(spec_type: str | None, draft_max: int, args):
     """The Speculator of an engine, or None. spec_type None: the file's own drafter where it has one (the MTP block,
     not read yet), else none."""
-    check_spec(spec_type, draft_max)
-    drafter = DRAFTERS[spec_type or "none"](args)
+    drafter = DRAFTERS[check_spec(spec_type, draft_max) or "none"](args)
     return None if drafter is None else Speculator(drafter, draft_max)
 
 
