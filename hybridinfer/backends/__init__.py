@@ -60,6 +60,25 @@ class Backend(ABC):
         each chunk, (n, n_vocab), an array that is the caller's. This default runs them one after another."""
         return np.stack([np.array(self.forward(ids, st, all_logits=False)[-1], copy=True) for ids, st in chunks])
 
+    def forward_rows(self, chunks, undo: bool = False):
+        """The decode path's pass over a few tokens of each of several sequences, each (ids, state) (speculative
+        verify rows): every row's logits, one (len(ids), n_vocab) array per chunk, the caller's; row i equal to what
+        a one-token decode step at that position gives. undo: also one state.RowsUndo per chunk, which puts its
+        state back to after any number of its rows. This default runs them one token at a time."""
+        from .state import RowsUndo
+
+        out, undos = [], []
+        for ids, st in chunks:
+            u = RowsUndo(st, len(ids)) if undo else None
+            rows = []
+            for t in ids:
+                rows.append(np.array(self.forward([t], st, all_logits=False)[-1], copy=True))
+                if u is not None and u.saved:
+                    u.snap()
+            out.append(np.stack(rows))
+            undos.append(u)
+        return (out, undos) if undo else out
+
     def release(self, state) -> None:  # noqa: B027 (a no-op unless the backend keeps something per state)
         """Forget what the backend keeps for this sequence's state (recorded steps, bound calls), so that its memory
         goes as soon as its owner drops it."""
@@ -94,6 +113,9 @@ class GPUPrefillCPUDecode(Backend):
 
     def decode_batch(self, tokens, states) -> np.ndarray:
         return self.cpu.decode_batch(tokens, states)
+
+    def forward_rows(self, chunks, undo: bool = False):
+        return self.cpu.forward_rows(chunks, undo)  # verify rows are decode work: the CPU's, as every decode step
 
     @property
     def last_pass(self) -> dict | None:

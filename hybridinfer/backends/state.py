@@ -137,6 +137,49 @@ class DecoderState:
         return n
 
 
+class RowsUndo:
+    """Going back inside a pass over `n` rows of one state (speculative verify): `undo(m)` leaves the state as
+    after the first m rows alone (1 <= m <= n), bit for bit. K/V rows past the position are never read again, so
+    only the recurrent arrays need it: they are copied before the pass, and either a copy is kept after every row
+    (`snap()`, a backend that runs the rows one at a time) or each GDN call's inputs are kept (`keep(layer, args)`)
+    and `again(kept, m)` runs those calls over their first m rows on the restored arrays."""
+
+    def __init__(self, state: DecoderState, n: int, again=None, into: list[np.ndarray] | None = None):
+        """into: buffers of the recurrent arrays' shapes to copy them into (a backend reuses them from step to
+        step: fresh pages cost ten times the copy)."""
+        self.state, self.n, self.pos0, self.again = state, n, state.pos, again
+        held = [a for _, _, a in state.held(per_token=False)]
+        if into is None:
+            self.saved = [a.copy() for a in held]
+        else:
+            self.saved = into
+            for a, b in zip(held, into, strict=True):
+                np.copyto(b, a)
+        self.kept: dict[int, tuple] = {}
+        self.after: list[list[np.ndarray]] = []
+
+    def keep(self, layer: int, args: tuple) -> None:
+        """A GDN call's arguments: its four row inputs copied (work buffers), the rest (weights, the state's own
+        arrays, scalars) as they are."""
+        self.kept[layer] = (*(x.copy() for x in args[:4]), *args[4:])
+
+    def snap(self) -> None:
+        self.after.append([a.copy() for _, _, a in self.state.held(per_token=False)])
+
+    def __call__(self, m: int) -> None:
+        if not 1 <= m <= self.n:
+            raise ValueError(f"undo keeps 1 to {self.n} rows, got {m}")
+        st = self.state
+        st.pos = self.pos0 + m
+        if m == self.n or not self.saved:
+            return
+        back = self.after[m - 1] if self.after else self.saved
+        for (_, _, a), b in zip(st.held(per_token=False), back, strict=True):
+            a[...] = b
+        if not self.after:
+            self.again(self.kept, m)
+
+
 def check_tokens(tokens, n_vocab: int) -> np.ndarray:
     """The token ids of one forward call as int64, after checking there is at least one and each is in the
     vocabulary (a ValueError naming the first bad id)."""

@@ -68,7 +68,8 @@ def _engine(a, quiet: bool = False):
                       prefix_cache=cache, chat_template=template, max_seqs=a.max_seqs,
                       step_tokens=a.step_tokens, state_budget=a.state_budget or None,
                       special_in_content=getattr(a, "special_in_content", False), cache_type_k=a.cache_type_k,
-                      cache_type_v=a.cache_type_v, cache_rotate=not a.no_cache_rotate, **opts)
+                      cache_type_v=a.cache_type_v, cache_rotate=not a.no_cache_rotate, spec_type=a.spec_type,
+                      draft_max=a.draft_max, **opts)
     note = getattr(eng, "ctx_note", "")
     if note and not quiet:
         print(f"hybridinfer: {note}", file=sys.stderr)
@@ -101,7 +102,8 @@ def _print_stats(res, eng) -> None:
     t = res.timings
     line = (f"[prompt {t.get('prompt_tokens', res.prompt_tokens)} tok, reused {t.get('reused_tokens', 0)}, "
             f"prefilled {t.get('prefilled_tokens', res.prompt_tokens)} in {t['prefill_s'] * 1e3:.0f} ms; "
-            f"{len(res.tokens)} generated at {t['decode_tok_per_s']:.1f} tok/s]")
+            f"{len(res.tokens)} generated at {t['decode_tok_per_s']:.1f} tok/s"
+            + (f", drafts accepted {t['draft_n_accepted']}/{t['draft_n']}" if "draft_n" in t else "") + "]")
     print(line, file=sys.stderr)
 
 

@@ -185,6 +185,24 @@ def cmd_bench_context(a) -> int:
     return 0
 
 
+def cmd_bench_spec(a) -> int:
+    import json
+
+    from ..tools.benchmarks import spec
+
+    ks = positive_ints("--draft-max", a.draft_max, "draft lengths")
+    accepts = tuple(float(x) for x in a.acceptance.split(",") if x.strip())
+    if not accepts or any(not 0 <= x <= 1 for x in accepts):
+        raise ParameterError(f"--acceptance takes comma-separated fractions in [0, 1], got {a.acceptance!r}")
+    model = _bench_model(a)
+    isa = None if a.isa in (None, "", "native") else a.isa
+    res = spec.run(model, a.threads, a.n, ks, accepts, a.p, isa, a.seed, a.reps)
+    print(spec.markdown(res))
+    _save_bench(a.out_dir, f"spec-{_model_stem(model)}-t{a.threads}", json.dumps(res, indent=1),
+                lambda png: spec.plot(res, png))
+    return 0
+
+
 def _kv(a) -> dict | None:
     """The K/V flags as Engine.load's keywords for both engines (None: neither type named, each engine's own)."""
     if a.cache_type_k is None and a.cache_type_v is None and not a.no_cache_rotate:
@@ -312,6 +330,17 @@ def add_bench_parsers(sub) -> None:
     b.add_argument("--probe-bytes", type=parse_size, default=None,
                    help="buffer of the read-bandwidth probe behind the decode floor (default: 8x the last-level "
                         "cache, at least 1GiB; 0: no probe, no floor)")
+    b = _bench_parser(bsub, "spec", "speculative decoding: decode tok/s against acceptance for each draft length "
+                      "(a drafter proposing the known greedy continuation, part of it replaced), and a verify step's "
+                      "cost against a decode step", cmd_bench_spec, model_required=False)
+    b.add_argument("-n", type=_int_at_least(1), default=64, help="tokens generated per run")
+    b.add_argument("-p", type=_int_at_least(1), default=128, help="prompt tokens before them")
+    b.add_argument("--draft-max", default="1,2,3,4", help="comma-separated draft lengths k")
+    b.add_argument("--acceptance", default="0,0.5,0.7,0.9,1", help="comma-separated draft acceptances")
+    b.add_argument("-r", "--reps", type=_int_at_least(1), default=3, help="runs of each (the best is kept)")
+    b.add_argument("--seed", type=seed_int, default=0, help="the prompt's tokens")
+    b.add_argument("--isa", default=os.environ.get("HYBRIDINFER_ISA", "native"),
+                   help="SIMD path: native, scalar, ssse3, avx2, avx512vnni")
     b = _bench_parser(bsub, "prefill", "GPU prefill tok/s vs transfer and compute floors, and llama.cpp",
                       cmd_bench_prefill, threads_help="threads for llama.cpp's CPU runs")
     b.add_argument("--prompts", default="128,947,4096")

@@ -19,6 +19,7 @@ from .compute import Compute
 from .context import choose_n_ctx, gpu_cut, room_beside
 from .sampling import SamplingParams, check_int, check_stop
 from .scheduler import DEFAULT_STEP_TOKENS, Handle, Request, Scheduler
+from .spec import DEFAULT_DRAFT_MAX, check_spec, make_speculator
 from .textstream import Generation
 
 __all__ = ["Engine", "Generation", "model_cache_fingerprint"]
@@ -162,6 +163,7 @@ class Engine(Compute):
         self.special_in_content = False  # True: message text may make control tokens (llama-server's behaviour)
         self.max_seqs, self.state_budget, self.step_tokens = max_seqs, state_budget, step_tokens
         self._scheduler = None
+        self.spec = None  # speculative decoding (spec.Speculator), or None
         self.n_ctx, self.progress, self.prefill_chunk = n_ctx, progress, prefill_chunk
         self.ctx_note = ""  # why n_ctx is less than asked for, in one line (Engine.load)
         self.lock = threading.RLock()
@@ -188,7 +190,8 @@ class Engine(Compute):
              state_budget: int | None = None, step_tokens: int = DEFAULT_STEP_TOKENS,
              chat_template: str | None = None, special_in_content: bool = False, cache_type_k: str = "f32",
              cache_type_v: str = "f32", cache_rotate: bool = True, hf: str | None = None,
-             hf_token: str | None = None, **options) -> Engine:
+             hf_token: str | None = None, spec_type: str | None = None, draft_max: int = DEFAULT_DRAFT_MAX,
+             **options) -> Engine:
         """Open a GGUF file and make its engine. Every keyword has a default:
 
         path (default None: the embedded SmolLM2-135M-Instruct Q4_1, unless hf names a model).
@@ -234,6 +237,8 @@ class Engine(Compute):
         cache_rotate (default True): quantized K/V rows (q8_0, q4_0) are Walsh-Hadamard rotated before they are
             kept, as llama.cpp does unless LLAMA_ATTN_ROT_DISABLE is set (state_kinds.kv_rotation); False keeps them
             as they are.
+        spec_type (default None: none, until a file's MTP block is read), draft_max (default 3): "ngram" drafts up to
+            draft_max (1-4) tokens by prompt lookup, checked in one pass: the same tokens as without (engine/spec.py).
 
         Backend options, each left to its backend when not given:
         CPU ("cpu", and decode under "gpu" and "auto"): isa (the widest SIMD unit this CPU has: scalar, ssse3,
@@ -263,6 +268,7 @@ class Engine(Compute):
             path = default_model_path()
         _check_load_args(n_ctx, prefill_chunk, snapshot_stride, step_tokens, max_seqs, (cache_type_k, cache_type_v),
                          options)
+        check_spec(spec_type, draft_max)
         gm = GGUFModel(path)
         gm.check_finite()  # a damaged file (NaN scales) is refused here, not answered with nothing
         args = with_cache_types(model_args(gm), cache_type_k, cache_type_v, cache_rotate)
@@ -276,6 +282,7 @@ class Engine(Compute):
         eng = cls(gm, args, be, Tokenizer.from_gguf(gm), ctx.n_ctx, progress, prefill_chunk, prefix_cache,
                   snapshot_stride, max_seqs, state_budget, step_tokens)
         eng.ctx_note = ctx.note
+        eng.spec = make_speculator(spec_type, draft_max, args)
         _ = eng.scheduler  # its limits checked now, not at the first request
         if chat_template is not None:
             from ..format.chat_template import check_template

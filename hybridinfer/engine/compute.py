@@ -226,6 +226,14 @@ class Compute:
         with self.lock:
             return np.array(self._open().decode_batch(tokens, states), copy=True)
 
+    def verify_rows(self, chunks) -> tuple[list[np.ndarray], list]:
+        """A speculative verify step: each (ids, state) of `chunks` (a sequence's next token and its drafts, or its
+        token alone) in one pass of the decoding backend. Returns every row's logits, one (len(ids), n_vocab) array
+        each (the caller's; row i as a one-token decode step at that position gives it), and one RowsUndo each:
+        undo(m) leaves that state as after its first m rows alone (call it under the lock)."""
+        with self.lock:
+            return self._open().forward_rows(chunks, undo=True)
+
     def snapshot(self, state, logits, salt: str | None = None) -> None:
         """With a prefix cache: keep `state` (and its next-token logits) for a later prompt that starts with its
         tokens; the disk copy waits for flush_snapshots()."""

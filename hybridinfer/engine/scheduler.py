@@ -78,6 +78,8 @@ class _Seq:
     stats: dict = field(default_factory=dict)
     freed: bool = False  # its handle answered and its reservation returned
     restored: bool = False  # its state made and its cached prefix restored (Engine.restore)
+    pending: int | None = None  # a token sampled at a rejected draft (spec.py): the next one fed, not sampled again
+    spec: object = None  # its drafting (spec.SeqSpec)
 
 
 class Scheduler:
@@ -394,6 +396,9 @@ class Scheduler:
         is kept for the decode step."""
         if len(s.handle.generation.tokens) >= s.handle.request.max_tokens:
             return False
+        if s.pending is not None:
+            s.next_tok, s.pending = s.pending, None
+            return True
         t, piece, ended = s.sampler(s.logits, s.state)
         s.handle._put(piece)
         if ended:
@@ -406,10 +411,16 @@ class Scheduler:
         failed (each then gets the error: it is theirs together)."""
         if not go:
             return go
+        spec = self.engine.spec
+        drafts = spec.drafts(go) if spec is not None else None
+        if drafts is not None and any(drafts):  # drafts to check: a verify step (its rows decode the others too)
+            return spec.verify(self, go, drafts)
         try:
             t0 = time.perf_counter()
             lg = self.engine.decode_step([s.next_tok for s in go], [s.state for s in go])
             self._decode_s = ema(self._decode_s, time.perf_counter() - t0)
+            if spec is not None:
+                spec.timed(len(go), time.perf_counter() - t0)
         except Exception as e:  # noqa: BLE001
             for s in go:
                 self._fail(s, e)
@@ -455,6 +466,8 @@ class Scheduler:
         g.timings = {**s.stats, "prefill_s": s.t1 - s.t0, "decode_s": t2 - s.t1,
                      "prompt_tok_per_s": len(s.handle.request.ids) / max(s.t1 - s.t0, 1e-9),
                      "decode_tok_per_s": n / (t2 - s.t1) if t2 > s.t1 else 0.0}
+        if s.spec is not None:  # llama-server's names for them
+            g.timings.update(draft_n=s.spec.drafted, draft_n_accepted=s.spec.accepted)
 
     def _fail(self, s: _Seq, error: BaseException) -> None:
         """End `s` with `error` (its handle raises it); its state and reserved bytes go now."""

@@ -95,18 +95,21 @@ class Workspace:
     """Every activation buffer of one forward pass over up to T tokens with a cache of n_ctx rows; each mixer op's
     own (`op_<op>`, models/state_kinds.py names the op of each layer's kind) for the ops the layers use."""
 
-    def __init__(self, model: CPUModel, T: int, n_ctx: int, rows: bool = False):
+    def __init__(self, model: CPUModel, T: int, n_ctx: int, rows: bool = False, verify: bool = False):
         a, simd = model.args, model.simd
         f = _zeros
         D = a.n_embd
         self.T, self.n_ctx = T, n_ctx
         self.shared = model.shared_scratch  # buffers every workspace of the model shares
-        # decode (T = 1, or `rows`: one token of each of T sequences): native calls bound to these buffers once
-        self.bind = T == 1 or rows
+        # decode (T = 1, `rows`: one token of each of T sequences, or `verify`: T tokens of one sequence, a
+        # speculative verify step): native calls bound to these buffers once
+        self.bind = T == 1 or rows or verify
         self.calls: dict[tuple, object] = {}
         self.rec: list | None = None  # decode: the step being recorded (every operation, in order)
         self.replays: dict = {}  # decode: recorded steps by id(state) (BatchReplay: by the states' ids)
-        self.tok = np.zeros(T if rows else 1, np.int32)  # decode: the step's tokens
+        self.tok = np.zeros(T if rows or verify else 1, np.int32)  # decode: the step's tokens
+        # verify: per GDN layer, its inputs' copies (kept for a rollback, cpu/verify.py), weights and scalars
+        self.gdn_keep: dict | None = {} if verify else None
         self.h, self.x, self.mix, self.ffn = f(T, D), f(T, D), f(T, D), f(T, D)
         mats = model.mats
         widest = max(m.rows for m in mats if m is not model.out)
@@ -202,6 +205,7 @@ class CPUModel(Backend):
             self.replicas = make_replicas(simd, [m.raw for m in self.mats], numa.replicas, numa.replica_cpus)
         self._ws: dict[tuple[int, int], Workspace] = {}
         self.shared_scratch: dict = {}
+        self.undo_buffers: dict[int, list[np.ndarray]] = {}  # per state: cpu/verify.py
 
     @property
     def numeric_path(self) -> str:
@@ -210,14 +214,15 @@ class CPUModel(Backend):
     def new_state(self, n_ctx: int) -> DecoderState:
         return DecoderState.new(self.args, n_ctx)
 
-    def workspace(self, T: int, n_ctx: int, rows: bool = False) -> Workspace:
+    def workspace(self, T: int, n_ctx: int, rows: bool = False, verify: bool = False) -> Workspace:
         """The buffers of a pass over T tokens of one sequence (shared by prompt chunks up to a power of two), or
-        with `rows` of one token of each of exactly T sequences (decode_batch: bound calls, recorded steps)."""
-        cap = T if rows or T == 1 else max(16, 1 << (T - 1).bit_length())
-        key = (cap, n_ctx, rows)
+        with `rows` of one token of each of exactly T sequences (decode_batch: bound calls, recorded steps), or with
+        `verify` of exactly T tokens of one sequence (a verify step: bound calls, recorded steps)."""
+        cap = T if rows or verify or T == 1 else max(16, 1 << (T - 1).bit_length())
+        key = (cap, n_ctx, "verify" if verify else rows)
         ws = self._ws.get(key)
         if ws is None:
-            ws = self._ws[key] = Workspace(self, cap, n_ctx, rows)
+            ws = self._ws[key] = Workspace(self, cap, n_ctx, rows, verify)
         return ws
 
     # matrix products ------------------------------------------------------------------------------
@@ -391,17 +396,26 @@ class CPUModel(Backend):
             st.pos += len(ids)
         return out
 
+    def forward_rows(self, chunks, undo: bool = False):
+        """Speculative verify rows of several sequences in one pass, every row's logits (and with `undo` a RowsUndo
+        each): cpu/verify.py."""
+        from .verify import forward_rows
+
+        return forward_rows(self, chunks, undo)
+
     def close(self) -> None:
         """Work buffers, recorded steps, weight copies and the C thread pool go now (the mapped file goes with the
         last view of it)."""
         self._ws.clear()
         self.shared_scratch.clear()
+        self.undo_buffers.clear()
         self.layers, self.mats, self.replicas, self.out, self.tok_embd = [], [], None, None, None
         self.simd.close()
 
     def release(self, state: DecoderState) -> None:
         """Drop the recorded steps and bound calls that hold this state's arrays (a finished sequence's memory
         goes with it, not when its replay would be pushed out)."""
+        self.undo_buffers.pop(id(state), None)
         mine = {id(a) for a in DecodeReplay._arrays(state)}
         for ws in self._ws.values():
             for k in [k for k, p in ws.replays.items() if p.holds(mine)]:

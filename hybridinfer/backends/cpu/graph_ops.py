@@ -19,7 +19,11 @@ SHAPE = GGML_DECODE_ROWS
 
 class Segments(tuple):
     """The sequences of one pass over several prompts' chunks (CPUModel.forward_many): (state, first row, end row)
-    each, in row order. Products run over all rows; attention and GDN per sequence over its rows."""
+    each, in row order. Products run over all rows; attention and GDN per sequence over its rows. keep: None, or
+    keep(state, layer, args) called with each GDN call's arguments before it runs (a speculative verify keeps them
+    to roll the layer's state back to any of its rows: CPUModel.forward_rows)."""
+
+    keep = None
 
 
 class CPUOps:
@@ -122,15 +126,28 @@ class CPUOps:
         tail = (A.ssm_n_k_heads, A.gdn_head_map == "mod", A.rms_eps, y, ws.gdn_scratch)
         if isinstance(st, Segments):
             for s, r0, r1 in st:
-                self._call(("gdn", i), "gdn_layer", u[r0:r1], z[r0:r1], beta[r0:r1], alpha[r0:r1], *w, s.conv[i],
-                           s.ssm[i], *tail[:3], y[r0:r1], ws.gdn_scratch)
+                args = (u[r0:r1], z[r0:r1], beta[r0:r1], alpha[r0:r1], *w, s.conv[i], s.ssm[i], *tail[:3])
+                if st.keep is not None:
+                    st.keep(s, i, args)
+                self._call(("gdn", i), "gdn_layer", *args, y[r0:r1], ws.gdn_scratch)
         elif isinstance(st, list):
             self._call(("gdn", i), "gdn_rows", u, z, beta, alpha, *w, [s.conv[i] for s in st],
                        [s.ssm[i] for s in st], *tail, arrays=tuple(x for s in st for x in (s.conv[i], s.ssm[i])))
         else:
+            if ws.gdn_keep is not None:  # a verify step: its inputs kept, to roll the state back (cpu/verify.py)
+                self._keep_inputs(i, (u, z, beta, alpha), (*w, *tail[:3]))
             self._call(("gdn", i), "gdn_layer", u, z, beta, alpha, *w, st.conv[i], st.ssm[i], *tail,
                        arrays=(st.conv[i], st.ssm[i]))
         return y
+
+    def _keep_inputs(self, i: int, xs: tuple, rest: tuple) -> None:
+        """Copy a GDN call's row inputs into buffers of the workspace's own, as a step of the recorded pass (so a
+        replay copies them too): ws.gdn_keep[i] = (copies, weights and scalars)."""
+        ws = self.ws
+        if i not in ws.gdn_keep:
+            ws.gdn_keep[i] = (tuple(np.empty_like(x) for x in xs), rest)
+        bufs = ws.gdn_keep[i][0]
+        self.m._op(ws, _copy_all, bufs, xs)
 
     # MoE --------------------------------------------------------------------------------------------------
     def moe(self, x, *, router: str, experts: tuple[str, str, str], shared: tuple[str, str, str] | None,
@@ -199,3 +216,8 @@ class CPUOps:
         hq = ws.xq[m.simd.act_kind(Dn.qtype)][:n, : m.simd.act_row_bytes(Dn.qtype, Dn.cols)]
         self._call(("moe_rows", self.i), "moe_rows", (G.raw, G.qtype), (U.raw, U.qtype), (Dn.raw, Dn.qtype), G.rows,
                    G.cols, xq, idx, ws.eg[:n], ws.eu[:n], hq, ys, ws.moe_scratch, SHAPE)
+
+
+def _copy_all(dst: tuple, src: tuple) -> None:
+    for d, x in zip(dst, src, strict=True):
+        np.copyto(d, x)

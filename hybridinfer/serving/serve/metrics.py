@@ -21,6 +21,10 @@ class Metrics:
         self.reused_tokens = Counter("hybridinfer_prompt_tokens_reused",
                                      "prompt tokens restored from the prefix cache instead of processed", registry=r)
         self.completion_tokens = Counter("hybridinfer_completion_tokens", "tokens generated", registry=r)
+        self.drafted = Counter("hybridinfer_draft_tokens", "tokens drafted by speculative decoding (finished "
+                               "requests)", registry=r)
+        self.accepted = Counter("hybridinfer_draft_tokens_accepted", "drafted tokens the model accepted",
+                                registry=r)
         self.ttft = Histogram("hybridinfer_time_to_first_token_seconds",
                               "from a request's submission to its first piece of text", buckets=_LATENCY, registry=r)
         self.itl = Histogram("hybridinfer_inter_token_latency_seconds",
@@ -43,6 +47,9 @@ class Metrics:
         self.prompt_tokens.inc(p)
         self.completion_tokens.inc(c)
         self.reused_tokens.inc(reused)
+        timings = job.handle.generation.timings or {}
+        self.drafted.inc(timings.get("draft_n", 0))
+        self.accepted.inc(timings.get("draft_n_accepted", 0))
         self.e2e.observe(time.perf_counter() - job.t0)
 
     def render(self) -> bytes:

@@ -1,0 +1,99 @@
+"""Speculative verify rows on the CPU (CPUModel.forward_rows): a few tokens of each of several sequences in one pass,
+every row's logits kept, and the means to put each state back to after any of its rows (backends/state.RowsUndo)."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import numpy as np
+
+from ..state import DecoderState, RowsUndo, check_tokens
+from .graph_ops import Segments
+from .replay import DecodeReplay
+from .simd_gdn import gdn_scratch_size
+
+
+def forward_rows(model, chunks, undo: bool = False):
+    """Each (ids, state) of `chunks` in one pass as forward_many runs prompt chunks (products over all rows, attention
+    and GDN per sequence), every row's logits kept: one (len(ids), n_vocab) array per chunk, the caller's. Every row
+    is in its one-token float shape (SHAPE), so row i is bit-identical to a decode step at that position.
+    undo: also one RowsUndo per chunk: the recurrent arrays are copied before the pass and each GDN call's inputs
+    kept, so going back runs the GDN layers alone over the rows kept (the same bits as the pass computed there), no
+    product again."""
+    if len({id(st) for _, st in chunks}) != len(chunks):
+        raise ValueError("forward_rows takes one chunk per distinct state")
+    if len(chunks) == 1 and len(chunks[0][0]) > 1:
+        return _one(model, *chunks[0], undo)
+    parts = [check_tokens(ids, model.args.n_vocab) for ids, _ in chunks]
+    rows, a0 = [], 0
+    for ids, (_, st) in zip(parts, chunks, strict=True):
+        st.check_room(len(ids))
+        rows.append((st, a0, a0 + len(ids)))
+        a0 += len(ids)
+    segs = Segments(rows)
+    undos = None
+    if undo:
+        again = partial(_gdn_again, model)
+        undos = [RowsUndo(st, b - a, again, _buffers(model, st)) for st, a, b in rows]
+        mine = {id(u.state): u for u in undos}
+        segs.keep = lambda st, i, args: mine[id(st)].keep(i, args)
+    ws = model.workspace(max(a0, 2), max(st.n_ctx for st, _, _ in rows))
+    out = model._forward(np.concatenate(parts), segs, ws, all_logits=True)
+    for ids, (st, _, _) in zip(parts, rows, strict=True):
+        st.tokens[st.pos : st.pos + len(ids)] = ids
+        st.pos += len(ids)
+    got = [np.array(out[a:b], copy=True) for _, a, b in rows]
+    return (got, undos) if undo else got
+
+
+def _one(model, ids, st: DecoderState, undo: bool):
+    """One sequence's verify rows: a pass over a workspace of exactly that many rows whose calls are bound, recorded
+    at the first such step of this state and replayed after (as a decode step is: DecodeReplay), so a verify step
+    costs its native calls and not the Python walk of the model. The GDN layers' inputs are copied as steps of the
+    recording (CPUOps._keep_inputs) for the rollback."""
+    ids = check_tokens(ids, model.args.n_vocab)
+    T = len(ids)
+    st.check_room(T)
+    ws = model.workspace(T, st.n_ctx, verify=True)
+    ws.tok[:] = ids
+    u = RowsUndo(st, T, partial(_gdn_again, model), _buffers(model, st)) if undo else None
+    rp = ws.replays.get(id(st))
+    if rp is not None and rp.valid_for(st):
+        out = rp.run(st)
+    else:
+        ws.rec = []
+        try:
+            out = model._forward(ws.tok, st, ws, all_logits=True)
+            DecodeReplay.keep(ws.replays, model.simd, st, ws.rec, out)
+        finally:
+            ws.rec = None
+    st.tokens[st.pos : st.pos + T] = ids
+    st.pos += T
+    got = [np.array(out[:T], copy=True)]
+    if not undo:
+        return got
+    for i, (bufs, rest) in ws.gdn_keep.items():
+        w, tail = rest[:4], rest[4:]
+        u.kept[i] = (*bufs, *w, st.conv[i], st.ssm[i], *tail)
+    return got, [u]
+
+
+def _buffers(model, st: DecoderState) -> list[np.ndarray]:
+    """The copies of a state's recurrent arrays a verify pass makes, kept for its next one (CPUModel.release drops
+    them): fresh pages would cost ten times the copy."""
+    got = model.undo_buffers.get(id(st))
+    if got is None:
+        got = model.undo_buffers[id(st)] = [np.empty_like(a) for _, _, a in st.held(per_token=False)]
+    return got
+
+
+def _gdn_again(model, kept: dict, n: int) -> None:
+    """The GDN calls kept by a verify pass, run again over their first n rows on the restored arrays."""
+    a = model.args
+    y = np.empty((n, a.ssm_n_v_heads * a.ssm_d_v), np.float32)
+    key = ("gdn-again", n)
+    if key not in model.shared_scratch:
+        model.shared_scratch[key] = np.zeros(
+            gdn_scratch_size(a.ssm_conv_channels, a.ssm_n_v_heads, a.ssm_d_v, min(n, 16)), np.float32)
+    for args in kept.values():
+        model.simd.gdn_layer(*(x[:n] for x in args[:4]), *args[4:], y, model.shared_scratch[key])

@@ -1,0 +1,267 @@
+"""Speculative decoding: a drafter proposes the next few tokens of a sequence, one forward pass of the main model
+over [sampled token, drafts] checks them all (each weight byte read once for every row), and the scheduler keeps
+the drafts the model would have produced itself.
+
+Lossless by construction. A drafter here is deterministic (its proposal is a point mass), so the standard rejection
+rule (accept draft d with probability min(1, p(d)/q(d)) = p(d), else sample from the normalized max(0, p - q)) is
+the same as: sample s from the model's distribution p at that row with the request's own sampler, keep the draft
+while s == d, and at the first s != d emit s. Every emitted token is sampled once, from the logits of its own
+position, with one draw of the sequence's generator, exactly as without drafts; the CPU backend computes each verify
+row in the float shape of a one-token step (docs/numerics.md), so greedy output and sampled output with a fixed seed
+are the same tokens with drafts and without.
+
+Rollback. A K/V row past the accepted positions is simply never read again (rows >= pos are invalid). A GDN layer's
+recurrent state cannot be cut back: the verify pass copies each sequence's recurrent arrays first and keeps each GDN
+call's inputs (backends/state.RowsUndo), and after a rejection the arrays are put back and the GDN layers alone run
+again over the accepted rows (no product again: the same bits the pass computed there). Snapshots and the prefix
+cache only ever see a state after this, so they hold accepted positions only.
+
+Drafters are found by name in DRAFTERS (`--spec-type`); "mtp" (Qwen3.5/3.6's multi-token-prediction block) is
+named but not built yet, and is refused with a typed error.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import numpy as np
+
+from ..errors import ParameterError, UnsupportedArchitectureError
+from .compute import ema
+
+SPEC_TYPES = ("none", "ngram", "mtp")
+# llama.cpp's --spec-type names for the same kinds (its ngram-simple: the last n tokens looked up, the m after them)
+SPEC_ALIASES = {"ngram-simple": "ngram", "draft-mtp": "mtp"}
+MAX_DRAFT = 4  # --draft-max's range is 1..MAX_DRAFT (the issue's k = 1..4)
+DEFAULT_DRAFT_MAX = 3
+MAX_BACKOFF = 64  # steps a sequence whose drafts are all rejected waits at most before it drafts again
+
+
+class NgramDrafter:
+    """Prompt-lookup drafts (llama.cpp's `ngram` speculative type, no extra weights): the longest suffix of the
+    sequence so far (prompt and output, `ngram_max` tokens down to `ngram_min`) that occurred before, and the
+    tokens that followed its most recent earlier occurrence."""
+
+    name = "ngram"
+
+    def __init__(self, ngram_min: int = 1, ngram_max: int = 3):
+        self.ngram_min, self.ngram_max = ngram_min, ngram_max
+
+    def propose(self, history: np.ndarray, k: int) -> list[int]:
+        L = len(history)
+        for n in range(min(self.ngram_max, L - 1), self.ngram_min - 1, -1):
+            tail = history[L - n :]
+            # every start j < L - n of an earlier occurrence of the tail: windows of n compared at once
+            win = np.lib.stride_tricks.sliding_window_view(history[: L - 1], n)
+            hits = np.flatnonzero((win == tail).all(axis=1))
+            hits = hits[hits + n < L]
+            if hits.size:
+                j = int(hits[-1]) + n  # the most recent: what followed it
+                return [int(t) for t in history[j : j + k]]
+        return []
+
+
+class ScriptedDrafter:
+    """A drafter for tests and `bench spec` (random weights make any real drafter's acceptance meaningless): it
+    knows each sequence's continuation (`refs`: whole token lists, prompt and output) and proposes it with each
+    token kept with probability `accept`, else replaced by another id; which tokens are replaced depends on the
+    position alone (and `seed`), so a proposal made again after a rejection is the same."""
+
+    name = "scripted"
+
+    def __init__(self, refs, accept: float, seed: int = 0):
+        self.refs = [np.asarray(r, np.int64) for r in refs]
+        self.accept, self.seed = accept, seed
+
+    def propose(self, history: np.ndarray, k: int) -> list[int]:
+        L = len(history)
+        for ref in self.refs:
+            if len(ref) > L and np.array_equal(ref[:L], history):
+                out = []
+                for p in range(L, min(L + k, len(ref))):
+                    t = int(ref[p])
+                    keep = np.random.default_rng([self.seed, p]).random() < self.accept
+                    out.append(t if keep else (t - 1 if t > 0 else t + 1))
+                return out
+        return []
+
+
+def _no_mtp(args):
+    raise UnsupportedArchitectureError(
+        "spec_type 'mtp': drafting with the multi-token-prediction block is not implemented yet "
+        "(use spec_type 'ngram' or 'none')")
+
+
+# name -> a factory of the drafter for a model's args (None: no drafts)
+DRAFTERS = {"none": lambda args: None, "ngram": lambda args: NgramDrafter(), "mtp": _no_mtp}
+
+
+def check_spec(spec_type: str | None, draft_max: int) -> str | None:
+    """Refuse a bad --spec-type / --draft-max before the model is opened; the drafter's name (an alias resolved)."""
+    spec_type = SPEC_ALIASES.get(spec_type, spec_type)
+    if spec_type is not None and spec_type not in DRAFTERS:
+        raise ParameterError(f"unknown spec_type {spec_type!r} (known: {', '.join([*DRAFTERS, *SPEC_ALIASES])})")
+    if type(draft_max) is not int or not 1 <= draft_max <= MAX_DRAFT:
+        raise ParameterError(f"draft_max must be a whole number in [1, {MAX_DRAFT}], got {draft_max!r}")
+    return spec_type
+
+
+def make_speculator(spec_type: str | None, draft_max: int, args):
+    """The Speculator of an engine, or None. spec_type None: the file's own drafter where it has one (the MTP block,
+    not read yet), else none."""
+    drafter = DRAFTERS[check_spec(spec_type, draft_max) or "none"](args)
+    return None if drafter is None else Speculator(drafter, draft_max)
+
+
+@dataclass
+class SeqSpec:
+    """One sequence's drafting: its acceptance estimate (per drafted token) and its counts."""
+
+    accept: float = 0.6  # prior before any verify
+    drafted: int = 0
+    accepted: int = 0
+    wait: int = 0  # steps left without drafts after a verify that accepted nothing
+    backoff: int = 0  # that wait's length, doubled by each such verify in a row (up to MAX_BACKOFF)
+
+
+@dataclass
+class StepCost:
+    """A forward step's seconds as t0 + r * rows, fitted by least squares over recent steps (older ones fade), so
+    drafting is decided by what an extra row costs on this host and model."""
+
+    keep: float = 0.9
+    s: list = field(default_factory=lambda: [0.0] * 5)  # weights of: 1, x, x^2, y, x*y
+
+    def add(self, rows: int, seconds: float) -> None:
+        x, y = float(rows), float(seconds)
+        for i, v in enumerate((1.0, x, x * x, y, x * y)):
+            self.s[i] = self.keep * self.s[i] + v
+
+    def fit(self) -> tuple[float, float] | None:
+        n, sx, sxx, sy, sxy = self.s
+        if n < 1e-9:
+            return None
+        var = n * sxx - sx * sx
+        if var <= 1e-9 * max(n * sxx, 1.0):  # one row count seen so far: assume a memory-bound step
+            t = sy / n
+            rows = max(sx / n, 1.0)
+            return 0.9 * t, 0.1 * t / rows
+        r = (n * sxy - sx * sy) / var
+        t0 = (sy - r * sx) / n
+        return max(t0, 0.0), max(r, 0.0)
+
+
+def expected_tokens(a: float, k: int) -> float:
+    """Tokens a verify of k drafts yields when each is accepted with probability a: 1 + a + ... + a^k."""
+    return float(sum(a**j for j in range(k + 1)))
+
+
+def best_k(a: float, k_max: int, batch: int, cost: tuple[float, float] | None) -> int:
+    """The draft length that gains most: each extra row costs r seconds, each extra token saves a plain step's
+    time per sequence, (t0 + r * batch) / batch. 0 when no length pays (low acceptance, or a batch large enough
+    that the step is no longer memory-bound)."""
+    if cost is None:
+        return k_max
+    t0, r = cost
+    per_tok = (t0 + r * batch) / batch
+    gains = [(expected_tokens(a, k) - 1) * per_tok - k * r for k in range(k_max + 1)]
+    return int(np.argmax(gains))
+
+
+class Speculator:
+    """Drafts and verifies for the scheduler. Totals (`drafted`, `accepted`) as llama-server reports them.
+    adaptive (default True): each sequence's draft length by best_k (0 while drafts do not pay); False: always
+    draft_max (tests and `bench spec` measure the machinery at a fixed k)."""
+
+    def __init__(self, drafter, draft_max: int, adaptive: bool = True):
+        self.drafter, self.draft_max, self.adaptive = drafter, draft_max, adaptive
+        self.cost = StepCost()
+        self.drafted = self.accepted = 0
+
+    def drafts(self, seqs) -> list[list[int]]:
+        """Each sequence's drafts after its sampled next token (possibly none)."""
+        fit = self.cost.fit()
+        out = []
+        for s in seqs:
+            sp = s.spec if s.spec is not None else SeqSpec()
+            s.spec = sp
+            left = s.handle.request.max_tokens - len(s.handle.generation.tokens)
+            k = best_k(sp.accept, self.draft_max, len(seqs), fit) if self.adaptive else self.draft_max
+            k = min(k, left, s.state.n_ctx - s.state.pos - 1)
+            if self.adaptive and sp.wait > 0:  # backing off after wasted drafts: a wasted verify costs a step
+                sp.wait -= 1
+                out.append([])
+                continue
+            if k <= 0:
+                sp.accept = ema(sp.accept, 0.6, 0.98)  # unprobed for a while: the prior comes back, a probe follows
+                out.append([])
+                continue
+            hist = np.append(s.state.tokens[: s.state.pos], np.int32(s.next_tok))
+            out.append(self.drafter.propose(hist, k))
+        return out
+
+    def timed(self, rows: int, seconds: float) -> None:
+        self.cost.add(rows, seconds)
+
+    def verify(self, sched, go, drafts) -> list:
+        """One forward pass over every sequence's [next token, drafts], then each sequence's accepted tokens; returns
+        the sequences still running (a failed pass fails them all, as a failed decode step does)."""
+        eng = sched.engine
+        pos0 = [s.state.pos for s in go]
+        try:
+            t0 = time.perf_counter()
+            rows, undos = eng.verify_rows([([s.next_tok] + d, s.state) for s, d in zip(go, drafts, strict=True)])
+            self.timed(sum(1 + len(d) for d in drafts), time.perf_counter() - t0)
+        except Exception as e:  # noqa: BLE001
+            for s in go:
+                sched._fail(s, e)
+            return []
+        keep = []
+        for s, d, r, p0, undo in zip(go, drafts, rows, pos0, undos, strict=True):
+            try:
+                stop, end = self._accept(s, d, r, p0)
+                undo(1 + stop)  # the state of the accepted rows alone (nothing to do when all were)
+            except Exception as e:  # noqa: BLE001 - the sampler, the constraint or the text of this sequence
+                sched._fail(s, e)
+                continue
+            if end:
+                sched._end(s)
+            else:
+                keep.append(s)
+        return keep
+
+    def _accept(self, s, d: list[int], r: np.ndarray, p0: int) -> tuple[int, bool]:
+        """Sample row by row while the samples equal the drafts. Returns (accepted drafts, ended); sets the
+        sequence's logits (the row its next token comes from) and its pending token after a rejection."""
+        sp, g = s.spec, s.handle.generation
+        i = 0
+        while i < len(d):
+            if len(g.tokens) >= s.handle.request.max_tokens:
+                s.logits = r[i]
+                return i, True
+            t, piece, end = s.sampler(r[i], SimpleNamespace(tokens=s.state.tokens, pos=p0 + 1 + i))
+            s.handle._put(piece)
+            if end or t != d[i]:  # (a draft equal to the token that ends the sequence was right: counted)
+                s.logits = r[i]
+                s.pending = None if end else t
+                self._count(sp, len(d), i + (t == d[i]))
+                return i, end
+            i += 1
+        s.logits = r[len(d)]
+        self._count(sp, len(d), len(d))
+        return len(d), False
+
+    def _count(self, sp: SeqSpec, n: int, acc: int) -> None:
+        if n == 0:
+            return
+        sp.drafted += n
+        sp.accepted += acc
+        self.drafted += n
+        self.accepted += acc
+        # a draft after a rejection is not looked at: the estimate takes acc successes in acc + 1 tries
+        tries = min(acc + 1, n)
+        sp.accept = ema(sp.accept, acc / tries, 0.8)
+        sp.backoff = 0 if acc else min(MAX_BACKOFF, max(1, 2 * sp.backoff))
+        sp.wait = sp.backoff
