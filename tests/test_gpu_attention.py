@@ -150,6 +150,19 @@ def test_attention_bad_arguments(ga):
         k_attention.attention_prefill(q.astype(np.float64), kc, kc, out, 0)
 
 
+def _typed_cache(ga, typed: str, k, v, n: int):
+    """(type id, K cache, V cache) on the card in cache type `typed`, rows [0, n) written by kv_store."""
+    from hybridinfer.backends.gpu import k_attention as ka
+    from hybridinfer.format.quant_types import cache_row, cache_type
+
+    t = cache_type(typed).id
+    dt, row = cache_row(t, k.shape[2])
+    kc = ga.to_gpu(np.zeros((k.shape[0], k.shape[1], row), dt))
+    vc = ga.to_gpu(np.zeros_like(kc.get()))
+    ka.kv_store(ga.to_gpu(k[:n]), ga.to_gpu(v[:n]), kc, vc, 0, t, t)
+    return t, kc, vc
+
+
 @pytest.mark.parametrize("typed", ["f32", "q8_0", "f16"])
 @pytest.mark.parametrize("T,pos0,H,H_kv,hd", [(67, 13, 8, 2, 128), (300, 517, 4, 2, 256), (5, 40, 4, 1, 64),
                                               (1, 1000, 4, 4, 256), (33, 0, 16, 2, 256)])
@@ -158,7 +171,6 @@ def test_register_tiled_kernel_gives_the_plain_kernels_bits(ga, monkeypatch, typ
     heads it takes (64, 128, 256) its output equals the plain kernel's bit for bit, over f32 and typed caches, with
     a gate, across query and key tiles, rows past the prompt poisoned."""
     from hybridinfer.backends.gpu import k_attention as ka
-    from hybridinfer.format.quant_types import cache_row, cache_type
 
     rs = np.random.default_rng(T + pos0 + hd)
     q, k, v, gate = _inputs(rs, T, pos0, H, H_kv, hd)
@@ -169,11 +181,7 @@ def test_register_tiled_kernel_gives_the_plain_kernels_bits(ga, monkeypatch, typ
         if typed == "f32":
             ka.attention_prefill(ga.to_gpu(q), ga.to_gpu(k), ga.to_gpu(v), out, pos0, gate=ga.to_gpu(gate))
         else:
-            t = cache_type(typed).id
-            dt, row = cache_row(t, hd)
-            kc = ga.to_gpu(np.zeros((k.shape[0], H_kv, row), dt))
-            vc = ga.to_gpu(np.zeros_like(kc.get()))
-            ka.kv_store(ga.to_gpu(k[: pos0 + T]), ga.to_gpu(v[: pos0 + T]), kc, vc, 0, t, t)
+            t, kc, vc = _typed_cache(ga, typed, k, v, pos0 + T)
             ka.attention_prefill_kv(ga.to_gpu(q), kc, vc, out, pos0, t, t)
         outs.append(out.get())
     assert np.all(np.isfinite(outs[0])) and np.array_equal(outs[0], outs[1])
@@ -187,7 +195,6 @@ def test_split_over_the_context_joins_to_the_whole(ga, typed, T, pos0, H, H_kv, 
     unsplit call to float rounding and the reference's, also where some segments hold no key a row sees (40 rows
     after 100 positions in 8 segments of 32 keys: the last three see none) and with the gate (f32)."""
     from hybridinfer.backends.gpu import k_attention as ka
-    from hybridinfer.format.quant_types import cache_row, cache_type
 
     rs = np.random.default_rng(T + pos0 + nseg)
     q, k, v, gate = _inputs(rs, T, pos0, H, H_kv, hd)
@@ -199,11 +206,7 @@ def test_split_over_the_context_joins_to_the_whole(ga, typed, T, pos0, H, H_kv, 
             ka.attention_prefill(ga.to_gpu(q), ga.to_gpu(k), ga.to_gpu(v), out, pos0, gate=ga.to_gpu(gate),
                                  part=part, nseg=n)
         else:
-            t = cache_type(typed).id
-            dt, row = cache_row(t, hd)
-            kc = ga.to_gpu(np.zeros((k.shape[0], H_kv, row), dt))
-            vc = ga.to_gpu(np.zeros_like(kc.get()))
-            ka.kv_store(ga.to_gpu(k[: pos0 + T]), ga.to_gpu(v[: pos0 + T]), kc, vc, 0, t, t)
+            t, kc, vc = _typed_cache(ga, typed, k, v, pos0 + T)
             ka.attention_prefill_kv(ga.to_gpu(q), kc, vc, out, pos0, t, t, part=part, nseg=n)
         outs.append(out.get())
     whole, split = outs
