@@ -31,6 +31,16 @@ Q = [{"role": "user", "content": "What is 2+2?"}]
 GREEDY = {"temperature": 0}  # the anthropic client has no sampling arguments of its own: sent as extra fields
 
 
+def oa_client(url: str, key: str = "none", timeout: float = 60):
+    """The official OpenAI client for a server at `url` (no retries: a refusal shows as it is)."""
+    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=timeout)
+
+
+def an_client(url: str, key: str = "none", timeout: float = 60):
+    """The official Anthropic client for a server at `url` (no retries)."""
+    return anthropic.Anthropic(base_url=url, api_key=key, max_retries=0, timeout=timeout)
+
+
 @contextlib.contextmanager
 def running(app, timeout_s: float = 20.0):
     """Serve `app` with uvicorn on a free loopback port in a thread; yields the base URL; stops it after."""
@@ -102,12 +112,12 @@ def base(engine):
 
 @pytest.fixture
 def oa(base):
-    return openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=60)
+    return oa_client(base, timeout=60)
 
 
 @pytest.fixture
 def an(base):
-    return anthropic.Anthropic(base_url=base, api_key="none", max_retries=0, timeout=60)
+    return an_client(base, timeout=60)
 
 
 def test_chat_greedy_equals_generate(engine, oa):
@@ -274,7 +284,7 @@ CALL = ("I will look it up.\n</think>\n\n<tool_call>\n<function=get_weather>\n<p
 def test_tool_round_trip_openai(engine):
     canned = _CannedEngine(engine, [CALL, CALL, "It is sunny\n</think>\n\nSunny, 21 C.", "Hi!"])
     with running(create_app(canned, model_name=MODEL)) as url:
-        oa = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=30)
+        oa = oa_client(url, timeout=30)
         msgs = [{"role": "user", "content": "Weather in Paris?"}]
         r = oa.chat.completions.create(model=MODEL, messages=msgs, tools=TOOLS)
         choice = r.choices[0]
@@ -307,7 +317,7 @@ def test_tool_round_trip_anthropic(engine):
     canned = _CannedEngine(engine, [CALL, CALL, "ok\n</think>\n\nSunny, 21 C."])
     tools = [{"name": "get_weather", "description": "weather", "input_schema": TOOLS[0]["function"]["parameters"]}]
     with running(create_app(canned, model_name=MODEL)) as url:
-        an = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0, timeout=30)
+        an = an_client(url, timeout=30)
         msgs = [{"role": "user", "content": "Weather in Paris?"}]
         m = an.messages.create(model=MODEL, messages=msgs, tools=tools, max_tokens=64)
         assert m.stop_reason == "tool_use" and [b.type for b in m.content] == ["thinking", "tool_use"]
@@ -342,8 +352,8 @@ def constrained(engine):
 
 def test_response_format(constrained):
     msgs = [{"role": "user", "content": "Give me a person."}]
-    an = anthropic.Anthropic(base_url=constrained, api_key="none", max_retries=0, timeout=60)
-    constrained = openai.OpenAI(base_url=constrained + "/v1", api_key="none", max_retries=0, timeout=60)
+    an = an_client(constrained, timeout=60)
+    constrained = oa_client(constrained, timeout=60)
     rf = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
     r = constrained.chat.completions.create(model=MODEL, messages=msgs, max_tokens=64, temperature=0,
                                             response_format=rf)

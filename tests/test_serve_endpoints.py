@@ -17,7 +17,7 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from test_serve_api import MODEL, running  # noqa: E402
+from test_serve_api import MODEL, oa_client, running  # noqa: E402
 
 from hybridinfer.engine.api import Engine  # noqa: E402
 from hybridinfer.serving.serve import create_app  # noqa: E402
@@ -45,7 +45,7 @@ def http(url):
 
 @pytest.fixture
 def oa(url):
-    return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+    return oa_client(url, timeout=120)
 
 
 def test_tokenize_detokenize_round_trip(http, engine):

@@ -17,7 +17,7 @@ pytest.importorskip("llguidance")
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 
-from test_serve_api import MODEL, running  # noqa: E402
+from test_serve_api import MODEL, oa_client, running  # noqa: E402
 from test_serve_toolchoice import SCHEMAS  # noqa: E402
 
 from hybridinfer.engine.api import Engine  # noqa: E402
@@ -34,7 +34,7 @@ def oa(smollm_path):
     eng = Engine.load(smollm_path, backend="cpu", n_ctx=1024, max_seqs=4, prefix_cache={"ram_bytes": 64 << 20},
                       isa=os.environ.get("HYBRIDINFER_ISA"))
     with running(create_app(eng, model_name=MODEL, report_cached_tokens=True)) as url:
-        yield openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+        yield oa_client(url, timeout=120)
     eng.close()
 
 

@@ -16,7 +16,7 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 anthropic = pytest.importorskip("anthropic")
 
-from test_serve_api import MODEL, running  # noqa: E402
+from test_serve_api import MODEL, an_client, oa_client, running  # noqa: E402
 
 from hybridinfer.engine.api import Engine  # noqa: E402
 from hybridinfer.serving.serve import create_app  # noqa: E402
@@ -150,10 +150,10 @@ def test_api_key(engine):
             assert c.post(MSGS, json=body, headers={"x-api-key": "nope"}).json()["type"] == "error"
             assert c.get("/metrics").status_code == 401
         with pytest.raises(openai.AuthenticationError):
-            openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
-        oa = openai.OpenAI(base_url=url + "/v1", api_key="s3cret", max_retries=0, timeout=30)
+            oa_client(url, key="wrong").models.list()
+        oa = oa_client(url, key="s3cret", timeout=30)
         assert oa.chat.completions.create(model=MODEL, messages=Q, max_tokens=2).choices[0].message.content
-        an = anthropic.Anthropic(base_url=url, api_key="s3cret", max_retries=0, timeout=30)  # sends x-api-key
+        an = an_client(url, key="s3cret", timeout=30)  # sends x-api-key
         assert an.messages.create(model=MODEL, messages=Q, max_tokens=2).content[0].text
 
 

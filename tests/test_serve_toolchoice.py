@@ -21,7 +21,7 @@ jsonschema = pytest.importorskip("jsonschema")
 httpx = pytest.importorskip("httpx")
 
 from test_chat_template import QWEN35_TEMPLATE  # noqa: E402
-from test_serve_api import MODEL, running  # noqa: E402
+from test_serve_api import MODEL, an_client, oa_client, running  # noqa: E402
 
 from hybridinfer.engine.api import Engine  # noqa: E402
 from hybridinfer.serving.serve import create_app  # noqa: E402
@@ -51,12 +51,12 @@ def url(smollm_path):
 
 @pytest.fixture
 def oa(url):
-    return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+    return oa_client(url, timeout=120)
 
 
 @pytest.fixture
 def an(url):
-    return anthropic.Anthropic(base_url=url, api_key="none", max_retries=0, timeout=120)
+    return an_client(url, timeout=120)
 
 
 def _valid(name: str, args: dict) -> None:
@@ -128,7 +128,7 @@ def test_qwen35_xml_form(smollm_path):
                       isa=os.environ.get("HYBRIDINFER_ISA"))
     try:
         with running(create_app(eng, model_name=MODEL)) as u:
-            oa = openai.OpenAI(base_url=u + "/v1", api_key="none", max_retries=0, timeout=120)
+            oa = oa_client(u, timeout=120)
             named = {"type": "function", "function": {"name": "set_alarm"}}
             prompt = httpx.post(u + "/apply-template", timeout=60, json={
                 "messages": PROSE, "tools": TOOLS, "tool_choice": named}).json()["prompt"]
