@@ -64,6 +64,26 @@ __device__ __forceinline__ float kv_load(const void* c, int type, size_t r, int 
     return __fmul_rn((float)(qv - 8), hi_h2f(*(const u16*)b));
 }
 
+// the query tile (rows t0 .. t0 + nq of head h, times scale) into Qs, rows ld floats apart (rows past nq: zeros)
+__device__ __forceinline__ void att_load_q(float* Qs, const float* __restrict__ q, int ld, int t0, int nq, int h,
+                                           int H, int hd, float scale) {
+    for (int p = threadIdx.x; p < ATT_BQ * hd; p += blockDim.x) {
+        const int i = p / hd, d = p - i * hd;
+        Qs[i * ld + d] = i < nq ? q[((size_t)(t0 + i) * H + h) * hd + d] * scale : 0.0f;
+    }
+}
+
+// the bk cache rows k0 .. k0 + nk of K/V head kvh (a cache of type `type`) into KV as floats, rows ld floats apart
+// (rows past nk: zeros)
+template <bool TYPED>
+__device__ __forceinline__ void att_load_kv(float* KV, const void* __restrict__ c, int type, int ld, int k0, int nk,
+                                            int bk, int H_kv, int kvh, int hd) {
+    for (int p = threadIdx.x; p < bk * hd; p += blockDim.x) {
+        const int j = p / hd, d = p - j * hd;
+        KV[j * ld + d] = j < nk ? kv_load<TYPED>(c, type, (size_t)(k0 + j) * H_kv + kvh, hd, d) : 0.0f;
+    }
+}
+
 template <bool TYPED>
 __device__ __forceinline__ void attn_prefill_body(const float* __restrict__ q, const void* __restrict__ kc,
                                                   const void* __restrict__ vc, const float* __restrict__ gate,
@@ -87,10 +107,7 @@ __device__ __forceinline__ void attn_prefill_body(const float* __restrict__ q, c
     const int nq = min(ATT_BQ, T - t0);
     const int nqd = ATT_BQ * hd;
 
-    for (int p = tid; p < nqd; p += nth) {
-        const int i = p / hd, d = p - (p / hd) * hd;
-        Qs[i * ld + d] = i < nq ? q[((size_t)(t0 + i) * H + h) * hd + d] * scale : 0.0f;
-    }
+    att_load_q(Qs, q, ld, t0, nq, h, H, hd, scale);
     if (tid < ATT_BQ) {
         mrow[tid] = -INFINITY;
         lrow[tid] = 0.0f;
@@ -103,10 +120,7 @@ __device__ __forceinline__ void attn_prefill_body(const float* __restrict__ q, c
     for (int k0 = 0; k0 < nkeys; k0 += bk) {
         const int nk = min(bk, nkeys - k0);
         __syncthreads();  // previous tile's readers of KV are done
-        for (int p = tid; p < bk * hd; p += nth) {
-            const int j = p / hd, d = p - (p / hd) * hd;
-            KV[j * ld + d] = j < nk ? kv_load<TYPED>(kc, k_type, (size_t)(k0 + j) * H_kv + kvh, hd, d) : 0.0f;
-        }
+        att_load_kv<TYPED>(KV, kc, k_type, ld, k0, nk, bk, H_kv, kvh, hd);
         __syncthreads();
         for (int p = tid; p < ATT_BQ * bk; p += nth) {
             const int i = p / bk, j = p - (p / bk) * bk;
@@ -138,10 +152,7 @@ __device__ __forceinline__ void attn_prefill_body(const float* __restrict__ q, c
             mrow[tid] = mx;
             crow[tid] = c;
         }
-        for (int p = tid; p < bk * hd; p += nth) {  // V tile may overwrite K: scores are in Ps already
-            const int j = p / hd, d = p - (p / hd) * hd;
-            KV[j * ld + d] = j < nk ? kv_load<TYPED>(vc, v_type, (size_t)(k0 + j) * H_kv + kvh, hd, d) : 0.0f;
-        }
+        att_load_kv<TYPED>(KV, vc, v_type, ld, k0, nk, bk, H_kv, kvh, hd);  // V over K: scores are in Ps already
         __syncthreads();
 #pragma unroll
         for (int r = 0; r < ATT_MAXR; ++r) {

@@ -55,10 +55,7 @@ __device__ __forceinline__ void attn_prefill_tiled_body(const float* __restrict_
     const int R = ATT_BQ * HD / ATT_THREADS;
     const int od = tid % hd, orow = (tid / hd) * R;
 
-    for (int p = tid; p < ATT_BQ * hd; p += ATT_THREADS) {
-        const int i = p / hd, d = p - i * hd;
-        Qs[i * ld + d] = i < nq ? q[((size_t)(t0 + i) * H + h) * hd + d] * scale : 0.0f;
-    }
+    att_load_q(Qs, q, ld, t0, nq, h, H, hd, scale);
     float m = -INFINITY, l = 0.0f;
     float acc[ATT_RPT];
 #pragma unroll
@@ -73,10 +70,7 @@ __device__ __forceinline__ void attn_prefill_tiled_body(const float* __restrict_
     for (int k0 = kbeg; k0 < nkeys; k0 += bk) {
         const int nk = min(bk, nkeys - k0);
         __syncthreads();  // the last tile's readers of KV and Pt are done
-        for (int p = tid; p < bk * hd; p += ATT_THREADS) {
-            const int j = p / hd, d = p - j * hd;
-            KV[j * ld + d] = j < nk ? kv_load<TYPED>(kc, k_type, (size_t)(k0 + j) * H_kv + kvh, hd, d) : 0.0f;
-        }
+        att_load_kv<TYPED>(KV, kc, k_type, ld, k0, nk, bk, H_kv, kvh, hd);
         __syncthreads();
 #pragma unroll
         for (int u = 0; u < kpt; ++u) {  // one key at a time: fewer registers live beside the accumulators
@@ -103,10 +97,7 @@ __device__ __forceinline__ void attn_prefill_tiled_body(const float* __restrict_
             Pt[j * ATT_BQ + si] = j < nk && sv != -INFINITY ? expf(sv - mx) : 0.0f;
         }
         if (sj == 0) crow[si] = c;
-        for (int p = tid; p < bk * hd; p += ATT_THREADS) {  // V over K: every score is taken
-            const int j = p / hd, d = p - j * hd;
-            KV[j * ld + d] = j < nk ? kv_load<TYPED>(vc, v_type, (size_t)(k0 + j) * H_kv + kvh, hd, d) : 0.0f;
-        }
+        att_load_kv<TYPED>(KV, vc, v_type, ld, k0, nk, bk, H_kv, kvh, hd);  // V over K: every score is taken
         __syncthreads();
         if (sj == 0) {
             float sum = 0.0f;
