@@ -204,6 +204,15 @@ HI_INLINE void hi_fa_query(int kt, const float *q, int64_t hd, uint8_t *qv, int3
     }
 }
 
+/* a cache row's bytes [p, p + len) asked into cache ahead of use: a unit's K (or V) head rows are len bytes every
+ * position's row apart (the other K/V heads between), a stride the hardware prefetch follows late; the kernels ask
+ * HI_FA_PF positions ahead */
+#define HI_FA_PF 4
+HI_INLINE void hi_fa_prefetch(const uint8_t *p, int64_t len) {
+    for (int64_t o = 0; o < len; o += 64) __builtin_prefetch(p + o);
+    __builtin_prefetch(p + len - 1);
+}
+
 #define HI_FA_TILE 64 /* positions a tile of hi_attn_fa_tiled (below) */
 
 static int64_t hi_attn_fa_scratch(int64_t hd, int64_t m) {
@@ -238,6 +247,10 @@ static void hi_attn_fa_run(const hi_attn *a, int64_t t, int64_t h0, int64_t m, i
     const uint8_t *kb = (const uint8_t *)a->k + g * kh, *vb = (const uint8_t *)a->v + g * vh;
     for (int64_t s = s0; s < s1; s++) {
         const uint8_t *ks = kb + s * a->k_bytes, *vs_row = vb + s * a->v_bytes;
+        if (s + HI_FA_PF < s1) {
+            hi_fa_prefetch(ks + HI_FA_PF * a->k_bytes, kh);
+            hi_fa_prefetch(vs_row + HI_FA_PF * a->v_bytes, vh);
+        }
         const float *vf = (const float *)vs_row;
         if (vt != HI_T_F32 && vt != HI_T_F16) {
             hi_fa_v_float(vt, vs_row, v32, hd);
@@ -503,6 +516,10 @@ static void hi_attn_fa_tiled(const hi_attn *a, int64_t t, int64_t h0, int64_t m,
         const int64_t n = s1 - p0 < HI_FA_TILE ? s1 - p0 : HI_FA_TILE;
         for (int64_t j = 0; j < n; j++) {
             const uint8_t *ks = kb + (p0 + j) * a->k_bytes;
+            if (p0 + j + HI_FA_PF < s1) {
+                hi_fa_prefetch(ks + HI_FA_PF * a->k_bytes, kh);
+                hi_fa_prefetch(vb + (p0 + j + HI_FA_PF) * a->v_bytes, vh);
+            }
             if (hi_is_lm(kt)) hi_fa_v_float(kt, ks, k32, hd);
             hi_fa_dots(kt, ks, k32, a->q + t * a->q_row + h0 * hd, HI_T_QV(0), HI_T_CORR(0), HI_T_DY(0), row, m, hd, xs);
             for (int64_t i = 0; i < m; i++) HI_T_SC(i)[8 * j] = xs[i] * a->scale;
