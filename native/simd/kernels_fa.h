@@ -176,10 +176,68 @@ HI_INLINE void hi_fa_dots_legacy_m(const int qt, const uint8_t *w, const uint8_t
     for (; i < m; i++) hi_fa_dots_legacy(qt, 1, w, qv + 4 * i * rs, corr + i * rs, dy + i * rs, rs, nb, x + i);
 }
 
-/* x[i] = K row ks . query row i < m (k32: K taken back to float, for a Lloyd-Max type; row i's float q at q + i * hd,
+#if defined(HI_AVX2)
+/* x[i] = k . q_i for NH <= 8 float rows q_i = q + i * qs (hd a multiple of 32), each in the AVX2 shape of
+ * ggml_vec_dot_f32 (and of ggml_vec_dot_f16 on exact conversions): 4 accumulators over 32-value steps,
+ * (a0 + a2) + (a1 + a3), the halves added, then hadd twice; the rows' horizontal sums taken together with those
+ * pairs (the same bits as one at a time) */
+HI_INLINE void hi_fa_dots_f32x(const int NH, const float *k, const float *q, int64_t qs, int64_t hd, float *x) {
+    __m256 r[8];
+    for (int i = 0; i < 8; i++) {
+        if (i >= NH) {
+            r[i] = _mm256_setzero_ps();
+            continue;
+        }
+        const float *qi = q + i * qs;
+        __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+        for (int64_t e = 0; e < hd; e += 32) {
+            s0 = _mm256_fmadd_ps(_mm256_loadu_ps(k + e), _mm256_loadu_ps(qi + e), s0);
+            s1 = _mm256_fmadd_ps(_mm256_loadu_ps(k + e + 8), _mm256_loadu_ps(qi + e + 8), s1);
+            s2 = _mm256_fmadd_ps(_mm256_loadu_ps(k + e + 16), _mm256_loadu_ps(qi + e + 16), s2);
+            s3 = _mm256_fmadd_ps(_mm256_loadu_ps(k + e + 24), _mm256_loadu_ps(qi + e + 24), s3);
+        }
+        r[i] = _mm256_add_ps(_mm256_add_ps(s0, s2), _mm256_add_ps(s1, s3));
+    }
+    __m256 t[4]; /* t[p] = [row p's lo + hi | row p + 4's] */
+    for (int p = 0; p < 4; p++)
+        t[p] = _mm256_add_ps(_mm256_permute2f128_ps(r[p], r[p + 4], 0x20), _mm256_permute2f128_ps(r[p], r[p + 4], 0x31));
+    const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(t[0], t[1]), _mm256_hadd_ps(t[2], t[3]));
+    if (NH == 8) {
+        _mm256_storeu_ps(x, s);
+    } else {
+        float o[8];
+        _mm256_storeu_ps(o, s);
+        for (int i = 0; i < NH; i++) x[i] = o[i];
+    }
+}
+#endif
+
+/* x[i] = K row ks . query row i < m (k32: K taken back to float, for a Lloyd-Max type; for f16, room for it; row i's float q at q + i * hd,
  * its qv, corr, dy as hi_fa_query made them, rs floats apart from row 0's): each dot the ggml vec_dot of K's type */
-HI_INLINE void hi_fa_dots(int kt, const uint8_t *ks, const float *k32, const float *q, const uint8_t *qv,
+HI_INLINE void hi_fa_dots(int kt, const uint8_t *ks, float *k32, const float *q, const uint8_t *qv,
                           const int32_t *corr, const float *dy, int64_t rs, int64_t m, int64_t hd, float *x) {
+#if defined(HI_AVX2)
+    /* f16 K (each unit with AVX2 dots it in AVX2's shape) and, where ggml_vec_dot_f32 has AVX2's shape (not the
+     * AVX-512 unit), f32 and Lloyd-Max K: K in float once (k32), the rows' float dots 8 at a time */
+#if defined(HI_VNNI)
+    const int fdot = kt == HI_T_F16;
+#else
+    const int fdot = kt == HI_T_F16 || kt == HI_T_F32 || hi_is_lm(kt);
+#endif
+    if (fdot) {
+        if (kt == HI_T_F16) hi_fa_v_float(HI_T_F16, ks, (float *)k32, hd);
+        const float *kf = kt == HI_T_F32 ? (const float *)ks : k32, *qf = kt == HI_T_F16 ? (const float *)qv : q;
+        const int64_t qs = kt == HI_T_F16 ? rs : hd;
+        int64_t i = 0;
+        for (; i + 8 <= m; i += 8) hi_fa_dots_f32x(8, kf, qf + i * qs, qs, hd, x + i);
+        if (i + 4 <= m) {
+            hi_fa_dots_f32x(4, kf, qf + i * qs, qs, hd, x + i);
+            i += 4;
+        }
+        for (; i < m; i++) hi_fa_dots_f32x(1, kf, qf + i * qs, qs, hd, x + i);
+        return;
+    }
+#endif
     if (kt == HI_T_Q8_0) {
         hi_fa_dots_legacy_m(HI_T_Q8_0, ks, qv, corr, dy, rs, m, hd / 32, x);
     } else if (kt == HI_T_Q4_0) {
@@ -197,7 +255,11 @@ HI_INLINE void hi_fa_dots(int kt, const uint8_t *ks, const float *k32, const flo
  * q8_0 / q4_0 K; f32 and Lloyd-Max K read q itself */
 HI_INLINE void hi_fa_query(int kt, const float *q, int64_t hd, uint8_t *qv, int32_t *corr, float *dy) {
     if (kt == HI_T_F16) {
+#if defined(HI_AVX2) /* the fp16 values in float: hi_fa_dots' float dots (the conversion is exact) */
+        for (int64_t e = 0; e < hd; e++) ((float *)qv)[e] = hi_h2f(hi_f2h(q[e]));
+#else
         for (int64_t e = 0; e < hd; e++) ((uint16_t *)qv)[e] = hi_f2h(q[e]);
+#endif
     } else if (kt == HI_T_Q8_0 || kt == HI_T_Q4_0) {
         hi_quantize(HI_ACT_Q8_0, q, hd, qv);
         hi_prep(kt, qv, hd / 32, corr, dy, NULL);
