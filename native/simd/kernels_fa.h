@@ -77,6 +77,37 @@ HI_INLINE void hi_fa_mad_f16(uint16_t *y, const uint16_t *v, int64_t hd, float m
     }
 }
 
+#if defined(HI_AVX2)
+/* hi_lm_decode 8 values at a time: each code's level looked up by a permute of the level table in registers (lm4's
+ * 16 levels as two halves picked by the code's bit 3), then the same product d * level */
+HI_INLINE void hi_lm_decode8(const int t, const uint8_t *b, float *out) {
+    uint16_t dh;
+    memcpy(&dh, b, 2);
+    const __m256 d = _mm256_set1_ps(hi_h2f_soft(dh));
+    if (t == HI_T_LM3) {
+        const __m256 lv = _mm256_loadu_ps(hi_lm3_levels);
+        const __m256i sh = _mm256_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21);
+        for (int k = 0; k < 4; k++) {
+            const uint32_t w = (uint32_t)b[2 + 3 * k] | ((uint32_t)b[3 + 3 * k] << 8) | ((uint32_t)b[4 + 3 * k] << 16);
+            const __m256i c = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)w), sh), _mm256_set1_epi32(7));
+            _mm256_storeu_ps(out + 8 * k, _mm256_mul_ps(d, _mm256_permutevar8x32_ps(lv, c)));
+        }
+    } else {
+        const __m256 lo = _mm256_loadu_ps(hi_lm4_levels), hi = _mm256_loadu_ps(hi_lm4_levels + 8);
+        const __m256i sh = _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4);
+        const __m256i dup = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
+        for (int k = 0; k < 4; k++) { /* out[8k + 2j], out[8k + 2j + 1]: byte 4k + j's low and high nibbles */
+            const __m256i x = _mm256_cvtepu8_epi32(_mm_cvtsi32_si128((int)hi_rd32(b + 2 + 4 * k)));
+            const __m256i c = _mm256_and_si256(_mm256_srlv_epi32(_mm256_permutevar8x32_epi32(x, dup), sh),
+                                               _mm256_set1_epi32(15));
+            const __m256 l = _mm256_blendv_ps(_mm256_permutevar8x32_ps(lo, c), _mm256_permutevar8x32_ps(hi, c),
+                                              _mm256_castsi256_ps(_mm256_slli_epi32(c, 28)));
+            _mm256_storeu_ps(out + 8 * k, _mm256_mul_ps(d, l));
+        }
+    }
+}
+#endif
+
 /* one value row of type vt (hd values) -> float (ggml's to_float: q8_0 q * d, q4_0 (q - 8) * d, f16 exact) */
 HI_INLINE void hi_fa_v_float(const int vt, const uint8_t *v, float *out, int64_t hd) {
     if (vt == HI_T_F32) {
@@ -103,7 +134,11 @@ HI_INLINE void hi_fa_v_float(const int vt, const uint8_t *v, float *out, int64_t
         }
     } else if (hi_is_lm(vt)) {
         const int64_t bs = vt == HI_T_LM3 ? HI_LM3_BYTES : HI_LM4_BYTES;
+#if defined(HI_AVX2)
+        for (int64_t b = 0; b < hd / 32; b++) hi_lm_decode8(vt, v + b * bs, out + 32 * b);
+#else
         for (int64_t b = 0; b < hd / 32; b++) hi_lm_decode(vt, v + b * bs, out + 32 * b);
+#endif
     } else { /* q4_0 */
         for (int64_t b = 0; b < hd / 32; b++) {
             const uint8_t *blk = v + b * 18;
