@@ -151,7 +151,10 @@ static int attn_fa_go(hi_ctx *c, const hi_attn *a, int64_t nj, float *scratch, i
     const int64_t unit_scratch = kt->attn_fa_scratch(hd, R), fits = scratch_len / unit_scratch;
     if (fits < 1) return -2;
     fa_pair *pairs = (fa_pair *)malloc(sizeof(fa_pair) * (size_t)npairs);
-    float *part = NULL, *vkq = (float *)malloc(sizeof(float) * (size_t)hd);
+    float *part = NULL, *vkq = (float *)malloc(sizeof(float) * (size_t)hd), *own = NULL;
+    /* the partials in the scratch the units leave (most decode calls: a long row's partials are small next to its
+     * cache), else in a buffer of our own: a large malloc is an mmap and page faults at every call */
+    const int64_t most = inline_call ? 1 : attn_max_chunks(c), spare_at = (most < fits ? most : fits) * unit_scratch;
     int64_t part_cap = 0; /* floats `part` holds: a wave's first pair may alone need more than HI_FA_PART_FLOATS */
     if (!pairs || !vkq) {
         free(pairs);
@@ -171,10 +174,13 @@ static int attn_fa_go(hi_ctx *c, const hi_attn *a, int64_t nj, float *scratch, i
             n++;
             if (++t == a[j].T) t = 0, j++;
         }
-        if (pf > part_cap) {
+        if (pf > part_cap && pf <= scratch_len - spare_at) {
+            part = scratch + spare_at;
+            part_cap = scratch_len - spare_at;
+        } else if (pf > part_cap) {
             const int64_t cap = pf > HI_FA_PART_FLOATS ? pf : HI_FA_PART_FLOATS;
-            free(part);
-            if (!(part = (float *)malloc(sizeof(float) * (size_t)cap))) {
+            free(own);
+            if (!(own = part = (float *)malloc(sizeof(float) * (size_t)cap))) {
                 rc = -1;
                 break;
             }
@@ -199,7 +205,7 @@ static int attn_fa_go(hi_ctx *c, const hi_attn *a, int64_t nj, float *scratch, i
                          aj->out + pr->t * aj->out_row + h * hd);
         }
     }
-    free(part);
+    free(own);
     free(pairs);
     free(vkq);
     return rc;

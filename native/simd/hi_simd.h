@@ -210,7 +210,8 @@ int hi_moe_combine(hi_ctx *c, const float *ys, const float *w, int64_t T, int k,
  * Hkv*hd floats, stride kv_new_row) at pos0.. (hi_rope), writes those and the v rows to the caches' rows pos0..
  * (n_ctx rows of Hkv heads of hd values) in the caches' ggml types k_type / v_type (f32, f16, q8_0, q4_0; as
  * llama.cpp's set_rows writes them), then attends: both F32, hi_attention (ggml_op as there); else in the order of
- * llama.cpp's CPU flash attention (kernels_attn.h), every row as a one-token step. scratch as hi_attention's.
+ * llama.cpp's CPU flash attention (kernels_fa.h, kernels_fa_tiled.h), every row as a one-token step. scratch as
+ * hi_attention's.
  * rot_k, rot_v (0: none; a power of two from 64 dividing hd, quantized types only): llama.cpp's rotation of a
  * quantized cache: q and K after the rope, and V, rotated by the Walsh-Hadamard transform of that many values
  * (ggml's fwht) before the cache is written, and the output rotated back from V's. */

@@ -115,6 +115,8 @@ HI_INLINE uint32_t hi_rd32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); ret
 #include "kernels_lanes.h"
 #include "kernels_tiles.h"
 #include "kernels_attn.h"
+#include "kernels_fa.h"
+#include "kernels_fa_tiled.h"
 
 /* ================================================================================================ */
 /* memory read bandwidth: sum of 64-bit words, several independent accumulators */
