@@ -10,7 +10,7 @@ from abc import ABC, abstractmethod
 
 import numpy as np
 
-from ..errors import BackendNotAvailableError, ParameterError
+from ..errors import BackendNotAvailableError, MTPUnavailableError, ParameterError
 
 BACKENDS = ("reference", "cpu", "gpu", "auto")
 
@@ -42,6 +42,17 @@ class Backend(ABC):
         """Consume `tokens` from `state` as forward does; the final norm's output of every token (what the head
         reads: the model's embedding of each position), (T, n_embd) float32. For Engine.embed."""
         raise NotImplementedError(f"the {type(self).__name__} backend computes no hidden states")
+
+    def new_mtp_state(self, n_ctx: int):
+        """A fresh state of the model's MTP block (its own K/V; models/graph.mtp_state_args)."""
+        raise MTPUnavailableError(f"the {type(self).__name__} backend cannot run a multi-token-prediction block")
+
+    def mtp(self, h, tokens, state) -> tuple[np.ndarray, np.ndarray]:
+        """The MTP block over T rows (models/graph.MTP): row r takes the trunk's final-norm output h[r] (what
+        `hidden` returns for a position) and tokens[r] (the token after it), attends over the block's own K/V in
+        `state` (new_mtp_state; advanced by T); returns (logits (T, n_vocab), the block's hidden output (T, n_embd),
+        the next draft step's h), arrays that are the caller's."""
+        raise MTPUnavailableError(f"the {type(self).__name__} backend cannot run a multi-token-prediction block")
 
     def preload(self, progress: bool = False) -> None:
         """Make the weights ready now (with a progress bar) instead of at first use."""
@@ -113,6 +124,13 @@ class GPUPrefillCPUDecode(Backend):
 
     def decode_batch(self, tokens, states) -> np.ndarray:
         return self.cpu.decode_batch(tokens, states)
+
+    def new_mtp_state(self, n_ctx: int):
+        return self.cpu.new_mtp_state(n_ctx)
+
+    def mtp(self, h, tokens, state):
+        """The MTP block runs where decode does: on the CPU model (drafting is decode work)."""
+        return self.cpu.mtp(h, tokens, state)
 
     def forward_rows(self, chunks, undo: bool = False):
         return self.cpu.forward_rows(chunks, undo)  # verify rows are decode work: the CPU's, as every decode step

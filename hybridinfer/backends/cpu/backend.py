@@ -182,6 +182,8 @@ class CPUModel(Backend):
         self.out = _mat(gm, head)
         self.out_norm = np.ascontiguousarray(gm.dequant(out_norm), dtype=np.float32)
         self.layers = [Layer(gm, i) for i in range(a.n_layer)]
+        self.mtp_block = graph.mtp(a)  # the MTP block (cpu/mtp.py), read from the file's mapping
+        self.mtp_layer = None if self.mtp_block is None else Layer(gm, self.mtp_block.block)
         self.freq_factors = (np.ascontiguousarray(gm.dequant("rope_freqs.weight"), dtype=np.float32)
                              if getattr(a, "has_rope_freqs", False) else NO_FREQS)
         self.kv_types = tuple(cache_type(t).id for t in cache_types(a))  # ggml ids of the K and V cache types
@@ -198,6 +200,8 @@ class CPUModel(Backend):
                               else 0)  # memory held
         self.out = held["out"]
         self.mats = [self.out] + [m for L in self.layers for m in L.mats()]
+        if self.mtp_layer is not None:  # the work buffers take its products too (eh_proj reads 2 n_embd)
+            self.mats += self.mtp_layer.mats()
         self.replicas = None
         if replicate:
             from .replicas import replicate as make_replicas
@@ -372,6 +376,17 @@ class CPUModel(Backend):
         state.tokens[state.pos : state.pos + T] = ids
         state.pos += T
         return out
+
+    def new_mtp_state(self, n_ctx: int) -> DecoderState:
+        from .mtp import new_mtp_state
+
+        return new_mtp_state(self, n_ctx)
+
+    def mtp(self, h, tokens, state: DecoderState):
+        """The MTP block over T rows (Backend.mtp): cpu/mtp.py."""
+        from .mtp import mtp_forward
+
+        return mtp_forward(self, h, tokens, state)
 
     def forward_many(self, chunks) -> np.ndarray:
         """Several sequences' prompt chunks, each (ids, state), in one pass: their rows share every product (each

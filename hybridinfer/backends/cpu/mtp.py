@@ -1,0 +1,65 @@
+"""The MTP block on the CPU (models/graph.MTP): the description walked over a prompt workspace (unbound native calls),
+each row in its one-token float shape as every product here is (SHAPE), so a row's logits do not depend on how many
+rows share the call. Drafting runs it one row at a time."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ...errors import MTPUnavailableError
+from ...format.quant import dequantize_rows
+from ...models import graph
+from ..state import DecoderState, check_tokens
+from .backend import _mat
+from .graph_ops import CPUOps
+
+
+def _block(model):
+    if model.mtp_block is None:
+        raise MTPUnavailableError(f"{model.gm.path!r} has no multi-token-prediction block")
+    return model.mtp_block
+
+
+def _head(model, blk):
+    """The MTP head's norm vector and matrix: the main head's where the block has none of its own (found once)."""
+    c = model.__dict__.setdefault("_mtp_head", {})
+    if not c:
+        out_norm, out = graph.head(model.args)
+        c["norm"] = model.out_norm if blk.norm == out_norm else np.ascontiguousarray(
+            model.gm.dequant(blk.norm), dtype=np.float32)
+        c["out"] = model.out if blk.out == out else _mat(model.gm, blk.out)
+    return c["norm"], c["out"]
+
+
+def new_mtp_state(model, n_ctx: int) -> DecoderState:
+    _block(model)
+    return DecoderState.new(graph.mtp_state_args(model.args), n_ctx)
+
+
+def mtp_forward(model, h, tokens, state: DecoderState) -> tuple[np.ndarray, np.ndarray]:
+    """(logits (T, n_vocab), hidden output (T, n_embd)), the caller's arrays; advances `state` by T."""
+    blk, a, simd = _block(model), model.args, model.simd
+    ids = check_tokens(tokens, a.n_vocab)
+    T, D = len(ids), a.n_embd
+    state.check_room(T)
+    h = np.ascontiguousarray(np.asarray(h, np.float32).reshape(T, D))
+    L = model.mtp_layer
+    ws = model.workspace(max(T, 2), state.n_ctx)  # a prompt workspace: its calls are not bound
+    e, cat, res, x = ws.mix[:T], np.empty((T, 2 * D), np.float32), ws.h[:T], ws.x[:T]
+    t = model.tok_embd
+    dequantize_rows(t.raw(), t.qtype, t.ne[0], ids, e)
+    simd.rms_norm(e, None, L[blk.enorm], a.rms_eps, cat[:, :D])  # concat order: [enorm(e), hnorm(h)]
+    simd.rms_norm(h, None, L[blk.hnorm], a.rms_eps, cat[:, D:])
+    model.mm(L[blk.eh_proj], cat, res, ws)
+    ops = CPUOps(model, ws, state)
+    for j, br in enumerate(blk.branches):
+        simd.rms_norm(res, None, L[br.norm], a.rms_eps, x)
+        out, spare = (ws.mix, ws.ffn) if j % 2 == 0 else (ws.ffn, ws.mix)
+        y = br.fn(ops.at(0, j, out, spare, layer=L), a, x)
+        simd.rms_norm(res, y, None, a.rms_eps, None)  # res += y
+    norm, head = _head(model, blk)
+    simd.rms_norm(res, None, norm, a.rms_eps, x)
+    logits = np.array(model.mm(head, x, ws.logits, ws), copy=True)
+    state.tokens[state.pos : state.pos + T] = ids
+    state.pos += T
+    return logits, np.array(x, copy=True)

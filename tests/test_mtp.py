@@ -1,0 +1,138 @@
+"""The multi-token-prediction (MTP, "nextn") block: synth writes it in the layout llama.cpp's converter writes
+(conversion/qwen.py's _QwenMtpMixin, read by src/models/qwen35.cpp load_block_mtp and graph_mtp), the models read
+it, and the CPU backend's MTP forward equals the numpy reference's at every position."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from hybridinfer.engine.api import Engine
+from hybridinfer.errors import MTPUnavailableError
+from hybridinfer.format.gguf_model import GGUFModel
+from hybridinfer.models import graph, model_args
+from hybridinfer.models.state_kinds import state_bytes
+
+pytestmark = pytest.mark.isa  # CPU against the reference at the ISA level HYBRIDINFER_ISA forces
+ISA = os.environ.get("HYBRIDINFER_ISA")
+
+_GDN = dict(ssm_d_state=64, ssm_n_group=2, ssm_dt_rank=4)
+SHAPES = {
+    "qwen35": dict(n_embd=256, n_layer=4, n_head=4, n_head_kv=2, head_dim=64, n_ff=512, n_vocab=512, **_GDN),
+    "qwen35moe": dict(n_embd=256, n_layer=4, n_head=4, n_head_kv=2, head_dim=64, n_vocab=512, n_expert=4,
+                      n_expert_used=2, n_ff_exp=256, n_ff_shexp=256, **_GDN),
+}
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    from hybridinfer.tools.synth import synth_model
+
+    d = tmp_path_factory.mktemp("mtp")
+    cache: dict = {}
+
+    def get(arch: str, quant: str = "f32", mtp: bool = True) -> str:
+        key = (arch, quant, mtp)
+        if key not in cache:
+            cache[key] = str(d / f"{arch}-{quant}-{int(mtp)}.gguf")
+            synth_model(cache[key], arch, SHAPES[arch], quant, seed=3, mtp=mtp)
+        return cache[key]
+
+    return get
+
+
+@pytest.mark.parametrize("arch", list(SHAPES))
+def test_synth_writes_the_converters_layout(made, arch):
+    gm = GGUFModel(made(arch))
+    n, D = 4, 256
+    assert gm.meta(f"{arch}.block_count") == n + 1
+    assert gm.meta(f"{arch}.nextn_predict_layers") == 1
+    assert list(gm.meta(f"{arch}.attention.recurrent_layers")) == [True, True, True, False, False]
+    shapes = {name: tuple(t.ne) for name, t in gm.tensors.items() if name.startswith(f"blk.{n}.")}
+    # llama.cpp's load_block_mtp: eh_proj {2D, D} (the concat [enorm(e), hnorm(h)] is its input), the norms {D}
+    assert shapes[f"blk.{n}.nextn.eh_proj.weight"] == (2 * D, D)
+    for k in ("enorm", "hnorm", "shared_head_norm"):
+        assert shapes[f"blk.{n}.nextn.{k}.weight"] == (D,)
+    # the converter writes no shared_head_head / embed_tokens for Qwen3.5 (the main head and embedding serve)
+    assert f"blk.{n}.nextn.shared_head_head.weight" not in shapes
+    assert shapes[f"blk.{n}.attn_q.weight"] == (D, 2 * 4 * 64)
+    assert f"blk.{n}.attn_qkv.weight" not in shapes  # an attention block, never a GDN one
+    ffn = "ffn_gate_exps.weight" if arch == "qwen35moe" else "ffn_gate.weight"
+    assert f"blk.{n}.{ffn}" in shapes
+    a = model_args(gm)
+    assert (a.n_layer, a.n_layer_mtp, a.has_mtp) == (n, 1, True)
+    assert a.mtp_norm == f"blk.{n}.nextn.shared_head_norm.weight" and a.mtp_out == "output.weight"
+    blk = graph.mtp(a)
+    assert blk.block == n and [b.norm for b in blk.branches] == ["attn_norm", "post_attention_norm"]
+    # the MTP block's own K/V counts in a sequence's bytes
+    plain = model_args(GGUFModel(made(arch, mtp=False)))
+    kv = 2 * 4 * 2 * 64 * 100  # K and V, f32, H_kv x hd per token, 100 tokens
+    assert state_bytes(a, 100) - state_bytes(plain, 100) == kv
+
+
+@pytest.mark.parametrize("arch", list(SHAPES))
+def test_file_without_the_block_keeps_working(made, arch):
+    path = made(arch, mtp=False)
+    gm = GGUFModel(path)
+    assert gm.meta(f"{arch}.nextn_predict_layers") == 0 and not any(".nextn." in t for t in gm.tensors)
+    with Engine.load(path, backend="cpu", n_ctx=64, isa=ISA, n_threads=2) as eng:
+        assert not eng.args.has_mtp and graph.mtp(eng.args) is None
+        with pytest.raises(MTPUnavailableError):
+            eng.backend.new_mtp_state(64)
+        assert len(eng.generate([5, 6, 7], max_tokens=3, temperature=0).tokens) == 3
+
+
+def _mtp_rows(eng, ids, one_by_one: bool = False):
+    """The trunk's final-norm rows of ids, then the MTP block over (h_t, ids[t+1]) for every t."""
+    st = eng.new_state()
+    h = eng.backend.hidden(ids, st)
+    ms = eng.backend.new_mtp_state(eng.n_ctx)
+    if not one_by_one:
+        return eng.backend.mtp(h[:-1], ids[1:], ms), ms
+    parts = [eng.backend.mtp(h[t : t + 1], ids[t + 1 : t + 2], ms) for t in range(len(ids) - 1)]
+    return (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])), ms
+
+
+@pytest.mark.parametrize("arch", list(SHAPES))
+def test_cpu_mtp_equals_reference(made, arch):
+    """F32 weights (no activation rounding): the CPU's MTP logits at 23 positions against the reference's, held to
+    the tolerance of test_cpu_backend's F32 test; row by row (drafting) the same bits as all rows in one call."""
+    path = made(arch)
+    ids = [int(x) for x in np.random.default_rng(5).integers(0, 512, 24)]
+    with Engine.load(path, backend="reference", n_ctx=64) as ref:
+        (want, want_h), ms = _mtp_rows(ref, ids)
+        assert ms.pos == len(ids) - 1 and ms.layer_types == ("attention",)
+    with Engine.load(path, backend="cpu", n_ctx=64, isa=ISA, n_threads=2) as cpu:
+        (got, got_h), _ = _mtp_rows(cpu, ids)
+        (rows, rows_h), _ = _mtp_rows(cpu, ids, one_by_one=True)
+    assert got.shape == (len(ids) - 1, 512) and got_h.shape == (len(ids) - 1, 256)
+    scale = float(np.abs(want).max())
+    assert float(np.abs(got - want).max()) <= 1e-4 * scale
+    assert (got.argmax(-1) == want.argmax(-1)).all()
+    assert float(np.abs(got_h - want_h).max()) <= 1e-4 * float(np.abs(want_h).max())
+    assert np.array_equal(rows, got) and np.array_equal(rows_h, got_h)
+
+
+def test_mtp_attends_over_its_own_rows(made):
+    """The block's K/V is its own: the same (h, token) row gives other logits after other rows than first."""
+    path = made("qwen35")
+    with Engine.load(path, backend="reference", n_ctx=64) as ref:
+        ids = [3, 9, 27, 81, 243]
+        h = ref.backend.hidden(ids, ref.new_state())
+        first, _ = ref.backend.mtp(h[-2:-1], ids[-1:], ref.backend.new_mtp_state(64))
+        (after, _), _ = _mtp_rows(ref, ids)
+        assert not np.allclose(first[0], after[-1])
+
+
+@pytest.mark.parametrize("arch", list(SHAPES))
+def test_the_block_leaves_the_trunk_alone(made, arch):
+    """synth writes the block after the head, so the trunk draws the same values: the trunk's logits are the same
+    bits with the block in the file as without it (the block is never run by the trunk)."""
+    ids = [7, 1, 300, 42, 99, 5]
+    out = []
+    for mtp in (True, False):
+        with Engine.load(made(arch, "q8_0", mtp), backend="cpu", n_ctx=64, isa=ISA, n_threads=2) as eng:
+            out.append(eng.logits(ids))
+    assert np.array_equal(out[0], out[1])
