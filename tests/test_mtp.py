@@ -136,3 +136,61 @@ def test_the_block_leaves_the_trunk_alone(made, arch):
         with Engine.load(made(arch, "q8_0", mtp), backend="cpu", n_ctx=64, isa=ISA, n_threads=2) as eng:
             out.append(eng.logits(ids))
     assert np.array_equal(out[0], out[1])
+
+
+def _prompts() -> list[list[int]]:
+    rng = np.random.default_rng(4)
+    return [[int(x) for x in rng.integers(3, 512, n)] for n in (9, 14, 5)]
+
+
+@pytest.mark.parametrize("arch", list(SHAPES))
+def test_mtp_drafts_leave_greedy_output_unchanged(made, arch):
+    """spec_type defaults to mtp on a file with the block; greedy output with its drafts (k = 1..3, one sequence and
+    three) is the output without drafts."""
+    from hybridinfer.engine import spec as sp
+    from hybridinfer.engine.spec_mtp import MTPDrafter
+
+    path = made(arch, "q8_0")
+    prompts = _prompts()
+    with Engine.load(path, backend="cpu", n_ctx=128, isa=ISA, n_threads=2, spec_type="none") as base:
+        assert base.spec is None
+        want = [g.tokens for g in base.generate_batch(prompts, max_tokens=16, temperature=0)]
+    with Engine.load(path, backend="cpu", n_ctx=128, isa=ISA, n_threads=2) as eng:
+        drafter = eng.spec.drafter
+        assert isinstance(drafter, MTPDrafter)
+        for k in (1, 2, 3):
+            eng.spec = sp.Speculator(drafter, k, adaptive=False)
+            assert eng.generate(prompts[0], max_tokens=16, temperature=0).tokens == want[0], k
+            assert [g.tokens for g in eng.generate_batch(prompts, max_tokens=16, temperature=0)] == want, k
+            assert eng.spec.drafted >= 16, k  # drafts were made and verified on most steps
+
+
+def test_mtp_kv_holds_the_trunks_rows_of_accepted_positions(made):
+    """After a generation with drafts (some rejected, their rows dropped), the block's K rows are the bits of a fresh
+    pass of the block over the trunk's own rows of those positions: drafts' rows never stay, and the first draft of
+    each step is the block's greedy token at the sequence's last position."""
+    from hybridinfer.engine import spec as sp
+
+    path = made("qwen35", "q8_0")
+    prompt = _prompts()[1]
+    with Engine.load(path, backend="cpu", n_ctx=128, isa=ISA, n_threads=2) as eng:
+        drafter, seen = eng.spec.drafter, []
+        orig = drafter.observe
+
+        def observe(s):
+            orig(s)
+            seen.append((s.state, drafter.seqs[id(s.state)]))
+
+        drafter.observe = observe
+        eng.spec = sp.Speculator(drafter, 3, adaptive=False)
+        eng.generate(prompt, max_tokens=24, temperature=0)
+        st, m = seen[-1]
+        assert m.base == len(prompt) - 1 and m.true > 8
+        n = min(m.true, st.pos - 1 - m.base)  # rows whose next token the state holds
+        k_rows = np.array(m.ms.k[0][:n], copy=True)
+        ids = [int(t) for t in st.tokens[: st.pos]]
+        h = eng.backend.hidden(ids[: m.base + n], eng.new_state())
+        fresh = eng.backend.new_mtp_state(128)
+        lg, _ = eng.backend.mtp(h[m.base :], ids[m.base + 1 : m.base + n + 1], fresh)
+        assert np.array_equal(fresh.k[0][:n], k_rows)
+        assert drafter.propose_seq(type("S", (), {"state": st})(), 1) == [int(np.argmax(m.first[0]))]

@@ -43,6 +43,14 @@ class Backend(ABC):
         reads: the model's embedding of each position), (T, n_embd) float32. For Engine.embed."""
         raise NotImplementedError(f"the {type(self).__name__} backend computes no hidden states")
 
+    keep_hidden = False  # set (by the MTP drafter) on a backend whose hidden_rows keep what its calls compute
+
+    def hidden_rows(self, state):
+        """With keep_hidden set: (first position, rows) of the final-norm output (what the head reads) that the last
+        call over `state` computed (every row it ran, or the last of a prompt chunk), or None (none kept; the GPU's
+        prompt passes keep none)."""
+        return None
+
     def new_mtp_state(self, n_ctx: int):
         """A fresh state of the model's MTP block (its own K/V; models/graph.mtp_state_args)."""
         raise MTPUnavailableError(f"the {type(self).__name__} backend cannot run a multi-token-prediction block")
@@ -124,6 +132,19 @@ class GPUPrefillCPUDecode(Backend):
 
     def decode_batch(self, tokens, states) -> np.ndarray:
         return self.cpu.decode_batch(tokens, states)
+
+    @property
+    def keep_hidden(self) -> bool:
+        return self.cpu.keep_hidden
+
+    @keep_hidden.setter
+    def keep_hidden(self, on: bool) -> None:
+        self.cpu.keep_hidden = on
+
+    def hidden_rows(self, state):
+        got = self.cpu.hidden_rows(state)
+        # a GPU prompt pass after the CPU's last call over this state leaves the CPU's rows behind it
+        return got if got is not None and got[0] + len(got[1]) <= state.pos else None
 
     def new_mtp_state(self, n_ctx: int):
         return self.cpu.new_mtp_state(n_ctx)

@@ -18,7 +18,7 @@ from ..models.graph import BlockTensors, block_names
 from ..models.state_kinds import cache_path, cache_types, kv_rotation
 from . import Backend, actquant
 from . import reference_ops as op
-from .state import DecoderState, check_tokens
+from .state import DecoderState, check_tokens, keep_rows
 
 
 class Weights:
@@ -106,6 +106,7 @@ class ReferenceModel(Backend):
         self.blocks = graph.branches(args)
         self.embed, self.head = graph.arch_of(args).EMBED, graph.head(args)
         self.freq_factors = self.w("rope_freqs.weight") if getattr(args, "has_rope_freqs", False) else None
+        self.keep_hidden, self.hidden_kept = False, {}  # Backend.hidden_rows
         self.mtp_block = graph.mtp(args)
         self.mtp_layer = None if self.mtp_block is None else Layer(self.w, self.mtp_block.block)
 
@@ -130,7 +131,12 @@ class ReferenceModel(Backend):
         """Consume `tokens` from `state` (advancing it); logits (T, n_vocab), or (1, n_vocab) for the
         last token when all_logits is False. Walks the architecture's description (models/graph.py)."""
         x = self._walk(tokens, state, all_logits)
+        if self.keep_hidden:
+            keep_rows(self.hidden_kept, state, state.pos - x.shape[0], x)
         return self.w.mm(self.head[1], x).astype(np.float32)
+
+    def hidden_rows(self, state):
+        return self.hidden_kept.get(id(state))
 
     def hidden(self, tokens, state: DecoderState) -> np.ndarray:
         """The final norm's output of each token (what the head reads), (T, n_embd) float32; advances the state."""

@@ -190,3 +190,18 @@ def check_tokens(tokens, n_vocab: int) -> np.ndarray:
         bad = int(ids[(ids < 0) | (ids >= n_vocab)][0])
         raise ValueError(f"token id {bad} is outside the vocabulary [0, {n_vocab})")
     return ids
+
+
+KEEP_ROWS = 16  # final-norm rows kept per state for the MTP drafter (Backend.hidden_rows)
+
+
+def keep_rows(kept: dict, state, first: int, rows) -> None:
+    """Keep a copy of the final-norm rows of positions first.. of `state` in `kept` (by id): joined to the rows kept
+    before when they follow them or overwrite their tail (rows past a rollback), the last KEEP_ROWS of them."""
+    rows = np.asarray(rows, dtype=np.float32)
+    old = kept.get(id(state))
+    if old is not None and old[0] <= first <= old[0] + len(old[1]):
+        rows = np.concatenate([old[1][: first - old[0]], rows])
+        first = old[0]
+    cut = max(len(rows) - KEEP_ROWS, 0)
+    kept[id(state)] = (int(first + cut), np.array(rows[cut:], copy=True))

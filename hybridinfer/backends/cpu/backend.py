@@ -31,6 +31,7 @@ from ...models.state_kinds import cache_path, cache_types, kind_of, kv_rotation
 from .. import Backend
 from ..state import DecoderState, check_tokens
 from .graph_ops import SHAPE, CPUOps, Segments
+from .mtp import MTPParts
 from .replay import BatchReplay, DecodeReplay
 from .simd import KERNEL_TYPES, SimdLib
 from .simd_gdn import gdn_scratch_size
@@ -159,7 +160,7 @@ def _zeros(*shape) -> np.ndarray:
     return np.zeros(shape, np.float32)
 
 
-class CPUModel(Backend):
+class CPUModel(MTPParts, Backend):
     """backend="cpu": the whole engine on the host CPU."""
 
     def __init__(self, gm: GGUFModel, args, simd: SimdLib, weights: str = "mmap", numa=None, progress: bool = False):
@@ -210,6 +211,7 @@ class CPUModel(Backend):
         self._ws: dict[tuple[int, int], Workspace] = {}
         self.shared_scratch: dict = {}
         self.undo_buffers: dict[int, list[np.ndarray]] = {}  # per state: cpu/verify.py
+        self.keep_hidden, self.hidden_kept = False, {}  # MTPParts.hidden_rows
 
     @property
     def numeric_path(self) -> str:
@@ -330,6 +332,9 @@ class CPUModel(Backend):
                     ws.rec = None
         else:
             out = self._forward(ids, state, ws, all_logits)
+        if self.keep_hidden:
+            n = T if all_logits or T == 1 else 1
+            self.keep_rows(state, state.pos + T - n, ws.x[:n])
         state.tokens[state.pos : state.pos + T] = ids
         state.pos += T
         return out
@@ -361,7 +366,9 @@ class CPUModel(Backend):
                 BatchReplay.keep(ws.replays, self.simd, states, ws.rec, out)
             finally:
                 ws.rec = None
-        for t, st in zip(ids, states, strict=True):
+        for j, (t, st) in enumerate(zip(ids, states, strict=True)):
+            if self.keep_hidden:
+                self.keep_rows(st, st.pos, ws.x[j : j + 1])
             st.tokens[st.pos] = t
             st.pos += 1
         return out
@@ -376,17 +383,6 @@ class CPUModel(Backend):
         state.tokens[state.pos : state.pos + T] = ids
         state.pos += T
         return out
-
-    def new_mtp_state(self, n_ctx: int) -> DecoderState:
-        from .mtp import new_mtp_state
-
-        return new_mtp_state(self, n_ctx)
-
-    def mtp(self, h, tokens, state: DecoderState):
-        """The MTP block over T rows (Backend.mtp): cpu/mtp.py."""
-        from .mtp import mtp_forward
-
-        return mtp_forward(self, h, tokens, state)
 
     def forward_many(self, chunks) -> np.ndarray:
         """Several sequences' prompt chunks, each (ids, state), in one pass: their rows share every product (each
@@ -406,7 +402,9 @@ class CPUModel(Backend):
             a0 += len(ids)
         ws = self.workspace(max(a0, 2), max(st.n_ctx for st, _, _ in segs))
         out = np.array(self._forward(np.concatenate(parts), Segments(segs), ws, all_logits=False), copy=True)
-        for ids, (st, _, _) in zip(parts, segs, strict=True):
+        for j, (ids, (st, _, _)) in enumerate(zip(parts, segs, strict=True)):
+            if self.keep_hidden:  # the rows of the chunks' ends
+                self.keep_rows(st, st.pos + len(ids) - 1, ws.x[j : j + 1])
             st.tokens[st.pos : st.pos + len(ids)] = ids
             st.pos += len(ids)
         return out
@@ -431,6 +429,7 @@ class CPUModel(Backend):
         """Drop the recorded steps and bound calls that hold this state's arrays (a finished sequence's memory
         goes with it, not when its replay would be pushed out)."""
         self.undo_buffers.pop(id(state), None)
+        self.hidden_kept.pop(id(state), None)
         mine = {id(a) for a in DecodeReplay._arrays(state)}
         for ws in self._ws.values():
             for k in [k for k, p in ws.replays.items() if p.holds(mine)]:

@@ -9,8 +9,7 @@ import numpy as np
 from ...errors import MTPUnavailableError
 from ...format.quant import dequantize_rows
 from ...models import graph
-from ..state import DecoderState, check_tokens
-from .backend import _mat
+from ..state import DecoderState, check_tokens, keep_rows
 from .graph_ops import CPUOps
 
 
@@ -27,6 +26,8 @@ def _head(model, blk):
         out_norm, out = graph.head(model.args)
         c["norm"] = model.out_norm if blk.norm == out_norm else np.ascontiguousarray(
             model.gm.dequant(blk.norm), dtype=np.float32)
+        from .backend import _mat
+
         c["out"] = model.out if blk.out == out else _mat(model.gm, blk.out)
     return c["norm"], c["out"]
 
@@ -63,3 +64,22 @@ def mtp_forward(model, h, tokens, state: DecoderState) -> tuple[np.ndarray, np.n
     state.tokens[state.pos : state.pos + T] = ids
     state.pos += T
     return logits, np.array(x, copy=True)
+
+
+class MTPParts:
+    """CPUModel's MTP methods (Backend.new_mtp_state, mtp, hidden_rows) and the keeping of its final-norm rows."""
+
+    keep_hidden: bool
+    hidden_kept: dict
+
+    def new_mtp_state(self, n_ctx: int) -> DecoderState:
+        return new_mtp_state(self, n_ctx)
+
+    def mtp(self, h, tokens, state: DecoderState) -> tuple[np.ndarray, np.ndarray]:
+        return mtp_forward(self, h, tokens, state)
+
+    def keep_rows(self, state, first: int, rows: np.ndarray) -> None:
+        keep_rows(self.hidden_kept, state, first, rows)
+
+    def hidden_rows(self, state):
+        return self.hidden_kept.get(id(state))

@@ -1,0 +1,77 @@
+"""The `mtp` drafter: Qwen3.5/3.6's multi-token-prediction block (models/graph.MTP, Backend.mtp) drafts a sequence's
+next tokens, as llama.cpp's draft-mtp does for qwen35 / qwen35moe (one block, run again for each further draft).
+
+Row j of the block's own K/V (its DecoderState, one attention layer) is its pass over (h_j, token j+1), h_j the
+trunk's final-norm output at position j (Backend.hidden_rows: what the backend's last calls over the sequence
+computed). Every decode step of a sequence (`observe`) writes the rows of the positions the trunk has accepted since
+the last step, from the trunk's own rows, after dropping the rows its drafts wrote (a per-token array: going back is
+setting its position), so the block's K/V holds accepted positions only. The last of those rows gives the first
+draft; each further draft runs the block on the previous draft and the block's own hidden output. The prompt's
+positions before the first decode step are not in the block's K/V (a prompt pass keeps only its last row).
+
+Drafts change no output (engine/spec.py verifies them); they only decide how many tokens a step yields."""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class _Seq:
+    ms: object  # the block's DecoderState
+    base: int = -1  # the trunk position of its row 0 (-1: none yet)
+    true: int = 0  # its rows written from the trunk's rows (the rest: drafts')
+    first: tuple | None = None  # (logits, hidden) of the row at the sequence's last position, for this step
+
+
+class MTPDrafter:
+    name = "mtp"
+
+    def __init__(self, backend):
+        self.be = backend
+        backend.keep_hidden = True
+        self.seqs: dict[int, _Seq] = {}
+
+    def _seq(self, st) -> _Seq:
+        m = self.seqs.get(id(st))
+        if m is None:
+            m = self.seqs[id(st)] = _Seq(self.be.new_mtp_state(st.n_ctx))
+            weakref.finalize(st, self.seqs.pop, id(st), None)
+        return m
+
+    def observe(self, s) -> None:
+        """Before sequence s's step (its state at position P, its next token chosen): the block's rows up to
+        position P-1 from the trunk's rows; the last one's logits are the first draft's."""
+        st = s.state
+        m = self._seq(st)
+        m.first = None
+        got = self.be.hidden_rows(st)
+        q = st.pos - 1
+        if got is None or not got[0] <= q < got[0] + len(got[1]):
+            return
+        f, rows = got
+        if m.base < 0 or m.base + m.true < f:  # nothing yet, or positions missing: start the rows here
+            m.base, m.true = f, 0
+        start = m.base + m.true
+        if start > q:  # (a step without new positions)
+            return
+        toks = [int(t) for t in st.tokens[start + 1 : st.pos]] + [int(s.next_tok)]
+        m.ms.pos = m.true  # the drafts' rows go
+        lg, y = self.be.mtp(rows[start - f : q - f + 1], toks, m.ms)
+        m.true = m.ms.pos
+        m.first = (lg[-1], y[-1])
+
+    def propose_seq(self, s, k: int) -> list[int]:
+        m = self.seqs.get(id(s.state))
+        if m is None or m.first is None or k <= 0:
+            return []
+        lg, y = m.first
+        out = [int(np.argmax(lg))]
+        while len(out) < k:
+            lg2, y2 = self.be.mtp(y[None], [out[-1]], m.ms)
+            y = y2[0]
+            out.append(int(np.argmax(lg2[0])))
+        return out
