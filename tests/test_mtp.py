@@ -194,3 +194,22 @@ def test_mtp_kv_holds_the_trunks_rows_of_accepted_positions(made):
         lg, _ = eng.backend.mtp(h[m.base :], ids[m.base + 1 : m.base + n + 1], fresh)
         assert np.array_equal(fresh.k[0][:n], k_rows)
         assert drafter.propose_seq(type("S", (), {"state": st})(), 1) == [int(np.argmax(m.first[0]))]
+
+
+@pytest.mark.parametrize("arch", list(SHAPES))
+def test_llama_cpp_loads_the_block(made, arch):
+    """llama.cpp's loader (load_block_mtp) takes the file: it counts one nextn layer, and its trunk reads the same
+    model as the reference (F32: no rounding but summation order)."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    path = made(arch)
+    llm = llama_cpp.Llama(model_path=path, n_ctx=64, logits_all=True, verbose=False, type_k=0, type_v=0)
+    try:
+        assert llama_cpp.llama_model_n_layer_nextn(llm.model) == 1
+        ids = [7, 1, 300, 42, 99, 5, 11, 400]
+        llm.eval(ids)
+        ll = np.asarray(llm.scores[: len(ids)], dtype=np.float32)
+    finally:
+        llm.close()
+    with Engine.load(path, backend="reference", n_ctx=64) as ref:
+        want = ref.logits(ids)
+    assert float(np.abs(want - ll).max()) <= 1e-4 * float(np.abs(ll).max())
