@@ -179,12 +179,12 @@ def test_mtp_kv_holds_the_trunks_rows_of_accepted_positions(made):
 
         def observe(s):
             orig(s)
-            seen.append((s.state, drafter.seqs[id(s.state)]))
+            seen.append((s.state, drafter.seqs[id(s.state)], s.state.pos))
 
         drafter.observe = observe
         eng.spec = sp.Speculator(drafter, 3, adaptive=False)
         eng.generate(prompt, max_tokens=24, temperature=0)
-        st, m = seen[-1]
+        st, m, p_obs = seen[-1]  # the last step's: the state has gone on by that step's tokens since
         assert m.base == len(prompt) - 1 and m.true > 8
         n = min(m.true, st.pos - 1 - m.base)  # rows whose next token the state holds
         k_rows = np.array(m.ms.k[0][:n], copy=True)
@@ -193,7 +193,14 @@ def test_mtp_kv_holds_the_trunks_rows_of_accepted_positions(made):
         fresh = eng.backend.new_mtp_state(128)
         lg, _ = eng.backend.mtp(h[m.base :], ids[m.base + 1 : m.base + n + 1], fresh)
         assert np.array_equal(fresh.k[0][:n], k_rows)
-        assert drafter.propose_seq(type("S", (), {"state": st})(), 1) == [int(np.argmax(m.first[0]))]
+        # the first draft: the block's greedy token at the last position, over the whole K/V of accepted rows
+        assert m.last is not None and m.base + m.true == p_obs
+        h_all = eng.backend.hidden(ids[:p_obs], eng.new_state())
+        lg, _ = eng.backend.mtp(h_all[m.base :], ids[m.base + 1 : p_obs] + [m.last[1]],
+                                eng.backend.new_mtp_state(128))
+        before = np.array(m.ms.k[0][: m.true], copy=True)
+        assert drafter.propose_seq(type("S", (), {"state": st})(), 1) == [int(np.argmax(lg[-1]))]
+        assert np.array_equal(m.ms.k[0][: m.true], before)  # the last row run again: the same bits
 
 
 @pytest.mark.parametrize("arch", list(SHAPES))

@@ -55,11 +55,12 @@ class Backend(ABC):
         """A fresh state of the model's MTP block (its own K/V; models/graph.mtp_state_args)."""
         raise MTPUnavailableError(f"the {type(self).__name__} backend cannot run a multi-token-prediction block")
 
-    def mtp(self, h, tokens, state) -> tuple[np.ndarray, np.ndarray]:
+    def mtp(self, h, tokens, state, head: bool = True) -> tuple[np.ndarray | None, np.ndarray]:
         """The MTP block over T rows (models/graph.MTP): row r takes the trunk's final-norm output h[r] (what
         `hidden` returns for a position) and tokens[r] (the token after it), attends over the block's own K/V in
         `state` (new_mtp_state; advanced by T); returns (logits (T, n_vocab), the block's hidden output (T, n_embd),
-        the next draft step's h), arrays that are the caller's."""
+        the next draft step's h), arrays that are the caller's; head False: no logits (None), the head's product
+        not run."""
         raise MTPUnavailableError(f"the {type(self).__name__} backend cannot run a multi-token-prediction block")
 
     def preload(self, progress: bool = False) -> None:
@@ -149,9 +150,9 @@ class GPUPrefillCPUDecode(Backend):
     def new_mtp_state(self, n_ctx: int):
         return self.cpu.new_mtp_state(n_ctx)
 
-    def mtp(self, h, tokens, state):
+    def mtp(self, h, tokens, state, head: bool = True):
         """The MTP block runs where decode does: on the CPU model (drafting is decode work)."""
-        return self.cpu.mtp(h, tokens, state)
+        return self.cpu.mtp(h, tokens, state, head)
 
     def forward_rows(self, chunks, undo: bool = False):
         return self.cpu.forward_rows(chunks, undo)  # verify rows are decode work: the CPU's, as every decode step

@@ -151,7 +151,7 @@ class ReferenceModel(Backend):
             raise MTPUnavailableError(f"{self.gm.path!r} has no multi-token-prediction block")
         return self.mtp_block
 
-    def mtp(self, h, tokens, state: DecoderState) -> tuple[np.ndarray, np.ndarray]:
+    def mtp(self, h, tokens, state: DecoderState, head: bool = True) -> tuple[np.ndarray | None, np.ndarray]:
         """The MTP block over T rows (models/graph.MTP): row r reads the trunk's final-norm output h[r] and the
         embedding of tokens[r] (the token after h's), attends over the block's own K/V in `state` (new_mtp_state;
         advanced by T); (logits (T, n_vocab) of the token after tokens[r], its hidden output (T, n_embd))."""
@@ -170,7 +170,7 @@ class ReferenceModel(Backend):
         y = self.norm(x, self.w(blk.norm), a.rms_eps).astype(np.float32)
         state.tokens[state.pos : state.pos + T] = ids
         state.pos += T
-        return self.w.mm(blk.out, y).astype(np.float32), y
+        return (self.w.mm(blk.out, y).astype(np.float32) if head else None), y
 
     def _walk(self, tokens, state: DecoderState, all_logits: bool) -> np.ndarray:
         ids = check_tokens(tokens, self.args.n_vocab)

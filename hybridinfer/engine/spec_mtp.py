@@ -24,7 +24,7 @@ class _Seq:
     ms: object  # the block's DecoderState
     base: int = -1  # the trunk position of its row 0 (-1: none yet)
     true: int = 0  # its rows written from the trunk's rows (the rest: drafts')
-    first: tuple | None = None  # (logits, hidden) of the row at the sequence's last position, for this step
+    last: tuple | None = None  # (h, next token) of the row at the sequence's last position, for this step
 
 
 class MTPDrafter:
@@ -47,7 +47,7 @@ class MTPDrafter:
         position P-1 from the trunk's rows; the last one's logits are the first draft's."""
         st = s.state
         m = self._seq(st)
-        m.first = None
+        m.last = None
         got = self.be.hidden_rows(st)
         q = st.pos - 1
         if got is None or not got[0] <= q < got[0] + len(got[1]):
@@ -60,16 +60,18 @@ class MTPDrafter:
             return
         toks = [int(t) for t in st.tokens[start + 1 : st.pos]] + [int(s.next_tok)]
         m.ms.pos = m.true  # the drafts' rows go
-        lg, y = self.be.mtp(rows[start - f : q - f + 1], toks, m.ms)
+        self.be.mtp(rows[start - f : q - f + 1], toks, m.ms, head=False)  # no head: most steps draw no draft
         m.true = m.ms.pos
-        m.first = (lg[-1], y[-1])
+        m.last = (rows[q - f], toks[-1])
 
     def propose_seq(self, s, k: int) -> list[int]:
         m = self.seqs.get(id(s.state))
-        if m is None or m.first is None or k <= 0:
+        if m is None or m.last is None or k <= 0:
             return []
-        lg, y = m.first
-        out = [int(np.argmax(lg))]
+        m.ms.pos = m.true - 1  # the last row again, with its head this time (the same bits in its K/V row)
+        lg, y = self.be.mtp(m.last[0][None], [m.last[1]], m.ms)
+        y = y[0]
+        out = [int(np.argmax(lg[0]))]
         while len(out) < k:
             lg2, y2 = self.be.mtp(y[None], [out[-1]], m.ms)
             y = y2[0]

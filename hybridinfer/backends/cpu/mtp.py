@@ -37,8 +37,9 @@ def new_mtp_state(model, n_ctx: int) -> DecoderState:
     return DecoderState.new(graph.mtp_state_args(model.args), n_ctx)
 
 
-def mtp_forward(model, h, tokens, state: DecoderState) -> tuple[np.ndarray, np.ndarray]:
-    """(logits (T, n_vocab), hidden output (T, n_embd)), the caller's arrays; advances `state` by T."""
+def mtp_forward(model, h, tokens, state: DecoderState, head: bool = True) -> tuple[np.ndarray | None, np.ndarray]:
+    """(logits (T, n_vocab) or None without `head`, hidden output (T, n_embd)), the caller's arrays; advances
+    `state` by T."""
     blk, a, simd = _block(model), model.args, model.simd
     ids = check_tokens(tokens, a.n_vocab)
     T, D = len(ids), a.n_embd
@@ -58,9 +59,9 @@ def mtp_forward(model, h, tokens, state: DecoderState) -> tuple[np.ndarray, np.n
         out, spare = (ws.mix, ws.ffn) if j % 2 == 0 else (ws.ffn, ws.mix)
         y = br.fn(ops.at(0, j, out, spare, layer=L), a, x)
         simd.rms_norm(res, y, None, a.rms_eps, None)  # res += y
-    norm, head = _head(model, blk)
+    norm, out = _head(model, blk)
     simd.rms_norm(res, None, norm, a.rms_eps, x)
-    logits = np.array(model.mm(head, x, ws.logits, ws), copy=True)
+    logits = np.array(model.mm(out, x, ws.logits, ws), copy=True) if head else None
     state.tokens[state.pos : state.pos + T] = ids
     state.pos += T
     return logits, np.array(x, copy=True)
@@ -75,8 +76,8 @@ class MTPParts:
     def new_mtp_state(self, n_ctx: int) -> DecoderState:
         return new_mtp_state(self, n_ctx)
 
-    def mtp(self, h, tokens, state: DecoderState) -> tuple[np.ndarray, np.ndarray]:
-        return mtp_forward(self, h, tokens, state)
+    def mtp(self, h, tokens, state: DecoderState, head: bool = True) -> tuple[np.ndarray | None, np.ndarray]:
+        return mtp_forward(self, h, tokens, state, head)
 
     def keep_rows(self, state, first: int, rows: np.ndarray) -> None:
         keep_rows(self.hidden_kept, state, first, rows)
