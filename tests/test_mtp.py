@@ -166,9 +166,9 @@ def test_mtp_drafts_leave_greedy_output_unchanged(made, arch):
 
 
 def test_mtp_kv_holds_the_trunks_rows_of_accepted_positions(made):
-    """After a generation with drafts (some rejected, their rows dropped), the block's K rows are the bits of a fresh
-    pass of the block over the trunk's own rows of those positions: drafts' rows never stay, and the first draft of
-    each step is the block's greedy token at the sequence's last position."""
+    """After a generation with drafts (rejected ones' rows dropped), the block's K rows of the prompt and the output
+    are the bits of a fresh pass of the block over the trunk's own rows of those positions: drafts' rows never stay,
+    and the first draft of each step is the block's greedy token at the sequence's last position."""
     from hybridinfer.engine import spec as sp
 
     path = made("qwen35", "q8_0")
@@ -185,7 +185,7 @@ def test_mtp_kv_holds_the_trunks_rows_of_accepted_positions(made):
         eng.spec = sp.Speculator(drafter, 3, adaptive=False)
         eng.generate(prompt, max_tokens=24, temperature=0)
         st, m, p_obs = seen[-1]  # the last step's: the state has gone on by that step's tokens since
-        assert m.base == len(prompt) - 1 and m.true > 8
+        assert m.base == 0 and m.true > len(prompt) + 8  # the prompt's positions too (written after its chunk)
         n = min(m.true, st.pos - 1 - m.base)  # rows whose next token the state holds
         k_rows = np.array(m.ms.k[0][:n], copy=True)
         ids = [int(t) for t in st.tokens[: st.pos]]

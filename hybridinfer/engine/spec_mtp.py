@@ -7,7 +7,8 @@ computed). Every decode step of a sequence (`observe`) writes the rows of the po
 the last step, from the trunk's own rows, after dropping the rows its drafts wrote (a per-token array: going back is
 setting its position), so the block's K/V holds accepted positions only. The last of those rows gives the first
 draft; each further draft runs the block on the previous draft and the block's own hidden output. The prompt's
-positions before the first decode step are not in the block's K/V (a prompt pass keeps only its last row).
+positions are written after each prompt chunk (`prefilled`: the CPU backend then runs every row of the chunk to
+the final norm; a GPU pass or a restored prefix keeps none, so the rows start where the kept ones do).
 
 Drafts change no output (engine/spec.py verifies them); they only decide how many tokens a step yields."""
 
@@ -44,25 +45,34 @@ class MTPDrafter:
 
     def observe(self, s) -> None:
         """Before sequence s's step (its state at position P, its next token chosen): the block's rows up to
-        position P-1 from the trunk's rows; the last one's logits are the first draft's."""
-        st = s.state
-        m = self._seq(st)
-        m.last = None
+        position P-1 from the trunk's rows; the last one gives the first draft (propose_seq)."""
+        m = self._seq(s.state)
+        m.last = self._catch_up(m, s.state, s.state.pos - 1, int(s.next_tok))
+
+    def prefilled(self, st) -> None:
+        """After a prompt chunk of `st` (the CPU keeps all its rows for this drafter): the block's rows of the
+        positions whose next token the state holds."""
+        self._catch_up(self._seq(st), st, st.pos - 2, None)
+
+    def _catch_up(self, m: _Seq, st, q: int, nxt: int | None):
+        """The block's rows of positions up to q from the trunk's kept rows, after dropping the drafts' rows (no
+        head: most steps draw no draft); (h_q, the token after q) of the last, or None when the rows are not kept."""
         got = self.be.hidden_rows(st)
-        q = st.pos - 1
-        if got is None or not got[0] <= q < got[0] + len(got[1]):
-            return
+        if q < 0 or got is None or not got[0] <= q < got[0] + len(got[1]):
+            return None
         f, rows = got
         if m.base < 0 or m.base + m.true < f:  # nothing yet, or positions missing: start the rows here
             m.base, m.true = f, 0
         start = m.base + m.true
-        if start > q:  # (a step without new positions)
-            return
-        toks = [int(t) for t in st.tokens[start + 1 : st.pos]] + [int(s.next_tok)]
-        m.ms.pos = m.true  # the drafts' rows go
-        self.be.mtp(rows[start - f : q - f + 1], toks, m.ms, head=False)  # no head: most steps draw no draft
+        toks = [int(t) for t in st.tokens[start + 1 : min(q + 2, st.pos)]]  # the tokens after start .. q
+        if nxt is not None and len(toks) == q - start:
+            toks.append(nxt)
+        if start > q or len(toks) != q + 1 - start:
+            return None
+        m.ms.pos = m.true
+        self.be.mtp(rows[start - f : q - f + 1], toks, m.ms, head=False)
         m.true = m.ms.pos
-        m.last = (rows[q - f], toks[-1])
+        return rows[q - f], toks[-1]
 
     def propose_seq(self, s, k: int) -> list[int]:
         m = self.seqs.get(id(s.state))

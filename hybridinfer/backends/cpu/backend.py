@@ -459,9 +459,11 @@ class CPUModel(MTPParts, Backend):
         flat = [(i, j, br) for i, block in enumerate(self.blocks) for j, br in enumerate(block)]
         ops = CPUOps(self, ws, state)
         self.call(ws, ("norm", -1), "rms_norm", h, None, self._norm_of(flat[0]), a.rms_eps, x)
+        # a prompt pass for the MTP drafter: every row goes on to the final norm (MTPParts.prompt_rows)
+        keep = self.keep_hidden and not all_logits and T > 1 and not isinstance(state, list)
         for n, (i, j, br) in enumerate(flat):  # each residual add fused with the norm that follows it
             last = n + 1 == len(flat)
-            if last and not all_logits and T > 1 and not isinstance(state, list):
+            if last and not all_logits and T > 1 and not isinstance(state, list) and not keep:
                 # as llama.cpp's graph (inp_out_ids): past the last mixer only the output rows go on (one per
                 # sequence; their own rows, in the same buffers, in order)
                 if isinstance(state, Segments):
@@ -478,6 +480,8 @@ class CPUModel(MTPParts, Backend):
                 self.call(ws, ("norm", i, j), "rms_norm", h, y, None, a.rms_eps, None)
             else:
                 self.call(ws, ("norm", i, j), "rms_norm", h, y, self._norm_of(flat[n + 1]), a.rms_eps, x)
+        if keep:
+            return self.prompt_rows(ws, h, state, head)
         hs = h if all_logits else h[-1:]
         xs = ws.x[: hs.shape[0]]
         self.call(ws, ("norm", len(self.layers)), "rms_norm", hs, None, self.out_norm, a.rms_eps, xs)

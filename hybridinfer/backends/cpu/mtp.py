@@ -10,7 +10,7 @@ from ...errors import MTPUnavailableError
 from ...format.quant import dequantize_rows
 from ...models import graph
 from ..state import DecoderState, check_tokens, keep_rows
-from .graph_ops import CPUOps
+from .graph_ops import CPUOps, Segments
 
 
 def _block(model):
@@ -84,3 +84,18 @@ class MTPParts:
 
     def hidden_rows(self, state):
         return self.hidden_kept.get(id(state))
+
+    def prompt_rows(self, ws, h: np.ndarray, state, head: bool):
+        """The end of a prompt pass that ran every row through the last layer (keep_hidden): the final norm of all
+        rows, kept for each sequence, then the head over each chunk's last row (the same bits as the trimmed pass:
+        every row is in its one-token float shape)."""
+        T = h.shape[0]
+        x = ws.x[:T]
+        self.simd.rms_norm(h, None, self.out_norm, self.args.rms_eps, x)
+        segs = list(state) if isinstance(state, Segments) else [(state, 0, T)]
+        for st, r0, r1 in segs:
+            self.keep_rows(st, st.pos, x[r0:r1])
+        ends = [b - 1 for _, _, b in segs]
+        x[: len(ends)] = x[ends]
+        xs = x[: len(ends)]
+        return self.mm(self.out, xs, ws.logits, ws) if head else xs
