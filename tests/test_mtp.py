@@ -220,3 +220,17 @@ def test_llama_cpp_loads_the_block(made, arch):
     with Engine.load(path, backend="reference", n_ctx=64) as ref:
         want = ref.logits(ids)
     assert float(np.abs(want - ll).max()) <= 1e-4 * float(np.abs(ll).max())
+
+
+def test_mtp_block_in_a_weight_copy(made):
+    """weights="copy" copies (and on the SSSE3 unit repacks) the block's matrices with the trunk's: the same bits."""
+    path = made("qwen35moe", "q4_k_m")
+    ids = [7, 1, 300, 42, 99, 5]
+    got = []
+    for mode in ("mmap", "copy"):
+        with Engine.load(path, backend="cpu", n_ctx=64, isa=ISA, n_threads=2, weights=mode) as eng:
+            (lg, _), _ = _mtp_rows(eng, ids)
+            if mode == "copy":  # the copy holds every matrix, the block's among them
+                assert eng.backend.weights_bytes >= sum(m.raw.nbytes for m in eng.backend.mats)
+            got.append(lg)
+    assert np.array_equal(got[0], got[1])

@@ -190,8 +190,8 @@ class CPUModel(MTPParts, Backend):
         self.kv_types = tuple(cache_type(t).id for t in cache_types(a))  # ggml ids of the K and V cache types
         self.kv_rot = kv_rotation(a)  # their rotation sizes (0: none)
         held = {"out": self.out}
-        owners = [(held, "out")] + [(L.tensors, k) for L in self.layers for k, v in L.tensors.items()
-                                    if isinstance(v, Mat)]
+        blocks = self.layers + ([self.mtp_layer] if self.mtp_layer is not None else [])
+        owners = [(held, "out")] + [(L.tensors, k) for L in blocks for k, v in L.tensors.items() if isinstance(v, Mat)]
         nbytes = sum(o[k].raw.nbytes for o, k in owners)
         replicate = numa is not None and numa.mode == "replicate"
         self.weights = choose_weights_mode("mmap" if replicate and weights == "auto" else weights, nbytes,
@@ -200,9 +200,7 @@ class CPUModel(MTPParts, Backend):
         self.weights_bytes = (copy_mats(owners, simd.repack, progress) if self.weights == "copy"
                               else 0)  # memory held
         self.out = held["out"]
-        self.mats = [self.out] + [m for L in self.layers for m in L.mats()]
-        if self.mtp_layer is not None:  # the work buffers take its products too (eh_proj reads 2 n_embd)
-            self.mats += self.mtp_layer.mats()
+        self.mats = [self.out] + [m for L in blocks for m in L.mats()]  # the MTP block's too (eh_proj: 2 n_embd in)
         self.replicas = None
         if replicate:
             from .replicas import replicate as make_replicas
