@@ -234,3 +234,18 @@ def test_mtp_block_in_a_weight_copy(made):
                 assert eng.backend.weights_bytes >= sum(m.raw.nbytes for m in eng.backend.mats)
             got.append(lg)
     assert np.array_equal(got[0], got[1])
+
+
+def test_kept_rows_go_with_their_state(made):
+    """keep_hidden's rows of a state that is dropped without Backend.release (Engine.logits' own) go with it."""
+    import gc
+
+    with Engine.load(made("qwen35", "q8_0"), backend="cpu", n_ctx=64, isa=ISA, n_threads=2) as eng:
+        assert eng.backend.keep_hidden  # the default drafter (mtp) keeps them
+        st = eng.new_state()
+        eng.backend.forward([5, 6, 7, 8], st, all_logits=False)
+        f, rows = eng.backend.hidden_rows(st)
+        assert f == 0 and rows.shape == (4, 256)
+        del st
+        gc.collect()
+        assert not eng.backend.hidden_kept

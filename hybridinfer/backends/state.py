@@ -13,6 +13,7 @@ All buffers are allocated once, at `new()`; prefill and decode write into them.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -202,6 +203,8 @@ def keep_rows(kept: dict, state, first: int, rows) -> None:
     rows = np.asarray(rows, dtype=np.float32)
     n_new = len(rows)
     old = kept.get(id(state))
+    if old is None:  # the rows go with the state (one that never reaches Backend.release too)
+        weakref.finalize(state, kept.pop, id(state), None)
     if old is not None and old[0] <= first <= old[0] + len(old[1]):
         rows = np.concatenate([old[1][: first - old[0]], rows])
         first = old[0]
