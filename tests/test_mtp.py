@@ -249,3 +249,18 @@ def test_kept_rows_go_with_their_state(made):
         del st
         gc.collect()
         assert not eng.backend.hidden_kept
+
+
+def test_mtp_drafts_leave_seeded_sampling_unchanged(made):
+    """Sampled at fixed seeds (temperature, top-k/p, min-p, a penalty): the same tokens with mtp drafts as without."""
+    from hybridinfer.engine import spec as sp
+
+    path = made("qwen35moe", "q8_0")
+    kw = dict(max_tokens=16, temperature=0.8, top_k=40, top_p=0.95, min_p=0.02, repeat_penalty=1.1)
+    reqs = [dict(prompt=p, seed=21 + i) for i, p in enumerate(_prompts())]
+    with Engine.load(path, backend="cpu", n_ctx=128, isa=ISA, n_threads=2, spec_type="none") as base:
+        want = [g.tokens for g in base.generate_batch(reqs, **kw)]
+    with Engine.load(path, backend="cpu", n_ctx=128, isa=ISA, n_threads=2, spec_type="mtp", draft_max=2) as eng:
+        eng.spec = sp.Speculator(eng.spec.drafter, 2, adaptive=False)
+        assert [g.tokens for g in eng.generate_batch(reqs, **kw)] == want
+        assert eng.spec.drafted > 0

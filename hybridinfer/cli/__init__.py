@@ -259,7 +259,8 @@ def cmd_info(a) -> int:
     print(f"file:          {gm.path} ({_fmt_bytes(gm.file_size)})")
     print(f"architecture:  {gm.arch}   name: {gm.meta('general.name', '?')}")
     pattern = "".join(kind_of(k).letter for k in args.layer_types)
-    print(f"layers:        {args.n_layer}  pattern {pattern}")
+    mtp = "  + a multi-token-prediction block (drafts: --spec-type mtp)" if getattr(args, "has_mtp", False) else ""
+    print(f"layers:        {args.n_layer}  pattern {pattern}{mtp}")
     for k, v in describe(args).items():
         if k != "layer_types":
             print(f"  {k:<18} {v}")
