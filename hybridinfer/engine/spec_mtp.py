@@ -61,8 +61,8 @@ class MTPDrafter:
         if q < 0 or got is None or not got[0] <= q < got[0] + len(got[1]):
             return None
         f, rows = got
-        if m.base < 0 or m.base + m.true < f:  # nothing yet, or positions missing: start the rows here
-            m.base, m.true = f, 0
+        if m.base < 0 or not f <= m.base + m.true <= q + 1:  # nothing yet, positions missing, or a state gone
+            m.base, m.true = f, 0  # back (reset): start the rows at the first kept one
         start = m.base + m.true
         toks = [int(t) for t in st.tokens[start + 1 : min(q + 2, st.pos)]]  # the tokens after start .. q
         if nxt is not None and len(toks) == q - start:
