@@ -95,3 +95,8 @@ class NonFiniteWeightsError(GGUFError):
     damaged, and a model run on it would answer with nothing."""
 class EngineClosed(CapacityError):
     """The Engine was closed (`Engine.close`): a request queued or running then, or made after, is refused."""
+
+
+class MTPUnavailableError(UnsupportedArchitectureError):
+    """Drafting with a multi-token-prediction block was asked of a model that has none (its file was written
+    without the block), or of a backend that cannot run it yet."""

@@ -10,7 +10,7 @@ from abc import ABC, abstractmethod
 
 import numpy as np
 
-from ..errors import BackendNotAvailableError, ParameterError
+from ..errors import BackendNotAvailableError, MTPUnavailableError, ParameterError
 
 BACKENDS = ("reference", "cpu", "gpu", "auto")
 
@@ -42,6 +42,26 @@ class Backend(ABC):
         """Consume `tokens` from `state` as forward does; the final norm's output of every token (what the head
         reads: the model's embedding of each position), (T, n_embd) float32. For Engine.embed."""
         raise NotImplementedError(f"the {type(self).__name__} backend computes no hidden states")
+
+    keep_hidden = False  # set (by the MTP drafter) on a backend whose hidden_rows keep what its calls compute
+
+    def hidden_rows(self, state):
+        """With keep_hidden set: (first position, rows) of the final-norm output (what the head reads) that the last
+        call over `state` computed (every row it ran, or the last of a prompt chunk), or None (none kept; the GPU's
+        prompt passes keep none)."""
+        return None
+
+    def new_mtp_state(self, n_ctx: int):
+        """A fresh state of the model's MTP block (its own K/V; models/graph.mtp_state_args)."""
+        raise MTPUnavailableError(f"the {type(self).__name__} backend cannot run a multi-token-prediction block")
+
+    def mtp(self, h, tokens, state, head: bool = True) -> tuple[np.ndarray | None, np.ndarray]:
+        """The MTP block over T rows (models/graph.MTP): row r takes the trunk's final-norm output h[r] (what
+        `hidden` returns for a position) and tokens[r] (the token after it), attends over the block's own K/V in
+        `state` (new_mtp_state; advanced by T); returns (logits (T, n_vocab), the block's hidden output (T, n_embd),
+        the next draft step's h), arrays that are the caller's; head False: no logits (None), the head's product
+        not run."""
+        raise MTPUnavailableError(f"the {type(self).__name__} backend cannot run a multi-token-prediction block")
 
     def preload(self, progress: bool = False) -> None:
         """Make the weights ready now (with a progress bar) instead of at first use."""
@@ -113,6 +133,26 @@ class GPUPrefillCPUDecode(Backend):
 
     def decode_batch(self, tokens, states) -> np.ndarray:
         return self.cpu.decode_batch(tokens, states)
+
+    @property
+    def keep_hidden(self) -> bool:
+        return self.cpu.keep_hidden
+
+    @keep_hidden.setter
+    def keep_hidden(self, on: bool) -> None:
+        self.cpu.keep_hidden = on
+
+    def hidden_rows(self, state):
+        got = self.cpu.hidden_rows(state)
+        # a GPU prompt pass after the CPU's last call over this state leaves the CPU's rows behind it
+        return got if got is not None and got[0] + len(got[1]) <= state.pos else None
+
+    def new_mtp_state(self, n_ctx: int):
+        return self.cpu.new_mtp_state(n_ctx)
+
+    def mtp(self, h, tokens, state, head: bool = True):
+        """The MTP block runs where decode does: on the CPU model (drafting is decode work)."""
+        return self.cpu.mtp(h, tokens, state, head)
 
     def forward_rows(self, chunks, undo: bool = False):
         return self.cpu.forward_rows(chunks, undo)  # verify rows are decode work: the CPU's, as every decode step

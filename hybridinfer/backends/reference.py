@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..errors import MTPUnavailableError
 from ..format.gguf_model import GGUFModel
 from ..format.quant import dequantize, dequantize_rows
 from ..format.quant_types import act_of
@@ -17,7 +18,7 @@ from ..models.graph import BlockTensors, block_names
 from ..models.state_kinds import cache_path, cache_types, kv_rotation
 from . import Backend, actquant
 from . import reference_ops as op
-from .state import DecoderState, check_tokens
+from .state import DecoderState, check_tokens, keep_rows
 
 
 class Weights:
@@ -105,6 +106,9 @@ class ReferenceModel(Backend):
         self.blocks = graph.branches(args)
         self.embed, self.head = graph.arch_of(args).EMBED, graph.head(args)
         self.freq_factors = self.w("rope_freqs.weight") if getattr(args, "has_rope_freqs", False) else None
+        self.keep_hidden, self.hidden_kept = False, {}  # Backend.hidden_rows
+        self.mtp_block = graph.mtp(args)
+        self.mtp_layer = None if self.mtp_block is None else Layer(self.w, self.mtp_block.block)
 
     @property
     def numeric_path(self) -> str:
@@ -127,11 +131,46 @@ class ReferenceModel(Backend):
         """Consume `tokens` from `state` (advancing it); logits (T, n_vocab), or (1, n_vocab) for the
         last token when all_logits is False. Walks the architecture's description (models/graph.py)."""
         x = self._walk(tokens, state, all_logits)
+        if self.keep_hidden:
+            keep_rows(self.hidden_kept, state, state.pos - x.shape[0], x)
         return self.w.mm(self.head[1], x).astype(np.float32)
+
+    def hidden_rows(self, state):
+        return self.hidden_kept.get(id(state))
 
     def hidden(self, tokens, state: DecoderState) -> np.ndarray:
         """The final norm's output of each token (what the head reads), (T, n_embd) float32; advances the state."""
         return np.asarray(self._walk(tokens, state, True), dtype=np.float32)
+
+    def new_mtp_state(self, n_ctx: int) -> DecoderState:
+        self._need_mtp()
+        return DecoderState.new(graph.mtp_state_args(self.args), n_ctx)
+
+    def _need_mtp(self):
+        if self.mtp_block is None:
+            raise MTPUnavailableError(f"{self.gm.path!r} has no multi-token-prediction block")
+        return self.mtp_block
+
+    def mtp(self, h, tokens, state: DecoderState, head: bool = True) -> tuple[np.ndarray | None, np.ndarray]:
+        """The MTP block over T rows (models/graph.MTP): row r reads the trunk's final-norm output h[r] and the
+        embedding of tokens[r] (the token after h's), attends over the block's own K/V in `state` (new_mtp_state;
+        advanced by T); (logits (T, n_vocab) of the token after tokens[r], its hidden output (T, n_embd))."""
+        blk, a = self._need_mtp(), self.args
+        ids = check_tokens(tokens, a.n_vocab)
+        T = len(ids)
+        state.check_room(T)
+        L = self.mtp_layer
+        e = self.w.rows(self.embed, ids)
+        h = np.asarray(h, np.float32).reshape(T, a.n_embd)
+        x = np.concatenate([self.norm(e, L[blk.enorm], a.rms_eps), self.norm(h, L[blk.hnorm], a.rms_eps)], axis=1)
+        x = L.mm(blk.eh_proj, x)
+        ops = RefOps(self, L, 0, state)
+        for br in blk.branches:
+            x = x + br.fn(ops, a, self.norm(x, L[br.norm], a.rms_eps))
+        y = self.norm(x, self.w(blk.norm), a.rms_eps).astype(np.float32)
+        state.tokens[state.pos : state.pos + T] = ids
+        state.pos += T
+        return (self.w.mm(blk.out, y).astype(np.float32) if head else None), y
 
     def _walk(self, tokens, state: DecoderState, all_logits: bool) -> np.ndarray:
         ids = check_tokens(tokens, self.args.n_vocab)

@@ -13,6 +13,7 @@ All buffers are allocated once, at `new()`; prefill and decode write into them.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -190,3 +191,22 @@ def check_tokens(tokens, n_vocab: int) -> np.ndarray:
         bad = int(ids[(ids < 0) | (ids >= n_vocab)][0])
         raise ValueError(f"token id {bad} is outside the vocabulary [0, {n_vocab})")
     return ids
+
+
+KEEP_ROWS = 16  # final-norm rows kept per state for the MTP drafter (Backend.hidden_rows)
+
+
+def keep_rows(kept: dict, state, first: int, rows) -> None:
+    """Keep a copy of the final-norm rows of positions first.. of `state` in `kept` (by id): joined to the rows kept
+    before when they follow them or overwrite their tail (rows past a rollback), the last KEEP_ROWS of them (or all of
+    this call's: a prompt chunk's, which the MTP drafter reads after the chunk)."""
+    rows = np.asarray(rows, dtype=np.float32)
+    n_new = len(rows)
+    old = kept.get(id(state))
+    if old is None:  # the rows go with the state (one that never reaches Backend.release too)
+        weakref.finalize(state, kept.pop, id(state), None)
+    if old is not None and old[0] <= first <= old[0] + len(old[1]):
+        rows = np.concatenate([old[1][: first - old[0]], rows])
+        first = old[0]
+    cut = max(len(rows) - max(KEEP_ROWS, n_new), 0)  # never fewer than this call's rows
+    kept[id(state)] = (int(first + cut), np.array(rows[cut:], copy=True))

@@ -259,7 +259,8 @@ def cmd_info(a) -> int:
     print(f"file:          {gm.path} ({_fmt_bytes(gm.file_size)})")
     print(f"architecture:  {gm.arch}   name: {gm.meta('general.name', '?')}")
     pattern = "".join(kind_of(k).letter for k in args.layer_types)
-    print(f"layers:        {args.n_layer}  pattern {pattern}")
+    mtp = "  + a multi-token-prediction block (drafts: --spec-type mtp)" if getattr(args, "has_mtp", False) else ""
+    print(f"layers:        {args.n_layer}  pattern {pattern}{mtp}")
     for k, v in describe(args).items():
         if k != "layer_types":
             print(f"  {k:<18} {v}")
@@ -334,7 +335,8 @@ def cmd_synth(a) -> int:
 
         rs = depth_scale(resolve_shape(a.arch, a.shape)["n_layer"])
     summary = synth_model(a.output, a.arch, a.shape, quant=a.quant, seed=a.seed, vocab_from=a.vocab_from,
-                          progress=sys.stderr.isatty(), tensor_types=overrides, residual_scale=rs)
+                          progress=sys.stderr.isatty(), tensor_types=overrides, residual_scale=rs,
+                          mtp=not a.no_mtp)
     print(f"wrote {a.output}: {summary}")
     return 0
 
@@ -396,6 +398,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="depth-scaled weights, as in a trained network: unit-std token embeddings and residual "
                         "branch output projections at S x the usual std (auto: 1/sqrt(2 n_layer)); without it a "
                         "deep random model is chaotic (engines that round differently disagree on top-1 tokens)")
+    p.add_argument("--no-mtp", action="store_true",
+                   help="leave out the multi-token-prediction block (qwen35 / qwen35moe write it by default, as "
+                        "llama.cpp's converter does without its --no-mtp)")
     p.add_argument("-o", "--output", required=True)
     p.set_defaults(fn=cmd_synth)
     add_serve_parser(sub)

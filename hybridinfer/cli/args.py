@@ -292,9 +292,10 @@ def _add_model(p: argparse.ArgumentParser, required: bool = False) -> None:
     from ..engine.spec import DEFAULT_DRAFT_MAX, MAX_DRAFT, SPEC_ALIASES, SPEC_TYPES
 
     p.add_argument("--spec-type", default=None, choices=[*SPEC_TYPES, *SPEC_ALIASES],
-                   help="speculative decoding: ngram (drafts by prompt lookup, no extra weights; llama.cpp's "
-                        "ngram-simple names it too) or none; the output is the same tokens as without (default: the "
-                        "file's multi-token-prediction block where it has one, not read yet, so none)")
+                   help="speculative decoding: mtp (drafts by the file's multi-token-prediction block; llama.cpp's "
+                        "draft-mtp), ngram (drafts by prompt lookup, no extra weights; llama.cpp's ngram-simple names "
+                        "it too) or none; the output is the same tokens as without (default: mtp where the file has "
+                        "the block, else none)")
     p.add_argument("--draft-max", "--spec-draft-n-max", dest="draft_max", type=_int_in(1, MAX_DRAFT),
                    default=DEFAULT_DRAFT_MAX,
                    help=f"tokens drafted at most per step, 1-{MAX_DRAFT} (default {DEFAULT_DRAFT_MAX})")

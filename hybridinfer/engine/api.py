@@ -237,8 +237,9 @@ class Engine(Compute):
         cache_rotate (default True): quantized K/V rows (q8_0, q4_0) are Walsh-Hadamard rotated before they are
             kept, as llama.cpp does unless LLAMA_ATTN_ROT_DISABLE is set (state_kinds.kv_rotation); False keeps them
             as they are.
-        spec_type (default None: none, until a file's MTP block is read), draft_max (default 3): "ngram" drafts up to
-            draft_max (1-4) tokens by prompt lookup, checked in one pass: the same tokens as without (engine/spec.py).
+        spec_type (default None: "mtp" where the file has the multi-token-prediction block, else "none"),
+            draft_max (default 3): "mtp" drafts up to draft_max (1-4) tokens with the block, "ngram" by prompt
+            lookup, checked in one pass: the same tokens as without (engine/spec.py).
 
         Backend options, each left to its backend when not given:
         CPU ("cpu", and decode under "gpu" and "auto"): isa (the widest SIMD unit this CPU has: scalar, ssse3,
@@ -282,7 +283,7 @@ class Engine(Compute):
         eng = cls(gm, args, be, Tokenizer.from_gguf(gm), ctx.n_ctx, progress, prefill_chunk, prefix_cache,
                   snapshot_stride, max_seqs, state_budget, step_tokens)
         eng.ctx_note = ctx.note
-        eng.spec = make_speculator(spec_type, draft_max, args)
+        eng.spec = make_speculator(spec_type, draft_max, args, be)
         _ = eng.scheduler  # its limits checked now, not at the first request
         if chat_template is not None:
             from ..format.chat_template import check_template

@@ -163,7 +163,9 @@ class Compute:
         with self.lock:
             be, st = self._open(), work.state
             b = chunk_end(st.pos, len(work.ids), work.at, budget, self.prefill_chunk)
-            return work.chunk_done(be.forward(work.ids[st.pos : b], st, all_logits=False)[-1])
+            lg = be.forward(work.ids[st.pos : b], st, all_logits=False)[-1]
+            self._drafter_follows([st])
+            return work.chunk_done(lg)
 
     def chunk_len(self, work: PromptWork, budget: int) -> int:
         """How many tokens prefill_steps takes from `work` under `budget` (chunk_end's rule)."""
@@ -180,7 +182,15 @@ class Compute:
                 return [self.prefill_step(*plan[0])]
             chunks = [(w.ids[w.state.pos : w.state.pos + self.chunk_len(w, b)], w.state) for w, b in plan]
             lgs = be.forward_many(chunks)
+            self._drafter_follows([w.state for w, _ in plan])
             return [w.chunk_done(lg) for (w, _), lg in zip(plan, lgs, strict=True)]
+
+    def _drafter_follows(self, states) -> None:
+        """A drafter that keeps rows of its own per position (spec_mtp.MTPDrafter) writes those of a prompt chunk."""
+        d = getattr(getattr(self, "spec", None), "drafter", None)
+        if hasattr(d, "prefilled"):
+            for st in states:
+                d.prefilled(st)
 
     def prefill_whole(self, works: list[PromptWork], limit: int | None = None) -> list[np.ndarray | None]:
         """Every prompt of `works` to its end, or (limit) the oldest prompts' next `limit` tokens at most; each

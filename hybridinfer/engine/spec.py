@@ -16,8 +16,9 @@ call's inputs (backends/state.RowsUndo), and after a rejection the arrays are pu
 again over the accepted rows (no product again: the same bits the pass computed there). Snapshots and the prefix
 cache only ever see a state after this, so they hold accepted positions only.
 
-Drafters are found by name in DRAFTERS (`--spec-type`); "mtp" (Qwen3.5/3.6's multi-token-prediction block) is
-named but not built yet, and is refused with a typed error.
+Drafters are found by name in DRAFTERS (`--spec-type`): "ngram" (prompt lookup), "mtp" (Qwen3.5/3.6's
+multi-token-prediction block, engine/spec_mtp.py; a typed error for a file without it; the default where the file
+has it), "none".
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from ..errors import ParameterError, UnsupportedArchitectureError
+from ..errors import MTPUnavailableError, ParameterError
 from .compute import ema
 
 SPEC_TYPES = ("none", "ngram", "mtp")
@@ -88,14 +89,17 @@ class ScriptedDrafter:
         return []
 
 
-def _no_mtp(args):
-    raise UnsupportedArchitectureError(
-        "spec_type 'mtp': drafting with the multi-token-prediction block is not implemented yet "
-        "(use spec_type 'ngram' or 'none')")
+def _mtp(args, backend):
+    if not getattr(args, "has_mtp", False):
+        raise MTPUnavailableError("spec_type 'mtp': this model's file has no multi-token-prediction block (use "
+                                  "spec_type 'ngram' or 'none')")
+    from .spec_mtp import MTPDrafter
+
+    return MTPDrafter(backend)
 
 
-# name -> a factory of the drafter for a model's args (None: no drafts)
-DRAFTERS = {"none": lambda args: None, "ngram": lambda args: NgramDrafter(), "mtp": _no_mtp}
+# name -> a factory of the drafter for a model's args and backend (None: no drafts)
+DRAFTERS = {"none": lambda args, backend: None, "ngram": lambda args, backend: NgramDrafter(), "mtp": _mtp}
 
 
 def check_spec(spec_type: str | None, draft_max: int) -> str | None:
@@ -108,10 +112,11 @@ def check_spec(spec_type: str | None, draft_max: int) -> str | None:
     return spec_type
 
 
-def make_speculator(spec_type: str | None, draft_max: int, args):
-    """The Speculator of an engine, or None. spec_type None: the file's own drafter where it has one (the MTP block,
-    not read yet), else none."""
-    drafter = DRAFTERS[check_spec(spec_type, draft_max) or "none"](args)
+def make_speculator(spec_type: str | None, draft_max: int, args, backend=None):
+    """The Speculator of an engine, or None. spec_type None: the file's own drafter where it has one (its MTP
+    block: "mtp"), else none."""
+    name = check_spec(spec_type, draft_max) or ("mtp" if getattr(args, "has_mtp", False) else "none")
+    drafter = DRAFTERS[name](args, backend)
     return None if drafter is None else Speculator(drafter, draft_max)
 
 
@@ -184,7 +189,10 @@ class Speculator:
         """Each sequence's drafts after its sampled next token (possibly none)."""
         fit = self.cost.fit()
         out = []
+        observe = getattr(self.drafter, "observe", None)
         for s in seqs:
+            if observe is not None:  # a drafter that follows every step of the sequence (mtp: its own K/V)
+                observe(s)
             sp = s.spec if s.spec is not None else SeqSpec()
             s.spec = sp
             left = s.handle.request.max_tokens - len(s.handle.generation.tokens)
@@ -197,6 +205,9 @@ class Speculator:
             if k <= 0:
                 sp.accept = ema(sp.accept, 0.6, 0.98)  # unprobed for a while: the prior comes back, a probe follows
                 out.append([])
+                continue
+            if hasattr(self.drafter, "propose_seq"):
+                out.append(self.drafter.propose_seq(s, k))
                 continue
             hist = np.append(s.state.tokens[: s.state.pos], np.int32(s.next_tok))
             out.append(self.drafter.propose(hist, k))

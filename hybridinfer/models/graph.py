@@ -27,6 +27,12 @@ Op vocabulary (`Ops`; `OPS` below names each op's reference maths, CPU bindings 
                                    the Gated DeltaNet layer between its projections (docs/gguf-qwen35.md §3 steps 2-8)
     moe(x, router=, experts=, shared=, shared_gate=)
                                    softmax-top-k routed SwiGLU experts plus an optional sigmoid-gated shared expert
+The multi-token-prediction block (`mtp(a)`, an `MTP`, None where the model has none) is one more part of the
+description: its input is the trunk's final-norm output h_t (what the head reads, llama.cpp's h_nextn) and the
+embedding of token t+1, x = eh_proj(concat(rms_norm(e) * enorm, rms_norm(h) * hnorm)), then its branches over its
+own per-sequence state (`mtp_state_args`: one attention layer's K/V, state_kinds), then its head. The walkers are
+the backends' `mtp` methods.
+
 A new layer type is a branch function in its architecture module and any new op in each backend's ops class (with
 the op's own work buffers: CPU Workspace.op_<op>, GPU Buffers.op_<op>); a new mixer kind also declares the state it
 keeps per sequence in state_kinds.py (one entry). A new architecture is one module with EMBED, head and layer.
@@ -131,6 +137,35 @@ class BlockTensors:
 
     def __contains__(self, short: str) -> bool:
         return short in self.names
+
+
+@dataclass(frozen=True)
+class MTP:
+    """The MTP block: `block` its index in the file (the trunk's n_layer); enorm, hnorm, eh_proj short names in that
+    block; `branches` as a layer's; `norm`, `out` the GGUF names of its head's norm and matrix (its hidden output,
+    the norm's, feeds the next draft step in place of h)."""
+
+    block: int
+    enorm: str
+    hnorm: str
+    eh_proj: str
+    branches: tuple[Branch, ...]
+    norm: str
+    out: str
+
+
+def mtp(args) -> MTP | None:
+    """The architecture's MTP block, None where the model has none."""
+    fn = getattr(arch_of(args), "mtp", None)
+    return None if fn is None else fn(args)
+
+
+def mtp_state_args(args):
+    """ModelArgs whose DecoderState is the MTP block's own per-sequence state (its layer 0: the attention kind's
+    K/V rows), in args' cache types."""
+    from dataclasses import replace
+
+    return replace(args, n_layer=len(args.mtp_layer_types), layer_types=tuple(args.mtp_layer_types))
 
 
 def arch_of(args):

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from ..errors import GGUFError, TensorShapeError
 from ..format.gguf_model import GGUFModel
 from .base import Meta, TensorSpec, check_rope_dims, check_tensors, n_vocab_of, require
-from .graph import Branch
+from .graph import MTP, Branch
 from .llama import EMBED, attention, head, swiglu_ffn
 
 ARCH = "qwen35"
@@ -52,6 +52,10 @@ class ModelArgs:
     cache_type_k: str = "f32"
     cache_type_v: str = "f32"
     cache_rotate: bool = True  # llama.cpp's Hadamard rotation of quantized K/V (state_kinds.kv_rotation)
+    # the multi-token-prediction block (block n_layer) where the file has it: its head's norm and matrix (GGUF names;
+    # nextn.shared_head_* where the converter wrote them, else the main head's), "" without it
+    mtp_norm: str = ""
+    mtp_out: str = ""
 
     rope_neox = True
     attn_gate = True
@@ -60,6 +64,15 @@ class ModelArgs:
     @property
     def is_moe(self) -> bool:
         return self.n_expert > 0
+
+    @property
+    def has_mtp(self) -> bool:
+        return bool(self.mtp_norm)
+
+    @property
+    def mtp_layer_types(self) -> tuple[str, ...]:
+        """The mixer kinds of the MTP block's state (state_kinds): one attention layer with its own K/V."""
+        return ("attention",) if self.has_mtp else ()
 
     @property
     def ssm_conv_channels(self) -> int:
@@ -89,6 +102,16 @@ class ModelArgs:
         require(n_v % n_k == 0, gm, f"ssm.time_step_rank {n_v} not a multiple of group_count {n_k}")
         sections = m.ints("rope.dimension_sections", None)
         moe = arch != "qwen35"
+        mtp = f"blk.{n_layer}.nextn."
+        # llama.cpp's loader (src/models/qwen35.cpp load_block_mtp, graph_mtp) runs one MTP block; a file whose
+        # converter left the tensors out (--no-mtp keeps the key at 0) has none
+        has_mtp = n_mtp == 1 and gm.has(mtp + "eh_proj.weight")
+        mtp_norm = (mtp + "shared_head_norm.weight" if gm.has(mtp + "shared_head_norm.weight")
+                    else "output_norm.weight") if has_mtp else ""
+        mtp_out = ""
+        if has_mtp:
+            mtp_out = (mtp + "shared_head_head.weight" if gm.has(mtp + "shared_head_head.weight")
+                       else "output.weight" if gm.has("output.weight") else "token_embd.weight")
         args = cls(
             arch=arch,
             n_vocab=n_vocab_of(gm),
@@ -116,6 +139,8 @@ class ModelArgs:
             n_expert_used=m.int("expert_used_count", lo=1) if moe else 0,
             n_ff_exp=m.int("expert_feed_forward_length", lo=1) if moe else 0,
             n_ff_shexp=m.int("expert_shared_feed_forward_length", 0, lo=0) if moe else 0,
+            mtp_norm=mtp_norm,
+            mtp_out=mtp_out,
         )
         require(n_head % args.n_head_kv == 0, gm, f"head_count {n_head} not a multiple of head_count_kv "
                 f"{args.n_head_kv}")
@@ -175,7 +200,31 @@ def tensor_specs(a: ModelArgs) -> list[TensorSpec]:
                 TensorSpec(b + "attn_output.weight", (a.n_head * hd, D)),
             ]
         specs += ffn_specs(a, b)
+    if a.has_mtp:
+        specs += mtp_specs(a)
     return specs
+
+
+def mtp_specs(a: ModelArgs) -> list[TensorSpec]:
+    """The MTP block (docs/gguf-qwen35.md §2): a full-attention decoder block with the trunk's FFN kind, plus
+    eh_proj over concat(enorm(embedding), hnorm(hidden)), as llama.cpp's load_block_mtp reads it."""
+    D, hd, b = a.n_embd, a.head_dim, f"blk.{a.n_layer}."
+    return [
+        TensorSpec(b + "nextn.eh_proj.weight", (2 * D, D)),
+        TensorSpec(b + "nextn.enorm.weight", (D,)),
+        TensorSpec(b + "nextn.hnorm.weight", (D,)),
+        TensorSpec(b + "nextn.shared_head_norm.weight", (D,), optional=True),
+        TensorSpec(b + "nextn.shared_head_head.weight", (D, a.n_vocab), optional=True),
+        TensorSpec(b + "attn_norm.weight", (D,)),
+        TensorSpec(b + "post_attention_norm.weight", (D,)),
+        TensorSpec(b + "attn_q.weight", (D, 2 * a.n_head * hd)),
+        TensorSpec(b + "attn_k.weight", (D, a.n_head_kv * hd)),
+        TensorSpec(b + "attn_v.weight", (D, a.n_head_kv * hd)),
+        TensorSpec(b + "attn_q_norm.weight", (hd,)),
+        TensorSpec(b + "attn_k_norm.weight", (hd,)),
+        TensorSpec(b + "attn_output.weight", (a.n_head * hd, D)),
+        *ffn_specs(a, b),
+    ]
 
 
 def ffn_specs(a: ModelArgs, b: str) -> list[TensorSpec]:
@@ -205,7 +254,7 @@ def ffn_specs(a: ModelArgs, b: str) -> list[TensorSpec]:
 
 
 # the forward pass (models/graph.py); EMBED, head, attention and swiglu_ffn are llama's -------------------------
-__all__ = ["EMBED", "head", "attention", "swiglu_ffn", "gdn", "layer", "ModelArgs", "tensor_specs"]
+__all__ = ["EMBED", "head", "attention", "swiglu_ffn", "gdn", "layer", "mtp", "ModelArgs", "tensor_specs"]
 
 
 def gdn(ops, a, x):
@@ -221,3 +270,13 @@ def mixer(a, i: int) -> Branch:
 
 def layer(a, i: int) -> tuple[Branch, ...]:
     return mixer(a, i), Branch("post_attention_norm", swiglu_ffn, "ffn")
+
+
+def mtp(a, ffn=swiglu_ffn) -> MTP | None:
+    """The MTP block (llama.cpp's graph_mtp): x = eh_proj(concat(enorm(embedding of token t+1), hnorm(h_t))),
+    then the attention block over its own K/V and the FFN, then its head: logits of token t+2."""
+    if not a.has_mtp:
+        return None
+    return MTP(a.n_layer, "nextn.enorm", "nextn.hnorm", "nextn.eh_proj",
+               (Branch("attn_norm", attention, "mixer"), Branch("post_attention_norm", ffn, "ffn")),
+               a.mtp_norm, a.mtp_out)

@@ -31,3 +31,8 @@ def moe(ops, a, x):
 
 def layer(a, i: int) -> tuple[Branch, ...]:
     return qwen35.mixer(a, i), Branch("post_attention_norm", moe, "ffn")
+
+
+def mtp(a):
+    """qwen35's MTP block with the MoE FFN."""
+    return qwen35.mtp(a, moe)

@@ -142,8 +142,9 @@ def has_recurrent(layer_types) -> bool:
 
 
 def state_bytes(args, n_tokens: int) -> int:
-    """Bytes of one sequence's state holding n_tokens tokens (in the args' cache types): every layer's arrays."""
-    return sum(kind_of(t).nbytes(args, n_tokens) for t in args.layer_types)
+    """Bytes of one sequence's state holding n_tokens tokens (in the args' cache types): every layer's arrays, and
+    the MTP block's own K/V where the model drafts with one (graph.mtp_state_args)."""
+    return sum(kind_of(t).nbytes(args, n_tokens) for t in (*args.layer_types, *getattr(args, "mtp_layer_types", ())))
 
 
 def role_cache_type(role: str, name):

@@ -109,9 +109,11 @@ _CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\
 
 
 def plan_model(arch: str, shape: str | dict, quant: str = "q4_k_m", n_vocab: int | None = None,
-               tensor_types=()) -> dict:
+               tensor_types=(), mtp: bool = False) -> dict:
     """Everything about the file except its data: hyperparameters, tensors with types and sizes, counts.
     tensor_types: llama-quantize's --tensor-type overrides, (regex, type name) pairs (synth_shapes.assign_types).
+    mtp: also the multi-token-prediction block (qwen35 / qwen35moe: hp["n_mtp"] = 1, block n_layer, the layout
+    llama.cpp's converter writes; docs/gguf-qwen35.md §2).
 
     Returns {"hp", "tensors": [(TensorSpec, qtype, nbytes)], "params", "active_params", "data_bytes",
     "types": {type name: count}, "type_bytes": {type name: bytes}}."""
@@ -120,6 +122,7 @@ def plan_model(arch: str, shape: str | dict, quant: str = "q4_k_m", n_vocab: int
     hp = resolve_shape(arch, shape)
     if n_vocab is not None:
         hp["n_vocab"] = int(n_vocab)
+    hp["n_mtp"] = 1 if mtp and arch != "llama" else 0
     specs = tensor_specs(arch, hp)
     types = assign_types(arch, hp, quant, specs, tensor_types)
     tensors = [(s, types[s.name], tensor_nbytes(types[s.name], s.ne)) for s in specs]
@@ -307,7 +310,7 @@ def _add_hparams(w: GGUFWriter, arch: str, hp: dict, name: str, ftype: int) -> N
     w.add_name(name)
     w.add_uint32("general.file_type", ftype)
     w.add_uint32("general.quantization_version", 2)
-    u32("block_count", hp["n_layer"])
+    u32("block_count", hp["n_layer"] + hp.get("n_mtp", 0))
     u32("context_length", hp["context_length"])
     u32("embedding_length", hp["n_embd"])
     u32("attention.head_count", hp["n_head"])
@@ -324,10 +327,11 @@ def _add_hparams(w: GGUFWriter, arch: str, hp: dict, name: str, ftype: int) -> N
         return
     w.add_key_value(a + "rope.dimension_sections", _rope_sections(hp["n_rot"]), GGUFValueType.ARRAY,
                     GGUFValueType.INT32)
-    u32("nextn_predict_layers", 0)
+    u32("nextn_predict_layers", hp.get("n_mtp", 0))
     u32("full_attention_interval", hp["full_attention_interval"])
     w.add_key_value(a + "attention.recurrent_layers",
-                    [(i + 1) % hp["full_attention_interval"] != 0 for i in range(hp["n_layer"])],
+                    [(i + 1) % hp["full_attention_interval"] != 0 for i in range(hp["n_layer"])]
+                    + [False] * hp.get("n_mtp", 0),  # the MTP block is an attention block
                     GGUFValueType.ARRAY, GGUFValueType.BOOL)
     u32("ssm.conv_kernel", hp["ssm_d_conv"])
     u32("ssm.state_size", hp["ssm_d_state"])
@@ -345,14 +349,15 @@ def _add_hparams(w: GGUFWriter, arch: str, hp: dict, name: str, ftype: int) -> N
 
 def synth_model(out_path: str | os.PathLike[str], arch: str, shape: str | dict, quant: str = "q4_k_m",
                 seed: int = 0, vocab_from: str | None = None, progress: bool = False, tensor_types=(),
-                residual_scale: float | None = None) -> dict:
+                residual_scale: float | None = None, mtp: bool = False) -> dict:
     """Write a synthetic GGUF of `arch` ("qwen35", "qwen35moe", "llama") with `shape` (a published name, see
     list_shapes(), or a dict of hyperparameters) and the per-tensor type mix llama.cpp gives `quant`
     ("q4_k_m", "q8_0", "q4_0", "f16", "f32"). With `vocab_from`, the tokenizer of that GGUF is copied (padded
     with `[PAD{i}]` tokens to the shape's vocabulary size); otherwise a byte-level BPE vocabulary is made.
     `tensor_types`: llama-quantize's --tensor-type overrides, (regex, type name) pairs, the first match wins.
     `residual_scale`: None (default) for the plain random file, chaotic at depth; a number S in (0, 1] for a
-    depth-scaled one (module docstring; `depth_scale(n_layer)` is the usual S).
+    depth-scaled one (module docstring; `depth_scale(n_layer)` is the usual S). `mtp`: with the
+    multi-token-prediction block (qwen35 / qwen35moe; ignored for llama), as llama.cpp's converter writes it.
 
     Streams to disk with bounded memory. Returns a summary: path, bytes written, tensor count, type histogram
     (count and bytes per type), parameter counts, seconds and MB/s."""
@@ -367,7 +372,7 @@ def synth_model(out_path: str | os.PathLike[str], arch: str, shape: str | dict, 
         pre = resolve_shape(arch, shape)["n_vocab"] if user_sets_vocab else None
         vocab = _borrowed_vocab(os.fspath(vocab_from), pre)
         n_vocab = len(vocab["tokens"])
-    plan = plan_model(arch, shape, quant, n_vocab=n_vocab, tensor_types=tensor_types)
+    plan = plan_model(arch, shape, quant, n_vocab=n_vocab, tensor_types=tensor_types, mtp=mtp)
     hp = plan["hp"]
     if vocab is None:
         vocab = _synthetic_vocab(hp["n_vocab"])
@@ -420,5 +425,5 @@ def synth_model(out_path: str | os.PathLike[str], arch: str, shape: str | dict, 
     return {"path": out_path, "arch": arch, "shape": shape_name, "quant": quant, "bytes": size,
             "n_tensors": len(plan["tensors"]), "types": plan["types"], "type_bytes": plan["type_bytes"],
             "params": plan["params"], "active_params": plan["active_params"], "n_vocab": hp["n_vocab"],
-            "residual_scale": residual_scale,
+            "residual_scale": residual_scale, "mtp": bool(hp["n_mtp"]),
             "seconds": dt, "mb_per_s": size / 1e6 / dt if dt > 0 else float("inf")}

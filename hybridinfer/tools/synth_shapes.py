@@ -208,13 +208,21 @@ class TensorSpec:
 
 
 def tensor_specs(arch: str, hp: dict) -> list[TensorSpec]:
-    """The tensors of a model of this shape, in writing order (embeddings, blocks 0..n-1, output)."""
+    """The tensors of a model of this shape, in writing order (embeddings, blocks 0..n-1, output, then the MTP block
+    n where hp["n_mtp"] asks for it)."""
     D, V, hd = hp["n_embd"], hp["n_vocab"], hp["head_dim"]
     H, Hkv = hp["n_head"], hp["n_head_kv"]
     out = [TensorSpec("token_embd.weight", (D, V), "weight")]
-    for il in range(hp["n_layer"]):
+    n_mtp = int(hp.get("n_mtp", 0)) if arch != "llama" else 0
+    for il in range(hp["n_layer"] + n_mtp):
         p = f"blk.{il}."
         w = lambda n, ne, init="weight", p=p, il=il: out.append(TensorSpec(p + n, ne, init, il))
+        mtp = il >= hp["n_layer"]
+        if mtp:  # the MTP block (llama.cpp's converter: mtp.fc / pre_fc_norm_* / norm renamed to nextn.*)
+            w("nextn.eh_proj.weight", (2 * D, D))
+            w("nextn.enorm.weight", (D,), "norm")
+            w("nextn.hnorm.weight", (D,), "norm")
+            w("nextn.shared_head_norm.weight", (D,), "norm")
         w("attn_norm.weight", (D,), "norm")
         if arch == "llama":
             w("attn_q.weight", (D, H * hd))
@@ -222,7 +230,7 @@ def tensor_specs(arch: str, hp: dict) -> list[TensorSpec]:
             w("attn_v.weight", (D, Hkv * hd))
             w("attn_output.weight", (H * hd, D))
             w("ffn_norm.weight", (D,), "norm")
-        elif is_gdn(arch, hp, il):
+        elif not mtp and is_gdn(arch, hp, il):
             dk, Hk, Hv = hp["ssm_d_state"], hp["ssm_n_group"], hp["ssm_dt_rank"]
             C = 2 * Hk * dk + Hv * dk
             w("attn_qkv.weight", (D, C))
@@ -260,7 +268,8 @@ def tensor_specs(arch: str, hp: dict) -> list[TensorSpec]:
     out.append(TensorSpec("output_norm.weight", (D,), "norm"))
     if not hp["tied"]:
         out.append(TensorSpec("output.weight", (D, V), "weight"))
-    return out
+    # the MTP block last: the trunk and head draw the same random values with the block as without it
+    return [s for s in out if s.layer < hp["n_layer"]] + [s for s in out if s.layer >= hp["n_layer"]]
 
 
 def param_counts(arch: str, hp: dict) -> tuple[int, int]:

@@ -31,6 +31,7 @@ from ...models.state_kinds import cache_path, cache_types, kind_of, kv_rotation
 from .. import Backend
 from ..state import DecoderState, check_tokens
 from .graph_ops import SHAPE, CPUOps, Segments
+from .mtp import MTPParts
 from .replay import BatchReplay, DecodeReplay
 from .simd import KERNEL_TYPES, SimdLib
 from .simd_gdn import gdn_scratch_size
@@ -159,7 +160,7 @@ def _zeros(*shape) -> np.ndarray:
     return np.zeros(shape, np.float32)
 
 
-class CPUModel(Backend):
+class CPUModel(MTPParts, Backend):
     """backend="cpu": the whole engine on the host CPU."""
 
     def __init__(self, gm: GGUFModel, args, simd: SimdLib, weights: str = "mmap", numa=None, progress: bool = False):
@@ -182,13 +183,15 @@ class CPUModel(Backend):
         self.out = _mat(gm, head)
         self.out_norm = np.ascontiguousarray(gm.dequant(out_norm), dtype=np.float32)
         self.layers = [Layer(gm, i) for i in range(a.n_layer)]
+        self.mtp_block = graph.mtp(a)  # the MTP block (cpu/mtp.py), read from the file's mapping
+        self.mtp_layer = None if self.mtp_block is None else Layer(gm, self.mtp_block.block)
         self.freq_factors = (np.ascontiguousarray(gm.dequant("rope_freqs.weight"), dtype=np.float32)
                              if getattr(a, "has_rope_freqs", False) else NO_FREQS)
         self.kv_types = tuple(cache_type(t).id for t in cache_types(a))  # ggml ids of the K and V cache types
         self.kv_rot = kv_rotation(a)  # their rotation sizes (0: none)
         held = {"out": self.out}
-        owners = [(held, "out")] + [(L.tensors, k) for L in self.layers for k, v in L.tensors.items()
-                                    if isinstance(v, Mat)]
+        blocks = self.layers + ([self.mtp_layer] if self.mtp_layer is not None else [])
+        owners = [(held, "out")] + [(L.tensors, k) for L in blocks for k, v in L.tensors.items() if isinstance(v, Mat)]
         nbytes = sum(o[k].raw.nbytes for o, k in owners)
         replicate = numa is not None and numa.mode == "replicate"
         self.weights = choose_weights_mode("mmap" if replicate and weights == "auto" else weights, nbytes,
@@ -197,7 +200,7 @@ class CPUModel(Backend):
         self.weights_bytes = (copy_mats(owners, simd.repack, progress) if self.weights == "copy"
                               else 0)  # memory held
         self.out = held["out"]
-        self.mats = [self.out] + [m for L in self.layers for m in L.mats()]
+        self.mats = [self.out] + [m for L in blocks for m in L.mats()]  # the MTP block's too (eh_proj: 2 n_embd in)
         self.replicas = None
         if replicate:
             from .replicas import replicate as make_replicas
@@ -206,6 +209,7 @@ class CPUModel(Backend):
         self._ws: dict[tuple[int, int], Workspace] = {}
         self.shared_scratch: dict = {}
         self.undo_buffers: dict[int, list[np.ndarray]] = {}  # per state: cpu/verify.py
+        self.keep_hidden, self.hidden_kept = False, {}  # MTPParts.hidden_rows
 
     @property
     def numeric_path(self) -> str:
@@ -326,6 +330,9 @@ class CPUModel(Backend):
                     ws.rec = None
         else:
             out = self._forward(ids, state, ws, all_logits)
+        if self.keep_hidden:
+            n = T if all_logits or T == 1 else 1
+            self.keep_rows(state, state.pos + T - n, ws.x[:n])
         state.tokens[state.pos : state.pos + T] = ids
         state.pos += T
         return out
@@ -357,7 +364,9 @@ class CPUModel(Backend):
                 BatchReplay.keep(ws.replays, self.simd, states, ws.rec, out)
             finally:
                 ws.rec = None
-        for t, st in zip(ids, states, strict=True):
+        for j, (t, st) in enumerate(zip(ids, states, strict=True)):
+            if self.keep_hidden:
+                self.keep_rows(st, st.pos, ws.x[j : j + 1])
             st.tokens[st.pos] = t
             st.pos += 1
         return out
@@ -391,7 +400,9 @@ class CPUModel(Backend):
             a0 += len(ids)
         ws = self.workspace(max(a0, 2), max(st.n_ctx for st, _, _ in segs))
         out = np.array(self._forward(np.concatenate(parts), Segments(segs), ws, all_logits=False), copy=True)
-        for ids, (st, _, _) in zip(parts, segs, strict=True):
+        for j, (ids, (st, _, _)) in enumerate(zip(parts, segs, strict=True)):
+            if self.keep_hidden:  # the rows of the chunks' ends
+                self.keep_rows(st, st.pos + len(ids) - 1, ws.x[j : j + 1])
             st.tokens[st.pos : st.pos + len(ids)] = ids
             st.pos += len(ids)
         return out
@@ -416,6 +427,7 @@ class CPUModel(Backend):
         """Drop the recorded steps and bound calls that hold this state's arrays (a finished sequence's memory
         goes with it, not when its replay would be pushed out)."""
         self.undo_buffers.pop(id(state), None)
+        self.hidden_kept.pop(id(state), None)
         mine = {id(a) for a in DecodeReplay._arrays(state)}
         for ws in self._ws.values():
             for k in [k for k, p in ws.replays.items() if p.holds(mine)]:
@@ -445,9 +457,11 @@ class CPUModel(Backend):
         flat = [(i, j, br) for i, block in enumerate(self.blocks) for j, br in enumerate(block)]
         ops = CPUOps(self, ws, state)
         self.call(ws, ("norm", -1), "rms_norm", h, None, self._norm_of(flat[0]), a.rms_eps, x)
+        # a prompt pass for the MTP drafter: every row goes on to the final norm (MTPParts.prompt_rows)
+        keep = self.keep_hidden and not all_logits and T > 1 and not isinstance(state, list)
         for n, (i, j, br) in enumerate(flat):  # each residual add fused with the norm that follows it
             last = n + 1 == len(flat)
-            if last and not all_logits and T > 1 and not isinstance(state, list):
+            if last and not all_logits and T > 1 and not isinstance(state, list) and not keep:
                 # as llama.cpp's graph (inp_out_ids): past the last mixer only the output rows go on (one per
                 # sequence; their own rows, in the same buffers, in order)
                 if isinstance(state, Segments):
@@ -464,6 +478,8 @@ class CPUModel(Backend):
                 self.call(ws, ("norm", i, j), "rms_norm", h, y, None, a.rms_eps, None)
             else:
                 self.call(ws, ("norm", i, j), "rms_norm", h, y, self._norm_of(flat[n + 1]), a.rms_eps, x)
+        if keep:
+            return self.prompt_rows(ws, h, state, head)
         hs = h if all_logits else h[-1:]
         xs = ws.x[: hs.shape[0]]
         self.call(ws, ("norm", len(self.layers)), "rms_norm", hs, None, self.out_norm, a.rms_eps, xs)

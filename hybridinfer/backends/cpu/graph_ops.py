@@ -36,8 +36,11 @@ class CPUOps:
         self.m, self.a, self.ws, self.st = model, model.args, ws, st
         self.i, self.j, self.L, self.out, self.spare = 0, 0, None, None, None
 
-    def at(self, i: int, j: int, out: np.ndarray, spare: np.ndarray) -> CPUOps:
-        self.i, self.j, self.L, self.out, self.spare = i, j, self.m.layers[i], out, spare
+    def at(self, i: int, j: int, out: np.ndarray, spare: np.ndarray, layer=None) -> CPUOps:
+        """Block i's branch j (its tensors `layer`, default the trunk's block i: the MTP block passes its own, with
+        i its state's layer)."""
+        self.i, self.j, self.out, self.spare = i, j, out, spare
+        self.L = self.m.layers[i] if layer is None else layer
         return self
 
     @staticmethod

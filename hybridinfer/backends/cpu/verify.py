@@ -39,7 +39,9 @@ def forward_rows(model, chunks, undo: bool = False):
         segs.keep = lambda st, i, args: mine[id(st)].keep(i, args)
     ws = model.workspace(max(a0, 2), max(st.n_ctx for st, _, _ in rows))
     out = model._forward(np.concatenate(parts), segs, ws, all_logits=True)
-    for ids, (st, _, _) in zip(parts, rows, strict=True):
+    for ids, (st, a, b) in zip(parts, rows, strict=True):
+        if model.keep_hidden:
+            model.keep_rows(st, st.pos, ws.x[a:b])
         st.tokens[st.pos : st.pos + len(ids)] = ids
         st.pos += len(ids)
     got = [np.array(out[a:b], copy=True) for _, a, b in rows]
@@ -67,6 +69,8 @@ def _one(model, ids, st: DecoderState, undo: bool):
             DecodeReplay.keep(ws.replays, model.simd, st, ws.rec, out)
         finally:
             ws.rec = None
+    if model.keep_hidden:
+        model.keep_rows(st, st.pos, ws.x[:T])
     st.tokens[st.pos : st.pos + T] = ids
     st.pos += T
     got = [np.array(out[:T], copy=True)]
