@@ -168,7 +168,7 @@ def _check_experts(gm: GGUFModel, a: ModelArgs) -> None:
 
 
 def tensor_specs(a: ModelArgs) -> list[TensorSpec]:
-    D, hd, C = a.n_embd, a.head_dim, a.ssm_conv_channels
+    D, C = a.n_embd, a.ssm_conv_channels
     vd = a.ssm_n_v_heads * a.ssm_d_v
     specs = [
         TensorSpec("token_embd.weight", (D, a.n_vocab)),
@@ -191,14 +191,7 @@ def tensor_specs(a: ModelArgs) -> list[TensorSpec]:
                 TensorSpec(b + "ssm_out.weight", (vd, D)),
             ]
         else:
-            specs += [
-                TensorSpec(b + "attn_q.weight", (D, 2 * a.n_head * hd)),
-                TensorSpec(b + "attn_k.weight", (D, a.n_head_kv * hd)),
-                TensorSpec(b + "attn_v.weight", (D, a.n_head_kv * hd)),
-                TensorSpec(b + "attn_q_norm.weight", (hd,)),
-                TensorSpec(b + "attn_k_norm.weight", (hd,)),
-                TensorSpec(b + "attn_output.weight", (a.n_head * hd, D)),
-            ]
+            specs += attention_specs(a, b)
         specs += ffn_specs(a, b)
     if a.has_mtp:
         specs += mtp_specs(a)
@@ -208,7 +201,7 @@ def tensor_specs(a: ModelArgs) -> list[TensorSpec]:
 def mtp_specs(a: ModelArgs) -> list[TensorSpec]:
     """The MTP block (docs/gguf-qwen35.md §2): a full-attention decoder block with the trunk's FFN kind, plus
     eh_proj over concat(enorm(embedding), hnorm(hidden)), as llama.cpp's load_block_mtp reads it."""
-    D, hd, b = a.n_embd, a.head_dim, f"blk.{a.n_layer}."
+    D, b = a.n_embd, f"blk.{a.n_layer}."
     return [
         TensorSpec(b + "nextn.eh_proj.weight", (2 * D, D)),
         TensorSpec(b + "nextn.enorm.weight", (D,)),
@@ -217,13 +210,21 @@ def mtp_specs(a: ModelArgs) -> list[TensorSpec]:
         TensorSpec(b + "nextn.shared_head_head.weight", (D, a.n_vocab), optional=True),
         TensorSpec(b + "attn_norm.weight", (D,)),
         TensorSpec(b + "post_attention_norm.weight", (D,)),
+        *attention_specs(a, b),
+        *ffn_specs(a, b),
+    ]
+
+
+def attention_specs(a: ModelArgs, b: str) -> list[TensorSpec]:
+    """A gated full-attention block's tensors under prefix b (the trunk's attention layers and the MTP block)."""
+    D, hd = a.n_embd, a.head_dim
+    return [
         TensorSpec(b + "attn_q.weight", (D, 2 * a.n_head * hd)),
         TensorSpec(b + "attn_k.weight", (D, a.n_head_kv * hd)),
         TensorSpec(b + "attn_v.weight", (D, a.n_head_kv * hd)),
         TensorSpec(b + "attn_q_norm.weight", (hd,)),
         TensorSpec(b + "attn_k_norm.weight", (hd,)),
         TensorSpec(b + "attn_output.weight", (a.n_head * hd, D)),
-        *ffn_specs(a, b),
     ]
 
 

@@ -308,6 +308,17 @@ class CPUModel(MTPParts, Backend):
         return o
 
     # forward --------------------------------------------------------------------------------------
+    def recorded(self, ws, states, replay) -> np.ndarray:
+        """_forward over ws.tok with every native call recorded, then kept by `replay` (DecodeReplay for one state,
+        BatchReplay for several) so the next step of the same shape replays it as one call."""
+        ws.rec = []
+        try:
+            out = self._forward(ws.tok, states, ws)
+            replay.keep(ws.replays, self.simd, states, ws.rec, out)
+        finally:
+            ws.rec = None
+        return out
+
     def forward(self, tokens, state: DecoderState, all_logits: bool = True) -> np.ndarray:
         """Logits of the T tokens (all_logits) or of the last; advances the state. A decode step (T = 1)
         replays the operations recorded at the first step of this state over these buffers (replay.DecodeReplay):
@@ -322,12 +333,7 @@ class CPUModel(MTPParts, Backend):
             if rp is not None and rp.valid_for(state):
                 out = rp.run(state)
             else:
-                ws.rec = []
-                try:
-                    out = self._forward(ws.tok, state, ws)
-                    DecodeReplay.keep(ws.replays, self.simd, state, ws.rec, out)
-                finally:
-                    ws.rec = None
+                out = self.recorded(ws, state, DecodeReplay)
         else:
             out = self._forward(ids, state, ws, all_logits)
         if self.keep_hidden:
@@ -358,12 +364,7 @@ class CPUModel(MTPParts, Backend):
         if delta is not None:  # the same sequences as at the recorded step: one native call (and the embedding)
             out = rp.run(delta)
         else:
-            ws.rec = []
-            try:
-                out = self._forward(ws.tok, states, ws, all_logits=True)
-                BatchReplay.keep(ws.replays, self.simd, states, ws.rec, out)
-            finally:
-                ws.rec = None
+            out = self.recorded(ws, states, BatchReplay)
         for j, (t, st) in enumerate(zip(ids, states, strict=True)):
             if self.keep_hidden:
                 self.keep_rows(st, st.pos, ws.x[j : j + 1])

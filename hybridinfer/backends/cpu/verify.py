@@ -63,12 +63,7 @@ def _one(model, ids, st: DecoderState, undo: bool):
     if rp is not None and rp.valid_for(st):
         out = rp.run(st)
     else:
-        ws.rec = []
-        try:
-            out = model._forward(ws.tok, st, ws, all_logits=True)
-            DecodeReplay.keep(ws.replays, model.simd, st, ws.rec, out)
-        finally:
-            ws.rec = None
+        out = model.recorded(ws, st, DecodeReplay)
     if model.keep_hidden:
         model.keep_rows(st, st.pos, ws.x[:T])
     st.tokens[st.pos : st.pos + T] = ids
