@@ -391,16 +391,9 @@ class CPUModel(MTPParts, Backend):
         if len(chunks) == 1:
             ids, st = chunks[0]
             return np.array(self.forward(ids, st, all_logits=False)[-1:], copy=True)
-        if len({id(st) for _, st in chunks}) != len(chunks):
-            raise ValueError("forward_many takes one chunk per distinct state")
-        parts = [check_tokens(ids, self.args.n_vocab) for ids, _ in chunks]
-        segs, a0 = [], 0
-        for ids, (_, st) in zip(parts, chunks, strict=True):
-            st.check_room(len(ids))
-            segs.append((st, a0, a0 + len(ids)))
-            a0 += len(ids)
-        ws = self.workspace(max(a0, 2), max(st.n_ctx for st, _, _ in segs))
-        out = np.array(self._forward(np.concatenate(parts), Segments(segs), ws, all_logits=False), copy=True)
+        parts, segs = Segments.of(chunks, self.args.n_vocab, "forward_many")
+        ws = self.workspace(max(segs.rows, 2), max(st.n_ctx for st, _, _ in segs))
+        out = np.array(self._forward(np.concatenate(parts), segs, ws, all_logits=False), copy=True)
         for j, (ids, (st, _, _)) in enumerate(zip(parts, segs, strict=True)):
             if self.keep_hidden:  # the rows of the chunks' ends
                 self.keep_rows(st, st.pos + len(ids) - 1, ws.x[j : j + 1])

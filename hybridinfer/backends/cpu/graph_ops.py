@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..state import check_tokens
 from .simd import GGML_DECODE_ROWS
 
 # the float shape of every product and attention: each row as llama.cpp's one-token step computes it, so no row
@@ -24,6 +25,24 @@ class Segments(tuple):
     to roll the layer's state back to any of its rows: CPUModel.forward_rows)."""
 
     keep = None
+
+    @classmethod
+    def of(cls, chunks, n_vocab: int, what: str) -> tuple[list[np.ndarray], Segments]:
+        """The checked ids of each (ids, state) chunk and their Segments, rows one chunk after another (one chunk
+        per distinct state, each fitting its state)."""
+        if len({id(st) for _, st in chunks}) != len(chunks):
+            raise ValueError(f"{what} takes one chunk per distinct state")
+        parts = [check_tokens(ids, n_vocab) for ids, _ in chunks]
+        rows, a0 = [], 0
+        for ids, (_, st) in zip(parts, chunks, strict=True):
+            st.check_room(len(ids))
+            rows.append((st, a0, a0 + len(ids)))
+            a0 += len(ids)
+        return parts, cls(rows)
+
+    @property
+    def rows(self) -> int:
+        return self[-1][2] if self else 0
 
 
 class CPUOps:

@@ -24,13 +24,8 @@ def forward_rows(model, chunks, undo: bool = False):
         raise ValueError("forward_rows takes one chunk per distinct state")
     if len(chunks) == 1 and len(chunks[0][0]) > 1:
         return _one(model, *chunks[0], undo)
-    parts = [check_tokens(ids, model.args.n_vocab) for ids, _ in chunks]
-    rows, a0 = [], 0
-    for ids, (_, st) in zip(parts, chunks, strict=True):
-        st.check_room(len(ids))
-        rows.append((st, a0, a0 + len(ids)))
-        a0 += len(ids)
-    segs = Segments(rows)
+    parts, segs = Segments.of(chunks, model.args.n_vocab, "forward_rows")
+    rows, a0 = segs, segs.rows
     undos = None
     if undo:
         again = partial(_gdn_again, model)
