@@ -266,7 +266,6 @@ class GPUModel:
             self.counts_host = drv.pagelocked_zeros((a.n_layer, n_chunks, a.n_expert), np.int32)
         self._chunk_no = 0
         self.profile, self._marks = False, []  # profile: time gdn / attention / moe / ffn phases with events
-        self._fixed_bytes = self.reserved
 
     def use_layout(self, kv_stream: bool) -> None:
         """The card's buffers as a pass of this kind needs them: every layer's K/V on the card (n_res rows), or
@@ -286,7 +285,7 @@ class GPUModel:
     @property
     def allocated_bytes(self) -> int:
         """Card memory this backend holds: weights, staging, activation and state buffers, vectors."""
-        return self.streamer.device_bytes + self._fixed_bytes
+        return self.streamer.device_bytes + self.reserved
 
     def replan(self) -> None:
         """Re-decide residency with the expert counts seen so far (expert pinning), and re-stage the weights."""
