@@ -101,3 +101,19 @@ def test_batch_job_with_ngram_drafts_writes_the_same_answers(tmp_path):
         rows = [json.loads(ln) for ln in out.read_text().splitlines()]
         texts.append(sorted((r["custom_id"], r["response"]["body"]["choices"][0]["text"]) for r in rows))
     assert len(texts[0]) == 3 and all(t for _, t in texts[0]) and texts[1] == texts[0]
+
+
+def test_bench_spec_llama_rows_read_llama_servers_timings():
+    from hybridinfer.tools.benchmarks import spec_llama
+
+    out = {"timings": {"predicted_per_second": 20.0, "draft_n": 40, "draft_n_accepted": 10}, "tokens": [5, 6, 7]}
+    r = spec_llama.row(out, 3, [5, 6, 7])
+    assert r["acceptance"] == 0.25 and r["same_tokens_as_ours"] and r["k"] == 3
+    assert spec_llama.row(out, 3, [5, 6, 8])["same_tokens_as_ours"] is False
+    base = spec_llama.row({"timings": {"predicted_per_second": 16.0}, "tokens": [5, 6, 7]}, None, [5, 6, 7])
+    assert base["acceptance"] is None and base["k"] == "none"
+    md = spec_llama.markdown({"rows": [base, r, {"k": 4, "error": "no nextn layers"}]})
+    assert "| 3 | 20.00 | 1.25 | 40 | 10 | 0.25 | yes |" in md and "no nextn layers" in md
+    cmd = spec_llama.server_cmd("llama-server", "m.gguf", 8080, 4, 300, 2)
+    assert cmd[cmd.index("--spec-type") + 1] == "draft-mtp" and cmd[cmd.index("--spec-draft-n-max") + 1] == "2"
+    assert "--spec-type" not in spec_llama.server_cmd("llama-server", "m.gguf", 8080, 4, 300, None)

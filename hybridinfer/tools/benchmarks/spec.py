@@ -53,7 +53,7 @@ def step_costs(eng, prompt: list[int], ks, reps: int) -> dict:
 
 
 def run(model: str, threads: int, n: int, ks, accepts, prompt_len: int, isa: str | None, seed: int,
-        reps: int = 3) -> dict:
+        reps: int = 3, llama_server: str | None = None) -> dict:
     from ...engine.api import Engine
     from ...engine.spec import ScriptedDrafter, Speculator
 
@@ -85,9 +85,13 @@ def run(model: str, threads: int, n: int, ks, accepts, prompt_len: int, isa: str
                                 "speedup": best / res["no_draft_tok_s"], "same_tokens": same})
         eng.spec = None
         res["costs"] = step_costs(eng, prompt, ks, max(reps, 5))
-        return res
     finally:
         eng.close()
+    if llama_server:  # after ours is closed: the two never share the cores or the page cache's hot set
+        from . import spec_llama
+
+        res["llama"] = spec_llama.run(llama_server, model, threads, prompt, n, ks, reps, ref)
+    return res
 
 
 def markdown(res: dict) -> str:
@@ -103,6 +107,10 @@ def markdown(res: dict) -> str:
     for key in sorted(k for k in c if k.startswith("verify_")):
         rows = key.split("_")[1]
         lines.append(f"| verify ({rows} rows, rolled back) | {c[key] * 1e3:.2f} | {c[key] / c['decode_s']:.2f} |")
+    if res.get("llama"):
+        from . import spec_llama
+
+        lines.append(spec_llama.markdown(res["llama"]))
     return "\n".join(lines)
 
 
