@@ -17,10 +17,11 @@ NAME = "llama-server"
 
 
 def server_cmd(binary: str, model: str, port: int, threads: int, n_ctx: int, k: int | None) -> list[str]:
-    """One slot of n_ctx tokens, no flash attention (F32 K/V, as this engine's default), drafts by the file's MTP
-    block up to k tokens (None: none)."""
+    """One slot of n_ctx tokens, F32 K/V without flash attention (this engine's default; llama.cpp's own default is
+    f16 K/V, whose rounding would part the greedy tokens from ours), drafts by the file's MTP block up to k tokens
+    (None: none)."""
     cmd = [binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-t", str(threads), "-np", "1",
-           "-c", str(n_ctx), "-fa", "off"]
+           "-c", str(n_ctx), "-fa", "off", "-ctk", "f32", "-ctv", "f32"]
     if k is not None:
         cmd += ["--spec-type", "draft-mtp", "--spec-draft-n-max", str(k), "--spec-draft-n-min", "0"]
     return cmd
