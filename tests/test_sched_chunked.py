@@ -19,7 +19,8 @@ import pytest
 from sched_steps import steps_until_first_token
 
 from hybridinfer.engine.api import Engine
-from hybridinfer.engine.compute import MAX_PASS_STEPS, MIN_PROMPT_TOKENS, STALL, chunk_end, pass_tokens, prompt_budget
+from hybridinfer.engine.chunk_cost import ChunkCost, work_of
+from hybridinfer.engine.compute import MAX_PASS_STEPS, STALL, chunk_end, pass_tokens, prompt_budget
 from hybridinfer.engine.scheduler import Scheduler
 from hybridinfer.errors import EngineClosed, ParameterError
 from hybridinfer.tools.benchmarks.batch_api import NoEnd
@@ -108,17 +109,38 @@ def test_pass_tokens_bounds_a_streamed_pass_only_while_others_decode():
 
 
 def test_prompt_budget_is_the_step_in_time_while_others_decode():
-    assert prompt_budget(256, 0, 0.05, 0.001) == 256  # nobody decodes: the whole step budget
-    assert prompt_budget(256, 4, None, None) == 252  # nothing measured yet: the budget less the decode tokens
-    assert prompt_budget(256, 4, 0.05, 0.001) == int(STALL * 50)  # 3 decode steps' time of prompt tokens
-    assert prompt_budget(256, 4, 0.5, 0.001) == 252  # never past what the step leaves
-    assert prompt_budget(256, 4, 0.001, 0.01) == MIN_PROMPT_TOKENS  # prefill always advances
-    assert prompt_budget(8, 8, 0.05, 0.001) == 1
+    assert prompt_budget(256, 0, 0.05) == (256, None)  # nobody decodes: the whole step budget, no time limit
+    assert prompt_budget(256, 4, None) == (252, None)  # nothing measured yet: the budget less the decode tokens
+    assert prompt_budget(256, 4, 0.05) == (252, STALL * 0.05)  # STALL decode steps' time of prompt chunks
+    assert prompt_budget(8, 8, 0.05)[0] == 1
+
+
+def test_chunk_cost_prices_a_chunk_by_its_place_in_the_prompt():
+    """Passes timed as 1 ms a token plus 2 us a token-position: the fit finds both terms, so a chunk deep in a long
+    prompt gets fewer tokens for the same seconds than one at its start; passes all at one place fall back to the
+    per-token average (b = 0)."""
+    def secs(chunks):
+        n, q = work_of(chunks)
+        return 1e-3 * n + 2e-6 * q
+
+    cost = ChunkCost()
+    assert cost.tokens_within(0, 0.1) is None and cost.seconds([(0, 8)]) is None  # nothing measured yet
+    for chunks in ([(0, 64)], [(512, 64)], [(2048, 32), (0, 16)], [(4096, 128)]):
+        cost.observe(chunks, secs(chunks))
+    assert abs(cost.a - 1e-3) < 1e-9 and abs(cost.b - 2e-6) < 1e-11
+    near, deep = cost.tokens_within(0, 0.05), cost.tokens_within(4000, 0.05)
+    assert near == 47 and deep == 5  # 0.05 s: 47 tokens at the start (2 ms each, rising), 5 after 4000
+    assert cost.seconds([(4000, deep)]) <= 0.05 < cost.seconds([(4000, deep + 1)])
+    flat = ChunkCost()
+    for _ in range(3):
+        flat.observe([(100, 50)], 0.1)
+    assert flat.b == 0 and abs(flat.a - 0.002) < 1e-12 and flat.tokens_within(5000, 0.1) == 50
 
 
 def test_a_step_takes_the_prompt_tokens_of_stall_decode_steps(smollm_path, monkeypatch):
-    """With a decode step measured at 10 ms and a prompt token at 1 ms (held there), a 300-token prompt admitted
-    beside 2 decoding sequences advances by at most 30 tokens a step; each step still gives every runner a token."""
+    """With a decode step measured at 10 ms and a prompt token priced at 1 ms (held there), a 300-token prompt
+    admitted beside 2 decoding sequences advances by at most 30 tokens a step; each step still gives every runner a
+    token."""
     import hybridinfer.engine.scheduler as sm
 
     eng = Engine.load(smollm_path, backend="cpu", n_ctx=400, max_seqs=3)
@@ -127,7 +149,8 @@ def test_a_step_takes_the_prompt_tokens_of_stall_decode_steps(smollm_path, monke
     runners = sched.submit_many([eng.make_request(p, max_tokens=40, temperature=0,
                                                   constraint=NoEnd([eng.tokenizer.eos_id])) for p in ("One.", "Two.")])
     sched.step()
-    sched._decode_s, sched._token_s = 0.010, 0.001
+    sched._decode_s, sched._cost = 0.010, ChunkCost(a=0.001)
+    monkeypatch.setattr(sched._cost, "observe", lambda chunks, seconds: None)
     (long,) = sched.submit_many([eng.make_request(_ids(eng.args.n_vocab, 300, 2), max_tokens=2, temperature=0)])
     seen = []
     while not long.generation.tokens:

@@ -25,17 +25,17 @@ STALL = 3.0
 MIN_PROMPT_TOKENS = 16  # the fewest prompt tokens a step with prompts waiting takes: prefill always advances
 
 
-def prompt_budget(step_tokens: int, running: int, decode_s: float | None, token_s: float | None,
-                  stall: float = STALL) -> int:
-    """Prompt tokens a chunking backend's step may take: what `step_tokens` leaves after the `running` sequences'
-    decode tokens, and, while any decode, no more than the step's prompt chunks compute in `stall` times a decode
-    step (decode_s: a decode step's measured seconds; token_s: a prompt token's), so a running stream's token gap
-    stays within (1 + stall) times its usual one: the step budget's size in time on this host and model, not a
-    count fixed for all. At least MIN_PROMPT_TOKENS (or all the step leaves, if fewer) and 1."""
+def prompt_budget(step_tokens: int, running: int, decode_s: float | None, stall: float = STALL
+                  ) -> tuple[int, float | None]:
+    """What a chunking backend's step may give waiting prompts: (tokens, seconds). Tokens: what `step_tokens` leaves
+    after the `running` sequences' decode tokens (at least 1). Seconds: while any decode, `stall` times a decode
+    step (decode_s, measured), so a running stream's token gap stays within (1 + stall) times its usual one; None
+    while nothing decodes or nothing was measured yet (no limit but the tokens). The scheduler sizes each prompt's
+    chunk to the seconds by chunk_cost.ChunkCost, which prices a chunk by its position in its prompt."""
     left = max(1, step_tokens - running)
-    if running <= 0 or not decode_s or not token_s:
-        return left
-    return max(1, min(left, max(MIN_PROMPT_TOKENS, int(stall * decode_s / token_s))))
+    if running <= 0 or not decode_s:
+        return left, None
+    return left, stall * decode_s
 
 
 def ema(old: float | None, new: float, keep: float = 0.7) -> float:

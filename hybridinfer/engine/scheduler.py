@@ -7,7 +7,8 @@ generate_batch all do) and get a `Handle` that yields text pieces as they are ma
    (`Engine.restore`);
 2. samples the next token of every running sequence;
 3. spends what is left of `step_tokens` (the step's token budget, less one token per running sequence, and while
-   any decode no more than the prompt tokens computed in STALL times a decode step: `compute.prompt_budget`) on chunks
+   any decode no more than STALL decode steps' time, each chunk priced by its place in its prompt: `compute.
+   prompt_budget`, `chunk_cost.ChunkCost`) on chunks
    of the admitted prompts, oldest first, several prompts' chunks in one pass whose products they share
    (`Engine.prefill_steps`; a chunk ends at the next snapshot position). A prompt whose prefill ends samples its
    first token in the same step. A single-pass backend (the GPU) takes the admitted prompts in one streamed pass
@@ -31,6 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import CapacityError, EngineClosed, ParameterError
+from .chunk_cost import ChunkCost
 from .compute import DEFAULT_STEP_TOKENS, MIN_PROMPT_TOKENS, ema, pass_tokens, prompt_budget
 from .request import Handle, Request, TokenSampler
 from .worker import work
@@ -100,9 +102,10 @@ class Scheduler:
             raise ParameterError(f"step_tokens must be a whole number >= 1, got {step_tokens!r}")
         self.engine, self.max_seqs, self.state_budget = engine, max_seqs, state_budget
         self.step_tokens = step_tokens
-        # measured: a decode step's seconds and a prompt token's (prompt_budget sizes a step's chunks by them)
+        # measured: a decode step's seconds, and what prompt chunks cost by their length and position (a step's
+        # chunks are sized by them: prompt_budget, ChunkCost.tokens_within)
         self._decode_s: float | None = None
-        self._token_s: float | None = None
+        self._cost = ChunkCost()
         self._cv = threading.Condition()
         self._waiting: deque[Handle] = deque()
         self._running: list[_Seq] = []  # decoding
@@ -222,7 +225,7 @@ class Scheduler:
         with self._cv:
             queued = [(h.request.ids, h.request.cache_salt) for h in self._waiting]
         going = [s for s in self._running if self._advance(s)]
-        budget = prompt_budget(self.step_tokens, len(going), self._decode_s, self._token_s)
+        budget = prompt_budget(self.step_tokens, len(going), self._decode_s)
         started = self._prefill(budget, queued, len(going))
         self._running = self._decode(going + started)
         self.steps += 1
@@ -282,8 +285,11 @@ class Scheduler:
                    for e in earlier if e.handle.request.cache_salt == req.cache_salt
                    for p in [common_prefix(req.ids, e.handle.request.ids)] if p >= MIN_SHARED_PREFIX)
 
-    def _prefill(self, budget: int, queued: list[tuple[list[int], str | None]], running: int = 0) -> list[_Seq]:
-        """Prompt chunks for `budget` tokens (at least one), oldest admitted first, in one pass; each prompt done
+    def _prefill(self, budget: tuple[int, float | None], queued: list[tuple[list[int], str | None]],
+                 running: int = 0) -> list[_Seq]:
+        """Prompt chunks for `budget` (tokens, seconds or None: prompt_budget), oldest admitted first, in one pass,
+        each chunk's tokens within the seconds left as ChunkCost prices it there (the first at least
+        MIN_PROMPT_TOKENS: prefill always advances); each prompt done
         samples its first token in this step, before the decode. A single-pass backend takes one streamed pass,
         bounded by pass_tokens while `running` sequences decode. Returns those that go on to the decode step."""
         seqs = self._prefilling
@@ -302,13 +308,22 @@ class Scheduler:
             for s, got in zip(pending, self._prefill_whole(pending, limit), strict=True):
                 self._took(s, got)
         else:
-            plan, left = [], max(budget, 1)
+            plan, left, secs = [], max(budget[0], 1), budget[1]
             for j, s in enumerate(seqs):
                 if not s.restored and left > 0 and not self._waits(s, seqs[:j]):
                     self._restore(s, later(j))
                 if s.restored and s.work is not None and not s.freed and left > 0:
-                    plan.append((s, left))
-                    left -= self.engine.chunk_len(s.work, left)
+                    want, pos = left, s.state.pos
+                    fit = self._cost.tokens_within(pos, secs) if secs is not None else None
+                    if fit is not None:
+                        want = min(left, fit if plan else max(fit, MIN_PROMPT_TOKENS))
+                    if want <= 0:
+                        break
+                    plan.append((s, want))
+                    took = self.engine.chunk_len(s.work, want)
+                    left -= took
+                    if fit is not None:
+                        secs -= self._cost.seconds([(pos, took)])
             for (s, _), got in zip(plan, self._prefill_steps(plan), strict=True):
                 self._took(s, got)
         started = [s for s in seqs if s.restored and s.work is None and not s.freed and self._first(s)]
@@ -323,11 +338,11 @@ class Scheduler:
         if not plan:
             return []
         try:
-            t0, pos0 = time.perf_counter(), sum(s.state.pos for s, _ in plan)
+            t0, starts = time.perf_counter(), [s.state.pos for s, _ in plan]
             got = eng.prefill_steps([(s.work, b) for s, b in plan])
-            n = sum(s.state.pos for s, _ in plan) - pos0
-            if n >= MIN_PROMPT_TOKENS:  # a few tokens' pass is mostly its fixed cost, not a rate
-                self._token_s = ema(self._token_s, (time.perf_counter() - t0) / n)
+            chunks = [(p, s.state.pos - p) for p, (s, _) in zip(starts, plan, strict=True)]
+            if sum(c for _, c in chunks) >= MIN_PROMPT_TOKENS:  # a few tokens' pass is mostly its fixed cost
+                self._cost.observe(chunks, time.perf_counter() - t0)
             return got
         except Exception as e:  # noqa: BLE001
             if len(plan) == 1:

@@ -44,5 +44,6 @@ class ImageEncoder(Protocol):
     n_embd: int  # width of the rows it returns: equals the text model's embedding width (checked at load)
 
     def encode(self, image) -> ImageEmbedding:
-        """`image`: an RGB PIL.Image.Image (format/image_input.open_image makes one from bytes, a path or a PIL image)."""
+        """`image`: an RGB PIL.Image.Image (format/image_input.open_image makes one from bytes, a path or a PIL
+        image)."""
         ...
