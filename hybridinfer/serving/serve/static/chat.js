@@ -1,10 +1,11 @@
 // The chat page: a conversation sent to the server's own OpenAI endpoint (/v1/chat/completions, streamed), with
 // a stop button (the request is aborted, which cancels the sequence on the server), a system prompt, sampling
-// settings and reasoning shown folded. No build step: plain browser JavaScript.
+// settings, reasoning shown folded, and images attached as data: URLs (image_url parts) when the model takes them.
+// No build step: plain browser JavaScript.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
-const state = { model: null, history: [], controller: null };
+const state = { model: null, history: [], controller: null, images: [] };
 const SETTINGS = ["system", "temperature", "top_p", "top_k", "min_p", "max_tokens", "seed", "api_key"];
 
 function headers() {
@@ -32,9 +33,34 @@ async function loadModel() {
     if (!r.ok) throw new Error(body.error ? body.error.message : r.statusText);
     state.model = body.data[0].id;
     $("model").textContent = state.model;
+    $("attach").hidden = !takesImages(body.data[0]);
   } catch (e) {
     $("model").textContent = "(models: " + e.message + ")";
   }
+}
+
+// Whether a /v1/models entry says the model takes images (llama-server's "modalities" / "capabilities" words).
+function takesImages(m) {
+  const words = [].concat(m.capabilities || [], (m.modalities && m.modalities.input) || m.modalities || []);
+  return words.some((w) => w === "vision" || w === "image" || w === "multimodal");
+}
+
+function readAsDataURL(file) {
+  return new Promise((resolve, reject) => {
+    const r = new FileReader();
+    r.onload = () => resolve(r.result);
+    r.onerror = () => reject(r.error);
+    r.readAsDataURL(file);
+  });
+}
+
+async function attach(files) {
+  for (const f of files) state.images.push(await readAsDataURL(f));
+  showAttached();
+}
+
+function showAttached() {
+  $("attached").replaceChildren(...state.images.map((url) => Object.assign(document.createElement("img"), { src: url })));
 }
 
 // Reasoning the server did not split off (a template without <think> handling) is split here: text inside
@@ -131,11 +157,17 @@ async function* events(response) {
 
 async function send(text) {
   const system = $("system").value.trim();
-  state.history.push({ role: "user", content: text });
-  addMessage("user", text);
+  const images = state.images.splice(0);
+  showAttached();
+  const content = images.length
+    ? [{ type: "text", text }].concat(images.map((url) => ({ type: "image_url", image_url: { url } })))
+    : text;
+  state.history.push({ role: "user", content });
+  const shown = addMessage("user", text);
+  for (const url of images) shown.append(Object.assign(document.createElement("img"), { src: url }));
   const div = addMessage("assistant", "");
   const messages = (system ? [{ role: "system", content: system }] : []).concat(state.history);
-  let reasoning = "", content = "", finish = null;
+  let reasoning = "", answer = "", finish = null;
   state.controller = new AbortController();
   busy(true);
   try {
@@ -152,11 +184,11 @@ async function send(text) {
       if (!choice) continue;
       const d = choice.delta || {};
       if (d.reasoning_content) reasoning += d.reasoning_content;
-      if (d.content) content += d.content;
-      if (d.tool_calls) content += d.tool_calls.map((c) => "[tool call " + c.function.name + "]").join("");
+      if (d.content) answer += d.content;
+      if (d.tool_calls) answer += d.tool_calls.map((c) => "[tool call " + c.function.name + "]").join("");
       if (choice.finish_reason) finish = choice.finish_reason;
       div.dataset.chunks = String(Number(div.dataset.chunks) + 1);
-      show(div, reasoning, content);
+      show(div, reasoning, answer);
     }
     div.dataset.finish = finish || "stop";
     if (finish === "length") note(div, "(cut at max tokens)");
@@ -170,7 +202,7 @@ async function send(text) {
       note(div, "Error: " + e.message);
     }
   } finally {
-    state.history.push({ role: "assistant", content: splitThink(content).answer });
+    state.history.push({ role: "assistant", content: splitThink(answer).answer });
     state.controller = null;
     busy(false);
     $("input").focus();
@@ -188,6 +220,8 @@ function init() {
   $("new").addEventListener("click", () => {
     if (state.controller) state.controller.abort();
     state.history = [];
+    state.images = [];
+    showAttached();
     $("log").replaceChildren();
   });
   $("composer").addEventListener("submit", (e) => {
@@ -204,10 +238,11 @@ function init() {
     }
   });
   $("stop").addEventListener("click", () => state.controller && state.controller.abort());
+  $("image").addEventListener("change", (e) => attach(Array.from(e.target.files)).finally(() => (e.target.value = "")));
   $("api_key").addEventListener("change", loadModel);
   busy(false);
   loadModel();
 }
 
-window.hybridinferChat = { splitThink, addMessage, show };  // for tests and the console
+window.hybridinferChat = { splitThink, addMessage, show, takesImages, state };  // for tests and the console
 init();
