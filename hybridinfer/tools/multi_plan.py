@@ -50,8 +50,8 @@ def budgets_for(names: Sequence[str], vram_budget) -> list[int]:
         if not isinstance(b, int) or b <= 0:
             raise ParameterError(f"--vram-budget of card {k} ({c.name}) must be a positive number of bytes, got {b!r}")
         if b > c.vram:
-            raise ParameterError(f"--vram-budget {b / 2**30:.2f} GiB of card {k} exceeds the {c.vram / 2**30:.2f} "
-                                 f"GiB of {c.name}")
+            raise ParameterError(f"--vram-budget {b / 2**30:.2f} GiB of card {k} ({c.name}) exceeds its "
+                                 f"{c.vram / 2**30:.2f} GiB")
     return got
 
 
