@@ -235,3 +235,15 @@ def _predict(ws, flops, slots, ranges, tokens: int, row_bytes: int, m: int) -> M
         stage = timemodel.pipeline_seconds([c / m for c in comp], tr) + hand
         shares.append(CardShare(s, i, j, p, sum(comp), sum(tr), hand * m, stage))
     return MultiPlan(tokens, m, tuple(shares), pipeline_total([sh.stage_s for sh in shares], m))
+
+
+def micro_batch_count(shares: Sequence[CardShare], plan_tokens: int, tokens: int) -> int:
+    """The micro-batch count (of micro_batch_counts) of least predicted time for a prompt of `tokens` tokens over a
+    split planned for `plan_tokens`: compute and hand-off scale with the tokens, each card's weights cross its bus
+    once a micro-batch (a stage taken as the larger of its compute and its transfer)."""
+    f = tokens / plan_tokens
+    best = (math.inf, 1)
+    for m in micro_batch_counts(tokens):
+        stages = [max(sh.compute_s * f / m, sh.transfer_s) + sh.handoff_s * f / m for sh in shares]
+        best = min(best, (pipeline_total(stages, m), m))
+    return best[1]
