@@ -105,6 +105,10 @@ def run_pipeline(cards, jobs: list[Job], prompts: list[tuple[np.ndarray, Decoder
                     continue
                 ids = prompts[job.seq][0][job.ids]
                 out = pools[k].take() if pools[k] is not None else None
+                if stop.is_set():  # another card failed while this one waited for a buffer
+                    if out is not None:
+                        pools[k].give(out)
+                    continue
                 res = card.run(replace(job, ids=ids), views[k][job.seq], rows, out)
                 if k + 1 < K:
                     inbox[k + 1].put((job, res, out))
