@@ -56,10 +56,13 @@ class CardRunner:
         return got
 
     def close(self) -> None:
-        with loader.on_card(self.ctx):
-            self.m, self._rows = None, {}
-        if self.fresh:
-            self.ctx.detach()
+        if not self.fresh:
+            with loader.on_card(self.ctx):
+                self.m, self._rows = None, {}
+            return
+        self.ctx.push()  # its buffers freed in it; detaching a current context pops it (pycuda), so no pop here
+        self.m, self._rows = None, {}
+        self.ctx.detach()
 
 
 def check_devices(devices, vram_budget, device=None) -> tuple[list[int], list]:
@@ -107,14 +110,15 @@ class MultiGPUModel:
             ctxs.append((loader.card_context(d, fresh=d in seen), d in seen))
             seen.add(d)
         ws = weights_of(gm, args, matrices_only=True)
-        vec = sum(4 * int(np.prod(t.ne)) for n, t in gm.tensors.items() if is_vector(n, t))
+        vec = sum(4 * int(np.prod(t.ne)) for n, t in gm.tensors.items() if is_vector(n, t)  # as GPUModel keeps them
+                  and not (n.startswith("blk.") and int(n.split(".")[1]) >= args.n_layer))
         slots = []
         for k, (d, (ctx, _)) in enumerate(zip(devices, ctxs, strict=True)):
             with loader.on_card(ctx):
                 import pycuda.driver as drv
 
-                if budgets[k] is None:
-                    budgets[k] = int(drv.mem_get_info()[0]) - (512 << 20)
+                if budgets[k] is None:  # a card's free memory, shared by the contexts that repeat it
+                    budgets[k] = (int(drv.mem_get_info()[0]) - (512 << 20)) // devices.count(d)
                 cc = drv.Context.get_device().compute_capability()
             table = cards.card(card_profile) if card_profile else _card_like(cc)
             res = vec + plan_pass(args, chunk, budgets[k] - vec, ws, n_ctx).reserve(args, chunk)
