@@ -176,3 +176,34 @@ def test_slot_uses_the_card_table_and_its_calibration():
     assert s.card.name == "c2075" and s.label == "card 2 (c2075)" and s.reserved == 5
     assert s.eff == calibration.efficiency_for(s.card.limits)
     assert s.bus == pytest.approx(s.card.bus_bw * s.eff.bus)
+
+
+def test_a_cards_buffers_keep_only_its_layers_state(m35):
+    from hybridinfer.backends.gpu.backend import Buffers
+
+    _, a = m35
+    whole = Buffers.layout(a, 64, 512)
+    mine = Buffers.layout(a, 64, 512, layers=range(10, 20))
+    states = {k[1][1] for k in whole if isinstance(k, tuple) and k[0] == "state"}
+    assert states == set(range(a.n_layer))
+    assert {k[1][1] for k in mine if isinstance(k, tuple) and k[0] == "state"} == set(range(10, 20))
+    assert {k: v for k, v in mine.items() if not (isinstance(k, tuple) and k[0] == "state")} == \
+        {k: v for k, v in whole.items() if not (isinstance(k, tuple) and k[0] == "state")}
+    streamed = Buffers.layout(a, 64, 512, True, 128, layers=range(10, 20))
+    assert ("slot", "k") in streamed and not any(isinstance(k, tuple) and k[0] == "state" and a.layer_types[k[1][1]]
+                                                 == "attention" for k in streamed)
+
+
+def test_the_multi_gpu_micro_batch_rows_follow_its_plan(m35):
+    from hybridinfer.backends.gpu.multi_gpu import MultiGPUModel
+
+    gm, a = m35
+    pl = plan_cards(gm, a, ["c2075", "c2075"], vram_budget=4 << 30, prompts=(4096,)).splits[0]
+    m = object.__new__(MultiGPUModel)
+    m.plan, m.micro_batch, m.n_rows = pl, None, 100_000
+    want = multi_card.micro_batch_count(pl.shares, 4096, 4096)
+    assert want > 1 and m.rows_for(4096) == -(-4096 // want)
+    m.n_rows = -(-4096 // want) - 1
+    assert m.rows_for(4096) == m.n_rows  # never more than a card's pass holds
+    m.micro_batch = 64
+    assert m.rows_for(4096) == 64
