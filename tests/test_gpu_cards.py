@@ -102,3 +102,21 @@ def test_repeating_a_device_splits_its_free_memory(oracle_gguf):
     assert abs(a - b) <= 64 << 20 and gm.allocated_bytes <= a + b  # half the free memory each (less the contexts')
     assert gm.cards[1].label == f"device 0 ({gm.cards[0].name})"
     many.close()
+
+
+def test_bench_prefill_rows_for_one_card_and_for_the_cards(oracle_gguf):
+    from hybridinfer.backends.gpu.backend import DEFAULT_CHUNK, Buffers
+    from hybridinfer.tools.benchmarks import prefill
+
+    path = oracle_gguf("qwen35moe", "q4_k_m")
+    args = Engine.load(str(path), backend="reference").args
+    budget = _streaming_budget(path) + Buffers.nbytes(args, DEFAULT_CHUNK, 200)
+    res = prefill.run(str(path), prompts=(40, 160), budget=budget, resident=False, threads=2, card_profile=PROFILE,
+                      devices=[0, 0])
+    print(prefill.markdown(res))
+    rows = [r for r in res["rows"] if r["engine"] == "hybridinfer"]
+    ones = [r for r in rows if r["config"].startswith("1 GPU(s), --devices 0,")]
+    twos = [r for r in rows if r["config"].startswith("2 GPU(s), --devices 0,0")]
+    assert [r["tokens"] for r in ones] == [r["tokens"] for r in twos] == [40, 160]
+    assert all(r["tok_s"] > 0 and r["counts_agree"] and r["flops"] > 0 for r in ones + twos)
+    assert [c["layers"] for c in res["configs"] if c["config"].startswith("2 GPU")][0][0][0] == 0
