@@ -56,9 +56,9 @@ def test_engine_load_devices_reaches_the_multi_card_prefill(cards, smollm_path):
     (dict(vram_budget=[1 << 30, 1 << 30]), "needs devices"),
     (dict(devices=[0, 1], device=1), "not both"),
 ])
-def test_bad_device_lists_are_named(kw, match, smollm_path):
+def test_bad_device_lists_are_named(kw, match):
     with pytest.raises(ParameterError, match=match):
-        Engine.load(smollm_path, backend="gpu", n_ctx=64, n_threads=1, **kw)
+        Engine.load("/nonexistent/model.gguf", backend="gpu", n_ctx=64, n_threads=1, **kw)  # before loading
 
 
 def test_cli_devices_and_a_budget_a_device(cards, smollm_path, capsys):
