@@ -165,6 +165,16 @@ def test_plan_command_with_cards(capsys):
     assert "c2075 alone" in out and "prompt of 947 tokens" in out
     assert main(["plan", "--shape", "35b-a3b", "--cards", "c2075,k80", "--prompts", "128"]) == 0
     assert "card 1 (k80)" in capsys.readouterr().out
+    assert main(["plan", "--shape", "35b-a3b", "--cards", "c2075,k80", "--vram-budget", "5GiB,11GiB", "--prompts",
+                 "128"]) == 0
+    out = capsys.readouterr().out
+    assert "| card 0 (c2075) |" in out and "| 5.00 |" in out and "| 11.00 |" in out
+    assert main(["plan", "--shape", "35b-a3b", "--card", "c2075", "--vram-budget", "1GiB,2GiB", "--host-bw", "10",
+                 "--prompts", "128"]) == 2
+    assert "one size for --card" in capsys.readouterr().err
+    assert main(["plan", "--shape", "35b-a3b", "--cards", "c2075,k80", "--vram-budget", "5GiB,13GiB", "--prompts",
+                 "128"]) == 2
+    assert "card 1 (k80) exceeds its 12.00 GiB" in capsys.readouterr().err
     assert main(["plan", "--shape", "35b-a3b", "--cards", "2", "--prompts", "128"]) == 2
     assert "give --card" in capsys.readouterr().err
     assert main(["plan", "--shape", "35b-a3b", "--prompts", "128"]) == 2

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from ..errors import ParameterError
-from .args import add_cache_types, add_model_source, gb_per_s, parse_size, positive_ints, threads_int
+from .args import add_cache_types, add_model_source, gb_per_s, parse_size, parse_sizes, positive_ints, threads_int
 
 
 def _host_bandwidth(threads: int | None) -> float:
@@ -43,6 +43,9 @@ def cmd_plan(a) -> int:
         gm = GGUFModel(a.model)
     if a.vram_budget == 0:
         raise ParameterError("--vram-budget must be more than 0 bytes, got 0")
+    if isinstance(a.vram_budget, list) and names is None:
+        raise ParameterError(f"--vram-budget: one size for --card (a list is one a card of --cards), got "
+                             f"{len(a.vram_budget)}")
     if names is not None:  # prefill alone: no decode figure, so no bandwidth probe
         from ..tools.multi_plan import format_cards, plan_cards
 
@@ -77,8 +80,9 @@ def add_plan_parser(sub) -> None:
                    help="prefill split over several cards: N of --card, or a list of card names in pipeline order "
                         "(each with --vram-budget, or its memory less 512 MiB); shows each card's layers and the "
                         "predicted time against the first card alone")
-    p.add_argument("--vram-budget", type=parse_size, default=None,
-                   help="VRAM the engine may use (default: the card's memory less 512 MiB)")
+    p.add_argument("--vram-budget", type=parse_sizes, default=None,
+                   help="VRAM the engine may use, or with --cards one size a card (5GiB,11GiB) (default: the card's "
+                        "memory less 512 MiB)")
     p.add_argument("--host-bw", type=gb_per_s, default=None, metavar="GB/s",
                    help="host memory read bandwidth for CPU decode (default: measured on this host)")
     p.add_argument("-t", "--threads", type=threads_int, default=None,

@@ -212,7 +212,8 @@ class GPUModel:
     are loaded (compiled once per card and class, then read from the disk cache) here; `compiled` lists what this
     load did. fit_n_ctx: n_ctx is only the most a pass may hold; it becomes what fits the budget where that is less.
     kv_stream: None streams the K/V of a pass through the card layer by layer only where the pass is too long to
-    keep them there (plan_pass); True / False: every pass or none."""
+    keep them there (plan_pass); True / False: every pass or none. layers: [first, end) alone (the head is layer
+    n_layer), one card's range in a multi-card prefill (multi_gpu.py); None: every layer."""
 
     single_pass = True
 
@@ -236,7 +237,6 @@ class GPUModel:
                      and not (n.startswith("blk.") and int(n.split(".")[1]) >= a.n_layer)]
         self.vec = {n: _f32(gm, n) for n in vec_names}  # norms, ssm_a, dt bias, conv kernels: float32
         vec_bytes = sum(v.nbytes for v in self.vec.values())
-        # layers [first, end) (the head is layer n_layer): one card's range in a multi-card prefill (multi_gpu.py)
         self.first, self.end = (0, a.n_layer + 1) if layers is None else (int(layers[0]), int(layers[1]))
         self.infos = {w.name: w for w in weights_of(gm, args, matrices_only=True) if self.first <= w.layer < self.end}
         self.layer_names = [tuple(n for n, w in self.infos.items() if w.layer == i) for i in range(a.n_layer)]
@@ -281,6 +281,8 @@ class GPUModel:
             return
         self.buf = self.handoff = None
         self._owner = None  # the state whose copy the card holds: (weakref, pos, hash of its tokens)
+        # a range's card keeps its own layers' state only; its reserve (plan_pass) still counts every layer's, so it
+        # spends less than the budget allows, never more
         mine = None if (self.first, self.end) == (0, self.args.n_layer + 1) else range(self.first, self.end)
         self.buf = (Buffers(self.args, self.chunk, self.n_ctx, True, self.n_rows, mine) if kv_stream
                     else Buffers(self.args, self.chunk, self.n_res, layers=mine))
