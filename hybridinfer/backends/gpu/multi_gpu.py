@@ -17,7 +17,7 @@ from ...errors import BackendNotAvailableError, ParameterError
 from ..state import DecoderState, check_tokens
 from . import calibration, cards, loader, multi_card
 from .pipeline import Job, micro_batches, run_pipeline
-from .placement import is_vector, weights_of
+from .placement import BudgetError, is_vector, weights_of
 from .walker import item, walk
 from .work import prefill_work
 
@@ -136,6 +136,8 @@ class MultiGPUModel:
                                  layers=(sh.first, sh.end))
                 except BackendNotAvailableError as e:
                     raise BackendNotAvailableError(f"{sh.slot.label}: {e}") from None
+                except BudgetError as e:  # its own pass plan left less than the split assumed
+                    raise multi_card.CardBudgetError(sh.slot.label, f"layers {sh.first}..{sh.end - 1}: {e}") from None
             self.cards.append(CardRunner(d, ctx, fresh, m, loader.device_name(d)))
         self.n_ctx = min(c.m.n_ctx for c in self.cards)
         self.n_rows = min(min(c.m.n_rows, c.m.n_res or c.m.n_rows) for c in self.cards)
