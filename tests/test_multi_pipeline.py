@@ -40,6 +40,7 @@ class FakeCard:
         self.device, self.first, self.end, self.fail_at, self.delay = device, first, end, fail_at, delay
         self.name, self.label = f"Fake {device}", f"device {device} (Fake {device})"
         self.log: list = []
+        self.seen: list = []  # the state (a card's view) of each run
         self.m = SimpleNamespace(first=first, end=end)
         self.totals: dict = {}
 
@@ -50,6 +51,7 @@ class FakeCard:
         if self.fail_at is not None and len(self.log) == self.fail_at:
             raise RuntimeError("the card fell off the bus")
         self.log.append((job.seq, job.p0, len(job.ids), state.pos, time.perf_counter()))
+        self.seen.append(state)
         time.sleep(self.delay)
         T, p0 = len(job.ids), state.pos
         x = (np.outer(job.ids, np.arange(1, D + 1)) / VOCAB if rows_in is None else rows_in[:T].copy())
@@ -77,6 +79,7 @@ def model(cards, micro_batch=None) -> MultiGPUModel:
     m = object.__new__(MultiGPUModel)
     m.args = SimpleNamespace(n_vocab=VOCAB, layer_types=TYPES)
     m.cards, m.micro_batch, m.n_ctx, m.n_rows, m.chunk, m.last_timing = cards, micro_batch, N_CTX, 128, 32, {}
+    m._views = {}
     return m
 
 
@@ -221,3 +224,27 @@ def test_the_micro_batch_count_follows_the_time_model():
     assert multi_card.micro_batch_count([share, share], 4096, 128) == 1
     assert multi_card.micro_batch_count([share], 4096, 4096) == 1  # one card gains nothing from cutting
     assert pipeline.Job(0, np.arange(2), 0, True).all_logits is False
+
+
+def test_a_state_keeps_its_views_while_it_is_as_the_cards_left_it():
+    """The cards' copies of a state stay theirs between calls (no upload) only while the host state is unchanged."""
+    cards = [FakeCard(0, 0, 3), FakeCard(1, 3, 7)]
+    m = model(cards, micro_batch=8)
+    m.rows_for = lambda T: 8
+    st = new_state()
+    m.forward(prompt(16, 1), st, all_logits=False)
+    m.forward(prompt(16, 2), st, all_logits=False)  # the scheduler's next chunk: the same views
+    assert all(len({id(v) for v in c.seen}) == 1 for c in cards)
+    assert cards[0].seen[0] is not cards[1].seen[0]  # a view a card
+    st.tokens[st.pos] = 5  # CPU decode moved it on: new views, each card uploads it again
+    st.pos += 1
+    m.forward(prompt(8, 3), st, all_logits=False)
+    assert cards[0].seen[-1] is not cards[0].seen[0] and cards[0].seen[-1].pos == st.pos
+    other = new_state()  # another state of the same position gets views of its own
+    m.forward(prompt(8, 4), other, all_logits=False)
+    assert cards[1].seen[-1] is not cards[1].seen[-2]
+    bad = [FakeCard(0, 0, 3, fail_at=0), cards[1]]
+    m.cards = bad
+    with pytest.raises(CardFailedError):
+        m.forward(prompt(8, 5), st, all_logits=False)
+    assert m._views == {}  # after a failure every state goes up again

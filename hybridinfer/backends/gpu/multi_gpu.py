@@ -9,6 +9,7 @@ multi-card path runs on a one-GPU host too.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import replace
 
 import numpy as np
@@ -16,7 +17,7 @@ import numpy as np
 from ...errors import BackendNotAvailableError, ParameterError
 from ..state import DecoderState, check_tokens
 from . import calibration, cards, loader, multi_card
-from .pipeline import Job, micro_batches, run_pipeline
+from .pipeline import Job, micro_batches, run_pipeline, state_view
 from .placement import BudgetError, is_vector, weights_of
 from .walker import item, walk
 from .work import prefill_work
@@ -144,6 +145,7 @@ class MultiGPUModel:
         self.chunk = chunk
         self.compiled = [x for c in self.cards for x in c.m.compiled]
         self.last_timing: dict = {}
+        self._views: dict[int, tuple] = {}
 
     @property
     def vram_budget(self) -> int:
@@ -196,6 +198,21 @@ class MultiGPUModel:
                 out[j] = lg
         return out
 
+    def views_of(self, st: DecoderState) -> list[DecoderState]:
+        """Each card's view of `st` (pipeline.state_view): the last call's while the state is as that call left it
+        (the same object, position, tokens and arrays), so a card that still holds its copy uploads nothing, as one
+        card's GPUModel._holds spares it; else new views."""
+        self._views = {k: v for k, v in self._views.items() if v[0]() is not None}
+        got = self._views.get(id(st))
+        if got is not None and got[0]() is st:
+            v = got[1][0]
+            if (v.pos == st.pos and np.array_equal(v.tokens[: st.pos], st.tokens[: st.pos])
+                    and all(x is y for n in st.arrays for x, y in zip(v.arrays[n], st.arrays[n], strict=True))):
+                return got[1]
+        vs = [state_view(st) for _ in self.cards]
+        self._views[id(st)] = (weakref.ref(st), vs)
+        return vs
+
     def _run(self, prompts, all_logits: bool) -> list[np.ndarray]:
         import time
 
@@ -208,7 +225,15 @@ class MultiGPUModel:
             c.totals = {}
         t0 = time.perf_counter()
         # row buffers of a power of two: made once for most prompt lengths
-        res = run_pipeline(self.cards, jobs, prompts, min(self.n_rows, 1 << max(rows - 1, 1).bit_length()))
+        per = [self.views_of(st) for _, st in prompts]
+        try:
+            res = run_pipeline(self.cards, jobs, prompts, min(self.n_rows, 1 << max(rows - 1, 1).bit_length()),
+                               [[vs[k] for vs in per] for k in range(len(self.cards))])
+        except BaseException:
+            self._views.clear()  # a card may hold part of a pass: every state goes up again next time
+            for c in self.cards:
+                c.m._owner = None
+            raise
         out = []
         for seq in range(len(prompts)):
             mine = [res[j] for j in jobs if j.seq == seq]

@@ -80,13 +80,16 @@ class _Pool:
         self.q.put(b)
 
 
-def run_pipeline(cards, jobs: list[Job], prompts: list[tuple[np.ndarray, DecoderState]], n_rows: int) -> dict:
+def run_pipeline(cards, jobs: list[Job], prompts: list[tuple[np.ndarray, DecoderState]], n_rows: int,
+                 views=None) -> dict:
     """Run `jobs` (micro_batches of `prompts`, (ids, state) each) through `cards` in order; returns the last card's
-    output of each job, by job. The states advance as one pass per prompt advances them; a card's failure is a
-    CardFailedError naming it (device and name), raised once every card has stopped."""
+    output of each job, by job. views[k][j]: card k's view of prompt j's state (default: new ones). The states
+    advance as one pass per prompt advances them; a card's failure is a CardFailedError naming it (device and name),
+    raised once every card has stopped."""
     K = len(cards)
     stop = threading.Event()
-    views = [[state_view(st) for _, st in prompts] for _ in cards]
+    if views is None:
+        views = [[state_view(st) for _, st in prompts] for _ in cards]
     inbox = [queue.Queue() for _ in cards]
     pools = [_Pool([c.host_rows(n_rows, i) for i in range(IN_FLIGHT)], stop) if k + 1 < K else None
              for k, c in enumerate(cards)]
