@@ -45,6 +45,14 @@ class BackendNotAvailableError(HybridInferError):
     """The requested backend is not built or cannot run on this machine."""
 
 
+class CardFailedError(HybridInferError):
+    """One card of a multi-card GPU prefill failed or went away mid-run; `device` is its index, `card` its name."""
+
+    def __init__(self, msg: str, device: int | None = None, card: str | None = None):
+        super().__init__(msg)
+        self.device, self.card = device, card
+
+
 class TemplateError(HybridInferError):
     """The chat template failed to render (including `raise_exception` calls in it)."""
 

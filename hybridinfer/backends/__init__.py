@@ -186,6 +186,8 @@ class GPUPrefillCPUDecode(Backend):
         """(ids, state, snapshot_at, on_snapshot) each: all in one streamed GPU pass where the buffers allow (each
         layer's weights cross the bus once for all); each prompt's last-token logits (1, n_vocab)."""
         if all(len(p[0]) >= self.min_gpu_tokens for p in prompts):
+            if hasattr(self.gpu, "forward_many"):  # several cards (gpu/multi_gpu.py)
+                return self.gpu.forward_many(prompts)
             from .gpu.multi import forward_many
 
             return forward_many(self.gpu, prompts)
@@ -213,7 +215,7 @@ def make_backend(name: str, gm, args, options: dict, n_ctx: int, fit_n_ctx: bool
     if name not in BACKENDS:
         raise BackendNotAvailableError(f"unknown backend {name!r} (choose from {', '.join(BACKENDS)})")
     gpu_opts = {k: options.pop(k) for k in ("vram_budget", "gpu_chunk", "device", "card_profile", "bus_bw",
-                                                   "kv_stream")
+                                                   "kv_stream", "devices", "micro_batch")
                 if k in options}
     placement = options.pop("numa", None)
     if placement is not None and not hasattr(placement, "mode"):
@@ -238,10 +240,19 @@ def make_backend(name: str, gm, args, options: dict, n_ctx: int, fit_n_ctx: bool
     try:
         from .gpu.backend import DEFAULT_CHUNK, GPUModel
 
-        gpu = GPUModel(gm, args, n_ctx, vram_budget=gpu_opts.get("vram_budget"),
-                       chunk=gpu_opts.get("gpu_chunk", DEFAULT_CHUNK), device=gpu_opts.get("device", 0),
-                       card_profile=gpu_opts.get("card_profile"), bus_bw=gpu_opts.get("bus_bw"),
-                       fit_n_ctx=fit_n_ctx, kv_stream=gpu_opts.get("kv_stream"))
+        if gpu_opts.get("devices") is not None:  # prefill over several cards, a range of layers each
+            from .gpu.multi_gpu import MultiGPUModel
+
+            gpu = MultiGPUModel(gm, args, n_ctx, gpu_opts["devices"], vram_budget=gpu_opts.get("vram_budget"),
+                                chunk=gpu_opts.get("gpu_chunk", DEFAULT_CHUNK),
+                                card_profile=gpu_opts.get("card_profile"), bus_bw=gpu_opts.get("bus_bw"),
+                                fit_n_ctx=fit_n_ctx, kv_stream=gpu_opts.get("kv_stream"),
+                                micro_batch=gpu_opts.get("micro_batch"))
+        else:
+            gpu = GPUModel(gm, args, n_ctx, vram_budget=gpu_opts.get("vram_budget"),
+                           chunk=gpu_opts.get("gpu_chunk", DEFAULT_CHUNK), device=gpu_opts.get("device", 0),
+                           card_profile=gpu_opts.get("card_profile"), bus_bw=gpu_opts.get("bus_bw"),
+                           fit_n_ctx=fit_n_ctx, kv_stream=gpu_opts.get("kv_stream"))
     except BackendNotAvailableError as e:
         if name == "gpu":
             raise

@@ -50,6 +50,8 @@ def _engine(a, quiet: bool = False):
             opts["numa"] = placement
     if a.backend in ("auto", "gpu") and a.vram_budget is not None:
         opts["vram_budget"] = a.vram_budget
+    if a.backend in ("auto", "gpu") and getattr(a, "devices", None):
+        opts["devices"] = a.devices
     if a.backend in ("auto", "gpu") and getattr(a, "card_profile", None):
         opts["card_profile"] = a.card_profile
     if a.backend in ("auto", "gpu") and getattr(a, "no_kv_offload", False):

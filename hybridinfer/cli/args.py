@@ -265,8 +265,12 @@ def _add_model(p: argparse.ArgumentParser, required: bool = False) -> None:
                         "stderr)")
     add_cache_types(p, rotate=True)
     p.add_argument("-t", "--threads", type=threads_int, default=None, help="CPU threads (default: all cores)")
-    p.add_argument("--vram-budget", type=parse_size, default=None,
-                   help="GPU memory the gpu backend may use, e.g. 6GiB (default: the card's free memory - 512MiB)")
+    p.add_argument("--vram-budget", type=parse_sizes, default=None,
+                   help="GPU memory the gpu backend may use, e.g. 6GiB, or one a device with --devices, e.g. "
+                        "5GiB,11GiB (default: the card's free memory - 512MiB)")
+    p.add_argument("--devices", type=device_list, default=None, metavar="0,1,...",
+                   help="GPU prefill over these CUDA devices, a contiguous range of layers each, the hidden rows "
+                        "passed on through pinned host memory (a repeated index: another context on that card)")
     p.add_argument("-nkvo", "--no-kv-offload", action="store_true",
                    help="GPU prefill keeps every pass's K/V in host memory and streams each attention layer's "
                         "through the card (default: only a pass too long for its K/V to stay on the card beside "
@@ -317,6 +321,23 @@ def _add_cache(p: argparse.ArgumentParser, snapshot_stride: int | None = None) -
     g.add_argument("--snapshot-stride", type=_int_at_least(0), default=snapshot_stride,
                    help=f"snapshot the state every N prompt tokens during prefill (default {stride}; 0: only at "
                         "prompt ends, chat turns and shared prefixes)")
+
+
+def parse_sizes(s: str):
+    """One size ('6GiB') or a comma list of them ('5GiB,11GiB': one a device) -> bytes or a list of bytes."""
+    parts = str(s).split(",")
+    return parse_size(parts[0]) if len(parts) == 1 else [parse_size(x) for x in parts]
+
+
+def device_list(s: str) -> list[int]:
+    """'0,1' -> [0, 1]: CUDA device indices (a repeat is allowed: another context on that card)."""
+    try:
+        out = [int(x) for x in str(s).split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of device indices: {s!r} (e.g. 0,1)") from None
+    if min(out) < 0:
+        raise argparse.ArgumentTypeError(f"device indices are >= 0, got {s!r}")
+    return out
 
 
 def parse_size(s: str) -> int:

@@ -12,6 +12,7 @@ from .args import (
     add_cache_types,
     add_card_profile,
     add_model_source,
+    device_list,
     gb_per_s,
     parse_size,
     positive_ints,
@@ -116,7 +117,7 @@ def cmd_bench_prefill(a) -> int:
     try:
         res = prefill.run(a.model, prompts, a.vram_budget or None, not a.no_resident, a.threads, a.llama_bench,
                           a.llama_bench_cuda, bus_bw=a.bus_bw, card_profile=a.card_profile,
-                          kv_stream=True if a.no_kv_offload else None)
+                          kv_stream=True if a.no_kv_offload else None, devices=a.devices)
     except ModuleNotFoundError as e:
         if (e.name or "").split(".")[0] != "pycuda":
             raise
@@ -349,6 +350,9 @@ def add_bench_parsers(sub) -> None:
     b.add_argument("--prompts", default="128,947,4096")
     b.add_argument("--vram-budget", type=parse_size, default=parse_size("6GiB"), help="0: skip the budget run")
     b.add_argument("--no-resident", action="store_true", help="skip the whole-model-resident run")
+    b.add_argument("--devices", type=device_list, default=None, metavar="0,1,...",
+                   help="also prefill on the first device alone and over all of them (a range of layers each), "
+                        "each under --vram-budget")
     b.add_argument("-nkvo", "--no-kv-offload", action="store_true",
                    help="stream every pass's K/V through the card from host memory (default: only passes too long "
                         "to keep them on the card)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from ..errors import ParameterError
-from .args import add_cache_types, add_model_source, gb_per_s, parse_size, positive_ints, threads_int
+from .args import add_cache_types, add_model_source, gb_per_s, parse_size, parse_sizes, positive_ints, threads_int
 
 
 def _host_bandwidth(threads: int | None) -> float:
@@ -21,7 +21,15 @@ def cmd_plan(a) -> int:
     from ..models.state_kinds import with_cache_types
     from ..tools.card_plan import find_card, format_plan, plan_for_card
 
-    find_card(a.card)  # a bad name is reported before any model is read
+    if a.cards is None and a.card is None:
+        raise ParameterError("plan takes --card NAME (and --cards N or --cards NAME,NAME for several cards)")
+    if a.card is not None:
+        find_card(a.card)  # a bad name is reported before any model is read
+    names = None
+    if a.cards is not None:
+        from ..tools.multi_plan import card_list
+
+        names = card_list(a.cards, a.card)
     prompts = positive_ints("--prompts", a.prompts, "token counts")
     if bool(a.model) == bool(a.shape):
         raise ParameterError(f"plan takes one of -m MODEL or --shape SHAPE (got -m {a.model!r}, --shape {a.shape!r})")
@@ -33,11 +41,20 @@ def cmd_plan(a) -> int:
         from ..format.gguf_model import GGUFModel
 
         gm = GGUFModel(a.model)
+    if a.vram_budget == 0:
+        raise ParameterError("--vram-budget must be more than 0 bytes, got 0")
+    if isinstance(a.vram_budget, list) and names is None:
+        raise ParameterError(f"--vram-budget: one size for --card (a list is one a card of --cards), got "
+                             f"{len(a.vram_budget)}")
+    if names is not None:  # prefill alone: no decode figure, so no bandwidth probe
+        from ..tools.multi_plan import format_cards, plan_cards
+
+        args = with_cache_types(model_args(gm), a.cache_type_k, a.cache_type_v)
+        print(format_cards(plan_cards(gm, args, names, vram_budget=a.vram_budget, prompts=prompts)))
+        return 0
     host_bw, note = a.host_bw, ""
     if host_bw is None:
         host_bw, note = _host_bandwidth(a.threads), " (--host-bw not given: measured on this host)"
-    if a.vram_budget == 0:
-        raise ParameterError("--vram-budget must be more than 0 bytes, got 0")
     ram = a.ram
     if ram is None:
         from ..backends.cpu.weights import mem_available
@@ -57,10 +74,15 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--shape", help="plan a synthetic shape instead of a file (e.g. 35b-a3b; see `synth`)")
     p.add_argument("--arch", default="qwen35moe", help="architecture of --shape (default qwen35moe)")
     p.add_argument("--quant", default="q4_k_m", help="quantization of --shape (default q4_k_m)")
-    p.add_argument("--card", required=True, help="c2075, m2090, gtx580, gtx680, k20, k40, k80, m40, gtx980ti, p100, "
+    p.add_argument("--card", default=None, help="c2075, m2090, gtx580, gtx680, k20, k40, k80, m40, gtx980ti, p100, "
                                                  "or a class: fermi, kepler, maxwell, pascal")
-    p.add_argument("--vram-budget", type=parse_size, default=None,
-                   help="VRAM the engine may use (default: the card's memory less 512 MiB)")
+    p.add_argument("--cards", default=None, metavar="N|NAME,NAME",
+                   help="prefill split over several cards: N of --card, or a list of card names in pipeline order "
+                        "(each with --vram-budget, or its memory less 512 MiB); shows each card's layers and the "
+                        "predicted time against the first card alone")
+    p.add_argument("--vram-budget", type=parse_sizes, default=None,
+                   help="VRAM the engine may use, or with --cards one size a card (5GiB,11GiB) (default: the card's "
+                        "memory less 512 MiB)")
     p.add_argument("--host-bw", type=gb_per_s, default=None, metavar="GB/s",
                    help="host memory read bandwidth for CPU decode (default: measured on this host)")
     p.add_argument("-t", "--threads", type=threads_int, default=None,

@@ -71,6 +71,10 @@ def _check_load_args(n_ctx, prefill_chunk, snapshot_stride, step_tokens, max_seq
 
         if options["card_profile"] not in PROFILES:
             raise ParameterError(f"unknown card_profile {options['card_profile']!r} (known: {', '.join(PROFILES)})")
+    if options.get("devices") is not None or isinstance(options.get("vram_budget"), (list, tuple)):
+        from ..backends.gpu.multi_gpu import check_devices
+
+        check_devices(options.get("devices"), options.get("vram_budget"), options.get("device"))
     if options.get("kv_stream") not in (None, True, False):
         raise ParameterError(f"kv_stream must be None, True or False, got {options['kv_stream']!r}")
     if options.get("bus_bw") is not None:
@@ -251,7 +255,9 @@ class Engine(Compute):
             compiled and tiles chosen as for that class, the weight stream paced to its bus), bus_bw (None: the
             profile's bus; bytes/s the weight stream is paced to), kv_stream (None: a pass keeps its K/V on the card
             where they fit beside the weights, else it streams each attention layer's K/V through the card from
-            the host state; True: every pass streams them, as llama.cpp's --no-kv-offload keeps them on the host).
+            the host state; True: every pass streams them, as llama.cpp's --no-kv-offload keeps them on the host),
+            devices (a list such as [0, 1]: prefill over those cards, a range of layers each, gpu/multi_gpu.py;
+            vram_budget then one for all or one a device), micro_batch (rows; None: the time model's choice).
         Reference: cache_weights (True), act_quant (False: float activations; True: llama.cpp's Q8 rounding).
         Unknown options raise TypeError.
         """

@@ -152,6 +152,15 @@ def vector_bytes(gm, args) -> int:
                and not (n.startswith("blk.") and int(n.split(".")[1]) >= args.n_layer))
 
 
+def card_reserve(gm, args, ws, vram_budget: int, chunk: int, n_ctx: int) -> int:
+    """Bytes GPUModel keeps beside the weights under `vram_budget`: its float32 vectors and the larger of its pass
+    layouts (backend.plan_pass) for passes up to n_ctx rows."""
+    from ..backends.gpu.backend import plan_pass
+
+    vec = vector_bytes(gm, args)
+    return plan_pass(args, chunk, vram_budget - vec, ws, n_ctx).reserve(args, chunk) + vec
+
+
 def plan_for_card(gm, args, card_name: str, vram_budget: int | None = None, host_bw: float | None = None,
                   prompts=PROMPTS, chunk: int | None = None, eff: calibration.Efficiency | None = None,
                   decode_eff: float | None = None, ram_bytes: int | None = None) -> CardPlan:
@@ -159,7 +168,7 @@ def plan_for_card(gm, args, card_name: str, vram_budget: int | None = None, host
     state_kinds.with_cache_types) on card `card_name` under `vram_budget` bytes (None: the card's memory less
     CONTEXT_RESERVE), for prompts of `prompts` tokens (n_ctx: the longest), decode at `host_bw` bytes/s (None: no
     decode figure), sequence states in `ram_bytes` of host memory (None: no host figure)."""
-    from ..backends.gpu.backend import DEFAULT_CHUNK, plan_pass
+    from ..backends.gpu.backend import DEFAULT_CHUNK
     from .benchmarks.decode import bytes_per_token
 
     c = find_card(card_name)
@@ -181,8 +190,7 @@ def plan_for_card(gm, args, card_name: str, vram_budget: int | None = None, host
     d_eff, d_src = (decode_eff, "given") if decode_eff is not None else calibration.DECODE
     ws = weights_of(gm, args, matrices_only=True)
     _check_supported(gm, args, ws)  # the GPU kernels' weight types, as GPUModel checks them
-    vec = vector_bytes(gm, args)
-    reserved = plan_pass(args, chunk, vram_budget - vec, ws, n_ctx).reserve(args, chunk) + vec
+    reserved = card_reserve(gm, args, ws, vram_budget, chunk, n_ctx)
     try:
         p = plan_placement(ws, vram_budget, reserved)
     except BudgetError as e:

@@ -57,9 +57,10 @@ class Buffers:
     kv_stream: the per-token arrays (K/V) of every layer stay in the host state; the card keeps one `slot[name]` of
     n_ctx rows that each layer's rows pass through (walker.py: up before the layer, its new rows down after), so a
     pass holds one layer's K/V instead of all of them; n_rows (default n_ctx): the hidden rows, the most new tokens
-    a pass takes (a longer prompt goes in several passes, each continuing the last)."""
+    a pass takes (a longer prompt goes in several passes, each continuing the last). layers (default all): the
+    layers whose state the card keeps (one card of a multi-card prefill keeps its own range's)."""
 
-    def __init__(self, a, C: int, n_ctx: int, kv_stream: bool = False, n_rows: int | None = None):
+    def __init__(self, a, C: int, n_ctx: int, kv_stream: bool = False, n_rows: int | None = None, layers=None):
         from pycuda import gpuarray
 
         self.C, self.n_ctx, self.kv_stream = C, n_ctx, kv_stream
@@ -67,7 +68,7 @@ class Buffers:
         self.state: dict[tuple[str, int], object] = {}
         self.slot: dict[str, object] = {}
         self.snap: dict[str, object] = {}
-        for key, (shape, dt) in self.layout(a, C, n_ctx, kv_stream, n_rows).items():
+        for key, (shape, dt) in self.layout(a, C, n_ctx, kv_stream, n_rows, layers).items():
             arr = gpuarray.empty(shape, dt)
             if isinstance(key, tuple):
                 getattr(self, key[0])[key[1]] = arr
@@ -79,7 +80,7 @@ class Buffers:
         return self.slot[name] if self.kv_stream else self.state[name, i]
 
     @classmethod
-    def layout(cls, a, C: int, n_ctx: int, kv_stream: bool = False, n_rows: int | None = None) -> dict:
+    def layout(cls, a, C: int, n_ctx: int, kv_stream: bool = False, n_rows: int | None = None, layers=None) -> dict:
         """Every buffer: attribute name, or (dict attribute, key), -> (shape, dtype)."""
         D, R = a.n_embd, n_ctx if n_rows is None else n_rows
         out: dict = {"h": ((R, D), F32), "x": ((C, D), F32), "mix": ((C, D), F32), "ffn": ((C, D), F32),
@@ -88,6 +89,8 @@ class Buffers:
             out.update(getattr(cls, f"op_{op}")(a, C))
         out.update(cls.op_moe(a, C) if a.is_moe else cls.op_ffn(a, C))
         for i, s in layer_arrays(a.layer_types):  # in the storage DecoderState keeps them in (K/V: their types)
+            if layers is not None and i not in layers:
+                continue
             key = ("slot", s.name) if kv_stream and s.per_token else ("state", (s.name, i))
             out[key] = (s.full_shape(a, n_ctx), s.storage(a)[0])
         recurrent = {s.name: s for _, s in layer_arrays(a.layer_types) if not s.per_token}
@@ -209,13 +212,15 @@ class GPUModel:
     are loaded (compiled once per card and class, then read from the disk cache) here; `compiled` lists what this
     load did. fit_n_ctx: n_ctx is only the most a pass may hold; it becomes what fits the budget where that is less.
     kv_stream: None streams the K/V of a pass through the card layer by layer only where the pass is too long to
-    keep them there (plan_pass); True / False: every pass or none."""
+    keep them there (plan_pass); True / False: every pass or none. layers: [first, end) alone (the head is layer
+    n_layer), one card's range in a multi-card prefill (multi_gpu.py); None: every layer."""
 
     single_pass = True
 
     def __init__(self, gm, args, n_ctx: int, vram_budget: int | None = None, chunk: int = DEFAULT_CHUNK,
                  device: int = 0, expert_counts=None, bus_bw: float | None = None,
-                 card_profile: str | None = None, fit_n_ctx: bool = False, kv_stream: bool | None = None):
+                 card_profile: str | None = None, fit_n_ctx: bool = False, kv_stream: bool | None = None,
+                 layers: tuple[int, int] | None = None):
         loader.init(device)  # BackendNotAvailableError without pycuda or a card
         loader.configure(card_profile)
         self.card_profile = card_profile
@@ -232,7 +237,8 @@ class GPUModel:
                      and not (n.startswith("blk.") and int(n.split(".")[1]) >= a.n_layer)]
         self.vec = {n: _f32(gm, n) for n in vec_names}  # norms, ssm_a, dt bias, conv kernels: float32
         vec_bytes = sum(v.nbytes for v in self.vec.values())
-        self.infos = {w.name: w for w in weights_of(gm, args, matrices_only=True)}
+        self.first, self.end = (0, a.n_layer + 1) if layers is None else (int(layers[0]), int(layers[1]))
+        self.infos = {w.name: w for w in weights_of(gm, args, matrices_only=True) if self.first <= w.layer < self.end}
         self.layer_names = [tuple(n for n, w in self.infos.items() if w.layer == i) for i in range(a.n_layer)]
         self.block_names = [block_names(gm.tensors, i) for i in range(a.n_layer)]
         _check_supported(gm, args, self.infos.values())
@@ -275,8 +281,11 @@ class GPUModel:
             return
         self.buf = self.handoff = None
         self._owner = None  # the state whose copy the card holds: (weakref, pos, hash of its tokens)
-        self.buf = (Buffers(self.args, self.chunk, self.n_ctx, True, self.n_rows) if kv_stream
-                    else Buffers(self.args, self.chunk, self.n_res))
+        # a range's card keeps its own layers' state only; its reserve (plan_pass) still counts every layer's, so it
+        # spends less than the budget allows, never more
+        mine = None if (self.first, self.end) == (0, self.args.n_layer + 1) else range(self.first, self.end)
+        self.buf = (Buffers(self.args, self.chunk, self.n_ctx, True, self.n_rows, mine) if kv_stream
+                    else Buffers(self.args, self.chunk, self.n_res, layers=mine))
         self.handoff = StateHandoff(self.buf, self.chunk)
 
     def new_state(self, n_ctx: int) -> DecoderState:

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import cache
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +38,14 @@ def source_dir() -> Path:
 
 
 _ctx = None
+# the context a thread has made current with on_card (None: the first context, init's): modules, functions and
+# limits are kept per context, since a module loaded in one context cannot launch in another
+_tls = threading.local()
+
+
+def _key():
+    key = getattr(_tls, "key", None)
+    return key if key is not None else (_ctx.handle if _ctx is not None else None)
 
 
 def init(device: int = 0):
@@ -77,6 +85,46 @@ def on_this_thread():
         drv.Context.pop()
 
 
+def card_context(device: int, fresh: bool = False):
+    """A context on `device` for one card of a multi-card prefill, not left current: the device's primary context,
+    or with `fresh` one of its own (two "cards" on one GPU: how the multi-card path runs on a one-GPU host; give it
+    back with ctx.detach()). BackendNotAvailableError where there is no such device."""
+    init(device)  # pycuda up; the process's first context
+    import pycuda.driver as drv
+
+    n = drv.Device.count()
+    if not 0 <= device < n:
+        raise BackendNotAvailableError(f"no CUDA device {device} ({n} present)")
+    try:
+        if fresh:
+            ctx = drv.Device(device).make_context()
+            drv.Context.pop()
+            return ctx
+        return drv.Device(device).retain_primary_context()
+    except drv.Error as e:
+        raise BackendNotAvailableError(f"CUDA device {device}: no context ({e})") from None
+
+
+def device_name(device: int) -> str:
+    import pycuda.driver as drv
+
+    return str(drv.Device(device).name())
+
+
+@contextmanager
+def on_card(ctx):
+    """`ctx` (card_context's) current on the calling thread for the duration, and the loader's modules its own."""
+    import pycuda.driver as drv
+
+    ctx.push()
+    prev, _tls.key = getattr(_tls, "key", None), ctx.handle
+    try:
+        yield
+    finally:
+        _tls.key = prev
+        drv.Context.pop()
+
+
 FAMILIES = ("gemm", "elementwise", "gdn", "attention", "moe")  # what a prefill uses (peak.cu is bench-only)
 _profile: str | None = None
 
@@ -88,7 +136,7 @@ def configure(card_profile: str | None) -> None:
     if card_profile is not None and card_profile not in cards.PROFILES:
         raise ValueError(f"unknown card profile {card_profile!r} (known: {', '.join(cards.PROFILES)})")
     _profile = card_profile
-    limits.cache_clear()
+    _limits.clear()
 
 
 def profile() -> str | None:
@@ -102,16 +150,22 @@ def device_cc() -> tuple[int, int]:
     return drv.Context.get_device().compute_capability()
 
 
-@cache
+_limits: dict = {}
+
+
 def limits() -> cards.CardLimits:
-    """The limits tiles are chosen for: the profile's (with this card's SM count) or the card's own."""
+    """The limits tiles are chosen for on the current context's card: the profile's (with the card's SM count) or
+    the card's own."""
     import pycuda.driver as drv
 
     init()
-    sms = int(drv.Context.get_device().get_attribute(drv.device_attribute.MULTIPROCESSOR_COUNT))
-    if _profile is not None:
-        return cards.profile_limits(_profile, sms)
-    return cards.limits_for(device_cc(), sms)
+    key = _key()
+    got = _limits.get(key)
+    if got is None:
+        sms = int(drv.Context.get_device().get_attribute(drv.device_attribute.MULTIPROCESSOR_COUNT))
+        got = cards.profile_limits(_profile, sms) if _profile is not None else cards.limits_for(device_cc(), sms)
+        _limits[key] = got
+    return got
 
 
 def kernel_class() -> str:
@@ -174,7 +228,7 @@ def module(family: str):
     """Compile native/cuda_sm20/<family>.cu (and the .cuh it includes) for the current card and class, or load it
     from the disk cache; each load is appended to compile_log."""
     cls = kernel_class()
-    key = (family, cls)
+    key = (_key(), family, cls)
     if key in _modules:
         return _modules[key]
     import pycuda.driver as drv
@@ -219,7 +273,7 @@ def describe_compiles(loaded: list[Compiled]) -> str | None:
 
 
 def function(family: str, name: str):
-    key = (family, kernel_class(), name)
+    key = (_key(), family, kernel_class(), name)
     fn = _functions.get(key)
     if fn is None:
         fn = _functions[key] = module(family).get_function(name)

@@ -135,10 +135,14 @@ class ManyStates:
             st.pos = p0 + T
 
 
-def walk(m, items: list[Item], all_logits: bool = False) -> list[np.ndarray]:
+def walk(m, items: list[Item], all_logits: bool = False, rows_in=None, rows_out=None) -> list[np.ndarray]:
     """One streamed pass of GPUModel m over `items` (their rows and cached rows must fit its buffers, as
     multi.plan_groups groups them): each prompt's logits, (T, n_vocab) with all_logits (one prompt), else its last
-    token's (1, n_vocab). The states advance; snapshots go to each prompt's on_snapshot once the pass is done."""
+    token's (1, n_vocab). The states advance; snapshots go to each prompt's on_snapshot once the pass is done.
+
+    Over m's layers [m.first, m.end) alone (one card of a multi-card prefill, multi_gpu.py): a range after the first
+    starts from the hidden rows `rows_in` (host, the card before's) instead of the embedding, and a range without
+    the head ends with the rows copied into `rows_out` (page-locked host memory), returned as [rows]."""
     if all_logits and len(items) > 1:
         raise ValueError("all_logits: a pass of one prompt")
     off = base = n_snap = 0
@@ -159,10 +163,13 @@ def walk(m, items: list[Item], all_logits: bool = False) -> list[np.ndarray]:
     t_up = time.perf_counter()
     st.reset_timing()
     m.work = Work()
-    emb = np.empty((off, a.n_embd), np.float32)
-    tok = m.tok_embd
-    dequantize_rows(tok.raw(), tok.qtype, tok.ne[0], np.concatenate([it.ids for it in items]), emb)
-    b.h[:off].set(emb)
+    if rows_in is None:
+        emb = np.empty((off, a.n_embd), np.float32)
+        tok = m.tok_embd
+        dequantize_rows(tok.raw(), tok.qtype, tok.ne[0], np.concatenate([it.ids for it in items]), emb)
+        b.h[:off].set(emb)
+    else:
+        b.h[:off].set(rows_in[:off])
     # everything the layers need from the host goes up now: a synchronous copy inside the loop would wait for the
     # copy stream too (legacy default stream) and undo the overlap of uploads and compute
     b.pos[:off].set(np.concatenate([np.arange(it.state.pos, it.state.pos + len(it.ids), dtype=np.int32)
@@ -173,12 +180,12 @@ def walk(m, items: list[Item], all_logits: bool = False) -> list[np.ndarray]:
     t_emb = time.perf_counter()
     ev0, ev1 = m._event(), m._event()
     ev0.record(s)
-    st.prefetch(0)
+    st.prefetch(m.first)
     moves.begin()
     n_chunks = m.counts_host.shape[1] if a.is_moe else 0
     used_chunks = 0
     ops = GPUOps(m)
-    for i in range(a.n_layer):
+    for i in range(m.first, min(m.end, a.n_layer)):
         st.prefetch(i + 1)  # the next layer's upload overlaps this layer's compute
         L = m.block(i, st.weights(i, m.layer_names[i]))
         if i in kv_layers:
@@ -209,7 +216,11 @@ def walk(m, items: list[Item], all_logits: bool = False) -> list[np.ndarray]:
         moves.drain(i)
         if i in kv_layers:
             kv_down(m.drv, b, i, prompts, s)
-    logits = _heads(m, items, all_logits)
+    if m.end > a.n_layer:
+        logits = _heads(m, items, all_logits)
+    else:  # the rows go on to the next card through page-locked host memory (no peer-to-peer link assumed)
+        m.drv.memcpy_dtoh_async(rows_out[:off], b.h[:off].gpudata, s)
+        logits = [rows_out[:off]]
     ev1.record(s)
     t_queued = time.perf_counter()
     s.synchronize()

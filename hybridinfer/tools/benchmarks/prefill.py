@@ -124,8 +124,10 @@ def llama_bench(exe: str | None, path: str, T: int, threads: int, extra: list[st
 
 def run(path: str, prompts=(128, 947, 4096), budget: int | None = 6 << 30, resident: bool = True,
         threads: int = 16, llama_cpu: str | None = None, llama_cuda: str | None = None,
-        bus_bw: float | None = None, card_profile: str | None = None, kv_stream: bool | None = None) -> dict:
-    """bus_bw: pace the weight stream to this many bytes/s (an old card's bus; None: the card's own, or the card
+        bus_bw: float | None = None, card_profile: str | None = None, kv_stream: bool | None = None,
+        devices: list[int] | None = None) -> dict:
+    """devices: also prefill on devices[0] alone and over all of them (prefill_cards.py), each card under `budget`.
+    bus_bw: pace the weight stream to this many bytes/s (an old card's bus; None: the card's own, or the card
     profile's bus); card_profile: compile and tile as for that class of card (gpu/cards.py PROFILES); kv_stream:
     GPUModel's (None: K/V streamed through the card only for passes too long to keep them there; True: always)."""
     from ...backends.gpu.k_peak import fma_peak_flops, pinned_h2d_bytes_per_s
@@ -143,6 +145,12 @@ def run(path: str, prompts=(128, 947, 4096), budget: int | None = 6 << 30, resid
                            kv_stream=kv_stream)
         rows += r
         infos.append(info)
+    if devices:
+        from .prefill_cards import run_cards
+
+        r, info = run_cards(path, prompts, devices, budget or None, card_profile, bus_bw, kv_stream)
+        rows += r
+        infos += info
     for T in prompts:
         for exe, extra, label in ((llama_cpu, [], f"CPU only, {threads} threads"),
                                   (llama_cuda, ["-ngl", "99", "-ot", "exps=CPU"], "CUDA, experts on CPU"),
