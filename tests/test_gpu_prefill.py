@@ -23,8 +23,8 @@ def _gpu(path, budget=None, chunk=512, **kw):
                        card_profile=PROFILE, **kw)
 
 
-def _streaming_budget(path) -> int:
-    """A budget that holds the buffers and double staging but not the whole model."""
+def _streaming_budget(path, frac: int = 4) -> int:
+    """A budget that holds the buffers and double staging but not the whole model: 1/frac of its weights resident."""
     from hybridinfer.backends.gpu.backend import Buffers
     from hybridinfer.backends.gpu.placement import weights_of
     from hybridinfer.format.gguf_model import GGUFModel
@@ -37,7 +37,7 @@ def _streaming_budget(path) -> int:
     for w in ws:
         per_layer[w.layer] = per_layer.get(w.layer, 0) + w.nbytes + 256
     vec = sum(4 * int(np.prod(t.ne)) for n, t in gm.tensors.items() if len(t.ne) < 2 or n.endswith("ssm_conv1d.weight"))
-    return Buffers.nbytes(a, 32, 256) + vec + 2 * max(per_layer.values()) + sum(per_layer.values()) // 4
+    return Buffers.nbytes(a, 32, 256) + vec + 2 * max(per_layer.values()) + sum(per_layer.values()) // frac
 
 
 def _close(got, want, what):
