@@ -172,3 +172,14 @@ def test_bench_prefill_runs(oracle_gguf, tmp_path):
     assert prefill.plot(res, str(tmp_path / "p.png"))
     phases = res["configs"][0]["phases_s"][40]
     assert {"gdn", "attention", "moe"} <= set(phases) and all(v > 0 for v in phases.values())
+
+
+def test_gpu_load_shows_a_progress_bar(oracle_gguf, capsys):
+    """Engine.load(progress=True) on the GPU backend draws a bar of the bytes put on the card or staged on the host
+    (beside the CPU copy's); without progress, no bar."""
+    path = oracle_gguf("qwen35", "q8_0")
+    Engine.load(str(path), backend="gpu", n_ctx=128, vram_budget=_streaming_budget(path), progress=True).close()
+    err = capsys.readouterr().err
+    assert "loading weights (card 0)" in err, err[-2000:]
+    Engine.load(str(path), backend="gpu", n_ctx=128, vram_budget=_streaming_budget(path)).close()
+    assert "loading weights" not in capsys.readouterr().err

@@ -10,6 +10,7 @@ also write S and conv at requested positions, so the prefix cache gets snapshots
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,6 +46,22 @@ def _f32(gm, name):
 
 
 F32, I32 = np.dtype(np.float32), np.dtype(np.int32)
+
+
+@contextmanager
+def load_bar(on: bool, placement, infos, where: str):
+    """A tqdm bar on stderr of the bytes the streamer uploads to the card (resident tensors, pinned experts) or copies
+    into pinned host memory (streamed tensors) at load: its callback, or None when `on` is False."""
+    if not on:
+        yield None
+        return
+    from tqdm import tqdm
+
+    total = sum(infos[n].nbytes for n in placement.resident) + sum(
+        len(es) * infos[n].slab for n, es in placement.pinned_experts.items()) + sum(
+        infos[n].nbytes for names in placement.streamed.values() for n in names if n not in placement.resident)
+    with tqdm(total=total, desc=f"loading weights ({where})", unit="B", unit_scale=True, leave=False) as bar:
+        yield bar.update
 
 
 class Buffers:
@@ -220,7 +237,7 @@ class GPUModel:
     def __init__(self, gm, args, n_ctx: int, vram_budget: int | None = None, chunk: int = DEFAULT_CHUNK,
                  device: int = 0, expert_counts=None, bus_bw: float | None = None,
                  card_profile: str | None = None, fit_n_ctx: bool = False, kv_stream: bool | None = None,
-                 layers: tuple[int, int] | None = None):
+                 layers: tuple[int, int] | None = None, progress: bool = False):
         loader.init(device)  # BackendNotAvailableError without pycuda or a card
         loader.configure(card_profile)
         self.card_profile = card_profile
@@ -253,7 +270,8 @@ class GPUModel:
         self.expert_counts: dict[tuple[int, int], int] = dict(expert_counts or {})
         self.placement = plan_placement(self.infos.values(), self.vram_budget, self.reserved, self.expert_counts)
         self.bus_bw = paced_bus(card_profile, bus_bw)
-        self.streamer = Streamer(gm, self.placement, self.infos, self.stream, bus_bw=self.bus_bw)
+        with load_bar(progress, self.placement, self.infos, f"card {device}") as bar:
+            self.streamer = Streamer(gm, self.placement, self.infos, self.stream, progress=bar, bus_bw=self.bus_bw)
         # per layer: 2 N K summed over its expert tensors (FLOPs per routed token, from the routing's real counts)
         self._exp_nk = {i: sum(gemm_flops(1, gm.tensor(n).ne[1], gm.tensor(n).ne[0]) for n in names
                                if self.infos[n].n_expert) for i, names in enumerate(self.layer_names)}

@@ -43,6 +43,8 @@ class Streamer:
             t = gm.tensor(name)
             self.resident[name] = DeviceWeight.upload(t.raw(), t.qtype, _shape(t))
             self.device_bytes += t.nbytes
+            if progress is not None:
+                progress(t.nbytes)
         for name, es in placement.pinned_experts.items():
             t = gm.tensor(name)
             order = sorted(es)
@@ -53,6 +55,8 @@ class Streamer:
             self.pinned[name] = (DeviceWeight(t.qtype, (len(order),) + shp[1:], gpuarray.to_gpu(packed)),
                                  {e: i for i, e in enumerate(order)})
             self.device_bytes += packed.nbytes
+            if progress is not None:
+                progress(packed.nbytes)
         # per streamed layer: slot layout (offsets of its tensors) and pinned host copies
         self.layout: dict[int, list[tuple[str, int]]] = {}
         slot_bytes = 0
