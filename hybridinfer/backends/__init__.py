@@ -228,11 +228,14 @@ def make_backend(name: str, gm, args, options: dict, n_ctx: int, fit_n_ctx: bool
         return ReferenceModel(gm, args, cache_weights=options.pop("cache_weights", True),
                               act_quant=options.pop("act_quant", False))
     from .cpu.backend import CPUModel
+    from .cpu.expert_setup import ExpertOptions
     from .cpu.simd import SimdLib
 
+    experts = ExpertOptions.of(options)
     simd = SimdLib(isa=options.pop("isa", None), n_threads=options.pop("n_threads", None),
                    prefetch=options.pop("prefetch", None))
-    cpu = CPUModel(gm, args, simd, weights=options.pop("weights", "auto"), numa=placement, progress=progress)
+    cpu = CPUModel(gm, args, simd, weights=options.pop("weights", "auto"), numa=placement, progress=progress,
+                   experts=experts)
     if name == "cpu":
         return cpu
     try:
