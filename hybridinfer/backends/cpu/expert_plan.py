@@ -61,16 +61,19 @@ class RamPlan:
         return any(self.slots[L.block] < L.n_expert for L in self.layers)
 
     def summary(self) -> str:
-        gib = 1 << 30
+        """One line: what stays resident and what is read from the file."""
         slots = sorted({self.slots[L.block] for L in self.layers})
         n_exp = sorted({L.n_expert for L in self.layers})
         pinned = sum(len(p) for p in self.pinned.values())
-        return (f"ram budget {self.budget / gib:.2f} GiB: {self.resident_bytes / gib:.2f} GiB resident "
-                f"({self.fixed_bytes / gib:.2f} GiB dense, attention, GDN, shared experts, embeddings and head; "
-                f"{self.slot_bytes / gib:.2f} GiB in {'/'.join(map(str, slots))} of {'/'.join(map(str, n_exp))} "
-                f"expert slots per layer, {pinned} pinned); "
-                f"{(self.expert_bytes - self.slot_bytes) / gib:.2f} GiB of routed experts read from the file "
-                "when selected")
+        return (f"ram budget {_size(self.budget)}: {_size(self.resident_bytes)} resident ({_size(self.fixed_bytes)} "
+                f"dense, attention, GDN, shared experts, embeddings and head; {_size(self.slot_bytes)} in "
+                f"{'/'.join(map(str, slots))} of {'/'.join(map(str, n_exp))} expert slots per layer, {pinned} "
+                f"pinned); {_size(self.expert_bytes - self.slot_bytes)} of routed experts read from the file when "
+                "selected")
+
+
+def _size(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
 
 
 def plan_ram(budget: int, fixed_bytes: int, layers: Sequence[ExpertLayer], n_used: int,
@@ -91,9 +94,9 @@ def plan_ram(budget: int, fixed_bytes: int, layers: Sequence[ExpertLayer], n_use
     need = fixed_bytes + extra_bytes + n_used * per_slot
     if budget < need:
         raise RamBudgetError(
-            f"ram budget {budget} B ({budget / (1 << 30):.2f} GiB) is too small: the resident weights take "
+            f"ram budget {budget} B ({_size(budget)}) is too small: the resident weights take "
             f"{fixed_bytes} B, the expert readers' buffers {extra_bytes} B, and one token's {n_used} experts in each "
-            f"of {len(layers)} layers {n_used * per_slot} B; at least {need} B ({need / (1 << 30):.2f} GiB) is "
+            f"of {len(layers)} layers {n_used * per_slot} B; at least {need} B ({_size(need)}) is "
             "needed", needed=need)
     free = budget - fixed_bytes - extra_bytes
     full = {L.block: L.n_expert for L in layers}
