@@ -165,3 +165,16 @@ def test_a_read_that_hangs_ends_at_the_timeout(tmp_path, model):
     assert isinstance(err, ExpertReadError) and "did not finish within 0.3 s" in str(err)
     assert took < 3
     assert isinstance(again, ExpertReadError) and "stopped" in str(again)
+
+
+def test_options_that_do_not_go_with_a_budget_are_refused(model):
+    from hybridinfer.errors import ParameterError
+
+    path, full = model
+    fixed, experts = _sizes(full)
+    with pytest.raises(ParameterError, match="weights='mmap'"):
+        _load(path, fixed + experts // 2, weights="mmap")
+    with pytest.raises(ParameterError, match="expert_io"):
+        _load(path, fixed + experts // 2, expert_io="mmap")
+    with pytest.raises(ParameterError, match="only apply with ram_budget"):
+        Engine.load(path, backend="cpu", n_ctx=CTX, expert_io="direct")

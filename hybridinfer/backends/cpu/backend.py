@@ -21,7 +21,7 @@ from functools import partial
 
 import numpy as np
 
-from ...errors import BackendNotAvailableError, ParameterError, UnsupportedTensorTypeError
+from ...errors import BackendNotAvailableError, UnsupportedTensorTypeError
 from ...format.gguf_model import GGUFModel
 from ...format.quant import dequantize_rows, type_name
 from ...format.quant_types import cache_type
@@ -135,7 +135,6 @@ class Workspace:
                            for L in model.layers if "ffn_gate_exps" in L)
                 self.moe_scratch = np.zeros(need, np.uint8)
 
-
     def op_attention(self, a, simd, T: int, n_ctx: int, rows: bool) -> None:
         hd = a.head_dim
         self.q, self.gate = _zeros(T, a.n_head, hd), _zeros(T, a.n_head * hd)
@@ -168,8 +167,7 @@ class CPUModel(MTPParts, Backend):
         """weights: where the matrices are read from (cpu/weights.py): "mmap" (the file's mapping), "copy"
         (one huge-page copy made now) or "auto" (copy if they take at most half the available memory; the mapping
         when per-node copies are made, which are where decode reads). numa: None, or a hybridinfer.backends.numa.Plan
-        whose
-        mode "replicate" has one copy of the matrices made on each of its nodes and the pool's threads placed on
+        whose mode "replicate" has one copy of the matrices made on each of its nodes and the pool's threads placed on
         them (cpu/replicas.py; `self.replicas` says what was done); other modes are process-wide, numa.apply's.
         progress: a bar on stderr while the copy is made. experts: None, or an expert_setup.ExpertOptions (a RAM
         budget: the resident part copied, the routed experts it cannot hold read from the file when selected;
@@ -197,13 +195,10 @@ class CPUModel(MTPParts, Backend):
         owners = [(held, "out")] + [(L.tensors, k) for L in blocks for k, v in L.tensors.items() if isinstance(v, Mat)]
         replicate = numa is not None and numa.mode == "replicate"
         self.ram_plan, self.experts = None, None
-        if experts is not None:
+        if experts is not None:  # a RAM budget: the resident part copied, the other experts read when selected
             from .expert_setup import attach
 
-            if replicate or weights == "mmap":
-                raise ParameterError("ram_budget keeps its resident weights in one copy: it does not go with "
-                                     f"weights='mmap' or numa replicate (got weights={weights!r})")
-            self.ram_plan, self.experts, owners = attach(self, gm, blocks, experts, owners)
+            self.ram_plan, self.experts, owners = attach(self, gm, blocks, experts, owners, weights, replicate)
             weights = "copy"
         nbytes = sum(o[k].raw.nbytes for o, k in owners)
         self.weights = choose_weights_mode("mmap" if replicate and weights == "auto" else weights, nbytes,
@@ -420,13 +415,9 @@ class CPUModel(MTPParts, Backend):
 
         return forward_rows(self, chunks, undo)
 
-    def expert_cache(self, gate: Mat):
-        """The expert cache of the layer whose stacked gate tensor is `gate` (None: its experts are resident)."""
-        return None if self.experts is None else self.experts.caches.get(id(gate))
-
     def close(self) -> None:
-        """Work buffers, recorded steps, weight copies, the expert readers and the C thread pool go now (the mapped
-        file goes with the last view of it)."""
+        """Work buffers, recorded steps, weight copies, expert readers and the C thread pool go now (the mapped file
+        goes with the last view of it)."""
         if self.experts is not None:
             self.experts.close()
         self._ws.clear()

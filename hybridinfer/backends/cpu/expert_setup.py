@@ -84,10 +84,14 @@ def plan_model(model, blocks, opts: ExpertOptions) -> tuple[RamPlan, list]:
     return plan, eb
 
 
-def attach(model, gm, blocks, opts: ExpertOptions, owners: list) -> tuple[RamPlan, ExpertStore | None, list]:
+def attach(model, gm, blocks, opts: ExpertOptions, owners: list, weights: str = "auto",
+           replicate: bool = False) -> tuple[RamPlan, ExpertStore | None, list]:
     """Plan the budget; when experts are read from the file, make the store (pinned experts read now) and return
     the owners the weight copy should still take (every Mat but the disk-backed experts). The token embedding is
     copied into RAM too (a budget holds it; the file's pages are not relied on)."""
+    if replicate or weights == "mmap":
+        raise ParameterError("ram_budget keeps its resident weights in one copy: it does not go with weights='mmap' "
+                             f"or numa replicate (got weights={weights!r}, replicate={replicate})")
     plan, eb = plan_model(model, blocks, opts)
     if not plan.on_disk:
         return plan, None, owners

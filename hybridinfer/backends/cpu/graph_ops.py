@@ -189,7 +189,7 @@ class CPUOps:
         router = m.mm(R, x, ws.router, ws)
         idx, w = ws.route_idx[:T], ws.route_w[:T]
         self._call(("route", i), "moe_route", router, k, idx, w)
-        cache = m.expert_cache(E3[0])
+        cache = None if m.experts is None else m.experts.caches.get(id(E3[0]))  # None: resident experts
         if cache is not None:
             m._op(ws, cache.begin, idx)
             E3 = cache.mats
