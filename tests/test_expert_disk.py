@@ -176,5 +176,7 @@ def test_options_that_do_not_go_with_a_budget_are_refused(model):
         _load(path, fixed + experts // 2, weights="mmap")
     with pytest.raises(ParameterError, match="expert_io"):
         _load(path, fixed + experts // 2, expert_io="mmap")
+    with pytest.raises(ParameterError, match="option of the cpu backend"):
+        Engine.load(path, backend="gpu", n_ctx=CTX, ram_budget=fixed + experts // 2)
     with pytest.raises(ParameterError, match="only apply with ram_budget"):
         Engine.load(path, backend="cpu", n_ctx=CTX, expert_io="direct")

@@ -280,7 +280,7 @@ def _add_model(p: argparse.ArgumentParser, required: bool = False) -> None:
     p.add_argument("--ram-budget", type=parse_size, default=None,
                    help="host memory the CPU backend's weights may take, e.g. 64GiB: every tensor but the routed "
                         "experts stays resident with the most used experts, the others are read from the GGUF when "
-                        "routing selects them, into a usage-counted cache (default: the whole model in RAM)")
+                        "routing selects them, into a usage-counted cache; without it the whole model is in RAM")
     p.add_argument("--expert-io", default="pread", choices=["pread", "direct"],
                    help="how --ram-budget reads experts: pread through the page cache, or direct (O_DIRECT, "
                         "bypassing it) (default pread)")

@@ -10,7 +10,7 @@ import numpy as np
 
 from ...errors import ParameterError
 from .expert_plan import ExpertLayer, RamPlan, plan_ram
-from .expert_store import ExpertCache, ExpertReader, ExpertStore, Part
+from .expert_store import IO_MODES, ExpertCache, ExpertReader, ExpertStore, Part
 from .weights import huge_page_buffer
 
 EXPS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
@@ -42,6 +42,8 @@ class ExpertOptions:
         o = cls(**got)
         if isinstance(o.ram_budget, bool) or not isinstance(o.ram_budget, int) or o.ram_budget <= 0:
             raise ParameterError(f"ram_budget must be a positive number of bytes, got {o.ram_budget!r}")
+        if o.expert_io not in IO_MODES:
+            raise ParameterError(f"expert_io must be one of {', '.join(IO_MODES)}, got {o.expert_io!r}")
         if int(o.readers) < 1:
             raise ParameterError(f"readers must be at least 1, got {o.readers!r}")
         if int(o.prefetch_layers) < 0:

@@ -202,12 +202,17 @@ class ExpertCache:
         return self.n_slots - self.first
 
     def _load(self, slot: int, e: int) -> None:
+        """Read expert e into `slot` (the file checked first: nothing changes when it fails)."""
+        try:
+            self.store.reader.check(self._where(e))
+        except ExpertReadError as err:
+            self.store.broken = err
+            raise
         old = int(self.occupant[slot])
         if old >= 0:
             self.lut[old] = -1
             self._from_prefetch.discard(old)
         self.occupant[slot], self.lut[e] = e, slot
-        self.store.reader.check(self._where(e))
         futs = []
         for p, b, q in zip(self.parts, self.bufs, self.qtypes, strict=True):
             after = None if q == p.qtype else (lambda v, q0=p.qtype: self.store.simd.repack(v, q0))
