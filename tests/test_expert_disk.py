@@ -180,3 +180,41 @@ def test_options_that_do_not_go_with_a_budget_are_refused(model):
         Engine.load(path, backend="gpu", n_ctx=CTX, ram_budget=fixed + experts // 2)
     with pytest.raises(ParameterError, match="only apply with ram_budget"):
         Engine.load(path, backend="cpu", n_ctx=CTX, expert_io="direct")
+
+
+def test_usage_counts_pin_the_most_used_experts_of_a_later_load(model):
+    from hybridinfer.backends.cpu.expert_plan import rank_experts
+
+    path, full = model
+    fixed, experts = _sizes(full)
+    budget = fixed + 10 * (experts // 16)  # 10 slots a layer: 5 refillable, 5 pinned
+    eng = _load(path, budget)
+    try:
+        be = eng.backend
+        be.forward(list(range(5, 30)), be.new_state(CTX))
+        counts = be.experts.usage_counts()
+        for c in be.experts.order:  # every token's k experts counted in every layer
+            assert sum(n for (b, _), n in counts.items() if b == c.block) == 25 * SHAPE["n_expert_used"]
+    finally:
+        eng.close()
+    again = _load(path, budget, expert_counts=counts)
+    try:
+        plan = again.backend.ram_plan
+        for b, pins in plan.pinned.items():
+            assert len(pins) == 5 and set(pins) == set(rank_experts(counts, b, 16)[:5])
+            cache = next(c for c in again.backend.experts.order if c.block == b)
+            assert [int(cache.occupant[s]) for s in range(5)] == list(pins)
+    finally:
+        again.close()
+
+
+def test_cli_load_log_says_what_stays_and_what_is_read(model, capsys):
+    from hybridinfer.cli import main
+
+    path, full = model
+    fixed, experts = _sizes(full)
+    rc = main(["run", "-m", path, "--backend", "cpu", "--raw", "-p", "hi", "-n", "2", "--spec-type", "none",
+               "--ram-budget", str(fixed + experts // 3), "--expert-io", "direct"])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    assert "resident" in err and "read from the file when selected" in err and "expert slots per layer" in err

@@ -207,6 +207,8 @@ class CPUModel(MTPParts, Backend):
         self.weights_bytes = (copy_mats(owners, simd.repack, progress) if self.weights == "copy"
                               else 0)  # memory held
         self.out = held["out"]
+        if self.experts is not None:  # the file's pages the load touched leave this process's memory
+            self.experts.unmap(gm)
         self.mats = [self.out] + [m for L in blocks for m in L.mats()]  # the MTP block's too (eh_proj: 2 n_embd in)
         self.replicas = None
         if replicate:

@@ -185,6 +185,7 @@ class ExpertCache:
         self.occupant = np.full(self.n_slots, -1, np.int64)
         self.lut = np.full(self.n_expert, -1, np.int32)
         self.counts = np.zeros(self.n_expert, np.int64)  # routed uses, halved every DECAY_EVERY
+        self.total = np.zeros(self.n_expert, np.int64)  # routed uses since load
         self.last_use = np.zeros(self.n_slots, np.int64)
         self.pending: dict[int, list] = {}  # slot -> futures of its reads
         self.slot_ids = np.zeros(self.k, np.int32)  # one token's slots (the decode calls are bound to it)
@@ -274,6 +275,7 @@ class ExpertCache:
     def count(self, idx: np.ndarray) -> tuple:
         """Count a step's routing (T, k); its distinct experts."""
         np.add.at(self.counts, idx.reshape(-1), 1)
+        np.add.at(self.total, idx.reshape(-1), 1)
         n = halvings(self.uses, self.uses + idx.size, DECAY_EVERY)
         self.uses += idx.size
         if n:
@@ -356,6 +358,22 @@ class ExpertStore:
                              min(c.capacity for c in self.order))
         for i, e in plan:
             self.order[i].prefetch(e)
+
+    def unmap(self, gm) -> None:
+        """Drop the pages of gm's file mapping from this process (madvise DONTNEED) once the resident part is copied:
+        under a budget nothing reads the mapping after load, and its touched pages would count as this process's
+        memory until the kernel reclaimed them."""
+        mm = getattr(getattr(gm, "_mm", None), "_mmap", None)
+        if mm is not None and hasattr(mmap, "MADV_DONTNEED"):
+            try:
+                mm.madvise(mmap.MADV_DONTNEED)
+            except (OSError, ValueError):
+                pass
+
+    def usage_counts(self) -> dict[tuple[int, int], int]:
+        """Tokens routed to each (block, expert) since load, the GPU placement's `expert_counts` kind: pass them as
+        `expert_counts` to a later load to pin the most used."""
+        return {(c.block, int(e)): int(n) for c in self.caches.values() for e, n in enumerate(c.total) if n}
 
     def stats(self) -> dict:
         cs = list(self.caches.values())

@@ -6,6 +6,8 @@ bytes come from the disk; or O_DIRECT), a greedy decode is timed after the file'
 hit rate. The disk's read bandwidth is probed on the file itself (sequential 8 MiB reads, and random reads of one
 expert's range from several threads as decode issues them), so floor = bytes per token / random-read bandwidth
 is the least time a token can take from this disk, and the fraction reached is that over the time taken.
+The peak resident memory of the process (interpreter, work buffers and states included) is reported for the timed
+steps, and separately for the load (which reads the resident part through the file's mapping before copying it).
 llama.cpp's llama-bench runs on the same file under the same memory limit (a cgroup v2 memory.max, or
 systemd-run's MemoryMax), where one can be set; the table says how it was limited.
 """
@@ -160,9 +162,12 @@ def measure(path: str, budget: int, io: str, threads: int, n_tokens: int, contex
     from ...engine.api import Engine
     from .decode import greedy_steps
 
+    _reset_peak()
     eng = Engine.load(path, backend="cpu", n_threads=threads, n_ctx=context + n_tokens + 32, spec_type="none",
                       ram_budget=budget, expert_io=io, drop_cache=drop and io == "pread")
     try:
+        load_peak = _peak_rss()
+        _reset_peak()
         be = eng.backend
         plan, store = be.ram_plan, be.experts
         rng = np.random.default_rng(seed)
@@ -177,7 +182,7 @@ def measure(path: str, budget: int, io: str, threads: int, n_tokens: int, contex
         s1 = store.stats() if store else None
         row = {"budget": budget, "io": io, "tok_s": n_tokens / secs, "resident_bytes": plan.resident_bytes,
                "on_disk": plan.on_disk, "summary": plan.summary(),
-               "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+               "peak_rss_bytes": _peak_rss(), "load_peak_rss_bytes": load_peak}
         if s0 is not None:
             hits, misses = s1["hits"] - s0["hits"], s1["misses"] - s0["misses"]
             row.update(bytes_per_token=(s1["bytes_read"] - s0["bytes_read"]) / n_tokens,
@@ -188,6 +193,27 @@ def measure(path: str, budget: int, io: str, threads: int, n_tokens: int, contex
         return row
     finally:
         eng.close()
+
+
+def _reset_peak() -> None:
+    """Start this process's peak resident memory (VmHWM) afresh, where Linux lets us (/proc/self/clear_refs)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def _peak_rss() -> int:
+    """This process's peak resident memory in bytes (VmHWM since _reset_peak; ru_maxrss elsewhere)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def run(path: str, budgets: list[int], threads: int, n_tokens: int = 32, context: int = 16,
@@ -238,17 +264,18 @@ def markdown(res: dict) -> str:
     lines = [f"disk: {d['seq_bytes_s'] / mb:.0f} MB/s sequential, {d['rand_bytes_s'] / mb:.0f} MB/s random "
              f"({d['rand_read_bytes'] >> 10} KiB reads, {d['threads']} threads, "
              f"{'O_DIRECT' if d['direct'] else 'page cache dropped'})", "",
-             "| budget | read | tok/s | MB read/token | floor ms/token | of floor | hit rate | resident | note |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| budget | read | tok/s | MB read/token | floor ms/token | of floor | hit rate | resident "
+             "| run peak RSS | note |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         b = _size(r["budget"])
         if "bytes_per_token" not in r:  # a refused read mode, or llama-bench
             tok = f"{r['tok_s']:.2f}" if r.get("tok_s") else "-"
             note = "; ".join(x for x in (r.get("limit"), r.get("error")) if x)
-            lines.append(f"| {b} | {r['io']} | {tok} | | | | | | {note} |")
+            lines.append(f"| {b} | {r['io']} | {tok} | | | | | | | {note} |")
             continue
         frac = f"{r['floor_frac']:.0%}" if r["floor_frac"] is not None else "-"
         lines.append(f"| {b} | {r['io']} | {r['tok_s']:.2f} | {r['bytes_per_token'] / mb:.1f} | "
                      f"{r['floor_s_per_token'] * 1e3:.1f} | {frac} | {r['hit_rate']:.0%} | "
-                     f"{_size(r['resident_bytes'])} | {'all resident' if not r['on_disk'] else ''} |")
+                     f"{_size(r['resident_bytes'])} | {_size(r['peak_rss_bytes'])} | "
+                     f"{'all resident' if not r['on_disk'] else ''} |")
     return "\n".join(lines)
