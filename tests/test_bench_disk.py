@@ -50,6 +50,7 @@ def test_bench_disk_rows(path, tmp_path):
     llama = [r for r in res["rows"] if r["io"].startswith("llama-bench")]
     assert [r["budget"] for r in llama] == [3 << 20, 64 << 20]
     assert all(r["tok_s"] == 12.5 and r["limit"] for r in llama)
+    assert llama[0]["limit_bytes"] == max(3 << 20, small["peak_rss_bytes"])
     calls = (tmp_path / "argv.log").read_text().splitlines()
     assert len(calls) == 2 and all(f"-m {path}" in c and "-n 3" in c for c in calls)
     table = disk.markdown(res)

@@ -24,7 +24,7 @@ class ExpertOptions:
     ram_budget: int
     expert_io: str = "pread"  # or "direct" (O_DIRECT)
     read_timeout: float = 30.0  # seconds one step waits for its reads
-    readers: int = 4  # reader threads
+    readers: int = 8  # reader threads (mostly blocked in pread: an NVMe wants several reads queued)
     prefetch_layers: int = 1  # layers read ahead from the previous step's routing
     drop_cache: bool = False  # each range read is dropped from the page cache (benchmarks)
     expert_counts: dict | None = None  # (block, expert) -> uses, as the GPU placement's: pins the most used

@@ -8,8 +8,9 @@ expert's range from several threads as decode issues them), so floor = bytes per
 is the least time a token can take from this disk, and the fraction reached is that over the time taken.
 The peak resident memory of the process (interpreter, work buffers and states included) is reported for the timed
 steps, and separately for the load (which reads the resident part through the file's mapping before copying it).
-llama.cpp's llama-bench runs on the same file under the same memory limit (a cgroup v2 memory.max, or
-systemd-run's MemoryMax), where one can be set; the table says how it was limited.
+llama.cpp's llama-bench runs on the same file under the same memory limit: the peak this engine's process took at
+that budget (a cgroup v2 memory.max, or systemd-run's MemoryMax, where one can be set; the table says how it was
+limited), its page cache counted against it.
 """
 
 from __future__ import annotations
@@ -226,6 +227,7 @@ def run(path: str, budgets: list[int], threads: int, n_tokens: int = 32, context
     probe = probe_disk(path, rand_bytes=expert_range(path), threads=4) if probe is None else probe
     rows = []
     for b in budgets:
+        mine = []
         for io in io_modes:
             try:
                 r = measure(path, b, io, threads, n_tokens, context, drop)
@@ -236,9 +238,11 @@ def run(path: str, budgets: list[int], threads: int, n_tokens: int = 32, context
             r["floor_s_per_token"] = bpt / probe["rand_bytes_s"] if bpt else 0.0
             r["floor_frac"] = r["floor_s_per_token"] * r["tok_s"] if bpt else None
             rows.append(r)
-        if llama_bench:
-            rows.append({"budget": b, "io": "llama-bench (mmap)", **llama_bench_limited(llama_bench, path, threads,
-                                                                                       n_tokens, b)})
+            mine.append(r["peak_rss_bytes"])
+        if llama_bench:  # the memory this engine's process took at this budget (its interpreter and buffers too)
+            limit = max([b, *mine])
+            rows.append({"budget": b, "io": "llama-bench (mmap)", "limit_bytes": limit,
+                         **llama_bench_limited(llama_bench, path, threads, n_tokens, limit)})
     return {"model": path, "threads": threads, "n_tokens": n_tokens, "context": context, "disk": probe, "rows": rows}
 
 
