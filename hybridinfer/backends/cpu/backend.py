@@ -169,9 +169,8 @@ class CPUModel(MTPParts, Backend):
         when per-node copies are made, which are where decode reads). numa: None, or a hybridinfer.backends.numa.Plan
         whose mode "replicate" has one copy of the matrices made on each of its nodes and the pool's threads placed on
         them (cpu/replicas.py; `self.replicas` says what was done); other modes are process-wide, numa.apply's.
-        progress: a bar on stderr while the copy is made. experts: None, or an expert_setup.ExpertOptions (a RAM
-        budget: the resident part copied, the routed experts it cannot hold read from the file when selected;
-        `ram_plan` says what stays, `experts` is the store)."""
+        progress: a bar on stderr while the copy is made. experts: None, or a RAM budget's expert_setup.ExpertOptions
+        (`ram_plan` says what stays resident, `experts` is the store of the experts read from the file)."""
         self.gm, self.args, self.simd = gm, args, simd
         a = args
         if getattr(a, "is_moe", False) and a.n_expert_used > MAX_EXPERTS_USED:
@@ -196,7 +195,7 @@ class CPUModel(MTPParts, Backend):
         replicate = numa is not None and numa.mode == "replicate"
         self.ram_plan, self.experts = None, None
         if experts is not None:  # a RAM budget: the resident part copied, the other experts read when selected
-            from .expert_setup import attach
+            from .expert_setup import attach, unmap
 
             self.ram_plan, self.experts, owners = attach(self, gm, blocks, experts, owners, weights, replicate)
             weights = "copy"
@@ -207,8 +206,8 @@ class CPUModel(MTPParts, Backend):
         self.weights_bytes = (copy_mats(owners, simd.repack, progress) if self.weights == "copy"
                               else 0)  # memory held
         self.out = held["out"]
-        if self.experts is not None:  # the file's pages the load touched leave this process's memory
-            self.experts.unmap(gm)
+        if self.ram_plan is not None:  # the file's pages the load touched leave this process's memory
+            unmap(gm)
         self.mats = [self.out] + [m for L in blocks for m in L.mats()]  # the MTP block's too (eh_proj: 2 n_embd in)
         self.replicas = None
         if replicate:

@@ -10,7 +10,7 @@ import numpy as np
 
 from ...errors import ParameterError
 from .expert_plan import ExpertLayer, RamPlan, plan_ram
-from .expert_store import IO_MODES, ExpertCache, ExpertReader, ExpertStore, Part
+from .expert_store import IO_MODES, ExpertCache, ExpertReader, ExpertStore, Part, unmap  # noqa: F401 (CPUModel's)
 from .weights import huge_page_buffer
 
 EXPS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")

@@ -359,17 +359,6 @@ class ExpertStore:
         for i, e in plan:
             self.order[i].prefetch(e)
 
-    def unmap(self, gm) -> None:
-        """Drop the pages of gm's file mapping from this process (madvise DONTNEED) once the resident part is copied:
-        under a budget nothing reads the mapping after load, and its touched pages would count as this process's
-        memory until the kernel reclaimed them."""
-        mm = getattr(getattr(gm, "_mm", None), "_mmap", None)
-        if mm is not None and hasattr(mmap, "MADV_DONTNEED"):
-            try:
-                mm.madvise(mmap.MADV_DONTNEED)
-            except (OSError, ValueError):
-                pass
-
     def usage_counts(self) -> dict[tuple[int, int], int]:
         """Tokens routed to each (block, expert) since load, the GPU placement's `expert_counts` kind: pass them as
         `expert_counts` to a later load to pin the most used."""
@@ -386,3 +375,15 @@ class ExpertStore:
         self.reader.close()
         self.caches.clear()
         self.order.clear()
+
+
+def unmap(gm) -> None:
+    """Drop the pages of gm's file mapping from this process (madvise DONTNEED) once the resident part is copied:
+    under a budget nothing reads the mapping after load, and its touched pages would count as this process's memory
+    until the kernel reclaimed them."""
+    mm = getattr(getattr(gm, "_mm", None), "_mmap", None)
+    if mm is not None and hasattr(mmap, "MADV_DONTNEED"):
+        try:
+            mm.madvise(mmap.MADV_DONTNEED)
+        except (OSError, ValueError):
+            pass

@@ -15,6 +15,7 @@ limited), its page cache counted against it.
 
 from __future__ import annotations
 
+import gc
 import json
 import mmap
 import os
@@ -49,8 +50,8 @@ def _open(path: str) -> tuple[int, bool]:
         return os.open(path, os.O_RDONLY), False
 
 
-def probe_disk(path: str, seq_bytes: int = 1 << 30, rand_bytes: int = 1 << 20, rand_reads: int = 256,
-               threads: int = 4, seed: int = 0) -> dict:
+def probe_disk(path: str, seq_bytes: int = 1 << 30, rand_bytes: int = 1 << 20, rand_reads: int = 512,
+               threads: int = 8, seed: int = 0) -> dict:
     """Read bandwidth of the file's disk in bytes/s: sequential (SEQ_CHUNK reads over up to seq_bytes) and random
     (rand_reads reads of rand_bytes at aligned random offsets, on `threads` threads), past the page cache."""
     size = os.path.getsize(path)
@@ -194,6 +195,8 @@ def measure(path: str, budget: int, io: str, threads: int, n_tokens: int, contex
         return row
     finally:
         eng.close()
+        del eng
+        gc.collect()  # the next budget's peak starts without this one's buffers
 
 
 def _reset_peak() -> None:
@@ -224,7 +227,7 @@ def run(path: str, budgets: list[int], threads: int, n_tokens: int = 32, context
     disk's floor; llama-bench under each budget when given."""
     from ...errors import ParameterError
 
-    probe = probe_disk(path, rand_bytes=expert_range(path), threads=4) if probe is None else probe
+    probe = probe_disk(path, rand_bytes=expert_range(path)) if probe is None else probe  # as many threads as readers
     rows = []
     for b in budgets:
         mine = []
