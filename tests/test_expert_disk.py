@@ -75,8 +75,8 @@ def test_disk_experts_give_the_resident_logits_bit_for_bit(model, io, prefetch):
         st = be.experts.stats()
         assert st["misses"] > 0 and st["hits"] > 0 and st["bytes_read"] > 0
         assert (st["prefetched"] > 0) == (prefetch > 0)
-        # the 37-token prompt routes to more experts than a layer's slots: its rows ran in several runs
-        assert max(c.capacity for c in be.experts.order) < 16
+        # the 37-token prompt routes to more experts than a layer's slots: it ran in chunks of experts
+        assert st["chunked_steps"] >= len(be.experts.order)
     finally:
         eng.close()
 

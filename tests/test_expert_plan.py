@@ -1,5 +1,5 @@
 """The RAM-budget decisions as pure functions (backends/cpu/expert_plan.py): slots and pins under a budget, the
-refusal with the bytes needed, the cache's victims, the read-ahead plan, the runs of rows a cache holds at once and
+refusal with the bytes needed, the cache's victims, the read-ahead plan, a step's experts in chunks a cache holds and
 the O_DIRECT span."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ import pytest
 from hybridinfer.backends.cpu.expert_plan import (
     ExpertLayer,
     aligned_span,
+    expert_chunks,
     halvings,
     plan_ram,
     prefetch_plan,
     rank_experts,
-    token_groups,
     victims,
 )
 from hybridinfer.errors import ParameterError, RamBudgetError
@@ -88,16 +88,17 @@ def test_prefetch_plan_reads_the_next_layers_previous_experts_not_held():
     assert prefetch_plan(last, 0, 0, lambda j, e: False, limit=8) == []
 
 
-def test_token_groups_cut_rows_to_what_the_cache_holds():
-    idx = [[0, 1], [1, 2], [3, 4], [0, 4], [5, 6]]
-    assert token_groups(idx, 3, set()) == [(0, 2), (2, 4), (4, 5)]
-    assert token_groups(idx, 2, set()) == [(0, 1), (1, 2), (2, 3), (3, 4), (4, 5)]
-    assert token_groups(idx, 3, {0, 4}) == [(0, 4), (4, 5)]  # pinned experts take no slot
-    assert token_groups(idx, 16, set()) == [(0, 5)]
-    for cap in (2, 3, 4):
-        groups = token_groups(idx, cap, set())
-        assert [g[0] for g in groups[1:]] == [g[1] for g in groups[:-1]]
-        assert all(len({e for r in idx[a:b] for e in r}) <= cap for a, b in groups)
+def test_expert_chunks_read_each_expert_once():
+    assert expert_chunks([5, 1, 9, 3, 7], set(), 2) == [[5, 1], [9, 3], [7]]
+    assert expert_chunks([5, 1, 9, 3, 7], {9, 7}, 2) == [[5, 1, 9, 7], [3]]  # pinned need no slot: first chunk
+    assert expert_chunks([4, 2], {4, 2}, 3) == [[4, 2]]
+    assert expert_chunks([], set(), 3) == [[]]
+    assert expert_chunks([1, 2, 3], set(), 0) == [[1], [2], [3]]
+    for size in (1, 2, 3, 8):
+        ch = expert_chunks(list(range(10)), {3}, size)
+        flat = [e for c in ch for e in c]
+        assert sorted(flat) == list(range(10)) and len(flat) == 10  # each once
+        assert all(len([e for e in c if e != 3]) <= size for c in ch)
 
 
 def test_aligned_span_covers_the_range():

@@ -163,21 +163,15 @@ def prefetch_plan(last: Sequence[Sequence[int] | None], layer: int, depth: int, 
     return out
 
 
-def token_groups(idx, capacity: int, held) -> list[tuple[int, int]]:
-    """Rows of a routing (T, k) cut into consecutive runs [t0, t1) whose experts not in `held` (pinned) number at
-    most `capacity` (a layer's refillable slots; capacity >= k, so every row fits alone): each run's experts can
-    be in the cache at once."""
-    out, t0, need = [], 0, set()
-    for t, row in enumerate(idx):
-        new = {int(e) for e in row if int(e) not in held} - need
-        if len(need) + len(new) > capacity and t > t0:
-            out.append((t0, t))
-            t0, need = t, set()
-            new = {int(e) for e in row if int(e) not in held}
-        need |= new
-    if len(idx) > t0:
-        out.append((t0, len(idx)))
-    return out
+def expert_chunks(experts: Sequence[int], pinned, size: int) -> list[list[int]]:
+    """A step's experts (in the order they should run) cut into chunks of at most `size` that need a slot (a
+    layer's refillable slots, or half of them so that the next chunk reads while this one computes); the pinned
+    ones, which need none, go with the first chunk. Each selected expert is read at most once a step."""
+    size = max(1, int(size))
+    need = [int(e) for e in experts if int(e) not in pinned]
+    chunks = [need[i : i + size] for i in range(0, len(need), size)] or [[]]
+    chunks[0] = chunks[0] + [int(e) for e in experts if int(e) in pinned]
+    return chunks
 
 
 def aligned_span(offset: int, nbytes: int, align: int = DIRECT_ALIGN) -> tuple[int, int, int]:

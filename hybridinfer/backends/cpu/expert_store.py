@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...errors import ExpertReadError, ParameterError
-from .expert_plan import DIRECT_ALIGN, aligned_span, halvings, prefetch_plan, token_groups, victims
+from .expert_plan import DIRECT_ALIGN, aligned_span, expert_chunks, halvings, prefetch_plan, victims
 
 IO_MODES = ("pread", "direct")
 DECAY_EVERY = 4096  # routed uses of a layer between two halvings of its usage counts
@@ -190,8 +190,10 @@ class ExpertCache:
         self.pending: dict[int, list] = {}  # slot -> futures of its reads
         self.slot_ids = np.zeros(self.k, np.int32)  # one token's slots (the decode calls are bound to it)
         self.last: tuple | None = None  # the experts of this layer's latest step (what to read ahead next time)
+        self.plan: list[list[int]] = []  # this step's experts in chunks (begin, rows)
         self.uses = 0
         self.hits = self.misses = self.prefetched = self.prefetch_hits = 0
+        self.chunked = 0  # steps whose experts did not fit at once
         self._from_prefetch: set[int] = set()
         self.pinned = frozenset(int(e) for e in pinned)
         for s, e in enumerate(pinned):
@@ -224,12 +226,13 @@ class ExpertCache:
         spans = ", ".join(f"bytes {p.offset + e * p.per}..{p.offset + (e + 1) * p.per}" for p in self.parts)
         return f"expert {e} of block {self.block} ({spans})"
 
-    def fetch(self, experts) -> None:
-        """Give every expert of `experts` (at most `capacity` not pinned) a slot, reading the missing ones."""
+    def fetch(self, experts, keep=()) -> None:
+        """Give every expert of `experts` (at most `capacity` not pinned) a slot, reading the missing ones; the
+        slots in `keep` (a chunk still computing) are not given up."""
         self.store.check()
         want = [int(e) for e in experts]
         miss = [e for e in want if self.lut[e] < 0]
-        held = {int(self.lut[e]) for e in want if self.lut[e] >= 0}
+        held = {int(self.lut[e]) for e in want if self.lut[e] >= 0} | {int(s) for s in keep}
         for e in want:
             if self.lut[e] >= 0:
                 self.hits += 1
@@ -284,12 +287,16 @@ class ExpertCache:
 
     # the three steps the MoE op takes (CPUOps.moe_impl) -----------------------------------------------------
     def begin(self, idx: np.ndarray) -> None:
-        """The router's choice is known: count it, read this step's missing experts (the first run of rows that
-        fits the cache, for a step of several rows), and read ahead for the next layers."""
+        """The router's choice is known: count it, read this step's missing experts (for a step of several rows
+        whose experts do not fit at once, its first chunk's), and read ahead for the next layers."""
         experts = self.count(idx)
         self.last = experts
-        t0, t1 = token_groups(idx, self.capacity, self.pinned)[0]
-        self.fetch(np.unique(idx[t0:t1]))
+        if len([e for e in experts if e not in self.pinned]) <= self.capacity:
+            self.plan = [list(experts)]
+        else:  # the held ones first: they compute while the rest are read; then half the slots a chunk
+            order = sorted(experts, key=lambda e: self.lut[e] < 0)
+            self.plan = expert_chunks(order, self.pinned, max(1, self.capacity // 2))
+        self.fetch(self.plan[0])
         self.store.read_ahead(self)
 
     def one(self, idx_row: np.ndarray) -> None:
@@ -298,22 +305,31 @@ class ExpertCache:
         np.take(self.lut, idx_row, out=self.slot_ids)
 
     def rows(self, simd, n_ff: int, n_embd: int, xq, idx, eg, eu, hq, ys, scratch, op) -> None:
-        """moe_rows over the cache: the rows cut into runs whose experts fit it at once, each run's experts read
-        and waited for, then its pairs computed (each in its one-token float shape: the same bits as one call)."""
+        """moe_rows over the cache (the plan begin() made): one call when the step's experts fit at once, else one
+        call per chunk of experts over the (token, expert) pairs routed to it, the next chunk read meanwhile. Every
+        pair is computed in its one-token float shape, so the bits are those of one call over the file's tensors."""
         k = idx.shape[1]
         G, U, D = self.mats
-        groups = token_groups(idx, self.capacity, self.pinned)
-        if len(groups) > 1 and np.may_share_memory(xq, hq):  # a run's products would overwrite the next's inputs
-            xq = np.array(xq)
-        for t0, t1 in groups:
-            sub = idx[t0:t1]
-            ex = np.unique(sub)
-            self.fetch(ex)
-            self.ready(ex)
-            sid = np.ascontiguousarray(self.lut[sub], dtype=np.int32)
-            p0, p1 = t0 * k, t1 * k
-            simd.moe_rows((G.raw, G.qtype), (U.raw, U.qtype), (D.raw, D.qtype), n_ff, n_embd, xq[t0:t1], sid,
-                          eg[p0:p1], eu[p0:p1], hq[p0:p1], ys[p0:p1], scratch, op)
+        W = ((G.raw, G.qtype), (U.raw, U.qtype), (D.raw, D.qtype))
+        plan = self.plan
+        if len(plan) == 1:
+            self.ready(plan[0])
+            sid = np.ascontiguousarray(self.lut[idx], dtype=np.int32)
+            simd.moe_rows(*W, n_ff, n_embd, xq, sid, eg, eu, hq, ys, scratch, op)
+            return
+        self.chunked += 1
+        flat = idx.reshape(-1)
+        xq = np.array(xq)  # gathered per chunk below; the products overwrite the shared input buffer
+        for c, chunk in enumerate(plan):
+            self.ready(chunk)
+            if c + 1 < len(plan):
+                self.fetch(plan[c + 1], keep=self.lut[chunk])
+            pairs = np.flatnonzero(np.isin(flat, chunk))
+            n = pairs.size
+            sid = np.ascontiguousarray(self.lut[flat[pairs]].reshape(n, 1), dtype=np.int32)
+            out = np.empty((n, ys.shape[1]), np.float32)
+            simd.moe_rows(*W, n_ff, n_embd, xq[pairs // k], sid, eg[:n], eu[:n], hq[:n], out, scratch, op)
+            ys[pairs] = out
 
     def prefetch(self, e: int) -> bool:
         """Read expert e ahead into the slot the policy would give up, if its occupant was used less; whether it
@@ -369,6 +385,7 @@ class ExpertStore:
         hits, misses = sum(c.hits for c in cs), sum(c.misses for c in cs)
         return {"hits": hits, "misses": misses, "hit_rate": hits / max(1, hits + misses),
                 "prefetched": sum(c.prefetched for c in cs), "prefetch_hits": sum(c.prefetch_hits for c in cs),
+                "chunked_steps": sum(c.chunked for c in cs),
                 "bytes_read": self.reader.bytes_read, "reads": self.reader.reads, "wait_s": self.wait_s}
 
     def close(self) -> None:
