@@ -34,7 +34,9 @@ def _sizes(eng) -> tuple[int, int]:
     """(bytes other than the routed experts, bytes of all routed experts) of the loaded model"""
     from hybridinfer.backends.cpu.expert_setup import ExpertOptions, plan_model
 
-    plan, _ = plan_model(eng.backend, eng.backend.layers, ExpertOptions(ram_budget=1 << 50))
+    be = eng.backend
+    blocks = be.layers + ([be.mtp_layer] if be.mtp_layer is not None else [])
+    plan, _ = plan_model(be, blocks, ExpertOptions(ram_budget=1 << 50))
     return plan.fixed_bytes, plan.expert_bytes
 
 
@@ -218,3 +220,37 @@ def test_cli_load_log_says_what_stays_and_what_is_read(model, capsys):
     err = capsys.readouterr().err
     assert rc == 0, err
     assert "resident" in err and "read from the file when selected" in err and "expert slots per layer" in err
+
+
+def test_verify_rows_and_the_mtp_block_read_from_the_cache(tmp_path):
+    """Speculative verify rows (one sequence: the bound verify step; several: the prompt path) give the resident
+    bits, and the MTP block's experts get a cache of their own that its drafts read through."""
+    path = str(tmp_path / "mtp.gguf")
+    synth_model(path, "qwen35moe", SHAPE, "q4_k_m", seed=5, mtp=True)
+    full = Engine.load(path, backend="cpu", n_ctx=CTX)
+    try:
+        fixed, experts = _sizes(full)  # five MoE blocks: the trunk's four and the MTP block
+        eng = Engine.load(path, backend="cpu", n_ctx=CTX, ram_budget=fixed + experts // 3)
+        try:
+            be, ref = eng.backend, full.backend
+            assert len(be.experts.caches) == SHAPE["n_layer"] + 1 and len(be.experts.order) == SHAPE["n_layer"]
+
+            def run(m):
+                sts = [m.new_state(CTX) for _ in range(3)]
+                for j, st in enumerate(sts):
+                    m.forward(list(range(20 + j, 30 + j)), st)
+                one = m.forward_rows([([4, 5, 6], sts[0])])
+                return [x.copy() for x in one] + [x.copy() for x in m.forward_rows([([7, 8], sts[1]),
+                                                                                     ([9, 10, 11], sts[2])])]
+
+            a, b = run(ref), run(be)
+            assert len(a) == 3 and all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+            req = [{"prompt": [5, 6, 7, 5, 6, 7, 5, 6], "max_tokens": 6, "temperature": 0}]
+            want, got = full.generate_batch(req), eng.generate_batch(req)  # the MTP drafter: the file has the block
+            assert got[0].tokens == want[0].tokens
+            mtp = next(c for c in be.experts.caches.values() if c.block == SHAPE["n_layer"])
+            assert mtp.uses > 0  # the drafter ran the block, its experts through its cache
+        finally:
+            eng.close()
+    finally:
+        full.close()
