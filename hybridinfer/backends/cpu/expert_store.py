@@ -196,6 +196,7 @@ class ExpertCache:
         self.chunked = 0  # steps whose experts did not fit at once
         self._from_prefetch: set[int] = set()
         self.pinned = frozenset(int(e) for e in pinned)
+        self._check(pinned[:1])
         for s, e in enumerate(pinned):
             self._load(s, int(e))
 
@@ -204,13 +205,16 @@ class ExpertCache:
         """refillable slots"""
         return self.n_slots - self.first
 
-    def _load(self, slot: int, e: int) -> None:
-        """Read expert e into `slot` (the file checked first: nothing changes when it fails)."""
+    def _check(self, experts) -> None:
+        """The file is still the one loaded, before reading `experts` (the store goes out of use if not)."""
         try:
-            self.store.reader.check(self._where(e))
+            self.store.reader.check("; ".join(self._where(e) for e in experts))
         except ExpertReadError as err:
             self.store.broken = err
             raise
+
+    def _load(self, slot: int, e: int) -> None:
+        """Read expert e into `slot` (the caller checked the file: _check)."""
         old = int(self.occupant[slot])
         if old >= 0:
             self.lut[old] = -1
@@ -246,6 +250,7 @@ class ExpertCache:
                 self.ready_slots(busy - held)  # read-ahead still filling the slots this step needs
                 busy = set()
             slots = victims(self.occupant, self.counts, self.last_use, held | busy, len(miss), self.first)
+            self._check(miss)
             for s, e in zip(slots, miss, strict=True):
                 self._load(s, e)
         self.store.clock += 1
@@ -342,6 +347,7 @@ class ExpertCache:
         old = int(self.occupant[s])
         if old >= 0 and self.counts[old] > self.counts[e]:
             return False
+        self._check([e])
         self._load(s, e)
         self.prefetched += 1
         self._from_prefetch.add(e)
