@@ -254,3 +254,28 @@ def test_verify_rows_and_the_mtp_block_read_from_the_cache(tmp_path):
             eng.close()
     finally:
         full.close()
+
+
+def test_plan_file_agrees_with_the_loaded_model(model, capsys):
+    from hybridinfer.backends.cpu.expert_setup import plan_file, uniform_read_bytes
+    from hybridinfer.cli import main
+    from hybridinfer.format.gguf_model import GGUFModel
+
+    path, full = model
+    fixed, experts = _sizes(full)
+    budget = fixed + experts // 3
+    gm = GGUFModel(path)
+    rp = plan_file(gm, SHAPE["n_expert_used"], budget)
+    eng = _load(path, budget)
+    try:
+        loaded = eng.backend.ram_plan
+        assert rp.expert_bytes == loaded.expert_bytes
+        assert abs(rp.fixed_bytes - loaded.fixed_bytes) <= 64 * len(gm.tensors)  # alignment padding only
+        assert sum(rp.slots.values()) in range(sum(loaded.slots.values()) - 4, sum(loaded.slots.values()) + 5)
+    finally:
+        eng.close()
+    per_token = uniform_read_bytes(rp, SHAPE["n_expert_used"])
+    assert 0 < per_token < SHAPE["n_expert_used"] * experts / 16
+    assert main(["plan", "-m", path, "--card", "k40", "--host-bw", "100", "--ram-budget", str(budget)]) == 0
+    out = capsys.readouterr().out
+    assert "cpu ram:" in out and "read per decode token" in out

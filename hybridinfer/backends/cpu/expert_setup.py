@@ -118,3 +118,23 @@ def attach(model, gm, blocks, opts: ExpertOptions, owners: list, weights: str = 
         store.close()
         raise
     return plan, store, [(o, k) for o, k in owners if id(o[k]) not in exps]
+
+
+def plan_file(gm, n_used: int, ram_budget: int, counts=None) -> RamPlan:
+    """The RAM plan of a GGUF (or a ShapeModel: its tensor table alone, no weights read) under `ram_budget`, from the
+    stored sizes (a loaded model's differs by its alignment padding): what `hybridinfer plan --ram-budget` shows."""
+    fixed, parts = 0, {}
+    for name, t in gm.tensors.items():
+        short = name.split(".")[2] if name.startswith("blk.") else ""
+        if short in EXPS and len(t.ne) == 3 and int(t.ne[2]) > 1:
+            parts.setdefault(int(name.split(".")[1]), []).append((int(t.ne[2]), int(t.nbytes)))
+        else:
+            fixed += -(-int(t.nbytes) // _ALIGN) * _ALIGN
+    layers = [ExpertLayer(i, ps[0][0], sum(nb // n for n, nb in ps)) for i, ps in sorted(parts.items())]
+    return plan_ram(ram_budget, fixed, layers, n_used, counts)
+
+
+def uniform_read_bytes(plan: RamPlan, n_used: int) -> float:
+    """Expected bytes read per decode token when routing is uniform: each layer's k experts miss the slots with
+    probability 1 - slots / E (a trained router is skewed, so this is the worst case a cache sees)."""
+    return sum(n_used * L.expert_bytes * (1 - plan.slots[L.block] / L.n_expert) for L in plan.layers)
