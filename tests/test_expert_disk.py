@@ -152,6 +152,12 @@ def test_replaced_file_gives_a_typed_error(tmp_path, model):
     assert isinstance(err, ExpertReadError) and "replaced" in str(err) and path in str(err)
 
 
+def test_moved_file_gives_a_typed_error(tmp_path, model):
+    err, _, _, path = _broken_run(tmp_path, model, lambda p, be: os.rename(p, p + ".moved"))
+    assert isinstance(err, ExpertReadError) and "moved or deleted" in str(err) and path in str(err)
+    assert "bytes " in str(err)
+
+
 def test_a_read_that_hangs_ends_at_the_timeout(tmp_path, model):
     def hang(p, be):
         reader = be.experts.reader
