@@ -212,6 +212,7 @@ def test_usage_counts_pin_the_most_used_experts_of_a_later_load(model):
             assert len(pins) == 5 and set(pins) == set(rank_experts(counts, b, 16)[:5])
             cache = next(c for c in again.backend.experts.order if c.block == b)
             assert [int(cache.occupant[s]) for s in range(5)] == list(pins)
+            assert (cache.occupant >= 0).all() and not cache.pending  # every slot read at load
     finally:
         again.close()
 

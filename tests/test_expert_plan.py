@@ -38,6 +38,9 @@ def test_plan_pins_the_most_used_and_keeps_k_refillable():
     assert p.pinned[0] == (2, 5, 7)
     assert p.pinned[1] == (0, 1, 2)
     assert rank_experts(counts, 0, 8)[:3] == [5, 2, 7]
+    # the refillable slots start with the next ranked: the cache is full from the first token
+    assert p.preload[0] == (0, 1, 3) and not set(p.preload[0]) & set(p.pinned[0])
+    assert all(len(p.pinned[b]) + len(p.preload[b]) == p.slots[b] for b in p.slots)
     p = plan_ram(200 + 2 * 350, 200, LAYERS, n_used=2, counts=counts)
     assert p.pinned[0] == () and p.slots[0] == 2  # exactly k slots: nothing pinned
 
@@ -45,7 +48,7 @@ def test_plan_pins_the_most_used_and_keeps_k_refillable():
 def test_plan_holds_everything_when_it_fits():
     p = plan_ram(10**6, 200, LAYERS, n_used=2)
     assert not p.on_disk
-    assert p.pinned[2] == tuple(range(8)) and p.slots[2] == 8
+    assert p.pinned[2] == tuple(range(8)) and p.slots[2] == 8 and p.preload[2] == ()
 
 
 def test_plan_refuses_a_budget_below_the_resident_part_with_the_number():

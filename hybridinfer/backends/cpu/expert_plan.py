@@ -32,7 +32,8 @@ class ExpertLayer:
 @dataclass(frozen=True)
 class RamPlan:
     """What a RAM budget keeps: `fixed_bytes` (every tensor but the routed experts), per block the number of
-    expert slots and the pinned experts (slots 0.. hold them), and `extra_bytes` (the readers' buffers)."""
+    expert slots, the pinned experts (slots 0.. hold them) and those the other slots start with, and `extra_bytes`
+    (the readers' buffers)."""
 
     budget: int
     fixed_bytes: int
@@ -40,6 +41,7 @@ class RamPlan:
     layers: tuple[ExpertLayer, ...]
     slots: Mapping[int, int] = field(default_factory=dict)
     pinned: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
+    preload: Mapping[int, tuple[int, ...]] = field(default_factory=dict)  # what the refillable slots start with
 
     @property
     def expert_bytes(self) -> int:
@@ -83,7 +85,9 @@ def plan_ram(budget: int, fixed_bytes: int, layers: Sequence[ExpertLayer], n_use
     and `extra_bytes`, at most E), the bytes left over giving one more slot to the first layers they cover. Every
     layer needs n_used refillable slots (one token's experts); fewer raises RamBudgetError with the least budget
     that fits. Of each layer's slots, max(n_used, dynamic_share of them) are refillable, the rest pin the experts
-    `counts` ranks first. A budget that holds every expert pins them all (nothing is read while running)."""
+    `counts` ranks first; the refillable ones start with the next ranked (`preload`: the cache is full from the
+    first token, as the budget allows). A budget that holds every expert pins them all (nothing is read while
+    running)."""
     budget, fixed_bytes, extra_bytes, n_used = int(budget), int(fixed_bytes), int(extra_bytes), int(n_used)
     if budget <= 0:
         raise RamBudgetError(f"ram budget must be more than 0 bytes, got {budget}")
@@ -109,14 +113,16 @@ def plan_ram(budget: int, fixed_bytes: int, layers: Sequence[ExpertLayer], n_use
         if slots[L.block] < L.n_expert and left >= L.expert_bytes:
             slots[L.block] += 1
             left -= L.expert_bytes
-    pinned = {}
+    pinned, preload = {}, {}
     for L in layers:
         n = slots[L.block]
         dyn = min(n, max(n_used, math.ceil(n * dynamic_share)))
-        pinned[L.block] = tuple(sorted(rank_experts(counts, L.block, L.n_expert)[: n - dyn]))
+        rank = rank_experts(counts, L.block, L.n_expert)
+        pinned[L.block] = tuple(sorted(rank[: n - dyn]))
+        preload[L.block] = tuple(rank[n - dyn : n])
         if n >= L.n_expert:
-            pinned[L.block] = tuple(range(L.n_expert))
-    return RamPlan(budget, fixed_bytes, extra_bytes, layers, slots, pinned)
+            pinned[L.block], preload[L.block] = tuple(range(L.n_expert)), ()
+    return RamPlan(budget, fixed_bytes, extra_bytes, layers, slots, pinned, preload)
 
 
 def rank_experts(counts: Mapping[tuple[int, int], int] | None, block: int, n_expert: int) -> list[int]:

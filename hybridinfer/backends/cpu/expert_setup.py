@@ -108,12 +108,12 @@ def attach(model, gm, blocks, opts: ExpertOptions, owners: list, weights: str = 
             parts = [_part(gm, m) for m in mats]
             n = plan.slots[i]
             buf = huge_page_buffer(sum(-(-p.per * n // _ALIGN) * _ALIGN for p in parts))
-            c = ExpertCache(store, i, mats, parts, n, plan.pinned[i], buf)
+            c = ExpertCache(store, i, mats, parts, n, plan.pinned[i], buf, plan.preload[i])
             store.caches[id(mats[0])] = c
             if i < model.args.n_layer:
                 store.order.append(c)
         for c in store.order + [c for c in store.caches.values() if c not in store.order]:
-            c.ready_slots(list(range(c.first)))
+            c.ready_slots(list(c.pending))
     except BaseException:
         store.close()
         raise

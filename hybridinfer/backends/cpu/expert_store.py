@@ -162,10 +162,11 @@ class Part:
 
 class ExpertCache:
     """Block `block`'s routed experts in `n_slots` slots: slots 0 .. len(pinned)-1 hold the pinned experts for good,
-    the rest are refilled by the frequency-weighted policy (expert_plan.victims). `mats` are the Mats the MoE calls
-    take (n_expert = n_slots); `lut[e]` is expert e's slot (-1: not held)."""
+    the rest start with `preload` and are refilled by the frequency-weighted policy (expert_plan.victims). `mats` are
+    the Mats the MoE calls take (n_expert = n_slots); `lut[e]` is expert e's slot (-1: not held)."""
 
-    def __init__(self, store: ExpertStore, block: int, mats, parts: list[Part], n_slots: int, pinned, buf):
+    def __init__(self, store: ExpertStore, block: int, mats, parts: list[Part], n_slots: int, pinned, buf,
+                 preload=()):
         from .backend import Mat
 
         self.store, self.block, self.parts = store, block, parts
@@ -196,8 +197,8 @@ class ExpertCache:
         self.chunked = 0  # steps whose experts did not fit at once
         self._from_prefetch: set[int] = set()
         self.pinned = frozenset(int(e) for e in pinned)
-        self._check(pinned[:1])
-        for s, e in enumerate(pinned):
+        self._check(tuple(pinned[:1]) + tuple(preload[:1]))
+        for s, e in enumerate(tuple(pinned) + tuple(preload)[: self.capacity]):  # read at load
             self._load(s, int(e))
 
     @property
@@ -282,13 +283,14 @@ class ExpertCache:
 
     def count(self, idx: np.ndarray) -> tuple:
         """Count a step's routing (T, k); its distinct experts."""
-        np.add.at(self.counts, idx.reshape(-1), 1)
-        np.add.at(self.total, idx.reshape(-1), 1)
+        b = np.bincount(idx.reshape(-1), minlength=self.n_expert)
+        self.counts += b
+        self.total += b
         n = halvings(self.uses, self.uses + idx.size, DECAY_EVERY)
         self.uses += idx.size
         if n:
             self.counts >>= min(n, 62)
-        return tuple(int(e) for e in np.unique(idx))
+        return tuple(np.flatnonzero(b).tolist())
 
     # the three steps the MoE op takes (CPUOps.moe_impl) -----------------------------------------------------
     def begin(self, idx: np.ndarray) -> None:
