@@ -105,7 +105,8 @@ def plan_ram(budget: int, fixed_bytes: int, layers: Sequence[ExpertLayer], n_use
     free = budget - fixed_bytes - extra_bytes
     full = {L.block: L.n_expert for L in layers}
     if free >= sum(L.n_expert * L.expert_bytes for L in layers):
-        return RamPlan(budget, fixed_bytes, 0, layers, full, {L.block: tuple(range(L.n_expert)) for L in layers})
+        return RamPlan(budget, fixed_bytes, 0, layers, full, {L.block: tuple(range(L.n_expert)) for L in layers},
+                       {L.block: () for L in layers})
     s = min(max(L.n_expert for L in layers), free // per_slot) if per_slot else 0
     slots = {L.block: min(s, L.n_expert) for L in layers}
     left = free - sum(slots[L.block] * L.expert_bytes for L in layers)
