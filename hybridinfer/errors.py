@@ -101,6 +101,21 @@ class HubError(HybridInferError):
 class NonFiniteWeightsError(GGUFError):
     """A tensor of the model holds NaN or infinity (in its float values or a quantized block's scales): the file is
     damaged, and a model run on it would answer with nothing."""
+class ExpertReadError(GGUFError):
+    """A routed expert's bytes could not be read from the model file mid-run (an engine under a RAM budget reads
+    the experts it does not keep): the file was truncated, rewritten, replaced or moved, a read failed, or it did
+    not finish within the read timeout. The message names the file and the byte range."""
+
+
+class RamBudgetError(ParameterError):
+    """A RAM budget (`--ram-budget`) cannot hold what must stay resident: the weights other than the routed
+    experts plus room for one token's experts in every layer. `needed` is the least budget in bytes that would."""
+
+    def __init__(self, message: str, needed: int = 0):
+        super().__init__(message)
+        self.needed = int(needed)
+
+
 class EngineClosed(CapacityError):
     """The Engine was closed (`Engine.close`): a request queued or running then, or made after, is refused."""
 

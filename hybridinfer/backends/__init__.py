@@ -221,6 +221,13 @@ def make_backend(name: str, gm, args, options: dict, n_ctx: int, fit_n_ctx: bool
     if placement is not None and not hasattr(placement, "mode"):
         raise ParameterError(f"numa must be a hybridinfer.backends.numa.Plan (numa.plan(...)) or None, "
                              f"got {placement!r}")
+    from .cpu.expert_setup import ExpertOptions
+
+    experts = ExpertOptions.of(options)
+    if experts is not None and name in ("reference", "gpu"):
+        # GPU prefill keeps pinned host copies of every streamed weight: the whole model in RAM
+        raise ParameterError(f"ram_budget is an option of the cpu backend (backend={name!r}); GPU prefill keeps "
+                             "host copies of the weights it streams, so use backend='cpu' (or 'auto')")
     if name == "reference":
         if placement is not None and placement.mode == "replicate":
             raise ParameterError("numa replicate: the reference backend has no per-node weight copies (use the cpu "
@@ -234,8 +241,9 @@ def make_backend(name: str, gm, args, options: dict, n_ctx: int, fit_n_ctx: bool
 
     simd = SimdLib(isa=options.pop("isa", None), n_threads=options.pop("n_threads", None),
                    prefetch=options.pop("prefetch", None))
-    cpu = CPUModel(gm, args, simd, weights=options.pop("weights", "auto"), numa=placement, progress=progress)
-    if name == "cpu":
+    cpu = CPUModel(gm, args, simd, weights=options.pop("weights", "auto"), numa=placement, progress=progress,
+                   experts=experts)
+    if name == "cpu" or experts is not None:  # under a RAM budget 'auto' prefills on the CPU too (see above)
         return cpu
     try:
         from .gpu.backend import DEFAULT_CHUNK, GPUModel

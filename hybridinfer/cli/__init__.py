@@ -48,6 +48,8 @@ def _engine(a, quiet: bool = False):
         opts = {"isa": a.isa, "n_threads": a.threads, "weights": a.weights}
         if placement is not None:
             opts["numa"] = placement
+        if getattr(a, "ram_budget", None) is not None:
+            opts.update(ram_budget=a.ram_budget, expert_io=a.expert_io)
     if a.backend in ("auto", "gpu") and a.vram_budget is not None:
         opts["vram_budget"] = a.vram_budget
     if a.backend in ("auto", "gpu") and getattr(a, "devices", None):
@@ -75,6 +77,9 @@ def _engine(a, quiet: bool = False):
     note = getattr(eng, "ctx_note", "")
     if note and not quiet:
         print(f"hybridinfer: {note}", file=sys.stderr)
+    plan = getattr(getattr(eng.backend, "cpu", eng.backend), "ram_plan", None)
+    if plan is not None and not quiet:
+        print(f"hybridinfer: {plan.summary()}", file=sys.stderr)
     if "numa" in opts:
         for line in getattr(eng.backend, "cpu", eng.backend).replicas.describe():
             say(line)

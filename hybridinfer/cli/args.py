@@ -281,6 +281,13 @@ def _add_model(p: argparse.ArgumentParser, required: bool = False) -> None:
     p.add_argument("--weights", default="auto", choices=["auto", "copy", "mmap"],
                    help="where CPU decode reads the weights: a copy in huge pages (faster), the file's memory "
                         "mapping (no copy), or auto: a copy when it takes at most half the available memory")
+    p.add_argument("--ram-budget", type=parse_size, default=None,
+                   help="host memory the CPU backend's weights may take, e.g. 64GiB: every tensor but the routed "
+                        "experts stays resident with the most used experts, the others are read from the GGUF when "
+                        "routing selects them, into a usage-counted cache; without it the whole model is in RAM")
+    p.add_argument("--expert-io", default="pread", choices=["pread", "direct"],
+                   help="how --ram-budget reads experts: pread through the page cache, or direct (O_DIRECT, "
+                        "bypassing it) (default pread)")
     p.add_argument("-np", "--parallel", "--max-seqs", dest="max_seqs", type=_int_at_least(1), default=8,
                    help="sequences decoded together at most by the scheduler (llama.cpp's -np/--parallel; "
                         "default 8)")

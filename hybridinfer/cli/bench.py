@@ -205,6 +205,23 @@ def cmd_bench_spec(a) -> int:
     return 0
 
 
+def cmd_bench_disk(a) -> int:
+    import json
+
+    from ..tools.benchmarks import disk
+
+    budgets = [parse_size(x) for x in a.ram_budgets.split(",") if x.strip()]
+    modes = tuple(x.strip() for x in a.expert_io.split(",") if x.strip())
+    if not budgets or not modes or any(m not in ("pread", "direct") for m in modes):
+        raise ParameterError(f"--ram-budgets takes sizes and --expert-io a subset of pread,direct, got "
+                             f"{a.ram_budgets!r} and {a.expert_io!r}")
+    _check_tools(a, "--llama-bench")
+    res = disk.run(a.model, budgets, a.threads, a.n, a.context, modes, a.llama_bench)
+    print(disk.markdown(res))
+    _save_bench(a.out_dir, f"disk-{_model_stem(a.model)}-t{a.threads}", json.dumps(res, indent=1), lambda png: False)
+    return 0
+
+
 def _kv(a) -> dict | None:
     """The K/V flags as Engine.load's keywords for both engines (None: neither type named, each engine's own)."""
     if a.cache_type_k is None and a.cache_type_v is None and not a.no_cache_rotate:
@@ -247,6 +264,15 @@ def add_bench_parsers(sub) -> None:
                    help="runs of timed steps with a bandwidth reading between each (each run's floor at the "
                         "mean of the two readings around it)")
     _add_kv(b)
+    b = _bench_parser(bsub, "disk", "decode tok/s under RAM budgets with the routed experts read from the file: "
+                      "bytes read per token against the disk's floor, the cache's hit rate, and llama.cpp under the "
+                      "same memory limit", cmd_bench_disk)
+    b.add_argument("--ram-budgets", default="6GiB,10GiB,16GiB", help="comma-separated RAM budgets to time")
+    b.add_argument("--expert-io", default="pread,direct", help="comma-separated read modes: pread,direct")
+    b.add_argument("-n", type=_int_at_least(1), default=32, help="decode steps timed per budget")
+    b.add_argument("--context", type=_int_at_least(1), default=16, help="prompt tokens before timing")
+    b.add_argument("--llama-bench", default=None, help="llama.cpp's llama-bench, run under each budget as a memory "
+                   "limit (cgroup v2 memory.max, else systemd-run MemoryMax)")
     b = _bench_parser(bsub, "batch", "batched decode (one token for each of B sequences per step) tok/s vs B, "
                       "and llama.cpp's llama-batched-bench", cmd_bench_batch)
     b.add_argument("--batch-sizes", default="1,2,4,8,16", help="comma-separated sequences per step (B)")

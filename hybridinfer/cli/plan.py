@@ -64,6 +64,12 @@ def cmd_plan(a) -> int:
     pl = plan_for_card(gm, args, a.card, vram_budget=a.vram_budget, host_bw=host_bw, prompts=prompts,
                        ram_bytes=ram)
     print(format_plan(pl) + note)
+    if a.ram_budget is not None and getattr(args, "is_moe", False):
+        from ..backends.cpu.expert_setup import plan_file, uniform_read_bytes
+
+        rp = plan_file(gm, args.n_expert_used, a.ram_budget)
+        print(f"cpu ram:    {rp.summary()}; about {uniform_read_bytes(rp, args.n_expert_used) / 1e6:.1f} MB read "
+              "per decode token at uniform routing")
     return 0
 
 
@@ -93,4 +99,7 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--ram", type=parse_size, default=None,
                    help="host memory for the weights and sequence states, e.g. 64GiB (default: what this host has "
                         "available)")
+    p.add_argument("--ram-budget", type=parse_size, default=None,
+                   help="also plan the CPU backend under this RAM budget (what stays resident, what is read from the "
+                        "file; run's --ram-budget)")
     p.set_defaults(fn=cmd_plan)

@@ -249,7 +249,11 @@ class Engine(Compute):
         CPU ("cpu", and decode under "gpu" and "auto"): isa (the widest SIMD unit this CPU has: scalar, ssse3,
             avx2, avx512vnni), n_threads (all cores), weights ("auto": a copy in huge pages when it takes at most
             half the available memory, else "mmap"; or "copy"), prefetch (4096 bytes of weight stream ahead with
-            4 threads or more, else 0), numa (None: no placement; a hybridinfer.backends.numa.Plan).
+            4 threads or more, else 0), numa (None: no placement; a hybridinfer.backends.numa.Plan), ram_budget
+            (None: every weight in RAM; bytes: the routed experts that do not fit read from the file when selected,
+            docs/architecture.md), expert_io ("pread" or "direct": O_DIRECT), read_timeout (30 s), readers (8
+            threads), prefetch_layers (1), expert_counts (None; (layer, expert) -> uses: the experts pinned),
+            drop_cache (False; True: each range read is dropped from the page cache).
         GPU ("gpu", "auto"): vram_budget (the card's free memory less 512 MiB), gpu_chunk (1024 tokens per kernel
             call), device (0), card_profile (None: the card itself; fermi | kepler | maxwell | pascal: kernels
             compiled and tiles chosen as for that class, the weight stream paced to its bus), bus_bw (None: the

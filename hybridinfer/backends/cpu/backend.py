@@ -135,7 +135,6 @@ class Workspace:
                            for L in model.layers if "ffn_gate_exps" in L)
                 self.moe_scratch = np.zeros(need, np.uint8)
 
-
     def op_attention(self, a, simd, T: int, n_ctx: int, rows: bool) -> None:
         hd = a.head_dim
         self.q, self.gate = _zeros(T, a.n_head, hd), _zeros(T, a.n_head * hd)
@@ -163,14 +162,15 @@ def _zeros(*shape) -> np.ndarray:
 class CPUModel(MTPParts, Backend):
     """backend="cpu": the whole engine on the host CPU."""
 
-    def __init__(self, gm: GGUFModel, args, simd: SimdLib, weights: str = "mmap", numa=None, progress: bool = False):
+    def __init__(self, gm: GGUFModel, args, simd: SimdLib, weights: str = "mmap", numa=None, progress: bool = False,
+                 experts=None):
         """weights: where the matrices are read from (cpu/weights.py): "mmap" (the file's mapping), "copy"
         (one huge-page copy made now) or "auto" (copy if they take at most half the available memory; the mapping
         when per-node copies are made, which are where decode reads). numa: None, or a hybridinfer.backends.numa.Plan
-        whose
-        mode "replicate" has one copy of the matrices made on each of its nodes and the pool's threads placed on
+        whose mode "replicate" has one copy of the matrices made on each of its nodes and the pool's threads placed on
         them (cpu/replicas.py; `self.replicas` says what was done); other modes are process-wide, numa.apply's.
-        progress: a bar on stderr while the copy is made."""
+        progress: a bar on stderr while the copy is made. experts: None, or a RAM budget's expert_setup.ExpertOptions
+        (`ram_plan` says what stays resident, `experts` is the store of the experts read from the file)."""
         self.gm, self.args, self.simd = gm, args, simd
         a = args
         if getattr(a, "is_moe", False) and a.n_expert_used > MAX_EXPERTS_USED:
@@ -192,14 +192,22 @@ class CPUModel(MTPParts, Backend):
         held = {"out": self.out}
         blocks = self.layers + ([self.mtp_layer] if self.mtp_layer is not None else [])
         owners = [(held, "out")] + [(L.tensors, k) for L in blocks for k, v in L.tensors.items() if isinstance(v, Mat)]
-        nbytes = sum(o[k].raw.nbytes for o, k in owners)
         replicate = numa is not None and numa.mode == "replicate"
+        self.ram_plan, self.experts = None, None
+        if experts is not None:  # a RAM budget: the resident part copied, the other experts read when selected
+            from .expert_setup import attach, unmap
+
+            self.ram_plan, self.experts, owners = attach(self, gm, blocks, experts, owners, weights, replicate)
+            weights = "copy"
+        nbytes = sum(o[k].raw.nbytes for o, k in owners)
         self.weights = choose_weights_mode("mmap" if replicate and weights == "auto" else weights, nbytes,
                                            mem_available())
         # a copy is also repacked for the unit (SimdLib.repack: the SSSE3 unit's K-quants zipped)
         self.weights_bytes = (copy_mats(owners, simd.repack, progress) if self.weights == "copy"
                               else 0)  # memory held
         self.out = held["out"]
+        if self.ram_plan is not None:  # the file's pages the load touched leave this process's memory
+            unmap(gm)
         self.mats = [self.out] + [m for L in blocks for m in L.mats()]  # the MTP block's too (eh_proj: 2 n_embd in)
         self.replicas = None
         if replicate:
@@ -409,8 +417,10 @@ class CPUModel(MTPParts, Backend):
         return forward_rows(self, chunks, undo)
 
     def close(self) -> None:
-        """Work buffers, recorded steps, weight copies and the C thread pool go now (the mapped file goes with the
-        last view of it)."""
+        """Work buffers, recorded steps, weight copies, expert readers and the C thread pool go now (the mapped file
+        goes with the last view of it)."""
+        if self.experts is not None:
+            self.experts.close()
         self._ws.clear()
         self.shared_scratch.clear()
         self.undo_buffers.clear()

@@ -181,22 +181,27 @@ class CPUOps:
     def moe_impl(self, x, R, E3, S3, sgate) -> np.ndarray:
         """CPUModel._moe's body (the model's method is the hook benchmarks wrap): decode (one token) runs its k
         experts, and a shared expert of their kind as row k, in two calls; several rows group the routed pairs by
-        expert (moe_rows)."""
+        expert (moe_rows). The experts come from the file's stacked tensors, or under a RAM budget from the layer's
+        expert cache (cpu/expert_store.py: its slot buffers and the experts' slots instead of their ids), whose
+        reads start once the routing is known and are waited for after the shared expert's product."""
         m, a, ws, i = self.m, self.a, self.ws, self.i
         T, k = x.shape[0], a.n_expert_used
         router = m.mm(R, x, ws.router, ws)
         idx, w = ws.route_idx[:T], ws.route_w[:T]
         self._call(("route", i), "moe_route", router, k, idx, w)
+        cache = None if m.experts is None else m.experts.caches.get(id(E3[0]))  # None: resident experts
+        if cache is not None:
+            m._op(ws, cache.begin, idx)
+            E3 = cache.mats
         ys = ws.ed[: T * k]
         G, U, Dn = E3
-        simd = m.simd
         shared = None  # the shared expert's output when the routed experts' calls produced it
+        if S3 is not None and (cache is not None or T > 1 or not self._fuses(E3, S3)):
+            shared = self._shared(x, S3)
         if T == 1:
             # the shared expert rides in the routed experts' calls where its products take their activation
             # formats and its width is theirs
-            fused = S3 is not None and S3[0].rows == G.rows and len(
-                {simd.act_kind(t.qtype) for t in (G, U, S3[0], S3[1])}) == 1 and simd.act_kind(
-                S3[2].qtype) == simd.act_kind(Dn.qtype)
+            fused = shared is None and S3 is not None
             n = k + 1 if fused else k
             xq = m.quantize(G, x, ws)
             eg, eu = ws.eg[:n], ws.eu[:n]
@@ -204,38 +209,57 @@ class CPUOps:
             if fused:
                 Sg, Su, Sd = S3
                 sh_gu = (Sg.raw, Sg.qtype, Su.raw, Su.qtype, Sg.rows, eg[k], eu[k])
+            ids = idx[0]
+            if cache is not None:
+                m._op(ws, cache.one, idx[0])
+                ids = cache.slot_ids
             self._call(("gate_up", id(G)), "moe_gate_up", G.raw, G.qtype, U.raw, U.qtype, G.rows, G.cols, xq[0],
-                       idx[0], eg[:k], eu[:k], SHAPE, sh_gu)
+                       ids, eg[:k], eu[:k], SHAPE, sh_gu)
             self._call(("swiglu", id(G)), "swiglu", eg, eu, eg)
             hq = m.quantize(Dn, eg, ws)
             if fused:
                 shared = self.spare[:1]
                 sh_d = (Sd.raw, Sd.qtype, Sd.cols, hq[k], shared[0])
-            self._call(("down", id(Dn)), "moe_down", Dn.raw, Dn.qtype, Dn.rows, Dn.cols, hq[:k], idx[0], ys,
+            self._call(("down", id(Dn)), "moe_down", Dn.raw, Dn.qtype, Dn.rows, Dn.cols, hq[:k], ids, ys,
                        SHAPE, sh_d)
         else:  # several sequences' decode tokens, or a prompt's tokens: the routed pairs grouped by expert
-            self._moe_rows(E3, x, idx, ys)
+            self._moe_rows(E3, x, idx, ys, cache)
         out = self.out[:T]
         if S3 is None:
             self._call(("combine", i), "moe_combine", ys, w, out)
             return out
-        if shared is None:
-            Sg, Su, Sd = S3
-            g, u = m.mm_many([Sg, Su], x, [ws.out_a, ws.out_b], ws)
-            self._call(("swiglu", id(Sg)), "swiglu", g, u, g)
-            shared = m.mm(Sd, g, self.spare, ws)
         self._call(("combine", i), "moe_combine", ys, w, out, shared, x, sgate)
         return out
 
-    def _moe_rows(self, E3, x: np.ndarray, idx: np.ndarray, ys: np.ndarray) -> None:
+    def _fuses(self, E3, S3) -> bool:
+        """whether one token's shared expert can ride in the routed experts' calls"""
+        G, U, Dn = E3
+        act = self.m.simd.act_kind
+        return S3[0].rows == G.rows and len({act(t.qtype) for t in (G, U, S3[0], S3[1])}) == 1 and act(
+            S3[2].qtype) == act(Dn.qtype)
+
+    def _shared(self, x, S3) -> np.ndarray:
+        """The shared expert's output in the spare buffer (its own products)."""
+        m, ws = self.m, self.ws
+        Sg, Su, Sd = S3
+        g, u = m.mm_many([Sg, Su], x, [ws.out_a, ws.out_b], ws)
+        self._call(("swiglu", id(Sg)), "swiglu", g, u, g)
+        return m.mm(Sd, g, self.spare, ws)
+
+    def _moe_rows(self, E3, x: np.ndarray, idx: np.ndarray, ys: np.ndarray, cache=None) -> None:
         """ys[t * k + j] = expert idx[t, j]'s output for token t, in one native call (moe_rows): the T x k pairs
         grouped by expert, so each selected expert is read once for all the tokens routed to it, each pair in its
-        one-token float shape (SHAPE: the same bits whichever tokens share the call)."""
+        one-token float shape (SHAPE: the same bits whichever tokens share the call). From an expert cache: one
+        call per run of rows whose experts it holds at once (ExpertCache.rows)."""
         m, ws = self.m, self.ws
         G, U, Dn = E3
         n = idx.size
         xq = m.quantize(G, x, ws)
         hq = ws.xq[m.simd.act_kind(Dn.qtype)][:n, : m.simd.act_row_bytes(Dn.qtype, Dn.cols)]
+        if cache is not None:
+            m._op(ws, cache.rows, m.simd, G.rows, G.cols, xq, idx, ws.eg[:n], ws.eu[:n], hq, ys, ws.moe_scratch,
+                  SHAPE)
+            return
         self._call(("moe_rows", self.i), "moe_rows", (G.raw, G.qtype), (U.raw, U.qtype), (Dn.raw, Dn.qtype), G.rows,
                    G.cols, xq, idx, ws.eg[:n], ws.eu[:n], hq, ys, ws.moe_scratch, SHAPE)
 

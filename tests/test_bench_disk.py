@@ -1,0 +1,74 @@
+"""`hybridinfer bench disk`: rows per budget and read mode with the bytes read per token and the hit rate, the disk
+probe, and llama-bench (a stand-in that records its call) under a memory limit (speeds are not asserted)."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+
+import pytest
+
+from hybridinfer.cli import main
+from hybridinfer.tools.benchmarks import disk
+from hybridinfer.tools.synth import synth_model
+
+SHAPE = dict(n_embd=256, n_layer=2, n_head=4, n_head_kv=2, head_dim=64, n_vocab=512, n_expert=16, n_expert_used=4,
+             n_ff_exp=256, n_ff_shexp=256, ssm_d_state=64, ssm_n_group=2, ssm_dt_rank=4)
+
+FAKE = """\
+import json, os, sys
+with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "argv.log"), "a") as f:
+    f.write(" ".join(sys.argv[1:]) + "\\n")
+print(json.dumps([{"avg_ts": 12.5, "n_gen": 4}]))
+"""
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    p = tmp_path_factory.mktemp("bdisk") / "moe.gguf"
+    synth_model(p, "qwen35moe", SHAPE, "q4_k_m", seed=2)
+    return str(p)
+
+
+def test_bench_disk_rows(path, tmp_path):
+    probe = disk.probe_disk(path, seq_bytes=1 << 20, rand_bytes=disk.expert_range(path), rand_reads=16)
+    assert probe["seq_bytes_s"] > 0 and probe["rand_bytes_s"] > 0
+    assert probe["rand_read_bytes"] % 4096 == 0 and probe["rand_read_bytes"] >= disk.expert_range(path)
+    fake = tmp_path / "llama-bench"
+    fake.write_text(f"#!{sys.executable}\n" + FAKE)
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    res = disk.run(path, [3 << 20, 64 << 20], threads=2, n_tokens=3, context=4, io_modes=("pread",),
+                   llama_bench=str(fake), probe=probe)
+    ours = [r for r in res["rows"] if r["io"] == "pread"]
+    small, big = ours
+    assert small["on_disk"] and small["bytes_per_token"] > 0 and 0 <= small["hit_rate"] < 1
+    assert small["resident_bytes"] <= 3 << 20
+    assert small["floor_s_per_token"] == pytest.approx(small["bytes_per_token"] / probe["rand_bytes_s"])
+    assert not big["on_disk"] and big["bytes_per_token"] == 0
+    llama = [r for r in res["rows"] if r["io"].startswith("llama-bench")]
+    assert [r["budget"] for r in llama] == [3 << 20, 64 << 20]
+    assert all(r["tok_s"] == 12.5 and r["limit"] for r in llama)
+    assert llama[0]["limit_bytes"] == max(3 << 20, small["peak_rss_bytes"])
+    calls = (tmp_path / "argv.log").read_text().splitlines()
+    assert len(calls) == 2 and all(f"-m {path}" in c and "-n 3" in c for c in calls)
+    table = disk.markdown(res)
+    assert table.count("| pread |") == 2 and "all resident" in table and "12.50" in table
+
+
+def test_memory_limited_command_runs_or_says_why_not():
+    cmd, how, cleanup = disk.memory_limited(["true"], 256 << 20)
+    try:
+        if how.startswith("could not"):
+            assert cmd == ["true"]
+        else:
+            assert subprocess.run(cmd, capture_output=True).returncode == 0
+            assert str(256 << 20) in how
+    finally:
+        cleanup()
+
+
+def test_cli_rejects_bad_modes(path, capsys):
+    assert main(["bench", "disk", "-m", path, "--expert-io", "mmap", "--out-dir", os.devnull]) != 0
+    assert "--expert-io" in capsys.readouterr().err
