@@ -6,11 +6,12 @@
 # (default 32); llama-bench runs under each budget's memory limit (cgroup v2 memory.max, else systemd-run).
 set -eu
 source .whl/env.sh
-python3 native/simd/build.py > /dev/null
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+[ -f hybridinfer/_simd.abi3.so ] || python3 setup.py -q build_ext --inplace
 S=${SHAPE:-35b-a3b}
 B=${BUDGETS:-6GiB,10GiB,16GiB}
 M=/tmp/m${S}.gguf
 [ -f $M ] || python3 -m hybridinfer synth --arch qwen35moe --shape $S --quant q4_k_m --seed 1 --no-mtp -o $M
 python3 -m hybridinfer plan -m $M --card k40 --host-bw 100 --ram-budget ${B%%,*} | tail -1
 python3 -m hybridinfer bench disk -m $M -t ${THREADS:-16} -n ${N:-32} --ram-budgets $B \
-  --expert-io ${IO:-pread,direct} --llama-bench .llamabin/llama-bench-avx512 --out-dir "${OUT:-bench/results}"
+  --expert-io ${IO:-pread,direct} --llama-bench .llamabin/llama-bench --out-dir "${OUT:-bench/results}"
