@@ -72,3 +72,21 @@ def test_memory_limited_command_runs_or_says_why_not():
 def test_cli_rejects_bad_modes(path, capsys):
     assert main(["bench", "disk", "-m", path, "--expert-io", "mmap", "--out-dir", os.devnull]) != 0
     assert "--expert-io" in capsys.readouterr().err
+
+
+def test_llama_bench_past_its_time_is_stopped_with_a_bound(tmp_path):
+    """A llama-bench paging through a small limit can run for hours: it is stopped at the timeout and the row says
+    its speed was below n / timeout."""
+    import time
+
+    from hybridinfer.tools.benchmarks.disk import llama_bench_limited
+
+    slow = tmp_path / "llama-bench"
+    slow.write_text("#!/bin/sh\nsleep 30\n")
+    slow.chmod(0o755)
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"\0" * 4096)
+    t0 = time.monotonic()
+    r = llama_bench_limited(str(slow), str(f), 1, 8, 1 << 30, timeout=1.0)
+    assert time.monotonic() - t0 < 20
+    assert r["tok_s"] is None and r["tok_s_below"] == 8.0 and "stopped after 1 s" in r["error"]

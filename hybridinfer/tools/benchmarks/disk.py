@@ -137,14 +137,18 @@ def _rmdir(cg: str) -> None:
         pass
 
 
-def llama_bench_limited(exe: str, path: str, threads: int, n_tokens: int, limit: int) -> dict:
+def llama_bench_limited(exe: str, path: str, threads: int, n_tokens: int, limit: int, timeout: float = 180.0) -> dict:
     """llama-bench's decode tok/s on the file under a memory limit of `limit` bytes (its default mmap: the page
-    cache it reads through counts against the limit)."""
+    cache it reads through counts against the limit). A run past `timeout` seconds (a file paging through a small
+    limit can take hours) is stopped: its speed is then below n_tokens / timeout (`tok_s_below`)."""
     cmd = [exe, "-m", path, "-p", "0", "-n", str(n_tokens), "-t", str(threads), "-o", "json", "-r", "1"]
     _drop(path)
     cmd, how, cleanup = memory_limited(cmd, limit)
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True)
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"limit": how, "tok_s": None, "tok_s_below": n_tokens / timeout,
+                "error": f"stopped after {timeout:.0f} s (below {n_tokens / timeout:.3f} tok/s)"}
     finally:
         cleanup()
     out = {"limit": how, "tok_s": None}
