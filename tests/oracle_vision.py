@@ -104,7 +104,7 @@ def hf_embeddings(model, pixel_values: np.ndarray, grid_thw) -> np.ndarray:
     return out.pooler_output.float().numpy()
 
 
-def test_image(w: int, h: int, seed: int = 0):
+def sample_image(w: int, h: int, seed: int = 0):
     """A smooth random RGB image (gradients plus noise), so resampling has real work."""
     from PIL import Image
 

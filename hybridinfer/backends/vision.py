@@ -10,7 +10,7 @@ import numpy as np
 
 from ..format.gguf_model import GGUFModel
 from ..format.image_prep import Prepared, prepare
-from ..models import qwen3vl_vision as tower
+from ..models import vision_args
 from ..models.vision_types import ImageEmbedding
 
 ATTN_SCORE_FLOATS = 1 << 24  # query rows per attention block: at most this many scores (64 MiB) at once
@@ -33,8 +33,8 @@ _GELU_ERF = None
 class RefVisionOps:
     """The tower's ops in numpy: float32 products and activations, LayerNorm statistics in float64."""
 
-    def __init__(self, gm: GGUFModel, args: tower.VisionArgs):
-        self.gm, self.args = gm, args
+    def __init__(self, gm: GGUFModel, args, tower):
+        self.gm, self.args, self.tower = gm, args, tower
         self._vec: dict[str, np.ndarray] = {}
         self._mat: dict[str, np.ndarray] = {}
 
@@ -49,7 +49,8 @@ class RefVisionOps:
         w = self._mat.get(name)
         if w is None:
             if name == "v.patch_embd":
-                w = tower.patch_weight(self.gm.dequant("v.patch_embd.weight"), self.gm.dequant("v.patch_embd.weight.1"))
+                halves = (self.gm.dequant("v.patch_embd.weight"), self.gm.dequant("v.patch_embd.weight.1"))
+                w = self.tower.patch_weight(*halves)
             else:
                 w = self.gm.dequant(name + ".weight")
             w = self._mat[name] = np.ascontiguousarray(w, dtype=np.float32)
@@ -95,15 +96,15 @@ class VisionEncoder:
     """One mmproj's tower on one backend's ops: `encode(rgb PIL image) -> ImageEmbedding` (models/vision_types.py).
     `prepare` and `encode_prepared` are its two halves, so a cache can key on the digest before computing."""
 
-    def __init__(self, gm: GGUFModel, args: tower.VisionArgs, ops):
-        self.gm, self.args, self.ops = gm, args, ops
+    def __init__(self, gm: GGUFModel, args, tower, ops):
+        self.gm, self.args, self.tower, self.ops = gm, args, tower, ops
         self.n_embd = args.out_dim
 
     def prepare(self, image) -> Prepared:
         return prepare(image, self.args.prep)
 
     def encode_prepared(self, p: Prepared) -> ImageEmbedding:
-        rows = tower.forward(self.args, self.ops, p.patches, p.grid)
+        rows = self.tower.forward(self.args, self.ops, p.patches, p.grid)
         t, h, w = p.grid
         m = self.args.merge_size
         return ImageEmbedding(np.ascontiguousarray(rows, dtype=np.float32), (t, h // m, w // m), p.digest)
@@ -123,16 +124,16 @@ def load_image_encoder(path, n_embd_text: int | None, simd=None, min_pixels: int
     gm = GGUFModel(path)
     try:
         gm.check_finite()
-        args = tower.VisionArgs.from_gguf(gm, min_pixels, max_pixels)
+        tower, args = vision_args(gm, min_pixels, max_pixels)
         if n_embd_text is not None:
             tower.check_text_width(args, n_embd_text, str(path))
         if simd is None:
-            ops = RefVisionOps(gm, args)
+            ops = RefVisionOps(gm, args, tower)
         else:
             from .cpu.vision import CPUVisionOps
 
-            ops = CPUVisionOps(gm, args, simd)
+            ops = CPUVisionOps(gm, args, tower, simd)
     except BaseException:
         gm.close()
         raise
-    return VisionEncoder(gm, args, ops)
+    return VisionEncoder(gm, args, tower, ops)

@@ -289,6 +289,9 @@ def _add_model(p: argparse.ArgumentParser, required: bool = False) -> None:
                         "limit); a request that cannot fit alone is refused")
     p.add_argument("--chat-template-file", default=None,
                    help="a Jinja chat template used instead of the GGUF's (as llama-server's --chat-template-file)")
+    p.add_argument("-mm", "--mmproj", default=None, metavar="FILE",
+                   help="an mmproj GGUF: the vision tower that turns images into the model's rows (as llama.cpp's "
+                        "--mmproj; refused unless it was made for this model's width)")
     from ..engine.spec import DEFAULT_DRAFT_MAX, MAX_DRAFT, SPEC_ALIASES, SPEC_TYPES
 
     p.add_argument("--spec-type", default=None, choices=[*SPEC_TYPES, *SPEC_ALIASES],

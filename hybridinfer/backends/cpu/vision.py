@@ -13,8 +13,8 @@ from .simd import GGML_MUL_MAT, KERNEL_TYPES
 
 
 class CPUVisionOps(RefVisionOps):
-    def __init__(self, gm, args, simd):
-        super().__init__(gm, args)
+    def __init__(self, gm, args, tower, simd):
+        super().__init__(gm, args, tower)
         self.simd = simd
         self._raw: dict[str, tuple[np.ndarray, int, int, int]] = {}
 
