@@ -209,3 +209,38 @@ def test_embedding_lru_evicts_least_recent_by_bytes():
     lru.put(emb("c"))  # 384 bytes > 300: b goes
     assert lru.get("b") is None and lru.get("a") is not None and lru.get("c") is not None
     assert lru.bytes == 256 and len(lru) == 2
+
+
+def test_bench_vision(tmp_path, capsys):
+    """`bench vision` end to end on a small synthetic mmproj: the table has one row per size with the tower's token
+    count, llama.cpp's beside it (same tokens, close rows) where llama-cpp-python is installed."""
+    import importlib.util
+    import json
+
+    from md_tables import md_rows
+
+    from hybridinfer.cli import main
+    from hybridinfer.tools.synth_vision import synth_mmproj
+
+    mm = tmp_path / "mm.gguf"
+    synth_mmproj(mm, 64, {"depth": 1, "hidden": 32, "heads": 2, "ff": 64, "pos_side": 8}, dtype="f32")
+    llama = importlib.util.find_spec("llama_cpp") is not None
+    args = ["bench", "vision", "--mmproj", str(mm), "--sizes", "256x256,320x256",
+            "-r", "1", "-t", "2", "--out-dir", str(tmp_path)] + ([] if llama else ["--no-llama"])
+    assert main(args) == 0
+    rows = md_rows(capsys.readouterr().out, "| size |")
+    assert [r[:2] for r in rows] == [["256x256", "64"], ["320x256", "80"]]  # inside both sides' pixel limits
+    res = json.loads((tmp_path / "vision-mm-t2.json").read_text())
+    assert res["out_width"] == 64
+    for r in res["rows"]:
+        assert r["ms"] > 0
+        if llama:
+            assert r["llama_tokens"] == r["tokens"] and r["rel_diff"] < 2e-3
+
+
+def test_bench_vision_bad_flags():
+    from hybridinfer.cli import main
+
+    assert main(["bench", "vision"]) == 2  # neither --mmproj nor --synth
+    assert main(["bench", "vision", "--synth", "--sizes", "64by64"]) == 2
+    assert main(["bench", "vision", "--mmproj", "/nonexistent/mm.gguf"]) == 2
