@@ -113,21 +113,28 @@ class VisionEncoder:
         return self.encode_prepared(self.prepare(image))
 
     def close(self) -> None:
+        if hasattr(self.ops, "close"):
+            self.ops.close()
         self.ops = None
         self.gm.close()
 
 
 def load_image_encoder(path, n_embd_text: int | None, simd=None, min_pixels: int | None = None,
-                       max_pixels: int | None = None) -> VisionEncoder:
-    """The mmproj at `path` as an encoder: on the CPU through `simd` (a cpu.simd.SimdLib), else the numpy reference.
-    n_embd_text: the text model's embedding width, which the projector's rows must have (MMProjWidthError)."""
+                       max_pixels: int | None = None, gpu: bool = False) -> VisionEncoder:
+    """The mmproj at `path` as an encoder: its products on the card with `gpu` (gpu/vision.py), else on the CPU
+    through `simd` (a cpu.simd.SimdLib), else the numpy reference. n_embd_text: the text model's embedding width,
+    which the projector's rows must have (MMProjWidthError)."""
     gm = GGUFModel(path)
     try:
         gm.check_finite()
         tower, args = vision_args(gm, min_pixels, max_pixels)
         if n_embd_text is not None:
             tower.check_text_width(args, n_embd_text, str(path))
-        if simd is None:
+        if gpu:
+            from .gpu.vision import GPUVisionOps
+
+            ops = GPUVisionOps(gm, args, tower)
+        elif simd is None:
             ops = RefVisionOps(gm, args, tower)
         else:
             from .cpu.vision import CPUVisionOps

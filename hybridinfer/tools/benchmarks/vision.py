@@ -52,9 +52,11 @@ def _median_s(fn, reps: int) -> tuple[float, object]:
 
 
 def run(mmproj: str | None, text_model: str | None, threads: int, sizes, reps: int = 3, isa: str | None = None,
-        llama: bool = True, synth_width: int = 2048, synth_depth: int | None = None, seed: int = 0) -> dict:
+        llama: bool = True, synth_width: int = 2048, synth_depth: int | None = None, seed: int = 0,
+        gpu: bool = False) -> dict:
     """mmproj None: a synthetic Qwen3.5-shaped one (tools/synth_vision) of output width `synth_width` (the text
-    model's, when one is given), made in a temporary folder; `synth_depth` overrides its 27 layers."""
+    model's, when one is given), made in a temporary folder; `synth_depth` overrides its 27 layers. gpu: the
+    tower's products on the card (backends/gpu/vision.py) instead of the SIMD library."""
     from ...backends.cpu.simd import SimdLib
     from ...backends.vision import load_image_encoder
     from ...format.gguf_model import GGUFModel
@@ -73,9 +75,9 @@ def run(mmproj: str | None, text_model: str | None, threads: int, sizes, reps: i
             mmproj = os.path.join(tmp, "mmproj-synth.gguf")
             shape = synth_mmproj(mmproj, width, {"depth": synth_depth} if synth_depth else None, seed=seed)
         lib = SimdLib(isa=isa, n_threads=threads)
-        enc = load_image_encoder(mmproj, None, lib)
+        enc = load_image_encoder(mmproj, None, lib, gpu=gpu)
         res = {"mmproj": mmproj if shape is None else "synthetic", "shape": shape, "threads": threads,
-               "isa": lib.isa, "out_width": enc.n_embd, "reps": reps, "rows": []}
+               "isa": "gpu products" if gpu else lib.isa, "out_width": enc.n_embd, "reps": reps, "rows": []}
         mt = None
         if llama:
             from .vision_mtmd import MtmdEncoder
