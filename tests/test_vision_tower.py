@@ -169,9 +169,12 @@ def test_mmproj_of_another_width_is_refused(tmp_path, oracle_gguf):
         Engine.load(oracle_gguf("qwen35"), backend="reference", n_ctx=256, mmproj=str(mm))
 
 
-def test_text_model_as_mmproj_is_refused(oracle_gguf):
+def test_text_model_as_mmproj_is_refused(oracle_gguf, tmp_path):
     from hybridinfer.backends.vision import load_image_encoder
-    from hybridinfer.errors import UnsupportedArchitectureError
+    from hybridinfer.errors import ParameterError, UnsupportedArchitectureError
+
+    with pytest.raises(ParameterError, match="mmproj .*nope.gguf.*no such file"):
+        load_image_encoder(tmp_path / "nope.gguf", 64)
 
     with pytest.raises(UnsupportedArchitectureError, match="not an mmproj.*'qwen35'"):
         load_image_encoder(oracle_gguf("qwen35"), 64)

@@ -5,9 +5,11 @@ library; everything but the products is the same numpy on both."""
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 
+from ..errors import ParameterError
 from ..format.gguf_model import GGUFModel
 from ..format.image_prep import Prepared, prepare
 from ..models import vision_args
@@ -124,6 +126,8 @@ def load_image_encoder(path, n_embd_text: int | None, simd=None, min_pixels: int
     """The mmproj at `path` as an encoder: its products on the card with `gpu` (gpu/vision.py), else on the CPU
     through `simd` (a cpu.simd.SimdLib), else the numpy reference. n_embd_text: the text model's embedding width,
     which the projector's rows must have (MMProjWidthError)."""
+    if not os.path.isfile(path):
+        raise ParameterError(f"mmproj {os.fspath(path)!r}: no such file")
     gm = GGUFModel(path)
     try:
         gm.check_finite()
