@@ -4,7 +4,7 @@ same way (an RGB array in, the projector's rows out: preprocessing included, the
 
 Sizes should be multiples of 32 (patch 16 x merge 2) within both sides' pixel limits, so that both encode the
 same grid; the table's `rel diff` is the largest difference of the two outputs over the largest value of ours (a
-few 1e-4 on F32 files: llama.cpp's GELU goes through an fp16 table; docs/vision.md)."""
+few 1e-4 on F32 files: llama.cpp's tower is not transformers' float for float; docs/vision.md)."""
 
 from __future__ import annotations
 
