@@ -158,6 +158,27 @@ def test_engine_encodes_images_once(vl, tmp_path):
             eng.encode_image(str(path))
 
 
+@pytest.mark.oracle
+def test_engine_image_token_limits(vl):
+    """llama.cpp's --image-min/max-tokens: a 640x480 image under at most 16 tokens is scaled down (to 4x3 merged
+    tokens), a 64x64 one under at least 30 scaled up; limits that cannot hold are refused by name."""
+    from oracle_vision import sample_image
+
+    from hybridinfer.backends.vision import load_image_encoder
+    from hybridinfer.engine.api import Engine
+    from hybridinfer.errors import ParameterError
+
+    with Engine.load(vl["text"], backend="reference", n_ctx=256, mmproj=vl["mmproj"], image_min_tokens=1,
+                     image_max_tokens=16) as eng:
+        assert eng.encode_image(sample_image(640, 480)).shape == (12, 64)
+    enc = load_image_encoder(vl["mmproj"], 64, min_tokens=30)
+    assert enc.encode(sample_image(64, 64)).grid == (1, 6, 6)
+    with pytest.raises(ParameterError, match=r"min tokens \(9\) must not exceed max tokens \(8\)"):
+        load_image_encoder(vl["mmproj"], 64, min_tokens=9, max_tokens=8)
+    with pytest.raises(ParameterError, match="max_tokens must be a positive integer, got 0"):
+        load_image_encoder(vl["mmproj"], 64, max_tokens=0)
+
+
 def test_mmproj_of_another_width_is_refused(tmp_path, oracle_gguf):
     from hybridinfer.engine.api import Engine
     from hybridinfer.models.qwen3vl_vision import MMProjWidthError

@@ -4,6 +4,7 @@ library; everything but the products is the same numpy on both."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
@@ -122,16 +123,29 @@ class VisionEncoder:
 
 
 def load_image_encoder(path, n_embd_text: int | None, simd=None, min_pixels: int | None = None,
-                       max_pixels: int | None = None, gpu: bool = False) -> VisionEncoder:
+                       max_pixels: int | None = None, gpu: bool = False, min_tokens: int | None = None,
+                       max_tokens: int | None = None) -> VisionEncoder:
     """The mmproj at `path` as an encoder: its products on the card with `gpu` (gpu/vision.py), else on the CPU
     through `simd` (a cpu.simd.SimdLib), else the numpy reference. n_embd_text: the text model's embedding width,
-    which the projector's rows must have (MMProjWidthError)."""
+    which the projector's rows must have (MMProjWidthError). The image's size limits: min/max_pixels, or in merged
+    tokens (llama.cpp's --image-min-tokens / --image-max-tokens; a token is (patch·merge)² pixels), else the file's
+    or Qwen3.5's processor defaults (format/image_prep.py)."""
+    for name, v in (("min_tokens", min_tokens), ("max_tokens", max_tokens)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ParameterError(f"image {name} must be a positive integer, got {v!r}")
     if not os.path.isfile(path):
         raise ParameterError(f"mmproj {os.fspath(path)!r}: no such file")
     gm = GGUFModel(path)
     try:
         gm.check_finite()
         tower, args = vision_args(gm, min_pixels, max_pixels)
+        if min_tokens is not None or max_tokens is not None:
+            px = args.prep.factor ** 2
+            lo = min_tokens * px if min_tokens is not None else args.prep.min_pixels
+            hi = max_tokens * px if max_tokens is not None else args.prep.max_pixels
+            if lo > hi:
+                raise ParameterError(f"image min tokens ({lo // px}) must not exceed max tokens ({hi // px})")
+            args = dataclasses.replace(args, prep=dataclasses.replace(args.prep, min_pixels=lo, max_pixels=hi))
         if n_embd_text is not None:
             tower.check_text_width(args, n_embd_text, str(path))
         if gpu:

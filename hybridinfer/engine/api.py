@@ -192,7 +192,8 @@ class Engine(Compute):
              chat_template: str | None = None, special_in_content: bool = False, cache_type_k: str = "f32",
              cache_type_v: str = "f32", cache_rotate: bool = True, hf: str | None = None,
              hf_token: str | None = None, spec_type: str | None = None, draft_max: int = DEFAULT_DRAFT_MAX,
-             mmproj: str | None = None, **options) -> Engine:
+             mmproj: str | None = None, image_min_tokens: int | None = None,
+             image_max_tokens: int | None = None, **options) -> Engine:
         """Open a GGUF file and make its engine. Every keyword has a default:
 
         path (default None: the embedded SmolLM2-135M-Instruct Q4_1, unless hf names a model).
@@ -243,6 +244,8 @@ class Engine(Compute):
             lookup, checked in one pass: the same tokens as without (engine/spec.py).
         mmproj (default None): an mmproj GGUF (llama.cpp's --mmproj) whose vision tower becomes `image_encoder`,
             refused unless its rows are as wide as the model's embeddings (engine/images.py, docs/vision.md).
+            image_min_tokens, image_max_tokens (default None: Qwen3.5's processor, 64 to 16384 tokens): an image is
+            resized to hold that many tokens at least and at most (llama.cpp's --image-min/max-tokens).
 
         Backend options, each left to its backend when not given:
         CPU ("cpu", and decode under "gpu" and "auto"): isa (the widest SIMD unit this CPU has: scalar, ssse3,
@@ -290,7 +293,8 @@ class Engine(Compute):
         if mmproj is not None:
             from .images import load_encoder
 
-            eng.image_encoder = load_encoder(mmproj, args.n_embd, be)
+            eng.image_encoder = load_encoder(mmproj, args.n_embd, be, min_tokens=image_min_tokens,
+                                             max_tokens=image_max_tokens)
         _ = eng.scheduler  # its limits checked now, not at the first request
         if chat_template is not None:
             from ..format.chat_template import check_template

@@ -70,9 +70,11 @@ class CachedImageEncoder:
             self.encoder.close()
 
 
-def load_encoder(path, n_embd_text: int, backend, cache_bytes: int = DEFAULT_CACHE_BYTES) -> CachedImageEncoder:
+def load_encoder(path, n_embd_text: int, backend, cache_bytes: int = DEFAULT_CACHE_BYTES,
+                 min_tokens: int | None = None, max_tokens: int | None = None) -> CachedImageEncoder:
     """The mmproj at `path` for a text model of width n_embd_text on `backend`: the numpy reference under the
-    reference backend, else the CPU's SIMD products (the GPU backend's CPU unit and threads)."""
+    reference backend, else the CPU's SIMD products (the GPU backend's CPU unit and threads). min/max_tokens: the
+    image size limits in merged tokens (None: the file's or Qwen's defaults)."""
     from ..backends.vision import load_image_encoder
 
     simd = None
@@ -82,7 +84,8 @@ def load_encoder(path, n_embd_text: int, backend, cache_bytes: int = DEFAULT_CAC
         from ..backends.cpu.simd import SimdLib
 
         simd = SimdLib(isa=lib.isa, n_threads=lib.n_threads)
-    return CachedImageEncoder(load_image_encoder(path, n_embd_text, simd), cache_bytes)
+    enc = load_image_encoder(path, n_embd_text, simd, min_tokens=min_tokens, max_tokens=max_tokens)
+    return CachedImageEncoder(enc, cache_bytes)
 
 
 def as_rgb(image):
