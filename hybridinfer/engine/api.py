@@ -244,8 +244,8 @@ class Engine(Compute):
             lookup, checked in one pass: the same tokens as without (engine/spec.py).
         mmproj (default None): an mmproj GGUF (llama.cpp's --mmproj) whose vision tower becomes `image_encoder`,
             refused unless its rows are as wide as the model's embeddings (engine/images.py, docs/vision.md).
-            image_min_tokens, image_max_tokens (default None: Qwen3.5's processor, 64 to 16384 tokens): an image is
-            resized to hold that many tokens at least and at most (llama.cpp's --image-min/max-tokens).
+            image_min_tokens (default None: Qwen3.5's processor, 64), image_max_tokens (default None: 16384): an image
+            is resized to hold that many tokens at least and at most (llama.cpp's --image-min/max-tokens).
 
         Backend options, each left to its backend when not given:
         CPU ("cpu", and decode under "gpu" and "auto"): isa (the widest SIMD unit this CPU has: scalar, ssse3,
