@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = ("README.md", "architecture.md", "numerics.md", "gguf-qwen35.md", "sm20.md", "benchmarks.md")
+DOCS = ("README.md", "architecture.md", "numerics.md", "gguf-qwen35.md", "sm20.md", "benchmarks.md", "vision.md")
 # the notes that lived beside the checkout; split so that this file does not name them itself
 OUTSIDE = ("../" + "shared", "shared/" + "DESIGN.md", "shared/" + "spec")
 

@@ -73,7 +73,9 @@ def _engine(a, quiet: bool = False):
                       step_tokens=a.step_tokens, state_budget=a.state_budget or None,
                       special_in_content=getattr(a, "special_in_content", False), cache_type_k=a.cache_type_k,
                       cache_type_v=a.cache_type_v, cache_rotate=not a.no_cache_rotate, spec_type=a.spec_type,
-                      draft_max=a.draft_max, **opts)
+                      draft_max=a.draft_max, mmproj=getattr(a, "mmproj", None),
+                      image_min_tokens=getattr(a, "image_min_tokens", None),
+                      image_max_tokens=getattr(a, "image_max_tokens", None), **opts)
     note = getattr(eng, "ctx_note", "")
     if note and not quiet:
         print(f"hybridinfer: {note}", file=sys.stderr)

@@ -300,6 +300,14 @@ def _add_model(p: argparse.ArgumentParser, required: bool = False) -> None:
                         "limit); a request that cannot fit alone is refused")
     p.add_argument("--chat-template-file", default=None,
                    help="a Jinja chat template used instead of the GGUF's (as llama-server's --chat-template-file)")
+    p.add_argument("-mm", "--mmproj", default=None, metavar="FILE",
+                   help="an mmproj GGUF: the vision tower that turns images into the model's rows (as llama.cpp's "
+                        "--mmproj; refused unless it was made for this model's width)")
+    p.add_argument("--image-min-tokens", type=_int_at_least(1), default=None,
+                   help="an image is resized to give at least this many tokens (default: Qwen3.5's processor, 64)")
+    p.add_argument("--image-max-tokens", type=_int_at_least(1), default=None,
+                   help="and at most this many; a larger image is scaled down (default: Qwen3.5's processor, 16384; "
+                        "llama.cpp takes 4096)")
     from ..engine.spec import DEFAULT_DRAFT_MAX, MAX_DRAFT, SPEC_ALIASES, SPEC_TYPES
 
     p.add_argument("--spec-type", default=None, choices=[*SPEC_TYPES, *SPEC_ALIASES],

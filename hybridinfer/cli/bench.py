@@ -222,6 +222,26 @@ def cmd_bench_disk(a) -> int:
     return 0
 
 
+def cmd_bench_vision(a) -> int:
+    import json
+
+    from ..tools.benchmarks import vision
+
+    sizes = vision.parse_sizes(a.sizes)
+    if a.mmproj is None and not a.synth:
+        raise ParameterError("bench vision needs --mmproj FILE or --synth (a random Qwen3.5-shaped mmproj)")
+    for flag, path in (("--mmproj", a.mmproj), ("-m/--model", a.model)):
+        if path is not None and not os.path.isfile(path):
+            raise ParameterError(f"{flag} {path!r}: no such file")
+    isa = None if a.isa in (None, "", "native") else a.isa
+    res = vision.run(a.mmproj, a.model, a.threads, sizes, a.reps, isa, not a.no_llama, a.synth_width,
+                     a.synth_depth, a.seed, a.gpu)
+    print(vision.markdown(res))
+    name = ("synth" if a.mmproj is None else _model_stem(a.mmproj)) + ("-gpu" if a.gpu else "")
+    _save_bench(a.out_dir, f"vision-{name}-t{a.threads}", json.dumps(res, indent=1), lambda png: vision.plot(res, png))
+    return 0
+
+
 def _kv(a) -> dict | None:
     """The K/V flags as Engine.load's keywords for both engines (None: neither type named, each engine's own)."""
     if a.cache_type_k is None and a.cache_type_v is None and not a.no_cache_rotate:
@@ -369,6 +389,23 @@ def add_bench_parsers(sub) -> None:
     b.add_argument("--llama-server", default=None, help="llama.cpp's llama-server: the same prompt on the same file "
                    "and threads without drafts and with --spec-type draft-mtp at each draft length, after ours")
     b.add_argument("--seed", type=seed_int, default=0, help="the prompt's tokens")
+    b.add_argument("--isa", default=os.environ.get("HYBRIDINFER_ISA", "native"),
+                   help="SIMD path: native, scalar, ssse3, avx2, avx512vnni")
+    b = _bench_parser(bsub, "vision", "vision tower: ms per image and images/s on the CPU, and llama.cpp's libmtmd on "
+                      "the same mmproj", cmd_bench_vision, model_required=False)
+    b.add_argument("-mm", "--mmproj", default=None, metavar="FILE", help="the mmproj GGUF timed")
+    b.add_argument("--synth", action="store_true",
+                   help="time a random mmproj of Qwen3.5's published vision shape (depth 27, width 1152, 16 heads, "
+                        "MLP 4304, patch 16, merge 2) instead, projecting to -m's width (else --synth-width)")
+    b.add_argument("--synth-width", type=_int_at_least(1), default=2048,
+                   help="the synthetic projector's output width without -m (default 2048, Qwen3.5-35B-A3B's)")
+    b.add_argument("--synth-depth", type=_int_at_least(1), default=None, help="fewer layers than 27 (quick runs)")
+    b.add_argument("--sizes", default="448x448,1024x768", help="comma-separated image sizes WxH")
+    b.add_argument("-r", "--reps", type=_int_at_least(1), default=3, help="timed encodes of each size (median)")
+    b.add_argument("--no-llama", action="store_true", help="skip llama.cpp's libmtmd")
+    b.add_argument("--gpu", action="store_true", help="the tower's products on the card (gemm.cu), the rest on the "
+                   "host; llama.cpp's mtmd stays on the CPU")
+    b.add_argument("--seed", type=seed_int, default=0, help="the random images (and synthetic weights)")
     b.add_argument("--isa", default=os.environ.get("HYBRIDINFER_ISA", "native"),
                    help="SIMD path: native, scalar, ssse3, avx2, avx512vnni")
     b = _bench_parser(bsub, "prefill", "GPU prefill tok/s vs transfer and compute floors, and llama.cpp",

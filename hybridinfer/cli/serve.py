@@ -15,7 +15,8 @@ LLAMA_ENV = {"LLAMA_ARG_MODEL": "model", "LLAMA_ARG_CTX_SIZE": "n_ctx", "LLAMA_A
              "LLAMA_ARG_N_PARALLEL": "max_seqs", "LLAMA_ARG_BATCH": "step_tokens", "LLAMA_ARG_HOST": "host",
              "LLAMA_ARG_PORT": "port", "LLAMA_ARG_CACHE_TYPE_K": "cache_type_k",
              "LLAMA_ARG_CACHE_TYPE_V": "cache_type_v", "LLAMA_ARG_CHAT_TEMPLATE_FILE": "chat_template_file",
-             "LLAMA_ARG_SPEC_TYPE": "spec_type", "LLAMA_ARG_SPEC_DRAFT_N_MAX": "draft_max"}
+             "LLAMA_ARG_SPEC_TYPE": "spec_type", "LLAMA_ARG_SPEC_DRAFT_N_MAX": "draft_max",
+             "LLAMA_ARG_MMPROJ": "mmproj"}
 
 
 def cmd_serve(a) -> int:

@@ -168,6 +168,7 @@ class Engine(Compute):
         self.max_seqs, self.state_budget, self.step_tokens = max_seqs, state_budget, step_tokens
         self._scheduler = None
         self.spec = None  # speculative decoding (spec.Speculator), or None
+        self.image_encoder = None  # the mmproj's vision tower (engine/images.CachedImageEncoder), or None
         self.n_ctx, self.progress, self.prefill_chunk = n_ctx, progress, prefill_chunk
         self.ctx_note = ""  # why n_ctx is less than asked for, in one line (Engine.load)
         self.lock = threading.RLock()
@@ -195,7 +196,8 @@ class Engine(Compute):
              chat_template: str | None = None, special_in_content: bool = False, cache_type_k: str = "f32",
              cache_type_v: str = "f32", cache_rotate: bool = True, hf: str | None = None,
              hf_token: str | None = None, spec_type: str | None = None, draft_max: int = DEFAULT_DRAFT_MAX,
-             **options) -> Engine:
+             mmproj: str | None = None, image_min_tokens: int | None = None,
+             image_max_tokens: int | None = None, **options) -> Engine:
         """Open a GGUF file and make its engine. Every keyword has a default:
 
         path (default None: the embedded SmolLM2-135M-Instruct Q4_1, unless hf names a model).
@@ -244,6 +246,10 @@ class Engine(Compute):
         spec_type (default None: "mtp" where the file has the multi-token-prediction block, else "none"),
             draft_max (default 3): "mtp" drafts up to draft_max (1-4) tokens with the block, "ngram" by prompt
             lookup, checked in one pass: the same tokens as without (engine/spec.py).
+        mmproj (default None): an mmproj GGUF (llama.cpp's --mmproj) whose vision tower becomes `image_encoder`,
+            refused unless its rows are as wide as the model's embeddings (engine/images.py, docs/vision.md).
+            image_min_tokens (default None: Qwen3.5's processor, 64), image_max_tokens (default None: 16384): an image
+            is resized to hold that many tokens at least and at most (llama.cpp's --image-min/max-tokens).
 
         Backend options, each left to its backend when not given:
         CPU ("cpu", and decode under "gpu" and "auto"): isa (the widest SIMD unit this CPU has: scalar, ssse3,
@@ -294,6 +300,11 @@ class Engine(Compute):
                   snapshot_stride, max_seqs, state_budget, step_tokens)
         eng.ctx_note = ctx.note
         eng.spec = make_speculator(spec_type, draft_max, args, be)
+        if mmproj is not None:
+            from .images import load_encoder
+
+            eng.image_encoder = load_encoder(mmproj, args.n_embd, be, min_tokens=image_min_tokens,
+                                             max_tokens=image_max_tokens)
         _ = eng.scheduler  # its limits checked now, not at the first request
         if chat_template is not None:
             from ..format.chat_template import check_template
@@ -301,6 +312,15 @@ class Engine(Compute):
             eng.chat_template = check_template(chat_template)
         eng.special_in_content = bool(special_in_content)
         return eng
+
+    def encode_image(self, image) -> np.ndarray:
+        """The image's rows for the text model (one per image token, [n_tokens, n_embd] float32), from the mmproj's
+        tower; the same image again comes from the embedding cache. `image`: a path or a PIL image."""
+        if self.image_encoder is None:
+            raise ParameterError("this engine has no vision tower: load it with mmproj=PATH (--mmproj)")
+        from .images import as_rgb
+
+        return self.image_encoder.encode(as_rgb(image)).rows
 
     # tokens ---------------------------------------------------------------------------------------
     def _tok(self):
@@ -441,6 +461,8 @@ class Engine(Compute):
         atexit.unregister(self._at_exit)
         if self._scheduler is not None:
             self._scheduler.close()
+        if self.image_encoder is not None:
+            self.image_encoder.close()
         with self.lock:
             self.backend = None
             _let_go(self._parts)

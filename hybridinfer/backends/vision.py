@@ -1,0 +1,164 @@
+"""The vision tower (models/qwen3vl_vision.py) on a backend: the numpy reference's ops, and the encoder object the
+engine holds (`ImageEncoder` of models/vision_types.py). The CPU's ops (cpu/vision.py) multiply through the SIMD
+library; everything but the products is the same numpy on both."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+import numpy as np
+
+from ..errors import ParameterError
+from ..format.gguf_model import GGUFModel
+from ..format.image_prep import Prepared, prepare
+from ..models import vision_args
+from ..models.vision_types import ImageEmbedding
+
+ATTN_SCORE_FLOATS = 1 << 24  # query rows per attention block: at most this many scores (64 MiB) at once
+
+
+def _gelu_erf_kernel():
+    import numba
+
+    @numba.vectorize(["float32(float32)"], cache=True)
+    def gelu_erf(x):  # torch's nn.GELU(): x/2 (1 + erf(x/sqrt 2)), in float64 then rounded
+        xd = np.float64(x)
+        return np.float32(0.5 * xd * (1.0 + math.erf(xd * 0.7071067811865476)))
+
+    return gelu_erf
+
+
+_GELU_ERF = None
+
+
+class RefVisionOps:
+    """The tower's ops in numpy: float32 products and activations, LayerNorm statistics in float64."""
+
+    def __init__(self, gm: GGUFModel, args, tower):
+        self.gm, self.args, self.tower = gm, args, tower
+        self._vec: dict[str, np.ndarray] = {}
+        self._mat: dict[str, np.ndarray] = {}
+
+    def vector(self, name: str) -> np.ndarray:
+        v = self._vec.get(name)
+        if v is None:
+            v = self._vec[name] = np.ascontiguousarray(self.gm.dequant(name), dtype=np.float32)
+        return v
+
+    def matrix(self, name: str) -> np.ndarray:
+        """W [out, in] float32 (the patch embedding's two halves joined)."""
+        w = self._mat.get(name)
+        if w is None:
+            if name == "v.patch_embd":
+                halves = (self.gm.dequant("v.patch_embd.weight"), self.gm.dequant("v.patch_embd.weight.1"))
+                w = self.tower.patch_weight(*halves)
+            else:
+                w = self.gm.dequant(name + ".weight")
+            w = self._mat[name] = np.ascontiguousarray(w, dtype=np.float32)
+        return w
+
+    def linear(self, x: np.ndarray, name: str) -> np.ndarray:
+        return np.matmul(x, self.matrix(name).T) + self.vector(name + ".bias")
+
+    def layer_norm(self, x: np.ndarray, name: str, eps: float) -> np.ndarray:
+        xd = x.astype(np.float64)
+        mu = xd.mean(-1, keepdims=True)
+        var = ((xd - mu) ** 2).mean(-1, keepdims=True)
+        y = ((xd - mu) / np.sqrt(var + eps)).astype(np.float32)
+        return y * self.vector(name + ".weight") + self.vector(name + ".bias")
+
+    def gelu_tanh(self, x: np.ndarray) -> np.ndarray:
+        c = np.float32(math.sqrt(2.0 / math.pi))
+        return np.float32(0.5) * x * (np.float32(1) + np.tanh(c * (x + np.float32(0.044715) * x * x * x)))
+
+    def gelu_erf(self, x: np.ndarray) -> np.ndarray:
+        global _GELU_ERF
+        if _GELU_ERF is None:
+            _GELU_ERF = _gelu_erf_kernel()
+        return _GELU_ERF(np.ascontiguousarray(x, dtype=np.float32))
+
+    def attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
+        """Full (non-causal) attention within the image, per head, in blocks of query rows (bounded memory)."""
+        n, nh, _ = q.shape
+        out = np.empty_like(v)
+        block = max(1, ATTN_SCORE_FLOATS // n)
+        for h in range(nh):
+            kh, vh = np.ascontiguousarray(k[:, h]), np.ascontiguousarray(v[:, h])
+            for s in range(0, n, block):
+                sc = np.matmul(q[s:s + block, h], kh.T) * np.float32(scale)
+                sc -= sc.max(-1, keepdims=True)
+                np.exp(sc, out=sc)
+                sc /= sc.sum(-1, keepdims=True)
+                out[s:s + block, h] = np.matmul(sc, vh)
+        return out
+
+
+class VisionEncoder:
+    """One mmproj's tower on one backend's ops: `encode(rgb PIL image) -> ImageEmbedding` (models/vision_types.py).
+    `prepare` and `encode_prepared` are its two halves, so a cache can key on the digest before computing."""
+
+    def __init__(self, gm: GGUFModel, args, tower, ops):
+        self.gm, self.args, self.tower, self.ops = gm, args, tower, ops
+        self.n_embd = args.out_dim
+
+    def prepare(self, image) -> Prepared:
+        return prepare(image, self.args.prep)
+
+    def encode_prepared(self, p: Prepared) -> ImageEmbedding:
+        rows = self.tower.forward(self.args, self.ops, p.patches, p.grid)
+        t, h, w = p.grid
+        m = self.args.merge_size
+        return ImageEmbedding(np.ascontiguousarray(rows, dtype=np.float32), (t, h // m, w // m), p.digest)
+
+    def encode(self, image) -> ImageEmbedding:
+        return self.encode_prepared(self.prepare(image))
+
+    def close(self) -> None:
+        if hasattr(self.ops, "close"):
+            self.ops.close()
+        self.ops = None
+        self.gm.close()
+
+
+def load_image_encoder(path, n_embd_text: int | None, simd=None, min_pixels: int | None = None,
+                       max_pixels: int | None = None, gpu: bool = False, min_tokens: int | None = None,
+                       max_tokens: int | None = None) -> VisionEncoder:
+    """The mmproj at `path` as an encoder: its products on the card with `gpu` (gpu/vision.py), else on the CPU
+    through `simd` (a cpu.simd.SimdLib), else the numpy reference. n_embd_text: the text model's embedding width,
+    which the projector's rows must have (MMProjWidthError). The image's size limits: min/max_pixels, or in merged
+    tokens (llama.cpp's --image-min-tokens / --image-max-tokens; a token is (patch·merge)² pixels), else the file's
+    or Qwen3.5's processor defaults (format/image_prep.py)."""
+    for name, v in (("min_tokens", min_tokens), ("max_tokens", max_tokens)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ParameterError(f"image {name} must be a positive integer, got {v!r}")
+    if not os.path.isfile(path):
+        raise ParameterError(f"mmproj {os.fspath(path)!r}: no such file")
+    gm = GGUFModel(path)
+    try:
+        gm.check_finite()
+        tower, args = vision_args(gm, min_pixels, max_pixels)
+        if min_tokens is not None or max_tokens is not None:
+            px = args.prep.factor ** 2
+            lo = min_tokens * px if min_tokens is not None else args.prep.min_pixels
+            hi = max_tokens * px if max_tokens is not None else args.prep.max_pixels
+            if lo > hi:
+                raise ParameterError(f"image min tokens ({lo // px}) must not exceed max tokens ({hi // px})")
+            args = dataclasses.replace(args, prep=dataclasses.replace(args.prep, min_pixels=lo, max_pixels=hi))
+        if n_embd_text is not None:
+            tower.check_text_width(args, n_embd_text, str(path))
+        if gpu:
+            from .gpu.vision import GPUVisionOps
+
+            ops = GPUVisionOps(gm, args, tower)
+        elif simd is None:
+            ops = RefVisionOps(gm, args, tower)
+        else:
+            from .cpu.vision import CPUVisionOps
+
+            ops = CPUVisionOps(gm, args, tower, simd)
+    except BaseException:
+        gm.close()
+        raise
+    return VisionEncoder(gm, args, tower, ops)

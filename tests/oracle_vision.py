@@ -1,0 +1,115 @@
+"""A tiny random-weight `Qwen3_5ForConditionalGeneration` (transformers) and its GGUFs, for the vision tower's
+oracle tests: the mmproj written by llama.cpp's own converter (`convert_hf_to_gguf.py --mmproj`, F32) from a
+checkpoint folder saved at test time (safetensors, config.json, preprocessor_config.json), and the text model by
+tests/oracles/convert_hf.py (F32, no vocabulary: llama.cpp's converter would need a real tokenizer, and the text
+side is that converter's twin, tested in test_oracle_convert.py).
+
+Not a test file. Weights are unit-gain (std 1/sqrt(fan_in)), norms and biases random, so a layout mistake moves
+the embeddings by O(1)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+LLAMA_CPP = Path("/work/llb/llama_cpp_python-0.3.36/vendor/llama.cpp")
+MEAN, STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)  # unequal per channel
+
+
+def converter_path() -> Path | None:
+    """llama.cpp's convert_hf_to_gguf.py: the vendored source of the installed llama-cpp-python, or
+    HYBRIDINFER_LLAMA_CPP_SRC."""
+    root = Path(os.environ.get("HYBRIDINFER_LLAMA_CPP_SRC", LLAMA_CPP))
+    p = root / "convert_hf_to_gguf.py"
+    return p if p.is_file() else None
+
+
+def tiny_vl_config(out_hidden: int = 64, depth: int = 2, hidden: int = 32, heads: int = 2, pos_side: int = 8):
+    from transformers import Qwen3_5Config
+
+    text = dict(vocab_size=256, hidden_size=out_hidden, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                intermediate_size=128, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+                linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                linear_conv_kernel_dim=4, rms_norm_eps=1e-6, max_position_embeddings=4096,
+                rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.5,
+                                 "mrope_section": [2, 1, 1], "mrope_interleaved": True})
+    vision = dict(depth=depth, hidden_size=hidden, intermediate_size=2 * hidden, num_heads=heads, patch_size=16,
+                  spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=out_hidden,
+                  num_position_embeddings=pos_side * pos_side)
+    return Qwen3_5Config(text_config=text, vision_config=vision)
+
+
+def build_tiny_vl(seed: int = 0, **kw):
+    import torch
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    torch.manual_seed(seed)
+    model = Qwen3_5ForConditionalGeneration(tiny_vl_config(**kw)).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
+            elif name.endswith("bias") or "pos_embed" in name:
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+            elif p.ndim >= 2:
+                fan_in = int(np.prod(p.shape[1:]))
+                p.copy_(torch.randn(p.shape, generator=g) / fan_in ** 0.5)
+    return model
+
+
+def make_vl_files(d: str | os.PathLike[str], seed: int = 0, **kw) -> dict:
+    """{'model': HF model, 'mmproj': path, 'text': path} in folder d (made once: files already there are reused)."""
+    d = Path(d)
+    tag = f"s{seed}" + "".join(f"_{k}{v}" for k, v in sorted(kw.items()))
+    model = build_tiny_vl(seed, **kw)
+    mmproj, text, ck = d / f"mmproj-{tag}.gguf", d / f"text-{tag}.gguf", d / f"ck-{tag}"
+    if not mmproj.exists():
+        model.save_pretrained(ck, safe_serialization=True)
+        (ck / "preprocessor_config.json").write_text(json.dumps(
+            {"image_mean": list(MEAN), "image_std": list(STD), "patch_size": 16, "temporal_patch_size": 2,
+             "merge_size": 2, "image_processor_type": "Qwen2VLImageProcessor"}))
+        conv = converter_path()
+        if conv is None:
+            raise FileNotFoundError("llama.cpp's convert_hf_to_gguf.py is not here (HYBRIDINFER_LLAMA_CPP_SRC)")
+        tmp = mmproj.with_suffix(".part")
+        subprocess.run([sys.executable, str(conv), str(ck), "--mmproj", "--outtype", "f32", "--outfile", str(tmp)],
+                       check=True, capture_output=True)
+        tmp.rename(mmproj)
+    if not text.exists():
+        from oracles.convert_hf import convert_hf
+
+        convert_hf(model, None, text.with_suffix(".part"), outtype="f32")
+        text.with_suffix(".part").rename(text)
+    return {"model": model, "mmproj": str(mmproj), "text": str(text)}
+
+
+def hf_processor(min_pixels: int, max_pixels: int):
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, temporal_patch_size=2, image_mean=list(MEAN),
+                                    image_std=list(STD), min_pixels=min_pixels, max_pixels=max_pixels)
+
+
+def hf_embeddings(model, pixel_values: np.ndarray, grid_thw) -> np.ndarray:
+    import torch
+
+    with torch.no_grad():
+        out = model.model.visual(torch.from_numpy(pixel_values), grid_thw=torch.tensor([list(grid_thw)]))
+    return out.pooler_output.float().numpy()
+
+
+def sample_image(w: int, h: int, seed: int = 0):
+    """A smooth random RGB image (gradients plus noise), so resampling has real work."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[0:h, 0:w]
+    base = np.stack([xx / max(w - 1, 1), yy / max(h - 1, 1), (xx + yy) / max(w + h - 2, 1)], -1) * 200
+    img = np.clip(base + rng.normal(0, 25, (h, w, 3)), 0, 255).astype(np.uint8)
+    return Image.fromarray(img, "RGB")

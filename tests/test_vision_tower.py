@@ -1,0 +1,270 @@
+"""The Qwen3.5 vision tower (format/image_prep, models/qwen3vl_vision, backends/vision, engine/images) against
+transformers' image processor and vision model and llama.cpp's libmtmd, on a tiny random-weight
+Qwen3_5ForConditionalGeneration converted at test time by llama.cpp's own converter (tests/oracle_vision.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("PIL")
+
+# the processor's limits for the tiny model: 4 to 64 merged tokens, so a 640x480 image is scaled down
+MIN_PX, MAX_PX = 4 * 1024, 64 * 1024
+
+
+def _rel(a: np.ndarray, b: np.ndarray) -> float:
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+@pytest.fixture(scope="module")
+def vl(tmp_path_factory):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from oracle_vision import converter_path, make_vl_files
+
+    if converter_path() is None:
+        pytest.skip("llama.cpp's convert_hf_to_gguf.py not found (set HYBRIDINFER_LLAMA_CPP_SRC)")
+    return make_vl_files(tmp_path_factory.mktemp("vision"))
+
+
+@pytest.fixture(scope="module")
+def simd():
+    from hybridinfer.backends.cpu.simd import SimdLib
+
+    lib = SimdLib(n_threads=2)
+    yield lib
+    lib.close()
+
+
+# ---- preprocessing ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("hw", [(480, 640), (1, 1), (33, 7), (5000, 300), (40000, 30000), (224, 224), (20, 30)])
+def test_smart_resize_equals_transformers(hw):
+    pytest.importorskip("transformers")
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize as hf
+
+    from hybridinfer.format.image_prep import QWEN_MAX_PIXELS, QWEN_MIN_PIXELS, smart_resize
+
+    for lo, hi in ((QWEN_MIN_PIXELS, QWEN_MAX_PIXELS), (MIN_PX, MAX_PX)):
+        assert smart_resize(*hw, 32, lo, hi) == hf(*hw, factor=32, min_pixels=lo, max_pixels=hi)
+
+
+def test_aspect_ratio_over_200_is_a_typed_error():
+    from hybridinfer.errors import ParameterError
+    from hybridinfer.format.image_prep import smart_resize
+
+    with pytest.raises(ParameterError, match="aspect ratio of 1000x4"):
+        smart_resize(4, 1000, 32, MIN_PX, MAX_PX)
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("wh,limits,grid", [
+    ((64, 64), (MIN_PX, MAX_PX), (1, 4, 4)),  # already a multiple: no change of size
+    ((100, 75), (MIN_PX, MAX_PX), (1, 4, 6)),  # rounded to multiples of 32
+    ((640, 480), (MIN_PX, MAX_PX), (1, 12, 18)),  # beyond max_pixels: scaled down, not refused
+    ((30, 20), (65536, 16777216), (1, 14, 20)),  # Qwen3.5's defaults: a tiny image scaled up to min_pixels
+])
+def test_pixels_equal_transformers_processor(wh, limits, grid):
+    pytest.importorskip("transformers")
+    from oracle_vision import MEAN, STD, hf_processor, sample_image
+
+    from hybridinfer.format.image_prep import PrepConfig, prepare
+
+    img = sample_image(*wh)
+    r = hf_processor(*limits)(images=[img])
+    p = prepare(img, PrepConfig(image_mean=MEAN, image_std=STD, min_pixels=limits[0], max_pixels=limits[1]))
+    assert p.grid == tuple(int(x) for x in r["image_grid_thw"][0]) == grid
+    assert p.patches.dtype == np.float32
+    assert np.array_equal(p.patches, r["pixel_values"])  # bit for bit
+    assert prepare(img, PrepConfig(image_mean=MEAN, image_std=STD, min_pixels=limits[0],
+                                   max_pixels=limits[1])).digest == p.digest
+    assert prepare(sample_image(*wh, seed=1), PrepConfig(min_pixels=limits[0], max_pixels=limits[1])).digest != p.digest
+
+
+# ---- the tower ------------------------------------------------------------------------------------------------
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_tower_equals_transformers(vl, simd, backend):
+    """Merged embeddings from the same pixel values as transformers' processor makes, against
+    model.visual(...).pooler_output: within 1e-4 relative (measured ~1e-6)."""
+    from oracle_vision import hf_embeddings, hf_processor, sample_image
+
+    from hybridinfer.backends.vision import load_image_encoder
+
+    enc = load_image_encoder(vl["mmproj"], 64, simd if backend == "cpu" else None, MIN_PX, MAX_PX)
+    for wh in ((100, 75), (640, 480)):
+        img = sample_image(*wh, seed=3)
+        r = hf_processor(MIN_PX, MAX_PX)(images=[img])
+        want = hf_embeddings(vl["model"], r["pixel_values"], r["image_grid_thw"][0])
+        got = enc.encode(img)
+        t, h, w = (int(x) for x in r["image_grid_thw"][0])
+        assert got.grid == (t, h // 2, w // 2) and got.n_tokens == want.shape[0]
+        assert _rel(got.rows, want) <= 1e-4
+    enc.close()
+
+
+@pytest.mark.oracle
+def test_tower_close_to_llama_cpp_mtmd(vl, tmp_path):
+    """llama.cpp's libmtmd on the same mmproj file (F32). It resizes with its own bicubic, so the images here
+    are already multiples of patch·merge and inside its token limits (set to 1..4096): both sides then see
+    identical pixels. llama.cpp's tower is not transformers' float for float: measured 3-6e-4 relative here (ours
+    is ~1e-6 from transformers), so the bound is 2e-3, far below what a layout mistake gives (O(1))."""
+    pytest.importorskip("llama_cpp")
+    from oracle_vision import sample_image
+
+    from hybridinfer.backends.vision import load_image_encoder
+    from hybridinfer.tools.benchmarks.vision_mtmd import MtmdEncoder
+    from hybridinfer.tools.synth_vision import synth_text_of_width
+
+    text = str(tmp_path / "text64.gguf")
+    synth_text_of_width(text, 64)  # mtmd tokenizes the image's marker text: it needs a vocabulary
+    mt = MtmdEncoder(vl["mmproj"], text, n_threads=2, min_tokens=1, max_tokens=4096)
+    enc = load_image_encoder(vl["mmproj"], 64, None, 1024, 1 << 22)
+    try:
+        for wh in ((64, 64), (128, 192)):
+            img = sample_image(*wh, seed=5)
+            ours, theirs = enc.encode(img).rows, mt.encode_rgb(np.asarray(img))
+            assert _rel(theirs, ours) <= 2e-3
+    finally:
+        mt.close()
+        enc.close()
+
+
+# ---- the engine -----------------------------------------------------------------------------------------------
+
+@pytest.mark.oracle
+def test_engine_encodes_images_once(vl, tmp_path):
+    from oracle_vision import sample_image
+
+    from hybridinfer.engine.api import Engine
+    from hybridinfer.errors import ParameterError
+
+    path = tmp_path / "img.png"
+    sample_image(96, 64, seed=7).save(path)
+    with Engine.load(vl["text"], backend="cpu", n_ctx=256, n_threads=2, mmproj=vl["mmproj"]) as eng:
+        assert eng.image_encoder.n_embd == eng.args.n_embd == 64
+        rows = eng.encode_image(str(path))  # Qwen3.5's min_pixels (65536) scales 96x64 up to 320x224
+        assert rows.shape == (10 * 7, 64) and rows.dtype == np.float32 and np.isfinite(rows).all()
+        again = eng.encode_image(sample_image(96, 64, seed=7))  # the same pixels as a PIL image: a cache hit
+        assert again is rows and eng.image_encoder.cache.hits == 1
+        other = eng.encode_image(sample_image(96, 64, seed=8))
+        assert eng.image_encoder.cache.misses == 2 and not np.array_equal(other, rows)
+    with Engine.load(vl["text"], backend="cpu", n_ctx=256, n_threads=2) as eng:
+        assert eng.image_encoder is None
+        with pytest.raises(ParameterError, match="mmproj"):
+            eng.encode_image(str(path))
+
+
+@pytest.mark.oracle
+def test_engine_image_token_limits(vl):
+    """llama.cpp's --image-min/max-tokens: a 640x480 image under at most 16 tokens is scaled down (to 4x3 merged
+    tokens), a 64x64 one under at least 30 scaled up; limits that cannot hold are refused by name."""
+    from oracle_vision import sample_image
+
+    from hybridinfer.backends.vision import load_image_encoder
+    from hybridinfer.engine.api import Engine
+    from hybridinfer.errors import ParameterError
+
+    with Engine.load(vl["text"], backend="reference", n_ctx=256, mmproj=vl["mmproj"], image_min_tokens=1,
+                     image_max_tokens=16) as eng:
+        assert eng.encode_image(sample_image(640, 480)).shape == (12, 64)
+    enc = load_image_encoder(vl["mmproj"], 64, min_tokens=30)
+    assert enc.encode(sample_image(64, 64)).grid == (1, 6, 6)
+    with pytest.raises(ParameterError, match=r"min tokens \(9\) must not exceed max tokens \(8\)"):
+        load_image_encoder(vl["mmproj"], 64, min_tokens=9, max_tokens=8)
+    with pytest.raises(ParameterError, match="max_tokens must be a positive integer, got 0"):
+        load_image_encoder(vl["mmproj"], 64, max_tokens=0)
+
+
+def test_mmproj_of_another_width_is_refused(tmp_path, oracle_gguf):
+    from hybridinfer.engine.api import Engine
+    from hybridinfer.models.qwen3vl_vision import MMProjWidthError
+    from hybridinfer.tools.synth_vision import synth_mmproj
+
+    mm = tmp_path / "mm48.gguf"
+    synth_mmproj(mm, 48, {"depth": 1, "hidden": 32, "heads": 2, "ff": 64, "pos_side": 4}, dtype="f32")
+    with pytest.raises(MMProjWidthError, match="width 48.*width is 64"):
+        Engine.load(oracle_gguf("qwen35"), backend="reference", n_ctx=256, mmproj=str(mm))
+
+
+def test_text_model_as_mmproj_is_refused(oracle_gguf, tmp_path):
+    from hybridinfer.backends.vision import load_image_encoder
+    from hybridinfer.errors import ParameterError, UnsupportedArchitectureError
+
+    with pytest.raises(ParameterError, match="mmproj .*nope.gguf.*no such file"):
+        load_image_encoder(tmp_path / "nope.gguf", 64)
+
+    with pytest.raises(UnsupportedArchitectureError, match="not an mmproj.*'qwen35'"):
+        load_image_encoder(oracle_gguf("qwen35"), 64)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+def test_synth_mmproj_cpu_matches_reference(tmp_path, simd, dtype):
+    """The synthetic file (bench vision --synth) loads; the CPU's SIMD products agree with the reference's
+    (F16 weights round the CPU's activations to fp16, as llama.cpp does)."""
+    from oracle_vision import sample_image
+
+    from hybridinfer.backends.vision import load_image_encoder
+    from hybridinfer.tools.synth_vision import synth_mmproj
+
+    mm = tmp_path / "mm.gguf"
+    synth_mmproj(mm, 40, {"depth": 2, "hidden": 48, "heads": 4, "ff": 96, "pos_side": 6}, dtype=dtype)
+    img = sample_image(70, 50, seed=2)
+    ref = load_image_encoder(mm, 40, None, MIN_PX, MAX_PX).encode(img)
+    cpu = load_image_encoder(mm, 40, simd, MIN_PX, MAX_PX).encode(img)
+    assert ref.grid == cpu.grid == (1, 2, 2) and ref.digest == cpu.digest
+    assert _rel(cpu.rows, ref.rows) <= (1e-5 if dtype == "f32" else 2e-2)
+
+
+def test_embedding_lru_evicts_least_recent_by_bytes():
+    from hybridinfer.engine.images import EmbeddingLRU
+    from hybridinfer.models.vision_types import ImageEmbedding
+
+    def emb(d):
+        return ImageEmbedding(np.zeros((4, 8), np.float32), (1, 2, 2), d)  # 128 bytes
+
+    lru = EmbeddingLRU(300)
+    lru.put(emb("a"))
+    lru.put(emb("b"))
+    assert lru.get("a") is not None  # a is now the most recent
+    lru.put(emb("c"))  # 384 bytes > 300: b goes
+    assert lru.get("b") is None and lru.get("a") is not None and lru.get("c") is not None
+    assert lru.bytes == 256 and len(lru) == 2
+
+
+def test_bench_vision(tmp_path, capsys):
+    """`bench vision` end to end on a small synthetic mmproj: the table has one row per size with the tower's token
+    count, llama.cpp's beside it (same tokens, close rows) where llama-cpp-python is installed."""
+    import importlib.util
+    import json
+
+    from md_tables import md_rows
+
+    from hybridinfer.cli import main
+    from hybridinfer.tools.synth_vision import synth_mmproj
+
+    mm = tmp_path / "mm.gguf"
+    synth_mmproj(mm, 64, {"depth": 1, "hidden": 32, "heads": 2, "ff": 64, "pos_side": 8}, dtype="f32")
+    llama = importlib.util.find_spec("llama_cpp") is not None
+    args = ["bench", "vision", "--mmproj", str(mm), "--sizes", "256x256,320x256",
+            "-r", "1", "-t", "2", "--out-dir", str(tmp_path)] + ([] if llama else ["--no-llama"])
+    assert main(args) == 0
+    rows = md_rows(capsys.readouterr().out, "| size |")
+    assert [r[:2] for r in rows] == [["256x256", "64"], ["320x256", "80"]]  # inside both sides' pixel limits
+    res = json.loads((tmp_path / "vision-mm-t2.json").read_text())
+    assert res["out_width"] == 64
+    for r in res["rows"]:
+        assert r["ms"] > 0
+        if llama:
+            assert r["llama_tokens"] == r["tokens"] and r["rel_diff"] < 2e-3
+
+
+def test_bench_vision_bad_flags():
+    from hybridinfer.cli import main
+
+    assert main(["bench", "vision"]) == 2  # neither --mmproj nor --synth
+    assert main(["bench", "vision", "--synth", "--sizes", "64by64"]) == 2
+    assert main(["bench", "vision", "--mmproj", "/nonexistent/mm.gguf"]) == 2
