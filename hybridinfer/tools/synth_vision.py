@@ -21,20 +21,23 @@ MEAN_STD = [0.5, 0.5, 0.5]  # Qwen3.5's preprocessor_config.json
 def synth_mmproj(path: str | os.PathLike[str], out_dim: int, shape: dict | None = None, dtype: str = "f16",
                  seed: int = 0) -> dict:
     """Write the mmproj; `shape` overrides keys of QWEN35_VISION; dtype "f16" (matrices F16, as released mmproj
-    files are) or "f32". Returns the shape written."""
+    files are), "f32", or "q8_0" (2-D matrices whose rows are whole Q8_0 blocks quantized, as llama.cpp's converter
+    writes with --outtype q8_0; the rest F16). Returns the shape written."""
     import gguf
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import quantize
 
     hp = {**QWEN35_VISION, **(shape or {})}
-    if dtype not in ("f16", "f32"):
-        raise ShapeError(f"mmproj dtype must be f16 or f32, got {dtype!r}")
+    if dtype not in ("f16", "f32", "q8_0"):
+        raise ShapeError(f"mmproj dtype must be f16, f32 or q8_0, got {dtype!r}")
     c, f, p, m, side = hp["hidden"], hp["ff"], hp["patch"], hp["merge"], hp["pos_side"]
     if out_dim < 1 or c % hp["heads"] or (c // hp["heads"]) % 4:
         raise ShapeError(f"vision shape {hp} / out_dim {out_dim} is not valid")
     rng = np.random.default_rng(seed)
-    mdt = np.float16 if dtype == "f16" else np.float32
+    mdt = np.float32 if dtype == "f32" else np.float16
     w = gguf.GGUFWriter(os.fspath(path), "clip")
     w.add_type(gguf.GGUFType.MMPROJ)
-    w.add_file_type(1 if dtype == "f16" else 0)
+    w.add_file_type({"f32": 0, "f16": 1, "q8_0": 7}[dtype])
     w.add_bool("clip.has_vision_encoder", True)
     w.add_string("clip.projector_type", "qwen3vl_merger")
     w.add_uint32("clip.vision.projection_dim", out_dim)
@@ -53,7 +56,11 @@ def synth_mmproj(path: str | os.PathLike[str], out_dim: int, shape: dict | None 
 
     def mat(name, out, inp, *extra):  # numpy shape [out, inp] (or the conv's [C, 3, p, p])
         shp = (out, *extra) if extra else (out, inp)
-        w.add_tensor(name, (rng.standard_normal(shp, dtype=np.float32) / np.sqrt(inp)).astype(mdt))
+        x = rng.standard_normal(shp, dtype=np.float32) / np.sqrt(inp)
+        if dtype == "q8_0" and not extra and inp % 32 == 0:
+            w.add_tensor(name, quantize(x, Q.Q8_0), raw_shape=quantize(x, Q.Q8_0).shape, raw_dtype=Q.Q8_0)
+        else:
+            w.add_tensor(name, x.astype(mdt))
 
     def vec(name, n, around=0.0, spread=0.1):
         w.add_tensor(name, (around + spread * rng.standard_normal(n)).astype(np.float32))
