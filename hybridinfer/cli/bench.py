@@ -235,7 +235,7 @@ def cmd_bench_vision(a) -> int:
             raise ParameterError(f"{flag} {path!r}: no such file")
     isa = None if a.isa in (None, "", "native") else a.isa
     res = vision.run(a.mmproj, a.model, a.threads, sizes, a.reps, isa, not a.no_llama, a.synth_width,
-                     a.synth_depth, a.seed, a.gpu)
+                     a.synth_depth, a.seed, a.gpu, a.card_profile)
     print(vision.markdown(res))
     name = ("synth" if a.mmproj is None else _model_stem(a.mmproj)) + ("-gpu" if a.gpu else "")
     _save_bench(a.out_dir, f"vision-{name}-t{a.threads}", json.dumps(res, indent=1), lambda png: vision.plot(res, png))
@@ -405,6 +405,8 @@ def add_bench_parsers(sub) -> None:
     b.add_argument("--no-llama", action="store_true", help="skip llama.cpp's libmtmd")
     b.add_argument("--gpu", action="store_true", help="the tower's products on the card (gemm.cu), the rest on the "
                    "host; llama.cpp's mtmd stays on the CPU")
+    b.add_argument("--card-profile", default=None, choices=["fermi", "kepler", "maxwell", "pascal"],
+                   help="with --gpu: kernels compiled and tiles chosen as for that card class (default: the card)")
     b.add_argument("--seed", type=seed_int, default=0, help="the random images (and synthetic weights)")
     b.add_argument("--isa", default=os.environ.get("HYBRIDINFER_ISA", "native"),
                    help="SIMD path: native, scalar, ssse3, avx2, avx512vnni")

@@ -27,6 +27,9 @@ class GPUVisionOps(RefVisionOps):
         super().__init__(gm, args, tower)
         loader.init(device)
         self._dev: dict = {}
+        # the products' work and the card's time for them (kernel time between events, no transfers), summed since
+        # load: `bench vision` gives their FLOP/s against the card's FMA peak
+        self.product_flops, self.product_s = 0, 0.0
 
     def _host_matrix(self, name: str) -> tuple[np.ndarray, int]:
         """(W [N, K] as float32 or float16, its ggml type) without dequantizing F16."""
@@ -53,13 +56,22 @@ class GPUVisionOps(RefVisionOps):
         return hit
 
     def linear(self, x: np.ndarray, name: str) -> np.ndarray:
+        import pycuda.driver as drv
         from pycuda import gpuarray
 
         from .k_gemm import gemm
 
         with loader.on_this_thread():
             w, k = self._weight(name)
-            y = gemm(gpuarray.to_gpu(_pad_cols(np.asarray(x, dtype=np.float32), k)), w).get()
+            xs = gpuarray.to_gpu(_pad_cols(np.asarray(x, dtype=np.float32), k))
+            start, end = drv.Event(), drv.Event()
+            start.record()
+            ys = gemm(xs, w)
+            end.record()
+            end.synchronize()
+            self.product_s += end.time_since(start) / 1e3
+            self.product_flops += 2 * x.shape[0] * w.shape[0] * x.shape[1]  # the unpadded work
+            y = ys.get()
         return y + self.vector(name + ".bias")
 
     def close(self) -> None:

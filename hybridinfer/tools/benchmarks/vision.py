@@ -53,10 +53,12 @@ def _median_s(fn, reps: int) -> tuple[float, object]:
 
 def run(mmproj: str | None, text_model: str | None, threads: int, sizes, reps: int = 3, isa: str | None = None,
         llama: bool = True, synth_width: int = 2048, synth_depth: int | None = None, seed: int = 0,
-        gpu: bool = False) -> dict:
+        gpu: bool = False, card_profile: str | None = None) -> dict:
     """mmproj None: a synthetic Qwen3.5-shaped one (tools/synth_vision) of output width `synth_width` (the text
     model's, when one is given), made in a temporary folder; `synth_depth` overrides its 27 layers. gpu: the
-    tower's products on the card (backends/gpu/vision.py) instead of the SIMD library."""
+    tower's products on the card (backends/gpu/vision.py) instead of the CPU's, compiled and tiled as for
+    `card_profile` (None: the card itself); each row then also gives the products' FLOP/s on the card (kernel time)
+    and their fraction of its measured FMA peak."""
     from ...backends.cpu.simd import SimdLib
     from ...backends.vision import load_image_encoder
     from ...format.gguf_model import GGUFModel
@@ -75,9 +77,18 @@ def run(mmproj: str | None, text_model: str | None, threads: int, sizes, reps: i
             mmproj = os.path.join(tmp, "mmproj-synth.gguf")
             shape = synth_mmproj(mmproj, width, {"depth": synth_depth} if synth_depth else None, seed=seed)
         lib = SimdLib(isa=isa, n_threads=threads)
+        peak = None
+        if gpu:
+            from ...backends.gpu import loader
+            from ...backends.gpu.k_peak import fma_peak_flops
+
+            loader.init()
+            loader.configure(card_profile)
+            peak = fma_peak_flops()
         enc = load_image_encoder(mmproj, None, lib, gpu=gpu)
         res = {"mmproj": mmproj if shape is None else "synthetic", "shape": shape, "threads": threads,
-               "isa": "gpu products" if gpu else lib.isa, "out_width": enc.n_embd, "reps": reps, "rows": []}
+               "isa": f"gpu products ({card_profile or 'the card'})" if gpu else lib.isa, "out_width": enc.n_embd,
+               "reps": reps, "rows": [], "fma_peak_tflops": None if peak is None else peak / 1e12}
         mt = None
         if llama:
             from .vision_mtmd import MtmdEncoder
@@ -89,9 +100,14 @@ def run(mmproj: str | None, text_model: str | None, threads: int, sizes, reps: i
         try:
             for w, h in sizes:
                 img = _image(w, h, seed)
+                if gpu:
+                    enc.ops.product_flops, enc.ops.product_s = 0, 0.0
                 ours_s, ours = _median_s(lambda img=img: enc.encode(img), reps)
                 row = {"size": f"{w}x{h}", "tokens": ours.n_tokens, "grid": list(ours.grid), "ms": ours_s * 1e3,
                        "img_s": 1 / ours_s}
+                if gpu and enc.ops.product_s > 0:
+                    fl = enc.ops.product_flops / enc.ops.product_s
+                    row |= {"product_tflops": fl / 1e12, "product_peak_frac": fl / peak}
                 if mt is not None:
                     rgb = np.asarray(img)
                     ll_s, ll = _median_s(lambda rgb=rgb: mt.encode_rgb(rgb), reps)
@@ -109,7 +125,12 @@ def run(mmproj: str | None, text_model: str | None, threads: int, sizes, reps: i
 
 def markdown(res: dict) -> str:
     lines = [f"vision tower, {res['mmproj']} (out width {res['out_width']}; {res['isa']}, {res['threads']} threads, "
-             f"median of {res['reps']})", "",
+             f"median of {res['reps']})", ""]
+    if res.get("fma_peak_tflops"):
+        lines += [f"products on the card: FMA peak {res['fma_peak_tflops']:.1f} TFLOP/s (measured)", ""] + [
+            f"- {r['size']}: products {r['product_tflops']:.2f} TFLOP/s, {100 * r['product_peak_frac']:.1f}% of peak"
+            for r in res["rows"] if "product_tflops" in r] + [""]
+    lines += [
              "| size | tokens | hybridinfer ms | img/s | llama.cpp mtmd ms | img/s | x llama.cpp | rel diff |",
              "|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
