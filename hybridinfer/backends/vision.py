@@ -70,8 +70,19 @@ class RefVisionOps:
         return y * self.vector(name + ".weight") + self.vector(name + ".bias")
 
     def gelu_tanh(self, x: np.ndarray) -> np.ndarray:
+        """0.5 x (1 + tanh(c (x + 0.044715 x^3))), evaluated in place in that order (few temporaries: the MLP's
+        rows are large)."""
         c = np.float32(math.sqrt(2.0 / math.pi))
-        return np.float32(0.5) * x * (np.float32(1) + np.tanh(c * (x + np.float32(0.044715) * x * x * x)))
+        t = x * np.float32(0.044715)
+        t *= x
+        t *= x
+        t += x
+        t *= c
+        np.tanh(t, out=t)
+        t += np.float32(1)
+        y = x * np.float32(0.5)
+        y *= t
+        return y
 
     def gelu_erf(self, x: np.ndarray) -> np.ndarray:
         global _GELU_ERF
@@ -80,19 +91,22 @@ class RefVisionOps:
         return _GELU_ERF(np.ascontiguousarray(x, dtype=np.float32))
 
     def attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
-        """Full (non-causal) attention within the image, per head, in blocks of query rows (bounded memory)."""
+        """Full (non-causal) attention within the image, all heads in one batched product per block of query rows
+        (bounded memory), each score row scaled, max-subtracted, exponentiated and normalized in place."""
         n, nh, _ = q.shape
-        out = np.empty_like(v)
-        block = max(1, ATTN_SCORE_FLOATS // n)
-        for h in range(nh):
-            kh, vh = np.ascontiguousarray(k[:, h]), np.ascontiguousarray(v[:, h])
-            for s in range(0, n, block):
-                sc = np.matmul(q[s:s + block, h], kh.T) * np.float32(scale)
-                sc -= sc.max(-1, keepdims=True)
-                np.exp(sc, out=sc)
-                sc /= sc.sum(-1, keepdims=True)
-                out[s:s + block, h] = np.matmul(sc, vh)
-        return out
+        qh = np.ascontiguousarray(q.transpose(1, 0, 2))  # (heads, rows, hd): contiguous operands for BLAS
+        kt = np.ascontiguousarray(k.transpose(1, 2, 0))
+        vh = np.ascontiguousarray(v.transpose(1, 0, 2))
+        out = np.empty((nh, n, v.shape[2]), np.float32)
+        block = max(1, ATTN_SCORE_FLOATS // (n * nh))
+        for s in range(0, n, block):
+            sc = np.matmul(qh[:, s:s + block], kt)
+            sc *= np.float32(scale)
+            sc -= sc.max(-1, keepdims=True)
+            np.exp(sc, out=sc)
+            sc /= sc.sum(-1, keepdims=True)
+            np.matmul(sc, vh, out=out[:, s:s + block])
+        return np.ascontiguousarray(out.transpose(1, 0, 2))
 
 
 class VisionEncoder:
