@@ -135,11 +135,11 @@ extern "C" __global__ void gdn_l2norm_qk(float* __restrict__ c, int T, int C, in
 // through shared memory (partials of the NG row groups, column-major at pitch NG + 1: a thread's NG
 // partials are consecutive, one base address plus constants, and a warp's writes hit distinct banks),
 // two __syncthreads per token. Tokens are staged GDN_TC at a time (a chunk ends early at a snapshot position);
-// row group 0 collects the chunk's outputs in shared memory and writes them to o after it.
+// row group 0 leaves each token's outputs in place of its v values and writes them to o after the chunk.
 // c [T, C]: q, k normalised by gdn_l2norm_qk, v raw (post-SiLU); a, b [T, H_v] (alpha and beta
 // projections); ssm_a, dt_bias [H_v]; S [H_v, d_k, d_v] read and written back; o [T, H_v, d_v].
 // snap_S [n_snap, H_v, d_k, d_v]: S after snap_pos[s] tokens (snap_pos ascending, 0 <= p <= T).
-// Dynamic shared memory: (2 GDN_TC DKP + 2 GDN_TC VB + 2 GDN_TC + 2 (NG + 1) VB) floats, DKP = NG GDN_MAXR
+// Dynamic shared memory: (2 GDN_TC DKP + GDN_TC VB + 2 GDN_TC + 2 (NG + 1) VB) floats, DKP = NG GDN_MAXR
 // (gdn_smem's layout).
 // sum over g < NG of p[x (NG + 1) + g]; pairwise for NG = 8 (d_k = 128), a shorter dependent chain
 __device__ __forceinline__ float pf_group_sum(const float* p, int NG, int x) {
@@ -204,10 +204,10 @@ __device__ __forceinline__ void gdn_snapshots(int pos, int& ns, int& next, const
 }
 
 // The delta rule's dynamic shared memory, in floats: the decay e^g and beta of GDN_TC tokens at fixed offsets, then
-// the partials of k.S and q.S (VB x (NG + 1) each), the chunk's outputs and v (GDN_TC x VB each), and q and k
-// (GDN_TC x DKP each). k_gdn.delta_rule_smem gives its size.
+// the partials of k.S and q.S (VB x (NG + 1) each), v and then the outputs (GDN_TC x VB), and q and k (GDN_TC x DKP
+// each). k_gdn.delta_rule_smem gives its size.
 struct GdnSmem {
-    float *gs, *bs, *pa, *pb, *os, *vs, *qs, *ks;
+    float *gs, *bs, *pa, *pb, *vs, *qs, *ks;
 };
 
 // Callers pass opaque copies of NG and VB (hi_opaque) so that the pointers are recomputed where they are used, a
@@ -218,8 +218,7 @@ __device__ __forceinline__ GdnSmem gdn_smem(float* sm, int NG, int VB) {
     m.bs = sm + GDN_TC;
     m.pa = sm + 2 * GDN_TC;
     m.pb = m.pa + (NG + 1) * VB;
-    m.os = m.pb + (NG + 1) * VB;
-    m.vs = m.os + GDN_TC * VB;
+    m.vs = m.pb + (NG + 1) * VB;
     m.qs = m.vs + GDN_TC * VB;
     m.ks = m.qs + GDN_TC * NG * GDN_MAXR;
     return m;
@@ -253,7 +252,9 @@ __device__ __forceinline__ void gdn_stage(const GdnSmem& m, const float* __restr
 }
 
 // One token of the recurrence on this thread's rows of S (s), column x, row group y; two barriers. Row group 0
-// leaves the column's output in m.os.
+// leaves the column's output where the token's v was: every thread has read that v before the second barrier, and
+// the next chunk's staging comes after the thread has written the output to o, so the outputs take no shared memory
+// of their own (a 2 KiB buffer would halve a GK104's resident blocks at d_k = d_v = 128).
 __device__ __forceinline__ void gdn_token(const GdnSmem& m, float s[GDN_MAXR], int tt, int x, int y, int NG,
                                           int VB) {
     const float dec = m.gs[tt], beta = m.bs[tt];
@@ -284,7 +285,7 @@ __device__ __forceinline__ void gdn_token(const GdnSmem& m, float s[GDN_MAXR], i
     }
     m.pb[x * (NG + 1) + y] = p0 + p1;
     __syncthreads();
-    if (y == 0) m.os[tt * VB + x] = pf_group_sum(m.pb, NG, x);
+    if (y == 0) m.vs[tt * VB + x] = pf_group_sum(m.pb, NG, x);
 }
 
 // At most GDN_MAX_THREADS threads per block (d_k <= 256), so the registers fit any card's register file. Through
@@ -330,7 +331,7 @@ extern "C" __global__ void HI_BOUNDS(GDN_MAX_THREADS)
             const int dv = hi_opaque(d_v), hv = hi_opaque(H_v), VB = hi_opaque(blockDim.x), x = hi_opaque(threadIdx.x);
             const int cl = hi_opaque(blockIdx.x) * VB + x;
             if (cl < dv) {
-                const float* src = gdn_smem(sm, hi_opaque(blockDim.y), VB).os + x;
+                const float* src = gdn_smem(sm, hi_opaque(blockDim.y), VB).vs + x;
                 float* dst = o + ((size_t)t0 * hv + hi_opaque(blockIdx.y)) * dv + cl;
                 for (int tt = 0; tt < nt; ++tt) {
                     *dst = src[tt * VB];
