@@ -27,12 +27,6 @@ pytestmark = [
     pytest.mark.skipif(PTXAS is None, reason="CUDA 11.8's ptxas not found (pip install nvidia-cuda-nvcc-cu11)"),
 ]
 
-# Kernels a class runs that spill in this check, known and not yet fixed: clang's PTX of the delta rule needs more
-# than 63 registers (nvcc 13's own PTX of it assembles spill-free at 63 for sm_75 and sm_90). Listed so the test
-# says so by name; strict: it fails once the kernel stops spilling, so the entry is removed then.
-KNOWN_SPILLS = {(kclass.R63, "gdn_delta_rule")}
-
-
 @pytest.fixture(scope="session")
 def measured():
     sources = sorted(SRC.glob("*.cu"))
@@ -71,15 +65,9 @@ def test_no_kernel_a_class_runs_spills_or_overflows(measured, cls):
         u = measured[cls][k]
         if u.smem > lim.smem_per_block or u.regs > lim.regs_per_thread:
             bad.append(f"{k}: {u.regs} registers, {u.smem} B shared")
-        elif u.spill and (cls, k) not in KNOWN_SPILLS:
+        elif u.spill:
             bad.append(f"{k}: spills {u.spill} B on {u.arch}")
     assert not bad, f"class {cls}:\n" + "\n".join(bad)
-
-
-@pytest.mark.parametrize("cls, kernel", sorted(KNOWN_SPILLS))
-@pytest.mark.xfail(strict=True, reason="known spill under clang-16 PTX at 63 registers (see KNOWN_SPILLS)")
-def test_known_spills_still_spill(measured, cls, kernel):
-    assert measured[cls][kernel].spill == 0, f"{kernel} spills {measured[cls][kernel].spill} B in class {cls}"
 
 
 def test_every_gemm_tile_of_each_class_is_compiled(measured):

@@ -109,6 +109,26 @@ def test_delta_rule_block_fits_the_class_bound():
         delta_rule_shape(4096, 128, kclass.R255)
 
 
+def test_delta_rule_shared_memory_keeps_two_blocks_on_gk104():
+    """The delta rule's outputs reuse its v rows instead of a shared buffer of their own: at Qwen3.5's heads
+    (d_k = d_v = 128) a GTX 680 (sm_30, 63-register class, 48 KiB a multiprocessor) holds two 512-thread blocks,
+    which 2 KiB more a block (GDN_TC x VB floats) would cut to one; every head size up to 256 fits a block."""
+    from hybridinfer.backends.gpu.k_gdn import TC, delta_rule_shape, delta_rule_smem
+
+    gk104 = cards.card("gtx680").limits
+    cls = kclass.kernel_class(gk104)
+    regs = USAGE[cls]["gdn_delta_rule"][0]
+    vb, ng = delta_rule_shape(128, 128, cls)
+    smem = delta_rule_smem(vb, ng, cls)
+    assert (vb, ng, smem) == (32, 16, 22912)
+    assert kclass.resident_blocks(gk104, regs, smem, vb * ng) == 2
+    assert kclass.resident_blocks(gk104, regs, smem + TC * vb * 4, vb * ng) == 1
+    for c in kclass.CLASSES:
+        for d_k, d_v in ((128, 128), (256, 128), (256, 16), (16, 256)):
+            vb, ng = delta_rule_shape(d_k, d_v, c)
+            assert delta_rule_smem(vb, ng, c) <= loader.MAX_SHARED, (c, d_k, d_v)
+
+
 def test_resident_blocks():
     fermi = cards.card("c2075").limits
     # 63 registers x 256 threads: 2 blocks in Fermi's 32K registers; 18 KB of shared memory: 2 in 48 KB

@@ -134,11 +134,13 @@ extern "C" __global__ void gdn_l2norm_qk(float* __restrict__ c, int T, int C, in
 // i = y GDN_MAXR + r (r < GDN_MAXR) of column blockIdx.x*VB + x of S_j in registers; sums over d_k go
 // through shared memory (partials of the NG row groups, column-major at pitch NG + 1: a thread's NG
 // partials are consecutive, one base address plus constants, and a warp's writes hit distinct banks),
-// two __syncthreads per token.
+// two __syncthreads per token. Tokens are staged GDN_TC at a time (a chunk ends early at a snapshot position);
+// row group 0 leaves each token's outputs in place of its v values and writes them to o after the chunk.
 // c [T, C]: q, k normalised by gdn_l2norm_qk, v raw (post-SiLU); a, b [T, H_v] (alpha and beta
 // projections); ssm_a, dt_bias [H_v]; S [H_v, d_k, d_v] read and written back; o [T, H_v, d_v].
 // snap_S [n_snap, H_v, d_k, d_v]: S after snap_pos[s] tokens (snap_pos ascending, 0 <= p <= T).
-// Dynamic shared memory: (2 GDN_TC DKP + GDN_TC VB + 2 GDN_TC + 2 (NG + 1) VB) floats, DKP = NG GDN_MAXR.
+// Dynamic shared memory: (2 GDN_TC DKP + GDN_TC VB + 2 GDN_TC + 2 (NG + 1) VB) floats, DKP = NG GDN_MAXR
+// (gdn_smem's layout).
 // sum over g < NG of p[x (NG + 1) + g]; pairwise for NG = 8 (d_k = 128), a shorter dependent chain
 __device__ __forceinline__ float pf_group_sum(const float* p, int NG, int x) {
     const float* q = p + x * (NG + 1);
@@ -151,144 +153,195 @@ __device__ __forceinline__ float pf_group_sum(const float* p, int NG, int x) {
     return acc;
 }
 
-// At most GDN_MAX_THREADS threads per block (d_k <= 256), so the registers fit any card's register file.
-// every snapshot slot that asks for position `pos` (the state after `pos` tokens; they come in order) gets
-// this thread's rows of S (rows i = y GDN_MAXR + r of column col of head j)
-__device__ __forceinline__ void gdn_snapshots(int pos, int& ns, int& next, const int* __restrict__ snap_pos,
-                                              int n_snap, float* __restrict__ snap_S, const float s[GDN_MAXR], int y,
-                                              int col, int d_k, int d_v, int H_v, int j) {
-    while (next == pos) {
-        // rare: the addresses are computed here (hi_opaque), not held in registers across the token loop
-        const int dk = hi_opaque(d_k), dv = hi_opaque(d_v);
-        float* dst = snap_S + (((size_t)ns * H_v + j) * dk + y * GDN_MAXR) * dv + col;
+// This thread's rows of S, rows i = y GDN_MAXR + r (y = threadIdx.y) of column col (the block's columns from
+// blockIdx.x blockDim.x) of the [d_k, d_v] matrix of value head j = blockIdx.y in M ([n, H_v, d_k, d_v]), slot n,
+// loaded or stored. The indices are opaque copies (hi_opaque), so the addresses and bounds tests are computed at
+// each call instead of being shared between the load at the start and the stores at the end and held, eight
+// 64-bit addresses and eight predicates, through the whole kernel.
+struct GdnRows {
+    size_t off;  // of row y GDN_MAXR, column col
+    int y, col, dk, dv;
+};
+
+__device__ __forceinline__ GdnRows gdn_rows(int slot, int H_v, int d_k, int d_v) {
+    GdnRows w;
+    w.dk = hi_opaque(d_k);
+    w.dv = hi_opaque(d_v);
+    w.y = hi_opaque(threadIdx.y);
+    w.col = hi_opaque(blockIdx.x) * hi_opaque(blockDim.x) + hi_opaque(threadIdx.x);
+    w.off = (((size_t)slot * hi_opaque(H_v) + hi_opaque(blockIdx.y)) * w.dk + w.y * GDN_MAXR) * w.dv + w.col;
+    return w;
+}
+
+__device__ __forceinline__ void gdn_rows_load(const float* M, float s[GDN_MAXR], const GdnRows& w) {
+    const float* src = M + w.off;
 #pragma unroll
-        for (int r = 0; r < GDN_MAXR; ++r) {
-            if (y * GDN_MAXR + r < dk && col < dv) *dst = s[r];
-            dst += dv;
-        }
+    for (int r = 0; r < GDN_MAXR; ++r) {
+        s[r] = (w.y * GDN_MAXR + r < w.dk && w.col < w.dv) ? *src : 0.0f;
+        src += w.dv;
+    }
+}
+
+__device__ __forceinline__ void gdn_rows_store(float* M, const float s[GDN_MAXR], const GdnRows& w) {
+    float* dst = M + w.off;
+#pragma unroll
+    for (int r = 0; r < GDN_MAXR; ++r) {
+        if (w.y * GDN_MAXR + r < w.dk && w.col < w.dv) *dst = s[r];
+        dst += w.dv;
+    }
+}
+
+// every snapshot slot that asks for position `pos` (the state after `pos` tokens; they come in order) gets
+// this thread's rows of S
+__device__ __forceinline__ void gdn_snapshots(int pos, int& ns, int& next, const int* __restrict__ snap_pos,
+                                              int n_snap, float* __restrict__ snap_S, const float s[GDN_MAXR],
+                                              int d_k, int d_v, int H_v) {
+    while (next == pos) {
+        gdn_rows_store(snap_S, s, gdn_rows(ns, H_v, d_k, d_v));
         ++ns;
         next = ns < n_snap ? snap_pos[ns] : -1;
     }
 }
 
-// stage a chunk of nt tokens from t0: q and k rows of key head kh padded with zeros to DKP, the block's VB value
-// columns of head j, the decay e^g and beta of each token
-__device__ __forceinline__ void gdn_stage(const float* __restrict__ c, const float* __restrict__ a,
-                                          const float* __restrict__ b, float* qs, float* ks, float* vs, float* gs,
-                                          float* bs, int t0, int nt, int tid, int nth, int DKP, int VB, int C, int kh,
-                                          int H_k, int H_v, int j, int d_k, int d_v, float a_j, float dt_j) {
+// The delta rule's dynamic shared memory, in floats: the decay e^g and beta of GDN_TC tokens at fixed offsets, then
+// the partials of k.S and q.S (VB x (NG + 1) each), v and then the outputs (GDN_TC x VB), and q and k (GDN_TC x DKP
+// each). k_gdn.delta_rule_smem gives its size.
+struct GdnSmem {
+    float *gs, *bs, *pa, *pb, *vs, *qs, *ks;
+};
+
+// Callers pass opaque copies of NG and VB (hi_opaque) so that the pointers are recomputed where they are used, a
+// few integer operations, instead of eight registers held through the token loop
+__device__ __forceinline__ GdnSmem gdn_smem(float* sm, int NG, int VB) {
+    GdnSmem m;
+    m.gs = sm;
+    m.bs = sm + GDN_TC;
+    m.pa = sm + 2 * GDN_TC;
+    m.pb = m.pa + (NG + 1) * VB;
+    m.vs = m.pb + (NG + 1) * VB;
+    m.qs = m.vs + GDN_TC * VB;
+    m.ks = m.qs + GDN_TC * NG * GDN_MAXR;
+    return m;
+}
+
+// stage a chunk of nt tokens from t0: q and k rows of key head kh padded with zeros to DKP = NG GDN_MAXR, the
+// block's VB value columns of head j, the decay e^g and beta of each token
+__device__ __forceinline__ void gdn_stage(const GdnSmem& m, const float* __restrict__ c, const float* __restrict__ a,
+                                          const float* __restrict__ b, const float* __restrict__ ssm_a,
+                                          const float* __restrict__ dt_bias, int t0, int nt, int tid, int nth, int NG,
+                                          int VB, int C, int kh, int H_k, int H_v, int j, int d_k, int d_v) {
+    const int DKP = NG * GDN_MAXR;
     const size_t qoff = (size_t)kh * d_k, koff = (size_t)(H_k + kh) * d_k;
     const int c0 = blockIdx.x * VB;
     const size_t voff = (size_t)2 * H_k * d_k + (size_t)j * d_v + c0;
     for (int p = tid; p < nt * DKP; p += nth) {
         const int tt = p / DKP, i = p - (p / DKP) * DKP;
         const float* row = c + (size_t)(t0 + tt) * C;
-        qs[p] = i < d_k ? row[qoff + i] : 0.0f;
-        ks[p] = i < d_k ? row[koff + i] : 0.0f;
+        m.qs[p] = i < d_k ? row[qoff + i] : 0.0f;
+        m.ks[p] = i < d_k ? row[koff + i] : 0.0f;
     }
     for (int p = tid; p < nt * VB; p += nth) {
         const int tt = p / VB, xx = p - (p / VB) * VB;
-        vs[p] = c0 + xx < d_v ? c[(size_t)(t0 + tt) * C + voff + xx] : 0.0f;
+        m.vs[p] = c0 + xx < d_v ? c[(size_t)(t0 + tt) * C + voff + xx] : 0.0f;
     }
     if (tid < nt) {
         const size_t ti = (size_t)(t0 + tid) * H_v + j;
-        gs[tid] = expf(a_j * pf_softplus(a[ti] + dt_j));
-        bs[tid] = pf_sigmoid(b[ti]);
+        m.gs[tid] = expf(ssm_a[j] * pf_softplus(a[ti] + dt_bias[j]));
+        m.bs[tid] = pf_sigmoid(b[ti]);
     }
 }
 
+// One token of the recurrence on this thread's rows of S (s), column x, row group y; two barriers. Row group 0
+// leaves the column's output where the token's v was: every thread has read that v before the second barrier, and
+// the next chunk's staging comes after the thread has written the output to o, so the outputs take no shared memory
+// of their own (a 2 KiB buffer would halve a GK104's resident blocks at d_k = d_v = 128).
+__device__ __forceinline__ void gdn_token(const GdnSmem& m, float s[GDN_MAXR], int tt, int x, int y, int NG,
+                                          int VB) {
+    const float dec = m.gs[tt], beta = m.bs[tt];
+    const int DKP = NG * GDN_MAXR;
+    const float* kt = m.ks + tt * DKP + y * GDN_MAXR;
+    const float* qt = m.qs + tt * DKP + y * GDN_MAXR;
+    // this thread's rows of k, used twice; two partial sums halve the dependent FMA chains
+    float kr[GDN_MAXR];
+    float p0 = 0.0f, p1 = 0.0f;
+#pragma unroll
+    for (int r = 0; r < GDN_MAXR; ++r) {
+        kr[r] = kt[r];
+        s[r] *= dec;
+        if (r & 1) p1 = fmaf(kr[r], s[r], p1);
+        else p0 = fmaf(kr[r], s[r], p0);
+    }
+    m.pa[x * (NG + 1) + y] = p0 + p1;
+    __syncthreads();
+    const float kv = pf_group_sum(m.pa, NG, x);
+    const float delta = beta * (m.vs[tt * VB + x] - kv);
+    p0 = p1 = 0.0f;
+#pragma unroll
+    for (int r = 0; r < GDN_MAXR; ++r) {
+        s[r] = fmaf(kr[r], delta, s[r]);
+        const float qi = qt[r];
+        if (r & 1) p1 = fmaf(qi, s[r], p1);
+        else p0 = fmaf(qi, s[r], p0);
+    }
+    m.pb[x * (NG + 1) + y] = p0 + p1;
+    __syncthreads();
+    if (y == 0) m.vs[tt * VB + x] = pf_group_sum(m.pb, NG, x);
+}
+
+// At most GDN_MAX_THREADS threads per block (d_k <= 256), so the registers fit any card's register file. Through
+// the token loop a thread holds its rows of S and the loop counters; everything else (global and shared addresses,
+// indices, bounds) is recomputed from opaque copies where it is used, which keeps the 63-register class spill-free.
 extern "C" __global__ void HI_BOUNDS(GDN_MAX_THREADS)
     gdn_delta_rule(const float* __restrict__ c, const float* __restrict__ a, const float* __restrict__ b,
                    const float* __restrict__ ssm_a, const float* __restrict__ dt_bias, float* __restrict__ S,
                    float* __restrict__ o, const int* __restrict__ snap_pos, int n_snap, float* __restrict__ snap_S,
                    int T, int C, int H_k, int H_v, int d_k, int d_v, int head_mod) {
-    extern __shared__ float sm[];
-    const int VB = blockDim.x, NG = blockDim.y;
     // a thread holds rows y GDN_MAXR .. + GDN_MAXR - 1 of S (consecutive, so its q and k values are one base
     // address plus constants), and q and k are staged with rows padded by zeros to DKP = NG GDN_MAXR >= d_k, so
     // the per-token loops need no bounds tests (a padded row of S starts at 0 and stays 0)
-    const int DKP = NG * GDN_MAXR;
-    float* qs = sm;                    // GDN_TC x DKP
-    float* ks = qs + GDN_TC * DKP;     // GDN_TC x DKP
-    float* vs = ks + GDN_TC * DKP;     // GDN_TC x VB
-    float* gs = vs + GDN_TC * VB;      // GDN_TC: decay e^g
-    float* bs = gs + GDN_TC;           // GDN_TC: beta
-    float* pa = bs + GDN_TC;           // VB x (NG + 1): partials of k.S
-    float* pb = pa + (NG + 1) * VB;    // VB x (NG + 1): partials of q.S
-
-    const int x = threadIdx.x, y = threadIdx.y;
-    const int tid = y * VB + x, nth = VB * NG;
-    const int j = blockIdx.y;
-    const int c0 = blockIdx.x * VB;
-    const int col = c0 + x;
-    const int kh = head_mod ? j % H_k : j / (H_v / H_k);
-    const float a_j = ssm_a[j], dt_j = dt_bias[j];
-
+    extern __shared__ float sm[];
     float s[GDN_MAXR];
-    float* Sj = S + (size_t)j * d_k * d_v;
-#pragma unroll
-    for (int r = 0; r < GDN_MAXR; ++r) {
-        const int i = y * GDN_MAXR + r;
-        s[r] = (i < d_k && col < d_v) ? Sj[(size_t)i * d_v + col] : 0.0f;
-    }
+    gdn_rows_load(S, s, gdn_rows(0, H_v, d_k, d_v));
 
     int ns = 0;
     int next = n_snap > 0 ? snap_pos[0] : -1;
-    gdn_snapshots(0, ns, next, snap_pos, n_snap, snap_S, s, y, col, d_k, d_v, H_v, j);  // incoming state
+    gdn_snapshots(0, ns, next, snap_pos, n_snap, snap_S, s, d_k, d_v, H_v);  // incoming state
 
-    for (int t0 = 0; t0 < T; t0 += GDN_TC) {
-        const int nt = min(GDN_TC, T - t0);
+    for (int t0 = 0, nt; t0 < T; t0 += nt) {
+        // a chunk ends where a snapshot is asked for, so snapshots are taken between chunks and their code and
+        // addresses stay out of the token loop
+        nt = min(GDN_TC, T - t0);
+        if (next > t0 && next - t0 < nt) nt = next - t0;
         __syncthreads();
-        // the staging's addresses come from opaque copies (hi_opaque), so they are computed here each chunk
-        // instead of being hoisted out of the chunk loop and held in registers through the token loop
-        gdn_stage(c, a, b, qs, ks, vs, gs, bs, t0, nt, hi_opaque(tid), hi_opaque(nth), hi_opaque(DKP), hi_opaque(VB),
-                  hi_opaque(C), hi_opaque(kh), hi_opaque(H_k), hi_opaque(H_v), hi_opaque(j), hi_opaque(d_k),
-                  hi_opaque(d_v), a_j, dt_j);
+        {
+            const int VB = hi_opaque(blockDim.x), NG = hi_opaque(blockDim.y), jo = hi_opaque(blockIdx.y);
+            const int tid = hi_opaque(threadIdx.y) * VB + hi_opaque(threadIdx.x);
+            const int Hk = hi_opaque(H_k), Hv = hi_opaque(H_v);
+            const int kh = hi_opaque(head_mod) ? jo % Hk : jo / (Hv / Hk);
+            gdn_stage(gdn_smem(sm, NG, VB), c, a, b, ssm_a, dt_bias, t0, nt, tid, VB * NG, NG, VB, hi_opaque(C), kh,
+                      Hk, Hv, jo, hi_opaque(d_k), hi_opaque(d_v));
+        }
         __syncthreads();
         for (int tt = 0; tt < nt; ++tt) {
-            const float dec = gs[tt], beta = bs[tt];
-            // shared-memory addresses from opaque copies of the thread and block indices: a few integer operations
-            // a token instead of a dozen registers held through the loop
-            const int xo = hi_opaque(x), yo = hi_opaque(y), NGo = hi_opaque(NG), VBo = hi_opaque(VB);
-            const float* kt = ks + tt * DKP + yo * GDN_MAXR;
-            const float* qt = qs + tt * DKP + yo * GDN_MAXR;
-            // this thread's rows of k, used twice; two partial sums halve the dependent FMA chains
-            float kr[GDN_MAXR];
-            float p0 = 0.0f, p1 = 0.0f;
-#pragma unroll
-            for (int r = 0; r < GDN_MAXR; ++r) {
-                kr[r] = kt[r];
-                s[r] *= dec;
-                if (r & 1) p1 = fmaf(kr[r], s[r], p1);
-                else p0 = fmaf(kr[r], s[r], p0);
-            }
-            pa[xo * (NGo + 1) + yo] = p0 + p1;
-            __syncthreads();
-            const float kv = pf_group_sum(pa, NGo, xo);
-            const float delta = beta * (vs[tt * VBo + xo] - kv);
-            p0 = p1 = 0.0f;
-#pragma unroll
-            for (int r = 0; r < GDN_MAXR; ++r) {
-                s[r] = fmaf(kr[r], delta, s[r]);
-                const float qi = qt[r];
-                if (r & 1) p1 = fmaf(qi, s[r], p1);
-                else p0 = fmaf(qi, s[r], p0);
-            }
-            pb[xo * (NGo + 1) + yo] = p0 + p1;
-            __syncthreads();
-            const int t = t0 + tt;
-            if (y == 0 && col < d_v) {
-                const int dv = hi_opaque(d_v);
-                o[((size_t)t * H_v + hi_opaque(j)) * dv + hi_opaque(col)] = pf_group_sum(pb, NGo, xo);
-            }
-            gdn_snapshots(t + 1, ns, next, snap_pos, n_snap, snap_S, s, y, col, d_k, d_v, H_v, j);
+            const int NG = hi_opaque(blockDim.y), VB = hi_opaque(blockDim.x);
+            gdn_token(gdn_smem(sm, NG, VB), s, tt, hi_opaque(threadIdx.x), hi_opaque(threadIdx.y), NG, VB);
         }
+        // the thread that summed each output writes it (no barrier: it reads only its own values back)
+        if (threadIdx.y == 0) {
+            const int dv = hi_opaque(d_v), hv = hi_opaque(H_v), VB = hi_opaque(blockDim.x), x = hi_opaque(threadIdx.x);
+            const int cl = hi_opaque(blockIdx.x) * VB + x;
+            if (cl < dv) {
+                const float* src = gdn_smem(sm, hi_opaque(blockDim.y), VB).vs + x;
+                float* dst = o + ((size_t)t0 * hv + hi_opaque(blockIdx.y)) * dv + cl;
+                for (int tt = 0; tt < nt; ++tt) {
+                    *dst = src[tt * VB];
+                    dst += (size_t)hv * dv;
+                }
+            }
+        }
+        gdn_snapshots(t0 + nt, ns, next, snap_pos, n_snap, snap_S, s, d_k, d_v, H_v);
     }
-#pragma unroll
-    for (int r = 0; r < GDN_MAXR; ++r) {
-        const int i = y * GDN_MAXR + r;
-        if (i < d_k && col < d_v) Sj[(size_t)i * d_v + col] = s[r];
-    }
+    gdn_rows_store(S, s, gdn_rows(0, H_v, d_k, d_v));
 }
 
 // Gated RMSNorm per (token, value head): y = o / sqrt(mean(o^2) + eps) * w * SiLU(z).

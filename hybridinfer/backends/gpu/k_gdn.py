@@ -115,8 +115,8 @@ def delta_rule_shape(d_k: int, d_v: int, cls: str = kclass.R255) -> tuple[int, i
 
 
 def delta_rule_smem(vb: int, ng: int, cls: str) -> int:
-    """Bytes of dynamic shared memory of a (vb, ng) block: q and k rows padded to ng GDN_MAXR, v, decay and beta of
-    TC tokens, and the two partial-sum tiles at pitch ng + 1."""
+    """Bytes of dynamic shared memory of a (vb, ng) block (gdn.cu's gdn_smem): q and k rows padded to ng GDN_MAXR, v
+    (then the outputs), decay and beta of TC tokens, and the two partial-sum tiles at pitch ng + 1."""
     dkp = ng * kclass.GDN_MAXR[cls]
     return (2 * TC * dkp + TC * vb + 2 * TC + 2 * (ng + 1) * vb) * 4
 
