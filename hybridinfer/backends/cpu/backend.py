@@ -27,7 +27,7 @@ from ...format.quant import dequantize_rows, type_name
 from ...format.quant_types import cache_type
 from ...models import graph
 from ...models.graph import BlockTensors, block_names
-from ...models.state_kinds import cache_path, cache_types, kind_of, kv_rotation
+from ...models.state_kinds import cache_path, cache_types, kind_of, kv_rotation, sequence_layer_types
 from .. import Backend
 from ..state import DecoderState, check_tokens
 from .graph_ops import SHAPE, CPUOps, Segments
@@ -216,7 +216,7 @@ class CPUModel(MTPParts, Backend):
         return f"cpu:{self.simd.isa}{cache_path(self.args)}"
 
     def new_state(self, n_ctx: int) -> DecoderState:
-        return DecoderState.new(self.args, n_ctx)
+        return DecoderState.new(self.args, n_ctx, sequence_layer_types(self.args, self.mtp_rows))
 
     def workspace(self, T: int, n_ctx: int, rows: bool = False, verify: bool = False) -> Workspace:
         """The buffers of a pass over T tokens of one sequence (shared by prompt chunks up to a power of two), or
@@ -336,9 +336,8 @@ class CPUModel(MTPParts, Backend):
                 out = self.recorded(ws, state, DecodeReplay)
         else:
             out = self._forward(ids, state, ws, all_logits)
-        if self.keep_hidden:
-            n = T if all_logits or T == 1 else 1
-            self.keep_rows(state, state.pos + T - n, ws.x[:n])
+        if self.keep_hidden and (all_logits or T == 1):  # a prompt pass (neither) kept every row (prompt_rows)
+            self.keep_rows(state, state.pos, ws.x[:T])
         state.tokens[state.pos : state.pos + T] = ids
         state.pos += T
         return out

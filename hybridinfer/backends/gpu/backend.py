@@ -212,6 +212,9 @@ class GPUModel:
     keep them there (plan_pass); True / False: every pass or none."""
 
     single_pass = True
+    # where each pass hands every prompt row's final-norm output (hidden_to(state, first position, rows)): set for the
+    # MTP drafter, which runs its block over them on the CPU (GPUPrefillCPUDecode); None: the card keeps them
+    hidden_to = None
 
     def __init__(self, gm, args, n_ctx: int, vram_budget: int | None = None, chunk: int = DEFAULT_CHUNK,
                  device: int = 0, expert_counts=None, bus_bw: float | None = None,
