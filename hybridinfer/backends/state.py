@@ -145,8 +145,9 @@ class RowsUndo:
     """Going back inside a pass over `n` rows of one state (speculative verify): `undo(m)` leaves the state as
     after the first m rows alone (1 <= m <= n), bit for bit. K/V rows past the position are never read again, so
     only the recurrent arrays need it: they are copied before the pass, and either a copy is kept after every row
-    (`snap()`, a backend that runs the rows one at a time) or each GDN call's inputs are kept (`keep(layer, args)`)
-    and `again(kept, m)` runs those calls over their first m rows on the restored arrays."""
+    (`snap()`, a backend that runs the rows one at a time) or each GDN call's inputs are kept (`kept[layer]`: the
+    copies the pass made of its row inputs, cpu/verify.py) and `again(kept, m)` runs those calls over their first m
+    rows on the restored arrays."""
 
     def __init__(self, state: DecoderState, n: int, again=None, into: list[np.ndarray] | None = None):
         """into: buffers of the recurrent arrays' shapes to copy them into (a backend reuses them from step to
@@ -161,11 +162,6 @@ class RowsUndo:
                 np.copyto(b, a)
         self.kept: dict[int, tuple] = {}
         self.after: list[list[np.ndarray]] = []
-
-    def keep(self, layer: int, args: tuple) -> None:
-        """A GDN call's arguments: its four row inputs copied (work buffers), the rest (weights, the state's own
-        arrays, scalars) as they are."""
-        self.kept[layer] = (*(x.copy() for x in args[:4]), *args[4:])
 
     def snap(self) -> None:
         self.after.append([a.copy() for _, _, a in self.state.held(per_token=False)])

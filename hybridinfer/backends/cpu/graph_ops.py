@@ -19,12 +19,9 @@ SHAPE = GGML_DECODE_ROWS
 
 
 class Segments(tuple):
-    """The sequences of one pass over several prompts' chunks (CPUModel.forward_many): (state, first row, end row)
-    each, in row order. Products run over all rows; attention and GDN per sequence over its rows. keep: None, or
-    keep(state, layer, args) called with each GDN call's arguments before it runs (a speculative verify keeps them
-    to roll the layer's state back to any of its rows: CPUModel.forward_rows)."""
-
-    keep = None
+    """The sequences of one pass over several prompts' chunks (CPUModel.forward_many) or verify rows
+    (CPUModel.forward_rows): (state, first row, end row) each, in row order. Products run over all rows; attention
+    and GDN per sequence over its rows."""
 
     @classmethod
     def of(cls, chunks, n_vocab: int, what: str) -> tuple[list[np.ndarray], Segments]:
@@ -150,8 +147,6 @@ class CPUOps:
         if isinstance(st, Segments):
             for j, (s, r0, r1) in enumerate(st):
                 args = (u[r0:r1], z[r0:r1], beta[r0:r1], alpha[r0:r1], *w, s.conv[i], s.ssm[i], *tail[:3])
-                if st.keep is not None:
-                    st.keep(s, i, args)
                 if ws.gdn_keep is not None:  # a verify step over a workspace of its own: kept as recorded steps
                     self._keep_inputs((j, i), args[:4], (*w, *tail[:3]))
                 self._call(("gdn", i, j), "gdn_layer", *args, y[r0:r1], ws.gdn_scratch,
