@@ -66,10 +66,10 @@ def test_synth_writes_the_converters_layout(made, arch):
     assert a.mtp_norm == f"blk.{n}.nextn.shared_head_norm.weight" and a.mtp_out == "output.weight"
     blk = graph.mtp(a)
     assert blk.block == n and [b.norm for b in blk.branches] == ["attn_norm", "post_attention_norm"]
-    # the MTP block's own K/V counts in a sequence's bytes
+    # the MTP block's rows count in a sequence's bytes: its K/V and its note (h and a row count)
     plain = model_args(GGUFModel(made(arch, mtp=False)))
     kv = 2 * 4 * 2 * 64 * 100  # K and V, f32, H_kv x hd per token, 100 tokens
-    assert state_bytes(a, 100) - state_bytes(plain, 100) == kv
+    assert state_bytes(a, 100) - state_bytes(plain, 100) == kv + 4 * (D + 1)
 
 
 @pytest.mark.parametrize("arch", list(SHAPES))

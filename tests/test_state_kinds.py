@@ -23,7 +23,7 @@ from hybridinfer.engine.prefix.layout import StateLayout, check_snapshot
 from hybridinfer.engine.prefix.snapshot import from_state, recurrent_bytes, row_bytes
 from hybridinfer.engine.scheduler import state_bytes
 from hybridinfer.models import model_args
-from hybridinfer.models.state_kinds import ARRAYS, KINDS, kind_of, layer_arrays
+from hybridinfer.models.state_kinds import ARRAYS, KINDS, kind_of, layer_arrays, sequence_layer_types
 from hybridinfer.tools.shape_model import ShapeModel
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,11 +100,13 @@ def test_every_architecture_uses_declared_kinds_only(smollm_path):
     from hybridinfer.format.gguf_model import GGUFModel
 
     seen = set()
-    for a in (*_args(), model_args(GGUFModel(smollm_path))):
-        for t in a.layer_types:
+    with_mtp = replace(model_args(ShapeModel("qwen35", TINY)), mtp_norm="output_norm.weight")  # a file with the block
+    for a in (*_args(), model_args(GGUFModel(smollm_path)), with_mtp):
+        for t in sequence_layer_types(a):  # the trunk's layers, and the MTP block's rows where it has one
             kind_of(t)  # raises for an undeclared kind
             seen.add(t)
     assert seen == set(KINDS)
+    assert sequence_layer_types(with_mtp, mtp_rows=False) == with_mtp.layer_types
     with pytest.raises(ValueError, match="'mamba' is not declared"):
         kind_of("mamba")
 
@@ -222,7 +224,7 @@ def test_card_buffers_hold_the_declared_state(fake_card):
         assert {k: v.shape for k, v in b.state.items()} == \
             {(s.name, i): s.full_shape(a, 64) for i, s in layer_arrays(a.layer_types)}
         assert {k: v.shape for k, v in b.snap.items()} == \
-            {s.name: (MAX_SNAPS, *s.full_shape(a, 0)) for s in ARRAYS.values() if not s.per_token}
+            {s.name: (MAX_SNAPS, *s.full_shape(a, 0)) for _, s in layer_arrays(a.layer_types) if not s.per_token}
         arrays = [x for v in vars(b).values() for x in (v.values() if isinstance(v, dict) else [v])
                   if isinstance(x, FakeArray)]
         assert sum(x.nbytes for x in arrays) == Buffers.nbytes(a, 16, 64)

@@ -47,9 +47,10 @@ class Backend(ABC):
 
     def hidden_rows(self, state):
         """With keep_hidden set: (first position, rows) of the final-norm output (what the head reads) that the last
-        call over `state` computed (every row it ran, or the last of a prompt chunk), or None (none kept; the GPU's
-        prompt passes keep none)."""
+        call over `state` computed (every row it ran, or the last of a prompt chunk), or None (none kept)."""
         return None
+
+    mtp_rows = False  # set (by the MTP drafter): each new_state also holds the MTP block's rows (state_kinds.MTP_ROWS)
 
     def new_mtp_state(self, n_ctx: int):
         """A fresh state of the model's MTP block (its own K/V; models/graph.mtp_state_args)."""
@@ -141,11 +142,21 @@ class GPUPrefillCPUDecode(Backend):
     @keep_hidden.setter
     def keep_hidden(self, on: bool) -> None:
         self.cpu.keep_hidden = on
+        # a prompt pass's rows come down to the CPU's kept rows, where decode (and the MTP block) reads them
+        self.gpu.hidden_to = self.cpu.keep_rows if on else None
+
+    @property
+    def mtp_rows(self) -> bool:
+        return self.cpu.mtp_rows
+
+    @mtp_rows.setter
+    def mtp_rows(self, on: bool) -> None:
+        self.cpu.mtp_rows = on
 
     def hidden_rows(self, state):
-        got = self.cpu.hidden_rows(state)
-        # a GPU prompt pass after the CPU's last call over this state leaves the CPU's rows behind it
-        return got if got is not None and got[0] + len(got[1]) <= state.pos else None
+        # a GPU prompt pass hands its rows down to the CPU's (keep_hidden), so they are the state's latest rows too
+        # (rows past the position, a rejected verify's, are never read: the drafter reads positions < pos)
+        return self.cpu.hidden_rows(state)
 
     def new_mtp_state(self, n_ctx: int):
         return self.cpu.new_mtp_state(n_ctx)

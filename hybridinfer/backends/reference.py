@@ -15,7 +15,7 @@ from ..format.quant import dequantize, dequantize_rows
 from ..format.quant_types import act_of
 from ..models import graph
 from ..models.graph import BlockTensors, block_names
-from ..models.state_kinds import cache_path, cache_types, kv_rotation
+from ..models.state_kinds import cache_path, cache_types, kv_rotation, sequence_layer_types
 from . import Backend, actquant
 from . import reference_ops as op
 from .state import DecoderState, check_tokens, keep_rows
@@ -125,7 +125,7 @@ class ReferenceModel(Backend):
             self.w(n)
 
     def new_state(self, n_ctx: int) -> DecoderState:
-        return DecoderState.new(self.args, n_ctx)
+        return DecoderState.new(self.args, n_ctx, sequence_layer_types(self.args, self.mtp_rows))
 
     def forward(self, tokens, state: DecoderState, all_logits: bool = True) -> np.ndarray:
         """Consume `tokens` from `state` (advancing it); logits (T, n_vocab), or (1, n_vocab) for the

@@ -43,14 +43,16 @@ class DecoderState:
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @classmethod
-    def new(cls, args, n_ctx: int) -> DecoderState:
-        """Zero state for `args` (any architecture's ModelArgs) with room for `n_ctx` tokens.
+    def new(cls, args, n_ctx: int, layer_types=None) -> DecoderState:
+        """Zero state for `args` (any architecture's ModelArgs) with room for `n_ctx` tokens, holding the arrays of
+        `layer_types` (default the trunk's; state_kinds.sequence_layer_types adds the MTP block's rows).
         np.zeros maps pages lazily, so a long n_ctx costs only what is written. The per-layer arrays are views
         of two blocks (recurrent state, per-token rows): numpy asks the kernel for huge pages on blocks of 4 MiB and
         more, so the first write of a 60 MB recurrent state (a GPU prefill's hand-off) faults 2 MiB pages, not
         15,000 small ones."""
-        st = cls(n_ctx=n_ctx, layer_types=tuple(args.layer_types), tokens=np.zeros(n_ctx, np.int32))
-        parts = [(i, s, s.storage(args)[0], s.full_shape(args, n_ctx)) for i, s in layer_arrays(args.layer_types)]
+        lt = tuple(args.layer_types if layer_types is None else layer_types)
+        st = cls(n_ctx=n_ctx, layer_types=lt, tokens=np.zeros(n_ctx, np.int32))
+        parts = [(i, s, s.storage(args)[0], s.full_shape(args, n_ctx)) for i, s in layer_arrays(lt)]
         for per_token in (False, True):
             mine = [p for p in parts if p[1].per_token == per_token]
             # one byte block; each array starts at a multiple of 64 bytes (its dtype's alignment and a cache line)
@@ -110,12 +112,13 @@ class DecoderState:
 
     def sharing_rows(self, pos: int) -> DecoderState:
         """A state at `pos` (within this one's tokens) that shares this state's tokens and per-token rows (rows
-        before `pos` stay as they are when the state goes on) and has fresh, unset recurrent arrays: a GPU pass
-        writes the recurrent state of a snapshot in the middle of its prompt into them."""
+        before `pos` stay as they are when the state goes on) and has fresh, zero recurrent arrays: a GPU pass
+        writes the recurrent state of a snapshot in the middle of its prompt into them (those it does not write,
+        the MTP block's, stay zero: none of the block's rows; zero pages cost nothing until written)."""
         st = DecoderState(n_ctx=self.n_ctx, layer_types=self.layer_types, pos=pos, tokens=self.tokens)
         for name, s in ARRAYS.items():
             st.arrays[name] = (list(self.arrays[name]) if s.per_token else
-                               [None if a is None else np.empty_like(a) for a in self.arrays[name]])
+                               [None if a is None else np.zeros_like(a) for a in self.arrays[name]])
         return st
 
     def restore(self, snap: DecoderState) -> None:
@@ -142,8 +145,9 @@ class RowsUndo:
     """Going back inside a pass over `n` rows of one state (speculative verify): `undo(m)` leaves the state as
     after the first m rows alone (1 <= m <= n), bit for bit. K/V rows past the position are never read again, so
     only the recurrent arrays need it: they are copied before the pass, and either a copy is kept after every row
-    (`snap()`, a backend that runs the rows one at a time) or each GDN call's inputs are kept (`keep(layer, args)`)
-    and `again(kept, m)` runs those calls over their first m rows on the restored arrays."""
+    (`snap()`, a backend that runs the rows one at a time) or each GDN call's inputs are kept (`kept[layer]`: the
+    copies the pass made of its row inputs, cpu/verify.py) and `again(kept, m)` runs those calls over their first m
+    rows on the restored arrays."""
 
     def __init__(self, state: DecoderState, n: int, again=None, into: list[np.ndarray] | None = None):
         """into: buffers of the recurrent arrays' shapes to copy them into (a backend reuses them from step to
@@ -158,11 +162,6 @@ class RowsUndo:
                 np.copyto(b, a)
         self.kept: dict[int, tuple] = {}
         self.after: list[list[np.ndarray]] = []
-
-    def keep(self, layer: int, args: tuple) -> None:
-        """A GDN call's arguments: its four row inputs copied (work buffers), the rest (weights, the state's own
-        arrays, scalars) as they are."""
-        self.kept[layer] = (*(x.copy() for x in args[:4]), *args[4:])
 
     def snap(self) -> None:
         self.after.append([a.copy() for _, _, a in self.state.held(per_token=False)])

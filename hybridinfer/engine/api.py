@@ -118,7 +118,7 @@ def _make_prefix_cache(spec, gm: GGUFModel, args, backend):
     _check_cache_dir(opts.get("disk_dir"))
     try:
         fp = model_cache_fingerprint(gm, npath, opts.get("disk_dir"))
-        return PrefixCache(fp, tuple(args.layer_types), state_layout=layout, **opts)
+        return PrefixCache(fp, layout.layer_types, state_layout=layout, **opts)  # the state's (MTP rows too)
     except OSError as e:
         raise ParameterError(f"prefix cache folder {opts.get('disk_dir')!r} cannot be used: {e}") from e
     except ValueError as e:  # a budget out of range (the cache's own check)
@@ -296,10 +296,11 @@ class Engine(Compute):
             raise TypeError(f"unknown Engine option(s): {', '.join(sorted(options))}")
         if progress:
             be.preload(progress=True)
+        spec = make_speculator(spec_type, draft_max, args, be)  # before the prefix cache: it may add state arrays
         eng = cls(gm, args, be, Tokenizer.from_gguf(gm), ctx.n_ctx, progress, prefill_chunk, prefix_cache,
                   snapshot_stride, max_seqs, state_budget, step_tokens)
         eng.ctx_note = ctx.note
-        eng.spec = make_speculator(spec_type, draft_max, args, be)
+        eng.spec = spec
         if mmproj is not None:
             from .images import load_encoder
 

@@ -186,7 +186,8 @@ class Compute:
             return [w.chunk_done(lg) for (w, _), lg in zip(plan, lgs, strict=True)]
 
     def _drafter_follows(self, states) -> None:
-        """A drafter that keeps rows of its own per position (spec_mtp.MTPDrafter) writes those of a prompt chunk."""
+        """A drafter that keeps rows of its own per position (spec_mtp.MTPDrafter) writes those of a prompt chunk (or
+        of a reply, before its snapshot)."""
         d = getattr(getattr(self, "spec", None), "drafter", None)
         if hasattr(d, "prefilled"):
             for st in states:
@@ -227,6 +228,7 @@ class Compute:
                 lgs = [be.forward(ids, st, all_logits=False, snapshot_at=at, on_snapshot=cb)[-1:]]
             else:
                 lgs = be.prefill_many(items)
+            self._drafter_follows([w.state for w, _ in todo])  # the MTP block's rows of the pass's prompt rows
             got = {id(w): w.chunk_done(lg[-1]) for (w, _), lg in zip(todo, lgs, strict=True)}
             return [got.get(id(w)) for w in works]
 
@@ -249,6 +251,7 @@ class Compute:
         tokens; the disk copy waits for flush_snapshots()."""
         with self.lock:
             if self.prefix_cache is not None:
+                self._drafter_follows([state])  # the MTP block's rows up to the state's end, kept with it
                 self.prefix_cache.save(state, logits, defer_disk=True, salt=salt)
 
     def flush_snapshots(self) -> None:

@@ -110,7 +110,21 @@ ATTENTION = MixerKind(
     arrays=(StateArray("k", "K", True, _kv_row, 3, cache="k"), StateArray("v", "V", True, _kv_row, 3, cache="v")),
     flops=lambda a, pos0, T: attention_flops(a.n_head, a.head_dim, pos0, T))
 
-KINDS: dict[str, MixerKind] = {k.name: k for k in (ATTENTION, GDN)}
+# Not a trunk layer: the MTP block's rows a sequence keeps where the model has the block and drafts with it (the
+# trunk never walks it; the drafter, engine/spec_mtp.py, writes it). Its rows are aligned with the trunk's positions:
+# row t is the block's pass over (h_{t-1}, token t), h the trunk's final-norm output, so a state at position p holds
+# exactly the rows < p a snapshot at p keeps (row 0 stays unset: no h precedes token 0). h: the last such h,
+# h_{p-1} (the next row's input, which a restored prefix does not compute again), and after it the count of the
+# block's rows (positions 1..n) that are the block's over every position from the start (0: none, the rows start
+# again after a restore).
+MTP_ROWS = MixerKind(
+    name="mtp", letter="M", op="mtp",
+    arrays=(StateArray("mtp_k", "MTP K", True, _kv_row, 3, cache="k"),
+            StateArray("mtp_v", "MTP V", True, _kv_row, 3, cache="v"),
+            StateArray("mtp_h", "MTP h", False, lambda a: (a.n_embd + 1,), 1)),
+    flops=lambda a, pos0, T: attention_flops(a.n_head, a.head_dim, pos0, T))
+
+KINDS: dict[str, MixerKind] = {k.name: k for k in (ATTENTION, GDN, MTP_ROWS)}
 # every array of every kind by name (names are unique across kinds), in the order a snapshot file lists a layer's
 ARRAYS: dict[str, StateArray] = {s.name: s for k in KINDS.values() for s in k.arrays}
 assert len(ARRAYS) == sum(len(k.arrays) for k in KINDS.values()), "state array names must be unique"
@@ -141,10 +155,16 @@ def has_recurrent(layer_types) -> bool:
     return any(not s.per_token for _, s in layer_arrays(layer_types))
 
 
+def sequence_layer_types(args, mtp_rows: bool = True) -> tuple[str, ...]:
+    """The kinds a sequence's DecoderState holds, one per layer: the trunk's, then (mtp_rows, where the model has an
+    MTP block) the block's rows (MTP_ROWS)."""
+    return (*args.layer_types, *((MTP_ROWS.name,) if mtp_rows and getattr(args, "has_mtp", False) else ()))
+
+
 def state_bytes(args, n_tokens: int) -> int:
     """Bytes of one sequence's state holding n_tokens tokens (in the args' cache types): every layer's arrays, and
-    the MTP block's own K/V where the model drafts with one (graph.mtp_state_args)."""
-    return sum(kind_of(t).nbytes(args, n_tokens) for t in (*args.layer_types, *getattr(args, "mtp_layer_types", ())))
+    the MTP block's rows where the model has one (a drafter may keep them)."""
+    return sum(kind_of(t).nbytes(args, n_tokens) for t in sequence_layer_types(args))
 
 
 def role_cache_type(role: str, name):

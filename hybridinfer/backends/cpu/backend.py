@@ -27,12 +27,12 @@ from ...format.quant import dequantize_rows, type_name
 from ...format.quant_types import cache_type
 from ...models import graph
 from ...models.graph import BlockTensors, block_names
-from ...models.state_kinds import cache_path, cache_types, kind_of, kv_rotation
+from ...models.state_kinds import cache_path, cache_types, kind_of, kv_rotation, sequence_layer_types
 from .. import Backend
 from ..state import DecoderState, check_tokens
 from .graph_ops import SHAPE, CPUOps, Segments
 from .mtp import MTPParts
-from .replay import BatchReplay, DecodeReplay
+from .replay import BatchReplay, DecodeReplay, at_pos
 from .simd import KERNEL_TYPES, SimdLib
 from .simd_gdn import gdn_scratch_size
 from .weights import choose_weights_mode, copy_mats, mem_available
@@ -105,6 +105,9 @@ class Workspace:
         # decode (T = 1, `rows`: one token of each of T sequences, or `verify`: T tokens of one sequence, a
         # speculative verify step): native calls bound to these buffers once
         self.bind = T == 1 or rows or verify
+        # a verify step of several sequences (CPUModel.workspace's split): each attention call is recorded at its own
+        # sequence's position (replay.at_pos), not at one position for the whole step
+        self.own_pos = False
         self.calls: dict[tuple, object] = {}
         self.rec: list | None = None  # decode: the step being recorded (every operation, in order)
         self.replays: dict = {}  # decode: recorded steps by id(state) (BatchReplay: by the states' ids)
@@ -224,12 +227,28 @@ class CPUModel(MTPParts, Backend):
         return f"cpu:{self.simd.isa}{cache_path(self.args)}"
 
     def new_state(self, n_ctx: int) -> DecoderState:
-        return DecoderState.new(self.args, n_ctx)
+        return DecoderState.new(self.args, n_ctx, sequence_layer_types(self.args, self.mtp_rows))
 
-    def workspace(self, T: int, n_ctx: int, rows: bool = False, verify: bool = False) -> Workspace:
+    MAX_SPLITS = 8  # workspaces kept for verify steps of several sequences (one per split of their rows)
+
+    def workspace(self, T: int, n_ctx: int, rows: bool = False, verify: bool = False,
+                  split: tuple[int, ...] | None = None) -> Workspace:
         """The buffers of a pass over T tokens of one sequence (shared by prompt chunks up to a power of two), or
         with `rows` of one token of each of exactly T sequences (decode_batch: bound calls, recorded steps), or with
-        `verify` of exactly T tokens of one sequence (a verify step: bound calls, recorded steps)."""
+        `verify` of exactly T tokens of one sequence (a verify step: bound calls, recorded steps), or with `split` of
+        a verify step of several sequences, split[j] rows each (bound calls at those rows, recorded steps; the
+        MAX_SPLITS last used splits kept)."""
+        if split is not None:
+            key = (sum(split), n_ctx, ("verify", tuple(split)))
+            ws = self._ws.pop(key, None)  # re-inserted: the dict's order is the splits' last use
+            if ws is None:
+                ws = Workspace(self, sum(split), n_ctx, verify=True)
+                ws.own_pos = True
+                old = [k for k in self._ws if type(k[2]) is tuple]
+                for k in old[: max(0, len(old) - self.MAX_SPLITS + 1)]:
+                    del self._ws[k]
+            self._ws[key] = ws
+            return ws
         cap = T if rows or verify or T == 1 else max(16, 1 << (T - 1).bit_length())
         key = (cap, n_ctx, "verify" if verify else rows)
         ws = self._ws.get(key)
@@ -258,7 +277,7 @@ class CPUModel(MTPParts, Backend):
             ws.calls[key] = hit = (arrays, self.simd.bind(method, *args))
         b = hit[1]
         if ws.rec is not None:
-            ws.rec.append(b)
+            ws.rec.append(at_pos(b, st) if ws.own_pos and b.pos_arg is not None else b)
         if b.pos_arg is None:
             b()
         else:
@@ -344,9 +363,8 @@ class CPUModel(MTPParts, Backend):
                 out = self.recorded(ws, state, DecodeReplay)
         else:
             out = self._forward(ids, state, ws, all_logits)
-        if self.keep_hidden:
-            n = T if all_logits or T == 1 else 1
-            self.keep_rows(state, state.pos + T - n, ws.x[:n])
+        if self.keep_hidden and (all_logits or T == 1):  # a prompt pass (neither) kept every row (prompt_rows)
+            self.keep_rows(state, state.pos, ws.x[:T])
         state.tokens[state.pos : state.pos + T] = ids
         state.pos += T
         return out

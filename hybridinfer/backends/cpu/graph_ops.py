@@ -19,12 +19,9 @@ SHAPE = GGML_DECODE_ROWS
 
 
 class Segments(tuple):
-    """The sequences of one pass over several prompts' chunks (CPUModel.forward_many): (state, first row, end row)
-    each, in row order. Products run over all rows; attention and GDN per sequence over its rows. keep: None, or
-    keep(state, layer, args) called with each GDN call's arguments before it runs (a speculative verify keeps them
-    to roll the layer's state back to any of its rows: CPUModel.forward_rows)."""
-
-    keep = None
+    """The sequences of one pass over several prompts' chunks (CPUModel.forward_many) or verify rows
+    (CPUModel.forward_rows): (state, first row, end row) each, in row order. Products run over all rows; attention
+    and GDN per sequence over its rows."""
 
     @classmethod
     def of(cls, chunks, n_vocab: int, what: str) -> tuple[list[np.ndarray], Segments]:
@@ -121,10 +118,11 @@ class CPUOps:
         k, v = k.reshape(T, -1, hd), v.reshape(T, -1, hd)
         o = ws.attn[:T]
         ff, kt, vt, rk, rv = self.m.freq_factors, *self.m.kv_types, *self.m.kv_rot
-        if isinstance(st, Segments):
-            for s, r0, r1 in st:
-                self._call(("attn", i), "attn_step", q[r0:r1], k[r0:r1], v[r0:r1], s.k[i], s.v[i], s.pos, o[r0:r1],
-                           ws.attn_scratch, a.n_rot, a.rope_theta, a.rope_neox, ff, SHAPE, kt, vt, rk, rv)
+        if isinstance(st, Segments):  # (bound per sequence where the workspace binds: a verify step's, replayed)
+            for j, (s, r0, r1) in enumerate(st):
+                self._call(("attn", i, j), "attn_step", q[r0:r1], k[r0:r1], v[r0:r1], s.k[i], s.v[i], s.pos,
+                           o[r0:r1], ws.attn_scratch, a.n_rot, a.rope_theta, a.rope_neox, ff, SHAPE, kt, vt, rk, rv,
+                           st=s, arrays=(s.k[i], s.v[i]))
         elif isinstance(st, list):
             self._call(("attn", i), "attn_rows", q, k, v, [s.k[i] for s in st], [s.v[i] for s in st],
                        [s.pos for s in st], 0, o, ws.attn_scratch, a.n_rot, a.rope_theta, a.rope_neox, ff, kt, vt, rk,
@@ -147,11 +145,12 @@ class CPUOps:
         w = (self._t(conv), self._t(a), self._t(dt_bias), self._t(norm))
         tail = (A.ssm_n_k_heads, A.gdn_head_map == "mod", A.rms_eps, y, ws.gdn_scratch)
         if isinstance(st, Segments):
-            for s, r0, r1 in st:
+            for j, (s, r0, r1) in enumerate(st):
                 args = (u[r0:r1], z[r0:r1], beta[r0:r1], alpha[r0:r1], *w, s.conv[i], s.ssm[i], *tail[:3])
-                if st.keep is not None:
-                    st.keep(s, i, args)
-                self._call(("gdn", i), "gdn_layer", *args, y[r0:r1], ws.gdn_scratch)
+                if ws.gdn_keep is not None:  # a verify step over a workspace of its own: kept as recorded steps
+                    self._keep_inputs((j, i), args[:4], (*w, *tail[:3]))
+                self._call(("gdn", i, j), "gdn_layer", *args, y[r0:r1], ws.gdn_scratch,
+                           arrays=(s.conv[i], s.ssm[i]))
         elif isinstance(st, list):
             self._call(("gdn", i), "gdn_rows", u, z, beta, alpha, *w, [s.conv[i] for s in st],
                        [s.ssm[i] for s in st], *tail, arrays=tuple(x for s in st for x in (s.conv[i], s.ssm[i])))
@@ -162,9 +161,10 @@ class CPUOps:
                        arrays=(st.conv[i], st.ssm[i]))
         return y
 
-    def _keep_inputs(self, i: int, xs: tuple, rest: tuple) -> None:
+    def _keep_inputs(self, i, xs: tuple, rest: tuple) -> None:
         """Copy a GDN call's row inputs into buffers of the workspace's own, as a step of the recorded pass (so a
-        replay copies them too): ws.gdn_keep[i] = (copies, weights and scalars)."""
+        replay copies them too): ws.gdn_keep[i] = (copies, weights and scalars); i the layer, or (sequence, layer)
+        in a verify step of several sequences."""
         ws = self.ws
         if i not in ws.gdn_keep:
             ws.gdn_keep[i] = (tuple(np.empty_like(x) for x in xs), rest)

@@ -1,4 +1,5 @@
-"""A decode step recorded once and replayed as one native call (DecodeReplay; BatchReplay for B sequences).
+"""A decode step recorded once and replayed as one native call (DecodeReplay; BatchReplay for B sequences;
+RowsReplay for a verify step of several sequences).
 
 `SimdLib.bind` checks a call's arguments once and returns a `Bound`: the C entry point and its converted
 arguments. The CPU backend records a decode step's operations at the first step of a sequence (a list of
@@ -201,6 +202,55 @@ class BatchReplay:
 
     @classmethod
     def keep(cls, replays: dict, simd, states: list[DecoderState], steps: list, out) -> None:
+        k = cls.key(states)
+        replays.pop(k, None)
+        while len(replays) >= cls.MAX_REPLAYS:
+            replays.pop(next(iter(replays)))
+        replays[k] = cls(simd, states, steps, out)
+
+
+def at_pos(b: Bound, st: DecoderState):
+    """A recorded call that runs at its own sequence's position when replayed (a verify step of several sequences,
+    RowsReplay: each sequence's attention at its state's position), not at the step's one position."""
+    ref = weakref.ref(st)
+    return lambda: b(ref().pos)
+
+
+class RowsReplay:
+    """A verify step of several sequences (cpu/verify.forward_rows), rows split among them as recorded, replayed in
+    order like DecodeReplay: each attention call at its own sequence's position (at_pos), so the sequences may have
+    advanced by different numbers of positions since. Valid while the same states, in the same order, hold the same
+    arrays (the split is the workspace's)."""
+
+    MAX_REPLAYS = 8  # per workspace: sets of sequences verified in turn over it
+
+    def __init__(self, simd, states: list[DecoderState], steps: list, out):
+        self.states = [weakref.ref(st) for st in states]
+        self.arrays = [DecodeReplay._arrays(st) for st in states]  # kept alive: their ids cannot be reused
+        self.ids = [tuple(map(id, a)) for a in self.arrays]
+        self.out = out
+        self.segments = segments(simd, steps)
+
+    @staticmethod
+    def key(states: list[DecoderState]) -> tuple:
+        return tuple(map(id, states))
+
+    def holds(self, ids: set[int]) -> bool:
+        """whether it keeps any of these arrays (by id) alive"""
+        return any(i in ids for t in self.ids for i in t)
+
+    def valid_for(self, states: list[DecoderState]) -> bool:
+        return len(states) == len(self.states) and all(
+            ref() is st and tuple(map(id, DecodeReplay._arrays(st))) == ids
+            for ref, ids, st in zip(self.states, self.ids, states, strict=True))
+
+    def run(self):
+        run_segments(self.segments, 0)  # no call left at the step's position: each has its own (at_pos)
+        return self.out
+
+    @classmethod
+    def keep(cls, replays: dict, simd, segs, steps: list, out) -> None:
+        states = [st for st, _, _ in segs]
         k = cls.key(states)
         replays.pop(k, None)
         while len(replays) >= cls.MAX_REPLAYS:

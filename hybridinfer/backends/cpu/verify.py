@@ -9,14 +9,15 @@ import numpy as np
 
 from ..state import DecoderState, RowsUndo, check_tokens
 from .graph_ops import Segments
-from .replay import DecodeReplay
+from .replay import DecodeReplay, RowsReplay
 from .simd_gdn import gdn_scratch_size
 
 
 def forward_rows(model, chunks, undo: bool = False):
     """Each (ids, state) of `chunks` in one pass as forward_many runs prompt chunks (products over all rows, attention
     and GDN per sequence), every row's logits kept: one (len(ids), n_vocab) array per chunk, the caller's. Every row
-    is in its one-token float shape (SHAPE), so row i is bit-identical to a decode step at that position.
+    is in its one-token float shape (SHAPE), so row i is bit-identical to a decode step at that position. The pass is
+    recorded and replayed as a decode step is (one sequence: DecodeReplay; several: RowsReplay, per split of rows).
     undo: also one RowsUndo per chunk: the recurrent arrays are copied before the pass and each GDN call's inputs
     kept, so going back runs the GDN layers alone over the rows kept (the same bits as the pass computed there), no
     product again."""
@@ -25,21 +26,23 @@ def forward_rows(model, chunks, undo: bool = False):
     if len(chunks) == 1 and len(chunks[0][0]) > 1:
         return _one(model, *chunks[0], undo)
     parts, segs = Segments.of(chunks, model.args.n_vocab, "forward_rows")
-    rows, a0 = segs, segs.rows
-    undos = None
-    if undo:
-        again = partial(_gdn_again, model)
-        undos = [RowsUndo(st, b - a, again, _buffers(model, st)) for st, a, b in rows]
-        mine = {id(u.state): u for u in undos}
-        segs.keep = lambda st, i, args: mine[id(st)].keep(i, args)
-    ws = model.workspace(max(a0, 2), max(st.n_ctx for st, _, _ in rows))
-    out = model._forward(np.concatenate(parts), segs, ws, all_logits=True)
-    for ids, (st, a, b) in zip(parts, rows, strict=True):
+    states = [st for st, _, _ in segs]
+    undos = [RowsUndo(st, b - a, partial(_gdn_again, model), _buffers(model, st)) for st, a, b in segs] if undo \
+        else None
+    # a workspace of exactly these rows, split so, whose calls are bound: the step is recorded the first time these
+    # sequences verify together with this split and replayed after (RowsReplay), each attention at its own position
+    ws = model.workspace(0, max(st.n_ctx for st in states), split=tuple(len(ids) for ids in parts))
+    ws.tok[:] = np.concatenate(parts)
+    rp = ws.replays.get(RowsReplay.key(states))
+    out = rp.run() if rp is not None and rp.valid_for(states) else model.recorded(ws, segs, RowsReplay)
+    for j, (ids, (st, a, b)) in enumerate(zip(parts, segs, strict=True)):
         if model.keep_hidden:
             model.keep_rows(st, st.pos, ws.x[a:b])
         st.tokens[st.pos : st.pos + len(ids)] = ids
         st.pos += len(ids)
-    got = [np.array(out[a:b], copy=True) for _, a, b in rows]
+        if undo:
+            _kept(undos[j], ws, st, j)
+    got = [np.array(out[a:b], copy=True) for _, a, b in segs]
     return (got, undos) if undo else got
 
 
@@ -66,10 +69,18 @@ def _one(model, ids, st: DecoderState, undo: bool):
     got = [np.array(out[:T], copy=True)]
     if not undo:
         return got
-    for i, (bufs, rest) in ws.gdn_keep.items():
-        w, tail = rest[:4], rest[4:]
-        u.kept[i] = (*bufs, *w, st.conv[i], st.ssm[i], *tail)
+    _kept(u, ws, st, None)
     return got, [u]
+
+
+def _kept(u: RowsUndo, ws, st: DecoderState, j: int | None) -> None:
+    """The GDN calls' arguments of sequence j (None: the one sequence) from the copies the pass made as recorded
+    steps (CPUOps._keep_inputs): its rollback runs them again over the rows it keeps."""
+    for key, (bufs, rest) in ws.gdn_keep.items():
+        i = key if j is None else key[1]
+        if j is None or key[0] == j:
+            w, tail = rest[:4], rest[4:]
+            u.kept[i] = (*bufs, *w, st.conv[i], st.ssm[i], *tail)
 
 
 def _buffers(model, st: DecoderState) -> list[np.ndarray]:

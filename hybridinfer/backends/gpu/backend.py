@@ -233,6 +233,9 @@ class GPUModel:
     n_layer), one card's range in a multi-card prefill (multi_gpu.py); None: every layer."""
 
     single_pass = True
+    # where each pass hands every prompt row's final-norm output (hidden_to(state, first position, rows)): set for the
+    # MTP drafter, which runs its block over them on the CPU (GPUPrefillCPUDecode); None: the card keeps them
+    hidden_to = None
 
     def __init__(self, gm, args, n_ctx: int, vram_budget: int | None = None, chunk: int = DEFAULT_CHUNK,
                  device: int = 0, expert_counts=None, bus_bw: float | None = None,

@@ -216,7 +216,9 @@ def walk(m, items: list[Item], all_logits: bool = False, rows_in=None, rows_out=
         moves.drain(i)
         if i in kv_layers:
             kv_down(m.drv, b, i, prompts, s)
+    finals = None
     if m.end > a.n_layer:
+        finals = _final_rows(m, items) if m.hidden_to is not None else None  # before the heads: both use b.x
         logits = _heads(m, items, all_logits)
     else:  # the rows go on to the next card through page-locked host memory (no peer-to-peer link assumed)
         m.drv.memcpy_dtoh_async(rows_out[:off], b.h[:off].gpudata, s)
@@ -244,7 +246,29 @@ def walk(m, items: list[Item], all_logits: bool = False, rows_in=None, rows_out=
         if it.on_snapshot is not None:
             for r in range(len(it.snaps)):
                 it.on_snapshot(snap_host[it.snap0 + r], None)
+    if finals is not None:
+        for it, rows in zip(items, finals, strict=True):
+            m.hidden_to(it.state, it.state.pos - len(it.ids), rows)
     return logits
+
+
+def _final_rows(m, items: list[Item]) -> list[np.ndarray]:
+    """Every prompt row's final-norm output (what the head reads), (T, n_embd) float32 on the host for each prompt,
+    in chunks of rows through b.x: the MTP drafter's input, which the CPU runs the block over (n_embd floats a row
+    cross the bus, against the block's weights and a K/V of its own on the card)."""
+    a, b, s, C = m.args, m.buf, m.stream, m.chunk
+    norm = m.vec[m.out_norm]
+    out = []
+    for it in items:
+        T = len(it.ids)
+        rows = np.empty((T, a.n_embd), np.float32)
+        for r0 in range(0, T, C):
+            r1 = min(T, r0 + C)
+            x = b.x[: r1 - r0]
+            ke.rms_norm(b.h[it.off + r0 : it.off + r1], norm, a.rms_eps, out=x, stream=s)
+            rows[r0:r1] = x.get(stream=s)
+        out.append(rows)
+    return out
 
 
 def tokens_hash(st: DecoderState) -> int:
