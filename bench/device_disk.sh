@@ -14,4 +14,4 @@ M=/tmp/m${S}.gguf
 [ -f $M ] || python3 -m hybridinfer synth --arch qwen35moe --shape $S --quant q4_k_m --seed 1 --no-mtp -o $M
 python3 -m hybridinfer plan -m $M --card k40 --host-bw 100 --ram-budget ${B%%,*} | tail -1
 python3 -m hybridinfer bench disk -m $M -t ${THREADS:-16} -n ${N:-32} --ram-budgets $B \
-  --expert-io ${IO:-pread,direct} --llama-bench .llamabin/llama-bench --out-dir "${OUT:-bench/results}"
+  --expert-io ${IO:-pread,direct} --llama-timeout ${LLAMA_TIMEOUT:-180} --llama-bench .llamabin/llama-bench --out-dir "${OUT:-bench/results}"

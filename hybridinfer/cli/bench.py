@@ -216,7 +216,7 @@ def cmd_bench_disk(a) -> int:
         raise ParameterError(f"--ram-budgets takes sizes and --expert-io a subset of pread,direct, got "
                              f"{a.ram_budgets!r} and {a.expert_io!r}")
     _check_tools(a, "--llama-bench")
-    res = disk.run(a.model, budgets, a.threads, a.n, a.context, modes, a.llama_bench)
+    res = disk.run(a.model, budgets, a.threads, a.n, a.context, modes, a.llama_bench, llama_timeout=a.llama_timeout)
     print(disk.markdown(res))
     _save_bench(a.out_dir, f"disk-{_model_stem(a.model)}-t{a.threads}", json.dumps(res, indent=1), lambda png: False)
     return 0
@@ -288,6 +288,8 @@ def add_bench_parsers(sub) -> None:
                       "bytes read per token against the disk's floor, the cache's hit rate, and llama.cpp under the "
                       "same memory limit", cmd_bench_disk)
     b.add_argument("--ram-budgets", default="6GiB,10GiB,16GiB", help="comma-separated RAM budgets to time")
+    b.add_argument("--llama-timeout", type=float, default=180.0,
+                   help="seconds each llama-bench run may take under its limit (past it: its speed is below n/that)")
     b.add_argument("--expert-io", default="pread,direct", help="comma-separated read modes: pread,direct")
     b.add_argument("-n", type=_int_at_least(1), default=32, help="decode steps timed per budget")
     b.add_argument("--context", type=_int_at_least(1), default=16, help="prompt tokens before timing")

@@ -226,7 +226,7 @@ def _peak_rss() -> int:
 
 def run(path: str, budgets: list[int], threads: int, n_tokens: int = 32, context: int = 16,
         io_modes: tuple[str, ...] = ("pread", "direct"), llama_bench: str | None = None, probe: dict | None = None,
-        drop: bool = True) -> dict:
+        drop: bool = True, llama_timeout: float = 180.0) -> dict:
     """The table: every budget x read mode (a mode this file system refuses is noted, not timed), against the
     disk's floor; llama-bench under each budget when given."""
     from ...errors import ParameterError
@@ -249,7 +249,7 @@ def run(path: str, budgets: list[int], threads: int, n_tokens: int = 32, context
         if llama_bench:  # the memory this engine's process took at this budget (its interpreter and buffers too)
             limit = max([b, *mine])
             rows.append({"budget": b, "io": "llama-bench (mmap)", "limit_bytes": limit,
-                         **llama_bench_limited(llama_bench, path, threads, n_tokens, limit)})
+                         **llama_bench_limited(llama_bench, path, threads, n_tokens, limit, llama_timeout)})
     return {"model": path, "threads": threads, "n_tokens": n_tokens, "context": context, "disk": probe, "rows": rows}
 
 
