@@ -166,3 +166,37 @@ def test_split_gguf_is_refused_before_download(hub, tmp_path, ggufs):
     r = _cli(_env(hub, tmp_path), "info", "-hf", "acme/Split-GGUF:Q8_0")
     assert r.returncode == 2 and "split GGUF in 2 parts" in r.stderr, r.stderr
     assert not any("/resolve/" in p for _, p, _ in hub.log)
+
+
+def test_best_mmproj_as_llama_cpp():
+    """The vision projector beside a model, as llama.cpp's -hf picks it: a folder the model sits in (deepest first),
+    the exact quant tag asked for, else the closest width to the model's."""
+    from hybridinfer.format.hub import best_mmproj
+
+    files = ["Qwen3.5-9B-Q4_K_M.gguf", "mmproj-F16.gguf", "mmproj-F32.gguf", "mmproj-BF16.gguf",
+             "Q8_0/Qwen3.5-9B-Q8_0.gguf", "Q8_0/mmproj-Q8_0.gguf", "other/mmproj-F16.gguf", "README.md"]
+    assert best_mmproj(files, "Qwen3.5-9B-Q4_K_M.gguf") in ("mmproj-F16.gguf", "mmproj-BF16.gguf")
+    assert best_mmproj(files, "Qwen3.5-9B-Q4_K_M.gguf", "F32") == "mmproj-F32.gguf"  # the exact tag asked for
+    assert best_mmproj(files, "Q8_0/Qwen3.5-9B-Q8_0.gguf") == "Q8_0/mmproj-Q8_0.gguf"  # its own folder first
+    assert best_mmproj(["m-Q4_K_M.gguf", "sub/mmproj-F16.gguf"], "m-Q4_K_M.gguf") is None  # not beside it
+    assert best_mmproj(["m-Q4_K_M.gguf"], "m-Q4_K_M.gguf") is None
+
+
+def test_resolve_pair_fetches_the_projector_beside_the_model(hub, tmp_path, monkeypatch):
+    from hybridinfer.format.hub import resolve_pair
+
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    import importlib
+
+    import huggingface_hub.constants as hc
+
+    monkeypatch.setattr(hc, "ENDPOINT", hub.url)
+    monkeypatch.setattr(hc, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    importlib.invalidate_caches()
+    model, mm = resolve_pair(REPO + ":Q8_0", progress=False)
+    assert model.endswith("Tiny-Q8_0.gguf") and mm is not None and mm.endswith("mmproj-Tiny-F16.gguf")
+    with open(mm, "rb") as f:
+        assert f.read() == b"not a language model"
+    model2, none = resolve_pair(REPO + ":Q8_0", progress=False, mmproj=False)
+    assert model2 == model and none is None

@@ -109,6 +109,32 @@ def pick_files(spec: HubSpec, files: list[str]) -> list[str]:
     return _split_group(hits[0], files)
 
 
+def _quant_bits(path: str) -> int:
+    """The bit width in a GGUF name's quant tag (Q4_K_M -> 4, F16 -> 16, BF16 -> 16), 0 without one."""
+    m = re.search(r"\d+", quant_tag(path) or "")
+    return int(m.group()) if m else 0
+
+
+def best_mmproj(files: list[str], model: str, quant: str | None = None) -> str | None:
+    """The vision projector (a GGUF whose name holds "mmproj") beside `model` in a repository listing, as llama.cpp's
+    -hf picks it: in the model's folder or one above it, the deepest such folder first, then a name with the exact
+    quant tag asked for, then the closest quant width to that tag's (else to the model's); None when there is none."""
+    model_dirs = model.split("/")[:-1]
+    want = _quant_bits(f"x-{quant}.gguf") if quant else _quant_bits(model)
+    best, best_key = None, None
+    for f in files:
+        if not f.lower().endswith(".gguf") or "mmproj" not in f.lower():
+            continue
+        dirs = f.split("/")[:-1]
+        if dirs != model_dirs[: len(dirs)]:
+            continue  # not in a folder the model sits in
+        exact = bool(quant) and f"-{quant.upper()}." in f.upper()
+        key = (len(dirs), exact, -abs(_quant_bits(f) - want))
+        if best_key is None or key > best_key:
+            best, best_key = f, key
+    return best
+
+
 def available_quants(models: list[str]) -> list[str]:
     tags = {quant_tag(f) or os.path.basename(f) for f in models}
     return sorted(tags, key=str.lower)
@@ -154,11 +180,20 @@ def _quiet_tqdm():
 
 def resolve(spec: str | HubSpec, *, file: str | None = None, token: str | None = None, revision: str = "main",
             cache_dir: str | None = None, progress: bool = True) -> str:
+    """The model's GGUF only: resolve_pair(...)[0]."""
+    return resolve_pair(spec, file=file, token=token, revision=revision, cache_dir=cache_dir, progress=progress,
+                        mmproj=False)[0]
+
+
+def resolve_pair(spec: str | HubSpec, *, file: str | None = None, token: str | None = None, revision: str = "main",
+                 cache_dir: str | None = None, progress: bool = True, mmproj: bool = True) -> tuple[str, str | None]:
     """The local path of the GGUF `spec` names (see parse_spec), downloaded into huggingface_hub's cache unless it
     is there already (a split GGUF is refused: hybridinfer reads one-file GGUFs). token: None lets
     huggingface_hub find one (HF_TOKEN, the saved login). progress: huggingface_hub's bar while a file transfers.
     Offline (HF_HUB_OFFLINE=1) only the cache is read. A HubError when the repository, the file or the quant does
-    not exist, or when offline (or the Hub cannot be reached) and the cache lacks it."""
+    not exist, or when offline (or the Hub cannot be reached) and the cache lacks it. With `mmproj`, also the
+    vision projector beside it when the repository has one (best_mmproj, as llama.cpp's -hf): (model, mmproj or
+    None)."""
     try:
         import huggingface_hub as hh
         from huggingface_hub import constants, errors
@@ -190,6 +225,13 @@ def resolve(spec: str | HubSpec, *, file: str | None = None, token: str | None =
     else:
         names = _one_file(spec, pick_files(spec, files))
     name = names[0]
+    extra = best_mmproj(files, name, spec.quant) if mmproj else None
+    return tuple(_download(hh, errors, spec, n, revision, token, cache_dir, progress, where, reason) if n else None
+                 for n in (name, extra))
+
+
+def _download(hh, errors, spec: HubSpec, name: str, revision: str, token, cache_dir, progress: bool, where: str,
+              reason: str) -> str:
     try:
         return hh.hf_hub_download(spec.repo, name, revision=revision, token=token, cache_dir=cache_dir,
                                   tqdm_class=None if progress else _quiet_tqdm())
