@@ -313,10 +313,12 @@ class Engine(Compute):
         """The rendered chat as a format.chat_text.ChatText: its text, and where the messages' and tools' text
         holds control tokens' text (tokenized as text by `tokenize_chat` unless special_in_content)."""
         from ..format.chat_text import render_for
+        from .images import chat_markup
 
-        return render_for(self._tok(), self.chat_template or self.gm.meta("tokenizer.chat_template", None),
-                          messages, tools, guarded=not self.special_in_content,
-                          add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking)
+        messages, put = chat_markup(messages)  # image parts: each its slot, as template markup (engine/images.py)
+        return put(render_for(self._tok(), self.chat_template or self.gm.meta("tokenizer.chat_template", None),
+                              messages, tools, guarded=not self.special_in_content,
+                              add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking))
 
     def tokenize_chat(self, chat) -> list[int]:
         """Token ids of a ChatText (no second BOS where the template wrote one; its spans tokenized as text)."""
@@ -370,7 +372,7 @@ class Engine(Compute):
                      top_p: float = 0.95, seed: int | None = None, stop: list[str] | str | None = None,
                      min_p: float = 0.05, repeat_penalty: float = 1.0, presence_penalty: float = 0.0,
                      frequency_penalty: float = 0.0, enable_thinking: bool | None = None, constraint=None,
-                     logprobs: int | None = None) -> Request:
+                     logprobs: int | None = None, images=None) -> Request:
         """Check a request's parameters and make its prompt into token ids (typed errors naming a bad value).
 
         max_tokens (default 128). Sampling: temperature (default 0.8; 0: greedy), top_k (default 40; 0: off),
@@ -379,7 +381,11 @@ class Engine(Compute):
         list of strings that end the reply (never emitted). enable_thinking (default None: the template's own
         choice). constraint (default None): structured output, an object with mask(logits) and accept(token)
         (scheduler.Request). logprobs (default None: off): record each generated token's log-probability and
-        this many alternatives (Generation.logprobs)."""
+        this many alternatives (Generation.logprobs). images (default None): images beside the prompt (bytes, paths,
+        data: URLs, PIL images), also taken from chat messages' image parts (engine/images.py)."""
+        from . import images as im
+
+        prompt, sources = im.prepare(prompt, images)
         if logprobs is not None:
             check_int("logprobs", logprobs, 0)
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
@@ -388,14 +394,17 @@ class Engine(Compute):
         max_tokens = check_int("max_tokens", max_tokens, 0)
         stops = check_stop(stop)
         ids = self.encode_prompt(prompt, enable_thinking)
+        boundary, spans = self._turn_boundary(prompt, ids, enable_thinking), ()
+        if sources:  # each image's slot widened to its rows
+            ids, spans = im.attach(self, ids, im.embed(self, sources))
+            boundary = im.map_points(boundary, spans)
         if not ids:
             raise ParameterError(f"the prompt {prompt!r} gives no tokens")
         if len(ids) + max_tokens > self.n_ctx:
             raise ContextLengthError(
                 f"prompt of {len(ids)} tokens + max_tokens {max_tokens} exceeds the context size "
                 f"n_ctx={self.n_ctx}")
-        return Request(ids, params, max_tokens, stops, self._turn_boundary(prompt, ids, enable_thinking), constraint,
-                       logprobs)
+        return Request(ids, params, max_tokens, stops, boundary, constraint, logprobs, images=spans)
 
     def stream(self, prompt, max_tokens: int = 128, _result: Generation | None = None, **kw) -> Iterator[str]:
         """Yield text pieces as they are generated (stop strings are never emitted). Sampling parameters as
