@@ -1,0 +1,128 @@
+"""Images through the server, with the official `openai` and `anthropic` clients, live on loopback with a tiny
+synthetic Qwen3.5 and a fake vision tower (tests/fake_vision.py): OpenAI `image_url` data: URLs and Anthropic base64
+image blocks, plain and streamed, answer what Engine.generate answers for the same image; remote URLs, bad data and
+a model without a vision tower get their 400 and the server goes on; /v1/models and /props say whether the model
+takes images."""
+
+from __future__ import annotations
+
+import base64
+
+import pytest
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+anthropic = pytest.importorskip("anthropic")
+
+from fake_vision import FakeEncoder, png  # noqa: E402
+from test_image_engine import SHAPE  # noqa: E402
+from test_serve_api import an_client, oa_client, running  # noqa: E402
+
+from hybridinfer.engine.api import Engine  # noqa: E402
+from hybridinfer.serving.serve import create_app  # noqa: E402
+
+MODEL = "tiny-vl"
+IMG = png(96, 64, seed=5)
+B64 = base64.b64encode(IMG).decode()
+DATA_URL = "data:image/png;base64," + B64
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from hybridinfer.tools.synth import synth_model
+
+    path = str(tmp_path_factory.mktemp("serve_images") / "q.gguf")
+    synth_model(path, "qwen35", SHAPE, "q4_k_m", seed=4)
+    eng = Engine.load(path, backend="cpu", n_ctx=256, n_threads=2, max_seqs=2)
+    eng.image_encoder = FakeEncoder(eng.args.n_embd)
+    with running(create_app(eng, model_name=MODEL)) as url:
+        yield eng, url
+    eng.close()
+
+
+def _want(eng, text="what is it?", n=5) -> str:
+    msgs = [{"role": "user", "content": [{"type": "image", "image": IMG}, {"type": "text", "text": text}]}]
+    return eng.generate(msgs, max_tokens=n, temperature=0).text
+
+
+def test_openai_image_url_plain_and_streamed(server):
+    eng, url = server
+    oa = oa_client(url)
+    msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": DATA_URL}},
+                                         {"type": "text", "text": "what is it?"}]}]
+    want = _want(eng)
+    r = oa.chat.completions.create(model=MODEL, messages=msgs, max_tokens=5, temperature=0)
+    assert r.choices[0].message.content == want
+    assert r.usage.prompt_tokens > 2 * 3  # the image's 2 x 3 rows are prompt tokens
+    chunks = oa.chat.completions.create(model=MODEL, messages=msgs, max_tokens=5, temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+
+
+def test_anthropic_base64_image_plain_and_streamed(server):
+    eng, url = server
+    an = an_client(url)
+    msgs = [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": B64}},
+        {"type": "text", "text": "what is it?"}]}]
+    want = _want(eng)
+    r = an.messages.create(model=MODEL, max_tokens=5, messages=msgs, extra_body={"temperature": 0})
+    assert "".join(b.text for b in r.content if b.type == "text") == want
+    with an.messages.stream(model=MODEL, max_tokens=5, messages=msgs, extra_body={"temperature": 0}) as s:
+        assert "".join(s.text_stream) == want
+
+
+def _bad(oa, url_or_data, match):
+    msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url_or_data}},
+                                         {"type": "text", "text": "hi"}]}]
+    with pytest.raises(openai.BadRequestError, match=match):
+        oa.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2)
+
+
+def test_bad_images_get_400_and_the_server_goes_on(server):
+    eng, url = server
+    oa = oa_client(url)
+    _bad(oa, "https://example.com/cat.png", "--allow-remote-images")
+    _bad(oa, "data:image/png;base64,!!!!", "base64")
+    _bad(oa, "data:image/png;base64," + base64.b64encode(b"junk bytes").decode(), "not an image")
+    _bad(oa, "data:image/png;base64," + base64.b64encode(IMG[:80]).decode(), "corrupt or truncated")
+    an = an_client(url)
+    with pytest.raises(anthropic.BadRequestError, match="source"):
+        an.messages.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "file", "file_id": "x"}}]}])
+    import httpx
+
+    models = oa.models.list().data
+    assert models[0].model_extra["capabilities"] == ["completion", "multimodal"]
+    assert httpx.get(url + "/props").json()["modalities"]["vision"] is True
+    enc, eng.image_encoder = eng.image_encoder, None
+    try:
+        _bad(oa, DATA_URL, "--mmproj")
+        assert "multimodal" not in oa.models.list().data[0].model_extra["capabilities"]
+    finally:
+        eng.image_encoder = enc
+    r = oa.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=2)
+    assert r.choices[0].finish_reason in ("length", "stop")
+
+
+def test_batch_image_line_and_a_bad_one(server, tmp_path):
+    import json
+
+    from batch_records import records, write_job
+
+    from hybridinfer.serving.batch import run_job
+
+    eng, _ = server
+    body = lambda url: {"model": MODEL, "max_tokens": 5, "temperature": 0, "messages": [  # noqa: E731
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                     {"type": "text", "text": "what is it?"}]}]}
+    line = lambda cid, b: {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions", "body": b}  # noqa: E731
+    job, out = tmp_path / "job.jsonl", tmp_path / "out.jsonl"
+    write_job(job, [line("img", body(DATA_URL)), line("remote", body("http://example.com/x.png")),
+                    line("text", {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})])
+    run_job(eng, str(job), str(out))
+    recs = {r["custom_id"]: r for r in records(out).values()}
+    assert recs["img"]["response"]["status_code"] == 200
+    assert recs["img"]["response"]["body"]["choices"][0]["message"]["content"] == _want(eng)
+    bad = recs["remote"]["response"]
+    assert bad["status_code"] == 400 and "remote image URLs are not allowed" in json.dumps(bad["body"])
+    assert recs["text"]["response"]["status_code"] == 200
