@@ -126,3 +126,16 @@ def test_batch_image_line_and_a_bad_one(server, tmp_path):
     bad = recs["remote"]["response"]
     assert bad["status_code"] == 400 and "remote image URLs are not allowed" in json.dumps(bad["body"])
     assert recs["text"]["response"]["status_code"] == 200
+
+
+def test_anthropic_count_tokens_counts_an_image_by_its_rows(server):
+    eng, url = server
+    import httpx
+
+    blocks = [{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": B64}},
+              {"type": "text", "text": "what is it?"}]
+    r = httpx.post(url + "/v1/messages/count_tokens", json={"model": MODEL, "messages": [
+        {"role": "user", "content": blocks}]}).json()
+    want = eng.make_request([{"role": "user", "content": [{"type": "image", "image": IMG},
+                                                          {"type": "text", "text": "what is it?"}]}])
+    assert r["input_tokens"] == len(want.ids)
