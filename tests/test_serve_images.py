@@ -139,3 +139,11 @@ def test_anthropic_count_tokens_counts_an_image_by_its_rows(server):
     want = eng.make_request([{"role": "user", "content": [{"type": "image", "image": IMG},
                                                           {"type": "text", "text": "what is it?"}]}])
     assert r["input_tokens"] == len(want.ids)
+
+
+def test_responses_input_image(server):
+    eng, url = server
+    r = oa_client(url).responses.create(model=MODEL, max_output_tokens=5, temperature=0, input=[
+        {"role": "user", "content": [{"type": "input_image", "image_url": DATA_URL},
+                                     {"type": "input_text", "text": "what is it?"}]}])
+    assert r.output_text == _want(eng)
