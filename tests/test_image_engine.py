@@ -141,3 +141,18 @@ def test_every_entry_point_takes_images(model):
         eng.generate(chat(IMG_A), **kw)
     assert eng.generate("plain text", **kw).tokens  # text still works
     eng.close()
+
+
+def test_image_snapshots_on_disk_serve_another_process(model, tmp_path):
+    """Snapshot files hold the images' key ids: a second engine on the same folder restores the image prompt and
+    answers as a cold run."""
+    spec = {"ram_bytes": 64 << 20, "disk_dir": str(tmp_path / "cache")}
+    one = _load(model["q4_k_m"], prefix_cache=spec)
+    g1 = one.generate(chat(IMG_A), max_tokens=3, temperature=0)
+    one.close()
+    two = _load(model["q4_k_m"], prefix_cache=spec)
+    g2 = two.generate(chat(IMG_A), max_tokens=3, temperature=0)
+    assert g2.timings["reused_tokens"] >= g1.prompt_tokens - 1 and g2.tokens == g1.tokens
+    g3 = two.generate(chat(IMG_B), max_tokens=3, temperature=0)  # another image: not the file of image A
+    assert g3.timings["reused_tokens"] <= two.make_request(chat(IMG_B)).images[0].row
+    two.close()
