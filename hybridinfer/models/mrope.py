@@ -56,7 +56,11 @@ def positions(spans, p0: int, T: int) -> tuple[int, np.ndarray | None]:
         return shift_at(spans, p0), None
     rows = np.arange(p0, p0 + T, dtype=np.int64)
     out = np.empty((T, 4), np.int64)
-    shift = np.array([shift_at(spans, r) for r in rows], np.int64)
+    ends = np.array([s.end for s in spans], np.int64)
+    saved = np.concatenate([[0], np.cumsum([s.n_pos - s.n_tokens for s in spans])]).astype(np.int64)
+    order = np.argsort(ends, kind="stable")
+    shift = saved[np.searchsorted(ends[order], rows, side="right")] if (order == np.arange(len(spans))).all() \
+        else np.array([shift_at(spans, r) for r in rows], np.int64)  # spans out of order: the plain sum
     out[:] = (rows + shift)[:, None]
     for s in inside:
         a, b = max(s.row, p0), min(s.end, p0 + T)
