@@ -5,6 +5,8 @@ generating entry point taking images."""
 
 from __future__ import annotations
 
+import base64
+
 import numpy as np
 import pytest
 from fake_vision import FakeEncoder, png
@@ -126,6 +128,10 @@ def test_every_entry_point_takes_images(model):
     kw = dict(max_tokens=4, temperature=0)
     assert eng.generate([{"role": "user", "content": "what is this?"}], images=[IMG_A], **kw).tokens == want
     assert eng.submit(chat(IMG_A), **kw).result().tokens == want
+    url = "data:image/png;base64," + base64.b64encode(IMG_A).decode()  # an OpenAI part, as the library takes it
+    oa = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                       {"type": "text", "text": "what is this?"}]}]
+    assert eng.generate(oa, **kw).tokens == want
     assert "".join(eng.stream(chat(IMG_A), **kw)) == eng.detokenize(want)
     got = eng.generate_batch([{"messages": chat(IMG_A)}, {"prompt": "<__media__> hi", "images": [IMG_B]}], **kw)
     assert got[0].tokens == want and len(got[1].tokens) == 4
