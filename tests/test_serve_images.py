@@ -147,3 +147,39 @@ def test_responses_input_image(server):
         {"role": "user", "content": [{"type": "input_image", "image_url": DATA_URL},
                                      {"type": "input_text", "text": "what is it?"}]}])
     assert r.output_text == _want(eng)
+
+
+def test_batch_remote_image_when_allowed(server, tmp_path):
+    """--allow-remote-images: an http URL (a loopback server here) is fetched, and answers as the data: URL does."""
+    import http.server
+    import threading
+
+    from batch_records import records, write_job
+
+    from hybridinfer.serving.batch import run_job
+
+    eng, _ = server
+
+    class One(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - the handler's name
+            self.send_response(200)
+            self.send_header("Content-Type", "image/png")
+            self.end_headers()
+            self.wfile.write(IMG)
+
+        def log_message(self, *a):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), One)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{httpd.server_address[1]}/cat.png"
+        job, out = tmp_path / "job.jsonl", tmp_path / "out.jsonl"
+        write_job(job, [{"custom_id": "r", "method": "POST", "url": "/v1/chat/completions", "body": {
+            "model": MODEL, "max_tokens": 5, "temperature": 0, "messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "what is it?"}]}]}}])
+        run_job(eng, str(job), str(out), allow_remote_images=True)
+    finally:
+        httpd.shutdown()
+    (rec,) = records(out).values()
+    assert rec["response"]["body"]["choices"][0]["message"]["content"] == _want(eng)
