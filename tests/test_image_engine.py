@@ -140,8 +140,10 @@ def test_every_entry_point_takes_images(model):
         eng.make_request(chat(IMG_B)).images[0].digest]
     with pytest.raises(ParameterError, match="media markers"):
         eng.make_request("one <__media__>", images=[IMG_A, IMG_B])
-    with pytest.raises(ParameterError, match="image 0"):
+    with pytest.raises(ParameterError, match=r"messages\[0\]\.content\[0\]: not an image"):
         eng.make_request(chat(b"not an image"))
+    with pytest.raises(ParameterError, match="image 1: "):
+        eng.make_request("<__media__><__media__>", images=[IMG_A, b""])
     eng.image_encoder = None
     with pytest.raises(NoImageEncoderError, match="--mmproj"):
         eng.generate(chat(IMG_A), **kw)

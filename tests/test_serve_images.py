@@ -83,7 +83,8 @@ def test_bad_images_get_400_and_the_server_goes_on(server):
     oa = oa_client(url)
     _bad(oa, "https://example.com/cat.png", "--allow-remote-images")
     _bad(oa, "data:image/png;base64,!!!!", "base64")
-    _bad(oa, "data:image/png;base64," + base64.b64encode(b"junk bytes").decode(), "not an image")
+    _bad(oa, "data:image/png;base64," + base64.b64encode(b"junk bytes").decode(),
+         r"messages\[0\]\.content\[0\]: not an image")
     _bad(oa, "data:image/png;base64," + base64.b64encode(IMG[:80]).decode(), "corrupt or truncated")
     an = an_client(url)
     with pytest.raises(anthropic.BadRequestError, match="source"):

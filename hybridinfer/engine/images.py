@@ -18,6 +18,7 @@ import hashlib
 import secrets
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -60,13 +61,22 @@ def has_images(messages) -> bool:
                for m in messages)
 
 
-def chat_sources(messages) -> list:
+@dataclass(frozen=True)
+class Named:
+    """An image with the place it came from, which its errors name ("messages[0].content[1]")."""
+
+    source: object
+    where: str
+
+
+def chat_sources(messages) -> list[Named]:
     """The images of chat messages, in the order the template writes them (message by message, part by part)."""
     out = []
     for i, m in enumerate(messages):
         c = m.get("content") if isinstance(m, dict) else None
         if isinstance(c, list | tuple):
-            out += [part_source(p, f"messages[{i}].content[{j}]") for j, p in enumerate(c) if _is_image(p)]
+            out += [Named(part_source(p, f"messages[{i}].content[{j}]"), f"messages[{i}].content[{j}]")
+                    for j, p in enumerate(c) if _is_image(p)]
     return out
 
 
@@ -203,10 +213,12 @@ def embed(engine, sources, allow_remote: bool = False) -> list[ImageEmbedding]:
                                   "it takes no images (load it with its mmproj file, --mmproj)")
     out = []
     for k, s in enumerate(sources):
+        what = s.where if isinstance(s, Named) else f"image {k}"
+        s = s.source if isinstance(s, Named) else s
         if isinstance(s, ImageEmbedding):
             out.append(s)
         else:
-            out.append(store_of(engine).get(engine, open_image(s, allow_remote=allow_remote, what=f"image {k}")))
+            out.append(store_of(engine).get(engine, open_image(s, allow_remote=allow_remote, what=what)))
     return out
 
 
