@@ -132,6 +132,9 @@ def test_every_entry_point_takes_images(model):
     oa = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
                                        {"type": "text", "text": "what is this?"}]}]
     assert eng.generate(oa, **kw).tokens == want
+    slots = eng.tokenize_chat(eng.chat_text(chat(IMG_A)))  # token ids: each <|image_pad|> is one image's slot
+    assert slots.count(eng.tokenizer.token_id("<|image_pad|>")) == 1
+    assert eng.generate(slots, images=[IMG_A], **kw).tokens == want
     assert "".join(eng.stream(chat(IMG_A), **kw)) == eng.detokenize(want)
     got = eng.generate_batch([{"messages": chat(IMG_A)}, {"prompt": "<__media__> hi", "images": [IMG_B]}], **kw)
     assert got[0].tokens == want and len(got[1].tokens) == 4
