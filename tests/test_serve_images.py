@@ -101,7 +101,14 @@ def test_bad_images_get_400_and_the_server_goes_on(server):
         assert "multimodal" not in oa.models.list().data[0].model_extra["capabilities"]
     finally:
         eng.image_encoder = enc
-    r = oa.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="user messages"):
+        oa.chat.completions.create(model=MODEL, max_tokens=2, messages=[
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": [{"type": "image_url", "image_url": {"url": DATA_URL}}]},
+            {"role": "user", "content": "and?"}])
+    r = oa.chat.completions.create(model=MODEL, max_tokens=2, messages=[  # two user turns in a row, one an image
+        {"role": "user", "content": "hello"},
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": DATA_URL}}]}])
     assert r.choices[0].finish_reason in ("length", "stop")
 
 

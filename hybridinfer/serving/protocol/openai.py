@@ -19,13 +19,15 @@ from .toolcalls import OutputParser
 FINISH = {"stop": "stop", "length": "length", "cancelled": "stop"}
 
 
-def _content(c, where: str) -> str | list:
-    """A message's content as the template takes it: its text, or with image parts a list of engine parts
-    ({"type": "text"}, {"type": "image"}: engine/images.py)."""
+def _content(c, where: str, role: str = "user") -> str | list:
+    """A message's content as the template takes it: its text, or with image parts (a user message's) a list of
+    engine parts ({"type": "text"}, {"type": "image"}: engine/images.py)."""
     if c is None or isinstance(c, str):
         return c or ""
     out, images = [], False
     for j, p in enumerate(c):
+        if p.type == "image_url" and role != "user":
+            raise bad_param(f"{where}[{j}].type", f"image parts are taken in user messages, not in a {role} message")
         if p.type == "image_url":
             url = getattr(p, "image_url", None)
             url = url.get("url") if isinstance(url, dict) else url
@@ -45,8 +47,8 @@ def chat_messages(body: ChatRequest) -> list[dict]:
     """OpenAI messages as the chat template takes them."""
     out = []
     for i, m in enumerate(body.messages):
-        d = {"role": "system" if m.role == "developer" else m.role, "content": _content(m.content,
-                                                                                        f"messages[{i}].content")}
+        d = {"role": "system" if m.role == "developer" else m.role,
+             "content": _content(m.content, f"messages[{i}].content", m.role)}
         if m.role == "assistant":
             if m.tool_calls:
                 d["tool_calls"] = [{"id": c.id or f"call_{i}_{j}", "type": "function",

@@ -99,6 +99,7 @@ def _hermes_messages(messages: list[dict], tools: list[dict] | None) -> list[dic
     merged: list[dict] = []
     for m in out:
         if (merged and m["role"] == "user" and merged[-1]["role"] == "user"
+                and isinstance(m["content"], str) and isinstance(merged[-1]["content"], str)  # (a list: images)
                 and m["content"].startswith("<tool_response>") and merged[-1]["content"].endswith("</tool_response>")):
             merged[-1] = {**merged[-1], "content": merged[-1]["content"] + "\n" + m["content"]}
         else:
