@@ -258,7 +258,9 @@ def _positions(items, a):
     rows_pos = np.concatenate(shifted)
     if not any_image:
         return rows_pos, None, None
-    return rows_pos, np.ascontiguousarray(np.concatenate(multi), dtype=np.int32), tuple(a.rope_sections)
+    # no sections in the file: every pair takes the first stream, as imrope_streams says (one section of 1 does)
+    sections = tuple(a.rope_sections) if sum(getattr(a, "rope_sections", ()) or ()) > 0 else (1, 0, 0, 0)
+    return rows_pos, np.ascontiguousarray(np.concatenate(multi), dtype=np.int32), sections
 
 
 def tokens_hash(st: DecoderState) -> int:
