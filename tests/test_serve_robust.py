@@ -76,7 +76,7 @@ BAD = [
     (CHAT, {"model": MODEL, "messages": [{"role": "user"}], "max_tokens": 2}, 200, ""),  # no content: empty text
     (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
     (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-     400, "messages[0].content[0].type"),
+     400, "messages[0].content[0].image_url"),  # an image part without its url
     (CHAT, {"model": "gpt-4o", "messages": Q}, 404, "model"),
     (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": LONG}]}, 400, "n_ctx=1024"),
     (CHAT, {"model": MODEL, "messages": Q, "max_tokens": 1000}, 400, "max_tokens 1000"),
@@ -103,7 +103,7 @@ BAD = [
     (MSGS, {"model": MODEL, "messages": Q}, 400, "max_tokens"),
     (MSGS, {"model": "claude-x", "messages": Q, "max_tokens": 4}, 404, "model"),
     (MSGS, {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}],
-            "max_tokens": 4}, 400, "messages[0].content[0].type"),
+            "max_tokens": 4}, 400, "messages[0].content[0].source"),  # an image block without its source
     (MSGS, {"model": MODEL, "messages": [{"role": "user", "content": LONG}], "max_tokens": 4}, 400, "n_ctx=1024"),
     (MSGS, {"model": MODEL, "messages": Q, "max_tokens": 4, "tool_choice": {"type": "any"}}, 400, "tool_choice"),
     (MSGS + "/count_tokens", {"model": MODEL}, 400, "messages"),

@@ -221,7 +221,7 @@ def test_synth_mmproj_cpu_matches_reference(tmp_path, simd, dtype):
 
 
 def test_embedding_lru_evicts_least_recent_by_bytes():
-    from hybridinfer.engine.images import EmbeddingLRU
+    from hybridinfer.engine.image_encoder import EmbeddingLRU
     from hybridinfer.models.vision_types import ImageEmbedding
 
     def emb(d):

@@ -13,7 +13,7 @@ from ..errors import MTPUnavailableError
 from ..format.gguf_model import GGUFModel
 from ..format.quant import dequantize, dequantize_rows
 from ..format.quant_types import act_of
-from ..models import graph
+from ..models import graph, mrope
 from ..models.graph import BlockTensors, block_names
 from ..models.state_kinds import cache_path, cache_types, kv_rotation, sequence_layer_types
 from . import Backend, actquant
@@ -178,6 +178,8 @@ class ReferenceModel(Backend):
         state.check_room(T)
         a = self.args
         h = self.w.rows(self.embed, ids)
+        for r0, r1, rows in mrope.image_rows(state.images, state.pos, T):
+            h[r0:r1] = rows
         for i, block in enumerate(self.blocks):
             ops = self.graph_ops(i, state)
             for br in block:
@@ -222,9 +224,11 @@ class RefOps:
         T, p0, hd = q.shape[0], st.pos, a.head_dim
         q, k, v = (t.reshape(T, -1, hd) for t in (q, k, v))
         ff = self.m.freq_factors
-        pos = np.arange(p0, p0 + T)
-        q = op.rope(q, pos, a.n_rot, a.rope_theta, a.rope_neox, ff)
-        k = op.rope(k, pos, a.n_rot, a.rope_theta, a.rope_neox, ff)
+        shift, pos4 = mrope.positions(st.images, p0, T)
+        pos = np.arange(p0, p0 + T) + shift if pos4 is None else pos4
+        streams = mrope.imrope_streams(getattr(a, "rope_sections", ()), a.n_rot // 2)
+        q = op.rope(q, pos, a.n_rot, a.rope_theta, a.rope_neox, ff, streams)
+        k = op.rope(k, pos, a.n_rot, a.rope_theta, a.rope_neox, ff, streams)
         kt, vt = cache_types(a)
         rk, rv = kv_rotation(a)  # quantized rows rotated before they are kept, the output rotated back
         q, k, v = op.hadamard(q, rk), op.hadamard(k, rk), op.hadamard(v, rv)

@@ -58,12 +58,19 @@ def rope_freqs(n_rot: int, theta: float, freq_factors: np.ndarray | None = None)
 
 
 def rope(x: np.ndarray, positions: np.ndarray, n_rot: int, theta: float, neox: bool,
-         freq_factors: np.ndarray | None = None) -> np.ndarray:
+         freq_factors: np.ndarray | None = None, streams: np.ndarray | None = None) -> np.ndarray:
     """Rotate the first n_rot dims of x (T, H, hd) by angle pos*w_i; the rest pass through.
 
     neox: pairs (i, i + n_rot/2) (Qwen); otherwise adjacent pairs (2i, 2i+1) (llama.cpp's NORM mode).
+    positions (T,), or (T, 4) multimodal positions with `streams` (n_rot/2,) naming the one pair i takes
+    (models/mrope.imrope_streams): pos = positions[:, streams[i]].
     """
-    ang = positions.astype(np.float64)[:, None] * rope_freqs(n_rot, theta, freq_factors)[None, :]
+    w = rope_freqs(n_rot, theta, freq_factors)[None, :]
+    if positions.ndim == 2:
+        pos = positions.astype(np.float64)[:, np.asarray(streams)]  # (T, n_rot/2)
+        ang = pos * w
+    else:
+        ang = positions.astype(np.float64)[:, None] * w
     cos = np.cos(ang).astype(np.float32)[:, None, :]  # (T, 1, n_rot/2)
     sin = np.sin(ang).astype(np.float32)[:, None, :]
     out = x.copy()

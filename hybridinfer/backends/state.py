@@ -7,6 +7,9 @@ Per layer:  the arrays its mixer kind declares (models/state_kinds.py), as `stat
             type's blocks: StateArray.storage), rows < pos valid; K is stored after k_norm and RoPE, V raw.
 pos:        the number of tokens consumed; the next token has position `pos`.
 tokens:     (n_ctx,) int32; tokens[:pos] produced this state.
+images:     the sequence's images (models/mrope.ImageSpan, by row): their rows take the encoder's embeddings and
+            multimodal rotary positions, and a text row after one is at a rotary position below its row. The layout
+            is the request's: restoring a snapshot leaves it as it is.
 
 All buffers are allocated once, at `new()`; prefill and decode write into them.
 """
@@ -30,6 +33,7 @@ class DecoderState:
     tokens: np.ndarray = field(default=None)  # (n_ctx,) int32
     # per declared array name (state_kinds.ARRAYS): per layer, the array or None; read as state.conv, state.k, ...
     arrays: dict[str, list[np.ndarray | None]] = field(default_factory=dict)
+    images: tuple = ()  # models/mrope.ImageSpan, sorted by row
 
     def __post_init__(self):
         L = len(self.layer_types)
@@ -100,7 +104,7 @@ class DecoderState:
         if n_ctx < self.pos:
             raise ContextLengthError(f"cannot copy a state at position {self.pos} into n_ctx={n_ctx}")
         st = DecoderState(n_ctx=n_ctx, layer_types=self.layer_types, pos=self.pos,
-                          tokens=np.zeros(n_ctx, np.int32))
+                          tokens=np.zeros(n_ctx, np.int32), images=self.images)
         st.tokens[: self.pos] = self.tokens[: self.pos]
         for s, i, a in self.held(per_token=False):
             st.arrays[s.name][i] = a.copy()
@@ -115,7 +119,8 @@ class DecoderState:
         before `pos` stay as they are when the state goes on) and has fresh, zero recurrent arrays: a GPU pass
         writes the recurrent state of a snapshot in the middle of its prompt into them (those it does not write,
         the MTP block's, stay zero: none of the block's rows; zero pages cost nothing until written)."""
-        st = DecoderState(n_ctx=self.n_ctx, layer_types=self.layer_types, pos=pos, tokens=self.tokens)
+        st = DecoderState(n_ctx=self.n_ctx, layer_types=self.layer_types, pos=pos, tokens=self.tokens,
+                          images=self.images)
         for name, s in ARRAYS.items():
             st.arrays[name] = (list(self.arrays[name]) if s.per_token else
                                [None if a is None else np.zeros_like(a) for a in self.arrays[name]])

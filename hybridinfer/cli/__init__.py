@@ -154,7 +154,7 @@ def cmd_run(a) -> int:
     else:
         prompt = ([{"role": "system", "content": a.system}] if a.system else []) + [
             {"role": "user", "content": a.prompt}]
-    h = eng.submit(prompt, **opts)  # through the scheduler, so --state-budget holds here too
+    h = eng.submit(prompt, images=a.image, **opts)  # through the scheduler, so --state-budget holds here too
     try:
         for piece in h:
             sys.stdout.write(piece)
@@ -179,8 +179,9 @@ def cmd_chat(a) -> int:
     if hasattr(sys.stdin, "reconfigure"):  # bytes that are not UTF-8 come as lone surrogates, said below, not raised
         sys.stdin.reconfigure(errors="surrogateescape")
     if tty:
-        print("hybridinfer chat: /reset clears the history, /stats shows the prefix cache, /exit quits",
-              file=sys.stderr)
+        print("hybridinfer chat: /image FILE adds an image to your next message, /reset clears the history, /stats "
+              "shows the prefix cache, /exit quits", file=sys.stderr)
+    images: list = []  # /image files for the next message
     while True:
         if tty:
             sys.stderr.write("> ")
@@ -195,6 +196,16 @@ def cmd_chat(a) -> int:
             break
         if text.strip() == "/reset":
             history.clear()
+            images.clear()
+            continue
+        if text.startswith("/image"):
+            from ..format.image_input import open_image
+
+            path = text[len("/image"):].strip()
+            try:
+                images.append({"type": "image", "image": open_image(path, what=f"/image {path!r}")})
+            except HybridInferError as e:
+                print(f"hybridinfer: error: {e}", file=sys.stderr)
             continue
         if text.strip() == "/stats":
             print(eng.prefix_cache.stats if eng.prefix_cache is not None else "prefix cache off", file=sys.stderr)
@@ -204,7 +215,7 @@ def cmd_chat(a) -> int:
         except UnicodeEncodeError:
             print(f"hybridinfer: error: the line is not UTF-8 text, skipped: {text!r}", file=sys.stderr)
             continue
-        history.append({"role": "user", "content": text})
+        history.append({"role": "user", "content": images + [{"type": "text", "text": text}] if images else text})
         res = Generation("", [], 0, "length")
         try:
             for piece in eng.stream(system + history, _result=res, **opts):
@@ -214,6 +225,7 @@ def cmd_chat(a) -> int:
             history.pop()
             print(f"hybridinfer: error: {e}", file=sys.stderr)
             continue
+        images = []
         sys.stdout.write("\n")
         sys.stdout.flush()
         history.append({"role": "assistant", "content": res.text})
@@ -366,6 +378,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("-f", "--file", help="read the prompt from this file (UTF-8; - : stdin); one trailing newline "
                                         "is dropped, as llama.cpp does")
     p.add_argument("--raw", action="store_true", help="complete the prompt as is, no chat template")
+    p.add_argument("--image", action="append", metavar="FILE",
+                   help="an image for the prompt (repeatable; needs --mmproj); with --raw, each <__media__> in the "
+                        "prompt is one, else they go first")
     p.set_defaults(fn=cmd_run)
 
     p = sub.add_parser("chat", help="interactive multi-turn chat on stdin/stdout (history reused from the cache)")

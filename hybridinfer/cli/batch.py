@@ -70,7 +70,8 @@ def cmd_batch(a) -> int:
         summary = run_job(eng, a.input, a.output, model_name=a.alias or None,
                           strict_model_name=a.strict_model_name, shard=shard, window=a.window,
                           max_inflight=a.max_inflight, sync_every=a.sync_every, ordered=a.ordered,
-                          progress=progress, progress_stream=sys.stderr, stop=stop, max_line_bytes=a.max_line_bytes)
+                          progress=progress, progress_stream=sys.stderr, stop=stop, max_line_bytes=a.max_line_bytes,
+                          allow_remote_images=a.allow_remote_images)
     if progress != "json":
         from ..serving.batch.progress import format_summary
 
@@ -110,7 +111,8 @@ def _cmd_ray(a, progress: str) -> int:
             print(json.dumps({"event": "progress", "done": done, "total": total}), file=sys.stderr, flush=True)
 
     job = {"model_name": a.alias or None, "strict_model_name": a.strict_model_name, "window": a.window,
-           "max_inflight": a.max_inflight, "sync_every": a.sync_every, "max_line_bytes": a.max_line_bytes}
+           "max_inflight": a.max_inflight, "sync_every": a.sync_every, "max_line_bytes": a.max_line_bytes,
+           "allow_remote_images": a.allow_remote_images}
     local = a.ray == "local"
     summary = run_ray(functools.partial(_shard_engine, a), a.input, a.output, n_shards=a.ray_shards,
                       address=None if local else a.ray, init_kwargs={"include_dashboard": False} if local else {},
@@ -155,6 +157,8 @@ def add_batch_parser(sub) -> None:
                    help="requests read ahead and sorted together so shared prefixes run together (default 1024)")
     p.add_argument("--max-inflight", type=_int_at_least(1), default=None,
                    help="requests on the scheduler at once (default 2 x --max-seqs)")
+    p.add_argument("--allow-remote-images", action="store_true",
+                   help="fetch images that lines give as http(s) URLs (default: an error line; data: URLs always work)")
     p.add_argument("--max-line-bytes", type=parse_size, default=None,
                    help="input lines longer than this are error lines, never parsed (default: 64 bytes a token of "
                         "-c/--ctx-size, at least 1MiB)")

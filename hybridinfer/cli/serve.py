@@ -44,7 +44,7 @@ def cmd_serve(a) -> int:
                      allowed_hosts=LOOPBACK_HOSTS if loopback and not a.no_host_check else None, close_engine=True,
                      cors_origins=None if a.cors_origin is None else [o for v in a.cors_origin for o in v.split(",")
                                                                        if o.strip()],
-                     pooling=a.pooling)
+                     pooling=a.pooling, allow_remote_images=a.allow_remote_images)
     serve(app, a.host, a.port, a.log_level)
     return 0
 
@@ -82,6 +82,9 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--pooling", default="mean", choices=["mean", "last"],
                    help="how /v1/embeddings pools an input's final hidden states: the mean over its tokens, or the "
                         "last token's (for last-token embedding models such as Qwen3-Embedding) (default: mean)")
+    p.add_argument("--allow-remote-images", action="store_true",
+                   help="fetch images that requests give as http(s) URLs (default: refused with a 400; data: URLs "
+                        "and base64 image sources always work)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     env_defaults(p, LLAMA_ENV)
     p.set_defaults(env_hf=(os.environ.get("LLAMA_ARG_HF_REPO") or None, os.environ.get("LLAMA_ARG_HF_FILE") or None))

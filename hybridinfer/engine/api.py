@@ -168,7 +168,7 @@ class Engine(Compute):
         self.max_seqs, self.state_budget, self.step_tokens = max_seqs, state_budget, step_tokens
         self._scheduler = None
         self.spec = None  # speculative decoding (spec.Speculator), or None
-        self.image_encoder = None  # the mmproj's vision tower (engine/images.CachedImageEncoder), or None
+        self.image_encoder = None  # the mmproj's vision tower (engine/image_encoder.CachedImageEncoder), or None
         self.n_ctx, self.progress, self.prefill_chunk = n_ctx, progress, prefill_chunk
         self.ctx_note = ""  # why n_ctx is less than asked for, in one line (Engine.load)
         self.lock = threading.RLock()
@@ -302,10 +302,10 @@ class Engine(Compute):
         eng.ctx_note = ctx.note
         eng.spec = spec
         if mmproj is not None:
-            from .images import load_encoder
+            from .image_encoder import load_encoder
 
-            eng.image_encoder = load_encoder(mmproj, args.n_embd, be, min_tokens=image_min_tokens,
-                                             max_tokens=image_max_tokens)
+            eng.image_encoder = load_encoder(mmproj, args.n_embd, be, cache_bytes=0, min_tokens=image_min_tokens,
+                                             max_tokens=image_max_tokens)  # cached once, by the ImageStore
         _ = eng.scheduler  # its limits checked now, not at the first request
         if chat_template is not None:
             from ..format.chat_template import check_template
@@ -316,12 +316,13 @@ class Engine(Compute):
 
     def encode_image(self, image) -> np.ndarray:
         """The image's rows for the text model (one per image token, [n_tokens, n_embd] float32), from the mmproj's
-        tower; the same image again comes from the embedding cache. `image`: a path or a PIL image."""
+        tower; the same image again comes from the embedding cache (engine/images.ImageStore). `image`: a path,
+        bytes, a data: URL or a PIL image (format/image_input.open_image)."""
         if self.image_encoder is None:
             raise ParameterError("this engine has no vision tower: load it with mmproj=PATH (--mmproj)")
-        from .images import as_rgb
+        from .images import embed
 
-        return self.image_encoder.encode(as_rgb(image)).rows
+        return embed(self, [image])[0].rows
 
     # tokens ---------------------------------------------------------------------------------------
     def _tok(self):
@@ -344,10 +345,12 @@ class Engine(Compute):
         """The rendered chat as a format.chat_text.ChatText: its text, and where the messages' and tools' text
         holds control tokens' text (tokenized as text by `tokenize_chat` unless special_in_content)."""
         from ..format.chat_text import render_for
+        from .images import chat_markup
 
-        return render_for(self._tok(), self.chat_template or self.gm.meta("tokenizer.chat_template", None),
-                          messages, tools, guarded=not self.special_in_content,
-                          add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking)
+        messages, put = chat_markup(messages)  # image parts: each its slot, as template markup (engine/images.py)
+        return put(render_for(self._tok(), self.chat_template or self.gm.meta("tokenizer.chat_template", None),
+                              messages, tools, guarded=not self.special_in_content,
+                              add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking))
 
     def tokenize_chat(self, chat) -> list[int]:
         """Token ids of a ChatText (no second BOS where the template wrote one; its spans tokenized as text)."""
@@ -401,7 +404,7 @@ class Engine(Compute):
                      top_p: float = 0.95, seed: int | None = None, stop: list[str] | str | None = None,
                      min_p: float = 0.05, repeat_penalty: float = 1.0, presence_penalty: float = 0.0,
                      frequency_penalty: float = 0.0, enable_thinking: bool | None = None, constraint=None,
-                     logprobs: int | None = None) -> Request:
+                     logprobs: int | None = None, images=None) -> Request:
         """Check a request's parameters and make its prompt into token ids (typed errors naming a bad value).
 
         max_tokens (default 128). Sampling: temperature (default 0.8; 0: greedy), top_k (default 40; 0: off),
@@ -410,7 +413,11 @@ class Engine(Compute):
         list of strings that end the reply (never emitted). enable_thinking (default None: the template's own
         choice). constraint (default None): structured output, an object with mask(logits) and accept(token)
         (scheduler.Request). logprobs (default None: off): record each generated token's log-probability and
-        this many alternatives (Generation.logprobs)."""
+        this many alternatives (Generation.logprobs). images (default None): images beside the prompt (bytes, paths,
+        data: URLs, PIL images), also taken from chat messages' image parts (engine/images.py)."""
+        from . import images as im
+
+        prompt, sources = im.prepare(prompt, images)
         if logprobs is not None:
             check_int("logprobs", logprobs, 0)
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
@@ -419,14 +426,17 @@ class Engine(Compute):
         max_tokens = check_int("max_tokens", max_tokens, 0)
         stops = check_stop(stop)
         ids = self.encode_prompt(prompt, enable_thinking)
+        boundary, spans = self._turn_boundary(prompt, ids, enable_thinking), ()
+        if sources:  # each image's slot widened to its rows
+            ids, spans = im.attach(self, ids, im.embed(self, sources))
+            boundary = im.map_points(boundary, spans)
         if not ids:
             raise ParameterError(f"the prompt {prompt!r} gives no tokens")
         if len(ids) + max_tokens > self.n_ctx:
             raise ContextLengthError(
                 f"prompt of {len(ids)} tokens + max_tokens {max_tokens} exceeds the context size "
                 f"n_ctx={self.n_ctx}")
-        return Request(ids, params, max_tokens, stops, self._turn_boundary(prompt, ids, enable_thinking), constraint,
-                       logprobs)
+        return Request(ids, params, max_tokens, stops, boundary, constraint, logprobs, images=spans)
 
     def stream(self, prompt, max_tokens: int = 128, _result: Generation | None = None, **kw) -> Iterator[str]:
         """Yield text pieces as they are generated (stop strings are never emitted). Sampling parameters as

@@ -112,31 +112,37 @@ class Compute:
         return self._open().new_state(self.n_ctx)
 
     def restore(self, ids: list[int], state, turn_boundary=None, shared_at=(), keep_ends: bool = True,
-                salt: str | None = None):
+                salt: str | None = None, images=()):
         """Restore the longest cached prefix of `ids` into the fresh `state` (with a prefix cache). Returns
         (logits, stats, work): the last-token logits when the whole prompt was cached (else None), the prompt's
         stats (prompt_tokens, reused_tokens, prefilled_tokens, restore_s), and a PromptWork of what is left to
         prefill (None when nothing is) with its snapshot positions: every snapshot_stride tokens, the turn
         boundaries, `shared_at` (where prompts queued beside it part ways), where it leaves a cached prompt and its
         end (keep_ends False: neither turn boundaries nor the end). salt: the tenant whose snapshots it may restore
-        and makes (PrefixCache.lookup)."""
+        and makes (PrefixCache.lookup). images: the prompt's images (models/mrope.ImageSpan), which the state
+        takes: their rows' embeddings and positions, and the keys of its snapshots."""
         from .api import boundary_points
+        from .prefix.index import with_images
 
         with self.lock:
             self._open()
             t0 = time.perf_counter()
             stats = {"prompt_tokens": len(ids), "reused_tokens": 0, "restore_s": 0.0}
             state.check_room(len(ids))
+            state.images = tuple(images)
             cache = self.prefix_cache
             if cache is None:
                 stats["prefilled_tokens"] = len(ids)
                 return None, stats, PromptWork(ids, state)
-            hit = cache.lookup(ids, max_pos=len(ids), salt=salt)
+            kids = with_images(ids, state.images)  # the ids as the cache keys them
+            hit = cache.lookup(kids, max_pos=len(ids), salt=salt)
             if hit is not None and hit.pos == len(ids) and not hit.has_logits:
-                hit = cache.lookup(ids, max_pos=len(ids) - 1, salt=salt)
+                hit = cache.lookup(kids, max_pos=len(ids) - 1, salt=salt)
             lg = None
             if hit is not None:
                 lg = cache.restore(hit, state)
+                if state.images:  # the snapshot holds the images' key ids: the state its real tokens
+                    state.tokens[: state.pos] = ids[: state.pos]
                 stats["reused_tokens"] = hit.pos
                 stats["restore_s"] = time.perf_counter() - t0
             n = len(ids)
@@ -148,7 +154,7 @@ class Compute:
             if turn_boundary is not None and keep_ends:
                 at.update(p for p in boundary_points(turn_boundary) if state.pos < p < n)
             at.update(p for p in shared_at if state.pos < p < n)
-            shared = cache.known_prefix(ids, salt)  # where this prompt leaves a cached one: the next may share it too
+            shared = cache.known_prefix(kids, salt)  # where this prompt leaves a cached one: the next may share it too
             if state.pos < shared < n:
                 at.add(shared)
             if keep_ends:

@@ -33,6 +33,18 @@ class Request:
     # requests have no next turn, so it turns them off (the shared prefixes are still saved)
     keep_ends: bool = True
     cache_salt: str | None = None  # the tenant (an API key's hash) whose prefix-cache snapshots it uses and makes
+    # the prompt's images (models/mrope.ImageSpan, by row): their rows take the encoder's rows and their positions
+    images: tuple = ()
+
+    @property
+    def key_ids(self) -> list[int]:
+        """The ids as the prefix cache keys them: an image's rows as its digest's key id (two prompts that differ
+        only in an image part where the image starts)."""
+        if not self.images:
+            return self.ids
+        from .prefix.index import with_images
+
+        return with_images(self.ids, self.images).tolist()
 
 
 class TokenSampler:

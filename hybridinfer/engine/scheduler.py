@@ -223,7 +223,7 @@ class Scheduler:
         self._admit()
         self.peak_running = max(self.peak_running, self.running)
         with self._cv:
-            queued = [(h.request.ids, h.request.cache_salt) for h in self._waiting]
+            queued = [(h.request.key_ids, h.request.cache_salt) for h in self._waiting]
         going = [s for s in self._running if self._advance(s)]
         budget = prompt_budget(self.step_tokens, len(going), self._decode_s)
         started = self._prefill(budget, queued, len(going))
@@ -270,8 +270,8 @@ class Scheduler:
         try:
             s.state = eng.new_state()
             s.logits, s.stats, s.work = eng.restore(
-                req.ids, s.state, req.turn_boundary, shared_points(req.ids, later) if eng.prefix_cache else (),
-                req.keep_ends, req.cache_salt)
+                req.ids, s.state, req.turn_boundary, shared_points(req.key_ids, later) if eng.prefix_cache else (),
+                req.keep_ends, req.cache_salt, req.images)
         except Exception as e:  # noqa: BLE001 - e.g. no memory for it: this request's error
             self._fail(s, e)
 
@@ -283,7 +283,7 @@ class Scheduler:
         req = s.handle.request
         return any(not e.freed and e.work is not None and (not e.restored or e.state.pos < p)
                    for e in earlier if e.handle.request.cache_salt == req.cache_salt
-                   for p in [common_prefix(req.ids, e.handle.request.ids)] if p >= MIN_SHARED_PREFIX)
+                   for p in [common_prefix(req.key_ids, e.handle.request.key_ids)] if p >= MIN_SHARED_PREFIX)
 
     def _prefill(self, budget: tuple[int, float | None], queued: list[tuple[list[int], str | None]],
                  running: int = 0) -> list[_Seq]:
@@ -295,7 +295,7 @@ class Scheduler:
         seqs = self._prefilling
         def later(j: int) -> list[list[int]]:  # prompts after seqs[j] of the same tenant: it snapshots where they part
             salt = seqs[j].handle.request.cache_salt
-            return [t.handle.request.ids for t in seqs[j + 1 :] if t.handle.request.cache_salt == salt] + [
+            return [t.handle.request.key_ids for t in seqs[j + 1 :] if t.handle.request.cache_salt == salt] + [
                 ids for ids, s in queued if s == salt]
 
         be = self.engine.backend
@@ -356,7 +356,8 @@ class Scheduler:
         try:
             eng.release(s.state)
             s.state = eng.new_state()
-            lg, s.stats, s.work = eng.restore(req.ids, s.state, req.turn_boundary, (), req.keep_ends, req.cache_salt)
+            lg, s.stats, s.work = eng.restore(req.ids, s.state, req.turn_boundary, (), req.keep_ends, req.cache_salt,
+                                              req.images)
             return lg if s.work is None else prefill(s.work)
         except Exception as e:  # noqa: BLE001
             return e

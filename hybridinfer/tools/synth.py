@@ -104,6 +104,10 @@ def _small_gain(s: TensorSpec, hp: dict, residual_scale: float | None) -> float:
 _SPECIALS = [("<|endoftext|>", 248044, TokenType.CONTROL), ("<|im_start|>", 248045, TokenType.CONTROL),
              ("<|im_end|>", 248046, TokenType.CONTROL), ("<think>", 248068, TokenType.USER_DEFINED),
              ("</think>", 248069, TokenType.USER_DEFINED)]
+# the vision tokens an image-text prompt holds (`<|vision_start|>`, one `<|image_pad|>` per image token,
+# `<|vision_end|>`): at their Qwen3.5 ids; tiny vocabularies put them just below the others (which keep their ids)
+_VISION = [("<|vision_start|>", 248053, TokenType.CONTROL), ("<|vision_end|>", 248054, TokenType.CONTROL),
+           ("<|image_pad|>", 248056, TokenType.CONTROL)]
 _CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
            "'<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{'<|im_start|>assistant\\n'}}{% endif %}")
 
@@ -178,9 +182,9 @@ def _small_values(s: TensorSpec, rng: np.random.Generator, gain: float = 1.0) ->
 
 def _synthetic_vocab(n_vocab: int) -> dict:
     """Byte-level BPE: the 256 byte tokens, one merge ('Ġ Ġ'), the Qwen special tokens, unique fillers."""
-    if n_vocab < 256 + 1 + len(_SPECIALS):
+    if n_vocab < 256 + 1 + len(_SPECIALS) + len(_VISION):
         raise ShapeError(f"n_vocab {n_vocab} is too small for a synthetic byte-level vocabulary "
-                         f"(at least {256 + 1 + len(_SPECIALS)})")
+                         f"(at least {256 + 1 + len(_SPECIALS) + len(_VISION)})")
     byte_chars = bytes_to_unicode()
     tokens = [byte_chars[b] for b in range(256)] + ["ĠĠ"]
     types = [int(TokenType.NORMAL)] * n_vocab
@@ -189,6 +193,9 @@ def _synthetic_vocab(n_vocab: int) -> dict:
     for j, (text, real_id, ttype) in enumerate(_SPECIALS):
         i = real_id if n_vocab > _SPECIALS[-1][1] else n_vocab - len(_SPECIALS) + j
         tokens[i], types[i], ids[text] = text, int(ttype), i
+    for j, (text, real_id, ttype) in enumerate(_VISION):
+        i = real_id if n_vocab > _SPECIALS[-1][1] else n_vocab - len(_SPECIALS) - len(_VISION) + j
+        tokens[i], types[i] = text, int(ttype)
     return {"model": "gpt2", "pre": "qwen35", "tokens": tokens, "token_type": types, "merges": ["Ġ Ġ"],
             "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"],
             "padding_token_id": ids["<|endoftext|>"], "add_bos_token": False, "chat_template": _CHATML}

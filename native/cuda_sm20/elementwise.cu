@@ -10,6 +10,8 @@
 //                x'_i = x_i cos - x_{i+n_rot/2} sin,  x'_{i+n_rot/2} = x_{i+n_rot/2} cos + x_i sin.
 //                Dimensions >= n_rot pass through. x is [T, H, S] (head pitch S >= n_rot), in place.
 //                neox = 0 (llama.cpp's NORM mode, llama): the pairs are (2i, 2i+1) instead of (i, i+n_rot/2).
+//                s0..s3 > 0 (multimodal rope, llama.cpp's IMROPE): pos is [T, 4] (t, h, w, e) and pair i takes
+//                the position of its sector's stream (models/mrope.imrope_streams); all zero: pos is [T].
 //   embed_<type>: out[t, :] = dequantize(table[ids[t], :])   (table rows in GGUF form, D % 32 == 0).
 //   add:         y += a * x                (a = 1: the residual add, exact)
 //   scale:       x *= s
@@ -49,15 +51,24 @@ extern "C" __global__ void HI_BOUNDS(HI_THREADS)
 #define ROPE_MAX_HALF 256
 
 extern "C" __global__ void HI_BOUNDS(HI_THREADS)
-    rope_neox_f32(float* x, const int* __restrict__ pos, int T, int H, int S, int n_rot, double theta, int neox) {
+    rope_neox_f32(float* x, const int* __restrict__ pos, int T, int H, int S, int n_rot, double theta, int neox,
+                  int s0, int s1, int s2, int s3) {
     __shared__ float cs[ROPE_MAX_HALF], sn[ROPE_MAX_HALF];
     const int half = n_rot >> 1;
     for (int t = blockIdx.x; t < T; t += gridDim.x) {
         __syncthreads();  // the previous token's readers of cs, sn are done
         for (int i = threadIdx.x; i < half; i += blockDim.x) {
             const double wi = pow(theta, -(double)(2 * i) / (double)n_rot);
+            int p = pos[t];
+            if (s0 + s1 + s2 + s3 > 0) {  // IMROPE: pos is [T, 4]; pair i takes the stream of its sector
+                const int sec = i % (s0 + s1 + s2 + s3);
+                const int k = (sec % 3 == 1 && sec < 3 * s1) ? 1
+                            : (sec % 3 == 2 && sec < 3 * s2) ? 2
+                            : (sec % 3 == 0 && sec < 3 * s0) ? 0 : 3;
+                p = pos[4 * t + k];
+            }
             double s, c;
-            sincos((double)pos[t] * wi, &s, &c);
+            sincos((double)p * wi, &s, &c);
             cs[i] = (float)c;
             sn[i] = (float)s;
         }

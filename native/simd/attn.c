@@ -282,21 +282,40 @@ int hi_swiglu(hi_ctx *c, const float *g, int64_t g_row, const float *u, int64_t 
  * below AVX2 (ggml built for SSE4.2 or baseline x86-64 has no FMA). */
 #define HI_ROPE_MAX_PAIRS 1024
 
-int hi_rope(hi_ctx *c, float *x, int64_t T, int64_t H, int64_t hd, int64_t pos0, int64_t n_rot, float theta_base,
-            int neox, const float *freq_factors) {
+/* mrope (NULL: plain positions): n_rot/2 stream indexes (0..3, models/mrope.imrope_streams: which of a row's four
+ * positions each pair takes, llama.cpp's IMROPE sectors), then 4 positions per row. As ggml_mrope_cache_init, each
+ * stream's theta starts at its position and all four are multiplied by theta_scale once per pair, so a row whose
+ * four positions are equal gets the plain rope's bits. Otherwise row t is at pos0 + t + shift. */
+static int rope_rows(hi_ctx *c, float *x, int64_t T, int64_t H, int64_t hd, int64_t pos0, int64_t shift,
+                     const int32_t *mrope, int64_t n_rot, float theta_base, int neox, const float *freq_factors) {
     if (!c || !x || T < 1 || H < 1 || hd < 1 || n_rot < 2 || n_rot > hd || n_rot % 2 || n_rot / 2 > HI_ROPE_MAX_PAIRS)
         return -2;
     const int64_t half = n_rot / 2;
     const int fused = hi_ctx_kernels(c)->isa >= HI_ISA_AVX2;
     const float theta_scale = powf(theta_base, -2.0f / (float)n_rot);
     float cs[HI_ROPE_MAX_PAIRS], sn[HI_ROPE_MAX_PAIRS];
+    if (mrope)
+        for (int64_t i = 0; i < half; i++)
+            if (mrope[i] < 0 || mrope[i] > 3) return -2;
     for (int64_t t = 0; t < T; t++) {
-        float theta = (float)(pos0 + t);
-        for (int64_t i = 0; i < half; i++) {
-            const float th = freq_factors ? theta / freq_factors[i] : theta;
-            cs[i] = cosf(th);
-            sn[i] = sinf(th);
-            theta *= theta_scale;
+        if (mrope) {
+            const int32_t *p = mrope + half + 4 * t;
+            float th[4] = {(float)p[0], (float)p[1], (float)p[2], (float)p[3]};
+            for (int64_t i = 0; i < half; i++) {
+                const float theta = th[mrope[i]];
+                const float tf = freq_factors ? theta / freq_factors[i] : theta;
+                cs[i] = cosf(tf);
+                sn[i] = sinf(tf);
+                for (int s = 0; s < 4; s++) th[s] *= theta_scale;
+            }
+        } else {
+            float theta = (float)(pos0 + t + shift);
+            for (int64_t i = 0; i < half; i++) {
+                const float th = freq_factors ? theta / freq_factors[i] : theta;
+                cs[i] = cosf(th);
+                sn[i] = sinf(th);
+                theta *= theta_scale;
+            }
         }
         for (int64_t h = 0; h < H; h++) {
             float *r = x + (t * H + h) * hd;
@@ -314,6 +333,16 @@ int hi_rope(hi_ctx *c, float *x, int64_t T, int64_t H, int64_t hd, int64_t pos0,
         }
     }
     return 0;
+}
+
+int hi_rope(hi_ctx *c, float *x, int64_t T, int64_t H, int64_t hd, int64_t pos0, int64_t n_rot, float theta_base,
+            int neox, const float *freq_factors) {
+    return rope_rows(c, x, T, H, hd, pos0, 0, NULL, n_rot, theta_base, neox, freq_factors);
+}
+
+int hi_rope_multi(hi_ctx *c, float *x, int64_t T, int64_t H, int64_t hd, int64_t pos0, int64_t shift,
+                  const int32_t *mrope, int64_t n_rot, float theta_base, int neox, const float *freq_factors) {
+    return rope_rows(c, x, T, H, hd, pos0, shift, mrope, n_rot, theta_base, neox, freq_factors);
 }
 
 /* ggml's Walsh-Hadamard rotation (ggml_compute_forward_fwht, what llama.cpp's MUL_MAT with a Hadamard hint runs) of
@@ -381,21 +410,23 @@ static void kv_store_row(const hi_kernels *kt, int t, const float *x, int64_t n,
 static int attn_store_rope(hi_ctx *c, float *q, int64_t q_row, int64_t T, int64_t H, int64_t hd, const float *k_new,
                            const float *v_new, int64_t kv_new_row, uint8_t *k_cache, uint8_t *v_cache, int k_type,
                            int v_type, int64_t Hkv, int64_t pos0, int64_t n_rot, float theta_base, int neox,
-                           const float *freq_factors, int64_t rot_k, int64_t rot_v) {
+                           const float *freq_factors, int64_t rot_k, int64_t rot_v, int64_t shift,
+                           const int32_t *mrope) {
     const int64_t kv = Hkv * hd, kb = kv_row_bytes(k_type, Hkv, hd), vb = kv_row_bytes(v_type, Hkv, hd);
     const hi_kernels *kt = hi_ctx_kernels(c);
-    int rc = hi_rope(c, q, T, H, hd, pos0, n_rot, theta_base, neox, freq_factors);
+    int rc = rope_rows(c, q, T, H, hd, pos0, shift, mrope, n_rot, theta_base, neox, freq_factors);
     if (rc) return rc;
     if (rot_k)
         for (int64_t t = 0; t < T; t++) kv_fwht(q + t * q_row, H * hd, rot_k);
     if (k_type == HI_T_F32 && !rot_k) { /* roped in place in the cache */
         for (int64_t t = 0; t < T; t++) memcpy(k_cache + (pos0 + t) * kb, k_new + t * kv_new_row, (size_t)kb);
-        rc = hi_rope(c, (float *)(k_cache + pos0 * kb), T, Hkv, hd, pos0, n_rot, theta_base, neox, freq_factors);
+        rc = rope_rows(c, (float *)(k_cache + pos0 * kb), T, Hkv, hd, pos0, shift, mrope, n_rot, theta_base, neox,
+                       freq_factors);
     } else {
         float *tmp = (float *)malloc(sizeof(float) * (size_t)(T * kv));
         if (!tmp) return -1;
         for (int64_t t = 0; t < T; t++) memcpy(tmp + t * kv, k_new + t * kv_new_row, sizeof(float) * (size_t)kv);
-        rc = hi_rope(c, tmp, T, Hkv, hd, pos0, n_rot, theta_base, neox, freq_factors);
+        rc = rope_rows(c, tmp, T, Hkv, hd, pos0, shift, mrope, n_rot, theta_base, neox, freq_factors);
         if (rot_k) kv_fwht(tmp, T * kv, rot_k);
         for (int64_t t = 0; !rc && t < T; t++) kv_store_row(kt, k_type, tmp + t * kv, kv, k_cache + (pos0 + t) * kb);
         free(tmp);
@@ -426,7 +457,7 @@ int hi_attn_step(hi_ctx *c, float *q, int64_t T, int64_t H, int64_t hd, const fl
                  int64_t kv_new_row, void *k_cache, void *v_cache, int k_type, int v_type, int64_t n_ctx, int64_t Hkv,
                  int64_t pos0, int64_t n_rot, float theta_base, int neox, const float *freq_factors, float scale,
                  float *out, int64_t out_row, float *scratch, int64_t scratch_len, int ggml_op, int64_t rot_k,
-                 int64_t rot_v) {
+                 int64_t rot_v, int64_t rope_shift, const int32_t *mrope) {
     const int64_t kv = Hkv * hd, kb = kv_row_bytes(k_type, Hkv, hd), vb = kv_row_bytes(v_type, Hkv, hd);
     if (!c || !q || !k_new || !v_new || !k_cache || !v_cache || !out || !scratch || T < 1 || H < 1 || Hkv < 1 ||
         hd < 1 || H % Hkv || kv_new_row < kv || out_row < H * hd || kb < 0 || vb < 0 || pos0 < 0 ||
@@ -434,7 +465,8 @@ int hi_attn_step(hi_ctx *c, float *q, int64_t T, int64_t H, int64_t hd, const fl
         !rot_ok(rot_v, v_type, hd))
         return -2;
     int rc = attn_store_rope(c, q, H * hd, T, H, hd, k_new, v_new, kv_new_row, (uint8_t *)k_cache, (uint8_t *)v_cache,
-                             k_type, v_type, Hkv, pos0, n_rot, theta_base, neox, freq_factors, rot_k, rot_v);
+                             k_type, v_type, Hkv, pos0, n_rot, theta_base, neox, freq_factors, rot_k, rot_v,
+                             rope_shift, mrope);
     if (rc) return rc;
     attn_job j = {.a = {.q = q, .k = (const float *)k_cache, .v = (const float *)v_cache, .out = out, .T = T, .H = H,
                         .Hkv = Hkv, .hd = hd, .pos0 = pos0, .q_row = H * hd, .kv_row = kv, .out_row = out_row,
@@ -473,7 +505,7 @@ int hi_attn_rows(hi_ctx *c, int64_t B, float *q, int64_t q_row, int64_t H, int64
                  const float *v_new, int64_t kv_new_row, void *const *k_cache, void *const *v_cache, int k_type,
                  int v_type, int64_t n_ctx, int64_t Hkv, const int64_t *pos, int64_t dpos, int64_t n_rot,
                  float theta_base, int neox, const float *freq_factors, float scale, float *out, int64_t out_row,
-                 float *scratch, int64_t scratch_len, int64_t rot_k, int64_t rot_v) {
+                 float *scratch, int64_t scratch_len, int64_t rot_k, int64_t rot_v, const int64_t *rope_shift) {
     const int64_t kv = Hkv * hd, kb = kv_row_bytes(k_type, Hkv, hd), vb = kv_row_bytes(v_type, Hkv, hd);
     if (!c || !q || !k_new || !v_new || !k_cache || !v_cache || !pos || !out || !scratch || B < 1 || H < 1 ||
         hd < 1 || Hkv < 1 || H % Hkv || kv_new_row < kv || q_row < H * hd || out_row < H * hd || kb < 0 || vb < 0 ||
@@ -491,7 +523,7 @@ int hi_attn_rows(hi_ctx *c, int64_t B, float *q, int64_t q_row, int64_t H, int64
             const int rc = attn_store_rope(c, q + j * q_row, q_row, 1, H, hd, k_new + j * kv_new_row,
                                            v_new + j * kv_new_row, kv_new_row, (uint8_t *)k_cache[j],
                                            (uint8_t *)v_cache[j], k_type, v_type, Hkv, p, n_rot, theta_base, neox,
-                                           freq_factors, rot_k, rot_v);
+                                           freq_factors, rot_k, rot_v, rope_shift ? rope_shift[j] : 0, NULL);
             if (rc) return rc;
             a[i] = (hi_attn){.q = q + j * q_row, .k = (const float *)k_cache[j], .v = (const float *)v_cache[j],
                              .out = out + j * out_row, .T = 1, .H = H, .Hkv = Hkv, .hd = hd, .pos0 = p,

@@ -112,6 +112,10 @@ int64_t hi_attention_scratch(const hi_ctx *c, int64_t n_ctx, int64_t hd, int64_t
  * (powf, cosf, sinf, the contracted rotation). On the calling thread. */
 int hi_rope(hi_ctx *c, float *x, int64_t T, int64_t H, int64_t hd, int64_t pos0, int64_t n_rot, float theta_base,
             int neox, const float *freq_factors);
+/* hi_rope with multimodal positions: token t at pos0 + t + shift, or with mrope non-NULL (n_rot/2 stream indexes
+ * 0..3, then 4 positions a token) each pair at the position of its stream, as llama.cpp's IMROPE (ggml_mrope_cache_init) */
+int hi_rope_multi(hi_ctx *c, float *x, int64_t T, int64_t H, int64_t hd, int64_t pos0, int64_t shift,
+                  const int32_t *mrope, int64_t n_rot, float theta_base, int neox, const float *freq_factors);
 
 /* SwiGLU of T rows of n values, out = silu(g) * u as llama.cpp's ggml_vec_swiglu_f32 (this ISA's build);
  * row strides in floats; out may alias g or u. In segments on the pool when there are several. */
@@ -174,12 +178,13 @@ int hi_gdn_rows(hi_ctx *ctx, int64_t B, const float *u, int64_t u_row, const flo
 /* hi_attn_step for one token of each of B sequences: row j of q, k_new, v_new, out is sequence j's token, at
  * position pos[j] + dpos in its caches k_cache[j], v_cache[j] (n_ctx rows, types as hi_attn_step's); every
  * (sequence, head) query row in one pool run, each computed as alone (bit-identical to B hi_attn_step calls);
- * scratch as hi_attention's. */
+ * scratch as hi_attention's. rope_shift (NULL: none): sequence j's rope position is its row + rope_shift[j]
+ * (the positions an image took fewer than its tokens, models/mrope.py). */
 int hi_attn_rows(hi_ctx *c, int64_t B, float *q, int64_t q_row, int64_t H, int64_t hd, const float *k_new,
                  const float *v_new, int64_t kv_new_row, void *const *k_cache, void *const *v_cache, int k_type,
                  int v_type, int64_t n_ctx, int64_t Hkv, const int64_t *pos, int64_t dpos, int64_t n_rot,
                  float theta_base, int neox, const float *freq_factors, float scale, float *out, int64_t out_row,
-                 float *scratch, int64_t scratch_len, int64_t rot_k, int64_t rot_v);
+                 float *scratch, int64_t scratch_len, int64_t rot_k, int64_t rot_v, const int64_t *rope_shift);
 
 /* ---- small decode ops (ops.c), on the calling thread (sigmoid_gate in segments on the pool), plain float order:
  * the C twins of the numba ops in tests/oracles/numba_ops.py, bit-identical to them (the float operations written
@@ -214,12 +219,13 @@ int hi_moe_combine(hi_ctx *c, const float *ys, const float *w, int64_t T, int k,
  * hi_attention's.
  * rot_k, rot_v (0: none; a power of two from 64 dividing hd, quantized types only): llama.cpp's rotation of a
  * quantized cache: q and K after the rope, and V, rotated by the Walsh-Hadamard transform of that many values
- * (ggml's fwht) before the cache is written, and the output rotated back from V's. */
+ * (ggml's fwht) before the cache is written, and the output rotated back from V's.
+ * rope_shift, mrope: the rope positions as hi_rope_multi's (the cache rows stay pos0..). */
 int hi_attn_step(hi_ctx *c, float *q, int64_t T, int64_t H, int64_t hd, const float *k_new, const float *v_new,
                  int64_t kv_new_row, void *k_cache, void *v_cache, int k_type, int v_type, int64_t n_ctx, int64_t Hkv,
                  int64_t pos0, int64_t n_rot, float theta_base, int neox, const float *freq_factors, float scale,
                  float *out, int64_t out_row, float *scratch, int64_t scratch_len, int ggml_op, int64_t rot_k,
-                 int64_t rot_v);
+                 int64_t rot_v, int64_t rope_shift, const int32_t *mrope);
 
 /* ---- per-node weight copies (replica.c) ------------------------------------------------------------------
  * A product's chunk reads its weights from the copy of its thread's replica (the same bytes, so the same result)

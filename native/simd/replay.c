@@ -53,7 +53,7 @@ static int hi_step_run(hi_ctx *c, const hi_step *s, int64_t pos) {
     case HI_OP_ATTN_STEP:
         return hi_attn_step(c, P(0), I(1), I(2), I(3), P(4), P(5), I(6), P(7), P(8), (int)I(9), (int)I(10), I(11),
                             I(12), I(13), I(14), (float)F(15), (int)I(16), P(17), (float)F(18), P(19), I(20), P(21),
-                            I(22), (int)I(23), I(24), I(25));
+                            I(22), (int)I(23), I(24), I(25), I(26), P(27));
     case HI_OP_MOE_ROWS:
         return hi_moe_rows(c, (int)I(0), P(1), (int)I(2), P(3), (int)I(4), P(5), I(6), I(7), I(8), P(9), I(10), I(11),
                            P(12), (int)I(13), P(14), P(15), I(16), P(17), I(18), P(19), I(20), P(21), I(22), (int)I(23));
@@ -64,7 +64,7 @@ static int hi_step_run(hi_ctx *c, const hi_step *s, int64_t pos) {
     case HI_OP_ATTN_ROWS:
         return hi_attn_rows(c, I(0), P(1), I(2), I(3), I(4), P(5), P(6), I(7), P(8), P(9), (int)I(10), (int)I(11),
                             I(12), I(13), P(14), I(15), I(16), (float)F(17), (int)I(18), P(19), (float)F(20), P(21),
-                            I(22), P(23), I(24), I(25), I(26));
+                            I(22), P(23), I(24), I(25), I(26), P(27));
     default:
         return -2;
     }

@@ -25,7 +25,7 @@ from ...errors import BackendNotAvailableError, UnsupportedTensorTypeError
 from ...format.gguf_model import GGUFModel
 from ...format.quant import dequantize_rows, type_name
 from ...format.quant_types import cache_type
-from ...models import graph
+from ...models import graph, mrope
 from ...models.graph import BlockTensors, block_names
 from ...models.state_kinds import cache_path, cache_types, kind_of, kv_rotation, sequence_layer_types
 from .. import Backend
@@ -353,8 +353,9 @@ class CPUModel(MTPParts, Backend):
         ids = check_tokens(tokens, self.args.n_vocab)
         T = len(ids)
         state.check_room(T)
-        ws = self.workspace(T, state.n_ctx)
-        if T == 1:
+        image_row = T == 1 and bool(state.images) and bool(mrope.image_rows(state.images, state.pos, 1))
+        ws = self.workspace(2 if image_row else T, state.n_ctx)
+        if T == 1 and not image_row:  # (an image's row takes its encoder row: never a recorded decode step)
             ws.tok[0] = ids[0]
             rp = ws.replays.get(id(state))
             if rp is not None and rp.valid_for(state):
@@ -476,6 +477,10 @@ class CPUModel(MTPParts, Backend):
         h, x = ws.h[:T], ws.x[:T]
         t = self.tok_embd
         self._op(ws, dequantize_rows, t.raw(), t.qtype, t.ne[0], ids, h)
+        if not ws.bind and not isinstance(state, list):  # a prompt's image rows take the encoder's (models/mrope.py)
+            for st, a0, a1 in (state if isinstance(state, Segments) else [(state, 0, T)]):
+                for r0, r1, rows in mrope.image_rows(st.images, st.pos, a1 - a0):
+                    h[a0 + r0 : a0 + r1] = rows
         flat = [(i, j, br) for i, block in enumerate(self.blocks) for j, br in enumerate(block)]
         ops = CPUOps(self, ws, state)
         self.call(ws, ("norm", -1), "rms_norm", h, None, self._norm_of(flat[0]), a.rms_eps, x)

@@ -8,14 +8,22 @@ block and the op, so a decode workspace binds each call once.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
+from ...models import mrope
 from ..state import check_tokens
 from .simd import GGML_DECODE_ROWS
 
 # the float shape of every product and attention: each row as llama.cpp's one-token step computes it, so no row
 # depends on how many rows share the call (chunk-size, restore-point and batch invariance on every ISA unit)
 SHAPE = GGML_DECODE_ROWS
+
+
+@functools.lru_cache(maxsize=8)
+def _streams(sections: tuple, n_pairs: int) -> np.ndarray:
+    return mrope.imrope_streams(sections, n_pairs)
 
 
 class Segments(tuple):
@@ -120,17 +128,32 @@ class CPUOps:
         ff, kt, vt, rk, rv = self.m.freq_factors, *self.m.kv_types, *self.m.kv_rot
         if isinstance(st, Segments):  # (bound per sequence where the workspace binds: a verify step's, replayed)
             for j, (s, r0, r1) in enumerate(st):
+                shift, table = self._rope_at(s, r1 - r0)
                 self._call(("attn", i, j), "attn_step", q[r0:r1], k[r0:r1], v[r0:r1], s.k[i], s.v[i], s.pos,
                            o[r0:r1], ws.attn_scratch, a.n_rot, a.rope_theta, a.rope_neox, ff, SHAPE, kt, vt, rk, rv,
-                           st=s, arrays=(s.k[i], s.v[i]))
+                           shift, table, st=s, arrays=(s.k[i], s.v[i]))
         elif isinstance(st, list):
+            shifts = [mrope.shift_at(s.images, s.pos) for s in st]
             self._call(("attn", i), "attn_rows", q, k, v, [s.k[i] for s in st], [s.v[i] for s in st],
                        [s.pos for s in st], 0, o, ws.attn_scratch, a.n_rot, a.rope_theta, a.rope_neox, ff, kt, vt, rk,
-                       rv, fresh=True)
+                       rv, shifts if any(shifts) else None, fresh=True)
         else:
-            self._call(("attn", i), "attn_step", q, k, v, st.k[i], st.v[i], st.pos, o, ws.attn_scratch, a.n_rot,
-                       a.rope_theta, a.rope_neox, ff, SHAPE, kt, vt, rk, rv, st=st, arrays=(st.k[i], st.v[i]))
+            shift, table = self._rope_at(st, T)
+            if table is not None:  # rows of an image: a prompt chunk, never a recorded decode step
+                self.m.simd.attn_step(q, k, v, st.k[i], st.v[i], st.pos, o, ws.attn_scratch, a.n_rot, a.rope_theta,
+                                      a.rope_neox, ff, SHAPE, kt, vt, rk, rv, 0, table)
+            else:  # the shift is bound into a decode step's call: one binding per shift
+                self._call(("attn", i, shift), "attn_step", q, k, v, st.k[i], st.v[i], st.pos, o, ws.attn_scratch,
+                           a.n_rot, a.rope_theta, a.rope_neox, ff, SHAPE, kt, vt, rk, rv, shift, None, st=st,
+                           arrays=(st.k[i], st.v[i]))
         return o
+
+    def _rope_at(self, st, T: int):
+        """(shift, native mrope table or None) of st's rows st.pos..st.pos+T (models/mrope.positions)."""
+        shift, pos4 = mrope.positions(st.images, st.pos, T)
+        if pos4 is None:
+            return shift, None
+        return 0, mrope.mrope_table(_streams(tuple(getattr(self.a, "rope_sections", ())), self.a.n_rot // 2), pos4)
 
     def sigmoid_gate(self, o: np.ndarray, gate: np.ndarray) -> np.ndarray:
         self._call(("gate", self.i), "sigmoid_gate", o, gate)

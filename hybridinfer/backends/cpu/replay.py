@@ -15,6 +15,7 @@ import weakref
 
 import numpy as np
 
+from ...models.mrope import shift_at
 from ..state import DecoderState
 from .simd_native import _check_rc
 
@@ -133,6 +134,7 @@ class DecodeReplay:
 
     def __init__(self, simd, state: DecoderState, steps: list, out):
         self.state = weakref.ref(state)
+        self.shift = shift_at(state.images, state.pos)  # bound into the attention calls
         self.arrays = self._arrays(state)
         self.ids = tuple(map(id, self.arrays))
         self.out = out
@@ -151,7 +153,8 @@ class DecodeReplay:
         return any(i in ids for i in self.ids)
 
     def valid_for(self, st: DecoderState) -> bool:
-        return self.state() is st and tuple(map(id, self._arrays(st))) == self.ids
+        return (self.state() is st and tuple(map(id, self._arrays(st))) == self.ids
+                and shift_at(st.images, st.pos) == self.shift)
 
     @classmethod
     def keep(cls, replays: dict, simd, st: DecoderState, steps: list, out) -> None:
@@ -175,6 +178,7 @@ class BatchReplay:
         self.ids = [tuple(map(id, DecodeReplay._arrays(st))) for st in states]
         self.arrays = [DecodeReplay._arrays(st) for st in states]  # kept alive: their ids cannot be reused
         self.pos0 = [st.pos for st in states]
+        self.shifts = [shift_at(st.images, st.pos) for st in states]
         self.out = out
         self.segments = segments(simd, steps)
 
@@ -191,8 +195,9 @@ class BatchReplay:
         if len(states) != len(self.states):
             return None
         d = states[0].pos - self.pos0[0]
-        for ref, ids, p0, st in zip(self.states, self.ids, self.pos0, states, strict=True):
-            if ref() is not st or st.pos - p0 != d or tuple(map(id, DecodeReplay._arrays(st))) != ids:
+        for ref, ids, p0, sh, st in zip(self.states, self.ids, self.pos0, self.shifts, states, strict=True):
+            if (ref() is not st or st.pos - p0 != d or tuple(map(id, DecodeReplay._arrays(st))) != ids
+                    or shift_at(st.images, st.pos) != sh):
                 return None
         return d if d >= 0 else None
 

@@ -56,7 +56,7 @@ from .simd_native import (
 from .simd_native import (
     _qtype as _qtype_of,
 )
-from .simd_ops import OpCalls, attention_args, rope_freqs
+from .simd_ops import OpCalls, _mrope_ptr, attention_args, rope_freqs
 from .simd_replicas import ReplicaCalls
 
 __all__ = [
@@ -331,10 +331,11 @@ class SimdLib(MoECalls, OpCalls, ReplicaCalls, GDNCalls):
             _check_rc(rc, "attention")
 
     def rope(self, x: np.ndarray, pos0: int, n_rot: int, theta_base: float, neox: bool,
-             freq_factors: np.ndarray) -> None:
+             freq_factors: np.ndarray, shift: int = 0, mrope: np.ndarray | None = None) -> None:
         """Rotate the first n_rot dims of every head of x (T, H, hd), C-contiguous float32, in place; token t at
         position pos0 + t; neox pairs (i, i + n_rot/2), else (2i, 2i+1); freq_factors (n_rot/2,) or empty. As
-        `ops.rope`, with llama.cpp's float operations (its powf/cosf/sinf and its contracted rotation)."""
+        `ops.rope`, with llama.cpp's float operations (its powf/cosf/sinf and its contracted rotation). shift,
+        mrope: multimodal positions as attn_step's (hi_rope_multi)."""
         if not (type(x) is np.ndarray and x.dtype is _F32 and x.ndim == 3 and x.flags.c_contiguous
                 and x.flags.writeable):
             x = _array("x", x, (_F32,))
@@ -342,8 +343,13 @@ class SimdLib(MoECalls, OpCalls, ReplicaCalls, GDNCalls):
         T, H, hd = x.shape
         ffi = self._ffi
         ff = rope_freqs(ffi, freq_factors, n_rot)
-        rc = self._lib.hi_rope(self._c, _ptr(ffi, "float *", x), T, H, hd, int(pos0), int(n_rot),
-                               float(np.float32(theta_base)), 1 if neox else 0, ff)
+        if shift or mrope is not None:
+            rc = self._lib.hi_rope_multi(self._c, _ptr(ffi, "float *", x), T, H, hd, int(pos0), int(shift),
+                                         _mrope_ptr(ffi, mrope, n_rot, T), int(n_rot), float(np.float32(theta_base)),
+                                         1 if neox else 0, ff)
+        else:
+            rc = self._lib.hi_rope(self._c, _ptr(ffi, "float *", x), T, H, hd, int(pos0), int(n_rot),
+                                   float(np.float32(theta_base)), 1 if neox else 0, ff)
         if rc:
             _check_rc(rc, "rope")
 

@@ -66,6 +66,26 @@ def attention_args(q, k_cache, v_cache, pos0: int, out, scratch, writable: bool 
     return T, H, hd, n_ctx, Hkv, os_
 
 
+def _mrope_ptr(ffi, mrope, n_rot: int, T: int):
+    """hi_rope_multi's table (models/mrope.mrope_table) or NULL, after checking its length."""
+    if mrope is None:
+        return ffi.NULL
+    if not (type(mrope) is np.ndarray and mrope.dtype == np.int32 and mrope.flags.c_contiguous
+            and mrope.shape == (n_rot // 2 + 4 * T,)):
+        raise ValueError(f"mrope must be a contiguous int32 array of {n_rot // 2 + 4 * T} (n_rot/2 + 4T) values")
+    return ffi.from_buffer("int32_t[]", mrope)
+
+
+def _shift_ptr(ffi, shift, B: int):
+    """hi_attn_rows' per-sequence rope shifts (a copy the call, and a recording of it, keep) or NULL."""
+    if shift is None:
+        return ffi.NULL
+    a = np.array(shift, dtype=np.int64).reshape(-1)
+    if a.shape != (B,):
+        raise ValueError(f"rope_shift must hold one value per sequence ({B}), got {a.shape}")
+    return [int(x) for x in a]
+
+
 def rope_freqs(ffi, freq_factors: np.ndarray, n_rot: int):
     """rope's frequency factors: an empty array (NULL) or (n_rot/2,) contiguous float32."""
     if not freq_factors.shape[0]:
@@ -182,7 +202,7 @@ class OpCalls:
     def attn_step(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
                   pos0: int, out: np.ndarray, scratch: np.ndarray, n_rot: int, theta_base: float, neox: bool,
                   freq_factors: np.ndarray, ggml_op: int = GGML_MUL_MAT, k_type: int = F32, v_type: int = F32,
-                  rot_k: int = 0, rot_v: int = 0) -> None:
+                  rot_k: int = 0, rot_v: int = 0, rope_shift: int = 0, mrope: np.ndarray | None = None) -> None:
         """One attention step of T tokens at pos0..: `rope` of q and their k (T, H_kv, hd) (views of wider rows
         allowed), those K rows and the v rows written to the caches' rows pos0.. in the caches' ggml types k_type,
         v_type (f32, f16, q8_0, q4_0), then attention into out: both F32 as `attention` (ggml_op as there), any
@@ -199,18 +219,20 @@ class OpCalls:
             _ptr(ffi, "char *", k_cache), _ptr(ffi, "char *", v_cache), int(k_type), int(v_type), n_ctx, Hkv,
             int(pos0), int(n_rot), float(np.float32(theta_base)), 1 if neox else 0, ff,
             float(np.float32(1.0) / np.sqrt(np.float32(hd))), _ptr(ffi, "float *", out), os_,
-            _ptr(ffi, "float *", scratch), scratch.shape[0], _op(ggml_op), int(rot_k), int(rot_v))
+            _ptr(ffi, "float *", scratch), scratch.shape[0], _op(ggml_op), int(rot_k), int(rot_v), int(rope_shift),
+            _mrope_ptr(ffi, mrope, n_rot, T))
         if rc:
             _check_rc(rc, "attn_step")
 
     def attn_rows(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, k_caches, v_caches, positions, dpos: int,
                   out: np.ndarray, scratch: np.ndarray, n_rot: int, theta_base: float, neox: bool,
                   freq_factors: np.ndarray, k_type: int = F32, v_type: int = F32, rot_k: int = 0,
-                  rot_v: int = 0) -> None:
+                  rot_v: int = 0, rope_shift=None) -> None:
         """attn_step for one token of each of B sequences in one call: row j of q (B, H, hd), k, v (B, H_kv, hd)
         and out (B, H*hd) is sequence j's token, at position positions[j] + dpos of its caches k_caches[j],
         v_caches[j] (n_ctx rows, in types k_type / v_type); every (sequence, head) row in one pool run, bit-identical
-        to B attn_step calls. The positions are copied (a recorded call replays them, dpos moving on)."""
+        to B attn_step calls. The positions are copied (a recorded call replays them, dpos moving on); rope_shift
+        (None, or one int a sequence, copied too): each sequence's rotary position minus its row (models/mrope)."""
         k_caches, v_caches = list(k_caches), list(v_caches)
         B = len(k_caches)
         if B == 0 or len(v_caches) != B:
@@ -238,6 +260,6 @@ class OpCalls:
             int(k_type), int(v_type), n_ctx, Hkv, ffi.from_buffer("int64_t[]", pos), int(dpos), int(n_rot),
             float(np.float32(theta_base)), 1 if neox else 0, rope_freqs(ffi, freq_factors, n_rot),
             float(np.float32(1.0) / np.sqrt(np.float32(hd))), _ptr(ffi, "float *", out), os_,
-            _ptr(ffi, "float *", scratch), scratch.shape[0], int(rot_k), int(rot_v))
+            _ptr(ffi, "float *", scratch), scratch.shape[0], int(rot_k), int(rot_v), _shift_ptr(ffi, rope_shift, B))
         if rc:
             _check_rc(rc, "attn_rows")

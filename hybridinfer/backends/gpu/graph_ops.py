@@ -51,13 +51,16 @@ class GPUOps:
         self.m, self.a, self.b, self.s = model, model.args, model.buf, model.stream
         self.L, self.i, self.out, self.spare = None, 0, None, None
         self.pos, self.attn_segs, self.gdn_segs, self.snap_host = None, [], [], []
+        self.sections = None
 
-    def at(self, L, pos, attn_segs: list, gdn_segs: list, snap_host=()) -> GPUOps:
+    def at(self, L, pos, attn_segs: list, gdn_segs: list, snap_host=(), sections=None) -> GPUOps:
         """Layer L's tensors by short name (models/graph.BlockTensors: its streamed matrices and its vectors); pos:
         the rows' positions on the card; attn_segs: (row0, row1, pos0, cache base) per sequence among the rows;
         gdn_segs: (row0, row1, offset in its prompt, snapshot positions, before, after) per sequence (before/after
-        load and save its state on the card, or None)."""
+        load and save its state on the card, or None). sections: the model's rope sections when pos holds (rows, 4)
+        multimodal positions (a pass with an image's rows: models/mrope.py), else None."""
         self.L, self.i, self.pos, self.attn_segs, self.gdn_segs = L, L.i, pos, attn_segs, gdn_segs
+        self.sections = sections
         self.snap_host = snap_host
         return self
 
@@ -137,9 +140,9 @@ class GPUOps:
         if isinstance(q, Half):
             q = q.dense(b.q[:n], self.s)
         q = q.reshape(n, a.n_head, hd)
-        ke.rope_neox(q, self.pos, a.n_rot, a.rope_theta, stream=s, neox=a.rope_neox)
+        ke.rope_neox(q, self.pos, a.n_rot, a.rope_theta, stream=s, neox=a.rope_neox, sections=self.sections)
         k3, v3 = k.reshape(n, a.n_head_kv, hd), v.reshape(n, a.n_head_kv, hd)
-        ke.rope_neox(k3, self.pos, a.n_rot, a.rope_theta, stream=s, neox=a.rope_neox)
+        ke.rope_neox(k3, self.pos, a.n_rot, a.rope_theta, stream=s, neox=a.rope_neox, sections=self.sections)
         kt, vt, rk, rv = *self.m.kv_types, *self.m.kv_rot
         typed = (kt, vt) != (F32, F32)
         if typed:  # as the CPU: rotated (quantized types), the queries rounded as llama.cpp's flash attention does

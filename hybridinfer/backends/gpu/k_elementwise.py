@@ -68,24 +68,28 @@ def rms_norm(x, w, eps: float, out=None, stream=None):
     return out
 
 
-def rope_neox(x, pos, n_rot: int, theta: float, stream=None, neox: bool = True):
+def rope_neox(x, pos, n_rot: int, theta: float, stream=None, neox: bool = True, sections=None):
     """In place: rotate dims (i, i + n_rot/2), i < n_rot/2, of every head by pos[t] * theta^(-2i/n_rot)
     (neox=False: dims (2i, 2i+1), llama.cpp's NORM mode).
 
-    x: (T, H, S) float32 with n_rot <= S (dims >= n_rot untouched); pos: (T,) int32 absolute positions;
-    n_rot even, at most 512. Returns x.
+    x: (T, H, S) float32 with n_rot <= S (dims >= n_rot untouched); pos: (T,) int32 absolute positions, or with
+    `sections` (the model's rope.dimension_sections, 4 ints) (T, 4) multimodal positions, pair i at the one its
+    IMROPE stream names (models/mrope.imrope_streams); n_rot even, at most 512. Returns x.
     """
     if len(x.shape) != 3:
         raise KernelArgumentError(f"rope_neox x: shape {x.shape}, expected (T, H, S)")
     T, H, S = (int(s) for s in x.shape)
     xp = loader.arg(x, np.float32, (T, H, S), "rope_neox x")
-    pp = loader.arg(pos, np.int32, (T,), "rope_neox pos")
+    secs = [int(v) for v in (tuple(sections or ()) + (0, 0, 0, 0))[:4]]
+    if sections is not None and sum(secs) <= 0:
+        raise KernelArgumentError(f"rope_neox: sections {tuple(sections)} name no stream")
+    pp = loader.arg(pos, np.int32, (T, 4) if sections is not None else (T,), "rope_neox pos")
     if n_rot % 2 or not 0 < n_rot <= min(S, 2 * ROPE_MAX_HALF):
         raise KernelArgumentError(f"rope_neox: n_rot {n_rot} must be even and in 2..min({S}, 512)")
     if T:
         loader.launch(FAMILY, "rope_neox_f32", (min(T, loader.MAX_GRID),), (_row_threads(H * n_rot // 2),),
                       [xp, pp, np.int32(T), np.int32(H), np.int32(S), np.int32(n_rot), np.float64(theta),
-                       np.int32(bool(neox))],
+                       np.int32(bool(neox)), *(np.int32(v) for v in (secs if sections is not None else (0,) * 4))],
                       stream=stream)
     return x
 

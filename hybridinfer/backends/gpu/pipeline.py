@@ -50,9 +50,10 @@ def micro_batches(lengths: list[int], rows: int) -> list[Job]:
 
 
 def state_view(st: DecoderState) -> DecoderState:
-    """A DecoderState sharing `st`'s arrays with a position and tokens of its own."""
+    """A DecoderState sharing `st`'s arrays and image spans (the rows' rotary positions) with a position and tokens
+    of its own."""
     return DecoderState(n_ctx=st.n_ctx, layer_types=st.layer_types, pos=st.pos, tokens=st.tokens.copy(),
-                        arrays={k: list(v) for k, v in st.arrays.items()})
+                        arrays={k: list(v) for k, v in st.arrays.items()}, images=st.images)
 
 
 class _Stopped(Exception):

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ...format.quant import dequantize_rows
+from ...models import mrope
 from ...models.state_kinds import ARRAYS, layer_arrays
 from ..state import DecoderState, check_tokens
 from . import k_elementwise as ke
@@ -167,13 +168,20 @@ def walk(m, items: list[Item], all_logits: bool = False, rows_in=None, rows_out=
         emb = np.empty((off, a.n_embd), np.float32)
         tok = m.tok_embd
         dequantize_rows(tok.raw(), tok.qtype, tok.ne[0], np.concatenate([it.ids for it in items]), emb)
+        for it in items:  # an image's rows take its encoder rows
+            for r0, r1, rows in mrope.image_rows(it.state.images, it.state.pos, len(it.ids)):
+                emb[it.off + r0 : it.off + r1] = rows
         b.h[:off].set(emb)
-    else:
+    else:  # a later card: the rows the card before it handed on
         b.h[:off].set(rows_in[:off])
     # everything the layers need from the host goes up now: a synchronous copy inside the loop would wait for the
     # copy stream too (legacy default stream) and undo the overlap of uploads and compute
-    b.pos[:off].set(np.concatenate([np.arange(it.state.pos, it.state.pos + len(it.ids), dtype=np.int32)
-                                    for it in items]))
+    rows_pos, pos4, sections = _positions(items, a)
+    b.pos[:off].set(rows_pos)
+    if pos4 is not None:  # a pass with an image's rows: every row's four positions, on the card for the pass
+        from pycuda import gpuarray
+
+        pos4 = gpuarray.to_gpu(pos4)
     if n_snap and b.snap:  # each snapshot's row within the piece of its prompt holding it (none: rows alone)
         b.snap_pos[:n_snap].set(np.array([p - _piece_start(it, p, C) for it in items for p in it.snaps], np.int32))
     snap_host = [it.state.sharing_rows(it.state.pos + p) for it in items for p in it.snaps]
@@ -202,7 +210,8 @@ def walk(m, items: list[Item], all_logits: bool = False, rows_in=None, rows_out=
                                  moves.after(jj, i) if e == it.off + len(it.ids) else None)
                                 for jj, it, q, e in pieces]
                     attn_segs = [(q - r0, e - r0, it.state.pos + q - it.off, it.base) for _, it, q, e in pieces]
-                    ops.at(L, b.pos[r0:r1], attn_segs, gdn_segs, snap_host)
+                    ops.at(L, b.pos[r0:r1] if pos4 is None else pos4[r0:r1], attn_segs, gdn_segs, snap_host,
+                           sections)
                 else:  # row by row: all prompts' rows together, in full chunks
                     m._chunk_no = min(k_chunk, n_chunks - 1) if n_chunks else 0  # expert counts: shared past the end
                     k_chunk += 1
@@ -269,6 +278,24 @@ def _final_rows(m, items: list[Item]) -> list[np.ndarray]:
             rows[r0:r1] = x.get(stream=s)
         out.append(rows)
     return out
+
+
+def _positions(items, a):
+    """(rotary positions of the pass's rows, (rows, 4) multimodal positions or None, the sections for them): a row's
+    position is its row unless an image comes before or holds it (models/mrope.py)."""
+    shifted, multi, any_image = [], [], False
+    for it in items:
+        shift, p4 = mrope.positions(it.state.images, it.state.pos, len(it.ids))
+        rows = np.arange(it.state.pos, it.state.pos + len(it.ids), dtype=np.int32) + np.int32(shift)
+        shifted.append(rows)
+        multi.append(np.repeat(rows[:, None], 4, axis=1) if p4 is None else p4)
+        any_image |= p4 is not None
+    rows_pos = np.concatenate(shifted)
+    if not any_image:
+        return rows_pos, None, None
+    # no sections in the file: every pair takes the first stream, as imrope_streams says (one section of 1 does)
+    sections = tuple(a.rope_sections) if sum(getattr(a, "rope_sections", ()) or ()) > 0 else (1, 0, 0, 0)
+    return rows_pos, np.ascontiguousarray(np.concatenate(multi), dtype=np.int32), sections
 
 
 def tokens_hash(st: DecoderState) -> int:

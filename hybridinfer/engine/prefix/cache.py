@@ -30,7 +30,7 @@ import numpy as np
 
 from ...errors import SnapshotError
 from .disk import DiskStore
-from .index import KeyChain, as_tokens, known_blocks, root_key, walk
+from .index import KeyChain, as_tokens, known_blocks, root_key, walk, with_images
 from .layout import StateLayout
 from .ram import RamStore
 from .snapshot import Snapshot, from_state, recurrent_bytes, restore_chain, row_bytes
@@ -205,7 +205,7 @@ class PrefixCache:
         if p <= 0:
             return None
         t0 = time.perf_counter()
-        kc = KeyChain(self._root(salt), as_tokens(state.tokens[:p]), self.block_size)
+        kc = KeyChain(self._root(salt), with_images(state.tokens[:p], getattr(state, "images", ())), self.block_size)
         with self._lock:
             bkey, tail, key = kc.locate(p)
             created = False
@@ -259,7 +259,7 @@ class PrefixCache:
             pkey, ppos = (None, 0) if e is None else (e.key, e.pos)
             if ram.fits(rec + (p - ppos) * row + lg, pkey):
                 snap = from_state(state, key=key, block_key=bkey, tail=tail, parent=pkey, kv_from=ppos,
-                                  seg_blocks=kc.seg_blocks(ppos, p), logits=logits)
+                                  seg_blocks=kc.seg_blocks(ppos, p), logits=logits, tokens=kc.tokens)
                 return ram.put(snap)
         return False
 
@@ -270,7 +270,8 @@ class PrefixCache:
             ent = d.entries[key]
             if logits is not None and not ent.has_logits and d.chain_keys(ent.parent) is not None:
                 d.write(from_state(state, key=key, block_key=bkey, tail=tail, parent=ent.parent, kv_from=ent.kv_from,
-                                   seg_blocks=kc.seg_blocks(ent.kv_from, p), logits=logits, copy=False))
+                                   seg_blocks=kc.seg_blocks(ent.kv_from, p), logits=logits, copy=False,
+                                   tokens=kc.tokens))
             d.touch(d.chain_keys(key) or ())
             return False
         for e in [*walk([d.index], kc, p - 1), None]:
@@ -278,7 +279,7 @@ class PrefixCache:
             if d.chain_keys(pkey) is None:
                 continue
             snap = from_state(state, key=key, block_key=bkey, tail=tail, parent=pkey, kv_from=ppos,
-                              seg_blocks=kc.seg_blocks(ppos, p), logits=logits, copy=False)
+                              seg_blocks=kc.seg_blocks(ppos, p), logits=logits, copy=False, tokens=kc.tokens)
             if d.fits(d.size_of(snap), pkey):
                 return d.write(snap)
         return False

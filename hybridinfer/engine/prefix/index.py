@@ -43,6 +43,25 @@ def as_tokens(tokens) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=np.int32)
 
 
+def image_key_id(digest: str) -> int:
+    """The id an image's rows take in cache keys: negative (no token has it), from its digest, so two different images
+    never share a key and the same image always does."""
+    h = hashlib.blake2b(str(digest).encode(), digest_size=4).digest()
+    return -1 - (int.from_bytes(h, "little") & 0x7FFFFFFF)
+
+
+def with_images(tokens, images) -> np.ndarray:
+    """Token ids as the cache keys them (int32): each image's rows (models/mrope.ImageSpan) as its image_key_id."""
+    t = as_tokens(tokens)
+    if not images:
+        return t
+    t = t.copy()
+    for s in images:
+        if s.row < len(t):
+            t[s.row : min(s.end, len(t))] = image_key_id(s.digest)
+    return t
+
+
 class KeyChain:
     """Block keys of one token sequence, computed on demand and remembered."""
 

@@ -120,9 +120,11 @@ class Snapshot(ChainLink):
 
 
 def from_state(state, *, key: bytes, block_key: bytes, tail, parent: bytes | None, kv_from: int,
-               seg_blocks: tuple[bytes, ...], logits: np.ndarray | None = None, copy: bool = True) -> Snapshot:
+               seg_blocks: tuple[bytes, ...], logits: np.ndarray | None = None, copy: bool = True,
+               tokens: np.ndarray | None = None) -> Snapshot:
     """The snapshot of `state` at state.pos holding per-token rows [kv_from, pos). copy=False keeps views of the
-    state's buffers (only to write them out at once)."""
+    state's buffers (only to write them out at once). tokens: the ids [0, pos) as the cache keys them (its images'
+    rows as their key ids, index.with_images; default the state's own)."""
     p = state.pos
     cp = np.array if copy else np.asarray
     parts = {name: {i: cp(a[kv_from:p] if s.per_token else a) for i, a in enumerate(state.arrays[name])
@@ -130,7 +132,8 @@ def from_state(state, *, key: bytes, block_key: bytes, tail, parent: bytes | Non
     if logits is not None:
         logits = np.array(logits, dtype=np.float32).reshape(-1)  # always a copy: a backend may reuse its buffer
     return Snapshot(key=key, pos=p, block_key=block_key, tail=tuple(int(t) for t in tail), parent=parent,
-                    kv_from=kv_from, seg_blocks=tuple(seg_blocks), tokens=cp(state.tokens[kv_from:p]),
+                    kv_from=kv_from, seg_blocks=tuple(seg_blocks),
+                    tokens=cp((state.tokens if tokens is None else tokens)[kv_from:p]),
                     parts=parts, logits=logits)
 
 

@@ -50,7 +50,8 @@ def count_lines(path: str, shard: tuple[int, int] = (0, 1), max_line_bytes: int 
 def run_job(engine, input_path: str, output_path: str, *, model_name=None, strict_model_name: bool = False,
             shard: tuple[int, int] = (0, 1), window: int = DEFAULT_WINDOW, max_inflight: int | None = None,
             sync_every: int = 100, ordered: bool = False, progress: str = "none", progress_stream=None,
-            stop: threading.Event | None = None, max_line_bytes: int | None = None) -> dict:
+            stop: threading.Event | None = None, max_line_bytes: int | None = None,
+            allow_remote_images: bool = False) -> dict:
     """Run the batch job `input_path` -> `output_path` on `engine` and return its summary (progress.Stats). An
     existing output is resumed when it is this job's (guard.py); any other is refused with BatchOutputError,
     untouched, as is an output another process is writing. shard (i, n): run only the lines whose custom_id
@@ -59,11 +60,13 @@ def run_job(engine, input_path: str, output_path: str, *, model_name=None, stric
     ordered: sort the output by input line once the job is complete. stop: set it (from a signal handler) to stop
     after writing what has finished. max_line_bytes: longer input lines are error lines, never parsed (default:
     inputfile.default_max_line_bytes of the engine's n_ctx). model_name, strict_model_name: as the server's
-    (serve.create_app): a body's `model` may name anything unless strict_model_name."""
+    (serve.create_app): a body's `model` may name anything unless strict_model_name. allow_remote_images: fetch
+    images given as http(s) URLs (default: the line's answer is a 400 saying so)."""
     if window < 1 or sync_every < 0:
         raise ValueError(f"window must be >= 1 and sync_every >= 0, got {window!r}, {sync_every!r}")
     stop = stop or threading.Event()
     ctx = Context(engine, model_name or default_model_name(engine), strict_model_name)
+    ctx.allow_remote_images = bool(allow_remote_images)
     limit = default_max_line_bytes(engine.n_ctx) if max_line_bytes is None else max_line_bytes
     with OutputLock(output_path):
         inp = JobInput(input_path, limit, spool_dir=os.path.dirname(os.path.abspath(output_path)))

@@ -23,6 +23,19 @@ def _text_blocks(blocks, where: str) -> str:
     return "\n".join(out)
 
 
+def _image_source(src, where: str) -> str:
+    """An image block's source as open_image takes it: base64 data as a data: URL, or its url."""
+    if not isinstance(src, dict):
+        raise bad_param(f"{where}.source", "an image block needs a source ({'type': 'base64', 'media_type': ..., "
+                                           "'data': ...})")
+    if src.get("type") == "base64" and isinstance(src.get("data"), str):
+        return f"data:{src.get('media_type') or 'image/png'};base64,{src['data']}"
+    if src.get("type") == "url" and isinstance(src.get("url"), str):
+        return src["url"]
+    raise bad_param(f"{where}.source.type", f"image sources of type {src.get('type')!r} are not supported (base64 "
+                                            "or url)")
+
+
 def messages_of(body: ACountTokens) -> list[dict]:
     """Anthropic's system + messages as the chat template's messages (tool results become tool messages, which
     answer the assistant turn before them)."""
@@ -33,11 +46,14 @@ def messages_of(body: ACountTokens) -> list[dict]:
         if isinstance(m.content, str):
             out.append({"role": m.role, "content": m.content})
             continue
-        texts, calls, results, thinking = [], [], [], []
+        texts, calls, results, thinking, parts = [], [], [], [], []
         for j, b in enumerate(m.content):
             where = f"messages[{i}].content[{j}]"
             if b.type == "text":
                 texts.append(b.text or "")
+                parts.append({"type": "text", "text": b.text or ""})
+            elif b.type == "image" and m.role == "user":
+                parts.append({"type": "image", "image": _image_source(getattr(b, "source", None), where)})
             elif b.type == "thinking" and m.role == "assistant":
                 thinking.append(b.thinking or "")
             elif b.type == "redacted_thinking" and m.role == "assistant":
@@ -56,7 +72,9 @@ def messages_of(body: ACountTokens) -> list[dict]:
                                                  f"message")
         if m.role == "user":
             out.extend(results)
-            if texts or not results:
+            if len(parts) > len(texts):  # images among the blocks: the parts in order (engine/images.py)
+                out.append({"role": "user", "content": parts})
+            elif texts or not results:
                 out.append({"role": "user", "content": "".join(texts)})
         else:
             d = {"role": "assistant", "content": "".join(texts)}
@@ -138,7 +156,8 @@ class MessagesCall:
         ctx = self.ctx
         p = self.prepared = build_chat(ctx.engine, ctx.info, self.messages, self.tools, self.choice, self.thinking,
                                        self.schema is not None)
-        req = ctx.make_request(p.ids, self.body.max_tokens, self.sampling, self.body.stop_sequences, p.turn_boundary)
+        req = ctx.make_request(p.ids, self.body.max_tokens, self.sampling, self.body.stop_sequences, p.turn_boundary,
+                               p.images)
         return ctx.constrain(req, self.schema, p)
 
     def parser(self) -> tuple[OutputParser, list]:

@@ -23,7 +23,10 @@ def default_model_name(engine) -> str:
 class Context:
     """model_name: the served name, or several (aliases): the first is the one answers report. One loaded model
     answers whatever `model` a request names (as llama-server; answers still report the served name), unless
-    strict_model_name, where a name that is none of them is a 404 (as vLLM's --served-model-name)."""
+    strict_model_name, where a name that is none of them is a 404 (as vLLM's --served-model-name).
+    allow_remote_images: an image given as an http(s) URL is fetched (else refused with a 400 that says so)."""
+
+    allow_remote_images = False
 
     def __init__(self, engine, model_name: str | Sequence[str], strict_model_name: bool = False):
         names = [model_name] if isinstance(model_name, str) else list(model_name)
@@ -39,24 +42,45 @@ class Context:
             raise ApiError(404, f"the model {name!r} does not exist; the model served is {served}",
                            param="model", code="model_not_found")
 
-    def make_request(self, prompt, max_tokens: int | None, sampling: dict, stop, turn_boundary=None):
-        """A checked Request (prompt: text or token ids). max_tokens None: the rest of the context."""
+    def takes_images(self) -> bool:
+        return getattr(self.engine, "image_encoder", None) is not None
+
+    def make_request(self, prompt, max_tokens: int | None, sampling: dict, stop, turn_boundary=None, images=()):
+        """A checked Request (prompt: text or token ids; images: one for each `<|image_pad|>` slot of the ids, or
+        each media marker of the text). max_tokens None: the rest of the context."""
         eng = self.engine
         if isinstance(prompt, str):
             check_text_fits(eng, len(prompt), "prompt")
         try:
+            embs = self._images(images)
             if max_tokens is None:
                 n = len(prompt) if isinstance(prompt, list) else len(eng.tokenize(prompt))
+                n += sum(e.n_tokens - 1 for e in embs) + (0 if isinstance(prompt, list) else 3 * len(embs))
                 if n >= eng.n_ctx:
                     raise ApiError(400, f"the prompt of {n} tokens does not fit the context of n_ctx={eng.n_ctx} "
                                         f"tokens", param="messages", code="context_length_exceeded")
                 max_tokens = eng.n_ctx - n
-            req = eng.make_request(prompt, max_tokens, stop=stop, **sampling)
+            req = eng.make_request(prompt, max_tokens, stop=stop, images=embs or None, **sampling)
         except HybridInferError as e:
             raise from_engine(e) from None
         if turn_boundary is not None:
-            req.turn_boundary = turn_boundary
+            from ...engine.images import map_points
+
+            req.turn_boundary = map_points(turn_boundary, req.images) if req.images else turn_boundary
         return req
+
+    def _images(self, sources) -> list:
+        """The images of a request encoded (engine/images.py): a 400 for a model without a vision tower, a remote
+        URL not allowed, or an image that cannot be read."""
+        if not sources:
+            return []
+        from ...engine.images import embed
+
+        if not self.takes_images():
+            raise ApiError(400, f"this model takes no images: the server was started without --mmproj (a request "
+                                f"with {len(sources)} image{'s' if len(sources) > 1 else ''})", param="messages",
+                           code="invalid_value")
+        return embed(self.engine, sources, allow_remote=self.allow_remote_images)
 
     def check_schema(self, response_format: dict | None) -> dict | None:
         """The JSON schema a request's output must follow, or None (a 400 for a schema it cannot compile)."""

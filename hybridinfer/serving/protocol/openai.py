@@ -19,23 +19,36 @@ from .toolcalls import OutputParser
 FINISH = {"stop": "stop", "length": "length", "cancelled": "stop"}
 
 
-def _content(c, where: str) -> str:
+def _content(c, where: str, role: str = "user") -> str | list:
+    """A message's content as the template takes it: its text, or with image parts (a user message's) a list of
+    engine parts ({"type": "text"}, {"type": "image"}: engine/images.py)."""
     if c is None or isinstance(c, str):
         return c or ""
-    out = []
+    out, images = [], False
     for j, p in enumerate(c):
-        if p.type != "text" or p.text is None:
-            raise bad_param(f"{where}[{j}].type", f"content parts of type {p.type!r} are not supported (text only)")
-        out.append(p.text)
-    return "".join(out)
+        if p.type == "image_url" and role != "user":
+            raise bad_param(f"{where}[{j}].type", f"image parts are taken in user messages, not in a {role} message")
+        if p.type == "image_url":
+            url = getattr(p, "image_url", None)
+            url = url.get("url") if isinstance(url, dict) else url
+            if not isinstance(url, str) or not url:
+                raise bad_param(f"{where}[{j}].image_url", "an image_url part needs image_url.url (a data: URL)")
+            out.append({"type": "image", "image": url})
+            images = True
+        elif p.type != "text" or p.text is None:
+            raise bad_param(f"{where}[{j}].type", f"content parts of type {p.type!r} are not supported (text and "
+                                                  "image_url only)")
+        else:
+            out.append({"type": "text", "text": p.text})
+    return out if images else "".join(x["text"] for x in out)
 
 
 def chat_messages(body: ChatRequest) -> list[dict]:
     """OpenAI messages as the chat template takes them."""
     out = []
     for i, m in enumerate(body.messages):
-        d = {"role": "system" if m.role == "developer" else m.role, "content": _content(m.content,
-                                                                                        f"messages[{i}].content")}
+        d = {"role": "system" if m.role == "developer" else m.role,
+             "content": _content(m.content, f"messages[{i}].content", m.role)}
         if m.role == "assistant":
             if m.tool_calls:
                 d["tool_calls"] = [{"id": c.id or f"call_{i}_{j}", "type": "function",
@@ -152,7 +165,7 @@ class ChatCall:
         p = self.prepared = build_chat(ctx.engine, ctx.info, self.messages, self.tools, self.choice, self.thinking,
                                        self.schema is not None)
         return ctx.constrain(ctx.make_request(p.ids, self.max_tokens, self.sampling, self.body.stop,
-                                              p.turn_boundary), self.schema, p)
+                                              p.turn_boundary, p.images), self.schema, p)
 
     def fork(self, req, i: int):
         """Choice i's Request (n > 1), with a grammar of its own where the first has one."""

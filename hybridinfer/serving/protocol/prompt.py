@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass, field
 
 from ...engine.api import chat_boundaries
+from ...engine.images import chat_sources
 from .errors import ApiError, bad_param
 from .toolcalls import MAX_JSON_DEPTH, TooDeep, loads_bounded, value_depth
 from .toolgrammar import call_grammar
@@ -47,6 +48,7 @@ class Prepared:
     schemas: dict[str, dict] = field(default_factory=dict)
     grammar: str | None = None  # a forced call's Lark grammar (protocol.toolgrammar): what must follow the prefix
     text: str = ""  # the rendered prompt
+    images: list = field(default_factory=list)  # the messages' images, one for each <|image_pad|> slot of ids
 
 
 def tool_schemas(tools: list[dict]) -> dict[str, dict]:
@@ -97,6 +99,7 @@ def _hermes_messages(messages: list[dict], tools: list[dict] | None) -> list[dic
     merged: list[dict] = []
     for m in out:
         if (merged and m["role"] == "user" and merged[-1]["role"] == "user"
+                and isinstance(m["content"], str) and isinstance(merged[-1]["content"], str)  # (a list: images)
                 and m["content"].startswith("<tool_response>") and merged[-1]["content"].endswith("</tool_response>")):
             merged[-1] = {**merged[-1], "content": merged[-1]["content"] + "\n" + m["content"]}
         else:
@@ -187,4 +190,4 @@ def build_chat(engine, info: TemplateInfo, messages: list[dict], tools: list[dic
         ms, add_generation_prompt=False, enable_thinking=enable_thinking, tools=tmpl_tools))
     boundary = chat_boundaries(msgs, ids, hist) or None
     return Prepared(ids, boundary, in_reasoning, prefix, bool(use_tools) and not structured,
-                    tool_schemas(use_tools) if use_tools else {}, grammar, chat.text)
+                    tool_schemas(use_tools) if use_tools else {}, grammar, chat.text, chat_sources(msgs))

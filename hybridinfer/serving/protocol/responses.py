@@ -52,19 +52,30 @@ class ResponseStore:
         return len(self._items)
 
 
-def _text_of(content, where: str) -> str:
+def _text_of(content, where: str) -> str | list:
+    """A message's content as chat completions take it: its text, or with input_image parts a list of OpenAI
+    parts (text and image_url)."""
     if content is None or isinstance(content, str):
         return content or ""
     if not isinstance(content, list):
         raise bad_param(where, "must be text or a list of content parts")
-    out = []
+    out, images = [], False
     for j, part in enumerate(content):
+        if isinstance(part, dict) and part.get("type") == "input_image":
+            url = part.get("image_url")
+            url = url.get("url") if isinstance(url, dict) else url
+            if not isinstance(url, str) or not url:
+                raise bad_param(f"{where}[{j}].image_url", "an input_image part needs its image_url (a data: URL)")
+            out.append({"type": "image_url", "image_url": {"url": url}})
+            images = True
+            continue
         if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text") \
                 or not isinstance(part.get("text"), str):
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise bad_param(f"{where}[{j}]", f"content parts of type {kind!r} are not supported (text only)")
-        out.append(part["text"])
-    return "".join(out)
+            raise bad_param(f"{where}[{j}]", f"content parts of type {kind!r} are not supported (text and "
+                                             "input_image only)")
+        out.append({"type": "text", "text": part["text"]})
+    return out if images else "".join(p["text"] for p in out)
 
 
 def input_messages(items) -> list[dict]:

@@ -29,7 +29,8 @@ def router(svc: Service) -> APIRouter:
         svc.check_model(body.model)
         msgs, (tools, choice, _) = messages_of(body), tools_of(body)
         try:
-            return len(build_chat(svc.engine, svc.info, msgs, tools, choice, thinking_of(body)).ids)
+            p = build_chat(svc.engine, svc.info, msgs, tools, choice, thinking_of(body))
+            return len(p.ids) + sum(e.n_tokens - 1 for e in svc._images(p.images))  # an image: its rows
         except HybridInferError as e:
             raise from_engine(e) from None
 

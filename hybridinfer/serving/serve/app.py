@@ -125,7 +125,8 @@ def create_app(engine, api_key=None, model_name=None, max_queue: int = DEFAULT_M
                max_body_bytes: int = DEFAULT_MAX_BODY, *, strict_model_name: bool = False,
                report_cached_tokens: bool = False,
                allowed_hosts=LOOPBACK_HOSTS, render_threads: int = DEFAULT_RENDER_THREADS,
-               close_engine: bool = False, cors_origins=None, pooling: str = "mean") -> FastAPI:
+               close_engine: bool = False, cors_origins=None, pooling: str = "mean",
+               allow_remote_images: bool = False) -> FastAPI:
     """An app serving `engine` (its scheduler runs every request).
 
     api_key: a key (or a list of keys) required on every route but /health (`Authorization: Bearer KEY` or
@@ -145,7 +146,8 @@ def create_app(engine, api_key=None, model_name=None, max_queue: int = DEFAULT_M
     call this server (CORS: preflights answered, Access-Control-Allow-Origin sent); an empty list: none. None (the
     default): pages on loopback origins for a keyless server that checks hosts (no other page may call it), any
     page ("*", as llama-server) otherwise, where an API key or the network guards it. pooling: how /v1/embeddings
-    pools an input's hidden states, "mean" or "last" (Engine.embed)."""
+    pools an input's hidden states, "mean" or "last" (Engine.embed). allow_remote_images: fetch images given as
+    http(s) URLs (default: refused with a 400; data: URLs and base64 sources always work)."""
     if max_queue < 0:
         raise ValueError(f"max_queue must be >= 0, got {max_queue!r}")
     if pooling not in ("mean", "last"):
@@ -157,6 +159,7 @@ def create_app(engine, api_key=None, model_name=None, max_queue: int = DEFAULT_M
     svc = Service(engine, model_name or default_model_name(engine), max_queue, metrics, max_body_bytes,
                   render_threads, report_cached=report_cached_tokens or bool(keys),
                   strict_model_name=strict_model_name)
+    svc.allow_remote_images = bool(allow_remote_images)
 
     async def check_key(request: Request) -> None:
         if not keys:

@@ -98,7 +98,7 @@ def router(svc: Service) -> APIRouter:
             else None,
             "eos_token": tok.token_bytes(tok.eos_id).decode("utf-8", "replace") if tok and tok.eos_id is not None
             else None,
-            "modalities": {"vision": False, "audio": False},
+            "modalities": {"vision": svc.takes_images(), "audio": False},
             "build_info": f"hybridinfer {__version__}",
         }
 

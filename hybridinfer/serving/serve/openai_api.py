@@ -60,8 +60,10 @@ def router(svc: Service) -> APIRouter:
 
 
 def _model(svc: Service, name: str) -> dict:
+    # llama-server's capabilities: "multimodal" where the model takes images (loaded with --mmproj)
     return {"id": name, "object": "model", "created": 0, "owned_by": "hybridinfer",
-            "max_model_len": svc.engine.n_ctx}
+            "max_model_len": svc.engine.n_ctx,
+            "capabilities": ["completion", "multimodal"] if svc.takes_images() else ["completion"]}
 
 
 def _error_event(e: BaseException) -> dict:
