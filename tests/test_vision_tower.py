@@ -149,9 +149,9 @@ def test_engine_encodes_images_once(vl, tmp_path):
         rows = eng.encode_image(str(path))  # Qwen3.5's min_pixels (65536) scales 96x64 up to 320x224
         assert rows.shape == (10 * 7, 64) and rows.dtype == np.float32 and np.isfinite(rows).all()
         again = eng.encode_image(sample_image(96, 64, seed=7))  # the same pixels as a PIL image: a cache hit
-        assert again is rows and eng.image_encoder.cache.hits == 1
+        assert again is rows and eng.image_store.encoded == 1
         other = eng.encode_image(sample_image(96, 64, seed=8))
-        assert eng.image_encoder.cache.misses == 2 and not np.array_equal(other, rows)
+        assert eng.image_store.encoded == 2 and not np.array_equal(other, rows)
     with Engine.load(vl["text"], backend="cpu", n_ctx=256, n_threads=2) as eng:
         assert eng.image_encoder is None
         with pytest.raises(ParameterError, match="mmproj"):

@@ -472,8 +472,9 @@ class Engine(Compute):
         atexit.unregister(self._at_exit)
         if self._scheduler is not None:
             self._scheduler.close()
-        if self.image_encoder is not None:
-            self.image_encoder.close()
+        close = getattr(self.image_encoder, "close", None)  # the ImageEncoder protocol does not require one
+        if close is not None:
+            close()
         with self.lock:
             self.backend = None
             _let_go(self._parts)
