@@ -178,8 +178,9 @@ def test_gpu_load_shows_a_progress_bar(oracle_gguf, capsys):
     """Engine.load(progress=True) on the GPU backend draws a bar of the bytes put on the card or staged on the host
     (beside the CPU copy's); without progress, no bar."""
     path = oracle_gguf("qwen35", "q8_0")
-    Engine.load(str(path), backend="gpu", n_ctx=128, vram_budget=_streaming_budget(path), progress=True).close()
+    Engine.load(str(path), backend="gpu", n_ctx=128, gpu_chunk=32, vram_budget=_streaming_budget(path),
+                progress=True).close()
     err = capsys.readouterr().err
     assert "loading weights (card 0)" in err, err[-2000:]
-    Engine.load(str(path), backend="gpu", n_ctx=128, vram_budget=_streaming_budget(path)).close()
+    Engine.load(str(path), backend="gpu", n_ctx=128, gpu_chunk=32, vram_budget=_streaming_budget(path)).close()
     assert "loading weights" not in capsys.readouterr().err
