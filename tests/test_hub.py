@@ -29,14 +29,18 @@ def ggufs(tmp_path_factory):
     # over huggingface_hub's 10 MiB read chunk, so a transfer cut past it resumes with a Range request
     big = synth_model(d / "big.gguf", "llama", dict(n_embd=256, n_layer=1, n_head=2, n_ff=256, n_vocab=8000),
                       quant="f32", seed=2)["path"]
-    with open(small, "rb") as f, open(big, "rb") as g:
-        return {"small": f.read(), "big": g.read()}
+    # a vision projector for the small model's width: -hf fetches it beside the model, as llama.cpp's does
+    from hybridinfer.tools.synth_vision import synth_mmproj
+
+    synth_mmproj(d / "mmproj.gguf", 64, {"depth": 1, "hidden": 32, "heads": 2, "ff": 64, "pos_side": 4})
+    with open(small, "rb") as f, open(big, "rb") as g, open(d / "mmproj.gguf", "rb") as m:
+        return {"small": f.read(), "big": g.read(), "mmproj": m.read()}
 
 
 @pytest.fixture
 def hub(ggufs):
     repos = {REPO: {"Tiny-Q8_0.gguf": ggufs["small"], "Tiny-F32.gguf": ggufs["big"],
-                    "mmproj-Tiny-F16.gguf": b"not a language model", "README.md": b"# tiny\n"}}
+                    "mmproj-Tiny-F16.gguf": ggufs["mmproj"], "README.md": b"# tiny\n"}}
     with FakeHub(repos) as h:
         yield h
 
@@ -119,13 +123,16 @@ def test_missing_repo_file_quant_are_typed_errors(hub, tmp_path):
 def test_engine_load_hf_generates_and_sends_the_token(hub, tmp_path):
     code = ("from hybridinfer.engine.api import Engine\n"
             f"with Engine.load(hf={REPO + ':Q8_0'!r}, backend='cpu', hf_token='hf_test') as eng:\n"
-            "    print(eng.gm.path)\n"
-            "    print(len(eng.generate([1, 2, 3], max_tokens=3, temperature=0).tokens))\n")
+            "    print(eng.gm.path, eng.image_encoder is not None)\n"
+            "    print(len(eng.generate([1, 2, 3], max_tokens=3, temperature=0).tokens))\n"
+            f"with Engine.load(hf={REPO + ':Q8_0'!r}, backend='cpu', hf_token='hf_test', mmproj=False) as eng:\n"
+            "    print(eng.image_encoder is None)\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(hub, tmp_path),
                        timeout=120)
     assert r.returncode == 0, r.stderr
-    path, n = r.stdout.split()
-    assert path.endswith("Tiny-Q8_0.gguf") and n == "3"
+    path, tower, n, without = r.stdout.split()
+    # the projector beside the model came with it (llama.cpp's -hf), and mmproj=False leaves it out
+    assert path.endswith("Tiny-Q8_0.gguf") and tower == "True" and n == "3" and without == "True"
     files = [a for (m, p, _), a in zip(hub.log, hub.auth, strict=True) if "/resolve/" in p or "/tree/" in p]
     assert files and all(a == "Bearer hf_test" for a in files), files
 
@@ -182,7 +189,7 @@ def test_best_mmproj_as_llama_cpp():
     assert best_mmproj(["m-Q4_K_M.gguf"], "m-Q4_K_M.gguf") is None
 
 
-def test_resolve_pair_fetches_the_projector_beside_the_model(hub, tmp_path, monkeypatch):
+def test_resolve_pair_fetches_the_projector_beside_the_model(hub, tmp_path, monkeypatch, ggufs):
     from hybridinfer.format.hub import resolve_pair
 
     monkeypatch.setenv("HF_ENDPOINT", hub.url)
@@ -197,6 +204,31 @@ def test_resolve_pair_fetches_the_projector_beside_the_model(hub, tmp_path, monk
     model, mm = resolve_pair(REPO + ":Q8_0", progress=False)
     assert model.endswith("Tiny-Q8_0.gguf") and mm is not None and mm.endswith("mmproj-Tiny-F16.gguf")
     with open(mm, "rb") as f:
-        assert f.read() == b"not a language model"
+        assert f.read() == ggufs["mmproj"]
     model2, none = resolve_pair(REPO + ":Q8_0", progress=False, mmproj=False)
     assert model2 == model and none is None
+
+
+def test_cli_takes_the_projector_unless_told_not_to(monkeypatch):
+    """-hf puts the repository's mmproj in --mmproj's place unless --mmproj names one or --no-mmproj is given; a
+    command without --mmproj (info) never asks for it."""
+    import argparse
+
+    import hybridinfer.format.hub as hub_mod
+    from hybridinfer.cli.args import resolve_hf
+
+    asked = []
+
+    def fake(repo, file=None, token=None, progress=True, mmproj=True):
+        asked.append(mmproj)
+        return "/m/model.gguf", ("/m/mmproj.gguf" if mmproj else None)
+
+    monkeypatch.setattr(hub_mod, "resolve_pair", fake)
+    base = dict(hf_repo=REPO, hf_file=None, hf_token=None, model=None, progress="none")
+    for extra, want_asked, want_mm in (({"mmproj": None}, True, "/m/mmproj.gguf"),
+                                       ({"mmproj": "/mine.gguf"}, False, "/mine.gguf"),
+                                       ({"mmproj": None, "no_mmproj": True}, False, None), ({}, False, "absent")):
+        a = argparse.Namespace(**base, **extra)
+        resolve_hf(a)
+        assert a.model == "/m/model.gguf" and asked[-1] is want_asked
+        assert getattr(a, "mmproj", "absent") == want_mm

@@ -195,9 +195,13 @@ def resolve_hf(a) -> None:
         raise _usage(f"-hff/--hf-file {file!r} needs -hf OWNER/REPO")
     if not repo:
         return
-    from ..format.hub import resolve
+    from ..format.hub import resolve_pair
 
-    a.model = resolve(repo, file=file, token=a.hf_token, progress=show_progress(a))
+    # the vision projector beside the model comes too (llama.cpp's -hf), unless --mmproj names one or --no-mmproj
+    want = hasattr(a, "mmproj") and a.mmproj is None and not getattr(a, "no_mmproj", False)
+    a.model, mm = resolve_pair(repo, file=file, token=a.hf_token, progress=show_progress(a), mmproj=want)
+    if mm is not None:
+        a.mmproj = mm
     a.hf_repo = a.hf_file = None
 
 
@@ -302,7 +306,10 @@ def _add_model(p: argparse.ArgumentParser, required: bool = False) -> None:
                    help="a Jinja chat template used instead of the GGUF's (as llama-server's --chat-template-file)")
     p.add_argument("-mm", "--mmproj", default=None, metavar="FILE",
                    help="an mmproj GGUF: the vision tower that turns images into the model's rows (as llama.cpp's "
-                        "--mmproj; refused unless it was made for this model's width)")
+                        "--mmproj; refused unless it was made for this model's width). With -hf, the repository's "
+                        "mmproj beside the model is taken unless this or --no-mmproj is given")
+    p.add_argument("--no-mmproj", action="store_true",
+                   help="with -hf: do not fetch or load the repository's vision projector (llama.cpp's --no-mmproj)")
     p.add_argument("--image-min-tokens", type=_int_at_least(1), default=None,
                    help="an image is resized to give at least this many tokens (default: Qwen3.5's processor, 64)")
     p.add_argument("--image-max-tokens", type=_int_at_least(1), default=None,

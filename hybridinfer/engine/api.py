@@ -246,8 +246,9 @@ class Engine(Compute):
         spec_type (default None: "mtp" where the file has the multi-token-prediction block, else "none"),
             draft_max (default 3): "mtp" drafts up to draft_max (1-4) tokens with the block, "ngram" by prompt
             lookup, checked in one pass: the same tokens as without (engine/spec.py).
-        mmproj (default None): an mmproj GGUF (llama.cpp's --mmproj) whose vision tower becomes `image_encoder`,
-            refused unless its rows are as wide as the model's embeddings (engine/images.py, docs/vision.md).
+        mmproj (default None; with hf, the repository's projector beside the model, as llama.cpp's -hf; False:
+            none): an mmproj GGUF (llama.cpp's --mmproj) whose vision tower becomes `image_encoder`, refused unless
+            its rows are as wide as the model's embeddings (engine/image_encoder.py, docs/vision.md).
             image_min_tokens (default None: Qwen3.5's processor, 64), image_max_tokens (default None: 16384): an image
             is resized to hold that many tokens at least and at most (llama.cpp's --image-min/max-tokens).
 
@@ -276,9 +277,10 @@ class Engine(Compute):
         if hf is not None:
             if path is not None:
                 raise ParameterError(f"give a path or hf, not both: {path!r} and hf={hf!r}")
-            from ..format.hub import resolve
+            from ..format.hub import resolve_pair
 
-            path = resolve(hf, token=hf_token, progress=progress)
+            path, found = resolve_pair(hf, token=hf_token, progress=progress, mmproj=mmproj is None)
+            mmproj = mmproj if found is None else found  # the projector beside it, as llama.cpp's -hf
         if path is None:
             from ..format.default_model import default_model_path
 
@@ -301,7 +303,7 @@ class Engine(Compute):
                   snapshot_stride, max_seqs, state_budget, step_tokens)
         eng.ctx_note = ctx.note
         eng.spec = spec
-        if mmproj is not None:
+        if mmproj is not None and mmproj is not False:
             from .image_encoder import load_encoder
 
             eng.image_encoder = load_encoder(mmproj, args.n_embd, be, cache_bytes=0, min_tokens=image_min_tokens,
