@@ -1,7 +1,8 @@
 """The chat page at / in a real headless Chromium (Debian's chromium and chromium-driver, driven by Selenium),
 against a live server on 127.0.0.1 with SmolLM2: the page loads and names the model, a message gets a streamed
 answer (several chunks shown as they come), a long generation is stopped by the stop button (its sequence
-cancelled on the server), the system prompt and sampling settings go into the request, and <think> text is folded.
+cancelled on the server), the system prompt and sampling settings go into the request, and <think> text is folded;
+with a model that takes images (a fake tower), an attached image goes out as an image_url part and is answered.
 
 Without a browser the test skips, saying why; in CI (CI=true) a missing browser fails it instead."""
 
@@ -141,3 +142,70 @@ def test_chat_page(browser, served):
         return [det.hidden, det.open, det.querySelector(".reasoning-text").textContent,
                 d.querySelector(".content").textContent, det.getBoundingClientRect().height > 0];""")
     assert got == [False, False, "first, plan it", "The answer", True]
+
+
+@pytest.fixture(scope="module")
+def served_vl(tmp_path_factory):
+    """A tiny synthetic Qwen3.5 with a fake vision tower (tests/fake_vision.py), live on loopback."""
+    from fake_vision import FakeEncoder
+    from test_image_engine import SHAPE
+
+    from hybridinfer.tools.synth import synth_model
+
+    path = str(tmp_path_factory.mktemp("page_vl") / "q.gguf")
+    synth_model(path, "qwen35", SHAPE, "q4_k_m", seed=4)
+    eng = Engine.load(path, backend="cpu", n_ctx=256, max_seqs=2, isa=os.environ.get("HYBRIDINFER_ISA"))
+    eng.image_encoder = FakeEncoder(eng.args.n_embd)
+    app = create_app(eng, model_name="tiny-vl")
+    seen, svc = [], app.state.service
+    start = svc.start_many
+
+    async def recording(request, model, make_call):
+        out = await start(request, model, make_call)
+        seen.append(out[0].body)
+        return out
+
+    svc.start_many = recording
+    with running(app) as url:
+        yield url, seen
+    eng.close()
+
+
+def test_chat_page_sends_an_attached_image(browser, served_vl, tmp_path):
+    """Where /v1/models says the model takes images, the page shows its Image button; a file attached there goes
+    out as an image_url part with a data: URL beside the text, is shown in the message, and gets an answer; the
+    page of a model without images hides the button."""
+    from fake_vision import png
+    from selenium.webdriver.common.by import By
+
+    url, seen = served_vl
+    drv = browser
+    drv.get(url + "/")
+    _wait(lambda: drv.find_element(By.ID, "model").text == "tiny-vl", what="the model's name")
+    _wait(lambda: drv.find_element(By.ID, "attach").is_displayed(), what="the image button")
+    f = tmp_path / "cat.png"
+    f.write_bytes(png(96, 64, seed=5))
+    drv.find_element(By.ID, "image").send_keys(str(f))  # a hidden file input still takes a path
+    _wait(lambda: drv.find_elements(By.CSS_SELECTOR, "#attached img"), what="the attached preview")
+    _set(drv, "temperature", "0")
+    _set(drv, "max_tokens", "4")
+    _send(drv, "What is in it?")
+    answer = _wait(lambda: next(iter(drv.find_elements(By.CSS_SELECTOR, ".msg.assistant[data-finish]")), None),
+                   what="the answer")
+    assert answer.get_attribute("data-finish") in ("stop", "length"), answer.text
+    assert drv.find_elements(By.CSS_SELECTOR, ".msg.user img")  # the image shown in the user's message
+    assert not drv.find_elements(By.CSS_SELECTOR, "#attached img")  # sent: the tray is empty again
+    parts = seen[-1].messages[-1].content
+    kinds = [getattr(p, "type", None) for p in parts]
+    assert kinds == ["text", "image_url"], parts
+    iu = parts[1].image_url
+    assert (iu["url"] if isinstance(iu, dict) else iu.url).startswith("data:image/png;base64,")
+
+
+def test_chat_page_hides_the_image_button_without_a_tower(browser, served):
+    from selenium.webdriver.common.by import By
+
+    url, _, _ = served
+    browser.get(url + "/")
+    _wait(lambda: browser.find_element(By.ID, "model").text == MODEL, what="the model's name")
+    assert not browser.find_element(By.ID, "attach").is_displayed()
