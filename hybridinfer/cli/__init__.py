@@ -79,7 +79,8 @@ def _engine(a, quiet: bool = False):
     note = getattr(eng, "ctx_note", "")
     if note and not quiet:
         print(f"hybridinfer: {note}", file=sys.stderr)
-    plan = getattr(getattr(eng.backend, "cpu", eng.backend), "ram_plan", None)
+    be = getattr(eng, "backend", None)
+    plan = getattr(getattr(be, "cpu", be), "ram_plan", None)
     if plan is not None and not quiet:
         print(f"hybridinfer: {plan.summary()}", file=sys.stderr)
     if "numa" in opts:

@@ -121,8 +121,8 @@ class Compute:
         end (keep_ends False: neither turn boundaries nor the end). salt: the tenant whose snapshots it may restore
         and makes (PrefixCache.lookup). images: the prompt's images (models/mrope.ImageSpan), which the state
         takes: their rows' embeddings and positions, and the keys of its snapshots."""
-        from .api import boundary_points
         from .prefix.index import with_images
+        from .text import boundary_points
 
         with self.lock:
             self._open()

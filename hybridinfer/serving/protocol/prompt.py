@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from ...engine.api import chat_boundaries
 from ...engine.images import chat_sources
+from ...engine.text import chat_boundaries
 from .errors import ApiError, bad_param
 from .toolcalls import MAX_JSON_DEPTH, TooDeep, loads_bounded, value_depth
 from .toolgrammar import call_grammar
