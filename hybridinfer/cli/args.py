@@ -128,6 +128,14 @@ def _finite(s: str) -> float:
     return v
 
 
+def seconds(s: str) -> float:
+    """An argparse type: a positive finite number of seconds."""
+    v = _finite(s)
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"a time in seconds must be > 0, got {s!r}")
+    return v
+
+
 def gb_per_s(s: str) -> float:
     """An argparse type: a positive finite rate in GB/s (10^9 bytes/s), returned in bytes/s."""
     v = _finite(s)

@@ -16,6 +16,7 @@ from .args import (
     gb_per_s,
     parse_size,
     positive_ints,
+    seconds,
     seed_int,
     threads_int,
 )
@@ -288,7 +289,7 @@ def add_bench_parsers(sub) -> None:
                       "bytes read per token against the disk's floor, the cache's hit rate, and llama.cpp under the "
                       "same memory limit", cmd_bench_disk)
     b.add_argument("--ram-budgets", default="6GiB,10GiB,16GiB", help="comma-separated RAM budgets to time")
-    b.add_argument("--llama-timeout", type=float, default=180.0,
+    b.add_argument("--llama-timeout", type=seconds, default=180.0,
                    help="seconds each llama-bench run may take under its limit (past it: its speed is below n/that)")
     b.add_argument("--expert-io", default="pread,direct", help="comma-separated read modes: pread,direct")
     b.add_argument("-n", type=_int_at_least(1), default=32, help="decode steps timed per budget")
