@@ -8,9 +8,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import tarfile
-import tempfile
-from importlib import metadata
+
+from llama_sdist import each_vendored_file, installed_version
 
 _PARTS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
 
@@ -32,30 +31,24 @@ def source_dir() -> str | None:
     env = os.environ.get("HYBRIDINFER_LLAMA_CPP_SRC")
     if env:
         return env if os.path.exists(os.path.join(env, "convert_hf_to_gguf.py")) else None
-    try:
-        version = metadata.version("llama-cpp-python")
-    except metadata.PackageNotFoundError:
+    version = installed_version()
+    if version is None:
         return None
     cache = os.path.join(os.path.expanduser("~"), ".cache", "hybridinfer", f"llama-src-{version}")
     if os.path.exists(os.path.join(cache, "convert_hf_to_gguf.py")):
         return cache
-    with tempfile.TemporaryDirectory() as tmp:
-        r = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
-                            f"llama-cpp-python=={version}", "-d", tmp], capture_output=True, text=True)
-        sdists = [f for f in os.listdir(tmp) if f.endswith(".tar.gz")]
-        if r.returncode != 0 or not sdists:
-            return None
-        part = cache + f".tmp{os.getpid()}"
-        with tarfile.open(os.path.join(tmp, sdists[0])) as tf:
-            for m in tf.getmembers():
-                _, sep, rel = m.name.partition("/vendor/llama.cpp/")
-                if sep and m.isfile() and any(rel.startswith(p) if p.endswith("/") else rel == p
-                                              for p in _PARTS):
-                    dst = os.path.join(part, rel)
-                    os.makedirs(os.path.dirname(dst), exist_ok=True)
-                    with tf.extractfile(m) as src, open(dst, "wb") as out:
-                        out.write(src.read())
-        os.replace(part, cache)
+    part = cache + f".tmp{os.getpid()}"
+
+    def take(rel: str, read) -> None:
+        if any(rel.startswith(p) if p.endswith("/") else rel == p for p in _PARTS):
+            dst = os.path.join(part, rel)
+            os.makedirs(os.path.dirname(dst), exist_ok=True)
+            with open(dst, "wb") as out:
+                out.write(read())
+
+    if not each_vendored_file(version, take):
+        return None
+    os.replace(part, cache)
     return cache
 
 

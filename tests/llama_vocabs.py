@@ -5,35 +5,26 @@ cached under ~/.cache/hybridinfer."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import tarfile
-import tempfile
-from importlib import metadata
+
+from llama_sdist import each_vendored_file, installed_version
 
 
 def vocab_dir() -> str | None:
-    try:
-        version = metadata.version("llama-cpp-python")
-    except metadata.PackageNotFoundError:
+    version = installed_version()
+    if version is None:
         return None
     cache = os.path.join(os.path.expanduser("~"), ".cache", "hybridinfer", f"llama-vocabs-{version}")
     if os.path.exists(os.path.join(cache, "ggml-vocab-qwen35.gguf.out")):
         return cache
-    with tempfile.TemporaryDirectory() as tmp:
-        r = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
-                            f"llama-cpp-python=={version}", "-d", tmp], capture_output=True, text=True)
-        sdists = [f for f in os.listdir(tmp) if f.endswith(".tar.gz")]
-        if r.returncode != 0 or not sdists:
-            return None
-        os.makedirs(cache, exist_ok=True)
-        with tarfile.open(os.path.join(tmp, sdists[0])) as tf:
-            for m in tf.getmembers():
-                name = os.path.basename(m.name)
-                if "/vendor/llama.cpp/models/" in m.name and name.startswith("ggml-vocab-") and m.isfile():
-                    with tf.extractfile(m) as src, open(os.path.join(cache, name), "wb") as dst:
-                        dst.write(src.read())
-    return cache
+    os.makedirs(cache, exist_ok=True)
+
+    def take(rel: str, read) -> None:
+        name = os.path.basename(rel)
+        if rel.startswith("models/") and name.startswith("ggml-vocab-"):
+            with open(os.path.join(cache, name), "wb") as dst:
+                dst.write(read())
+
+    return cache if each_vendored_file(version, take) else None
 
 
 def cases(path: str) -> list[tuple[str, list[int]]]:

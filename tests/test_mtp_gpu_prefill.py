@@ -9,23 +9,18 @@ import os
 
 import numpy as np
 import pytest
+from test_mtp_snapshots import SHAPE, mtp_model
 
 from hybridinfer.engine import spec as sp
 from hybridinfer.engine.api import Engine
 from hybridinfer.engine.spec_mtp import MTPDrafter
 
 ISA = os.environ.get("HYBRIDINFER_ISA")
-SHAPE = dict(n_embd=256, n_layer=4, n_head=4, n_head_kv=2, head_dim=64, n_ff=512, n_vocab=512, ssm_d_state=64,
-             ssm_n_group=2, ssm_dt_rank=4)
 
 
 @pytest.fixture(scope="module")
 def path(tmp_path_factory):
-    from hybridinfer.tools.synth import synth_model
-
-    p = str(tmp_path_factory.mktemp("mtpgpu") / "qwen35-q8_0.gguf")
-    synth_model(p, "qwen35", SHAPE, "q8_0", seed=5, mtp=True)
-    return p
+    return mtp_model(tmp_path_factory.mktemp("mtpgpu"), seed=5)
 
 
 class _Device:

@@ -19,13 +19,18 @@ SHAPE = dict(n_embd=256, n_layer=4, n_head=4, n_head_kv=2, head_dim=64, n_ff=512
              ssm_n_group=2, ssm_dt_rank=4)
 
 
-@pytest.fixture(scope="module")
-def path(tmp_path_factory):
+def mtp_model(folder, seed: int) -> str:
+    """A tiny qwen35 synth with its MTP block, q8_0 (also test_mtp_gpu_prefill's)."""
     from hybridinfer.tools.synth import synth_model
 
-    p = str(tmp_path_factory.mktemp("mtpsnap") / "qwen35-q8_0.gguf")
-    synth_model(p, "qwen35", SHAPE, "q8_0", seed=3, mtp=True)
+    p = str(folder / "qwen35-q8_0.gguf")
+    synth_model(p, "qwen35", SHAPE, "q8_0", seed=seed, mtp=True)
     return p
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    return mtp_model(tmp_path_factory.mktemp("mtpsnap"), seed=3)
 
 
 def _engine(path, kv="f32", **kw) -> Engine:

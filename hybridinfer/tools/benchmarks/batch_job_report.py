@@ -3,6 +3,7 @@ and the plot."""
 
 from __future__ import annotations
 
+from . import pyplot
 from .serve import LLAMA, OURS
 
 PREFILL_ONCE = 1.1  # target: re-processed prompt tokens at most this many times the unique ones
@@ -81,12 +82,8 @@ def markdown(res: dict) -> str:
 
 
 def plot(res: dict, path: str) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     m = res["meta"]
     rows = derive(res["rows"], m["unique_prompt_tokens"])

@@ -26,6 +26,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from . import pyplot
+
 WORKLOADS = ("a", "b", "c", "d")
 
 
@@ -214,12 +216,8 @@ def markdown(rows: list[Result], meta: dict) -> str:
 
 
 def plot(rows: list[Result], path: str) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     engines = sorted({r.engine for r in rows})
     fig, ax = plt.subplots(1, 2, figsize=(10, 4))

@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import pyplot
+
 
 def plot(res: dict, path: str) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     rows = res["rows"]
     engines = list(dict.fromkeys(r["engine"] for r in rows))

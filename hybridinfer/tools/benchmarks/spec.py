@@ -15,6 +15,8 @@ import time
 
 import numpy as np
 
+from . import pyplot
+
 ACCEPTS = (0.0, 0.5, 0.7, 0.9, 1.0)
 
 
@@ -115,12 +117,8 @@ def markdown(res: dict) -> str:
 
 
 def plot(res: dict, path: str) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     fig, ax = plt.subplots(figsize=(6, 4))
     for k in dict.fromkeys(r["k"] for r in res["rows"]):

@@ -15,6 +15,7 @@ import time
 import numpy as np
 
 from ...errors import ParameterError
+from . import pyplot
 
 SIZES = ((448, 448), (1024, 768))
 
@@ -143,12 +144,8 @@ def markdown(res: dict) -> str:
 
 
 def plot(res: dict, path: str) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     rows = res["rows"]
     x = np.arange(len(rows))
