@@ -16,6 +16,8 @@ from hybridinfer.errors import ExpertReadError, RamBudgetError
 from hybridinfer.tools.synth import synth_model
 from tests.bounded import bounded
 
+pytestmark = pytest.mark.isa  # native kernels of every SIMD unit: CI runs these at each level
+
 SHAPE = dict(n_embd=256, n_layer=4, n_head=4, n_head_kv=2, head_dim=64, n_vocab=512, n_expert=16, n_expert_used=4,
              n_ff_exp=256, n_ff_shexp=256, ssm_d_state=64, ssm_n_group=2, ssm_dt_rank=4)
 CTX = 128

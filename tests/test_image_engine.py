@@ -16,6 +16,8 @@ from hybridinfer.engine.images import NoImageEncoderError
 from hybridinfer.engine.prefix.index import with_images
 from hybridinfer.errors import ParameterError
 
+pytestmark = pytest.mark.isa  # native kernels of every SIMD unit: CI runs these at each level
+
 _GDN = dict(ssm_d_state=64, ssm_n_group=2, ssm_dt_rank=4)
 SHAPE = dict(n_embd=256, n_layer=4, n_head=4, n_head_kv=2, head_dim=64, n_ff=512, n_vocab=512, **_GDN)
 IMG_A, IMG_B = png(128, 64, seed=1), png(128, 64, seed=2)  # 2 x 4 merged tokens each

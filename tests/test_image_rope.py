@@ -11,6 +11,8 @@ from hybridinfer.backends import reference_ops as op
 from hybridinfer.models import mrope
 from hybridinfer.models.mrope import ImageSpan
 
+pytestmark = pytest.mark.isa  # native kernels of every SIMD unit: CI runs these at each level
+
 SECTIONS = (11, 11, 10, 0)  # the released Qwen3.5's rope.dimension_sections (n_rot 64)
 
 
