@@ -32,38 +32,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import CapacityError, EngineClosed, ParameterError
+from ..models.state_kinds import state_bytes
 from .chunk_cost import ChunkCost
 from .compute import DEFAULT_STEP_TOKENS, MIN_PROMPT_TOKENS, ema, pass_tokens, prompt_budget
+from .prefix.index import MIN_SHARED_PREFIX, common_prefix, shared_points
 from .request import Handle, Request, TokenSampler
 from .worker import work
 
 __all__ = ["DEFAULT_STEP_TOKENS", "Handle", "Request", "Scheduler", "TokenSampler", "state_bytes"]
-
-
-MIN_SHARED_PREFIX = 16  # tokens: a shorter common prefix is not worth a snapshot of the whole state
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
-    return int(diff[0]) if diff.size else n
-
-
-def shared_points(ids: list[int], others: list[list[int]], min_len: int = MIN_SHARED_PREFIX) -> set[int]:
-    """Positions where `ids` parts ways with prompts queued after it (at least `min_len` tokens in): the prefill of
-    `ids` snapshots there, so those prompts restore the shared prefix instead of processing it again."""
-    return {p for p in (common_prefix(ids, o) for o in others) if p >= min_len}
-
-
-def state_bytes(args, n_tokens: int) -> int:
-    """Bytes of one sequence's state holding `n_tokens` tokens: its recurrent arrays (GDN conv and S) and its
-    per-token rows (K/V, in the engine's cache types), as each mixer kind declares them (models/state_kinds.py); the
-    memory the state budget counts."""
-    from ..models.state_kinds import state_bytes as declared
-
-    return declared(args, n_tokens)
 
 
 @dataclass(eq=False)

@@ -171,3 +171,21 @@ def walk(indexes, kc: KeyChain, max_pos: int) -> list[Entry]:
                     if 1 <= e.pos <= max_pos and n <= len(blk) and tuple(blk[:n]) == e.tail:
                         found.setdefault(e.key, e)
     return sorted(found.values(), key=lambda e: -e.pos)
+
+
+# prompts sharing a prefix (the scheduler snapshots where they part ways)
+MIN_SHARED_PREFIX = 16  # tokens: a shorter common prefix is not worth a snapshot of the whole state
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(diff[0]) if diff.size else n
+
+
+def shared_points(ids: list[int], others: list[list[int]], min_len: int = MIN_SHARED_PREFIX) -> set[int]:
+    """Positions where `ids` parts ways with prompts queued after it (at least `min_len` tokens in): the prefill of
+    `ids` snapshots there, so those prompts restore the shared prefix instead of processing it again."""
+    return {p for p in (common_prefix(ids, o) for o in others) if p >= min_len}

@@ -2,7 +2,7 @@
 
 Within a window of requests the order is the depth-first order of a token trie over their prompts, which is the
 prompts sorted by their token ids. Requests that share a prefix then reach the scheduler together: the first of them
-snapshots its state where the prompts part ways (`scheduler.shared_points`) and the others restore that snapshot
+snapshots its state where the prompts part ways (`prefix/index.shared_points`) and the others restore that snapshot
 instead of prefilling the prefix again. A prefix shared across windows is found in the prefix cache, where the
 window before left it.
 
