@@ -157,7 +157,8 @@ def test_llama_hf_repo_environment_never_beats_a_flag(serve_env):
     from hybridinfer.cli.args import resolve_hf
 
     asked = []
-    serve_env.setattr(hub, "resolve", lambda repo, file=None, **kw: asked.append((repo, file)) or f"/c/{repo}.gguf")
+    serve_env.setattr(hub, "resolve_pair",
+                      lambda repo, file=None, **kw: (asked.append((repo, file)) or f"/c/{repo}.gguf", None))
     serve_env.delenv("LLAMA_ARG_MODEL")
     serve_env.setenv("LLAMA_ARG_HF_REPO", "acme/env-GGUF:Q8_0")
     serve_env.setenv("LLAMA_ARG_HF_FILE", "x.gguf")

@@ -189,24 +189,20 @@ def test_best_mmproj_as_llama_cpp():
     assert best_mmproj(["m-Q4_K_M.gguf"], "m-Q4_K_M.gguf") is None
 
 
-def test_resolve_pair_fetches_the_projector_beside_the_model(hub, tmp_path, monkeypatch, ggufs):
-    from hybridinfer.format.hub import resolve_pair
-
-    monkeypatch.setenv("HF_ENDPOINT", hub.url)
-    monkeypatch.setenv("HF_HOME", str(tmp_path))
-    import importlib
-
-    import huggingface_hub.constants as hc
-
-    monkeypatch.setattr(hc, "ENDPOINT", hub.url)
-    monkeypatch.setattr(hc, "HF_HUB_CACHE", str(tmp_path / "hub"))
-    importlib.invalidate_caches()
-    model, mm = resolve_pair(REPO + ":Q8_0", progress=False)
-    assert model.endswith("Tiny-Q8_0.gguf") and mm is not None and mm.endswith("mmproj-Tiny-F16.gguf")
+def test_resolve_pair_fetches_the_projector_beside_the_model(hub, tmp_path, ggufs):
+    """resolve_pair downloads the repository's mmproj beside the model (in a process of its own, on the fake hub,
+    as the other transfers here: the suite's own process may be offline)."""
+    code = ("from hybridinfer.format.hub import resolve_pair\n"
+            f"m, mm = resolve_pair({REPO + ':Q8_0'!r}, progress=False)\n"
+            f"m2, none = resolve_pair({REPO + ':Q8_0'!r}, progress=False, mmproj=False)\n"
+            "print(m); print(mm); print(m2 == m and none is None)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(hub, tmp_path),
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    model, mm, same = r.stdout.split()
+    assert model.endswith("Tiny-Q8_0.gguf") and mm.endswith("mmproj-Tiny-F16.gguf") and same == "True"
     with open(mm, "rb") as f:
         assert f.read() == ggufs["mmproj"]
-    model2, none = resolve_pair(REPO + ":Q8_0", progress=False, mmproj=False)
-    assert model2 == model and none is None
 
 
 def test_cli_takes_the_projector_unless_told_not_to(monkeypatch):
