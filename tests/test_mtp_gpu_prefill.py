@@ -9,7 +9,7 @@ import os
 
 import numpy as np
 import pytest
-from test_mtp_snapshots import SHAPE, mtp_model
+from test_mtp_snapshots import SHAPE, mtp_model, record_drafts
 
 from hybridinfer.engine import spec as sp
 from hybridinfer.engine.api import Engine
@@ -47,24 +47,7 @@ class _Device:
 
 
 def _run(eng, prompt):
-    d, log, seen = eng.spec.drafter, [], []
-    propose, observe = d.propose_seq, d.observe
-
-    def rec(s, k):
-        out = propose(s, k)
-        log.append((s.state.pos, out))
-        return out
-
-    def obs(s):
-        observe(s)
-        m = d.seqs[id(s.state)]
-        seen.append((m.base, m.true, np.array(m.ms.k[0][: m.true], copy=True)))
-
-    d.propose_seq, d.observe = rec, obs
-    try:
-        g = eng.generate(prompt, max_tokens=10, temperature=0)
-    finally:
-        d.propose_seq, d.observe = propose, observe
+    g, log, seen = record_drafts(eng, prompt, 10)
     return g.tokens, log, g.timings["draft_n_accepted"], seen[0]
 
 

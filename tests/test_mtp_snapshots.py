@@ -40,9 +40,9 @@ def _engine(path, kv="f32", **kw) -> Engine:
     return eng
 
 
-def _run(eng, prompt, n: int = 12):
-    """Greedy generation with every step's drafts recorded: (tokens, [(position, drafts)], accepted, the block's K
-    rows of the sequence's accepted positions at its last step, its first row's trunk position, reused tokens)."""
+def record_drafts(eng, prompt, n: int):
+    """Greedy generation of n tokens with every step's drafts recorded: (the Generation, [(position, drafts)], and
+    per observed step (the block's first row's trunk position, its complete rows, a copy of its K rows there))."""
     d, log, seen = eng.spec.drafter, [], []
     propose, observe = d.propose_seq, d.observe
 
@@ -54,14 +54,21 @@ def _run(eng, prompt, n: int = 12):
     def obs(s):
         observe(s)
         m = d.seqs[id(s.state)]
-        seen.append((m.base, np.array(m.ms.k[0][: m.true], copy=True)))
+        seen.append((m.base, m.true, np.array(m.ms.k[0][: m.true], copy=True)))
 
     d.propose_seq, d.observe = rec, obs
     try:
         g = eng.generate(prompt, max_tokens=n, temperature=0)
     finally:
         d.propose_seq, d.observe = propose, observe
-    base, k_rows = seen[-1]
+    return g, log, seen
+
+
+def _run(eng, prompt, n: int = 12):
+    """(tokens, [(position, drafts)], accepted, the block's K rows of the sequence's accepted positions at its last
+    step, its first row's trunk position, reused tokens)."""
+    g, log, seen = record_drafts(eng, prompt, n)
+    base, _, k_rows = seen[-1]
     return g.tokens, log, g.timings["draft_n_accepted"], k_rows, base, g.timings["reused_tokens"]
 
 
