@@ -17,7 +17,8 @@ DEFAULT_CACHE_BYTES = 256 << 20
 
 
 class EmbeddingLRU:
-    """ImageEmbeddings by digest, least recently used out first once their rows pass `max_bytes`."""
+    """ImageEmbeddings by key (their digest unless put says another), least recently used out first once their rows
+    pass `max_bytes`; one larger than max_bytes is not kept."""
 
     def __init__(self, max_bytes: int = DEFAULT_CACHE_BYTES):
         if max_bytes < 0:
@@ -26,19 +27,20 @@ class EmbeddingLRU:
         self._d: OrderedDict[str, ImageEmbedding] = OrderedDict()
         self.hits = self.misses = 0
 
-    def get(self, digest: str) -> ImageEmbedding | None:
-        e = self._d.get(digest)
+    def get(self, key: str) -> ImageEmbedding | None:
+        e = self._d.get(key)
         if e is None:
             self.misses += 1
             return None
-        self._d.move_to_end(digest)
+        self._d.move_to_end(key)
         self.hits += 1
         return e
 
-    def put(self, e: ImageEmbedding) -> None:
-        if e.digest in self._d or e.rows.nbytes > self.max_bytes:
+    def put(self, e: ImageEmbedding, key: str | None = None) -> None:
+        key = e.digest if key is None else key
+        if key in self._d or e.rows.nbytes > self.max_bytes:
             return
-        self._d[e.digest] = e
+        self._d[key] = e
         self.bytes += e.rows.nbytes
         while self.bytes > self.max_bytes:
             _, old = self._d.popitem(last=False)

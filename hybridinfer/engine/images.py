@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import secrets
 import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,6 +25,7 @@ from ..errors import ParameterError
 from ..format.image_input import ImageError, open_image
 from ..models.mrope import ImageSpan
 from ..models.vision_types import ImageEmbedding
+from .image_encoder import EmbeddingLRU
 
 MEDIA_MARKER = "<__media__>"  # llama.cpp's mtmd_default_marker
 VISION_START, IMAGE_PAD, VISION_END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
@@ -161,8 +161,8 @@ class ImageStore:
     counts the encoder's calls. Thread-safe; the encoder runs beside the scheduler's steps, under its own lock."""
 
     def __init__(self, max_bytes: int = 512 << 20):
-        self.max_bytes, self.encoded, self.bytes = int(max_bytes), 0, 0
-        self._c: OrderedDict[str, ImageEmbedding] = OrderedDict()
+        self.encoded = 0
+        self._c = EmbeddingLRU(int(max_bytes))  # keyed by pixel_key
         self._lock = threading.Lock()
 
     @staticmethod
@@ -176,7 +176,6 @@ class ImageStore:
         with self._lock:
             hit = self._c.get(key)
             if hit is not None:
-                self._c.move_to_end(key)
                 return hit
         enc = getattr(engine, "image_encoder", None)
         if enc is None:
@@ -189,12 +188,7 @@ class ImageStore:
                                  f"n_embd={engine.args.n_embd}")
         with self._lock:
             self.encoded += 1
-            if key not in self._c:
-                self._c[key] = emb
-                self.bytes += emb.rows.nbytes
-            while self.bytes > self.max_bytes and len(self._c) > 1:
-                _, old = self._c.popitem(last=False)
-                self.bytes -= old.rows.nbytes
+            self._c.put(emb, key)
         return emb
 
 
