@@ -198,12 +198,14 @@ def test_split_over_the_context_joins_to_the_whole(ga, typed, T, pos0, H, H_kv, 
 
     rs = np.random.default_rng(T + pos0 + nseg)
     q, k, v, gate = _inputs(rs, T, pos0, H, H_kv, hd)
-    part = ga.to_gpu(np.full((ka.SPLIT_ROWS, hd + 2), np.nan, np.float32))
+    # out and the scratch are views (slices of longer buffers) as a micro-batch's rows are: a view's gpudata is a
+    # plain int, which the kernel call must convert (the two-card bench met it)
+    part = ga.to_gpu(np.full((ka.SPLIT_ROWS + 1, hd + 2), np.nan, np.float32))[: ka.SPLIT_ROWS]
     outs = []
     for n in (1, nseg):
-        out = ga.to_gpu(np.full((T, H, hd), np.nan, np.float32))
+        out = ga.to_gpu(np.full((T + 2, H, hd), np.nan, np.float32))[:T]
         if typed == "f32":
-            ka.attention_prefill(ga.to_gpu(q), ga.to_gpu(k), ga.to_gpu(v), out, pos0, gate=ga.to_gpu(gate),
+            ka.attention_prefill(ga.to_gpu(q), ga.to_gpu(k), ga.to_gpu(v), out, pos0, gate=ga.to_gpu(gate)[:T],
                                  part=part, nseg=n)
         else:
             t, kc, vc = _typed_cache(ga, typed, k, v, pos0 + T)
