@@ -1,6 +1,6 @@
 """Prefill over several cards (gpu/multi_gpu.py) against one card: the same logits and states within the single-card
 GPU tests' tolerance, resident and streamed, fresh and continued states, several prompts together. `[0, 0]` runs the
-multi-card path on one GPU (two contexts on one card); `[0, 1]` needs two GPUs and is skipped with fewer."""
+multi-card path on one GPU (two cards sharing its context); `[0, 1]` needs two GPUs and is skipped with fewer."""
 
 from __future__ import annotations
 
@@ -42,11 +42,7 @@ def _same_states(a, b, rows):
 @pytest.mark.parametrize("devices", [[0, 0], [0, 1]])
 @pytest.mark.parametrize("arch", ["qwen35", "qwen35moe"])
 @pytest.mark.parametrize("mode", ["resident", "streamed"])
-def test_cards_match_one_card(devices, arch, mode, oracle_gguf, request):
-    if mode == "streamed" and devices == [0, 0]:  # a known failure, not yet understood: said, not hidden
-        request.applymarker(pytest.mark.xfail(reason="two contexts on one card streaming the 8-layer models failed on "
-                                              "the two-GPU H200 host (2026-11-28) while [0, 1] passed; not reproduced "
-                                              "since (no device time left)", strict=False))
+def test_cards_match_one_card(devices, arch, mode, oracle_gguf):
     _need(devices)
     # streamed: 8 layers, so a card's share (4) is more than its staging slots (2) and the 1/16 resident: every card
     # streams (with 4 layers, 2 a card, a card's share fits in what staging alone takes)

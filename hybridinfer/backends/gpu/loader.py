@@ -85,10 +85,11 @@ def on_this_thread():
         drv.Context.pop()
 
 
-def card_context(device: int, fresh: bool = False):
-    """A context on `device` for one card of a multi-card prefill, not left current: the device's primary context,
-    or with `fresh` one of its own (two "cards" on one GPU: how the multi-card path runs on a one-GPU host; give it
-    back with ctx.detach()). BackendNotAvailableError where there is no such device."""
+def card_context(device: int):
+    """The context of `device` for one card of a multi-card prefill, not left current: the device's primary context.
+    A device named twice (two "cards" on one GPU: how the multi-card path runs on a one-GPU host) shares it: each
+    card keeps its own streams and buffers, and a context of its own would be one more that must be torn down in
+    order. BackendNotAvailableError where there is no such device."""
     init(device)  # pycuda up; the process's first context
     import pycuda.driver as drv
 
@@ -96,10 +97,6 @@ def card_context(device: int, fresh: bool = False):
     if not 0 <= device < n:
         raise BackendNotAvailableError(f"no CUDA device {device} ({n} present)")
     try:
-        if fresh:
-            ctx = drv.Device(device).make_context()
-            drv.Context.pop()
-            return ctx
         return drv.Device(device).retain_primary_context()
     except drv.Error as e:
         raise BackendNotAvailableError(f"CUDA device {device}: no context ({e})") from None

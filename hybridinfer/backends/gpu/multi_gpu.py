@@ -3,8 +3,8 @@ decides them, a pure function), one GPUModel a card over its range in the card's
 micro-batches flowing through them (pipeline.py: one worker thread a card, the hidden rows handed on through
 page-locked host memory, no peer-to-peer link assumed). Each card walks its range with the one GPU walker
 (walker.walk over [first, end)), and each layer's GDN state and K/V go to the host DecoderState as a one-card pass
-sends them (handoff.py). A device index may repeat: each repeat gets a context of its own on that card, so the
-multi-card path runs on a one-GPU host too.
+sends them (handoff.py). A device index may repeat: the repeats share that card's context (each with its own
+streams and buffers), so the multi-card path runs on a one-GPU host too.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import numpy as np
 
 from ...errors import BackendNotAvailableError, ParameterError
 from ..state import DecoderState, check_tokens
-from . import calibration, cards, loader, multi_card
+from . import calibration, cards, k_peak, loader, multi_card
 from .pipeline import Job, micro_batches, run_pipeline, state_view
 from .placement import BudgetError, is_vector, weights_of
 from .walker import item, walk
@@ -28,8 +28,8 @@ PLAN_TOKENS = 4096  # the prompt length the split is balanced for (the micro-bat
 class CardRunner:
     """One card of the pipeline: a GPUModel over layers [first, end) in the card's context."""
 
-    def __init__(self, device: int, ctx, fresh: bool, model, name: str):
-        self.device, self.ctx, self.fresh, self.m, self.name = device, ctx, fresh, model, name
+    def __init__(self, device: int, ctx, model, name: str):
+        self.device, self.ctx, self.m, self.name = device, ctx, model, name
         self.label = f"device {device} ({name})"
         self._rows: dict[tuple[int, int], np.ndarray] = {}
         self.totals: dict[str, float] = {}  # what its passes counted since the last reset: bytes_h2d, flops, ...
@@ -57,13 +57,8 @@ class CardRunner:
         return got
 
     def close(self) -> None:
-        if not self.fresh:
-            with loader.on_card(self.ctx):
-                self.m, self._rows = None, {}
-            return
-        self.ctx.push()  # its buffers freed in it; detaching a current context pops it (pycuda), so no pop here
-        self.m, self._rows = None, {}
-        self.ctx.detach()
+        with loader.on_card(self.ctx):  # its buffers freed in its context
+            self.m, self._rows = None, {}
 
 
 def check_devices(devices, vram_budget, device=None) -> tuple[list[int], list]:
@@ -106,22 +101,23 @@ class MultiGPUModel:
         self.args, self.micro_batch, self.cards = args, micro_batch, []
         loader.init(devices[0])
         loader.configure(card_profile)
-        ctxs, seen = [], set()
-        for d in devices:
-            ctxs.append((loader.card_context(d, fresh=d in seen), d in seen))
-            seen.add(d)
+        ctxs = [loader.card_context(d) for d in devices]
         ws = weights_of(gm, args, matrices_only=True)
         vec = sum(4 * int(np.prod(t.ne)) for n, t in gm.tensors.items() if is_vector(n, t)  # as GPUModel keeps them
                   and not (n.startswith("blk.") and int(n.split(".")[1]) >= args.n_layer))
         slots = []
-        for k, (d, (ctx, _)) in enumerate(zip(devices, ctxs, strict=True)):
+        for k, (d, ctx) in enumerate(zip(devices, ctxs, strict=True)):
             with loader.on_card(ctx):
                 import pycuda.driver as drv
 
-                if budgets[k] is None:  # a card's free memory, shared by the contexts that repeat it
+                if budgets[k] is None:  # a card's free memory, shared by the cards that repeat it
                     budgets[k] = (int(drv.mem_get_info()[0]) - (512 << 20)) // devices.count(d)
                 cc = drv.Context.get_device().compute_capability()
-            table = cards.card(card_profile) if card_profile else _card_like(cc)
+                # a profile compiles and paces as the old card does, but the kernels run at this card's speed: the
+                # split's time model takes the profile's bus and this card's measured FMA peak (else it would
+                # cut a bus-bound prompt into micro-batches that each stream the weights again)
+                table = (replace(cards.card(card_profile), fp32_flops=k_peak.fma_peak_flops(rounds=1 << 12))
+                         if card_profile else _card_like(cc))
             res = vec + plan_pass(args, chunk, budgets[k] - vec, ws, n_ctx).reserve(args, chunk)
             slots.append(multi_card.CardSlot(table, budgets[k], res, calibration.efficiency_for(table.limits),
                                              f"device {d} ({loader.device_name(d)})"))
@@ -129,7 +125,7 @@ class MultiGPUModel:
         w = prefill_work(gm, args, T)
         self.plan = multi_card.split_cards(ws, [w.by_layer.get(i, 0.0) for i in range(args.n_layer + 1)], slots, T,
                                            4 * args.n_embd)
-        for (d, (ctx, fresh)), sh in zip(zip(devices, ctxs, strict=True), self.plan.shares, strict=True):
+        for (d, ctx), sh in zip(zip(devices, ctxs, strict=True), self.plan.shares, strict=True):
             with loader.on_card(ctx):
                 try:
                     m = GPUModel(gm, args, n_ctx, vram_budget=sh.slot.vram_budget, chunk=chunk, device=d,
@@ -139,7 +135,7 @@ class MultiGPUModel:
                     raise BackendNotAvailableError(f"{sh.slot.label}: {e}") from None
                 except BudgetError as e:  # its own pass plan left less than the split assumed
                     raise multi_card.CardBudgetError(sh.slot.label, f"layers {sh.first}..{sh.end - 1}: {e}") from None
-            self.cards.append(CardRunner(d, ctx, fresh, m, loader.device_name(d)))
+            self.cards.append(CardRunner(d, ctx, m, loader.device_name(d)))
         self.n_ctx = min(c.m.n_ctx for c in self.cards)
         self.n_rows = min(min(c.m.n_rows, c.m.n_res or c.m.n_rows) for c in self.cards)
         self.chunk = chunk
