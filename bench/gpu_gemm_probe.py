@@ -44,6 +44,7 @@ def main(argv=None) -> None:
     ap.add_argument("--also-T", default="1,64,4096", help="further token counts timed for Q4_K")
     ap.add_argument("--card-profile", default=None, help="fermi | kepler | maxwell | pascal: compile and tile as "
                     "for that class of card (hybridinfer/backends/gpu/cards.py)")
+    ap.add_argument("--no-moe", action="store_true", help="skip the expert-grouped rows (a dense shape's tiles only)")
     ap.add_argument("--tiles", default="all", help="all: time every tile of the class; default: only the chosen")
     a = ap.parse_args(argv)
 
@@ -87,6 +88,8 @@ def main(argv=None) -> None:
             row.append(f"{tile} {f2 / s / 1e9:6.0f}")
         print(f"gemm Q4_K  T={t2} N={N} K={K}: " + " | ".join(row))
 
+    if a.no_moe:
+        return
     # MoE: 256 experts, 8 per token, gate projection [E, 512, K]
     E, top, F = 256, 8, 512
     ids = np.stack([rng.permutation(E)[:top] for _ in range(T)])
