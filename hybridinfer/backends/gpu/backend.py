@@ -242,6 +242,12 @@ class GPUModel:
                  card_profile: str | None = None, fit_n_ctx: bool = False, kv_stream: bool | None = None,
                  layers: tuple[int, int] | None = None, progress: bool = False):
         loader.init(device)  # BackendNotAvailableError without pycuda or a card
+        with loader.model_context():
+            self._build(gm, args, n_ctx, vram_budget, chunk, device, expert_counts, bus_bw, card_profile, fit_n_ctx,
+                        kv_stream, layers, progress)
+
+    def _build(self, gm, args, n_ctx, vram_budget, chunk, device, expert_counts, bus_bw, card_profile, fit_n_ctx,
+               kv_stream, layers, progress) -> None:
         loader.configure(card_profile)
         self.card_profile = card_profile
         self.compiled = loader.compile_all()

@@ -85,6 +85,19 @@ def on_this_thread():
         drv.Context.pop()
 
 
+@contextmanager
+def model_context():
+    """The context a model's streams and buffers are made in, current for the duration: the card's where on_card
+    made one current on this thread, else the first context (init's). Without it a model takes whatever context
+    the thread happens to have current (another card's, left by a multi-card model), and its streams then fail
+    in its own ("invalid resource handle")."""
+    if getattr(_tls, "key", None) is not None:
+        yield
+        return
+    with on_this_thread():
+        yield
+
+
 def card_context(device: int):
     """The context of `device` for one card of a multi-card prefill, not left current: the device's primary context.
     A device named twice (two "cards" on one GPU: how the multi-card path runs on a one-GPU host) shares it: each
