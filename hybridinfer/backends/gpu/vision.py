@@ -5,6 +5,8 @@ type dequantized to F32), each row zero-padded to a multiple of 32 weights (the 
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 
 from ...format.quant_types import F16, F32
@@ -30,6 +32,10 @@ class GPUVisionOps(RefVisionOps):
         # the products' work and the card's time for them (kernel time between events, no transfers), summed since
         # load: `bench vision` gives their FLOP/s against the card's FMA peak
         self.product_flops, self.product_s = 0, 0.0
+        self.by_product: dict[str, list] = {}  # a product's name over the blocks -> [FLOPs, seconds, tile]
+
+    def reset_counters(self) -> None:
+        self.product_flops, self.product_s, self.by_product = 0, 0.0, {}
 
     def _host_matrix(self, name: str) -> tuple[np.ndarray, int]:
         """(W [N, K] as float32 or float16, its ggml type) without dequantizing F16."""
@@ -59,18 +65,23 @@ class GPUVisionOps(RefVisionOps):
         import pycuda.driver as drv
         from pycuda import gpuarray
 
-        from .k_gemm import gemm
+        from .k_gemm import gemm, pick_tile
 
         with loader.on_this_thread():
             w, k = self._weight(name)
             xs = gpuarray.to_gpu(_pad_cols(np.asarray(x, dtype=np.float32), k))
+            tile = pick_tile(x.shape[0], x.shape[0], w.shape[0], qtype=w.qtype, K=k)
             start, end = drv.Event(), drv.Event()
             start.record()
-            ys = gemm(xs, w)
+            ys = gemm(xs, w, tile=tile)
             end.record()
             end.synchronize()
-            self.product_s += end.time_since(start) / 1e3
-            self.product_flops += 2 * x.shape[0] * w.shape[0] * x.shape[1]  # the unpadded work
+            sec, fl = end.time_since(start) / 1e3, 2 * x.shape[0] * w.shape[0] * x.shape[1]  # the unpadded work
+            self.product_s += sec
+            self.product_flops += fl
+            got = self.by_product.setdefault(re.sub(r"blk\.\d+\.", "blk.*.", name), [0, 0.0, tile])
+            got[0] += fl
+            got[1] += sec
             y = ys.get()
         return y + self.vector(name + ".bias")
 

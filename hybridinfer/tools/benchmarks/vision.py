@@ -103,13 +103,15 @@ def run(mmproj: str | None, text_model: str | None, threads: int, sizes, reps: i
                 img = _image(w, h, seed)
                 if gpu:  # the counters from here: the first encode of a size compiles and uploads
                     enc.encode(img)
-                    enc.ops.product_flops, enc.ops.product_s = 0, 0.0
+                    enc.ops.reset_counters()
                 ours_s, ours = _median_s(lambda img=img: enc.encode(img), reps)
                 row = {"size": f"{w}x{h}", "tokens": ours.n_tokens, "grid": list(ours.grid), "ms": ours_s * 1e3,
                        "img_s": 1 / ours_s}
                 if gpu and enc.ops.product_s > 0:
                     fl = enc.ops.product_flops / enc.ops.product_s
-                    row |= {"product_tflops": fl / 1e12, "product_peak_frac": fl / peak}
+                    row |= {"product_tflops": fl / 1e12, "product_peak_frac": fl / peak,
+                            "products": {n: {"tflops": f / t / 1e12 if t else 0.0, "seconds": t, "tile": list(tile)}
+                                         for n, (f, t, tile) in sorted(enc.ops.by_product.items())}}
                 if mt is not None:
                     rgb = np.asarray(img)
                     ll_s, ll = _median_s(lambda rgb=rgb: mt.encode_rgb(rgb), reps)
@@ -131,6 +133,8 @@ def markdown(res: dict) -> str:
     if res.get("fma_peak_tflops"):
         lines += [f"products on the card: FMA peak {res['fma_peak_tflops']:.1f} TFLOP/s (measured)", ""] + [
             f"- {r['size']}: products {r['product_tflops']:.2f} TFLOP/s, {100 * r['product_peak_frac']:.1f}% of peak"
+            + "".join(f"; {n} {p['tflops']:.1f} ({p['seconds'] * 1e3:.0f} ms, tile {tuple(p['tile'])})"
+                      for n, p in r.get("products", {}).items())
             for r in res["rows"] if "product_tflops" in r] + [""]
     lines += [
              "| size | tokens | hybridinfer ms | img/s | llama.cpp mtmd ms | img/s | x llama.cpp | rel diff |",
