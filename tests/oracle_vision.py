@@ -4,6 +4,9 @@ checkpoint folder saved at test time (safetensors, config.json, preprocessor_con
 tests/oracles/convert_hf.py (F32, no vocabulary: llama.cpp's converter would need a real tokenizer, and the text
 side is that converter's twin, tested in test_oracle_convert.py).
 
+`LlamaCppRounding` puts llama.cpp's F16 roundings (docs/vision.md, Traps) into a tower's ops: an option of the
+oracle tests, so they can hold this engine's tower to llama.cpp's mtmd; the engine's own path follows transformers.
+
 Not a test file. Weights are unit-gain (std 1/sqrt(fan_in)), norms and biases random, so a layout mistake moves
 the embeddings by O(1)."""
 
