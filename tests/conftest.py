@@ -124,3 +124,24 @@ def libs():
     yield out
     for lib in out.values():
         lib.close()
+
+
+@pytest.fixture(scope="session")
+def vl(tmp_path_factory):
+    """The vision oracle's files (tests/oracle_vision.py): a tiny random Qwen3.5 VL in transformers, its mmproj by
+    llama.cpp's converter, its text GGUF (no vocabulary), and `vocab_text`: a synthetic text model of the same
+    width with a vocabulary, for libmtmd (it tokenizes the image's marker text, which a vocabulary-less model
+    cannot)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from oracle_vision import converter_path, make_vl_files
+
+    from hybridinfer.tools.synth_vision import synth_text_of_width
+
+    if converter_path() is None:
+        pytest.skip("llama.cpp's convert_hf_to_gguf.py not found (set HYBRIDINFER_LLAMA_CPP_SRC)")
+    d = tmp_path_factory.mktemp("vision")
+    files = make_vl_files(d)
+    files["vocab_text"] = str(d / "text64-vocab.gguf")
+    synth_text_of_width(files["vocab_text"], 64)
+    return files

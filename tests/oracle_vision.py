@@ -4,6 +4,9 @@ checkpoint folder saved at test time (safetensors, config.json, preprocessor_con
 tests/oracles/convert_hf.py (F32, no vocabulary: llama.cpp's converter would need a real tokenizer, and the text
 side is that converter's twin, tested in test_oracle_convert.py).
 
+`LlamaCppRounding` puts llama.cpp's F16 roundings (docs/vision.md, Traps) into a tower's ops: an option of the
+oracle tests, so they can hold this engine's tower to llama.cpp's mtmd; the engine's own path follows transformers.
+
 Not a test file. Weights are unit-gain (std 1/sqrt(fan_in)), norms and biases random, so a layout mistake moves
 the embeddings by O(1)."""
 
@@ -113,3 +116,72 @@ def sample_image(w: int, h: int, seed: int = 0):
     base = np.stack([xx / max(w - 1, 1), yy / max(h - 1, 1), (xx + yy) / max(w + h - 2, 1)], -1) * 200
     img = np.clip(base + rng.normal(0, 25, (h, w, 3)), 0, 255).astype(np.uint8)
     return Image.fromarray(img, "RGB")
+
+
+# ---- llama.cpp's roundings (an option of the test path only: the engine follows transformers) -------------------
+
+def f16(x: np.ndarray) -> np.ndarray:
+    return np.asarray(x, np.float32).astype(np.float16).astype(np.float32)
+
+
+def ggml_gelu(x: np.ndarray) -> np.ndarray:
+    """ggml's CPU GELU on F32 (ggml-cpu/vec.h, GGML_GELU_FP16): 0 at x <= -10, x at x >= 10, else the input
+    rounded to F16 and looked up in a table of F16 values of the tanh form, whose entries are computed in float32
+    with `1 + a·x·x` contracted to an FMA (as the compiler builds ggml_gelu_f32: the plain order misses entries at
+    F16 rounding ties) and tanhf correctly rounded."""
+    x = np.asarray(x, np.float32)
+    xi = f16(x)
+    ax = np.float32(0.044715) * xi
+    inner = (ax.astype(np.float64) * xi + 1.0).astype(np.float32)  # fma(a·x, x, 1): one rounding
+    arg = (np.float32(0.79788456080286535587989211986876) * xi) * inner
+    th = np.tanh(arg.astype(np.float64)).astype(np.float32)
+    y = f16((np.float32(0.5) * xi) * (np.float32(1) + th))
+    return np.where(x <= -10, np.float32(0), np.where(x >= 10, x, y)).astype(np.float32)
+
+
+class LlamaCppRounding:
+    """A tower's ops (backends/vision.RefVisionOps or a subclass) with llama.cpp's F16 roundings on the CPU
+    (docs/vision.md, Traps): the patch embedding's Conv2D goes through ggml_im2col into F16 (ggml_conv_2d asks for
+    F16 unless the kernel is BF16, whatever the kernel's type), so the product sees the pixels and the kernel both
+    rounded to F16; every GELU (the blocks' and the merger's) is ggml's tanh form through its F16 table.
+
+    forced_gelus: llama.cpp's own GELU outputs, in the tower's order (blocks, then the merger), returned instead of
+    computing them. An F16 rounding turns a float32 difference of ~1e-7 (another summation order) at an input lying
+    at a rounding tie into a whole F16 step (5e-4 relative); with llama.cpp's outputs at those steps what is left to
+    compare is the continuous arithmetic between them."""
+
+    def __init__(self, ops, forced_gelus=None):
+        self._ops = ops
+        self._patch_w = None
+        self._forced = list(forced_gelus) if forced_gelus is not None else None
+
+    def __getattr__(self, name):
+        return getattr(self._ops, name)
+
+    def linear(self, x: np.ndarray, name: str) -> np.ndarray:
+        if name != "v.patch_embd":
+            return self._ops.linear(x, name)
+        if self._patch_w is None:
+            self._patch_w = f16(self._ops.matrix(name))
+        return f16(x) @ self._patch_w.T + self._ops.vector(name + ".bias")
+
+    def gelu_tanh(self, x: np.ndarray) -> np.ndarray:
+        if self._forced is None:
+            return ggml_gelu(x)
+        y = self._forced.pop(0).reshape(x.shape)
+        return y.astype(np.float32)
+
+    gelu_erf = gelu_tanh
+
+
+def with_llama_cpp_rounding(encoder, forced_gelus=None):
+    """encoder (backends/vision.VisionEncoder, or the engine's CachedImageEncoder around one) computing with
+    LlamaCppRounding from now on."""
+    enc = getattr(encoder, "encoder", encoder)
+    enc.ops = LlamaCppRounding(getattr(enc.ops, "_ops", enc.ops), forced_gelus)
+    return encoder
+
+
+def gelu_names(n_layer: int) -> list[str]:
+    """clip.cpp's names of the tower's GELU outputs in order: each block's, then the merger's."""
+    return [f"ffn_gelu-{i}" for i in range(n_layer)] + ["ffn_gelu"]

@@ -3,17 +3,31 @@ oracle of tests/test_vision_tower.py and the comparison of `hybridinfer bench vi
 
 mtmd preprocesses the image itself (its own bicubic resize to multiples of patch·merge, within its token limits,
 here set to the image's own count so a size already a multiple is not resized) and returns the projector's rows.
-Flash attention is off: on it casts K and V to F16."""
+Flash attention is off: on it casts K and V to F16. `capture` names graph tensors (clip.cpp's names, e.g.
+"patch_bias", "ffn_gelu-0") whose F32 values an encode keeps in `captured`, through ggml's eval callback: how
+tests/test_vision_tower.py attributes the tower's difference from this engine's to llama.cpp's F16 roundings."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 
 import numpy as np
 
 
+class _GgmlTensor(ctypes.Structure):
+    """ggml.h's `struct ggml_tensor` (GGML_MAX_DIMS 4, GGML_MAX_OP_PARAMS 64, GGML_MAX_SRC 10, GGML_MAX_NAME 64)."""
+
+    _fields_ = [("type", ctypes.c_int), ("buffer", ctypes.c_void_p), ("ne", ctypes.c_int64 * 4),
+                ("nb", ctypes.c_size_t * 4), ("op", ctypes.c_int), ("op_params", ctypes.c_int32 * 16),
+                ("flags", ctypes.c_int32), ("src", ctypes.c_void_p * 10), ("view_src", ctypes.c_void_p),
+                ("view_offs", ctypes.c_size_t), ("data", ctypes.c_void_p), ("name", ctypes.c_char * 64),
+                ("extra", ctypes.c_void_p), ("padding", ctypes.c_char * 8)]
+
+
 class MtmdEncoder:
-    def __init__(self, mmproj: str, text_model: str, n_threads: int = 2, min_tokens: int = -1, max_tokens: int = -1):
+    def __init__(self, mmproj: str, text_model: str, n_threads: int = 2, min_tokens: int = -1, max_tokens: int = -1,
+                 capture=()):
         import llama_cpp
         from llama_cpp import mtmd_cpp as m
 
@@ -28,25 +42,56 @@ class MtmdEncoder:
         cp.use_gpu, cp.n_threads, cp.print_timings, cp.warmup = False, int(n_threads), False, False
         cp.flash_attn_type = 0  # LLAMA_FLASH_ATTN_TYPE_DISABLED
         cp.image_min_tokens, cp.image_max_tokens = int(min_tokens), int(max_tokens)
+        self.capture, self.captured = frozenset(capture), {}
+        if self.capture:  # the callback object must outlive the context
+            self._observer = cp.cb_eval = llama_cpp.ggml_backend_sched_eval_callback(self._observe)
         self.ctx = m.mtmd_init_from_file(mmproj.encode(), self.model, cp)
         if not self.ctx:
             llama_cpp.llama_model_free(self.model)
             raise RuntimeError(f"libmtmd could not load {mmproj!r}")
         self.n_embd = int(llama_cpp.llama_model_n_embd(self.model))
 
-    def encode_rgb(self, rgb: np.ndarray) -> np.ndarray:
-        """An [H, W, 3] uint8 image -> the projector's rows [n_tokens, n_embd] (float32, a copy)."""
+    def _observe(self, tensor, ask, _user) -> bool:
+        t = ctypes.cast(tensor, ctypes.POINTER(_GgmlTensor)).contents
+        name = t.name.decode(errors="replace")
+        if ask:
+            return name in self.capture
+        ne, n = [int(x) for x in t.ne], 1
+        contiguous = True
+        for i in range(4):
+            contiguous &= t.nb[i] == 4 * n
+            n *= ne[i]
+        if t.type == 0 and contiguous:  # F32 (on the CPU backend, in host memory)
+            a = np.ctypeslib.as_array(ctypes.cast(t.data, ctypes.POINTER(ctypes.c_float)), shape=(n,))
+            self.captured[name] = a.reshape(-1, ne[0]).copy()  # one row per ne[0] values
+        return True
+
+    @contextlib.contextmanager
+    def tokenized(self, rgb: np.ndarray, text: str | None = None):
+        """mtmd's chunks of `text` (default: the media marker alone) with the [H, W, 3] uint8 image at its marker
+        (parse_special on, no BOS): a text chunk, the image's chunk, a text chunk; freed on exit."""
         m = self.m
+        self.captured = {}
         rgb = np.ascontiguousarray(rgb, dtype=np.uint8)
         h, w, _ = rgb.shape
+        raw = (m.mtmd_default_marker() if text is None else text.encode())
         bmp = m.mtmd_bitmap_init(w, h, rgb.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)))
         chunks = m.mtmd_input_chunks_init()
         try:
-            text = m.mtmd_input_text(m.mtmd_default_marker(), len(m.mtmd_default_marker()), False, False)
+            txt = m.mtmd_input_text(raw, len(raw), False, True)
             arr = (m.mtmd_bitmap_p_ctypes * 1)(bmp)
-            rc = m.mtmd_tokenize(self.ctx, chunks, ctypes.byref(text), arr, 1)
+            rc = m.mtmd_tokenize(self.ctx, chunks, ctypes.byref(txt), arr, 1)
             if rc != 0:
                 raise RuntimeError(f"mtmd_tokenize failed ({rc})")
+            yield chunks
+        finally:
+            m.mtmd_input_chunks_free(chunks)
+            m.mtmd_bitmap_free(bmp)
+
+    def encode_rgb(self, rgb: np.ndarray) -> np.ndarray:
+        """An [H, W, 3] uint8 image -> the projector's rows [n_tokens, n_embd] (float32, a copy)."""
+        m = self.m
+        with self.tokenized(rgb) as chunks:
             for i in range(m.mtmd_input_chunks_size(chunks)):
                 ch = m.mtmd_input_chunks_get(chunks, i)
                 if m.mtmd_input_chunk_get_type(ch) != m.MTMD_INPUT_CHUNK_TYPE_IMAGE:
@@ -57,9 +102,6 @@ class MtmdEncoder:
                 ptr = m.mtmd_get_output_embd(self.ctx)
                 return np.ctypeslib.as_array(ptr, shape=(n * self.n_embd,)).reshape(n, self.n_embd).copy()
             raise RuntimeError("mtmd made no image chunk")
-        finally:
-            m.mtmd_input_chunks_free(chunks)
-            m.mtmd_bitmap_free(bmp)
 
     def close(self) -> None:
         if self.ctx:
