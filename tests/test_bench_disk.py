@@ -90,3 +90,48 @@ def test_llama_bench_past_its_time_is_stopped_with_a_bound(tmp_path):
     r = llama_bench_limited(str(slow), str(f), 1, 8, 1 << 30, timeout=1.0)
     assert time.monotonic() - t0 < 20
     assert r["tok_s"] is None and r["tok_s_below"] == 8.0 and "stopped after 1 s" in r["error"]
+
+
+def test_memory_fill_leaves_about_the_limit_and_gives_it_back():
+    """bench disk --llama-fill-memory's stand-in for a cgroup: it takes memory until MemAvailable is about the limit
+    (here 192 MiB below what is free, so the machine running the suite keeps nearly everything), and gives it back."""
+    from hybridinfer.tools.benchmarks.memfill import MemoryFill, meminfo
+
+    def rss() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(x.split()[1]) << 10 for x in f if x.startswith("VmRSS:"))
+
+    limit = meminfo()["MemAvailable"] - (192 << 20)
+    r0 = rss()
+    with MemoryFill(limit, chunk=64 << 20) as f:
+        assert f.taken >= 128 << 20, f.how  # more where other processes freed memory meanwhile
+        assert rss() - r0 >= f.taken - (8 << 20), f.how  # touched: resident in this process
+        # what it left, read right after the last chunk (other processes move MemAvailable a little either way)
+        assert f.left <= limit + (64 << 20) and str(limit) in f.how, f.how
+    assert rss() - r0 <= 32 << 20 and f.taken == 0
+    with pytest.raises(ValueError, match="limit"):
+        MemoryFill(0)
+
+
+def test_memory_limited_falls_back_to_a_fill_only_when_asked(monkeypatch):
+    """Without a cgroup or systemd-run, the limit is a fill only with fill=True; the command runs unchanged."""
+    from hybridinfer.tools.benchmarks import memfill
+
+    monkeypatch.setattr(disk.shutil, "which", lambda name: None)
+    monkeypatch.setattr(disk.os, "makedirs", lambda *a, **k: (_ for _ in ()).throw(OSError("read-only")))
+    cmd, how, cleanup = disk.memory_limited(["true"], 1 << 30)
+    assert cmd == ["true"] and how.startswith("could not")
+    made = []
+
+    class Fake:
+        def __init__(self, limit):
+            made.append(limit)
+            self.how = f"filled for {limit}"
+
+        def release(self):
+            made.append("released")
+
+    monkeypatch.setattr(memfill, "MemoryFill", Fake)
+    cmd, how, cleanup = disk.memory_limited(["true"], 1 << 30, fill=True)
+    cleanup()
+    assert cmd == ["true"] and f"filled for {1 << 30}" in how and made == [1 << 30, "released"]

@@ -217,7 +217,8 @@ def cmd_bench_disk(a) -> int:
         raise ParameterError(f"--ram-budgets takes sizes and --expert-io a subset of pread,direct, got "
                              f"{a.ram_budgets!r} and {a.expert_io!r}")
     _check_tools(a, "--llama-bench")
-    res = disk.run(a.model, budgets, a.threads, a.n, a.context, modes, a.llama_bench, llama_timeout=a.llama_timeout)
+    res = disk.run(a.model, budgets, a.threads, a.n, a.context, modes, a.llama_bench, llama_timeout=a.llama_timeout,
+                   llama_fill=a.llama_fill_memory)
     print(disk.markdown(res))
     _save_bench(a.out_dir, f"disk-{_model_stem(a.model)}-t{a.threads}", json.dumps(res, indent=1), lambda png: False)
     return 0
@@ -291,6 +292,9 @@ def add_bench_parsers(sub) -> None:
     b.add_argument("--ram-budgets", default="6GiB,10GiB,16GiB", help="comma-separated RAM budgets to time")
     b.add_argument("--llama-timeout", type=seconds, default=180.0,
                    help="seconds each llama-bench run may take under its limit (past it: its speed is below n/that)")
+    b.add_argument("--llama-fill-memory", action="store_true",
+                   help="where no cgroup or systemd-run limit can be set: fill the host's memory until the limit is "
+                   "left while llama-bench runs (host-wide: run nothing else beside it). Default: off")
     b.add_argument("--expert-io", default="pread,direct", help="comma-separated read modes: pread,direct")
     b.add_argument("-n", type=_int_at_least(1), default=32, help="decode steps timed per budget")
     b.add_argument("--context", type=_int_at_least(1), default=16, help="prompt tokens before timing")

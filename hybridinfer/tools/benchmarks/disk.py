@@ -9,8 +9,9 @@ is the least time a token can take from this disk, and the fraction reached is t
 The peak resident memory of the process (interpreter, work buffers and states included) is reported for the timed
 steps, and separately for the load (which reads the resident part through the file's mapping before copying it).
 llama.cpp's llama-bench runs on the same file under the same memory limit: the peak this engine's process took at
-that budget (a cgroup v2 memory.max, or systemd-run's MemoryMax, where one can be set; the table says how it was
-limited), its page cache counted against it.
+that budget (a cgroup v2 memory.max, or systemd-run's MemoryMax, where one can be set, else with --llama-fill-memory
+the host's memory filled until that much is left: memfill.py; the table says how it was limited), its page cache
+counted against it.
 """
 
 from __future__ import annotations
@@ -102,10 +103,11 @@ def _local_buf(n: int) -> np.ndarray:
     return _bufs[key]
 
 
-def memory_limited(cmd: list[str], limit: int) -> tuple[list[str], str, object]:
+def memory_limited(cmd: list[str], limit: int, fill: bool = False) -> tuple[list[str], str, object]:
     """cmd run under a memory limit of `limit` bytes: (command, how it is limited, cleanup). A child of this
     process's cgroup v2 with memory.max where it is writable, else systemd-run --scope -p MemoryMax (as root, or
-    --user), else the command as it is and the reason."""
+    --user), else with `fill` the host's memory filled until about `limit` is left (memfill.py: host-wide; cleanup
+    gives it back), else the command as it is and the reason."""
     try:
         with open("/proc/self/cgroup") as f:
             rel = next(line.split(":", 2)[2].strip() for line in f if line.startswith("0::"))
@@ -127,6 +129,11 @@ def memory_limited(cmd: list[str], limit: int) -> tuple[list[str], str, object]:
                         "  ", " "), lambda: None)
             except (OSError, subprocess.TimeoutExpired):
                 continue
+    if fill:
+        from .memfill import MemoryFill
+
+        f = MemoryFill(int(limit))
+        return cmd, f"no cgroup (none writable, systemd-run refused): {f.how}", f.release
     return cmd, "could not be limited (no writable cgroup v2, systemd-run refused)", lambda: None
 
 
@@ -137,13 +144,14 @@ def _rmdir(cg: str) -> None:
         pass
 
 
-def llama_bench_limited(exe: str, path: str, threads: int, n_tokens: int, limit: int, timeout: float = 180.0) -> dict:
+def llama_bench_limited(exe: str, path: str, threads: int, n_tokens: int, limit: int, timeout: float = 180.0,
+                        fill: bool = False) -> dict:
     """llama-bench's decode tok/s on the file under a memory limit of `limit` bytes (its default mmap: the page
     cache it reads through counts against the limit). A run past `timeout` seconds (a file paging through a small
     limit can take hours) is stopped: its speed is then below n_tokens / timeout (`tok_s_below`)."""
     cmd = [exe, "-m", path, "-p", "0", "-n", str(n_tokens), "-t", str(threads), "-o", "json", "-r", "1"]
     _drop(path)
-    cmd, how, cleanup = memory_limited(cmd, limit)
+    cmd, how, cleanup = memory_limited(cmd, limit, fill)
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -226,7 +234,7 @@ def _peak_rss() -> int:
 
 def run(path: str, budgets: list[int], threads: int, n_tokens: int = 32, context: int = 16,
         io_modes: tuple[str, ...] = ("pread", "direct"), llama_bench: str | None = None, probe: dict | None = None,
-        drop: bool = True, llama_timeout: float = 180.0) -> dict:
+        drop: bool = True, llama_timeout: float = 180.0, llama_fill: bool = False) -> dict:
     """The table: every budget x read mode (a mode this file system refuses is noted, not timed), against the
     disk's floor; llama-bench under each budget when given."""
     from ...errors import ParameterError
@@ -249,7 +257,8 @@ def run(path: str, budgets: list[int], threads: int, n_tokens: int = 32, context
         if llama_bench:  # the memory this engine's process took at this budget (its interpreter and buffers too)
             limit = max([b, *mine])
             rows.append({"budget": b, "io": "llama-bench (mmap)", "limit_bytes": limit,
-                         **llama_bench_limited(llama_bench, path, threads, n_tokens, limit, llama_timeout)})
+                         **llama_bench_limited(llama_bench, path, threads, n_tokens, limit, llama_timeout,
+                                             llama_fill)})
     return {"model": path, "threads": threads, "n_tokens": n_tokens, "context": context, "disk": probe, "rows": rows}
 
 
