@@ -186,10 +186,74 @@ def test_options_that_do_not_go_with_a_budget_are_refused(model):
         _load(path, fixed + experts // 2, weights="mmap")
     with pytest.raises(ParameterError, match="expert_io"):
         _load(path, fixed + experts // 2, expert_io="mmap")
-    with pytest.raises(ParameterError, match="option of the cpu backend"):
-        Engine.load(path, backend="gpu", n_ctx=CTX, ram_budget=fixed + experts // 2)
+    with pytest.raises(ParameterError, match="option of the cpu and gpu backends"):
+        Engine.load(path, backend="reference", n_ctx=CTX, ram_budget=fixed + experts // 2)
+    with pytest.raises(ParameterError, match="prefill over several cards"):
+        Engine.load(path, backend="gpu", n_ctx=CTX, ram_budget=fixed + experts // 2, devices=[0, 1])
     with pytest.raises(ParameterError, match="only apply with ram_budget"):
         Engine.load(path, backend="cpu", n_ctx=CTX, expert_io="direct")
+
+
+def test_gpu_prefill_and_cpu_decode_split_the_budget(model, monkeypatch):
+    """backend "gpu" under a budget (the card a stand-in): the CPU backend plans under what the GPU streamer's least
+    leaves, the GPU keeps copies of whole layers only where the CPU left room, and a budget too small for both is
+    refused with the least that loads."""
+    import hybridinfer.backends.gpu.backend as gb
+    from hybridinfer.backends.ram_split import GpuHost
+    from hybridinfer.errors import BackendNotAvailableError
+
+    path, full = model
+    fixed, experts = _sizes(full)
+    need = GpuHost(dense=1 << 20, layers={i: experts // 8 for i in range(SHAPE["n_layer"])})  # half of each layer
+
+    class Card:
+        def __init__(self, gm, args, n_ctx, disk=None, **kw):
+            self.disk, self.held = disk, None
+
+        def host_need(self):
+            return need
+
+        def hold(self, layers):
+            self.held = tuple(layers)
+
+    monkeypatch.setattr(gb, "GPUModel", Card)
+
+    def load(budget):
+        return Engine.load(path, backend="gpu", n_ctx=CTX, spec_type="none", ram_budget=budget, expert_io="direct")
+
+    eng = load(fixed + experts // 3 + need.least)
+    be = eng.backend
+    split, plan = be.gpu.ram_split, be.cpu.ram_plan
+    assert be.gpu.disk.path == path and be.gpu.disk.io == "direct"
+    assert plan.budget == fixed + experts // 3 and plan.on_disk  # the CPU's share: the budget less the GPU's least
+    assert split.cpu_bytes == plan.resident_bytes and split.total <= fixed + experts // 3 + need.least
+    assert be.gpu.held == split.held == () and split.disk == (0, 1, 2, 3)
+    assert be.gpu.tok_embd is be.cpu.tok_embd
+    eng.close()
+    eng = load(fixed + experts + need.full)  # the CPU holds every expert; what is left holds the GPU's layers
+    split = eng.backend.gpu.ram_split
+    assert not eng.backend.cpu.ram_plan.on_disk and split.held == (0, 1, 2, 3) and split.read_per_pass == 0
+    assert split.total <= fixed + experts + need.full
+    eng.close()
+    with pytest.raises(RamBudgetError) as e:
+        load(fixed + need.least)
+    assert "GPU prefill takes" in str(e.value) and e.value.needed > fixed + need.least
+    eng = load(e.value.needed)  # the least it named loads
+    assert eng.backend.gpu.ram_split.total <= e.value.needed
+    eng.close()
+
+    class NoCard:
+        def __init__(self, *a, **k):
+            raise BackendNotAvailableError("no CUDA device (stand-in)")
+
+    import hybridinfer.backends as backends
+
+    monkeypatch.setattr(gb, "GPUModel", NoCard)
+    monkeypatch.setattr(backends, "_warned", False)
+    with pytest.warns(UserWarning, match="no usable GPU"):  # auto without a card: the CPU has the whole budget
+        eng = Engine.load(path, backend="auto", n_ctx=CTX, spec_type="none", ram_budget=fixed + experts // 3)
+    assert eng.backend.ram_plan.budget == fixed + experts // 3
+    eng.close()
 
 
 def test_usage_counts_pin_the_most_used_experts_of_a_later_load(model):

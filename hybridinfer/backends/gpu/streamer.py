@@ -65,6 +65,7 @@ class Streamer:
         # per streamed layer: slot layout (offsets of its tensors) and pinned host copies
         self.layout: dict[int, list[tuple[str, int]]] = {}
         self.disk = DiskStager(drv, disk[0], disk[1]) if disk is not None and disk[1] else None
+        self.kept: dict[int, tuple] = {}  # layer -> (LayerStage, page-locked copy of its cold experts): keep()
         slot_bytes = 0
         for layer, names in placement.streamed.items():
             off, lay = 0, []
@@ -97,22 +98,28 @@ class Streamer:
         self.host[name] = h
 
     def keep(self, layers) -> None:
-        """Page-locked host copies of `layers`' cold experts instead of reads (a RAM split's held layers); the
-        staging buffers shrink to the layers still read, and go when none is."""
+        """Page-locked copies of `layers`' cold experts, laid out as their staging (disk_stage.LayerStage) and
+        filled from the file's mapping once, instead of reads on every pass (a RAM split's held layers); the staging
+        buffers shrink to the layers still read, and go when none is."""
         if self.disk is None:
             return
-        plan = self.disk.plan
-        for i in layers:
-            for n in plan[i].copies if i in plan else ():
-                self._host_copy(n)
-        rest = {i: st for i, st in plan.items() if i not in set(layers)}
-        reader, self.disk = self.disk.reader, None  # the old buffers go before the new ones are made
+        plan, keep = self.disk.plan, [i for i in layers if i in self.disk.plan]
+        reader, self.disk = self.disk.reader, None  # the staging buffers go before the copies are made
+        for i in keep:
+            buf = self.drv.pagelocked_empty(max(plan[i].nbytes, 1), np.uint8)
+            for n, cs in plan[i].copies.items():
+                raw = np.asarray(self.gm.tensor(n).raw()).view(np.uint8).reshape(-1)
+                for t, h, k in cs:
+                    buf[h : h + k] = raw[t : t + k]
+            self.kept[i] = (plan[i], buf)
+        rest = {i: st for i, st in plan.items() if i not in keep}
         self.disk = DiskStager(self.drv, reader, rest) if rest else None
 
     @property
     def host_bytes(self) -> int:
         """page-locked host bytes of the weights: the copies and the staging buffers"""
-        return sum(h.nbytes for h in self.host.values()) + (self.disk.nbytes if self.disk is not None else 0)
+        return (sum(h.nbytes for h in self.host.values()) + sum(b.nbytes for _, b in self.kept.values())
+                + (self.disk.nbytes if self.disk is not None else 0))
 
     def is_streamed(self, layer: int) -> bool:
         return bool(self.layout.get(layer))
@@ -127,10 +134,14 @@ class Streamer:
         start.record(self.copy)
         base = int(self.slots[s].gpudata)
         h2d, d2d = [], []  # (device address, host bytes); (device address, device address, bytes)
-        staged, b = {}, None
-        if self.disk is not None and layer in self.disk:
+        staged, b, st = {}, None, None
+        if layer in self.kept:
+            st, buf = self.kept[layer]
+        elif self.disk is not None and layer in self.disk:
             b, buf = self._disk(self.disk.take, layer)
-            staged = {n: [buf[h : h + k] for _, h, k in cs] for n, cs in self.disk.plan[layer].copies.items()}
+            st = self.disk.plan[layer]
+        if st is not None:
+            staged = {n: [buf[h : h + k] for _, h, k in cs] for n, cs in st.copies.items()}
         for name, off in self.layout[layer]:
             info = self.infos[name]
             dw, slot_of = self.pinned.get(name, (None, {}))
