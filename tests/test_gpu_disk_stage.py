@@ -183,7 +183,7 @@ def test_the_card_gets_the_files_bytes_through_two_staging_buffers(card, moe):
     slab = st.infos["blk.1.ffn_up_exps.weight"].slab
     assert plan[1].nbytes == 3 * (16 - len(PINS)) * slab and plan[0].nbytes == 3 * 16 * slab
     assert st.host_bytes == 2 * max(s.nbytes for s in plan.values())  # the staging alone: nothing else streams
-    for k in range(2):
+    for _ in range(2):
         before = st.disk.reader.bytes_read
         _run_pass(st, gm, a)
         assert st.disk.reader.bytes_read - before == sum(s.nbytes for s in plan.values())  # every cold byte, once
@@ -272,3 +272,20 @@ def test_a_hung_read_is_a_typed_error_within_the_timeout(card, moe):
         _run_pass(st, gm, a)
     assert time.monotonic() - t0 < 3
     reader.close()
+
+
+def test_the_gpu_models_host_need_counts_what_its_streamer_takes(card, moe):
+    """GPUModel's own figures (no card needed for them): host_need is what a fresh streamer of its placement holds,
+    and the held layers' bytes replace their share of the staging (replan's check compares these)."""
+    from hybridinfer.backends.gpu.backend import GPUModel
+
+    st, gm, a = _streamer(card, moe)
+    m = object.__new__(GPUModel)
+    m.gm, m.infos, m.placement, m.reader, m.held = gm, st.infos, st.p, st.disk.reader, ()
+    need = m.host_need()
+    assert need.dense == 0 and need.layers == {i: s.nbytes for i, s in st.disk.plan.items()}
+    assert m._host_bytes(st.p) == need.least == st.host_bytes
+    m.held = (0,)
+    st.keep([0])
+    assert m._host_bytes(st.p) == st.host_bytes == need.layers[0] + 2 * max(need.layers[1], need.layers[3])
+    st.disk.reader.close()

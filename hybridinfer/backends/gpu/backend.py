@@ -49,9 +49,10 @@ F32, I32 = np.dtype(np.float32), np.dtype(np.int32)
 
 
 @contextmanager
-def load_bar(on: bool, placement, infos, where: str):
+def load_bar(on: bool, placement, infos, where: str, skip=frozenset()):
     """A tqdm bar on stderr of the bytes the streamer uploads to the card (resident tensors, pinned experts) or copies
-    into pinned host memory (streamed tensors) at load: its callback, or None when `on` is False."""
+    into pinned host memory (streamed tensors but those in `skip`: read from the file each pass) at load: its
+    callback, or None when `on` is False."""
     if not on:
         yield None
         return
@@ -59,7 +60,8 @@ def load_bar(on: bool, placement, infos, where: str):
 
     total = sum(infos[n].nbytes for n in placement.resident) + sum(
         len(es) * infos[n].slab for n, es in placement.pinned_experts.items()) + sum(
-        infos[n].nbytes for names in placement.streamed.values() for n in names if n not in placement.resident)
+        infos[n].nbytes for names in placement.streamed.values() for n in names
+        if n not in placement.resident and n not in skip)
     with tqdm(total=total, desc=f"loading weights ({where})", unit="B", unit_scale=True, leave=False) as bar:
         yield bar.update
 
@@ -277,9 +279,11 @@ class GPUModel:
         self.bus_bw = paced_bus(card_profile, bus_bw)
         self.reader = disk.reader() if disk is not None else None  # the model file, for the experts read each pass
         self.held: tuple[int, ...] = ()
-        with load_bar(progress, self.placement, self.infos, f"card {device}") as bar:
+        disk = self._disk(self.placement)
+        skip = {n for st in disk[1].values() for n in st.copies} if disk else set()
+        with load_bar(progress, self.placement, self.infos, f"card {device}", skip) as bar:
             self.streamer = Streamer(gm, self.placement, self.infos, self.stream, progress=bar, bus_bw=self.bus_bw,
-                                     disk=self._disk(self.placement))
+                                     disk=disk)
         # per layer: 2 N K summed over its expert tensors (FLOPs per routed token, from the routing's real counts)
         self._exp_nk = {i: sum(gemm_flops(1, gm.tensor(n).ne[1], gm.tensor(n).ne[0]) for n in names
                                if self.infos[n].n_expert) for i, names in enumerate(self.layer_names)}
@@ -329,10 +333,8 @@ class GPUModel:
         p = plan_placement(self.infos.values(), self.vram_budget, self.reserved, self.expert_counts)
         if self.reader is not None:
             from ...errors import RamBudgetError
-            from .disk_stage import host_need
 
-            now = self.streamer.host_bytes
-            new = host_need(p, self.infos, self._disk(p)[1]).least + sum(self.host_need().layers[i] for i in self.held)
+            now, new = self._host_bytes(self.placement), self._host_bytes(p)
             if new > now:
                 raise RamBudgetError(f"replan: the new placement's streamer takes {new} B of page-locked host memory, "
                                      f"the RAM budget's split gave it {now} B", needed=new)
@@ -351,13 +353,22 @@ class GPUModel:
         plan = stage_plan(placement, self.infos, {n: int(self.gm.tensor(n).offset) for n in self.infos})
         return self.reader, plan
 
-    def host_need(self):
+    def host_need(self, placement=None):
         """The streamer's host bytes as ram_split sees them (every cold expert read: before hold())."""
         from .disk_stage import host_need
 
-        disk = self._disk(self.placement)
-        return host_need(self.placement, self.infos, disk[1] if disk else {},
+        placement = placement or self.placement
+        disk = self._disk(placement)
+        return host_need(placement, self.infos, disk[1] if disk else {},
                          self.reader.threads * self.reader.bounce_bytes if self.reader is not None else 0)
+
+    def _host_bytes(self, placement) -> int:
+        """Host bytes a streamer of `placement` takes with the held layers kept."""
+        from ..ram_split import RamSplit
+
+        g = self.host_need(placement)
+        held = tuple(i for i in self.held if i in g.layers)
+        return RamSplit(0, 0, g, held, tuple(i for i in g.layers if i not in held)).gpu_bytes
 
     def hold(self, layers) -> None:
         """Keep page-locked copies of `layers`' cold experts (ram_split.split_ram's `held`) instead of reading them."""

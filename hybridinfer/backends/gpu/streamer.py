@@ -101,9 +101,10 @@ class Streamer:
         """Page-locked copies of `layers`' cold experts, laid out as their staging (disk_stage.LayerStage) and
         filled from the file's mapping once, instead of reads on every pass (a RAM split's held layers); the staging
         buffers shrink to the layers still read, and go when none is."""
-        if self.disk is None:
+        plan = self.disk.plan if self.disk is not None else {}
+        keep = [i for i in layers if i in plan]
+        if not keep:
             return
-        plan, keep = self.disk.plan, [i for i in layers if i in self.disk.plan]
         reader, self.disk = self.disk.reader, None  # the staging buffers go before the copies are made
         for i in keep:
             buf = self.drv.pagelocked_empty(max(plan[i].nbytes, 1), np.uint8)
