@@ -352,3 +352,12 @@ def test_plan_file_agrees_with_the_loaded_model(model, capsys):
     assert main(["plan", "-m", path, "--card", "k40", "--host-bw", "100", "--ram-budget", str(budget)]) == 0
     out = capsys.readouterr().out
     assert "cpu ram:" in out and "read per decode token" in out
+    # the split with the card's streamer (a k40 holds this model whole: it takes no host memory, reads nothing)
+    assert "ram split:" in out and "gpu prefill 0.0 MiB" in out and "in 0 layers read from the file" in out
+    assert main(["plan", "-m", path, "--card", "k40", "--host-bw", "100", "--ram-budget", "1000"]) == 2
+    assert "is too small" in capsys.readouterr().err
+    # the 35B-A3B on a K80 streams its experts: under 12 GiB the card reads its cold ones each pass, the CPU its slots
+    assert main(["plan", "--shape", "35b-a3b", "--card", "k80", "--host-bw", "10", "--ram-budget", "12GiB"]) == 0
+    out = capsys.readouterr().out
+    split = next(line for line in out.splitlines() if line.startswith("ram split:"))
+    assert "0 layers kept" in split and " in 0 layers read" not in split and "read from the file each prompt" in split
