@@ -295,6 +295,41 @@ def test_cli_load_log_says_what_stays_and_what_is_read(model, capsys):
     assert "resident" in err and "read from the file when selected" in err and "expert slots per layer" in err
 
 
+def test_cli_load_log_shows_the_gpu_split(model, monkeypatch, capsys):
+    """`run --backend gpu --ram-budget` says the split above the CPU plan (the card a stand-in that prefills through
+    the resident CPU model)."""
+    import hybridinfer.backends.gpu.backend as gb
+    from hybridinfer.backends.ram_split import GpuHost
+    from hybridinfer.cli import main
+
+    path, full = model
+    fixed, experts = _sizes(full)
+    need = GpuHost(dense=1 << 20, layers={i: experts // 8 for i in range(SHAPE["n_layer"])})
+
+    class Card:
+        compiled = []
+
+        def __init__(self, gm, args, n_ctx, disk=None, **kw):
+            pass
+
+        def host_need(self):
+            return need
+
+        def hold(self, layers):
+            pass
+
+        def forward(self, tokens, state, all_logits=True, **kw):
+            return full.backend.forward(tokens, state, all_logits=all_logits)
+
+    monkeypatch.setattr(gb, "GPUModel", Card)
+    rc = main(["run", "-m", path, "--backend", "gpu", "--raw", "-p", "hi there", "-n", "2", "--spec-type", "none",
+               "--ram-budget", str(fixed + experts // 3 + need.least)])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    split = err.index("split: cpu decode")
+    assert "read from the file each prompt pass" in err and err.index("expert slots per layer") > split
+
+
 def test_verify_rows_and_the_mtp_block_read_from_the_cache(tmp_path):
     """Speculative verify rows (one sequence: the bound verify step; several: the prompt path) give the resident
     bits, and the MTP block's experts get a cache of their own that its drafts read through."""
