@@ -186,10 +186,74 @@ def test_options_that_do_not_go_with_a_budget_are_refused(model):
         _load(path, fixed + experts // 2, weights="mmap")
     with pytest.raises(ParameterError, match="expert_io"):
         _load(path, fixed + experts // 2, expert_io="mmap")
-    with pytest.raises(ParameterError, match="option of the cpu backend"):
-        Engine.load(path, backend="gpu", n_ctx=CTX, ram_budget=fixed + experts // 2)
+    with pytest.raises(ParameterError, match="option of the cpu and gpu backends"):
+        Engine.load(path, backend="reference", n_ctx=CTX, ram_budget=fixed + experts // 2)
+    with pytest.raises(ParameterError, match="prefill over several cards"):
+        Engine.load(path, backend="gpu", n_ctx=CTX, ram_budget=fixed + experts // 2, devices=[0, 1])
     with pytest.raises(ParameterError, match="only apply with ram_budget"):
         Engine.load(path, backend="cpu", n_ctx=CTX, expert_io="direct")
+
+
+def test_gpu_prefill_and_cpu_decode_split_the_budget(model, monkeypatch):
+    """backend "gpu" under a budget (the card a stand-in): the CPU backend plans under what the GPU streamer's least
+    leaves, the GPU keeps copies of whole layers only where the CPU left room, and a budget too small for both is
+    refused with the least that loads."""
+    import hybridinfer.backends.gpu.backend as gb
+    from hybridinfer.backends.ram_split import GpuHost
+    from hybridinfer.errors import BackendNotAvailableError
+
+    path, full = model
+    fixed, experts = _sizes(full)
+    need = GpuHost(dense=1 << 20, layers={i: experts // 8 for i in range(SHAPE["n_layer"])})  # half of each layer
+
+    class Card:
+        def __init__(self, gm, args, n_ctx, disk=None, **kw):
+            self.disk, self.held = disk, None
+
+        def host_need(self):
+            return need
+
+        def hold(self, layers):
+            self.held = tuple(layers)
+
+    monkeypatch.setattr(gb, "GPUModel", Card)
+
+    def load(budget):
+        return Engine.load(path, backend="gpu", n_ctx=CTX, spec_type="none", ram_budget=budget, expert_io="direct")
+
+    eng = load(fixed + experts // 3 + need.least)
+    be = eng.backend
+    split, plan = be.gpu.ram_split, be.cpu.ram_plan
+    assert be.gpu.disk.path == path and be.gpu.disk.io == "direct"
+    assert plan.budget == fixed + experts // 3 and plan.on_disk  # the CPU's share: the budget less the GPU's least
+    assert split.cpu_bytes == plan.resident_bytes and split.total <= fixed + experts // 3 + need.least
+    assert be.gpu.held == split.held == () and split.disk == (0, 1, 2, 3)
+    assert be.gpu.tok_embd is be.cpu.tok_embd
+    eng.close()
+    eng = load(fixed + experts + need.full)  # the CPU holds every expert; what is left holds the GPU's layers
+    split = eng.backend.gpu.ram_split
+    assert not eng.backend.cpu.ram_plan.on_disk and split.held == (0, 1, 2, 3) and split.read_per_pass == 0
+    assert split.total <= fixed + experts + need.full
+    eng.close()
+    with pytest.raises(RamBudgetError) as e:
+        load(fixed + need.least)
+    assert "GPU prefill takes" in str(e.value) and e.value.needed > fixed + need.least
+    eng = load(e.value.needed)  # the least it named loads
+    assert eng.backend.gpu.ram_split.total <= e.value.needed
+    eng.close()
+
+    class NoCard:
+        def __init__(self, *a, **k):
+            raise BackendNotAvailableError("no CUDA device (stand-in)")
+
+    import hybridinfer.backends as backends
+
+    monkeypatch.setattr(gb, "GPUModel", NoCard)
+    monkeypatch.setattr(backends, "_warned", False)
+    with pytest.warns(UserWarning, match="no usable GPU"):  # auto without a card: the CPU has the whole budget
+        eng = Engine.load(path, backend="auto", n_ctx=CTX, spec_type="none", ram_budget=fixed + experts // 3)
+    assert eng.backend.ram_plan.budget == fixed + experts // 3
+    eng.close()
 
 
 def test_usage_counts_pin_the_most_used_experts_of_a_later_load(model):
@@ -229,6 +293,41 @@ def test_cli_load_log_says_what_stays_and_what_is_read(model, capsys):
     err = capsys.readouterr().err
     assert rc == 0, err
     assert "resident" in err and "read from the file when selected" in err and "expert slots per layer" in err
+
+
+def test_cli_load_log_shows_the_gpu_split(model, monkeypatch, capsys):
+    """`run --backend gpu --ram-budget` says the split above the CPU plan (the card a stand-in that prefills through
+    the resident CPU model)."""
+    import hybridinfer.backends.gpu.backend as gb
+    from hybridinfer.backends.ram_split import GpuHost
+    from hybridinfer.cli import main
+
+    path, full = model
+    fixed, experts = _sizes(full)
+    need = GpuHost(dense=1 << 20, layers={i: experts // 8 for i in range(SHAPE["n_layer"])})
+
+    class Card:
+        compiled = []
+
+        def __init__(self, gm, args, n_ctx, disk=None, **kw):
+            pass
+
+        def host_need(self):
+            return need
+
+        def hold(self, layers):
+            pass
+
+        def forward(self, tokens, state, all_logits=True, **kw):
+            return full.backend.forward(tokens, state, all_logits=all_logits)
+
+    monkeypatch.setattr(gb, "GPUModel", Card)
+    rc = main(["run", "-m", path, "--backend", "gpu", "--raw", "-p", "hi there", "-n", "2", "--spec-type", "none",
+               "--ram-budget", str(fixed + experts // 3 + need.least)])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    split = err.index("split: cpu decode")
+    assert "read from the file each prompt pass" in err and err.index("expert slots per layer") > split
 
 
 def test_verify_rows_and_the_mtp_block_read_from_the_cache(tmp_path):
@@ -288,3 +387,12 @@ def test_plan_file_agrees_with_the_loaded_model(model, capsys):
     assert main(["plan", "-m", path, "--card", "k40", "--host-bw", "100", "--ram-budget", str(budget)]) == 0
     out = capsys.readouterr().out
     assert "cpu ram:" in out and "read per decode token" in out
+    # the split with the card's streamer (a k40 holds this model whole: it takes no host memory, reads nothing)
+    assert "ram split:" in out and "gpu prefill 0.0 MiB" in out and "in 0 layers read from the file" in out
+    assert main(["plan", "-m", path, "--card", "k40", "--host-bw", "100", "--ram-budget", "1000"]) == 2
+    assert "is too small" in capsys.readouterr().err
+    # the 35B-A3B on a K80 streams its experts: under 12 GiB the card reads its cold ones each pass, the CPU its slots
+    assert main(["plan", "--shape", "35b-a3b", "--card", "k80", "--host-bw", "10", "--ram-budget", "12GiB"]) == 0
+    out = capsys.readouterr().out
+    split = next(line for line in out.splitlines() if line.startswith("ram split:"))
+    assert "0 layers kept" in split and " in 0 layers read" not in split and "read from the file each prompt" in split

@@ -235,10 +235,11 @@ def make_backend(name: str, gm, args, options: dict, n_ctx: int, fit_n_ctx: bool
     from .cpu.expert_setup import ExpertOptions
 
     experts = ExpertOptions.of(options)
-    if experts is not None and name in ("reference", "gpu"):
-        # GPU prefill keeps pinned host copies of every streamed weight: the whole model in RAM
-        raise ParameterError(f"ram_budget is an option of the cpu backend (backend={name!r}); GPU prefill keeps "
-                             "host copies of the weights it streams, so use backend='cpu' (or 'auto')")
+    if experts is not None and name == "reference":
+        raise ParameterError("ram_budget is an option of the cpu and gpu backends (backend='reference')")
+    if experts is not None and name in ("gpu", "auto") and gpu_opts.get("devices") is not None:
+        raise ParameterError("ram_budget with devices=[...] (prefill over several cards) is not supported; use one "
+                             "card (device=N)")
     if name == "reference":
         if placement is not None and placement.mode == "replicate":
             raise ParameterError("numa replicate: the reference backend has no per-node weight copies (use the cpu "
@@ -252,10 +253,19 @@ def make_backend(name: str, gm, args, options: dict, n_ctx: int, fit_n_ctx: bool
 
     simd = SimdLib(isa=options.pop("isa", None), n_threads=options.pop("n_threads", None),
                    prefetch=options.pop("prefetch", None))
-    cpu = CPUModel(gm, args, simd, weights=options.pop("weights", "auto"), numa=placement, progress=progress,
-                   experts=experts)
-    if name == "cpu" or experts is not None:  # under a RAM budget 'auto' prefills on the CPU too (see above)
-        return cpu
+    weights = options.pop("weights", "auto")
+
+    def make_cpu(opts):
+        return CPUModel(gm, args, simd, weights=weights, numa=placement, progress=progress, experts=opts)
+
+    if name == "cpu":
+        return make_cpu(experts)
+    cpu = make_cpu(None) if experts is None else None  # under a budget the GPU's share is known first
+    disk = None
+    if experts is not None:  # the routed experts the card does not pin are read from the file on every pass
+        from .gpu.disk_stage import DiskSource
+
+        disk = DiskSource(str(gm.path), experts.expert_io, experts.readers, experts.read_timeout, experts.drop_cache)
     try:
         from .gpu.backend import DEFAULT_CHUNK, GPUModel
 
@@ -271,12 +281,51 @@ def make_backend(name: str, gm, args, options: dict, n_ctx: int, fit_n_ctx: bool
             gpu = GPUModel(gm, args, n_ctx, vram_budget=gpu_opts.get("vram_budget"),
                            chunk=gpu_opts.get("gpu_chunk", DEFAULT_CHUNK), device=gpu_opts.get("device", 0),
                            card_profile=gpu_opts.get("card_profile"), bus_bw=gpu_opts.get("bus_bw"),
-                           fit_n_ctx=fit_n_ctx, kv_stream=gpu_opts.get("kv_stream"), progress=progress)
+                           fit_n_ctx=fit_n_ctx, kv_stream=gpu_opts.get("kv_stream"), progress=progress,
+                           **({"disk": disk} if disk is not None else {}))
     except BackendNotAvailableError as e:
         if name == "gpu":
             raise
         if not _warned:
             warnings.warn(f"backend='auto': no usable GPU ({e}); prefill runs on the CPU", stacklevel=3)
             _warned = True
-        return cpu
+        return cpu if cpu is not None else make_cpu(experts)
+    if cpu is not None:
+        return GPUPrefillCPUDecode(gpu, cpu)
+    try:
+        cpu = _split_ram(gm, gpu, experts, make_cpu)
+    except BaseException:
+        GPUPrefillCPUDecode(gpu, _Closed()).close()  # the card's buffers and the reader go
+        raise
     return GPUPrefillCPUDecode(gpu, cpu)
+
+
+class _Closed:
+    def close(self) -> None:
+        pass
+
+
+def _split_ram(gm, gpu, experts, make_cpu):
+    """GPU prefill and CPU decode under one RAM budget (ram_split.py): the CPU backend plans under what the GPU's
+    streamer leaves, then the GPU keeps host copies of the cold experts of the layers the rest holds. The CPU
+    backend, made; gpu.ram_split says the split."""
+    from dataclasses import replace
+
+    from ..errors import RamBudgetError
+    from .cpu.expert_store import unmap
+    from .ram_split import cpu_share, refuse, split_ram
+
+    budget, need = experts.ram_budget, gpu.host_need()
+    try:
+        cpu = make_cpu(replace(experts, ram_budget=cpu_share(budget, need)))
+    except RamBudgetError as e:
+        raise refuse(e, budget, need) from None
+    try:
+        gpu.ram_split = split_ram(budget, need, cpu.ram_plan.resident_bytes)
+        gpu.hold(gpu.ram_split.held)
+    except BaseException:
+        cpu.close()
+        raise
+    gpu.tok_embd = cpu.tok_embd  # the CPU's copy (a budget keeps it in RAM): the file's mapping is not read for it
+    unmap(gm)  # the pages the card's uploads and the host copies touched leave this process's memory
+    return cpu

@@ -82,6 +82,9 @@ def _engine(a, quiet: bool = False):
     be = getattr(eng, "backend", None)
     plan = getattr(getattr(be, "cpu", be), "ram_plan", None)
     if plan is not None and not quiet:
+        split = getattr(getattr(be, "gpu", None), "ram_split", None)
+        if split is not None:
+            print(f"hybridinfer: {split.summary()}", file=sys.stderr)
         print(f"hybridinfer: {plan.summary()}", file=sys.stderr)
     if "numa" in opts:
         for line in getattr(eng.backend, "cpu", eng.backend).replicas.describe():

@@ -294,9 +294,11 @@ def _add_model(p: argparse.ArgumentParser, required: bool = False) -> None:
                    help="where CPU decode reads the weights: a copy in huge pages (faster), the file's memory "
                         "mapping (no copy), or auto: a copy when it takes at most half the available memory")
     p.add_argument("--ram-budget", type=parse_size, default=None,
-                   help="host memory the CPU backend's weights may take, e.g. 64GiB: every tensor but the routed "
-                        "experts stays resident with the most used experts, the others are read from the GGUF when "
-                        "routing selects them, into a usage-counted cache; without it the whole model is in RAM")
+                   help="host memory the weights may take, e.g. 64GiB: every tensor but the routed experts stays "
+                        "resident with the most used experts, the others are read from the GGUF when routing selects "
+                        "them, into a usage-counted cache (GPU prefill: the experts the card does not keep are read "
+                        "each prompt pass, and the budget is split with CPU decode); without it the whole model is in "
+                        "RAM")
     p.add_argument("--expert-io", default="pread", choices=["pread", "direct"],
                    help="how --ram-budget reads experts: pread through the page cache, or direct (O_DIRECT, "
                         "bypassing it) (default pread)")

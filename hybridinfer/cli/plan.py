@@ -65,12 +65,29 @@ def cmd_plan(a) -> int:
                        ram_bytes=ram)
     print(format_plan(pl) + note)
     if a.ram_budget is not None and getattr(args, "is_moe", False):
-        from ..backends.cpu.expert_setup import plan_file, uniform_read_bytes
-
-        rp = plan_file(gm, args.n_expert_used, a.ram_budget)
-        print(f"cpu ram:    {rp.summary()}; about {uniform_read_bytes(rp, args.n_expert_used) / 1e6:.1f} MB read "
-              "per decode token at uniform routing")
+        _ram_lines(gm, args, pl.placement, a.ram_budget)
     return 0
+
+
+def _ram_lines(gm, args, placement, budget: int) -> None:
+    """The RAM budget's split between the card's streamer (page-locked copies, expert staging) and the CPU backend
+    (ram_split.py), as a load under it makes it, from the tensor table alone."""
+    from ..backends.cpu.expert_setup import plan_file, uniform_read_bytes
+    from ..backends.gpu.disk_stage import host_need, stage_plan
+    from ..backends.gpu.placement import weights_of
+    from ..backends.ram_split import cpu_share, refuse, split_ram
+    from ..errors import RamBudgetError
+
+    infos = {w.name: w for w in weights_of(gm, args, matrices_only=True)}
+    need = host_need(placement, infos, stage_plan(placement, infos, dict.fromkeys(infos, 0)))
+    try:
+        rp = plan_file(gm, args.n_expert_used, cpu_share(budget, need))
+    except RamBudgetError as e:
+        raise refuse(e, budget, need) from None
+    split = split_ram(budget, need, rp.resident_bytes)
+    print(f"ram split:  {split.summary()}")
+    print(f"cpu ram:    {rp.summary()}; about {uniform_read_bytes(rp, args.n_expert_used) / 1e6:.1f} MB read "
+          "per decode token at uniform routing")
 
 
 def add_plan_parser(sub) -> None:
@@ -100,6 +117,6 @@ def add_plan_parser(sub) -> None:
                    help="host memory for the weights and sequence states, e.g. 64GiB (default: what this host has "
                         "available)")
     p.add_argument("--ram-budget", type=parse_size, default=None,
-                   help="also plan the CPU backend under this RAM budget (what stays resident, what is read from the "
-                        "file; run's --ram-budget)")
+                   help="also plan GPU prefill and CPU decode under this RAM budget (its split between them, what "
+                        "stays resident, what is read from the file; run's --ram-budget)")
     p.set_defaults(fn=cmd_plan)

@@ -235,7 +235,8 @@ class Engine(Text, Compute):
             half the available memory, else "mmap"; or "copy"), prefetch (4096 bytes of weight stream ahead with
             4 threads or more, else 0), numa (None: no placement; a hybridinfer.backends.numa.Plan), ram_budget
             (None: every weight in RAM; bytes: the routed experts that do not fit read from the file when selected,
-            docs/architecture.md), expert_io ("pread" or "direct": O_DIRECT), read_timeout (30 s), readers (8
+            docs/architecture.md; under "gpu" and "auto" split with the GPU prefill's page-locked copies and staging,
+            backends/ram_split.py), expert_io ("pread" or "direct": O_DIRECT), read_timeout (30 s), readers (8
             threads), prefetch_layers (1), expert_counts (None; (layer, expert) -> uses: the experts pinned),
             drop_cache (False; True: each range read is dropped from the page cache).
         GPU ("gpu", "auto"): vram_budget (the card's free memory less 512 MiB), gpu_chunk (1024 tokens per kernel

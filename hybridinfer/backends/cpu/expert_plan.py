@@ -15,9 +15,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ...errors import RamBudgetError
+from ..expert_io import DIRECT_ALIGN, aligned_span  # noqa: F401 (the readers' alignment, planned with)
 
 DYNAMIC_SHARE = 0.5  # of a layer's slots, the part the cache may refill (the rest pinned); at least k
-DIRECT_ALIGN = 4096  # O_DIRECT: offset, length and buffer address aligned to this
 
 
 @dataclass(frozen=True)
@@ -179,11 +179,3 @@ def expert_chunks(experts: Sequence[int], pinned, size: int) -> list[list[int]]:
     chunks = [need[i : i + size] for i in range(0, len(need), size)] or [[]]
     chunks[0] = chunks[0] + [int(e) for e in experts if int(e) in pinned]
     return chunks
-
-
-def aligned_span(offset: int, nbytes: int, align: int = DIRECT_ALIGN) -> tuple[int, int, int]:
-    """An O_DIRECT read of [offset, offset + nbytes): (aligned start, aligned length, where the range begins in
-    what is read)."""
-    a0 = offset // align * align
-    a1 = -(-(offset + nbytes) // align) * align
-    return a0, a1 - a0, offset - a0

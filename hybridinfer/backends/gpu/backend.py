@@ -49,9 +49,10 @@ F32, I32 = np.dtype(np.float32), np.dtype(np.int32)
 
 
 @contextmanager
-def load_bar(on: bool, placement, infos, where: str):
+def load_bar(on: bool, placement, infos, where: str, skip=frozenset()):
     """A tqdm bar on stderr of the bytes the streamer uploads to the card (resident tensors, pinned experts) or copies
-    into pinned host memory (streamed tensors) at load: its callback, or None when `on` is False."""
+    into pinned host memory (streamed tensors but those in `skip`: read from the file each pass) at load: its
+    callback, or None when `on` is False."""
     if not on:
         yield None
         return
@@ -59,7 +60,8 @@ def load_bar(on: bool, placement, infos, where: str):
 
     total = sum(infos[n].nbytes for n in placement.resident) + sum(
         len(es) * infos[n].slab for n, es in placement.pinned_experts.items()) + sum(
-        infos[n].nbytes for names in placement.streamed.values() for n in names if n not in placement.resident)
+        infos[n].nbytes for names in placement.streamed.values() for n in names
+        if n not in placement.resident and n not in skip)
     with tqdm(total=total, desc=f"loading weights ({where})", unit="B", unit_scale=True, leave=False) as bar:
         yield bar.update
 
@@ -230,7 +232,9 @@ class GPUModel:
     load did. fit_n_ctx: n_ctx is only the most a pass may hold; it becomes what fits the budget where that is less.
     kv_stream: None streams the K/V of a pass through the card layer by layer only where the pass is too long to
     keep them there (plan_pass); True / False: every pass or none. layers: [first, end) alone (the head is layer
-    n_layer), one card's range in a multi-card prefill (multi_gpu.py); None: every layer."""
+    n_layer), one card's range in a multi-card prefill (multi_gpu.py); None: every layer. disk: None, or a RAM
+    budget's disk_stage.DiskSource: the routed experts the card does not pin are read from the file on every pass
+    (disk_stage.py) instead of kept in page-locked host copies, but for the layers hold() names."""
 
     single_pass = True
     # where each pass hands every prompt row's final-norm output (hidden_to(state, first position, rows)): set for the
@@ -240,7 +244,7 @@ class GPUModel:
     def __init__(self, gm, args, n_ctx: int, vram_budget: int | None = None, chunk: int = DEFAULT_CHUNK,
                  device: int = 0, expert_counts=None, bus_bw: float | None = None,
                  card_profile: str | None = None, fit_n_ctx: bool = False, kv_stream: bool | None = None,
-                 layers: tuple[int, int] | None = None, progress: bool = False):
+                 layers: tuple[int, int] | None = None, progress: bool = False, disk=None):
         loader.init(device)  # BackendNotAvailableError without pycuda or a card
         with loader.model_context():
             self._build(gm, args, n_ctx, vram_budget, chunk, device, expert_counts, bus_bw, card_profile, fit_n_ctx,
@@ -279,8 +283,13 @@ class GPUModel:
         self.expert_counts: dict[tuple[int, int], int] = dict(expert_counts or {})
         self.placement = plan_placement(self.infos.values(), self.vram_budget, self.reserved, self.expert_counts)
         self.bus_bw = paced_bus(card_profile, bus_bw)
-        with load_bar(progress, self.placement, self.infos, f"card {device}") as bar:
-            self.streamer = Streamer(gm, self.placement, self.infos, self.stream, progress=bar, bus_bw=self.bus_bw)
+        self.reader = disk.reader() if disk is not None else None  # the model file, for the experts read each pass
+        self.held: tuple[int, ...] = ()
+        disk = self._disk(self.placement)
+        skip = {n for st in disk[1].values() for n in st.copies} if disk else set()
+        with load_bar(progress, self.placement, self.infos, f"card {device}", skip) as bar:
+            self.streamer = Streamer(gm, self.placement, self.infos, self.stream, progress=bar, bus_bw=self.bus_bw,
+                                     disk=disk)
         # per layer: 2 N K summed over its expert tensors (FLOPs per routed token, from the routing's real counts)
         self._exp_nk = {i: sum(gemm_flops(1, gm.tensor(n).ne[1], gm.tensor(n).ne[0]) for n in names
                                if self.infos[n].n_expert) for i, names in enumerate(self.layer_names)}
@@ -324,10 +333,62 @@ class GPUModel:
         return self.streamer.device_bytes + self.reserved
 
     def replan(self) -> None:
-        """Re-decide residency with the expert counts seen so far (expert pinning), and re-stage the weights."""
+        """Re-decide residency with the expert counts seen so far (expert pinning), and re-stage the weights. Under a
+        RAM budget a placement whose streamer would take more host memory than the one it replaces is refused
+        (RamBudgetError; the old one stays)."""
+        p = plan_placement(self.infos.values(), self.vram_budget, self.reserved, self.expert_counts)
+        if self.reader is not None:
+            from ...errors import RamBudgetError
+
+            now, new = self._host_bytes(self.placement), self._host_bytes(p)
+            if new > now:
+                raise RamBudgetError(f"replan: the new placement's streamer takes {new} B of page-locked host memory, "
+                                     f"the RAM budget's split gave it {now} B", needed=new)
         self.streamer = None  # free the old buffers before allocating the new ones
-        self.placement = plan_placement(self.infos.values(), self.vram_budget, self.reserved, self.expert_counts)
-        self.streamer = Streamer(self.gm, self.placement, self.infos, self.stream, bus_bw=self.bus_bw)
+        self.placement = p
+        self.streamer = Streamer(self.gm, p, self.infos, self.stream, bus_bw=self.bus_bw, disk=self._disk(p))
+        self.streamer.keep(self.held)
+
+    # under a RAM budget ----------------------------------------------------------------------------------
+    def _disk(self, placement):
+        """(reader, the LayerStages of `placement`'s layers read from the file), or None without a RAM budget."""
+        if self.reader is None:
+            return None
+        from .disk_stage import stage_plan
+
+        plan = stage_plan(placement, self.infos, {n: int(self.gm.tensor(n).offset) for n in self.infos})
+        return self.reader, plan
+
+    def host_need(self, placement=None):
+        """The streamer's host bytes as ram_split sees them (every cold expert read: before hold())."""
+        from .disk_stage import host_need
+
+        placement = placement or self.placement
+        disk = self._disk(placement)
+        return host_need(placement, self.infos, disk[1] if disk else {},
+                         self.reader.threads * self.reader.bounce_bytes if self.reader is not None else 0)
+
+    def _host_bytes(self, placement) -> int:
+        """Host bytes a streamer of `placement` takes with the held layers kept."""
+        from ..ram_split import RamSplit
+
+        g = self.host_need(placement)
+        held = tuple(i for i in self.held if i in g.layers)
+        return RamSplit(0, 0, g, held, tuple(i for i in g.layers if i not in held)).gpu_bytes
+
+    def hold(self, layers) -> None:
+        """Keep page-locked copies of `layers`' cold experts (ram_split.split_ram's `held`) instead of reading them."""
+        self.held = tuple(layers)
+        self.streamer.keep(self.held)
+
+    def disk_stats(self) -> dict:
+        """Bytes and reads the passes took from the file so far (zeros without a RAM budget)."""
+        r = self.reader
+        return {"bytes_read": r.bytes_read if r else 0, "reads": r.reads if r else 0}
+
+    def close(self) -> None:
+        if self.reader is not None:
+            self.reader.close()
 
     # state hand-off ------------------------------------------------------------------------------------
     def _holds(self, st: DecoderState) -> bool:

@@ -8,12 +8,15 @@ Order of events for layer L in slot s = L % 2:
   compute stream: wait ready[L] -> the layer's kernels -> record free[s]
 
 With `bus_bw` (bytes/s) the H2D copies are paced to that rate (k_pace.Pacer: an old card's bus on a fast one).
+Under a RAM budget (`disk`) the routed experts of the layers a disk_stage.LayerStage names have no host copy: each
+upload takes them from a staging buffer the file was read into a layer ahead (disk_stage.py).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from .disk_stage import DiskStager, runs
 from .k_gemm import DeviceWeight
 from .placement import STAGE_ALIGN as ALIGN
 from .placement import Placement, WeightInfo
@@ -25,7 +28,9 @@ def _shape(t) -> tuple:
 
 class Streamer:
     def __init__(self, gm, placement: Placement, infos: dict[str, WeightInfo], compute_stream, progress=None,
-                 bus_bw: float | None = None):
+                 bus_bw: float | None = None, disk=None):
+        """disk: None, or (an ExpertReader of the model file, disk_stage.stage_plan's LayerStages): those layers' cold
+        experts are read from the file on every pass instead of kept in page-locked host copies."""
         import pycuda.driver as drv
         from pycuda import gpuarray
 
@@ -59,17 +64,20 @@ class Streamer:
                 progress(packed.nbytes)
         # per streamed layer: slot layout (offsets of its tensors) and pinned host copies
         self.layout: dict[int, list[tuple[str, int]]] = {}
+        self.disk = DiskStager(drv, disk[0], disk[1]) if disk is not None and disk[1] else None
+        self.kept: dict[int, tuple] = {}  # layer -> (LayerStage, page-locked copy of its cold experts): keep()
         slot_bytes = 0
         for layer, names in placement.streamed.items():
             off, lay = 0, []
+            from_disk = self.disk.plan[layer].copies if self.disk is not None and layer in self.disk else {}
             for n in names:
                 if n in placement.resident:
                     continue
                 lay.append((n, off))
                 off += (infos[n].nbytes + ALIGN - 1) // ALIGN * ALIGN
-                h = drv.pagelocked_empty(infos[n].nbytes, np.uint8)
-                np.copyto(h, np.asarray(gm.tensor(n).raw()).view(np.uint8).reshape(-1))
-                self.host[n] = h
+                if n in from_disk:
+                    continue
+                self._host_copy(n)
                 if progress is not None:
                     progress(infos[n].nbytes)
             self.layout[layer] = lay
@@ -84,6 +92,36 @@ class Streamer:
         self.timing: list[tuple[int, object, object]] = []  # (layer, start, end) events of copies
         self.bytes_h2d = 0
 
+    def _host_copy(self, name: str) -> None:
+        h = self.drv.pagelocked_empty(self.infos[name].nbytes, np.uint8)
+        np.copyto(h, np.asarray(self.gm.tensor(name).raw()).view(np.uint8).reshape(-1))
+        self.host[name] = h
+
+    def keep(self, layers) -> None:
+        """Page-locked copies of `layers`' cold experts, laid out as their staging (disk_stage.LayerStage) and
+        filled from the file's mapping once, instead of reads on every pass (a RAM split's held layers); the staging
+        buffers shrink to the layers still read, and go when none is."""
+        plan = self.disk.plan if self.disk is not None else {}
+        keep = [i for i in layers if i in plan]
+        if not keep:
+            return
+        reader, self.disk = self.disk.reader, None  # the staging buffers go before the copies are made
+        for i in keep:
+            buf = self.drv.pagelocked_empty(max(plan[i].nbytes, 1), np.uint8)
+            for n, cs in plan[i].copies.items():
+                raw = np.asarray(self.gm.tensor(n).raw()).view(np.uint8).reshape(-1)
+                for t, h, k in cs:
+                    buf[h : h + k] = raw[t : t + k]
+            self.kept[i] = (plan[i], buf)
+        rest = {i: st for i, st in plan.items() if i not in keep}
+        self.disk = DiskStager(self.drv, reader, rest) if rest else None
+
+    @property
+    def host_bytes(self) -> int:
+        """page-locked host bytes of the weights: the copies and the staging buffers"""
+        return (sum(h.nbytes for h in self.host.values()) + sum(b.nbytes for _, b in self.kept.values())
+                + (self.disk.nbytes if self.disk is not None else 0))
+
     def is_streamed(self, layer: int) -> bool:
         return bool(self.layout.get(layer))
 
@@ -97,26 +135,23 @@ class Streamer:
         start.record(self.copy)
         base = int(self.slots[s].gpudata)
         h2d, d2d = [], []  # (device address, host bytes); (device address, device address, bytes)
+        staged, b, st = {}, None, None
+        if layer in self.kept:
+            st, buf = self.kept[layer]
+        elif self.disk is not None and layer in self.disk:
+            b, buf = self._disk(self.disk.take, layer)
+            st = self.disk.plan[layer]
+        if st is not None:
+            staged = {n: [buf[h : h + k] for _, h, k in cs] for n, cs in st.copies.items()}
         for name, off in self.layout[layer]:
             info = self.infos[name]
-            host = self.host[name]
-            pin = self.pinned.get(name)
-            if pin is None:
-                h2d.append((base + off, host))
-                continue
-            dw, slot_of = pin
+            dw, slot_of = self.pinned.get(name, (None, {}))
             slab = info.slab
-            e = 0
-            while e < info.n_expert:  # runs of streamed experts in one copy each
-                if e in slot_of:
-                    d2d.append((base + off + e * slab, int(dw.data.gpudata) + slot_of[e] * slab, slab))
-                    e += 1
-                    continue
-                e2 = e
-                while e2 < info.n_expert and e2 not in slot_of:
-                    e2 += 1
-                h2d.append((base + off + e * slab, host[e * slab : e2 * slab]))
-                e = e2
+            for e in slot_of:
+                d2d.append((base + off + e * slab, int(dw.data.gpudata) + slot_of[e] * slab, slab))
+            for j, (e, e2) in enumerate(runs(info.n_expert, slot_of)):  # runs of streamed experts in one copy each
+                src = staged[name][j] if name in staged else self.host[name][e * slab : e2 * slab]
+                h2d.append((base + off + e * slab, src))
         for dst, src, n in d2d:
             drv.memcpy_dtod_async(dst, src, n, self.copy)
         if self.pacer is not None:
@@ -128,6 +163,18 @@ class Streamer:
         end.record(self.copy)
         self.ready[layer] = end
         self.timing.append((layer, start, end))
+        if b is not None:
+            self.disk.uploaded(b, end)
+            nxt = self.disk.next_after(layer)
+            if nxt is not None and nxt not in self.ready:
+                self._disk(self.disk.start, nxt)  # read while the card computes
+
+    def _disk(self, fn, layer: int):
+        try:
+            return fn(layer)
+        except BaseException:
+            self.ready.clear()  # the pass stops here: no upload queued so far is taken for done by a later one
+            raise
 
     def weights(self, layer: int, names) -> dict[str, DeviceWeight]:
         """DeviceWeights of `names` for `layer`; the compute stream waits for the layer's upload."""
