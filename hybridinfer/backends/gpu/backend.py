@@ -248,10 +248,10 @@ class GPUModel:
         loader.init(device)  # BackendNotAvailableError without pycuda or a card
         with loader.model_context():
             self._build(gm, args, n_ctx, vram_budget, chunk, device, expert_counts, bus_bw, card_profile, fit_n_ctx,
-                        kv_stream, layers, progress)
+                        kv_stream, layers, progress, disk)
 
     def _build(self, gm, args, n_ctx, vram_budget, chunk, device, expert_counts, bus_bw, card_profile, fit_n_ctx,
-               kv_stream, layers, progress) -> None:
+               kv_stream, layers, progress, disk) -> None:
         loader.configure(card_profile)
         self.card_profile = card_profile
         self.compiled = loader.compile_all()
