@@ -131,7 +131,21 @@ def test_memory_limited_falls_back_to_a_fill_only_when_asked(monkeypatch):
         def release(self):
             made.append("released")
 
-    monkeypatch.setattr(memfill, "MemoryFill", Fake)
+    monkeypatch.setattr(memfill, "FillProcess", Fake)
     cmd, how, cleanup = disk.memory_limited(["true"], 1 << 30, fill=True)
     cleanup()
     assert cmd == ["true"] and f"filled for {1 << 30}" in how and made == [1 << 30, "released"]
+
+
+def test_fill_process_holds_the_fill_in_a_child_until_released():
+    """The fill as bench disk uses it: in a child process (which asks the OOM killer to spare it), its line read
+    back, ended by release()."""
+    from hybridinfer.tools.benchmarks.memfill import FillProcess, meminfo
+
+    f = FillProcess(meminfo()["MemAvailable"] - (128 << 20))
+    try:
+        assert f.how.startswith("host memory filled:") and "OOM killer" in f.how, f.how
+        assert f.p.poll() is None
+    finally:
+        f.release()
+    assert f.p.returncode == 0

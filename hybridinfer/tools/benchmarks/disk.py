@@ -130,9 +130,9 @@ def memory_limited(cmd: list[str], limit: int, fill: bool = False) -> tuple[list
             except (OSError, subprocess.TimeoutExpired):
                 continue
     if fill:
-        from .memfill import MemoryFill
+        from .memfill import FillProcess
 
-        f = MemoryFill(int(limit))
+        f = FillProcess(int(limit))
         return cmd, f"no cgroup (none writable, systemd-run refused): {f.how}", f.release
     return cmd, "could not be limited (no writable cgroup v2, systemd-run refused)", lambda: None
 
@@ -149,7 +149,10 @@ def llama_bench_limited(exe: str, path: str, threads: int, n_tokens: int, limit:
     """llama-bench's decode tok/s on the file under a memory limit of `limit` bytes (its default mmap: the page
     cache it reads through counts against the limit). A run past `timeout` seconds (a file paging through a small
     limit can take hours) is stopped: its speed is then below n_tokens / timeout (`tok_s_below`)."""
-    cmd = [exe, "-m", path, "-p", "0", "-n", str(n_tokens), "-t", str(threads), "-o", "json", "-r", "1"]
+    # --repack 0: the weights stay in the file's mapping (repacked, llama.cpp copies the whole model into anonymous
+    # memory, which no limit below the model's size holds)
+    cmd = [exe, "-m", path, "-p", "0", "-n", str(n_tokens), "-t", str(threads), "-o", "json", "-r", "1",
+           "--repack", "0"]
     _drop(path)
     cmd, how, cleanup = memory_limited(cmd, limit, fill)
     try:
@@ -160,6 +163,9 @@ def llama_bench_limited(exe: str, path: str, threads: int, n_tokens: int, limit:
     finally:
         cleanup()
     out = {"limit": how, "tok_s": None}
+    if r.returncode == -9:
+        out["error"] = "killed by signal 9 (the OOM killer: it outgrew the limit)"
+        return out
     if r.returncode != 0:
         out["error"] = f"exit {r.returncode}: {r.stderr.strip()[-300:]}"
         return out

@@ -67,3 +67,42 @@ class MemoryFill:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+class FillProcess:
+    """A MemoryFill held by a child process that asks the kernel's OOM killer to spare it (oom_score_adj -1000,
+    where allowed): when the command under the limit outgrows it, the command is killed, not the fill nor the
+    benchmark that started it. `how` is the child's line; release() ends it."""
+
+    def __init__(self, limit: int):
+        import subprocess
+        import sys
+
+        self.p = subprocess.Popen([sys.executable, "-m", __name__, str(int(limit))], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True)
+        self.how = self.p.stdout.readline().strip() or f"memory fill failed (exit {self.p.wait()})"
+
+    def release(self) -> None:
+        if self.p.poll() is None:
+            self.p.stdin.close()
+            self.p.wait(timeout=60)
+
+
+def _spared() -> bool:
+    try:
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("-1000")
+        return True
+    except OSError:
+        return False
+
+
+if __name__ == "__main__":
+    import sys
+
+    spared = _spared()
+    fill = MemoryFill(int(sys.argv[1]))
+    print(fill.how + ("; the fill spared by the OOM killer" if spared else "; the fill NOT spared by the OOM killer"),
+          flush=True)
+    sys.stdin.read()  # held until the parent closes our stdin
+    fill.release()
