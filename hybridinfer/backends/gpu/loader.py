@@ -38,6 +38,7 @@ def source_dir() -> Path:
 
 
 _ctx = None
+_primaries: dict = {}  # device -> its primary context, as card_context gave it (kept for the process)
 # the context a thread has made current with on_card (None: the first context, init's): modules, functions and
 # limits are kept per context, since a module loaded in one context cannot launch in another
 _tls = threading.local()
@@ -61,7 +62,7 @@ def init(device: int = 0):
         drv.init()
         if drv.Device.count() <= device:
             raise BackendNotAvailableError(f"no CUDA device {device} ({drv.Device.count()} present)")
-        _ctx = drv.Device(device).retain_primary_context()
+        _ctx = _primaries[device] = drv.Device(device).retain_primary_context()
         _ctx.push()
     except drv.Error as e:
         raise BackendNotAvailableError(f"CUDA initialisation failed: {e}") from None
@@ -109,10 +110,14 @@ def card_context(device: int):
     n = drv.Device.count()
     if not 0 <= device < n:
         raise BackendNotAvailableError(f"no CUDA device {device} ({n} present)")
-    try:
-        return drv.Device(device).retain_primary_context()
-    except drv.Error as e:
-        raise BackendNotAvailableError(f"CUDA device {device}: no context ({e})") from None
+    # one Context object a device, kept for the process: pycuda, releasing a collected primary context, pushes it
+    # first and leaves it current on the collecting thread
+    if device not in _primaries:
+        try:
+            _primaries[device] = drv.Device(device).retain_primary_context()
+        except drv.Error as e:
+            raise BackendNotAvailableError(f"CUDA device {device}: no context ({e})") from None
+    return _primaries[device]
 
 
 def device_name(device: int) -> str:
