@@ -4,14 +4,16 @@ five times the SIMD library's row kernels, which are built for the few-row produ
 EPYC: 62 against 12 GFLOP/s a core); the BLAS threads are numpy's (OPENBLAS_NUM_THREADS). A quantized mmproj's
 matrices go through the SIMD library in their stored bytes, activations in the format the type takes, in the
 MUL_MAT float shape (as llama.cpp); a type it lacks is dequantized to F32 once. The rest of the tower (norms,
-rotary, attention, GELUs) is the reference's numpy (backends/vision.py)."""
+rotary, softmax, GELUs) runs in numba row kernels on `n_threads` threads (cpu/vision_kernels.py), the attention's
+products through BLAS as in the reference (backends/vision.py)."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from ...format.quant_types import F16, F32
-from ..vision import RefVisionOps
+from ..vision import ATTN_SCORE_FLOATS, RefVisionOps, attention_blocks
+from . import vision_kernels as vk
 from .simd import GGML_MUL_MAT, KERNEL_TYPES
 
 
@@ -20,6 +22,8 @@ class CPUVisionOps(RefVisionOps):
         super().__init__(gm, args, tower)
         self.simd = simd
         self._raw: dict[str, tuple[np.ndarray, int, int, int]] = {}
+        self.rows = vk.RowPool(getattr(simd, "n_threads", 1))
+        self._scores = np.empty(0, np.float32)
 
     def _float(self, name: str) -> bool:
         t = self.gm.tensor("v.patch_embd.weight" if name == "v.patch_embd" else name + ".weight")
@@ -51,10 +55,58 @@ class CPUVisionOps(RefVisionOps):
 
     def linear(self, x: np.ndarray, name: str) -> np.ndarray:
         if self._float(name):
-            return super().linear(x, name)
+            out = np.matmul(x, self.matrix(name).T)
+            out += self.vector(name + ".bias")
+            return out
         w, q, rows, cols = self._weights(name)
         x = np.ascontiguousarray(x, dtype=np.float32)
         out = np.empty((x.shape[0], rows), np.float32)
         self.simd.matmul(w, q, rows, cols, self.simd.quantize(x, q), out, GGML_MUL_MAT)
         out += self.vector(name + ".bias")
         return out
+
+    def layer_norm(self, x: np.ndarray, name: str, eps: float) -> np.ndarray:
+        return self._rowwise(vk.layer_norm_rows, x, self.vector(name + ".weight"), self.vector(name + ".bias"),
+                             float(eps))
+
+    def gelu_tanh(self, x: np.ndarray) -> np.ndarray:
+        return self._rowwise(vk.gelu_tanh_rows, x, np.zeros(x.shape[-1], np.float32))
+
+    def gelu_erf(self, x: np.ndarray) -> np.ndarray:
+        return self._rowwise(vk.gelu_erf_rows, x, np.zeros(x.shape[-1], np.float32))
+
+    def linear_gelu(self, x: np.ndarray, name: str, kind: str) -> np.ndarray:
+        """The bias and the GELU in one pass over the product, in place (the MLP's rows are the tower's largest)."""
+        if not self._float(name):
+            return super().linear_gelu(x, name, kind)
+        out = np.matmul(x, self.matrix(name).T)
+        kernel = vk.gelu_tanh_rows if kind == "tanh" else vk.gelu_erf_rows
+        self.rows.run(kernel, (out, out), self.vector(name + ".bias"))
+        return out
+
+    def _rowwise(self, kernel, x: np.ndarray, *args) -> np.ndarray:
+        """kernel(x, out, *args) over x's rows (its last axis) on the pool: a new array."""
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        out = np.empty_like(x)
+        self.rows.run(kernel, (x.reshape(-1, x.shape[-1]), out.reshape(-1, x.shape[-1])), *args)
+        return out
+
+    def rotary(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+        out = np.empty(x.shape, np.float32)
+        self.rows.run(vk.rotate_rows, (x, cos, sin, out))
+        return out
+
+    def attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
+        """The reference's blocks, the softmax on the pool; the scores' buffer (at most ATTN_SCORE_FLOATS, 64 MiB)
+        is kept for the next layer and image."""
+        n, nh, _ = q.shape
+        need = nh * n * min(n, max(1, ATTN_SCORE_FLOATS // (n * nh)))
+        if self._scores.size < need:
+            self._scores = np.empty(need, np.float32)
+        return attention_blocks(q, k, v, scale, lambda sc, s: self.rows.run(vk.softmax_rows, (sc,), s),
+                                buf=self._scores)
+
+    def close(self) -> None:
+        self.rows.close()
+        self._scores = np.empty(0, np.float32)
+
