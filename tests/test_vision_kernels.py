@@ -64,34 +64,40 @@ def test_gelus_equal_formulas():
     assert np.array_equal(got, RefVisionOps(None, None, None).gelu_erf(x))  # the same float64 erf, rounded
 
 
-def test_rotate_rows_equals_model_rotate():
+def test_rope_heads_equals_model_rotate():
     from hybridinfer.models.qwen3vl_vision import rope_tables, rotate
 
     cos, sin = rope_tables(4, 6, 2, 16)
     qkv = _x((24, 3, 5, 16), seed=6)
-    got = np.empty((24, 5, 16), np.float32)
-    vk.rotate_rows(qkv[:, 1], cos, sin, got)  # a strided view, as the tower passes it
-    assert np.array_equal(got, rotate(qkv[:, 1], cos, sin))
+    qh, kt, vh = (np.full(shape, np.nan, np.float32) for shape in ((5, 24, 16), (5, 16, 24), (5, 24, 16)))
+    vk.rope_heads(0, 10, qkv, cos, sin, qh, kt, vh)
+    vk.rope_heads(10, 24, qkv, cos, sin, qh, kt, vh)
+    assert np.array_equal(qh, rotate(qkv[:, 0], cos, sin).transpose(1, 0, 2))
+    assert np.array_equal(kt, rotate(qkv[:, 1], cos, sin).transpose(1, 2, 0))
+    assert np.array_equal(vh, qkv[:, 2].transpose(1, 0, 2))
 
 
 def test_cpu_ops_equal_reference_ops_and_leave_inputs():
-    """CPUVisionOps' row ops and attention (softmax on the pool, products in blocks) against RefVisionOps."""
+    """CPUVisionOps' row ops and rotary attention (one rotating pass, softmax on the pool) against RefVisionOps;
+    attention_heads in several blocks with a short last one."""
     from types import SimpleNamespace
 
     from hybridinfer.backends.cpu.vision import CPUVisionOps
-    from hybridinfer.backends.vision import RefVisionOps
+    from hybridinfer.backends.vision import RefVisionOps, attention_blocks
     from hybridinfer.models import qwen3vl_vision
 
     cpu = CPUVisionOps(None, None, qwen3vl_vision, SimpleNamespace(n_threads=2))
     ref = RefVisionOps(None, None, qwen3vl_vision)
-    q, k, v = _x((50, 3, 8), 7), _x((50, 3, 8), 8), _x((50, 3, 8), 9)
-    keep = q.copy()
-    got, want = cpu.attention(q, k, v, 0.35), ref.attention(q, k, v, 0.35)
-    assert float(np.abs(got - want).max()) <= 1e-6 * float(np.abs(want).max()) and np.array_equal(q, keep)
-    from hybridinfer.backends.vision import attention_blocks
-
+    cos, sin = qwen3vl_vision.rope_tables(10, 6, 2, 8)
+    qkv = _x((60, 3, 3, 8), 7)
+    keep = qkv.copy()
+    got, want = cpu.rotary_attention(qkv, cos, sin, 0.35), ref.rotary_attention(qkv, cos, sin, 0.35)
+    assert got.shape == (60, 3, 8) and np.array_equal(qkv, keep)
+    assert float(np.abs(got - want).max()) <= 1e-6 * float(np.abs(want).max())
+    q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
     small = attention_blocks(q, k, v, 0.35, lambda sc, s: cpu.rows.run(vk.softmax_rows, (sc,), s), score_floats=500)
-    assert float(np.abs(small - want).max()) <= 1e-6 * float(np.abs(want).max())  # several blocks, a short last
+    whole = ref.attention(np.ascontiguousarray(q), np.ascontiguousarray(k), np.ascontiguousarray(v), 0.35)
+    assert float(np.abs(small - whole).max()) <= 1e-6 * float(np.abs(whole).max())
     x = _x((6, 40), 10)
     keep = x.copy()
     assert np.allclose(cpu.gelu_tanh(x), ref.gelu_tanh(x), rtol=1e-6, atol=1e-6) and np.array_equal(x, keep)
@@ -109,9 +115,12 @@ def test_row_pool_covers_every_row_once():
         seen.clear()
         pool = vk.RowPool(threads)
         pool.run(kernel, (np.arange(n),), "t")
-        pool.close()
         assert sorted(r for _, rows in seen for r in rows) == list(range(n)) and all(t == "t" for t, _ in seen)
         assert len(seen) == min(threads, n)
+        seen.clear()
+        pool.run_ranges(lambda s, e, tag: seen.append((tag, list(range(s, e)))), n, "r")
+        pool.close()
+        assert sorted(r for _, rows in seen for r in rows) == list(range(n)) and len(seen) == min(threads, n)
 
 
 def test_row_pool_raises_the_kernels_error():

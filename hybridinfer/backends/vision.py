@@ -117,6 +117,11 @@ class RefVisionOps:
     def linear_gelu(self, x: np.ndarray, name: str, kind: str) -> np.ndarray:
         return (self.gelu_tanh if kind == "tanh" else self.gelu_erf)(self.linear(x, name))
 
+    def rotary_attention(self, qkv: np.ndarray, cos: np.ndarray, sin: np.ndarray, scale: float) -> np.ndarray:
+        """attention(rotary(q), rotary(k), v) of qkv [rows, 3, heads, head_dim] -> [rows, heads, head_dim]."""
+        q, k = self.rotary(qkv[:, 0], cos, sin), self.rotary(qkv[:, 1], cos, sin)
+        return self.attention(q, k, np.ascontiguousarray(qkv[:, 2]), scale)
+
     def rotary(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
         return self.tower.rotate(x, cos, sin)
 
@@ -131,16 +136,23 @@ class RefVisionOps:
 
 
 def attention_blocks(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, softmax,
-                     score_floats: int = ATTN_SCORE_FLOATS, buf: np.ndarray | None = None) -> np.ndarray:
-    """softmax(q kᵀ · scale) v per head, q, k, v [rows, heads, head_dim]: a batched product over the heads per block
-    of query rows holding at most `score_floats` scores; softmax(scores [r, n], scale) normalizes rows in place.
-    buf: a float32 buffer for the scores, used when large enough (a fresh large array costs a page fault per 4 KiB
-    on every call)."""
-    n, nh, _ = q.shape
+                     score_floats: int = ATTN_SCORE_FLOATS) -> np.ndarray:
+    """`attention_heads` of q, k, v [rows, heads, head_dim] laid out head-major."""
     qh = np.ascontiguousarray(q.transpose(1, 0, 2))  # (heads, rows, hd): contiguous operands for BLAS
     kt = np.ascontiguousarray(k.transpose(1, 2, 0))
     vh = np.ascontiguousarray(v.transpose(1, 0, 2))
-    out = np.empty((nh, n, v.shape[2]), np.float32)
+    return attention_heads(qh, kt, vh, scale, softmax, score_floats)
+
+
+def attention_heads(qh: np.ndarray, kt: np.ndarray, vh: np.ndarray, scale: float, softmax,
+                    score_floats: int = ATTN_SCORE_FLOATS, buf: np.ndarray | None = None) -> np.ndarray:
+    """softmax(q kᵀ · scale) v per head -> [rows, heads, head_dim], from qh, vh [heads, rows, head_dim] and kt
+    [heads, head_dim, rows] (or a transposed view): a batched product over the heads per block of query rows holding
+    at most `score_floats` scores; softmax(scores [r, n], scale) normalizes rows in place. buf: a float32 buffer for
+    the scores, used when large enough (a fresh large array costs a page fault per 4 KiB on every call)."""
+    nh, n, hd = qh.shape
+    out = np.empty((n, nh, hd), np.float32)
+    oh = out.transpose(1, 0, 2)  # the products write the heads' rows in place: no transpose after
     block = min(n, max(1, score_floats // (n * nh)))
     if buf is None or buf.size < nh * block * n:
         buf = np.empty(nh * block * n, np.float32)
@@ -149,8 +161,8 @@ def attention_blocks(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, 
         sc = buf[:nh * rows * n].reshape(nh, rows, n)
         np.matmul(qh[:, s:s + rows], kt, out=sc)
         softmax(sc.reshape(-1, n), np.float32(scale))
-        np.matmul(sc, vh, out=out[:, s:s + rows])
-    return np.ascontiguousarray(out.transpose(1, 0, 2))
+        np.matmul(sc, vh, out=oh[:, s:s + rows])
+    return out
 
 
 class VisionEncoder:

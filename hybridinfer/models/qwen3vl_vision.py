@@ -137,8 +137,7 @@ class VisionOps(Protocol):
     def gelu_tanh(self, x: np.ndarray) -> np.ndarray: ...
     def gelu_erf(self, x: np.ndarray) -> np.ndarray: ...
     def linear_gelu(self, x: np.ndarray, name: str, kind: str) -> np.ndarray: ...  # gelu_<kind>(linear(x, name))
-    def rotary(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray: ...
-    def attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray: ...
+    def rotary_attention(self, qkv: np.ndarray, cos: np.ndarray, sin: np.ndarray, scale: float) -> np.ndarray: ...
     def vector(self, name: str) -> np.ndarray: ...
 
 
@@ -181,7 +180,7 @@ def rope_tables(gh: int, gw: int, m: int, head_dim: int) -> tuple[np.ndarray, np
 
 
 def rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-    """x [rows, heads, head_dim] rotated: x · cos + rotate_half(x) · sin (the reference's `rotary` op)."""
+    """x [rows, heads, head_dim] rotated: x · cos + rotate_half(x) · sin (the reference's rotary embedding)."""
     h = x.shape[-1] // 2
     rot = np.concatenate([-x[..., h:], x[..., :h]], axis=-1)
     return x * cos[:, None, :] + rot * sin[:, None, :]
@@ -200,9 +199,7 @@ def forward(a: VisionArgs, ops: VisionOps, patches: np.ndarray, grid: tuple[int,
     for i in range(a.n_layer):
         b = f"v.blk.{i}."
         qkv = ops.linear(ops.layer_norm(x, b + "ln1", a.eps), b + "attn_qkv").reshape(n, 3, nh, hd)
-        q, k = ops.rotary(qkv[:, 0], cos, sin), ops.rotary(qkv[:, 1], cos, sin)
-        o = ops.attention(q.astype(np.float32, copy=False), k.astype(np.float32, copy=False),
-                          np.ascontiguousarray(qkv[:, 2]), hd ** -0.5)
+        o = ops.rotary_attention(qkv, cos, sin, hd ** -0.5)
         x = x + ops.linear(o.reshape(n, c), b + "attn_out")
         y = ops.linear_gelu(ops.layer_norm(x, b + "ln2", a.eps), b + "ffn_up", "tanh")
         x = x + ops.linear(y, b + "ffn_down")

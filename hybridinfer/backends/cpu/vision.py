@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...format.quant_types import F16, F32
-from ..vision import ATTN_SCORE_FLOATS, RefVisionOps, attention_blocks
+from ..vision import ATTN_SCORE_FLOATS, RefVisionOps, attention_heads
 from . import vision_kernels as vk
 from .simd import GGML_MUL_MAT, KERNEL_TYPES
 
@@ -91,20 +91,18 @@ class CPUVisionOps(RefVisionOps):
         self.rows.run(kernel, (x.reshape(-1, x.shape[-1]), out.reshape(-1, x.shape[-1])), *args)
         return out
 
-    def rotary(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-        out = np.empty(x.shape, np.float32)
-        self.rows.run(vk.rotate_rows, (x, cos, sin, out))
-        return out
-
-    def attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
-        """The reference's blocks, the softmax on the pool; the scores' buffer (at most ATTN_SCORE_FLOATS, 64 MiB)
-        is kept for the next layer and image."""
-        n, nh, _ = q.shape
+    def rotary_attention(self, qkv: np.ndarray, cos: np.ndarray, sin: np.ndarray, scale: float) -> np.ndarray:
+        """q and k rotated and laid out for the products (kᵀ per head) in one pass on the pool, then the reference's
+        blocks of products with the softmax on the pool; the scores' buffer (at most ATTN_SCORE_FLOATS, 64 MiB) is
+        kept for the next layer and image."""
+        n, _, nh, hd = qkv.shape
+        qh, vh, kt = (np.empty(shape, np.float32) for shape in ((nh, n, hd), (nh, n, hd), (nh, hd, n)))
+        self.rows.run_ranges(vk.rope_heads, n, qkv, cos, sin, qh, kt, vh)
         need = nh * n * min(n, max(1, ATTN_SCORE_FLOATS // (n * nh)))
         if self._scores.size < need:
             self._scores = np.empty(need, np.float32)
-        return attention_blocks(q, k, v, scale, lambda sc, s: self.rows.run(vk.softmax_rows, (sc,), s),
-                                buf=self._scores)
+        return attention_heads(qh, kt, vh, scale,
+                               lambda sc, s: self.rows.run(vk.softmax_rows, (sc,), s), buf=self._scores)
 
     def close(self) -> None:
         self.rows.close()

@@ -130,17 +130,22 @@ def gelu_erf_rows(x, out, bias):
 
 
 @numba.njit(**_KW)
-def rotate_rows(x, cos, sin, out):
-    """out[i, h] = x[i, h] · cos[i] + rotate_half(x[i, h]) · sin[i] (NeoX halves), x [rows, heads, head_dim]."""
-    half = x.shape[2] // 2
-    for i in range(x.shape[0]):
+def rope_heads(start, stop, qkv, cos, sin, qh, kt, vh):
+    """Rows [start, stop) of qkv [rows, 3, heads, head_dim] laid out for the attention's products: qh, vh [heads,
+    rows, head_dim] and kt [heads, head_dim, rows], q and k rotated: x · cos + rotate_half(x) · sin (NeoX halves;
+    the model's `rotate`, op for op)."""
+    half = qkv.shape[3] // 2
+    for i in range(start, stop):
         c, s = cos[i], sin[i]
-        for h in range(x.shape[1]):
-            a, o = x[i, h], out[i, h]
+        for h in range(qkv.shape[2]):
+            a, b, o = qkv[i, 0, h], qkv[i, 1, h], qh[h, i]
             for d in range(half):
                 o[d] = a[d] * c[d] + -a[d + half] * s[d]
+                kt[h, d, i] = b[d] * c[d] + -b[d + half] * s[d]
             for d in range(half, a.shape[0]):
                 o[d] = a[d] * c[d] + a[d - half] * s[d]
+                kt[h, d, i] = b[d] * c[d] + b[d - half] * s[d]
+            vh[h, i, :] = qkv[i, 2, h]
 
 
 class RowPool:
@@ -153,16 +158,21 @@ class RowPool:
 
     def run(self, kernel, rows: tuple, *args) -> None:
         """kernel(*(a[s:e] for a in rows), *args) for row ranges [s, e) covering rows[0]'s first axis."""
-        n = rows[0].shape[0]
+        self._split(rows[0].shape[0], lambda s, e: kernel(*(a[s:e] for a in rows), *args))
+
+    def run_ranges(self, kernel, n: int, *args) -> None:
+        """kernel(s, e, *args) for ranges [s, e) covering [0, n)."""
+        self._split(n, lambda s, e: kernel(s, e, *args))
+
+    def _split(self, n: int, call) -> None:
         k = min(self.n, n)
         if self._ex is None or k < 2:
-            kernel(*rows, *args)
+            call(0, n)
             return
         cuts = [n * i // k for i in range(k + 1)]
-        jobs = [self._ex.submit(kernel, *(a[s:e] for a in rows), *args) for s, e in zip(cuts[1:-1], cuts[2:],
-                                                                                         strict=True)]
+        jobs = [self._ex.submit(call, s, e) for s, e in zip(cuts[1:-1], cuts[2:], strict=True)]
         try:
-            kernel(*(a[:cuts[1]] for a in rows), *args)
+            call(0, cuts[1])
         finally:
             for j in jobs:
                 j.result()
