@@ -145,11 +145,13 @@ def attention_blocks(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, 
 
 
 def attention_heads(qh: np.ndarray, kt: np.ndarray, vh: np.ndarray, scale: float, softmax,
-                    score_floats: int = ATTN_SCORE_FLOATS, buf: np.ndarray | None = None) -> np.ndarray:
+                    score_floats: int = ATTN_SCORE_FLOATS, buf: np.ndarray | None = None, matmul=None) -> np.ndarray:
     """softmax(q kᵀ · scale) v per head -> [rows, heads, head_dim], from qh, vh [heads, rows, head_dim] and kt
     [heads, head_dim, rows] (or a transposed view): a batched product over the heads per block of query rows holding
     at most `score_floats` scores; softmax(scores [r, n], scale) normalizes rows in place. buf: a float32 buffer for
-    the scores, used when large enough (a fresh large array costs a page fault per 4 KiB on every call)."""
+    the scores, used when large enough (a fresh large array costs a page fault per 4 KiB on every call). matmul(a, b,
+    out): the batched product (None: numpy's)."""
+    mm = matmul or (lambda a, b, out: np.matmul(a, b, out=out))
     nh, n, hd = qh.shape
     out = np.empty((n, nh, hd), np.float32)
     oh = out.transpose(1, 0, 2)  # the products write the heads' rows in place: no transpose after
@@ -159,9 +161,9 @@ def attention_heads(qh: np.ndarray, kt: np.ndarray, vh: np.ndarray, scale: float
     for s in range(0, n, block):
         rows = min(block, n - s)
         sc = buf[:nh * rows * n].reshape(nh, rows, n)
-        np.matmul(qh[:, s:s + rows], kt, out=sc)
+        mm(qh[:, s:s + rows], kt, sc)
         softmax(sc.reshape(-1, n), np.float32(scale))
-        np.matmul(sc, vh, out=oh[:, s:s + rows])
+        mm(sc, vh, oh[:, s:s + rows])
     return out
 
 

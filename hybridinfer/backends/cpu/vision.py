@@ -1,11 +1,12 @@
 """The vision tower's products on the CPU. The tower is compute-bound (hundreds of rows per product): F32 and F16
 matrices (what mmproj files hold) go through numpy's BLAS on F32 copies made once, a blocked SGEMM that runs about
 five times the SIMD library's row kernels, which are built for the few-row products of decode (2026-11-28, 2-core
-EPYC: 62 against 12 GFLOP/s a core); the BLAS threads are numpy's (OPENBLAS_NUM_THREADS). A quantized mmproj's
+EPYC: 62 against 12 GFLOP/s a core), split by rows (attention: by heads) over `n_threads` threads of the tower's
+own, numpy's OpenBLAS held to one thread meanwhile (cpu/blas_threads.py says why). A quantized mmproj's
 matrices go through the SIMD library in their stored bytes, activations in the format the type takes, in the
 MUL_MAT float shape (as llama.cpp); a type it lacks is dequantized to F32 once. The rest of the tower (norms,
-rotary, softmax, GELUs) runs in numba row kernels on `n_threads` threads (cpu/vision_kernels.py), the attention's
-products through BLAS as in the reference (backends/vision.py)."""
+rotary, softmax, GELUs) runs in numba row kernels on the same threads (cpu/vision_kernels.py), the attention in
+the reference's blocks (backends/vision.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import numpy as np
 
 from ...format.quant_types import F16, F32
 from ..vision import ATTN_SCORE_FLOATS, RefVisionOps, attention_heads
+from . import blas_threads
 from . import vision_kernels as vk
 from .simd import GGML_MUL_MAT, KERNEL_TYPES
 
@@ -24,6 +26,19 @@ class CPUVisionOps(RefVisionOps):
         self._raw: dict[str, tuple[np.ndarray, int, int, int]] = {}
         self.rows = vk.RowPool(getattr(simd, "n_threads", 1))
         self._scores = np.empty(0, np.float32)
+        self._split = blas_threads.available()
+
+    def _matmul(self, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """out = a @ b over the pool in parts, each a one-thread BLAS product: b's columns (out's) for a matrix b, the
+        stack's first axis for stacked ones; without a handle on numpy's BLAS threads, one product on BLAS's own."""
+        if not self._split:
+            return np.matmul(a, b, out=out)
+        with blas_threads.one_thread():
+            if a.ndim == b.ndim == 3:
+                self.rows.run(_mm, (a, b, out), chunks=2 * self.rows.n)
+            else:  # by the weight's rows (out's columns): each part packs only its own slice of the weights
+                self.rows.run_ranges(_mm_cols, b.shape[1], a, b, out, chunks=2 * self.rows.n)
+        return out
 
     def _float(self, name: str) -> bool:
         t = self.gm.tensor("v.patch_embd.weight" if name == "v.patch_embd" else name + ".weight")
@@ -55,7 +70,8 @@ class CPUVisionOps(RefVisionOps):
 
     def linear(self, x: np.ndarray, name: str) -> np.ndarray:
         if self._float(name):
-            out = np.matmul(x, self.matrix(name).T)
+            w = self.matrix(name)
+            out = self._matmul(x, w.T, np.empty((x.shape[0], w.shape[0]), np.float32))
             out += self.vector(name + ".bias")
             return out
         w, q, rows, cols = self._weights(name)
@@ -79,7 +95,8 @@ class CPUVisionOps(RefVisionOps):
         """The bias and the GELU in one pass over the product, in place (the MLP's rows are the tower's largest)."""
         if not self._float(name):
             return super().linear_gelu(x, name, kind)
-        out = np.matmul(x, self.matrix(name).T)
+        w = self.matrix(name)
+        out = self._matmul(x, w.T, np.empty((x.shape[0], w.shape[0]), np.float32))
         kernel = vk.gelu_tanh_rows if kind == "tanh" else vk.gelu_erf_rows
         self.rows.run(kernel, (out, out), self.vector(name + ".bias"))
         return out
@@ -101,10 +118,18 @@ class CPUVisionOps(RefVisionOps):
         need = nh * n * min(n, max(1, ATTN_SCORE_FLOATS // (n * nh)))
         if self._scores.size < need:
             self._scores = np.empty(need, np.float32)
-        return attention_heads(qh, kt, vh, scale,
-                               lambda sc, s: self.rows.run(vk.softmax_rows, (sc,), s), buf=self._scores)
+        return attention_heads(qh, kt, vh, scale, lambda sc, s: self.rows.run(vk.softmax_rows, (sc,), s),
+                               buf=self._scores, matmul=self._matmul)
 
     def close(self) -> None:
         self.rows.close()
         self._scores = np.empty(0, np.float32)
 
+
+
+def _mm(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+    np.matmul(a, b, out=out)
+
+
+def _mm_cols(s: int, e: int, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+    np.matmul(a, b[:, s:e], out=out[:, s:e])

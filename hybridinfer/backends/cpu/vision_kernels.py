@@ -16,6 +16,7 @@ largest non-product cost; the tanh GELU is written with it as x·sigmoid(2u), th
 from __future__ import annotations
 
 import math
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numba
@@ -149,30 +150,42 @@ def rope_heads(start, stop, qkv, cos, sin, qh, kt, vh):
 
 
 class RowPool:
-    """Runs a row kernel over `n_threads` slices of its arrays' rows (the first axis): the caller's thread takes
-    one, n_threads - 1 others (which sleep between calls) the rest."""
+    """Runs a kernel over ranges of rows on `n_threads` threads: the caller's and n_threads - 1 others (which sleep
+    between calls). `chunks` ranges (default: one a thread) are taken in turn by whichever thread is free, so a
+    thread the machine's other work holds back takes fewer (the products ask for two a thread)."""
 
     def __init__(self, n_threads: int):
         self.n = max(1, int(n_threads))
         self._ex = ThreadPoolExecutor(self.n - 1, thread_name_prefix="vision-rows") if self.n > 1 else None
 
-    def run(self, kernel, rows: tuple, *args) -> None:
+    def run(self, kernel, rows: tuple, *args, chunks: int | None = None) -> None:
         """kernel(*(a[s:e] for a in rows), *args) for row ranges [s, e) covering rows[0]'s first axis."""
-        self._split(rows[0].shape[0], lambda s, e: kernel(*(a[s:e] for a in rows), *args))
+        self._split(rows[0].shape[0], lambda s, e: kernel(*(a[s:e] for a in rows), *args), chunks)
 
-    def run_ranges(self, kernel, n: int, *args) -> None:
+    def run_ranges(self, kernel, n: int, *args, chunks: int | None = None) -> None:
         """kernel(s, e, *args) for ranges [s, e) covering [0, n)."""
-        self._split(n, lambda s, e: kernel(s, e, *args))
+        self._split(n, lambda s, e: kernel(s, e, *args), chunks)
 
-    def _split(self, n: int, call) -> None:
-        k = min(self.n, n)
+    def _split(self, n: int, call, chunks: int | None) -> None:
+        k = min(chunks or self.n, n)
         if self._ex is None or k < 2:
             call(0, n)
             return
         cuts = [n * i // k for i in range(k + 1)]
-        jobs = [self._ex.submit(call, s, e) for s, e in zip(cuts[1:-1], cuts[2:], strict=True)]
+        todo = iter(list(zip(cuts[:-1], cuts[1:], strict=True)))
+        lock = threading.Lock()
+
+        def drain():
+            while True:
+                with lock:
+                    r = next(todo, None)
+                if r is None:
+                    return
+                call(*r)
+
+        jobs = [self._ex.submit(drain) for _ in range(min(self.n, k) - 1)]
         try:
-            call(0, cuts[1])
+            drain()
         finally:
             for j in jobs:
                 j.result()
