@@ -131,3 +131,35 @@ def test_row_pool_raises_the_kernels_error():
     with pytest.raises(ValueError, match="bad rows"):
         pool.run(kernel, (np.zeros(4),))
     pool.close()
+
+
+def test_one_thread_blas_holds_and_restores_the_count():
+    from hybridinfer.backends.cpu import blas_threads
+
+    if not blas_threads.available():
+        pytest.skip("numpy's BLAS is not a bundled OpenBLAS: one_thread does nothing here")
+    get, _ = blas_threads._funcs
+    before = get()
+    with blas_threads.one_thread() as held:
+        assert held and get() == 1
+        with blas_threads.one_thread():
+            assert get() == 1
+        assert get() == 1  # the inner exit leaves the outer's hold
+    assert get() == before
+
+
+def test_cpu_products_in_parts_equal_numpy():
+    """_matmul's parts (weight columns dealt to threads; stacked products by their first axis) equal one product."""
+    from types import SimpleNamespace
+
+    from hybridinfer.backends.cpu.vision import CPUVisionOps
+
+    ops = CPUVisionOps(None, None, None, SimpleNamespace(n_threads=3))
+    a, w = _x((37, 50), 11), _x((41, 50), 12)
+    got, want = ops._matmul(a, w.T, np.empty((37, 41), np.float32)), a @ w.T
+    assert float(np.abs(got - want).max()) <= 1e-6 * float(np.abs(want).max())  # summation order only
+    q, kt = _x((5, 9, 8), 13), _x((5, 8, 11), 14)
+    out = np.empty((5, 11, 9), np.float32).transpose(0, 2, 1)  # a strided out, as the attention's
+    ops._matmul(q, kt, out)
+    assert float(np.abs(out - q @ kt).max()) <= 1e-6 * float(np.abs(q @ kt).max())
+    ops.close()
