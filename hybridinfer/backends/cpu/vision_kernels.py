@@ -152,7 +152,7 @@ def rope_heads(start, stop, qkv, cos, sin, qh, kt, vh):
 class RowPool:
     """Runs a kernel over ranges of rows on `n_threads` threads: the caller's and n_threads - 1 others (which sleep
     between calls). `chunks` ranges (default: one a thread) are taken in turn by whichever thread is free, so a
-    thread the machine's other work holds back takes fewer (the products ask for two a thread)."""
+    thread the machine's other work holds back takes fewer (the attention's products ask for two a thread)."""
 
     def __init__(self, n_threads: int):
         self.n = max(1, int(n_threads))
