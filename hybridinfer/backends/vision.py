@@ -1,6 +1,6 @@
 """The vision tower (models/qwen3vl_vision.py) on a backend: the numpy reference's ops, and the encoder object the
-engine holds (`ImageEncoder` of models/vision_types.py). The CPU's ops (cpu/vision.py) multiply through the SIMD
-library; everything but the products is the same numpy on both."""
+engine holds (`ImageEncoder` of models/vision_types.py). The reference is the oracle: the CPU's ops (cpu/vision.py)
+replace its numpy with threaded products and numba row kernels, and the tests hold them to it."""
 
 from __future__ import annotations
 

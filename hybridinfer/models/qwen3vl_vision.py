@@ -164,7 +164,10 @@ def position_embedding(table: np.ndarray, side: int, gh: int, gw: int, m: int) -
     wt, ww = taps(cols, gw)
     idx = (ht[:, :, None] * side + wt[:, None, :]).reshape(-1, 4)
     wgt = (hw[:, :, None] * ww[:, None, :]).reshape(-1, 4)
-    return (table[idx] * wgt[:, :, None]).sum(1, dtype=np.float32)
+    out = table[idx[:, 0]] * wgt[:, 0:1]  # the four taps summed in order, without a [N, 4, C] temporary
+    for j in range(1, 4):
+        out += table[idx[:, j]] * wgt[:, j:j + 1]
+    return out
 
 
 def rope_tables(gh: int, gw: int, m: int, head_dim: int) -> tuple[np.ndarray, np.ndarray]:
