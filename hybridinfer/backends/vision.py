@@ -1,6 +1,6 @@
 """The vision tower (models/qwen3vl_vision.py) on a backend: the numpy reference's ops, and the encoder object the
-engine holds (`ImageEncoder` of models/vision_types.py). The CPU's ops (cpu/vision.py) multiply through the SIMD
-library; everything but the products is the same numpy on both."""
+engine holds (`ImageEncoder` of models/vision_types.py). The reference is the oracle: the CPU's ops (cpu/vision.py)
+replace its numpy with threaded products and numba row kernels, and the tests hold them to it."""
 
 from __future__ import annotations
 
@@ -114,24 +114,57 @@ class RefVisionOps:
             _GELU_ERF = _gelu_erf_kernel()
         return _GELU_ERF(np.ascontiguousarray(x, dtype=np.float32))
 
+    def linear_gelu(self, x: np.ndarray, name: str, kind: str) -> np.ndarray:
+        return (self.gelu_tanh if kind == "tanh" else self.gelu_erf)(self.linear(x, name))
+
+    def rotary_attention(self, qkv: np.ndarray, cos: np.ndarray, sin: np.ndarray, scale: float) -> np.ndarray:
+        """attention(rotary(q), rotary(k), v) of qkv [rows, 3, heads, head_dim] -> [rows, heads, head_dim]."""
+        q, k = self.rotary(qkv[:, 0], cos, sin), self.rotary(qkv[:, 1], cos, sin)
+        return self.attention(q, k, np.ascontiguousarray(qkv[:, 2]), scale)
+
+    def rotary(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+        return self.tower.rotate(x, cos, sin)
+
     def attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
         """Full (non-causal) attention within the image, all heads in one batched product per block of query rows
         (bounded memory), each score row scaled, max-subtracted, exponentiated and normalized in place over numba's
         threads (numpy's ufuncs run on one core, and the exponentials were half the tower's attention time)."""
-        n, nh, _ = q.shape
-        qh = np.ascontiguousarray(q.transpose(1, 0, 2))  # (heads, rows, hd): contiguous operands for BLAS
-        kt = np.ascontiguousarray(k.transpose(1, 2, 0))
-        vh = np.ascontiguousarray(v.transpose(1, 0, 2))
-        out = np.empty((nh, n, v.shape[2]), np.float32)
-        block = max(1, ATTN_SCORE_FLOATS // (n * nh))
         global _SOFTMAX
         if _SOFTMAX is None:
             _SOFTMAX = _softmax_kernel()
-        for s in range(0, n, block):
-            sc = np.matmul(qh[:, s:s + block], kt)
-            _SOFTMAX(sc.reshape(-1, n), np.float32(scale))
-            np.matmul(sc, vh, out=out[:, s:s + block])
-        return np.ascontiguousarray(out.transpose(1, 0, 2))
+        return attention_blocks(q, k, v, scale, _SOFTMAX)
+
+
+def attention_blocks(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, softmax,
+                     score_floats: int = ATTN_SCORE_FLOATS) -> np.ndarray:
+    """`attention_heads` of q, k, v [rows, heads, head_dim] laid out head-major."""
+    qh = np.ascontiguousarray(q.transpose(1, 0, 2))  # (heads, rows, hd): contiguous operands for BLAS
+    kt = np.ascontiguousarray(k.transpose(1, 2, 0))
+    vh = np.ascontiguousarray(v.transpose(1, 0, 2))
+    return attention_heads(qh, kt, vh, scale, softmax, score_floats)
+
+
+def attention_heads(qh: np.ndarray, kt: np.ndarray, vh: np.ndarray, scale: float, softmax,
+                    score_floats: int = ATTN_SCORE_FLOATS, buf: np.ndarray | None = None, matmul=None) -> np.ndarray:
+    """softmax(q kᵀ · scale) v per head -> [rows, heads, head_dim], from qh, vh [heads, rows, head_dim] and kt
+    [heads, head_dim, rows] (or a transposed view): a batched product over the heads per block of query rows holding
+    at most `score_floats` scores; softmax(scores [r, n], scale) normalizes rows in place. buf: a float32 buffer for
+    the scores, used when large enough (a fresh large array costs a page fault per 4 KiB on every call). matmul(a, b,
+    out): the batched product (None: numpy's)."""
+    mm = matmul or (lambda a, b, out: np.matmul(a, b, out=out))
+    nh, n, hd = qh.shape
+    out = np.empty((n, nh, hd), np.float32)
+    oh = out.transpose(1, 0, 2)  # the products write the heads' rows in place: no transpose after
+    block = min(n, max(1, score_floats // (n * nh)))
+    if buf is None or buf.size < nh * block * n:
+        buf = np.empty(nh * block * n, np.float32)
+    for s in range(0, n, block):
+        rows = min(block, n - s)
+        sc = buf[:nh * rows * n].reshape(nh, rows, n)
+        mm(qh[:, s:s + rows], kt, sc)
+        softmax(sc.reshape(-1, n), np.float32(scale))
+        mm(sc, vh, oh[:, s:s + rows])
+    return out
 
 
 class VisionEncoder:

@@ -136,7 +136,8 @@ class VisionOps(Protocol):
     def layer_norm(self, x: np.ndarray, name: str, eps: float) -> np.ndarray: ...
     def gelu_tanh(self, x: np.ndarray) -> np.ndarray: ...
     def gelu_erf(self, x: np.ndarray) -> np.ndarray: ...
-    def attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray: ...
+    def linear_gelu(self, x: np.ndarray, name: str, kind: str) -> np.ndarray: ...  # gelu_<kind>(linear(x, name))
+    def rotary_attention(self, qkv: np.ndarray, cos: np.ndarray, sin: np.ndarray, scale: float) -> np.ndarray: ...
     def vector(self, name: str) -> np.ndarray: ...
 
 
@@ -163,7 +164,10 @@ def position_embedding(table: np.ndarray, side: int, gh: int, gw: int, m: int) -
     wt, ww = taps(cols, gw)
     idx = (ht[:, :, None] * side + wt[:, None, :]).reshape(-1, 4)
     wgt = (hw[:, :, None] * ww[:, None, :]).reshape(-1, 4)
-    return (table[idx] * wgt[:, :, None]).sum(1, dtype=np.float32)
+    out = table[idx[:, 0]] * wgt[:, 0:1]  # the four taps summed in order, without a [N, 4, C] temporary
+    for j in range(1, 4):
+        out += table[idx[:, j]] * wgt[:, j:j + 1]
+    return out
 
 
 def rope_tables(gh: int, gw: int, m: int, head_dim: int) -> tuple[np.ndarray, np.ndarray]:
@@ -178,7 +182,8 @@ def rope_tables(gh: int, gw: int, m: int, head_dim: int) -> tuple[np.ndarray, np
     return np.cos(f).astype(np.float32), np.sin(f).astype(np.float32)
 
 
-def _rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+def rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """x [rows, heads, head_dim] rotated: x · cos + rotate_half(x) · sin (the reference's rotary embedding)."""
     h = x.shape[-1] // 2
     rot = np.concatenate([-x[..., h:], x[..., :h]], axis=-1)
     return x * cos[:, None, :] + rot * sin[:, None, :]
@@ -197,10 +202,9 @@ def forward(a: VisionArgs, ops: VisionOps, patches: np.ndarray, grid: tuple[int,
     for i in range(a.n_layer):
         b = f"v.blk.{i}."
         qkv = ops.linear(ops.layer_norm(x, b + "ln1", a.eps), b + "attn_qkv").reshape(n, 3, nh, hd)
-        q, k = _rotate(qkv[:, 0], cos, sin), _rotate(qkv[:, 1], cos, sin)
-        o = ops.attention(q.astype(np.float32), k.astype(np.float32), np.ascontiguousarray(qkv[:, 2]), hd ** -0.5)
+        o = ops.rotary_attention(qkv, cos, sin, hd ** -0.5)
         x = x + ops.linear(o.reshape(n, c), b + "attn_out")
-        y = ops.gelu_tanh(ops.linear(ops.layer_norm(x, b + "ln2", a.eps), b + "ffn_up"))
+        y = ops.linear_gelu(ops.layer_norm(x, b + "ln2", a.eps), b + "ffn_up", "tanh")
         x = x + ops.linear(y, b + "ffn_down")
     y = ops.layer_norm(x, "v.post_ln", a.eps).reshape(n // (m * m), a.merged_dim)
-    return ops.linear(ops.gelu_erf(ops.linear(y, "mm.0")), "mm.2")
+    return ops.linear(ops.linear_gelu(y, "mm.0", "erf"), "mm.2")

@@ -1,17 +1,21 @@
 """The vision tower's products on the CPU. The tower is compute-bound (hundreds of rows per product): F32 and F16
 matrices (what mmproj files hold) go through numpy's BLAS on F32 copies made once, a blocked SGEMM that runs about
 five times the SIMD library's row kernels, which are built for the few-row products of decode (2026-11-28, 2-core
-EPYC: 62 against 12 GFLOP/s a core); the BLAS threads are numpy's (OPENBLAS_NUM_THREADS). A quantized mmproj's
+EPYC: 62 against 12 GFLOP/s a core), split by rows (attention: by heads) over `n_threads` threads of the tower's
+own, numpy's OpenBLAS held to one thread meanwhile (cpu/blas_threads.py says why). A quantized mmproj's
 matrices go through the SIMD library in their stored bytes, activations in the format the type takes, in the
 MUL_MAT float shape (as llama.cpp); a type it lacks is dequantized to F32 once. The rest of the tower (norms,
-rotary, attention, GELUs) is the reference's numpy (backends/vision.py)."""
+rotary, softmax, GELUs) runs in numba row kernels on the same threads (cpu/vision_kernels.py), the attention in
+the reference's blocks (backends/vision.py)."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from ...format.quant_types import F16, F32
-from ..vision import RefVisionOps
+from ..vision import ATTN_SCORE_FLOATS, RefVisionOps, attention_heads
+from . import blas_threads
+from . import vision_kernels as vk
 from .simd import GGML_MUL_MAT, KERNEL_TYPES
 
 
@@ -20,6 +24,22 @@ class CPUVisionOps(RefVisionOps):
         super().__init__(gm, args, tower)
         self.simd = simd
         self._raw: dict[str, tuple[np.ndarray, int, int, int]] = {}
+        self.rows = vk.RowPool(getattr(simd, "n_threads", 1))
+        self._scores = np.empty(0, np.float32)
+        self._split = blas_threads.available()
+
+    def _matmul(self, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """out = a @ b over the pool in parts, each a one-thread BLAS product: b's columns (out's) for a matrix b, the
+        stack's first axis for stacked ones; without a handle on numpy's BLAS threads, one product on BLAS's own."""
+        if not self._split:
+            return np.matmul(a, b, out=out)
+        with blas_threads.one_thread():
+            if a.ndim == b.ndim == 3:
+                self.rows.run(_mm, (a, b, out), chunks=2 * self.rows.n)
+            else:  # by the weight's rows (out's columns): each part packs only its slice of the weights but all of
+                # the activations, so one part a thread (four cost ~10% on 1152-wide products)
+                self.rows.run_ranges(_mm_cols, b.shape[1], a, b, out)
+        return out
 
     def _float(self, name: str) -> bool:
         t = self.gm.tensor("v.patch_embd.weight" if name == "v.patch_embd" else name + ".weight")
@@ -51,10 +71,66 @@ class CPUVisionOps(RefVisionOps):
 
     def linear(self, x: np.ndarray, name: str) -> np.ndarray:
         if self._float(name):
-            return super().linear(x, name)
+            w = self.matrix(name)
+            out = self._matmul(x, w.T, np.empty((x.shape[0], w.shape[0]), np.float32))
+            out += self.vector(name + ".bias")
+            return out
         w, q, rows, cols = self._weights(name)
         x = np.ascontiguousarray(x, dtype=np.float32)
         out = np.empty((x.shape[0], rows), np.float32)
         self.simd.matmul(w, q, rows, cols, self.simd.quantize(x, q), out, GGML_MUL_MAT)
         out += self.vector(name + ".bias")
         return out
+
+    def layer_norm(self, x: np.ndarray, name: str, eps: float) -> np.ndarray:
+        return self._rowwise(vk.layer_norm_rows, x, self.vector(name + ".weight"), self.vector(name + ".bias"),
+                             float(eps))
+
+    def gelu_tanh(self, x: np.ndarray) -> np.ndarray:
+        return self._rowwise(vk.gelu_tanh_rows, x, np.zeros(x.shape[-1], np.float32))
+
+    def gelu_erf(self, x: np.ndarray) -> np.ndarray:
+        return self._rowwise(vk.gelu_erf_rows, x, np.zeros(x.shape[-1], np.float32))
+
+    def linear_gelu(self, x: np.ndarray, name: str, kind: str) -> np.ndarray:
+        """The bias and the GELU in one pass over the product, in place (the MLP's rows are the tower's largest)."""
+        if not self._float(name):
+            return super().linear_gelu(x, name, kind)
+        w = self.matrix(name)
+        out = self._matmul(x, w.T, np.empty((x.shape[0], w.shape[0]), np.float32))
+        kernel = vk.gelu_tanh_rows if kind == "tanh" else vk.gelu_erf_rows
+        self.rows.run(kernel, (out, out), self.vector(name + ".bias"))
+        return out
+
+    def _rowwise(self, kernel, x: np.ndarray, *args) -> np.ndarray:
+        """kernel(x, out, *args) over x's rows (its last axis) on the pool: a new array."""
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        out = np.empty_like(x)
+        self.rows.run(kernel, (x.reshape(-1, x.shape[-1]), out.reshape(-1, x.shape[-1])), *args)
+        return out
+
+    def rotary_attention(self, qkv: np.ndarray, cos: np.ndarray, sin: np.ndarray, scale: float) -> np.ndarray:
+        """q and k rotated and laid out for the products (kᵀ per head) in one pass on the pool, then the reference's
+        blocks of products with the softmax on the pool; the scores' buffer (at most ATTN_SCORE_FLOATS, 64 MiB) is
+        kept for the next layer and image."""
+        n, _, nh, hd = qkv.shape
+        qh, vh, kt = (np.empty(shape, np.float32) for shape in ((nh, n, hd), (nh, n, hd), (nh, hd, n)))
+        self.rows.run_ranges(vk.rope_heads, n, qkv, cos, sin, qh, kt, vh)
+        need = nh * n * min(n, max(1, ATTN_SCORE_FLOATS // (n * nh)))
+        if self._scores.size < need:
+            self._scores = np.empty(need, np.float32)
+        return attention_heads(qh, kt, vh, scale, lambda sc, s: self.rows.run(vk.softmax_rows, (sc,), s),
+                               buf=self._scores, matmul=self._matmul)
+
+    def close(self) -> None:
+        self.rows.close()
+        self._scores = np.empty(0, np.float32)
+
+
+
+def _mm(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+    np.matmul(a, b, out=out)
+
+
+def _mm_cols(s: int, e: int, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+    np.matmul(a, b[:, s:e], out=out[:, s:e])
