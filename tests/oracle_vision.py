@@ -173,6 +173,10 @@ class LlamaCppRounding:
 
     gelu_erf = gelu_tanh
 
+    def linear_gelu(self, x: np.ndarray, name: str, kind: str) -> np.ndarray:
+        # the ops' fused product and GELU, taken apart so that the GELU is llama.cpp's (tanh for both kinds)
+        return self.gelu_tanh(self.linear(x, name))
+
 
 def with_llama_cpp_rounding(encoder, forced_gelus=None):
     """encoder (backends/vision.VisionEncoder, or the engine's CachedImageEncoder around one) computing with
