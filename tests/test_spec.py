@@ -172,15 +172,15 @@ def test_ngram_drafter_proposes_what_followed_the_last_match():
 
 
 def test_cost_model_backs_off():
-    cost = sp.StepCost()
+    cost = sc.StepCost()
     for rows, sec in ((1, 0.010), (2, 0.0105), (4, 0.0115), (1, 0.010), (8, 0.0135)):
         cost.add(rows, sec)
     t0, r = cost.fit()
     assert 0.009 < t0 < 0.0105 and 0.0003 < r < 0.0006
     step = sc.line((t0, r))
-    assert sp.plan_k([0.9], [4], step(1), step) == 4  # memory-bound, drafts accepted: the longest draft
-    assert sp.plan_k([0.0], [4], step(1), step) == 0  # nothing accepted: no draft
-    assert sp.plan_k([0.5] * 64, [4] * 64, 0.001 + 0.01 * 64, sc.line((0.001, 0.01))) == 0  # compute-bound
+    assert sc.plan_k([0.9], [4], step(1), step) == 4  # memory-bound, drafts accepted: the longest draft
+    assert sc.plan_k([0.0], [4], step(1), step) == 0  # nothing accepted: no draft
+    assert sc.plan_k([0.5] * 64, [4] * 64, 0.001 + 0.01 * 64, sc.line((0.001, 0.01))) == 0  # compute-bound
 
 
 def test_batch_plan_drafts_only_where_the_whole_step_gains():
@@ -188,7 +188,7 @@ def test_batch_plan_drafts_only_where_the_whole_step_gains():
     per accepted one at best); where rows are nearly free, every sequence drafts the longest; a verify step dearer
     than a plain one of as many rows (its own calls, rollback, drafter) is what a single fit over both kinds of
     step missed: per sequence the old gain (E[tokens] - 1) * (t0 + r * B) / B - k * r said draft."""
-    plan, line = sp.plan_k, sc.line
+    plan, line = sc.plan_k, sc.line
     per_row = line((0.0, 0.001))  # 1 ms a row, nothing fixed: compute-bound
     for a in (0.0, 0.5, 0.9, 1.0):
         assert plan([a] * 8, [3] * 8, per_row(8), per_row) == 0, a
@@ -218,10 +218,10 @@ def test_batch_plan_never_expects_fewer_tokens_per_second_than_plain_steps():
         rate = {}  # expected tokens per second of the whole step at each k, as the cost model prices it
         for k in range(1, max(caps) + 1):
             ks = [min(k, c) for c in caps]
-            tokens = B + sum(sp.expected_tokens(a, j) - 1 for a, j in zip(acc, ks, strict=True))
+            tokens = B + sum(sc.expected_tokens(a, j) - 1 for a, j in zip(acc, ks, strict=True))
             t = verify(B + sum(ks))
             rate[k] = tokens / (t if k in replayed else t * (1 + (rec - 1) / max(1.0, left * B / tokens)))
-        k = sp.plan_k(acc, caps, plain_line(B), verify, rec, replayed, left)
+        k = sc.plan_k(acc, caps, plain_line(B), verify, rec, replayed, left)
         base = B / plain_line(B)
         if k:
             assert rate[k] > base and rate[k] == max(rate.values())
@@ -230,7 +230,7 @@ def test_batch_plan_never_expects_fewer_tokens_per_second_than_plain_steps():
 
 
 def test_spec_cost_prices_recorded_steps_apart_and_probes_after_a_while():
-    c = sp.SpecCost()
+    c = sc.SpecCost()
     assert c.model(8) is None  # nothing measured (the Speculator's first step drafts: it records either way)
     c.add(8, 0.030, drafted=False, recorded=True)  # the first step of these sequences records: not its price
     c.add(8, 0.010, drafted=False)
@@ -249,9 +249,9 @@ def test_spec_cost_prices_recorded_steps_apart_and_probes_after_a_while():
 
 def test_a_new_split_of_rows_pays_for_its_recording():
     line = sc.line((0.008, 0.00001))
-    assert sp.plan_k([0.9] * 4, [2] * 4, line(4), line, record_x=6.0, replayed={2}, left=100) == 2
-    assert sp.plan_k([0.9] * 4, [2] * 4, line(4), line, record_x=6.0, replayed=(), left=2) == 0  # nothing to reuse
-    assert sp.plan_k([0.9] * 4, [2] * 4, line(4), line, record_x=6.0, replayed=(), left=400) == 2  # spread thin
+    assert sc.plan_k([0.9] * 4, [2] * 4, line(4), line, record_x=6.0, replayed={2}, left=100) == 2
+    assert sc.plan_k([0.9] * 4, [2] * 4, line(4), line, record_x=6.0, replayed=(), left=2) == 0  # nothing to reuse
+    assert sc.plan_k([0.9] * 4, [2] * 4, line(4), line, record_x=6.0, replayed=(), left=400) == 2  # spread thin
 
 
 def test_a_sequence_whose_drafts_all_fail_backs_off():
@@ -275,6 +275,9 @@ def test_a_sequence_whose_drafts_all_fail_backs_off():
             drafted += 1
             spec._count(seq.spec, len(d), 0)
     assert 3 <= drafted < 20, drafted
+    assert spec.prior < 0.45  # what a new sequence is first assumed to accept: this drafter's record (from 0.6)
+    later = sp.Speculator(Always(), 3, learned=spec)
+    assert later.prior == spec.prior and later.cost is spec.cost
     spec._count(seq.spec, 3, 2)
     assert seq.spec.wait == 0 and spec.drafts([seq])[0]
 

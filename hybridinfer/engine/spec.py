@@ -32,9 +32,7 @@ import numpy as np
 
 from ..errors import MTPUnavailableError, ParameterError
 from .compute import ema
-from .spec_cost import SpecCost, StepCost, expected_tokens, plan_k
-
-__all__ = ["SpecCost", "StepCost", "expected_tokens", "plan_k"]  # the decision's parts, priced in spec_cost.py
+from .spec_cost import SpecCost, plan_k  # what drafting costs and when it pays
 
 SPEC_TYPES = ("none", "ngram", "mtp")
 # llama.cpp's --spec-type names for the same kinds (its ngram-simple: the last n tokens looked up, the m after them)
@@ -129,7 +127,7 @@ def make_speculator(spec_type: str | None, draft_max: int, args, backend=None):
 class SeqSpec:
     """One sequence's drafting: its acceptance estimate (per drafted token) and its counts."""
 
-    accept: float = 0.6  # prior before any verify
+    accept: float = 0.6  # prior before any verify (the speculator's running acceptance, `Speculator.prior`)
     drafted: int = 0
     accepted: int = 0
     wait: int = 0  # steps left without drafts after a verify that accepted nothing
@@ -142,9 +140,13 @@ class Speculator:
     drafts do not pay for the batch); False: always draft_max (tests and `bench spec` measure the machinery at a
     fixed k)."""
 
-    def __init__(self, drafter, draft_max: int, adaptive: bool = True):
+    def __init__(self, drafter, draft_max: int, adaptive: bool = True, learned: Speculator | None = None):
+        """learned: another speculator whose step costs and acceptance prior this one starts from (the same engine
+        and drafter kind; `bench spec` runs many)."""
         self.drafter, self.draft_max, self.adaptive = drafter, draft_max, adaptive
-        self.cost = SpecCost()
+        self.cost = learned.cost if learned is not None else SpecCost()
+        # a new sequence's acceptance before its first verify: what this drafter's drafts have scored lately
+        self.prior = learned.prior if learned is not None else 0.6
         self.drafted = self.accepted = 0
         self._t0, self._backend, self._recs = 0.0, None, 0
         self._splits: OrderedDict = OrderedDict()  # the splits of rows verified lately (recorded: replayed if again)
@@ -167,15 +169,15 @@ class Speculator:
     def drafts(self, seqs) -> list[list[int]]:
         """Each sequence's drafts after its sampled next token (possibly none)."""
         observe = getattr(self.drafter, "observe", None)
-        caps, left_min = [], None
+        caps, rooms = [], []
         for s in seqs:
             if observe is not None:  # a drafter that follows every step of the sequence (mtp: its own K/V)
                 observe(s)
-            sp = s.spec if s.spec is not None else SeqSpec()
+            sp = s.spec if s.spec is not None else SeqSpec(accept=self.prior)
             s.spec = sp
             left = s.handle.request.max_tokens - len(s.handle.generation.tokens)
-            cap = min(self.draft_max, left, s.state.n_ctx - s.state.pos - 1)
-            left_min = min(left, s.state.n_ctx - s.state.pos - 1, left_min or left)
+            rooms.append(min(left, s.state.n_ctx - s.state.pos - 1))  # tokens it may still take
+            cap = min(self.draft_max, rooms[-1])
             if self.adaptive and sp.wait > 0:  # backing off after wasted drafts: a wasted verify costs a step
                 sp.wait -= 1
                 cap = -1
@@ -187,13 +189,13 @@ class Speculator:
             if model is None:  # the very first step drafts (it records its shape, as a plain first step would)
                 k = self.draft_max if not self.cost.steps else 0  # then plain ones, until one is priced
             else:
-                k = plan_k([s.spec.accept for s in seqs], cap0, *model, replayed=seen, left=left_min or 1)
+                k = plan_k([s.spec.accept for s in seqs], cap0, *model, replayed=seen, left=max(min(rooms), 1))
         out = []
         for s, cap in zip(seqs, caps, strict=True):
             n = min(k, cap)
             if n <= 0:
                 if cap >= 0:  # unprobed for a while: the prior comes back, a probe follows
-                    s.spec.accept = ema(s.spec.accept, 0.6, 0.98)
+                    s.spec.accept = ema(s.spec.accept, self.prior, 0.98)
                 out.append([])
                 continue
             if hasattr(self.drafter, "propose_seq"):
@@ -264,5 +266,6 @@ class Speculator:
         # a draft after a rejection is not looked at: the estimate takes acc successes in acc + 1 tries
         tries = min(acc + 1, n)
         sp.accept = ema(sp.accept, acc / tries, 0.8)
+        self.prior = ema(self.prior, acc / tries, 0.95)
         sp.backoff = 0 if acc else min(MAX_BACKOFF, max(1, 2 * sp.backoff))
         sp.wait = sp.backoff

@@ -3,11 +3,12 @@
 Random weights make any real drafter's acceptance meaningless, so the drafter here is engine/spec.ScriptedDrafter: it
 knows the greedy continuation (from a run without drafts) and proposes it with each token kept with probability
 `acceptance`, else replaced. For each draft length k and acceptance the table gives decode tok/s and its ratio to decode
-without drafts (runs without drafts alternate with each row's runs, best of each), with the acceptance actually seen
-(drafts after the first rejection of a step are never looked at, so it is below the nominal one) and a check that the
-tokens are the no-draft ones; and the cost of one verify step of k+1 rows (rollback included) against one ordinary
-decode step. The `auto<=K` rows let the engine choose each step's draft length up to the largest K by its measured cost
-model (what `--spec-type` runs), which stops drafting where drafts do not pay.
+without drafts (runs without drafts alternate with each row's runs, best of each; the first run's ratio apart: its
+speculator starts cold, the later ones keep the step costs and acceptance it measured, as a server's engine does), with
+the acceptance actually seen (drafts after the first rejection of a step are never looked at, so it is below the nominal
+one) and a check that the tokens are the no-draft ones; and the cost of one verify step of k+1 rows (rollback included)
+against one ordinary decode step. The `auto<=K` rows let the engine choose each step's draft length up to the largest K
+by its measured cost model (what `--spec-type` runs), which stops drafting where drafts do not pay.
 
 `batch` B > 1: B sequences, each with its own random prompt, decoded together through the scheduler as one user's
 `Engine.generate_batch` (every prompt prefilled in the first step, so every decode starts together); tok/s is the tokens
@@ -119,21 +120,24 @@ def run(model: str, threads: int, n: int, ks, accepts, prompt_len: int, isa: str
                "isa": eng.backend.numeric_path, "no_draft_tok_s": max(decode_tok_s(gs) for gs in base), "rows": []}
         plan = [(k, a, False) for k in ks for a in accepts if fixed] + [(max(ks), a, True) for a in accepts]
         for k, a, adaptive in plan:
-            best, plain, seen, same, drafted = 0.0, 0.0, 0.0, True, 0
+            best, plain, seen, same, drafted, cold, last = 0.0, 0.0, 0.0, True, 0, 0.0, None
             for r in range(reps):
                 eng.spec = None  # a no-draft run beside each: the ratio holds while a shared host's load drifts
-                plain = max(plain, decode_tok_s(gen()))
+                plain_r = decode_tok_s(gen())
+                plain = max(plain, plain_r)
+                # later runs: new sequences, the step costs and acceptance learned before (as a server's engine)
                 eng.spec = Speculator(ScriptedDrafter([p + t for p, t in zip(prompts, refs, strict=True)], a,
-                                                      seed=r), k, adaptive=adaptive)
-                gs = gen()
+                                                      seed=r), k, adaptive=adaptive, learned=last)
+                gs, last = gen(), eng.spec
                 same = same and [g.tokens for g in gs] == refs
                 best = max(best, decode_tok_s(gs))
+                cold = cold or decode_tok_s(gs) / plain_r
                 seen = eng.spec.accepted / max(eng.spec.drafted, 1)
                 drafted = eng.spec.drafted
             res["no_draft_tok_s"] = max(res["no_draft_tok_s"], plain)
             res["rows"].append({"k": f"auto<={k}" if adaptive else k, "acceptance": a, "seen": seen, "tok_s": best,
-                                "no_draft_tok_s": plain, "speedup": best / plain, "same_tokens": same,
-                                "drafted_per_token": drafted / sum(len(t) for t in refs)})
+                                "no_draft_tok_s": plain, "speedup": best / plain, "cold_speedup": cold,
+                                "same_tokens": same, "drafted_per_token": drafted / sum(len(t) for t in refs)})
         eng.spec = None
         res["costs"] = step_costs(eng, prompts, ks, max(reps, 5))
     finally:
@@ -151,11 +155,12 @@ def markdown(res: dict) -> str:
     lines = [f"speculative decoding, {res['model']} ({res['isa']}, {res['threads']} threads, {seqs}{res['n']} tokens "
              f"after {res['prompt_len']} prompt tokens): no drafts {res['no_draft_tok_s']:.2f} tok/s"
              + (" (summed over the sequences)" if B > 1 else ""), "",
-             "| k | acceptance | seen | drafted/token | tok/s | x no-draft | same tokens |",
-             "|---|---|---|---|---|---|---|"]
+             "| k | acceptance | seen | drafted/token | tok/s | x no-draft | x no-draft, first run | same tokens |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         lines.append(f"| {r['k']} | {r['acceptance']:.1f} | {r['seen']:.2f} | {r.get('drafted_per_token', 0):.2f} | "
-                     f"{r['tok_s']:.2f} | {r['speedup']:.2f} | {'yes' if r['same_tokens'] else 'NO'} |")
+                     f"{r['tok_s']:.2f} | {r['speedup']:.2f} | {r.get('cold_speedup', 0):.2f} | "
+                     f"{'yes' if r['same_tokens'] else 'NO'} |")
     others = f" + {B - 1} x 1" if B > 1 else ""
     lines += ["", "| step | ms | x decode step |", "|---|---|---|",
               f"| decode ({B} row{'s' * (B > 1)}) | {c['decode_s'] * 1e3:.2f} | 1.00 |"]
