@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from hybridinfer.engine import spec as sp
+from hybridinfer.engine import spec_cost as sc
 from hybridinfer.engine.api import Engine
 from hybridinfer.errors import ParameterError, UnsupportedArchitectureError
 
@@ -171,14 +172,86 @@ def test_ngram_drafter_proposes_what_followed_the_last_match():
 
 
 def test_cost_model_backs_off():
-    cost = sp.StepCost()
+    cost = sc.StepCost()
     for rows, sec in ((1, 0.010), (2, 0.0105), (4, 0.0115), (1, 0.010), (8, 0.0135)):
         cost.add(rows, sec)
     t0, r = cost.fit()
     assert 0.009 < t0 < 0.0105 and 0.0003 < r < 0.0006
-    assert sp.best_k(0.9, 4, 1, (t0, r)) == 4  # memory-bound, drafts accepted: the longest draft
-    assert sp.best_k(0.0, 4, 1, (t0, r)) == 0  # nothing accepted: no draft
-    assert sp.best_k(0.5, 4, 64, (0.001, 0.01)) == 0  # compute-bound batch: a row costs as much as a token saves
+    step = sc.line((t0, r))
+    assert sc.plan_k([0.9], [4], step(1), step) == 4  # memory-bound, drafts accepted: the longest draft
+    assert sc.plan_k([0.0], [4], step(1), step) == 0  # nothing accepted: no draft
+    assert sc.plan_k([0.5] * 64, [4] * 64, 0.001 + 0.01 * 64, sc.line((0.001, 0.01))) == 0  # compute-bound
+
+
+def test_batch_plan_drafts_only_where_the_whole_step_gains():
+    """B = 8: where an extra row costs what a token does, no acceptance pays for drafts (a row per draft, a token
+    per accepted one at best); where rows are nearly free, every sequence drafts the longest; a verify step dearer
+    than a plain one of as many rows (its own calls, rollback, drafter) is what a single fit over both kinds of
+    step missed: per sequence the old gain (E[tokens] - 1) * (t0 + r * B) / B - k * r said draft."""
+    plan, line = sc.plan_k, sc.line
+    per_row = line((0.0, 0.001))  # 1 ms a row, nothing fixed: compute-bound
+    for a in (0.0, 0.5, 0.9, 1.0):
+        assert plan([a] * 8, [3] * 8, per_row(8), per_row) == 0, a
+    free = line((0.008, 0.00001))  # a memory-bound step: 8 ms whatever its rows
+    assert plan([0.9] * 8, [3] * 8, free(8), free) == 3
+    assert plan([0.0] * 8, [3] * 8, free(8), free) == 0
+    assert plan([0.9] * 8, [3, 1, 0, 0, 0, 0, 0, 0], free(8), free) == 3  # capped ones take what they may
+    t0, r = 0.002, 0.0005
+    old_gain = 0.7 * (t0 + r * 8) / 8 - r  # best_k's k = 1 at a = 0.7: positive, so every sequence drafted
+    assert old_gain > 0
+    verify = line((0.006, 0.0004))  # measured: a verify step's own fixed cost, a row dearer too
+    assert plan([0.7] * 8, [3] * 8, t0 + r * 8, verify) == 0
+
+
+def test_batch_plan_never_expects_fewer_tokens_per_second_than_plain_steps():
+    """Random costs, acceptances and caps: a plan that drafts expects at least a plain step's tokens per second, and
+    a plan that does not draft had no k that expected more (the guarantee, under the cost model)."""
+    rng = np.random.default_rng(7)
+    for _ in range(400):
+        B = int(rng.integers(1, 17))
+        acc, caps = list(rng.random(B)), [int(c) for c in rng.integers(0, 5, B)]
+        plain_line = sc.line((rng.random() * 0.01, rng.random() * 0.002))
+        verify = sc.line((rng.random() * 0.02, rng.random() * 0.002))
+        rec, left = 1 + 4 * rng.random(), int(rng.integers(1, 200))
+        replayed = {int(k) for k in rng.integers(1, 5, 2)}
+
+        rate = {}  # expected tokens per second of the whole step at each k, as the cost model prices it
+        for k in range(1, max(caps) + 1):
+            ks = [min(k, c) for c in caps]
+            tokens = B + sum(sc.expected_tokens(a, j) - 1 for a, j in zip(acc, ks, strict=True))
+            t = verify(B + sum(ks))
+            rate[k] = tokens / (t if k in replayed else t * (1 + (rec - 1) / max(1.0, left * B / tokens)))
+        k = sc.plan_k(acc, caps, plain_line(B), verify, rec, replayed, left)
+        base = B / plain_line(B)
+        if k:
+            assert rate[k] > base and rate[k] == max(rate.values())
+        else:
+            assert all(r <= base for r in rate.values())
+
+
+def test_spec_cost_prices_recorded_steps_apart_and_probes_after_a_while():
+    c = sc.SpecCost()
+    assert c.model(8) is None  # nothing measured (the Speculator's first step drafts: it records either way)
+    c.add(8, 0.030, drafted=False, recorded=True)  # the first step of these sequences records: not its price
+    c.add(8, 0.010, drafted=False)
+    plain, verify, rec = c.model(8)
+    assert plain == pytest.approx(0.010) and rec == pytest.approx(3.0)
+    assert verify(32) == pytest.approx(0.009 + 0.001 * 4)  # unseen: a memory-bound plain step's price (a probe)
+    c.add(16, 0.060, drafted=True, recorded=True)  # recorded: not what its replays will cost
+    assert c.model(8)[1](32) == pytest.approx(0.013)
+    c.add(16, 0.020, drafted=True)  # its replay
+    plain, verify, rec = c.model(8)
+    assert verify(16) == pytest.approx(0.020) and verify(24) == pytest.approx(0.030)  # the line through plain
+    for _ in range(2000):  # a long time without drafts: the verify steps' evidence fades, a probe follows
+        c.add(8, 0.010, drafted=False)
+    assert c.model(8)[1](32) < 0.02
+
+
+def test_a_new_split_of_rows_pays_for_its_recording():
+    line = sc.line((0.008, 0.00001))
+    assert sc.plan_k([0.9] * 4, [2] * 4, line(4), line, record_x=6.0, replayed={2}, left=100) == 2
+    assert sc.plan_k([0.9] * 4, [2] * 4, line(4), line, record_x=6.0, replayed=(), left=2) == 0  # nothing to reuse
+    assert sc.plan_k([0.9] * 4, [2] * 4, line(4), line, record_x=6.0, replayed=(), left=400) == 2  # spread thin
 
 
 def test_a_sequence_whose_drafts_all_fail_backs_off():
@@ -191,6 +264,8 @@ def test_a_sequence_whose_drafts_all_fail_backs_off():
             return [1] * k
 
     spec = sp.Speculator(Always(), 3)
+    for _ in range(3):  # plain steps measured, verify steps not yet: drafting is priced as a memory-bound step
+        spec.cost.add(1, 0.010, drafted=False)
     st = NS(n_ctx=1000, pos=10, tokens=np.zeros(1000, np.int32))
     seq = NS(spec=None, next_tok=2, state=st, handle=NS(request=NS(max_tokens=500), generation=NS(tokens=[])))
     drafted = 0
@@ -200,6 +275,9 @@ def test_a_sequence_whose_drafts_all_fail_backs_off():
             drafted += 1
             spec._count(seq.spec, len(d), 0)
     assert 3 <= drafted < 20, drafted
+    assert spec.prior < 0.45  # what a new sequence is first assumed to accept: this drafter's record (from 0.6)
+    later = sp.Speculator(Always(), 3, learned=spec)
+    assert later.prior == spec.prior and later.cost is spec.cost
     spec._count(seq.spec, 3, 2)
     assert seq.spec.wait == 0 and spec.drafts([seq])[0]
 

@@ -82,6 +82,35 @@ def test_bench_spec_reports_every_row_lossless(tmp_path):
     assert bad.returncode != 0 and "--acceptance" in bad.stderr
 
 
+def test_bench_spec_batch_decodes_b_sequences_through_the_scheduler(tmp_path, capsys):
+    """--batch 2: both sequences drafted and verified in shared steps, every row's tokens the no-draft ones; the
+    step costs are a decode step of 2 rows and a verify step where one of them drafts."""
+    import json
+
+    from hybridinfer.cli import main
+    from hybridinfer.tools.synth import synth_model
+
+    path = str(tmp_path / "m.gguf")
+    synth_model(path, "qwen35moe", dict(n_embd=128, n_layer=2, n_head=2, n_head_kv=1, head_dim=64, n_vocab=512,
+                                        n_expert=4, n_expert_used=2, n_ff_exp=128, n_ff_shexp=128, ssm_d_state=32,
+                                        ssm_n_group=1, ssm_dt_rank=2), "q8_0", seed=3)
+    args = ["bench", "spec", "-m", path, "-t", "2", "-n", "8", "-p", "5", "--draft-max", "1,2", "--acceptance", "0,1",
+            "-r", "1", "--batch", "2", "--out-dir", str(tmp_path), *(["--isa", ISA] if ISA else [])]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    res = json.loads((tmp_path / "spec-m-t2-b2.json").read_text())
+    assert res["batch"] == 2 and res["n"] == 8  # end tokens masked: every run makes its n tokens
+    assert [(row["k"], row["acceptance"]) for row in res["rows"]] == [(1, 0.0), (1, 1.0), (2, 0.0), (2, 1.0),
+                                                                      ("auto<=2", 0.0), ("auto<=2", 1.0)]
+    assert all(row["same_tokens"] for row in res["rows"])
+    fixed = [row for row in res["rows"] if row["k"] in (1, 2)]
+    assert all(row["seen"] == row["acceptance"] and row["drafted_per_token"] > 0 for row in fixed)
+    assert all(row["tok_s"] > 0 and row["no_draft_tok_s"] > 0 and row["cold_speedup"] > 0 for row in res["rows"])
+    assert "| verify (3 + 1 x 1 rows, rolled back) |" in out and "| decode (2 rows) |" in out
+    assert main([*args, "--llama-server", "llama-server"]) == 2  # it runs one sequence
+    assert "--batch" in capsys.readouterr().err
+
+
 def test_batch_job_with_ngram_drafts_writes_the_same_answers(tmp_path):
     import json
 

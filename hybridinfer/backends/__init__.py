@@ -25,6 +25,7 @@ class Backend(ABC):
 
     single_pass = False
     last_pass: dict | None = None  # single-pass backends: the last pass's timing (wall_s, copy_s, tokens)
+    recordings = 0  # steps recorded for replay so far (the first of a shape: dearer than its replays)
 
     @property
     @abstractmethod
@@ -171,6 +172,10 @@ class GPUPrefillCPUDecode(Backend):
     @property
     def last_pass(self) -> dict | None:
         return getattr(self.gpu, "last_timing", None)
+
+    @property
+    def recordings(self) -> int:
+        return self.cpu.recordings  # decode and verify steps are recorded where they run
 
     def release(self, state) -> None:
         self.cpu.release(state)

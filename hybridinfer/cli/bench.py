@@ -196,12 +196,16 @@ def cmd_bench_spec(a) -> int:
     accepts = tuple(float(x) for x in a.acceptance.split(",") if x.strip())
     if not accepts or any(not 0 <= x <= 1 for x in accepts):
         raise ParameterError(f"--acceptance takes comma-separated fractions in [0, 1], got {a.acceptance!r}")
+    if a.llama_server and a.batch > 1:
+        raise ParameterError(f"--llama-server runs one sequence: it takes --batch 1, got --batch {a.batch}")
     _check_tools(a, "--llama-server")
     model = _bench_model(a)
     isa = None if a.isa in (None, "", "native") else a.isa
-    res = spec.run(model, a.threads, a.n, ks, accepts, a.p, isa, a.seed, a.reps, a.llama_server)
+    res = spec.run(model, a.threads, a.n, ks, accepts, a.p, isa, a.seed, a.reps, a.llama_server, a.batch,
+                   not a.auto_only)
     print(spec.markdown(res))
-    _save_bench(a.out_dir, f"spec-{_model_stem(model)}-t{a.threads}", json.dumps(res, indent=1),
+    _save_bench(a.out_dir, f"spec-{_model_stem(model)}-t{a.threads}" + (f"-b{a.batch}" if a.batch > 1 else ""),
+                json.dumps(res, indent=1),
                 lambda png: spec.plot(res, png))
     return 0
 
@@ -392,6 +396,10 @@ def add_bench_parsers(sub) -> None:
     b.add_argument("-p", type=_int_at_least(1), default=128, help="prompt tokens before them")
     b.add_argument("--draft-max", default="1,2,3,4", help="comma-separated draft lengths k")
     b.add_argument("--acceptance", default="0,0.5,0.7,0.9,1", help="comma-separated draft acceptances")
+    b.add_argument("--batch", type=_int_at_least(1), default=1,
+                   help="sequences decoded together through the scheduler (Engine.generate_batch), each with its own "
+                        "prompt and drafts; tok/s summed over them")
+    b.add_argument("--auto-only", action="store_true", help="only the auto<=K rows (no fixed draft lengths)")
     b.add_argument("-r", "--reps", type=_int_at_least(1), default=3, help="runs of each (the best is kept)")
     b.add_argument("--llama-server", default=None, help="llama.cpp's llama-server: the same prompt on the same file "
                    "and threads without drafts and with --spec-type draft-mtp at each draft length, after ours")

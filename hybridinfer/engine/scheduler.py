@@ -403,8 +403,10 @@ class Scheduler:
         failed (each then gets the error: it is theirs together)."""
         if not go:
             return go
-        spec = self.engine.spec
-        drafts = spec.drafts(go) if spec is not None else None
+        spec, drafts = self.engine.spec, None
+        if spec is not None:
+            spec.start(self.engine.backend)
+            drafts = spec.drafts(go)
         if drafts is not None and any(drafts):  # drafts to check: a verify step (its rows decode the others too)
             return spec.verify(self, go, drafts)
         try:
@@ -412,7 +414,7 @@ class Scheduler:
             lg = self.engine.decode_step([s.next_tok for s in go], [s.state for s in go])
             self._decode_s = ema(self._decode_s, time.perf_counter() - t0)
             if spec is not None:
-                spec.timed(len(go), time.perf_counter() - t0)
+                spec.timed(len(go), False)
         except Exception as e:  # noqa: BLE001
             for s in go:
                 self._fail(s, e)

@@ -24,19 +24,22 @@ has it), "none".
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from collections import OrderedDict
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import numpy as np
 
 from ..errors import MTPUnavailableError, ParameterError
 from .compute import ema
+from .spec_cost import SpecCost, plan_k  # what drafting costs and when it pays
 
 SPEC_TYPES = ("none", "ngram", "mtp")
 # llama.cpp's --spec-type names for the same kinds (its ngram-simple: the last n tokens looked up, the m after them)
 SPEC_ALIASES = {"ngram-simple": "ngram", "draft-mtp": "mtp"}
 MAX_DRAFT = 4  # --draft-max's range is 1..MAX_DRAFT (the issue's k = 1..4)
 DEFAULT_DRAFT_MAX = 3
+MAX_SPLITS = 8  # splits of rows a backend keeps recorded (cpu's CPUModel.MAX_SPLITS): replayed when seen again
 MAX_BACKOFF = 64  # steps a sequence whose drafts are all rejected waits at most before it drafts again
 
 
@@ -124,107 +127,95 @@ def make_speculator(spec_type: str | None, draft_max: int, args, backend=None):
 class SeqSpec:
     """One sequence's drafting: its acceptance estimate (per drafted token) and its counts."""
 
-    accept: float = 0.6  # prior before any verify
+    accept: float = 0.6  # prior before any verify (the speculator's running acceptance, `Speculator.prior`)
     drafted: int = 0
     accepted: int = 0
     wait: int = 0  # steps left without drafts after a verify that accepted nothing
     backoff: int = 0  # that wait's length, doubled by each such verify in a row (up to MAX_BACKOFF)
 
 
-@dataclass
-class StepCost:
-    """A forward step's seconds as t0 + r * rows, fitted by least squares over recent steps (older ones fade), so
-    drafting is decided by what an extra row costs on this host and model."""
-
-    keep: float = 0.9
-    s: list = field(default_factory=lambda: [0.0] * 5)  # weights of: 1, x, x^2, y, x*y
-
-    def add(self, rows: int, seconds: float) -> None:
-        x, y = float(rows), float(seconds)
-        for i, v in enumerate((1.0, x, x * x, y, x * y)):
-            self.s[i] = self.keep * self.s[i] + v
-
-    def fit(self) -> tuple[float, float] | None:
-        n, sx, sxx, sy, sxy = self.s
-        if n < 1e-9:
-            return None
-        var = n * sxx - sx * sx
-        if var <= 1e-9 * max(n * sxx, 1.0):  # one row count seen so far: assume a memory-bound step
-            t = sy / n
-            rows = max(sx / n, 1.0)
-            return 0.9 * t, 0.1 * t / rows
-        r = (n * sxy - sx * sy) / var
-        t0 = (sy - r * sx) / n
-        return max(t0, 0.0), max(r, 0.0)
-
-
-def expected_tokens(a: float, k: int) -> float:
-    """Tokens a verify of k drafts yields when each is accepted with probability a: 1 + a + ... + a^k."""
-    return float(sum(a**j for j in range(k + 1)))
-
-
-def best_k(a: float, k_max: int, batch: int, cost: tuple[float, float] | None) -> int:
-    """The draft length that gains most: each extra row costs r seconds, each extra token saves a plain step's
-    time per sequence, (t0 + r * batch) / batch. 0 when no length pays (low acceptance, or a batch large enough
-    that the step is no longer memory-bound)."""
-    if cost is None:
-        return k_max
-    t0, r = cost
-    per_tok = (t0 + r * batch) / batch
-    gains = [(expected_tokens(a, k) - 1) * per_tok - k * r for k in range(k_max + 1)]
-    return int(np.argmax(gains))
-
-
 class Speculator:
     """Drafts and verifies for the scheduler. Totals (`drafted`, `accepted`) as llama-server reports them.
-    adaptive (default True): each sequence's draft length by best_k (0 while drafts do not pay); False: always
-    draft_max (tests and `bench spec` measure the machinery at a fixed k)."""
+    adaptive (default True): the step's draft length by spec_cost.plan_k over the measured step costs (0 while
+    drafts do not pay for the batch); False: always draft_max (tests and `bench spec` measure the machinery at a
+    fixed k)."""
 
-    def __init__(self, drafter, draft_max: int, adaptive: bool = True):
+    def __init__(self, drafter, draft_max: int, adaptive: bool = True, learned: Speculator | None = None):
+        """learned: another speculator whose step costs and acceptance prior this one starts from (the same engine
+        and drafter kind; `bench spec` runs many)."""
         self.drafter, self.draft_max, self.adaptive = drafter, draft_max, adaptive
-        self.cost = StepCost()
+        self.cost = learned.cost if learned is not None else SpecCost()
+        # a new sequence's acceptance before its first verify: what this drafter's drafts have scored lately
+        self.prior = learned.prior if learned is not None else 0.6
         self.drafted = self.accepted = 0
+        self._t0, self._backend, self._recs = 0.0, None, 0
+        self._splits: OrderedDict = OrderedDict()  # the splits of rows verified lately (recorded: replayed if again)
+
+    @staticmethod
+    def _split(seqs, caps, k: int) -> tuple:
+        return tuple((id(s.state), 1 + min(k, c)) for s, c in zip(seqs, caps, strict=True))
+
+    def start(self, backend) -> None:
+        """A decode step begins (before `drafts`): its clock, and the backend's count of recorded steps, so that
+        `timed` knows whether the step recorded one."""
+        self._t0, self._backend = time.perf_counter(), backend
+        self._recs = getattr(backend, "recordings", 0)
+
+    def timed(self, rows: int, drafted: bool) -> None:
+        """The step begun at `start` is done: `rows` rows, a verify step or not."""
+        recorded = getattr(self._backend, "recordings", 0) != self._recs
+        self.cost.add(rows, time.perf_counter() - self._t0, drafted, recorded)
 
     def drafts(self, seqs) -> list[list[int]]:
         """Each sequence's drafts after its sampled next token (possibly none)."""
-        fit = self.cost.fit()
-        out = []
         observe = getattr(self.drafter, "observe", None)
+        caps, rooms = [], []
         for s in seqs:
             if observe is not None:  # a drafter that follows every step of the sequence (mtp: its own K/V)
                 observe(s)
-            sp = s.spec if s.spec is not None else SeqSpec()
+            sp = s.spec if s.spec is not None else SeqSpec(accept=self.prior)
             s.spec = sp
             left = s.handle.request.max_tokens - len(s.handle.generation.tokens)
-            k = best_k(sp.accept, self.draft_max, len(seqs), fit) if self.adaptive else self.draft_max
-            k = min(k, left, s.state.n_ctx - s.state.pos - 1)
+            rooms.append(min(left, s.state.n_ctx - s.state.pos - 1))  # tokens it may still take
+            cap = min(self.draft_max, rooms[-1])
             if self.adaptive and sp.wait > 0:  # backing off after wasted drafts: a wasted verify costs a step
                 sp.wait -= 1
-                out.append([])
-                continue
-            if k <= 0:
-                sp.accept = ema(sp.accept, 0.6, 0.98)  # unprobed for a while: the prior comes back, a probe follows
+                cap = -1
+            caps.append(cap)
+        k = self.draft_max
+        if self.adaptive:  # one k for the whole step, and only where it pays for the batch (spec_cost.plan_k)
+            model, cap0 = self.cost.model(len(seqs)), [max(c, 0) for c in caps]
+            seen = {j for j in range(1, self.draft_max + 1) if self._split(seqs, cap0, j) in self._splits}
+            if model is None:  # the very first step drafts (it records its shape, as a plain first step would)
+                k = self.draft_max if not self.cost.steps else 0  # then plain ones, until one is priced
+            else:
+                k = plan_k([s.spec.accept for s in seqs], cap0, *model, replayed=seen, left=max(min(rooms), 1))
+        out = []
+        for s, cap in zip(seqs, caps, strict=True):
+            n = min(k, cap)
+            if n <= 0:
+                if cap >= 0:  # unprobed for a while: the prior comes back, a probe follows
+                    s.spec.accept = ema(s.spec.accept, self.prior, 0.98)
                 out.append([])
                 continue
             if hasattr(self.drafter, "propose_seq"):
-                out.append(self.drafter.propose_seq(s, k))
+                out.append(self.drafter.propose_seq(s, n))
                 continue
             hist = np.append(s.state.tokens[: s.state.pos], np.int32(s.next_tok))
-            out.append(self.drafter.propose(hist, k))
+            out.append(self.drafter.propose(hist, n))
         return out
-
-    def timed(self, rows: int, seconds: float) -> None:
-        self.cost.add(rows, seconds)
 
     def verify(self, sched, go, drafts) -> list:
         """One forward pass over every sequence's [next token, drafts], then each sequence's accepted tokens; returns
         the sequences still running (a failed pass fails them all, as a failed decode step does)."""
         eng = sched.engine
         pos0 = [s.state.pos for s in go]
+        split = tuple((id(s.state), 1 + len(d)) for s, d in zip(go, drafts, strict=True))
+        self._splits[split] = self._splits.pop(split, None)
+        while len(self._splits) > MAX_SPLITS:
+            self._splits.popitem(last=False)
         try:
-            t0 = time.perf_counter()
             rows, undos = eng.verify_rows([([s.next_tok] + d, s.state) for s, d in zip(go, drafts, strict=True)])
-            self.timed(sum(1 + len(d) for d in drafts), time.perf_counter() - t0)
         except Exception as e:  # noqa: BLE001
             for s in go:
                 sched._fail(s, e)
@@ -241,6 +232,7 @@ class Speculator:
                 sched._end(s)
             else:
                 keep.append(s)
+        self.timed(sum(1 + len(d) for d in drafts), True)  # the whole step: drafts, pass, rollback, acceptance
         return keep
 
     def _accept(self, s, d: list[int], r: np.ndarray, p0: int) -> tuple[int, bool]:
@@ -274,5 +266,6 @@ class Speculator:
         # a draft after a rejection is not looked at: the estimate takes acc successes in acc + 1 tries
         tries = min(acc + 1, n)
         sp.accept = ema(sp.accept, acc / tries, 0.8)
+        self.prior = ema(self.prior, acc / tries, 0.95)
         sp.backoff = 0 if acc else min(MAX_BACKOFF, max(1, 2 * sp.backoff))
         sp.wait = sp.backoff

@@ -268,6 +268,7 @@ class CPUModel(MTPParts, Backend):
     def recorded(self, ws, states, replay) -> np.ndarray:
         """_forward over ws.tok with every native call recorded, then kept by `replay` (DecodeReplay for one state,
         BatchReplay for several) so the next step of the same shape replays it as one call."""
+        self.recordings += 1
         ws.rec = []
         try:
             out = self._forward(ws.tok, states, ws)
