@@ -71,8 +71,7 @@ class CPUVisionOps(RefVisionOps):
 
     def linear(self, x: np.ndarray, name: str) -> np.ndarray:
         if self._float(name):
-            w = self.matrix(name)
-            out = self._matmul(x, w.T, np.empty((x.shape[0], w.shape[0]), np.float32))
+            out = self._float_product(x, name)
             out += self.vector(name + ".bias")
             return out
         w, q, rows, cols = self._weights(name)
@@ -81,6 +80,11 @@ class CPUVisionOps(RefVisionOps):
         self.simd.matmul(w, q, rows, cols, self.simd.quantize(x, q), out, GGML_MUL_MAT)
         out += self.vector(name + ".bias")
         return out
+
+    def _float_product(self, x: np.ndarray, name: str) -> np.ndarray:
+        """x Wᵀ of an F32/F16 matrix (its F32 copy) over the pool, without the bias."""
+        w = self.matrix(name)
+        return self._matmul(x, w.T, np.empty((x.shape[0], w.shape[0]), np.float32))
 
     def layer_norm(self, x: np.ndarray, name: str, eps: float) -> np.ndarray:
         return self._rowwise(vk.layer_norm_rows, x, self.vector(name + ".weight"), self.vector(name + ".bias"),
@@ -96,8 +100,7 @@ class CPUVisionOps(RefVisionOps):
         """The bias and the GELU in one pass over the product, in place (the MLP's rows are the tower's largest)."""
         if not self._float(name):
             return super().linear_gelu(x, name, kind)
-        w = self.matrix(name)
-        out = self._matmul(x, w.T, np.empty((x.shape[0], w.shape[0]), np.float32))
+        out = self._float_product(x, name)
         kernel = vk.gelu_tanh_rows if kind == "tanh" else vk.gelu_erf_rows
         self.rows.run(kernel, (out, out), self.vector(name + ".bias"))
         return out
@@ -125,7 +128,6 @@ class CPUVisionOps(RefVisionOps):
     def close(self) -> None:
         self.rows.close()
         self._scores = np.empty(0, np.float32)
-
 
 
 def _mm(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:

@@ -62,19 +62,13 @@ def _launch(args: list, T: int, H: int, hd: int, bk: int, typed: bool, stream, p
                                   f"{nseg * T * H * (hd + 2)} values, got {None if part is None else part.size}")
     name, smem = f"attn_prefill_tiled{hd}" + ("_kv" if typed else ""), _tiled_smem_floats(hd, bk) * 4
     args = [x for j, x in enumerate(args) if j not in (8, 10)]  # hd and bk are the kernel's constants
-    args += [np.int32(nseg), _ptr(part) if nseg > 1 else _NULL]
+    args += [np.int32(nseg), loader.ptr(part) if nseg > 1 else _NULL]
     loader.launch(FAMILY, name, (loader.grid_for(T, BQ), H, nseg), (THREADS,), args, shared=smem, stream=stream)
     if nseg > 1:
         n = T * H * hd
         loader.launch(FAMILY, "attn_merge", (min(loader.grid_for(n, THREADS), 4096),), (THREADS,),
-                      [_ptr(part), _NULL if gate is None else _ptr(gate), _ptr(out), np.int32(n), np.int32(hd),
-                       np.int32(nseg)], stream=stream)
-
-
-def _ptr(a):
-    """A GPUArray's device pointer as a kernel argument: a view's (a slice's) gpudata is a plain int, which pycuda
-    refuses ("invalid type on parameter"), as the split path met with a micro-batch's rows of a longer buffer."""
-    return np.uintp(int(a.gpudata))
+                      [loader.ptr(part), _NULL if gate is None else loader.ptr(gate), loader.ptr(out), np.int32(n),
+                       np.int32(hd), np.int32(nseg)], stream=stream)
 
 
 def key_tile(hd: int) -> int:

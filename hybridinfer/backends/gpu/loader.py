@@ -310,7 +310,13 @@ def arg(a, dtype, shape: tuple, what: str):
         raise KernelArgumentError(f"{what}: shape {a.shape}, expected {shape}")
     if not a.flags.c_contiguous:
         raise KernelArgumentError(f"{what}: not C-contiguous (strides {a.strides})")
-    return np.uintp(int(a.gpudata))  # views (slices) carry a plain int, which kernels do not take
+    return ptr(a)
+
+
+def ptr(a):
+    """A GPUArray's device pointer as a kernel argument: a view's (a slice's) gpudata is a plain int, which pycuda
+    refuses ("invalid type on parameter")."""
+    return np.uintp(int(a.gpudata))
 
 
 def grid_for(n: int, per_block: int) -> int:
