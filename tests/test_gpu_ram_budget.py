@@ -40,15 +40,16 @@ def _least(path, **kw) -> int:
 @pytest.mark.parametrize("io,bus_bw", [("pread", None), ("direct", 8e9)])
 def test_gpu_prefill_reading_experts_from_the_file_gives_the_resident_logits(oracle_gguf, io, bus_bw):
     path = oracle_gguf("qwen35moe", "q8_0")
-    base = _load(path, **({} if bus_bw is None else {"bus_bw": bus_bw}))
+    bus = {} if bus_bw is None else {"bus_bw": bus_bw}  # the bus sets what streams, so the least budget too
+    base = _load(path, **bus)
     ids = _ids(base.args.n_vocab)
     try:
         assert base.backend.gpu.placement.stream_bytes_per_pass > 0
         want = base.prefill(ids, base.new_state(), all_logits=True)
     finally:
         base.close()
-    budget = _least(path, expert_io=io)
-    kw = {"ram_budget": budget, "expert_io": io} | ({} if bus_bw is None else {"bus_bw": bus_bw})
+    budget = _least(path, expert_io=io, **bus)
+    kw = {"ram_budget": budget, "expert_io": io} | bus
     eng = _load(path, **kw)
     try:
         gm = eng.backend.gpu
