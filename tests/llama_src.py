@@ -52,9 +52,10 @@ def source_dir() -> str | None:
     return cache
 
 
-def convert(src: str, hf_dir: str, out: str, outtype: str = "f32") -> None:
-    """llama.cpp's converter on the checkpoint folder hf_dir, writing out (a RuntimeError with its log if it fails)."""
-    r = subprocess.run([sys.executable, "-c", _DRIVER, src, hf_dir, "--outtype", outtype, "--outfile", out],
+def convert(src: str, hf_dir: str, out: str, outtype: str = "f32", *extra: str) -> None:
+    """llama.cpp's converter on the checkpoint folder hf_dir, writing out (a RuntimeError with its log if it fails);
+    `extra`: more of its flags (`--mmproj`)."""
+    r = subprocess.run([sys.executable, "-c", _DRIVER, src, hf_dir, *extra, "--outtype", outtype, "--outfile", out],
                        capture_output=True, text=True)
     if r.returncode != 0 or not os.path.exists(out):
         raise RuntimeError(f"convert_hf_to_gguf.py failed ({r.returncode}):\n{r.stderr[-4000:]}")

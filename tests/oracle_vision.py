@@ -14,22 +14,19 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 
-LLAMA_CPP = Path("/work/llb/llama_cpp_python-0.3.36/vendor/llama.cpp")
 MEAN, STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)  # unequal per channel
 
 
-def converter_path() -> Path | None:
-    """llama.cpp's convert_hf_to_gguf.py: the vendored source of the installed llama-cpp-python, or
-    HYBRIDINFER_LLAMA_CPP_SRC."""
-    root = Path(os.environ.get("HYBRIDINFER_LLAMA_CPP_SRC", LLAMA_CPP))
-    p = root / "convert_hf_to_gguf.py"
-    return p if p.is_file() else None
+def converter_path() -> str | None:
+    """The llama.cpp tree holding convert_hf_to_gguf.py: the installed llama-cpp-python's source distribution
+    (llama_src.source_dir), or HYBRIDINFER_LLAMA_CPP_SRC."""
+    from llama_src import source_dir
+
+    return source_dir()
 
 
 def tiny_vl_config(out_hidden: int = 64, depth: int = 2, hidden: int = 32, heads: int = 2, pos_side: int = 8):
@@ -77,12 +74,13 @@ def make_vl_files(d: str | os.PathLike[str], seed: int = 0, **kw) -> dict:
         (ck / "preprocessor_config.json").write_text(json.dumps(
             {"image_mean": list(MEAN), "image_std": list(STD), "patch_size": 16, "temporal_patch_size": 2,
              "merge_size": 2, "image_processor_type": "Qwen2VLImageProcessor"}))
-        conv = converter_path()
-        if conv is None:
+        src = converter_path()
+        if src is None:
             raise FileNotFoundError("llama.cpp's convert_hf_to_gguf.py is not here (HYBRIDINFER_LLAMA_CPP_SRC)")
+        from llama_src import convert
+
         tmp = mmproj.with_suffix(".part")
-        subprocess.run([sys.executable, str(conv), str(ck), "--mmproj", "--outtype", "f32", "--outfile", str(tmp)],
-                       check=True, capture_output=True)
+        convert(src, str(ck), str(tmp), "f32", "--mmproj")
         tmp.rename(mmproj)
     if not text.exists():
         from oracles.convert_hf import convert_hf
