@@ -47,7 +47,8 @@ def run_cards(path: str, prompts, devices: list[int], budget: int | None, card_p
                 want = m.placement.stream_bytes_per_pass
             else:
                 want = sum(c.m.placement.stream_bytes_per_pass * c.totals["passes"] for c in m.cards)
-            rows.append(Row("hybridinfer", label + (f", {t['micro_batches']} micro-batches" if mode else ""),
+            mb = f", {t['micro_batches']} micro-batches" if mode and split_of(m) == "layer" else ""
+            rows.append(Row("hybridinfer", label + mb,
                             T, T / t["wall_s"], t["wall_s"], t["copy_s"], t["gpu_s"],
                             max(0.0, t["wall_s"] - t["gpu_s"]), flops=t["work"]["flops"], h2d_bytes=t["bytes_h2d"],
                             counts_agree=t["bytes_h2d"] == want))
