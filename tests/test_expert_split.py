@@ -260,3 +260,32 @@ def test_a_cards_share_of_the_experts_reaches_it_through_the_streamer(card, tmp_
     streamed_bytes = sum(infos[n].nbytes for i in (2, 3) for n in streamed[i]) + sum(
         infos[n].nbytes - 2 * infos[n].slab for n in streamed[1])
     assert st.bytes_h2d == streamed_bytes  # only its own experts, and not the pinned ones, cross the bus
+
+
+def test_a_later_cards_copy_of_a_state_is_kept_while_the_state_is_as_left(tmp_path):
+    """ExpertParallelModel.view: card k's own copy (its kernels write it, not the host's arrays), the same copy while
+    the host state is where the last pass left it, a new one once it moved (CPU decode)."""
+    from test_gpu_disk_stage import SHAPE
+
+    from hybridinfer.backends.gpu.expert_gpu import ExpertParallelModel
+    from hybridinfer.backends.state import DecoderState
+    from hybridinfer.format.gguf_model import GGUFModel
+    from hybridinfer.models import model_args
+    from hybridinfer.tools.synth import synth_model
+
+    path = tmp_path / "moe.gguf"
+    synth_model(path, "qwen35moe", SHAPE, "q8_0", seed=4)
+    st = DecoderState.new(model_args(GGUFModel(str(path))), 64)
+    st.tokens[:3], st.pos = [1, 2, 3], 3
+    name = next(n for n, arrs in st.arrays.items() if any(x is not None for x in arrs))
+    i = next(j for j, x in enumerate(st.arrays[name]) if x is not None)
+    st.arrays[name][i][...] = 1.5
+    m = object.__new__(ExpertParallelModel)
+    m._views = {}
+    v = m.view(1, st)
+    assert v is not st and v.pos == 3 and not np.shares_memory(v.arrays[name][i], st.arrays[name][i])
+    assert np.array_equal(v.arrays[name][i][:3], st.arrays[name][i][:3])
+    assert m.view(1, st) is v and m.view(2, st) is not v  # another card: its own copy
+    st.tokens[3], st.pos = 7, 4  # a decoded token
+    w = m.view(1, st)
+    assert w is not v and w.pos == 4 and w.tokens[3] == 7
