@@ -289,3 +289,12 @@ def test_a_later_cards_copy_of_a_state_is_kept_while_the_state_is_as_left(tmp_pa
     st.tokens[3], st.pos = 7, 4  # a decoded token
     w = m.view(1, st)
     assert w is not v and w.pos == 4 and w.tokens[3] == 7
+
+
+def test_plan_of_a_dense_model_has_no_expert_split(capsys):
+    from hybridinfer.cli import main
+
+    assert main(["plan", "--shape", "0.8b", "--arch", "qwen35", "--card", "c2075", "--cards", "2", "--prompts",
+                 "128"]) == 0
+    out = capsys.readouterr().out
+    assert "split mode layer" in out and "split mode (auto): layer" in out and "split mode expert" not in out
