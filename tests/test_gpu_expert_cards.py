@@ -71,7 +71,8 @@ def test_expert_split_matches_one_card(devices, mode, oracle_gguf):
         assert [c["bytes_h2d"] for c in t["cards"]] == mine and all(b > 0 for b in mine)
         alone = one.backend.gpu.placement.stream_bytes_per_pass
         print(f"streamed per pass: one card {alone / 1e6:.1f} MB, the cards {[b / 1e6 for b in mine]} MB")
-        assert all(b <= 0.6 * alone for b in mine)  # its own experts only: about half (less where it pins more)
+        # its own experts only and the dense part: about half of one card (the oracle's dense part is a quarter of it)
+        assert all(b <= 0.65 * alone for b in mine)
     # CPU decode goes on from the cards' state as from one card's
     ta, tb = one.backend.decode_batch([ids[0]], [sa]), many.backend.decode_batch([ids[0]], [sb])
     _close(tb, ta, "decode after the expert split's prefill")
