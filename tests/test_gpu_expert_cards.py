@@ -105,22 +105,25 @@ def test_several_prompts_in_one_expert_split_pass(devices, oracle_gguf):
     one.close()
 
 
-def test_auto_takes_the_time_models_choice(oracle_gguf):
+def test_auto_takes_the_time_models_choice(oracle_gguf, monkeypatch):
+    import hybridinfer.backends.gpu.multi_gpu as mg
     from hybridinfer.backends.gpu.expert_gpu import ExpertParallelModel
-    from hybridinfer.backends.gpu.multi_gpu import choose_split
-    from hybridinfer.format.gguf_model import GGUFModel
-    from hybridinfer.models import model_args
 
+    real, seen = mg.choose_split, []
+    monkeypatch.setattr(mg, "choose_split", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
     path = oracle_gguf("qwen35moe", "q8_0", layers=8)
     budget = _streaming_budget(path, frac=16)
-    gm = GGUFModel(str(path))
-    want = choose_split(gm, model_args(gm), 256, [0, 0], [budget] * 2, 32, PROFILE)
-    assert want in ("layer", "expert")
     many = _load(path, [budget] * 2, devices=[0, 0])
-    assert isinstance(many.backend.gpu, ExpertParallelModel) == (want == "expert")
+    assert seen in (["layer"], ["expert"])  # the time model's, from the cards' budgets, reserves and FMA peaks
+    assert isinstance(many.backend.gpu, ExpertParallelModel) == (seen[0] == "expert")
+    ids = _ids(many.args.n_vocab, 40)
+    one = _load(path, budget)
+    _close(many.prefill(ids, many.new_state(), all_logits=True), one.prefill(ids, one.new_state(), all_logits=True),
+           f"auto ({seen[0]}) vs one card")
     dense = Engine.load(str(oracle_gguf("qwen35", "q8_0")), backend="reference").args
-    assert choose_split(None, dense, 256, [0, 0]) == "layer"  # no experts to split
+    assert real(None, dense, 256, [0, 0]) == "layer"  # no experts to split
     many.close()
+    one.close()
 
 
 def test_bench_prefill_runs_each_split_mode(oracle_gguf):
