@@ -163,6 +163,9 @@ def test_plan_command_with_cards(capsys):
     out = capsys.readouterr().out
     assert "| card 0 (c2075) | 0.." in out and "| card 1 (c2075) |" in out and "(head)" in out
     assert "c2075 alone" in out and "prompt of 947 tokens" in out
+    # the expert split beside it: each card's experts; a real C2075 is compute-bound, so the choice is the pipeline
+    assert "split mode expert: " in out and "| card 0 (c2075) | 0.." in out and "..255 | 5." in out
+    assert "split mode (auto): layer" in out
     assert main(["plan", "--shape", "35b-a3b", "--cards", "c2075,k80", "--prompts", "128"]) == 0
     assert "card 1 (k80)" in capsys.readouterr().out
     assert main(["plan", "--shape", "35b-a3b", "--cards", "c2075,k80", "--vram-budget", "5GiB,11GiB", "--prompts",

@@ -231,7 +231,7 @@ def make_backend(name: str, gm, args, options: dict, n_ctx: int, fit_n_ctx: bool
     if name not in BACKENDS:
         raise BackendNotAvailableError(f"unknown backend {name!r} (choose from {', '.join(BACKENDS)})")
     gpu_opts = {k: options.pop(k) for k in ("vram_budget", "gpu_chunk", "device", "card_profile", "bus_bw",
-                                                   "kv_stream", "devices", "micro_batch")
+                                                   "kv_stream", "devices", "micro_batch", "split_mode")
                 if k in options}
     placement = options.pop("numa", None)
     if placement is not None and not hasattr(placement, "mode"):
@@ -274,14 +274,14 @@ def make_backend(name: str, gm, args, options: dict, n_ctx: int, fit_n_ctx: bool
     try:
         from .gpu.backend import DEFAULT_CHUNK, GPUModel
 
-        if gpu_opts.get("devices") is not None:  # prefill over several cards, a range of layers each
-            from .gpu.multi_gpu import MultiGPUModel
+        if gpu_opts.get("devices") is not None:  # prefill over several cards: layer ranges or expert shares
+            from .gpu.multi_gpu import open_cards
 
-            gpu = MultiGPUModel(gm, args, n_ctx, gpu_opts["devices"], vram_budget=gpu_opts.get("vram_budget"),
-                                chunk=gpu_opts.get("gpu_chunk", DEFAULT_CHUNK),
-                                card_profile=gpu_opts.get("card_profile"), bus_bw=gpu_opts.get("bus_bw"),
-                                fit_n_ctx=fit_n_ctx, kv_stream=gpu_opts.get("kv_stream"),
-                                micro_batch=gpu_opts.get("micro_batch"))
+            gpu = open_cards(gm, args, n_ctx, gpu_opts["devices"], split_mode=gpu_opts.get("split_mode"),
+                             vram_budget=gpu_opts.get("vram_budget"), chunk=gpu_opts.get("gpu_chunk", DEFAULT_CHUNK),
+                             card_profile=gpu_opts.get("card_profile"), bus_bw=gpu_opts.get("bus_bw"),
+                             fit_n_ctx=fit_n_ctx, kv_stream=gpu_opts.get("kv_stream"),
+                             micro_batch=gpu_opts.get("micro_batch"))
         else:
             gpu = GPUModel(gm, args, n_ctx, vram_budget=gpu_opts.get("vram_budget"),
                            chunk=gpu_opts.get("gpu_chunk", DEFAULT_CHUNK), device=gpu_opts.get("device", 0),

@@ -54,6 +54,8 @@ def _engine(a, quiet: bool = False):
         opts["vram_budget"] = a.vram_budget
     if a.backend in ("auto", "gpu") and getattr(a, "devices", None):
         opts["devices"] = a.devices
+    if a.backend in ("auto", "gpu") and getattr(a, "split_mode", None):
+        opts["split_mode"] = a.split_mode
     if a.backend in ("auto", "gpu") and getattr(a, "card_profile", None):
         opts["card_profile"] = a.card_profile
     if a.backend in ("auto", "gpu") and getattr(a, "no_kv_offload", False):

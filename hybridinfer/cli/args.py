@@ -281,8 +281,9 @@ def _add_model(p: argparse.ArgumentParser, required: bool = False) -> None:
                    help="GPU memory the gpu backend may use, e.g. 6GiB, or one a device with --devices, e.g. "
                         "5GiB,11GiB (default: the card's free memory - 512MiB)")
     p.add_argument("--devices", type=device_list, default=None, metavar="0,1,...",
-                   help="GPU prefill over these CUDA devices, a contiguous range of layers each, the hidden rows "
-                        "passed on through pinned host memory (a repeated index: another context on that card)")
+                   help="GPU prefill over these CUDA devices, shared as --split-mode says, the rows crossing through "
+                        "pinned host memory (a repeated index: another context on that card)")
+    p.add_argument("-sm", "--split-mode", type=split_mode, default=None, help=SPLIT_HELP)
     p.add_argument("-nkvo", "--no-kv-offload", action="store_true",
                    help="GPU prefill keeps every pass's K/V in host memory and streams each attention layer's "
                         "through the card (default: only a pass too long for its K/V to stay on the card beside "
@@ -359,6 +360,31 @@ def parse_sizes(s: str):
     """One size ('6GiB') or a comma list of them ('5GiB,11GiB': one a device) -> bytes or a list of bytes."""
     parts = str(s).split(",")
     return parse_size(parts[0]) if len(parts) == 1 else [parse_size(x) for x in parts]
+
+
+def split_mode(s: str) -> str:
+    """--split-mode: auto, layer or expert (gpu/expert_card.SPLIT_MODES)."""
+    from ..backends.gpu.expert_card import check_split_mode
+
+    try:
+        return check_split_mode(str(s).strip())
+    except ParameterError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def split_modes(text: str) -> list[str]:
+    """bench's --split-mode: one mode or several, comma-separated, each at most once."""
+    from ..backends.gpu.expert_card import check_split_mode
+
+    modes = [check_split_mode(x.strip()) for x in str(text).split(",")]
+    if len(set(modes)) != len(modes):
+        raise ParameterError(f"--split-mode {text!r} names a mode twice")
+    return modes
+
+
+SPLIT_HELP = ("how --devices share a prefill: layer (a range of layers each, pipelined), expert (every card on every "
+              "layer, each with its share of the routed experts; a MoE model), or auto (the time model's choice: "
+              "expert where the weight stream bounds the prefill) (default auto)")
 
 
 def device_list(s: str) -> list[int]:

@@ -18,6 +18,7 @@ from .args import (
     positive_ints,
     seconds,
     seed_int,
+    split_modes,
     threads_int,
 )
 
@@ -118,7 +119,8 @@ def cmd_bench_prefill(a) -> int:
     try:
         res = prefill.run(a.model, prompts, a.vram_budget or None, not a.no_resident, a.threads, a.llama_bench,
                           a.llama_bench_cuda, bus_bw=a.bus_bw, card_profile=a.card_profile,
-                          kv_stream=True if a.no_kv_offload else None, devices=a.devices)
+                          kv_stream=True if a.no_kv_offload else None, devices=a.devices,
+                          split_modes=split_modes(a.split_mode))
     except ModuleNotFoundError as e:
         if (e.name or "").split(".")[0] != "pycuda":
             raise
@@ -431,8 +433,11 @@ def add_bench_parsers(sub) -> None:
     b.add_argument("--vram-budget", type=parse_size, default=parse_size("6GiB"), help="0: skip the budget run")
     b.add_argument("--no-resident", action="store_true", help="skip the whole-model-resident run")
     b.add_argument("--devices", type=device_list, default=None, metavar="0,1,...",
-                   help="also prefill on the first device alone and over all of them (a range of layers each), "
+                   help="also prefill on the first device alone and over all of them (as --split-mode says), "
                         "each under --vram-budget")
+    b.add_argument("-sm", "--split-mode", default="auto", metavar="MODE[,MODE]",
+                   help="with --devices: layer, expert or auto (the time model's choice), or several, e.g. "
+                        "layer,expert: a run of the cards in each (default auto)")
     b.add_argument("-nkvo", "--no-kv-offload", action="store_true",
                    help="stream every pass's K/V through the card from host memory (default: only passes too long "
                         "to keep them on the card)")

@@ -76,6 +76,15 @@ def _check_load_args(n_ctx, prefill_chunk, snapshot_stride, step_tokens, max_seq
         from ..backends.gpu.multi_gpu import check_devices
 
         check_devices(options.get("devices"), options.get("vram_budget"), options.get("device"))
+    if options.get("split_mode") is not None:
+        from ..backends.gpu.expert_card import check_split_mode
+
+        mode = check_split_mode(options["split_mode"])
+        if options.get("devices") is None:
+            raise ParameterError(f"split_mode {mode!r} splits a prefill over several cards: it needs devices=[...]")
+        if mode == "expert" and options.get("micro_batch") is not None:
+            raise ParameterError(f"micro_batch {options['micro_batch']!r} is the layer pipeline's; split_mode "
+                                 "'expert' runs every card over the whole pass")
     if options.get("kv_stream") not in (None, True, False):
         raise ParameterError(f"kv_stream must be None, True or False, got {options['kv_stream']!r}")
     if options.get("bus_bw") is not None:
@@ -245,8 +254,10 @@ class Engine(Text, Compute):
             profile's bus; bytes/s the weight stream is paced to), kv_stream (None: a pass keeps its K/V on the card
             where they fit beside the weights, else it streams each attention layer's K/V through the card from
             the host state; True: every pass streams them, as llama.cpp's --no-kv-offload keeps them on the host),
-            devices (a list such as [0, 1]: prefill over those cards, a range of layers each, gpu/multi_gpu.py;
-            vram_budget then one for all or one a device), micro_batch (rows; None: the time model's choice).
+            devices (a list such as [0, 1]: prefill over those cards, gpu/multi_gpu.py; vram_budget then one for all
+            or one a device), split_mode (None or "auto": the time model's choice; "layer": a range of layers each,
+            pipelined; "expert": every card on every layer, the routed experts split between them,
+            gpu/expert_gpu.py), micro_batch (the layer pipeline's rows; None: the time model's choice).
         Reference: cache_weights (True), act_quant (False: float activations; True: llama.cpp's Q8 rounding).
         Unknown options raise TypeError.
         """

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..backends.gpu import multi_card
+from ..backends.gpu import expert_card, multi_card
 from ..backends.gpu.placement import weights_of
 from ..backends.gpu.work import prefill_work
 from ..errors import ParameterError
@@ -19,6 +19,14 @@ class CardsPlan:
     model: str
     one: CardPlan  # the first card alone
     splits: list[multi_card.MultiPlan]  # one a prompt length
+    experts: list | None = None  # the expert split's expert_card.ExpertPlan a prompt length (None: a dense model)
+    expert_note: str = ""  # why there is no expert split (a card's budget cannot hold its share)
+
+    def choice(self, j: int) -> str:
+        """The split the automatic choice takes for prompt j (multi_gpu.choose_split's rule)."""
+        if not self.experts:
+            return "layer"
+        return expert_card.choose(self.splits[j].seconds, self.experts[j].seconds)
 
 
 def card_list(cards: str, card: str | None) -> list[str]:
@@ -77,15 +85,23 @@ def plan_cards(gm, args, names: Sequence[str], vram_budget=None, prompts=PROMPTS
         w = prefill_work(gm, args, T)
         flops = [w.by_layer.get(i, 0.0) for i in range(args.n_layer + 1)]
         splits.append(multi_card.split_cards(ws, flops, slots, T, 4 * args.n_embd, micro_batches))
-    return CardsPlan(gm.path, one, splits)
+    experts, note = None, ""
+    if getattr(args, "is_moe", False):
+        try:
+            experts = expert_card.plan_experts(gm, args, ws, [expert_card.with_link(s, args, chunk) for s in slots],
+                                               prompts)
+        except multi_card.CardBudgetError as e:
+            note = str(e)
+    return CardsPlan(gm.path, one, splits, experts, note)
 
 
 def format_cards(pl: CardsPlan) -> str:
     G = 2**30
-    out = [f"model:      {pl.model}", f"cards:      {len(pl.splits[0].shares)}, in pipeline order; the hidden rows "
-           "cross between cards through pinned host memory, once a micro-batch", ""]
-    for sp, one in zip(pl.splits, pl.one.prefill, strict=True):
-        out.append(f"prompt of {sp.tokens} tokens in {sp.micro_batches} micro-batch(es): {sp.seconds:.2f} s "
+    out = [f"model:      {pl.model}", f"cards:      {len(pl.splits[0].shares)}; layer split: in pipeline order, the "
+           "hidden rows cross between cards through pinned host memory once a micro-batch", ""]
+    for j, (sp, one) in enumerate(zip(pl.splits, pl.one.prefill, strict=True)):
+        out.append(f"prompt of {sp.tokens} tokens, split mode layer in {sp.micro_batches} micro-batch(es): "
+                   f"{sp.seconds:.2f} s "
                    f"({sp.tok_s:.0f} tok/s); {pl.one.card.name} alone {one.seconds:.2f} s "
                    f"({one.seconds / sp.seconds:.2f}x)")
         out += ["", "| card | layers | budget GiB | resident GiB | streamed GiB | compute s | transfer s | "
@@ -97,5 +113,28 @@ def format_cards(pl: CardsPlan) -> str:
                        f"{p.resident_bytes / G:.2f} | {sh.stream_bytes / G:.2f} | {sh.compute_s:.2f} | "
                        f"{sh.transfer_s * sp.micro_batches:.2f} | {sh.handoff_s:.2f} | {sh.stage_s:.2f} |")
         out.append("")
-    out.append("transfer s: the card's streamed weights once a micro-batch, over the whole prompt")
+        if pl.experts:
+            out += _expert_lines(pl.experts[j], one.seconds, pl.one.card.name)
+        out += [f"split mode (auto): {pl.choice(j)}", ""]
+    if pl.expert_note:
+        out += [f"no expert split: {pl.expert_note}", ""]
+    out.append("layer split, transfer s: the card's streamed weights once a micro-batch, over the whole prompt")
+    if pl.experts:
+        out.append("expert split: every card runs every layer on every row, the routed experts shared out; exchange s: "
+                   "the partial sums down and the others' up over the card's bus, once a MoE layer (the up half in "
+                   "transfer s too: it shares the bus with the weights)")
     return "\n".join(out)
+
+
+def _expert_lines(ep, one_s: float, one_name: str) -> list[str]:
+    G = 2**30
+    out = [f"split mode expert: {ep.seconds:.2f} s ({ep.tok_s:.0f} tok/s); {one_name} alone {one_s:.2f} s "
+           f"({one_s / ep.seconds:.2f}x)", "",
+           "| card | experts | budget GiB | resident GiB | streamed GiB | compute s | transfer s | exchange s |",
+           "|---|---|---|---|---|---|---|---|"]
+    for sh in ep.shares:
+        p = sh.placement
+        out.append(f"| {sh.slot.label} | {sh.experts[0]}..{sh.experts[1] - 1} | {sh.slot.vram_budget / G:.2f} | "
+                   f"{p.resident_bytes / G:.2f} | {sh.stream_bytes / G:.2f} | {sh.compute_s:.2f} | "
+                   f"{sh.transfer_s:.2f} | {sh.exchange_s:.2f} |")
+    return out + [""]

@@ -25,11 +25,13 @@ from . import k_gemm as kgm
 from . import k_moe as km
 from . import loader
 from .cards import paced_bus
+from .expert_card import own_weights
 from .graph_ops import GPUOps
 from .handoff import StateHandoff
+from .multi import in_passes
 from .placement import is_vector, plan_placement, weights_of
 from .streamer import Streamer
-from .walker import MAX_SNAPS, item, tokens_hash, walk
+from .walker import MAX_SNAPS, tokens_hash, walk
 from .work import Work, gemm_flops
 
 # tokens per kernel call inside a layer: MoE groups of ~30 rows per expert at 8 of 256 experts (a 947-token
@@ -240,6 +242,10 @@ class GPUModel:
     # where each pass hands every prompt row's final-norm output (hidden_to(state, first position, rows)): set for the
     # MTP drafter, which runs its block over them on the CPU (GPUPrefillCPUDecode); None: the card keeps them
     hidden_to = None
+    # an expert split's card (expert_gpu.py): the routed expert ids (first, end) it owns in every MoE layer, and the
+    # op vocabulary that computes its partial sums and exchanges them; None: every expert, GPUOps
+    own: tuple[int, int] | None = None
+    ops_type = GPUOps
 
     def __init__(self, gm, args, n_ctx: int, vram_budget: int | None = None, chunk: int = DEFAULT_CHUNK,
                  device: int = 0, expert_counts=None, bus_bw: float | None = None,
@@ -268,7 +274,8 @@ class GPUModel:
         self.vec = {n: _f32(gm, n) for n in vec_names}  # norms, ssm_a, dt bias, conv kernels: float32
         vec_bytes = sum(v.nbytes for v in self.vec.values())
         self.first, self.end = (0, a.n_layer + 1) if layers is None else (int(layers[0]), int(layers[1]))
-        self.infos = {w.name: w for w in weights_of(gm, args, matrices_only=True) if self.first <= w.layer < self.end}
+        ws = [w for w in weights_of(gm, args, matrices_only=True) if self.first <= w.layer < self.end]
+        self.infos = {w.name: w for w in (ws if self.own is None else own_weights(ws, self.own))}
         self.layer_names = [tuple(n for n, w in self.infos.items() if w.layer == i) for i in range(a.n_layer)]
         self.block_names = [block_names(gm.tensors, i) for i in range(a.n_layer)]
         _check_supported(gm, args, self.infos.values())
@@ -405,17 +412,11 @@ class GPUModel:
             return self._forward(tokens, state, all_logits, snapshot_at, on_snapshot)
 
     def _forward(self, tokens, state: DecoderState, all_logits: bool, snapshot_at, on_snapshot):
-        """One pass, or where the K/V stream (PassPlan) and the prompt is longer than a pass's rows, passes of n_rows
-        tokens each continuing the last (a snapshot asked for where one ends is taken there)."""
-        T = len(tokens)
-        step = max(1, self.n_rows if state.pos + T > self.n_res else T)
-        outs = []
-        for r0 in range(0, T, step):
-            lg = walk(self, [item(self, tokens[r0 : r0 + step], state, snapshot_at, on_snapshot)], all_logits)[0]
-            outs.append(lg)
-            if r0 + step < T and on_snapshot is not None and state.pos in set(snapshot_at):
-                on_snapshot(state, lg[-1])
-        return np.concatenate(outs, axis=0) if all_logits and len(outs) > 1 else outs[-1]
+        return in_passes(self, tokens, state, all_logits, snapshot_at, on_snapshot)
+
+    def walk_items(self, items, all_logits: bool = False) -> list[np.ndarray]:
+        """One pass of the walker over `items` (walker.Item): each one's logits."""
+        return walk(self, items, all_logits)
 
     def block(self, i: int, W: dict) -> BlockTensors:
         """Block i's tensors by short name: its streamed matrices (W, by GGUF name) and its float32 vectors."""

@@ -202,13 +202,14 @@ class GPUOps:
             shared_gate: str | None):
         m, a, b, s, L, n = self.m, self.a, self.b, self.s, self.L, x.shape[0]
         k, E = a.n_expert_used, a.n_expert
+        sh = gl = None
         if shared is not None:  # the gated shared expert, beside the routed experts
             side = m._fork()
             sg = m._gemm(L.i, x, L[shared[0]], out=b.sg[:n], stream=side)
             su = m._gemm(L.i, x, L[shared[1]], out=b.su[:n], stream=side)
             ke.swiglu(sg, su, out=sg, stream=side)
             sh = m._gemm(L.i, sg, L[shared[2]], out=self.spare[:n], stream=side)
-            gl = ke.dot_rows(x, L[shared_gate], out=b.sgate[:n], stream=side)
+            gl = ke.dot_rows(x, L[shared_gate], out=b.sgate[:n], stream=side).reshape(n)
         logits = m._gemm(L.i, x, L[router], out=b.router[:n], stream=s)
         ids, wts = b.ids[:n], b.wts[:n]
         km.route(logits, k, ids, wts, stream=s)
@@ -217,15 +218,24 @@ class GPUOps:
                  scratch=b.scratch[: km.group_scratch_shape(P, E)[0]], stream=s)
         # per-expert token counts for expert pinning: copied to pinned memory now, summed after the pass
         m.drv.memcpy_dtoh_async(m.counts_host[L.i, m._chunk_no], b.counts.gpudata, s)
-        G, U, D = (L[nm] for nm in experts)
-        eg = kgm.gemm_grouped(x, G, b.offs, idx=b.perm_tok[:P], out=b.eg[:P], stream=s)
-        eu = kgm.gemm_grouped(x, U, b.offs, idx=b.perm_tok[:P], out=b.eu[:P], stream=s)
+        ed = self._experts(x, [L[nm] for nm in experts], P)
+        return self._combine(ed, wts, self.out[:n], sh, gl)
+
+    def _experts(self, x, W: list, P: int, offs=None):
+        """The routed experts' grouped products over the P grouped rows (offs: the experts' row offsets, default
+        every expert's): the rows of each pair's expert output, in b.ed."""
+        b, s = self.b, self.s
+        offs = b.offs if offs is None else offs
+        eg = kgm.gemm_grouped(x, W[0], offs, idx=b.perm_tok[:P], out=b.eg[:P], stream=s)
+        eu = kgm.gemm_grouped(x, W[1], offs, idx=b.perm_tok[:P], out=b.eu[:P], stream=s)
         ke.swiglu(eg, eu, out=eg, stream=s)
-        ed = kgm.gemm_grouped(eg, D, b.offs, out=b.ed[:P], stream=s)
-        out = self.out[:n]
-        if shared is not None:
-            m._join()
-            km.combine(ed, b.row_of_pair[:n], wts, out, shared_out=sh, shared_gate_logit=gl.reshape(n), stream=s)
-        else:
-            km.combine(ed, b.row_of_pair[:n], wts, out, stream=s)
+        return kgm.gemm_grouped(eg, W[2], offs, out=b.ed[:P], stream=s)
+
+    def _combine(self, ed, wts, out, sh, gl):
+        """out: each row's routed experts weighted in slot order, plus its gated shared expert (sh, gl; None:
+        none)."""
+        if sh is not None:
+            self.m._join()
+        km.combine(ed, self.b.row_of_pair[: out.shape[0]], wts, out, shared_out=sh, shared_gate_logit=gl,
+                   stream=self.s)
         return out

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import loader
-from .walker import item, walk
+from .walker import item
 
 
 def plan_groups(lengths: list[tuple[int, int]], n_ctx: int, n_rows: int | None = None) -> list[list[int]]:
@@ -42,6 +42,21 @@ def forward_many(m, prompts) -> list[np.ndarray]:
                 it = items[group[0]]
                 out[group[0]] = m._forward(it.ids, it.state, False, it.snapshot_at, it.on_snapshot)
                 continue
-            for j, lg in zip(group, walk(m, [items[j] for j in group]), strict=True):
+            for j, lg in zip(group, m.walk_items([items[j] for j in group]), strict=True):
                 out[j] = lg
     return out
+
+
+def in_passes(m, tokens, state, all_logits: bool, snapshot_at=(), on_snapshot=None):
+    """A prompt on m (GPUModel, or expert_gpu's model over several cards) in one pass of m.walk_items, or where the
+    K/V stream (backend.PassPlan) and it is longer than a pass's rows, in passes of m.n_rows tokens each continuing
+    the last (a snapshot asked for where one ends is taken there)."""
+    T = len(tokens)
+    step = max(1, m.n_rows if state.pos + T > m.n_res else T)
+    outs = []
+    for r0 in range(0, T, step):
+        lg = m.walk_items([item(m, tokens[r0 : r0 + step], state, snapshot_at, on_snapshot)], all_logits)[0]
+        outs.append(lg)
+        if r0 + step < T and on_snapshot is not None and state.pos in set(snapshot_at):
+            on_snapshot(state, lg[-1])
+    return np.concatenate(outs, axis=0) if all_logits and len(outs) > 1 else outs[-1]

@@ -50,11 +50,15 @@ class CardRunner:
     def run(self, job: Job, state: DecoderState, rows_in, out):
         with loader.on_card(self.ctx):
             got = walk(self.m, [item(self.m, job.ids, state)], job.all_logits, rows_in, out)[0]
+        self.count()
+        return got
+
+    def count(self) -> None:
+        """Its model's last pass added to its totals."""
         t = self.m.last_timing
         for key, v in (("bytes_h2d", t["bytes_h2d"]), ("flops", t["work"]["flops"]), ("copy_s", t["copy_s"]),
                        ("gpu_s", t["gpu_s"]), ("passes", 1)):
             self.totals[key] = self.totals.get(key, 0) + v
-        return got
 
     def close(self) -> None:
         with loader.on_card(self.ctx):  # its buffers freed in its context
@@ -93,38 +97,13 @@ class MultiGPUModel:
     def __init__(self, gm, args, n_ctx: int, devices, vram_budget=None, chunk: int = 1024, card_profile=None,
                  bus_bw: float | None = None, fit_n_ctx: bool = False, kv_stream: bool | None = None,
                  micro_batch: int | None = None):
-        from .backend import GPUModel, plan_pass
+        from .backend import GPUModel
 
-        devices, budgets = check_devices(devices, vram_budget)
         if micro_batch is not None and (type(micro_batch) is not int or micro_batch < 1):
             raise ParameterError(f"micro_batch must be a positive number of rows, got {micro_batch!r}")
         self.args, self.micro_batch, self.cards = args, micro_batch, []
-        loader.init(devices[0])
-        loader.configure(card_profile)
-        ctxs = [loader.card_context(d) for d in devices]
-        ws = weights_of(gm, args, matrices_only=True)
-        vec = sum(4 * int(np.prod(t.ne)) for n, t in gm.tensors.items() if is_vector(n, t)  # as GPUModel keeps them
-                  and not (n.startswith("blk.") and int(n.split(".")[1]) >= args.n_layer))
-        slots = []
-        for k, (d, ctx) in enumerate(zip(devices, ctxs, strict=True)):
-            with loader.on_card(ctx):
-                import pycuda.driver as drv
-
-                if budgets[k] is None:  # a card's free memory, shared by the cards that repeat it
-                    budgets[k] = (int(drv.mem_get_info()[0]) - (512 << 20)) // devices.count(d)
-                cc = drv.Context.get_device().compute_capability()
-                # a profile compiles and paces as the old card does, but the kernels run at this card's speed: the
-                # split's time model takes the profile's bus and this card's measured FMA peak (else it would
-                # cut a bus-bound prompt into micro-batches that each stream the weights again)
-                table = (replace(cards.card(card_profile), fp32_flops=k_peak.fma_peak_flops(rounds=1 << 12))
-                         if card_profile else _card_like(cc))
-            res = vec + plan_pass(args, chunk, budgets[k] - vec, ws, n_ctx).reserve(args, chunk)
-            slots.append(multi_card.CardSlot(table, budgets[k], res, calibration.efficiency_for(table.limits),
-                                             f"device {d} ({loader.device_name(d)})"))
-        T = min(n_ctx, PLAN_TOKENS)
-        w = prefill_work(gm, args, T)
-        self.plan = multi_card.split_cards(ws, [w.by_layer.get(i, 0.0) for i in range(args.n_layer + 1)], slots, T,
-                                           4 * args.n_embd)
+        devices, ctxs, slots, ws = card_slots(gm, args, n_ctx, devices, vram_budget, chunk, card_profile)
+        self.plan = layer_plan(gm, args, n_ctx, ws, slots)
         for (d, ctx), sh in zip(zip(devices, ctxs, strict=True), self.plan.shares, strict=True):
             with loader.on_card(ctx):
                 try:
@@ -249,6 +228,83 @@ class MultiGPUModel:
         for c in self.cards:
             c.close()
         self.cards = []
+
+
+def card_slots(gm, args, n_ctx: int, devices, vram_budget, chunk: int, card_profile):
+    """(devices, their contexts, their multi_card.CardSlots, the matrices placed) for a prefill over `devices` (see
+    check_devices): each card's budget (None: its free memory less 512 MiB, shared by the cards repeating it), the
+    bytes its pass buffers and vectors reserve, and the card its time model takes."""
+    from .backend import plan_pass
+
+    devices, budgets = check_devices(devices, vram_budget)
+    loader.init(devices[0])
+    loader.configure(card_profile)
+    ctxs = [loader.card_context(d) for d in devices]
+    ws = weights_of(gm, args, matrices_only=True)
+    vec = sum(4 * int(np.prod(t.ne)) for n, t in gm.tensors.items() if is_vector(n, t)  # as GPUModel keeps them
+              and not (n.startswith("blk.") and int(n.split(".")[1]) >= args.n_layer))
+    slots = []
+    for k, (d, ctx) in enumerate(zip(devices, ctxs, strict=True)):
+        with loader.on_card(ctx):
+            import pycuda.driver as drv
+
+            if budgets[k] is None:
+                budgets[k] = (int(drv.mem_get_info()[0]) - (512 << 20)) // devices.count(d)
+            cc = drv.Context.get_device().compute_capability()
+            # a profile compiles and paces as the old card does, but the kernels run at this card's speed: the
+            # split's time model takes the profile's bus and this card's measured FMA peak (else it would cut a
+            # bus-bound prompt into micro-batches that each stream the weights again)
+            table = (replace(cards.card(card_profile), fp32_flops=k_peak.fma_peak_flops(rounds=1 << 12))
+                     if card_profile else _card_like(cc))
+        res = vec + plan_pass(args, chunk, budgets[k] - vec, ws, n_ctx).reserve(args, chunk)
+        slots.append(multi_card.CardSlot(table, budgets[k], res, calibration.efficiency_for(table.limits),
+                                         f"device {d} ({loader.device_name(d)})"))
+    return devices, ctxs, slots, ws
+
+
+def layer_plan(gm, args, n_ctx: int, ws, slots) -> multi_card.MultiPlan:
+    """The layer split balanced for a prompt of min(n_ctx, PLAN_TOKENS) tokens."""
+    T = min(n_ctx, PLAN_TOKENS)
+    w = prefill_work(gm, args, T)
+    return multi_card.split_cards(ws, [w.by_layer.get(i, 0.0) for i in range(args.n_layer + 1)], slots, T,
+                                  4 * args.n_embd)
+
+
+def choose_split(gm, args, n_ctx: int, devices, vram_budget=None, chunk: int = 1024, card_profile=None) -> str:
+    """split_mode "auto": "expert" where the time model predicts the expert split faster than the layer pipeline
+    for a prompt of min(n_ctx, PLAN_TOKENS) tokens (a bus-bound prompt of a MoE model), else "layer"."""
+    from . import expert_card
+
+    if not args.is_moe:
+        return "layer"
+    _, _, slots, ws = card_slots(gm, args, n_ctx, devices, vram_budget, chunk, card_profile)
+    try:
+        ep = expert_card.plan_experts(gm, args, ws, [expert_card.with_link(s, args, chunk) for s in slots],
+                                      min(n_ctx, PLAN_TOKENS))
+    except multi_card.CardBudgetError:
+        return "layer"
+    return expert_card.choose(layer_plan(gm, args, n_ctx, ws, slots).seconds, ep.seconds)
+
+
+def open_cards(gm, args, n_ctx: int, devices, split_mode=None, **kw):
+    """The prefill over `devices` in `split_mode` (expert_card.SPLIT_MODES; None: auto, choose_split's); kw:
+    MultiGPUModel's (micro_batch: the layer pipeline's alone)."""
+    from . import expert_card
+
+    mode = expert_card.check_split_mode(split_mode)
+    if mode == "auto" and kw.get("micro_batch") is not None:
+        mode = "layer"  # micro-batches are the layer pipeline's
+    if mode == "auto":
+        mode = choose_split(gm, args, n_ctx, devices, kw.get("vram_budget"), kw.get("chunk", 1024),
+                            kw.get("card_profile"))
+    if mode == "layer":
+        return MultiGPUModel(gm, args, n_ctx, devices, **kw)
+    if kw.pop("micro_batch", None) is not None and split_mode == "expert":
+        raise ParameterError("micro_batch is the layer pipeline's (split_mode='layer'); an expert split runs every "
+                             "card over the whole pass")
+    from .expert_gpu import ExpertParallelModel
+
+    return ExpertParallelModel(gm, args, n_ctx, devices, **kw)
 
 
 def _card_like(cc) -> cards.Card:

@@ -30,6 +30,7 @@ class WeightInfo:
     nbytes: int
     layer: int  # -1 for tensors outside the blocks
     n_expert: int = 0  # > 0 for routed-expert tensors [E, N, K]: nbytes = n_expert * slab
+    first_expert: int = 0  # the file's expert id of expert 0 here (a card's share of an expert split: expert_card.py)
 
     @property
     def slab(self) -> int:
@@ -121,7 +122,7 @@ def plan_placement(weights: Iterable[WeightInfo], vram_budget: int, reserved: in
         if not fits(before):
             p.resident.discard(w.name)
             move(w, -w.nbytes)
-    experts = [(counts.get((w.layer, e), 0), -w.layer, -e, w.name, e)
+    experts = [(counts.get((w.layer, w.first_expert + e), 0), -w.layer, -e, w.name, e)
                for w in ws.values() if w.n_expert for e in range(w.n_expert)]
     experts.sort(reverse=True)
     for _, _, _, name, e in experts:

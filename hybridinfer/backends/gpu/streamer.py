@@ -22,8 +22,16 @@ from .placement import STAGE_ALIGN as ALIGN
 from .placement import Placement, WeightInfo
 
 
-def _shape(t) -> tuple:
-    return tuple(int(x) for x in reversed(t.ne))  # numpy order: (E, N, K) or (N, K) or (K,)
+def _shape(t, info: WeightInfo | None = None) -> tuple:
+    """numpy order: (E, N, K) or (N, K) or (K,); with `info`, E its experts (a card's share of an expert split)"""
+    shp = tuple(int(x) for x in reversed(t.ne))
+    return (info.n_expert, *shp[1:]) if info is not None and info.n_expert else shp
+
+
+def file_bytes(gm, info: WeightInfo) -> np.ndarray:
+    """The file's bytes of `info`: the whole tensor, or its experts [first_expert, first_expert + n_expert)."""
+    raw = np.asarray(gm.tensor(info.name).raw()).view(np.uint8).reshape(-1)
+    return raw[info.first_expert * info.slab : info.first_expert * info.slab + info.nbytes] if info.n_expert else raw
 
 
 class Streamer:
@@ -45,18 +53,18 @@ class Streamer:
         self.host: dict[str, np.ndarray] = {}  # streamed tensor -> pinned host copy (uint8)
         self.device_bytes = 0
         for name in sorted(placement.resident):
-            t = gm.tensor(name)
-            self.resident[name] = DeviceWeight.upload(t.raw(), t.qtype, _shape(t))
-            self.device_bytes += t.nbytes
+            t, info = gm.tensor(name), infos[name]
+            self.resident[name] = DeviceWeight.upload(file_bytes(gm, info), t.qtype, _shape(t, info))
+            self.device_bytes += info.nbytes
             if progress is not None:
-                progress(t.nbytes)
+                progress(info.nbytes)
         for name, es in placement.pinned_experts.items():
             t = gm.tensor(name)
             order = sorted(es)
             slab = infos[name].slab
-            raw = np.asarray(t.raw()).view(np.uint8).reshape(-1)
+            raw = file_bytes(gm, infos[name])
             packed = np.concatenate([raw[e * slab : (e + 1) * slab] for e in order])
-            shp = _shape(t)
+            shp = _shape(t, infos[name])
             self.pinned[name] = (DeviceWeight(t.qtype, (len(order),) + shp[1:], gpuarray.to_gpu(packed)),
                                  {e: i for i, e in enumerate(order)})
             self.device_bytes += packed.nbytes
@@ -94,7 +102,7 @@ class Streamer:
 
     def _host_copy(self, name: str) -> None:
         h = self.drv.pagelocked_empty(self.infos[name].nbytes, np.uint8)
-        np.copyto(h, np.asarray(self.gm.tensor(name).raw()).view(np.uint8).reshape(-1))
+        np.copyto(h, file_bytes(self.gm, self.infos[name]))
         self.host[name] = h
 
     def keep(self, layers) -> None:
@@ -191,7 +199,8 @@ class Streamer:
                 else:
                     t = self.gm.tensor(n)
                     nb = self.infos[n].nbytes
-                    out[n] = DeviceWeight(t.qtype, _shape(t), self.slots[layer % 2][offs[n] : offs[n] + nb])
+                    out[n] = DeviceWeight(t.qtype, _shape(t, self.infos[n]),
+                                          self.slots[layer % 2][offs[n] : offs[n] + nb])
             self._views[key] = out
         return self._views[key]
 

@@ -26,7 +26,6 @@ from ...models import mrope
 from ...models.state_kinds import ARRAYS, layer_arrays
 from ..state import DecoderState, check_tokens
 from . import k_elementwise as ke
-from .graph_ops import GPUOps
 from .handoff import kv_down, kv_up, zero_or_upload
 from .work import Work
 
@@ -192,7 +191,7 @@ def walk(m, items: list[Item], all_logits: bool = False, rows_in=None, rows_out=
     moves.begin()
     n_chunks = m.counts_host.shape[1] if a.is_moe else 0
     used_chunks = 0
-    ops = GPUOps(m)
+    ops = m.ops_type(m)
     for i in range(m.first, min(m.end, a.n_layer)):
         st.prefetch(i + 1)  # the next layer's upload overlaps this layer's compute
         L = m.block(i, st.weights(i, m.layer_names[i]))
@@ -242,8 +241,9 @@ def walk(m, items: list[Item], all_logits: bool = False, rows_in=None, rows_out=
         used = m.counts_host[:, : min(used_chunks, n_chunks)].sum(axis=1)  # (n_layer, E)
         for i, e in zip(*np.nonzero(used), strict=True):
             m.expert_counts[(int(i), int(e))] = m.expert_counts.get((int(i), int(e)), 0) + int(used[i, e])
+        lo, hi = m.own or (0, a.n_expert)  # the routed products this card ran: its own experts' pairs
         for i in range(a.n_layer):
-            m.work.add("moe", i, float(used[i].sum()) * m._exp_nk[i])
+            m.work.add("moe", i, float(used[i, lo:hi].sum()) * m._exp_nk[i])
     m.last_timing = {"wall_s": time.perf_counter() - t0, "gpu_s": ev1.time_since(ev0) / 1e3,
                      "copy_s": st.copy_seconds(), "bytes_h2d": st.bytes_h2d, "tokens": off, "prompts": len(items),
                      "work": m.work.as_dict(), "phases": m._phase_seconds(),

@@ -31,6 +31,7 @@ class Work:
     def __init__(self):
         self.by_kind: dict[str, float] = dict.fromkeys(KINDS, 0.0)
         self.by_layer: dict[int, float] = {}
+        self.cells: dict[tuple[str, int], float] = {}  # by (kind, layer)
 
     def __getattr__(self, name: str):
         by_kind = self.__dict__.get("by_kind")
@@ -41,6 +42,7 @@ class Work:
     def add(self, kind: str, layer: int, flops: float) -> None:
         self.by_kind[kind] += flops
         self.by_layer[layer] = self.by_layer.get(layer, 0.0) + flops
+        self.cells[kind, layer] = self.cells.get((kind, layer), 0.0) + flops
 
     @property
     def flops(self) -> float:

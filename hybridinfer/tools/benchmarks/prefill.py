@@ -125,8 +125,9 @@ def llama_bench(exe: str | None, path: str, T: int, threads: int, extra: list[st
 def run(path: str, prompts=(128, 947, 4096), budget: int | None = 6 << 30, resident: bool = True,
         threads: int = 16, llama_cpu: str | None = None, llama_cuda: str | None = None,
         bus_bw: float | None = None, card_profile: str | None = None, kv_stream: bool | None = None,
-        devices: list[int] | None = None) -> dict:
-    """devices: also prefill on devices[0] alone and over all of them (prefill_cards.py), each card under `budget`.
+        devices: list[int] | None = None, split_modes=("auto",)) -> dict:
+    """devices: also prefill on devices[0] alone and over all of them (prefill_cards.py), each card under `budget`,
+    once in each of split_modes (multi_gpu.open_cards's: auto, layer, expert).
     bus_bw: pace the weight stream to this many bytes/s (an old card's bus; None: the card's own, or the card
     profile's bus); card_profile: compile and tile as for that class of card (gpu/cards.py PROFILES); kv_stream:
     GPUModel's (None: K/V streamed through the card only for passes too long to keep them there; True: always)."""
@@ -148,7 +149,8 @@ def run(path: str, prompts=(128, 947, 4096), budget: int | None = 6 << 30, resid
     if devices:
         from .prefill_cards import run_cards
 
-        r, info = run_cards(path, prompts, devices, budget or None, card_profile, bus_bw, kv_stream)
+        r, info = run_cards(path, prompts, devices, budget or None, card_profile, bus_bw, kv_stream,
+                            split_modes=split_modes)
         rows += r
         infos += info
     for T in prompts:

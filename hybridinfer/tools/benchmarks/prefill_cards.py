@@ -15,10 +15,11 @@ from .prefill import Row
 
 
 def run_cards(path: str, prompts, devices: list[int], budget: int | None, card_profile: str | None = None,
-              bus_bw: float | None = None, kv_stream: bool | None = None, seed: int = 0):
-    """Rows of 1 card (devices[0]) and of all `devices` for each prompt length; and one info dict a config."""
+              bus_bw: float | None = None, kv_stream: bool | None = None, seed: int = 0, split_modes=("auto",)):
+    """Rows of 1 card (devices[0]) and of all `devices` in each of `split_modes` (multi_gpu.open_cards's) for each
+    prompt length; and one info dict a config."""
     from ...backends.gpu.backend import GPUModel
-    from ...backends.gpu.multi_gpu import MultiGPUModel
+    from ...backends.gpu.multi_gpu import open_cards
     from ...format.gguf_model import GGUFModel
     from ...models import model_args
 
@@ -27,35 +28,43 @@ def run_cards(path: str, prompts, devices: list[int], budget: int | None, card_p
     n_ctx = max(prompts) + 8
     each = f"--vram-budget {budget / 2**30:g}GiB each" if budget else "free memory each"
     rows, infos = [], []
-    for devs in ([devices[0]], devices):
-        label = f"{len(devs)} GPU(s), --devices {','.join(map(str, devs))}, {each}"
+    for devs, mode in [([devices[0]], None)] + [(devices, mode) for mode in split_modes]:
         t0 = time.perf_counter()
         m = (GPUModel(gm, args, n_ctx, vram_budget=budget, device=devs[0], bus_bw=bus_bw, card_profile=card_profile,
-                      kv_stream=kv_stream) if len(devs) == 1 else
-             MultiGPUModel(gm, args, n_ctx, devs, vram_budget=budget, bus_bw=bus_bw, card_profile=card_profile,
-                           kv_stream=kv_stream))
+                      kv_stream=kv_stream) if mode is None else
+             open_cards(gm, args, n_ctx, devs, split_mode=mode, vram_budget=budget, bus_bw=bus_bw,
+                        card_profile=card_profile, kv_stream=kv_stream))
         load_s = time.perf_counter() - t0
+        split = "" if mode is None else f", split {split_of(m)}" + (" (auto)" if mode == "auto" else "")
+        label = f"{len(devs)} GPU(s), --devices {','.join(map(str, devs))}{split}, {each}"
         rng = np.random.default_rng(seed)
         for T in prompts:
             ids = [int(x) for x in rng.integers(0, args.n_vocab, T)]
             for _ in range(2):  # the first pass compiles kernels and warms the caches
                 m.forward(ids, m.new_state(n_ctx), all_logits=False)
             t = m.last_timing
-            if len(devs) == 1:
+            if mode is None:
                 want = m.placement.stream_bytes_per_pass
             else:
                 want = sum(c.m.placement.stream_bytes_per_pass * c.totals["passes"] for c in m.cards)
-            rows.append(Row("hybridinfer", label + (f", {t['micro_batches']} micro-batches" if len(devs) > 1 else ""),
+            mb = f", {t['micro_batches']} micro-batches" if mode and split_of(m) == "layer" else ""
+            rows.append(Row("hybridinfer", label + mb,
                             T, T / t["wall_s"], t["wall_s"], t["copy_s"], t["gpu_s"],
                             max(0.0, t["wall_s"] - t["gpu_s"]), flops=t["work"]["flops"], h2d_bytes=t["bytes_h2d"],
                             counts_agree=t["bytes_h2d"] == want))
-        ps = [m.placement] if len(devs) == 1 else [c.m.placement for c in m.cards]
+        ps = [m.placement] if mode is None else [c.m.placement for c in m.cards]
         infos.append({"config": label, "budget": budget, "load_s": load_s, "allocated_gib": m.allocated_bytes / 2**30,
                       "stream_gib_per_pass": sum(p.stream_bytes_per_pass for p in ps) / 2**30,
                       "resident_gib": sum(p.resident_bytes for p in ps) / 2**30, "phases_s": {}, "host_s": {},
-                      "chunk": m.chunk, "layers": [(c.m.first, c.m.end) for c in m.cards] if len(devs) > 1 else None})
-        if len(devs) > 1:
+                      "chunk": m.chunk, "layers": [(c.m.first, c.m.end) for c in m.cards] if mode else None,
+                      "experts": [c.m.own for c in m.cards] if mode else None})
+        if mode is not None:
             m.close()
         del m
         gc.collect()
     return rows, infos
+
+
+def split_of(m) -> str:
+    """"expert" or "layer": how a model over several cards splits the prefill."""
+    return "expert" if m.cards and m.cards[0].m.own is not None else "layer"

@@ -1,0 +1,276 @@
+"""GPU prefill split by experts over several cards (`split_mode="expert"`): every card walks every layer of the pass
+on every row, in lockstep, one worker thread a card in its own CUDA context; the routed experts of each MoE layer
+are split between the cards (expert_card.py decides which, a pure function), the rest of a layer runs on each card.
+
+A card is a GPUModel over its own experts (ExpertCard: its placement pins and streams only those, so the buses
+stream different bytes at once) whose MoE op (ExpertOps) computes the routing for all rows as one card does, the
+grouped products of its own experts only (its slice of the routing's expert offsets: the grouped GEMM unchanged)
+and its partial sum of each row's routed experts (the other cards' pairs add exact zeros, in slot order). The
+partials go down into page-locked host rows, the cards meet (a barrier), and each card takes the others' up and adds
+them in card order, so every card goes on with the same rows. The shared expert is added after, as on one card.
+
+Float order: one card sums a row's k routed experts in slot order in one accumulator; here each card sums its own
+in slot order and the partials are added card after card (exact on every card alike: with two cards p1 + p0 is
+p0 + p1 in IEEE arithmetic). The result differs from one card's by the rounding of that regrouping, a few ulps of
+the MoE output, within the multi-card tests' tolerance.
+
+Card 0 owns the head and the host's DecoderState; a later card runs layers [0, n_layer) on its own copy of each
+state (its kernels write the same state card 0's do; a copy keeps two cards from writing one array), kept between
+calls while the host state is as the last call left it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+
+import numpy as np
+
+from ...errors import BackendNotAvailableError, CardFailedError, HybridInferError, ParameterError
+from ..state import DecoderState
+from . import expert_card, loader
+from . import k_elementwise as ke
+from . import k_moe as km
+from .backend import DEFAULT_CHUNK, GPUModel
+from .graph_ops import GPUOps
+from .multi import forward_many, in_passes
+from .multi_card import CardBudgetError
+from .multi_gpu import CardRunner, card_slots
+from .placement import BudgetError
+from .walker import Item, walk
+
+BARRIER_S = 600.0  # a card waiting this long at the exchange for another has lost it
+
+
+class Exchange:
+    """Where the cards' partial sums meet: page-locked host rows a card and parity (a card writes its rows of
+    call n + 2 only after every card has passed call n + 1's barrier, by when its upload of call n has run), and
+    the barrier of each call."""
+
+    def __init__(self, n_cards: int, rows: int, width: int):
+        import pycuda.driver as drv
+
+        self.n = n_cards
+        self.host = [[drv.pagelocked_empty((rows, width), np.float32, mem_flags=drv.host_alloc_flags.PORTABLE)
+                      for _ in range(2)] for _ in range(n_cards)]
+        self.barrier = threading.Barrier(n_cards)
+
+
+class CardLink:
+    """One card's side of the Exchange: its index, the card buffer the others' partials come up into, and the
+    pacer of those uploads (the profile's bus, as the weights' stream is paced; the copy down is not)."""
+
+    def __init__(self, ex: Exchange, k: int, m):
+        from pycuda import gpuarray
+
+        from .k_pace import Pacer
+
+        self.ex, self.k, self.m, self.calls, self.bytes = ex, k, m, 0, 0
+        self.recv = gpuarray.empty((m.chunk, m.args.n_embd), np.float32)
+        self.pacer = Pacer(m.bus_bw) if m.bus_bw is not None else None
+
+    def add_partials(self, out) -> None:
+        """out (this card's partial, n rows) becomes every card's partial summed in card order."""
+        ex, k, s, drv = self.ex, self.k, self.m.stream, self.m.drv
+        n, par = out.shape[0], self.calls % 2
+        self.calls += 1
+        drv.memcpy_dtoh_async(ex.host[k][par][:n], out.gpudata, s)
+        s.synchronize()
+        ex.barrier.wait(BARRIER_S)
+        if ex.n == 2 or k == 0:  # out holds this card's partial: two cards' p_k + p_j is p_0 + p_1 exactly
+            order = [j for j in range(ex.n) if j != k]
+        else:  # out starts again from card 0's, and this card's own comes back up in its turn
+            self._up(out, ex.host[0][par][:n])
+            order = list(range(1, ex.n))
+        for j in order:
+            self._up(self.recv[:n], ex.host[j][par][:n])
+            ke.add(out, self.recv[:n], stream=s)
+
+    def _up(self, dst, host) -> None:
+        s = self.m.stream
+        if self.pacer is not None:
+            self.bytes += self.pacer.upload([(int(dst.gpudata), host.view(np.uint8).reshape(-1))], s)
+        else:
+            self.m.drv.memcpy_htod_async(dst.gpudata, host, s)
+            self.bytes += host.nbytes
+
+
+class ExpertOps(GPUOps):
+    """GPUOps whose routed experts are this card's alone, their partial sum exchanged with the other cards'."""
+
+    def _experts(self, x, W: list, P: int, offs=None):
+        lo, hi = self.m.own
+        ed = self.b.ed[:P]
+        # the other cards' pairs: exact zeros in the combine (the grouped GEMM leaves rows outside its experts)
+        self.m.drv.memset_d32_async(int(ed.gpudata), 0, int(ed.size), self.s)
+        return super()._experts(x, W, P, offs=self.b.offs[lo : hi + 1])
+
+    def _combine(self, ed, wts, out, sh, gl):
+        super()._combine(ed, wts, out, None, None)
+        self.m.link.add_partials(out)
+        if sh is not None:
+            self.m._join()
+            km.shared_add(out, sh, gl, stream=self.s)
+        return out
+
+
+class ExpertCard(GPUModel):
+    """A GPUModel over the routed experts [own[0], own[1]) of every MoE layer (and every dense weight)."""
+
+    ops_type = ExpertOps
+
+    def __init__(self, *a, own: tuple[int, int], **kw):
+        self.own = (int(own[0]), int(own[1]))
+        super().__init__(*a, **kw)
+
+
+class ExpertParallelModel:
+    """Prefill over `devices` (multi_gpu.check_devices), split by experts; the other arguments are GPUModel's.
+    Two or more cards; the model must have routed experts."""
+
+    single_pass = True
+
+    def __init__(self, gm, args, n_ctx: int, devices, vram_budget=None, chunk: int = DEFAULT_CHUNK,
+                 card_profile=None, bus_bw: float | None = None, fit_n_ctx: bool = False,
+                 kv_stream: bool | None = None):
+        if not args.is_moe:
+            raise ParameterError("split_mode='expert' needs a model with routed experts; this one is dense (use "
+                                 "split_mode='layer')")
+        self.args, self.chunk, self.cards = args, int(chunk), []
+        devices, self.ctxs, slots, ws = card_slots(gm, args, n_ctx, devices, vram_budget, self.chunk, card_profile)
+        slots = [expert_card.with_link(s, args, self.chunk) for s in slots]
+        self.counts, _ = expert_card.plan_split(ws, slots, args.n_layer)
+        self.ranges = expert_card.expert_ranges(self.counts)
+        link = expert_card.link_bytes(args, self.chunk)
+        for k, (d, ctx, s, rng) in enumerate(zip(devices, self.ctxs, slots, self.ranges, strict=True)):
+            with loader.on_card(ctx):
+                try:
+                    m = ExpertCard(gm, args, n_ctx, vram_budget=s.vram_budget - link, chunk=self.chunk, device=d,
+                                   bus_bw=bus_bw, card_profile=card_profile, fit_n_ctx=fit_n_ctx,
+                                   kv_stream=kv_stream, layers=None if k == 0 else (0, args.n_layer), own=rng)
+                except BackendNotAvailableError as e:
+                    raise BackendNotAvailableError(f"{s.label}: {e}") from None
+                except BudgetError as e:
+                    raise CardBudgetError(s.label, f"experts {rng[0]}..{rng[1] - 1} of each layer: {e}") from None
+            self.cards.append(CardRunner(d, ctx, m, loader.device_name(d)))
+        self.n_ctx = min(c.m.n_ctx for c in self.cards)
+        self.n_rows = min(c.m.n_rows for c in self.cards)
+        self.n_res = min(c.m.n_res for c in self.cards)
+        with loader.on_card(self.ctxs[0]):
+            self.exchange = Exchange(len(self.cards), self.chunk, args.n_embd)
+        for k, c in enumerate(self.cards):
+            with loader.on_card(c.ctx):
+                c.m.link = CardLink(self.exchange, k, c.m)
+        self.compiled = [x for c in self.cards for x in c.m.compiled]
+        self.last_timing: dict = {}
+        self._views: dict[tuple[int, int], tuple] = {}
+
+    @property
+    def hidden_to(self):
+        return self.cards[0].m.hidden_to
+
+    @hidden_to.setter
+    def hidden_to(self, fn) -> None:  # the MTP drafter's rows: card 0's pass has them
+        self.cards[0].m.hidden_to = fn
+
+    @property
+    def vram_budget(self) -> int:
+        return min(c.m.vram_budget for c in self.cards)
+
+    @property
+    def allocated_bytes(self) -> int:
+        return sum(c.m.allocated_bytes + c.m.link.recv.nbytes for c in self.cards)
+
+    def new_state(self, n_ctx: int) -> DecoderState:
+        return DecoderState.new(self.args, n_ctx)
+
+    def forward(self, tokens, state: DecoderState, all_logits: bool = True, snapshot_at=(), on_snapshot=None):
+        return in_passes(self, tokens, state, all_logits, snapshot_at, on_snapshot)
+
+    def forward_many(self, prompts) -> list[np.ndarray]:
+        return forward_many(self, prompts)
+
+    def _forward(self, tokens, state, all_logits, snapshot_at, on_snapshot):  # multi.forward_many's one-prompt pass
+        return self.forward(tokens, state, all_logits, snapshot_at, on_snapshot)
+
+    def view(self, k: int, st: DecoderState) -> DecoderState:
+        """Card k's (k >= 1) copy of `st`: the last call's while `st` is where that call left it (same object,
+        position and tokens), so the card holds it and uploads nothing; else a new copy."""
+        self._views = {key: v for key, v in self._views.items() if v[0]() is not None}
+        got = self._views.get((k, id(st)))
+        if got is not None and got[0]() is st:
+            v = got[1]
+            if v.pos == st.pos and np.array_equal(v.tokens[: st.pos], st.tokens[: st.pos]):
+                return v
+        v = st.copy()
+        self._views[k, id(st)] = (weakref.ref(st), v)
+        return v
+
+    def walk_items(self, items: list[Item], all_logits: bool = False) -> list[np.ndarray]:
+        """One pass over `items` on every card at once (card 0 on the host states, with their snapshots and the
+        logits; the others on their copies): card 0's logits. A card's failure is a CardFailedError naming it."""
+        K = len(self.cards)
+        per = [items] + [[Item(it.ids, self.view(k, it.state)) for it in items] for k in range(1, K)]
+        got: list = [None] * K
+        errs: list = [None] * K
+        for c in self.cards:
+            c.m.link.calls, c.m.link.bytes, c.totals = 0, 0, {}
+
+        def run(k: int) -> None:
+            c = self.cards[k]
+            try:
+                with loader.on_card(c.ctx):
+                    sink = None if k == 0 else c.host_rows(self.n_rows, 0)
+                    got[k] = walk(c.m, per[k], all_logits and k == 0, None, sink)
+            except BaseException as e:  # the others leave the barrier (BrokenBarrierError) rather than wait
+                errs[k] = e
+                self.exchange.barrier.abort()
+
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=run, args=(k,), name=f"hybridinfer-expert-card-{k}") for k in range(K)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if any(e is not None for e in errs):
+            self._failed(errs)
+        for c in self.cards:
+            c.count()
+        self._timing(items, time.perf_counter() - t0)
+        return got[0]
+
+    def _failed(self, errs) -> None:
+        self.exchange.barrier.reset()
+        self._views.clear()  # a card may hold part of a pass: every state goes up again next time
+        for c in self.cards:
+            c.m._owner = None
+        k = next((k for k, e in enumerate(errs) if e is not None and not isinstance(e, threading.BrokenBarrierError)),
+                 next(k for k, e in enumerate(errs) if e is not None))
+        e, c = errs[k], self.cards[k]
+        if isinstance(e, CardFailedError):
+            raise e
+        what = e if isinstance(e, HybridInferError) else f"{type(e).__name__}: {e}"
+        raise CardFailedError(f"GPU prefill failed on {c.label}: {what}", c.device, c.name) from e
+
+    def _timing(self, items, wall: float) -> None:
+        """last_timing: the busiest bus's copy time and card's GPU time; weight bytes and FLOPs summed over cards."""
+        ts = [c.m.last_timing for c in self.cards]
+        self.last_timing = {
+            "wall_s": wall, "tokens": sum(len(it.ids) for it in items), "prompts": len(items), "micro_batches": 1,
+            "copy_s": max(t["copy_s"] for t in ts), "gpu_s": max(t["gpu_s"] for t in ts),
+            "bytes_h2d": sum(t["bytes_h2d"] for t in ts), "work": {"flops": sum(t["work"]["flops"] for t in ts)},
+            "exchange_bytes": sum(c.m.link.bytes for c in self.cards),
+            "cards": [{"device": c.device, "experts": c.m.own, "bytes_h2d": t["bytes_h2d"], "copy_s": t["copy_s"],
+                       "gpu_s": t["gpu_s"], "flops": t["work"]["flops"], "layers": (c.m.first, c.m.end)}
+                      for c, t in zip(self.cards, ts, strict=True)]}
+
+    def close(self) -> None:
+        for c in self.cards:
+            with loader.on_card(c.ctx):
+                c.m.link = None
+            c.close()
+        if self.cards or getattr(self, "exchange", None) is not None:
+            with loader.on_card(self.ctxs[0]):  # its page-locked rows freed in the context that made them
+                self.exchange = None
+        self.cards = []
