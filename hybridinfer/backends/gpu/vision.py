@@ -112,7 +112,7 @@ class GPUVisionOps(RefVisionOps):
             self._note()
         return hit
 
-    def _vec(self, name: str):
+    def _on_card(self, name: str):
         v = self._dvec.get(name)
         if v is None:
             from pycuda import gpuarray
@@ -195,7 +195,7 @@ class GPUVisionOps(RefVisionOps):
         cs, sn = _put(B["rope"], cos), _put(B["rope"], sin, n * hd)
         with self._stage(("v.patch_embd",)):
             y = self._product(_put(B["h"], _pad_cols(patches, padded(a.prep.patch_dim))), "v.patch_embd", B["y"])
-            ke.bias_act(y, x, self._vec("v.patch_embd.bias"), "add")  # the position rows + (patches W + b)
+            ke.bias_act(y, x, self._on_card("v.patch_embd.bias"), "add")  # the position rows + (patches W + b)
         h, g = _view(B["h"], (n, cp)), _view(B["g"], (n, padded(a.n_ff)))
         qkv, o = _view(B["qkv"], (3, n, nh, hd)), _view(B["o"], (n, nh, hd))
         q, k, v = (_view(B["qkv"], (n, nh, hd), j * n * c) for j in range(3))
@@ -203,28 +203,28 @@ class GPUVisionOps(RefVisionOps):
         for i in range(a.n_layer):
             b = f"v.blk.{i}."
             with self._stage([b + p for p in ("attn_qkv", "attn_out", "ffn_up", "ffn_down")]):
-                ke.layer_norm(x, self._vec(b + "ln1.weight"), self._vec(b + "ln1.bias"), eps, h)
+                ke.layer_norm(x, self._on_card(b + "ln1.weight"), self._on_card(b + "ln1.bias"), eps, h)
                 y = self._product(h, b + "attn_qkv", B["y"])
-                ke.rope_split(y, self._vec(b + "attn_qkv.bias"), cs, sn, qkv)
+                ke.rope_split(y, self._on_card(b + "attn_qkv.bias"), cs, sn, qkv)
                 ka.attention_full(q, k, v, o, hd ** -0.5)
                 src = o2 if c == cp else ke.bias_act(o2, h)  # rows padded for the product
                 y = self._product(src, b + "attn_out", B["y"])
-                ke.bias_act(y, x, self._vec(b + "attn_out.bias"), "add")
-                ke.layer_norm(x, self._vec(b + "ln2.weight"), self._vec(b + "ln2.bias"), eps, h)
+                ke.bias_act(y, x, self._on_card(b + "attn_out.bias"), "add")
+                ke.layer_norm(x, self._on_card(b + "ln2.weight"), self._on_card(b + "ln2.bias"), eps, h)
                 y = self._product(h, b + "ffn_up", B["y"])
-                ke.bias_act(y, g, self._vec(b + "ffn_up.bias"), "gelu_tanh")
+                ke.bias_act(y, g, self._on_card(b + "ffn_up.bias"), "gelu_tanh")
                 y = self._product(g, b + "ffn_down", B["y"])
-                ke.bias_act(y, x, self._vec(b + "ffn_down.bias"), "add")
+                ke.bias_act(y, x, self._on_card(b + "ffn_down.bias"), "add")
         nm, mc = n // (m * m), a.merged_dim
-        ke.layer_norm(x, self._vec("v.post_ln.weight"), self._vec("v.post_ln.bias"), eps, o2)
+        ke.layer_norm(x, self._on_card("v.post_ln.weight"), self._on_card("v.post_ln.bias"), eps, o2)
         merged = _view(B["o"], (nm, mc))  # each merge window's m² rows side by side
         if mc != padded(mc):
             merged = ke.bias_act(merged, _view(B["h"], (nm, padded(mc))))
         with self._stage(("mm.0", "mm.2")):
             y = self._product(merged, "mm.0", B["y"])
-            y = self._product(ke.bias_act(y, _view(B["g"], (nm, padded(mc))), self._vec("mm.0.bias"), "gelu_erf"),
+            y = self._product(ke.bias_act(y, _view(B["g"], (nm, padded(mc))), self._on_card("mm.0.bias"), "gelu_erf"),
                               "mm.2", B["y"])
-            ke.bias_act(y, y, self._vec("mm.2.bias"))
+            ke.bias_act(y, y, self._on_card("mm.2.bias"))
             out = y.get()
         self._settle()
         return out
