@@ -170,8 +170,8 @@ __device__ __forceinline__ double vit_block_sum_d(double v, double* red) {
 // layer_norm: y[r, j] = float((x[r, j] - mu) / sqrt(var + eps)) * w[j] + b[j], j < D, the row's mean and variance
 // in double (the reference's float64 statistics); y[r, j] = 0 for D <= j < sy. x rows of pitch sx; one block a row.
 extern "C" __global__ void HI_BOUNDS(HI_THREADS)
-    layer_norm_f32(const float* __restrict__ x, int sx, const float* __restrict__ w, const float* __restrict__ b,
-                   float* __restrict__ y, int sy, int R, int D, double eps) {
+    layer_norm_f32(const float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ b,
+                   float* __restrict__ y, int sx, int sy, int R, int D, double eps) {
     __shared__ double red[HI_THREADS];
     for (int r = blockIdx.x; r < R; r += gridDim.x) {
         const float* xr = x + (size_t)r * sx;
@@ -212,7 +212,7 @@ __device__ __forceinline__ float vit_gelu_erf(float x) {
 // (VIT_STORE), gelu_tanh(v), gelu_erf(v), or y[r, j] + v (VIT_ADD: the residual). y rows of pitch sy; columns
 // N <= j < sy are zeroed except under VIT_ADD (left). x may be y when sx == sy.
 extern "C" __global__ void HI_BOUNDS(HI_THREADS)
-    bias_act_f32(const float* x, int sx, const float* __restrict__ b, float* y, int sy, int R, int N, int mode) {
+    bias_act_f32(const float* x, const float* __restrict__ b, float* y, int sx, int sy, int R, int N, int mode) {
     const int n = R * sy;
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
         const int r = i / sy, j = i - r * sy;

@@ -204,9 +204,9 @@ def layer_norm(x, w, b, eps: float, out, stream=None):
     R, Sx = _dims2(x, "layer_norm x")
     _, So = _dims2(out, "layer_norm out")
     D = int(w.shape[0]) if len(w.shape) == 1 else -1
-    args = [loader.arg(x, np.float32, (R, Sx), "layer_norm x"), np.int32(Sx),
-            loader.arg(w, np.float32, (D,), "layer_norm w"), loader.arg(b, np.float32, (D,), "layer_norm b"),
-            loader.arg(out, np.float32, (R, So), "layer_norm out"), np.int32(So)]
+    args = [loader.arg(x, np.float32, (R, Sx), "layer_norm x"), loader.arg(w, np.float32, (D,), "layer_norm w"),
+            loader.arg(b, np.float32, (D,), "layer_norm b"), loader.arg(out, np.float32, (R, So), "layer_norm out"),
+            np.int32(Sx), np.int32(So)]
     if not 0 < D <= min(Sx, So):
         raise KernelArgumentError(f"layer_norm: weight length {D} exceeds the rows of x ({Sx}) or out ({So})")
     if R:
@@ -226,8 +226,8 @@ def bias_act(x, out, b=None, act: str = "store", n: int | None = None, stream=No
         raise KernelArgumentError(f"bias_act: act {act!r} is not one of {', '.join(ACTS)}")
     N = int(b.shape[0]) if b is not None else int(n if n is not None else Sx)
     bp = loader.arg(b, np.float32, (N,), "bias_act b") if b is not None else np.uintp(0)
-    args = [loader.arg(x, np.float32, (R, Sx), "bias_act x"), np.int32(Sx), bp,
-            loader.arg(out, np.float32, (R, So), "bias_act out"), np.int32(So)]
+    args = [loader.arg(x, np.float32, (R, Sx), "bias_act x"), bp, loader.arg(out, np.float32, (R, So), "bias_act out"),
+            np.int32(Sx), np.int32(So)]
     if not 0 < N <= min(Sx, So) or R * So >= 2**31:
         raise KernelArgumentError(f"bias_act: {N} columns of rows {Sx} -> {So} ({R} rows)")
     if R:
