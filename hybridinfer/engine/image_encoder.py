@@ -96,4 +96,6 @@ def load_encoder(path, n_embd_text: int, backend, cache_bytes: int = DEFAULT_CAC
     plan = getattr(enc.ops, "plan", None)
     if plan is not None:
         card.set_aside(plan.reserve)
+        if simd is not None:  # the card's tower has no use for the CPU's threads
+            simd.close()
     return CachedImageEncoder(enc, cache_bytes)
