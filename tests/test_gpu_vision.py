@@ -86,3 +86,20 @@ def test_gpu_tower_streamed_equals_resident(mmproj):
     finally:
         streamed.close()
         enc.close()
+
+
+def test_bench_vision_gpu_reports_the_products():
+    """`bench vision --gpu` (no llama.cpp side): the products' rate against the card's peak, each product's rate."""
+    pytest.importorskip("PIL", reason="the bench makes its images with Pillow")
+    from gpu_profile import PROFILE
+
+    from hybridinfer.tools.benchmarks.vision import markdown, run
+
+    res = run(None, None, 2, ((64, 64),), reps=1, llama=False, synth_width=64, synth_depth=2, gpu=True,
+              card_profile=PROFILE)
+    (row,) = res["rows"]
+    assert row["tokens"] >= 1 and 0 < row["product_peak_frac"] < 1 and row["product_tflops"] > 0
+    assert set(row["products"]) == {"v.patch_embd", "mm.0", "mm.2"} | {
+        f"v.blk.*.{p}" for p in ("attn_qkv", "attn_out", "ffn_up", "ffn_down")}
+    assert all(p["seconds"] > 0 for p in row["products"].values())
+    assert "% of peak" in markdown(res)
