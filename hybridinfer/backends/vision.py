@@ -178,8 +178,14 @@ class VisionEncoder:
     def prepare(self, image) -> Prepared:
         return prepare(image, self.args.prep)
 
+    def rows(self, patches: np.ndarray, grid: tuple[int, int, int]) -> np.ndarray:
+        """One image's patch rows -> the projector's rows: the ops' own forward where they have one (the card's whole
+        tower, gpu/vision.py), else the tower module's over the ops."""
+        own = getattr(self.ops, "forward", None)
+        return own(patches, grid) if own is not None else self.tower.forward(self.args, self.ops, patches, grid)
+
     def encode_prepared(self, p: Prepared) -> ImageEmbedding:
-        rows = self.tower.forward(self.args, self.ops, p.patches, p.grid)
+        rows = self.rows(p.patches, p.grid)
         t, h, w = p.grid
         m = self.args.merge_size
         return ImageEmbedding(np.ascontiguousarray(rows, dtype=np.float32), (t, h // m, w // m), p.digest)
@@ -196,9 +202,11 @@ class VisionEncoder:
 
 def load_image_encoder(path, n_embd_text: int | None, simd=None, min_pixels: int | None = None,
                        max_pixels: int | None = None, gpu: bool = False, min_tokens: int | None = None,
-                       max_tokens: int | None = None) -> VisionEncoder:
-    """The mmproj at `path` as an encoder: its products on the card with `gpu` (gpu/vision.py), else on the CPU
-    through `simd` (a cpu.simd.SimdLib), else the numpy reference. n_embd_text: the text model's embedding width,
+                       max_tokens: int | None = None, vram_room: int | None = None) -> VisionEncoder:
+    """The mmproj at `path` as an encoder: the whole tower on the card with `gpu` (gpu/vision.py), else on the CPU
+    through `simd` (a cpu.simd.SimdLib), else the numpy reference. vram_room: the card bytes the tower may take
+    (gpu/vision_plan.tower_plan: its weights resident, streamed, or where not even that fits, the CPU's tower;
+    `ops.plan` says which); None: resident, unbounded. n_embd_text: the text model's embedding width,
     which the projector's rows must have (MMProjWidthError). The image's size limits: min/max_pixels, or in merged
     tokens (llama.cpp's --image-min-tokens / --image-max-tokens; a token is (patch·merge)² pixels), else the file's
     or Qwen3.5's processor defaults (format/image_prep.py)."""
@@ -220,13 +228,10 @@ def load_image_encoder(path, n_embd_text: int | None, simd=None, min_pixels: int
             args = dataclasses.replace(args, prep=dataclasses.replace(args.prep, min_pixels=lo, max_pixels=hi))
         if n_embd_text is not None:
             tower.check_text_width(args, n_embd_text, str(path))
-        if gpu:
-            from .gpu.vision import GPUVisionOps
-
-            ops = GPUVisionOps(gm, args, tower)
-        elif simd is None:
+        ops = _gpu_ops(gm, args, tower, vram_room) if gpu else None
+        if ops is None and simd is None:
             ops = RefVisionOps(gm, args, tower)
-        else:
+        elif ops is None:
             from .cpu.vision import CPUVisionOps
 
             ops = CPUVisionOps(gm, args, tower, simd)
@@ -234,3 +239,14 @@ def load_image_encoder(path, n_embd_text: int | None, simd=None, min_pixels: int
         gm.close()
         raise
     return VisionEncoder(gm, args, tower, ops)
+
+
+def _gpu_ops(gm: GGUFModel, args, tower, vram_room: int | None):
+    """The card's tower as vram_room allows (None: resident, unbounded), or None where it does not fit."""
+    from .gpu.vision import GPUVisionOps, itemsize_of
+    from .gpu.vision_plan import CPU, RESIDENT, tower_plan
+
+    if vram_room is None:
+        return GPUVisionOps(gm, args, tower, mode=RESIDENT)
+    plan = tower_plan(args, itemsize_of(gm), int(vram_room))
+    return None if plan.mode == CPU else GPUVisionOps(gm, args, tower, mode=plan.mode, plan=plan)

@@ -189,12 +189,18 @@ def rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     return x * cos[:, None, :] + rot * sin[:, None, :]
 
 
+def check_grid(a: VisionArgs, patches: np.ndarray, grid: tuple[int, int, int]) -> None:
+    """TensorShapeError unless `patches` are the rows of one still image's grid (t = 1, sides whole merge windows)."""
+    t, gh, gw = grid
+    if t != 1 or gh % a.merge_size or gw % a.merge_size or patches.shape != (gh * gw, a.prep.patch_dim):
+        raise TensorShapeError(f"patch rows {patches.shape} do not fit the grid {grid} (patch_dim {a.prep.patch_dim})")
+
+
 def forward(a: VisionArgs, ops: VisionOps, patches: np.ndarray, grid: tuple[int, int, int]) -> np.ndarray:
     """Patch rows [t·h·w, patch_dim] of one image -> merged rows [t·h·w/m², out_dim]."""
-    t, gh, gw = grid
+    check_grid(a, patches, grid)
+    _, gh, gw = grid
     m, c, nh, hd = a.merge_size, a.n_embd, a.n_head, a.head_dim
-    if t != 1 or gh % m or gw % m or patches.shape != (gh * gw, a.prep.patch_dim):
-        raise TensorShapeError(f"patch rows {patches.shape} do not fit the grid {grid} (patch_dim {a.prep.patch_dim})")
     x = ops.linear(patches, "v.patch_embd")
     x = x + position_embedding(ops.vector("v.position_embd.weight"), a.pos_side, gh, gw, m)
     cos, sin = rope_tables(gh, gw, m, hd)

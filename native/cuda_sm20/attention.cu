@@ -84,7 +84,9 @@ __device__ __forceinline__ void att_load_kv(float* KV, const void* __restrict__ 
     }
 }
 
-template <bool TYPED>
+// FULL: every key visible to every query row, pos0 carrying the number of keys (the vision tower's attention within
+// one image, attn_full); else causal, query row t seeing keys s <= pos0 + t
+template <bool TYPED, bool FULL = false>
 __device__ __forceinline__ void attn_prefill_body(const float* __restrict__ q, const void* __restrict__ kc,
                                                   const void* __restrict__ vc, const float* __restrict__ gate,
                                                   float* __restrict__ out, int T, int H, int H_kv, int hd, int pos0,
@@ -116,7 +118,7 @@ __device__ __forceinline__ void attn_prefill_body(const float* __restrict__ q, c
 #pragma unroll
     for (int r = 0; r < ATT_MAXR; ++r) acc[r] = 0.0f;
 
-    const int nkeys = pos0 + t0 + nq;  // keys [0, nkeys) are visible to some row of this tile
+    const int nkeys = FULL ? pos0 : pos0 + t0 + nq;  // keys [0, nkeys) are visible to some row of this tile
     for (int k0 = 0; k0 < nkeys; k0 += bk) {
         const int nk = min(bk, nkeys - k0);
         __syncthreads();  // previous tile's readers of KV are done
@@ -124,7 +126,8 @@ __device__ __forceinline__ void attn_prefill_body(const float* __restrict__ q, c
         __syncthreads();
         for (int p = tid; p < ATT_BQ * bk; p += nth) {
             const int i = p / bk, j = p - (p / bk) * bk;
-            const int last = pos0 + t0 + min(i, nq - 1);  // last key row i may see (padding rows: as nq-1)
+            // the last key row i may see (padding rows: as nq-1)
+            const int last = FULL ? pos0 - 1 : pos0 + t0 + min(i, nq - 1);
             float s = -INFINITY;
             if (j < nk && k0 + j <= last) {
                 const float* a = Qs + i * ld;
@@ -188,6 +191,14 @@ extern "C" __global__ void attn_prefill(const float* __restrict__ q, const float
                                         float* __restrict__ out, int T, int H, int H_kv, int hd, int pos0,
                                         int bk, float scale) {
     attn_prefill_body<false>(q, kc, vc, gate, out, T, H, H_kv, hd, pos0, bk, scale, HI_F32, HI_F32);
+}
+
+// full (non-causal) attention of T query rows over n_keys key rows, K/V head h for query head h: q [T, H, hd],
+// k and v [n_keys, H, hd], out [T, H, hd] (the vision tower's attention over one image's patches)
+extern "C" __global__ void attn_full(const float* __restrict__ q, const float* __restrict__ k,
+                                     const float* __restrict__ v, float* __restrict__ out, int T, int H, int hd,
+                                     int n_keys, int bk, float scale) {
+    attn_prefill_body<false, true>(q, k, v, NULL, out, T, H, H, hd, n_keys, bk, scale, HI_F32, HI_F32);
 }
 
 // attn_prefill over caches of ggml types k_type / v_type (f32, f16, q8_0, q4_0)

@@ -150,3 +150,101 @@ extern "C" __global__ void HI_BOUNDS(HI_THREADS)
         out[i] = __fmul_rn(out[i], hi_sigmoid(g[(size_t)r * sg + goff + j * gcs]));
     }
 }
+
+// ---- the vision tower's row ops (backends/gpu/vision.py; reference: backends/vision.py RefVisionOps) ----------
+// Each row written with a pitch (sy) past its D or N values is zero-padded there: the products step K by 32.
+
+__device__ __forceinline__ double vit_block_sum_d(double v, double* red) {
+    const int tid = threadIdx.x;
+    red[tid] = v;
+    __syncthreads();
+    for (int s = blockDim.x >> 1; s > 0; s >>= 1) {
+        if (tid < s) red[tid] += red[tid + s];
+        __syncthreads();
+    }
+    const double r = red[0];
+    __syncthreads();
+    return r;
+}
+
+// layer_norm: y[r, j] = float((x[r, j] - mu) / sqrt(var + eps)) * w[j] + b[j], j < D, the row's mean and variance
+// in double (the reference's float64 statistics); y[r, j] = 0 for D <= j < sy. x rows of pitch sx; one block a row.
+extern "C" __global__ void HI_BOUNDS(HI_THREADS)
+    layer_norm_f32(const float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ b,
+                   float* __restrict__ y, int sx, int sy, int R, int D, double eps) {
+    __shared__ double red[HI_THREADS];
+    for (int r = blockIdx.x; r < R; r += gridDim.x) {
+        const float* xr = x + (size_t)r * sx;
+        float* yr = y + (size_t)r * sy;
+        double s = 0.0;
+        for (int j = threadIdx.x; j < D; j += blockDim.x) s += (double)xr[j];
+        const double mu = vit_block_sum_d(s, red) / (double)D;
+        double ss = 0.0;
+        for (int j = threadIdx.x; j < D; j += blockDim.x) {
+            const double d = (double)xr[j] - mu;
+            ss += d * d;
+        }
+        const double sd = sqrt(vit_block_sum_d(ss, red) / (double)D + eps);
+        for (int j = threadIdx.x; j < sy; j += blockDim.x)
+            yr[j] = j < D ? __fadd_rn(__fmul_rn((float)(((double)xr[j] - mu) / sd), w[j]), b[j]) : 0.0f;
+    }
+}
+
+// 0.5 x (1 + tanh(c (x + 0.044715 x^3))) in the reference's order of roundings (RefVisionOps.gelu_tanh)
+__device__ __forceinline__ float vit_gelu_tanh(float x) {
+    float t = __fmul_rn(__fmul_rn(__fmul_rn(x, 0.044715f), x), x);
+    t = tanhf(__fmul_rn(__fadd_rn(t, x), 0.7978845608028654f));
+    return __fmul_rn(__fmul_rn(x, 0.5f), __fadd_rn(t, 1.0f));
+}
+
+// torch's nn.GELU(): x/2 (1 + erf(x / sqrt 2)) in double, then rounded (the reference's numba kernel)
+__device__ __forceinline__ float vit_gelu_erf(float x) {
+    const double xd = (double)x;
+    return (float)(0.5 * xd * (1.0 + erf(xd * 0.7071067811865476)));
+}
+
+#define VIT_STORE 0
+#define VIT_GELU_TANH 1
+#define VIT_GELU_ERF 2
+#define VIT_ADD 3
+
+// A product's epilogue: v = x[r, j] + b[j] (b NULL: x[r, j]), j < N, rows of x of pitch sx; then y[r, j] = v
+// (VIT_STORE), gelu_tanh(v), gelu_erf(v), or y[r, j] + v (VIT_ADD: the residual). y rows of pitch sy; columns
+// N <= j < sy are zeroed except under VIT_ADD (left). x may be y when sx == sy.
+extern "C" __global__ void HI_BOUNDS(HI_THREADS)
+    bias_act_f32(const float* x, const float* __restrict__ b, float* y, int sx, int sy, int R, int N, int mode) {
+    const int n = R * sy;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+        const int r = i / sy, j = i - r * sy;
+        if (j >= N) {
+            if (mode != VIT_ADD) y[i] = 0.0f;
+            continue;
+        }
+        float v = x[(size_t)r * sx + j];
+        if (b) v = __fadd_rn(v, b[j]);
+        if (mode == VIT_GELU_TANH) v = vit_gelu_tanh(v);
+        if (mode == VIT_GELU_ERF) v = vit_gelu_erf(v);
+        y[i] = mode == VIT_ADD ? __fadd_rn(y[i], v) : v;
+    }
+}
+
+// The attention's operands from the qkv product's rows y [n, 3, H, hd] plus b [3 H hd]: q and k rotated, v as it
+// is, into out [3, n, H, hd]. x cos + rotate_half(x) sin, rotate_half(x) = [-x[hd/2:], x[:hd/2]], cos and sin
+// [n, hd] (the reference's rotate, each product rounded, then the sum).
+extern "C" __global__ void HI_BOUNDS(HI_THREADS)
+    vit_rope_split_f32(const float* __restrict__ y, const float* __restrict__ b, const float* __restrict__ cs,
+                       const float* __restrict__ sn, float* __restrict__ out, int n, int H, int hd) {
+    const int C = H * hd, C3 = 3 * C, half = hd >> 1;
+    const int total = n * C3;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
+        const int t = i / C3, c3 = i - t * C3, s = c3 / C, c = c3 - s * C, d = c % hd;
+        float v = __fadd_rn(y[i], b[c3]);
+        if (s < 2) {
+            const int pc = d < half ? c3 + half : c3 - half;
+            const float p = __fadd_rn(y[(size_t)t * C3 + pc], b[pc]);
+            const size_t e = (size_t)t * hd + d;
+            v = __fadd_rn(__fmul_rn(v, cs[e]), __fmul_rn(d < half ? -p : p, sn[e]));
+        }
+        out[((size_t)s * n + t) * C + c] = v;
+    }
+}

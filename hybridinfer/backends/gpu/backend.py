@@ -339,6 +339,15 @@ class GPUModel:
         """Card memory this backend holds: weights, staging, activation and state buffers, vectors."""
         return self.streamer.device_bytes + self.reserved
 
+    @property
+    def tower_room(self) -> int:
+        """Card bytes the budget leaves beside this model's plan: a vision tower's (engine/image_encoder.py)."""
+        return max(0, self.vram_budget - self.allocated_bytes)
+
+    def set_aside(self, nbytes: int) -> None:
+        """nbytes of the budget kept for the vision tower: reserved, so replan() never places weights there."""
+        self.reserved += int(nbytes)
+
     def replan(self) -> None:
         """Re-decide residency with the expert counts seen so far (expert pinning), and re-stage the weights. Under a
         RAM budget a placement whose streamer would take more host memory than the one it replaces is refused

@@ -215,3 +215,22 @@ def fwht(x, n: int, stream=None) -> None:
     args = [loader.arg(x, np.float32, tuple(x.shape), "x"), np.int32(total // n), np.int32(n)]
     loader.launch(FAMILY, "kv_fwht", (min(loader.grid_for(total // n, THREADS), 4096),), (THREADS,), args,
                   stream=stream)
+
+
+def attention_full(q, k, v, out, scale: float, stream=None) -> None:
+    """out = softmax(q kᵀ · scale) v per head over every key row, no mask (the vision tower's attention within one
+    image): q (T, H, hd), k and v (n, H, hd), out (T, H, hd) float32, out not aliasing q; hd <= 256, n >= 1. The
+    plain body (attn_full) for every head size."""
+    if len(q.shape) != 3 or len(k.shape) != 3:
+        raise KernelArgumentError(f"attention_full: q {q.shape} and k {k.shape} must be 3-D")
+    T, H, hd = (int(s) for s in q.shape)
+    n = int(k.shape[0])
+    if hd > MAX_HD or n < 1:
+        raise KernelArgumentError(f"attention_full: hd={hd} (max {MAX_HD}) over {n} keys")
+    bk = key_tile(hd)
+    args = [loader.arg(q, np.float32, (T, H, hd), "q"), loader.arg(k, np.float32, (n, H, hd), "k"),
+            loader.arg(v, np.float32, (n, H, hd), "v"), loader.arg(out, np.float32, (T, H, hd), "out"),
+            np.int32(T), np.int32(H), np.int32(hd), np.int32(n), np.int32(bk), np.float32(scale)]
+    if T:
+        loader.launch(FAMILY, "attn_full", (loader.grid_for(T, BQ), H), (THREADS,), args,
+                      shared=_smem_floats(hd, bk) * 4, stream=stream)

@@ -1,5 +1,6 @@
 """Launchers of native/cuda_sm20/elementwise.cu: RMSNorm, NEOX RoPE, embedding gather, residual add,
-scale, SwiGLU, sigmoid gating and row dot products. Every buffer is a float32 (int32 for ids and positions) C-contiguous
+scale, SwiGLU, sigmoid gating and row dot products, and the vision tower's LayerNorm, product epilogues (bias, the
+two GELUs, residual) and rotary split. Every buffer is a float32 (int32 for ids and positions) C-contiguous
 pycuda GPUArray; shapes are in each docstring. Ops marked "in place" overwrite their first argument.
 """
 
@@ -189,4 +190,67 @@ def dot_rows(x, w, out=None, stream=None):
     if R:
         loader.launch(FAMILY, "dot_rows_f32", (min(R, loader.MAX_GRID),), (_row_threads(D),),
                       [xp, wp, op, np.int32(R), np.int32(D)], stream=stream)
+    return out
+
+
+# the vision tower's row ops (gpu/vision.py) ---------------------------------------------------------------------
+ACTS = {"store": 0, "gelu_tanh": 1, "gelu_erf": 2, "add": 3}  # bias_act_f32's modes (VIT_* in elementwise.cu)
+
+
+def layer_norm(x, w, b, eps: float, out, stream=None):
+    """out[r, :D] = (x[r, :D] - mean) / sqrt(var + eps) * w + b (the row's mean and variance in double, as the
+    vision reference's), out[r, D:] = 0, D = len(w). x: (R, Sx), Sx >= D; w, b: (D,); out: (R, So), So >= D,
+    not x. Returns out."""
+    R, Sx = _dims2(x, "layer_norm x")
+    _, So = _dims2(out, "layer_norm out")
+    D = int(w.shape[0]) if len(w.shape) == 1 else -1
+    args = [loader.arg(x, np.float32, (R, Sx), "layer_norm x"), loader.arg(w, np.float32, (D,), "layer_norm w"),
+            loader.arg(b, np.float32, (D,), "layer_norm b"), loader.arg(out, np.float32, (R, So), "layer_norm out"),
+            np.int32(Sx), np.int32(So)]
+    if not 0 < D <= min(Sx, So):
+        raise KernelArgumentError(f"layer_norm: weight length {D} exceeds the rows of x ({Sx}) or out ({So})")
+    if R:
+        loader.launch(FAMILY, "layer_norm_f32", (min(R, loader.MAX_GRID),), (_row_threads(D),),
+                      args + [np.int32(R), np.int32(D), np.float64(eps)], stream=stream)
+    return out
+
+
+def bias_act(x, out, b=None, act: str = "store", n: int | None = None, stream=None):
+    """A product's epilogue: v = x[r, j] + b[j] (no b: x[r, j]) for j < N (len(b), else n, else x's width), then
+    out[r, j] = v ("store"), gelu_tanh(v), gelu_erf(v) (the vision reference's two GELUs) or out[r, j] + v ("add",
+    the residual); out[r, N:] = 0 but under "add" (left). x: (R, Sx), out: (R, So), Sx and So >= N; x may be out
+    (same width). Returns out."""
+    R, Sx = _dims2(x, "bias_act x")
+    _, So = _dims2(out, "bias_act out")
+    if act not in ACTS:
+        raise KernelArgumentError(f"bias_act: act {act!r} is not one of {', '.join(ACTS)}")
+    N = int(b.shape[0]) if b is not None else int(n if n is not None else Sx)
+    bp = loader.arg(b, np.float32, (N,), "bias_act b") if b is not None else np.uintp(0)
+    args = [loader.arg(x, np.float32, (R, Sx), "bias_act x"), bp, loader.arg(out, np.float32, (R, So), "bias_act out"),
+            np.int32(Sx), np.int32(So)]
+    if not 0 < N <= min(Sx, So) or R * So >= 2**31:
+        raise KernelArgumentError(f"bias_act: {N} columns of rows {Sx} -> {So} ({R} rows)")
+    if R:
+        loader.launch(FAMILY, "bias_act_f32", _flat_grid(R * So), (THREADS,),
+                      args + [np.int32(R), np.int32(N), np.int32(ACTS[act])], stream=stream)
+    return out
+
+
+def rope_split(y, b, cos, sin, out, stream=None):
+    """The vision attention's operands: out[s, t] = the qkv product's rows y[t, s] + b[s] (y: (T, 3, H, hd) as
+    (T, 3 H hd), b: (3 H hd,)), q and k (s = 0, 1) rotated by x cos + rotate_half(x) sin with cos, sin: (T, hd);
+    out: (3, T, H, hd). Returns out."""
+    if len(out.shape) != 4 or out.shape[0] != 3:
+        raise KernelArgumentError(f"rope_split out: shape {out.shape}, expected (3, T, H, hd)")
+    _, T, H, hd = (int(s) for s in out.shape)
+    if hd % 2 or T * 3 * H * hd >= 2**31:
+        raise KernelArgumentError(f"rope_split: {T} rows of {H} heads of {hd} (even, under 2^31 values)")
+    args = [loader.arg(y, np.float32, (T, 3 * H * hd), "rope_split y"),
+            loader.arg(b, np.float32, (3 * H * hd,), "rope_split b"),
+            loader.arg(cos, np.float32, (T, hd), "rope_split cos"),
+            loader.arg(sin, np.float32, (T, hd), "rope_split sin"),
+            loader.arg(out, np.float32, (3, T, H, hd), "rope_split out")]
+    if T:
+        loader.launch(FAMILY, "vit_rope_split_f32", _flat_grid(T * 3 * H * hd), (THREADS,),
+                      args + [np.int32(T), np.int32(H), np.int32(hd)], stream=stream)
     return out

@@ -6,6 +6,7 @@ k_gemm.choose_tile reads it."""
 USAGE = {
     'r63': {
         'add_f32': (6, 0, 0),
+        'attn_full': (63, 0, 0),
         'attn_gate_mul': (12, 0, 0),
         'attn_merge': (62, 0, 0),
         'attn_prefill': (63, 0, 0),
@@ -16,6 +17,7 @@ USAGE = {
         'attn_prefill_tiled256_kv': (63, 0, 0),
         'attn_prefill_tiled64': (53, 0, 0),
         'attn_prefill_tiled64_kv': (53, 0, 0),
+        'bias_act_f32': (24, 0, 0),
         'dot_rows_f32': (16, 0, 1024),
         'embed_f16': (30, 0, 0),
         'embed_f32': (34, 0, 0),
@@ -83,6 +85,7 @@ USAGE = {
         'kv_append': (10, 0, 0),
         'kv_fwht': (40, 0, 0),
         'kv_store': (63, 0, 0),
+        'layer_norm_f32': (40, 0, 2048),
         'moe_combine': (46, 0, 0),
         'moe_gather_rows': (9, 0, 0),
         'moe_offsets': (32, 0, 8192),
@@ -96,9 +99,11 @@ USAGE = {
         'scale_f32': (6, 0, 0),
         'sigmoid_mul_f32': (17, 0, 0),
         'swiglu_f32': (20, 0, 0),
+        'vit_rope_split_f32': (29, 0, 0),
     },
     'r255': {
         'add_f32': (10, 0, 0),
+        'attn_full': (87, 0, 0),
         'attn_gate_mul': (13, 0, 0),
         'attn_merge': (40, 0, 0),
         'attn_prefill': (95, 0, 0),
@@ -109,6 +114,7 @@ USAGE = {
         'attn_prefill_tiled256_kv': (66, 0, 0),
         'attn_prefill_tiled64': (53, 0, 0),
         'attn_prefill_tiled64_kv': (53, 0, 0),
+        'bias_act_f32': (27, 0, 0),
         'dot_rows_f32': (17, 0, 1024),
         'embed_f16': (36, 0, 0),
         'embed_f32': (36, 0, 0),
@@ -176,6 +182,7 @@ USAGE = {
         'kv_append': (14, 0, 0),
         'kv_fwht': (32, 0, 0),
         'kv_store': (70, 0, 0),
+        'layer_norm_f32': (40, 0, 2048),
         'moe_combine': (34, 0, 0),
         'moe_gather_rows': (19, 0, 0),
         'moe_offsets': (32, 0, 8192),
@@ -189,5 +196,6 @@ USAGE = {
         'scale_f32': (7, 0, 0),
         'sigmoid_mul_f32': (20, 0, 0),
         'swiglu_f32': (22, 0, 0),
+        'vit_rope_split_f32': (36, 0, 0),
     },
 }

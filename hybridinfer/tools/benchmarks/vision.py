@@ -57,9 +57,9 @@ def run(mmproj: str | None, text_model: str | None, threads: int, sizes, reps: i
         gpu: bool = False, card_profile: str | None = None) -> dict:
     """mmproj None: a synthetic Qwen3.5-shaped one (tools/synth_vision) of output width `synth_width` (the text
     model's, when one is given), made in a temporary folder; `synth_depth` overrides its 27 layers. gpu: the
-    tower's products on the card (backends/gpu/vision.py) instead of the CPU's, compiled and tiled as for
-    `card_profile` (None: the card itself); each row then also gives the products' FLOP/s on the card (kernel time)
-    and their fraction of its measured FMA peak."""
+    whole tower on the card (backends/gpu/vision.py) instead of the CPU, compiled and tiled as for `card_profile`
+    (None: the card itself); each row then also gives the products' FLOP/s on the card (kernel time between events,
+    the products enqueued back to back with the rest of the tower) and their fraction of its measured FMA peak."""
     from ...backends.cpu.simd import SimdLib
     from ...backends.vision import load_image_encoder
     from ...format.gguf_model import GGUFModel
@@ -88,7 +88,7 @@ def run(mmproj: str | None, text_model: str | None, threads: int, sizes, reps: i
             peak = fma_peak_flops()
         enc = load_image_encoder(mmproj, None, lib, gpu=gpu)
         res = {"mmproj": mmproj if shape is None else "synthetic", "shape": shape, "threads": threads,
-               "isa": f"gpu products ({card_profile or 'the card'})" if gpu else lib.isa, "out_width": enc.n_embd,
+               "isa": f"gpu tower ({card_profile or 'the card'})" if gpu else lib.isa, "out_width": enc.n_embd,
                "reps": reps, "rows": [], "fma_peak_tflops": None if peak is None else peak / 1e12}
         mt = None
         if llama:
