@@ -37,9 +37,27 @@ def _least(path, **kw) -> int:
     raise AssertionError("a 1-byte RAM budget loaded")
 
 
-@pytest.mark.parametrize("io,bus_bw", [("pread", None), ("direct", 8e9)])
-def test_gpu_prefill_reading_experts_from_the_file_gives_the_resident_logits(oracle_gguf, io, bus_bw):
-    path = oracle_gguf("qwen35moe", "q8_0")
+# Experts that outweigh O_DIRECT's readers' buffers (2 readers x a 4 MiB piece): 64 of 512 wide per layer, about
+# 27 MB a layer at q8_0, where the oracle model's ~1 MB a layer is held rather than read (ram_split.GpuHost.least).
+WIDE_MOE = dict(n_embd=256, n_layer=4, n_head=4, n_head_kv=2, head_dim=64, n_vocab=512, n_expert=64, n_expert_used=4,
+                n_ff_exp=512, n_ff_shexp=256, ssm_d_state=64, ssm_n_group=2, ssm_dt_rank=4)
+
+
+@pytest.fixture
+def wide_moe(oracle_gguf):
+    """WIDE_MOE beside the oracle models (a file system that takes O_DIRECT, where tmpfs would not), removed after."""
+    from hybridinfer.tools.synth import synth_model
+
+    path = os.path.join(os.path.dirname(oracle_gguf("qwen35moe", "q8_0")), f"wide-moe-{os.getpid()}.gguf")
+    synth_model(path, "qwen35moe", WIDE_MOE, "q8_0", seed=3)
+    yield path
+    os.remove(path)
+
+
+@pytest.mark.parametrize("io,bus_bw,readers", [("pread", None, None), ("direct", 8e9, 2)])
+def test_gpu_prefill_reading_experts_from_the_file_gives_the_resident_logits(request, io, bus_bw, readers):
+    path = request.getfixturevalue("oracle_gguf")("qwen35moe", "q8_0") if io == "pread" else \
+        request.getfixturevalue("wide_moe")
     bus = {} if bus_bw is None else {"bus_bw": bus_bw}  # the bus sets what streams, so the least budget too
     base = _load(path, **bus)
     ids = _ids(base.args.n_vocab)
@@ -48,9 +66,9 @@ def test_gpu_prefill_reading_experts_from_the_file_gives_the_resident_logits(ora
         want = base.prefill(ids, base.new_state(), all_logits=True)
     finally:
         base.close()
-    budget = _least(path, expert_io=io, **bus)
-    kw = {"ram_budget": budget, "expert_io": io} | bus
-    eng = _load(path, **kw)
+    io_kw = {"expert_io": io} | ({} if readers is None else {"readers": readers})
+    budget = _least(path, **io_kw, **bus)
+    eng = _load(path, ram_budget=budget, **io_kw, **bus)
     try:
         gm = eng.backend.gpu
         split = gm.ram_split

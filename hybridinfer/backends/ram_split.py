@@ -48,8 +48,9 @@ class GpuHost:
 
     @property
     def least(self) -> int:
-        """with every layer's cold experts read from the file"""
-        return self.dense + (self.staging + self.bounce if self.layers else 0)
+        """with every layer's cold experts read from the file, or held when that takes less (a small model's
+        experts can weigh less than the staging and O_DIRECT readers' buffers reading them would)"""
+        return self.dense + min(self.staging + self.bounce, sum(self.layers.values())) if self.layers else self.dense
 
     @property
     def full(self) -> int:
