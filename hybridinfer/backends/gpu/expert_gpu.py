@@ -59,16 +59,24 @@ class Exchange:
 
 class CardLink:
     """One card's side of the Exchange: its index, the card buffer the others' partials come up into, and the
-    pacer of those uploads (the profile's bus, as the weights' stream is paced; the copy down is not)."""
+    emulated bus of those uploads (the profile's, as the weights' stream is paced; the copy down is not).
+
+    The weights' pacer holds its copy stream with host functions (k_pace), which the driver may run one at a time
+    on one thread: holds on the compute stream as well made each exchange wait behind the weights' next piece, and
+    the two ran one after the other (a 4,096-token pass took the compute's time plus the copies'). So the uploads
+    here are paced by this card's own thread, which waits at the exchange anyway: the copy is queued at once and
+    the add that takes it only when the emulated bus is through with it."""
 
     def __init__(self, ex: Exchange, k: int, m):
         from pycuda import gpuarray
 
-        from .k_pace import Pacer
-
         self.ex, self.k, self.m, self.calls, self.bytes = ex, k, m, 0, 0
         self.recv = gpuarray.empty((m.chunk, m.args.n_embd), np.float32)
-        self.pacer = Pacer(m.bus_bw) if m.bus_bw is not None else None
+        self.bus_bw = m.bus_bw
+        self.t_free = 0.0  # perf_counter seconds when the emulated bus is through with the last upload
+        # host seconds of a pass spent waiting for this card's own work up to the exchange, for the other cards,
+        # and for the emulated bus
+        self.sync_s, self.barrier_s, self.bus_s = 0.0, 0.0, 0.0
 
     def add_partials(self, out) -> None:
         """out (this card's partial, n rows) becomes every card's partial summed in card order."""
@@ -76,8 +84,12 @@ class CardLink:
         n, par = out.shape[0], self.calls % 2
         self.calls += 1
         drv.memcpy_dtoh_async(ex.host[k][par][:n], out.gpudata, s)
+        t0 = time.perf_counter()
         s.synchronize()
+        t1 = time.perf_counter()
         ex.barrier.wait(BARRIER_S)
+        self.sync_s += t1 - t0
+        self.barrier_s += time.perf_counter() - t1
         if ex.n == 2 or k == 0:  # out holds this card's partial: two cards' p_k + p_j is p_0 + p_1 exactly
             order = [j for j in range(ex.n) if j != k]
         else:  # out starts again from card 0's, and this card's own comes back up in its turn
@@ -88,12 +100,14 @@ class CardLink:
             ke.add(out, self.recv[:n], stream=s)
 
     def _up(self, dst, host) -> None:
-        s = self.m.stream
-        if self.pacer is not None:
-            self.bytes += self.pacer.upload([(int(dst.gpudata), host.view(np.uint8).reshape(-1))], s)
-        else:
-            self.m.drv.memcpy_htod_async(dst.gpudata, host, s)
-            self.bytes += host.nbytes
+        self.m.drv.memcpy_htod_async(dst.gpudata, host, self.m.stream)
+        self.bytes += host.nbytes
+        if self.bus_bw is not None:
+            t = time.perf_counter()
+            self.t_free = max(t, self.t_free) + host.nbytes / self.bus_bw
+            if self.t_free > t:
+                time.sleep(self.t_free - t)
+            self.bus_s += time.perf_counter() - t
 
 
 class ExpertOps(GPUOps):
@@ -216,6 +230,7 @@ class ExpertParallelModel:
         errs: list = [None] * K
         for c in self.cards:
             c.m.link.calls, c.m.link.bytes, c.totals = 0, 0, {}
+            c.m.link.sync_s, c.m.link.barrier_s, c.m.link.bus_s = 0.0, 0.0, 0.0
 
         def run(k: int) -> None:
             c = self.cards[k]
@@ -262,7 +277,10 @@ class ExpertParallelModel:
             "bytes_h2d": sum(t["bytes_h2d"] for t in ts), "work": {"flops": sum(t["work"]["flops"] for t in ts)},
             "exchange_bytes": sum(c.m.link.bytes for c in self.cards),
             "cards": [{"device": c.device, "experts": c.m.own, "bytes_h2d": t["bytes_h2d"], "copy_s": t["copy_s"],
-                       "gpu_s": t["gpu_s"], "flops": t["work"]["flops"], "layers": (c.m.first, c.m.end)}
+                       "gpu_s": t["gpu_s"], "flops": t["work"]["flops"], "layers": (c.m.first, c.m.end),
+                       "phases": t.get("phases", {}), "host_s": t.get("host_s", {}),
+                       "exchange_s": {"sync": c.m.link.sync_s, "barrier": c.m.link.barrier_s,
+                                      "bus": c.m.link.bus_s}}
                       for c, t in zip(self.cards, ts, strict=True)]}
 
     def close(self) -> None:
