@@ -219,7 +219,10 @@ HI_INLINE void hi_rows_run(const int qt, const hi_mm *m, int64_t r0, int64_t r1,
     }
     hi_kgrp kg;
     hi_kgrp_prep(&kg, m, t, cnt, nb, buf);
+    hi_pfs pf;
+    hi_pf_start(&pf, m, r0, r1);
     for (int64_t r = r0; r < r1; r++) {
+        hi_pf_row(&pf);
         float *os[HI_KG];
         HI_UNROLL for (int g = 0; g < HI_KG; g++) os[g] = &m->out[(size_t)(t + (g < cnt ? g : 0)) * m->out_row + (size_t)r];
         const uint8_t *w = m->w + (size_t)r * m->w_row;
@@ -250,7 +253,10 @@ HI_INLINE void hi_rows_run(const int qt, const hi_mm *m, int64_t r0, int64_t r1,
         HI_UNROLL for (int g = 0; g < HI_KG; g++) ys[g] = (const hi_q8Kz *)(m->xk + (size_t)(t + (g < cnt ? g : 0)) * m->xk_row);
         const int64_t nb = m->cols / HI_QK_K;
         const int wz = m->wz;
+        hi_pfs pf;
+        hi_pf_start(&pf, m, r0, r1);
         for (int64_t r = r0; r < r1; r++) {
+            hi_pf_row(&pf);
             float *os[HI_KG];
             HI_UNROLL for (int g = 0; g < HI_KG; g++) os[g] = &m->out[(size_t)(t + (g < cnt ? g : 0)) * m->out_row + (size_t)r];
             const uint8_t *w = m->w + (size_t)r * m->w_row;

@@ -400,6 +400,30 @@ HI_INLINE void hi_tile_legacy_generic(const int qt, const hi_mm *m, int64_t r, i
 
 /* ---- driver ------------------------------------------------------------------------------------ */
 
+/* the software prefetch of a chunk's weight stream, rows [r0, r1) read in order: m->pf bytes of it requested ahead,
+ * since the hardware prefetcher restarts at every 4 KiB page (m->pf = 0: none). Start once, then advance a row's
+ * bytes before each row is read; the one-token tiles and the group kernels' sweeps take it alike (a prefetch
+ * changes no value) */
+typedef struct {
+    const uint8_t *at, *end;
+    int64_t step;
+} hi_pfs;
+
+HI_INLINE void hi_pf_start(hi_pfs *p, const hi_mm *m, int64_t r0, int64_t r1) {
+    p->at = m->w + (size_t)r0 * m->w_row;
+    p->end = m->w + (size_t)r1 * m->w_row;
+    p->step = m->pf > 0 ? m->w_row : 0;
+    if (!p->step) return;
+    const uint8_t *ahead = p->at + m->pf < p->end ? p->at + m->pf : p->end;
+    for (; p->at < ahead; p->at += 64) __builtin_prefetch(p->at, 0, 3);
+}
+
+HI_INLINE void hi_pf_row(hi_pfs *p) {
+    if (!p->step) return;
+    const uint8_t *lim = p->at + p->step < p->end ? p->at + p->step : p->end;
+    for (; p->at < lim; p->at += 64) __builtin_prefetch(p->at, 0, 3);
+}
+
 #include "kernels_rows.h"
 
 HI_INLINE void hi_tile(const int qt, const int R, const int C, const hi_mm *m, int64_t r, int64_t t) {
@@ -455,12 +479,10 @@ HI_INLINE void hi_drive(const int qt, const hi_mm *m, int64_t r0, int64_t r1) {
         if (!legacy && te - tb == 1 && m->pf > 0) {
             /* one token (decode): the chunk's rows are one linear stream; keep m->pf bytes of it requested
              * ahead, since the hardware prefetcher restarts at every 4 KiB page */
-            const uint8_t *pf = m->w + (size_t)r0 * m->w_row, *const end = m->w + (size_t)r1 * m->w_row;
-            const uint8_t *ahead = pf + m->pf < end ? pf + m->pf : end;
-            for (; pf < ahead; pf += 64) __builtin_prefetch(pf, 0, 3);
+            hi_pfs pf;
+            hi_pf_start(&pf, m, r0, r1);
             for (; r < r1; r++) {
-                const uint8_t *lim = pf + m->w_row < end ? pf + m->w_row : end;
-                for (; pf < lim; pf += 64) __builtin_prefetch(pf, 0, 3);
+                hi_pf_row(&pf);
                 hi_tile(qt, 1, 1, m, r, tb);
             }
         } else if (!legacy) {
