@@ -95,6 +95,7 @@ HI_INLINE void hi_rows_k4(const int q5, const int rp, const int gm, const int64_
         const __m256 vd = _mm256_broadcastss_ps(dm), vm = _mm256_broadcastss_ps(_mm_shuffle_ps(dm, dm, 0x55));
         const __m128i sm = hi_kq_scales_mins_v(b + 4); /* bytes sc0..7, m0..7 */
         const __m512i sc32 = _mm512_cvtepu8_epi32(sm);
+        const __m512i sc32w = _mm512_or_si512(sc32, _mm512_slli_epi32(sc32, 16)); /* each scale as an int16 pair */
         /* dwords 4..7 of w16: the int16 pairs (m[2p], m[2p+1]) */
         const __m512i w16 = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(sm));
         const __m512i MP0 = _mm512_permutexvar_epi32(_mm512_inserti64x4(_mm512_set1_epi32(4), _mm256_set1_epi32(5), 1), w16);
@@ -109,8 +110,9 @@ HI_INLINE void hi_rows_k4(const int q5, const int rp, const int gm, const int64_
                 v = _mm512_ternarylogic_epi32(v, _mm512_rolv_epi32(qh, rot), m16, 0xf8); /* v | (rot & m16) */
             }
             W[j] = v;
-            SC[j] = _mm512_permutexvar_epi32(_mm512_inserti64x4(_mm512_set1_epi32(2 * j), _mm256_set1_epi32(2 * j + 1), 1), sc32);
-            SCW[j] = _mm512_or_si512(SC[j], _mm512_slli_epi32(SC[j], 16)); /* SC[j]'s dwords are < 2^6 */
+            const __m512i idx = _mm512_inserti64x4(_mm512_set1_epi32(2 * j), _mm256_set1_epi32(2 * j + 1), 1);
+            SC[j] = _mm512_permutexvar_epi32(idx, sc32);
+            SCW[j] = _mm512_permutexvar_epi32(idx, sc32w); /* the scales are < 2^6: (sc, sc) as int16 */
         }
         HI_UNROLL for (int o = 0; o < HI_KO; o++) {
             if (8 * o >= cnt) break;
