@@ -34,10 +34,12 @@ HI_INLINE __m512i hi_r_tree8(const __m512i *S, __m512i I) {
  * operations per two tokens. hi_r_pairs8 adds quarter j's P[0..7] (scw: its scales) to R[0..3] (per 128-bit lane
  * tokens 2p, 2p, 2p+1, 2p+1), for the pairs holding tokens below gm (the others' R stay zero: a vpdpwssd of zeros is
  * not folded away, and costs a slot of the port the vpdpbusd need) */
-HI_INLINE void hi_r_pairs8(__m512i *R, const __m512i *P, const __m512i scw, const int gm) {
+HI_INLINE void hi_r_pairs8(__m512i *R, const __m512i *P, const __m512i scw, const int gm, const int first) {
     HI_UNROLL for (int p = 0; p < 4; p++) {
         if (2 * p >= gm) break;
-        R[p] = _mm512_dpwssd_epi32(R[p], _mm512_packs_epi32(P[2 * p], P[2 * p + 1]), scw);
+        const __m512i pk = _mm512_packs_epi32(P[2 * p], P[2 * p + 1]);
+        /* first (R zero): vpmaddwd, the int32 sums vpdpwssd onto zero gives, with no zeroed copy of R to write */
+        R[p] = first ? _mm512_madd_epi16(pk, scw) : _mm512_dpwssd_epi32(R[p], pk, scw);
     }
 }
 
@@ -129,7 +131,7 @@ HI_INLINE void hi_rows_k4(const int q5, const int rp, const int gm, const int64_
                 HI_UNROLL for (int j = 0; j < 4; j++) {
                     hi_r_dots8(S, W[j], kg, o, i, j, gm);
                     __m512i R[4] = {zero, zero, zero, zero};
-                    hi_r_pairs8(R, S, SCW[j], gm);
+                    hi_r_pairs8(R, S, SCW[j], gm, 1); /* each quarter its own sums */
                     accr[o] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi_r_tree8r(R, j < 2 ? IA : IB, j % 2)), dd, accr[o]);
                 }
                 continue;
@@ -138,7 +140,7 @@ HI_INLINE void hi_rows_k4(const int q5, const int rp, const int gm, const int64_
                 __m512i R[4] = {zero, zero, zero, zero};
                 HI_UNROLL for (int j = 0; j < 4; j++) {
                     hi_r_dots8(S, W[j], kg, o, i, j, gm);
-                    hi_r_pairs8(R, S, SCW[j], gm);
+                    hi_r_pairs8(R, S, SCW[j], gm, j == 0);
                 }
                 const __m512 f = _mm512_cvtepi32_ps(hi_r_tree8r(R, _mm512_add_epi32(IA, IB), 2));
                 const __m256 D8 = _mm256_loadu_ps(Dz + 8);
