@@ -400,30 +400,6 @@ HI_INLINE void hi_tile_legacy_generic(const int qt, const hi_mm *m, int64_t r, i
 
 /* ---- driver ------------------------------------------------------------------------------------ */
 
-/* the software prefetch of a chunk's weight stream, rows [r0, r1) read in order: m->pf bytes of it requested ahead,
- * since the hardware prefetcher restarts at every 4 KiB page (m->pf = 0: none). Start once, then advance a row's
- * bytes before each row is read; the one-token tiles and the group kernels' sweeps take it alike (a prefetch
- * changes no value) */
-typedef struct {
-    const uint8_t *at, *end;
-    int64_t step;
-} hi_pfs;
-
-HI_INLINE void hi_pf_start(hi_pfs *p, const hi_mm *m, int64_t r0, int64_t r1) {
-    p->at = m->w + (size_t)r0 * m->w_row;
-    p->end = m->w + (size_t)r1 * m->w_row;
-    p->step = m->pf > 0 ? m->w_row : 0;
-    if (!p->step) return;
-    const uint8_t *ahead = p->at + m->pf < p->end ? p->at + m->pf : p->end;
-    for (; p->at < ahead; p->at += 64) __builtin_prefetch(p->at, 0, 3);
-}
-
-HI_INLINE void hi_pf_row(hi_pfs *p) {
-    if (!p->step) return;
-    const uint8_t *lim = p->at + p->step < p->end ? p->at + p->step : p->end;
-    for (; p->at < lim; p->at += 64) __builtin_prefetch(p->at, 0, 3);
-}
-
 #include "kernels_rows.h"
 
 HI_INLINE void hi_tile(const int qt, const int R, const int C, const hi_mm *m, int64_t r, int64_t t) {
