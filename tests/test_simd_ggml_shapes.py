@@ -67,6 +67,24 @@ def test_kquant_products_take_llama_cpp_shapes(libs, qtype):
         assert shapes_seen == ({"repack", "tiled"} if qtype == ak.Q4_K else {"tiled"})
 
 
+
+def test_q6_k_groups_of_five_to_eight_in_quartets(libs):
+    """The AVX2 unit's Q6_K group kernel takes 5-8 tokens in two passes of at most 4 (kernels_rows_avx2.h): every
+    count 1..8 of a group's last pass, in vec_dot's shape (NONE) and the tiled one (MUL_MAT from 8 tokens), odd rows;
+    each token as its reference has it, whichever quartet it falls in."""
+    rng = np.random.default_rng(61)
+    rows, cols = 7, 256 * 3
+    raw = random_blocks(ak.Q6_K, rows * cols // 256, rng).reshape(-1)
+    for T in range(2, 17):
+        x = (rng.standard_normal((T, cols)) * rng.uniform(0.1, 20, (T, 1))).astype(np.float32)
+        xq = ak.quantize_q8_K(x)
+        for isa, lib in libs.items():
+            for op in (GGML_NONE, GGML_MUL_MAT):
+                _, want = _want(isa, op, ak.Q6_K, xq, raw, rows, cols, T)
+                out = np.zeros((T, rows), np.float32)
+                lib.matmul(raw, ak.Q6_K, rows, cols, xq, out, op)
+                assert np.array_equal(out, want), (isa, op, T)
+
 def test_moe_calls_take_the_expert_shape(libs):
     rng = np.random.default_rng(5)
     E, F, D = 3, 16, 256

@@ -113,6 +113,28 @@ def test_long_rows_and_thread_counts(qtype):
         ref.close()
 
 
+
+@pytest.mark.parametrize("qtype", KQ)
+def test_prefetched_weight_stream(qtype):
+    """The group kernels' sweeps prefetch the weight stream ahead as the one-token tiles do (the context's prefetch
+    bytes: less than a row, several rows, past the chunk's end): every row still its one-token product."""
+    rng = np.random.default_rng(31 + qtype)
+    rows, cols = 13, 512
+    w = _weights(qtype, rows, cols, rng)
+    x = _activations(rng, 17, cols)
+    for isa in supported_isas():
+        ref = SimdLib(isa, n_threads=1, prefetch=0)
+        xq = ref.quantize(x, qtype)
+        want = _one_token(ref, w, qtype, rows, cols, xq)
+        ref.close()
+        for pf in (64, 4096, 1 << 20):
+            lib = SimdLib(isa, n_threads=2, prefetch=pf)
+            _check_all_T(lib, w, qtype, rows, cols, xq, want, (2, 3, 8, 9, 16, 17), (isa, pf))
+            got = np.full(rows, np.nan, np.float32)
+            lib.matmul(w, qtype, rows, cols, xq[0], got, GGML_DECODE_ROWS)
+            assert np.array_equal(_bits(got), _bits(want[0])), (isa, pf, 1)
+            lib.close()
+
 @pytest.mark.parametrize("qtype", KQ)
 def test_ssse3_zipped_rows(qtype):
     if "ssse3" not in supported_isas():

@@ -62,7 +62,7 @@ typedef struct hi_mm {
     int wz;     /* K-quants: the rows' quant bytes are zipped (HI_T_ZIPPED; only with xk) */
     int kshape; /* K-quants: the float shape of llama.cpp's kernel (HI_KS_*, dot_kq_shapes.h) */
     int rows1;  /* every row in a one-token product's float order (HI_GGML_DECODE_ROWS), whatever T */
-    int pf;     /* one token: bytes of the weight stream software-prefetched ahead (the context's; 0: none) */
+    int pf;     /* bytes of the weight stream software-prefetched ahead (the context's; 0: none) */
 } hi_mm;
 
 /* bytes per 256-element block of a `kprep`-prepared activation row (hi_q8Kz, dot_kquants.h) */

@@ -32,6 +32,30 @@
 
 #include <stdlib.h>
 
+/* the software prefetch of a chunk's weight stream, rows [r0, r1) read in order: m->pf bytes of it requested ahead,
+ * since the hardware prefetcher restarts at every 4 KiB page (m->pf = 0: none). Start once, then advance a row's
+ * bytes before each row is read; the one-token tiles (kernels_tiles.h) and the group kernels' sweeps take it alike
+ * (a prefetch changes no value) */
+typedef struct {
+    const uint8_t *at, *end;
+    int64_t step;
+} hi_pfs;
+
+HI_INLINE void hi_pf_start(hi_pfs *p, const hi_mm *m, int64_t r0, int64_t r1) {
+    p->at = m->w + (size_t)r0 * m->w_row;
+    p->end = m->w + (size_t)r1 * m->w_row;
+    p->step = m->pf > 0 ? m->w_row : 0;
+    if (!p->step) return;
+    const uint8_t *ahead = p->at + m->pf < p->end ? p->at + m->pf : p->end;
+    for (; p->at < ahead; p->at += 64) __builtin_prefetch(p->at, 0, 3);
+}
+
+HI_INLINE void hi_pf_row(hi_pfs *p) {
+    if (!p->step) return;
+    const uint8_t *lim = p->at + p->step < p->end ? p->at + p->step : p->end;
+    for (; p->at < lim; p->at += 64) __builtin_prefetch(p->at, 0, 3);
+}
+
 /* ================================================================================================ */
 /* K-quants on the AVX units: the group's tokens prepared once per chunk of rows */
 
@@ -219,7 +243,10 @@ HI_INLINE void hi_rows_run(const int qt, const hi_mm *m, int64_t r0, int64_t r1,
     }
     hi_kgrp kg;
     hi_kgrp_prep(&kg, m, t, cnt, nb, buf);
+    hi_pfs pf;
+    hi_pf_start(&pf, m, r0, r1);
     for (int64_t r = r0; r < r1; r++) {
+        hi_pf_row(&pf);
         float *os[HI_KG];
         HI_UNROLL for (int g = 0; g < HI_KG; g++) os[g] = &m->out[(size_t)(t + (g < cnt ? g : 0)) * m->out_row + (size_t)r];
         const uint8_t *w = m->w + (size_t)r * m->w_row;
@@ -250,7 +277,10 @@ HI_INLINE void hi_rows_run(const int qt, const hi_mm *m, int64_t r0, int64_t r1,
         HI_UNROLL for (int g = 0; g < HI_KG; g++) ys[g] = (const hi_q8Kz *)(m->xk + (size_t)(t + (g < cnt ? g : 0)) * m->xk_row);
         const int64_t nb = m->cols / HI_QK_K;
         const int wz = m->wz;
+        hi_pfs pf;
+        hi_pf_start(&pf, m, r0, r1);
         for (int64_t r = r0; r < r1; r++) {
+            hi_pf_row(&pf);
             float *os[HI_KG];
             HI_UNROLL for (int g = 0; g < HI_KG; g++) os[g] = &m->out[(size_t)(t + (g < cnt ? g : 0)) * m->out_row + (size_t)r];
             const uint8_t *w = m->w + (size_t)r * m->w_row;

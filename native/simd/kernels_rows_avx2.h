@@ -121,9 +121,10 @@ HI_INLINE void hi_rows_k4(const int q5, const int rp, const int gm, const int64_
 }
 
 /* Q6_K (vec_dot's shape, or with `tiled` the tiled kernels': res = d * isum, row = fma(res, D, row)), as
- * hi_dot_q6_K_q8_K's AVX2 path, each group's 6-bit weights and scales once per block */
-HI_INLINE void hi_rows_q6(const int tiled, const int gm, const int64_t nb, const uint8_t *restrict w, const hi_kgrp *kg,
-                          float *const *os) {
+ * hi_dot_q6_K_q8_K's AVX2 path, each group's 6-bit weights and scales once per block, for the group's tokens
+ * g0 .. g0 + gm - 1 (the others' sums stay zero: the tiled shape's transposing tree gives theirs as nothing) */
+HI_INLINE void hi_rows_q6_part(const int tiled, const int g0, const int gm, const int64_t nb, const uint8_t *restrict w,
+                               const hi_kgrp *kg, float *const *os) {
     const int cnt = kg->cnt;
     const block_q6_K *x = (const block_q6_K *)w;
     const __m256i m4 = _mm256_set1_epi8(0x0f), m3 = _mm256_set1_epi8(0x03), m12 = _mm256_set1_epi8(0x0c);
@@ -138,7 +139,7 @@ HI_INLINE void hi_rows_q6(const int tiled, const int gm, const int64_t nb, const
         __m256i S[HI_KG];
         HI_UNROLL for (int g = 0; g < HI_KG; g++) {
             S[g] = _mm256_setzero_si256();
-            if (g >= gm || g >= cnt) continue;
+            if (g < g0 || g >= g0 + gm || g >= cnt) continue;
             S[g] = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)kg->y[g][i].bsums), nsc);
         }
         HI_UNROLL for (int h = 0; h < 2; h++) {
@@ -155,7 +156,7 @@ HI_INLINE void hi_rows_q6(const int tiled, const int gm, const int64_t nb, const
                 const __m256i sc = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(
                     sc8, _mm_set_epi64x(0x0101010101010101LL * (2 * gr + 1), 0x0101010101010101LL * (2 * gr))));
                 HI_UNROLL for (int g = 0; g < HI_KG; g++) {
-                    if (g >= gm || g >= cnt) break;
+                    if (g < g0 || g >= g0 + gm || g >= cnt) continue;
                     const __m256i p = _mm256_maddubs_epi16(wv[k], _mm256_loadu_si256((const __m256i *)(kg->q8[g] + i * HI_QK_K + 128 * h + 32 * k)));
                     S[g] = _mm256_add_epi32(S[g], _mm256_madd_epi16(sc, p));
                 }
@@ -168,14 +169,25 @@ HI_INLINE void hi_rows_q6(const int tiled, const int gm, const int64_t nb, const
         }
         const __m256 dd = _mm256_mul_ps(vd, D8);
         HI_UNROLL for (int g = 0; g < HI_KG; g++) {
-            if (g >= gm || g >= cnt) break;
+            if (g < g0 || g >= g0 + gm || g >= cnt) continue;
             acc[g] = _mm256_fmadd_ps(hi_r_bcast(dd, g), _mm256_cvtepi32_ps(S[g]), acc[g]);
         }
     }
     float a[8];
     _mm256_storeu_ps(a, acct);
     HI_UNROLL for (int g = 0; g < HI_KG; g++) {
-        if (g >= gm || g >= cnt) break;
+        if (g < g0 || g >= g0 + gm || g >= cnt) continue;
         *os[g] = tiled ? a[g] : hi_kq_hsum8_ps(acc[g]);
+    }
+}
+
+/* Q6_K of the group's first gm tokens: a pass over the row for each quartet of them (eight tokens' sums next to the
+ * unpacked block and its scales do not fit the 16 registers, and their spills cost more than a second pass over the
+ * row, in L1 by then; the sums are exact integers and each token's float steps its own, so no bit changes) */
+HI_INLINE void hi_rows_q6(const int tiled, const int gm, const int64_t nb, const uint8_t *restrict w, const hi_kgrp *kg,
+                          float *const *os) {
+    HI_UNROLL for (int g0 = 0; g0 < gm; g0 += 4) {
+        if (g0 >= kg->cnt) break;
+        hi_rows_q6_part(tiled, g0, gm - g0 < 4 ? gm - g0 : 4, nb, w, kg, os);
     }
 }

@@ -32,9 +32,15 @@ HI_INLINE __m512i hi_r_tree8(const __m512i *S, __m512i I) {
  * pairs go through one vpdpwssd with the scales spread to int16 (scw), which scales them and adds each pair of lanes.
  * Against vpdpwssd per token and hi_r_tree8 that halves the vpdpwssd and the tree, whose first level costs three
  * operations per two tokens. hi_r_pairs8 adds quarter j's P[0..7] (scw: its scales) to R[0..3] (per 128-bit lane
- * tokens 2p, 2p, 2p+1, 2p+1) */
-HI_INLINE void hi_r_pairs8(__m512i *R, const __m512i *P, const __m512i scw) {
-    HI_UNROLL for (int p = 0; p < 4; p++) R[p] = _mm512_dpwssd_epi32(R[p], _mm512_packs_epi32(P[2 * p], P[2 * p + 1]), scw);
+ * tokens 2p, 2p, 2p+1, 2p+1), for the pairs holding tokens below gm (the others' R stay zero: a vpdpwssd of zeros is
+ * not folded away, and costs a slot of the port the vpdpbusd need) */
+HI_INLINE void hi_r_pairs8(__m512i *R, const __m512i *P, const __m512i scw, const int gm, const int first) {
+    HI_UNROLL for (int p = 0; p < 4; p++) {
+        if (2 * p >= gm) break;
+        const __m512i pk = _mm512_packs_epi32(P[2 * p], P[2 * p + 1]);
+        /* first (R zero): vpmaddwd, the int32 sums vpdpwssd onto zero gives, with no zeroed copy of R to write */
+        R[p] = first ? _mm512_madd_epi16(pk, scw) : _mm512_dpwssd_epi32(R[p], pk, scw);
+    }
 }
 
 /* R's totals and the min lanes I as [tokens 0..7 | I's tokens 0..7], in order: I's 128-bit lanes 0, 1 (half 0), 2, 3
@@ -91,6 +97,7 @@ HI_INLINE void hi_rows_k4(const int q5, const int rp, const int gm, const int64_
         const __m256 vd = _mm256_broadcastss_ps(dm), vm = _mm256_broadcastss_ps(_mm_shuffle_ps(dm, dm, 0x55));
         const __m128i sm = hi_kq_scales_mins_v(b + 4); /* bytes sc0..7, m0..7 */
         const __m512i sc32 = _mm512_cvtepu8_epi32(sm);
+        const __m512i sc32w = _mm512_or_si512(sc32, _mm512_slli_epi32(sc32, 16)); /* each scale as an int16 pair */
         /* dwords 4..7 of w16: the int16 pairs (m[2p], m[2p+1]) */
         const __m512i w16 = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(sm));
         const __m512i MP0 = _mm512_permutexvar_epi32(_mm512_inserti64x4(_mm512_set1_epi32(4), _mm256_set1_epi32(5), 1), w16);
@@ -105,8 +112,9 @@ HI_INLINE void hi_rows_k4(const int q5, const int rp, const int gm, const int64_
                 v = _mm512_ternarylogic_epi32(v, _mm512_rolv_epi32(qh, rot), m16, 0xf8); /* v | (rot & m16) */
             }
             W[j] = v;
-            SC[j] = _mm512_permutexvar_epi32(_mm512_inserti64x4(_mm512_set1_epi32(2 * j), _mm256_set1_epi32(2 * j + 1), 1), sc32);
-            SCW[j] = _mm512_or_si512(SC[j], _mm512_slli_epi32(SC[j], 16)); /* SC[j]'s dwords are < 2^6 */
+            const __m512i idx = _mm512_inserti64x4(_mm512_set1_epi32(2 * j), _mm256_set1_epi32(2 * j + 1), 1);
+            SC[j] = _mm512_permutexvar_epi32(idx, sc32);
+            SCW[j] = _mm512_permutexvar_epi32(idx, sc32w); /* the scales are < 2^6: (sc, sc) as int16 */
         }
         HI_UNROLL for (int o = 0; o < HI_KO; o++) {
             if (8 * o >= cnt) break;
@@ -123,7 +131,7 @@ HI_INLINE void hi_rows_k4(const int q5, const int rp, const int gm, const int64_
                 HI_UNROLL for (int j = 0; j < 4; j++) {
                     hi_r_dots8(S, W[j], kg, o, i, j, gm);
                     __m512i R[4] = {zero, zero, zero, zero};
-                    hi_r_pairs8(R, S, SCW[j]);
+                    hi_r_pairs8(R, S, SCW[j], gm, 1); /* each quarter its own sums */
                     accr[o] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi_r_tree8r(R, j < 2 ? IA : IB, j % 2)), dd, accr[o]);
                 }
                 continue;
@@ -132,7 +140,7 @@ HI_INLINE void hi_rows_k4(const int q5, const int rp, const int gm, const int64_
                 __m512i R[4] = {zero, zero, zero, zero};
                 HI_UNROLL for (int j = 0; j < 4; j++) {
                     hi_r_dots8(S, W[j], kg, o, i, j, gm);
-                    hi_r_pairs8(R, S, SCW[j]);
+                    hi_r_pairs8(R, S, SCW[j], gm, j == 0);
                 }
                 const __m512 f = _mm512_cvtepi32_ps(hi_r_tree8r(R, _mm512_add_epi32(IA, IB), 2));
                 const __m256 D8 = _mm256_loadu_ps(Dz + 8);

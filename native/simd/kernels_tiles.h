@@ -455,12 +455,10 @@ HI_INLINE void hi_drive(const int qt, const hi_mm *m, int64_t r0, int64_t r1) {
         if (!legacy && te - tb == 1 && m->pf > 0) {
             /* one token (decode): the chunk's rows are one linear stream; keep m->pf bytes of it requested
              * ahead, since the hardware prefetcher restarts at every 4 KiB page */
-            const uint8_t *pf = m->w + (size_t)r0 * m->w_row, *const end = m->w + (size_t)r1 * m->w_row;
-            const uint8_t *ahead = pf + m->pf < end ? pf + m->pf : end;
-            for (; pf < ahead; pf += 64) __builtin_prefetch(pf, 0, 3);
+            hi_pfs pf;
+            hi_pf_start(&pf, m, r0, r1);
             for (; r < r1; r++) {
-                const uint8_t *lim = pf + m->w_row < end ? pf + m->w_row : end;
-                for (; pf < lim; pf += 64) __builtin_prefetch(pf, 0, 3);
+                hi_pf_row(&pf);
                 hi_tile(qt, 1, 1, m, r, tb);
             }
         } else if (!legacy) {
