@@ -259,8 +259,9 @@ def choose(layer_seconds: float, expert_seconds: float) -> str:
 
 
 def link_bytes(args, chunk: int) -> int:
-    """Card bytes of the buffer the other cards' partial sums come up into (a chunk of rows)."""
-    return 4 * chunk * args.n_embd
+    """Card bytes the exchange takes (expert_gpu.CardLink): by call parity, a chunk of rows each for the other
+    cards' partial sums coming up, this card's own partial and its gated shared expert, and the gate's logits."""
+    return 2 * (3 * 4 * chunk * args.n_embd + 4 * chunk)
 
 
 def with_link(s: CardSlot, args, chunk: int) -> CardSlot:

@@ -43,9 +43,11 @@ from .walker import Item, walk
 BARRIER_S = 600.0  # a card waiting this long at the exchange for another has lost it
 
 
+HOST_SLOTS = 3  # a card's page-locked rows, by call number (CardLink.add_partials, CardLink.settle say why three)
+
+
 class Exchange:
-    """Where the cards' partial sums meet: page-locked host rows a card and parity (a card writes its rows of
-    call n + 2 only after every card has passed call n + 1's barrier, by when its upload of call n has run), and
+    """Where the cards' partial sums meet: page-locked host rows a card and slot (call number mod HOST_SLOTS), and
     the barrier of each call."""
 
     def __init__(self, n_cards: int, rows: int, width: int):
@@ -53,54 +55,112 @@ class Exchange:
 
         self.n = n_cards
         self.host = [[drv.pagelocked_empty((rows, width), np.float32, mem_flags=drv.host_alloc_flags.PORTABLE)
-                      for _ in range(2)] for _ in range(n_cards)]
+                      for _ in range(HOST_SLOTS)] for _ in range(n_cards)]
         self.barrier = threading.Barrier(n_cards)
 
 
 class CardLink:
-    """One card's side of the Exchange: its index, the card buffer the others' partials come up into, and the
-    emulated bus of those uploads (the profile's, as the weights' stream is paced; the copy down is not).
+    """One card's side of the Exchange: its index, the card buffers the exchange takes (expert_card.link_bytes),
+    and the emulated bus of the others' partials coming up (the profile's, as the weights' stream is paced; the
+    copy down is not).
 
-    The weights' pacer holds its copy stream with host functions (k_pace), which the driver may run one at a time
-    on one thread: holds on the compute stream as well made each exchange wait behind the weights' next piece, and
-    the two ran one after the other (a 4,096-token pass took the compute's time plus the copies'). So the uploads
-    here are paced by this card's own thread, which waits at the exchange anyway: the copy is queued at once and
-    the add that takes it only when the emulated bus is through with it."""
+    The uploads are paced by the card's own thread, which waits at the exchange anyway. The weights' pacer holds
+    its copy stream with host functions (k_pace), which the driver may run one at a time on one thread: holds on
+    the compute stream as well made each exchange wait for the weights' next piece, and the two ran one after the
+    other.
+
+    Deferred (two cards, from the walker's row loop): a chunk's own partial goes down as soon as it is computed,
+    and its exchange (barrier, the other's partial up, the sums added into the chunk's hidden rows) is done after
+    the next chunk's work is queued, so the card computes while the host waits; the branch's last chunk's at the
+    end of its rows (`settle`). Buffers by call parity: a chunk's own partial, its gated shared expert, and the
+    other's partial. Host rows by call number mod 3: a card queues its rows of call n + 1 after passing call n - 1's
+    barrier, by when every card has finished reading its rows of call n - 2 (each waits for its upload's copy
+    before it goes on)."""
 
     def __init__(self, ex: Exchange, k: int, m):
         from pycuda import gpuarray
 
         self.ex, self.k, self.m, self.calls, self.bytes = ex, k, m, 0, 0
-        self.recv = gpuarray.empty((m.chunk, m.args.n_embd), np.float32)
+        C, D = m.chunk, m.args.n_embd
+        self.recv, self.part, self.shared = ([gpuarray.empty((C, D), np.float32) for _ in range(2)] for _ in range(3))
+        self.gate = [gpuarray.empty((C,), np.float32) for _ in range(2)]
+        self.up_stream = m.drv.Stream()
+        self.pending: list[tuple] = []
         self.bus_bw = m.bus_bw
         self.t_free = 0.0  # perf_counter seconds when the emulated bus is through with the last upload
         # host seconds of a pass spent waiting for this card's own work up to the exchange, for the other cards,
         # and for the emulated bus
         self.sync_s, self.barrier_s, self.bus_s = 0.0, 0.0, 0.0
 
-    def add_partials(self, out) -> None:
-        """out (this card's partial, n rows) becomes every card's partial summed in card order."""
-        ex, k, s, drv = self.ex, self.k, self.m.stream, self.m.drv
-        n, par = out.shape[0], self.calls % 2
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.recv + self.part + self.shared + self.gate)
+
+    def _down(self, out):
+        """out's rows down into this card's host rows of this call: (host slot, the event after the copy)."""
+        slot = self.calls % HOST_SLOTS
         self.calls += 1
-        drv.memcpy_dtoh_async(ex.host[k][par][:n], out.gpudata, s)
+        self.m.drv.memcpy_dtoh_async(self.ex.host[self.k][slot][: out.shape[0]], out.gpudata, self.m.stream)
+        ev = self.m.drv.Event()
+        ev.record(self.m.stream)
+        return slot, ev
+
+    def _meet(self, ev) -> None:
         t0 = time.perf_counter()
-        s.synchronize()
+        ev.synchronize()
         t1 = time.perf_counter()
-        ex.barrier.wait(BARRIER_S)
+        self.ex.barrier.wait(BARRIER_S)
         self.sync_s += t1 - t0
         self.barrier_s += time.perf_counter() - t1
+
+    def add_partials(self, out) -> None:
+        """out (this card's partial, n rows) becomes every card's partial summed in card order, now."""
+        ex, k, s = self.ex, self.k, self.m.stream
+        n = out.shape[0]
+        slot, ev = self._down(out)
+        self._meet(ev)
         if ex.n == 2 or k == 0:  # out holds this card's partial: two cards' p_k + p_j is p_0 + p_1 exactly
             order = [j for j in range(ex.n) if j != k]
         else:  # out starts again from card 0's, and this card's own comes back up in its turn
-            self._up(out, ex.host[0][par][:n])
+            self._up(out, ex.host[0][slot][:n])
             order = list(range(1, ex.n))
         for j in order:
-            self._up(self.recv[:n], ex.host[j][par][:n])
-            ke.add(out, self.recv[:n], stream=s)
+            self._up(self.recv[0][:n], ex.host[j][slot][:n])
+            ke.add(out, self.recv[0][:n], stream=s)
 
-    def _up(self, dst, host) -> None:
-        self.m.drv.memcpy_htod_async(dst.gpudata, host, self.m.stream)
+    def defer(self, part, shared, gate, h) -> None:
+        """Two cards: part (this card's partial, n rows, in self.part[parity]), shared and gate (its gated shared
+        expert, or None) summed into h once the other's partial is here; the exchange before it done now."""
+        p = self.calls % 2
+        if shared is not None:
+            n = part.shape[0]
+            for dst, src in ((self.shared[p][:n], shared), (self.gate[p][:n], gate)):
+                self.m.drv.memcpy_dtod_async(dst.gpudata, src.gpudata, src.nbytes, self.m.stream)
+            shared, gate = self.shared[p][:n], self.gate[p][:n]
+        slot, ev = self._down(part)
+        self.settle()
+        self.pending.append((slot, ev, p, part, shared, gate, h))
+
+    def settle(self) -> None:
+        """Every deferred exchange done: its sums queued into its rows."""
+        s, j = self.m.stream, 1 - self.k
+        for slot, ev, p, part, shared, gate, h in self.pending:
+            n = part.shape[0]
+            self._meet(ev)
+            done = self._up(self.recv[p][:n], self.ex.host[j][slot][:n], self.up_stream)
+            s.wait_for_event(done)
+            ke.add(part, self.recv[p][:n], stream=s)
+            if shared is not None:
+                km.shared_add(part, shared, gate, stream=s)
+            ke.add(h, part, stream=s)
+            done.synchronize()  # the other card's host rows read: it may write them again two calls on
+        self.pending = []
+
+    def _up(self, dst, host, stream=None):
+        """host rows up into dst on `stream` (default the compute stream), after the emulated bus has carried them;
+        the event after the copy."""
+        stream = stream or self.m.stream
+        self.m.drv.memcpy_htod_async(dst.gpudata, host, stream)
         self.bytes += host.nbytes
         if self.bus_bw is not None:
             t = time.perf_counter()
@@ -108,6 +168,9 @@ class CardLink:
             if self.t_free > t:
                 time.sleep(self.t_free - t)
             self.bus_s += time.perf_counter() - t
+        ev = self.m.drv.Event()
+        ev.record(stream)
+        return ev
 
 
 class ExpertOps(GPUOps):
@@ -121,12 +184,23 @@ class ExpertOps(GPUOps):
         return super()._experts(x, W, P, offs=self.b.offs[lo : hi + 1])
 
     def _combine(self, ed, wts, out, sh, gl):
+        link = self.m.link
+        if self.h is not None and link.ex.n == 2:  # from the walker's rows: it adds nothing, settle() will
+            part = link.part[link.calls % 2][: out.shape[0]]
+            super()._combine(ed, wts, part, None, None)
+            if sh is not None:
+                self.m._join()
+            link.defer(part, sh, gl, self.h)
+            return None
         super()._combine(ed, wts, out, None, None)
-        self.m.link.add_partials(out)
+        link.add_partials(out)
         if sh is not None:
             self.m._join()
             km.shared_add(out, sh, gl, stream=self.s)
         return out
+
+    def settle(self) -> None:
+        self.m.link.settle()
 
 
 class ExpertCard(GPUModel):
@@ -194,7 +268,7 @@ class ExpertParallelModel:
 
     @property
     def allocated_bytes(self) -> int:
-        return sum(c.m.allocated_bytes + c.m.link.recv.nbytes for c in self.cards)
+        return sum(c.m.allocated_bytes + c.m.link.nbytes for c in self.cards)
 
     def new_state(self, n_ctx: int) -> DecoderState:
         return DecoderState.new(self.args, n_ctx)
@@ -229,7 +303,7 @@ class ExpertParallelModel:
         got: list = [None] * K
         errs: list = [None] * K
         for c in self.cards:
-            c.m.link.calls, c.m.link.bytes, c.totals = 0, 0, {}
+            c.m.link.calls, c.m.link.bytes, c.m.link.pending, c.totals = 0, 0, [], {}
             c.m.link.sync_s, c.m.link.barrier_s, c.m.link.bus_s = 0.0, 0.0, 0.0
 
         def run(k: int) -> None:

@@ -52,6 +52,10 @@ class GPUOps:
         self.L, self.i, self.out, self.spare = None, 0, None, None
         self.pos, self.attn_segs, self.gdn_segs, self.snap_host = None, [], [], []
         self.sections = None
+        self.h = None  # the hidden rows the branch's output is added to (the walker's), for ops that add it later
+
+    def settle(self) -> None:
+        """Adds deferred into the hidden rows queued (the walker calls it after each branch's rows): none here."""
 
     def at(self, L, pos, attn_segs: list, gdn_segs: list, snap_host=(), sections=None) -> GPUOps:
         """Layer L's tensors by short name (models/graph.BlockTensors: its streamed matrices and its vectors); pos:

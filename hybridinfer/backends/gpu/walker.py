@@ -216,8 +216,12 @@ def walk(m, items: list[Item], all_logits: bool = False, rows_in=None, rows_out=
                     k_chunk += 1
                 ke.rms_norm(h, L[br.norm], a.rms_eps, out=x, stream=s)
                 m._mark(m._phase(i, br))
-                ke.add(h, br.fn(ops.branch(j), a, x), stream=s)
+                ops.h = h
+                y = br.fn(ops.branch(j), a, x)
+                if y is not None:  # None: the ops add it themselves (expert_gpu's exchange), by settle() below
+                    ke.add(h, y, stream=s)
                 m._mark(None)
+            ops.settle()
         used_chunks = max(used_chunks, k_chunk)
         moves.layer_done(i)
         st.release(i)
