@@ -314,11 +314,14 @@ HI_INLINE void hi_fa_prefetch(const uint8_t *p, int64_t len) {
     __builtin_prefetch(p + len - 1);
 }
 
-#define HI_FA_TILE 64 /* positions a tile of hi_attn_fa_tiled (below) */
+#define HI_FA_TILE 64 /* positions a tile of hi_attn_fa_tiled (kernels_fa_tiled.h) */
+/* values of a tile's V rows taken to float at a time (8 KiB of floats: they stay in L1 while every row's
+ * accumulators of those values take them; a whole tile's would not) */
+#define HI_FA_SLAB 32
 
 static int64_t hi_attn_fa_scratch(int64_t hd, int64_t m) {
     const int64_t one = m * (3 * hd + 8) + 2 * hd + 64; /* hi_attn_fa_run's layout, then hi_attn_fa_tiled's */
-    const int64_t tiled = m * (3 * hd + 8) + (m + 7) / 8 * 8 * HI_FA_TILE + (HI_FA_TILE + 1) * hd + 64;
+    const int64_t tiled = m * (3 * hd + 8) + (m + 7) / 8 * 8 * HI_FA_TILE + HI_FA_TILE * HI_FA_SLAB + hd + 64;
     return one > tiled ? one : tiled;
 }
 
