@@ -208,6 +208,7 @@ static void hi_attn_fa_tiled(const hi_attn *a, int64_t t, int64_t h0, int64_t m,
     const int kt = a->k_type, vt = a->v_type;
     const int64_t kh = a->k_bytes / a->Hkv, vh = a->v_bytes / a->Hkv;
     float *sct = scratch + m * row, *vtile = sct + m8 * HI_FA_TILE, *k32 = vtile + HI_FA_TILE * HI_FA_SLAB;
+    float *dyt = k32 + hd;
     float M[HI_FA_MAXG], S[HI_FA_MAXG], ms[HI_FA_MAXG], xs[HI_FA_MAXG];
     /* per row: acc [hd] | qv [hd] | dy [nb] | corr [hd / 4]; then the tile's scores of 8 rows at a time, the 8 rows'
      * scores of a position together (the softmax steps go across rows in vectors) */
@@ -225,6 +226,7 @@ static void hi_attn_fa_tiled(const hi_attn *a, int64_t t, int64_t h0, int64_t m,
         }
     }
     memset(sct, 0, sizeof(float) * (size_t)(m8 * HI_FA_TILE));
+    if (kt == HI_T_Q8_0 || kt == HI_T_Q4_0) hi_fa_dyt(HI_T_DY(0), row, m, nb, dyt);
     const uint8_t *kb = (const uint8_t *)a->k + g * kh, *vb = (const uint8_t *)a->v + g * vh;
     for (int64_t p0 = s0; p0 < s1; p0 += HI_FA_TILE) {
         const int64_t n = s1 - p0 < HI_FA_TILE ? s1 - p0 : HI_FA_TILE;
@@ -235,8 +237,8 @@ static void hi_attn_fa_tiled(const hi_attn *a, int64_t t, int64_t h0, int64_t m,
                 hi_fa_prefetch(vb + (p0 + j + HI_FA_PF) * a->v_bytes, vh);
             }
             if (hi_is_lm(kt)) hi_fa_v_float(kt, ks, k32, hd);
-            hi_fa_dots(kt, ks, k32, a->q + t * a->q_row + h0 * hd, HI_T_QV(0), HI_T_CORR(0), HI_T_DY(0), row, m, hd,
-                       xs);
+            hi_fa_dots(kt, ks, k32, a->q + t * a->q_row + h0 * hd, HI_T_QV(0), HI_T_CORR(0), HI_T_DY(0), dyt, row, m,
+                       hd, xs);
             for (int64_t i = 0; i < m; i++) HI_T_SC(i)[8 * j] = xs[i] * a->scale;
         }
         for (int64_t i = 0; i < m; i += 8) hi_fa_tile_softmax8(HI_T_SC(i), n, M + i, S + i, ms + i);
