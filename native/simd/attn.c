@@ -117,20 +117,40 @@ static void fa_chunk_run(void *arg, int64_t i) {
 }
 
 /* a split row's output from its chunks' partials (M, S, VKQ), in chunk order, as llama.cpp's
- * ggml_flash_attn_ext_reduce_partials merges them */
-static void fa_merge(const float *part, int64_t nc, int64_t hd, float *vkq, float *out) {
+ * ggml_flash_attn_ext_reduce_partials merges them; VKQ kept in out until its division by S */
+static void fa_merge(const float *part, int64_t nc, int64_t hd, float *out) {
     float M = -INFINITY, S = 0.0f;
-    memset(vkq, 0, sizeof(float) * (size_t)hd);
+    memset(out, 0, sizeof(float) * (size_t)hd);
     for (int64_t c = 0; c < nc; c++) {
         const float *p = part + c * (hd + 2), Mc = p[0], Sc = p[1];
         if (Sc == 0.0f) continue;
         const float Mn = fmaxf(M, Mc), so = expf(M - Mn), sn = expf(Mc - Mn);
-        for (int64_t d = 0; d < hd; d++) vkq[d] = vkq[d] * so + p[2 + d] * sn;
+        for (int64_t d = 0; d < hd; d++) out[d] = out[d] * so + p[2 + d] * sn;
         S = S * so + Sc * sn;
         M = Mn;
     }
     const float S_inv = S == 0.0f ? 0.0f : 1.0f / S;
-    for (int64_t d = 0; d < hd; d++) out[d] = vkq[d] * S_inv;
+    for (int64_t d = 0; d < hd; d++) out[d] = out[d] * S_inv;
+}
+
+typedef struct {
+    const hi_attn *a;
+    const fa_pair *pairs;
+    const int64_t *split; /* the wave's split pairs */
+    const float *part;
+    int64_t H, per, n; /* rows (split pair, head) per pool chunk, rows */
+} fa_merge_job;
+
+/* a pool chunk of a wave's merges: each row's merge is its own (the same bits on any thread) */
+static void fa_merge_run(void *arg, int64_t i) {
+    const fa_merge_job *m = (const fa_merge_job *)arg;
+    const int64_t hd = m->a[0].hd;
+    for (int64_t r = i * m->per; r < (i + 1) * m->per && r < m->n; r++) {
+        const fa_pair *pr = &m->pairs[m->split[r / m->H]];
+        const hi_attn *aj = &m->a[pr->j];
+        const int64_t h = r % m->H;
+        fa_merge(m->part + pr->part + h * pr->nc * (hd + 2), pr->nc, hd, aj->out + pr->t * aj->out_row + h * hd);
+    }
 }
 
 /* the query rows of jobs a[0 .. nj) (each T tokens at its pos0 over its typed caches; all the same H, Hkv, hd) on
@@ -151,14 +171,15 @@ static int attn_fa_go(hi_ctx *c, const hi_attn *a, int64_t nj, float *scratch, i
     const int64_t unit_scratch = kt->attn_fa_scratch(hd, R), fits = scratch_len / unit_scratch;
     if (fits < 1) return -2;
     fa_pair *pairs = (fa_pair *)malloc(sizeof(fa_pair) * (size_t)npairs);
-    float *part = NULL, *vkq = (float *)malloc(sizeof(float) * (size_t)hd), *own = NULL;
+    int64_t *split = (int64_t *)malloc(sizeof(int64_t) * (size_t)npairs);
+    float *part = NULL, *own = NULL;
     /* the partials in the scratch the units leave (most decode calls: a long row's partials are small next to its
      * cache), else in a buffer of our own: a large malloc is an mmap and page faults at every call */
     const int64_t most = inline_call ? 1 : attn_max_chunks(c), spare_at = (most < fits ? most : fits) * unit_scratch;
     int64_t part_cap = 0; /* floats `part` holds: a wave's first pair may alone need more than HI_FA_PART_FLOATS */
-    if (!pairs || !vkq) {
+    if (!pairs || !split) {
         free(pairs);
-        free(vkq);
+        free(split);
         return -1;
     }
     int rc = 0;
@@ -192,22 +213,23 @@ static int attn_fa_go(hi_ctx *c, const hi_attn *a, int64_t nj, float *scratch, i
         fa_job f = {.k = kt, .a = a, .pairs = pairs, .npairs = n, .R = R, .upc = Hkv * (G / R), .units = units,
                     .per = (units + nch - 1) / nch, .unit_scratch = unit_scratch, .scratch = scratch, .part = part};
         nch = (units + f.per - 1) / f.per;
+        int64_t ns = 0;
+        for (int64_t p = 0; p < n; p++)
+            if (pairs[p].nc > 1) split[ns++] = p;
+        /* the merges on the pool too: with many threads a long row's serial merge is a part of the call's time */
+        const int64_t mrows = ns * H, mch = inline_call || mrows < 2 ? 1 : (mrows < most ? mrows : most);
+        fa_merge_job mj = {.a = a, .pairs = pairs, .split = split, .part = part, .H = H,
+                           .per = (mrows + mch - 1) / mch, .n = mrows};
         hi_ctx_lock(c);
         if (nch == 1) fa_chunk_run(&f, 0);
         else hi_ctx_run(c, fa_chunk_run, &f, nch);
+        if (mrows && mch == 1) fa_merge_run(&mj, 0);
+        else if (mrows) hi_ctx_run(c, fa_merge_run, &mj, (mrows + mj.per - 1) / mj.per);
         hi_ctx_unlock(c);
-        for (int64_t p = 0; p < n; p++) {
-            const fa_pair *pr = &pairs[p];
-            if (pr->nc == 1) continue;
-            const hi_attn *aj = &a[pr->j];
-            for (int64_t h = 0; h < H; h++)
-                fa_merge(part + pr->part + h * pr->nc * (hd + 2), pr->nc, hd, vkq,
-                         aj->out + pr->t * aj->out_row + h * hd);
-        }
     }
     free(own);
     free(pairs);
-    free(vkq);
+    free(split);
     return rc;
 }
 

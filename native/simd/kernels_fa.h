@@ -143,6 +143,17 @@ HI_INLINE void hi_fa_v_float(const int vt, const uint8_t *v, float *out, int64_t
         for (int64_t b = 0; b < hd / 32; b++) {
             const uint8_t *blk = v + b * 18;
             const float d = hi_h2f(hi_rd16(blk));
+#if defined(HI_AVX2) /* the same exact conversions of q - 8 and one rounded product each, 8 at a time */
+            const __m128i x = _mm_loadu_si128((const __m128i *)(blk + 2)), m4 = _mm_set1_epi8(0x0F);
+            const __m128i nib[2] = {_mm_and_si128(x, m4), _mm_and_si128(_mm_srli_epi16(x, 4), m4)};
+            for (int k = 0; k < 4; k++) { /* values 8k .. 8k + 7: nibbles (k & 1) * 8 .. of half k / 2 */
+                const __m256i qi = _mm256_cvtepu8_epi32(_mm_srli_si128(nib[k / 2], 8 * (k & 1)));
+                _mm256_storeu_ps(out + 32 * b + 8 * k,
+                                 _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(qi, _mm256_set1_epi32(8))),
+                                               _mm256_set1_ps(d)));
+            }
+            continue;
+#endif
             for (int j = 0; j < 16; j++) {
                 out[32 * b + j] = (float)((blk[2 + j] & 0x0F) - 8) * d;
                 out[32 * b + j + 16] = (float)((blk[2 + j] >> 4) - 8) * d;
@@ -181,9 +192,10 @@ HI_INLINE void hi_hsum8_n(const hi_fv *acc, const int NH, float *out) {
 
 /* a K row of nb q8_0 / q4_0 blocks (qt, a constant where inlined) against NH <= 8 query rows' q8_0 rows prepared by
  * hi_prep (row i's blocks at qv + i * rs * 4 bytes, its dy and corr likewise rs floats apart): each row's dot in
- * hi_fa_dot_legacy's order, the K block loaded (and its scale converted) once for the rows */
+ * hi_fa_dot_legacy's order, the K block loaded (and its scale converted) once for the rows. dyt (8 rows, AVX units):
+ * the rows' dy of block b at dyt[8 b ..], so the 8 products dk * dy are one vector product (the same products) */
 HI_INLINE void hi_fa_dots_legacy(const int qt, const int NH, const uint8_t *w, const uint8_t *qv, const int32_t *corr,
-                                 const float *dy, int64_t rs, int64_t nb, float *out) {
+                                 const float *dy, const float *dyt, int64_t rs, int64_t nb, float *out) {
     const int bs = hi_wbs(qt), need_corr = HI_CORR(qt) != 0;
     hi_fv acc[8];
     for (int i = 0; i < NH; i++) acc[i] = hi_fzero();
@@ -191,6 +203,18 @@ HI_INLINE void hi_fa_dots_legacy(const int qt, const int NH, const uint8_t *w, c
         const uint8_t *blk = w + b * bs;
         const float dk = hi_h2f(hi_rd16(blk));
         const hi_wv wv = hi_load_w(qt, blk);
+#if defined(HI_AVX2)
+        if (qt == HI_T_Q8_0 && NH == 8 && dyt) { /* measured faster for q8_0 K; q4_0 K no faster */
+            float d8[8];
+            _mm256_storeu_ps(d8, _mm256_mul_ps(_mm256_set1_ps(dk), _mm256_loadu_ps(dyt + 8 * b)));
+            for (int i = 0; i < 8; i++) {
+                const hi_iv nc = need_corr ? hi_load_corr(corr + i * rs + 8 * b) : hi_izero();
+                const hi_iv l = hi_lanes(qt, wv, hi_load_y(qv + 4 * i * rs + b * 34 + 2), nc);
+                acc[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(d8 + i), _mm256_cvtepi32_ps(l), acc[i]);
+            }
+            continue;
+        }
+#endif
         for (int i = 0; i < NH; i++) {
             const hi_iv nc = need_corr ? hi_load_corr(corr + i * rs + 8 * b) : hi_izero();
             acc[i] = hi_fmadd8(dk * dy[i * rs + b], hi_lanes(qt, wv, hi_load_y(qv + 4 * i * rs + b * 34 + 2), nc),
@@ -203,14 +227,24 @@ HI_INLINE void hi_fa_dots_legacy(const int qt, const int NH, const uint8_t *w, c
 /* the rows of a q8_0 / q4_0 K (qt constant) in groups of 8, 4 and 1 (each a constant count, so the accumulators stay
  * in registers) */
 HI_INLINE void hi_fa_dots_legacy_m(const int qt, const uint8_t *w, const uint8_t *qv, const int32_t *corr,
-                                   const float *dy, int64_t rs, int64_t m, int64_t nb, float *x) {
+                                   const float *dy, const float *dyt, int64_t rs, int64_t m, int64_t nb, float *x) {
     int64_t i = 0;
-    for (; i + 8 <= m; i += 8) hi_fa_dots_legacy(qt, 8, w, qv + 4 * i * rs, corr + i * rs, dy + i * rs, rs, nb, x + i);
+    for (; i + 8 <= m; i += 8)
+        hi_fa_dots_legacy(qt, 8, w, qv + 4 * i * rs, corr + i * rs, dy + i * rs, dyt ? dyt + i * nb : NULL, rs, nb,
+                          x + i);
     if (i + 4 <= m) {
-        hi_fa_dots_legacy(qt, 4, w, qv + 4 * i * rs, corr + i * rs, dy + i * rs, rs, nb, x + i);
+        hi_fa_dots_legacy(qt, 4, w, qv + 4 * i * rs, corr + i * rs, dy + i * rs, NULL, rs, nb, x + i);
         i += 4;
     }
-    for (; i < m; i++) hi_fa_dots_legacy(qt, 1, w, qv + 4 * i * rs, corr + i * rs, dy + i * rs, rs, nb, x + i);
+    for (; i < m; i++) hi_fa_dots_legacy(qt, 1, w, qv + 4 * i * rs, corr + i * rs, dy + i * rs, NULL, rs, nb, x + i);
+}
+
+/* dyt for hi_fa_dots_legacy: row i's dy of block b (dy + i * rs) at dyt[i * nb + 8 b + i % 8], for the rows of whole
+ * groups of 8 */
+HI_INLINE void hi_fa_dyt(const float *dy, int64_t rs, int64_t m, int64_t nb, float *dyt) {
+    for (int64_t i = 0; i + 8 <= m; i += 8)
+        for (int64_t b = 0; b < nb; b++)
+            for (int l = 0; l < 8; l++) dyt[i * nb + 8 * b + l] = dy[(i + l) * rs + b];
 }
 
 #if defined(HI_AVX2)
@@ -254,7 +288,8 @@ HI_INLINE void hi_fa_dots_f32x(const int NH, const float *k, const float *q, int
  * float q at q + i * hd, its qv, corr, dy as hi_fa_query made them, rs floats apart from row 0's): each dot the ggml
  * vec_dot of K's type */
 HI_INLINE void hi_fa_dots(int kt, const uint8_t *ks, float *k32, const float *q, const uint8_t *qv,
-                          const int32_t *corr, const float *dy, int64_t rs, int64_t m, int64_t hd, float *x) {
+                          const int32_t *corr, const float *dy, const float *dyt, int64_t rs, int64_t m, int64_t hd,
+                          float *x) {
 #if defined(HI_AVX2)
     /* f16 K (each unit with AVX2 dots it in AVX2's shape) and, where ggml_vec_dot_f32 has AVX2's shape (not the
      * AVX-512 unit), f32 and Lloyd-Max K: K in float once (k32), the rows' float dots 8 at a time */
@@ -278,9 +313,9 @@ HI_INLINE void hi_fa_dots(int kt, const uint8_t *ks, float *k32, const float *q,
     }
 #endif
     if (kt == HI_T_Q8_0) {
-        hi_fa_dots_legacy_m(HI_T_Q8_0, ks, qv, corr, dy, rs, m, hd / 32, x);
+        hi_fa_dots_legacy_m(HI_T_Q8_0, ks, qv, corr, dy, dyt, rs, m, hd / 32, x);
     } else if (kt == HI_T_Q4_0) {
-        hi_fa_dots_legacy_m(HI_T_Q4_0, ks, qv, corr, dy, rs, m, hd / 32, x);
+        hi_fa_dots_legacy_m(HI_T_Q4_0, ks, qv, corr, dy, dyt, rs, m, hd / 32, x);
     } else {
         for (int64_t i = 0; i < m; i++) {
             if (kt == HI_T_F32) x[i] = hi_ggml_dot_f32((const float *)ks, q + i * hd, hd);
@@ -314,11 +349,15 @@ HI_INLINE void hi_fa_prefetch(const uint8_t *p, int64_t len) {
     __builtin_prefetch(p + len - 1);
 }
 
-#define HI_FA_TILE 64 /* positions a tile of hi_attn_fa_tiled (below) */
+#define HI_FA_TILE 64 /* positions a tile of hi_attn_fa_tiled (kernels_fa_tiled.h) */
+/* values of a tile's V rows taken to float at a time (8 KiB of floats: they stay in L1 while every row's
+ * accumulators of those values take them; a whole tile's would not) */
+#define HI_FA_SLAB 32
 
 static int64_t hi_attn_fa_scratch(int64_t hd, int64_t m) {
-    const int64_t one = m * (3 * hd + 8) + 2 * hd + 64; /* hi_attn_fa_run's layout, then hi_attn_fa_tiled's */
-    const int64_t tiled = m * (3 * hd + 8) + (m + 7) / 8 * 8 * HI_FA_TILE + (HI_FA_TILE + 1) * hd + 64;
+    const int64_t dyt = m / 8 * 8 * (hd / 32); /* hi_fa_dyt's */
+    const int64_t one = m * (3 * hd + 8) + 2 * hd + dyt + 64; /* hi_attn_fa_run's layout, then hi_attn_fa_tiled's */
+    const int64_t tiled = m * (3 * hd + 8) + (m + 7) / 8 * 8 * HI_FA_TILE + HI_FA_TILE * HI_FA_SLAB + hd + dyt + 64;
     return one > tiled ? one : tiled;
 }
 
@@ -331,7 +370,7 @@ static void hi_attn_fa_run(const hi_attn *a, int64_t t, int64_t h0, int64_t m, i
     const int64_t hd = a->hd, G = a->H / a->Hkv, nb = hd / 32, g = h0 / G, row = 3 * hd + 8;
     const int kt = a->k_type, vt = a->v_type;
     const int64_t kh = a->k_bytes / a->Hkv, vh = a->v_bytes / a->Hkv;
-    float *v32 = scratch + m * row, *k32 = v32 + hd, M[HI_FA_MAXG], S[HI_FA_MAXG], xs[HI_FA_MAXG];
+    float *v32 = scratch + m * row, *k32 = v32 + hd, *dyt = k32 + hd, M[HI_FA_MAXG], S[HI_FA_MAXG], xs[HI_FA_MAXG];
     /* per row: vkq [hd] | vkq16 [hd / 2] | qv [hd] (f32 q, fp16 q or q8_0 blocks) | dy [nb] | corr [hd / 4] */
 #define HI_FA_VKQ(i) (scratch + (i) * row)
 #define HI_FA_VKQ16(i) ((uint16_t *)(scratch + (i) * row + hd))
@@ -345,6 +384,7 @@ static void hi_attn_fa_run(const hi_attn *a, int64_t t, int64_t h0, int64_t m, i
         if (vt == HI_T_F16) memset(HI_FA_VKQ16(i), 0, sizeof(uint16_t) * (size_t)hd);
         else memset(HI_FA_VKQ(i), 0, sizeof(float) * (size_t)hd);
     }
+    if (kt == HI_T_Q8_0 || kt == HI_T_Q4_0) hi_fa_dyt(HI_FA_DY(0), row, m, nb, dyt);
     const uint8_t *kb = (const uint8_t *)a->k + g * kh, *vb = (const uint8_t *)a->v + g * vh;
     for (int64_t s = s0; s < s1; s++) {
         const uint8_t *ks = kb + s * a->k_bytes, *vs_row = vb + s * a->v_bytes;
@@ -358,7 +398,8 @@ static void hi_attn_fa_run(const hi_attn *a, int64_t t, int64_t h0, int64_t m, i
             vf = v32;
         }
         if (hi_is_lm(kt)) hi_fa_v_float(kt, ks, k32, hd); /* no integer dot for Lloyd-Max codes: K in float */
-        hi_fa_dots(kt, ks, k32, a->q + t * a->q_row + h0 * hd, HI_FA_QV(0), HI_FA_CORR(0), HI_FA_DY(0), row, m, hd, xs);
+        hi_fa_dots(kt, ks, k32, a->q + t * a->q_row + h0 * hd, HI_FA_QV(0), HI_FA_CORR(0), HI_FA_DY(0), dyt, row, m, hd,
+                   xs);
         for (int64_t i = 0; i < m; i++) {
             float x = xs[i] * a->scale;
             x += 0.0f;

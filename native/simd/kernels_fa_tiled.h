@@ -8,7 +8,8 @@
  * split decode, not its one pass, already): tiles of HI_FA_TILE positions, every score of a tile first (each K row
  * converted or dotted once for the m rows), then per row one rescale by the tile's maximum, the tile's exps in
  * vectors, and VKQ += sum_s p[s] V[s] over the tile with the accumulators a vector register block at a time (V
- * converted to float once a tile for the m rows); VKQ in float for every V type. Writes each row's partial
+ * converted to float once a tile for the m rows, HI_FA_SLAB values of its rows at a time); VKQ in float for every V
+ * type. Writes each row's partial
  * (M, S, VKQ). The operations depend only on the unit's ISA, the tile and the rows' values. */
 
 /* p[0..n) <- expf(p - M) (a vector at a time where the unit has ggml's vector exp); returns their sum in order */
@@ -29,21 +30,21 @@ HI_INLINE float hi_fa_exps(float *p, int64_t n, float M) {
     return sum;
 }
 
-/* acc[0..hd) = acc * ms + sum_j p[j ps] v[j] over a tile's n V rows (row j at v + j * hd), a block of accumulators held
- * in registers while the rows go by (hd a multiple of 32) */
-HI_INLINE void hi_fa_tile_pv(float *acc, float ms, const float *p, int64_t ps, const float *v, int64_t n,
-                             int64_t hd) {
+/* acc[0..w) = acc * ms + sum_j p[j ps] v[j] over a tile's n V rows (row j at v + j * vs floats), a block of
+ * accumulators held in registers while the rows go by (w a multiple of 32) */
+HI_INLINE void hi_fa_tile_pv(float *acc, float ms, const float *p, int64_t ps, const float *v, int64_t vs, int64_t n,
+                             int64_t w) {
 #if defined(HI_VNNI)
-    for (int64_t e0 = 0; e0 < hd; e0 += 64) {
+    for (int64_t e0 = 0; e0 < w; e0 += 64) {
         const __m512 m = _mm512_set1_ps(ms);
         __m512 r0 = _mm512_mul_ps(_mm512_loadu_ps(acc + e0), m), r1 = _mm512_mul_ps(_mm512_loadu_ps(acc + e0 + 16), m);
         __m512 r2, r3;
-        const int wide = e0 + 64 <= hd;
+        const int wide = e0 + 64 <= w;
         r2 = wide ? _mm512_mul_ps(_mm512_loadu_ps(acc + e0 + 32), m) : _mm512_setzero_ps();
         r3 = wide ? _mm512_mul_ps(_mm512_loadu_ps(acc + e0 + 48), m) : _mm512_setzero_ps();
         for (int64_t j = 0; j < n; j++) {
             const __m512 pj = _mm512_set1_ps(p[j * ps]);
-            const float *vj = v + j * hd + e0;
+            const float *vj = v + j * vs + e0;
             r0 = _mm512_fmadd_ps(_mm512_loadu_ps(vj), pj, r0);
             r1 = _mm512_fmadd_ps(_mm512_loadu_ps(vj + 16), pj, r1);
             if (wide) {
@@ -59,13 +60,13 @@ HI_INLINE void hi_fa_tile_pv(float *acc, float ms, const float *p, int64_t ps, c
         }
     }
 #elif defined(HI_AVX2)
-    for (int64_t e0 = 0; e0 < hd; e0 += 32) {
+    for (int64_t e0 = 0; e0 < w; e0 += 32) {
         const __m256 m = _mm256_set1_ps(ms);
         __m256 r0 = _mm256_mul_ps(_mm256_loadu_ps(acc + e0), m), r1 = _mm256_mul_ps(_mm256_loadu_ps(acc + e0 + 8), m);
         __m256 r2 = _mm256_mul_ps(_mm256_loadu_ps(acc + e0 + 16), m), r3 = _mm256_mul_ps(_mm256_loadu_ps(acc + e0 + 24), m);
         for (int64_t j = 0; j < n; j++) {
             const __m256 pj = _mm256_set1_ps(p[j * ps]);
-            const float *vj = v + j * hd + e0;
+            const float *vj = v + j * vs + e0;
             r0 = _mm256_fmadd_ps(_mm256_loadu_ps(vj), pj, r0);
             r1 = _mm256_fmadd_ps(_mm256_loadu_ps(vj + 8), pj, r1);
             r2 = _mm256_fmadd_ps(_mm256_loadu_ps(vj + 16), pj, r2);
@@ -77,11 +78,11 @@ HI_INLINE void hi_fa_tile_pv(float *acc, float ms, const float *p, int64_t ps, c
         _mm256_storeu_ps(acc + e0 + 24, r3);
     }
 #else
-    for (int64_t e0 = 0; e0 < hd; e0 += 32) {
+    for (int64_t e0 = 0; e0 < w; e0 += 32) {
         float r[32];
         for (int e = 0; e < 32; e++) r[e] = acc[e0 + e] * ms;
         for (int64_t j = 0; j < n; j++)
-            for (int e = 0; e < 32; e++) r[e] = r[e] + v[j * hd + e0 + e] * p[j * ps];
+            for (int e = 0; e < 32; e++) r[e] = r[e] + v[j * vs + e0 + e] * p[j * ps];
         for (int e = 0; e < 32; e++) acc[e0 + e] = r[e];
     }
 #endif
@@ -92,10 +93,10 @@ HI_INLINE void hi_fa_tile_pv(float *acc, float ms, const float *p, int64_t ps, c
 /* hi_fa_tile_pv of four rows at once (row r's acc at acc + r * rs floats, its p of position j at p[8 j + r]): each
  * V vector loaded once for the four rows, a block of 16 values (32 on the AVX-512 unit) of each row held in
  * registers; every value takes the same operations in the same order as in hi_fa_tile_pv */
-HI_INLINE void hi_fa_tile_pv4(float *acc, int64_t rs, const float *ms, const float *p, const float *v, int64_t n,
-                              int64_t hd) {
+HI_INLINE void hi_fa_tile_pv4(float *acc, int64_t rs, const float *ms, const float *p, const float *v, int64_t vs,
+                              int64_t n, int64_t w) {
 #if defined(HI_VNNI)
-    for (int64_t e0 = 0; e0 < hd; e0 += 32) {
+    for (int64_t e0 = 0; e0 < w; e0 += 32) {
         __m512 r[4][2];
         for (int h = 0; h < 4; h++) {
             const __m512 m = _mm512_set1_ps(ms[h]);
@@ -103,7 +104,7 @@ HI_INLINE void hi_fa_tile_pv4(float *acc, int64_t rs, const float *ms, const flo
             r[h][1] = _mm512_mul_ps(_mm512_loadu_ps(acc + h * rs + e0 + 16), m);
         }
         for (int64_t j = 0; j < n; j++) {
-            const __m512 v0 = _mm512_loadu_ps(v + j * hd + e0), v1 = _mm512_loadu_ps(v + j * hd + e0 + 16);
+            const __m512 v0 = _mm512_loadu_ps(v + j * vs + e0), v1 = _mm512_loadu_ps(v + j * vs + e0 + 16);
             for (int h = 0; h < 4; h++) {
                 const __m512 pj = _mm512_set1_ps(p[8 * j + h]);
                 r[h][0] = _mm512_fmadd_ps(v0, pj, r[h][0]);
@@ -116,7 +117,7 @@ HI_INLINE void hi_fa_tile_pv4(float *acc, int64_t rs, const float *ms, const flo
         }
     }
 #else
-    for (int64_t e0 = 0; e0 < hd; e0 += 16) {
+    for (int64_t e0 = 0; e0 < w; e0 += 16) {
         __m256 r[4][2];
         for (int h = 0; h < 4; h++) {
             const __m256 m = _mm256_set1_ps(ms[h]);
@@ -124,7 +125,7 @@ HI_INLINE void hi_fa_tile_pv4(float *acc, int64_t rs, const float *ms, const flo
             r[h][1] = _mm256_mul_ps(_mm256_loadu_ps(acc + h * rs + e0 + 8), m);
         }
         for (int64_t j = 0; j < n; j++) {
-            const __m256 v0 = _mm256_loadu_ps(v + j * hd + e0), v1 = _mm256_loadu_ps(v + j * hd + e0 + 8);
+            const __m256 v0 = _mm256_loadu_ps(v + j * vs + e0), v1 = _mm256_loadu_ps(v + j * vs + e0 + 8);
             for (int h = 0; h < 4; h++) {
                 const __m256 pj = _mm256_broadcast_ss(p + 8 * j + h);
                 r[h][0] = _mm256_fmadd_ps(v0, pj, r[h][0]);
@@ -190,12 +191,24 @@ HI_INLINE void hi_fa_tile_softmax8(float *sc, int64_t n, float *M, float *S, flo
 #endif
 }
 
+/* bytes of a V row of type vt before its value e0 (a multiple of 32: a block boundary of every type) */
+HI_INLINE int64_t hi_fa_v_off(const int vt, int64_t e0) {
+    switch (vt) {
+    case HI_T_F32: return 4 * e0;
+    case HI_T_F16: return 2 * e0;
+    case HI_T_Q8_0: return e0 / 32 * 34;
+    case HI_T_LM3: return e0 / 32 * HI_LM3_BYTES;
+    default: return e0 / 32 * 18; /* q4_0, lm4 */
+    }
+}
+
 static void hi_attn_fa_tiled(const hi_attn *a, int64_t t, int64_t h0, int64_t m, int64_t s0, int64_t s1,
                              float *scratch, float *part, int64_t part_row) {
     const int64_t hd = a->hd, G = a->H / a->Hkv, nb = hd / 32, g = h0 / G, row = 3 * hd + 8, m8 = (m + 7) / 8 * 8;
     const int kt = a->k_type, vt = a->v_type;
     const int64_t kh = a->k_bytes / a->Hkv, vh = a->v_bytes / a->Hkv;
-    float *sct = scratch + m * row, *vtile = sct + m8 * HI_FA_TILE, *k32 = vtile + HI_FA_TILE * hd;
+    float *sct = scratch + m * row, *vtile = sct + m8 * HI_FA_TILE, *k32 = vtile + HI_FA_TILE * HI_FA_SLAB;
+    float *dyt = k32 + hd;
     float M[HI_FA_MAXG], S[HI_FA_MAXG], ms[HI_FA_MAXG], xs[HI_FA_MAXG];
     /* per row: acc [hd] | qv [hd] | dy [nb] | corr [hd / 4]; then the tile's scores of 8 rows at a time, the 8 rows'
      * scores of a position together (the softmax steps go across rows in vectors) */
@@ -213,6 +226,7 @@ static void hi_attn_fa_tiled(const hi_attn *a, int64_t t, int64_t h0, int64_t m,
         }
     }
     memset(sct, 0, sizeof(float) * (size_t)(m8 * HI_FA_TILE));
+    if (kt == HI_T_Q8_0 || kt == HI_T_Q4_0) hi_fa_dyt(HI_T_DY(0), row, m, nb, dyt);
     const uint8_t *kb = (const uint8_t *)a->k + g * kh, *vb = (const uint8_t *)a->v + g * vh;
     for (int64_t p0 = s0; p0 < s1; p0 += HI_FA_TILE) {
         const int64_t n = s1 - p0 < HI_FA_TILE ? s1 - p0 : HI_FA_TILE;
@@ -223,17 +237,28 @@ static void hi_attn_fa_tiled(const hi_attn *a, int64_t t, int64_t h0, int64_t m,
                 hi_fa_prefetch(vb + (p0 + j + HI_FA_PF) * a->v_bytes, vh);
             }
             if (hi_is_lm(kt)) hi_fa_v_float(kt, ks, k32, hd);
-            hi_fa_dots(kt, ks, k32, a->q + t * a->q_row + h0 * hd, HI_T_QV(0), HI_T_CORR(0), HI_T_DY(0), row, m, hd,
-                       xs);
+            hi_fa_dots(kt, ks, k32, a->q + t * a->q_row + h0 * hd, HI_T_QV(0), HI_T_CORR(0), HI_T_DY(0), dyt, row, m,
+                       hd, xs);
             for (int64_t i = 0; i < m; i++) HI_T_SC(i)[8 * j] = xs[i] * a->scale;
-            hi_fa_v_float(vt, vb + (p0 + j) * a->v_bytes, vtile + j * hd, hd);
         }
         for (int64_t i = 0; i < m; i += 8) hi_fa_tile_softmax8(HI_T_SC(i), n, M + i, S + i, ms + i);
-        int64_t i = 0;
+        for (int64_t e0 = 0; e0 < hd; e0 += HI_FA_SLAB) {
+            const float *vf = vtile;
+            int64_t vs = HI_FA_SLAB;
+            if (vt == HI_T_F32) { /* read in place */
+                vf = (const float *)(vb + p0 * a->v_bytes) + e0;
+                vs = a->v_bytes / 4;
+            } else {
+                for (int64_t j = 0; j < n; j++)
+                    hi_fa_v_float(vt, vb + (p0 + j) * a->v_bytes + hi_fa_v_off(vt, e0), vtile + j * HI_FA_SLAB,
+                                  HI_FA_SLAB);
+            }
+            int64_t i = 0;
 #if defined(HI_AVX2)
-        for (; i + 4 <= m; i += 4) hi_fa_tile_pv4(HI_T_ACC(i), row, ms + i, HI_T_SC(i), vtile, n, hd);
+            for (; i + 4 <= m; i += 4) hi_fa_tile_pv4(HI_T_ACC(i) + e0, row, ms + i, HI_T_SC(i), vf, vs, n, HI_FA_SLAB);
 #endif
-        for (; i < m; i++) hi_fa_tile_pv(HI_T_ACC(i), ms[i], HI_T_SC(i), 8, vtile, n, hd);
+            for (; i < m; i++) hi_fa_tile_pv(HI_T_ACC(i) + e0, ms[i], HI_T_SC(i), 8, vf, vs, n, HI_FA_SLAB);
+        }
     }
     for (int64_t i = 0; i < m; i++) {
         float *pr = part + i * part_row;
