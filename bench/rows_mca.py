@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -23,7 +22,7 @@ import tempfile
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(_HERE, "..", "native", "simd"))
 sys.path.insert(0, _HERE)
-from ssse3_mca import main_loop  # noqa: E402
+from ssse3_mca import find_mca, main_loop, tool_args  # noqa: E402
 
 from build import COMPILE_ARGS  # noqa: E402
 
@@ -56,13 +55,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--avx2-cpu", default="znver3")
     ap.add_argument("--vnni-cpu", default="icelake-server")
-    ap.add_argument("--src", default=os.path.join(_HERE, "..", "native", "simd"))
-    ap.add_argument("--llvm-mca", default="llvm-mca")
-    ap.add_argument("--cc", default=os.environ.get("CC", "gcc"))
+    tool_args(ap)
     a = ap.parse_args(argv)
-    mca = shutil.which(a.llvm_mca)
+    mca = find_mca(a)
     if not mca:
-        print(f"{a.llvm_mca} not found (apt-get install llvm)", file=sys.stderr)
         return 2
     print("| unit (-mcpu) | type | tokens | cycles / block | x one token |\n|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as d:

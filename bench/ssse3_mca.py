@@ -56,16 +56,27 @@ def main_loop(asm: str, name: str) -> list[str]:
     return [x for x in lines[best[0] + 1:best[1] + 1] if not x.strip().startswith(".")]  # no labels, directives
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--cpu", default="icelake-server", help="llvm-mca's -mcpu")
+def tool_args(ap: argparse.ArgumentParser) -> None:
+    """The flags both llvm-mca benches take: the kernels' source, llvm-mca and the C compiler."""
     ap.add_argument("--src", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "native", "simd"))
     ap.add_argument("--llvm-mca", default="llvm-mca")
     ap.add_argument("--cc", default=os.environ.get("CC", "gcc"))
-    a = ap.parse_args(argv)
+
+
+def find_mca(a) -> str | None:
     mca = shutil.which(a.llvm_mca)
     if not mca:
         print(f"{a.llvm_mca} not found (apt-get install llvm)", file=sys.stderr)
+    return mca
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cpu", default="icelake-server", help="llvm-mca's -mcpu")
+    tool_args(ap)
+    a = ap.parse_args(argv)
+    mca = find_mca(a)
+    if not mca:
         return 2
     with tempfile.TemporaryDirectory() as d:
         c, s = os.path.join(d, "h.c"), os.path.join(d, "h.s")
