@@ -22,9 +22,8 @@ import tempfile
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(_HERE, "..", "native", "simd"))
 sys.path.insert(0, _HERE)
-from ssse3_mca import find_mca, main_loop, tool_args  # noqa: E402
-
 from build import COMPILE_ARGS  # noqa: E402
+from ssse3_mca import find_mca, main_loop, tool_args  # noqa: E402
 
 # (label, weight block bytes, tokens, call: n blocks of row w against group kg into os, or one token's y)
 KERNELS = [
