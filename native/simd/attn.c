@@ -1,4 +1,4 @@
-/* hi_attention (with hi_swiglu, which shares its exp, and hi_rope): causal attention over an F32 K/V cache on the context's thread pool. The arithmetic is the ISA
+/* hi_attention: causal attention over an F32 K/V cache on the context's thread pool. The arithmetic is the ISA
  * table's `attn` (kernels_attn.h: llama.cpp's float operations); this file only splits the (token, head)
  * query rows into contiguous ranges, one per pool chunk, each with its own slice of the caller's scratch.
  * Every row is computed by one thread in a fixed order, so the result does not depend on the thread count.
@@ -273,100 +273,6 @@ int hi_attention(hi_ctx *c, const float *q, int64_t q_row, int64_t T, int64_t H,
     return attn_go(c, &j, scratch, scratch_len, n * T * H * hd < HI_ATTN_INLINE_MACS);
 }
 
-typedef struct {
-    const hi_kernels *k;
-    const float *g, *u;
-    float *out;
-    int64_t g_row, u_row, out_row;
-} swiglu_job;
-
-static void swiglu_seg(void *arg, int64_t t, int64_t e0, int64_t e1) {
-    const swiglu_job *j = (const swiglu_job *)arg;
-    j->k->swiglu(j->g + t * j->g_row + e0, j->u + t * j->u_row + e0, j->out + t * j->out_row + e0, e1 - e0);
-}
-
-/* segments of HI_SWIGLU_SEG values on the pool: a multiple of every unit's vector width, so each value takes the
- * vector or the scalar tail path it takes in a whole row (the same bits) */
-#define HI_SWIGLU_SEG 512
-
-int hi_swiglu(hi_ctx *c, const float *g, int64_t g_row, const float *u, int64_t u_row, float *out, int64_t out_row,
-              int64_t T, int64_t n) {
-    if (!c || !g || !u || !out || T < 1 || n < 1 || g_row < n || u_row < n || out_row < n) return -2;
-    swiglu_job j = {hi_ctx_kernels(c), g, u, out, g_row, u_row, out_row};
-    hi_ctx_run_rows(c, swiglu_seg, &j, T, n, HI_SWIGLU_SEG);
-    return 0;
-}
-
-/* ggml's rope (ggml_rope_cache_init + rotate_pairs, no YaRN scaling): theta_scale = powf(base, -2/n_rot);
- * theta starts at (float)pos and is multiplied by theta_scale once per pair; cosf / sinf of theta / ff; the
- * rotation as the llama.cpp build compiles x0 * c - x1 * s and x0 * s + x1 * c: contracted where it has FMA (the
- * AVX2 and AVX-512 units: x0' = fmaf(x0, c, -(x1 * s)), x1' = fmaf(x0, s, x1 * c)), two products and a sum
- * below AVX2 (ggml built for SSE4.2 or baseline x86-64 has no FMA). */
-#define HI_ROPE_MAX_PAIRS 1024
-
-/* mrope (NULL: plain positions): n_rot/2 stream indexes (0..3, models/mrope.imrope_streams: which of a row's four
- * positions each pair takes, llama.cpp's IMROPE sectors), then 4 positions per row. As ggml_mrope_cache_init, each
- * stream's theta starts at its position and all four are multiplied by theta_scale once per pair, so a row whose
- * four positions are equal gets the plain rope's bits. Otherwise row t is at pos0 + t + shift. */
-static int rope_rows(hi_ctx *c, float *x, int64_t T, int64_t H, int64_t hd, int64_t pos0, int64_t shift,
-                     const int32_t *mrope, int64_t n_rot, float theta_base, int neox, const float *freq_factors) {
-    if (!c || !x || T < 1 || H < 1 || hd < 1 || n_rot < 2 || n_rot > hd || n_rot % 2 || n_rot / 2 > HI_ROPE_MAX_PAIRS)
-        return -2;
-    const int64_t half = n_rot / 2;
-    const int fused = hi_ctx_kernels(c)->isa >= HI_ISA_AVX2;
-    const float theta_scale = powf(theta_base, -2.0f / (float)n_rot);
-    float cs[HI_ROPE_MAX_PAIRS], sn[HI_ROPE_MAX_PAIRS];
-    if (mrope)
-        for (int64_t i = 0; i < half; i++)
-            if (mrope[i] < 0 || mrope[i] > 3) return -2;
-    for (int64_t t = 0; t < T; t++) {
-        if (mrope) {
-            const int32_t *p = mrope + half + 4 * t;
-            float th[4] = {(float)p[0], (float)p[1], (float)p[2], (float)p[3]};
-            for (int64_t i = 0; i < half; i++) {
-                const float theta = th[mrope[i]];
-                const float tf = freq_factors ? theta / freq_factors[i] : theta;
-                cs[i] = cosf(tf);
-                sn[i] = sinf(tf);
-                for (int s = 0; s < 4; s++) th[s] *= theta_scale;
-            }
-        } else {
-            float theta = (float)(pos0 + t + shift);
-            for (int64_t i = 0; i < half; i++) {
-                const float th = freq_factors ? theta / freq_factors[i] : theta;
-                cs[i] = cosf(th);
-                sn[i] = sinf(th);
-                theta *= theta_scale;
-            }
-        }
-        for (int64_t h = 0; h < H; h++) {
-            float *r = x + (t * H + h) * hd;
-            for (int64_t i = 0; i < half; i++) {
-                const int64_t i0 = neox ? i : 2 * i, i1 = neox ? i + half : 2 * i + 1;
-                const float x0 = r[i0], x1 = r[i1];
-                if (fused) {
-                    r[i0] = fmaf(x0, cs[i], -(x1 * sn[i]));
-                    r[i1] = fmaf(x0, sn[i], x1 * cs[i]);
-                } else {
-                    r[i0] = x0 * cs[i] - x1 * sn[i];
-                    r[i1] = x0 * sn[i] + x1 * cs[i];
-                }
-            }
-        }
-    }
-    return 0;
-}
-
-int hi_rope(hi_ctx *c, float *x, int64_t T, int64_t H, int64_t hd, int64_t pos0, int64_t n_rot, float theta_base,
-            int neox, const float *freq_factors) {
-    return rope_rows(c, x, T, H, hd, pos0, 0, NULL, n_rot, theta_base, neox, freq_factors);
-}
-
-int hi_rope_multi(hi_ctx *c, float *x, int64_t T, int64_t H, int64_t hd, int64_t pos0, int64_t shift,
-                  const int32_t *mrope, int64_t n_rot, float theta_base, int neox, const float *freq_factors) {
-    return rope_rows(c, x, T, H, hd, pos0, shift, mrope, n_rot, theta_base, neox, freq_factors);
-}
-
 /* ggml's Walsh-Hadamard rotation (ggml_compute_forward_fwht, what llama.cpp's MUL_MAT with a Hadamard hint runs) of
  * each n-value chunk of x[0..len) in place, n a power of two: every value times 1 / sqrtf(n), then the butterflies
  * (u, v) -> (u + v, u - v) for spans 1, 2, 4, ..; each a single rounding, so its vector passes give these bits */
@@ -436,19 +342,19 @@ static int attn_store_rope(hi_ctx *c, float *q, int64_t q_row, int64_t T, int64_
                            const int32_t *mrope) {
     const int64_t kv = Hkv * hd, kb = kv_row_bytes(k_type, Hkv, hd), vb = kv_row_bytes(v_type, Hkv, hd);
     const hi_kernels *kt = hi_ctx_kernels(c);
-    int rc = rope_rows(c, q, T, H, hd, pos0, shift, mrope, n_rot, theta_base, neox, freq_factors);
+    int rc = hi_rope_rows(c, q, T, H, hd, pos0, shift, mrope, n_rot, theta_base, neox, freq_factors);
     if (rc) return rc;
     if (rot_k)
         for (int64_t t = 0; t < T; t++) kv_fwht(q + t * q_row, H * hd, rot_k);
     if (k_type == HI_T_F32 && !rot_k) { /* roped in place in the cache */
         for (int64_t t = 0; t < T; t++) memcpy(k_cache + (pos0 + t) * kb, k_new + t * kv_new_row, (size_t)kb);
-        rc = rope_rows(c, (float *)(k_cache + pos0 * kb), T, Hkv, hd, pos0, shift, mrope, n_rot, theta_base, neox,
+        rc = hi_rope_rows(c, (float *)(k_cache + pos0 * kb), T, Hkv, hd, pos0, shift, mrope, n_rot, theta_base, neox,
                        freq_factors);
     } else {
         float *tmp = (float *)malloc(sizeof(float) * (size_t)(T * kv));
         if (!tmp) return -1;
         for (int64_t t = 0; t < T; t++) memcpy(tmp + t * kv, k_new + t * kv_new_row, sizeof(float) * (size_t)kv);
-        rc = rope_rows(c, tmp, T, Hkv, hd, pos0, shift, mrope, n_rot, theta_base, neox, freq_factors);
+        rc = hi_rope_rows(c, tmp, T, Hkv, hd, pos0, shift, mrope, n_rot, theta_base, neox, freq_factors);
         if (rot_k) kv_fwht(tmp, T * kv, rot_k);
         for (int64_t t = 0; !rc && t < T; t++) kv_store_row(kt, k_type, tmp + t * kv, kv, k_cache + (pos0 + t) * kb);
         free(tmp);

@@ -24,7 +24,7 @@ from cffi import FFI
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _SOURCES = [
     "hi_simd.c", "hi_ctx.c", "hi_cpu.c", "hi_pool.c", "isa_scalar.c", "isa_ssse3.c", "isa_avx2.c", "isa_avx512vnni.c",
-    "gdn.c", "attn.c", "ops.c", "replay.c", "probe.c", "moe_rows.c", "replica.c",
+    "gdn.c", "attn.c", "rowops.c", "ops.c", "replay.c", "probe.c", "moe_rows.c", "replica.c",
 ]
 _HEADERS = [
     "hi_simd.h", "hi_ctx.h", "hi_internal.h", "hi_pool.h", "hi_replica.h", "blocks.h",

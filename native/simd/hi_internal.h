@@ -183,6 +183,10 @@ struct hi_reps **hi_ctx_reps(struct hi_ctx *c);
  * than 2 * seg values in all or the pool has one thread */
 void hi_ctx_run_rows(struct hi_ctx *c, void (*fn)(void *arg, int64_t t, int64_t e0, int64_t e1), void *arg,
                      int64_t T, int64_t n, int64_t seg);
+/* ggml's rope over T rows of H heads (rowops.c; hi_rope and hi_rope_multi, and attention's q and new K rows):
+ * mrope NULL for plain positions, row t at pos0 + t + shift */
+int hi_rope_rows(struct hi_ctx *c, float *x, int64_t T, int64_t H, int64_t hd, int64_t pos0, int64_t shift,
+                 const int32_t *mrope, int64_t n_rot, float theta_base, int neox, const float *freq_factors);
 
 /* round to nearest, ties to even, for |v| < 2^22 (ggml's nearest_int) */
 static inline int hi_nearest_int(float v) {

@@ -1,0 +1,103 @@
+/* hi_swiglu and hi_rope: row ops on the context's thread pool (hi_rope_rows also ropes attention's q and new K
+ * rows, attn.c). Split from attn.c, whose attention they stand beside in a layer. */
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "hi_internal.h"
+#include "hi_simd.h"
+
+typedef struct {
+    const hi_kernels *k;
+    const float *g, *u;
+    float *out;
+    int64_t g_row, u_row, out_row;
+} swiglu_job;
+
+static void swiglu_seg(void *arg, int64_t t, int64_t e0, int64_t e1) {
+    const swiglu_job *j = (const swiglu_job *)arg;
+    j->k->swiglu(j->g + t * j->g_row + e0, j->u + t * j->u_row + e0, j->out + t * j->out_row + e0, e1 - e0);
+}
+
+/* segments of HI_SWIGLU_SEG values on the pool: a multiple of every unit's vector width, so each value takes the
+ * vector or the scalar tail path it takes in a whole row (the same bits) */
+#define HI_SWIGLU_SEG 512
+
+int hi_swiglu(hi_ctx *c, const float *g, int64_t g_row, const float *u, int64_t u_row, float *out, int64_t out_row,
+              int64_t T, int64_t n) {
+    if (!c || !g || !u || !out || T < 1 || n < 1 || g_row < n || u_row < n || out_row < n) return -2;
+    swiglu_job j = {hi_ctx_kernels(c), g, u, out, g_row, u_row, out_row};
+    hi_ctx_run_rows(c, swiglu_seg, &j, T, n, HI_SWIGLU_SEG);
+    return 0;
+}
+
+/* ggml's rope (ggml_rope_cache_init + rotate_pairs, no YaRN scaling): theta_scale = powf(base, -2/n_rot);
+ * theta starts at (float)pos and is multiplied by theta_scale once per pair; cosf / sinf of theta / ff; the
+ * rotation as the llama.cpp build compiles x0 * c - x1 * s and x0 * s + x1 * c: contracted where it has FMA (the
+ * AVX2 and AVX-512 units: x0' = fmaf(x0, c, -(x1 * s)), x1' = fmaf(x0, s, x1 * c)), two products and a sum
+ * below AVX2 (ggml built for SSE4.2 or baseline x86-64 has no FMA). */
+#define HI_ROPE_MAX_PAIRS 1024
+
+/* mrope (NULL: plain positions): n_rot/2 stream indexes (0..3, models/mrope.imrope_streams: which of a row's four
+ * positions each pair takes, llama.cpp's IMROPE sectors), then 4 positions per row. As ggml_mrope_cache_init, each
+ * stream's theta starts at its position and all four are multiplied by theta_scale once per pair, so a row whose
+ * four positions are equal gets the plain rope's bits. Otherwise row t is at pos0 + t + shift. */
+int hi_rope_rows(hi_ctx *c, float *x, int64_t T, int64_t H, int64_t hd, int64_t pos0, int64_t shift,
+                 const int32_t *mrope, int64_t n_rot, float theta_base, int neox, const float *freq_factors) {
+    if (!c || !x || T < 1 || H < 1 || hd < 1 || n_rot < 2 || n_rot > hd || n_rot % 2 || n_rot / 2 > HI_ROPE_MAX_PAIRS)
+        return -2;
+    const int64_t half = n_rot / 2;
+    const int fused = hi_ctx_kernels(c)->isa >= HI_ISA_AVX2;
+    const float theta_scale = powf(theta_base, -2.0f / (float)n_rot);
+    float cs[HI_ROPE_MAX_PAIRS], sn[HI_ROPE_MAX_PAIRS];
+    if (mrope)
+        for (int64_t i = 0; i < half; i++)
+            if (mrope[i] < 0 || mrope[i] > 3) return -2;
+    for (int64_t t = 0; t < T; t++) {
+        if (mrope) {
+            const int32_t *p = mrope + half + 4 * t;
+            float th[4] = {(float)p[0], (float)p[1], (float)p[2], (float)p[3]};
+            for (int64_t i = 0; i < half; i++) {
+                const float theta = th[mrope[i]];
+                const float tf = freq_factors ? theta / freq_factors[i] : theta;
+                cs[i] = cosf(tf);
+                sn[i] = sinf(tf);
+                for (int s = 0; s < 4; s++) th[s] *= theta_scale;
+            }
+        } else {
+            float theta = (float)(pos0 + t + shift);
+            for (int64_t i = 0; i < half; i++) {
+                const float th = freq_factors ? theta / freq_factors[i] : theta;
+                cs[i] = cosf(th);
+                sn[i] = sinf(th);
+                theta *= theta_scale;
+            }
+        }
+        for (int64_t h = 0; h < H; h++) {
+            float *r = x + (t * H + h) * hd;
+            for (int64_t i = 0; i < half; i++) {
+                const int64_t i0 = neox ? i : 2 * i, i1 = neox ? i + half : 2 * i + 1;
+                const float x0 = r[i0], x1 = r[i1];
+                if (fused) {
+                    r[i0] = fmaf(x0, cs[i], -(x1 * sn[i]));
+                    r[i1] = fmaf(x0, sn[i], x1 * cs[i]);
+                } else {
+                    r[i0] = x0 * cs[i] - x1 * sn[i];
+                    r[i1] = x0 * sn[i] + x1 * cs[i];
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+int hi_rope(hi_ctx *c, float *x, int64_t T, int64_t H, int64_t hd, int64_t pos0, int64_t n_rot, float theta_base,
+            int neox, const float *freq_factors) {
+    return hi_rope_rows(c, x, T, H, hd, pos0, 0, NULL, n_rot, theta_base, neox, freq_factors);
+}
+
+int hi_rope_multi(hi_ctx *c, float *x, int64_t T, int64_t H, int64_t hd, int64_t pos0, int64_t shift,
+                  const int32_t *mrope, int64_t n_rot, float theta_base, int neox, const float *freq_factors) {
+    return hi_rope_rows(c, x, T, H, hd, pos0, shift, mrope, n_rot, theta_base, neox, freq_factors);
+}
