@@ -298,3 +298,16 @@ def test_plan_of_a_dense_model_has_no_expert_split(capsys):
                  "128"]) == 0
     out = capsys.readouterr().out
     assert "split mode layer" in out and "split mode (auto): layer" in out and "split mode expert" not in out
+
+
+def test_a_deferred_exchange_is_done_before_its_rows_are_read():
+    from hybridinfer.backends.gpu.expert_gpu import due
+
+    # a layer's last chunk (rows 64..96) stays pending while the next layer's mixer reads rows 0..64
+    assert due(0, 32, [(64, 96)]) == 0 and due(32, 64, [(64, 96)]) == 0
+    assert due(64, 96, [(64, 96)]) == 1 and due(80, 100, [(64, 96)]) == 1
+    # the next chunk of the same branch does not wait for the one before it ...
+    assert due(32, 64, [(0, 32)]) == 0
+    # ... and the exchanges are done in order: one meeting the rows takes those deferred before it along
+    assert due(40, 50, [(0, 32), (32, 64)]) == 2 and due(0, 8, [(0, 32), (32, 64)]) == 1
+    assert due(0, 8, []) == 0

@@ -46,6 +46,12 @@ BARRIER_S = 600.0  # a card waiting this long at the exchange for another has lo
 HOST_SLOTS = 3  # a card's page-locked rows, by call number (CardLink.add_partials, CardLink.settle say why three)
 
 
+def due(r0: int, r1: int, pending: list[tuple[int, int]]) -> int:
+    """How many of the deferred exchanges (their rows, in the order they were deferred) must be done before rows
+    [r0, r1) are read: through the last one whose rows meet them (they are done in order)."""
+    return max((k + 1 for k, (a, b) in enumerate(pending) if a < r1 and r0 < b), default=0)
+
+
 class Exchange:
     """Where the cards' partial sums meet: page-locked host rows a card and slot (call number mod HOST_SLOTS), and
     the barrier of each call."""
@@ -71,11 +77,11 @@ class CardLink:
 
     Deferred (two cards, from the walker's row loop): a chunk's own partial goes down as soon as it is computed,
     and its exchange (barrier, the other's partial up, the sums added into the chunk's hidden rows) is done after
-    the next chunk's work is queued, so the card computes while the host waits; the branch's last chunk's at the
-    end of its rows (`settle`). Buffers by call parity: a chunk's own partial, its gated shared expert, and the
-    other's partial. Host rows by call number mod 3: a card queues its rows of call n + 1 after passing call n - 1's
-    barrier, by when every card has finished reading its rows of call n - 2 (each waits for its upload's copy
-    before it goes on)."""
+    the next chunk's work is queued, so the card computes while the host waits; a branch's last chunk's when the
+    next branch (the next layer's mixer) reaches its rows (`settle`). Buffers by call parity: a chunk's own
+    partial, its gated shared expert, and the other's partial. Host rows by call number mod 3: a card queues its
+    rows of call n + 1 after passing call n - 1's barrier, by when every card has finished reading its rows of
+    call n - 2 (each waits for its upload's copy before it goes on)."""
 
     def __init__(self, ex: Exchange, k: int, m):
         from pycuda import gpuarray
@@ -128,9 +134,10 @@ class CardLink:
             self._up(self.recv[0][:n], ex.host[j][slot][:n])
             ke.add(out, self.recv[0][:n], stream=s)
 
-    def defer(self, part, shared, gate, h) -> None:
+    def defer(self, part, shared, gate, h, rows) -> None:
         """Two cards: part (this card's partial, n rows, in self.part[parity]), shared and gate (its gated shared
-        expert, or None) summed into h once the other's partial is here; the exchange before it done now."""
+        expert, or None) summed into h (the pass's rows [rows[0], rows[1])) once the other's partial is here; the
+        exchange before it done now."""
         p = self.calls % 2
         if shared is not None:
             n = part.shape[0]
@@ -139,12 +146,16 @@ class CardLink:
             shared, gate = self.shared[p][:n], self.gate[p][:n]
         slot, ev = self._down(part)
         self.settle()
-        self.pending.append((slot, ev, p, part, shared, gate, h))
+        self.pending.append((slot, ev, p, part, shared, gate, h, rows))
 
-    def settle(self) -> None:
-        """Every deferred exchange done: its sums queued into its rows."""
+    def settle(self, r0: int | None = None, r1: int | None = None) -> None:
+        """The deferred exchanges done (their sums queued into their rows) up to the last one whose rows meet
+        [r0, r1) (None: all). A branch's last chunk is left pending into the next layer, whose first chunks then
+        queue work for the card while this thread waits at the barrier and on the emulated bus."""
+        n_due = len(self.pending) if r0 is None else due(r0, r1, [e[7] for e in self.pending])
+        todo, self.pending = self.pending[:n_due], self.pending[n_due:]
         s, j = self.m.stream, 1 - self.k
-        for slot, ev, p, part, shared, gate, h in self.pending:
+        for slot, ev, p, part, shared, gate, h, _ in todo:
             n = part.shape[0]
             self._meet(ev)
             done = self._up(self.recv[p][:n], self.ex.host[j][slot][:n], self.up_stream)
@@ -154,7 +165,6 @@ class CardLink:
                 km.shared_add(part, shared, gate, stream=s)
             ke.add(h, part, stream=s)
             done.synchronize()  # the other card's host rows read: it may write them again two calls on
-        self.pending = []
 
     def _up(self, dst, host, stream=None):
         """host rows up into dst on `stream` (default the compute stream), after the emulated bus has carried them;
@@ -190,7 +200,7 @@ class ExpertOps(GPUOps):
             super()._combine(ed, wts, part, None, None)
             if sh is not None:
                 self.m._join()
-            link.defer(part, sh, gl, self.h)
+            link.defer(part, sh, gl, self.h, self.rows)
             return None
         super()._combine(ed, wts, out, None, None)
         link.add_partials(out)
@@ -199,8 +209,8 @@ class ExpertOps(GPUOps):
             km.shared_add(out, sh, gl, stream=self.s)
         return out
 
-    def settle(self) -> None:
-        self.m.link.settle()
+    def settle(self, r0: int | None = None, r1: int | None = None) -> None:
+        self.m.link.settle(r0, r1)
 
 
 class ExpertCard(GPUModel):

@@ -53,9 +53,11 @@ class GPUOps:
         self.pos, self.attn_segs, self.gdn_segs, self.snap_host = None, [], [], []
         self.sections = None
         self.h = None  # the hidden rows the branch's output is added to (the walker's), for ops that add it later
+        self.rows = None  # (first, end) of those rows in the pass
 
-    def settle(self) -> None:
-        """Adds deferred into the hidden rows queued (the walker calls it after each branch's rows): none here."""
+    def settle(self, r0: int | None = None, r1: int | None = None) -> None:
+        """Queue the deferred adds into hidden rows [r0, r1) (None: every row): the walker calls it before a branch
+        reads a chunk's rows and after the last layer. None here."""
 
     def at(self, L, pos, attn_segs: list, gdn_segs: list, snap_host=(), sections=None) -> GPUOps:
         """Layer L's tensors by short name (models/graph.BlockTensors: its streamed matrices and its vectors); pos:

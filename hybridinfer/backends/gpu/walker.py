@@ -214,20 +214,21 @@ def walk(m, items: list[Item], all_logits: bool = False, rows_in=None, rows_out=
                 else:  # row by row: all prompts' rows together, in full chunks
                     m._chunk_no = min(k_chunk, n_chunks - 1) if n_chunks else 0  # expert counts: shared past the end
                     k_chunk += 1
+                ops.settle(r0, r1)  # a deferred sum into these rows (an earlier branch's, or the layer before's)
                 ke.rms_norm(h, L[br.norm], a.rms_eps, out=x, stream=s)
                 m._mark(m._phase(i, br))
-                ops.h = h
+                ops.h, ops.rows = h, (r0, r1)
                 y = br.fn(ops.branch(j), a, x)
-                if y is not None:  # None: the ops add it themselves (expert_gpu's exchange), by settle() below
+                if y is not None:  # None: the ops add it themselves (expert_gpu's exchange), by a later settle()
                     ke.add(h, y, stream=s)
                 m._mark(None)
-            ops.settle()
         used_chunks = max(used_chunks, k_chunk)
         moves.layer_done(i)
         st.release(i)
         moves.drain(i)
         if i in kv_layers:
             kv_down(m.drv, b, i, prompts, s)
+    ops.settle()
     finals = None
     if m.end > a.n_layer:
         finals = _final_rows(m, items) if m.hidden_to is not None else None  # before the heads: both use b.x
