@@ -304,3 +304,40 @@ def test_bench_vision_bad_flags():
     assert main(["bench", "vision"]) == 2  # neither --mmproj nor --synth
     assert main(["bench", "vision", "--synth", "--sizes", "64by64"]) == 2
     assert main(["bench", "vision", "--mmproj", "/nonexistent/mm.gguf"]) == 2
+
+
+def test_bench_vision_against_llama_mtmd_cli(tmp_path, capsys):
+    """--llama-mtmd-cli: the CLI's own encode report is llama.cpp's time, one run a timed encode (here a stand-in
+    executable that checks what it is given and reports a fixed time); a CLI that reports none is an error."""
+    import json
+    import stat
+
+    from md_tables import md_rows
+
+    from hybridinfer.cli import main
+    from hybridinfer.tools.synth_vision import synth_mmproj
+
+    mm = tmp_path / "mm.gguf"
+    synth_mmproj(mm, 64, {"depth": 1, "hidden": 32, "heads": 2, "ff": 64, "pos_side": 8}, dtype="f32")
+    log = tmp_path / "calls.txt"
+    exe = tmp_path / "llama-mtmd-cli"
+    exe.write_text("#!/bin/sh\n"
+                   f'echo "$@" >> {log}\n'
+                   'while [ $# -gt 0 ]; do [ "$1" = --image ] && [ -s "$2" ] && ok=1; shift; done\n'
+                   '[ -n "$ok" ] || exit 3\n'
+                   'echo "encoding image slice..." >&2; echo "image slice encoded in 40 ms" >&2\n')
+    exe.chmod(exe.stat().st_mode | stat.S_IEXEC)
+    assert main(["bench", "vision", "--mmproj", str(mm), "--sizes", "256x256", "-r", "2", "-t", "3",
+                 "--llama-mtmd-cli", str(exe), "--out-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "llama-mtmd-cli's encode time" in out
+    (row,) = md_rows(out, "| size |")
+    assert row[0] == "256x256" and float(row[4]) == 40.0
+    res = json.loads((tmp_path / "vision-mm-t3.json").read_text())
+    assert res["rows"][0]["llama_ms"] == 40.0 and "rel_diff" not in res["rows"][0]
+    calls = log.read_text().splitlines()
+    assert len(calls) == 2 and all(f"--mmproj {mm}" in c and "-t 3" in c for c in calls)
+    exe.write_text("#!/bin/sh\necho 'failed to load' >&2\nexit 1\n")
+    assert main(["bench", "vision", "--mmproj", str(mm), "--sizes", "256x256", "-r", "1",
+                 "--llama-mtmd-cli", str(exe), "--out-dir", str(tmp_path)]) == 2
+    assert "exited 1 without an encode time: failed to load" in capsys.readouterr().err

@@ -243,7 +243,7 @@ def cmd_bench_vision(a) -> int:
             raise ParameterError(f"{flag} {path!r}: no such file")
     isa = None if a.isa in (None, "", "native") else a.isa
     res = vision.run(a.mmproj, a.model, a.threads, sizes, a.reps, isa, not a.no_llama, a.synth_width,
-                     a.synth_depth, a.seed, a.gpu, a.card_profile)
+                     a.synth_depth, a.seed, a.gpu, a.card_profile, a.llama_mtmd_cli)
     print(vision.markdown(res))
     name = ("synth" if a.mmproj is None else _model_stem(a.mmproj)) + ("-gpu" if a.gpu else "")
     _save_bench(a.out_dir, f"vision-{name}-t{a.threads}", json.dumps(res, indent=1), lambda png: vision.plot(res, png))
@@ -420,6 +420,9 @@ def add_bench_parsers(sub) -> None:
     b.add_argument("--sizes", default="448x448,1024x768", help="comma-separated image sizes WxH")
     b.add_argument("-r", "--reps", type=_int_at_least(1), default=3, help="timed encodes of each size (median)")
     b.add_argument("--no-llama", action="store_true", help="skip llama.cpp's libmtmd")
+    b.add_argument("--llama-mtmd-cli", default=None, metavar="EXE",
+                   help="compare with this llama-mtmd-cli's reported encode time (one run a timed encode) instead of "
+                        "llama-cpp-python's libmtmd in this process")
     b.add_argument("--gpu", action="store_true", help="the tower's products on the card (gemm.cu), the rest on the "
                    "host; llama.cpp's mtmd stays on the CPU")
     b.add_argument("--card-profile", default=None, choices=["fermi", "kepler", "maxwell", "pascal"],

@@ -54,12 +54,13 @@ def _median_s(fn, reps: int) -> tuple[float, object]:
 
 def run(mmproj: str | None, text_model: str | None, threads: int, sizes, reps: int = 3, isa: str | None = None,
         llama: bool = True, synth_width: int = 2048, synth_depth: int | None = None, seed: int = 0,
-        gpu: bool = False, card_profile: str | None = None) -> dict:
+        gpu: bool = False, card_profile: str | None = None, mtmd_cli: str | None = None) -> dict:
     """mmproj None: a synthetic Qwen3.5-shaped one (tools/synth_vision) of output width `synth_width` (the text
     model's, when one is given), made in a temporary folder; `synth_depth` overrides its 27 layers. gpu: the
     whole tower on the card (backends/gpu/vision.py) instead of the CPU, compiled and tiled as for `card_profile`
     (None: the card itself); each row then also gives the products' FLOP/s on the card (kernel time between events,
-    the products enqueued back to back with the rest of the tower) and their fraction of its measured FMA peak."""
+    the products enqueued back to back with the rest of the tower) and their fraction of its measured FMA peak.
+    mtmd_cli: llama.cpp's llama-mtmd-cli instead of llama-cpp-python's libmtmd (vision_mtmd.MtmdCli)."""
     from ...backends.cpu.simd import SimdLib
     from ...backends.vision import load_image_encoder
     from ...format.gguf_model import GGUFModel
@@ -90,14 +91,18 @@ def run(mmproj: str | None, text_model: str | None, threads: int, sizes, reps: i
         res = {"mmproj": mmproj if shape is None else "synthetic", "shape": shape, "threads": threads,
                "isa": f"gpu tower ({card_profile or 'the card'})" if gpu else lib.isa, "out_width": enc.n_embd,
                "reps": reps, "rows": [], "fma_peak_tflops": None if peak is None else peak / 1e12}
-        mt = None
+        mt = cli = None
         if llama:
-            from .vision_mtmd import MtmdEncoder
+            from .vision_mtmd import MtmdCli, MtmdEncoder
 
             if text_model is None:
                 text_model = os.path.join(tmp, "text.gguf")
                 synth_text_of_width(text_model, enc.n_embd)
-            mt = MtmdEncoder(mmproj, text_model, n_threads=threads)
+            if mtmd_cli:
+                cli = MtmdCli(mtmd_cli, mmproj, text_model, threads)
+                res["llama"] = "llama-mtmd-cli's encode time (its preprocessing and load left out)"
+            else:
+                mt = MtmdEncoder(mmproj, text_model, n_threads=threads)
         try:
             for w, h in sizes:
                 img = _image(w, h, seed)
@@ -118,6 +123,9 @@ def run(mmproj: str | None, text_model: str | None, threads: int, sizes, reps: i
                     row |= {"llama_ms": ll_s * 1e3, "llama_img_s": 1 / ll_s, "llama_tokens": int(ll.shape[0])}
                     if ll.shape == ours.rows.shape:
                         row["rel_diff"] = float(np.abs(ll - ours.rows).max() / np.abs(ours.rows).max())
+                elif cli is not None:
+                    ll_ms = float(np.median([cli.encode_ms(img, tmp) for _ in range(reps)]))
+                    row |= {"llama_ms": ll_ms, "llama_img_s": 1e3 / ll_ms}
                 res["rows"].append(row)
         finally:
             if mt is not None:
@@ -136,6 +144,8 @@ def markdown(res: dict) -> str:
             + "".join(f"; {n} {p['tflops']:.1f} ({p['seconds'] * 1e3:.0f} ms, tile {tuple(p['tile'])})"
                       for n, p in r.get("products", {}).items())
             for r in res["rows"] if "product_tflops" in r] + [""]
+    if res.get("llama"):
+        lines += [f"llama.cpp: {res['llama']}", ""]
     lines += [
              "| size | tokens | hybridinfer ms | img/s | llama.cpp mtmd ms | img/s | x llama.cpp | rel diff |",
              "|---|---|---|---|---|---|---|---|"]

@@ -11,8 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
+import re
+import subprocess
 
 import numpy as np
+
+from ...errors import ParameterError
 
 
 class _GgmlTensor(ctypes.Structure):
@@ -110,3 +115,34 @@ class MtmdEncoder:
         if self.model:
             self.llama_cpp.llama_model_free(self.model)
             self.model = None
+
+
+class MtmdCli:
+    """llama.cpp's `llama-mtmd-cli` as the comparison where llama-cpp-python is not installed (a build for the
+    host's ISA carried in): one run a timed encode, its own report of the image's encode ("image slice encoded in
+    N ms"), which leaves out its preprocessing and model load while ours includes the preprocessing, so the
+    comparison leans to llama.cpp. No rows come back, so there is no `rel diff`."""
+
+    PATTERN = re.compile(r"slice encoded in (\d+) ms")
+
+    def __init__(self, exe: str, mmproj: str, text_model: str, n_threads: int, timeout: float = 300.0):
+        if not os.access(exe, os.X_OK):
+            raise ParameterError(f"--llama-mtmd-cli {exe!r}: not an executable file")
+        self.exe, self.mmproj, self.text, self.threads, self.timeout = exe, mmproj, text_model, n_threads, timeout
+
+    def encode_ms(self, image, folder: str) -> float:
+        """Milliseconds llama-mtmd-cli reports for encoding `image` (a PIL image), one run."""
+        path = os.path.join(folder, "mtmd-image.png")
+        image.save(path)
+        cmd = [self.exe, "-m", self.text, "--mmproj", self.mmproj, "--image", path, "-p", "x", "-n", "1",
+               "-t", str(self.threads), "--temp", "0", "--chat-template", "chatml", "--no-warmup"]
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=self.timeout)
+        except subprocess.TimeoutExpired:
+            raise ParameterError(f"--llama-mtmd-cli {self.exe!r} took over {self.timeout:.0f} s on {path}") from None
+        got = self.PATTERN.findall(r.stdout + r.stderr)
+        if r.returncode or not got:
+            tail = (r.stderr or r.stdout).strip().splitlines()[-3:]
+            raise ParameterError(f"--llama-mtmd-cli {self.exe!r} exited {r.returncode} without an encode time: "
+                                 f"{' | '.join(tail)}")
+        return float(sum(int(x) for x in got))  # an image cut into slices reports each
