@@ -77,8 +77,9 @@ def main(argv=None) -> None:
         print(f"    default tile {auto}: {flops / s / 1e9:.0f} GFLOP/s")
 
     q = quant.Q4_K
-    w = k_gemm.DeviceWeight.upload(quant.random_blocks(q, N * K // 256, rng), q, (N, K))
-    for t2 in (int(v) for v in a.also_T.split(",") if v):
+    also = [int(v) for v in a.also_T.split(",") if v]
+    w = k_gemm.DeviceWeight.upload(quant.random_blocks(q, N * K // 256, rng), q, (N, K)) if also else None
+    for t2 in also:
         x2 = gpuarray.to_gpu(rng.standard_normal((t2, K), dtype=np.float32))
         o2 = gpuarray.empty((t2, N), np.float32)
         f2 = 2.0 * t2 * N * K

@@ -325,7 +325,7 @@ def test_bench_vision_against_llama_mtmd_cli(tmp_path, capsys):
                    f'echo "$@" >> {log}\n'
                    'while [ $# -gt 0 ]; do [ "$1" = --image ] && [ -s "$2" ] && ok=1; shift; done\n'
                    '[ -n "$ok" ] || exit 3\n'
-                   'echo "encoding image slice..." >&2; echo "image slice encoded in 40 ms" >&2\n')
+                   'echo "encoding mtmd batch, n_chunks = 1" >&2; echo "mtmd batch encoding done in 40 ms" >&2\n')
     exe.chmod(exe.stat().st_mode | stat.S_IEXEC)
     assert main(["bench", "vision", "--mmproj", str(mm), "--sizes", "256x256", "-r", "2", "-t", "3",
                  "--llama-mtmd-cli", str(exe), "--out-dir", str(tmp_path)]) == 0

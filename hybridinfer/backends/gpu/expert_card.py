@@ -258,10 +258,20 @@ def choose(layer_seconds: float, expert_seconds: float) -> str:
     return "expert" if expert_seconds < layer_seconds else "layer"
 
 
+# Exchanges a card keeps deferred (expert_gpu.CardLink.defer): a chunk's sums are needed only when the next layer
+# reads its rows, so up to a layer's chunks wait while the card computes the next ones (at one, a chunk's work
+# of 1,024 rows was shorter than the barrier and the emulated bus of the exchange before it, and the card
+# stalled). Buffer sets by call number mod PENDING + 1, host rows mod PENDING + 2 (CardLink says why).
+PENDING = 3
+LINK_SETS = PENDING + 1
+HOST_SLOTS = PENDING + 2
+
+
 def link_bytes(args, chunk: int) -> int:
-    """Card bytes the exchange takes (expert_gpu.CardLink): by call parity, a chunk of rows each for the other
-    cards' partial sums coming up, this card's own partial and its gated shared expert, and the gate's logits."""
-    return 2 * (3 * 4 * chunk * args.n_embd + 4 * chunk)
+    """Card bytes the exchange takes (expert_gpu.CardLink): LINK_SETS sets, by call number, of a chunk of rows
+    each for the other cards' partial sums coming up, this card's own partial and its gated shared expert, and the
+    gate's logits."""
+    return LINK_SETS * (3 * 4 * chunk * args.n_embd + 4 * chunk)
 
 
 def with_link(s: CardSlot, args, chunk: int) -> CardSlot:

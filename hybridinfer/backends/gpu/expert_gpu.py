@@ -43,9 +43,6 @@ from .walker import Item, walk
 BARRIER_S = 600.0  # a card waiting this long at the exchange for another has lost it
 
 
-HOST_SLOTS = 3  # a card's page-locked rows, by call number (CardLink.add_partials, CardLink.settle say why three)
-
-
 def due(r0: int, r1: int, pending: list[tuple[int, int]]) -> int:
     """How many of the deferred exchanges (their rows, in the order they were deferred) must be done before rows
     [r0, r1) are read: through the last one whose rows meet them (they are done in order)."""
@@ -53,15 +50,15 @@ def due(r0: int, r1: int, pending: list[tuple[int, int]]) -> int:
 
 
 class Exchange:
-    """Where the cards' partial sums meet: page-locked host rows a card and slot (call number mod HOST_SLOTS), and
-    the barrier of each call."""
+    """Where the cards' partial sums meet: page-locked host rows a card and slot (call number mod
+    expert_card.HOST_SLOTS), and the barrier of each call."""
 
     def __init__(self, n_cards: int, rows: int, width: int):
         import pycuda.driver as drv
 
         self.n = n_cards
         self.host = [[drv.pagelocked_empty((rows, width), np.float32, mem_flags=drv.host_alloc_flags.PORTABLE)
-                      for _ in range(HOST_SLOTS)] for _ in range(n_cards)]
+                      for _ in range(expert_card.HOST_SLOTS)] for _ in range(n_cards)]
         self.barrier = threading.Barrier(n_cards)
 
 
@@ -76,20 +73,22 @@ class CardLink:
     other.
 
     Deferred (two cards, from the walker's row loop): a chunk's own partial goes down as soon as it is computed,
-    and its exchange (barrier, the other's partial up, the sums added into the chunk's hidden rows) is done after
-    the next chunk's work is queued, so the card computes while the host waits; a branch's last chunk's when the
-    next branch (the next layer's mixer) reaches its rows (`settle`). Buffers by call parity: a chunk's own
-    partial, its gated shared expert, and the other's partial. Host rows by call number mod 3: a card queues its
-    rows of call n + 1 after passing call n - 1's barrier, by when every card has finished reading its rows of
-    call n - 2 (each waits for its upload's copy before it goes on)."""
+    and its exchange (barrier, the other's partial up, the sums added into the chunk's hidden rows) is done when a
+    branch is about to read its rows (`settle(r0, r1)`: the next layer's mixer) or when more than
+    expert_card.PENDING are deferred, so the card computes later chunks while its thread waits. Buffers (a chunk's
+    own partial, its gated shared expert, the other's partial) by call number mod P + 1 (P = PENDING): call m's are
+    written again at call m + P + 1, queued after call m's adds (by then calls up to m have been settled). Host rows
+    by call number mod P + 2: a card queues its rows of call m after passing call m - P - 1's barrier, by when every
+    card has finished reading its rows of call m - P - 2 (each waits for its upload's copy before it goes on)."""
 
     def __init__(self, ex: Exchange, k: int, m):
         from pycuda import gpuarray
 
         self.ex, self.k, self.m, self.calls, self.bytes = ex, k, m, 0, 0
         C, D = m.chunk, m.args.n_embd
-        self.recv, self.part, self.shared = ([gpuarray.empty((C, D), np.float32) for _ in range(2)] for _ in range(3))
-        self.gate = [gpuarray.empty((C,), np.float32) for _ in range(2)]
+        sets = range(expert_card.LINK_SETS)
+        self.recv, self.part, self.shared = ([gpuarray.empty((C, D), np.float32) for _ in sets] for _ in range(3))
+        self.gate = [gpuarray.empty((C,), np.float32) for _ in sets]
         self.up_stream = m.drv.Stream()
         self.pending: list[tuple] = []
         self.bus_bw = m.bus_bw
@@ -104,7 +103,7 @@ class CardLink:
 
     def _down(self, out):
         """out's rows down into this card's host rows of this call: (host slot, the event after the copy)."""
-        slot = self.calls % HOST_SLOTS
+        slot = self.calls % expert_card.HOST_SLOTS
         self.calls += 1
         self.m.drv.memcpy_dtoh_async(self.ex.host[self.k][slot][: out.shape[0]], out.gpudata, self.m.stream)
         ev = self.m.drv.Event()
@@ -137,23 +136,26 @@ class CardLink:
     def defer(self, part, shared, gate, h, rows) -> None:
         """Two cards: part (this card's partial, n rows, in self.part[parity]), shared and gate (its gated shared
         expert, or None) summed into h (the pass's rows [rows[0], rows[1])) once the other's partial is here; the
-        exchange before it done now."""
-        p = self.calls % 2
+        exchanges deferred longest ago done now, so that at most expert_card.PENDING stay deferred."""
+        p = self.calls % expert_card.LINK_SETS
         if shared is not None:
             n = part.shape[0]
             for dst, src in ((self.shared[p][:n], shared), (self.gate[p][:n], gate)):
                 self.m.drv.memcpy_dtod_async(dst.gpudata, src.gpudata, src.nbytes, self.m.stream)
             shared, gate = self.shared[p][:n], self.gate[p][:n]
         slot, ev = self._down(part)
-        self.settle()
+        self._settle_first(len(self.pending) + 1 - expert_card.PENDING)
         self.pending.append((slot, ev, p, part, shared, gate, h, rows))
 
     def settle(self, r0: int | None = None, r1: int | None = None) -> None:
         """The deferred exchanges done (their sums queued into their rows) up to the last one whose rows meet
         [r0, r1) (None: all). A branch's last chunk is left pending into the next layer, whose first chunks then
         queue work for the card while this thread waits at the barrier and on the emulated bus."""
-        n_due = len(self.pending) if r0 is None else due(r0, r1, [e[7] for e in self.pending])
-        todo, self.pending = self.pending[:n_due], self.pending[n_due:]
+        self._settle_first(len(self.pending) if r0 is None else due(r0, r1, [e[7] for e in self.pending]))
+
+    def _settle_first(self, n: int) -> None:
+        """The n exchanges deferred longest ago done (none where n <= 0)."""
+        todo, self.pending = self.pending[: max(n, 0)], self.pending[max(n, 0) :]
         s, j = self.m.stream, 1 - self.k
         for slot, ev, p, part, shared, gate, h, _ in todo:
             n = part.shape[0]
@@ -196,7 +198,7 @@ class ExpertOps(GPUOps):
     def _combine(self, ed, wts, out, sh, gl):
         link = self.m.link
         if self.h is not None and link.ex.n == 2:  # from the walker's rows: it adds nothing, settle() will
-            part = link.part[link.calls % 2][: out.shape[0]]
+            part = link.part[link.calls % expert_card.LINK_SETS][: out.shape[0]]
             super()._combine(ed, wts, part, None, None)
             if sh is not None:
                 self.m._join()

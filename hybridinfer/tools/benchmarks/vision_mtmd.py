@@ -119,11 +119,12 @@ class MtmdEncoder:
 
 class MtmdCli:
     """llama.cpp's `llama-mtmd-cli` as the comparison where llama-cpp-python is not installed (a build for the
-    host's ISA carried in): one run a timed encode, its own report of the image's encode ("image slice encoded in
-    N ms"), which leaves out its preprocessing and model load while ours includes the preprocessing, so the
-    comparison leans to llama.cpp. No rows come back, so there is no `rel diff`."""
+    host's ISA carried in): one run a timed encode, its own report of the image's encode ("mtmd batch encoding
+    done in N ms"; older builds: "image slice encoded in N ms"). That leaves out its preprocessing and model load,
+    while ours includes the preprocessing, so the comparison leans to llama.cpp. No rows come back, so there is no
+    `rel diff`."""
 
-    PATTERN = re.compile(r"slice encoded in (\d+) ms")
+    PATTERN = re.compile(r"(?:batch encoding done|slice encoded) in (\d+) ms")
 
     def __init__(self, exe: str, mmproj: str, text_model: str, n_threads: int, timeout: float = 300.0):
         if not os.access(exe, os.X_OK):
