@@ -2,7 +2,9 @@
 here without a card: buffers are numpy arrays filled with NaN (a value read before the forward wrote it, such as
 padding left unzeroed, poisons the rows), each launcher's maths as its docstring states it, and the checks a
 launcher makes on shapes (a product's rows must be as long as its padded weight rows). It tests the forward's
-wiring (which buffer, which view, which padding), not the kernels: the gpu-marked tests do that on a card."""
+wiring (which buffer, which view, which padding), not the kernels: the gpu-marked tests do that on a card. Card
+contexts are whatever object a test passes: loader.on_card makes one current, and LAUNCHES says which was current at
+each product and each buffer made (the context a multi-card tower must run in)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,22 @@ import types
 import numpy as np
 
 from hybridinfer.format.quant_types import F16
+
+CURRENT: list = []  # the card contexts loader.on_card has made current, innermost last
+LAUNCHES: list = []  # the context current at each product and each buffer made (None: the process's first)
+
+
+def _where() -> None:
+    LAUNCHES.append(CURRENT[-1] if CURRENT else None)
+
+
+@contextlib.contextmanager
+def _on_card(ctx):
+    CURRENT.append(ctx)
+    try:
+        yield
+    finally:
+        CURRENT.pop()
 
 
 class _Arr(np.ndarray):
@@ -35,6 +53,7 @@ def _gemm(x, w, out=None, tile=None, stream=None):
     n, k = w.shape
     assert x.ndim == 2 and x.shape[1] == k, f"gemm: rows of {x.shape[1]} against weight rows of {k}"
     assert out.shape == (x.shape[0], n) and not np.shares_memory(out, x)
+    _where()
     wf = w.data.view(np.float16 if w.qtype == F16 else np.float32).reshape(n, k).astype(np.float32)
     out[...] = x @ wf.T
     return out
@@ -96,8 +115,17 @@ def install(monkeypatch) -> None:
     from hybridinfer.backends.gpu import k_attention, k_elementwise, k_gemm, loader
     from hybridinfer.backends.gpu import vision as gv
 
-    gpuarray = types.SimpleNamespace(empty=lambda shape, dtype: np.full(shape, np.nan, dtype).view(_Arr),
-                                     to_gpu=lambda a: np.array(a))
+    def empty(shape, dtype):
+        _where()
+        return np.full(shape, np.nan, dtype).view(_Arr)
+
+    def to_gpu(a):
+        _where()
+        return np.array(a)
+
+    CURRENT.clear()
+    LAUNCHES.clear()
+    gpuarray = types.SimpleNamespace(empty=empty, to_gpu=to_gpu)
     driver = types.SimpleNamespace(Event=_Event, Context=types.SimpleNamespace(synchronize=lambda: None))
     pkg = types.ModuleType("pycuda")
     pkg.gpuarray, pkg.driver = gpuarray, driver
@@ -105,6 +133,7 @@ def install(monkeypatch) -> None:
         monkeypatch.setitem(sys.modules, name, mod)
     monkeypatch.setattr(loader, "init", lambda device=0: None)
     monkeypatch.setattr(loader, "on_this_thread", contextlib.nullcontext)
+    monkeypatch.setattr(loader, "on_card", _on_card)
     monkeypatch.setattr(k_gemm, "gemm", _gemm)
     monkeypatch.setattr(k_gemm, "pick_tile", lambda *a, **k: (16, 128))
     monkeypatch.setattr(k_elementwise, "layer_norm", _layer_norm)

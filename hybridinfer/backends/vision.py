@@ -202,11 +202,12 @@ class VisionEncoder:
 
 def load_image_encoder(path, n_embd_text: int | None, simd=None, min_pixels: int | None = None,
                        max_pixels: int | None = None, gpu: bool = False, min_tokens: int | None = None,
-                       max_tokens: int | None = None, vram_room: int | None = None) -> VisionEncoder:
+                       max_tokens: int | None = None, vram_room: int | None = None, card=None) -> VisionEncoder:
     """The mmproj at `path` as an encoder: the whole tower on the card with `gpu` (gpu/vision.py), else on the CPU
     through `simd` (a cpu.simd.SimdLib), else the numpy reference. vram_room: the card bytes the tower may take
     (gpu/vision_plan.tower_plan: its weights resident, streamed, or where not even that fits, the CPU's tower;
-    `ops.plan` says which); None: resident, unbounded. n_embd_text: the text model's embedding width,
+    `ops.plan` says which); None: resident, unbounded. card: the CUDA context of the card the tower runs on (a
+    multi-card prefill's `tower_context`), None: the process's first. n_embd_text: the text model's embedding width,
     which the projector's rows must have (MMProjWidthError). The image's size limits: min/max_pixels, or in merged
     tokens (llama.cpp's --image-min-tokens / --image-max-tokens; a token is (patch·merge)² pixels), else the file's
     or Qwen3.5's processor defaults (format/image_prep.py)."""
@@ -228,7 +229,7 @@ def load_image_encoder(path, n_embd_text: int | None, simd=None, min_pixels: int
             args = dataclasses.replace(args, prep=dataclasses.replace(args.prep, min_pixels=lo, max_pixels=hi))
         if n_embd_text is not None:
             tower.check_text_width(args, n_embd_text, str(path))
-        ops = _gpu_ops(gm, args, tower, vram_room) if gpu else None
+        ops = _gpu_ops(gm, args, tower, vram_room, card) if gpu else None
         if ops is None and simd is None:
             ops = RefVisionOps(gm, args, tower)
         elif ops is None:
@@ -241,12 +242,13 @@ def load_image_encoder(path, n_embd_text: int | None, simd=None, min_pixels: int
     return VisionEncoder(gm, args, tower, ops)
 
 
-def _gpu_ops(gm: GGUFModel, args, tower, vram_room: int | None):
-    """The card's tower as vram_room allows (None: resident, unbounded), or None where it does not fit."""
+def _gpu_ops(gm: GGUFModel, args, tower, vram_room: int | None, card=None):
+    """The card's tower (in context `card`) as vram_room allows (None: resident, unbounded), or None where it does
+    not fit."""
     from .gpu.vision import GPUVisionOps, itemsize_of
     from .gpu.vision_plan import CPU, RESIDENT, tower_plan
 
     if vram_room is None:
-        return GPUVisionOps(gm, args, tower, mode=RESIDENT)
+        return GPUVisionOps(gm, args, tower, mode=RESIDENT, ctx=card)
     plan = tower_plan(args, itemsize_of(gm), int(vram_room))
-    return None if plan.mode == CPU else GPUVisionOps(gm, args, tower, mode=plan.mode, plan=plan)
+    return None if plan.mode == CPU else GPUVisionOps(gm, args, tower, mode=plan.mode, plan=plan, ctx=card)

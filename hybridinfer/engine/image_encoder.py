@@ -76,10 +76,11 @@ class CachedImageEncoder:
 def load_encoder(path, n_embd_text: int, backend, cache_bytes: int = DEFAULT_CACHE_BYTES,
                  min_tokens: int | None = None, max_tokens: int | None = None) -> CachedImageEncoder:
     """The mmproj at `path` for a text model of width n_embd_text on `backend`: the numpy reference under the
-    reference backend; on the card beside the text model where the backend prefills on one card (`backend.gpu`
-    with a `tower_room`) and the tower fits the room its plan leaves (weights resident, else streamed; the card's
-    budget then keeps the tower's bytes apart: set_aside); else the CPU's SIMD products (the GPU backend's CPU unit
-    and threads). min/max_tokens: the image size limits in merged tokens (None: the file's or Qwen's defaults)."""
+    reference backend; on the card beside the text model where the backend prefills on a card (`backend.gpu` with
+    a `tower_room`: one card's GPUModel, or a multi-card prefill's chosen card, whose `tower_context` every encode
+    runs in) and the tower fits the room its plan leaves (weights resident, else streamed; that card's budget then
+    keeps the tower's bytes apart: set_aside); else the CPU's SIMD products (the GPU backend's CPU unit and
+    threads). min/max_tokens: the image size limits in merged tokens (None: the file's or Qwen's defaults)."""
     from ..backends.vision import load_image_encoder
 
     simd = None
@@ -92,7 +93,7 @@ def load_encoder(path, n_embd_text: int, backend, cache_bytes: int = DEFAULT_CAC
     card = getattr(backend, "gpu", None)
     room = getattr(card, "tower_room", None)
     enc = load_image_encoder(path, n_embd_text, simd, min_tokens=min_tokens, max_tokens=max_tokens,
-                             gpu=room is not None, vram_room=room)
+                             gpu=room is not None, vram_room=room, card=getattr(card, "tower_context", None))
     plan = getattr(enc.ops, "plan", None)
     if plan is not None:
         card.set_aside(plan.reserve)

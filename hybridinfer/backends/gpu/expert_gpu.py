@@ -36,7 +36,7 @@ from .backend import DEFAULT_CHUNK, GPUModel
 from .graph_ops import GPUOps
 from .multi import forward_many, in_passes
 from .multi_card import CardBudgetError
-from .multi_gpu import CardRunner, card_slots
+from .multi_gpu import CardRunner, TowerCard, card_slots
 from .placement import BudgetError
 from .walker import Item, walk
 
@@ -225,7 +225,7 @@ class ExpertCard(GPUModel):
         super().__init__(*a, **kw)
 
 
-class ExpertParallelModel:
+class ExpertParallelModel(TowerCard):
     """Prefill over `devices` (multi_gpu.check_devices), split by experts; the other arguments are GPUModel's.
     Two or more cards; the model must have routed experts."""
 

@@ -247,3 +247,11 @@ def micro_batch_count(shares: Sequence[CardShare], plan_tokens: int, tokens: int
         stages = [max(sh.compute_s * f / m, sh.transfer_s) + sh.handoff_s * f / m for sh in shares]
         best = min(best, (pipeline_total(stages, m), m))
     return best[1]
+
+
+def tower_card(rooms: Sequence[int]) -> int:
+    """The card a vision tower runs on beside a multi-card prefill (engine/image_encoder.py): the index of the one
+    with the most bytes left under its budget (`rooms`, GPUModel.tower_room's, in card order), the first on a tie."""
+    if not rooms:
+        raise ParameterError("tower_card: no cards to choose from")
+    return max(range(len(rooms)), key=lambda k: (int(rooms[k]), -k))

@@ -65,6 +65,32 @@ class CardRunner:
             self.m, self._rows = None, {}
 
 
+class TowerCard:
+    """What a multi-card prefill (its `cards`, CardRunners) shows engine/image_encoder.py of the card a vision tower
+    runs on: multi_card.tower_card's choice, made at the first ask and kept, so the room it reads, the bytes it sets
+    aside from that card's budget and the context its encodes run in (`tower_context`) are one card's."""
+
+    _tower_k: int | None = None
+
+    @property
+    def tower(self) -> CardRunner:
+        if self._tower_k is None:
+            self._tower_k = multi_card.tower_card([c.m.tower_room for c in self.cards])
+        return self.cards[self._tower_k]
+
+    @property
+    def tower_room(self) -> int:
+        return self.tower.m.tower_room
+
+    def set_aside(self, nbytes: int) -> None:
+        self.tower.m.set_aside(nbytes)
+
+    @property
+    def tower_context(self):
+        """The chosen card's CUDA context (loader.card_context's): gpu/vision.py enters it for every encode."""
+        return self.tower.ctx
+
+
 def check_devices(devices, vram_budget, device=None) -> tuple[list[int], list]:
     """devices: card indices in pipeline order (a repeat: another context on that card); vram_budget: one for all,
     one a device, or None (each card's free memory less 512 MiB); device: the one-card option, which must not be
@@ -88,7 +114,7 @@ def check_devices(devices, vram_budget, device=None) -> tuple[list[int], list]:
     return list(devices), budgets
 
 
-class MultiGPUModel:
+class MultiGPUModel(TowerCard):
     """Prefill over `devices` (see check_devices), each card a GPUModel over its layer range; the other arguments
     are GPUModel's. micro_batch: rows a micro-batch (None: the count the time model prefers for each prompt)."""
 

@@ -60,14 +60,16 @@ def itemsize_of(gm):
 
 class GPUVisionOps(RefVisionOps):
     """`forward(patches, grid)` on the card. mode: RESIDENT or STREAMED; plan: the vision_plan.TowerPlan this tower
-    was given (None: no limit), whose activations bound the image an encode takes (CapacityError past it)."""
+    was given (None: no limit), whose activations bound the image an encode takes (CapacityError past it); ctx: the
+    card context it runs in (loader.card_context's: one card of a multi-card prefill), None: the process's first
+    (loader.init's). Its buffers live in that context, so every encode and the close enter it."""
 
-    def __init__(self, gm, args, tower, device: int = 0, mode: str = RESIDENT, plan=None):
+    def __init__(self, gm, args, tower, device: int = 0, mode: str = RESIDENT, plan=None, ctx=None):
         super().__init__(gm, args, tower)
         if mode not in (RESIDENT, STREAMED):
             raise ParameterError(f"GPU vision tower mode must be {RESIDENT!r} or {STREAMED!r}, got {mode!r}")
         loader.init(device)
-        self.mode, self.plan = mode, plan
+        self.mode, self.plan, self.ctx = mode, plan, ctx
         self._dev: dict = {}  # product name -> DeviceWeight (rows padded)
         self._dvec: dict = {}  # vector name -> float32 GPUArray
         self._buf: dict = {}  # an encode's activation buffers (vision_plan.buffer_floats)
@@ -78,6 +80,10 @@ class GPUVisionOps(RefVisionOps):
         # load: `bench vision` gives their FLOP/s against the card's FMA peak
         self.product_flops, self.product_s = 0, 0.0
         self.by_product: dict[str, list] = {}  # a product's name over the blocks -> [FLOPs, seconds, tile]
+
+    def _current(self):
+        """Its context current on the calling thread (the encoder's, not the thread that loaded the engine)."""
+        return loader.on_this_thread() if self.ctx is None else loader.on_card(self.ctx)
 
     def reset_counters(self) -> None:
         self.product_flops, self.product_s, self.by_product = 0, 0.0, {}
@@ -169,7 +175,7 @@ class GPUVisionOps(RefVisionOps):
         if self.plan is not None and need > self.plan.activations:
             raise CapacityError(f"an image of {patches.shape[0]} patches needs {need} B of activations on the card; "
                                 f"the vision tower was planned for {self.plan.activations} B")
-        with loader.on_this_thread():
+        with self._current():
             try:
                 rows = self._run(np.asarray(patches, dtype=np.float32), grid)
             finally:
@@ -230,7 +236,7 @@ class GPUVisionOps(RefVisionOps):
         return out
 
     def close(self) -> None:
-        with loader.on_this_thread():
+        with self._current():
             self._dev.clear()
             self._dvec.clear()
             self._buf = {}
