@@ -188,8 +188,6 @@ def test_options_that_do_not_go_with_a_budget_are_refused(model):
         _load(path, fixed + experts // 2, expert_io="mmap")
     with pytest.raises(ParameterError, match="option of the cpu and gpu backends"):
         Engine.load(path, backend="reference", n_ctx=CTX, ram_budget=fixed + experts // 2)
-    with pytest.raises(ParameterError, match="prefill over several cards"):
-        Engine.load(path, backend="gpu", n_ctx=CTX, ram_budget=fixed + experts // 2, devices=[0, 1])
     with pytest.raises(ParameterError, match="only apply with ram_budget"):
         Engine.load(path, backend="cpu", n_ctx=CTX, expert_io="direct")
 

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from hybridinfer.backends.expert_io import ExpertReader
-from hybridinfer.backends.gpu.disk_stage import PIECE, DiskStager, stage_plan
+from hybridinfer.backends.gpu.disk_stage import PIECE, DiskStager, file_offsets, stage_plan
+from hybridinfer.backends.gpu.expert_card import own_weights
 from hybridinfer.backends.gpu.placement import Placement, weights_of
 from hybridinfer.errors import ExpertReadError
 from hybridinfer.format.gguf_model import GGUFModel
@@ -125,37 +126,44 @@ def moe(tmp_path_factory):
     return str(p)
 
 
-def _placement(gm, a):
+def _placement(gm, a, own=None):
     """Every matrix on the card but the routed experts of layers 0, 1 and 3 (layer 1 keeps PINS on the card; layer 2's
-    are all there)."""
+    are all there). own: an expert split's card, its experts [own[0], own[1]) of each layer (PINS
+    then its own ids, those below its count)."""
     infos = {w.name: w for w in weights_of(gm, a, matrices_only=True)}
+    pins = set(PINS)
+    if own is not None:
+        infos = {w.name: w for w in own_weights(infos.values(), own)}
+        pins = {e for e in PINS if e < own[1] - own[0]}
     exps = {n for n, w in infos.items() if w.n_expert}
     streamed = {i: sorted(n for n in exps if infos[n].layer == i) for i in (0, 1, 3)}
     p = Placement(1 << 40, resident=set(infos) - exps | {n for n in exps if infos[n].layer == 2},
-                  pinned_experts={n: set(PINS) for n in streamed[1]}, streamed=streamed)
+                  pinned_experts={n: set(pins) for n in streamed[1]}, streamed=streamed)
     return p, infos
 
 
-def _streamer(card, path, reader=None):
+def _streamer(card, path, reader=None, own=None):
     from hybridinfer.backends.gpu.streamer import Streamer
 
     gm = GGUFModel(path)
     a = model_args(gm)
-    p, infos = _placement(gm, a)
+    p, infos = _placement(gm, a, own)
     reader = reader or ExpertReader(path, "pread", 2, 5.0, max_range=PIECE)
-    plan = stage_plan(p, infos, {n: gm.tensor(n).offset for n in infos})
+    plan = stage_plan(p, infos, file_offsets(gm, infos))
     return Streamer(gm, p, infos, card.drv.Stream(), disk=(reader, plan)), gm, a
 
 
 def _run_pass(st, gm, a):
     """As walker.walk runs the layers: each layer's weights compared with the file's bytes when the card uses them."""
+    from hybridinfer.backends.gpu.streamer import file_bytes
+
     st.prefetch(0)
     for i in range(a.n_layer):
         st.prefetch(i + 1)
         names = [n for n in st.infos if st.infos[n].layer == i]
         W = st.weights(i, names)
         for n in names:
-            want = np.asarray(gm.tensor(n).raw()).view(np.uint8).reshape(-1)
+            want = file_bytes(gm, st.infos[n])  # the whole tensor, or an expert split's card's own experts
             assert np.array_equal(np.asarray(W[n].data), want), f"layer {i}: {n} on the card is not the file's"
         st.release(i)
 
@@ -235,6 +243,27 @@ def test_held_layers_keep_page_locked_copies_and_read_nothing(card, moe):
     _run_pass(st, gm, a)
     assert reader.bytes_read == st.kept[3][0].nbytes  # nothing more read
     reader.close()
+
+
+def test_an_expert_split_cards_reads_and_copies_are_its_own_experts(card, moe):
+    """A card owning experts 8..15 of each layer (expert_gpu.ExpertCard, several cards under a RAM budget): its
+    staging reads and its held copies are the file's bytes of those experts, not of experts 0..7."""
+    from hybridinfer.backends.gpu.streamer import file_bytes
+
+    st, gm, a = _streamer(card, moe, _inline(ExpertReader(moe, "pread", 2, 5.0, max_range=PIECE)), own=(8, 16))
+    w = st.infos["blk.0.ffn_up_exps.weight"]
+    assert (w.first_expert, w.n_expert) == (8, 8)
+    assert st.disk.plan[0].nbytes == 3 * 8 * w.slab  # half of each of the layer's three tensors
+    for _ in range(2):
+        _run_pass(st, gm, a)
+    st.keep([0, 3])
+    for i in (0, 3):
+        stage, buf = st.kept[i]
+        for n, cs in stage.copies.items():
+            for t, h, k in cs:
+                assert np.array_equal(buf[h : h + k], file_bytes(gm, st.infos[n])[t : t + k])
+    _run_pass(st, gm, a)
+    st.disk.reader.close()
 
 
 @pytest.mark.parametrize("how", ["truncate", "move"])

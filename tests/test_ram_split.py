@@ -7,7 +7,7 @@ import pytest
 
 from hybridinfer.backends.gpu.disk_stage import PIECE, host_need, runs, stage_layer, stage_plan
 from hybridinfer.backends.gpu.placement import Placement, WeightInfo
-from hybridinfer.backends.ram_split import GpuHost, cpu_share, refuse, split_ram
+from hybridinfer.backends.ram_split import CardsSplit, GpuHost, cpu_share, least_of, refuse, split_cards, split_ram
 from hybridinfer.errors import RamBudgetError
 
 MB = 1 << 20
@@ -117,3 +117,67 @@ def test_two_layers_are_held_rather_than_staged():
         assert g.least == g.full < g.dense + g.staging + g.bounce
         s = split_ram(600, g, 600 - g.least)
         assert s.held == (0, 1) and s.disk == () and s.total == 600 - g.least + g.full <= 600
+
+
+# two cards of a layer split (each its own layers) and of an expert split (each its share of every layer)
+LAYER_CARDS = (GpuHost(dense=10, layers={0: 40, 1: 40, 2: 40}, bounce=5),
+               GpuHost(dense=20, layers={3: 30, 4: 30, 5: 30}, bounce=5))
+EXPERT_CARDS = (GpuHost(dense=10, layers={0: 30, 1: 30, 2: 30, 3: 30}, bounce=4),) * 2
+
+
+def test_several_cards_each_count_their_own_staging_and_readers():
+    a, b = LAYER_CARDS
+    assert least_of(LAYER_CARDS) == a.least + b.least == (10 + 80 + 5) + (20 + 60 + 5) == 180
+    assert cpu_share(1000, LAYER_CARDS) == 1000 - 180 and cpu_share(100, LAYER_CARDS) == 1
+    assert least_of([a]) == least_of(a) == a.least  # one card in a list is that card
+    # everything fits beside the CPU's 700: every card holds all, reads nothing
+    s = split_cards(1000, LAYER_CARDS, 700)
+    assert isinstance(s, CardsSplit) and s.held == ((0, 1, 2), (3, 4, 5)) and s.disk == ((), ())
+    assert s.read_per_pass == 0 and s.gpu_bytes == a.full + b.full and s.total == 700 + 240
+    # the CPU took its whole share: every card reads every layer, each with its own two buffers and readers
+    s = split_cards(1000, LAYER_CARDS, 820)
+    assert s.held == ((), ()) and s.disk == ((0, 1, 2), (3, 4, 5)) and s.total == 1000
+    assert [c.gpu_bytes for c in s.cards] == [a.least, b.least] and s.read_per_pass == 210
+    # 40 left over the leasts: layer 0 (card 0's first) is kept, card 1's layer 3 (30) does not fit after it
+    s = split_cards(1000, LAYER_CARDS, 780)
+    assert s.held == ((0,), ()) and s.disk == ((1, 2), (3, 4, 5)) and s.total == 780 + a.least + 40 + b.least == 1000
+    assert "gpu prefill on 2 cards" in s.summary() and "in 5 card layers read" in s.summary()
+    with pytest.raises(RamBudgetError) as e:  # the CPU kept more than its share
+        split_cards(1000, LAYER_CARDS, 900)
+    assert e.value.needed == 900 + 180
+
+
+def test_an_expert_split_keeps_layers_first_then_cards():
+    s = split_cards(1000, EXPERT_CARDS, 1000 - least_of(EXPERT_CARDS) - 70)
+    # 70 over the leasts: layer 0 on card 0 and on card 1 (30 each), then layer 1's 30 does not fit in the last 10
+    assert s.held == ((0,), (0,)) and s.disk == ((1, 2, 3), (1, 2, 3)) and s.total == 1000 - 10
+
+
+def test_a_split_over_several_cards_honours_every_budget_that_loads():
+    """Every budget from the least up to all held, the CPU taking all of its share or less: within the budget, and
+    each card's bytes are its dense copies, its held layers and (while it reads) its staging and readers."""
+    for gpus in (LAYER_CARDS, EXPERT_CARDS, (GpuHost(dense=10, layers={0: 5, 1: 5}, bounce=64), LAYER_CARDS[1])):
+        for budget in range(least_of(gpus) + 1, least_of(gpus) + 400, 7):
+            for cpu in {cpu_share(budget, gpus), cpu_share(budget, gpus) // 2, 1}:
+                s = split_cards(budget, gpus, cpu)
+                assert s.total <= budget and s.cpu_bytes == cpu
+                for g, c in zip(gpus, s.cards, strict=True):
+                    assert sorted(c.held + c.disk) == sorted(g.layers)
+                    read = 2 * max((g.layers[i] for i in c.disk), default=0) + g.bounce if c.disk else 0
+                    assert c.gpu_bytes == g.dense + sum(g.layers[i] for i in c.held) + read
+    # a card whose experts weigh less than its staging and readers holds them at the least (GpuHost.least)
+    small = (GpuHost(dense=10, layers={0: 5, 1: 5}, bounce=64), LAYER_CARDS[1])
+    s = split_cards(1000, small, cpu_share(1000, small))
+    assert s.held == ((0, 1), ()) and s.total == 1000
+
+
+def test_several_cards_refusal_names_the_least_and_each_cards_share():
+    err = refuse(RamBudgetError("cpu: too small", needed=500), 300, LAYER_CARDS)
+    assert isinstance(err, RamBudgetError) and err.needed == 500 + 180
+    msg = str(err)
+    assert "at least 680 B" in msg and "GPU prefill takes 180 B" in msg and "over 2 cards (95 B + 85 B" in msg
+    assert cpu_share(680, LAYER_CARDS) == 500  # that budget leaves the CPU its least, and the split fits
+    s = split_cards(680, LAYER_CARDS, 500)
+    assert s.total == 680 and s.held == ((), ())
+    # the one-card refusal's wording is unchanged
+    assert "over" not in str(refuse(RamBudgetError("x", needed=5), 3, LAYER_CARDS[0]))

@@ -242,9 +242,6 @@ def make_backend(name: str, gm, args, options: dict, n_ctx: int, fit_n_ctx: bool
     experts = ExpertOptions.of(options)
     if experts is not None and name == "reference":
         raise ParameterError("ram_budget is an option of the cpu and gpu backends (backend='reference')")
-    if experts is not None and name in ("gpu", "auto") and gpu_opts.get("devices") is not None:
-        raise ParameterError("ram_budget with devices=[...] (prefill over several cards) is not supported; use one "
-                             "card (device=N)")
     if name == "reference":
         if placement is not None and placement.mode == "replicate":
             raise ParameterError("numa replicate: the reference backend has no per-node weight copies (use the cpu "
@@ -267,10 +264,11 @@ def make_backend(name: str, gm, args, options: dict, n_ctx: int, fit_n_ctx: bool
         return make_cpu(experts)
     cpu = make_cpu(None) if experts is None else None  # under a budget the GPU's share is known first
     disk = None
-    if experts is not None:  # the routed experts the card does not pin are read from the file on every pass
+    if experts is not None:  # the routed experts a card does not pin are read from the file on every pass
         from .gpu.disk_stage import DiskSource
 
         disk = DiskSource(str(gm.path), experts.expert_io, experts.readers, experts.read_timeout, experts.drop_cache)
+    on_disk = {"disk": disk} if disk is not None else {}
     try:
         from .gpu.backend import DEFAULT_CHUNK, GPUModel
 
@@ -281,13 +279,13 @@ def make_backend(name: str, gm, args, options: dict, n_ctx: int, fit_n_ctx: bool
                              vram_budget=gpu_opts.get("vram_budget"), chunk=gpu_opts.get("gpu_chunk", DEFAULT_CHUNK),
                              card_profile=gpu_opts.get("card_profile"), bus_bw=gpu_opts.get("bus_bw"),
                              fit_n_ctx=fit_n_ctx, kv_stream=gpu_opts.get("kv_stream"),
-                             micro_batch=gpu_opts.get("micro_batch"))
+                             micro_batch=gpu_opts.get("micro_batch"), **on_disk)
         else:
             gpu = GPUModel(gm, args, n_ctx, vram_budget=gpu_opts.get("vram_budget"),
                            chunk=gpu_opts.get("gpu_chunk", DEFAULT_CHUNK), device=gpu_opts.get("device", 0),
                            card_profile=gpu_opts.get("card_profile"), bus_bw=gpu_opts.get("bus_bw"),
                            fit_n_ctx=fit_n_ctx, kv_stream=gpu_opts.get("kv_stream"), progress=progress,
-                           **({"disk": disk} if disk is not None else {}))
+                           **on_disk)
     except BackendNotAvailableError as e:
         if name == "gpu":
             raise
@@ -312,13 +310,14 @@ class _Closed:
 
 def _split_ram(gm, gpu, experts, make_cpu):
     """GPU prefill and CPU decode under one RAM budget (ram_split.py): the CPU backend plans under what the GPU's
-    streamer leaves, then the GPU keeps host copies of the cold experts of the layers the rest holds. The CPU
-    backend, made; gpu.ram_split says the split."""
+    streamer leaves (every card's streamer, with several: gpu.host_need() is then one GpuHost a card), then the GPU
+    keeps host copies of the cold experts of the layers the rest holds. The CPU backend, made; gpu.ram_split says the
+    split."""
     from dataclasses import replace
 
     from ..errors import RamBudgetError
     from .cpu.expert_store import unmap
-    from .ram_split import cpu_share, refuse, split_ram
+    from .ram_split import cpu_share, refuse, split_cards, split_ram
 
     budget, need = experts.ram_budget, gpu.host_need()
     try:
@@ -326,7 +325,8 @@ def _split_ram(gm, gpu, experts, make_cpu):
     except RamBudgetError as e:
         raise refuse(e, budget, need) from None
     try:
-        gpu.ram_split = split_ram(budget, need, cpu.ram_plan.resident_bytes)
+        split = split_cards if isinstance(need, tuple) else split_ram
+        gpu.ram_split = split(budget, need, cpu.ram_plan.resident_bytes)
         gpu.hold(gpu.ram_split.held)
     except BaseException:
         cpu.close()

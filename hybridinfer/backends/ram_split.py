@@ -17,11 +17,16 @@ readers' buffers) stays within it:
 3. What the CPU leaves (it holds every expert and less than its share was used) keeps whole layers' cold experts in
    page-locked copies again (`split_ram`), first layers first (a pass's first read has nothing to overlap with); when
    every layer fits, nothing is read and the staging and readers go.
+
+Several cards (`devices=[...]`, either split mode): each card's streamer is a GpuHost of its own (its staging buffers
+and readers' buffers are its own), the CPU plans under the budget less all their leasts, and `split_cards` keeps
+whole layers' cold experts on the cards in the order a pass reads them (first layers first, card by card within a
+layer).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..errors import RamBudgetError
@@ -84,27 +89,80 @@ class RamSplit:
         """bytes each prompt pass reads from the file"""
         return sum(self.gpu.layers[i] for i in self.disk)
 
-    def summary(self) -> str:
+    def part(self) -> str:
+        """the GPU side's bytes, as summary() says them"""
         g = self.gpu
         held = sum(g.layers[i] for i in self.held)
+        return (f"{_size(self.gpu_bytes)} ({_size(g.dense)} page-locked streamed tensors, {_size(held)} cold experts "
+                f"of {len(self.held)} layers kept, {_size(self.gpu_bytes - g.dense - held)} staging and readers)")
+
+    def summary(self) -> str:
         return (f"ram budget {_size(self.budget)} split: cpu decode {_size(self.cpu_bytes)}, gpu prefill "
-                f"{_size(self.gpu_bytes)} ({_size(g.dense)} page-locked streamed tensors, {_size(held)} cold experts "
-                f"of {len(self.held)} layers kept, {_size(self.gpu_bytes - g.dense - held)} staging and readers); "
-                f"{_size(self.read_per_pass)} of routed experts in {len(self.disk)} layers read from the file each "
-                "prompt pass")
+                f"{self.part()}; {_size(self.read_per_pass)} of routed experts in {len(self.disk)} layers read from "
+                "the file each prompt pass")
 
 
-def cpu_share(budget: int, gpu: GpuHost) -> int:
-    """What the CPU backend plans under: the budget less the GPU side's least (at least 1 byte, so that a budget
-    too small for both gets the CPU plan's refusal with its least, which `refuse` adds the GPU's to)."""
-    return max(1, int(budget) - gpu.least)
+@dataclass(frozen=True)
+class CardsSplit:
+    """The split with several cards: `cpu_bytes` and each card's part (`cards`: a RamSplit of that card's GpuHost
+    whose cpu_bytes is 0); `held` and `disk` are per card."""
+
+    budget: int
+    cpu_bytes: int
+    cards: tuple[RamSplit, ...]
+
+    @property
+    def held(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(c.held for c in self.cards)
+
+    @property
+    def disk(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(c.disk for c in self.cards)
+
+    @property
+    def gpu_bytes(self) -> int:
+        return sum(c.gpu_bytes for c in self.cards)
+
+    @property
+    def total(self) -> int:
+        return self.cpu_bytes + self.gpu_bytes
+
+    @property
+    def read_per_pass(self) -> int:
+        """bytes each prompt pass reads from the file, over all cards"""
+        return sum(c.read_per_pass for c in self.cards)
+
+    def summary(self) -> str:
+        parts = "; ".join(f"card {k} {c.part()}" for k, c in enumerate(self.cards))
+        return (f"ram budget {_size(self.budget)} split: cpu decode {_size(self.cpu_bytes)}, gpu prefill on "
+                f"{len(self.cards)} cards {_size(self.gpu_bytes)} ({parts}); {_size(self.read_per_pass)} of routed "
+                f"experts in {sum(len(d) for d in self.disk)} card layers read from the file each prompt pass")
 
 
-def refuse(err: RamBudgetError, budget: int, gpu: GpuHost) -> RamBudgetError:
+def _cards(gpu: GpuHost | Sequence[GpuHost]) -> tuple[GpuHost, ...]:
+    return (gpu,) if isinstance(gpu, GpuHost) else tuple(gpu)
+
+
+def least_of(gpu: GpuHost | Sequence[GpuHost]) -> int:
+    """The GPU side's least: one card's, or the sum of several cards' (each streams through its own buffers)."""
+    return sum(g.least for g in _cards(gpu))
+
+
+def cpu_share(budget: int, gpu: GpuHost | Sequence[GpuHost]) -> int:
+    """What the CPU backend plans under: the budget less the GPU side's least (every card's; at least 1 byte, so that
+    a budget too small for both gets the CPU plan's refusal with its least, which `refuse` adds the GPU's to)."""
+    return max(1, int(budget) - least_of(gpu))
+
+
+def refuse(err: RamBudgetError, budget: int, gpu: GpuHost | Sequence[GpuHost]) -> RamBudgetError:
     """The CPU plan's refusal under cpu_share(budget): the same, in terms of the whole budget."""
-    need = err.needed + gpu.least
+    cards = _cards(gpu)
+    least = least_of(cards)
+    need = err.needed + least
+    where = "" if isinstance(gpu, GpuHost) else \
+        f" over {len(cards)} cards ({' + '.join(f'{g.least} B' for g in cards)}: each card's own staging)"
     return RamBudgetError(f"ram budget {budget} B ({_size(budget)}) is too small for GPU prefill and CPU decode: GPU "
-                          f"prefill takes {gpu.least} B ({_size(gpu.least)}) of page-locked host memory and the CPU "
+                          f"prefill takes {least} B ({_size(least)}) of page-locked host memory{where} and the CPU "
                           f"backend at least {err.needed} B; at least {need} B ({_size(need)}) is needed", needed=need)
 
 
@@ -112,19 +170,31 @@ def split_ram(budget: int, gpu: GpuHost, cpu_bytes: int) -> RamSplit:
     """The split once the CPU has planned under cpu_share(budget) and keeps `cpu_bytes`: the GPU keeps page-locked
     copies of every layer's cold experts if they fit beside it (nothing read), else of the first layers that fit
     beside the staging and readers, and reads the rest."""
-    budget, cpu_bytes = int(budget), int(cpu_bytes)
-    order = sorted(gpu.layers)
-    room = budget - cpu_bytes - gpu.dense
-    if room >= sum(gpu.layers.values()):
-        return RamSplit(budget, cpu_bytes, gpu, tuple(order), ())
-    room -= gpu.staging + gpu.bounce
-    held = []
-    for i in order:
-        if gpu.layers[i] > room:
-            break
-        held.append(i)
-        room -= gpu.layers[i]
-    out = RamSplit(budget, cpu_bytes, gpu, tuple(held), tuple(i for i in order if i not in held))
+    c = split_cards(budget, [gpu], cpu_bytes).cards[0]
+    return RamSplit(int(budget), int(cpu_bytes), gpu, c.held, c.disk)
+
+
+def split_cards(budget: int, gpus: Sequence[GpuHost], cpu_bytes: int) -> CardsSplit:
+    """split_ram over several cards' streamers: every card's cold experts held if they all fit beside the CPU's
+    `cpu_bytes`, else each card's least kept (a card whose experts weigh less than its staging holds them all) and
+    whole layers held in the order a pass reads them, first layers first, card by card within a layer, while they
+    fit; the rest read. The total is at most the budget whenever cpu_bytes is at most cpu_share(budget, gpus)."""
+    budget, cpu_bytes, gpus = int(budget), int(cpu_bytes), tuple(gpus)
+    room = budget - cpu_bytes - sum(g.dense for g in gpus)
+    if room >= sum(sum(g.layers.values()) for g in gpus):
+        held = [sorted(g.layers) for g in gpus]
+    else:
+        whole = [g.least == g.full for g in gpus]  # held rather than staged (GpuHost.least)
+        room -= sum(g.least - g.dense for g in gpus)
+        held = [sorted(g.layers) if w else [] for g, w in zip(gpus, whole, strict=True)]
+        for i, k in sorted((i, k) for k, g in enumerate(gpus) if not whole[k] for i in g.layers):
+            if gpus[k].layers[i] > room:
+                break
+            held[k].append(i)
+            room -= gpus[k].layers[i]
+    out = CardsSplit(budget, cpu_bytes, tuple(RamSplit(budget, 0, g, tuple(h), tuple(i for i in sorted(g.layers)
+                                                                                     if i not in h))
+                                              for g, h in zip(gpus, held, strict=True)))
     if out.total > budget:
         raise RamBudgetError(f"ram budget {budget} B: the CPU backend keeps {cpu_bytes} B beside GPU prefill's "
                              f"{out.gpu_bytes} B", needed=out.total)

@@ -245,9 +245,10 @@ class Engine(Text, Compute):
             4 threads or more, else 0), numa (None: no placement; a hybridinfer.backends.numa.Plan), ram_budget
             (None: every weight in RAM; bytes: the routed experts that do not fit read from the file when selected,
             docs/architecture.md; under "gpu" and "auto" split with the GPU prefill's page-locked copies and staging,
-            backends/ram_split.py), expert_io ("pread" or "direct": O_DIRECT), read_timeout (30 s), readers (8
-            threads), prefetch_layers (1), expert_counts (None; (layer, expert) -> uses: the experts pinned),
-            drop_cache (False; True: each range read is dropped from the page cache).
+            every card's with devices=[...], backends/ram_split.py), expert_io ("pread" or "direct": O_DIRECT),
+            read_timeout (30 s), readers (8 threads; each card's own under GPU prefill), prefetch_layers (1),
+            expert_counts (None; (layer, expert) -> uses: the experts pinned), drop_cache (False; True: each range
+            read is dropped from the page cache).
         GPU ("gpu", "auto"): vram_budget (the card's free memory less 512 MiB), gpu_chunk (1024 tokens per kernel
             call), device (0), card_profile (None: the card itself; fermi | kepler | maxwell | pascal: kernels
             compiled and tiles chosen as for that class, the weight stream paced to its bus), bus_bw (None: the

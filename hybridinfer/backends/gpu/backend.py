@@ -370,9 +370,9 @@ class GPUModel:
         """(reader, the LayerStages of `placement`'s layers read from the file), or None without a RAM budget."""
         if self.reader is None:
             return None
-        from .disk_stage import stage_plan
+        from .disk_stage import file_offsets, stage_plan
 
-        plan = stage_plan(placement, self.infos, {n: int(self.gm.tensor(n).offset) for n in self.infos})
+        plan = stage_plan(placement, self.infos, file_offsets(self.gm, self.infos))
         return self.reader, plan
 
     def host_need(self, placement=None):

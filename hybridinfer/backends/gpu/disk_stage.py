@@ -73,9 +73,15 @@ def stage_layer(layer: int, tensors, piece: int = PIECE) -> LayerStage:
     return LayerStage(layer, pos, copies, tuple(reads))
 
 
+def file_offsets(gm, infos) -> dict[str, int]:
+    """Where each of `infos`' tensors starts in the file: a card's share of an expert split (WeightInfo.first_expert)
+    starts at its first expert, so its expert e is the file's first_expert + e."""
+    return {n: int(gm.tensor(n).offset) + w.first_expert * w.slab for n, w in infos.items()}
+
+
 def stage_plan(placement, infos, offsets: Mapping[str, int], layers=None, piece: int = PIECE) -> dict[int, LayerStage]:
     """The LayerStage of every streamed layer with routed experts (of `layers`, default all) the card does not hold
-    whole. offsets: each tensor's byte offset in the file."""
+    whole. offsets: each tensor's byte offset in the file (file_offsets)."""
     out = {}
     for layer, names in sorted(placement.streamed.items()):
         if layers is not None and layer not in layers:

@@ -36,7 +36,7 @@ from .backend import DEFAULT_CHUNK, GPUModel
 from .graph_ops import GPUOps
 from .multi import forward_many, in_passes
 from .multi_card import CardBudgetError
-from .multi_gpu import CardRunner, TowerCard, card_slots
+from .multi_gpu import CardRunner, CardsUnderBudget, TowerCard, card_slots
 from .placement import BudgetError
 from .walker import Item, walk
 
@@ -225,15 +225,15 @@ class ExpertCard(GPUModel):
         super().__init__(*a, **kw)
 
 
-class ExpertParallelModel(TowerCard):
-    """Prefill over `devices` (multi_gpu.check_devices), split by experts; the other arguments are GPUModel's.
-    Two or more cards; the model must have routed experts."""
+class ExpertParallelModel(TowerCard, CardsUnderBudget):
+    """Prefill over `devices` (multi_gpu.check_devices), split by experts; the other arguments are GPUModel's (disk:
+    each card reads its own experts' cold ones). Two or more cards; the model must have routed experts."""
 
     single_pass = True
 
     def __init__(self, gm, args, n_ctx: int, devices, vram_budget=None, chunk: int = DEFAULT_CHUNK,
                  card_profile=None, bus_bw: float | None = None, fit_n_ctx: bool = False,
-                 kv_stream: bool | None = None):
+                 kv_stream: bool | None = None, disk=None):
         if not args.is_moe:
             raise ParameterError("split_mode='expert' needs a model with routed experts; this one is dense (use "
                                  "split_mode='layer')")
@@ -248,7 +248,8 @@ class ExpertParallelModel(TowerCard):
                 try:
                     m = ExpertCard(gm, args, n_ctx, vram_budget=s.vram_budget - link, chunk=self.chunk, device=d,
                                    bus_bw=bus_bw, card_profile=card_profile, fit_n_ctx=fit_n_ctx,
-                                   kv_stream=kv_stream, layers=None if k == 0 else (0, args.n_layer), own=rng)
+                                   kv_stream=kv_stream, layers=None if k == 0 else (0, args.n_layer), own=rng,
+                                   disk=disk)
                 except BackendNotAvailableError as e:
                     raise BackendNotAvailableError(f"{s.label}: {e}") from None
                 except BudgetError as e:

@@ -62,6 +62,8 @@ class CardRunner:
 
     def close(self) -> None:
         with loader.on_card(self.ctx):  # its buffers freed in its context
+            if self.m is not None:
+                self.m.close()  # its reader of the model file (under a RAM budget)
             self.m, self._rows = None, {}
 
 
@@ -114,15 +116,53 @@ def check_devices(devices, vram_budget, device=None) -> tuple[list[int], list]:
     return list(devices), budgets
 
 
-class MultiGPUModel(TowerCard):
+class CardsUnderBudget:
+    """A prefill over several cards (self.cards: CardRunners) under a RAM budget (make_backend's _split_ram): each
+    card's GPUModel has its own reader of the model file (disk_stage.DiskSource.reader: its own pool, buffers and
+    staging, used from that card's worker thread alone), and ram_split.split_cards splits the budget over them."""
+
+    ram_split = None  # the ram_split.CardsSplit, once made
+
+    def host_need(self) -> tuple:
+        """Each card's ram_split.GpuHost, in card order."""
+        out = []
+        for c in self.cards:
+            with loader.on_card(c.ctx):
+                out.append(c.m.host_need())
+        return tuple(out)
+
+    def hold(self, held) -> None:
+        """held[k]: the layers whose cold experts card k keeps in page-locked copies (CardsSplit.held), made in its
+        context."""
+        for c, h in zip(self.cards, held, strict=True):
+            with loader.on_card(c.ctx):
+                c.m.hold(h)
+
+    def disk_stats(self) -> dict:
+        """Bytes and reads the cards' passes took from the file so far, summed, and each card's."""
+        per = [c.m.disk_stats() for c in self.cards]
+        return {"bytes_read": sum(d["bytes_read"] for d in per), "reads": sum(d["reads"] for d in per), "cards": per}
+
+    @property
+    def tok_embd(self):
+        return self.cards[0].m.tok_embd
+
+    @tok_embd.setter
+    def tok_embd(self, t) -> None:  # under a budget every card embeds from the CPU's copy, not the file's mapping
+        for c in self.cards:
+            c.m.tok_embd = t
+
+
+class MultiGPUModel(TowerCard, CardsUnderBudget):
     """Prefill over `devices` (see check_devices), each card a GPUModel over its layer range; the other arguments
-    are GPUModel's. micro_batch: rows a micro-batch (None: the count the time model prefers for each prompt)."""
+    are GPUModel's (disk: each card reads its own layers' cold experts). micro_batch: rows a micro-batch (None: the
+    count the time model prefers for each prompt)."""
 
     single_pass = True
 
     def __init__(self, gm, args, n_ctx: int, devices, vram_budget=None, chunk: int = 1024, card_profile=None,
                  bus_bw: float | None = None, fit_n_ctx: bool = False, kv_stream: bool | None = None,
-                 micro_batch: int | None = None):
+                 micro_batch: int | None = None, disk=None):
         from .backend import GPUModel
 
         if micro_batch is not None and (type(micro_batch) is not int or micro_batch < 1):
@@ -135,7 +175,7 @@ class MultiGPUModel(TowerCard):
                 try:
                     m = GPUModel(gm, args, n_ctx, vram_budget=sh.slot.vram_budget, chunk=chunk, device=d,
                                  bus_bw=bus_bw, card_profile=card_profile, fit_n_ctx=fit_n_ctx, kv_stream=kv_stream,
-                                 layers=(sh.first, sh.end))
+                                 layers=(sh.first, sh.end), disk=disk)
                 except BackendNotAvailableError as e:
                     raise BackendNotAvailableError(f"{sh.slot.label}: {e}") from None
                 except BudgetError as e:  # its own pass plan left less than the split assumed

@@ -117,7 +117,7 @@ class Streamer:
         for i in keep:
             buf = self.drv.pagelocked_empty(max(plan[i].nbytes, 1), np.uint8)
             for n, cs in plan[i].copies.items():
-                raw = np.asarray(self.gm.tensor(n).raw()).view(np.uint8).reshape(-1)
+                raw = file_bytes(self.gm, self.infos[n])  # an expert split's card: its own experts' bytes
                 for t, h, k in cs:
                     buf[h : h + k] = raw[t : t + k]
             self.kept[i] = (plan[i], buf)

@@ -1,0 +1,165 @@
+"""A RAM budget with GPU prefill over several cards (`devices=[...]`, both split modes), wired on this CPU machine:
+each card is a GPUModel whose construction is a stand-in (no CUDA: every matrix streamed, nothing uploaded) but whose
+figures under the budget are GPUModel's own (its reader of the file, its disk staging plan, host_need), and the rest
+is the real path: make_backend, open_cards, MultiGPUModel / ExpertParallelModel, the split of the budget over the
+CPU decode and every card's streamer, the refusal, the CPU decode after, close. The logits of a real multi-card prefill
+under a budget are tests/test_gpu_ram_budget_cards.py's (on two GPUs)."""
+
+from __future__ import annotations
+
+import contextlib
+import types
+
+import numpy as np
+import pytest
+
+from hybridinfer.engine.api import Engine
+from hybridinfer.errors import RamBudgetError
+from hybridinfer.tools.synth import synth_model
+from tests.test_expert_disk import CTX, SHAPE, _sizes
+
+L = SHAPE["n_layer"]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    p = tmp_path_factory.mktemp("multi_ram") / "moe.gguf"
+    synth_model(p, "qwen35moe", SHAPE, "q8_0", seed=6)
+    eng = Engine.load(str(p), backend="cpu", n_ctx=CTX, spec_type="none")
+    yield str(p), eng
+    eng.close()
+
+
+@pytest.fixture
+def cards(monkeypatch):
+    """Stand-in cards under the real multi-card models; returns the list of every card model made."""
+    import hybridinfer.backends.gpu.backend as gb
+    import hybridinfer.backends.gpu.expert_card as ec
+    import hybridinfer.backends.gpu.expert_gpu as eg
+    import hybridinfer.backends.gpu.loader as loader
+    import hybridinfer.backends.gpu.multi_gpu as mg
+    from hybridinfer.backends.gpu.expert_card import own_weights
+    from hybridinfer.backends.gpu.placement import Placement, weights_of
+
+    made = []
+
+    class Card(gb.GPUModel):
+        def __init__(self, gm, args, n_ctx, layers=None, own=None, disk=None, **kw):
+            if own is not None:
+                self.own = own
+            self.first, self.end = (0, args.n_layer + 1) if layers is None else layers
+            ws = [w for w in weights_of(gm, args, matrices_only=True) if self.first <= w.layer < self.end]
+            self.infos = {w.name: w for w in (ws if self.own is None else own_weights(ws, self.own))}
+            streamed: dict = {}
+            for n, w in self.infos.items():
+                streamed.setdefault(w.layer, []).append(n)
+            self.gm, self.args, self.disk, self.placement = gm, args, disk, Placement(1 << 40, streamed=streamed)
+            self.reader, self.held, self.closed = disk.reader() if disk is not None else None, (), False
+            self.n_ctx, self.n_rows, self.n_res, self.compiled, self.tok_embd = n_ctx, 64, 64, [], None
+            made.append(self)
+
+        def hold(self, layers):  # no streamer to keep copies in: what the split asked for is recorded
+            self.held = tuple(layers)
+
+        def close(self):
+            super().close()
+            self.closed = True
+
+    def slots(gm, args, n_ctx, devices, vram_budget, chunk, card_profile):
+        s = [types.SimpleNamespace(vram_budget=1 << 30, label=f"device {d} (stand-in)") for d in devices]
+        return list(devices), [object() for _ in devices], s, weights_of(gm, args, matrices_only=True)
+
+    def layer_plan(gm, args, n_ctx, ws, slots):
+        cut = [0, args.n_layer // 2, args.n_layer + 1]
+        return types.SimpleNamespace(shares=[types.SimpleNamespace(slot=s, first=a, end=b)
+                                             for s, a, b in zip(slots, cut, cut[1:], strict=False)])
+
+    monkeypatch.setattr(gb, "GPUModel", Card)
+    monkeypatch.setattr(eg, "ExpertCard", Card)
+    monkeypatch.setattr(loader, "on_card", lambda ctx: contextlib.nullcontext())
+    monkeypatch.setattr(loader, "device_name", lambda d: "stand-in")
+    monkeypatch.setattr(mg, "card_slots", slots)
+    monkeypatch.setattr(eg, "card_slots", slots)
+    monkeypatch.setattr(mg, "layer_plan", layer_plan)
+    monkeypatch.setattr(ec, "with_link", lambda s, args, chunk: s)
+    monkeypatch.setattr(ec, "link_bytes", lambda args, chunk: 0)
+    monkeypatch.setattr(ec, "plan_split", lambda ws, slots, head: ([SHAPE["n_expert"] // 2] * 2, None))
+    monkeypatch.setattr(eg, "Exchange", lambda *a: types.SimpleNamespace())
+    monkeypatch.setattr(eg, "CardLink", lambda ex, k, m: types.SimpleNamespace())
+    return made
+
+
+def _load(path, budget, mode):
+    return Engine.load(path, backend="gpu", n_ctx=CTX, spec_type="none", ram_budget=budget, devices=[0, 1],
+                       split_mode=mode, expert_io="pread", readers=2)
+
+
+def _expert_bytes(gm) -> dict[int, int]:
+    """Bytes of each layer's routed experts in the file."""
+    out: dict[int, int] = {}
+    for n, t in gm.tensors.items():
+        if n.startswith("blk.") and "_exps" in n:
+            out[int(n.split(".")[1])] = out.get(int(n.split(".")[1]), 0) + int(t.nbytes)
+    return out
+
+
+@pytest.mark.parametrize("mode", ["layer", "expert"])
+def test_a_ram_budget_over_two_cards_counts_every_cards_streamer(model, cards, mode):
+    from hybridinfer.backends import GPUPrefillCPUDecode
+    from hybridinfer.backends.ram_split import CardsSplit, least_of
+    from hybridinfer.format.gguf_model import GGUFModel
+
+    path, full = model
+    fixed, experts = _sizes(full)
+    per_layer = _expert_bytes(GGUFModel(path))
+    # the CPU keeps a third of the experts; the cards' streamers their least (each its own staging and readers)
+    probe = _load(path, 1 << 36, mode)
+    needs = probe.backend.gpu.host_need()
+    probe.close()
+    assert len(needs) == 2 and all(c.closed and c.reader.fd is None for c in cards)  # each card's reader closed
+    if mode == "layer":  # each card reads its own layers' experts, every layer's by one card
+        assert [sorted(g.layers) for g in needs] == [list(range(L // 2)), list(range(L // 2, L))]
+        assert {i: n for g in needs for i, n in g.layers.items()} == per_layer
+    else:  # each card reads its own share of every layer's experts, the file's bytes of them
+        assert all(sorted(g.layers) == list(range(L)) for g in needs)
+        assert {i: needs[0].layers[i] + needs[1].layers[i] for i in range(L)} == per_layer
+        c1 = cards[-1]
+        w = next(w for w in c1.infos.values() if w.n_expert and w.layer == 0)
+        reads = c1._disk(c1.placement)[1][0].reads
+        assert w.first_expert == SHAPE["n_expert"] // 2
+        assert min(f for _, f, _ in reads) >= c1.gm.tensor(w.name).offset + w.first_expert * w.slab
+    cards.clear()
+    budget = fixed + experts // 3 + least_of(needs)
+    eng = _load(path, budget, mode)
+    try:
+        be = eng.backend
+        assert isinstance(be, GPUPrefillCPUDecode) and len(cards) == 2
+        assert all(c.disk.path == path and c.disk.io == "pread" and c.reader is not None for c in cards)
+        assert cards[0].reader is not cards[1].reader  # a pool and staging a card, each used by its card's thread
+        split, plan = be.gpu.ram_split, be.cpu.ram_plan
+        assert isinstance(split, CardsSplit) and [c.gpu for c in split.cards] == list(needs)
+        assert plan.budget == budget - least_of(needs) and plan.on_disk  # the CPU's share: less every card's least
+        assert split.cpu_bytes == plan.resident_bytes and split.total <= budget
+        assert [c.held for c in cards] == list(split.held)
+        assert all(c.tok_embd is be.cpu.tok_embd for c in cards)  # every card embeds from the CPU's copy
+        assert be.gpu.disk_stats() == {"bytes_read": 0, "reads": 0, "cards": [{"bytes_read": 0, "reads": 0}] * 2}
+        assert "gpu prefill on 2 cards" in split.summary()
+        # CPU decode under its share: the resident model's logits, bit for bit
+        sa, sb = full.backend.new_state(CTX), be.new_state(CTX)
+        for t in (5, 17, 3, 99, 42):
+            a, b = full.backend.forward([t], sa), be.forward([t], sb)
+            assert np.array_equal(a, b)
+    finally:
+        eng.close()
+    assert all(c.closed for c in cards)
+    # a budget too small for the CPU's least beside both cards' staging: refused, naming the least that loads
+    with pytest.raises(RamBudgetError) as e:
+        _load(path, fixed + least_of(needs), mode)
+    msg = str(e.value)
+    assert "over 2 cards" in msg and f"at least {e.value.needed} B" in msg and e.value.needed > fixed + least_of(needs)
+    assert all(c.closed for c in cards)  # the refused load's cards let go of their readers
+    eng = _load(path, e.value.needed, mode)
+    try:
+        assert eng.backend.gpu.ram_split.total <= e.value.needed
+    finally:
+        eng.close()
