@@ -163,3 +163,26 @@ def test_a_ram_budget_over_two_cards_counts_every_cards_streamer(model, cards, m
         assert eng.backend.gpu.ram_split.total <= e.value.needed
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("mode", ["layer", "expert"])
+def test_a_card_failing_at_load_closes_the_cards_before_it(model, cards, monkeypatch, mode):
+    """The second card's model cannot be made (a card that fails or is gone): the error names it, and the first
+    card's model (its buffers, its reader of the file) is closed, not left behind."""
+    import hybridinfer.backends.gpu.backend as gb
+    import hybridinfer.backends.gpu.expert_gpu as eg
+    from hybridinfer.errors import BackendNotAvailableError
+
+    Card = gb.GPUModel
+
+    class Failing(Card):
+        def __init__(self, *a, **kw):
+            if cards:  # the first card is made; the second fails
+                raise BackendNotAvailableError("cuCtxCreate failed: no CUDA-capable device is detected")
+            super().__init__(*a, **kw)
+
+    monkeypatch.setattr(gb, "GPUModel", Failing)
+    monkeypatch.setattr(eg, "ExpertCard", Failing)
+    with pytest.raises(BackendNotAvailableError, match=r"device 1 \(stand-in\): cuCtxCreate failed"):
+        _load(model[0], 1 << 36, mode)
+    assert len(cards) == 1 and cards[0].closed and cards[0].reader.fd is None

@@ -36,7 +36,7 @@ from .backend import DEFAULT_CHUNK, GPUModel
 from .graph_ops import GPUOps
 from .multi import forward_many, in_passes
 from .multi_card import CardBudgetError
-from .multi_gpu import CardRunner, CardsUnderBudget, TowerCard, card_slots
+from .multi_gpu import CardRunner, CardsUnderBudget, TowerCard, card_slots, closing_on_error
 from .placement import BudgetError
 from .walker import Item, walk
 
@@ -243,18 +243,19 @@ class ExpertParallelModel(TowerCard, CardsUnderBudget):
         self.counts, _ = expert_card.plan_split(ws, slots, args.n_layer)
         self.ranges = expert_card.expert_ranges(self.counts)
         link = expert_card.link_bytes(args, self.chunk)
-        for k, (d, ctx, s, rng) in enumerate(zip(devices, self.ctxs, slots, self.ranges, strict=True)):
-            with loader.on_card(ctx):
-                try:
-                    m = ExpertCard(gm, args, n_ctx, vram_budget=s.vram_budget - link, chunk=self.chunk, device=d,
-                                   bus_bw=bus_bw, card_profile=card_profile, fit_n_ctx=fit_n_ctx,
-                                   kv_stream=kv_stream, layers=None if k == 0 else (0, args.n_layer), own=rng,
-                                   disk=disk)
-                except BackendNotAvailableError as e:
-                    raise BackendNotAvailableError(f"{s.label}: {e}") from None
-                except BudgetError as e:
-                    raise CardBudgetError(s.label, f"experts {rng[0]}..{rng[1] - 1} of each layer: {e}") from None
-            self.cards.append(CardRunner(d, ctx, m, loader.device_name(d)))
+        with closing_on_error(self):
+            for k, (d, ctx, s, rng) in enumerate(zip(devices, self.ctxs, slots, self.ranges, strict=True)):
+                with loader.on_card(ctx):
+                    try:
+                        m = ExpertCard(gm, args, n_ctx, vram_budget=s.vram_budget - link, chunk=self.chunk,
+                                       device=d, bus_bw=bus_bw, card_profile=card_profile, fit_n_ctx=fit_n_ctx,
+                                       kv_stream=kv_stream, layers=None if k == 0 else (0, args.n_layer), own=rng,
+                                       disk=disk)
+                    except BackendNotAvailableError as e:
+                        raise BackendNotAvailableError(f"{s.label}: {e}") from None
+                    except BudgetError as e:
+                        raise CardBudgetError(s.label, f"experts {rng[0]}..{rng[1] - 1} of each layer: {e}") from None
+                self.cards.append(CardRunner(d, ctx, m, loader.device_name(d)))
         self.n_ctx = min(c.m.n_ctx for c in self.cards)
         self.n_rows = min(c.m.n_rows for c in self.cards)
         self.n_res = min(c.m.n_res for c in self.cards)

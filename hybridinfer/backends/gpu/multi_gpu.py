@@ -9,6 +9,7 @@ streams and buffers), so the multi-card path runs on a one-GPU host too.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from dataclasses import replace
 
@@ -65,6 +66,17 @@ class CardRunner:
             if self.m is not None:
                 self.m.close()  # its reader of the model file (under a RAM budget)
             self.m, self._rows = None, {}
+
+
+@contextlib.contextmanager
+def closing_on_error(model):
+    """Inside: a multi-card model's cards being built; on an error the cards built so far are closed (their buffers,
+    and under a RAM budget their readers of the file) before it goes on."""
+    try:
+        yield
+    except BaseException:
+        model.close()
+        raise
 
 
 class TowerCard:
@@ -170,17 +182,19 @@ class MultiGPUModel(TowerCard, CardsUnderBudget):
         self.args, self.micro_batch, self.cards = args, micro_batch, []
         devices, ctxs, slots, ws = card_slots(gm, args, n_ctx, devices, vram_budget, chunk, card_profile)
         self.plan = layer_plan(gm, args, n_ctx, ws, slots)
-        for (d, ctx), sh in zip(zip(devices, ctxs, strict=True), self.plan.shares, strict=True):
-            with loader.on_card(ctx):
-                try:
-                    m = GPUModel(gm, args, n_ctx, vram_budget=sh.slot.vram_budget, chunk=chunk, device=d,
-                                 bus_bw=bus_bw, card_profile=card_profile, fit_n_ctx=fit_n_ctx, kv_stream=kv_stream,
-                                 layers=(sh.first, sh.end), disk=disk)
-                except BackendNotAvailableError as e:
-                    raise BackendNotAvailableError(f"{sh.slot.label}: {e}") from None
-                except BudgetError as e:  # its own pass plan left less than the split assumed
-                    raise multi_card.CardBudgetError(sh.slot.label, f"layers {sh.first}..{sh.end - 1}: {e}") from None
-            self.cards.append(CardRunner(d, ctx, m, loader.device_name(d)))
+        with closing_on_error(self):
+            for (d, ctx), sh in zip(zip(devices, ctxs, strict=True), self.plan.shares, strict=True):
+                with loader.on_card(ctx):
+                    try:
+                        m = GPUModel(gm, args, n_ctx, vram_budget=sh.slot.vram_budget, chunk=chunk, device=d,
+                                     bus_bw=bus_bw, card_profile=card_profile, fit_n_ctx=fit_n_ctx,
+                                     kv_stream=kv_stream, layers=(sh.first, sh.end), disk=disk)
+                    except BackendNotAvailableError as e:
+                        raise BackendNotAvailableError(f"{sh.slot.label}: {e}") from None
+                    except BudgetError as e:  # its own pass plan left less than the split assumed
+                        raise multi_card.CardBudgetError(sh.slot.label,
+                                                         f"layers {sh.first}..{sh.end - 1}: {e}") from None
+                self.cards.append(CardRunner(d, ctx, m, loader.device_name(d)))
         self.n_ctx = min(c.m.n_ctx for c in self.cards)
         self.n_rows = min(min(c.m.n_rows, c.m.n_res or c.m.n_rows) for c in self.cards)
         self.chunk = chunk
