@@ -318,3 +318,26 @@ def test_the_gpu_models_host_need_counts_what_its_streamer_takes(card, moe):
     st.keep([0])
     assert m._host_bytes(st.p) == st.host_bytes == need.layers[0] + 2 * max(need.layers[1], need.layers[3])
     st.disk.reader.close()
+
+
+def test_host_copies_hold_the_streamed_experts_alone_and_pinned_runs_go_in_one_copy(card, moe):
+    """No RAM budget: the streamer's page-locked copy of an expert tensor with experts pinned on the card holds its
+    streamed experts only (what host_need counts), the card still gets the file's bytes every pass, and each run of
+    pinned experts (ids and packed places both consecutive) goes card to card in one copy."""
+    from hybridinfer.backends.gpu.disk_stage import host_need, pinned_runs
+    from hybridinfer.backends.gpu.streamer import Streamer
+
+    gm = GGUFModel(moe)
+    a = model_args(gm)
+    p, infos = _placement(gm, a)
+    dtod = []
+    inner = card.drv.memcpy_dtod_async
+    card.drv.memcpy_dtod_async = lambda dst, src, n, s: (dtod.append(n), inner(dst, src, n, s))
+    st = Streamer(gm, p, infos, card.drv.Stream())
+    slab = infos["blk.1.ffn_up_exps.weight"].slab
+    for n in p.streamed[1]:
+        assert st.host[n].nbytes == (16 - len(PINS)) * slab  # not the 4 pinned experts' bytes
+    assert st.host_bytes == host_need(p, infos, {}).dense
+    assert pinned_runs({0: 0, 5: 1, 6: 2, 15: 3}) == [(0, 0, 1), (5, 1, 2), (15, 3, 1)]
+    _run_pass(st, gm, a)
+    assert sorted(dtod) == sorted([slab, 2 * slab, slab] * 3)  # gate, up, down: experts 0, 5..6, 15

@@ -87,3 +87,22 @@ def test_weights_of_a_real_layout(oracle_gguf):
     p = plan_placement(ws, int(total * 0.6), reserved=0)
     _check(p, ws, int(total * 0.6), 0)
     assert p.stream_bytes_per_pass > 0
+
+
+@pytest.mark.parametrize("budget_mib", [340, 400, 480])
+def test_experts_without_counts_are_pinned_evenly_over_the_layers(budget_mib):
+    """A fresh model (no routing counts) pins expert 0 of every layer, then expert 1 ..., so each MoE layer streams
+    about the same bytes: the two staging slots then overlap every layer's upload with the layer before's compute,
+    rather than the first layers running with the bus idle and the last ones waiting on it."""
+    ws = _model(n_layer=6)
+    p = plan_placement(ws, budget_mib * MiB, reserved=10 * MiB)
+    _check(p, ws, budget_mib * MiB, 10 * MiB)
+    pins = {i: {e for n, es in p.pinned_experts.items() if f"blk.{i}." in n for e in es} for i in range(6)}
+    assert any(pins.values()), "the budget leaves room for some experts"
+    for i, es in pins.items():
+        assert es == set(range(len(es))), f"layer {i} pins its lowest ids first: {sorted(es)}"
+    assert max(map(len, pins.values())) - min(map(len, pins.values())) <= 1
+    by = {w.name: w for w in ws}
+    moe = [sum(streamed_bytes(by[n], p) for n in by if n.startswith(f"blk.{i}.ffn_") and "_exps" in n)
+           for i in range(6)]
+    assert max(moe) - min(moe) <= 3 * 4 * MiB  # one expert's three slabs at most

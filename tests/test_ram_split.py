@@ -72,8 +72,9 @@ def test_stage_plan_and_host_need_of_a_placement():
     # two layers' copies (13 MiB) take less than two staging buffers of the larger (16 MiB): the least holds them
     assert need.staging == 16 * MB and need.least == need.full == 21 * MB
     assert stage_plan(p, infos, offsets, layers={1}).keys() == {1}
-    # nothing read: page-locked copies of the whole expert tensors too (the pinned experts' bytes included)
-    assert host_need(p, infos, {}, bounce=7) == GpuHost(8 * MB + 16 * MB, {}, 0)
+    # nothing read: page-locked copies of the expert tensors too, of their streamed experts only (layer 1's 3 pinned
+    # experts are on the card: the streamer's copy holds the other 5)
+    assert host_need(p, infos, {}, bounce=7) == GpuHost(8 * MB + 8 * MB + 5 * MB, {}, 0)
 
 
 def test_split_gives_the_cpu_its_share_first_and_keeps_what_is_left_layer_by_layer():

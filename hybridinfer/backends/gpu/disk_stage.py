@@ -29,6 +29,19 @@ from ..ram_split import GpuHost
 PIECE = 4 << 20  # the largest single read
 
 
+def pinned_runs(slot_of) -> list[tuple[int, int, int]]:
+    """(first expert, its index in the packed pinned copy, count) of each maximal run of pinned experts whose ids and
+    packed indices both follow on (slot_of: expert -> packed index): one on-card copy a run."""
+    out: list[list[int]] = []
+    for e in sorted(slot_of):
+        k = slot_of[e]
+        if out and out[-1][0] + out[-1][2] == e and out[-1][1] + out[-1][2] == k:
+            out[-1][2] += 1
+        else:
+            out.append([e, k, 1])
+    return [tuple(r) for r in out]
+
+
 def runs(n: int, pinned) -> list[tuple[int, int]]:
     """The maximal runs [e, e2) of 0..n-1 not in `pinned` (n 0: one tensor that is not stacked, one run)."""
     n = max(1, int(n))
@@ -114,7 +127,8 @@ def host_need(placement, infos, plan: Mapping[int, LayerStage], bounce: int = 0)
     """The GpuHost of a Streamer of `placement` reading `plan`'s layers from the file: its page-locked copies of the
     other streamed tensors, each planned layer's staged bytes, the readers' buffers."""
     staged = {n for st in plan.values() for n in st.copies}
-    dense = sum(infos[n].nbytes for names in placement.streamed.values() for n in names
+    dense = sum(infos[n].nbytes - len(placement.pinned_experts.get(n, ())) * infos[n].slab  # its streamed experts
+                for names in placement.streamed.values() for n in names
                 if n not in placement.resident and n not in staged)
     return GpuHost(dense, {i: st.nbytes for i, st in plan.items()}, bounce if plan else 0)
 

@@ -122,7 +122,11 @@ def plan_placement(weights: Iterable[WeightInfo], vram_budget: int, reserved: in
         if not fits(before):
             p.resident.discard(w.name)
             move(w, -w.nbytes)
-    experts = [(counts.get((w.layer, w.first_expert + e), 0), -w.layer, -e, w.name, e)
+    # the most used first; among equal counts (a fresh model: all) expert 0 of every layer, then expert 1 ..., so every
+    # layer keeps about as many on the card and streams about as many bytes: with two staging slots the bus then
+    # works beside every layer's compute (pinning whole early layers first left the bus idle through them and every
+    # later layer waiting on it: 1.84 -> 1.73 s predicted for the 35B-A3B's 4,096-token expert split at 5 GiB a card)
+    experts = [(counts.get((w.layer, w.first_expert + e), 0), -e, -w.layer, w.name, e)
                for w in ws.values() if w.n_expert for e in range(w.n_expert)]
     experts.sort(reverse=True)
     for _, _, _, name, e in experts:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .disk_stage import DiskStager, runs
+from .disk_stage import DiskStager, pinned_runs, runs
 from .k_gemm import DeviceWeight
 from .placement import STAGE_ALIGN as ALIGN
 from .placement import Placement, WeightInfo
@@ -51,6 +51,7 @@ class Streamer:
         self.resident: dict[str, DeviceWeight] = {}
         self.pinned: dict[str, tuple] = {}  # expert tensor -> (DeviceWeight of its pinned slabs, {e: slot})
         self.host: dict[str, np.ndarray] = {}  # streamed tensor -> pinned host copy (uint8)
+        self.host_runs: dict[str, dict[int, int]] = {}  # expert tensor with pins -> {run's first expert: offset}
         self.device_bytes = 0
         for name in sorted(placement.resident):
             t, info = gm.tensor(name), infos[name]
@@ -101,9 +102,23 @@ class Streamer:
         self.bytes_h2d = 0
 
     def _host_copy(self, name: str) -> None:
-        h = self.drv.pagelocked_empty(self.infos[name].nbytes, np.uint8)
-        np.copyto(h, file_bytes(self.gm, self.infos[name]))
-        self.host[name] = h
+        """The page-locked copy of a streamed tensor: of an expert tensor with experts pinned on the card, its
+        streamed experts' runs alone, back to back (what the uploads read: host_runs gives where each run starts)."""
+        info, raw = self.infos[name], file_bytes(self.gm, self.infos[name])
+        pinned = self.pinned.get(name, (None, {}))[1]
+        if not pinned:
+            h = self.drv.pagelocked_empty(info.nbytes, np.uint8)
+            np.copyto(h, raw)
+            self.host[name] = h
+            return
+        rs, slab = list(runs(info.n_expert, pinned)), info.slab
+        h = self.drv.pagelocked_empty(max(1, sum(e2 - e for e, e2 in rs) * slab), np.uint8)
+        pos, at = 0, {}
+        for e, e2 in rs:
+            n = (e2 - e) * slab
+            h[pos : pos + n] = raw[e * slab : e2 * slab]
+            at[e], pos = pos, pos + n
+        self.host[name], self.host_runs[name] = h, at
 
     def keep(self, layers) -> None:
         """Page-locked copies of `layers`' cold experts, laid out as their staging (disk_stage.LayerStage) and
@@ -155,10 +170,15 @@ class Streamer:
             info = self.infos[name]
             dw, slot_of = self.pinned.get(name, (None, {}))
             slab = info.slab
-            for e in slot_of:
-                d2d.append((base + off + e * slab, int(dw.data.gpudata) + slot_of[e] * slab, slab))
+            for e, k, n in pinned_runs(slot_of):  # runs of pinned experts packed in order: one copy each
+                d2d.append((base + off + e * slab, int(dw.data.gpudata) + k * slab, n * slab))
+            at = self.host_runs.get(name)
             for j, (e, e2) in enumerate(runs(info.n_expert, slot_of)):  # runs of streamed experts in one copy each
-                src = staged[name][j] if name in staged else self.host[name][e * slab : e2 * slab]
+                if name in staged:
+                    src = staged[name][j]
+                else:
+                    h0 = e * slab if at is None else at[e]
+                    src = self.host[name][h0 : h0 + (e2 - e) * slab]
                 h2d.append((base + off + e * slab, src))
         for dst, src, n in d2d:
             drv.memcpy_dtod_async(dst, src, n, self.copy)
