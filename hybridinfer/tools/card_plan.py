@@ -228,7 +228,7 @@ def format_plan(pl: CardPlan) -> str:
            "(the head counts as one)"]
     if pl.expert_slabs:
         out.append(f"experts:    {pl.pinned_slabs} of {pl.expert_slabs} expert slabs pinned on the card "
-                   "(gate, up and down of each layer's experts, in layer order until prompts are seen)")
+                   "(gate, up and down; until prompts are seen, expert 0 of every layer, then expert 1 ...)")
     out.append(f"efficiency: compute {pl.eff.compute:.2f} of fp32 peak, bus {pl.eff.bus:.2f} of the bus rate: "
                f"{pl.eff.source}")
     out += ["", "| prompt tokens | GFLOP | compute s | transfer s | predicted s | tok/s | bound by |",
