@@ -23,13 +23,19 @@ SHAPE = dict(n_embd=256, n_layer=4, n_head=4, n_head_kv=2, head_dim=64, n_vocab=
 CTX = 128
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    p = tmp_path_factory.mktemp("disk") / "moe.gguf"
-    synth_model(p, "qwen35moe", SHAPE, "q4_k_m", seed=3)
+def moe_with_engine(tmp_path_factory, folder: str, quant: str, seed: int):
+    """A synthetic MoE of SHAPE written under a fresh `folder`, with a CPU engine over the whole of it: (path,
+    engine) yielded, the engine closed after (a module fixture's body)."""
+    p = tmp_path_factory.mktemp(folder) / "moe.gguf"
+    synth_model(p, "qwen35moe", SHAPE, quant, seed=seed)
     eng = Engine.load(str(p), backend="cpu", n_ctx=CTX, spec_type="none")
     yield str(p), eng
     eng.close()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    yield from moe_with_engine(tmp_path_factory, "disk", "q4_k_m", 3)
 
 
 def _sizes(eng) -> tuple[int, int]:

@@ -15,19 +15,14 @@ import pytest
 
 from hybridinfer.engine.api import Engine
 from hybridinfer.errors import RamBudgetError
-from hybridinfer.tools.synth import synth_model
-from tests.test_expert_disk import CTX, SHAPE, _sizes
+from tests.test_expert_disk import CTX, SHAPE, _sizes, moe_with_engine
 
 L = SHAPE["n_layer"]
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    p = tmp_path_factory.mktemp("multi_ram") / "moe.gguf"
-    synth_model(p, "qwen35moe", SHAPE, "q8_0", seed=6)
-    eng = Engine.load(str(p), backend="cpu", n_ctx=CTX, spec_type="none")
-    yield str(p), eng
-    eng.close()
+    yield from moe_with_engine(tmp_path_factory, "multi_ram", "q8_0", 6)
 
 
 @pytest.fixture
