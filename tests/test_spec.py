@@ -237,14 +237,27 @@ def test_spec_cost_prices_recorded_steps_apart_and_probes_after_a_while():
     plain, verify, rec = c.model(8)
     assert plain == pytest.approx(0.010) and rec == pytest.approx(3.0)
     assert verify(32) == pytest.approx(0.009 + 0.001 * 4)  # unseen: a memory-bound plain step's price (a probe)
-    c.add(16, 0.060, drafted=True, recorded=True)  # recorded: not what its replays will cost
-    assert c.model(8)[1](32) == pytest.approx(0.013)
+    c.add(16, 0.060, drafted=True, recorded=True)  # recorded: its replays should take a third (record_x)
+    assert c.model(8)[1](32) == pytest.approx(0.040)  # the line through the plain step and 16 rows at 0.020 s
     c.add(16, 0.020, drafted=True)  # its replay
     plain, verify, rec = c.model(8)
     assert verify(16) == pytest.approx(0.020) and verify(24) == pytest.approx(0.030)  # the line through plain
     for _ in range(2000):  # a long time without drafts: the verify steps' evidence fades, a probe follows
         c.add(8, 0.010, drafted=False)
     assert c.model(8)[1](32) < 0.02
+
+
+def test_a_verify_step_recorded_before_any_plain_one_counts_once_recordings_are_priced():
+    """The Speculator's first step drafts and records; its seconds count (over record_x) as soon as plain steps give
+    record_x, so a verify step that costs several plain ones stops the drafts without another probe."""
+    c = sc.SpecCost()
+    c.add(2, 0.150, drafted=True, recorded=True)  # k = 1 on one sequence, recorded: 3x its replays
+    c.add(1, 0.060, drafted=False, recorded=True)
+    assert c.model(1) is None and c.record_x is None  # no plain step priced yet: the recorded verify waits
+    c.add(1, 0.020, drafted=False)
+    plain, verify, rec = c.model(1)
+    assert rec == pytest.approx(3.0) and verify(2) >= 0.050 - 1e-9  # 0.150 / 3 (the line starts at 0 s, not below)
+    assert sc.plan_k([0.6], [1], plain, verify, rec, replayed={1}) == 0  # 1.6 tokens in 2.5 plain steps: no draft
 
 
 def test_a_new_split_of_rows_pays_for_its_recording():

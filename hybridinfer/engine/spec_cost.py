@@ -5,10 +5,10 @@ step: the drafter's proposals, one pass over all rows, the rollback of rejected 
 priced apart, each as t0 + r * rows fitted over recent steps of its kind (`SpecCost`): a verify step has costs of
 its own (per-sequence calls, recurrent-state copies and the rollback, the drafter), so on a small model or a busy
 batch it costs more than a plain step of as many rows, and one fit over both would price drafts too low. A step
-that recorded its native calls (the first of its shape: on a small model several times its replays) is left out of
-the fits; recorded plain steps (once per set of sequences) give record_x, what a recording takes over its replays,
-and a verify step of a split of rows not replayed lately is charged that, spread over the steps the split may be
-replayed in.
+that recorded its native calls (the first of its shape: on a small model several times its replays) is not taken at
+its seconds: recorded plain steps (once per set of sequences) give record_x, what a recording takes over its
+replays, a recorded verify step counts as its seconds over record_x, and a verify step of a split of rows not
+replayed lately is charged record_x, spread over the steps the split may be replayed in.
 
 The draft length is decided for the whole batch (`plan_k`): every sequence that may draft takes the same k (each
 capped by its room), since all rows go through one verify step whose time every sequence waits for, and since a
@@ -33,10 +33,10 @@ class StepCost:
     keep: float = 0.9
     s: list = field(default_factory=lambda: [0.0] * 5)  # weights of: 1, x, x^2, y, x*y
 
-    def add(self, rows: int, seconds: float) -> None:
+    def add(self, rows: int, seconds: float, weight: float = 1.0) -> None:
         x, y = float(rows), float(seconds)
         for i, v in enumerate((1.0, x, x * x, y, x * y)):
-            self.s[i] = self.keep * self.s[i] + v
+            self.s[i] = self.keep * self.s[i] + weight * v
 
     def fade(self, keep: float) -> None:
         self.s = [keep * v for v in self.s]
@@ -76,23 +76,30 @@ class SpecCost:
     verify: StepCost = field(default_factory=StepCost)
     record_x: float | None = None  # a recorded plain step's seconds over the fit's price of it (a running estimate)
     _unpriced: list = field(default_factory=list)  # recorded plain steps (rows, seconds) not yet priced
+    _recorded_verify: list = field(default_factory=list)  # recorded verify steps (rows, seconds) not yet counted
     steps: int = 0  # steps measured
 
     def add(self, rows: int, seconds: float, drafted: bool, recorded: bool = False) -> None:
         """A step's seconds. A recorded plain step, once plain steps are priced, gives record_x; a recorded verify
-        step is left out (its replays are what its split costs from then on, and the next one measures them)."""
+        step counts as a verify step of its seconds over record_x (what its replays should take), once record_x is
+        known: else every new split of rows (each k's first step records) would be priced as a plain step, and a
+        model whose verify steps cost several plain ones (a MoE's rows each read their own experts) drafted k after
+        k before one was measured."""
         self.steps += 1
         if not drafted:
             self.verify.fade(VERIFY_FADE)
         if not recorded:
             (self.verify if drafted else self.plain).add(rows, seconds)
-        elif not drafted:
-            self._unpriced.append((rows, seconds))
+        else:
+            (self._recorded_verify if drafted else self._unpriced).append((rows, seconds))
         p = self.plain.fit()
         while p is not None and self._unpriced:
             rows, seconds = self._unpriced.pop()
             x = max(seconds / max(line(p)(rows), 1e-12), 1.0)
             self.record_x = x if self.record_x is None else 0.5 * (self.record_x + x)
+        while self.record_x is not None and self._recorded_verify:
+            rows, seconds = self._recorded_verify.pop()
+            self.verify.add(rows, seconds / self.record_x)
 
     def model(self, batch: int) -> tuple[float, Callable[[float], float], float] | None:
         """(a plain step's seconds at `batch` rows, a verify step's seconds by its rows, record_x or 1), or None
