@@ -233,6 +233,27 @@ def test_plan_command_prints_the_placement_and_predictions(capsys):
     assert "ms per token" in out
 
 
+def test_plan_of_two_cards_under_a_ram_budget_splits_it_over_both_streamers(capsys):
+    """plan --cards 2 --ram-budget: each split's RAM split (every card's streamer beside the CPU decode) within the
+    budget; one too small is refused naming both cards' staging and the least that loads."""
+    import re
+
+    G = 2**30
+    args = ["plan", "--shape", "35b-a3b", "--card", "c2075", "--cards", "2", "--vram-budget", "5GiB", "--prompts",
+            "947"]
+    assert main(args + ["--ram-budget", "24GiB"]) == 0
+    out = capsys.readouterr().out
+    for split in ("layer", "expert"):
+        (line,) = [ln for ln in out.splitlines() if ln.startswith(f"ram split ({split} split):")]
+        assert "gpu prefill on 2 cards" in line and "card 0 " in line and "card 1 " in line
+        cpu, gpu = (float(x) for x in re.search(r"cpu decode ([\d.]+) GiB, gpu prefill on 2 cards ([\d.]+) GiB",
+                                                line).groups())
+        assert (cpu + gpu) * G <= 24 * G * 1.0001  # the split stays within the budget (figures rounded to 0.01)
+    assert main(args + ["--ram-budget", "2GiB"]) == 2
+    err = capsys.readouterr().err
+    assert "over 2 cards" in err and "each card's own staging" in err and "is needed" in err
+
+
 def test_plan_command_from_a_file(tmp_path, capsys):
     p = tmp_path / "m.gguf"
     synth_model(p, "qwen35moe", TINY_MOE, "q4_k_m", seed=1)

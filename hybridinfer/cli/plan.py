@@ -50,7 +50,10 @@ def cmd_plan(a) -> int:
         from ..tools.multi_plan import format_cards, plan_cards
 
         args = with_cache_types(model_args(gm), a.cache_type_k, a.cache_type_v)
-        print(format_cards(plan_cards(gm, args, names, vram_budget=a.vram_budget, prompts=prompts)))
+        cp = plan_cards(gm, args, names, vram_budget=a.vram_budget, prompts=prompts)
+        print(format_cards(cp))
+        if a.ram_budget is not None and getattr(args, "is_moe", False):
+            _cards_ram_lines(gm, args, cp, a.ram_budget)
         return 0
     host_bw, note = a.host_bw, ""
     if host_bw is None:
@@ -69,25 +72,45 @@ def cmd_plan(a) -> int:
     return 0
 
 
-def _ram_lines(gm, args, placement, budget: int) -> None:
+def _ram_lines(gm, args, placement, budget: int, label: str = "") -> None:
     """The RAM budget's split between the card's streamer (page-locked copies, expert staging) and the CPU backend
-    (ram_split.py), as a load under it makes it, from the tensor table alone."""
+    (ram_split.py), as a load under it makes it, from the tensor table alone. placement: one card's, or a list of
+    (placement, weight infos) a card for several (their streamers' needs split together, ram_split.split_cards)."""
     from ..backends.cpu.expert_setup import plan_file, uniform_read_bytes
     from ..backends.gpu.disk_stage import host_need, stage_plan
     from ..backends.gpu.placement import weights_of
-    from ..backends.ram_split import cpu_share, refuse, split_ram
+    from ..backends.ram_split import cpu_share, refuse, split_cards, split_ram
     from ..errors import RamBudgetError
 
-    infos = {w.name: w for w in weights_of(gm, args, matrices_only=True)}
-    need = host_need(placement, infos, stage_plan(placement, infos, dict.fromkeys(infos, 0)))
+    def need_of(p, infos):
+        return host_need(p, infos, stage_plan(p, infos, dict.fromkeys(infos, 0)))
+
+    if isinstance(placement, list):
+        need = tuple(need_of(p, infos) for p, infos in placement)
+    else:
+        need = need_of(placement, {w.name: w for w in weights_of(gm, args, matrices_only=True)})
     try:
         rp = plan_file(gm, args.n_expert_used, cpu_share(budget, need))
     except RamBudgetError as e:
         raise refuse(e, budget, need) from None
-    split = split_ram(budget, need, rp.resident_bytes)
-    print(f"ram split:  {split.summary()}")
-    print(f"cpu ram:    {rp.summary()}; about {uniform_read_bytes(rp, args.n_expert_used) / 1e6:.1f} MB read "
-          "per decode token at uniform routing")
+    split = (split_cards if isinstance(need, tuple) else split_ram)(budget, need, rp.resident_bytes)
+    print(f"ram split{label}:  {split.summary()}")
+    print(f"cpu ram{label}:    {rp.summary()}; about {uniform_read_bytes(rp, args.n_expert_used) / 1e6:.1f} MB "
+          "read per decode token at uniform routing")
+
+
+def _cards_ram_lines(gm, args, cp, budget: int) -> None:
+    """_ram_lines for each split of `cp` (tools/multi_plan.CardsPlan): every card's streamer beside the CPU."""
+    from ..backends.gpu.expert_card import own_weights
+    from ..backends.gpu.placement import weights_of
+
+    ws = weights_of(gm, args, matrices_only=True)
+    every = {w.name: w for w in ws}
+    _ram_lines(gm, args, [(sh.placement, every) for sh in cp.splits[-1].shares], budget, " (layer split)")
+    if cp.experts:
+        cards = [(sh.placement, {w.name: w for w in own_weights(ws, sh.experts, None if k == 0 else args.n_layer)})
+                 for k, sh in enumerate(cp.experts[-1].shares)]
+        _ram_lines(gm, args, cards, budget, " (expert split)")
 
 
 def add_plan_parser(sub) -> None:
