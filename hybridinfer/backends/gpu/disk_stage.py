@@ -76,14 +76,22 @@ def stage_layer(layer: int, tensors, piece: int = PIECE) -> LayerStage:
     copies, reads, pos = {}, [], 0
     piece = max(1, int(piece))
     for name, offset, slab, n_expert, pinned in tensors:
-        cs = []
-        for e, e2 in runs(n_expert, pinned):
-            n = (e2 - e) * slab
-            cs.append((e * slab, pos, n))
-            reads += [(pos + r, offset + e * slab + r, min(piece, n - r)) for r in range(0, n, piece)]
-            pos += n
-        copies[name] = tuple(cs)
+        copies[name] = cs = run_copies(slab, n_expert, pinned, pos)
+        for t, h, n in cs:
+            reads += [(h + r, offset + t + r, min(piece, n - r)) for r in range(0, n, piece)]
+            pos = h + n
     return LayerStage(layer, pos, copies, tuple(reads))
+
+
+def run_copies(slab: int, n_expert: int, pinned, pos: int = 0) -> tuple[tuple[int, int, int], ...]:
+    """(offset in the tensor, offset in a buffer, bytes) of each run of a tensor's experts not in `pinned`, laid back
+    to back in the buffer from `pos` (a tensor that is not stacked: one run, the whole of it): how a LayerStage and
+    the Streamer's page-locked copies hold the bytes that go up."""
+    out = []
+    for e, e2 in runs(n_expert, pinned):
+        out.append((e * slab, pos, (e2 - e) * slab))
+        pos += (e2 - e) * slab
+    return tuple(out)
 
 
 def file_offsets(gm, infos) -> dict[str, int]:

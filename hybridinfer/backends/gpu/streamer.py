@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .disk_stage import DiskStager, pinned_runs, runs
+from .disk_stage import DiskStager, pinned_runs, run_copies, runs
 from .k_gemm import DeviceWeight
 from .placement import STAGE_ALIGN as ALIGN
 from .placement import Placement, WeightInfo
@@ -32,6 +32,18 @@ def file_bytes(gm, info: WeightInfo) -> np.ndarray:
     """The file's bytes of `info`: the whole tensor, or its experts [first_expert, first_expert + n_expert)."""
     raw = np.asarray(gm.tensor(info.name).raw()).view(np.uint8).reshape(-1)
     return raw[info.first_expert * info.slab : info.first_expert * info.slab + info.nbytes] if info.n_expert else raw
+
+
+def _parts(buf: np.ndarray, copies) -> list[np.ndarray]:
+    """The views of `buf` that `copies` ((offset in the tensor, offset in buf, bytes) a run) lay out."""
+    return [buf[h : h + k] for _, h, k in copies]
+
+
+def _fill(buf: np.ndarray, raw: np.ndarray, copies) -> list[np.ndarray]:
+    """buf's runs of `copies` filled from the tensor's bytes `raw`; their views (_parts)."""
+    for t, h, k in copies:
+        buf[h : h + k] = raw[t : t + k]
+    return _parts(buf, copies)
 
 
 class Streamer:
@@ -51,7 +63,7 @@ class Streamer:
         self.resident: dict[str, DeviceWeight] = {}
         self.pinned: dict[str, tuple] = {}  # expert tensor -> (DeviceWeight of its pinned slabs, {e: slot})
         self.host: dict[str, np.ndarray] = {}  # streamed tensor -> pinned host copy (uint8)
-        self.host_runs: dict[str, dict[int, int]] = {}  # expert tensor with pins -> {run's first expert: offset}
+        self.host_parts: dict[str, list] = {}  # streamed tensor -> its copy's views, one a run of experts uploaded
         self.device_bytes = 0
         for name in sorted(placement.resident):
             t, info = gm.tensor(name), infos[name]
@@ -102,23 +114,12 @@ class Streamer:
         self.bytes_h2d = 0
 
     def _host_copy(self, name: str) -> None:
-        """The page-locked copy of a streamed tensor: of an expert tensor with experts pinned on the card, its
-        streamed experts' runs alone, back to back (what the uploads read: host_runs gives where each run starts)."""
-        info, raw = self.infos[name], file_bytes(self.gm, self.infos[name])
-        pinned = self.pinned.get(name, (None, {}))[1]
-        if not pinned:
-            h = self.drv.pagelocked_empty(info.nbytes, np.uint8)
-            np.copyto(h, raw)
-            self.host[name] = h
-            return
-        rs, slab = list(runs(info.n_expert, pinned)), info.slab
-        h = self.drv.pagelocked_empty(max(1, sum(e2 - e for e, e2 in rs) * slab), np.uint8)
-        pos, at = 0, {}
-        for e, e2 in rs:
-            n = (e2 - e) * slab
-            h[pos : pos + n] = raw[e * slab : e2 * slab]
-            at[e], pos = pos, pos + n
-        self.host[name], self.host_runs[name] = h, at
+        """The page-locked copy of a streamed tensor: its runs of experts not pinned on the card, back to back
+        (disk_stage.run_copies: the whole tensor where none is pinned), the uploads' sources (host_parts)."""
+        info = self.infos[name]
+        cs = run_copies(info.slab, info.n_expert, self.pinned.get(name, (None, {}))[1])
+        h = self.drv.pagelocked_empty(max(1, sum(k for _, _, k in cs)), np.uint8)
+        self.host[name], self.host_parts[name] = h, _fill(h, file_bytes(self.gm, info), cs)
 
     def keep(self, layers) -> None:
         """Page-locked copies of `layers`' cold experts, laid out as their staging (disk_stage.LayerStage) and
@@ -132,9 +133,7 @@ class Streamer:
         for i in keep:
             buf = self.drv.pagelocked_empty(max(plan[i].nbytes, 1), np.uint8)
             for n, cs in plan[i].copies.items():
-                raw = file_bytes(self.gm, self.infos[n])  # an expert split's card: its own experts' bytes
-                for t, h, k in cs:
-                    buf[h : h + k] = raw[t : t + k]
+                _fill(buf, file_bytes(self.gm, self.infos[n]), cs)  # an expert split's card: its own experts' bytes
             self.kept[i] = (plan[i], buf)
         rest = {i: st for i, st in plan.items() if i not in keep}
         self.disk = DiskStager(self.drv, reader, rest) if rest else None
@@ -165,20 +164,15 @@ class Streamer:
             b, buf = self._disk(self.disk.take, layer)
             st = self.disk.plan[layer]
         if st is not None:
-            staged = {n: [buf[h : h + k] for _, h, k in cs] for n, cs in st.copies.items()}
+            staged = {n: _parts(buf, cs) for n, cs in st.copies.items()}
         for name, off in self.layout[layer]:
             info = self.infos[name]
             dw, slot_of = self.pinned.get(name, (None, {}))
             slab = info.slab
             for e, k, n in pinned_runs(slot_of):  # runs of pinned experts packed in order: one copy each
                 d2d.append((base + off + e * slab, int(dw.data.gpudata) + k * slab, n * slab))
-            at = self.host_runs.get(name)
-            for j, (e, e2) in enumerate(runs(info.n_expert, slot_of)):  # runs of streamed experts in one copy each
-                if name in staged:
-                    src = staged[name][j]
-                else:
-                    h0 = e * slab if at is None else at[e]
-                    src = self.host[name][h0 : h0 + (e2 - e) * slab]
+            parts = staged[name] if name in staged else self.host_parts[name]
+            for (e, _), src in zip(runs(info.n_expert, slot_of), parts, strict=True):  # a run of experts a copy
                 h2d.append((base + off + e * slab, src))
         for dst, src, n in d2d:
             drv.memcpy_dtod_async(dst, src, n, self.copy)
