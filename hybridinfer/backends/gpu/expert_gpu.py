@@ -27,7 +27,7 @@ import weakref
 
 import numpy as np
 
-from ...errors import BackendNotAvailableError, CardFailedError, HybridInferError, ParameterError
+from ...errors import CardFailedError, HybridInferError, ParameterError
 from ..state import DecoderState
 from . import expert_card, loader
 from . import k_elementwise as ke
@@ -35,9 +35,7 @@ from . import k_moe as km
 from .backend import DEFAULT_CHUNK, GPUModel
 from .graph_ops import GPUOps
 from .multi import forward_many, in_passes
-from .multi_card import CardBudgetError
-from .multi_gpu import CardRunner, CardsUnderBudget, TowerCard, card_slots, closing_on_error
-from .placement import BudgetError
+from .multi_gpu import CardsModel, card_slots, closing_on_error, make_card
 from .walker import Item, walk
 
 BARRIER_S = 600.0  # a card waiting this long at the exchange for another has lost it
@@ -225,7 +223,7 @@ class ExpertCard(GPUModel):
         super().__init__(*a, **kw)
 
 
-class ExpertParallelModel(TowerCard, CardsUnderBudget):
+class ExpertParallelModel(CardsModel):
     """Prefill over `devices` (multi_gpu.check_devices), split by experts; the other arguments are GPUModel's (disk:
     each card reads its own experts' cold ones). Two or more cards; the model must have routed experts."""
 
@@ -245,17 +243,11 @@ class ExpertParallelModel(TowerCard, CardsUnderBudget):
         link = expert_card.link_bytes(args, self.chunk)
         with closing_on_error(self):
             for k, (d, ctx, s, rng) in enumerate(zip(devices, self.ctxs, slots, self.ranges, strict=True)):
-                with loader.on_card(ctx):
-                    try:
-                        m = ExpertCard(gm, args, n_ctx, vram_budget=s.vram_budget - link, chunk=self.chunk,
-                                       device=d, bus_bw=bus_bw, card_profile=card_profile, fit_n_ctx=fit_n_ctx,
-                                       kv_stream=kv_stream, layers=None if k == 0 else (0, args.n_layer), own=rng,
-                                       disk=disk)
-                    except BackendNotAvailableError as e:
-                        raise BackendNotAvailableError(f"{s.label}: {e}") from None
-                    except BudgetError as e:
-                        raise CardBudgetError(s.label, f"experts {rng[0]}..{rng[1] - 1} of each layer: {e}") from None
-                self.cards.append(CardRunner(d, ctx, m, loader.device_name(d)))
+                self.cards.append(make_card(
+                    ctx, s.label, f"experts {rng[0]}..{rng[1] - 1} of each layer", ExpertCard, gm, args, n_ctx,
+                    device=d, vram_budget=s.vram_budget - link, chunk=self.chunk, bus_bw=bus_bw,
+                    card_profile=card_profile, fit_n_ctx=fit_n_ctx, kv_stream=kv_stream,
+                    layers=None if k == 0 else (0, args.n_layer), own=rng, disk=disk))
         self.n_ctx = min(c.m.n_ctx for c in self.cards)
         self.n_rows = min(c.m.n_rows for c in self.cards)
         self.n_res = min(c.m.n_res for c in self.cards)
@@ -277,15 +269,8 @@ class ExpertParallelModel(TowerCard, CardsUnderBudget):
         self.cards[0].m.hidden_to = fn
 
     @property
-    def vram_budget(self) -> int:
-        return min(c.m.vram_budget for c in self.cards)
-
-    @property
     def allocated_bytes(self) -> int:
         return sum(c.m.allocated_bytes + c.m.link.nbytes for c in self.cards)
-
-    def new_state(self, n_ctx: int) -> DecoderState:
-        return DecoderState.new(self.args, n_ctx)
 
     def forward(self, tokens, state: DecoderState, all_logits: bool = True, snapshot_at=(), on_snapshot=None):
         return in_passes(self, tokens, state, all_logits, snapshot_at, on_snapshot)

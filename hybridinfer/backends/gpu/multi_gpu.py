@@ -79,12 +79,42 @@ def closing_on_error(model):
         raise
 
 
-class TowerCard:
-    """What a multi-card prefill (its `cards`, CardRunners) shows engine/image_encoder.py of the card a vision tower
-    runs on: multi_card.tower_card's choice, made at the first ask and kept, so the room it reads, the bytes it sets
-    aside from that card's budget and the context its encodes run in (`tower_context`) are one card's."""
+def make_card(ctx, label: str, share: str, build, *a, device: int, **kw) -> CardRunner:
+    """One card of a multi-card model: build(*a, device=device, **kw) (its GPUModel) made in the card's context, as
+    a CardRunner. A card that cannot run is a BackendNotAvailableError, and a pass plan larger than the split assumed
+    a multi_card.CardBudgetError, both naming the card (`label`, its CardSlot's); `share` says what the card was to
+    hold ("layers 0..11")."""
+    with loader.on_card(ctx):
+        try:
+            m = build(*a, device=device, **kw)
+        except BackendNotAvailableError as e:
+            raise BackendNotAvailableError(f"{label}: {e}") from None
+        except BudgetError as e:  # its own pass plan left less than the split assumed
+            raise multi_card.CardBudgetError(label, f"{share}: {e}") from None
+    return CardRunner(device, ctx, m, loader.device_name(device))
 
+
+class CardsModel:
+    """What a prefill over several cards (MultiGPUModel, expert_gpu.ExpertParallelModel) shows the engine whichever
+    its split, from its `cards` (CardRunners, in card order): the card a vision tower runs on (engine/image_encoder.py)
+    and, under a RAM budget (make_backend's _split_ram), its cards' readers of the model file.
+
+    The tower's card is multi_card.tower_card's choice, made at the first ask and kept, so the room it reads, the
+    bytes it sets aside from that card's budget and the context its encodes run in (`tower_context`) are one card's.
+    Under a RAM budget each card's GPUModel has its own reader of the file (disk_stage.DiskSource.reader: its own
+    pool, buffers and staging, used from that card's worker thread alone), and ram_split.split_cards splits the
+    budget over them."""
+
+    cards: list[CardRunner]
     _tower_k: int | None = None
+    ram_split = None  # the ram_split.CardsSplit, once made
+
+    @property
+    def vram_budget(self) -> int:
+        return min(c.m.vram_budget for c in self.cards)
+
+    def new_state(self, n_ctx: int) -> DecoderState:
+        return DecoderState.new(self.args, n_ctx)
 
     @property
     def tower(self) -> CardRunner:
@@ -103,37 +133,6 @@ class TowerCard:
     def tower_context(self):
         """The chosen card's CUDA context (loader.card_context's): gpu/vision.py enters it for every encode."""
         return self.tower.ctx
-
-
-def check_devices(devices, vram_budget, device=None) -> tuple[list[int], list]:
-    """devices: card indices in pipeline order (a repeat: another context on that card); vram_budget: one for all,
-    one a device, or None (each card's free memory less 512 MiB); device: the one-card option, which must not be
-    given too. Returns (devices, a budget a device)."""
-    if devices is None and isinstance(vram_budget, (list, tuple)):
-        raise ParameterError(f"vram_budget {vram_budget!r}: one budget a device needs devices=[...]")
-    if device is not None and devices is not None:
-        raise ParameterError(f"give device or devices, not both (device={device!r}, devices={devices!r})")
-    if not isinstance(devices, (list, tuple)) or not devices:
-        raise ParameterError(f"devices must be a non-empty list of CUDA device indices, got {devices!r}")
-    for d in devices:
-        if type(d) is not int or d < 0:
-            raise ParameterError(f"devices: {d!r} is not a CUDA device index (an int >= 0)")
-    budgets = list(vram_budget) if isinstance(vram_budget, (list, tuple)) else [vram_budget] * len(devices)
-    if len(budgets) != len(devices):
-        raise ParameterError(f"{len(budgets)} VRAM budgets for {len(devices)} devices: give one for all or one a "
-                             "device")
-    for d, b in zip(devices, budgets, strict=True):
-        if b is not None and (type(b) is not int or b <= 0):
-            raise ParameterError(f"vram_budget of device {d} must be a positive number of bytes, got {b!r}")
-    return list(devices), budgets
-
-
-class CardsUnderBudget:
-    """A prefill over several cards (self.cards: CardRunners) under a RAM budget (make_backend's _split_ram): each
-    card's GPUModel has its own reader of the model file (disk_stage.DiskSource.reader: its own pool, buffers and
-    staging, used from that card's worker thread alone), and ram_split.split_cards splits the budget over them."""
-
-    ram_split = None  # the ram_split.CardsSplit, once made
 
     def host_need(self) -> tuple:
         """Each card's ram_split.GpuHost, in card order."""
@@ -165,7 +164,30 @@ class CardsUnderBudget:
             c.m.tok_embd = t
 
 
-class MultiGPUModel(TowerCard, CardsUnderBudget):
+def check_devices(devices, vram_budget, device=None) -> tuple[list[int], list]:
+    """devices: card indices in pipeline order (a repeat: another context on that card); vram_budget: one for all,
+    one a device, or None (each card's free memory less 512 MiB); device: the one-card option, which must not be
+    given too. Returns (devices, a budget a device)."""
+    if devices is None and isinstance(vram_budget, (list, tuple)):
+        raise ParameterError(f"vram_budget {vram_budget!r}: one budget a device needs devices=[...]")
+    if device is not None and devices is not None:
+        raise ParameterError(f"give device or devices, not both (device={device!r}, devices={devices!r})")
+    if not isinstance(devices, (list, tuple)) or not devices:
+        raise ParameterError(f"devices must be a non-empty list of CUDA device indices, got {devices!r}")
+    for d in devices:
+        if type(d) is not int or d < 0:
+            raise ParameterError(f"devices: {d!r} is not a CUDA device index (an int >= 0)")
+    budgets = list(vram_budget) if isinstance(vram_budget, (list, tuple)) else [vram_budget] * len(devices)
+    if len(budgets) != len(devices):
+        raise ParameterError(f"{len(budgets)} VRAM budgets for {len(devices)} devices: give one for all or one a "
+                             "device")
+    for d, b in zip(devices, budgets, strict=True):
+        if b is not None and (type(b) is not int or b <= 0):
+            raise ParameterError(f"vram_budget of device {d} must be a positive number of bytes, got {b!r}")
+    return list(devices), budgets
+
+
+class MultiGPUModel(CardsModel):
     """Prefill over `devices` (see check_devices), each card a GPUModel over its layer range; the other arguments
     are GPUModel's (disk: each card reads its own layers' cold experts). micro_batch: rows a micro-batch (None: the
     count the time model prefers for each prompt)."""
@@ -184,17 +206,10 @@ class MultiGPUModel(TowerCard, CardsUnderBudget):
         self.plan = layer_plan(gm, args, n_ctx, ws, slots)
         with closing_on_error(self):
             for (d, ctx), sh in zip(zip(devices, ctxs, strict=True), self.plan.shares, strict=True):
-                with loader.on_card(ctx):
-                    try:
-                        m = GPUModel(gm, args, n_ctx, vram_budget=sh.slot.vram_budget, chunk=chunk, device=d,
-                                     bus_bw=bus_bw, card_profile=card_profile, fit_n_ctx=fit_n_ctx,
-                                     kv_stream=kv_stream, layers=(sh.first, sh.end), disk=disk)
-                    except BackendNotAvailableError as e:
-                        raise BackendNotAvailableError(f"{sh.slot.label}: {e}") from None
-                    except BudgetError as e:  # its own pass plan left less than the split assumed
-                        raise multi_card.CardBudgetError(sh.slot.label,
-                                                         f"layers {sh.first}..{sh.end - 1}: {e}") from None
-                self.cards.append(CardRunner(d, ctx, m, loader.device_name(d)))
+                self.cards.append(make_card(
+                    ctx, sh.slot.label, f"layers {sh.first}..{sh.end - 1}", GPUModel, gm, args, n_ctx, device=d,
+                    vram_budget=sh.slot.vram_budget, chunk=chunk, bus_bw=bus_bw, card_profile=card_profile,
+                    fit_n_ctx=fit_n_ctx, kv_stream=kv_stream, layers=(sh.first, sh.end), disk=disk))
         self.n_ctx = min(c.m.n_ctx for c in self.cards)
         self.n_rows = min(min(c.m.n_rows, c.m.n_res or c.m.n_rows) for c in self.cards)
         self.chunk = chunk
@@ -203,15 +218,8 @@ class MultiGPUModel(TowerCard, CardsUnderBudget):
         self._views: dict[int, tuple] = {}
 
     @property
-    def vram_budget(self) -> int:
-        return min(c.m.vram_budget for c in self.cards)
-
-    @property
     def allocated_bytes(self) -> int:
         return sum(c.m.allocated_bytes for c in self.cards)
-
-    def new_state(self, n_ctx: int) -> DecoderState:
-        return DecoderState.new(self.args, n_ctx)
 
     def rows_for(self, T: int) -> int:
         """Rows a micro-batch of a T-token prompt: the given micro_batch, else T over the time model's count; never
