@@ -2,12 +2,20 @@
 each card is a GPUModel whose construction is a stand-in (no CUDA: every matrix streamed, nothing uploaded) but whose
 figures under the budget are GPUModel's own (its reader of the file, its disk staging plan, host_need), and the rest
 is the real path: make_backend, open_cards, MultiGPUModel / ExpertParallelModel, the split of the budget over the
-CPU decode and every card's streamer, the refusal, the CPU decode after, close. The logits of a real multi-card prefill
-under a budget are tests/test_gpu_ram_budget_cards.py's (on two GPUs)."""
+CPU decode and every card's streamer, the refusal, the CPU decode after, close; and, with a stand-in pass that reads
+each card's cold experts through its reader and the real disk staging, the cards' worker threads meeting a file that
+fails mid-run. The logits of a real multi-card prefill under a budget are tests/test_gpu_ram_budget_cards.py's (on two
+GPUs)."""
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import os
+import shutil
+import sys
+import threading
+import time
 import types
 
 import numpy as np
@@ -15,6 +23,7 @@ import pytest
 
 from hybridinfer.engine.api import Engine
 from hybridinfer.errors import RamBudgetError
+from tests.bounded import bounded
 from tests.test_expert_disk import CTX, SHAPE, _sizes, moe_with_engine
 
 L = SHAPE["n_layer"]
@@ -181,3 +190,96 @@ def test_a_card_failing_at_load_closes_the_cards_before_it(model, cards, monkeyp
     with pytest.raises(BackendNotAvailableError, match=r"device 1 \(stand-in\): cuCtxCreate failed"):
         _load(model[0], 1 << 36, mode)
     assert len(cards) == 1 and cards[0].closed and cards[0].reader.fd is None
+
+
+def _reading_walk(m, items, all_logits=False, rows_in=None, rows_out=None):
+    """walker.walk's stand-in: as far as the file goes, a card's pass, its layers' cold experts (those not held)
+    read through its own reader into the real disk staging (DiskStager: two buffers, a layer ahead) in layer
+    order; an expert split's cards meet after each layer, as their exchange makes them wait for one another."""
+    from hybridinfer.backends.gpu.disk_stage import DiskStager
+    from hybridinfer.backends.gpu.expert_gpu import BARRIER_S
+
+    st = getattr(m, "stager", None)
+    if st is None:
+        host = types.SimpleNamespace(pagelocked_empty=lambda n, dt: np.zeros(n, dt))
+        plan = {i: s for i, s in m._disk(m.placement)[1].items() if i not in m.held}
+        st = m.stager = DiskStager(host, m.reader, plan)
+    link = getattr(m, "link", None)
+    for i in st.order:
+        _, buf = st.take(i)
+        if st.next_after(i) is not None:
+            st.start(st.next_after(i))
+        assert buf.any()  # the experts' bytes, not the buffer's zeros
+        if link is not None:
+            link.ex.barrier.wait(BARRIER_S)
+    m.last_timing = {"bytes_h2d": 0, "work": {"flops": 0.0}, "copy_s": 0.0, "gpu_s": 0.0}
+    if rows_out is not None:
+        return [rows_out]
+    return [np.zeros((len(it.ids) if all_logits else 1, SHAPE["n_vocab"]), np.float32) for it in items]
+
+
+@pytest.mark.parametrize("mode", ["layer", "expert"])
+@pytest.mark.parametrize("how", ["truncate", "eio"])
+def test_a_file_failing_mid_run_is_a_card_failed_error_naming_the_card(model, cards, monkeypatch, tmp_path, mode, how):
+    """Issue 34: under a RAM budget every card reads its cold experts from the GGUF on each pass. The file truncated
+    after load (every card's next read fails; the first card in order is named), or one card's reads failing (EIO on
+    card 1's reader: card 1 is named, and the other card is not left waiting for it): the pass raises CardFailedError
+    naming the card with the ExpertReadError as its cause, within seconds, every card's worker ended; the next pass
+    fails the same way; the model then closes, every card's reader with it."""
+    import hybridinfer.backends.gpu.expert_gpu as eg
+    import hybridinfer.backends.gpu.multi_gpu as mg
+    from hybridinfer.errors import CardFailedError, ExpertReadError
+
+    drv = types.ModuleType("pycuda.driver")  # CardRunner.host_rows's page-locked rows: plain ones here
+    drv.pagelocked_empty = lambda shape, dt, mem_flags=0: np.zeros(shape, dt)
+    drv.host_alloc_flags = types.SimpleNamespace(PORTABLE=1)
+    pkg = types.ModuleType("pycuda")
+    pkg.driver = drv
+    monkeypatch.setitem(sys.modules, "pycuda", pkg)
+    monkeypatch.setitem(sys.modules, "pycuda.driver", drv)
+    monkeypatch.setattr(mg, "walk", _reading_walk)
+    monkeypatch.setattr(eg, "walk", _reading_walk)
+    monkeypatch.setattr(eg, "Exchange", lambda n, rows, width: types.SimpleNamespace(n=n, barrier=threading.Barrier(n)))
+    monkeypatch.setattr(eg, "CardLink", lambda ex, k, m: types.SimpleNamespace(ex=ex))
+    path = str(tmp_path / "copy.gguf")
+    shutil.copy(model[0], path)
+    kw = {"micro_batch": 16} if mode == "layer" else {}  # layer: three micro-batches through the pipeline
+    eng = Engine.load(path, backend="gpu", n_ctx=CTX, spec_type="none", ram_budget=1 << 36, devices=[0, 1],
+                      split_mode=mode, expert_io="pread", readers=2, **kw)
+    eng.backend.gpu.hold(((), ()))  # no copies kept (a 4-layer model's cards keep all): every pass reads the file
+    try:
+        be = eng.backend
+        prompt = list(range(200, 240))
+        be.forward(prompt, be.new_state(CTX))  # the file whole: a pass reads every card's cold experts
+        per = be.gpu.disk_stats()["cards"]
+        assert [sorted(c.stager.plan) for c in cards] == ([[0, 1], [2, 3]] if mode == "layer" else [[0, 1, 2, 3]] * 2)
+        passes = be.gpu.last_timing["micro_batches"]  # a card's pass a micro-batch: its cold experts read each time
+        assert passes == (3 if mode == "layer" else 1)
+        assert [d["bytes_read"] for d in per] == [passes * sum(s.nbytes for s in c.stager.plan.values()) for c in cards]
+        if how == "truncate":
+            os.truncate(path, os.path.getsize(path) // 2)
+            failing, why = 0, "changed while the model runs"
+        else:
+            def eio(*a, **k):
+                raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+            cards[1].reader._pread = eio
+            failing, why = 1, os.strerror(errno.EIO)
+        for _ in range(2):  # the pass that meets the failure, then the next one
+            t0 = time.monotonic()
+            got = bounded(lambda: be.forward(prompt, be.new_state(CTX)), timeout=60)
+            assert time.monotonic() - t0 < 20
+            e = got.get("error")
+            assert isinstance(e, CardFailedError), got
+            assert (e.device, e.card) == (failing, "stand-in") and f"device {failing} (stand-in)" in str(e)
+            assert isinstance(e.__cause__, ExpertReadError) and path in str(e.__cause__)
+            assert why in str(e.__cause__)
+            assert not any(t.name.startswith(("hybridinfer-card-", "hybridinfer-expert-card-"))
+                           for t in threading.enumerate())
+            why = "stopped after an earlier failure"  # the next pass: refused at its first read
+    finally:
+        assert bounded(eng.close, timeout=30) == {"value": None}
+    assert len(cards) == 2 and all(c.closed and c.reader.fd is None for c in cards)
+    for t in [t for c in cards for t in c.reader.pool._threads]:  # each card's readers end
+        t.join(10)
+        assert not t.is_alive()
