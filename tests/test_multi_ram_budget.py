@@ -170,25 +170,36 @@ def test_a_ram_budget_over_two_cards_counts_every_cards_streamer(model, cards, m
 
 
 @pytest.mark.parametrize("mode", ["layer", "expert"])
-def test_a_card_failing_at_load_closes_the_cards_before_it(model, cards, monkeypatch, mode):
-    """The second card's model cannot be made (a card that fails or is gone): the error names it, and the first
-    card's model (its buffers, its reader of the file) is closed, not left behind."""
+@pytest.mark.parametrize("why", ["gone", "budget"])
+def test_a_card_failing_at_load_closes_the_cards_before_it(model, cards, monkeypatch, mode, why):
+    """The second card's model cannot be made (a card that fails or is gone; its own pass plan needing more than the
+    split gave it): the error names it (a budget's, what it was to hold too), and the first card's model (its
+    buffers, its reader of the file) is closed, not left behind."""
     import hybridinfer.backends.gpu.backend as gb
     import hybridinfer.backends.gpu.expert_gpu as eg
+    from hybridinfer.backends.gpu.multi_card import CardBudgetError
+    from hybridinfer.backends.gpu.placement import BudgetError
     from hybridinfer.errors import BackendNotAvailableError
 
     Card = gb.GPUModel
+    fail = {"gone": BackendNotAvailableError("cuCtxCreate failed: no CUDA-capable device is detected"),
+            "budget": BudgetError("vram budget 100 B cannot hold the pass buffers")}[why]
 
     class Failing(Card):
         def __init__(self, *a, **kw):
             if cards:  # the first card is made; the second fails
-                raise BackendNotAvailableError("cuCtxCreate failed: no CUDA-capable device is detected")
+                raise fail
             super().__init__(*a, **kw)
 
     monkeypatch.setattr(gb, "GPUModel", Failing)
     monkeypatch.setattr(eg, "ExpertCard", Failing)
-    with pytest.raises(BackendNotAvailableError, match=r"device 1 \(stand-in\): cuCtxCreate failed"):
+    share = {"layer": f"layers {L // 2}..{L}", "expert": f"experts {SHAPE['n_expert'] // 2}..{SHAPE['n_expert'] - 1} "
+             "of each layer"}[mode]
+    want = ((BackendNotAvailableError, r"device 1 \(stand-in\): cuCtxCreate failed") if why == "gone" else
+            (CardBudgetError, rf"device 1 \(stand-in\): {share}: vram budget 100 B"))
+    with pytest.raises(want[0], match=want[1]) as e:
         _load(model[0], 1 << 36, mode)
+    assert why == "gone" or e.value.card == "device 1 (stand-in)"
     assert len(cards) == 1 and cards[0].closed and cards[0].reader.fd is None
 
 
