@@ -116,6 +116,7 @@ HI_INLINE uint32_t hi_rd32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); ret
 #include "kernels_tiles.h"
 #include "kernels_attn.h"
 #include "kernels_fa.h"
+#include "kernels_fa_vnni.h"
 #include "kernels_fa_tiled.h"
 
 /* ================================================================================================ */

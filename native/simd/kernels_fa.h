@@ -353,11 +353,18 @@ HI_INLINE void hi_fa_prefetch(const uint8_t *p, int64_t len) {
 /* values of a tile's V rows taken to float at a time (8 KiB of floats: they stay in L1 while every row's
  * accumulators of those values take them; a whole tile's would not) */
 #define HI_FA_SLAB 32
+/* floats of scratch the AVX-512 unit's query pairs take for m rows of nb blocks (kernels_fa_vnni.h) */
+#if defined(HI_VNNI)
+#define HI_FA_PAIRS_LEN(m, nb) (((m) / 2) * (nb) * 48)
+#else
+#define HI_FA_PAIRS_LEN(m, nb) 0
+#endif
 
 static int64_t hi_attn_fa_scratch(int64_t hd, int64_t m) {
     const int64_t dyt = m / 8 * 8 * (hd / 32); /* hi_fa_dyt's */
     const int64_t one = m * (3 * hd + 8) + 2 * hd + dyt + 64; /* hi_attn_fa_run's layout, then hi_attn_fa_tiled's */
-    const int64_t tiled = m * (3 * hd + 8) + (m + 7) / 8 * 8 * HI_FA_TILE + HI_FA_TILE * HI_FA_SLAB + hd + dyt + 64;
+    const int64_t tiled = m * (3 * hd + 8) + (m + 7) / 8 * 8 * HI_FA_TILE + HI_FA_TILE * HI_FA_SLAB + hd + dyt +
+                          HI_FA_PAIRS_LEN(m, hd / 32) + 64;
     return one > tiled ? one : tiled;
 }
 

@@ -209,6 +209,10 @@ static void hi_attn_fa_tiled(const hi_attn *a, int64_t t, int64_t h0, int64_t m,
     const int64_t kh = a->k_bytes / a->Hkv, vh = a->v_bytes / a->Hkv;
     float *sct = scratch + m * row, *vtile = sct + m8 * HI_FA_TILE, *k32 = vtile + HI_FA_TILE * HI_FA_SLAB;
     float *dyt = k32 + hd;
+#if defined(HI_VNNI)
+    float *pairs = dyt + m / 8 * 8 * nb;
+    const int kpairs = kt == HI_T_Q8_0 || kt == HI_T_Q4_0, vconv = vt == HI_T_Q8_0 || vt == HI_T_Q4_0 || vt == HI_T_F16;
+#endif
     float M[HI_FA_MAXG], S[HI_FA_MAXG], ms[HI_FA_MAXG], xs[HI_FA_MAXG];
     /* per row: acc [hd] | qv [hd] | dy [nb] | corr [hd / 4]; then the tile's scores of 8 rows at a time, the 8 rows'
      * scores of a position together (the softmax steps go across rows in vectors) */
@@ -227,6 +231,9 @@ static void hi_attn_fa_tiled(const hi_attn *a, int64_t t, int64_t h0, int64_t m,
     }
     memset(sct, 0, sizeof(float) * (size_t)(m8 * HI_FA_TILE));
     if (kt == HI_T_Q8_0 || kt == HI_T_Q4_0) hi_fa_dyt(HI_T_DY(0), row, m, nb, dyt);
+#if defined(HI_VNNI)
+    if (kpairs) hi_fa_pairs(HI_T_QV(0), HI_T_CORR(0), HI_T_DY(0), row, m, nb, pairs);
+#endif
     const uint8_t *kb = (const uint8_t *)a->k + g * kh, *vb = (const uint8_t *)a->v + g * vh;
     for (int64_t p0 = s0; p0 < s1; p0 += HI_FA_TILE) {
         const int64_t n = s1 - p0 < HI_FA_TILE ? s1 - p0 : HI_FA_TILE;
@@ -236,13 +243,38 @@ static void hi_attn_fa_tiled(const hi_attn *a, int64_t t, int64_t h0, int64_t m,
                 hi_fa_prefetch(ks + HI_FA_PF * a->k_bytes, kh);
                 hi_fa_prefetch(vb + (p0 + j + HI_FA_PF) * a->v_bytes, vh);
             }
-            if (hi_is_lm(kt)) hi_fa_v_float(kt, ks, k32, hd);
-            hi_fa_dots(kt, ks, k32, a->q + t * a->q_row + h0 * hd, HI_T_QV(0), HI_T_CORR(0), HI_T_DY(0), dyt, row, m,
-                       hd, xs);
+#if defined(HI_VNNI)
+            if (kpairs) {
+                if (kt == HI_T_Q8_0) hi_fa_dots_pairs(HI_T_Q8_0, ks, pairs, HI_T_QV(0), HI_T_CORR(0), HI_T_DY(0), row, m, nb, xs);
+                else hi_fa_dots_pairs(HI_T_Q4_0, ks, pairs, HI_T_QV(0), HI_T_CORR(0), HI_T_DY(0), row, m, nb, xs);
+            } else
+#endif
+            {
+                if (hi_is_lm(kt)) hi_fa_v_float(kt, ks, k32, hd);
+                hi_fa_dots(kt, ks, k32, a->q + t * a->q_row + h0 * hd, HI_T_QV(0), HI_T_CORR(0), HI_T_DY(0), dyt, row,
+                           m, hd, xs);
+            }
             for (int64_t i = 0; i < m; i++) HI_T_SC(i)[8 * j] = xs[i] * a->scale;
         }
         for (int64_t i = 0; i < m; i += 8) hi_fa_tile_softmax8(HI_T_SC(i), n, M + i, S + i, ms + i);
         for (int64_t e0 = 0; e0 < hd; e0 += HI_FA_SLAB) {
+            int64_t i = 0;
+#if defined(HI_VNNI)
+            if (vconv) { /* rows 8 and 4 at a time with V converted in registers (a constant type each) */
+                const uint8_t *v0 = vb + p0 * a->v_bytes + hi_fa_v_off(vt, e0);
+                if (vt == HI_T_Q8_0) {
+                    for (; i + 8 <= m; i += 8) hi_fa_tile_pvq(8, HI_T_ACC(i) + e0, row, ms + i, HI_T_SC(i), HI_T_Q8_0, v0, a->v_bytes, n);
+                    for (; i + 4 <= m; i += 4) hi_fa_tile_pvq(4, HI_T_ACC(i) + e0, row, ms + i, HI_T_SC(i), HI_T_Q8_0, v0, a->v_bytes, n);
+                } else if (vt == HI_T_Q4_0) {
+                    for (; i + 8 <= m; i += 8) hi_fa_tile_pvq(8, HI_T_ACC(i) + e0, row, ms + i, HI_T_SC(i), HI_T_Q4_0, v0, a->v_bytes, n);
+                    for (; i + 4 <= m; i += 4) hi_fa_tile_pvq(4, HI_T_ACC(i) + e0, row, ms + i, HI_T_SC(i), HI_T_Q4_0, v0, a->v_bytes, n);
+                } else {
+                    for (; i + 8 <= m; i += 8) hi_fa_tile_pvq(8, HI_T_ACC(i) + e0, row, ms + i, HI_T_SC(i), HI_T_F16, v0, a->v_bytes, n);
+                    for (; i + 4 <= m; i += 4) hi_fa_tile_pvq(4, HI_T_ACC(i) + e0, row, ms + i, HI_T_SC(i), HI_T_F16, v0, a->v_bytes, n);
+                }
+                if (i == m) continue;
+            }
+#endif
             const float *vf = vtile;
             int64_t vs = HI_FA_SLAB;
             if (vt == HI_T_F32) { /* read in place */
@@ -253,7 +285,6 @@ static void hi_attn_fa_tiled(const hi_attn *a, int64_t t, int64_t h0, int64_t m,
                     hi_fa_v_float(vt, vb + (p0 + j) * a->v_bytes + hi_fa_v_off(vt, e0), vtile + j * HI_FA_SLAB,
                                   HI_FA_SLAB);
             }
-            int64_t i = 0;
 #if defined(HI_AVX2)
             for (; i + 4 <= m; i += 4) hi_fa_tile_pv4(HI_T_ACC(i) + e0, row, ms + i, HI_T_SC(i), vf, vs, n, HI_FA_SLAB);
 #endif
