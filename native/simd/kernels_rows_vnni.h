@@ -13,6 +13,17 @@ HI_INLINE __m512 hi_r_spread2(__m256 v, const int i, const int j) {
     return _mm512_permutexvar_ps(idx, _mm512_castps256_ps512(v));
 }
 
+/* a dword of pshufb control: byte a zero-extended to the lower int16, byte b to the upper (0x80: zero) */
+#define HI_R_W16(a, b) ((int)(0x80008000u | (unsigned)(a) | (unsigned)(b) << 16))
+
+/* dword lo in the lower 8 lanes, hi in the upper 8 */
+HI_INLINE __m512i hi_r_bytes2(const int lo, const int hi) {
+    return _mm512_inserti64x4(_mm512_set1_epi32(lo), _mm256_set1_epi32(hi), 1);
+}
+
+/* D of an octet's tokens 0..7 (Dz + 8) in both halves: a broadcast load */
+HI_INLINE __m512 hi_r_D16(const float *Dz) { return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_loadu_pd((const double *)(Dz + 8)))); }
+
 /* an octet's 16-lane integer sums S[0..7] and the imin halves I (lane l: token l's first part, lane 8 + l its
  * second) as [totals of S of tokens 0, 2, 4, 6 | of 1, 3, 5, 7 | imin of tokens 0..3 | of 4..7] */
 HI_INLINE __m512i hi_r_tree8(const __m512i *S, __m512i I) {
@@ -95,13 +106,13 @@ HI_INLINE void hi_rows_k4(const int q5, const int rp, const int gm, const int64_
         const uint8_t *b = w + (size_t)i * bs, *qs = b + (q5 ? 48 : 16);
         const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)hi_rd32(b))); /* d, dmin */
         const __m256 vd = _mm256_broadcastss_ps(dm), vm = _mm256_broadcastss_ps(_mm_shuffle_ps(dm, dm, 0x55));
-        const __m128i sm = hi_kq_scales_mins_v(b + 4); /* bytes sc0..7, m0..7 */
-        const __m512i sc32 = _mm512_cvtepu8_epi32(sm);
-        const __m512i sc32w = _mm512_or_si512(sc32, _mm512_slli_epi32(sc32, 16)); /* each scale as an int16 pair */
-        /* dwords 4..7 of w16: the int16 pairs (m[2p], m[2p+1]) */
-        const __m512i w16 = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(sm));
-        const __m512i MP0 = _mm512_permutexvar_epi32(_mm512_inserti64x4(_mm512_set1_epi32(4), _mm256_set1_epi32(5), 1), w16);
-        const __m512i MP1 = _mm512_permutexvar_epi32(_mm512_inserti64x4(_mm512_set1_epi32(6), _mm256_set1_epi32(7), 1), w16);
+        /* d in the lower 8 lanes, dmin in the upper: against hi_r_D16 the products d*D | dmin*D of 8 tokens */
+        const __m512 dm16 = _mm512_permutexvar_ps(hi_r_bytes2(0, 1), _mm512_castps128_ps512(dm));
+        /* bytes sc0..7, m0..7 in each 128-bit lane: each spread of them below is one in-lane byte shuffle */
+        const __m512i smb = _mm512_broadcast_i32x4(hi_kq_scales_mins_v(b + 4));
+        /* the int16 pairs (m[2p], m[2p+1]): p = 0 | 1 (MP0), 2 | 3 (MP1) */
+        const __m512i MP0 = _mm512_shuffle_epi8(smb, hi_r_bytes2(HI_R_W16(8, 9), HI_R_W16(10, 11)));
+        const __m512i MP1 = _mm512_shuffle_epi8(smb, hi_r_bytes2(HI_R_W16(12, 13), HI_R_W16(14, 15)));
         const __m512i qh = q5 ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 16))) : zero;
         __m512i W[4], SC[4], SCW[4]; /* SCW: the scales as int16, sc[2j] in the lower half, sc[2j+1] in the upper */
         HI_UNROLL for (int j = 0; j < 4; j++) {
@@ -112,9 +123,9 @@ HI_INLINE void hi_rows_k4(const int q5, const int rp, const int gm, const int64_
                 v = _mm512_ternarylogic_epi32(v, _mm512_rolv_epi32(qh, rot), m16, 0xf8); /* v | (rot & m16) */
             }
             W[j] = v;
-            const __m512i idx = _mm512_inserti64x4(_mm512_set1_epi32(2 * j), _mm256_set1_epi32(2 * j + 1), 1);
-            SC[j] = _mm512_permutexvar_epi32(idx, sc32);
-            SCW[j] = _mm512_permutexvar_epi32(idx, sc32w); /* the scales are < 2^6: (sc, sc) as int16 */
+            SC[j] = _mm512_shuffle_epi8(smb, hi_r_bytes2(HI_R_W16(2 * j, 0x80), HI_R_W16(2 * j + 1, 0x80)));
+            /* the scales are < 2^6: (sc, sc) as int16 */
+            SCW[j] = _mm512_shuffle_epi8(smb, hi_r_bytes2(HI_R_W16(2 * j, 2 * j), HI_R_W16(2 * j + 1, 2 * j + 1)));
         }
         HI_UNROLL for (int o = 0; o < HI_KO; o++) {
             if (8 * o >= cnt) break;
@@ -125,9 +136,7 @@ HI_INLINE void hi_rows_k4(const int q5, const int rp, const int gm, const int64_
             const __m512i IB = _mm512_madd_epi16(_mm512_loadu_si512((const void *)(Bz + 16)), MP1);
             __m512i S[8];
             if (rp == HI_KS_REPACK_GEMM) { /* acc, accm per quarter j: its part and mpart (minl[j]), tokens in order */
-                const __m256 D8 = _mm256_loadu_ps(Dz + 8);
-                const __m512 dd = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(_mm256_mul_ps(vd, D8))),
-                                                                      _mm256_castps_pd(_mm256_mul_ps(vm, D8)), 1));
+                const __m512 dd = _mm512_mul_ps(dm16, hi_r_D16(Dz));
                 HI_UNROLL for (int j = 0; j < 4; j++) {
                     hi_r_dots8(S, W[j], kg, o, i, j, gm);
                     __m512i R[4] = {zero, zero, zero, zero};
@@ -143,14 +152,12 @@ HI_INLINE void hi_rows_k4(const int q5, const int rp, const int gm, const int64_
                     hi_r_pairs8(R, S, SCW[j], gm, j == 0);
                 }
                 const __m512 f = _mm512_cvtepi32_ps(hi_r_tree8r(R, _mm512_add_epi32(IA, IB), 2));
-                const __m256 D8 = _mm256_loadu_ps(Dz + 8);
-                if (rp == HI_KS_TILED) { /* res = fma(-dmin, imin, d * isum), row = fma(res, D, row) */
+                if (rp == HI_KS_TILED) {
+                    const __m256 D8 = _mm256_loadu_ps(Dz + 8); /* res = fma(-dmin, imin, d * isum), row = fma(res, D, row) */
                     const __m256 res = _mm256_fmadd_ps(_mm256_xor_ps(vm, sign), hi_r_hi8(f), _mm256_mul_ps(vd, _mm512_castps512_ps256(f)));
                     acct[o] = _mm256_fmadd_ps(res, D8, acct[o]);
                 } else { /* acc = fma(isum, d*D, acc), accm = fma(imin, dmin*D, accm) */
-                    const __m512 dd = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(_mm256_mul_ps(vd, D8))),
-                                                                          _mm256_castps_pd(_mm256_mul_ps(vm, D8)), 1));
-                    accr[o] = _mm512_fmadd_ps(f, dd, accr[o]);
+                    accr[o] = _mm512_fmadd_ps(f, _mm512_mul_ps(dm16, hi_r_D16(Dz)), accr[o]);
                 }
                 continue;
             }
