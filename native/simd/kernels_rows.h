@@ -68,6 +68,7 @@ HI_INLINE void hi_pf_row(hi_pfs *p) {
 /* A group of tokens as the K-quant kernels read them: their Q8_K rows, and per block i and octet o of tokens
  *   Dz[i][o][16]: D of the octet's tokens 0, 2, 4, 6, 1, 3, 5, 7 (the VNNI tree's order), then 0..7;
  *   Bz[i][o][32]: int16 pairs (B[2p], B[2p+1]) (B[s] = bsums[2s] + bsums[2s+1]), dword 8p + l for token l,
+ *   and for groups of at most 4 tokens Bz4[i][16]: the same pairs as dword 4p + l (l < 4),
  * zero for tokens past cnt (whose rows are the first token's) */
 typedef struct {
     const block_q8_K *y[HI_KG];
@@ -75,11 +76,11 @@ typedef struct {
                               * themselves, 292-byte blocks, nearly always spans two cache lines: twice the cost) */
     int cnt;
     const float *Dz;
-    const int32_t *Bz;
+    const int32_t *Bz, *Bz4;
 } hi_kgrp;
 
 /* bytes of a group's preparation per block (buf: 64-byte aligned) */
-HI_INLINE size_t hi_kgrp_bytes(const int cnt) { return (size_t)cnt * HI_QK_K + HI_KO * (16 * 4 + 32 * 4); }
+HI_INLINE size_t hi_kgrp_bytes(const int cnt) { return (size_t)cnt * HI_QK_K + HI_KO * (16 * 4 + 32 * 4) + (cnt <= 4 ? 16 * 4 : 0); }
 
 HI_INLINE void hi_kgrp_prep(hi_kgrp *g, const hi_mm *m, int64_t t, const int cnt, int64_t nb, uint8_t *buf) {
     float *Dz = (float *)(buf + (size_t)cnt * nb * HI_QK_K);
@@ -88,9 +89,11 @@ HI_INLINE void hi_kgrp_prep(hi_kgrp *g, const hi_mm *m, int64_t t, const int cnt
         g->y[k] = (const block_q8_K *)(m->x + (size_t)(t + (k < cnt ? k : 0)) * m->x_row);
         g->q8[k] = (const int8_t *)buf + (size_t)(k < cnt ? k : 0) * nb * HI_QK_K;
     }
+    int32_t *Bz4 = Bz + (size_t)nb * HI_KO * 32;
     g->cnt = cnt;
     g->Dz = Dz;
     g->Bz = Bz;
+    g->Bz4 = cnt <= 4 ? Bz4 : NULL;
     for (int k = 0; k < cnt; k++) {
         int8_t *q = (int8_t *)g->q8[k];
         for (int64_t i = 0; i < nb; i++) {
@@ -124,6 +127,8 @@ HI_INLINE void hi_kgrp_prep(hi_kgrp *g, const hi_mm *m, int64_t t, const int cnt
                 _mm_storeu_si128((__m128i *)(b + 16 + 4 * h), _mm_unpacklo_epi64(t1, t3));
                 _mm_storeu_si128((__m128i *)(b + 24 + 4 * h), _mm_unpackhi_epi64(t1, t3));
             }
+            if (cnt <= 4 && o == 0)
+                HI_UNROLL for (int p = 0; p < 4; p++) memcpy(Bz4 + i * 16 + 4 * p, b + 8 * p, 16);
         }
     }
 }

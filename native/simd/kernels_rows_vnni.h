@@ -69,6 +69,18 @@ HI_INLINE __m512i hi_r_tree8r(const __m512i *R, const __m512i I, const int half)
     return _mm512_add_epi32(_mm512_shuffle_i64x2(Y, I, half == 1 ? 0xe8 : 0x48), Y1);
 }
 
+/* R[0..1] (hi_r_pairs8 of tokens 0..3) and the min lanes I (128-bit lane p: pair p of tokens 0..3) as the totals
+ * [isum of tokens 0..3 | imin of tokens 0..3] */
+HI_INLINE __m256i hi_r_tree4(const __m512i *R, const __m512i I) {
+    const __m512 r0 = _mm512_castsi512_ps(R[0]), r1 = _mm512_castsi512_ps(R[1]);
+    /* per 128-bit lane: tokens 0..3 */
+    const __m512i E = _mm512_add_epi32(_mm512_castps_si512(_mm512_shuffle_ps(r0, r1, 0x88)),
+                                       _mm512_castps_si512(_mm512_shuffle_ps(r0, r1, 0xdd)));
+    const __m256i e = _mm256_add_epi32(_mm512_castsi512_si256(E), _mm512_extracti64x4_epi64(E, 1));
+    const __m256i m = _mm256_add_epi32(_mm512_castsi512_si256(I), _mm512_extracti64x4_epi64(I, 1));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(e, m, 0x20), _mm256_permute2x128_si256(e, m, 0x31));
+}
+
 /* S[l] = the vpdpbusd sums of quarter j's 64 weights W against token 8o + l's (zero past the group) */
 HI_INLINE void hi_r_dots8(__m512i *S, const __m512i W, const hi_kgrp *kg, const int o, const int64_t i, const int j,
                           const int gm) {
@@ -97,6 +109,7 @@ HI_INLINE void hi_rows_k4(const int q5, const int rp, const int gm, const int64_
     __m512 accr[HI_KO];         /* gemv, gemm: acc of tokens 0..7 | accm of tokens 0..7 */
     __m256 acct[HI_KO];         /* tiled: tokens 0..7 */
     __m256 summs[HI_KO];        /* Q5_K */
+    __m256 acc4 = _mm256_setzero_ps(); /* gemv of at most 4 tokens: acc of tokens 0..3 | accm of tokens 0..3 */
     HI_UNROLL for (int p = 0; p < HI_KG / 2; p++) acc[p] = _mm512_setzero_ps();
     HI_UNROLL for (int o = 0; o < HI_KO; o++) {
         accm[o][0] = accm[o][1] = accr[o] = _mm512_setzero_ps();
@@ -113,6 +126,12 @@ HI_INLINE void hi_rows_k4(const int q5, const int rp, const int gm, const int64_
         /* the int16 pairs (m[2p], m[2p+1]): p = 0 | 1 (MP0), 2 | 3 (MP1) */
         const __m512i MP0 = _mm512_shuffle_epi8(smb, hi_r_bytes2(HI_R_W16(8, 9), HI_R_W16(10, 11)));
         const __m512i MP1 = _mm512_shuffle_epi8(smb, hi_r_bytes2(HI_R_W16(12, 13), HI_R_W16(14, 15)));
+        /* the pair p in 128-bit lane p (against Bz4) */
+        const __m512i MP4 = _mm512_shuffle_epi8(smb, _mm512_setr_epi32(HI_R_W16(8, 9), HI_R_W16(8, 9), HI_R_W16(8, 9), HI_R_W16(8, 9),
+                                                                        HI_R_W16(10, 11), HI_R_W16(10, 11), HI_R_W16(10, 11), HI_R_W16(10, 11),
+                                                                        HI_R_W16(12, 13), HI_R_W16(12, 13), HI_R_W16(12, 13), HI_R_W16(12, 13),
+                                                                        HI_R_W16(14, 15), HI_R_W16(14, 15), HI_R_W16(14, 15), HI_R_W16(14, 15)));
+        const __m256 dm8 = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(dm), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1)); /* d x4 | dmin x4 */
         const __m512i qh = q5 ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 16))) : zero;
         __m512i W[4], SC[4], SCW[4]; /* SCW: the scales as int16, sc[2j] in the lower half, sc[2j+1] in the upper */
         HI_UNROLL for (int j = 0; j < 4; j++) {
@@ -143,6 +162,18 @@ HI_INLINE void hi_rows_k4(const int q5, const int rp, const int gm, const int64_
                     hi_r_pairs8(R, S, SCW[j], gm, 1); /* each quarter its own sums */
                     accr[o] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi_r_tree8r(R, j < 2 ? IA : IB, j % 2)), dd, accr[o]);
                 }
+                continue;
+            }
+            if (rp == HI_KS_REPACK && gm <= 4) { /* isum | imin of tokens 0..3, in 256-bit float steps */
+                __m512i R[4] = {zero, zero, zero, zero};
+                HI_UNROLL for (int j = 0; j < 4; j++) {
+                    hi_r_dots8(S, W[j], kg, o, i, j, gm);
+                    hi_r_pairs8(R, S, SCW[j], gm, j == 0);
+                }
+                /* lane p: m[2p]*B[2p] + m[2p+1]*B[2p+1] of tokens 0..3 */
+                const __m512i I4 = _mm512_madd_epi16(_mm512_loadu_si512((const void *)(kg->Bz4 + i * 16)), MP4);
+                const __m256 f = _mm256_cvtepi32_ps(hi_r_tree4(R, I4));
+                acc4 = _mm256_fmadd_ps(f, _mm256_mul_ps(dm8, _mm256_broadcast_ps((const __m128 *)(Dz + 8))), acc4);
                 continue;
             }
             if (rp == HI_KS_REPACK || rp == HI_KS_TILED) { /* isum, imin of tokens 0..7 in order */
@@ -194,6 +225,10 @@ HI_INLINE void hi_rows_k4(const int q5, const int rp, const int gm, const int64_
             float a[8];
             _mm256_storeu_ps(a, acct[o]);
             v = a[l];
+        } else if (rp == HI_KS_REPACK && gm <= 4) {
+            float a[8];
+            _mm256_storeu_ps(a, acc4);
+            v = a[l] - a[4 + l];
         } else if (rp) {
             float a[16];
             _mm512_storeu_ps(a, accr[o]);
