@@ -82,7 +82,20 @@ typedef struct {
 /* bytes of a group's preparation per block (buf: 64-byte aligned) */
 HI_INLINE size_t hi_kgrp_bytes(const int cnt) { return (size_t)cnt * HI_QK_K + HI_KO * (16 * 4 + 32 * 4) + (cnt <= 4 ? 16 * 4 : 0); }
 
-HI_INLINE void hi_kgrp_prep(hi_kgrp *g, const hi_mm *m, int64_t t, const int cnt, int64_t nb, uint8_t *buf) {
+/* whether the group's quants are copied in the VNNI kernels' order of a block's 32-byte parts, 0 2 1 3 4 6 5 7 (the
+ * sub-blocks of each 64-byte load's low nibbles, then its high ones): Q4_K and Q5_K but for the repacked gemm's
+ * shape, whose sums are per quarter (sub-blocks 2j, 2j + 1) */
+HI_INLINE int hi_kgrp_zip(const int qt, const hi_mm *m) {
+#if defined(HI_VNNI)
+    return qt != HI_T_Q6_K && m->kshape != HI_KS_REPACK_GEMM;
+#else
+    (void)qt;
+    (void)m;
+    return 0;
+#endif
+}
+
+HI_INLINE void hi_kgrp_prep(hi_kgrp *g, const hi_mm *m, int64_t t, const int cnt, int64_t nb, uint8_t *buf, const int zip) {
     float *Dz = (float *)(buf + (size_t)cnt * nb * HI_QK_K);
     int32_t *Bz = (int32_t *)((uint8_t *)Dz + (size_t)nb * HI_KO * 16 * 4);
     for (int k = 0; k < HI_KG; k++) {
@@ -97,8 +110,10 @@ HI_INLINE void hi_kgrp_prep(hi_kgrp *g, const hi_mm *m, int64_t t, const int cnt
     for (int k = 0; k < cnt; k++) {
         int8_t *q = (int8_t *)g->q8[k];
         for (int64_t i = 0; i < nb; i++) {
-            HI_UNROLL for (int c = 0; c < HI_QK_K; c += 32)
-                _mm256_store_si256((__m256i *)(q + i * HI_QK_K + c), _mm256_loadu_si256((const __m256i *)(g->y[k][i].qs + c)));
+            HI_UNROLL for (int c = 0; c < HI_QK_K; c += 32) {
+                const int src = zip && c % 128 >= 32 && c % 128 < 96 ? c ^ 96 : c; /* parts 1 and 2 of each half swapped */
+                _mm256_store_si256((__m256i *)(q + i * HI_QK_K + c), _mm256_loadu_si256((const __m256i *)(g->y[k][i].qs + src)));
+            }
         }
     }
     const int ord[8] = {0, 2, 4, 6, 1, 3, 5, 7};
@@ -247,7 +262,7 @@ HI_INLINE void hi_rows_run(const int qt, const hi_mm *m, int64_t r0, int64_t r1,
         return;
     }
     hi_kgrp kg;
-    hi_kgrp_prep(&kg, m, t, cnt, nb, buf);
+    hi_kgrp_prep(&kg, m, t, cnt, nb, buf, hi_kgrp_zip(qt, m));
     hi_pfs pf;
     hi_pf_start(&pf, m, r0, r1);
     for (int64_t r = r0; r < r1; r++) {

@@ -133,18 +133,29 @@ HI_INLINE void hi_rows_k4(const int q5, const int rp, const int gm, const int64_
                                                                         HI_R_W16(14, 15), HI_R_W16(14, 15), HI_R_W16(14, 15), HI_R_W16(14, 15)));
         const __m256 dm8 = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(dm), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1)); /* d x4 | dmin x4 */
         const __m512i qh = q5 ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 16))) : zero;
-        __m512i W[4], SC[4], SCW[4]; /* SCW: the scales as int16, sc[2j] in the lower half, sc[2j+1] in the upper */
+        /* the gemm's quarters j: 32 bytes broadcast, sub-block 2j (low nibbles) in the lower half, 2j + 1 (high) in the
+         * upper; the other shapes' (the group's activations in hi_kgrp_zip's order): a 64-byte load each of quarters 0, 1
+         * and 2, 3, W[0..3] its low and high nibbles, sub-blocks 0 | 2, 1 | 3, 4 | 6, 5 | 7 (two fewer shifts a block) */
+        const int zp = rp != HI_KS_REPACK_GEMM;
+        __m512i W[4], SC[4], SCW[4]; /* SCW: the scales as int16 of W's sub-blocks, the lower half's, the upper's */
         HI_UNROLL for (int j = 0; j < 4; j++) {
-            const __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qs + 32 * j)));
-            __m512i v = _mm512_and_si512(_mm512_mask_srli_epi16(q, (__mmask32)0xffff0000u, q, 4), m4);
-            if (q5) { /* bit 2j (lower half) / 2j + 1 (upper) of each qh byte to bit 4: rotate the dwords */
-                const __m512i rot = _mm512_inserti64x4(_mm512_set1_epi32((4 - 2 * j) & 31), _mm256_set1_epi32((3 - 2 * j) & 31), 1);
+            const int slo = zp ? 4 * (j / 2) + j % 2 : 2 * j, shi = zp ? slo + 2 : slo + 1; /* W[j]'s sub-blocks */
+            __m512i v;
+            if (zp) {
+                const __m512i q = _mm512_loadu_si512((const void *)(qs + 64 * (j / 2)));
+                v = _mm512_and_si512(j % 2 ? _mm512_srli_epi16(q, 4) : q, m4);
+            } else {
+                const __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qs + 32 * j)));
+                v = _mm512_and_si512(_mm512_mask_srli_epi16(q, (__mmask32)0xffff0000u, q, 4), m4);
+            }
+            if (q5) { /* bit slo (lower half) / shi (upper) of each qh byte to bit 4: rotate the dwords */
+                const __m512i rot = _mm512_inserti64x4(_mm512_set1_epi32((4 - slo) & 31), _mm256_set1_epi32((4 - shi) & 31), 1);
                 v = _mm512_ternarylogic_epi32(v, _mm512_rolv_epi32(qh, rot), m16, 0xf8); /* v | (rot & m16) */
             }
             W[j] = v;
-            SC[j] = _mm512_shuffle_epi8(smb, hi_r_bytes2(HI_R_W16(2 * j, 0x80), HI_R_W16(2 * j + 1, 0x80)));
+            SC[j] = _mm512_shuffle_epi8(smb, hi_r_bytes2(HI_R_W16(slo, 0x80), HI_R_W16(shi, 0x80)));
             /* the scales are < 2^6: (sc, sc) as int16 */
-            SCW[j] = _mm512_shuffle_epi8(smb, hi_r_bytes2(HI_R_W16(2 * j, 2 * j), HI_R_W16(2 * j + 1, 2 * j + 1)));
+            SCW[j] = _mm512_shuffle_epi8(smb, hi_r_bytes2(HI_R_W16(slo, slo), HI_R_W16(shi, shi)));
         }
         HI_UNROLL for (int o = 0; o < HI_KO; o++) {
             if (8 * o >= cnt) break;
