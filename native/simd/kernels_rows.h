@@ -270,7 +270,7 @@ HI_INLINE void hi_rows_run(const int qt, const hi_mm *m, int64_t r0, int64_t r1,
         float *os[HI_KG];
         HI_UNROLL for (int g = 0; g < HI_KG; g++) os[g] = &m->out[(size_t)(t + (g < cnt ? g : 0)) * m->out_row + (size_t)r];
         const uint8_t *w = m->w + (size_t)r * m->w_row;
-        /* kernels for up to 2, 4, 8 tokens: the integer reductions of absent tokens fold away */
+        /* kernels for up to 2, (3,) 4, 8 tokens: the integer reductions of absent tokens fold away */
 #define HI_R_K(GM)                                                                                           \
         if (qt == HI_T_Q6_K && m->kshape == HI_KS_TILED) hi_rows_q6(1, GM, nb, w, &kg, os);                   \
         else if (qt == HI_T_Q6_K) hi_rows_q6(0, GM, nb, w, &kg, os);                                          \
@@ -282,6 +282,10 @@ HI_INLINE void hi_rows_run(const int qt, const hi_mm *m, int64_t r0, int64_t r1,
         else hi_rows_k4(0, HI_KS_VEC, GM, nb, w, &kg, os);
         if (cnt <= 2) {
             HI_R_K(2)
+#if defined(HI_VNNI)
+        } else if (cnt == 3) { /* the vec_dot shapes' last pair a lone token */
+            HI_R_K(3)
+#endif
         } else if (cnt <= 4) {
             HI_R_K(4)
         } else {

@@ -13,6 +13,18 @@ HI_INLINE __m512 hi_r_spread2(__m256 v, const int i, const int j) {
     return _mm512_permutexvar_ps(idx, _mm512_castps256_ps512(v));
 }
 
+/* vec_dot's step of the pair p of an octet, acc = fma(d*D, lanes, acc) with the 16-lane sums a, b of tokens 2p, 2p + 1
+ * folded to their 8 lanes (dd: d*D of the octet's tokens); `lone`: token 2p only, in 256 bits (acc's upper half
+ * then holds nothing) */
+HI_INLINE __m512 hi_r_vacc(const __m512 acc, const __m256 dd, const __m512i a, const __m512i b, const int p, const int lone) {
+    if (lone) {
+        const __m256i s = _mm256_add_epi32(_mm512_castsi512_si256(a), _mm512_extracti64x4_epi64(a, 1));
+        const __m256 d = _mm256_permutevar8x32_ps(dd, _mm256_set1_epi32(2 * p));
+        return _mm512_castps256_ps512(_mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), _mm512_castps512_ps256(acc)));
+    }
+    return _mm512_fmadd_ps(hi_r_spread2(dd, 2 * p, 2 * p + 1), _mm512_cvtepi32_ps(hi_r_pair(a, b)), acc);
+}
+
 /* a dword of pshufb control: byte a zero-extended to the lower int16, byte b to the upper (0x80: zero) */
 #define HI_R_W16(a, b) ((int)(0x80008000u | (unsigned)(a) | (unsigned)(b) << 16))
 
@@ -214,8 +226,7 @@ HI_INLINE void hi_rows_k4(const int q5, const int rp, const int gm, const int64_
             const __m256 dd = _mm256_mul_ps(vd, D8), ndm = _mm256_xor_ps(_mm256_mul_ps(vm, D8), sign); /* d*D, -(dmin*D) */
             HI_UNROLL for (int p = 0; p < 4; p++) {
                 if (2 * p >= gm || 8 * o + 2 * p >= cnt) break;
-                acc[4 * o + p] = _mm512_fmadd_ps(hi_r_spread2(dd, 2 * p, 2 * p + 1), _mm512_cvtepi32_ps(hi_r_pair(S[2 * p], S[2 * p + 1])),
-                                                 acc[4 * o + p]);
+                acc[4 * o + p] = hi_r_vacc(acc[4 * o + p], dd, S[2 * p], S[2 * p + 1], p, 2 * p + 1 >= gm);
             }
             if (q5) {
                 const __m512i I = _mm512_add_epi32(IA, IB);
@@ -323,8 +334,7 @@ HI_INLINE void hi_rows_q6(const int tiled, const int gm, const int64_t nb, const
                         S[u] = _mm512_dpwssd_epi32(S[u], _mm512_dpbusd_epi32(zero, WB[h], _mm512_loadu_si512((const void *)(q8 + 128 * h + 64))), SC[2 * h + 1]);
                     }
                 }
-                acc[4 * o + p] = _mm512_fmadd_ps(hi_r_spread2(dd, 2 * p, 2 * p + 1), _mm512_cvtepi32_ps(hi_r_pair(S[0], S[1])),
-                                                 acc[4 * o + p]);
+                acc[4 * o + p] = hi_r_vacc(acc[4 * o + p], dd, S[0], S[1], p, 2 * p + 1 >= gm);
             }
         }
     }
