@@ -68,7 +68,7 @@ HI_INLINE void hi_pf_row(hi_pfs *p) {
 /* A group of tokens as the K-quant kernels read them: their Q8_K rows, and per block i and octet o of tokens
  *   Dz[i][o][16]: D of the octet's tokens 0, 2, 4, 6, 1, 3, 5, 7 (the VNNI tree's order), then 0..7;
  *   Bz[i][o][32]: int16 pairs (B[2p], B[2p+1]) (B[s] = bsums[2s] + bsums[2s+1]), dword 8p + l for token l,
- *   and for groups of at most 4 tokens Bz4[i][16]: the same pairs as dword 4p + l (l < 4),
+ *   and for groups of at most 4 tokens Bz4[i][16]: the same pairs as dword 4p + l (l < 4; of at most 2, 4p + 2l),
  * zero for tokens past cnt (whose rows are the first token's) */
 typedef struct {
     const block_q8_K *y[HI_KG];
@@ -143,7 +143,14 @@ HI_INLINE void hi_kgrp_prep(hi_kgrp *g, const hi_mm *m, int64_t t, const int cnt
                 _mm_storeu_si128((__m128i *)(b + 24 + 4 * h), _mm_unpackhi_epi64(t1, t3));
             }
             if (cnt <= 4 && o == 0)
-                HI_UNROLL for (int p = 0; p < 4; p++) memcpy(Bz4 + i * 16 + 4 * p, b + 8 * p, 16);
+                HI_UNROLL for (int p = 0; p < 4; p++) {
+                    if (cnt > 2) {
+                        memcpy(Bz4 + i * 16 + 4 * p, b + 8 * p, 16);
+                    } else {
+                        const int32_t z[4] = {b[8 * p], 0, b[8 * p + 1], 0};
+                        memcpy(Bz4 + i * 16 + 4 * p, z, 16);
+                    }
+                }
         }
     }
 }

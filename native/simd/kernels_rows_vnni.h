@@ -93,6 +93,16 @@ HI_INLINE __m256i hi_r_tree4(const __m512i *R, const __m512i I) {
     return _mm256_add_epi32(_mm256_permute2x128_si256(e, m, 0x20), _mm256_permute2x128_si256(e, m, 0x31));
 }
 
+/* R[0] (hi_r_pairs8 of tokens 0, 1) and the min lanes I (128-bit lane p: pair p of token 0 in dword 0, of token 1
+ * in dword 2) as the totals isum, isum, imin, imin of tokens 0, 1, 0, 1 */
+HI_INLINE __m128i hi_r_tree2(const __m512i R, const __m512i I) {
+    const __m512 r = _mm512_castsi512_ps(R), m = _mm512_castsi512_ps(I);
+    const __m512i E = _mm512_add_epi32(_mm512_castps_si512(_mm512_shuffle_ps(r, m, 0x88)),
+                                       _mm512_castps_si512(_mm512_shuffle_ps(r, m, 0xdd)));
+    const __m256i e = _mm256_add_epi32(_mm512_castsi512_si256(E), _mm512_extracti64x4_epi64(E, 1));
+    return _mm_add_epi32(_mm256_castsi256_si128(e), _mm256_extracti128_si256(e, 1));
+}
+
 /* S[l] = the vpdpbusd sums of quarter j's 64 weights W against token 8o + l's (zero past the group) */
 HI_INLINE void hi_r_dots8(__m512i *S, const __m512i W, const hi_kgrp *kg, const int o, const int64_t i, const int j,
                           const int gm) {
@@ -122,6 +132,7 @@ HI_INLINE void hi_rows_k4(const int q5, const int rp, const int gm, const int64_
     __m256 acct[HI_KO];         /* tiled: tokens 0..7 */
     __m256 summs[HI_KO];        /* Q5_K */
     __m256 acc4 = _mm256_setzero_ps(); /* gemv of at most 4 tokens: acc of tokens 0..3 | accm of tokens 0..3 */
+    __m128 acc2 = _mm_setzero_ps();    /* gemv of at most 2 tokens: acc, acc, accm, accm of tokens 0, 1, 0, 1 */
     HI_UNROLL for (int p = 0; p < HI_KG / 2; p++) acc[p] = _mm512_setzero_ps();
     HI_UNROLL for (int o = 0; o < HI_KO; o++) {
         accm[o][0] = accm[o][1] = accr[o] = _mm512_setzero_ps();
@@ -187,6 +198,19 @@ HI_INLINE void hi_rows_k4(const int q5, const int rp, const int gm, const int64_
                 }
                 continue;
             }
+            if (rp == HI_KS_REPACK && gm <= 2) { /* isum, imin of tokens 0, 1: 128-bit float steps */
+                __m512i R[4] = {zero, zero, zero, zero};
+                HI_UNROLL for (int j = 0; j < 4; j++) {
+                    hi_r_dots8(S, W[j], kg, o, i, j, gm);
+                    hi_r_pairs8(R, S, SCW[j], gm, j == 0);
+                }
+                /* lane p: m[2p]*B[2p] + m[2p+1]*B[2p+1] of token 0 (dword 0), of token 1 (dword 2) */
+                const __m512i I2 = _mm512_madd_epi16(_mm512_loadu_si512((const void *)(kg->Bz4 + i * 16)), MP4);
+                const __m128 f = _mm_cvtepi32_ps(hi_r_tree2(R[0], I2));
+                const __m128 D2 = _mm_castpd_ps(_mm_loaddup_pd((const double *)(Dz + 8))); /* D of tokens 0, 1, 0, 1 */
+                acc2 = _mm_fmadd_ps(f, _mm_mul_ps(_mm_unpacklo_ps(dm, dm), D2), acc2);
+                continue;
+            }
             if (rp == HI_KS_REPACK && gm <= 4) { /* isum | imin of tokens 0..3, in 256-bit float steps */
                 __m512i R[4] = {zero, zero, zero, zero};
                 HI_UNROLL for (int j = 0; j < 4; j++) {
@@ -247,6 +271,10 @@ HI_INLINE void hi_rows_k4(const int q5, const int rp, const int gm, const int64_
             float a[8];
             _mm256_storeu_ps(a, acct[o]);
             v = a[l];
+        } else if (rp == HI_KS_REPACK && gm <= 2) {
+            float a[4];
+            _mm_storeu_ps(a, acc2);
+            v = a[l] - a[2 + l];
         } else if (rp == HI_KS_REPACK && gm <= 4) {
             float a[8];
             _mm256_storeu_ps(a, acc4);
