@@ -1,7 +1,7 @@
 """Cycles per weight block of the group kernels (kernels_rows_{avx2,vnni}.h) for 1-8 tokens, from llvm-mca: a
 port-pressure model of one core, no noise from neighbours, and a model of the AVX-512 VNNI host's cores on a host
 without AVX-512 (where those kernels cannot run). One token's row is the one-token kernel (dot_kq_shapes.h's
-repacked Q4_K gemv, dot_kquants.h's Q6_K vec_dot); its loop may take several blocks (counted from its weight
+repacked Q4_K gemv, dot_kquants.h's Q5_K and Q6_K vec_dot); its loop may take several blocks (counted from its weight
 pointer's step).
 
     python bench/rows_mca.py [--avx2-cpu znver3] [--vnni-cpu icelake-server] [--src native/simd]
@@ -29,15 +29,20 @@ from ssse3_mca import find_mca, main_loop, tool_args  # noqa: E402
 KERNELS = [
     ("Q4_K", 144, 1, "return hi_dot_q4_K_rp(n, w, y, 0);"),
     *[("Q4_K", 144, t, f"hi_rows_k4(0, HI_KS_REPACK, {g}, n, w, kg, os); return 0;") for t, g in
-      ((2, 2), (3, 4), (4, 4), (8, 8))],
+      ((2, 2), (3, 3), (4, 4), (8, 8))],
+    ("Q5_K", 176, 1, "return hi_dot_q5_K_q8_K(n, w, y);"),
+    *[("Q5_K", 176, t, f"hi_rows_k4(1, HI_KS_VEC, {g}, n, w, kg, os); return 0;") for t, g in
+      ((2, 2), (3, 3), (4, 4), (8, 8))],
     ("Q6_K", 210, 1, "return hi_dot_q6_K_q8_K(n, w, y);"),
-    *[("Q6_K", 210, t, f"hi_rows_q6(0, {g}, n, w, kg, os); return 0;") for t, g in ((2, 2), (3, 4), (4, 4), (8, 8))],
+    *[("Q6_K", 210, t, f"hi_rows_q6(0, {g}, n, w, kg, os); return 0;") for t, g in ((2, 2), (3, 3), (4, 4), (8, 8))],
 ]
 
 
 def harness(unit: str) -> str:
     out = [f'#include "{unit}"']
     for i, (_, _, t, call) in enumerate(KERNELS):
+        if unit == "isa_avx2.c":  # that unit's kernels take 3 tokens as 4 (kernels_rows.h's dispatch)
+            call = call.replace(", 3, n,", ", 4, n,")
         out.append(f"__attribute__((noinline, flatten)) float mca_k{i}(int n, const void *w, const void *y, "
                    f"const hi_kgrp *g, float *const *os) {{ hi_kgrp c = *g; c.cnt = {t}; const hi_kgrp *kg = &c; "
                    f"(void)kg; (void)y; (void)os; {call} }}")

@@ -68,6 +68,7 @@ HI_INLINE void hi_pf_row(hi_pfs *p) {
 /* A group of tokens as the K-quant kernels read them: their Q8_K rows, and per block i and octet o of tokens
  *   Dz[i][o][16]: D of the octet's tokens 0, 2, 4, 6, 1, 3, 5, 7 (the VNNI tree's order), then 0..7;
  *   Bz[i][o][32]: int16 pairs (B[2p], B[2p+1]) (B[s] = bsums[2s] + bsums[2s+1]), dword 8p + l for token l,
+ *   and for groups of at most 4 tokens Bz4[i][16]: the same pairs as dword 4p + l (l < 4; of at most 2, 4p + 2l),
  * zero for tokens past cnt (whose rows are the first token's) */
 typedef struct {
     const block_q8_K *y[HI_KG];
@@ -75,27 +76,44 @@ typedef struct {
                               * themselves, 292-byte blocks, nearly always spans two cache lines: twice the cost) */
     int cnt;
     const float *Dz;
-    const int32_t *Bz;
+    const int32_t *Bz, *Bz4;
 } hi_kgrp;
 
 /* bytes of a group's preparation per block (buf: 64-byte aligned) */
-HI_INLINE size_t hi_kgrp_bytes(const int cnt) { return (size_t)cnt * HI_QK_K + HI_KO * (16 * 4 + 32 * 4); }
+HI_INLINE size_t hi_kgrp_bytes(const int cnt) { return (size_t)cnt * HI_QK_K + HI_KO * (16 * 4 + 32 * 4) + (cnt <= 4 ? 16 * 4 : 0); }
 
-HI_INLINE void hi_kgrp_prep(hi_kgrp *g, const hi_mm *m, int64_t t, const int cnt, int64_t nb, uint8_t *buf) {
+/* whether the group's quants are copied in the VNNI kernels' order of a block's 32-byte parts, 0 2 1 3 4 6 5 7 (the
+ * sub-blocks of each 64-byte load's low nibbles, then its high ones): Q4_K and Q5_K but for the repacked gemm's
+ * shape, whose sums are per quarter (sub-blocks 2j, 2j + 1) */
+HI_INLINE int hi_kgrp_zip(const int qt, const hi_mm *m) {
+#if defined(HI_VNNI)
+    return qt != HI_T_Q6_K && m->kshape != HI_KS_REPACK_GEMM;
+#else
+    (void)qt;
+    (void)m;
+    return 0;
+#endif
+}
+
+HI_INLINE void hi_kgrp_prep(hi_kgrp *g, const hi_mm *m, int64_t t, const int cnt, int64_t nb, uint8_t *buf, const int zip) {
     float *Dz = (float *)(buf + (size_t)cnt * nb * HI_QK_K);
     int32_t *Bz = (int32_t *)((uint8_t *)Dz + (size_t)nb * HI_KO * 16 * 4);
     for (int k = 0; k < HI_KG; k++) {
         g->y[k] = (const block_q8_K *)(m->x + (size_t)(t + (k < cnt ? k : 0)) * m->x_row);
         g->q8[k] = (const int8_t *)buf + (size_t)(k < cnt ? k : 0) * nb * HI_QK_K;
     }
+    int32_t *Bz4 = Bz + (size_t)nb * HI_KO * 32;
     g->cnt = cnt;
     g->Dz = Dz;
     g->Bz = Bz;
+    g->Bz4 = cnt <= 4 ? Bz4 : NULL;
     for (int k = 0; k < cnt; k++) {
         int8_t *q = (int8_t *)g->q8[k];
         for (int64_t i = 0; i < nb; i++) {
-            HI_UNROLL for (int c = 0; c < HI_QK_K; c += 32)
-                _mm256_store_si256((__m256i *)(q + i * HI_QK_K + c), _mm256_loadu_si256((const __m256i *)(g->y[k][i].qs + c)));
+            HI_UNROLL for (int c = 0; c < HI_QK_K; c += 32) {
+                const int src = zip && c % 128 >= 32 && c % 128 < 96 ? c ^ 96 : c; /* parts 1 and 2 of each half swapped */
+                _mm256_store_si256((__m256i *)(q + i * HI_QK_K + c), _mm256_loadu_si256((const __m256i *)(g->y[k][i].qs + src)));
+            }
         }
     }
     const int ord[8] = {0, 2, 4, 6, 1, 3, 5, 7};
@@ -124,6 +142,15 @@ HI_INLINE void hi_kgrp_prep(hi_kgrp *g, const hi_mm *m, int64_t t, const int cnt
                 _mm_storeu_si128((__m128i *)(b + 16 + 4 * h), _mm_unpacklo_epi64(t1, t3));
                 _mm_storeu_si128((__m128i *)(b + 24 + 4 * h), _mm_unpackhi_epi64(t1, t3));
             }
+            if (cnt <= 4 && o == 0)
+                HI_UNROLL for (int p = 0; p < 4; p++) {
+                    if (cnt > 2) {
+                        memcpy(Bz4 + i * 16 + 4 * p, b + 8 * p, 16);
+                    } else {
+                        const int32_t z[4] = {b[8 * p], 0, b[8 * p + 1], 0};
+                        memcpy(Bz4 + i * 16 + 4 * p, z, 16);
+                    }
+                }
         }
     }
 }
@@ -242,7 +269,7 @@ HI_INLINE void hi_rows_run(const int qt, const hi_mm *m, int64_t r0, int64_t r1,
         return;
     }
     hi_kgrp kg;
-    hi_kgrp_prep(&kg, m, t, cnt, nb, buf);
+    hi_kgrp_prep(&kg, m, t, cnt, nb, buf, hi_kgrp_zip(qt, m));
     hi_pfs pf;
     hi_pf_start(&pf, m, r0, r1);
     for (int64_t r = r0; r < r1; r++) {
@@ -250,7 +277,7 @@ HI_INLINE void hi_rows_run(const int qt, const hi_mm *m, int64_t r0, int64_t r1,
         float *os[HI_KG];
         HI_UNROLL for (int g = 0; g < HI_KG; g++) os[g] = &m->out[(size_t)(t + (g < cnt ? g : 0)) * m->out_row + (size_t)r];
         const uint8_t *w = m->w + (size_t)r * m->w_row;
-        /* kernels for up to 2, 4, 8 tokens: the integer reductions of absent tokens fold away */
+        /* kernels for up to 2, (3,) 4, 8 tokens: the integer reductions of absent tokens fold away */
 #define HI_R_K(GM)                                                                                           \
         if (qt == HI_T_Q6_K && m->kshape == HI_KS_TILED) hi_rows_q6(1, GM, nb, w, &kg, os);                   \
         else if (qt == HI_T_Q6_K) hi_rows_q6(0, GM, nb, w, &kg, os);                                          \
@@ -262,6 +289,10 @@ HI_INLINE void hi_rows_run(const int qt, const hi_mm *m, int64_t r0, int64_t r1,
         else hi_rows_k4(0, HI_KS_VEC, GM, nb, w, &kg, os);
         if (cnt <= 2) {
             HI_R_K(2)
+#if defined(HI_VNNI)
+        } else if (cnt == 3) { /* the vec_dot shapes' last pair a lone token */
+            HI_R_K(3)
+#endif
         } else if (cnt <= 4) {
             HI_R_K(4)
         } else {

@@ -13,6 +13,29 @@ HI_INLINE __m512 hi_r_spread2(__m256 v, const int i, const int j) {
     return _mm512_permutexvar_ps(idx, _mm512_castps256_ps512(v));
 }
 
+/* vec_dot's step of the pair p of an octet, acc = fma(d*D, lanes, acc) with the 16-lane sums a, b of tokens 2p, 2p + 1
+ * folded to their 8 lanes (dd: d*D of the octet's tokens); `lone`: token 2p only, in 256 bits (acc's upper half
+ * then holds nothing) */
+HI_INLINE __m512 hi_r_vacc(const __m512 acc, const __m256 dd, const __m512i a, const __m512i b, const int p, const int lone) {
+    if (lone) {
+        const __m256i s = _mm256_add_epi32(_mm512_castsi512_si256(a), _mm512_extracti64x4_epi64(a, 1));
+        const __m256 d = _mm256_permutevar8x32_ps(dd, _mm256_set1_epi32(2 * p));
+        return _mm512_castps256_ps512(_mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), _mm512_castps512_ps256(acc)));
+    }
+    return _mm512_fmadd_ps(hi_r_spread2(dd, 2 * p, 2 * p + 1), _mm512_cvtepi32_ps(hi_r_pair(a, b)), acc);
+}
+
+/* a dword of pshufb control: byte a zero-extended to the lower int16, byte b to the upper (0x80: zero) */
+#define HI_R_W16(a, b) ((int)(0x80008000u | (unsigned)(a) | (unsigned)(b) << 16))
+
+/* dword lo in the lower 8 lanes, hi in the upper 8 */
+HI_INLINE __m512i hi_r_bytes2(const int lo, const int hi) {
+    return _mm512_inserti64x4(_mm512_set1_epi32(lo), _mm256_set1_epi32(hi), 1);
+}
+
+/* D of an octet's tokens 0..7 (Dz + 8) in both halves: a broadcast load */
+HI_INLINE __m512 hi_r_D16(const float *Dz) { return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_loadu_pd((const double *)(Dz + 8)))); }
+
 /* an octet's 16-lane integer sums S[0..7] and the imin halves I (lane l: token l's first part, lane 8 + l its
  * second) as [totals of S of tokens 0, 2, 4, 6 | of 1, 3, 5, 7 | imin of tokens 0..3 | of 4..7] */
 HI_INLINE __m512i hi_r_tree8(const __m512i *S, __m512i I) {
@@ -58,6 +81,28 @@ HI_INLINE __m512i hi_r_tree8r(const __m512i *R, const __m512i I, const int half)
     return _mm512_add_epi32(_mm512_shuffle_i64x2(Y, I, half == 1 ? 0xe8 : 0x48), Y1);
 }
 
+/* R[0..1] (hi_r_pairs8 of tokens 0..3) and the min lanes I (128-bit lane p: pair p of tokens 0..3) as the totals
+ * [isum of tokens 0..3 | imin of tokens 0..3] */
+HI_INLINE __m256i hi_r_tree4(const __m512i *R, const __m512i I) {
+    const __m512 r0 = _mm512_castsi512_ps(R[0]), r1 = _mm512_castsi512_ps(R[1]);
+    /* per 128-bit lane: tokens 0..3 */
+    const __m512i E = _mm512_add_epi32(_mm512_castps_si512(_mm512_shuffle_ps(r0, r1, 0x88)),
+                                       _mm512_castps_si512(_mm512_shuffle_ps(r0, r1, 0xdd)));
+    const __m256i e = _mm256_add_epi32(_mm512_castsi512_si256(E), _mm512_extracti64x4_epi64(E, 1));
+    const __m256i m = _mm256_add_epi32(_mm512_castsi512_si256(I), _mm512_extracti64x4_epi64(I, 1));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(e, m, 0x20), _mm256_permute2x128_si256(e, m, 0x31));
+}
+
+/* R[0] (hi_r_pairs8 of tokens 0, 1) and the min lanes I (128-bit lane p: pair p of token 0 in dword 0, of token 1
+ * in dword 2) as the totals isum, isum, imin, imin of tokens 0, 1, 0, 1 */
+HI_INLINE __m128i hi_r_tree2(const __m512i R, const __m512i I) {
+    const __m512 r = _mm512_castsi512_ps(R), m = _mm512_castsi512_ps(I);
+    const __m512i E = _mm512_add_epi32(_mm512_castps_si512(_mm512_shuffle_ps(r, m, 0x88)),
+                                       _mm512_castps_si512(_mm512_shuffle_ps(r, m, 0xdd)));
+    const __m256i e = _mm256_add_epi32(_mm512_castsi512_si256(E), _mm512_extracti64x4_epi64(E, 1));
+    return _mm_add_epi32(_mm256_castsi256_si128(e), _mm256_extracti128_si256(e, 1));
+}
+
 /* S[l] = the vpdpbusd sums of quarter j's 64 weights W against token 8o + l's (zero past the group) */
 HI_INLINE void hi_r_dots8(__m512i *S, const __m512i W, const hi_kgrp *kg, const int o, const int64_t i, const int j,
                           const int gm) {
@@ -86,6 +131,8 @@ HI_INLINE void hi_rows_k4(const int q5, const int rp, const int gm, const int64_
     __m512 accr[HI_KO];         /* gemv, gemm: acc of tokens 0..7 | accm of tokens 0..7 */
     __m256 acct[HI_KO];         /* tiled: tokens 0..7 */
     __m256 summs[HI_KO];        /* Q5_K */
+    __m256 acc4 = _mm256_setzero_ps(); /* gemv of at most 4 tokens: acc of tokens 0..3 | accm of tokens 0..3 */
+    __m128 acc2 = _mm_setzero_ps();    /* gemv of at most 2 tokens: acc, acc, accm, accm of tokens 0, 1, 0, 1 */
     HI_UNROLL for (int p = 0; p < HI_KG / 2; p++) acc[p] = _mm512_setzero_ps();
     HI_UNROLL for (int o = 0; o < HI_KO; o++) {
         accm[o][0] = accm[o][1] = accr[o] = _mm512_setzero_ps();
@@ -95,26 +142,43 @@ HI_INLINE void hi_rows_k4(const int q5, const int rp, const int gm, const int64_
         const uint8_t *b = w + (size_t)i * bs, *qs = b + (q5 ? 48 : 16);
         const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)hi_rd32(b))); /* d, dmin */
         const __m256 vd = _mm256_broadcastss_ps(dm), vm = _mm256_broadcastss_ps(_mm_shuffle_ps(dm, dm, 0x55));
-        const __m128i sm = hi_kq_scales_mins_v(b + 4); /* bytes sc0..7, m0..7 */
-        const __m512i sc32 = _mm512_cvtepu8_epi32(sm);
-        const __m512i sc32w = _mm512_or_si512(sc32, _mm512_slli_epi32(sc32, 16)); /* each scale as an int16 pair */
-        /* dwords 4..7 of w16: the int16 pairs (m[2p], m[2p+1]) */
-        const __m512i w16 = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(sm));
-        const __m512i MP0 = _mm512_permutexvar_epi32(_mm512_inserti64x4(_mm512_set1_epi32(4), _mm256_set1_epi32(5), 1), w16);
-        const __m512i MP1 = _mm512_permutexvar_epi32(_mm512_inserti64x4(_mm512_set1_epi32(6), _mm256_set1_epi32(7), 1), w16);
+        /* d in the lower 8 lanes, dmin in the upper: against hi_r_D16 the products d*D | dmin*D of 8 tokens */
+        const __m512 dm16 = _mm512_permutexvar_ps(hi_r_bytes2(0, 1), _mm512_castps128_ps512(dm));
+        /* bytes sc0..7, m0..7 in each 128-bit lane: each spread of them below is one in-lane byte shuffle */
+        const __m512i smb = _mm512_broadcast_i32x4(hi_kq_scales_mins_v(b + 4));
+        /* the int16 pairs (m[2p], m[2p+1]): p = 0 | 1 (MP0), 2 | 3 (MP1) */
+        const __m512i MP0 = _mm512_shuffle_epi8(smb, hi_r_bytes2(HI_R_W16(8, 9), HI_R_W16(10, 11)));
+        const __m512i MP1 = _mm512_shuffle_epi8(smb, hi_r_bytes2(HI_R_W16(12, 13), HI_R_W16(14, 15)));
+        /* the pair p in 128-bit lane p (against Bz4) */
+        const __m512i MP4 = _mm512_shuffle_epi8(smb, _mm512_setr_epi32(HI_R_W16(8, 9), HI_R_W16(8, 9), HI_R_W16(8, 9), HI_R_W16(8, 9),
+                                                                        HI_R_W16(10, 11), HI_R_W16(10, 11), HI_R_W16(10, 11), HI_R_W16(10, 11),
+                                                                        HI_R_W16(12, 13), HI_R_W16(12, 13), HI_R_W16(12, 13), HI_R_W16(12, 13),
+                                                                        HI_R_W16(14, 15), HI_R_W16(14, 15), HI_R_W16(14, 15), HI_R_W16(14, 15)));
+        const __m256 dm8 = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(dm), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1)); /* d x4 | dmin x4 */
         const __m512i qh = q5 ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 16))) : zero;
-        __m512i W[4], SC[4], SCW[4]; /* SCW: the scales as int16, sc[2j] in the lower half, sc[2j+1] in the upper */
+        /* the gemm's quarters j: 32 bytes broadcast, sub-block 2j (low nibbles) in the lower half, 2j + 1 (high) in the
+         * upper; the other shapes' (the group's activations in hi_kgrp_zip's order): a 64-byte load each of quarters 0, 1
+         * and 2, 3, W[0..3] its low and high nibbles, sub-blocks 0 | 2, 1 | 3, 4 | 6, 5 | 7 (two fewer shifts a block) */
+        const int zp = rp != HI_KS_REPACK_GEMM;
+        __m512i W[4], SC[4], SCW[4]; /* SCW: the scales as int16 of W's sub-blocks, the lower half's, the upper's */
         HI_UNROLL for (int j = 0; j < 4; j++) {
-            const __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qs + 32 * j)));
-            __m512i v = _mm512_and_si512(_mm512_mask_srli_epi16(q, (__mmask32)0xffff0000u, q, 4), m4);
-            if (q5) { /* bit 2j (lower half) / 2j + 1 (upper) of each qh byte to bit 4: rotate the dwords */
-                const __m512i rot = _mm512_inserti64x4(_mm512_set1_epi32((4 - 2 * j) & 31), _mm256_set1_epi32((3 - 2 * j) & 31), 1);
+            const int slo = zp ? 4 * (j / 2) + j % 2 : 2 * j, shi = zp ? slo + 2 : slo + 1; /* W[j]'s sub-blocks */
+            __m512i v;
+            if (zp) {
+                const __m512i q = _mm512_loadu_si512((const void *)(qs + 64 * (j / 2)));
+                v = _mm512_and_si512(j % 2 ? _mm512_srli_epi16(q, 4) : q, m4);
+            } else {
+                const __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qs + 32 * j)));
+                v = _mm512_and_si512(_mm512_mask_srli_epi16(q, (__mmask32)0xffff0000u, q, 4), m4);
+            }
+            if (q5) { /* bit slo (lower half) / shi (upper) of each qh byte to bit 4: rotate the dwords */
+                const __m512i rot = _mm512_inserti64x4(_mm512_set1_epi32((4 - slo) & 31), _mm256_set1_epi32((4 - shi) & 31), 1);
                 v = _mm512_ternarylogic_epi32(v, _mm512_rolv_epi32(qh, rot), m16, 0xf8); /* v | (rot & m16) */
             }
             W[j] = v;
-            const __m512i idx = _mm512_inserti64x4(_mm512_set1_epi32(2 * j), _mm256_set1_epi32(2 * j + 1), 1);
-            SC[j] = _mm512_permutexvar_epi32(idx, sc32);
-            SCW[j] = _mm512_permutexvar_epi32(idx, sc32w); /* the scales are < 2^6: (sc, sc) as int16 */
+            SC[j] = _mm512_shuffle_epi8(smb, hi_r_bytes2(HI_R_W16(slo, 0x80), HI_R_W16(shi, 0x80)));
+            /* the scales are < 2^6: (sc, sc) as int16 */
+            SCW[j] = _mm512_shuffle_epi8(smb, hi_r_bytes2(HI_R_W16(slo, slo), HI_R_W16(shi, shi)));
         }
         HI_UNROLL for (int o = 0; o < HI_KO; o++) {
             if (8 * o >= cnt) break;
@@ -125,15 +189,38 @@ HI_INLINE void hi_rows_k4(const int q5, const int rp, const int gm, const int64_
             const __m512i IB = _mm512_madd_epi16(_mm512_loadu_si512((const void *)(Bz + 16)), MP1);
             __m512i S[8];
             if (rp == HI_KS_REPACK_GEMM) { /* acc, accm per quarter j: its part and mpart (minl[j]), tokens in order */
-                const __m256 D8 = _mm256_loadu_ps(Dz + 8);
-                const __m512 dd = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(_mm256_mul_ps(vd, D8))),
-                                                                      _mm256_castps_pd(_mm256_mul_ps(vm, D8)), 1));
+                const __m512 dd = _mm512_mul_ps(dm16, hi_r_D16(Dz));
                 HI_UNROLL for (int j = 0; j < 4; j++) {
                     hi_r_dots8(S, W[j], kg, o, i, j, gm);
                     __m512i R[4] = {zero, zero, zero, zero};
                     hi_r_pairs8(R, S, SCW[j], gm, 1); /* each quarter its own sums */
                     accr[o] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi_r_tree8r(R, j < 2 ? IA : IB, j % 2)), dd, accr[o]);
                 }
+                continue;
+            }
+            if (rp == HI_KS_REPACK && gm <= 2) { /* isum, imin of tokens 0, 1: 128-bit float steps */
+                __m512i R[4] = {zero, zero, zero, zero};
+                HI_UNROLL for (int j = 0; j < 4; j++) {
+                    hi_r_dots8(S, W[j], kg, o, i, j, gm);
+                    hi_r_pairs8(R, S, SCW[j], gm, j == 0);
+                }
+                /* lane p: m[2p]*B[2p] + m[2p+1]*B[2p+1] of token 0 (dword 0), of token 1 (dword 2) */
+                const __m512i I2 = _mm512_madd_epi16(_mm512_loadu_si512((const void *)(kg->Bz4 + i * 16)), MP4);
+                const __m128 f = _mm_cvtepi32_ps(hi_r_tree2(R[0], I2));
+                const __m128 D2 = _mm_castpd_ps(_mm_loaddup_pd((const double *)(Dz + 8))); /* D of tokens 0, 1, 0, 1 */
+                acc2 = _mm_fmadd_ps(f, _mm_mul_ps(_mm_unpacklo_ps(dm, dm), D2), acc2);
+                continue;
+            }
+            if (rp == HI_KS_REPACK && gm <= 4) { /* isum | imin of tokens 0..3, in 256-bit float steps */
+                __m512i R[4] = {zero, zero, zero, zero};
+                HI_UNROLL for (int j = 0; j < 4; j++) {
+                    hi_r_dots8(S, W[j], kg, o, i, j, gm);
+                    hi_r_pairs8(R, S, SCW[j], gm, j == 0);
+                }
+                /* lane p: m[2p]*B[2p] + m[2p+1]*B[2p+1] of tokens 0..3 */
+                const __m512i I4 = _mm512_madd_epi16(_mm512_loadu_si512((const void *)(kg->Bz4 + i * 16)), MP4);
+                const __m256 f = _mm256_cvtepi32_ps(hi_r_tree4(R, I4));
+                acc4 = _mm256_fmadd_ps(f, _mm256_mul_ps(dm8, _mm256_broadcast_ps((const __m128 *)(Dz + 8))), acc4);
                 continue;
             }
             if (rp == HI_KS_REPACK || rp == HI_KS_TILED) { /* isum, imin of tokens 0..7 in order */
@@ -143,14 +230,12 @@ HI_INLINE void hi_rows_k4(const int q5, const int rp, const int gm, const int64_
                     hi_r_pairs8(R, S, SCW[j], gm, j == 0);
                 }
                 const __m512 f = _mm512_cvtepi32_ps(hi_r_tree8r(R, _mm512_add_epi32(IA, IB), 2));
-                const __m256 D8 = _mm256_loadu_ps(Dz + 8);
-                if (rp == HI_KS_TILED) { /* res = fma(-dmin, imin, d * isum), row = fma(res, D, row) */
+                if (rp == HI_KS_TILED) {
+                    const __m256 D8 = _mm256_loadu_ps(Dz + 8); /* res = fma(-dmin, imin, d * isum), row = fma(res, D, row) */
                     const __m256 res = _mm256_fmadd_ps(_mm256_xor_ps(vm, sign), hi_r_hi8(f), _mm256_mul_ps(vd, _mm512_castps512_ps256(f)));
                     acct[o] = _mm256_fmadd_ps(res, D8, acct[o]);
                 } else { /* acc = fma(isum, d*D, acc), accm = fma(imin, dmin*D, accm) */
-                    const __m512 dd = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(_mm256_mul_ps(vd, D8))),
-                                                                          _mm256_castps_pd(_mm256_mul_ps(vm, D8)), 1));
-                    accr[o] = _mm512_fmadd_ps(f, dd, accr[o]);
+                    accr[o] = _mm512_fmadd_ps(f, _mm512_mul_ps(dm16, hi_r_D16(Dz)), accr[o]);
                 }
                 continue;
             }
@@ -165,8 +250,7 @@ HI_INLINE void hi_rows_k4(const int q5, const int rp, const int gm, const int64_
             const __m256 dd = _mm256_mul_ps(vd, D8), ndm = _mm256_xor_ps(_mm256_mul_ps(vm, D8), sign); /* d*D, -(dmin*D) */
             HI_UNROLL for (int p = 0; p < 4; p++) {
                 if (2 * p >= gm || 8 * o + 2 * p >= cnt) break;
-                acc[4 * o + p] = _mm512_fmadd_ps(hi_r_spread2(dd, 2 * p, 2 * p + 1), _mm512_cvtepi32_ps(hi_r_pair(S[2 * p], S[2 * p + 1])),
-                                                 acc[4 * o + p]);
+                acc[4 * o + p] = hi_r_vacc(acc[4 * o + p], dd, S[2 * p], S[2 * p + 1], p, 2 * p + 1 >= gm);
             }
             if (q5) {
                 const __m512i I = _mm512_add_epi32(IA, IB);
@@ -187,6 +271,14 @@ HI_INLINE void hi_rows_k4(const int q5, const int rp, const int gm, const int64_
             float a[8];
             _mm256_storeu_ps(a, acct[o]);
             v = a[l];
+        } else if (rp == HI_KS_REPACK && gm <= 2) {
+            float a[4];
+            _mm_storeu_ps(a, acc2);
+            v = a[l] - a[2 + l];
+        } else if (rp == HI_KS_REPACK && gm <= 4) {
+            float a[8];
+            _mm256_storeu_ps(a, acc4);
+            v = a[l] - a[4 + l];
         } else if (rp) {
             float a[16];
             _mm512_storeu_ps(a, accr[o]);
@@ -270,8 +362,7 @@ HI_INLINE void hi_rows_q6(const int tiled, const int gm, const int64_t nb, const
                         S[u] = _mm512_dpwssd_epi32(S[u], _mm512_dpbusd_epi32(zero, WB[h], _mm512_loadu_si512((const void *)(q8 + 128 * h + 64))), SC[2 * h + 1]);
                     }
                 }
-                acc[4 * o + p] = _mm512_fmadd_ps(hi_r_spread2(dd, 2 * p, 2 * p + 1), _mm512_cvtepi32_ps(hi_r_pair(S[0], S[1])),
-                                                 acc[4 * o + p]);
+                acc[4 * o + p] = hi_r_vacc(acc[4 * o + p], dd, S[0], S[1], p, 2 * p + 1 >= gm);
             }
         }
     }
