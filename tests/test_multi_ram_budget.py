@@ -294,3 +294,28 @@ def test_a_file_failing_mid_run_is_a_card_failed_error_naming_the_card(model, ca
     for t in [t for c in cards for t in c.reader.pool._threads]:  # each card's readers end
         t.join(10)
         assert not t.is_alive()
+
+
+@pytest.mark.parametrize("mode", ["layer", "expert"])
+def test_a_card_that_fails_to_close_leaves_the_other_closed(model, cards, monkeypatch, mode):
+    """The first card's close raises (its context is gone): the second card and its reader of the file are still
+    closed, and the close reports the first card's error."""
+    path = model[0]
+    eng = _load(path, 1 << 36, mode)
+    gpu = eng.backend.gpu
+    assert len(cards) == 2
+    first = cards[0]
+    real = type(first).close
+
+    def dead(self):
+        real(self)
+        raise OSError("device 0 (stand-in): context destroyed")
+
+    monkeypatch.setattr(first, "close", dead.__get__(first))
+    try:
+        with pytest.raises(OSError, match="context destroyed"):
+            gpu.close()
+        assert all(c.closed for c in cards) and cards[1].reader.fd is None
+        assert gpu.cards == []
+    finally:
+        eng.close()

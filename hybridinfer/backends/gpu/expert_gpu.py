@@ -35,7 +35,7 @@ from . import k_moe as km
 from .backend import DEFAULT_CHUNK, GPUModel
 from .graph_ops import GPUOps
 from .multi import forward_many, in_passes
-from .multi_gpu import CardsModel, card_slots, closing_on_error, make_card
+from .multi_gpu import CardsModel, card_slots, close_cards, closing_on_error, make_card
 from .walker import Item, walk
 
 BARRIER_S = 600.0  # a card waiting this long at the exchange for another has lost it
@@ -357,11 +357,17 @@ class ExpertParallelModel(CardsModel):
                       for c, t in zip(self.cards, ts, strict=True)]}
 
     def close(self) -> None:
-        for c in self.cards:
-            with loader.on_card(c.ctx):
-                c.m.link = None
-            c.close()
-        if self.cards or getattr(self, "exchange", None) is not None:
-            with loader.on_card(self.ctxs[0]):  # its page-locked rows freed in the context that made them
-                self.exchange = None
-        self.cards = []
+        def one(c):
+            try:
+                with loader.on_card(c.ctx):
+                    c.m.link = None
+            finally:
+                c.close()
+
+        cards, self.cards = self.cards, []
+        try:
+            close_cards(cards, one)
+        finally:
+            if cards or getattr(self, "exchange", None) is not None:
+                with loader.on_card(self.ctxs[0]):  # its page-locked rows freed in the context that made them
+                    self.exchange = None

@@ -74,9 +74,25 @@ def closing_on_error(model):
     and under a RAM budget their readers of the file) before it goes on."""
     try:
         yield
-    except BaseException:
-        model.close()
+    except BaseException as e:
+        try:
+            model.close()
+        except Exception as c:  # a card that failed may not close either: the build's error is the one to see
+            e.add_note(f"closing the cards built so far also failed: {c!r}")
         raise
+
+
+def close_cards(cards, close_one) -> None:
+    """close_one(card) for every card, though some fail (a card that died may refuse its context): the others'
+    buffers and file readers are still freed; then the first failure is raised."""
+    first = None
+    for c in cards:
+        try:
+            close_one(c)
+        except Exception as e:
+            first = first or e
+    if first is not None:
+        raise first
 
 
 def make_card(ctx, label: str, share: str, build, *a, device: int, **kw) -> CardRunner:
@@ -313,9 +329,8 @@ class MultiGPUModel(CardsModel):
         return out
 
     def close(self) -> None:
-        for c in self.cards:
-            c.close()
-        self.cards = []
+        cards, self.cards = self.cards, []
+        close_cards(cards, lambda c: c.close())
 
 
 def card_slots(gm, args, n_ctx: int, devices, vram_budget, chunk: int, card_profile):
