@@ -126,6 +126,12 @@ typedef struct hi_kernels {
                           float *part, int64_t part_row);
     /* out[0..n) = silu(g) * u, ggml's vector SwiGLU (out may alias g or u) */
     void (*swiglu)(const float *g, const float *u, float *out, int64_t n);
+    /* float products of many rows (kernels_gemm.h; gemm_nr 0 and gemm_block NULL where a unit has none): rows
+     * [0, mr) (mr <= gemm_mr) of x against a panel of gemm_nr packed weight rows over kc values of k, into y's
+     * columns [0, nc) (added to what y holds when acc) */
+    int gemm_mr, gemm_nr;
+    void (*gemm_block)(const float *x, int64_t xs, const float *p, int64_t kc, float *y, int64_t ys, int64_t mr,
+                       int64_t nc, int acc);
 } hi_kernels;
 
 extern const hi_kernels hi_kernels_scalar;

@@ -117,6 +117,15 @@ int hi_rope(hi_ctx *c, float *x, int64_t T, int64_t H, int64_t hd, int64_t pos0,
 int hi_rope_multi(hi_ctx *c, float *x, int64_t T, int64_t H, int64_t hd, int64_t pos0, int64_t shift,
                   const int32_t *mrope, int64_t n_rot, float theta_base, int neox, const float *freq_factors);
 
+/* Float products of many rows (gemm.c; the vision tower's F32/F16 matrices): hi_gemm_packed_floats is the floats
+ * hi_gemm_pack needs for W [N, K] (row stride w_row floats) in this unit's panels, 0 where the unit has no such
+ * kernel (scalar, SSSE3: hi_gemm_pack and hi_gemm then return -3); hi_gemm sets Y[M, N] = X[M, K] W^T (row strides
+ * in floats) on the pool. */
+int64_t hi_gemm_packed_floats(const hi_ctx *c, int64_t N, int64_t K);
+int hi_gemm_pack(const hi_ctx *c, const float *W, int64_t w_row, int64_t N, int64_t K, float *P);
+int hi_gemm(hi_ctx *c, const float *X, int64_t x_row, const float *P, int64_t N, int64_t K, float *Y, int64_t y_row,
+            int64_t M);
+
 /* SwiGLU of T rows of n values, out = silu(g) * u as llama.cpp's ggml_vec_swiglu_f32 (this ISA's build);
  * row strides in floats; out may alias g or u. In segments on the pool when there are several. */
 int hi_swiglu(hi_ctx *c, const float *g, int64_t g_row, const float *u, int64_t u_row, float *out, int64_t out_row,

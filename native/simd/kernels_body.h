@@ -118,6 +118,7 @@ HI_INLINE uint32_t hi_rd32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); ret
 #include "kernels_fa.h"
 #include "kernels_fa_vnni.h"
 #include "kernels_fa_tiled.h"
+#include "kernels_gemm.h"
 
 /* ================================================================================================ */
 /* memory read bandwidth: sum of 64-bit words, several independent accumulators */
@@ -195,4 +196,9 @@ const hi_kernels HI_TABLE = {
     .attn_fa_scratch = hi_attn_fa_scratch,
     .attn_fa_tiled = hi_attn_fa_tiled,
     .swiglu = hi_swiglu_row,
+    .gemm_mr = HI_GEMM_MR,
+    .gemm_nr = HI_GEMM_NR,
+#if HI_GEMM_NR
+    .gemm_block = hi_gemm_block,
+#endif
 };

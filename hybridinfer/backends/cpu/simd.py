@@ -22,7 +22,7 @@ import os
 
 import numpy as np
 
-from ...errors import BackendNotAvailableError, UnsupportedTensorTypeError
+from ...errors import BackendNotAvailableError, KernelArgumentError, UnsupportedTensorTypeError
 from ...format.quant import type_name
 from .replay import Bound
 from .simd_gdn import GDNCalls
@@ -365,6 +365,39 @@ class SimdLib(MoECalls, OpCalls, ReplicaCalls, GDNCalls):
                                  _ptr(ffi, "float *", out), os_, T, n)
         if rc:
             _check_rc(rc, "swiglu")
+
+    def gemm_pack(self, w: np.ndarray) -> np.ndarray | None:
+        """W [N, K] float32 (rows contiguous) packed for `gemm` in this unit's panels; None where the unit has no
+        float-product kernel (scalar, SSSE3: the caller keeps its BLAS)."""
+        N, ws = _rows_fast("w", w, _F32, w.shape[-1] if getattr(w, "ndim", 0) == 2 else -1)
+        K = w.shape[1]
+        n = self._lib.hi_gemm_packed_floats(self._c, N, K)
+        if n < 0:
+            _check_rc(n, "gemm_pack")
+        if n == 0:
+            return None
+        packed = np.empty(n, np.float32)
+        ffi = self._ffi
+        rc = self._lib.hi_gemm_pack(self._c, _ptr(ffi, "float *", w), ws, N, K, _ptr(ffi, "float *", packed))
+        if rc:
+            _check_rc(rc, "gemm_pack")
+        return packed
+
+    def gemm(self, x: np.ndarray, packed: np.ndarray, n: int, out: np.ndarray) -> np.ndarray:
+        """out[M, n] = x[M, K] Wᵀ for W packed by `gemm_pack` (n its rows), on the pool: each output's k summed in
+        order, 256 at a time (float32; rows of x and out contiguous, any row stride)."""
+        M, xs = _rows_fast("x", x, _F32, x.shape[-1] if getattr(x, "ndim", 0) == 2 else -1)
+        K = x.shape[1]
+        _, ys = _rows_fast("out", out, _F32, n, M, writable=True)
+        if packed.dtype != np.float32 or packed.size != self._lib.hi_gemm_packed_floats(self._c, n, K):
+            raise KernelArgumentError(f"gemm: packed weights of {packed.size} {packed.dtype} values are not this "
+                                      f"unit's panels of a [{n}, {K}] matrix")
+        ffi = self._ffi
+        rc = self._lib.hi_gemm(self._c, _ptr(ffi, "float *", x), xs, _ptr(ffi, "float *", packed), n, K,
+                               _ptr(ffi, "float *", out), ys, M)
+        if rc:
+            _check_rc(rc, "gemm")
+        return out
 
     def repack(self, raw: np.ndarray, qtype) -> int:
         """Repack weight rows in place into the layout this unit reads fastest and return the qtype to pass

@@ -1,8 +1,11 @@
 """The vision tower's products on the CPU. The tower is compute-bound (hundreds of rows per product): F32 and F16
-matrices (what mmproj files hold) go through numpy's BLAS on F32 copies made once, a blocked SGEMM that runs about
-five times the SIMD library's row kernels, which are built for the few-row products of decode (2026-11-28, 2-core
-EPYC: 62 against 12 GFLOP/s a core), split by rows (attention: by heads) over `n_threads` threads of the tower's
-own, numpy's OpenBLAS held to one thread meanwhile (cpu/blas_threads.py says why). A quantized mmproj's
+matrices (what mmproj files hold) go through the SIMD library's float products (kernels_gemm.h: register-blocked,
+on its thread pool) on the matrices packed once into its unit's panels, on the AVX2 and AVX-512 units; one-thread
+OpenBLAS calls side by side had not scaled past a third of 16 threads on the GPU machine's Xeon (2026-11-28). Below
+AVX2 they go through numpy's BLAS on F32 copies made once (the SIMD library's row kernels are built for the
+few-row products of decode: 12 against 62 GFLOP/s a core), split by rows over `n_threads` threads of the tower's
+own, numpy's OpenBLAS held to one thread meanwhile (cpu/blas_threads.py says why); the attention's products by
+heads likewise. A quantized mmproj's
 matrices go through the SIMD library in their stored bytes, activations in the format the type takes, in the
 MUL_MAT float shape (as llama.cpp); a type it lacks is dequantized to F32 once. The rest of the tower (norms,
 rotary, softmax, GELUs) runs in numba row kernels on the same threads (cpu/vision_kernels.py), the attention in
@@ -24,6 +27,7 @@ class CPUVisionOps(RefVisionOps):
         super().__init__(gm, args, tower)
         self.simd = simd
         self._raw: dict[str, tuple[np.ndarray, int, int, int]] = {}
+        self._packed: dict[str, tuple[np.ndarray | None, int]] = {}
         self.rows = vk.RowPool(getattr(simd, "n_threads", 1))
         self._scores = np.empty(0, np.float32)
         self._split = blas_threads.available()
@@ -82,9 +86,23 @@ class CPUVisionOps(RefVisionOps):
         return out
 
     def _float_product(self, x: np.ndarray, name: str) -> np.ndarray:
-        """x Wᵀ of an F32/F16 matrix (its F32 copy) over the pool, without the bias."""
-        w = self.matrix(name)
-        return self._matmul(x, w.T, np.empty((x.shape[0], w.shape[0]), np.float32))
+        """x Wᵀ of an F32/F16 matrix over the pool, without the bias: the SIMD library's float products on W packed
+        once into its unit's panels (the F32 copy then dropped) where the unit has them, else numpy's BLAS on the
+        F32 copy."""
+        hit = self._packed.get(name)
+        if hit is None:
+            w = self.matrix(name)
+            p = self.simd.gemm_pack(w) if hasattr(self.simd, "gemm_pack") else None
+            if p is not None:
+                self._mat.pop(name, None)
+            hit = self._packed[name] = (p, w.shape[0])
+        p, n = hit
+        out = np.empty((x.shape[0], n), np.float32)
+        if p is None:
+            return self._matmul(x, self.matrix(name).T, out)
+        if x.shape[0]:
+            self.simd.gemm(np.ascontiguousarray(x, dtype=np.float32), p, n, out)
+        return out
 
     def layer_norm(self, x: np.ndarray, name: str, eps: float) -> np.ndarray:
         return self._rowwise(vk.layer_norm_rows, x, self.vector(name + ".weight"), self.vector(name + ".bias"),

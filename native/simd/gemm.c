@@ -1,0 +1,78 @@
+/* hi_gemm: Y[M, N] = X[M, K] W^T for the vision tower's float matrices, W packed once (hi_gemm_pack) into panels of
+ * the unit's gemm_nr rows, on the context's pool; the unit's block kernel in kernels_gemm.h. A unit without one
+ * (gemm_nr 0: scalar, SSSE3) reports a packed size of 0 and the caller keeps its BLAS. */
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "hi_internal.h"
+#include "hi_simd.h"
+
+/* values of k a block takes at a time: its X rows (gemm_mr x 256 floats) stay in L1 while the task's panels
+ * (256 x gemm_nr floats each) go by, and the panels stay in L2 across the task's rows */
+#define HI_GEMM_KC 256
+#define HI_GEMM_PANELS 2   /* panels a task */
+#define HI_GEMM_MBLOCKS 8  /* row blocks a task */
+
+int64_t hi_gemm_packed_floats(const hi_ctx *c, int64_t N, int64_t K) {
+    if (!c || N < 1 || K < 1) return -2;
+    const int64_t nr = hi_ctx_kernels(c)->gemm_nr;
+    return nr ? (N + nr - 1) / nr * K * nr : 0;
+}
+
+int hi_gemm_pack(const hi_ctx *c, const float *W, int64_t w_row, int64_t N, int64_t K, float *P) {
+    if (!c || !W || !P || N < 1 || K < 1 || w_row < K) return -2;
+    const int64_t nr = hi_ctx_kernels(c)->gemm_nr;
+    if (!nr) return -3;
+    for (int64_t p = 0; p < (N + nr - 1) / nr; p++) {
+        float *pp = P + p * K * nr;
+        for (int64_t j = 0; j < nr; j++) {
+            const int64_t n = p * nr + j;
+            if (n < N) {
+                const float *w = W + n * w_row;
+                for (int64_t k = 0; k < K; k++) pp[k * nr + j] = w[k];
+            } else {
+                for (int64_t k = 0; k < K; k++) pp[k * nr + j] = 0.0f;
+            }
+        }
+    }
+    return 0;
+}
+
+typedef struct {
+    const hi_kernels *k;
+    const float *X, *P;
+    float *Y;
+    int64_t xs, ys, M, N, K, mtasks;
+} gemm_job;
+
+static void gemm_task(void *arg, int64_t t) {
+    const gemm_job *j = (const gemm_job *)arg;
+    const int64_t nr = j->k->gemm_nr, mr = j->k->gemm_mr, np = (j->N + nr - 1) / nr, rows = mr * HI_GEMM_MBLOCKS;
+    const int64_t p0 = t / j->mtasks * HI_GEMM_PANELS, p1 = p0 + HI_GEMM_PANELS < np ? p0 + HI_GEMM_PANELS : np;
+    const int64_t m0 = t % j->mtasks * rows, m1 = m0 + rows < j->M ? m0 + rows : j->M;
+    for (int64_t k0 = 0; k0 < j->K; k0 += HI_GEMM_KC) {
+        const int64_t kc = j->K - k0 < HI_GEMM_KC ? j->K - k0 : HI_GEMM_KC;
+        for (int64_t i = m0; i < m1; i += mr)
+            for (int64_t p = p0; p < p1; p++) {
+                const int64_t nc = j->N - p * nr < nr ? j->N - p * nr : nr;
+                j->k->gemm_block(j->X + i * j->xs + k0, j->xs, j->P + (p * j->K + k0) * nr, kc, j->Y + i * j->ys + p * nr,
+                                 j->ys, m1 - i < mr ? m1 - i : mr, nc, k0 > 0);
+            }
+    }
+}
+
+int hi_gemm(hi_ctx *c, const float *X, int64_t x_row, const float *P, int64_t N, int64_t K, float *Y, int64_t y_row,
+            int64_t M) {
+    if (!c || !X || !P || !Y || M < 1 || N < 1 || K < 1 || x_row < K || y_row < N) return -2;
+    const hi_kernels *k = hi_ctx_kernels(c);
+    if (!k->gemm_nr || !k->gemm_block) return -3;
+    const int64_t rows = k->gemm_mr * HI_GEMM_MBLOCKS, np = (N + k->gemm_nr - 1) / k->gemm_nr;
+    gemm_job j = {k, X, P, Y, x_row, y_row, M, N, K, (M + rows - 1) / rows};
+    const int64_t tasks = (np + HI_GEMM_PANELS - 1) / HI_GEMM_PANELS * j.mtasks;
+    hi_ctx_lock(c);
+    if (tasks == 1) gemm_task(&j, 0);
+    else hi_ctx_run(c, gemm_task, &j, tasks);
+    hi_ctx_unlock(c);
+    return 0;
+}
