@@ -37,6 +37,9 @@ def test_products_match_float64_with_strides(isa, M, N, K):
         wide_x = np.full((M, K + 5), np.nan, np.float32)
         wide_x[:, :K] = x
         p = lib.gemm_pack(w)
+        wide_t = np.zeros((K, N + 2), np.float32)  # Wᵀ as a matmul's right operand, rows strided
+        wide_t[:, :N] = w.T
+        assert np.array_equal(lib.gemm_pack(wide_t[:, :N], transposed=True), p)
         wide_y = np.full((M, N + 3), -7.0, np.float32)
         lib.gemm(wide_x[:, :K], p, N, wide_y[:, :N])
         ref = x.astype(np.float64) @ w.T.astype(np.float64)

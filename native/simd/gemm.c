@@ -20,10 +20,21 @@ int64_t hi_gemm_packed_floats(const hi_ctx *c, int64_t N, int64_t K) {
     return nr ? (N + nr - 1) / nr * K * nr : 0;
 }
 
-int hi_gemm_pack(const hi_ctx *c, const float *W, int64_t w_row, int64_t N, int64_t K, float *P) {
-    if (!c || !W || !P || N < 1 || K < 1 || w_row < K) return -2;
+int hi_gemm_pack(const hi_ctx *c, const float *W, int64_t w_row, int64_t N, int64_t K, int kn, float *P) {
+    if (!c || !W || !P || N < 1 || K < 1 || w_row < (kn ? N : K)) return -2;
     const int64_t nr = hi_ctx_kernels(c)->gemm_nr;
     if (!nr) return -3;
+    if (kn) { /* W given as its transpose B [K, N] (a matmul's right operand): each panel row is a run of B's row */
+        for (int64_t p = 0; p < (N + nr - 1) / nr; p++) {
+            const int64_t n0 = p * nr, w = N - n0 < nr ? N - n0 : nr;
+            float *pp = P + p * K * nr;
+            for (int64_t k = 0; k < K; k++) {
+                memcpy(pp + k * nr, W + k * w_row + n0, sizeof(float) * (size_t)w);
+                if (w < nr) memset(pp + k * nr + w, 0, sizeof(float) * (size_t)(nr - w));
+            }
+        }
+        return 0;
+    }
     for (int64_t p = 0; p < (N + nr - 1) / nr; p++) {
         float *pp = P + p * K * nr;
         for (int64_t j = 0; j < nr; j++) {

@@ -118,11 +118,11 @@ int hi_rope_multi(hi_ctx *c, float *x, int64_t T, int64_t H, int64_t hd, int64_t
                   const int32_t *mrope, int64_t n_rot, float theta_base, int neox, const float *freq_factors);
 
 /* Float products of many rows (gemm.c; the vision tower's F32/F16 matrices): hi_gemm_packed_floats is the floats
- * hi_gemm_pack needs for W [N, K] (row stride w_row floats) in this unit's panels, 0 where the unit has no such
+ * hi_gemm_pack needs for W [N, K] (row stride w_row floats; kn: W given as its transpose [K, N]) in this unit's panels, 0 where the unit has no such
  * kernel (scalar, SSSE3: hi_gemm_pack and hi_gemm then return -3); hi_gemm sets Y[M, N] = X[M, K] W^T (row strides
  * in floats) on the pool. */
 int64_t hi_gemm_packed_floats(const hi_ctx *c, int64_t N, int64_t K);
-int hi_gemm_pack(const hi_ctx *c, const float *W, int64_t w_row, int64_t N, int64_t K, float *P);
+int hi_gemm_pack(const hi_ctx *c, const float *W, int64_t w_row, int64_t N, int64_t K, int kn, float *P);
 int hi_gemm(hi_ctx *c, const float *X, int64_t x_row, const float *P, int64_t N, int64_t K, float *Y, int64_t y_row,
             int64_t M);
 

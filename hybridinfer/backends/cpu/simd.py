@@ -366,11 +366,12 @@ class SimdLib(MoECalls, OpCalls, ReplicaCalls, GDNCalls):
         if rc:
             _check_rc(rc, "swiglu")
 
-    def gemm_pack(self, w: np.ndarray) -> np.ndarray | None:
-        """W [N, K] float32 (rows contiguous) packed for `gemm` in this unit's panels; None where the unit has no
-        float-product kernel (scalar, SSSE3: the caller keeps its BLAS)."""
-        N, ws = _rows_fast("w", w, _F32, w.shape[-1] if getattr(w, "ndim", 0) == 2 else -1)
-        K = w.shape[1]
+    def gemm_pack(self, w: np.ndarray, transposed: bool = False) -> np.ndarray | None:
+        """W [N, K] float32 (rows contiguous) packed for `gemm` in this unit's panels (transposed: w is Wᵀ [K, N], a
+        matmul's right operand); None where the unit has no float-product kernel (scalar, SSSE3: the caller keeps
+        its BLAS)."""
+        R, ws = _rows_fast("w", w, _F32, w.shape[-1] if getattr(w, "ndim", 0) == 2 else -1)
+        N, K = (w.shape[1], R) if transposed else (R, w.shape[1])
         n = self._lib.hi_gemm_packed_floats(self._c, N, K)
         if n < 0:
             _check_rc(n, "gemm_pack")
@@ -378,7 +379,8 @@ class SimdLib(MoECalls, OpCalls, ReplicaCalls, GDNCalls):
             return None
         packed = np.empty(n, np.float32)
         ffi = self._ffi
-        rc = self._lib.hi_gemm_pack(self._c, _ptr(ffi, "float *", w), ws, N, K, _ptr(ffi, "float *", packed))
+        rc = self._lib.hi_gemm_pack(self._c, _ptr(ffi, "float *", w), ws, N, K, int(transposed),
+                                    _ptr(ffi, "float *", packed))
         if rc:
             _check_rc(rc, "gemm_pack")
         return packed

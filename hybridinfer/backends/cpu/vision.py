@@ -28,6 +28,9 @@ class CPUVisionOps(RefVisionOps):
         self.simd = simd
         self._raw: dict[str, tuple[np.ndarray, int, int, int]] = {}
         self._packed: dict[str, tuple[np.ndarray | None, int]] = {}
+        # the library's float products (AVX2, AVX-512 units) or numpy's BLAS
+        self._gemm = hasattr(simd, "gemm_pack") and simd.gemm_pack(np.zeros((1, 1), np.float32)) is not None
+        self._packs: dict | None = None
         self.rows = vk.RowPool(getattr(simd, "n_threads", 1))
         self._scores = np.empty(0, np.float32)
         self._split = blas_threads.available()
@@ -35,6 +38,13 @@ class CPUVisionOps(RefVisionOps):
     def _matmul(self, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> np.ndarray:
         """out = a @ b over the pool in parts, each a one-thread BLAS product: b's columns (out's) for a matrix b, the
         stack's first axis for stacked ones; without a handle on numpy's BLAS threads, one product on BLAS's own."""
+        if a.ndim == b.ndim == 3 and self._packs is not None:  # the attention's heads, on the library's products
+            for h in range(a.shape[0]):
+                p = self._packs.get((id(b), h))
+                if p is None:  # a layer's kᵀ and v serve every block of query rows: packed once a layer
+                    p = self._packs[(id(b), h)] = self.simd.gemm_pack(b[h], transposed=True)
+                self.simd.gemm(a[h], p, b.shape[2], out[h])
+            return out
         if not self._split:
             return np.matmul(a, b, out=out)
         with blas_threads.one_thread():
@@ -92,7 +102,7 @@ class CPUVisionOps(RefVisionOps):
         hit = self._packed.get(name)
         if hit is None:
             w = self.matrix(name)
-            p = self.simd.gemm_pack(w) if hasattr(self.simd, "gemm_pack") else None
+            p = self.simd.gemm_pack(w) if self._gemm else None
             if p is not None:
                 self._mat.pop(name, None)
             hit = self._packed[name] = (p, w.shape[0])
@@ -140,8 +150,12 @@ class CPUVisionOps(RefVisionOps):
         need = nh * n * min(n, max(1, ATTN_SCORE_FLOATS // (n * nh)))
         if self._scores.size < need:
             self._scores = np.empty(need, np.float32)
-        return attention_heads(qh, kt, vh, scale, lambda sc, s: self.rows.run(vk.softmax_rows, (sc,), s),
-                               buf=self._scores, matmul=self._matmul)
+        self._packs = {} if self._gemm else None  # kᵀ and v packed by head for this call only (keyed by identity)
+        try:
+            return attention_heads(qh, kt, vh, scale, lambda sc, s: self.rows.run(vk.softmax_rows, (sc,), s),
+                                   buf=self._scores, matmul=self._matmul)
+        finally:
+            self._packs = None
 
     def close(self) -> None:
         self.rows.close()
