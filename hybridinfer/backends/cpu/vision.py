@@ -1,15 +1,14 @@
 """The vision tower's products on the CPU. The tower is compute-bound (hundreds of rows per product): F32 and F16
-matrices (what mmproj files hold) go through the SIMD library's float products (kernels_gemm.h: register-blocked,
-on its thread pool) on the matrices packed once into its unit's panels, on the AVX2 and AVX-512 units; one-thread
-OpenBLAS calls side by side had not scaled past a third of 16 threads on the GPU machine's Xeon (2026-11-28). Below
-AVX2 they go through numpy's BLAS on F32 copies made once (the SIMD library's row kernels are built for the
-few-row products of decode: 12 against 62 GFLOP/s a core), split by rows over `n_threads` threads of the tower's
-own, numpy's OpenBLAS held to one thread meanwhile (cpu/blas_threads.py says why); the attention's products by
-heads likewise. A quantized mmproj's
-matrices go through the SIMD library in their stored bytes, activations in the format the type takes, in the
-MUL_MAT float shape (as llama.cpp); a type it lacks is dequantized to F32 once. The rest of the tower (norms,
-rotary, softmax, GELUs) runs in numba row kernels on the same threads (cpu/vision_kernels.py), the attention in
-the reference's blocks (backends/vision.py)."""
+matrices (what mmproj files hold) and the attention's products by head go through the SIMD library's float products
+(kernels_gemm.h: register-blocked, on its thread pool) on operands packed once into its unit's panels, on the AVX2
+and AVX-512 units; one-thread OpenBLAS calls side by side had not scaled past a third of 16 threads on the GPU
+machine's Xeon (2026-11-28). Below AVX2 they go through numpy's BLAS on F32 copies made once (the SIMD library's
+row kernels are built for the few-row products of decode: 12 against 62 GFLOP/s a core), split by rows (the
+attention: by heads) over `n_threads` threads of the tower's own, numpy's OpenBLAS held to one thread meanwhile
+(cpu/blas_threads.py says why). A quantized mmproj's matrices go through the SIMD library in their stored bytes,
+activations in the format the type takes, in the MUL_MAT float shape (as llama.cpp); a type it lacks is dequantized
+to F32 once. The rest of the tower (norms, rotary, softmax, GELUs) runs in numba row kernels on the same threads
+(cpu/vision_kernels.py), the attention in the reference's blocks (backends/vision.py)."""
 
 from __future__ import annotations
 
@@ -36,8 +35,10 @@ class CPUVisionOps(RefVisionOps):
         self._split = blas_threads.available()
 
     def _matmul(self, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> np.ndarray:
-        """out = a @ b over the pool in parts, each a one-thread BLAS product: b's columns (out's) for a matrix b, the
-        stack's first axis for stacked ones; without a handle on numpy's BLAS threads, one product on BLAS's own."""
+        """out = a @ b: stacked operands (the attention's heads) inside rotary_attention on a unit with float
+        products, a head at a time through the library (b's heads packed once a call); otherwise over the pool in
+        parts, each a one-thread BLAS product: b's columns (out's) for a matrix b, the stack's first axis for stacked
+        ones; without a handle on numpy's BLAS threads, one product on BLAS's own."""
         if a.ndim == b.ndim == 3 and self._packs is not None:  # the attention's heads, on the library's products
             for h in range(a.shape[0]):
                 p = self._packs.get((id(b), h))
