@@ -209,9 +209,11 @@ static void hi_attn_fa_tiled(const hi_attn *a, int64_t t, int64_t h0, int64_t m,
     const int64_t kh = a->k_bytes / a->Hkv, vh = a->v_bytes / a->Hkv;
     float *sct = scratch + m * row, *vtile = sct + m8 * HI_FA_TILE, *k32 = vtile + HI_FA_TILE * HI_FA_SLAB;
     float *dyt = k32 + hd;
-#if defined(HI_VNNI)
+#if defined(HI_VNNI) /* kernels_fa_vnni.h's paired K dots and V converted in registers */
     float *pairs = dyt + m / 8 * 8 * nb;
     const int kpairs = kt == HI_T_Q8_0 || kt == HI_T_Q4_0, vconv = vt == HI_T_Q8_0 || vt == HI_T_Q4_0 || vt == HI_T_F16;
+#else
+    const int kpairs = 0;
 #endif
     float M[HI_FA_MAXG], S[HI_FA_MAXG], ms[HI_FA_MAXG], xs[HI_FA_MAXG];
     /* per row: acc [hd] | qv [hd] | dy [nb] | corr [hd / 4]; then the tile's scores of 8 rows at a time, the 8 rows'
@@ -230,9 +232,9 @@ static void hi_attn_fa_tiled(const hi_attn *a, int64_t t, int64_t h0, int64_t m,
         }
     }
     memset(sct, 0, sizeof(float) * (size_t)(m8 * HI_FA_TILE));
-    if (kt == HI_T_Q8_0 || kt == HI_T_Q4_0) hi_fa_dyt(HI_T_DY(0), row, m, nb, dyt);
+    if ((kt == HI_T_Q8_0 || kt == HI_T_Q4_0) && !kpairs) hi_fa_dyt(HI_T_DY(0), row, m, nb, dyt);
 #if defined(HI_VNNI)
-    if (kpairs) hi_fa_pairs(HI_T_QV(0), HI_T_CORR(0), HI_T_DY(0), row, m, nb, pairs);
+    if (kpairs) hi_fa_pairs(HI_T_QV(0), HI_T_CORR(0), HI_T_DY(0), row, m, nb, pairs); /* instead of dyt */
 #endif
     const uint8_t *kb = (const uint8_t *)a->k + g * kh, *vb = (const uint8_t *)a->v + g * vh;
     for (int64_t p0 = s0; p0 < s1; p0 += HI_FA_TILE) {
@@ -244,9 +246,11 @@ static void hi_attn_fa_tiled(const hi_attn *a, int64_t t, int64_t h0, int64_t m,
                 hi_fa_prefetch(vb + (p0 + j + HI_FA_PF) * a->v_bytes, vh);
             }
 #if defined(HI_VNNI)
-            if (kpairs) {
-                if (kt == HI_T_Q8_0) hi_fa_dots_pairs(HI_T_Q8_0, ks, pairs, HI_T_QV(0), HI_T_CORR(0), HI_T_DY(0), row, m, nb, xs);
-                else hi_fa_dots_pairs(HI_T_Q4_0, ks, pairs, HI_T_QV(0), HI_T_CORR(0), HI_T_DY(0), row, m, nb, xs);
+            if (kpairs) { /* K's type a constant in each call */
+                if (kt == HI_T_Q8_0)
+                    hi_fa_dots_pairs(HI_T_Q8_0, ks, pairs, HI_T_QV(0), HI_T_CORR(0), HI_T_DY(0), row, m, nb, xs);
+                else
+                    hi_fa_dots_pairs(HI_T_Q4_0, ks, pairs, HI_T_QV(0), HI_T_CORR(0), HI_T_DY(0), row, m, nb, xs);
             } else
 #endif
             {
@@ -260,18 +264,17 @@ static void hi_attn_fa_tiled(const hi_attn *a, int64_t t, int64_t h0, int64_t m,
         for (int64_t e0 = 0; e0 < hd; e0 += HI_FA_SLAB) {
             int64_t i = 0;
 #if defined(HI_VNNI)
-            if (vconv) { /* rows 8 and 4 at a time with V converted in registers (a constant type each) */
+            if (vconv) { /* rows 8 and 4 at a time with V converted in registers (VT a constant in each call) */
                 const uint8_t *v0 = vb + p0 * a->v_bytes + hi_fa_v_off(vt, e0);
-                if (vt == HI_T_Q8_0) {
-                    for (; i + 8 <= m; i += 8) hi_fa_tile_pvq(8, HI_T_ACC(i) + e0, row, ms + i, HI_T_SC(i), HI_T_Q8_0, v0, a->v_bytes, n);
-                    for (; i + 4 <= m; i += 4) hi_fa_tile_pvq(4, HI_T_ACC(i) + e0, row, ms + i, HI_T_SC(i), HI_T_Q8_0, v0, a->v_bytes, n);
-                } else if (vt == HI_T_Q4_0) {
-                    for (; i + 8 <= m; i += 8) hi_fa_tile_pvq(8, HI_T_ACC(i) + e0, row, ms + i, HI_T_SC(i), HI_T_Q4_0, v0, a->v_bytes, n);
-                    for (; i + 4 <= m; i += 4) hi_fa_tile_pvq(4, HI_T_ACC(i) + e0, row, ms + i, HI_T_SC(i), HI_T_Q4_0, v0, a->v_bytes, n);
-                } else {
-                    for (; i + 8 <= m; i += 8) hi_fa_tile_pvq(8, HI_T_ACC(i) + e0, row, ms + i, HI_T_SC(i), HI_T_F16, v0, a->v_bytes, n);
-                    for (; i + 4 <= m; i += 4) hi_fa_tile_pvq(4, HI_T_ACC(i) + e0, row, ms + i, HI_T_SC(i), HI_T_F16, v0, a->v_bytes, n);
-                }
+#define HI_T_PVQ(VT)                                                                                                  \
+    do {                                                                                                              \
+        for (; i + 8 <= m; i += 8) hi_fa_tile_pvq(8, HI_T_ACC(i) + e0, row, ms + i, HI_T_SC(i), VT, v0, a->v_bytes, n); \
+        for (; i + 4 <= m; i += 4) hi_fa_tile_pvq(4, HI_T_ACC(i) + e0, row, ms + i, HI_T_SC(i), VT, v0, a->v_bytes, n); \
+    } while (0)
+                if (vt == HI_T_Q8_0) HI_T_PVQ(HI_T_Q8_0);
+                else if (vt == HI_T_Q4_0) HI_T_PVQ(HI_T_Q4_0);
+                else HI_T_PVQ(HI_T_F16);
+#undef HI_T_PVQ
                 if (i == m) continue;
             }
 #endif
