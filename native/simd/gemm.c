@@ -3,7 +3,6 @@
  * (gemm_nr 0: scalar, SSSE3) reports a packed size of 0 and the caller keeps its BLAS. */
 
 #include <stdlib.h>
-#include <string.h>
 
 #include "hi_internal.h"
 #include "hi_simd.h"
@@ -24,29 +23,14 @@ int hi_gemm_pack(const hi_ctx *c, const float *W, int64_t w_row, int64_t N, int6
     if (!c || !W || !P || N < 1 || K < 1 || w_row < (kn ? N : K)) return -2;
     const int64_t nr = hi_ctx_kernels(c)->gemm_nr;
     if (!nr) return -3;
-    if (kn) { /* W given as its transpose B [K, N] (a matmul's right operand): each panel row is a run of B's row */
-        for (int64_t p = 0; p < (N + nr - 1) / nr; p++) {
-            const int64_t n0 = p * nr, w = N - n0 < nr ? N - n0 : nr;
-            float *pp = P + p * K * nr;
-            for (int64_t k = 0; k < K; k++) {
-                memcpy(pp + k * nr, W + k * w_row + n0, sizeof(float) * (size_t)w);
-                if (w < nr) memset(pp + k * nr + w, 0, sizeof(float) * (size_t)(nr - w));
+    /* W[n][k] at W + n * sn + k * sk: rows of W, or (kn) rows of Wᵀ, a matmul's right operand */
+    const int64_t sn = kn ? 1 : w_row, sk = kn ? w_row : 1;
+    for (int64_t p = 0; p < (N + nr - 1) / nr; p++)
+        for (int64_t k = 0; k < K; k++)
+            for (int64_t j = 0; j < nr; j++) {
+                const int64_t n = p * nr + j;
+                P[(p * K + k) * nr + j] = n < N ? W[n * sn + k * sk] : 0.0f;
             }
-        }
-        return 0;
-    }
-    for (int64_t p = 0; p < (N + nr - 1) / nr; p++) {
-        float *pp = P + p * K * nr;
-        for (int64_t j = 0; j < nr; j++) {
-            const int64_t n = p * nr + j;
-            if (n < N) {
-                const float *w = W + n * w_row;
-                for (int64_t k = 0; k < K; k++) pp[k * nr + j] = w[k];
-            } else {
-                for (int64_t k = 0; k < K; k++) pp[k * nr + j] = 0.0f;
-            }
-        }
-    }
     return 0;
 }
 

@@ -366,6 +366,11 @@ class SimdLib(MoECalls, OpCalls, ReplicaCalls, GDNCalls):
         if rc:
             _check_rc(rc, "swiglu")
 
+    @property
+    def has_gemm(self) -> bool:
+        """This unit has float products of many rows (`gemm_pack`, `gemm`): the AVX2 and AVX-512 units."""
+        return self._lib.hi_gemm_packed_floats(self._c, 1, 1) > 0
+
     def gemm_pack(self, w: np.ndarray, transposed: bool = False) -> np.ndarray | None:
         """W [N, K] float32 (rows contiguous) packed for `gemm` in this unit's panels (transposed: w is Wᵀ [K, N], a
         matmul's right operand); None where the unit has no float-product kernel (scalar, SSSE3: the caller keeps

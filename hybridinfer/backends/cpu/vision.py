@@ -27,8 +27,7 @@ class CPUVisionOps(RefVisionOps):
         self.simd = simd
         self._raw: dict[str, tuple[np.ndarray, int, int, int]] = {}
         self._packed: dict[str, tuple[np.ndarray | None, int]] = {}
-        # the library's float products (AVX2, AVX-512 units) or numpy's BLAS
-        self._gemm = hasattr(simd, "gemm_pack") and simd.gemm_pack(np.zeros((1, 1), np.float32)) is not None
+        self._gemm = getattr(simd, "has_gemm", False)  # the library's float products, else numpy's BLAS
         self._packs: dict | None = None
         self.rows = vk.RowPool(getattr(simd, "n_threads", 1))
         self._scores = np.empty(0, np.float32)
