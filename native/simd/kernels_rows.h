@@ -95,7 +95,21 @@ HI_INLINE int hi_kgrp_zip(const int qt, const hi_mm *m) {
 #endif
 }
 
-HI_INLINE void hi_kgrp_prep(hi_kgrp *g, const hi_mm *m, int64_t t, const int cnt, int64_t nb, uint8_t *buf, const int zip) {
+/* whether the group's kernels read Bz4: the VNNI unit's Q4_K in llama.cpp's repacked gemv shape (hi_rows_k4 with
+ * HI_KS_REPACK) for groups of at most 4 tokens; elsewhere it is not built */
+HI_INLINE int hi_kgrp_bz4(const int qt, const hi_mm *m, const int cnt) {
+#if defined(HI_VNNI)
+    return cnt <= 4 && qt != HI_T_Q6_K && qt != HI_T_Q5_K && m->kshape == HI_KS_REPACK;
+#else
+    (void)qt;
+    (void)m;
+    (void)cnt;
+    return 0;
+#endif
+}
+
+HI_INLINE void hi_kgrp_prep(hi_kgrp *g, const hi_mm *m, int64_t t, const int cnt, int64_t nb, uint8_t *buf, const int zip,
+                            const int bz4) {
     float *Dz = (float *)(buf + (size_t)cnt * nb * HI_QK_K);
     int32_t *Bz = (int32_t *)((uint8_t *)Dz + (size_t)nb * HI_KO * 16 * 4);
     for (int k = 0; k < HI_KG; k++) {
@@ -106,7 +120,7 @@ HI_INLINE void hi_kgrp_prep(hi_kgrp *g, const hi_mm *m, int64_t t, const int cnt
     g->cnt = cnt;
     g->Dz = Dz;
     g->Bz = Bz;
-    g->Bz4 = cnt <= 4 ? Bz4 : NULL;
+    g->Bz4 = bz4 ? Bz4 : NULL;
     for (int k = 0; k < cnt; k++) {
         int8_t *q = (int8_t *)g->q8[k];
         for (int64_t i = 0; i < nb; i++) {
@@ -142,7 +156,7 @@ HI_INLINE void hi_kgrp_prep(hi_kgrp *g, const hi_mm *m, int64_t t, const int cnt
                 _mm_storeu_si128((__m128i *)(b + 16 + 4 * h), _mm_unpacklo_epi64(t1, t3));
                 _mm_storeu_si128((__m128i *)(b + 24 + 4 * h), _mm_unpackhi_epi64(t1, t3));
             }
-            if (cnt <= 4 && o == 0)
+            if (bz4 && o == 0)
                 HI_UNROLL for (int p = 0; p < 4; p++) {
                     if (cnt > 2) {
                         memcpy(Bz4 + i * 16 + 4 * p, b + 8 * p, 16);
@@ -269,7 +283,7 @@ HI_INLINE void hi_rows_run(const int qt, const hi_mm *m, int64_t r0, int64_t r1,
         return;
     }
     hi_kgrp kg;
-    hi_kgrp_prep(&kg, m, t, cnt, nb, buf, hi_kgrp_zip(qt, m));
+    hi_kgrp_prep(&kg, m, t, cnt, nb, buf, hi_kgrp_zip(qt, m), hi_kgrp_bz4(qt, m, cnt));
     hi_pfs pf;
     hi_pf_start(&pf, m, r0, r1);
     for (int64_t r = r0; r < r1; r++) {
