@@ -11,7 +11,8 @@
  * (256 x gemm_nr floats each) go by, and the panels stay in L2 across the task's rows */
 #define HI_GEMM_KC 256
 #define HI_GEMM_PANELS 2   /* panels a task */
-#define HI_GEMM_MBLOCKS 8  /* row blocks a task */
+#define HI_GEMM_MBLOCKS 8  /* row blocks a task, at most: fewer where that leaves under HI_GEMM_TASKS tasks a thread */
+#define HI_GEMM_TASKS 4
 
 int64_t hi_gemm_packed_floats(const hi_ctx *c, int64_t N, int64_t K) {
     if (!c || N < 1 || K < 1) return -2;
@@ -38,12 +39,12 @@ typedef struct {
     const hi_kernels *k;
     const float *X, *P;
     float *Y;
-    int64_t xs, ys, M, N, K, mtasks;
+    int64_t xs, ys, M, N, K, mtasks, rows;
 } gemm_job;
 
 static void gemm_task(void *arg, int64_t t) {
     const gemm_job *j = (const gemm_job *)arg;
-    const int64_t nr = j->k->gemm_nr, mr = j->k->gemm_mr, np = (j->N + nr - 1) / nr, rows = mr * HI_GEMM_MBLOCKS;
+    const int64_t nr = j->k->gemm_nr, mr = j->k->gemm_mr, np = (j->N + nr - 1) / nr, rows = j->rows;
     const int64_t p0 = t / j->mtasks * HI_GEMM_PANELS, p1 = p0 + HI_GEMM_PANELS < np ? p0 + HI_GEMM_PANELS : np;
     const int64_t m0 = t % j->mtasks * rows, m1 = m0 + rows < j->M ? m0 + rows : j->M;
     for (int64_t k0 = 0; k0 < j->K; k0 += HI_GEMM_KC) {
@@ -62,9 +63,15 @@ int hi_gemm(hi_ctx *c, const float *X, int64_t x_row, const float *P, int64_t N,
     if (!c || !X || !P || !Y || M < 1 || N < 1 || K < 1 || x_row < K || y_row < N) return -2;
     const hi_kernels *k = hi_ctx_kernels(c);
     if (!k->gemm_nr || !k->gemm_block) return -3;
-    const int64_t rows = k->gemm_mr * HI_GEMM_MBLOCKS, np = (N + k->gemm_nr - 1) / k->gemm_nr;
-    gemm_job j = {k, X, P, Y, x_row, y_row, M, N, K, (M + rows - 1) / rows};
-    const int64_t tasks = (np + HI_GEMM_PANELS - 1) / HI_GEMM_PANELS * j.mtasks;
+    const int64_t np = (N + k->gemm_nr - 1) / k->gemm_nr, groups = (np + HI_GEMM_PANELS - 1) / HI_GEMM_PANELS;
+    const int64_t blocks = (M + k->gemm_mr - 1) / k->gemm_mr, want = (int64_t)HI_GEMM_TASKS * hi_ctx_threads(c);
+    /* a narrow product (the attention's v: 72 columns, 2 panel groups) would leave threads idle at 8 row blocks a
+     * task; each output is the same sum in the same order whatever the split */
+    int64_t mb = HI_GEMM_MBLOCKS;
+    while (mb > 1 && groups * ((blocks + mb - 1) / mb) < want) mb /= 2;
+    const int64_t rows = k->gemm_mr * mb;
+    gemm_job j = {k, X, P, Y, x_row, y_row, M, N, K, (M + rows - 1) / rows, rows};
+    const int64_t tasks = groups * j.mtasks;
     hi_ctx_lock(c);
     if (tasks == 1) gemm_task(&j, 0);
     else hi_ctx_run(c, gemm_task, &j, tasks);
