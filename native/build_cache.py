@@ -67,7 +67,7 @@ def fetch(key: str, out_path: str, root: str) -> bool:
     if not os.path.isfile(src):
         return False
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-    shutil.copy2(src, out_path)
+    shutil.copy(src, out_path)  # a fresh mtime: setuptools then copies it over an older in-place build
     return True
 
 

@@ -75,6 +75,11 @@ def test_fetch_and_store(bc, tmp_path):
     again = tmp_path / "other" / "_simd.abi3.so"
     assert bc.fetch("k1", str(again), root) and again.read_bytes() == b"\x7fELF library"
     assert not bc.fetch("k2", str(again), root)
+    # a fetched library is as new as the fetch: setuptools copies build/ over an in-place library only when newer,
+    # so a cache entry keeping its old time left a stale in-place library after the sources changed
+    entry = os.path.join(root, "k1", "_simd.abi3.so")
+    os.utime(entry, (1_000_000_000, 1_000_000_000))
+    assert bc.fetch("k1", str(again), root) and os.path.getmtime(again) > os.path.getmtime(entry) + 1e6
     assert os.listdir(os.path.join(root, "k1")) == ["_simd.abi3.so"]  # no partial file left beside it
     bc.store("k3", str(out), str(tmp_path / "build" / "_simd.abi3.so"))  # an unwritable cache: no error
     assert bc.cache_dir({"XDG_CACHE_HOME": "/x"}) == "/x/hybridinfer/build"
