@@ -50,14 +50,16 @@ def main() -> None:
         for t in (int(v) for v in a.threads.split(",")):
             lib = SimdLib(isa=a.isa, n_threads=t)
             p = lib.gemm_pack(w)
-            ours = flops / _median(lambda lib=lib, p=p: lib.gemm(x, p, N, out), a.reps) / 1e9 if p is not None else 0
+            ours = 0.0
+            if p is not None:
+                ours = flops / _median(lambda lib=lib, p=p, x=x, n=N, o=out: lib.gemm(x, p, n, o), a.reps) / 1e9
             lib.close()
             blas = float("nan")
             if blas_threads.available():
                 get, put = blas_threads._funcs
                 saved = get()
                 put(t)
-                blas = flops / _median(lambda: np.matmul(x, wt, out=ref), a.reps) / 1e9
+                blas = flops / _median(lambda x=x, wt=wt, o=ref: np.matmul(x, wt, out=o), a.reps) / 1e9
                 put(saved)
                 err = float(np.abs(out - ref).max() / np.abs(ref).max()) if p is not None else 0.0
                 assert err < 1e-4, (shape, t, err)
