@@ -78,3 +78,25 @@ def test_packed_weights_of_another_shape_are_refused():
             lib.gemm(np.ones((3, 64), np.float32), p, 70, np.empty((3, 70), np.float32))
     finally:
         lib.close()
+
+
+@pytest.mark.parametrize("isa", [i for i in supported_isas() if i in HAVE])
+@pytest.mark.parametrize("M,N,K", ((7, 33, 31), (25, 40, 257), (100, 70, 600)))
+def test_bias_is_the_bits_of_adding_it_after(isa, M, N, K):
+    """The bias added in the product's last pass over each tile is numpy's `out += bias` after it, bit for bit, also
+    where the output rows are strided and with columns past a panel."""
+    lib = SimdLib(isa, n_threads=3)
+    try:
+        x, w = _case(M, N, K, seed=5)
+        bias = np.random.default_rng(1).standard_normal(N).astype(np.float32) * 10
+        p = lib.gemm_pack(w)
+        plain = lib.gemm(x, p, N, np.empty((M, N), np.float32))
+        wide = np.full((M, N + 3), np.nan, np.float32)
+        got = lib.gemm(x, p, N, wide[:, :N], bias)
+        assert np.array_equal(got, plain + bias)
+        assert np.isnan(wide[:, N:]).all()
+        for bad in (bias[:-1], bias.astype(np.float64), list(bias)):
+            with pytest.raises(KernelArgumentError, match=f"{N} contiguous float32"):
+                lib.gemm(x, p, N, np.empty((M, N), np.float32), bad)
+    finally:
+        lib.close()

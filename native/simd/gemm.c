@@ -37,7 +37,7 @@ int hi_gemm_pack(const hi_ctx *c, const float *W, int64_t w_row, int64_t N, int6
 
 typedef struct {
     const hi_kernels *k;
-    const float *X, *P;
+    const float *X, *P, *bias;
     float *Y;
     int64_t xs, ys, M, N, K, mtasks, rows;
 } gemm_job;
@@ -52,14 +52,19 @@ static void gemm_task(void *arg, int64_t t) {
         for (int64_t i = m0; i < m1; i += mr)
             for (int64_t p = p0; p < p1; p++) {
                 const int64_t nc = j->N - p * nr < nr ? j->N - p * nr : nr;
-                j->k->gemm_block(j->X + i * j->xs + k0, j->xs, j->P + (p * j->K + k0) * nr, kc, j->Y + i * j->ys + p * nr,
-                                 j->ys, m1 - i < mr ? m1 - i : mr, nc, k0 > 0);
+                float *y = j->Y + i * j->ys + p * nr;
+                const int64_t rows_here = m1 - i < mr ? m1 - i : mr;
+                j->k->gemm_block(j->X + i * j->xs + k0, j->xs, j->P + (p * j->K + k0) * nr, kc, y, j->ys, rows_here,
+                                 nc, k0 > 0);
+                if (j->bias && k0 + kc == j->K) /* the block's sums are final and still in L1 */
+                    for (int64_t r = 0; r < rows_here; r++)
+                        for (int64_t q = 0; q < nc; q++) y[r * j->ys + q] += j->bias[p * nr + q];
             }
     }
 }
 
 int hi_gemm(hi_ctx *c, const float *X, int64_t x_row, const float *P, int64_t N, int64_t K, float *Y, int64_t y_row,
-            int64_t M) {
+            int64_t M, const float *bias) {
     if (!c || !X || !P || !Y || M < 1 || N < 1 || K < 1 || x_row < K || y_row < N) return -2;
     const hi_kernels *k = hi_ctx_kernels(c);
     if (!k->gemm_nr || !k->gemm_block) return -3;
@@ -70,7 +75,7 @@ int hi_gemm(hi_ctx *c, const float *X, int64_t x_row, const float *P, int64_t N,
     int64_t mb = HI_GEMM_MBLOCKS;
     while (mb > 1 && groups * ((blocks + mb - 1) / mb) < want) mb /= 2;
     const int64_t rows = k->gemm_mr * mb;
-    gemm_job j = {k, X, P, Y, x_row, y_row, M, N, K, (M + rows - 1) / rows, rows};
+    gemm_job j = {k, X, P, bias, Y, x_row, y_row, M, N, K, (M + rows - 1) / rows, rows};
     const int64_t tasks = groups * j.mtasks;
     hi_ctx_lock(c);
     if (tasks == 1) gemm_task(&j, 0);

@@ -390,9 +390,11 @@ class SimdLib(MoECalls, OpCalls, ReplicaCalls, GDNCalls):
             _check_rc(rc, "gemm_pack")
         return packed
 
-    def gemm(self, x: np.ndarray, packed: np.ndarray, n: int, out: np.ndarray) -> np.ndarray:
+    def gemm(self, x: np.ndarray, packed: np.ndarray, n: int, out: np.ndarray,
+             bias: np.ndarray | None = None) -> np.ndarray:
         """out[M, n] = x[M, K] Wᵀ for W packed by `gemm_pack` (n its rows), on the pool: each output's k summed in
-        order, 256 at a time (float32; rows of x and out contiguous, any row stride)."""
+        order, 256 at a time (float32; rows of x and out contiguous, any row stride); then + bias (float32 [n]) where
+        given, the bits of numpy's `out += bias` after the product."""
         M, xs = _rows_fast("x", x, _F32, x.shape[-1] if getattr(x, "ndim", 0) == 2 else -1)
         K = x.shape[1]
         _, ys = _rows_fast("out", out, _F32, n, M, writable=True)
@@ -400,8 +402,15 @@ class SimdLib(MoECalls, OpCalls, ReplicaCalls, GDNCalls):
             raise KernelArgumentError(f"gemm: packed weights of {packed.size} {packed.dtype} values are not this "
                                       f"unit's panels of a [{n}, {K}] matrix")
         ffi = self._ffi
+        b = ffi.NULL
+        if bias is not None:
+            if not isinstance(bias, np.ndarray) or bias.dtype != np.float32 or bias.shape != (n,) \
+                    or not bias.flags.c_contiguous:
+                raise KernelArgumentError(f"gemm: bias must be {n} contiguous float32 values, got "
+                                          f"{getattr(bias, 'dtype', type(bias).__name__)} {getattr(bias, 'shape', '')}")
+            b = _ptr(ffi, "float *", bias)
         rc = self._lib.hi_gemm(self._c, _ptr(ffi, "float *", x), xs, _ptr(ffi, "float *", packed), n, K,
-                               _ptr(ffi, "float *", out), ys, M)
+                               _ptr(ffi, "float *", out), ys, M, b)
         if rc:
             _check_rc(rc, "gemm")
         return out
