@@ -95,6 +95,13 @@ def test_bias_is_the_bits_of_adding_it_after(isa, M, N, K):
         got = lib.gemm(x, p, N, wide[:, :N], bias)
         assert np.array_equal(got, plain + bias)
         assert np.isnan(wide[:, N:]).all()
+        res_wide = np.random.default_rng(2).standard_normal((M, N + 4)).astype(np.float32)
+        res = res_wide[:, 2:N + 2]  # strided rows
+        assert np.array_equal(lib.gemm(x, p, N, np.empty((M, N), np.float32), bias, res), res + (plain + bias))
+        assert np.array_equal(lib.gemm(x, p, N, np.empty((M, N), np.float32), None, res), res + plain)
+        out = np.empty((M, N), np.float32)
+        with pytest.raises(KernelArgumentError, match="share memory"):
+            lib.gemm(x, p, N, out, bias, out)
         for bad in (bias[:-1], bias.astype(np.float64), list(bias)):
             with pytest.raises(KernelArgumentError, match=f"{N} contiguous float32"):
                 lib.gemm(x, p, N, np.empty((M, N), np.float32), bad)

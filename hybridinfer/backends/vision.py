@@ -114,6 +114,10 @@ class RefVisionOps:
             _GELU_ERF = _gelu_erf_kernel()
         return _GELU_ERF(np.ascontiguousarray(x, dtype=np.float32))
 
+    def linear_add(self, x: np.ndarray, name: str, residual: np.ndarray) -> np.ndarray:
+        """residual + linear(x, name): a block's residual add after its product."""
+        return residual + self.linear(x, name)
+
     def linear_gelu(self, x: np.ndarray, name: str, kind: str) -> np.ndarray:
         return (self.gelu_tanh if kind == "tanh" else self.gelu_erf)(self.linear(x, name))
 

@@ -137,6 +137,7 @@ class VisionOps(Protocol):
     def gelu_tanh(self, x: np.ndarray) -> np.ndarray: ...
     def gelu_erf(self, x: np.ndarray) -> np.ndarray: ...
     def linear_gelu(self, x: np.ndarray, name: str, kind: str) -> np.ndarray: ...  # gelu_<kind>(linear(x, name))
+    def linear_add(self, x: np.ndarray, name: str, residual: np.ndarray) -> np.ndarray: ...  # residual + linear
     def rotary_attention(self, qkv: np.ndarray, cos: np.ndarray, sin: np.ndarray, scale: float) -> np.ndarray: ...
     def vector(self, name: str) -> np.ndarray: ...
 
@@ -209,8 +210,8 @@ def forward(a: VisionArgs, ops: VisionOps, patches: np.ndarray, grid: tuple[int,
         b = f"v.blk.{i}."
         qkv = ops.linear(ops.layer_norm(x, b + "ln1", a.eps), b + "attn_qkv").reshape(n, 3, nh, hd)
         o = ops.rotary_attention(qkv, cos, sin, hd ** -0.5)
-        x = x + ops.linear(o.reshape(n, c), b + "attn_out")
+        x = ops.linear_add(o.reshape(n, c), b + "attn_out", x)
         y = ops.linear_gelu(ops.layer_norm(x, b + "ln2", a.eps), b + "ffn_up", "tanh")
-        x = x + ops.linear(y, b + "ffn_down")
+        x = ops.linear_add(y, b + "ffn_down", x)
     y = ops.layer_norm(x, "v.post_ln", a.eps).reshape(n // (m * m), a.merged_dim)
     return ops.linear(ops.linear_gelu(y, "mm.0", "erf"), "mm.2")

@@ -37,9 +37,9 @@ int hi_gemm_pack(const hi_ctx *c, const float *W, int64_t w_row, int64_t N, int6
 
 typedef struct {
     const hi_kernels *k;
-    const float *X, *P, *bias;
+    const float *X, *P, *bias, *R;
     float *Y;
-    int64_t xs, ys, M, N, K, mtasks, rows;
+    int64_t xs, ys, rs, M, N, K, mtasks, rows;
 } gemm_job;
 
 static void gemm_task(void *arg, int64_t t) {
@@ -56,16 +56,23 @@ static void gemm_task(void *arg, int64_t t) {
                 const int64_t rows_here = m1 - i < mr ? m1 - i : mr;
                 j->k->gemm_block(j->X + i * j->xs + k0, j->xs, j->P + (p * j->K + k0) * nr, kc, y, j->ys, rows_here,
                                  nc, k0 > 0);
-                if (j->bias && k0 + kc == j->K) /* the block's sums are final and still in L1 */
+                if (k0 + kc < j->K) continue;
+                /* the block's sums are final and still in L1 */
+                if (j->bias)
                     for (int64_t r = 0; r < rows_here; r++)
                         for (int64_t q = 0; q < nc; q++) y[r * j->ys + q] += j->bias[p * nr + q];
+                if (j->R) {
+                    const float *res = j->R + i * j->rs + p * nr;
+                    for (int64_t r = 0; r < rows_here; r++)
+                        for (int64_t q = 0; q < nc; q++) y[r * j->ys + q] = res[r * j->rs + q] + y[r * j->ys + q];
+                }
             }
     }
 }
 
 int hi_gemm(hi_ctx *c, const float *X, int64_t x_row, const float *P, int64_t N, int64_t K, float *Y, int64_t y_row,
-            int64_t M, const float *bias) {
-    if (!c || !X || !P || !Y || M < 1 || N < 1 || K < 1 || x_row < K || y_row < N) return -2;
+            int64_t M, const float *bias, const float *R, int64_t r_row) {
+    if (!c || !X || !P || !Y || M < 1 || N < 1 || K < 1 || x_row < K || y_row < N || (R && r_row < N)) return -2;
     const hi_kernels *k = hi_ctx_kernels(c);
     if (!k->gemm_nr || !k->gemm_block) return -3;
     const int64_t np = (N + k->gemm_nr - 1) / k->gemm_nr, groups = (np + HI_GEMM_PANELS - 1) / HI_GEMM_PANELS;
@@ -75,7 +82,7 @@ int hi_gemm(hi_ctx *c, const float *X, int64_t x_row, const float *P, int64_t N,
     int64_t mb = HI_GEMM_MBLOCKS;
     while (mb > 1 && groups * ((blocks + mb - 1) / mb) < want) mb /= 2;
     const int64_t rows = k->gemm_mr * mb;
-    gemm_job j = {k, X, P, bias, Y, x_row, y_row, M, N, K, (M + rows - 1) / rows, rows};
+    gemm_job j = {k, X, P, bias, R, Y, x_row, y_row, r_row, M, N, K, (M + rows - 1) / rows, rows};
     const int64_t tasks = groups * j.mtasks;
     hi_ctx_lock(c);
     if (tasks == 1) gemm_task(&j, 0);

@@ -121,11 +121,12 @@ int hi_rope_multi(hi_ctx *c, float *x, int64_t T, int64_t H, int64_t hd, int64_t
  * hi_gemm_pack needs for W [N, K] (row stride w_row floats; kn: W given as its transpose [K, N]) in this unit's panels, 0 where the unit has no such
  * kernel (scalar, SSSE3: hi_gemm_pack and hi_gemm then return -3); hi_gemm sets Y[M, N] = X[M, K] W^T (row strides
  * in floats) on the pool, then adds bias[N] to each row where bias is not NULL (each output's sum, then one
- * rounding of sum + bias: numpy's `y += bias` after the product, done while the tile is in cache). */
+ * rounding of sum + bias: numpy's `y += bias` after the product, done while the tile is in cache), then R[M, N]
+ * (row stride r_row; not Y's memory) where R is not NULL: numpy's `R + (X W^T + bias)`, a block's residual add. */
 int64_t hi_gemm_packed_floats(const hi_ctx *c, int64_t N, int64_t K);
 int hi_gemm_pack(const hi_ctx *c, const float *W, int64_t w_row, int64_t N, int64_t K, int kn, float *P);
 int hi_gemm(hi_ctx *c, const float *X, int64_t x_row, const float *P, int64_t N, int64_t K, float *Y, int64_t y_row,
-            int64_t M, const float *bias);
+            int64_t M, const float *bias, const float *R, int64_t r_row);
 
 /* SwiGLU of T rows of n values, out = silu(g) * u as llama.cpp's ggml_vec_swiglu_f32 (this ISA's build);
  * row strides in floats; out may alias g or u. In segments on the pool when there are several. */

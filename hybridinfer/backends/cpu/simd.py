@@ -390,11 +390,12 @@ class SimdLib(MoECalls, OpCalls, ReplicaCalls, GDNCalls):
             _check_rc(rc, "gemm_pack")
         return packed
 
-    def gemm(self, x: np.ndarray, packed: np.ndarray, n: int, out: np.ndarray,
-             bias: np.ndarray | None = None) -> np.ndarray:
+    def gemm(self, x: np.ndarray, packed: np.ndarray, n: int, out: np.ndarray, bias: np.ndarray | None = None,
+             residual: np.ndarray | None = None) -> np.ndarray:
         """out[M, n] = x[M, K] Wᵀ for W packed by `gemm_pack` (n its rows), on the pool: each output's k summed in
         order, 256 at a time (float32; rows of x and out contiguous, any row stride); then + bias (float32 [n]) where
-        given, the bits of numpy's `out += bias` after the product."""
+        given, the bits of numpy's `out += bias` after the product; then residual + out where given ([M, n] float32,
+        rows contiguous, not out's memory), the bits of numpy's `residual + (x @ W.T + bias)`."""
         M, xs = _rows_fast("x", x, _F32, x.shape[-1] if getattr(x, "ndim", 0) == 2 else -1)
         K = x.shape[1]
         _, ys = _rows_fast("out", out, _F32, n, M, writable=True)
@@ -409,8 +410,14 @@ class SimdLib(MoECalls, OpCalls, ReplicaCalls, GDNCalls):
                 raise KernelArgumentError(f"gemm: bias must be {n} contiguous float32 values, got "
                                           f"{getattr(bias, 'dtype', type(bias).__name__)} {getattr(bias, 'shape', '')}")
             b = _ptr(ffi, "float *", bias)
+        r, rs = ffi.NULL, 0
+        if residual is not None:
+            _, rs = _rows_fast("residual", residual, _F32, n, M)
+            if np.may_share_memory(residual, out):
+                raise KernelArgumentError("gemm: the residual must not share memory with out")
+            r = _ptr(ffi, "float *", residual)
         rc = self._lib.hi_gemm(self._c, _ptr(ffi, "float *", x), xs, _ptr(ffi, "float *", packed), n, K,
-                               _ptr(ffi, "float *", out), ys, M, b)
+                               _ptr(ffi, "float *", out), ys, M, b, r, rs)
         if rc:
             _check_rc(rc, "gemm")
         return out

@@ -93,11 +93,17 @@ class CPUVisionOps(RefVisionOps):
         out += self.vector(name + ".bias")
         return out
 
-    def _float_product(self, x: np.ndarray, name: str, bias: np.ndarray | None = None) -> np.ndarray:
-        """x Wᵀ (+ bias) of an F32/F16 matrix over the pool: the SIMD library's float products on W packed once into
-        its unit's panels (the F32 copy then dropped) where the unit has them, the bias added there while each tile
-        is in cache (a numpy pass over the output on one core: about a millisecond a layer at 448x448), else
-        numpy's BLAS on the F32 copy."""
+    def linear_add(self, x: np.ndarray, name: str, residual: np.ndarray) -> np.ndarray:
+        if not self._float(name):
+            return super().linear_add(x, name, residual)
+        return self._float_product(x, name, self.vector(name + ".bias"), residual)
+
+    def _float_product(self, x: np.ndarray, name: str, bias: np.ndarray | None = None,
+                       residual: np.ndarray | None = None) -> np.ndarray:
+        """residual + (x Wᵀ + bias) (each part where given) of an F32/F16 matrix over the pool: the SIMD library's
+        float products on W packed once into its unit's panels (the F32 copy then dropped) where the unit has them,
+        the bias and the residual added there while each tile is in cache (numpy passes over the output on one
+        core: a few milliseconds a layer at 448x448), else numpy's BLAS on the F32 copy."""
         hit = self._packed.get(name)
         if hit is None:
             w = self.matrix(name)
@@ -111,9 +117,10 @@ class CPUVisionOps(RefVisionOps):
             self._matmul(x, self.matrix(name).T, out)
             if bias is not None:
                 out += bias
-            return out
+            return out if residual is None else residual + out
         if x.shape[0]:
-            self.simd.gemm(np.ascontiguousarray(x, dtype=np.float32), p, n, out, bias)
+            res = None if residual is None else np.ascontiguousarray(residual, dtype=np.float32)
+            self.simd.gemm(np.ascontiguousarray(x, dtype=np.float32), p, n, out, bias, res)
         return out
 
     def layer_norm(self, x: np.ndarray, name: str, eps: float) -> np.ndarray:
