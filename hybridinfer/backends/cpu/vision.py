@@ -143,20 +143,22 @@ class CPUVisionOps(RefVisionOps):
         return out
 
     def rotary_attention(self, qkv: np.ndarray, cos: np.ndarray, sin: np.ndarray, scale: float) -> np.ndarray:
-        """q and k rotated and laid out for the products (kᵀ per head) in one pass on the pool, then on a unit that
-        has it the library's fused attention (every head in one call, an online softmax over blocks of keys, no
-        score buffer), else the reference's blocks of products with the softmax on the pool. The fused kernel's
-        workspace and the blocks' scores buffer (at most ATTN_SCORE_FLOATS, 64 MiB) are kept for the next layer and
-        image."""
+        """q and k rotated and laid out by head in one pass on the pool (k in rows for the fused kernel, kᵀ for the
+        products), then on a unit that has it the library's fused attention (every head in one call, an online softmax
+        over blocks of keys, no score buffer), else the reference's blocks of products with the softmax on the pool.
+        The fused kernel's workspace and the blocks' scores buffer (at most ATTN_SCORE_FLOATS, 64 MiB) are kept for
+        the next layer and image."""
         n, _, nh, hd = qkv.shape
-        qh, vh, kt = (np.empty(shape, np.float32) for shape in ((nh, n, hd), (nh, n, hd), (nh, hd, n)))
-        self.rows.run_ranges(vk.rope_heads, n, qkv, cos, sin, qh, kt, vh)
-        if self._fused:
+        if self._fused:  # k in rows, as the kernel reads it (rope_heads writes kᵀ: here through a transposed view)
+            qh, vh, k = (np.empty((nh, n, hd), np.float32) for _ in range(3))
+            self.rows.run_ranges(vk.rope_heads, n, qkv, cos, sin, qh, k.transpose(0, 2, 1), vh)
             need = self.simd.attention_full_floats(n, nh, hd)
             if self._scores.size < need:
                 self._scores = np.empty(need, np.float32)
             out = np.empty((n, nh, hd), np.float32)
-            return self.simd.attention_full(qh, kt, vh, scale, out, k_transposed=True, workspace=self._scores)
+            return self.simd.attention_full(qh, k, vh, scale, out, workspace=self._scores)
+        qh, vh, kt = (np.empty(shape, np.float32) for shape in ((nh, n, hd), (nh, n, hd), (nh, hd, n)))
+        self.rows.run_ranges(vk.rope_heads, n, qkv, cos, sin, qh, kt, vh)
         need = nh * n * min(n, max(1, ATTN_SCORE_FLOATS // (n * nh)))
         if self._scores.size < need:
             self._scores = np.empty(need, np.float32)
