@@ -10,7 +10,7 @@ import pytest
 from hybridinfer.backends.cpu.simd import SimdLib, supported_isas
 
 HAVE = [i for i in supported_isas() if i in ("avx2", "avx512vnni")]
-# (rows, heads, head_dim): one row; under a row block; past one key block of 256 and a partial row block; odd dims
+# (rows, heads, head_dim): one row; under a row block; past one key block of 240 and a partial query panel; odd dims
 SHAPES = ((1, 1, 72), (1, 3, 64), (47, 2, 72), (300, 3, 72), (513, 2, 64), (257, 1, 33), (130, 2, 100), (20, 1, 1))
 
 
@@ -63,7 +63,7 @@ def test_matches_float64_attention(isa, n, nh, hd):
 @pytest.mark.parametrize("isa", ["avx2", "avx512vnni"])
 def test_large_scores_do_not_overflow(isa):
     _need(isa)
-    # every score near 64² · 4 = 16384 (exp overflows past 88); keys past one block of 256, the row maxima
+    # every score near 64² · 4 = 16384 (exp overflows past 88); keys past one block of 240, the row maxima
     # rising from block to block (the running sums rescaled), the last block partial
     n, nh, hd = 600, 2, 40
     q, k, v = _case(n, nh, hd, seed=1, shift=64.0)
