@@ -4,6 +4,7 @@ products and softmax, the norms, GELUs, rotary layout) over encodes of a synthet
 numba row kernels run on threads of their own right after the library's products).
 
     python3 bench/vision_cpu_profile.py -t 16 [--sizes 448x448,1024x768] [--spin 200,0] [-r 2] [--depth 27]
+        [--no-fused]
 """
 
 from __future__ import annotations
@@ -46,8 +47,14 @@ def _instrument(ops, acc: dict) -> None:
 
     for name in _TIMED:
         setattr(ops, name, wrap(name, getattr(ops, name)))
-    # inside rotary_attention: the products by head and the softmax
-    mm, rows_run = ops._matmul, ops.rows.run
+    # inside rotary_attention: the fused kernel, or the products by head and the softmax
+    mm, rows_run, fused = ops._matmul, ops.rows.run, ops.simd.attention_full
+
+    def attention_full(*a, **k):
+        t = time.perf_counter()
+        r = fused(*a, **k)
+        acc["  attn fused"] += time.perf_counter() - t
+        return r
 
     def matmul(a, b, out):
         t = time.perf_counter()
@@ -62,7 +69,7 @@ def _instrument(ops, acc: dict) -> None:
             acc["  attn softmax"] += time.perf_counter() - t
         return r
 
-    ops._matmul, ops.rows.run = matmul, run
+    ops._matmul, ops.rows.run, ops.simd.attention_full = matmul, run, attention_full
 
 
 def main() -> None:
@@ -73,6 +80,8 @@ def main() -> None:
     ap.add_argument("-r", "--reps", type=int, default=2)
     ap.add_argument("--depth", type=int, default=None)
     ap.add_argument("--width", type=int, default=2048)
+    ap.add_argument("--no-fused", action="store_true", help="the attention's blocks of products and softmax, not the "
+                    "library's fused kernel (the path before it, for comparison)")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "mmproj.gguf")
@@ -81,6 +90,8 @@ def main() -> None:
             lib = SimdLib(n_threads=a.threads, spin_us=spin)
             enc = load_image_encoder(path, None, lib)
             assert isinstance(enc.ops, cpu_vision.CPUVisionOps), type(enc.ops)
+            if a.no_fused:
+                enc.ops._fused = False
             for w, h in parse_sizes(a.sizes):
                 img = _image(w, h, 0)
                 enc.encode(img)  # weights packed, kernels compiled
@@ -95,6 +106,7 @@ def main() -> None:
                     enc.ops.__dict__.pop(name, None)
                 enc.ops.__dict__.pop("_matmul", None)
                 enc.ops.rows.__dict__.pop("run", None)
+                lib.__dict__.pop("attention_full", None)
                 total = float(np.sum(walls))
                 print(f"\n{lib.isa}, {a.threads} threads, spin {spin} us, {w}x{h}: {np.median(walls) * 1e3:.0f} ms "
                       f"an image (median of {a.reps}; runs {', '.join(f'{x * 1e3:.0f}' for x in walls)})")

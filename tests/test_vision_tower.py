@@ -4,6 +4,8 @@ Qwen3_5ForConditionalGeneration converted at test time by llama.cpp's own conver
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -22,7 +24,7 @@ def _rel(a: np.ndarray, b: np.ndarray) -> float:
 def simd():
     from hybridinfer.backends.cpu.simd import SimdLib
 
-    lib = SimdLib(n_threads=2)
+    lib = SimdLib(os.environ.get("HYBRIDINFER_ISA"), n_threads=2)  # CI's per-level runs: the fused attention or not
     yield lib
     lib.close()
 
@@ -341,3 +343,31 @@ def test_bench_vision_against_llama_mtmd_cli(tmp_path, capsys):
     assert main(["bench", "vision", "--mmproj", str(mm), "--sizes", "256x256", "-r", "1",
                  "--llama-mtmd-cli", str(exe), "--out-dir", str(tmp_path)]) == 2
     assert "exited 1 without an encode time: failed to load" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("isa", ["avx2", "avx512vnni", "ssse3"])
+def test_cpu_tower_attention_fused_or_not_matches_reference(tmp_path, isa):
+    """The CPU tower's attention: the library's fused kernel on the AVX2 and AVX-512 units (an online softmax, its
+    own float order), the blocks of products below; either close to the reference at 256 patch rows (a
+    whole block of keys)."""
+    from oracle_vision import sample_image
+
+    from hybridinfer.backends.cpu.simd import SimdLib, supported_isas
+    from hybridinfer.backends.vision import load_image_encoder
+    from hybridinfer.tools.synth_vision import synth_mmproj
+
+    if isa not in supported_isas():
+        pytest.skip(f"this CPU does not run the {isa} unit")
+    mm = tmp_path / "mm.gguf"
+    synth_mmproj(mm, 40, {"depth": 2, "hidden": 96, "heads": 2, "ff": 128, "pos_side": 16}, dtype="f32")
+    img = sample_image(256, 256, seed=4)
+    ref = load_image_encoder(mm, 40, None, MIN_PX, MAX_PX).encode(img)
+    lib = SimdLib(isa, n_threads=2)
+    try:
+        enc = load_image_encoder(mm, 40, lib, MIN_PX, MAX_PX)
+        assert enc.ops._fused == (isa != "ssse3")
+        cpu = enc.encode(img)
+    finally:
+        lib.close()
+    assert ref.grid == cpu.grid == (1, 8, 8)  # merged 2x2: 256 patch rows
+    assert _rel(cpu.rows, ref.rows) <= 1e-5

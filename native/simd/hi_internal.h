@@ -91,6 +91,19 @@ typedef struct hi_attn {
     int64_t k_bytes, v_bytes;
 } hi_attn;
 
+/* One full (non-causal) attention of the vision tower (vattn.c, kernels_vattn.h), worked transposed: the query rows
+ * of head h packed in the unit's float-product panels of gemm_nr rows at qp + h * q_head (hi_gemm_pack of Q [n, hd]),
+ * its keys as rows, K [n, hd] at k + h * n * hd, and its values as Vᵀ [hd, n] at vt + h * hd * n; out [n, nh, hd].
+ * Sᵀ = K Qᵀ of a block of keys is then a panel the block kernel takes as its right operand for Oᵀ += Vᵀ P. */
+#define HI_VATTN_KB 240 /* keys a block: a multiple of every unit's gemm_mr */
+
+typedef struct hi_vattn {
+    const float *qp, *k, *vt;
+    float *out;
+    int64_t n, nh, hd, q_head;
+    float scale;
+} hi_vattn;
+
 typedef struct hi_kernels {
     int isa;
     const char *name;
@@ -132,6 +145,9 @@ typedef struct hi_kernels {
     int gemm_mr, gemm_nr;
     void (*gemm_block)(const float *x, int64_t xs, const float *p, int64_t kc, float *y, int64_t ys, int64_t mr,
                        int64_t nc, int acc);
+    /* NULL where gemm_block is: query panels [p0, p1) (gemm_nr rows each) of head h of a full attention, with
+     * gemm_nr * (HI_VATTN_KB + (p1 - p0) * (hd + 2)) floats of scratch */
+    void (*vattn)(const hi_vattn *a, int64_t h, int64_t p0, int64_t p1, float *scratch);
 } hi_kernels;
 
 extern const hi_kernels hi_kernels_scalar;

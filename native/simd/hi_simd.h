@@ -128,6 +128,16 @@ int hi_gemm_pack(const hi_ctx *c, const float *W, int64_t w_row, int64_t N, int6
 int hi_gemm(hi_ctx *c, const float *X, int64_t x_row, const float *P, int64_t N, int64_t K, float *Y, int64_t y_row,
             int64_t M, const float *bias, const float *R, int64_t r_row);
 
+/* The vision tower's full attention (vattn.c): out[i, h, :] = softmax_j(scale * q[h, i, :] . k[h, j, :]) v[h, :, :]
+ * for q, v [nh, n, hd] and k [nh, n, hd] (kt: given as [nh, hd, n]), out [n, nh, hd], all contiguous float32, every
+ * key of every row (no mask), on the pool; an online softmax over blocks of keys (no score buffer). ws: ws_len >=
+ * hi_vision_attention_floats(c, n, nh, hd) floats of workspace, which is 0 where the unit has no such kernel
+ * (scalar, SSSE3: hi_vision_attention then returns -3). A row's bits depend on its values and the unit, not on the
+ * thread count. */
+int64_t hi_vision_attention_floats(const hi_ctx *c, int64_t n, int64_t nh, int64_t hd);
+int hi_vision_attention(hi_ctx *c, const float *q, const float *k, int kt, const float *v, int64_t n, int64_t nh,
+                        int64_t hd, float scale, float *out, float *ws, int64_t ws_len);
+
 /* SwiGLU of T rows of n values, out = silu(g) * u as llama.cpp's ggml_vec_swiglu_f32 (this ISA's build);
  * row strides in floats; out may alias g or u. In segments on the pool when there are several. */
 int hi_swiglu(hi_ctx *c, const float *g, int64_t g_row, const float *u, int64_t u_row, float *out, int64_t out_row,

@@ -119,6 +119,7 @@ HI_INLINE uint32_t hi_rd32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); ret
 #include "kernels_fa_vnni.h"
 #include "kernels_fa_tiled.h"
 #include "kernels_gemm.h"
+#include "kernels_vattn.h"
 
 /* ================================================================================================ */
 /* memory read bandwidth: sum of 64-bit words, several independent accumulators */
@@ -200,5 +201,6 @@ const hi_kernels HI_TABLE = {
     .gemm_nr = HI_GEMM_NR,
 #if HI_GEMM_NR
     .gemm_block = hi_gemm_block,
+    .vattn = hi_vattn_task,
 #endif
 };

@@ -7,8 +7,9 @@ row kernels are built for the few-row products of decode: 12 against 62 GFLOP/s 
 attention: by heads) over `n_threads` threads of the tower's own, numpy's OpenBLAS held to one thread meanwhile
 (cpu/blas_threads.py says why). A quantized mmproj's matrices go through the SIMD library in their stored bytes,
 activations in the format the type takes, in the MUL_MAT float shape (as llama.cpp); a type it lacks is dequantized
-to F32 once. The rest of the tower (norms, rotary, softmax, GELUs) runs in numba row kernels on the same threads
-(cpu/vision_kernels.py), the attention in the reference's blocks (backends/vision.py)."""
+to F32 once. The attention, on the AVX2 and AVX-512 units, is the library's fused kernel (native/simd/vattn.c: an
+online softmax over blocks of keys, no score buffer); below, the reference's blocks (backends/vision.py). The rest of
+the tower (norms, rotary, softmax, GELUs) runs in numba row kernels on the same threads (cpu/vision_kernels.py)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ class CPUVisionOps(RefVisionOps):
         self._packs: dict | None = None
         self.rows = vk.RowPool(getattr(simd, "n_threads", 1))
         self._scores = np.empty(0, np.float32)
+        self._fused = getattr(simd, "has_attention_full", False)  # the library's fused attention, else blocks
         self._split = blas_threads.available()
 
     def _matmul(self, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> np.ndarray:
@@ -150,10 +152,20 @@ class CPUVisionOps(RefVisionOps):
         return out
 
     def rotary_attention(self, qkv: np.ndarray, cos: np.ndarray, sin: np.ndarray, scale: float) -> np.ndarray:
-        """q and k rotated and laid out for the products (kᵀ per head) in one pass on the pool, then the reference's
-        blocks of products with the softmax on the pool; the scores' buffer (at most ATTN_SCORE_FLOATS, 64 MiB) is
-        kept for the next layer and image."""
+        """q and k rotated and laid out by head in one pass on the pool (k in rows for the fused kernel, kᵀ for the
+        products), then on a unit that has it the library's fused attention (every head in one call, an online softmax
+        over blocks of keys, no score buffer), else the reference's blocks of products with the softmax on the pool.
+        The fused kernel's workspace and the blocks' scores buffer (at most ATTN_SCORE_FLOATS, 64 MiB) are kept for
+        the next layer and image."""
         n, _, nh, hd = qkv.shape
+        if self._fused:  # k in rows, as the kernel reads it (rope_heads writes kᵀ: here through a transposed view)
+            qh, vh, k = (np.empty((nh, n, hd), np.float32) for _ in range(3))
+            self.rows.run_ranges(vk.rope_heads, n, qkv, cos, sin, qh, k.transpose(0, 2, 1), vh)
+            need = self.simd.attention_full_floats(n, nh, hd)
+            if self._scores.size < need:
+                self._scores = np.empty(need, np.float32)
+            out = np.empty((n, nh, hd), np.float32)
+            return self.simd.attention_full(qh, k, vh, scale, out, workspace=self._scores)
         qh, vh, kt = (np.empty(shape, np.float32) for shape in ((nh, n, hd), (nh, n, hd), (nh, hd, n)))
         self.rows.run_ranges(vk.rope_heads, n, qkv, cos, sin, qh, kt, vh)
         need = nh * n * min(n, max(1, ATTN_SCORE_FLOATS // (n * nh)))
