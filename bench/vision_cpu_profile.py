@@ -27,7 +27,7 @@ from hybridinfer.tools.benchmarks.vision import _image, parse_sizes  # noqa: E40
 from hybridinfer.tools.synth_vision import synth_mmproj  # noqa: E402
 
 # CPUVisionOps methods timed (outermost call only: linear_gelu's product is not counted twice)
-_TIMED = ("linear", "linear_gelu", "layer_norm", "gelu_tanh", "gelu_erf", "rotary_attention")
+_TIMED = ("linear", "linear_add", "linear_gelu", "layer_norm", "gelu_tanh", "gelu_erf", "rotary_attention")
 
 
 def _instrument(ops, acc: dict) -> None:
