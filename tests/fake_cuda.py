@@ -59,25 +59,6 @@ def _gemm(x, w, out=None, tile=None, stream=None):
     return out
 
 
-def _gemm_grouped(x, w, offs, idx=None, out=None, tile=None, stream=None):
-    e, n, k = w.shape
-    assert x.ndim == 2 and x.shape[1] == k, f"gemm_grouped: rows of {x.shape[1]} against weight rows of {k}"
-    assert not np.shares_memory(out, x) and offs.dtype == np.int32 and offs.shape == (e + 1,) and offs[0] == 0
-    _where()
-    wf = w.data.view(np.float16 if w.qtype == F16 else np.float32).reshape(e, n, k).astype(np.float32)
-    rows = np.arange(out.shape[0]) if idx is None else idx
-    for g in range(e):
-        r = slice(int(offs[g]), int(offs[g + 1]))
-        out[r] = x[rows[r]] @ wf[g].T
-    return out
-
-
-def _put_i32(flat, host):
-    v = flat[:host.size].view(np.int32)
-    v[...] = host
-    return v
-
-
 def _layer_norm(x, w, b, eps, out, stream=None):
     d = w.shape[0]
     assert not np.shares_memory(x, out) and x.shape[1] >= d and out.shape[1] >= d
@@ -154,11 +135,9 @@ def install(monkeypatch) -> None:
     monkeypatch.setattr(loader, "on_this_thread", contextlib.nullcontext)
     monkeypatch.setattr(loader, "on_card", _on_card)
     monkeypatch.setattr(k_gemm, "gemm", _gemm)
-    monkeypatch.setattr(k_gemm, "gemm_grouped", _gemm_grouped)
     monkeypatch.setattr(k_gemm, "pick_tile", lambda *a, **k: (16, 128))
     monkeypatch.setattr(k_elementwise, "layer_norm", _layer_norm)
     monkeypatch.setattr(k_elementwise, "bias_act", _bias_act)
     monkeypatch.setattr(k_elementwise, "rope_split", _rope_split)
     monkeypatch.setattr(k_attention, "attention_full", _attention_full)
     monkeypatch.setattr(gv, "_put", _put)
-    monkeypatch.setattr(gv, "_put_i32", _put_i32)

@@ -55,8 +55,6 @@ def test_card_forward_wiring_equals_reference(monkeypatch, mmproj, dtype, mode):
     # every product timed once a use: 1 + 4 a block + 2
     assert sum(1 for _ in gpu.by_product) == 7 and gpu.product_flops > 0 and gpu.product_s > 0
     assert gpu.by_product["v.blk.*.attn_qkv"][0] == 3 * 2 * 140 * 144 * 48
-    # the MLP by parts (vision_plan.down_parts: 72 as 2 x 64, the second mostly padding): its unpadded work once
-    assert gpu.by_product["v.blk.*.ffn_up"][0] == gpu.by_product["v.blk.*.ffn_down"][0] == 3 * 2 * 140 * 72 * 48
     if mode == "streamed":
         assert not gpu._dev  # every stage's weights freed
     ref.close()

@@ -22,7 +22,7 @@ from ..vision import RefVisionOps
 from . import k_attention as ka
 from . import k_elementwise as ke
 from . import loader
-from .vision_plan import RESIDENT, STREAMED, activation_bytes, buffer_floats, down_parts, matrix_shape, padded
+from .vision_plan import RESIDENT, STREAMED, activation_bytes, buffer_floats, matrix_shape, padded
 
 
 def _pad_cols(a: np.ndarray, k: int) -> np.ndarray:
@@ -45,16 +45,6 @@ def _put(flat, host: np.ndarray, offset: int = 0):
 
     host = np.ascontiguousarray(host, dtype=np.float32)
     v = _view(flat, host.shape, offset)
-    drv.memcpy_htod(int(v.gpudata), host)
-    return v
-
-
-def _put_i32(flat, host: np.ndarray):
-    """int32 values copied into the front of a flat float32 buffer (4 bytes each); their int32 view."""
-    import pycuda.driver as drv
-
-    host = np.ascontiguousarray(host, dtype=np.int32)
-    v = flat[:host.size].view(np.int32)
     drv.memcpy_htod(int(v.gpudata), host)
     return v
 
@@ -123,14 +113,8 @@ class GPUVisionOps(RefVisionOps):
             from .k_gemm import DeviceWeight
 
             w, q = self._host_matrix(name)
-            if name.endswith(".ffn_down"):  # [parts, N, cols]: part i the K columns [i cols, (i+1) cols), padded
-                parts, cols = down_parts(self.args)
-                w = _pad_cols(w, parts * cols).reshape(w.shape[0], parts, cols).transpose(1, 0, 2)
-                hit = DeviceWeight.upload(np.ascontiguousarray(w), q, w.shape)
-            else:
-                k = padded(w.shape[1])
-                hit = DeviceWeight.upload(_pad_cols(w, k), q, (w.shape[0], k))
-            self._dev[name] = hit
+            k = padded(w.shape[1])
+            hit = self._dev[name] = DeviceWeight.upload(_pad_cols(w, k), q, (w.shape[0], k))
             self._note()
         return hit
 
@@ -143,16 +127,15 @@ class GPUVisionOps(RefVisionOps):
             self._note()
         return v
 
-    def _product(self, x, name: str, out_flat, w=None, offset: int = 0):
-        """out = x @ W(name)ᵀ into out_flat from `offset` values on, timed between two events (read after the
-        download). w: a part of W(name) (a DeviceWeight of some of its rows) instead of all of it."""
+    def _product(self, x, name: str, out_flat):
+        """out = x @ W(name)ᵀ into the front of out_flat, timed between two events (read after the download)."""
         import pycuda.driver as drv
 
         from .k_gemm import gemm, pick_tile
 
-        w = w or self._weight(name)
+        w = self._weight(name)
         rows, n = int(x.shape[0]), w.shape[0]
-        y = _view(out_flat, (rows, n), offset)
+        y = _view(out_flat, (rows, n))
         tile = pick_tile(rows, rows, n, qtype=w.qtype, K=w.shape[1])
         ev = (drv.Event(), drv.Event())
         ev[0].record()
@@ -160,37 +143,6 @@ class GPUVisionOps(RefVisionOps):
         ev[1].record()
         self._timed.append((name, 2 * rows * n * matrix_shape(self.args, name)[1], tile, ev))  # the unpadded work
         return y
-
-    def _mlp(self, h, name_up: str, name_down: str, B, n: int) -> None:
-        """The MLP by parts of its inner width (vision_plan.down_parts): the up product's rows of part i into
-        g[i] ([parts, n, cols], each padded), then one grouped down product of every part over the same n rows into
-        partial sums y[i] [n, width], added to the residual x with the bias (part 0) and alone (the others)."""
-        import pycuda.driver as drv
-
-        from .k_gemm import DeviceWeight, gemm_grouped, pick_tile
-
-        a, c = self.args, self.args.n_embd
-        parts, cols = down_parts(a)
-        up, bias = self._weight(name_up), self._on_card(name_up + ".bias")
-        g = _view(B["g"], (parts * n, cols))
-        for i in range(parts):
-            r0, r1 = i * cols, min((i + 1) * cols, a.n_ff)
-            w = DeviceWeight(up.qtype, (r1 - r0, up.shape[1]), up.data[r0 * up.row_nbytes:r1 * up.row_nbytes])
-            y = self._product(h, name_up, B["y"], w, offset=i * n * cols)
-            ke.bias_act(y, g[i * n:(i + 1) * n], bias[r0:r1], "gelu_tanh")
-        down = self._weight(name_down)
-        offs = _put_i32(B["offs"], np.arange(parts + 1) * n)
-        y = _view(B["y"], (parts * n, c))
-        tile = pick_tile(n, parts * n, c, qtype=down.qtype, K=cols)
-        ev = (drv.Event(), drv.Event())
-        ev[0].record()
-        gemm_grouped(g, down, offs, out=y, tile=tile)
-        ev[1].record()
-        self._timed.append((name_down, 2 * n * c * a.n_ff, tile, ev))
-        x = _view(B["x"], (n, padded(c)))
-        ke.bias_act(y[:n], x, self._on_card(name_down + ".bias"), "add")
-        for i in range(1, parts):
-            ke.bias_act(y[i * n:(i + 1) * n], x, None, "add", n=c)
 
     def _settle(self) -> None:
         for name, fl, tile, (start, end) in self._timed:
@@ -250,7 +202,7 @@ class GPUVisionOps(RefVisionOps):
         with self._stage(("v.patch_embd",)):
             y = self._product(_put(B["h"], _pad_cols(patches, padded(a.prep.patch_dim))), "v.patch_embd", B["y"])
             ke.bias_act(y, x, self._on_card("v.patch_embd.bias"), "add")  # the position rows + (patches W + b)
-        h = _view(B["h"], (n, cp))
+        h, g = _view(B["h"], (n, cp)), _view(B["g"], (n, padded(a.n_ff)))
         qkv, o = _view(B["qkv"], (3, n, nh, hd)), _view(B["o"], (n, nh, hd))
         q, k, v = (_view(B["qkv"], (n, nh, hd), j * n * c) for j in range(3))
         o2 = o.reshape(n, c)
@@ -265,7 +217,10 @@ class GPUVisionOps(RefVisionOps):
                 y = self._product(src, b + "attn_out", B["y"])
                 ke.bias_act(y, x, self._on_card(b + "attn_out.bias"), "add")
                 ke.layer_norm(x, self._on_card(b + "ln2.weight"), self._on_card(b + "ln2.bias"), eps, h)
-                self._mlp(h, b + "ffn_up", b + "ffn_down", B, n)
+                y = self._product(h, b + "ffn_up", B["y"])
+                ke.bias_act(y, g, self._on_card(b + "ffn_up.bias"), "gelu_tanh")
+                y = self._product(g, b + "ffn_down", B["y"])
+                ke.bias_act(y, x, self._on_card(b + "ffn_down.bias"), "add")
         nm, mc = n // (m * m), a.merged_dim
         ke.layer_norm(x, self._on_card("v.post_ln.weight"), self._on_card("v.post_ln.bias"), eps, o2)
         merged = _view(B["o"], (nm, mc))  # each merge window's m² rows side by side

@@ -20,17 +20,6 @@ def padded(k: int) -> int:
     return -(-int(k) // K_STEP) * K_STEP
 
 
-def down_parts(a: VisionArgs) -> tuple[int, int]:
-    """(parts, columns a part) of the MLP's down product, whose K is split so that its few output tiles (N = the
-    width: 1152 columns, 18 tiles of 64, by 13 of 784 rows at 448x448) still fill the card: each part a group of
-    one grouped launch over the same rows, summed in the residual's epilogue. The up product writes its output in
-    the same parts (the rows of part i: columns [i·cols, (i+1)·cols) of the MLP, padded). One part where the MLP is
-    not wider than one K step."""
-    f = int(a.n_ff)
-    parts = 2 if f > K_STEP else 1
-    return parts, padded(-(-f // parts))
-
-
 def matrix_shape(a: VisionArgs, name: str) -> tuple[int, int]:
     """(N, K) of product `name` (matrix_names'), K before padding."""
     c, f, m = a.n_embd, a.n_ff, a.merged_dim
@@ -59,9 +48,6 @@ def matrix_bytes(a: VisionArgs, itemsize) -> dict[str, int]:
     out = {}
     for n in matrix_names(a):
         rows, k = matrix_shape(a, n)
-        if n.endswith(".ffn_down"):
-            parts, cols = down_parts(a)
-            k = parts * cols
         out[n] = rows * padded(k) * int(itemsize(n))
     return out
 
@@ -76,16 +62,13 @@ def vector_floats(a: VisionArgs) -> int:
 def buffer_floats(a: VisionArgs, n: int) -> dict[str, int]:
     """The float32 buffers an image of n patches takes on the card (each a flat array the forward views):
     x: the residual rows, padded; h: a product's padded input (the patches, a LayerNorm's rows, the attention's
-    output, the merged rows); y: a product's output (the MLP's up product by parts, its down product's partial sums
-    by part); qkv: rotated q, k and v; o: the attention's output (and the post-LayerNorm rows); g: the GELU's
-    padded rows (the MLP's by parts, the merger's); rope: cos and sin of every patch; offs: the down product's
-    group bounds (int32, as many bytes as floats)."""
-    c, hd, m, mp = a.n_embd, a.head_dim, a.merged_dim, padded(a.merged_dim)
-    parts, cols = down_parts(a)
+    output, the merged rows); y: a product's output; qkv: rotated q, k and v; o: the attention's output (and the
+    post-LayerNorm rows); g: the GELU's padded rows (MLP, merger); rope: cos and sin of every patch."""
+    c, f, hd, m, mp = a.n_embd, a.n_ff, a.head_dim, a.merged_dim, padded(a.merged_dim)
     nm = n // (a.merge_size ** 2)
     return {"x": n * padded(c), "h": max(n * padded(c), n * padded(a.prep.patch_dim), nm * mp),
-            "y": max(n * 3 * c, n * parts * cols, parts * n * c, nm * m, nm * a.out_dim), "qkv": 3 * n * c,
-            "o": n * c, "g": max(n * parts * cols, nm * mp), "rope": 2 * n * hd, "offs": parts + 1}
+            "y": max(n * 3 * c, n * f, nm * m, nm * a.out_dim), "qkv": 3 * n * c, "o": n * c,
+            "g": max(n * padded(f), nm * mp), "rope": 2 * n * hd}
 
 
 def max_patches(a: VisionArgs) -> int:
