@@ -72,8 +72,12 @@ def test_r63_takes_the_largest_spill_free_lean_tile():
                 assert dense[0] * dense[1] >= t[0] * t[1] or t == (32, 256), (quant.type_name(q), dense, t)
                 break
         assert moe[0] <= 32 / 0.6 + 1e-9 and tile_usage(cls, q, moe)[1] == 0
-    # the 64 x 64 lean tile is spill-free for the types the 35B-A3B's dense layers use
-    assert choose_tile(fermi, 947, 8192, 2048, quant.Q4_K) == (64, 64)
+    # the 64 x 128 lean tile (gemm_body_lean_wide) is spill-free for every type, so long runs take it, as the
+    # preference has it; with too few tiles of it for the SMs, the 64 x 64 tile
+    for q in GEMM_TYPES:
+        assert tile_usage(cls, q, (64, 128))[1] == 0, quant.type_name(q)
+        assert choose_tile(fermi, 947, 8192, 2048, q) == (64, 128), quant.type_name(q)
+    assert choose_tile(fermi, 64, 1024, 2048, quant.F16) == (64, 64)
 
 
 def test_choose_tile_rejects_bad_input():

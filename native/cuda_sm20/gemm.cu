@@ -27,9 +27,8 @@
 
 // Find the expert and tile of virtual tile v: returns false when v is past the last tile.
 __device__ __forceinline__ bool gemm_find_tile(const int* __restrict__ offs, int E, int M, int BM, int v,
-                                               int* e_out, int* r0_out, int* cnt_out, int* scan) {
+                                               int* e_out, int* r0_out, int* cnt_out, int* scan, int tid) {
     __shared__ int s_e, s_tile;
-    const int tid = threadIdx.x;
     if (offs == NULL || E == 1) {  // one group: rows [0, M) (offs NULL) or [offs[0], offs[1])
         const int r0 = offs ? offs[0] : 0, cnt = offs ? offs[1] - r0 : M;
         if (v * BM >= cnt) return false;
@@ -230,7 +229,7 @@ __device__ __forceinline__ void gemm_body(const float* __restrict__ X, const u8*
 
     for (int v = blockIdx.y;; v += gridDim.y) {
         int e, r0, cnt;
-        if (!gemm_find_tile(offs, E, M, BM, v, &e, &r0, &cnt, scan)) return;
+        if (!gemm_find_tile(offs, E, M, BM, v, &e, &r0, &cnt, scan, threadIdx.x)) return;
         // input rows this thread stages (clamped to a valid row; padding rows are zeroed at staging)
         const float* xrow[XL];
 #pragma unroll
@@ -338,6 +337,7 @@ __device__ __forceinline__ void gemm_body(const float* __restrict__ X, const u8*
     }
 #define GEMM_FULL(QT, TM, TXN) gemm_body<QT, TM, TXN, 32>
 #define GEMM_LEAN(QT, TM, TXN, CN) gemm_body_lean<QT, TM, TXN, 32, CN>
+#define GEMM_LEAN_WIDE(QT, TM, TXN, CN) gemm_body_lean_wide<QT, TM, TXN, 32, CN>
 
 #ifndef HI_REG63
 // 128-row tiles (16 x 16 threads) for long token runs; 256-row tiles (8 x 32 threads) keep 4 tokens per
@@ -353,11 +353,12 @@ __device__ __forceinline__ void gemm_body(const float* __restrict__ X, const u8*
     GEMM_KERNEL(gemm_##name##_b32_n256, GEMM_FULL(QT, 4, 32))        \
     GEMM_KERNEL(gemm_##name##_b64_n256, GEMM_FULL(QT, 8, 32))
 #else
-// 63 registers a thread: the lean body (gemm_lean.cuh), at most 4 x 8 outputs a thread
+// 63 registers a thread: the lean body (gemm_lean.cuh), at most 4 x 8 outputs a thread; the 64 x 128 tile's
+// 4 x 8 by gemm_body_lean_wide, which holds less across its k-chunk loop (spill-free where the other spilled)
 #define GEMM_TYPE(name, QT)                                          \
     GEMM_KERNEL(gemm_##name##_b16_n128, GEMM_LEAN(QT, 1, 16, 8))     \
     GEMM_KERNEL(gemm_##name##_b32_n128, GEMM_LEAN(QT, 2, 16, 8))     \
-    GEMM_KERNEL(gemm_##name##_b64_n128, GEMM_LEAN(QT, 4, 16, 8))     \
+    GEMM_KERNEL(gemm_##name##_b64_n128, GEMM_LEAN_WIDE(QT, 4, 16, 8)) \
     GEMM_KERNEL(gemm_##name##_b16_n256, GEMM_LEAN(QT, 2, 32, 8))     \
     GEMM_KERNEL(gemm_##name##_b32_n256, GEMM_LEAN(QT, 4, 32, 8))     \
     GEMM_KERNEL(gemm_##name##_b32_n64, GEMM_LEAN(QT, 2, 16, 4))      \
