@@ -157,3 +157,42 @@ def test_argument_checks(gpu):
     with pytest.raises(KernelArgumentError, match="no kernel"):
         k_gemm.gemm(gpuarray.zeros((3, 32), np.float32),
                     k_gemm.DeviceWeight(quant.Q4_1, (8, 32), gpuarray.zeros(8 * 20, np.uint8)))
+
+
+@pytest.mark.parametrize("qtype", [quant.F32, quant.F16, quant.Q4_K], ids=["F32", "F16", "Q4_K"])
+@pytest.mark.parametrize("tile", ALL_TILES, ids=[f"b{m}n{n}" for m, n in ALL_TILES])
+def test_gemm_grid_stride_loops(gpu, qtype, tile):
+    """A grid smaller than the tiles in both directions (as when a prompt's tiles pass sm_20's 65535 a dimension):
+    each block walks several weight tiles and several token tiles through the kernels' grid-stride loops, plainly
+    and grouped (several experts, one without rows)."""
+    gpuarray, k_gemm = gpu
+    from hybridinfer.backends.gpu import loader
+
+    _compiled(k_gemm, tile)
+    bm, bn = tile
+    rng = np.random.default_rng(5 * qtype + bm + bn)
+    K = _k_for(qtype, small=True)
+    name = f"gemm_{k_gemm.GEMM_TYPES[qtype]}_b{bm}_n{bn}"
+    counts = [2 * bm + 5, 0, bm + 1]  # the experts' token tiles: 3, 0, 2
+    E, T, N = len(counts), sum(counts), 3 * bn + 7
+    raw, wf = _weight(qtype, (E, N, K), rng)
+    w = k_gemm.DeviceWeight.upload(raw, qtype, (E, N, K))
+    x = rng.standard_normal((T, K), dtype=np.float32)
+    offs = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    xd, od = gpuarray.to_gpu(x), gpuarray.to_gpu(offs)
+    null = np.uintp(0)
+    for grouped, grid in ((False, (2, 2)), (True, (3, 2))):
+        out = _poisoned(gpuarray, (T, N))
+        we = int(w.data.gpudata) + (0 if grouped else 2 * N * w.row_nbytes)  # plain: expert 2's matrix
+        args = [np.uintp(int(xd.gpudata)), np.uintp(we), np.uintp(int(out.gpudata)),
+                np.uintp(int(od.gpudata)) if grouped else null, null, np.int32(E if grouped else 1), np.int32(T),
+                np.int32(N), np.int32(K), np.int32(w.row_nbytes)]
+        loader.launch(k_gemm.FAMILY, name, grid, (256,), args)
+        y = out.get()
+        if grouped:
+            for e in range(E):
+                rows = slice(offs[e], offs[e + 1])
+                if counts[e]:
+                    _check(y[rows], x[rows], wf[e], f"{w} tile={tile} grouped expert {e} grid={grid}")
+        else:
+            _check(y, x, wf[2], f"{w} tile={tile} plain grid={grid}")
