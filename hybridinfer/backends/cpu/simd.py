@@ -58,6 +58,7 @@ from .simd_native import (
 )
 from .simd_ops import OpCalls, _mrope_ptr, attention_args, rope_freqs
 from .simd_replicas import ReplicaCalls
+from .simd_vrows import VisionRowCalls
 
 __all__ = [
     "ACT_KINDS",
@@ -100,7 +101,7 @@ PREFETCH_BYTES = 4096
 PREFETCH_MIN_THREADS = 4
 
 
-class SimdLib(MoECalls, OpCalls, ReplicaCalls, GDNCalls):
+class SimdLib(MoECalls, OpCalls, ReplicaCalls, GDNCalls, VisionRowCalls):
     """The native kernels at one ISA level with a persistent pool of `n_threads` threads (the caller
     included). `isa`: one of `supported_isas()`, or None for `best_isa()`. Calls on one object are
     serialized; use one object per concurrent caller."""

@@ -1,0 +1,113 @@
+/* The vision tower's row ops (vrows.c), one copy per target: vrows.c includes this file once for the baseline and
+ * once each under `#pragma GCC target("avx2")` and ("avx2,avx512f"), with VR(name) naming the copy. Plain float C
+ * written op for op as the numba kernels of hybridinfer/backends/cpu/vision_kernels.py: the library is compiled with
+ * -ffp-contract=off and no fast-math, so the compiler vectorizes the element loops without reordering or fusing an
+ * operation and every copy gives those kernels' bits. */
+
+/* vision_kernels.exp32, Cephes' expf: clamped to [-87, 88], n = floor(x log2 e + 1/2) (below SSE4.1 a
+ * truncation corrected down, exact for |t| < 2^31, which vectorizes without roundps), r = x - n ln 2 in two steps,
+ * the degree-6 polynomial, 2^n built in the exponent bits */
+static inline float VR(exp32)(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    x = x > 88.0f ? 88.0f : x;
+    const float t = x * 1.44269504088896341f + 0.5f;
+#ifdef __SSE4_1__
+    const float n = floorf(t); /* roundps: gcc would make the truncation below a scalar roundss */
+    const int32_t m = (int32_t)n;
+#else
+    int32_t m = (int32_t)t;
+    m -= (float)m > t;
+    const float n = (float)m;
+#endif
+    float r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    const float p = (((((1.9875691500e-4f * r + 1.3981999507e-3f) * r + 8.3334519073e-3f) * r + 4.1665795894e-2f) * r +
+                      1.6666665459e-1f) * r + 5.0000001201e-1f) * (r * r) + r + 1.0f;
+    const uint32_t bits = (uint32_t)(m + 127) << 23;
+    float s;
+    memcpy(&s, &bits, 4);
+    return p * s;
+}
+
+static void VR(layer_norm_rows)(const void *arg, int64_t r0, int64_t r1) {
+    const vr_ln_job *j = (const vr_ln_job *)arg;
+    const int64_t c = j->n;
+    const float *restrict w = j->w, *restrict b = j->b;
+    for (int64_t r = r0; r < r1; r++) {
+        const float *restrict row = j->x + r * j->x_row;
+        float *restrict o = j->out + r * j->out_row;
+        /* the statistics in double, summed in order: the numba kernel's (it has no reassociation either) */
+        double s = 0.0;
+        for (int64_t i = 0; i < c; i++) s += row[i];
+        const double mu = s / (double)c;
+        double v = 0.0;
+        for (int64_t i = 0; i < c; i++) {
+            const double d = row[i] - mu;
+            v += d * d;
+        }
+        const double sd = sqrt(v / (double)c + j->eps);
+        for (int64_t i = 0; i < c; i++) o[i] = (float)((row[i] - mu) / sd) * w[i] + b[i];
+    }
+}
+
+/* out may be x (the same rows), so no restrict on them */
+static void VR(gelu_tanh_rows)(const void *arg, int64_t r0, int64_t r1) {
+    const vr_gelu_job *j = (const vr_gelu_job *)arg;
+    const float *restrict bias = j->bias;
+    for (int64_t r = r0; r < r1; r++) {
+        const float *row = j->x + r * j->x_row;
+        float *o = j->out + r * j->out_row;
+        if (bias)
+            for (int64_t i = 0; i < j->n; i++) {
+                const float v = row[i] + bias[i];
+                const float u = (0.044715f * v * v * v + v) * VR_GELU_C;
+                o[i] = v / (1.0f + VR(exp32)(-2.0f * u));
+            }
+        else
+            for (int64_t i = 0; i < j->n; i++) {
+                const float v = row[i];
+                const float u = (0.044715f * v * v * v + v) * VR_GELU_C;
+                o[i] = v / (1.0f + VR(exp32)(-2.0f * u));
+            }
+    }
+}
+
+static void VR(gelu_erf_rows)(const void *arg, int64_t r0, int64_t r1) {
+    const vr_gelu_job *j = (const vr_gelu_job *)arg;
+    for (int64_t r = r0; r < r1; r++) {
+        const float *row = j->x + r * j->x_row;
+        float *o = j->out + r * j->out_row;
+        for (int64_t i = 0; i < j->n; i++) {
+            const double xd = (double)(j->bias ? row[i] + j->bias[i] : row[i]);
+            o[i] = (float)(0.5 * xd * (1.0 + erf(xd * 0.7071067811865476)));
+        }
+    }
+}
+
+/* tokens [r0, r1): q and k rotated, x cos + rotate_half(x) sin (NeoX halves, the model's `rotate` op for op), q and
+ * v to [heads, rows, hd], k to [heads, hd, rows] (k_t) or [heads, rows, hd] */
+static void VR(rope_heads_rows)(const void *arg, int64_t r0, int64_t r1) {
+    const vr_rope_job *j = (const vr_rope_job *)arg;
+    const int64_t H = j->heads, hd = j->hd, half = hd / 2, n = j->rows;
+    for (int64_t i = r0; i < r1; i++) {
+        const float *restrict c = j->cos + i * hd, *restrict s = j->sin + i * hd;
+        for (int64_t h = 0; h < H; h++) {
+            const float *restrict a = j->qkv + ((i * 3 + 0) * H + h) * hd;
+            const float *restrict b = j->qkv + ((i * 3 + 1) * H + h) * hd;
+            const float *restrict v = j->qkv + ((i * 3 + 2) * H + h) * hd;
+            float *restrict o = j->qh + (h * n + i) * hd;
+            for (int64_t d = 0; d < half; d++) o[d] = a[d] * c[d] + -a[d + half] * s[d];
+            for (int64_t d = half; d < hd; d++) o[d] = a[d] * c[d] + a[d - half] * s[d];
+            if (j->k_t) {
+                float *restrict kt = j->k + h * hd * n + i;
+                for (int64_t d = 0; d < half; d++) kt[d * n] = b[d] * c[d] + -b[d + half] * s[d];
+                for (int64_t d = half; d < hd; d++) kt[d * n] = b[d] * c[d] + b[d - half] * s[d];
+            } else {
+                float *restrict k = j->k + (h * n + i) * hd;
+                for (int64_t d = 0; d < half; d++) k[d] = b[d] * c[d] + -b[d + half] * s[d];
+                for (int64_t d = half; d < hd; d++) k[d] = b[d] * c[d] + b[d - half] * s[d];
+            }
+            memcpy(j->vh + (h * n + i) * hd, v, (size_t)hd * sizeof(float));
+        }
+    }
+}
