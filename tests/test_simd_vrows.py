@@ -148,3 +148,62 @@ def test_bad_arrays_refused_naming_them():
     with pytest.raises(KernelArgumentError, match=r"rope_heads: cos must be a C-contiguous float32 array of shape "
                                                   r"\(5, 6\), got float64"):
         lib.rope_heads(qkv, cs.astype(np.float64), cs, heads, np.empty((2, 6, 5), np.float32), heads.copy())
+
+
+class _NumbaRows:
+    """CPUVisionOps' row ops as they were before the SIMD library took them: the numba kernels on RowPool."""
+
+    def layer_norm(self, x, name, eps):
+        out = np.empty_like(x)
+        self.rows.run(vk.layer_norm_rows, (x, out), self.vector(name + ".weight"), self.vector(name + ".bias"),
+                      float(eps))
+        return out
+
+    def linear_gelu(self, x, name, kind):
+        out = self._float_product(x, name)
+        self.rows.run(vk.gelu_tanh_rows if kind == "tanh" else vk.gelu_erf_rows, (out, out),
+                      self.vector(name + ".bias"))
+        return out
+
+    def rotary_attention(self, qkv, cos, sin, scale):
+        # the numba layout kernel in place of the library's for this call
+        rope, self.simd = self.simd, _RopeByNumba(self.simd, self.rows)
+        try:
+            return super().rotary_attention(qkv, cos, sin, scale)
+        finally:
+            self.simd = rope
+
+
+class _RopeByNumba:
+    def __init__(self, simd, rows):
+        self._simd, self._rows = simd, rows
+
+    def __getattr__(self, name):
+        return getattr(self._simd, name)
+
+    def rope_heads(self, qkv, cos, sin, qh, kt, vh, k_transposed=True):
+        assert k_transposed
+        self._rows.run_ranges(vk.rope_heads, qkv.shape[0], qkv, cos, sin, qh, kt, vh)
+
+
+@pytest.mark.parametrize("isa", supported_isas())
+def test_tower_bits_as_with_the_numba_kernels(tmp_path, isa):
+    """A synthetic tower (tanh and erf GELU MLPs) encodes to the same bits with the library's row ops as with the
+    numba kernels they replace, on every unit (the products: the library's float ones or numpy's BLAS)."""
+    from oracle_vision import sample_image
+
+    from hybridinfer.backends.cpu.vision import CPUVisionOps
+    from hybridinfer.backends.vision import load_image_encoder
+    from hybridinfer.tools.synth_vision import synth_mmproj
+
+    mm = tmp_path / "mm.gguf"
+    synth_mmproj(mm, 40, {"depth": 2, "hidden": 64, "heads": 4, "ff": 128, "pos_side": 6})
+    img = sample_image(70, 50, seed=2)
+    lib = _lib(isa, 3)
+    enc = load_image_encoder(mm, 40, lib, 4 * 1024, 64 * 1024)
+    assert type(enc.ops) is CPUVisionOps
+    got = enc.encode(img).rows
+    enc.ops.__class__ = type("NumbaRowsOps", (_NumbaRows, CPUVisionOps), {})
+    want = enc.encode(img).rows
+    enc.close()
+    assert got.shape == want.shape and np.array_equal(got, want)

@@ -7,8 +7,10 @@ row kernels are built for the few-row products of decode: 12 against 62 GFLOP/s 
 attention: by heads) over `n_threads` threads of the tower's own, numpy's OpenBLAS held to one thread meanwhile
 (cpu/blas_threads.py says why). A quantized mmproj's matrices go through the SIMD library in their stored bytes,
 activations in the format the type takes, in the MUL_MAT float shape (as llama.cpp); a type it lacks is dequantized
-to F32 once. The rest of the tower (norms, rotary, softmax, GELUs) runs in numba row kernels on the same threads
-(cpu/vision_kernels.py), the attention in the reference's blocks (backends/vision.py)."""
+to F32 once. The norms, GELUs and the rotary layout run in the SIMD library's row ops on its pool (native/simd/vrows.c,
+the bits of the numba kernels of cpu/vision_kernels.py: handing a call to a Python pool's threads had cost a
+millisecond, their work a fraction of that on 16 threads); the softmax in a numba kernel on the tower's threads, the
+attention in the reference's blocks (backends/vision.py)."""
 
 from __future__ import annotations
 
@@ -124,29 +126,21 @@ class CPUVisionOps(RefVisionOps):
         return out
 
     def layer_norm(self, x: np.ndarray, name: str, eps: float) -> np.ndarray:
-        return self._rowwise(vk.layer_norm_rows, x, self.vector(name + ".weight"), self.vector(name + ".bias"),
-                             float(eps))
+        return _row_op(self.simd.layer_norm, x, self.vector(name + ".weight"), self.vector(name + ".bias"), float(eps))
 
     def gelu_tanh(self, x: np.ndarray) -> np.ndarray:
-        return self._rowwise(vk.gelu_tanh_rows, x, np.zeros(x.shape[-1], np.float32))
+        return _row_op(self.simd.gelu_tanh, x, None)
 
     def gelu_erf(self, x: np.ndarray) -> np.ndarray:
-        return self._rowwise(vk.gelu_erf_rows, x, np.zeros(x.shape[-1], np.float32))
+        return _row_op(self.simd.gelu_erf, x, None)
 
     def linear_gelu(self, x: np.ndarray, name: str, kind: str) -> np.ndarray:
         """The bias and the GELU in one pass over the product, in place (the MLP's rows are the tower's largest)."""
         if not self._float(name):
             return super().linear_gelu(x, name, kind)
         out = self._float_product(x, name)
-        kernel = vk.gelu_tanh_rows if kind == "tanh" else vk.gelu_erf_rows
-        self.rows.run(kernel, (out, out), self.vector(name + ".bias"))
-        return out
-
-    def _rowwise(self, kernel, x: np.ndarray, *args) -> np.ndarray:
-        """kernel(x, out, *args) over x's rows (its last axis) on the pool: a new array."""
-        x = np.ascontiguousarray(x, dtype=np.float32)
-        out = np.empty_like(x)
-        self.rows.run(kernel, (x.reshape(-1, x.shape[-1]), out.reshape(-1, x.shape[-1])), *args)
+        if out.shape[0]:
+            (self.simd.gelu_tanh if kind == "tanh" else self.simd.gelu_erf)(out, self.vector(name + ".bias"), out)
         return out
 
     def rotary_attention(self, qkv: np.ndarray, cos: np.ndarray, sin: np.ndarray, scale: float) -> np.ndarray:
@@ -155,7 +149,9 @@ class CPUVisionOps(RefVisionOps):
         kept for the next layer and image."""
         n, _, nh, hd = qkv.shape
         qh, vh, kt = (np.empty(shape, np.float32) for shape in ((nh, n, hd), (nh, n, hd), (nh, hd, n)))
-        self.rows.run_ranges(vk.rope_heads, n, qkv, cos, sin, qh, kt, vh)
+        c32 = np.ascontiguousarray
+        self.simd.rope_heads(c32(qkv, dtype=np.float32), c32(cos, dtype=np.float32), c32(sin, dtype=np.float32), qh,
+                             kt, vh, k_transposed=True)
         need = nh * n * min(n, max(1, ATTN_SCORE_FLOATS // (n * nh)))
         if self._scores.size < need:
             self._scores = np.empty(need, np.float32)
@@ -169,6 +165,16 @@ class CPUVisionOps(RefVisionOps):
     def close(self) -> None:
         self.rows.close()
         self._scores = np.empty(0, np.float32)
+
+
+def _row_op(op, x: np.ndarray, *args) -> np.ndarray:
+    """op(x's rows, *args, out's rows) into a new array of x's shape: the SIMD library's row ops (native/simd/vrows.c)
+    on its pool."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    out = np.empty_like(x)
+    if x.size:
+        op(x.reshape(-1, x.shape[-1]), *args, out.reshape(-1, x.shape[-1]))
+    return out
 
 
 def _mm(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
