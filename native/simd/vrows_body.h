@@ -7,9 +7,9 @@
 /* vision_kernels.exp32, Cephes' expf: clamped to [-87, 88], n = floor(x log2 e + 1/2) (below SSE4.1 a
  * truncation corrected down, exact for |t| < 2^31, which vectorizes without roundps), r = x - n ln 2 in two steps,
  * the degree-6 polynomial, 2^n built in the exponent bits */
-static inline float VR(exp32)(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    x = x > 88.0f ? 88.0f : x;
+static inline float VR(exp32)(float x, float lo, float hi) {
+    x = x < lo ? lo : x;
+    x = x > hi ? hi : x;
     const float t = x * 1.44269504088896341f + 0.5f;
 #ifdef __SSE4_1__
     const float n = floorf(t); /* roundps: gcc would make the truncation below a scalar roundss */
@@ -54,6 +54,10 @@ static void VR(layer_norm_rows)(const void *arg, int64_t r0, int64_t r1) {
 static void VR(gelu_tanh_rows)(const void *arg, int64_t r0, int64_t r1) {
     const vr_gelu_job *j = (const vr_gelu_job *)arg;
     const float *restrict bias = j->bias;
+    /* the clamp's bounds hidden from the optimizer: with them known, gcc computes the GELU at each bound apart
+     * (v / (1 + exp32(bound)), a second division a vector) and blends the three */
+    float lo = -87.0f, hi = 88.0f;
+    __asm__("" : "+x"(lo), "+x"(hi));
     for (int64_t r = r0; r < r1; r++) {
         const float *row = j->x + r * j->x_row;
         float *o = j->out + r * j->out_row;
@@ -61,13 +65,13 @@ static void VR(gelu_tanh_rows)(const void *arg, int64_t r0, int64_t r1) {
             for (int64_t i = 0; i < j->n; i++) {
                 const float v = row[i] + bias[i];
                 const float u = (0.044715f * v * v * v + v) * VR_GELU_C;
-                o[i] = v / (1.0f + VR(exp32)(-2.0f * u));
+                o[i] = v / (1.0f + VR(exp32)(-2.0f * u, lo, hi));
             }
         else
             for (int64_t i = 0; i < j->n; i++) {
                 const float v = row[i];
                 const float u = (0.044715f * v * v * v + v) * VR_GELU_C;
-                o[i] = v / (1.0f + VR(exp32)(-2.0f * u));
+                o[i] = v / (1.0f + VR(exp32)(-2.0f * u, lo, hi));
             }
     }
 }
