@@ -29,24 +29,46 @@ static inline float VR(exp32)(float x, float lo, float hi) {
     return p * s;
 }
 
+/* a row's statistics are two sums in order (each add waits on the one before): VR_LN_ROWS rows at a time make as
+ * many independent chains for the core to overlap, each row's sums still in the order of the numba kernel (it has no
+ * reassociation either) */
+#ifndef VR_LN_ROWS
+#define VR_LN_ROWS 8
+#endif
+
 static void VR(layer_norm_rows)(const void *arg, int64_t r0, int64_t r1) {
     const vr_ln_job *j = (const vr_ln_job *)arg;
     const int64_t c = j->n;
     const float *restrict w = j->w, *restrict b = j->b;
-    for (int64_t r = r0; r < r1; r++) {
-        const float *restrict row = j->x + r * j->x_row;
-        float *restrict o = j->out + r * j->out_row;
-        /* the statistics in double, summed in order: the numba kernel's (it has no reassociation either) */
-        double s = 0.0;
-        for (int64_t i = 0; i < c; i++) s += row[i];
-        const double mu = s / (double)c;
-        double v = 0.0;
-        for (int64_t i = 0; i < c; i++) {
-            const double d = row[i] - mu;
-            v += d * d;
+    for (int64_t r = r0; r < r1;) {
+        const int64_t m = r1 - r >= VR_LN_ROWS ? VR_LN_ROWS : 1;
+        const float *p[VR_LN_ROWS];
+        double s[VR_LN_ROWS], v[VR_LN_ROWS], mu[VR_LN_ROWS];
+        for (int64_t k = 0; k < m; k++) p[k] = j->x + (r + k) * j->x_row, s[k] = 0.0, v[k] = 0.0;
+        if (m == VR_LN_ROWS) {
+            for (int64_t i = 0; i < c; i++)
+                for (int k = 0; k < VR_LN_ROWS; k++) s[k] += p[k][i];
+            for (int k = 0; k < VR_LN_ROWS; k++) mu[k] = s[k] / (double)c;
+            for (int64_t i = 0; i < c; i++)
+                for (int k = 0; k < VR_LN_ROWS; k++) {
+                    const double d = p[k][i] - mu[k];
+                    v[k] += d * d;
+                }
+        } else {
+            for (int64_t i = 0; i < c; i++) s[0] += p[0][i];
+            mu[0] = s[0] / (double)c;
+            for (int64_t i = 0; i < c; i++) {
+                const double d = p[0][i] - mu[0];
+                v[0] += d * d;
+            }
         }
-        const double sd = sqrt(v / (double)c + j->eps);
-        for (int64_t i = 0; i < c; i++) o[i] = (float)((row[i] - mu) / sd) * w[i] + b[i];
+        for (int64_t k = 0; k < m; k++) {
+            const float *restrict row = p[k];
+            float *restrict o = j->out + (r + k) * j->out_row;
+            const double mk = mu[k], sd = sqrt(v[k] / (double)c + j->eps);
+            for (int64_t i = 0; i < c; i++) o[i] = (float)((row[i] - mk) / sd) * w[i] + b[i];
+        }
+        r += m;
     }
 }
 
