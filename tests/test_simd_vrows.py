@@ -82,7 +82,7 @@ def test_gelus_bits_of_numba(isa, threads, shape, kind):
 
 
 @pytest.mark.parametrize("isa,threads", UNITS)
-@pytest.mark.parametrize("rows,heads,hd", [(1, 2, 8), (37, 3, 16), (100, 16, 72)])
+@pytest.mark.parametrize("rows,heads,hd", [(1, 2, 8), (37, 3, 16), (100, 16, 72), (21, 2, 260)])  # 260: past the tile
 def test_rope_heads_both_k_layouts(isa, threads, rows, heads, hd):
     from hybridinfer.models.qwen3vl_vision import rotate
 

@@ -111,29 +111,46 @@ static void VR(gelu_erf_rows)(const void *arg, int64_t r0, int64_t r1) {
 }
 
 /* tokens [r0, r1): q and k rotated, x cos + rotate_half(x) sin (NeoX halves, the model's `rotate` op for op), q and
- * v to [heads, rows, hd], k to [heads, hd, rows] (k_t) or [heads, rows, hd] */
+ * v to [heads, rows, hd], k to [heads, hd, rows] (k_t) or [heads, rows, hd]. A head at a time over the chunk's
+ * tokens, VR_KT of them at a time, so that kᵀ is written through a small tile a cache line (VR_KT floats) per row
+ * of the head rather than a float in each of hd lines per token. */
+#ifndef VR_KT
+#define VR_KT 16
+#define VR_KT_MAX_HD 256 /* the tile's bound (a head of the towers here: 64 to 80) */
+#endif
+
+static inline void VR(rotate_half)(const float *restrict a, const float *restrict c, const float *restrict s,
+                                   int64_t half, int64_t hd, float *restrict o) {
+    for (int64_t d = 0; d < half; d++) o[d] = a[d] * c[d] + -a[d + half] * s[d];
+    for (int64_t d = half; d < hd; d++) o[d] = a[d] * c[d] + a[d - half] * s[d];
+}
+
 static void VR(rope_heads_rows)(const void *arg, int64_t r0, int64_t r1) {
     const vr_rope_job *j = (const vr_rope_job *)arg;
     const int64_t H = j->heads, hd = j->hd, half = hd / 2, n = j->rows;
-    for (int64_t i = r0; i < r1; i++) {
-        const float *restrict c = j->cos + i * hd, *restrict s = j->sin + i * hd;
-        for (int64_t h = 0; h < H; h++) {
-            const float *restrict a = j->qkv + ((i * 3 + 0) * H + h) * hd;
-            const float *restrict b = j->qkv + ((i * 3 + 1) * H + h) * hd;
-            const float *restrict v = j->qkv + ((i * 3 + 2) * H + h) * hd;
-            float *restrict o = j->qh + (h * n + i) * hd;
-            for (int64_t d = 0; d < half; d++) o[d] = a[d] * c[d] + -a[d + half] * s[d];
-            for (int64_t d = half; d < hd; d++) o[d] = a[d] * c[d] + a[d - half] * s[d];
-            if (j->k_t) {
-                float *restrict kt = j->k + h * hd * n + i;
-                for (int64_t d = 0; d < half; d++) kt[d * n] = b[d] * c[d] + -b[d + half] * s[d];
-                for (int64_t d = half; d < hd; d++) kt[d * n] = b[d] * c[d] + b[d - half] * s[d];
-            } else {
-                float *restrict k = j->k + (h * n + i) * hd;
-                for (int64_t d = 0; d < half; d++) k[d] = b[d] * c[d] + -b[d + half] * s[d];
-                for (int64_t d = half; d < hd; d++) k[d] = b[d] * c[d] + b[d - half] * s[d];
+    const int tile = j->k_t && hd <= VR_KT_MAX_HD;
+    float kb[VR_KT * VR_KT_MAX_HD];
+    for (int64_t h = 0; h < H; h++)
+        for (int64_t i0 = r0; i0 < r1; i0 += VR_KT) {
+            const int64_t m = r1 - i0 < VR_KT ? r1 - i0 : VR_KT;
+            for (int64_t t = 0; t < m; t++) {
+                const int64_t i = i0 + t;
+                const float *c = j->cos + i * hd, *s = j->sin + i * hd, *q = j->qkv + (i * 3 * H + h) * hd;
+                VR(rotate_half)(q, c, s, half, hd, j->qh + (h * n + i) * hd);
+                const float *k = q + H * hd;
+                if (tile) VR(rotate_half)(k, c, s, half, hd, kb + t * hd);
+                else if (!j->k_t) VR(rotate_half)(k, c, s, half, hd, j->k + (h * n + i) * hd);
+                else { /* a head wider than the tile: a float in each of hd rows */
+                    float *kt = j->k + h * hd * n + i;
+                    for (int64_t d = 0; d < half; d++) kt[d * n] = k[d] * c[d] + -k[d + half] * s[d];
+                    for (int64_t d = half; d < hd; d++) kt[d * n] = k[d] * c[d] + k[d - half] * s[d];
+                }
+                memcpy(j->vh + (h * n + i) * hd, k + H * hd, (size_t)hd * sizeof(float));
             }
-            memcpy(j->vh + (h * n + i) * hd, v, (size_t)hd * sizeof(float));
+            if (tile)
+                for (int64_t d = 0; d < hd; d++) {
+                    float *restrict kt = j->k + (h * hd + d) * n + i0;
+                    for (int64_t t = 0; t < m; t++) kt[t] = kb[t * hd + d];
+                }
         }
-    }
 }
