@@ -1,7 +1,7 @@
 """Where the CPU vision tower's time goes: wall time of each kind of op (the weight products, the attention's
 products and softmax, the norms, GELUs, rotary layout) over encodes of a synthetic Qwen3.5 tower, at each
-`--spin` setting of the SIMD library's pool (how long its workers spin after a task before sleeping: the tower's
-numba row kernels run on threads of their own right after the library's products).
+`--spin` setting of the SIMD library's pool (how long its workers spin after a task before sleeping: the attention's
+numba softmax runs on threads of the tower's own right after the library's products).
 
     python3 bench/vision_cpu_profile.py -t 16 [--sizes 448x448,1024x768] [--spin 200,0] [-r 2] [--depth 27]
         [--no-fused]

@@ -78,15 +78,14 @@ def test_rope_heads_equals_model_rotate():
 
 
 def test_cpu_ops_equal_reference_ops_and_leave_inputs():
-    """CPUVisionOps' row ops and rotary attention (one rotating pass, softmax on the pool) against RefVisionOps;
-    attention_heads in several blocks with a short last one."""
-    from types import SimpleNamespace
-
+    """CPUVisionOps' row ops (the SIMD library's) and rotary attention (one rotating pass, softmax on the pool) against
+    RefVisionOps; attention_heads in several blocks with a short last one."""
+    from hybridinfer.backends.cpu.simd import SimdLib
     from hybridinfer.backends.cpu.vision import CPUVisionOps
     from hybridinfer.backends.vision import RefVisionOps, attention_blocks
     from hybridinfer.models import qwen3vl_vision
 
-    cpu = CPUVisionOps(None, None, qwen3vl_vision, SimpleNamespace(n_threads=2))
+    cpu = CPUVisionOps(None, None, qwen3vl_vision, SimdLib(n_threads=2))
     ref = RefVisionOps(None, None, qwen3vl_vision)
     cos, sin = qwen3vl_vision.rope_tables(10, 6, 2, 8)
     qkv = _x((60, 3, 3, 8), 7)

@@ -11,8 +11,8 @@ declarations come from hi_simd.h, the one header cffi and the C side share. gdn.
 plain float code) picks its avx2 or baseline loops itself; attn.c splits attention over the pool and runs the ISA
 table's `attn`; ops.c has the small ops between the products, replay.c runs a recorded decode step, probe.c the
 bandwidth probe, moe_rows.c the routed experts of several tokens grouped by expert, replica.c the per-node
-weight copies' table, gemm.c the vision tower's float products and vattn.c its fused attention. (The GPU backend's
-bus pacing is its own module, native/pace.)
+weight copies' table, gemm.c the vision tower's float products, vattn.c its fused attention and vrows.c its
+row ops (LayerNorm, GELUs, the rotary layout). (The GPU backend's bus pacing is its own module, native/pace.)
 """
 
 from __future__ import annotations
@@ -27,13 +27,14 @@ _SOURCES = [
     "hi_simd.c", "hi_ctx.c", "hi_cpu.c", "hi_pool.c", "isa_scalar.c", "isa_ssse3.c", "isa_avx2.c", "isa_avx512vnni.c",
     "gdn.c", "attn.c", "rowops.c", "ops.c", "replay.c", "probe.c", "moe_rows.c", "replica.c", "gemm.c",
     "vattn.c",
+    "vrows.c",
 ]
 _HEADERS = [
     "hi_simd.h", "hi_ctx.h", "hi_internal.h", "hi_pool.h", "hi_replica.h", "blocks.h",
     "kernels_body.h", "kernels_quant.h", "kernels_lanes.h", "kernels_tiles.h", "kernels_rows.h",
     "kernels_rows_vnni.h", "kernels_rows_avx2.h", "kernels_rows_ssse3.h", "kernels_rows_small.h", "kernels_attn.h",
     "kernels_fa.h", "kernels_fa_vnni.h", "kernels_fa_tiled.h", "kernels_gemm.h", "kernels_vattn.h",
-    "dot_kquants.h", "dot_q4_K.h", "dot_q5_K.h", "dot_q6_K.h", "dot_kq_shapes.h",
+    "dot_kquants.h", "dot_q4_K.h", "dot_q5_K.h", "dot_q6_K.h", "dot_kq_shapes.h", "vrows_body.h",
 ]
 COMPILE_ARGS = ["-std=gnu11", "-O3", "-ffp-contract=off", "-fno-math-errno", "-pthread", "-Wno-unused-function"]
 

@@ -138,6 +138,21 @@ int64_t hi_vision_attention_floats(const hi_ctx *c, int64_t n, int64_t nh, int64
 int hi_vision_attention(hi_ctx *c, const float *q, const float *k, int kt, const float *v, int64_t n, int64_t nh,
                         int64_t hd, float scale, float *out, float *ws, int64_t ws_len);
 
+/* The vision tower's row ops (vrows.c), over rows on the pool, the bits of the numba kernels of
+ * hybridinfer/backends/cpu/vision_kernels.py whatever the unit or thread count. Row strides in floats.
+ * hi_vrows_layer_norm: out = (float)((x - mu) / sd) * w + b per row of n, mu and sd = sqrt(var + eps) in double
+ * (each sum in order). hi_vrows_gelu: v = x + bias (bias NULL: v = x), then erf_kind 0: v / (1 + exp(-2u)),
+ * u = sqrt(2/pi) (v + 0.044715 v^3), in float with Cephes' float exp; 1: 0.5 v (1 + erf(v / sqrt 2)) in double,
+ * rounded; out may be x (the same rows). hi_vrows_rope_heads: qkv [rows, 3, heads, hd] (contiguous; hd even) ->
+ * qh, vh [heads, rows, hd] and k [heads, hd, rows] (k_transposed) or [heads, rows, hd], q and k rotated by cos, sin
+ * [rows, hd] (NeoX halves: x cos + rotate_half(x) sin). */
+int hi_vrows_layer_norm(hi_ctx *c, const float *x, int64_t x_row, int64_t rows, int64_t n, const float *w,
+                        const float *b, double eps, float *out, int64_t out_row);
+int hi_vrows_gelu(hi_ctx *c, int erf_kind, const float *x, int64_t x_row, int64_t rows, int64_t n,
+                  const float *bias, float *out, int64_t out_row);
+int hi_vrows_rope_heads(hi_ctx *c, const float *qkv, const float *cos, const float *sin, int64_t rows, int64_t heads,
+                        int64_t hd, float *qh, float *k, int k_transposed, float *vh);
+
 /* SwiGLU of T rows of n values, out = silu(g) * u as llama.cpp's ggml_vec_swiglu_f32 (this ISA's build);
  * row strides in floats; out may alias g or u. In segments on the pool when there are several. */
 int hi_swiglu(hi_ctx *c, const float *g, int64_t g_row, const float *u, int64_t u_row, float *out, int64_t out_row,

@@ -59,6 +59,7 @@ from .simd_native import (
 from .simd_ops import OpCalls, _mrope_ptr, attention_args, rope_freqs
 from .simd_replicas import ReplicaCalls
 from .simd_vision import VisionCalls
+from .simd_vrows import VisionRowCalls
 
 __all__ = [
     "ACT_KINDS",
@@ -101,7 +102,7 @@ PREFETCH_BYTES = 4096
 PREFETCH_MIN_THREADS = 4
 
 
-class SimdLib(MoECalls, OpCalls, ReplicaCalls, GDNCalls, VisionCalls):
+class SimdLib(MoECalls, OpCalls, ReplicaCalls, GDNCalls, VisionCalls, VisionRowCalls):
     """The native kernels at one ISA level with a persistent pool of `n_threads` threads (the caller
     included). `isa`: one of `supported_isas()`, or None for `best_isa()`. Calls on one object are
     serialized; use one object per concurrent caller."""

@@ -1,15 +1,17 @@
 """The vision tower's products on the CPU. The tower is compute-bound (hundreds of rows per product): F32 and F16
-matrices (what mmproj files hold) and the attention's products by head go through the SIMD library's float products
-(kernels_gemm.h: register-blocked, on its thread pool) on operands packed once into its unit's panels, on the AVX2
-and AVX-512 units; one-thread OpenBLAS calls side by side had not scaled past a third of 16 threads on the GPU
-machine's Xeon (2026-11-28). Below AVX2 they go through numpy's BLAS on F32 copies made once (the SIMD library's
-row kernels are built for the few-row products of decode: 12 against 62 GFLOP/s a core), split by rows (the
-attention: by heads) over `n_threads` threads of the tower's own, numpy's OpenBLAS held to one thread meanwhile
+matrices (what mmproj files hold) go through the SIMD library's float products (kernels_gemm.h: register-blocked, on
+its thread pool, the bias and a block's residual added in their last pass) on weights packed once into its unit's
+panels, on the AVX2 and AVX-512 units; one-thread OpenBLAS calls side by side had not scaled past a third of 16
+threads on the GPU machine's Xeon (2026-11-28). Below AVX2 they go through numpy's BLAS on F32 copies made once (the
+SIMD library's row kernels are built for the few-row products of decode: 12 against 62 GFLOP/s a core), split by rows
+(the attention: by heads) over `n_threads` threads of the tower's own, numpy's OpenBLAS held to one thread meanwhile
 (cpu/blas_threads.py says why). A quantized mmproj's matrices go through the SIMD library in their stored bytes,
 activations in the format the type takes, in the MUL_MAT float shape (as llama.cpp); a type it lacks is dequantized
 to F32 once. The attention, on the AVX2 and AVX-512 units, is the library's fused kernel (native/simd/vattn.c: an
-online softmax over blocks of keys, no score buffer); below, the reference's blocks (backends/vision.py). The rest of
-the tower (norms, rotary, softmax, GELUs) runs in numba row kernels on the same threads (cpu/vision_kernels.py)."""
+online softmax over blocks of keys, no score buffer); below, the reference's blocks (backends/vision.py) with the
+softmax in a numba kernel on the tower's threads. The norms, GELUs and the rotary layout run in the SIMD library's
+row ops on its pool (native/simd/vrows.c, the bits of the numba kernels of cpu/vision_kernels.py: handing a call to a
+Python pool's threads had cost a millisecond, their work a fraction of that on 16 threads)."""
 
 from __future__ import annotations
 
@@ -29,24 +31,15 @@ class CPUVisionOps(RefVisionOps):
         self._raw: dict[str, tuple[np.ndarray, int, int, int]] = {}
         self._packed: dict[str, tuple[np.ndarray | None, int]] = {}
         self._gemm = getattr(simd, "has_gemm", False)  # the library's float products, else numpy's BLAS
-        self._packs: dict | None = None
         self.rows = vk.RowPool(getattr(simd, "n_threads", 1))
         self._scores = np.empty(0, np.float32)
         self._fused = getattr(simd, "has_attention_full", False)  # the library's fused attention, else blocks
         self._split = blas_threads.available()
 
     def _matmul(self, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> np.ndarray:
-        """out = a @ b: stacked operands (the attention's heads) inside rotary_attention on a unit with float
-        products, a head at a time through the library (b's heads packed once a call); otherwise over the pool in
-        parts, each a one-thread BLAS product: b's columns (out's) for a matrix b, the stack's first axis for stacked
-        ones; without a handle on numpy's BLAS threads, one product on BLAS's own."""
-        if a.ndim == b.ndim == 3 and self._packs is not None:  # the attention's heads, on the library's products
-            for h in range(a.shape[0]):
-                p = self._packs.get((id(b), h))
-                if p is None:  # a layer's kᵀ and v serve every block of query rows: packed once a layer
-                    p = self._packs[(id(b), h)] = self.simd.gemm_pack(b[h], transposed=True)
-                self.simd.gemm(a[h], p, b.shape[2], out[h])
-            return out
+        """out = a @ b on a unit without float products or fused attention (scalar, SSSE3): over the tower's threads
+        in parts, each a one-thread BLAS product: b's columns (out's) for a matrix b, the stack's first axis for
+        stacked ones (the attention's heads); without a handle on numpy's BLAS threads, one product on BLAS's own."""
         if not self._split:
             return np.matmul(a, b, out=out)
         with blas_threads.one_thread():
@@ -126,61 +119,60 @@ class CPUVisionOps(RefVisionOps):
         return out
 
     def layer_norm(self, x: np.ndarray, name: str, eps: float) -> np.ndarray:
-        return self._rowwise(vk.layer_norm_rows, x, self.vector(name + ".weight"), self.vector(name + ".bias"),
-                             float(eps))
+        return _row_op(self.simd.layer_norm, x, self.vector(name + ".weight"), self.vector(name + ".bias"), float(eps))
 
     def gelu_tanh(self, x: np.ndarray) -> np.ndarray:
-        return self._rowwise(vk.gelu_tanh_rows, x, np.zeros(x.shape[-1], np.float32))
+        return _row_op(self.simd.gelu_tanh, x, None)
 
     def gelu_erf(self, x: np.ndarray) -> np.ndarray:
-        return self._rowwise(vk.gelu_erf_rows, x, np.zeros(x.shape[-1], np.float32))
+        return _row_op(self.simd.gelu_erf, x, None)
 
     def linear_gelu(self, x: np.ndarray, name: str, kind: str) -> np.ndarray:
         """The bias and the GELU in one pass over the product, in place (the MLP's rows are the tower's largest)."""
         if not self._float(name):
             return super().linear_gelu(x, name, kind)
         out = self._float_product(x, name)
-        kernel = vk.gelu_tanh_rows if kind == "tanh" else vk.gelu_erf_rows
-        self.rows.run(kernel, (out, out), self.vector(name + ".bias"))
-        return out
-
-    def _rowwise(self, kernel, x: np.ndarray, *args) -> np.ndarray:
-        """kernel(x, out, *args) over x's rows (its last axis) on the pool: a new array."""
-        x = np.ascontiguousarray(x, dtype=np.float32)
-        out = np.empty_like(x)
-        self.rows.run(kernel, (x.reshape(-1, x.shape[-1]), out.reshape(-1, x.shape[-1])), *args)
+        if out.shape[0]:
+            (self.simd.gelu_tanh if kind == "tanh" else self.simd.gelu_erf)(out, self.vector(name + ".bias"), out)
         return out
 
     def rotary_attention(self, qkv: np.ndarray, cos: np.ndarray, sin: np.ndarray, scale: float) -> np.ndarray:
-        """q and k rotated and laid out by head in one pass on the pool (k in rows for the fused kernel, kᵀ for the
-        products), then on a unit that has it the library's fused attention (every head in one call, an online softmax
-        over blocks of keys, no score buffer), else the reference's blocks of products with the softmax on the pool.
-        The fused kernel's workspace and the blocks' scores buffer (at most ATTN_SCORE_FLOATS, 64 MiB) are kept for
-        the next layer and image."""
+        """q and k rotated and laid out by head in one pass on the library's pool (k in rows for the fused kernel, kᵀ
+        for the products), then on a unit that has it the library's fused attention (every head in one call, an
+        online softmax over blocks of keys, no score buffer), else the reference's blocks of products with the
+        softmax on the tower's threads. The fused kernel's workspace and the blocks' scores buffer (at most
+        ATTN_SCORE_FLOATS, 64 MiB) are kept for the next layer and image."""
         n, _, nh, hd = qkv.shape
-        if self._fused:  # k in rows, as the kernel reads it (rope_heads writes kᵀ: here through a transposed view)
-            qh, vh, k = (np.empty((nh, n, hd), np.float32) for _ in range(3))
-            self.rows.run_ranges(vk.rope_heads, n, qkv, cos, sin, qh, k.transpose(0, 2, 1), vh)
+        qh, vh = np.empty((nh, n, hd), np.float32), np.empty((nh, n, hd), np.float32)
+        k = np.empty((nh, n, hd) if self._fused else (nh, hd, n), np.float32)
+        c32 = np.ascontiguousarray
+        self.simd.rope_heads(c32(qkv, dtype=np.float32), c32(cos, dtype=np.float32), c32(sin, dtype=np.float32), qh,
+                             k, vh, k_transposed=not self._fused)
+        if self._fused:
             need = self.simd.attention_full_floats(n, nh, hd)
             if self._scores.size < need:
                 self._scores = np.empty(need, np.float32)
-            out = np.empty((n, nh, hd), np.float32)
-            return self.simd.attention_full(qh, k, vh, scale, out, workspace=self._scores)
-        qh, vh, kt = (np.empty(shape, np.float32) for shape in ((nh, n, hd), (nh, n, hd), (nh, hd, n)))
-        self.rows.run_ranges(vk.rope_heads, n, qkv, cos, sin, qh, kt, vh)
+            return self.simd.attention_full(qh, k, vh, scale, np.empty((n, nh, hd), np.float32),
+                                            workspace=self._scores)
         need = nh * n * min(n, max(1, ATTN_SCORE_FLOATS // (n * nh)))
         if self._scores.size < need:
             self._scores = np.empty(need, np.float32)
-        self._packs = {} if self._gemm else None  # kᵀ and v packed by head for this call only (keyed by identity)
-        try:
-            return attention_heads(qh, kt, vh, scale, lambda sc, s: self.rows.run(vk.softmax_rows, (sc,), s),
-                                   buf=self._scores, matmul=self._matmul)
-        finally:
-            self._packs = None
+        return attention_heads(qh, k, vh, scale, lambda sc, s: self.rows.run(vk.softmax_rows, (sc,), s),
+                               buf=self._scores, matmul=self._matmul)
 
     def close(self) -> None:
         self.rows.close()
         self._scores = np.empty(0, np.float32)
+
+
+def _row_op(op, x: np.ndarray, *args) -> np.ndarray:
+    """op(x's rows, *args, out's rows) into a new array of x's shape: the SIMD library's row ops (native/simd/vrows.c)
+    on its pool."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    out = np.empty_like(x)
+    if x.size:
+        op(x.reshape(-1, x.shape[-1]), *args, out.reshape(-1, x.shape[-1]))
+    return out
 
 
 def _mm(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:

@@ -1,5 +1,8 @@
 """The vision tower's row-wise work on the CPU (backends/cpu/vision.py): LayerNorm, the two GELUs, the attention's
-softmax and the rotary embedding, as numba kernels over a range of rows, run on `RowPool`'s threads.
+softmax and the rotary embedding, as numba kernels over a range of rows, run on `RowPool`'s threads. The tower now
+runs all but the softmax in the SIMD library's C twins of these kernels (native/simd/vrows.c, on its own pool, whose
+hand-over costs microseconds where RowPool's cost a millisecond on 16 threads); the kernels here stay as the
+definition those twins are held to bit for bit (tests/test_simd_vrows.py).
 
 Why not numpy or numba's own `parallel=True`: numpy's ufuncs run on one core and make a pass (and often a
 temporary) per operation; numba's OpenMP threads spin for milliseconds after each kernel, and the tower alternates
