@@ -103,3 +103,23 @@ def test_bench_vision_gpu_reports_the_products():
         f"v.blk.*.{p}" for p in ("attn_qkv", "attn_out", "ffn_up", "ffn_down")}
     assert all(p["seconds"] > 0 for p in row["products"].values())
     assert "% of peak" in markdown(res)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+def test_gpu_tower_under_every_card_profile(mmproj, dtype):
+    """The tower on the card compiled and tiled for each card profile (fermi, kepler, maxwell, pascal) and for the
+    card itself, in one run: the kernels of both classes with each profile's tile choices, against the reference.
+    The session's profile is put back after."""
+    from gpu_profile import PROFILE
+
+    from hybridinfer.backends.gpu import cards, loader
+
+    grid = GRIDS[1]
+    ref = _rows(mmproj[dtype], "reference", grid)
+    try:
+        for profile in (None, *cards.PROFILES):
+            loader.configure(profile)
+            gpu = _rows(mmproj[dtype], "gpu", grid)
+            assert np.isfinite(gpu).all() and _rel(gpu, ref) <= 1e-4, profile
+    finally:
+        loader.configure(PROFILE)
