@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .simd_native import _F32, _array, _check_rc, _ptr, _rows_fast
+from .simd_native import _F32, _array, _check_rc, _exact, _ptr, _rows_fast
 
 
 def gdn_scratch_size(conv_channels: int, n_v_heads: int, d_v: int, T: int = 1) -> int:
@@ -65,13 +65,7 @@ class GDNCalls:
     def _gdn_array(self, name: str, arr, shape: tuple, writable: bool):
         if not (type(arr) is np.ndarray and arr.dtype is _F32 and arr.shape == shape and arr.flags.c_contiguous
                 and (not writable or arr.flags.writeable)):
-            arr = _array(name, arr, (_F32,))
-            if arr.shape != shape:
-                raise ValueError(f"{name} has shape {arr.shape}, expected {shape}")
-            if not arr.flags.c_contiguous:
-                raise ValueError(f"{name} is not C-contiguous (strides {arr.strides})")
-            if writable and not arr.flags.writeable:
-                raise ValueError(f"{name} is read-only")
+            arr = _exact(name, arr, shape, writable)
         return self._ffi.from_buffer("float[]", arr)
 
     def gdn_layer(self, u: np.ndarray, z: np.ndarray, b: np.ndarray, a: np.ndarray, conv_w: np.ndarray,

@@ -192,6 +192,18 @@ def _ptr(ffi, ctype: str, a: np.ndarray):
     return ffi.cast(ctype, a.ctypes.data)
 
 
+def _exact(name: str, a, shape: tuple, writable: bool = False) -> np.ndarray:
+    """Check a C-contiguous float32 array of exactly `shape` (writable where asked); returns it."""
+    a = _array(name, a, (_F32,))
+    if a.shape != tuple(shape):
+        raise ValueError(f"{name} has shape {a.shape}, expected {tuple(shape)}")
+    if not a.flags.c_contiguous:
+        raise ValueError(f"{name} is not C-contiguous (strides {a.strides})")
+    if writable and not a.flags.writeable:
+        raise ValueError(f"{name} is read-only")
+    return a
+
+
 def _weights(name: str, w, qtype: int, row_bytes: int, rows: int) -> tuple[np.ndarray, int]:
     """Check a weight buffer holding a whole number of `rows`-row matrices; returns (w, number of them)."""
     dtypes = (_U8, np.dtype(np.int8)) + ((_FLOAT_DTYPES[qtype],) if qtype in _FLOAT_DTYPES else ())

@@ -8,16 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from .simd_native import _F32, _array, _check_rc
-
-
-def _heads(name: str, a, shape: tuple[int, int, int], writable: bool = False) -> None:
-    a = _array(name, a, (_F32,))
-    if a.shape != shape:
-        raise ValueError(f"{name} must have shape {shape}, got {a.shape}")
-    if not a.flags.c_contiguous:
-        raise ValueError(f"{name} must be C-contiguous (strides {a.strides})")
-    if writable and not a.flags.writeable:
-        raise ValueError(f"{name} is read-only")
+from .simd_native import _exact as _heads
 
 
 class VisionCalls:
