@@ -30,14 +30,14 @@ def _median(fn, reps: int) -> float:
     return float(np.median(ts))
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", default="1,4,8,16")
     ap.add_argument("--shapes", default="784x4304x1152,784x1152x4304,3072x3456x1152",
                     help="MxNxK products (the 448x448 image's MLP up and down, the 1024x768 image's qkv)")
     ap.add_argument("-r", "--reps", type=int, default=5)
     ap.add_argument("--isa", default=None)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     rng = np.random.default_rng(0)
     print("| M x N x K | threads | ours GFLOP/s | OpenBLAS GFLOP/s | ours / OpenBLAS |\n|---|---|---|---|---|")
     for shape in a.shapes.split(","):

@@ -72,7 +72,7 @@ def _instrument(ops, acc: dict) -> None:
     ops._matmul, ops.rows.run, ops.simd.attention_full = matmul, run, attention_full
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("-t", "--threads", type=int, default=os.cpu_count())
     ap.add_argument("--sizes", default="448x448,1024x768")
@@ -82,7 +82,7 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=2048)
     ap.add_argument("--no-fused", action="store_true", help="the attention's blocks of products and softmax, not the "
                     "library's fused kernel (the path before it, for comparison)")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "mmproj.gguf")
         synth_mmproj(path, a.width, {"depth": a.depth} if a.depth else None, seed=0)
