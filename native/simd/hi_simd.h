@@ -129,14 +129,13 @@ int hi_gemm(hi_ctx *c, const float *X, int64_t x_row, const float *P, int64_t N,
             int64_t M, const float *bias, const float *R, int64_t r_row);
 
 /* The vision tower's full attention (vattn.c): out[i, h, :] = softmax_j(scale * q[h, i, :] . k[h, j, :]) v[h, :, :]
- * for q, v [nh, n, hd] and k [nh, n, hd] (kt: given as [nh, hd, n]), out [n, nh, hd], all contiguous float32, every
- * key of every row (no mask), on the pool; an online softmax over blocks of keys (no score buffer). ws: ws_len >=
- * hi_vision_attention_floats(c, n, nh, hd) floats of workspace, which is 0 where the unit has no such kernel
- * (scalar, SSSE3: hi_vision_attention then returns -3). A row's bits depend on its values and the unit, not on the
- * thread count. */
+ * for q, k, v [nh, n, hd] and out [n, nh, hd], all contiguous float32, every key of every row (no mask), on the
+ * pool; an online softmax over blocks of keys (no score buffer). ws: ws_len >= hi_vision_attention_floats(c, n, nh,
+ * hd) floats of workspace, which is 0 where the unit has no such kernel (scalar, SSSE3: hi_vision_attention then
+ * returns -3). A row's bits depend on its values and the unit, not on the thread count. */
 int64_t hi_vision_attention_floats(const hi_ctx *c, int64_t n, int64_t nh, int64_t hd);
-int hi_vision_attention(hi_ctx *c, const float *q, const float *k, int kt, const float *v, int64_t n, int64_t nh,
-                        int64_t hd, float scale, float *out, float *ws, int64_t ws_len);
+int hi_vision_attention(hi_ctx *c, const float *q, const float *k, const float *v, int64_t n, int64_t nh, int64_t hd,
+                        float scale, float *out, float *ws, int64_t ws_len);
 
 /* The vision tower's row ops (vrows.c), over rows on the pool, the bits of the numba kernels of
  * hybridinfer/backends/cpu/vision_kernels.py whatever the unit or thread count. Row strides in floats.

@@ -28,18 +28,18 @@ class VisionCalls:
         return int(r)
 
     def attention_full(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, out: np.ndarray,
-                       k_transposed: bool = False, workspace: np.ndarray | None = None) -> np.ndarray:
-        """out[i, h, :] = softmax_j(scale · q[h, i] · k[h, j]) v[h] for every row i, head h and key j (no mask), on
-        the pool: q, v [heads, n, head_dim], k the same (k_transposed: [heads, head_dim, n]), out [n, heads,
-        head_dim], all C-contiguous float32. workspace: at least attention_full_floats(n, heads, head_dim) float32
-        values (None: allocated for this call). A row's bits do not depend on the thread count. Raises
-        NotImplementedError on a unit without the kernel (scalar, SSSE3)."""
+                       workspace: np.ndarray | None = None) -> np.ndarray:
+        """out[i, h, :] = softmax_j(scale · q[h, i] · k[h, j]) v[h] for every row i, head h and key j (no mask), on the
+        pool: q, k, v [heads, n, head_dim], out [n, heads, head_dim], all C-contiguous float32. workspace: at
+        least attention_full_floats(n, heads, head_dim) float32 values (None: allocated for this call). A row's
+        bits do not depend on the thread count. Raises NotImplementedError on a unit without the kernel (scalar,
+        SSSE3)."""
         q = _array("q", q, (_F32,))
         if q.ndim != 3 or 0 in q.shape:
             raise ValueError(f"q must be [heads, n, head_dim] with none empty, got shape {q.shape}")
         nh, n, hd = q.shape
         _heads("q", q, (nh, n, hd))
-        _heads("k", k, (nh, hd, n) if k_transposed else (nh, n, hd))
+        _heads("k", k, (nh, n, hd))
         _heads("v", v, (nh, n, hd))
         _heads("out", out, (n, nh, hd), writable=True)
         need = self.attention_full_floats(n, nh, hd)
@@ -59,8 +59,8 @@ class VisionCalls:
         def ptr(a):
             return ffi.from_buffer("float[]", a, require_writable=False)
 
-        rc = self._lib.hi_vision_attention(self._c, ptr(q), ptr(k), int(bool(k_transposed)), ptr(v), n, nh, hd, scale,
-                                           ptr(out), ptr(ws), ws.size)
+        rc = self._lib.hi_vision_attention(self._c, ptr(q), ptr(k), ptr(v), n, nh, hd, scale, ptr(out), ptr(ws),
+                                           ws.size)
         if rc:
             _check_rc(rc, "attention_full")
         return out
