@@ -45,6 +45,7 @@ from .simd_native import (
     _ptr,
     _rows_fast,
     _sizes,
+    _vector,
     _weights,
     act_kind,
     act_row_bytes,
@@ -407,10 +408,7 @@ class SimdLib(MoECalls, OpCalls, ReplicaCalls, GDNCalls, VisionCalls, VisionRowC
         ffi = self._ffi
         b = ffi.NULL
         if bias is not None:
-            if not isinstance(bias, np.ndarray) or bias.dtype != np.float32 or bias.shape != (n,) \
-                    or not bias.flags.c_contiguous:
-                raise KernelArgumentError(f"gemm: bias must be {n} contiguous float32 values, got "
-                                          f"{getattr(bias, 'dtype', type(bias).__name__)} {getattr(bias, 'shape', '')}")
+            _vector("gemm", "bias", bias, n)
             b = _ptr(ffi, "float *", bias)
         r, rs = ffi.NULL, 0
         if residual is not None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...errors import BackendNotAvailableError, UnsupportedTensorTypeError
+from ...errors import BackendNotAvailableError, KernelArgumentError, UnsupportedTensorTypeError
 from ...format.quant import type_name
 from ...format.quant_types import ACT_FORMATS, TYPES
 
@@ -202,6 +202,13 @@ def _exact(name: str, a, shape: tuple, writable: bool = False) -> np.ndarray:
     if writable and not a.flags.writeable:
         raise ValueError(f"{name} is read-only")
     return a
+
+
+def _vector(op: str, name: str, a, n: int) -> None:
+    """Check one contiguous float32 vector of n values (a bias, a norm's weights) for op, naming both."""
+    if not (isinstance(a, np.ndarray) and a.dtype == _F32 and a.shape == (n,) and a.flags.c_contiguous):
+        raise KernelArgumentError(f"{op}: {name} must be {n} contiguous float32 values, got "
+                                  f"{getattr(a, 'dtype', type(a).__name__)} {getattr(a, 'shape', '')}")
 
 
 def _weights(name: str, w, qtype: int, row_bytes: int, rows: int) -> tuple[np.ndarray, int]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...errors import KernelArgumentError
-from .simd_native import _F32, _check_rc, _ptr, _rows_fast
+from .simd_native import _F32, _check_rc, _ptr, _rows_fast, _vector
 
 
 def _rows(op: str, name: str, a, width: int | None = None, T: int | None = None,
@@ -20,12 +20,6 @@ def _rows(op: str, name: str, a, width: int | None = None, T: int | None = None,
         return _rows_fast(name, a, _F32, width, T, writable=writable)
     except (TypeError, ValueError) as e:
         raise KernelArgumentError(f"{op}: {e}") from None
-
-
-def _vector(op: str, name: str, a, n: int) -> None:
-    if not (isinstance(a, np.ndarray) and a.dtype == _F32 and a.shape == (n,) and a.flags.c_contiguous):
-        raise KernelArgumentError(f"{op}: {name} must be {n} contiguous float32 values, got "
-                                  f"{getattr(a, 'dtype', type(a).__name__)} {getattr(a, 'shape', '')}")
 
 
 def _same_rows(a: np.ndarray, b: np.ndarray) -> bool:
