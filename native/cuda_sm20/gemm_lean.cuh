@@ -70,102 +70,7 @@ __device__ __forceinline__ void gemm_stage_lean(const float* __restrict__ X, con
     }
 }
 
-template <int QT, int TM, int TXN, int BK, int CN>
-__device__ __forceinline__ void gemm_body_lean(const float* __restrict__ X, const u8* __restrict__ W,
-                                               float* __restrict__ Y, const int* __restrict__ offs,
-                                               const int* __restrict__ idx, int E, int M, int N, int K,
-                                               int row_nbytes) {
-    const int TYN = HI_THREADS / TXN;                             // thread rows along tokens
-    const int BM = TYN * TM, BN = CN * TXN;                       // the block's tile: BM tokens x BN weight rows
-    const int XL = (BM * BK / 4 + HI_THREADS - 1) / HI_THREADS;   // float4 X loads per thread per k chunk
-    const int WP = BN * BK / 16;                                  // W pieces (16 weights) per k chunk
-    const int WH = (WP + HI_THREADS - 1) / HI_THREADS;            // W pieces staged per thread
-    __shared__ __align__(16) float Xs[BM * (BK + 4)];
-    __shared__ __align__(16) float Ws[BK * BN];
-    __shared__ int scan[HI_THREADS];
-    __shared__ int rows[BM];  // X row of each tile row (the last valid row past the count)
-    __shared__ int meta[4];   // first row, row count, first weight row, expert of the current tile
-    const int tid = threadIdx.x;
-    const int n_tiles = (N + BN - 1) / BN;
-
-    for (int v = blockIdx.y;; v += gridDim.y) {
-        int e, r0, cnt;
-        if (!gemm_find_tile(offs, E, M, BM, v, &e, &r0, &cnt, scan, tid)) return;
-        for (int m = tid; m < BM; m += HI_THREADS) {
-            const int r = r0 + min(m, cnt - 1);
-            rows[m] = idx ? idx[r] : r;
-        }
-        if (tid == 0) {
-            meta[0] = r0;
-            meta[1] = cnt;
-            meta[3] = e;
-        }
-        for (int nt = blockIdx.x; nt < n_tiles; nt += gridDim.x) {
-            if (tid == 0) meta[2] = nt * BN;
-            float acc[TM][CN];
-#pragma unroll
-            for (int i = 0; i < TM; ++i)
-#pragma unroll
-                for (int j = 0; j < CN; ++j) acc[i][j] = 0.0f;
-            for (int c = 0; c < K / BK; ++c) {
-                __syncthreads();  // every thread is done reading chunk c - 1 (and meta is written)
-                gemm_stage_lean<QT, XL, WH, WP, BM, BN, BK>(X, W, rows, meta, N, K, row_nbytes, c, Xs, Ws, tid);
-                __syncthreads();
-                // warp layout as gemm.cu's: 8 weight-row groups x 4 token groups
-                const int lane = tid & 31, warp = tid >> 5;
-                const int tx = (lane & 7) | ((warp % (TXN / 8)) << 3), ty = (lane >> 3) | ((warp / (TXN / 8)) << 2);
-                const int kUnroll = GEMM_LEAN_UNROLL;
-#pragma unroll kUnroll
-                for (int k = 0; k < BK; ++k) {
-                    const float4 b0 = *(const float4*)(Ws + k * BN + 4 * tx);
-                    const float4 b1 = CN == 8 ? *(const float4*)(Ws + k * BN + 4 * TXN + 4 * tx) : b0;
-#pragma unroll
-                    for (int i = 0; i < TM; ++i) {
-                        const float a = Xs[(ty + TYN * i) * (BK + 4) + k];
-                        acc[i][0] = fmaf(a, b0.x, acc[i][0]);
-                        acc[i][1] = fmaf(a, b0.y, acc[i][1]);
-                        acc[i][2] = fmaf(a, b0.z, acc[i][2]);
-                        acc[i][3] = fmaf(a, b0.w, acc[i][3]);
-                        if (CN == 8) {
-                            acc[i][4 % CN] = fmaf(a, b1.x, acc[i][4 % CN]);
-                            acc[i][5 % CN] = fmaf(a, b1.y, acc[i][5 % CN]);
-                            acc[i][6 % CN] = fmaf(a, b1.z, acc[i][6 % CN]);
-                            acc[i][7 % CN] = fmaf(a, b1.w, acc[i][7 % CN]);
-                        }
-                    }
-                }
-            }
-            // write Y rows r0 + m, columns n0 + 4 TXN h + 4 tx + j (h < CN / 4)
-            const int r0t = meta[0], cntt = meta[1], n0 = meta[2];
-            const int lane = tid & 31, warp = tid >> 5;
-            const int tx = (lane & 7) | ((warp % (TXN / 8)) << 3), ty = (lane >> 3) | ((warp / (TXN / 8)) << 2);
-#pragma unroll
-            for (int i = 0; i < TM; ++i) {
-                const int m = ty + TYN * i;
-                if (m >= cntt) continue;
-                float* yrow = Y + (size_t)(r0t + m) * N;
-#pragma unroll
-                for (int h = 0; h < CN / 4; ++h) {
-                    const int n = n0 + 4 * TXN * h + 4 * tx;
-                    if ((N & 3) == 0 && n + 3 < N) {
-                        *(float4*)(yrow + n) = make_float4(acc[i][4 * h], acc[i][4 * h + 1], acc[i][4 * h + 2],
-                                                           acc[i][4 * h + 3]);
-                    } else {
-#pragma unroll
-                        for (int j = 0; j < 4; ++j)
-                            if (n + j < N) yrow[n + j] = acc[i][4 * h + j];
-                    }
-                }
-            }
-            __syncthreads();  // meta[2] is rewritten for the next weight tile
-        }
-        __syncthreads();  // rows and meta are rewritten for the next token tile
-    }
-}
-
-// The k-chunk multiply and the output write of gemm_body_lean, as functions for gemm_body_lean_wide. (gemm_body_lean
-// keeps its own inline copies: calling these from it gives the same sums but reorders its PTX, and the other tiles'
-// code is left exactly as it was.)
+// The k-chunk multiply and the output write, shared by gemm_body_lean and gemm_body_lean_wide.
 // acc += the staged chunk's X rows ty + TYN i times its W rows 4 tx + j, 4 TXN + 4 tx + j: an FMA chain over k in order
 template <int TM, int TXN, int BK, int CN>
 __device__ __forceinline__ void gemm_lean_mul(float acc[TM][CN], const float* Xs, const float* Ws, int tid) {
@@ -219,6 +124,56 @@ __device__ __forceinline__ void gemm_lean_write(const float acc[TM][CN], float* 
                     if (n + j < N) yrow[n + j] = acc[i][4 * h + j];
             }
         }
+    }
+}
+
+template <int QT, int TM, int TXN, int BK, int CN>
+__device__ __forceinline__ void gemm_body_lean(const float* __restrict__ X, const u8* __restrict__ W,
+                                               float* __restrict__ Y, const int* __restrict__ offs,
+                                               const int* __restrict__ idx, int E, int M, int N, int K,
+                                               int row_nbytes) {
+    const int TYN = HI_THREADS / TXN;                             // thread rows along tokens
+    const int BM = TYN * TM, BN = CN * TXN;                       // the block's tile: BM tokens x BN weight rows
+    const int XL = (BM * BK / 4 + HI_THREADS - 1) / HI_THREADS;   // float4 X loads per thread per k chunk
+    const int WP = BN * BK / 16;                                  // W pieces (16 weights) per k chunk
+    const int WH = (WP + HI_THREADS - 1) / HI_THREADS;            // W pieces staged per thread
+    __shared__ __align__(16) float Xs[BM * (BK + 4)];
+    __shared__ __align__(16) float Ws[BK * BN];
+    __shared__ int scan[HI_THREADS];
+    __shared__ int rows[BM];  // X row of each tile row (the last valid row past the count)
+    __shared__ int meta[4];   // first row, row count, first weight row, expert of the current tile
+    const int tid = threadIdx.x;
+    const int n_tiles = (N + BN - 1) / BN;
+
+    for (int v = blockIdx.y;; v += gridDim.y) {
+        int e, r0, cnt;
+        if (!gemm_find_tile(offs, E, M, BM, v, &e, &r0, &cnt, scan, tid)) return;
+        for (int m = tid; m < BM; m += HI_THREADS) {
+            const int r = r0 + min(m, cnt - 1);
+            rows[m] = idx ? idx[r] : r;
+        }
+        if (tid == 0) {
+            meta[0] = r0;
+            meta[1] = cnt;
+            meta[3] = e;
+        }
+        for (int nt = blockIdx.x; nt < n_tiles; nt += gridDim.x) {
+            if (tid == 0) meta[2] = nt * BN;
+            float acc[TM][CN];
+#pragma unroll
+            for (int i = 0; i < TM; ++i)
+#pragma unroll
+                for (int j = 0; j < CN; ++j) acc[i][j] = 0.0f;
+            for (int c = 0; c < K / BK; ++c) {
+                __syncthreads();  // every thread is done reading chunk c - 1 (and meta is written)
+                gemm_stage_lean<QT, XL, WH, WP, BM, BN, BK>(X, W, rows, meta, N, K, row_nbytes, c, Xs, Ws, tid);
+                __syncthreads();
+                gemm_lean_mul<TM, TXN, BK, CN>(acc, Xs, Ws, tid);
+            }
+            gemm_lean_write<TM, TXN, CN>(acc, Y, meta[0], meta[1], meta[2], N, tid);
+            __syncthreads();  // meta[2] is rewritten for the next weight tile
+        }
+        __syncthreads();  // rows and meta are rewritten for the next token tile
     }
 }
 
