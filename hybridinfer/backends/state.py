@@ -16,6 +16,7 @@ All buffers are allocated once, at `new()`; prefill and decode write into them.
 
 from __future__ import annotations
 
+import sys
 import weakref
 from dataclasses import dataclass, field
 
@@ -34,6 +35,8 @@ class DecoderState:
     # per declared array name (state_kinds.ARRAYS): per layer, the array or None; read as state.conv, state.k, ...
     arrays: dict[str, list[np.ndarray | None]] = field(default_factory=dict)
     images: tuple = ()  # models/mrope.ImageSpan, sorted by row
+    # the byte blocks new() made (recurrent arrays, per-token rows) that the arrays view: SpareBlocks reuses them
+    blocks: tuple = field(default=(), repr=False, compare=False)
 
     def __post_init__(self):
         L = len(self.layer_types)
@@ -57,6 +60,7 @@ class DecoderState:
         lt = tuple(args.layer_types if layer_types is None else layer_types)
         st = cls(n_ctx=n_ctx, layer_types=lt, tokens=np.zeros(n_ctx, np.int32))
         parts = [(i, s, s.storage(args)[0], s.full_shape(args, n_ctx)) for i, s in layer_arrays(lt)]
+        blocks = []
         for per_token in (False, True):
             mine = [p for p in parts if p[1].per_token == per_token]
             # one byte block; each array starts at a multiple of 64 bytes (its dtype's alignment and a cache line)
@@ -65,10 +69,29 @@ class DecoderState:
                 offs.append(off)
                 off += -(-dt.itemsize * int(np.prod(shape)) // 64) * 64
             block = np.zeros(off, np.uint8)
+            blocks.append(block)
             for (i, s, dt, shape), o in zip(mine, offs, strict=True):
                 n = dt.itemsize * int(np.prod(shape))
                 st.arrays[s.name][i] = block[o : o + n].view(dt).reshape(shape)
+        st.blocks = tuple(blocks)
         return st
+
+    def adopt(self, blocks: tuple) -> None:
+        """Move this fresh state's arrays onto `blocks` (a released state's, of the same layout: SpareBlocks.take),
+        each at its offset in its block; the recurrent block is zeroed, the per-token rows are left as they are
+        (rows past `pos` are never read). The pages are then already mapped: a first write to fresh ones costs
+        page faults (tens of ms for a 2,000-token prompt's K/V, more than copying a snapshot into them)."""
+        if self.pos != 0 or [b.nbytes for b in blocks] != [b.nbytes for b in self.blocks]:
+            raise ValueError("adopt() takes a fresh state and blocks of its own layout")
+        for arrs in self.arrays.values():
+            for i, a in enumerate(arrs):
+                if a is None:
+                    continue
+                j = next(j for j, b in enumerate(self.blocks) if a.base is b)
+                off = a.ctypes.data - self.blocks[j].ctypes.data
+                arrs[i] = blocks[j][off : off + a.nbytes].view(a.dtype).reshape(a.shape)
+        blocks[0].fill(0)
+        self.blocks = tuple(blocks)
 
     def check_room(self, n_new: int) -> None:
         if self.pos + n_new > self.n_ctx:
@@ -144,6 +167,57 @@ class DecoderState:
         n = sum(a.nbytes for _, _, a in self.held(per_token=False))
         n += sum(a[: self.pos].nbytes for _, _, a in self.held(per_token=True))
         return n
+
+
+class SpareBlocks:
+    """The byte blocks of released states, kept (at most `most` sets) for the next new state to adopt, so that a
+    sequence after another writes warm pages. A state gives its blocks only when nothing else still views them
+    (a kernel binding, a snapshot not yet copied): then it is emptied, unusable after. `kept_bytes` is what the
+    kept sets hold in touched pages (each: its recurrent arrays and its rows up to the position it ended at, plus
+    RowsUndo's few draft rows), which a state budget counts (trim)."""
+
+    SLACK_ROWS = 8  # rows a verify step writes past the final position (drafts rolled back)
+
+    def __init__(self, most: int):
+        self.most = most
+        self._kept: list[tuple[tuple, int]] = []
+
+    @property
+    def kept_bytes(self) -> int:
+        return sum(n for _, n in self._kept)
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def give(self, state: DecoderState) -> bool:
+        """Keep `state`'s blocks if there is room and nothing else views them; True when kept."""
+        blocks = state.blocks
+        if not blocks or len(self._kept) >= self.most:
+            return False
+        rows = min(state.n_ctx, state.pos + self.SLACK_ROWS)
+        touched = sum(a.nbytes for _, _, a in state.held(False)) + sum(a[:rows].nbytes for _, _, a in state.held(True))
+        state.arrays = {name: [None] * len(arrs) for name, arrs in state.arrays.items()}
+        state.blocks, state.pos = (), 0
+        # left: `blocks`, the loop's name and the call's argument; any more is a view held elsewhere
+        if any(sys.getrefcount(b) > 3 for b in blocks):
+            return False
+        self._kept.append((blocks, touched))
+        return True
+
+    def take(self, state: DecoderState) -> bool:
+        """Give the fresh `state` a kept set of its layout (DecoderState.adopt); False when none is kept."""
+        sizes = [b.nbytes for b in state.blocks]
+        for j, (blocks, _) in enumerate(self._kept):
+            if [b.nbytes for b in blocks] == sizes:
+                del self._kept[j]
+                state.adopt(blocks)
+                return True
+        return False
+
+    def trim(self, room: int | None) -> None:
+        """Let kept sets go until they hold at most `room` bytes (None: all of them)."""
+        while self._kept and (room is None or self.kept_bytes > room):
+            self._kept.pop()
 
 
 class RowsUndo:

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from ..backends import BACKENDS, make_backend  # noqa: F401  (BACKENDS: re-exported)
+from ..backends.state import SpareBlocks
 from ..errors import ContextLengthError, ParameterError
 from ..format.gguf_model import GGUFModel
 from ..models import model_args
@@ -153,6 +154,7 @@ class Engine(Text, Compute):
         self.special_in_content = False  # True: message text may make control tokens (llama-server's behaviour)
         self.max_seqs, self.state_budget, self.step_tokens = max_seqs, state_budget, step_tokens
         self._scheduler = None
+        self.spares = SpareBlocks(max_seqs)  # released states' buffers (Compute.new_state / release)
         self.spec = None  # speculative decoding (spec.Speculator), or None
         self.image_encoder = None  # the mmproj's vision tower (engine/image_encoder.CachedImageEncoder), or None
         self.n_ctx, self.progress, self.prefill_chunk = n_ctx, progress, prefill_chunk
@@ -395,6 +397,7 @@ class Engine(Text, Compute):
             close()
         with self.lock:
             self.backend = None
+            self.spares.trim(None)
             _let_go(self._parts)
 
     def __enter__(self) -> Engine:

@@ -109,7 +109,11 @@ class Compute:
         return self.backend
 
     def new_state(self):
-        return self._open().new_state(self.n_ctx)
+        """A fresh state for one sequence, on the blocks of a released one where the engine kept some (release)."""
+        with self.lock:
+            st = self._open().new_state(self.n_ctx)
+            self.spares.take(st)
+            return st
 
     def restore(self, ids: list[int], state, turn_boundary=None, shared_at=(), keep_ends: bool = True,
                 salt: str | None = None, images=()):
@@ -267,10 +271,20 @@ class Compute:
                 self.prefix_cache.flush()
 
     def release(self, state) -> None:
-        """The backend forgets what it keeps for this sequence (recorded steps, bound calls)."""
+        """The backend forgets what it keeps for this sequence (recorded steps, bound calls), and the engine keeps
+        the state's buffers for the next new_state (SpareBlocks: at most max_seqs sets, only when nothing else
+        views them); the state is not usable after."""
         with self.lock:
+            if self.spec is not None:
+                self.spec.release(state)
             if self.backend is not None:
                 self.backend.release(state)
+                self.spares.give(state)
+
+    def trim_spares(self, room: int | None) -> None:
+        """Let the kept buffers of released states go until they hold at most `room` bytes (None: all)."""
+        with self.lock:
+            self.spares.trim(room)
 
     def hidden_states(self, ids: list[int]) -> np.ndarray:
         """The final norm's output (what the head reads) of every token of `ids` from a fresh state, (len(ids),

@@ -161,6 +161,13 @@ class Speculator:
         self._t0, self._backend = time.perf_counter(), backend
         self._recs = getattr(backend, "recordings", 0)
 
+    def release(self, state) -> None:
+        """The sequence of `state` has ended: the drafter lets go of what it keeps for it (its views of the
+        state's buffers, which the engine reuses)."""
+        forget = getattr(self.drafter, "release", None)
+        if forget is not None:
+            forget(state)
+
     def timed(self, rows: int, drafted: bool) -> None:
         """The step begun at `start` is done: `rows` rows, a verify step or not."""
         recorded = getattr(self._backend, "recordings", 0) != self._recs

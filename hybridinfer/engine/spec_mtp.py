@@ -74,6 +74,10 @@ class MTPDrafter:
             ms.arrays[name][i] = a[base + 1 : base + 1 + ms.n_ctx]
         return ms
 
+    def release(self, st) -> None:
+        """st's sequence has ended: its block state and kept rows go (they view st's buffers)."""
+        self.seqs.pop(id(st), None)
+
     def observe(self, s) -> None:
         """Before sequence s's step (its state at position P, its next token chosen): the block's rows up to
         position P-1 from the trunk's rows; the last one gives the first draft (propose_seq)."""
