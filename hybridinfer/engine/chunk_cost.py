@@ -75,3 +75,24 @@ class ChunkCost:
             return int(limit_s / lin) if lin > 0 else 1 << 30
         h = self.b / 2.0
         return int((-lin + math.sqrt(lin * lin + 4 * h * limit_s)) / (2 * h))
+
+
+def size_chunk(cost: ChunkCost, pos: int, left: int, secs: float | None, least: int, snap_s: float, cut, at
+               ) -> tuple[int, int, float | None]:
+    """A prompt chunk from position `pos` within `left` tokens and `secs` seconds (None: no limit, as before any
+    measure): (its budget, the tokens it takes, the seconds left after it). `cut(budget)` gives the tokens a
+    budget takes (the engine cuts a chunk at the next snapshot position); a chunk that ends at one of `at` (the
+    snapshot positions) also pays a snapshot's copy, `snap_s`. At least `least` tokens (a step's first chunk:
+    prefill always advances), else 0 budget when nothing fits."""
+    if secs is None:
+        return left, cut(left), None
+    for snap in (0.0, snap_s):
+        fit = cost.tokens_within(pos, secs - snap)
+        want = left if fit is None else min(left, max(fit, least))
+        if want <= 0:
+            return 0, 0, secs
+        took = cut(want)
+        price = cost.seconds([(pos, took)]) or 0.0
+        if pos + took not in at:
+            return want, took, secs - price
+    return want, took, secs - price - snap_s

@@ -33,7 +33,7 @@ import numpy as np
 
 from ..errors import CapacityError, EngineClosed, ParameterError
 from ..models.state_kinds import state_bytes
-from .chunk_cost import ChunkCost
+from .chunk_cost import ChunkCost, size_chunk
 from .compute import DEFAULT_STEP_TOKENS, MIN_PROMPT_TOKENS, ema, pass_tokens, prompt_budget
 from .prefix.index import MIN_SHARED_PREFIX, common_prefix, shared_points
 from .request import Handle, Request, TokenSampler
@@ -81,6 +81,8 @@ class Scheduler:
         # measured: a decode step's seconds, and what prompt chunks cost by their length and position (a step's
         # chunks are sized by them: prompt_budget, ChunkCost.tokens_within)
         self._decode_s: float | None = None
+        self._restore_s: float | None = None  # a restore's seconds, lately
+        self._save_s: float | None = None  # a snapshot's seconds at a chunk's end, lately
         self._cost = ChunkCost()
         self._cv = threading.Condition()
         self._waiting: deque[Handle] = deque()
@@ -236,7 +238,16 @@ class Scheduler:
                 self.peak_reserved = max(self.peak_reserved, self._reserved)
                 out.append(_Seq(h, reserved=need, t0=time.perf_counter()))
         self._prefilling += out
+        self._fit_spares()
         return out
+
+    def _fit_spares(self) -> None:
+        """The released states' buffers the engine keeps (Engine.spares) count against the state budget: they
+        hold at most what the admitted sequences leave of it."""
+        if self.state_budget is not None:
+            with self._cv:
+                room = self.state_budget - self._reserved
+            self.engine.trim_spares(room)
 
     def _restore(self, s: _Seq, later: list[list[int]]) -> None:
         """A fresh state for `s`, its cached prefix restored, snapshot positions on the way (where it parts from the
@@ -286,25 +297,32 @@ class Scheduler:
         else:
             plan, left, secs = [], max(budget[0], 1), budget[1]
             for j, s in enumerate(seqs):
-                if not s.restored and left > 0 and not self._waits(s, seqs[:j]):
+                # a restore (copying the cached prefix into the state's pages) is paid from the step's seconds too:
+                # after a chunk, one starts only while what is left covers one as they have lately cost
+                if (not s.restored and left > 0 and (secs is None or not plan or secs >= (self._restore_s or 0.0))
+                        and not self._waits(s, seqs[:j])):
+                    t0 = time.perf_counter()
                     self._restore(s, later(j))
+                    took = time.perf_counter() - t0
+                    self._restore_s = ema(self._restore_s, took)
+                    if secs is not None:
+                        secs -= took
                 if s.restored and s.work is not None and not s.freed and left > 0:
-                    want, pos = left, s.state.pos
-                    fit = self._cost.tokens_within(pos, secs) if secs is not None else None
-                    if fit is not None:
-                        want = min(left, fit if plan else max(fit, MIN_PROMPT_TOKENS))
+                    want, took, secs = self._chunk(s, left, secs, not plan)
                     if want <= 0:
                         break
                     plan.append((s, want))
-                    took = self.engine.chunk_len(s.work, want)
                     left -= took
-                    if fit is not None:
-                        secs -= self._cost.seconds([(pos, took)])
             for (s, _), got in zip(plan, self._prefill_steps(plan), strict=True):
                 self._took(s, got)
         started = [s for s in seqs if s.restored and s.work is None and not s.freed and self._first(s)]
         self._prefilling = [s for s in seqs if not s.freed and (s.work is not None or not s.restored)]
         return started
+
+    def _chunk(self, s: _Seq, left: int, secs: float | None, first: bool) -> tuple[int, int, float | None]:
+        """chunk_cost.size_chunk for s's next chunk: (budget, tokens it takes, seconds left after it)."""
+        return size_chunk(self._cost, s.state.pos, left, secs, MIN_PROMPT_TOKENS if first else 0,
+                          self._save_s or 0.0, lambda want: self.engine.chunk_len(s.work, want), s.work.at)
 
     def _prefill_steps(self, plan: list[tuple[_Seq, int]]) -> list:
         """Engine.prefill_steps: the planned chunks in one pass. When that pass fails, whose fault it was is unknown
@@ -314,16 +332,27 @@ class Scheduler:
         if not plan:
             return []
         try:
-            t0, starts = time.perf_counter(), [s.state.pos for s, _ in plan]
+            t0, starts, saved = time.perf_counter(), [s.state.pos for s, _ in plan], self._saving()
             got = eng.prefill_steps([(s.work, b) for s, b in plan])
+            took = time.perf_counter() - t0
             chunks = [(p, s.state.pos - p) for p, (s, _) in zip(starts, plan, strict=True)]
+            # the snapshots taken at chunk ends are priced apart (_chunk): ChunkCost sees the products alone
+            saved = self._saving() - saved
+            snaps = sum(1 for s, _ in plan if s.state.pos in s.work.at)
+            if snaps:
+                self._save_s = ema(self._save_s, saved / snaps)
             if sum(c for _, c in chunks) >= MIN_PROMPT_TOKENS:  # a few tokens' pass is mostly its fixed cost
-                self._cost.observe(chunks, time.perf_counter() - t0)
+                self._cost.observe(chunks, took - saved)
             return got
         except Exception as e:  # noqa: BLE001
             if len(plan) == 1:
                 return [e]
         return [self._alone(s, lambda w, b=b: eng.prefill_step(w, b)) for s, b in plan]
+
+    def _saving(self) -> float:
+        """Seconds the prefix cache has spent taking snapshots, so far."""
+        cache = self.engine.prefix_cache
+        return cache.stats["save_s"] if cache is not None else 0.0
 
     def _alone(self, s: _Seq, prefill) -> object:
         """After a shared pass failed: `s` restored on a fresh state and prefilled alone (`prefill(work)`); its
@@ -488,4 +517,5 @@ class Scheduler:
         with self._cv:
             self._reserved -= s.reserved
             s.reserved = 0
+        self._fit_spares()
         s.handle._finish(error)
