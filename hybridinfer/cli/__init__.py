@@ -363,7 +363,7 @@ def cmd_synth(a) -> int:
         rs = depth_scale(resolve_shape(a.arch, a.shape)["n_layer"])
     summary = synth_model(a.output, a.arch, a.shape, quant=a.quant, seed=a.seed, vocab_from=a.vocab_from,
                           progress=sys.stderr.isatty(), tensor_types=overrides, residual_scale=rs,
-                          mtp=not a.no_mtp)
+                          mtp=not a.no_mtp, quiet_pads=a.quiet_pads)
     print(f"wrote {a.output}: {summary}")
     return 0
 
@@ -421,6 +421,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quant", default="q4_k_m", help="q4_k_m | q8_0 | q4_0 | f16 | f32")
     p.add_argument("--seed", type=_int_at_least(0), default=0)
     p.add_argument("--vocab-from", default=None, help="borrow tokens from this GGUF")
+    p.add_argument("--quiet-pads", action="store_true",
+                   help="with --vocab-from: zero rows in the output head for the padding tokens (up to the shape's "
+                        "vocabulary size), so greedy output never picks them, as a trained model never emits unused "
+                        "tokens; without it a random model's output is mostly padding, which is no text (serving "
+                        "benchmarks: a stream's deltas then merge tokens)")
     p.add_argument("--tensor-type", action="append", default=[], metavar="PATTERN=TYPE",
                    help="as llama-quantize's: tensors whose name matches the regex PATTERN get TYPE (e.g. "
                         "attn_qkv=q8_0); repeatable, the first match wins")

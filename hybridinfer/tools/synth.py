@@ -356,7 +356,7 @@ def _add_hparams(w: GGUFWriter, arch: str, hp: dict, name: str, ftype: int) -> N
 
 def synth_model(out_path: str | os.PathLike[str], arch: str, shape: str | dict, quant: str = "q4_k_m",
                 seed: int = 0, vocab_from: str | None = None, progress: bool = False, tensor_types=(),
-                residual_scale: float | None = None, mtp: bool = False) -> dict:
+                residual_scale: float | None = None, mtp: bool = False, quiet_pads: bool = False) -> dict:
     """Write a synthetic GGUF of `arch` ("qwen35", "qwen35moe", "llama") with `shape` (a published name, see
     list_shapes(), or a dict of hyperparameters) and the per-tensor type mix llama.cpp gives `quant`
     ("q4_k_m", "q8_0", "q4_0", "f16", "f32"). With `vocab_from`, the tokenizer of that GGUF is copied (padded
@@ -365,6 +365,11 @@ def synth_model(out_path: str | os.PathLike[str], arch: str, shape: str | dict, 
     `residual_scale`: None (default) for the plain random file, chaotic at depth; a number S in (0, 1] for a
     depth-scaled one (module docstring; `depth_scale(n_layer)` is the usual S). `mtp`: with the
     multi-token-prediction block (qwen35 / qwen35moe; ignored for llama), as llama.cpp's converter writes it.
+    `quiet_pads` (with `vocab_from`): the padding tokens' rows of the output head and the token embedding are
+    zero, so their logits are 0 and greedy output never picks them (the largest of the real tokens' random logits
+    is above 0), as a trained model never emits its unused tokens. Without it a random model picks them about as
+    often as their share of the vocabulary, and they are no text: a stream's text deltas then each hold several
+    tokens (what a serving benchmark's inter-token latency measures between).
 
     Streams to disk with bounded memory. Returns a summary: path, bytes written, tensor count, type histogram
     (count and bytes per type), parameter counts, seconds and MB/s."""
@@ -381,8 +386,14 @@ def synth_model(out_path: str | os.PathLike[str], arch: str, shape: str | dict, 
         n_vocab = len(vocab["tokens"])
     plan = plan_model(arch, shape, quant, n_vocab=n_vocab, tensor_types=tensor_types, mtp=mtp)
     hp = plan["hp"]
+    n_real = None
     if vocab is None:
         vocab = _synthetic_vocab(hp["n_vocab"])
+    elif quiet_pads:
+        types = vocab["token_type"]
+        n_real = len(types)
+        while n_real and types[n_real - 1] == int(TokenType.UNUSED):  # the padding is the unused tail
+            n_real -= 1
     shape_name = shape if isinstance(shape, str) else "custom"
     out_path = os.fspath(out_path)
 
@@ -409,7 +420,13 @@ def synth_model(out_path: str | os.PathLike[str], arch: str, shape: str | dict, 
                 key = (qt, weight_std(s, residual_scale))
                 if key not in pools:
                     pools[key] = _Pool(qt, rng, key[1])
-                pools[key].write(f, nb, rng, bar)
+                real = nb
+                if n_real is not None and s.name in ("output.weight", "token_embd.weight"):
+                    real = nb // s.ne[1] * n_real  # rows of the real tokens; the padding's rows stay zero
+                pools[key].write(f, real, rng, bar)
+                f.write(bytes(nb - real))
+                if bar is not None:
+                    bar.update(nb - real)
             else:
                 if qt != T.F32:
                     raise AssertionError(f"{s.name} should be F32, planned {T(qt).name}")
