@@ -295,6 +295,35 @@ def test_a_sequence_whose_drafts_all_fail_backs_off():
     assert seq.spec.wait == 0 and spec.drafts([seq])[0]
 
 
+def test_a_probe_of_a_batch_drafts_for_one_sequence():
+    """Verify steps not priced yet (or not lately): at B > 1 the probe drafts for one sequence only, the one with
+    the highest acceptance estimate, so every stream waits for B + k rows, not B (k + 1); once verify steps are
+    priced and pay, every sequence drafts; one sequence alone probes as before."""
+    from types import SimpleNamespace as NS
+
+    class Always:
+        def propose(self, history, k):
+            return [1] * k
+
+    def seqs(accepts):
+        out = []
+        for a in accepts:
+            st = NS(n_ctx=1000, pos=10, tokens=np.zeros(1000, np.int32))
+            out.append(NS(spec=sp.SeqSpec(accept=a), next_tok=2, state=st,
+                          handle=NS(request=NS(max_tokens=500), generation=NS(tokens=[]))))
+        return out
+
+    spec = sp.Speculator(Always(), 2)
+    for _ in range(3):
+        spec.cost.add(4, 0.010, drafted=False)
+    d = spec.drafts(seqs([0.5, 0.9, 0.7, 0.6]))
+    assert [len(x) for x in d] == [0, 2, 0, 0]
+    assert [len(x) for x in spec.drafts(seqs([0.9]))] == [2]
+    for rows in (5, 6, 8, 12):  # verify steps measured as cheap as plain ones: drafts pay for everyone
+        spec.cost.add(rows, 0.010, drafted=True)
+    assert all(len(x) == 2 for x in spec.drafts(seqs([0.9, 0.9, 0.9, 0.9])))
+
+
 def test_bad_spec_options_are_refused_by_name(model):
     path = model("llama")
     for kw in (dict(spec_type="medusa"), dict(spec_type="ngram", draft_max=0), dict(draft_max=5),

@@ -32,7 +32,7 @@ import numpy as np
 
 from ..errors import MTPUnavailableError, ParameterError
 from .compute import ema
-from .spec_cost import SpecCost, plan_k  # what drafting costs and when it pays
+from .spec_cost import MIN_EVIDENCE, SpecCost, plan_k  # what drafting costs and when it pays
 
 SPEC_TYPES = ("none", "ngram", "mtp")
 # llama.cpp's --spec-type names for the same kinds (its ngram-simple: the last n tokens looked up, the m after them)
@@ -197,6 +197,11 @@ class Speculator:
                 k = self.draft_max if not self.cost.steps else 0  # then plain ones, until one is priced
             else:
                 k = plan_k([s.spec.accept for s in seqs], cap0, *model, replayed=seen, left=max(min(rooms), 1))
+            if k > 0 and len(seqs) > 1 and self.cost.verify.weight < MIN_EVIDENCE:
+                # a probe (verify steps not priced, or not lately): one sequence drafts, the one likeliest to gain,
+                # so the measuring step costs the batch B + k rows, not B (k + 1); every stream waits for it
+                best = max(range(len(seqs)), key=lambda j: (caps[j] > 0, seqs[j].spec.accept))
+                caps = [c if j == best or c < 0 else -2 for j, c in enumerate(caps)]  # -2: no drafts, no drift
         out = []
         for s, cap in zip(seqs, caps, strict=True):
             n = min(k, cap)
