@@ -137,6 +137,22 @@ def test_chunk_cost_prices_a_chunk_by_its_place_in_the_prompt():
     assert flat.b == 0 and abs(flat.a - 0.002) < 1e-12 and flat.tokens_within(5000, 0.1) == 50
 
 
+def test_chunk_cost_finds_a_chunks_own_cost():
+    """Passes timed as 1 ms a token, 2 us a token-position and 5 ms a chunk (each chunk's own calls): the fit finds
+    all three, so a pass of many short prompts is not under-priced, and a chunk's tokens leave room for its own
+    5 ms."""
+    def secs(chunks):
+        n, q = work_of(chunks)
+        return 1e-3 * n + 2e-6 * q + 5e-3 * len(chunks)
+
+    cost = ChunkCost()
+    for chunks in ([(0, 64)], [(512, 64)], [(2048, 32), (0, 16)], [(4096, 128)], [(0, 8)] * 6, [(100, 20)] * 3):
+        cost.observe(chunks, secs(chunks))
+    assert abs(cost.a - 1e-3) < 1e-9 and abs(cost.b - 2e-6) < 1e-11 and abs(cost.c - 5e-3) < 1e-9
+    assert cost.seconds([(0, 8)] * 6) == pytest.approx(secs([(0, 8)] * 6))
+    assert cost.tokens_within(0, 0.005) == 0 and cost.tokens_within(0, 0.055) == 47
+
+
 def test_a_step_takes_the_prompt_tokens_of_stall_decode_steps(smollm_path, monkeypatch):
     """With a decode step measured at 10 ms and a prompt token priced at 1 ms (held there), a 300-token prompt
     admitted beside 2 decoding sequences advances by at most 30 tokens a step; each step still gives every runner a

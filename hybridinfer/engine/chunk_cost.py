@@ -5,15 +5,17 @@ positions (every row attends to the context before it and to the rows of its chu
 second term grows past the first, so a per-token average learned early in the prompts under-prices the late chunks
 and running streams stall longer than the budget meant (issue 30's ITL p99). The model here is
 
-    seconds = a * N + b * Q,    N = sum of c,    Q = sum of c * (p + c/2)
+    seconds = a * N + b * Q + c * K,    N = sum of c,    Q = sum of c * (p + c/2),    K = the chunks
 
-over a pass's chunks, with a and b fitted by least squares over the recent passes (older ones fade), and a step's
+over a pass's chunks, with a, b and c fitted by least squares over the recent passes (older ones fade), and a step's
 chunks sized so the predicted time stays within what running streams may wait."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+
+import numpy as np
 
 
 def work_of(chunks) -> tuple[float, float]:
@@ -27,15 +29,20 @@ def work_of(chunks) -> tuple[float, float]:
 
 @dataclass
 class ChunkCost:
-    """Least squares of seconds = a N + b Q over observed passes, each weighing `keep` times the one after it.
+    """Least squares of seconds = a N + b Q + c K over observed passes (K: the pass's chunks, each one's own work
+    outside the shared products: its rows' attention call, its snapshot bookkeeping, the drafter's catch-up), each
+    pass weighing `keep` times the one after it.
 
-    With passes all at one context length, a and b cannot be told apart: b stays 0 and a is the per-token average
-    (what the scheduler used before this model). a and b are never negative."""
+    With passes all alike in Q/N or in chunks a pass, the terms cannot be told apart: then c stays 0, and with
+    passes all at one context length b stays 0 too and a is the per-token average (what the scheduler used before
+    this model). a, b and c are never negative."""
 
     keep: float = 0.8
     _s: list = field(default_factory=lambda: [0.0] * 5)  # sums of w*N*N, w*N*Q, w*Q*Q, w*N*S, w*Q*S
+    _m: np.ndarray = field(default_factory=lambda: np.zeros((3, 4)))  # w * [N Q K]^T [N Q K S], summed
     a: float | None = None
     b: float = 0.0
+    c: float = 0.0
 
     def observe(self, chunks, seconds: float) -> None:
         n, q = work_of(chunks)
@@ -44,6 +51,11 @@ class ChunkCost:
         s = self._s
         for i, v in enumerate((n * n, n * q, q * q, n * seconds, q * seconds)):
             s[i] = self.keep * s[i] + v
+        x = np.array([n, q, float(len(chunks))])
+        self._m = self.keep * self._m + np.outer(x, np.append(x, seconds))
+        if self._fit3():
+            return
+        self.c = 0.0
         nn, nq, qq, ns, qs = s
         det = nn * qq - nq * nq
         # a fit with two unknowns only when the passes differ enough in Q/N (else the system is near singular)
@@ -57,17 +69,31 @@ class ChunkCost:
                 return
         self.a, self.b = ns / nn, 0.0
 
+    def _fit3(self) -> bool:
+        """The fit with the per-chunk term, where the passes tell all three apart and none comes out negative."""
+        g, y = self._m[:, :3], self._m[:, 3]
+        scale = np.sqrt(np.maximum(np.diag(g), 1e-300))
+        gn = g / np.outer(scale, scale)
+        if np.linalg.cond(gn) > 1e8:
+            return False
+        a, b, c = np.linalg.solve(gn, y / scale) / scale
+        if a > 0 and b >= 0 and c > 0:
+            self.a, self.b, self.c = float(a), float(b), float(c)
+            return True
+        return False
+
     def seconds(self, chunks) -> float | None:
         if self.a is None:
             return None
         n, q = work_of(chunks)
-        return self.a * n + self.b * q
+        return self.a * n + self.b * q + self.c * len(chunks)
 
     def tokens_within(self, pos: int, limit_s: float) -> int | None:
         """The most tokens a chunk starting at `pos` may take to cost at most limit_s (None before any pass was
-        measured): the root of (b/2) c^2 + (a + b pos) c = limit_s."""
+        measured): the root x of (b/2) x^2 + (a + b pos) x + c = limit_s."""
         if self.a is None:
             return None
+        limit_s -= self.c  # the chunk's own cost, whatever its length
         if limit_s <= 0:
             return 0
         lin = self.a + self.b * pos
