@@ -85,7 +85,7 @@ def trace(sched) -> dict:
 
 def main() -> None:
     from hybridinfer.engine.api import Engine
-    from hybridinfer.tools.benchmarks.serve import USER_TURNS, system_prompt
+    from hybridinfer.tools.benchmarks.serve import PROMPTS, USER_TURNS, system_prompt
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model")
@@ -96,6 +96,7 @@ def main() -> None:
     ap.add_argument("-M", type=int, default=48)
     ap.add_argument("--max-seqs", type=int, default=8)
     ap.add_argument("--step-tokens", type=int, default=None)
+    ap.add_argument("--chat", action="store_true", help="short chat prompts instead (bench serve's chat load)")
     ap.add_argument("--stall", type=float, default=None, help="compute.STALL for this run")
     a = ap.parse_args()
     if a.stall is not None:
@@ -111,6 +112,11 @@ def main() -> None:
     rec = trace(eng.scheduler)
 
     def conv(i: int) -> None:
+        if a.chat:
+            for t in range(a.T):
+                eng.generate([{"role": "user", "content": PROMPTS[(i * a.T + t) % len(PROMPTS)]}], max_tokens=a.M,
+                             temperature=0)
+            return
         msgs = [{"role": "system", "content": system}]
         for t in range(a.T):
             msgs.append({"role": "user", "content": f"[{i}] " + USER_TURNS[(i + t) % len(USER_TURNS)]})
