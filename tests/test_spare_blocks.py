@@ -142,3 +142,15 @@ def test_a_restore_is_paid_from_the_steps_seconds(smollm_path, monkeypatch):
     second.cancel()
     while not sched.idle():
         sched.step()
+
+
+def test_a_state_still_viewed_is_left_whole_at_release(oracle_gguf):
+    """When something else views the state's buffers at its release (a caller inspecting it after), the state is
+    left as it was: its position, tokens and rows still readable."""
+    eng = Engine.load(oracle_gguf("qwen35", "q8_0"), backend="cpu", n_ctx=64, prefix_cache=False)
+    st = eng.new_state()
+    eng.prefill(list(range(5, 15)), st)
+    row = next(a for _, _, a in st.held(per_token=True))[:3]
+    eng.release(st)
+    assert len(eng.spares) == 0 and st.pos == 10 and list(st.tokens[:10]) == list(range(5, 15))
+    assert np.array_equal(next(a for _, _, a in st.held(per_token=True))[:3], row)

@@ -190,17 +190,20 @@ class SpareBlocks:
         return len(self._kept)
 
     def give(self, state: DecoderState) -> bool:
-        """Keep `state`'s blocks if there is room and nothing else views them; True when kept."""
+        """Keep `state`'s blocks if there is room and nothing but the state's own arrays views them (then the state
+        is emptied); True when kept. A state whose blocks are held elsewhere is left as it was."""
         blocks = state.blocks
         if not blocks or len(self._kept) >= self.most:
             return False
+        for j in range(len(blocks)):
+            own = sum(1 for arrs in state.arrays.values() for a in arrs if a is not None and a.base is blocks[j])
+            # the state's views, its blocks tuple and the call's argument; any more is a view held elsewhere
+            if sys.getrefcount(blocks[j]) > own + 2:
+                return False
         rows = min(state.n_ctx, state.pos + self.SLACK_ROWS)
         touched = sum(a.nbytes for _, _, a in state.held(False)) + sum(a[:rows].nbytes for _, _, a in state.held(True))
         state.arrays = {name: [None] * len(arrs) for name, arrs in state.arrays.items()}
         state.blocks, state.pos = (), 0
-        # left: `blocks`, the loop's name and the call's argument; any more is a view held elsewhere
-        if any(sys.getrefcount(b) > 3 for b in blocks):
-            return False
         self._kept.append((blocks, touched))
         return True
 
