@@ -127,6 +127,21 @@ __device__ __forceinline__ void gemm_lean_write(const float acc[TM][CN], float* 
     }
 }
 
+// a token tile's X rows (past its count, the last valid one again) and its first row, row count and expert in meta
+template <int BM>
+__device__ __forceinline__ void gemm_lean_tile(int* rows, int* meta, const int* __restrict__ idx, int r0, int cnt,
+                                               int e, int tid) {
+    for (int m = tid; m < BM; m += HI_THREADS) {
+        const int r = r0 + min(m, cnt - 1);
+        rows[m] = idx ? idx[r] : r;
+    }
+    if (tid == 0) {
+        meta[0] = r0;
+        meta[1] = cnt;
+        meta[3] = e;
+    }
+}
+
 template <int QT, int TM, int TXN, int BK, int CN>
 __device__ __forceinline__ void gemm_body_lean(const float* __restrict__ X, const u8* __restrict__ W,
                                                float* __restrict__ Y, const int* __restrict__ offs,
@@ -148,15 +163,7 @@ __device__ __forceinline__ void gemm_body_lean(const float* __restrict__ X, cons
     for (int v = blockIdx.y;; v += gridDim.y) {
         int e, r0, cnt;
         if (!gemm_find_tile(offs, E, M, BM, v, &e, &r0, &cnt, scan, tid)) return;
-        for (int m = tid; m < BM; m += HI_THREADS) {
-            const int r = r0 + min(m, cnt - 1);
-            rows[m] = idx ? idx[r] : r;
-        }
-        if (tid == 0) {
-            meta[0] = r0;
-            meta[1] = cnt;
-            meta[3] = e;
-        }
+        gemm_lean_tile<BM>(rows, meta, idx, r0, cnt, e, tid);
         for (int nt = blockIdx.x; nt < n_tiles; nt += gridDim.x) {
             if (tid == 0) meta[2] = nt * BN;
             float acc[TM][CN];
@@ -214,14 +221,8 @@ __device__ __forceinline__ void gemm_body_lean_wide(const float* __restrict__ X,
         int e, r0, cnt;
         if (!gemm_find_tile(offs, hi_opaque(E), hi_opaque(M), BM, v, &e, &r0, &cnt, scan, gemm_tid())) return;
         const int tid = gemm_tid();
-        for (int m = tid; m < BM; m += HI_THREADS) {
-            const int r = r0 + min(m, cnt - 1);
-            rows[m] = idx ? idx[r] : r;
-        }
+        gemm_lean_tile<BM>(rows, meta, idx, r0, cnt, e, tid);
         if (tid == 0) {
-            meta[0] = r0;
-            meta[1] = cnt;
-            meta[3] = e;
             meta[4] = v;
             meta[5] = blockIdx.x;
         }
