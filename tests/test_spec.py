@@ -365,6 +365,28 @@ def test_a_failed_verify_step_fails_its_sequences_and_the_engine_goes_on(model):
         assert eng.scheduler.idle() and len(calls) > 1
 
 
+def test_a_drafter_that_fails_fails_its_sequences_and_the_engine_goes_on(model):
+    """An exception in the drafter (here its proposals, on the step where a prompt's first token goes to the
+    decode) ends the step's sequences with it; none is left unanswered, and the next requests run."""
+    path = model("qwen35")
+    with _engine(path) as eng:
+        prompts = _prompts(eng.args.n_vocab)
+        want = [g.tokens for g in eng.generate_batch(prompts, max_tokens=N, temperature=0)]
+
+        class Broken:
+            def propose(self, history, k):
+                raise RuntimeError("drafter broke")
+
+        kept, eng.spec = eng.spec, sp.Speculator(Broken(), 2, adaptive=False)
+        hs = [eng.submit(p, max_tokens=N, temperature=0) for p in prompts]
+        for h in hs:
+            with pytest.raises(RuntimeError, match="drafter broke"):
+                h.result(timeout=120)
+        eng.spec = kept
+        assert [g.tokens for g in eng.generate_batch(prompts, max_tokens=N, temperature=0)] == want
+        assert eng.scheduler.idle()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch", ["qwen35", "qwen35moe"])
 def test_gpu_prefill_then_drafts_gives_the_tokens_without(model, arch):

@@ -205,7 +205,8 @@ class Scheduler:
         going = [s for s in self._running if self._advance(s)]
         budget = prompt_budget(self.step_tokens, len(going), self._decode_s)
         started = self._prefill(budget, queued, len(going))
-        self._running = self._decode(going + started)
+        self._running = going + started  # held while they decode: anything raised there fails them (_fail_all)
+        self._running = self._decode(self._running)
         self.steps += 1
         if self.engine.prefix_cache is not None:
             self._flush_cache()
