@@ -177,8 +177,8 @@ def test_mtp_kv_holds_the_trunks_rows_of_accepted_positions(made):
         drafter, seen = eng.spec.drafter, []
         orig = drafter.observe
 
-        def observe(s):
-            orig(s)
+        def observe(s, drafting=True):
+            orig(s, drafting)
             seen.append((s.state, drafter.seqs[id(s.state)], s.state.pos))
 
         drafter.observe = observe

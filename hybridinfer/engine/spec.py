@@ -178,8 +178,6 @@ class Speculator:
         observe = getattr(self.drafter, "observe", None)
         caps, rooms = [], []
         for s in seqs:
-            if observe is not None:  # a drafter that follows every step of the sequence (mtp: its own K/V)
-                observe(s)
             sp = s.spec if s.spec is not None else SeqSpec(accept=self.prior)
             s.spec = sp
             left = s.handle.request.max_tokens - len(s.handle.generation.tokens)
@@ -205,6 +203,8 @@ class Speculator:
         out = []
         for s, cap in zip(seqs, caps, strict=True):
             n = min(k, cap)
+            if observe is not None:  # a drafter that follows the sequence's steps (mtp: its own K/V), once k is known
+                observe(s, n > 0)
             if n <= 0:
                 if cap >= 0:  # unprobed for a while: the prior comes back, a probe follows
                     s.spec.accept = ema(s.spec.accept, self.prior, 0.98)

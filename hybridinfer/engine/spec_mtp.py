@@ -3,9 +3,10 @@ next tokens, as llama.cpp's draft-mtp does for qwen35 / qwen35moe (one block, ru
 
 Row j of the block's own K/V (its DecoderState, one attention layer) is its pass over (h_j, token j+1), h_j the
 trunk's final-norm output at position j (Backend.hidden_rows: what the backend's last calls over the sequence
-computed). Every decode step of a sequence (`observe`) writes the rows of the positions the trunk has accepted since
-the last step, from the trunk's own rows, after dropping the rows its drafts wrote (a per-token array: going back is
-setting its position), so the block's K/V holds accepted positions only. The last of those rows gives the first
+computed). Every decode step of a sequence that drafts (`observe`; one that does not, every LAG steps) writes the
+rows of the positions the trunk has accepted since the last, from the trunk's own rows, after dropping the rows its
+drafts wrote (a per-token array: going back is setting its position), so the block's K/V holds accepted positions
+only. The last of those rows gives the first
 draft; each further draft runs the block on the previous draft and the block's own hidden output. The prompt's
 positions are written after each prompt chunk (`prefilled`: the CPU backend then runs every row of the chunk to
 the final norm; a GPU pass keeps none, so the rows start where the kept ones do).
@@ -27,6 +28,8 @@ import numpy as np
 
 from ..models.state_kinds import MTP_ROWS
 
+# positions a sequence not drafting may leave unwritten before observe catches up (below KEEP_ROWS)
+LAG = 8
 # the block rows' note in a sequence's state: h_{p-1} and the count of the rows that start at position 1
 _NOTE = next(a.name for a in MTP_ROWS.arrays if not a.per_token)
 
@@ -78,10 +81,16 @@ class MTPDrafter:
         """st's sequence has ended: its block state and kept rows go (they view st's buffers)."""
         self.seqs.pop(id(st), None)
 
-    def observe(self, s) -> None:
+    def observe(self, s, drafting: bool = True) -> None:
         """Before sequence s's step (its state at position P, its next token chosen): the block's rows up to
-        position P-1 from the trunk's rows; the last one gives the first draft (propose_seq)."""
+        position P-1 from the trunk's rows; the last one gives the first draft (propose_seq). A step where s drafts
+        nothing (drafting False) leaves them until LAG positions wait (each in its one-token shape, so the same
+        bits however many a call writes; the trunk keeps KEEP_ROWS of its rows, more than LAG): at a batch where
+        drafts do not pay, the block runs once every LAG steps of a sequence instead of at every step."""
         m = self._seq(s.state)
+        if not drafting and m.base >= 0 and s.state.pos - m.base - m.true < LAG:
+            m.last = None  # stale until the next catch-up: propose_seq drafts nothing meanwhile
+            return
         m.last = self._catch_up(m, s.state, s.state.pos - 1, int(s.next_tok))
 
     def prefilled(self, st) -> None:
