@@ -51,8 +51,8 @@ def record_drafts(eng, prompt, n: int):
         log.append((s.state.pos, out))
         return out
 
-    def obs(s):
-        observe(s)
+    def obs(s, drafting=True):
+        observe(s, drafting)
         m = d.seqs[id(s.state)]
         seen.append((m.base, m.true, np.array(m.ms.k[0][: m.true], copy=True)))
 
