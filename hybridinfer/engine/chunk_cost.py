@@ -38,7 +38,6 @@ class ChunkCost:
     this model). a, b and c are never negative."""
 
     keep: float = 0.8
-    _s: list = field(default_factory=lambda: [0.0] * 5)  # sums of w*N*N, w*N*Q, w*Q*Q, w*N*S, w*Q*S
     _m: np.ndarray = field(default_factory=lambda: np.zeros((3, 4)))  # w * [N Q K]^T [N Q K S], summed
     a: float | None = None
     b: float = 0.0
@@ -48,15 +47,13 @@ class ChunkCost:
         n, q = work_of(chunks)
         if n <= 0 or seconds <= 0:
             return
-        s = self._s
-        for i, v in enumerate((n * n, n * q, q * q, n * seconds, q * seconds)):
-            s[i] = self.keep * s[i] + v
         x = np.array([n, q, float(len(chunks))])
         self._m = self.keep * self._m + np.outer(x, np.append(x, seconds))
         if self._fit3():
             return
         self.c = 0.0
-        nn, nq, qq, ns, qs = s
+        m = self._m  # the two-term fit from the same sums
+        nn, nq, qq, ns, qs = (float(v) for v in (m[0, 0], m[0, 1], m[1, 1], m[0, 3], m[1, 3]))
         det = nn * qq - nq * nq
         # a fit with two unknowns only when the passes differ enough in Q/N (else the system is near singular)
         if det > 1e-6 * nn * qq:
