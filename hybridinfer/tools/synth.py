@@ -163,6 +163,17 @@ class _Pool:
                 bar.update(n * self.unit_bytes)
 
 
+def _write_zeros(f, nbytes: int, bar=None) -> None:
+    """nbytes zero bytes, a pool's size at a time (the writer's memory stays bounded)."""
+    zeros = memoryview(bytes(min(nbytes, POOL_BYTES)))
+    while nbytes > 0:
+        n = min(nbytes, len(zeros))
+        f.write(zeros[:n])
+        nbytes -= n
+        if bar is not None:
+            bar.update(n)
+
+
 def _small_values(s: TensorSpec, rng: np.random.Generator, gain: float = 1.0) -> np.ndarray:
     n = s.n_elements
     if s.init == "norm":  # RMSNorm weights (GGUF norms already include the +1): positive, near 1
@@ -424,9 +435,7 @@ def synth_model(out_path: str | os.PathLike[str], arch: str, shape: str | dict, 
                 if n_real is not None and s.name in ("output.weight", "token_embd.weight"):
                     real = nb // s.ne[1] * n_real  # rows of the real tokens; the padding's rows stay zero
                 pools[key].write(f, real, rng, bar)
-                f.write(bytes(nb - real))
-                if bar is not None:
-                    bar.update(nb - real)
+                _write_zeros(f, nb - real, bar)
             else:
                 if qt != T.F32:
                     raise AssertionError(f"{s.name} should be F32, planned {T(qt).name}")
