@@ -353,7 +353,7 @@ class Scheduler:
     def _saving(self) -> float:
         """Seconds the prefix cache has spent taking snapshots, so far."""
         cache = self.engine.prefix_cache
-        return cache.stats["save_s"] if cache is not None else 0.0
+        return cache.save_s if cache is not None else 0.0
 
     def _alone(self, s: _Seq, prefill) -> object:
         """After a shared pass failed: `s` restored on a fresh state and prefilled alone (`prefill(work)`); its

@@ -286,6 +286,13 @@ class PrefixCache:
 
     # bookkeeping -----------------------------------------------------------------------------------------
     @property
+    def save_s(self) -> float:
+        """Seconds spent in save so far (stats' save_s, without the rest of stats: the scheduler reads it around
+        every prefill pass)."""
+        with self._lock:
+            return self._counters["save_s"]
+
+    @property
     def stats(self) -> dict:
         """Counters since creation (or clear()): hits, reused_tokens and restore_s count restores; misses counts
         lookups that found nothing; saves counts snapshots created (save_s: time in save). The RAM figures are
