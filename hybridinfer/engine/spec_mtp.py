@@ -6,10 +6,10 @@ trunk's final-norm output at position j (Backend.hidden_rows: what the backend's
 computed). Every decode step of a sequence that drafts (`observe`; one that does not, every LAG steps) writes the
 rows of the positions the trunk has accepted since the last, from the trunk's own rows, after dropping the rows its
 drafts wrote (a per-token array: going back is setting its position), so the block's K/V holds accepted positions
-only. The last of those rows gives the first
-draft; each further draft runs the block on the previous draft and the block's own hidden output. The prompt's
-positions are written after each prompt chunk (`prefilled`: the CPU backend then runs every row of the chunk to
-the final norm; a GPU pass keeps none, so the rows start where the kept ones do).
+only. The last of those rows gives the first draft; each further draft runs the block on the previous draft and the
+block's own hidden output. The prompt's positions are written after each prompt chunk (`prefilled`: the CPU backend
+then runs every row of the chunk to the final norm; a GPU pass keeps none, so the rows start where the kept ones
+do).
 
 The rows are part of the sequence's state (state_kinds.MTP_ROWS, held where the drafter is on: Backend.mtp_rows):
 the block's K/V are views of the state's rows (block row j is state row j + 1, so a state at position p holds the
