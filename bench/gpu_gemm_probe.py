@@ -2,6 +2,8 @@
 tile, and of the expert-grouped form on an MoE-like shape.
 
     python3 bench/gpu_gemm_probe.py [--T 947 --N 2048 --K 2048] [--reps 20] [--card-profile fermi]
+    python3 bench/gpu_gemm_probe.py --T 784 --N 1152 --K 4320 --types F16 --ksplit 1,2,3,4 --no-moe --also-T ""
+        # a ViT's narrow product split over K (k_gemm.split_count), each tile that splits
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ def main(argv=None) -> None:
                     "for that class of card (hybridinfer/backends/gpu/cards.py)")
     ap.add_argument("--no-moe", action="store_true", help="skip the expert-grouped rows (a dense shape's tiles only)")
     ap.add_argument("--tiles", default="all", help="all: time every tile of the class; default: only the chosen")
+    ap.add_argument("--ksplit", default="", help="parts to time each tile that splits over K in (e.g. 1,2,3,4)")
     a = ap.parse_args(argv)
 
     from pycuda import gpuarray
@@ -72,6 +75,17 @@ def main(argv=None) -> None:
             s = _time(lambda w=w, tile=tile: k_gemm.gemm(x, w, out=out, tile=tile), a.reps)
             row.append(f"{tile} {flops / s / 1e9:6.0f}")
         print(f"gemm {name:5s} T={T} N={N} K={K}: " + " | ".join(row))
+        splits = [int(v) for v in a.ksplit.split(",") if v]
+        if splits:
+            part = gpuarray.empty(max(splits) * T * N, np.float32)
+            for tile in k_gemm.SPLIT_TILES[loader.kernel_class()]:
+                row = []
+                for ks in splits:
+                    kw = {"part": part, "ksplit": ks} if ks > 1 else {}
+                    s = _time(lambda w=w, tile=tile, kw=kw: k_gemm.gemm(x, w, out=out, tile=tile, **kw), a.reps)
+                    row.append(f"x{ks} {flops / s / 1e9:6.0f}")
+                auto = k_gemm.split_count(loader.limits(), T, N, K, tile, part.size)
+                print(f"    split over K, tile {tile} (split_count {auto}): " + " | ".join(row))
         auto = k_gemm.pick_tile(T, T, N, qtype=q, K=K)
         s = _time(lambda w=w: k_gemm.gemm(x, w, out=out), a.reps)
         print(f"    default tile {auto}: {flops / s / 1e9:.0f} GFLOP/s")

@@ -49,11 +49,14 @@ class _Event:
         return 1.0  # ms
 
 
-def _gemm(x, w, out=None, tile=None, stream=None):
+def _gemm(x, w, out=None, tile=None, stream=None, part=None):
     n, k = w.shape
     assert x.ndim == 2 and x.shape[1] == k, f"gemm: rows of {x.shape[1]} against weight rows of {k}"
     assert out.shape == (x.shape[0], n) and not np.shares_memory(out, x)
     _where()
+    if part is not None:  # a split's scratch: free at this point, so clobbering it must change nothing downstream
+        assert not np.shares_memory(part, x) and not np.shares_memory(part, out)
+        part[...] = np.nan
     wf = w.data.view(np.float16 if w.qtype == F16 else np.float32).reshape(n, k).astype(np.float32)
     out[...] = x @ wf.T
     return out

@@ -181,14 +181,16 @@ def test_gemm_grid_stride_loops(gpu, qtype, tile):
     offs = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
     xd, od = gpuarray.to_gpu(x), gpuarray.to_gpu(offs)
     null = np.uintp(0)
-    for grouped, grid in ((False, (2, 2)), (True, (3, 2))):
-        out = _poisoned(gpuarray, (T, N))
+    split = tile in k_gemm.SPLIT_TILES[loader.kernel_class()]
+    for grouped, grid in ((False, (2, 2)), (True, (3, 2))) + (((False, (2, 2, 3)),) if split else ()):
+        s = grid[2] if len(grid) == 3 else 1  # split over K: three slabs of partial sums, added here
+        out = _poisoned(gpuarray, (s, T, N))
         we = int(w.data.gpudata) + (0 if grouped else 2 * N * w.row_nbytes)  # plain: expert 2's matrix
         args = [np.uintp(int(xd.gpudata)), np.uintp(we), np.uintp(int(out.gpudata)),
                 np.uintp(int(od.gpudata)) if grouped else null, null, np.int32(E if grouped else 1), np.int32(T),
-                np.int32(N), np.int32(K), np.int32(w.row_nbytes)]
+                np.int32(N), np.int32(K), np.int32(w.row_nbytes), np.int32(s)]
         loader.launch(k_gemm.FAMILY, name, grid, (256,), args)
-        y = out.get()
+        y = out.get().sum(axis=0)
         if grouped:
             for e in range(E):
                 rows = slice(offs[e], offs[e + 1])
@@ -196,3 +198,50 @@ def test_gemm_grid_stride_loops(gpu, qtype, tile):
                     _check(y[rows], x[rows], wf[e], f"{w} tile={tile} grouped expert {e} grid={grid}")
         else:
             _check(y, x, wf[2], f"{w} tile={tile} plain grid={grid}")
+
+
+@pytest.mark.parametrize("qtype", [quant.F32, quant.F16, quant.Q8_0, quant.Q6_K], ids=["F32", "F16", "Q8_0", "Q6_K"])
+def test_gemm_split_over_k(gpu, qtype):
+    """A product split over K (every tile the running class splits, 2 to 4 parts, and one whose last part is empty)
+    matches the reference, and equals the sum of its parts' slabs in order; the choice by split_count given a
+    scratch; the argument checks."""
+    gpuarray, k_gemm = gpu
+    from hybridinfer.backends.gpu import loader
+    from hybridinfer.errors import KernelArgumentError
+
+    cls = loader.kernel_class()
+    rng = np.random.default_rng(77 + qtype)
+    K = 512 if qtype in KQUANTS else 160  # Q8_0 / F: 5 chunks of 32, so 4 parts leave the last one empty
+    T, N = 75, 131
+    raw, wf = _weight(qtype, (N, K), rng)
+    w = k_gemm.DeviceWeight.upload(raw, qtype, (N, K))
+    x = rng.standard_normal((T, K), dtype=np.float32)
+    xd = gpuarray.to_gpu(x)
+    part = gpuarray.to_gpu(np.full(4 * T * N + 3, np.nan, np.float32))
+    for tile in k_gemm.SPLIT_TILES[cls]:
+        for s in (2, 3, 4):
+            out = _poisoned(gpuarray, (T, N))
+            k_gemm.gemm(xd, w, out=out, tile=tile, part=part, ksplit=s)
+            y = out.get()
+            _check(y, x, wf, f"{w} tile={tile} ksplit={s}")
+            slabs = part.get()[:s * T * N].reshape(s, T, N)
+            acc = slabs[0].copy()
+            for z in range(1, s):
+                acc += slabs[z]
+            assert np.array_equal(y, acc), f"{w} tile={tile} ksplit={s}: not the slabs' sum in order"
+    # auto: a card's worth of SMs wanted, this product's tiles fewer; without a scratch, no split
+    tile = k_gemm.SPLIT_TILES[cls][-1]
+    want = k_gemm.split_count(loader.limits(), T, N, K, tile, int(part.size))
+    out = _poisoned(gpuarray, (T, N))
+    k_gemm.gemm(xd, w, out=out, tile=tile, part=part)
+    _check(out.get(), x, wf, f"{w} tile={tile} auto split ({want})")
+    with pytest.raises(KernelArgumentError, match="without a scratch"):
+        k_gemm.gemm(xd, w, out=out, tile=tile, ksplit=2)
+    with pytest.raises(KernelArgumentError, match="scratch"):
+        k_gemm.gemm(xd, w, out=out, tile=tile, part=part[:T * N], ksplit=2)
+    with pytest.raises(KernelArgumentError, match="cannot split"):
+        k_gemm.gemm(xd, w, out=out, tile=tile, part=part, ksplit=K // 32 + 1)
+    unsplit = [t for t in k_gemm.TILES_BY_CLASS[cls] if t not in k_gemm.SPLIT_TILES[cls]]
+    if unsplit:
+        with pytest.raises(KernelArgumentError, match="cannot split"):
+            k_gemm.gemm(xd, w, out=out, tile=unsplit[0], part=part, ksplit=2)

@@ -184,3 +184,29 @@ def test_attention_splits_over_the_context_only_where_cards_idle():
     for T, H, sms in ((1, 2, 132), (16, 64, 132), (5, 8, 80), (3, 1, 1000)):
         n = split_count(T, H, 1 << 20, sms)
         assert n * T * H <= SPLIT_ROWS and (n == 1 or -(-T // BQ) * H < 2 * sms)
+
+
+def test_gemm_splits_over_k_only_where_cards_idle():
+    """k_gemm.split_count: a product of too few tiles for two blocks a multiprocessor splits its k chunks into
+    parts enough for that (at most MAX_SPLIT, each of MIN_PART_CHUNKS chunks at least, no more slabs than the
+    scratch holds), on the tiles whose body splits; everything else runs whole."""
+    from hybridinfer.backends.gpu.k_gemm import MAX_SPLIT, MIN_PART_CHUNKS, SPLIT_TILES, split_count
+
+    fermi = cards.profile_limits("fermi", 14)
+    on_h200 = cards.profile_limits("fermi", 132)
+    # a 448 x 448 image's ffn_down: 784 patches x 1152 x 4320, 13 x 18 tiles of 64 x 64
+    assert split_count(fermi, 784, 1152, 4320, (64, 64)) == 1  # 234 blocks on 14 SMs
+    assert split_count(on_h200, 784, 1152, 4320, (64, 64)) == 2  # 234 < 264
+    assert split_count(on_h200, 784, 1152, 4320, (64, 64), room=784 * 1152) == 1  # the scratch holds one slab
+    assert split_count(on_h200, 784, 1152, 4320, (64, 128)) == 1  # the 128-wide lean body does not split
+    assert split_count(on_h200, 64, 64, 4320, (64, 64)) == MAX_SPLIT
+    assert split_count(on_h200, 64, 64, 32 * (2 * MIN_PART_CHUNKS + 1), (64, 64)) == 2
+    assert split_count(on_h200, 64, 64, 32 * (2 * MIN_PART_CHUNKS - 1), (64, 64)) == 1
+    assert split_count(replace(on_h200, sm_count=0), 64, 64, 4320, (64, 64)) == 1  # the card unknown
+    assert split_count(on_h200, 0, 64, 4320, (64, 64)) == 1
+    assert set(SPLIT_TILES) == set(kclass.CLASSES)
+    for cls, tiles in SPLIT_TILES.items():
+        assert set(tiles) <= set(TILES_BY_CLASS[cls]), cls
+    h200 = cards.limits_for((9, 0), 132)
+    for t in TILES_BY_CLASS[kclass.kernel_class(h200)]:
+        assert split_count(h200, 8, 256, 8192, t) > 1, t  # every r255 tile splits

@@ -22,7 +22,19 @@
 // tiles; a block finds its (e, tile) by a block prefix sum over the experts' tile counts. Both grid
 // dimensions loop (stride gridDim), so any T and N fit sm_20's 65535 limit. Shared memory: at most
 // 36 KB (BM = 128: 128 x 36 + 32 x 128 floats + 256 ints).
+//
+// Split over K (ksplit > 1, for products of too few tiles to fill the card): grid z is the part; part z sums
+// the k chunks [gemm_kchunk(z), gemm_kchunk(z + 1)) and writes its partial sums to slab z of Y, then [ksplit, M,
+// N] (a scratch the launcher passes); ksplit_sum adds the slabs into the output in order, ((Y_0 + Y_1) + Y_2) ...
+// per element, so the result does not depend on the grid. (Every part writes a slab, so the write needs no
+// second pointer: one register more there made the 63-register bodies spill.)
 #include "common.cuh"
+
+// first k chunk of part z when n_chunks are split into ksplit parts (the last parts may be empty)
+__device__ __forceinline__ int gemm_kchunk(int n_chunks, int ksplit, int z) {
+    const int per = (n_chunks + ksplit - 1) / ksplit;
+    return min(n_chunks, z * per);
+}
 
 
 // Find the expert and tile of virtual tile v: returns false when v is past the last tile.
@@ -204,7 +216,8 @@ __device__ __forceinline__ void gemm_load_w(HiQ<QT> wq[WH], const u8* const wptr
 template <int QT, int TM, int TXN, int BK>
 __device__ __forceinline__ void gemm_body(const float* __restrict__ X, const u8* __restrict__ W,
                                           float* __restrict__ Y, const int* __restrict__ offs,
-                                          const int* __restrict__ idx, int E, int M, int N, int K, int row_nbytes) {
+                                          const int* __restrict__ idx, int E, int M, int N, int K, int row_nbytes,
+                                          int ksplit) {
     const int TYN = HI_THREADS / TXN;                       // thread rows along tokens: 16 or 8
     const int BM = TYN * TM, BN = 8 * TXN;                  // the block's tile: BM tokens x BN weight rows
     const int XL = (BM * BK / 4 + HI_THREADS - 1) / HI_THREADS;  // float4 X loads per thread per k chunk
@@ -225,7 +238,8 @@ __device__ __forceinline__ void gemm_body(const float* __restrict__ X, const u8*
         wh[r] = (tid + r * HI_THREADS) / BN;
     }
     const int n_tiles = (N + BN - 1) / BN;
-    const int n_chunks = K / BK;
+    const int c0 = gemm_kchunk(K / BK, ksplit, blockIdx.z), n_chunks = gemm_kchunk(K / BK, ksplit, blockIdx.z + 1);
+    Y += (size_t)blockIdx.z * M * N;
 
     for (int v = blockIdx.y;; v += gridDim.y) {
         int e, r0, cnt;
@@ -259,11 +273,13 @@ __device__ __forceinline__ void gemm_body(const float* __restrict__ X, const u8*
             // chunk c is multiplied out of shared memory
             float4 xr[XL];
             HiQ<QT> wq[WH];
-            gemm_load_x<XL, BK>(xr, xrow, 0, cnt, BM);
-            gemm_load_w<QT, WH, BK>(wq, wptr, wh, 0);
-            gemm_store<QT, XL, WH, BN, BK>(xr, wq, Xs, Ws, BM, wn, wh, wok);
+            if (c0 < n_chunks) {  // an empty part writes zeros
+                gemm_load_x<XL, BK>(xr, xrow, c0, cnt, BM);
+                gemm_load_w<QT, WH, BK>(wq, wptr, wh, c0);
+                gemm_store<QT, XL, WH, BN, BK>(xr, wq, Xs, Ws, BM, wn, wh, wok);
+            }
             __syncthreads();
-            for (int c = 0; c < n_chunks; ++c) {
+            for (int c = c0; c < n_chunks; ++c) {
                 const bool more = c + 1 < n_chunks;
                 if (more) {
                     gemm_load_x<XL, BK>(xr, xrow, c + 1, cnt, BM);
@@ -327,13 +343,13 @@ __device__ __forceinline__ void gemm_body(const float* __restrict__ X, const u8*
 // One entry point per (weight type, tile): name gemm_<type>_b<BM>_n<BN>.
 //   X [*, K] f32; W [E, N, K] GGUF rows; Y [M, N] f32; offs [E+1] int32, non-decreasing, offs[E] <= M,
 //   or NULL for one group of M rows (E = 1, the plain GEMM); idx [M] int32 row indices into X, or NULL
-//   for X rows in grouped order. BODY is gemm_body<QT, TM, TXN, BK> or gemm_body_lean<QT, TM, TXN, BK, CN>.
+//   for X rows in grouped order; ksplit: the split over K above (1: none). BODY is gemm_body<QT, TM, TXN, BK> or gemm_body_lean<QT, TM, TXN, BK, CN>.
 #define GEMM_KERNEL(NAME, BODY)                                                                                \
     extern "C" __global__ void HI_BOUNDS(HI_THREADS)                                                          \
         NAME(const float* __restrict__ X, const u8* __restrict__ W, float* __restrict__ Y,                    \
              const int* __restrict__ offs, const int* __restrict__ idx, int E, int M, int N, int K,          \
-             int row_nbytes) {                                                                                 \
-        BODY(X, W, Y, offs, idx, E, M, N, K, row_nbytes);                                                     \
+             int row_nbytes, int ksplit) {                                                                     \
+        BODY(X, W, Y, offs, idx, E, M, N, K, row_nbytes, ksplit);                                             \
     }
 #define GEMM_FULL(QT, TM, TXN) gemm_body<QT, TM, TXN, 32>
 #define GEMM_LEAN(QT, TM, TXN, CN) gemm_body_lean<QT, TM, TXN, 32, CN>
@@ -354,7 +370,8 @@ __device__ __forceinline__ void gemm_body(const float* __restrict__ X, const u8*
     GEMM_KERNEL(gemm_##name##_b64_n256, GEMM_FULL(QT, 8, 32))
 #else
 // 63 registers a thread: the lean body (gemm_lean.cuh), at most 4 x 8 outputs a thread; the 64 x 128 tile's
-// 4 x 8 by gemm_body_lean_wide, which holds less across its k-chunk loop (spill-free where the other spilled)
+// 4 x 8 by gemm_body_lean_wide, which holds less across its k-chunk loop (spill-free where the other spilled), and
+// the 64 x 64 tile's 4 x 4 too (its four-k-step multiply needs 16 registers for X that gemm_body_lean lacks)
 #define GEMM_TYPE(name, QT)                                          \
     GEMM_KERNEL(gemm_##name##_b16_n128, GEMM_LEAN(QT, 1, 16, 8))     \
     GEMM_KERNEL(gemm_##name##_b32_n128, GEMM_LEAN(QT, 2, 16, 8))     \
@@ -362,7 +379,7 @@ __device__ __forceinline__ void gemm_body(const float* __restrict__ X, const u8*
     GEMM_KERNEL(gemm_##name##_b16_n256, GEMM_LEAN(QT, 2, 32, 8))     \
     GEMM_KERNEL(gemm_##name##_b32_n256, GEMM_LEAN(QT, 4, 32, 8))     \
     GEMM_KERNEL(gemm_##name##_b32_n64, GEMM_LEAN(QT, 2, 16, 4))      \
-    GEMM_KERNEL(gemm_##name##_b64_n64, GEMM_LEAN(QT, 4, 16, 4))
+    GEMM_KERNEL(gemm_##name##_b64_n64, GEMM_LEAN_WIDE(QT, 4, 16, 4))
 #endif
 
 GEMM_TYPE(f32, HI_F32)
@@ -372,3 +389,13 @@ GEMM_TYPE(q8_0, HI_Q8_0)
 GEMM_TYPE(q4_k, HI_Q4_K)
 GEMM_TYPE(q5_k, HI_Q5_K)
 GEMM_TYPE(q6_k, HI_Q6_K)
+
+// Y[i] = part[0][i] + ... + part[nparts - 1][i], in that order (the split over K's last step); n = M N
+extern "C" __global__ void HI_BOUNDS(HI_THREADS)
+    ksplit_sum(float* __restrict__ Y, const float* __restrict__ part, int nparts, int n) {
+    for (int i = blockIdx.x * HI_THREADS + threadIdx.x; i < n; i += gridDim.x * HI_THREADS) {
+        float y = part[i];
+        for (int z = 1; z < nparts; ++z) y += part[(size_t)z * n + i];
+        Y[i] = y;
+    }
+}

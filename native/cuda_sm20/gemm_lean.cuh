@@ -8,9 +8,12 @@
 //   so nothing is held across the multiply (latency is hidden by the other resident blocks instead);
 // - the tile's description (first row, row count, first weight row, expert) and the X row of each tile row are
 //   kept in shared memory and read back after barriers, so they cannot be hoisted into registers;
-// - a k step reads one X value a token (scalar shared loads) instead of a float4 of four k steps;
+// - a k step reads one X value a token (scalar shared loads) instead of a float4 of four k steps, except in the
+//   64-row-wide tiles (gemm_lean_mul_vk), whose 16 accumulators leave room for them;
 // - tiles hold TM x CN outputs a thread, CN = 8 (two float4 of weight rows) or 4 (64-row-wide tiles).
-// The 64 x 128 tile (4 x 8 outputs a thread) has a body of its own, gemm_body_lean_wide, that holds still less.
+// The 64 x 128 and 64 x 64 tiles (4 x 8 and 4 x 4 outputs a thread) have a body of their own, gemm_body_lean_wide,
+// that holds still less. Only the 64-row-wide tiles split over K (gemm.cu): the split's chunk range and slab row
+// made the wider bodies spill.
 #ifndef HYBRIDINFER_GEMM_LEAN_CUH
 #define HYBRIDINFER_GEMM_LEAN_CUH
 
@@ -100,6 +103,35 @@ __device__ __forceinline__ void gemm_lean_mul(float acc[TM][CN], const float* Xs
     }
 }
 
+// gemm_lean_mul for 4 outputs a thread along the weight rows (the 64-row-wide tiles), four k steps at a time: a
+// float4 of X a token and a float4 of W a k step, 2 shared loads per 16 FMAs where the scalar X reads take 5 (the
+// 64 x 64 tile was bound by them). The 16 accumulators leave room for the 16 X values; the wider tiles' 32 do not.
+// The sums are the same FMA chain over k in order.
+template <int TM, int TXN, int BK>
+__device__ __forceinline__ void gemm_lean_mul_vk(float acc[TM][4], const float* Xs, const float* Ws, int tid) {
+    const int TYN = HI_THREADS / TXN, BN = 4 * TXN;
+    const int lane = tid & 31, warp = tid >> 5;
+    const int tx = (lane & 7) | ((warp % (TXN / 8)) << 3), ty = (lane >> 3) | ((warp / (TXN / 8)) << 2);
+#pragma unroll 1
+    for (int k = 0; k < BK; k += 4) {
+        float4 a[TM];
+#pragma unroll
+        for (int i = 0; i < TM; ++i) a[i] = *(const float4*)(Xs + (ty + TYN * i) * (BK + 4) + k);
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+            const float4 b = *(const float4*)(Ws + (k + kk) * BN + 4 * tx);
+#pragma unroll
+            for (int i = 0; i < TM; ++i) {
+                const float x = kk == 0 ? a[i].x : kk == 1 ? a[i].y : kk == 2 ? a[i].z : a[i].w;
+                acc[i][0] = fmaf(x, b.x, acc[i][0]);
+                acc[i][1] = fmaf(x, b.y, acc[i][1]);
+                acc[i][2] = fmaf(x, b.z, acc[i][2]);
+                acc[i][3] = fmaf(x, b.w, acc[i][3]);
+            }
+        }
+    }
+}
+
 // write Y rows r0 + m (m < cnt), columns n0 + 4 TXN h + 4 tx + j (h < CN / 4)
 template <int TM, int TXN, int CN>
 __device__ __forceinline__ void gemm_lean_write(const float acc[TM][CN], float* __restrict__ Y, int r0, int cnt, int n0,
@@ -127,18 +159,30 @@ __device__ __forceinline__ void gemm_lean_write(const float acc[TM][CN], float* 
     }
 }
 
-// a token tile's X rows (past its count, the last valid one again) and its first row, row count and expert in meta
-template <int BM>
+// blockIdx.z read afresh (as gemm_tid below): LLVM hoists what a plain read computes out of the tile loops
+__device__ __forceinline__ int gemm_part() {
+    int z;
+    asm volatile("mov.u32 %0, %%ctaid.z;" : "=r"(z));
+    return z;
+}
+
+// a token tile's X rows (past its count, the last valid one again), and in meta its first Y row, row count, expert
+// and this part's k chunks [meta[6], meta[7]) (kept in shared memory, not registers, across the tile loops)
+template <int BM, bool SPLIT>
 __device__ __forceinline__ void gemm_lean_tile(int* rows, int* meta, const int* __restrict__ idx, int r0, int cnt,
-                                               int e, int tid) {
+                                               int e, int M, int n_chunks, int ksplit, int tid) {
     for (int m = tid; m < BM; m += HI_THREADS) {
         const int r = r0 + min(m, cnt - 1);
         rows[m] = idx ? idx[r] : r;
     }
     if (tid == 0) {
-        meta[0] = r0;
+        meta[0] = SPLIT ? r0 + gemm_part() * M : r0;  // the first Y row: part z writes slab z (gemm.cu)
         meta[1] = cnt;
         meta[3] = e;
+        if (SPLIT) {
+            meta[6] = gemm_kchunk(n_chunks, ksplit, gemm_part());
+            meta[7] = gemm_kchunk(n_chunks, ksplit, gemm_part() + 1);
+        }
     }
 }
 
@@ -146,7 +190,7 @@ template <int QT, int TM, int TXN, int BK, int CN>
 __device__ __forceinline__ void gemm_body_lean(const float* __restrict__ X, const u8* __restrict__ W,
                                                float* __restrict__ Y, const int* __restrict__ offs,
                                                const int* __restrict__ idx, int E, int M, int N, int K,
-                                               int row_nbytes) {
+                                               int row_nbytes, int ksplit) {
     const int TYN = HI_THREADS / TXN;                             // thread rows along tokens
     const int BM = TYN * TM, BN = CN * TXN;                       // the block's tile: BM tokens x BN weight rows
     const int XL = (BM * BK / 4 + HI_THREADS - 1) / HI_THREADS;   // float4 X loads per thread per k chunk
@@ -156,14 +200,15 @@ __device__ __forceinline__ void gemm_body_lean(const float* __restrict__ X, cons
     __shared__ __align__(16) float Ws[BK * BN];
     __shared__ int scan[HI_THREADS];
     __shared__ int rows[BM];  // X row of each tile row (the last valid row past the count)
-    __shared__ int meta[4];   // first row, row count, first weight row, expert of the current tile
+    __shared__ int meta[8];   // first row, row count, first weight row, expert of the current tile; [6, 7): k chunks
     const int tid = threadIdx.x;
     const int n_tiles = (N + BN - 1) / BN;
 
     for (int v = blockIdx.y;; v += gridDim.y) {
         int e, r0, cnt;
         if (!gemm_find_tile(offs, E, M, BM, v, &e, &r0, &cnt, scan, tid)) return;
-        gemm_lean_tile<BM>(rows, meta, idx, r0, cnt, e, tid);
+        gemm_lean_tile<BM, CN == 4>(rows, meta, idx, r0, cnt, e, M, K / BK, ksplit, tid);
+        if (CN == 4) __syncthreads();  // the k chunk loop's bounds are read from meta before its first barrier
         for (int nt = blockIdx.x; nt < n_tiles; nt += gridDim.x) {
             if (tid == 0) meta[2] = nt * BN;
             float acc[TM][CN];
@@ -171,11 +216,14 @@ __device__ __forceinline__ void gemm_body_lean(const float* __restrict__ X, cons
             for (int i = 0; i < TM; ++i)
 #pragma unroll
                 for (int j = 0; j < CN; ++j) acc[i][j] = 0.0f;
-            for (int c = 0; c < K / BK; ++c) {
+            for (int c = CN == 4 ? meta[6] : 0; c < (CN == 4 ? meta[7] : K / BK); ++c) {
                 __syncthreads();  // every thread is done reading chunk c - 1 (and meta is written)
                 gemm_stage_lean<QT, XL, WH, WP, BM, BN, BK>(X, W, rows, meta, N, K, row_nbytes, c, Xs, Ws, tid);
                 __syncthreads();
-                gemm_lean_mul<TM, TXN, BK, CN>(acc, Xs, Ws, tid);
+                if (CN == 4)
+                    gemm_lean_mul_vk<TM, TXN, BK>((float(*)[4])acc, Xs, Ws, tid);
+                else
+                    gemm_lean_mul<TM, TXN, BK, CN>(acc, Xs, Ws, tid);
             }
             gemm_lean_write<TM, TXN, CN>(acc, Y, meta[0], meta[1], meta[2], N, tid);
             __syncthreads();  // meta[2] is rewritten for the next weight tile
@@ -205,7 +253,7 @@ template <int QT, int TM, int TXN, int BK, int CN>
 __device__ __forceinline__ void gemm_body_lean_wide(const float* __restrict__ X, const u8* __restrict__ W,
                                                     float* __restrict__ Y, const int* __restrict__ offs,
                                                     const int* __restrict__ idx, int E, int M, int N, int K,
-                                                    int row_nbytes) {
+                                                    int row_nbytes, int ksplit) {
     const int TYN = HI_THREADS / TXN;
     const int BM = TYN * TM, BN = CN * TXN;
     const int XL = (BM * BK / 4 + HI_THREADS - 1) / HI_THREADS;
@@ -215,13 +263,14 @@ __device__ __forceinline__ void gemm_body_lean_wide(const float* __restrict__ X,
     __shared__ __align__(16) float Ws[BK * BN];
     __shared__ int scan[HI_THREADS];
     __shared__ int rows[BM];
-    __shared__ int meta[6];  // first row, row count, first weight row, expert, token tile v, weight tile nt
+    __shared__ int meta[8];  // first row, row count, first weight row, expert, token tile v, weight tile nt, k chunks
 
     for (int v = blockIdx.y;;) {
         int e, r0, cnt;
         if (!gemm_find_tile(offs, hi_opaque(E), hi_opaque(M), BM, v, &e, &r0, &cnt, scan, gemm_tid())) return;
         const int tid = gemm_tid();
-        gemm_lean_tile<BM>(rows, meta, idx, r0, cnt, e, tid);
+        gemm_lean_tile<BM, CN == 4>(rows, meta, idx, r0, cnt, e, hi_opaque(M), hi_opaque(K) / BK, hi_opaque(ksplit),
+                           tid);
         if (tid == 0) {
             meta[4] = v;
             meta[5] = blockIdx.x;
@@ -236,12 +285,15 @@ __device__ __forceinline__ void gemm_body_lean_wide(const float* __restrict__ X,
             for (int i = 0; i < TM; ++i)
 #pragma unroll
                 for (int j = 0; j < CN; ++j) acc[i][j] = 0.0f;
-            for (int c = 0; c < hi_opaque(K) / BK; ++c) {
+            for (int c = CN == 4 ? meta[6] : 0; c < (CN == 4 ? meta[7] : hi_opaque(K) / BK); ++c) {
                 __syncthreads();  // every thread is done reading chunk c - 1 (and meta is written)
                 gemm_stage_lean<QT, XL, WH, WP, BM, BN, BK, 2>(X, W, rows, meta, hi_opaque(N), hi_opaque(K),
                                                                hi_opaque(row_nbytes), c, Xs, Ws, gemm_tid());
                 __syncthreads();
-                gemm_lean_mul<TM, TXN, BK, CN>(acc, Xs, Ws, gemm_tid());
+                if (CN == 4)
+                    gemm_lean_mul_vk<TM, TXN, BK>((float(*)[4])acc, Xs, Ws, gemm_tid());
+                else
+                    gemm_lean_mul<TM, TXN, BK, CN>(acc, Xs, Ws, gemm_tid());
             }
             gemm_lean_write<TM, TXN, CN>(acc, Y, meta[0], meta[1], meta[2], hi_opaque(N), gemm_tid());
             __syncthreads();  // every thread has read meta[5] and meta[2]

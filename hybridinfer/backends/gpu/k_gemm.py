@@ -97,6 +97,11 @@ _PREFERENCE = {
     kclass.R63: ((64, 128), (64, 64), (32, 256), (32, 128), (32, 64)),
 }
 _FALLBACK = {kclass.R255: (16, 128), kclass.R63: (16, 128)}
+# tiles whose body splits over K (gemm.cu): every tile of r255; of r63 the 64-wide ones only, whose split costs no
+# register (the split's chunk range and slab row made the 128- and 256-wide lean bodies spill)
+SPLIT_TILES = {kclass.R255: TILES_BY_CLASS[kclass.R255], kclass.R63: ((32, 64), (64, 64))}
+MAX_SPLIT = 4
+MIN_PART_CHUNKS = 8  # k chunks of 32 a part at least: the partial sums' write and sum cost about one chunk's reads
 
 
 def tile_usage(cls: str, qtype: int, tile: tuple[int, int]) -> tuple[int, int, int] | None:
@@ -143,6 +148,23 @@ def choose_tile(limits: CardLimits, T: int, N: int, K: int, qtype: int,
     return min(TILES_BY_CLASS[cls], key=lambda t: (tile_usage(cls, qtype, t) or (0, 1 << 30, 0))[1])
 
 
+def split_count(limits: CardLimits, T: int, N: int, K: int, tile: tuple[int, int], room: int | None = None) -> int:
+    """Parts to split the k chunks of Y[T, N] = X[T, K] W^T into, on `tile` under `limits`: 1 unless the product
+    has too few tiles to give every multiprocessor (limits.sm_count; 0: unknown, no split) two blocks, whose
+    lean bodies hide their loads behind each other (a Fermi card's 14 SMs rarely lack them; an H200's 132 do for a
+    ViT's narrow products). Then as many as bring it to two blocks a multiprocessor, at most MAX_SPLIT, each of
+    MIN_PART_CHUNKS chunks at least, and (room: the floats of the scratch the caller has) no more slabs of T x N
+    than fit it."""
+    cls = kclass.kernel_class(limits)
+    if tuple(tile) not in SPLIT_TILES[cls] or not limits.sm_count or T < 1:
+        return 1
+    blocks = loader.grid_for(T, tile[0]) * loader.grid_for(N, tile[1])
+    s = min(MAX_SPLIT, -(-2 * limits.sm_count // blocks), (K // 32) // MIN_PART_CHUNKS)
+    if room is not None:
+        s = min(s, room // (T * N))
+    return max(1, s)
+
+
 def pick_tile(rows_per_group: float, n_rows: int, n_cols: int, sm_count: int | None = None, qtype: int = quant.Q4_K,
               K: int = 256) -> tuple[int, int]:
     """choose_tile under the running card's (or its --card-profile's) limits."""
@@ -155,7 +177,7 @@ def pick_tile(rows_per_group: float, n_rows: int, n_cols: int, sm_count: int | N
 
 
 def _launch(name: str, tile: tuple[int, int], x_ptr, w: DeviceWeight, y_ptr, offs_ptr, idx_ptr, n_group: int,
-            m: int, n_tiles_t: int, stream):
+            m: int, n_tiles_t: int, stream, ksplit: int = 1):
     N, K = w.shape[-2], w.shape[-1]
     tiles = TILES_BY_CLASS[loader.kernel_class()]
     if tuple(tile) not in tiles:
@@ -164,9 +186,9 @@ def _launch(name: str, tile: tuple[int, int], x_ptr, w: DeviceWeight, y_ptr, off
         raise KernelArgumentError(f"gemm: extents M={m} N={N} K={K} exceed int32")
     bm, bn = tile
     wptr = _aligned(w.data.gpudata, _ALIGN.get(w.qtype, 2), "weight")
-    grid = (min(loader.grid_for(N, bn), loader.MAX_GRID), max(1, min(n_tiles_t, loader.MAX_GRID)))
+    grid = (min(loader.grid_for(N, bn), loader.MAX_GRID), max(1, min(n_tiles_t, loader.MAX_GRID)), ksplit)
     args = [x_ptr, wptr, y_ptr, offs_ptr, idx_ptr, np.int32(n_group), np.int32(m), np.int32(N), np.int32(K),
-            np.int32(w.row_nbytes)]
+            np.int32(w.row_nbytes), np.int32(ksplit)]
     loader.launch(FAMILY, f"gemm_{name}_b{bm}_n{bn}", grid, (256,), args, stream=stream)
 
 
@@ -179,12 +201,16 @@ def _out(out, shape: tuple, what: str):
     return out
 
 
-def gemm(x, w: DeviceWeight, out=None, tile: tuple[int, int] | None = None, stream=None):
+def gemm(x, w: DeviceWeight, out=None, tile: tuple[int, int] | None = None, stream=None, part=None,
+         ksplit: int | None = None):
     """out[T, N] = x[T, K] @ W[N, K]^T.
 
     x: float32 (T, K) C-contiguous, 16-byte aligned; w: DeviceWeight of shape (N, K), type F32, F16, Q4_0,
     Q8_0, Q4_K, Q5_K or Q6_K; out: float32 (T, N) (allocated when None; must not overlap x).
-    tile: (tokens, rows) of a block's output tile, one of TILES_BY_CLASS[class] (choose_tile's when None). Returns out.
+    tile: (tokens, rows) of a block's output tile, one of TILES_BY_CLASS[class] (choose_tile's when None).
+    part: a float32 scratch on the card (any shape, 16-byte aligned, overlapping neither x nor out) that lets the
+    product split over K (split_count's parts, or `ksplit` when given: the partial sums go to part, ksplit slabs
+    of T x N, and are added into out in order); None: no split. Returns out.
     """
     name = _check_weight(w, 2, GEMM_TYPES)
     N, K = w.shape
@@ -195,7 +221,21 @@ def gemm(x, w: DeviceWeight, out=None, tile: tuple[int, int] | None = None, stre
     if T == 0:
         return out
     tile = tile or pick_tile(T, T, N, qtype=w.qtype, K=K)
-    _launch(name, tile, xp, w, yp, _NULL, _NULL, 1, T, loader.grid_for(T, tile[0]), stream)
+    if ksplit is not None and part is None:
+        raise KernelArgumentError(f"gemm: ksplit={ksplit} without a scratch `part` for its partial sums")
+    s = 1 if part is None else int(ksplit or split_count(loader.limits(), T, N, K, tile, int(part.size)))
+    if s == 1:
+        _launch(name, tile, xp, w, yp, _NULL, _NULL, 1, T, loader.grid_for(T, tile[0]), stream)
+        return out
+    if tuple(tile) not in SPLIT_TILES[loader.kernel_class()] or not 1 < s <= K // 32:
+        raise KernelArgumentError(f"gemm: tile {tile} with K={K} cannot split into {s} parts on this card's class")
+    if part.dtype != np.float32 or part.size < s * T * N or s * T * N >= 2**31:
+        raise KernelArgumentError(f"gemm: scratch {part.dtype} of {part.size} values for {s} parts of {T} x {N}")
+    pp = _aligned(part.gpudata, 16, "gemm part")
+    _launch(name, tile, xp, w, pp, _NULL, _NULL, 1, T, loader.grid_for(T, tile[0]), stream, ksplit=s)
+    n = T * N
+    loader.launch(FAMILY, "ksplit_sum", (min(loader.grid_for(n, 256), loader.MAX_GRID),), (256,),
+                  [yp, pp, np.int32(s), np.int32(n)], stream=stream)
     return out
 
 

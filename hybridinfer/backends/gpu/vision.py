@@ -127,8 +127,10 @@ class GPUVisionOps(RefVisionOps):
             self._note()
         return v
 
-    def _product(self, x, name: str, out_flat):
-        """out = x @ W(name)ᵀ into the front of out_flat, timed between two events (read after the download)."""
+    def _product(self, x, name: str, out_flat, part=None):
+        """out = x @ W(name)ᵀ into the front of out_flat, timed between two events (read after the download). part:
+        a buffer free at this point, which lets a product of too few tiles for the card split over K
+        (k_gemm.split_count); its partial sums go there."""
         import pycuda.driver as drv
 
         from .k_gemm import gemm, pick_tile
@@ -139,7 +141,7 @@ class GPUVisionOps(RefVisionOps):
         tile = pick_tile(rows, rows, n, qtype=w.qtype, K=w.shape[1])
         ev = (drv.Event(), drv.Event())
         ev[0].record()
-        gemm(x, w, out=y, tile=tile)
+        gemm(x, w, out=y, tile=tile, part=part)
         ev[1].record()
         self._timed.append((name, 2 * rows * n * matrix_shape(self.args, name)[1], tile, ev))  # the unpadded work
         return y
@@ -200,7 +202,8 @@ class GPUVisionOps(RefVisionOps):
         cos, sin = t.rope_tables(gh, gw, m, hd)
         cs, sn = _put(B["rope"], cos), _put(B["rope"], sin, n * hd)
         with self._stage(("v.patch_embd",)):
-            y = self._product(_put(B["h"], _pad_cols(patches, padded(a.prep.patch_dim))), "v.patch_embd", B["y"])
+            y = self._product(_put(B["h"], _pad_cols(patches, padded(a.prep.patch_dim))), "v.patch_embd", B["y"],
+                              B["qkv"])
             ke.bias_act(y, x, self._on_card("v.patch_embd.bias"), "add")  # the position rows + (patches W + b)
         h, g = _view(B["h"], (n, cp)), _view(B["g"], (n, padded(a.n_ff)))
         qkv, o = _view(B["qkv"], (3, n, nh, hd)), _view(B["o"], (n, nh, hd))
@@ -210,16 +213,16 @@ class GPUVisionOps(RefVisionOps):
             b = f"v.blk.{i}."
             with self._stage([b + p for p in ("attn_qkv", "attn_out", "ffn_up", "ffn_down")]):
                 ke.layer_norm(x, self._on_card(b + "ln1.weight"), self._on_card(b + "ln1.bias"), eps, h)
-                y = self._product(h, b + "attn_qkv", B["y"])
+                y = self._product(h, b + "attn_qkv", B["y"], B["g"])
                 ke.rope_split(y, self._on_card(b + "attn_qkv.bias"), cs, sn, qkv)
                 ka.attention_full(q, k, v, o, hd ** -0.5)
                 src = o2 if c == cp else ke.bias_act(o2, h)  # rows padded for the product
-                y = self._product(src, b + "attn_out", B["y"])
+                y = self._product(src, b + "attn_out", B["y"], B["g"])
                 ke.bias_act(y, x, self._on_card(b + "attn_out.bias"), "add")
                 ke.layer_norm(x, self._on_card(b + "ln2.weight"), self._on_card(b + "ln2.bias"), eps, h)
-                y = self._product(h, b + "ffn_up", B["y"])
+                y = self._product(h, b + "ffn_up", B["y"], B["qkv"])
                 ke.bias_act(y, g, self._on_card(b + "ffn_up.bias"), "gelu_tanh")
-                y = self._product(g, b + "ffn_down", B["y"])
+                y = self._product(g, b + "ffn_down", B["y"], B["qkv"])
                 ke.bias_act(y, x, self._on_card(b + "ffn_down.bias"), "add")
         nm, mc = n // (m * m), a.merged_dim
         ke.layer_norm(x, self._on_card("v.post_ln.weight"), self._on_card("v.post_ln.bias"), eps, o2)
@@ -227,9 +230,9 @@ class GPUVisionOps(RefVisionOps):
         if mc != padded(mc):
             merged = ke.bias_act(merged, _view(B["h"], (nm, padded(mc))))
         with self._stage(("mm.0", "mm.2")):
-            y = self._product(merged, "mm.0", B["y"])
+            y = self._product(merged, "mm.0", B["y"], B["qkv"])
             y = self._product(ke.bias_act(y, _view(B["g"], (nm, padded(mc))), self._on_card("mm.0.bias"), "gelu_erf"),
-                              "mm.2", B["y"])
+                              "mm.2", B["y"], B["qkv"])
             ke.bias_act(y, y, self._on_card("mm.2.bias"))
             out = y.get()
         self._settle()
