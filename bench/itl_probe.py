@@ -41,6 +41,8 @@ def trace(sched) -> dict:
         for name in ("drafts", "verify"):
             setattr(eng.spec, name, timed("spec." + name, getattr(eng.spec, name)))
     eng.decode_step = timed("decode_step", eng.decode_step)
+    eng.new_state = timed("restore.new_state", eng.new_state)  # a restore's parts: the state, the prefix's copy
+    eng.restore = timed("restore.copy", eng.restore)
     for name in ("_restore", "_decode", "_flush_cache", "_complete", "_admit"):
         setattr(sched, name, timed(name, getattr(sched, name)))
     pre = sched._prefill_steps
@@ -98,6 +100,7 @@ def main() -> None:
     ap.add_argument("--step-tokens", type=int, default=None)
     ap.add_argument("--chat", action="store_true", help="short chat prompts instead (bench serve's chat load)")
     ap.add_argument("--stall", type=float, default=None, help="compute.STALL for this run")
+    ap.add_argument("--cold", action="store_true", help="no Engine.warm_states before the load (the server warms)")
     a = ap.parse_args()
     if a.stall is not None:
         import hybridinfer.engine.scheduler as sch
@@ -107,6 +110,10 @@ def main() -> None:
     kw = {} if a.step_tokens is None else {"step_tokens": a.step_tokens}
     eng = Engine.load(a.model, backend="cpu", n_threads=a.threads, n_ctx=a.S + 2048, prefix_cache=True,
                       max_seqs=a.max_seqs, **kw)
+    if not a.cold:
+        from hybridinfer.serving.serve.service import WARM_ROWS
+
+        eng.warm_states(min(eng.n_ctx, WARM_ROWS))
     system = system_prompt(a.S)
     eng.generate([{"role": "system", "content": system}, {"role": "user", "content": "hi"}], max_tokens=2)
     rec = trace(eng.scheduler)

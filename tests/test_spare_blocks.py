@@ -154,3 +154,92 @@ def test_a_state_still_viewed_is_left_whole_at_release(oracle_gguf):
     eng.release(st)
     assert len(eng.spares) == 0 and st.pos == 10 and list(st.tokens[:10]) == list(range(5, 15))
     assert np.array_equal(next(a for _, _, a in st.held(per_token=True))[:3], row)
+
+
+def _minor_faults(fn) -> int:
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    fn()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+
+def _on_fresh_pages(st: DecoderState) -> None:
+    """Move `st` onto blocks of fresh anonymous pages in 4 KiB pages (no huge pages, whatever the host's setting):
+    each first write of a page then faults, whatever malloc has kept mapped."""
+    import mmap
+
+    blocks = []
+    for b in st.blocks:
+        m = mmap.mmap(-1, b.nbytes)
+        if hasattr(mmap, "MADV_NOHUGEPAGE"):
+            m.madvise(mmap.MADV_NOHUGEPAGE)
+        blocks.append(np.frombuffer(m, np.uint8))
+    st.adopt(tuple(blocks))
+
+
+def test_a_warm_set_faults_no_page_where_a_fresh_one_does(oracle_gguf):
+    """SpareBlocks.warm writes a fresh state's recurrent arrays and first `rows` positions: a state that adopts the
+    set writes them without a page fault, where the same writes into fresh pages fault; it counts those bytes."""
+    eng = Engine.load(oracle_gguf("qwen35", "q8_0"), backend="cpu", n_ctx=4096, prefix_cache=False)
+    rows = 1024
+    spares = SpareBlocks(2)
+    st = _fresh(eng)
+    _on_fresh_pages(st)
+    assert spares.warm(st, rows) and spares.kept_bytes == SpareBlocks.touched(_fresh(eng), rows)
+
+    def write(st):
+        def go():
+            for _, _, a in st.held(per_token=False):
+                a[...] = 1
+            for _, _, a in st.held(per_token=True):
+                a[:rows] = 1
+        return go
+
+    warm, cold = _fresh(eng), _fresh(eng)
+    assert spares.take(warm)
+    _on_fresh_pages(cold)
+    assert _minor_faults(write(warm)) <= 2
+    assert _minor_faults(write(cold)) >= 8
+    used = _fresh(eng)
+    used.pos = 3
+    assert not spares.warm(used, rows)  # only a fresh state's blocks
+    eng.close()
+
+
+def test_warm_states_keeps_max_seqs_sets_that_new_states_adopt(oracle_gguf):
+    """Engine.warm_states keeps max_seqs written sets (no more on a second call); a new state adopts one, and the
+    logits from it are those from fresh buffers."""
+    eng = Engine.load(oracle_gguf("qwen35", "q8_0"), backend="cpu", n_ctx=4096, prefix_cache=False, max_seqs=3)
+    rows = 1024
+    assert eng.warm_states(rows) == 3 and len(eng.spares) == 3
+    assert eng.spares.kept_bytes == 3 * SpareBlocks.touched(_fresh(eng), rows)
+    assert eng.warm_states(rows) == 3
+    st = eng.new_state()
+    assert len(eng.spares) == 2
+    ids = list(range(30, 45))
+    assert np.array_equal(eng.prefill(ids, st, all_logits=True), eng.prefill(ids, _fresh(eng), all_logits=True))
+    eng.close()
+
+
+def test_warm_states_stay_within_the_state_budget(oracle_gguf):
+    """Under a state budget, warm_states keeps only the sets it holds (here one and a half sets' bytes: one)."""
+    path = oracle_gguf("qwen35", "q8_0")
+    probe = Engine.load(path, backend="cpu", n_ctx=2048, prefix_cache=False)
+    one = SpareBlocks.touched(_fresh(probe), 512)
+    probe.close()
+    eng = Engine.load(path, backend="cpu", n_ctx=2048, prefix_cache=False, max_seqs=4, state_budget=one * 3 // 2)
+    assert eng.warm_states(512) == 1 and eng.spares.kept_bytes == one <= eng.state_budget
+    eng.close()
+
+
+def test_the_server_warms_its_states_before_serving(oracle_gguf):
+    """create_app keeps the engine's max_seqs state sets warm before the first request."""
+    pytest.importorskip("fastapi")
+    from hybridinfer.serving.serve.app import create_app
+
+    eng = Engine.load(oracle_gguf("qwen35", "q8_0"), backend="cpu", n_ctx=4096, prefix_cache=False, max_seqs=2)
+    assert len(eng.spares) == 0
+    create_app(eng)
+    assert len(eng.spares) == 2
+    eng.close()

@@ -16,6 +16,8 @@ All buffers are allocated once, at `new()`; prefill and decode write into them.
 
 from __future__ import annotations
 
+import contextlib
+import mmap
 import sys
 import weakref
 from dataclasses import dataclass, field
@@ -24,6 +26,24 @@ import numpy as np
 
 from ..errors import ContextLengthError
 from ..models.state_kinds import ARRAYS, layer_arrays
+
+
+HUGE_BLOCK = 4 << 20  # blocks from this size ask for huge pages (as numpy's own allocations do)
+
+
+def _mapped_zeros(n: int) -> np.ndarray:
+    """n zero bytes on fresh anonymous pages, mapped lazily. Not np.zeros: glibc serves a calloc below its mmap
+    threshold (which grows to 32 MiB as large blocks are freed) from the heap and then zeroes it whole, so a new
+    state's 20 MB recurrent block sometimes cost 44 ms on a 2-core VM, inside a scheduler step. Blocks of
+    HUGE_BLOCK and more ask for huge pages, so the first write of a 60 MB recurrent state (a GPU prefill's hand-off)
+    faults 2 MiB pages, not 15,000 small ones. The pages go back to the system with the last view."""
+    if n <= 0:
+        return np.zeros(0, np.uint8)
+    m = mmap.mmap(-1, n)
+    if n >= HUGE_BLOCK and hasattr(mmap, "MADV_HUGEPAGE"):
+        with contextlib.suppress(OSError):  # a kernel without transparent huge pages
+            m.madvise(mmap.MADV_HUGEPAGE)
+    return np.frombuffer(m, np.uint8)
 
 
 @dataclass
@@ -53,10 +73,8 @@ class DecoderState:
     def new(cls, args, n_ctx: int, layer_types=None) -> DecoderState:
         """Zero state for `args` (any architecture's ModelArgs) with room for `n_ctx` tokens, holding the arrays of
         `layer_types` (default the trunk's; state_kinds.sequence_layer_types adds the MTP block's rows).
-        np.zeros maps pages lazily, so a long n_ctx costs only what is written. The per-layer arrays are views
-        of two blocks (recurrent state, per-token rows): numpy asks the kernel for huge pages on blocks of 4 MiB and
-        more, so the first write of a 60 MB recurrent state (a GPU prefill's hand-off) faults 2 MiB pages, not
-        15,000 small ones."""
+        The per-layer arrays are views of two blocks (recurrent state, per-token rows) of pages mapped lazily
+        (_mapped_zeros), so a long n_ctx costs only what is written."""
         lt = tuple(args.layer_types if layer_types is None else layer_types)
         st = cls(n_ctx=n_ctx, layer_types=lt, tokens=np.zeros(n_ctx, np.int32))
         parts = [(i, s, s.storage(args)[0], s.full_shape(args, n_ctx)) for i, s in layer_arrays(lt)]
@@ -68,7 +86,7 @@ class DecoderState:
             for _, _, dt, shape in mine:
                 offs.append(off)
                 off += -(-dt.itemsize * int(np.prod(shape)) // 64) * 64
-            block = np.zeros(off, np.uint8)
+            block = _mapped_zeros(off)
             blocks.append(block)
             for (i, s, dt, shape), o in zip(mine, offs, strict=True):
                 n = dt.itemsize * int(np.prod(shape))
@@ -200,12 +218,32 @@ class SpareBlocks:
             # the state's views, its blocks tuple and the call's argument; any more is a view held elsewhere
             if sys.getrefcount(blocks[j]) > own + 2:
                 return False
-        rows = min(state.n_ctx, state.pos + self.SLACK_ROWS)
-        touched = sum(a.nbytes for _, _, a in state.held(False)) + sum(a[:rows].nbytes for _, _, a in state.held(True))
+        touched = self.touched(state, state.pos + self.SLACK_ROWS)
         state.arrays = {name: [None] * len(arrs) for name, arrs in state.arrays.items()}
         state.blocks, state.pos = (), 0
         self._kept.append((blocks, touched))
         return True
+
+    @staticmethod
+    def touched(state: DecoderState, rows: int) -> int:
+        """Bytes of `state`'s recurrent arrays and of its first `rows` positions of per-token rows."""
+        rows = min(state.n_ctx, rows)
+        return sum(a.nbytes for _, _, a in state.held(False)) + sum(a[:rows].nbytes for _, _, a in state.held(True))
+
+    def warm(self, state: DecoderState, rows: int) -> bool:
+        """Keep a fresh `state`'s blocks with their pages written (its recurrent arrays and its first `rows` positions
+        of per-token rows, zeros), as a released state's are: the first sequences then write warm pages too. In a
+        VM a first write to a page is dear, and numpy's huge pages make a restore's few rows of each layer fault
+        2 MiB each (a 2-core VM: 60-130 ms of a 21 MB restore into fresh blocks under load, against 2 ms into
+        warm ones). False (nothing kept) when the set is full or the state has no blocks."""
+        if not state.blocks or len(self._kept) >= self.most or state.pos:
+            return False
+        r = min(state.n_ctx, max(rows, 0))
+        state.blocks[0].fill(0)
+        for _, _, a in state.held(True):
+            a[:r] = 0
+        state.pos = max(0, r - self.SLACK_ROWS)  # give() counts rows up to pos + SLACK_ROWS as touched
+        return self.give(state)
 
     def take(self, state: DecoderState) -> bool:
         """Give the fresh `state` a kept set of its layout (DecoderState.adopt); False when none is kept."""

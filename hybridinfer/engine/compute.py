@@ -284,6 +284,21 @@ class Compute:
                 self.backend.release(state)
                 self.spares.give(state)
 
+    def warm_states(self, rows: int) -> int:
+        """Keep up to max_seqs states' buffers ready before any request (SpareBlocks.warm: their recurrent arrays and
+        first `rows` positions written), as many as the state budget holds: a server's first max_seqs sequences then
+        restore and decode into warm pages as later ones do. Returns the sets kept."""
+        with self.lock:
+            be = self._open()
+            while len(self.spares) < self.spares.most:
+                st = be.new_state(self.n_ctx)
+                need = self.spares.touched(st, rows)
+                if self.state_budget is not None and self.spares.kept_bytes + need > self.state_budget:
+                    break
+                if not self.spares.warm(st, rows):
+                    break
+            return len(self.spares)
+
     def trim_spares(self, room: int | None) -> None:
         """Let the kept buffers of released states go until they hold at most `room` bytes (None: all)."""
         with self.lock:

@@ -25,6 +25,9 @@ from .metrics import Metrics
 
 _DONE = object()
 _SHUTDOWN = object()
+# positions of every kept state's K/V written before the first request (Engine.warm_states): a 2,000-token shared
+# system prompt's restore then writes warm pages
+WARM_ROWS = 2048
 DEFAULT_RENDER_THREADS = 2  # parsing, rendering and tokenizing are CPU-bound Python: more threads add only memory
 
 
@@ -55,6 +58,7 @@ class Service(Context):
         super().__init__(engine, model_name, strict_model_name)
         self.metrics, self.max_body, self.report_cached = metrics, max_body, report_cached
         self.scheduler = engine.scheduler
+        engine.warm_states(min(engine.n_ctx, WARM_ROWS))
         self.limit = engine.max_seqs + max_queue  # requests held at once: running plus queued
         self.render_threads = render_threads
         self._held = 0
