@@ -27,7 +27,6 @@ import numpy as np
 from ..errors import ContextLengthError
 from ..models.state_kinds import ARRAYS, layer_arrays
 
-
 HUGE_BLOCK = 4 << 20  # blocks from this size ask for huge pages (as numpy's own allocations do)
 
 
