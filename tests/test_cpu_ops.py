@@ -401,6 +401,32 @@ def test_sample_greedy_exact():
                 p = SamplingParams(temperature=0.0, repeat_penalty=rp, presence_penalty=pp, frequency_penalty=fp,
                                    repeat_last_n=8)
                 assert _nb_sample(logits, p, hist, rng, scr) == Sampler(p)(logits, hist)
+                assert sampling.choose(logits, p, hist, len(hist), rng, scr) == Sampler(p)(logits, hist)
+
+
+def test_choose_greedy_takes_samples_pick_on_ties_masks_and_nan():
+    """sampling.choose's greedy fast path (numpy's arg max) picks what sample's loop picks: the lowest id of tied
+    maxima, a row masked to -inf but for a few, an all -inf row (id 0), and rows with NaN (sample's rule: NaN is
+    passed by, except at id 0)."""
+    rs = np.random.default_rng(5)
+    V = 248_320
+    scr, rng = sampling.SampleScratch(V), sampling.rng_new(0)
+    p = SamplingParams(temperature=0.0)
+    hist = np.zeros(0, np.int32)
+    rows = []
+    x = rnd(rs, V, scale=3.0)
+    x[[9000, 17, 200_000]] = x.max() + 2.0
+    rows.append(x)
+    m = np.full(V, -np.inf, np.float32)
+    m[[40, 41, 7]] = (1.0, 2.0, 2.0)
+    rows += [m, np.full(V, -np.inf, np.float32)]
+    for where in ((0,), (3,), (123_456, 5)):
+        y = rnd(rs, V, scale=3.0)
+        y[list(where)] = np.nan
+        rows.append(y)
+    for x in rows:
+        assert sampling.choose(x, p, hist, 0, rng, scr) == _nb_sample(x, p, hist, rng, scr)
+    assert sampling.choose(rows[0], p, hist, 0, rng, scr) == 17 and sampling.choose(m, p, hist, 0, rng, scr) == 7
 
 
 @pytest.mark.parametrize("params", [

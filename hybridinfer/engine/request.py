@@ -61,15 +61,13 @@ class TokenSampler:
     def __call__(self, logits: np.ndarray, state) -> tuple[int, str, bool]:
         """(token, text safe to emit, ended) for the sequence in `state` with these next-token logits (a
         constraint masks them in place). ended: an end-of-generation token, a stop string or max_tokens."""
-        from .sampling import sample
+        from .sampling import choose
 
         req, p, g = self.req, self.req.params, self.gen
         raw = logits.copy() if req.logprobs is not None and req.constraint is not None else logits
         if req.constraint is not None:
             req.constraint.mask(logits)
-        t = int(sample(logits, p.temperature, p.top_k, p.top_p, p.min_p, p.repeat_penalty, p.presence_penalty,
-                       p.frequency_penalty, state.tokens, state.pos, p.repeat_last_n, self.rng, self.scratch.xs,
-                       self.scratch.idx))
+        t = choose(logits, p, state.tokens, state.pos, self.rng, self.scratch)
         if req.logprobs is not None and t not in self.text.stop_ids:
             if g.logprobs is None:
                 g.logprobs = []

@@ -286,6 +286,20 @@ def sample(logits, temperature, top_k, top_p, min_p, repeat_penalty, presence_pe
     return idx[base + n - 1]
 
 
+def choose(logits, p: SamplingParams, history, n_hist: int, rng, scratch: SampleScratch) -> int:
+    """The token `sample` picks under `p`, the plain greedy case (temperature 0, no penalty) through numpy's
+    vectorised arg max, which returns the first of the maxima as sample's loop does: over Qwen's 248,320 logits 0.034
+    ms against 0.23 on the 2-core VM, most of a token's sampling, a step's sampling being one per sequence. Logits
+    with a NaN go through `sample` (its loop passes NaN by; numpy's arg max would pick the first)."""
+    penalise = n_hist > 0 and (p.repeat_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0)
+    if p.temperature == 0.0 and not penalise:
+        t = int(np.argmax(logits))
+        if not np.isnan(logits[t]):
+            return t
+    return int(sample(logits, p.temperature, p.top_k, p.top_p, p.min_p, p.repeat_penalty, p.presence_penalty,
+                      p.frequency_penalty, history, n_hist, p.repeat_last_n, rng, scratch.xs, scratch.idx))
+
+
 def warmup() -> None:
     V = 16
     sc = SampleScratch(V)
