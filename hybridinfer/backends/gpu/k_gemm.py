@@ -101,7 +101,7 @@ _FALLBACK = {kclass.R255: (16, 128), kclass.R63: (16, 128)}
 # register (the split's chunk range and slab row made the 128- and 256-wide lean bodies spill)
 SPLIT_TILES = {kclass.R255: TILES_BY_CLASS[kclass.R255], kclass.R63: ((32, 64), (64, 64))}
 MAX_SPLIT = 4
-MIN_PART_CHUNKS = 8  # k chunks of 32 a part at least: the partial sums' write and sum cost about one chunk's reads
+MIN_PART_CHUNKS = 8  # k chunks of 32 a part at least, so a part's slab write and sum stay small beside its reads
 
 
 def tile_usage(cls: str, qtype: int, tile: tuple[int, int]) -> tuple[int, int, int] | None:
