@@ -171,7 +171,7 @@ def _on_fresh_pages(st: DecoderState) -> None:
 
     blocks = []
     for b in st.blocks:
-        m = mmap.mmap(-1, b.nbytes)
+        m = mmap.mmap(-1, b.nbytes, flags=mmap.MAP_PRIVATE)
         if hasattr(mmap, "MADV_NOHUGEPAGE"):
             m.madvise(mmap.MADV_NOHUGEPAGE)
         blocks.append(np.frombuffer(m, np.uint8))

@@ -38,7 +38,7 @@ def _mapped_zeros(n: int) -> np.ndarray:
     faults 2 MiB pages, not 15,000 small ones. The pages go back to the system with the last view."""
     if n <= 0:
         return np.zeros(0, np.uint8)
-    m = mmap.mmap(-1, n)
+    m = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE)  # private, as the heap is (fd -1: anonymous); not shared memory
     if n >= HUGE_BLOCK and hasattr(mmap, "MADV_HUGEPAGE"):
         with contextlib.suppress(OSError):  # a kernel without transparent huge pages
             m.madvise(mmap.MADV_HUGEPAGE)
