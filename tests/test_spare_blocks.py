@@ -243,3 +243,26 @@ def test_the_server_warms_its_states_before_serving(oracle_gguf):
     create_app(eng)
     assert len(eng.spares) == 2
     eng.close()
+
+
+def test_state_blocks_are_private_to_the_process():
+    """A state's blocks (state._mapped_zeros) are private pages, as the heap's are: a forked child's write does not
+    reach the parent (mmap's default, shared memory, would), and they start zero."""
+    import os
+    import warnings
+
+    from hybridinfer.backends.state import _mapped_zeros
+
+    a = _mapped_zeros(8 << 20)
+    assert a.nbytes == 8 << 20 and not a[:: 1 << 16].any() and a.flags.writeable
+    a[0] = 1
+    with warnings.catch_warnings():  # Python 3.12 warns of fork() in a process with threads: the child only writes
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:  # the child: write and leave at once
+        a[0] = 7
+        a[-1] = 7
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert a[0] == 1 and a[-1] == 0
+    assert _mapped_zeros(0).nbytes == 0
