@@ -343,7 +343,8 @@ __device__ __forceinline__ void gemm_body(const float* __restrict__ X, const u8*
 // One entry point per (weight type, tile): name gemm_<type>_b<BM>_n<BN>.
 //   X [*, K] f32; W [E, N, K] GGUF rows; Y [M, N] f32; offs [E+1] int32, non-decreasing, offs[E] <= M,
 //   or NULL for one group of M rows (E = 1, the plain GEMM); idx [M] int32 row indices into X, or NULL
-//   for X rows in grouped order; ksplit: the split over K above (1: none). BODY is gemm_body<QT, TM, TXN, BK> or gemm_body_lean<QT, TM, TXN, BK, CN>.
+//   for X rows in grouped order; ksplit: the split over K above (1: none). BODY is gemm_body<QT, TM, TXN, BK>
+//   or gemm_body_lean<QT, TM, TXN, BK, CN>.
 #define GEMM_KERNEL(NAME, BODY)                                                                                \
     extern "C" __global__ void HI_BOUNDS(HI_THREADS)                                                          \
         NAME(const float* __restrict__ X, const u8* __restrict__ W, float* __restrict__ Y,                    \

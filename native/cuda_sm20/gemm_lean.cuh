@@ -9,7 +9,7 @@
 // - the tile's description (first row, row count, first weight row, expert) and the X row of each tile row are
 //   kept in shared memory and read back after barriers, so they cannot be hoisted into registers;
 // - a k step reads one X value a token (scalar shared loads) instead of a float4 of four k steps, except in the
-//   64-row-wide tiles (gemm_lean_mul_vk), whose 16 accumulators leave room for them;
+//   64-row-wide tiles (gemm_lean_mul), whose 16 accumulators leave room for them;
 // - tiles hold TM x CN outputs a thread, CN = 8 (two float4 of weight rows) or 4 (64-row-wide tiles).
 // The 64 x 128 and 64 x 64 tiles (4 x 8 and 4 x 4 outputs a thread) have a body of their own, gemm_body_lean_wide,
 // that holds still less. Only the 64-row-wide tiles split over K (gemm.cu): the split's chunk range and slab row
@@ -75,12 +75,36 @@ __device__ __forceinline__ void gemm_stage_lean(const float* __restrict__ X, con
 
 // The k-chunk multiply and the output write, shared by gemm_body_lean and gemm_body_lean_wide.
 // acc += the staged chunk's X rows ty + TYN i times its W rows 4 tx + j, 4 TXN + 4 tx + j: an FMA chain over k in order
+// The 64-row-wide tiles (CN = 4) take four k steps at a time (a float4 of X a token and of W a k step, as gemm_body
+// does: 2 shared loads per 16 FMAs where the scalar X reads take 5; the 64 x 64 tile was bound by them): their 16
+// accumulators leave room for the 16 X values, the wider tiles' 32 do not.
 template <int TM, int TXN, int BK, int CN>
 __device__ __forceinline__ void gemm_lean_mul(float acc[TM][CN], const float* Xs, const float* Ws, int tid) {
     const int TYN = HI_THREADS / TXN, BN = CN * TXN;
     // warp layout as gemm.cu's: 8 weight-row groups x 4 token groups
     const int lane = tid & 31, warp = tid >> 5;
     const int tx = (lane & 7) | ((warp % (TXN / 8)) << 3), ty = (lane >> 3) | ((warp / (TXN / 8)) << 2);
+    if (CN == 4) {
+#pragma unroll 1
+        for (int k = 0; k < BK; k += 4) {
+            float4 a[TM];
+#pragma unroll
+            for (int i = 0; i < TM; ++i) a[i] = *(const float4*)(Xs + (ty + TYN * i) * (BK + 4) + k);
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk) {
+                const float4 b = *(const float4*)(Ws + (k + kk) * BN + 4 * tx);
+#pragma unroll
+                for (int i = 0; i < TM; ++i) {
+                    const float x = kk == 0 ? a[i].x : kk == 1 ? a[i].y : kk == 2 ? a[i].z : a[i].w;
+                    acc[i][0] = fmaf(x, b.x, acc[i][0]);
+                    acc[i][1] = fmaf(x, b.y, acc[i][1]);
+                    acc[i][2] = fmaf(x, b.z, acc[i][2]);
+                    acc[i][3] = fmaf(x, b.w, acc[i][3]);
+                }
+            }
+        }
+        return;
+    }
     const int kUnroll = GEMM_LEAN_UNROLL;
 #pragma unroll kUnroll
     for (int k = 0; k < BK; ++k) {
@@ -98,35 +122,6 @@ __device__ __forceinline__ void gemm_lean_mul(float acc[TM][CN], const float* Xs
                 acc[i][5 % CN] = fmaf(a, b1.y, acc[i][5 % CN]);
                 acc[i][6 % CN] = fmaf(a, b1.z, acc[i][6 % CN]);
                 acc[i][7 % CN] = fmaf(a, b1.w, acc[i][7 % CN]);
-            }
-        }
-    }
-}
-
-// gemm_lean_mul for 4 outputs a thread along the weight rows (the 64-row-wide tiles), four k steps at a time: a
-// float4 of X a token and a float4 of W a k step, 2 shared loads per 16 FMAs where the scalar X reads take 5 (the
-// 64 x 64 tile was bound by them). The 16 accumulators leave room for the 16 X values; the wider tiles' 32 do not.
-// The sums are the same FMA chain over k in order.
-template <int TM, int TXN, int BK>
-__device__ __forceinline__ void gemm_lean_mul_vk(float acc[TM][4], const float* Xs, const float* Ws, int tid) {
-    const int TYN = HI_THREADS / TXN, BN = 4 * TXN;
-    const int lane = tid & 31, warp = tid >> 5;
-    const int tx = (lane & 7) | ((warp % (TXN / 8)) << 3), ty = (lane >> 3) | ((warp / (TXN / 8)) << 2);
-#pragma unroll 1
-    for (int k = 0; k < BK; k += 4) {
-        float4 a[TM];
-#pragma unroll
-        for (int i = 0; i < TM; ++i) a[i] = *(const float4*)(Xs + (ty + TYN * i) * (BK + 4) + k);
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-            const float4 b = *(const float4*)(Ws + (k + kk) * BN + 4 * tx);
-#pragma unroll
-            for (int i = 0; i < TM; ++i) {
-                const float x = kk == 0 ? a[i].x : kk == 1 ? a[i].y : kk == 2 ? a[i].z : a[i].w;
-                acc[i][0] = fmaf(x, b.x, acc[i][0]);
-                acc[i][1] = fmaf(x, b.y, acc[i][1]);
-                acc[i][2] = fmaf(x, b.z, acc[i][2]);
-                acc[i][3] = fmaf(x, b.w, acc[i][3]);
             }
         }
     }
@@ -220,10 +215,7 @@ __device__ __forceinline__ void gemm_body_lean(const float* __restrict__ X, cons
                 __syncthreads();  // every thread is done reading chunk c - 1 (and meta is written)
                 gemm_stage_lean<QT, XL, WH, WP, BM, BN, BK>(X, W, rows, meta, N, K, row_nbytes, c, Xs, Ws, tid);
                 __syncthreads();
-                if (CN == 4)
-                    gemm_lean_mul_vk<TM, TXN, BK>((float(*)[4])acc, Xs, Ws, tid);
-                else
-                    gemm_lean_mul<TM, TXN, BK, CN>(acc, Xs, Ws, tid);
+                gemm_lean_mul<TM, TXN, BK, CN>(acc, Xs, Ws, tid);
             }
             gemm_lean_write<TM, TXN, CN>(acc, Y, meta[0], meta[1], meta[2], N, tid);
             __syncthreads();  // meta[2] is rewritten for the next weight tile
@@ -290,10 +282,7 @@ __device__ __forceinline__ void gemm_body_lean_wide(const float* __restrict__ X,
                 gemm_stage_lean<QT, XL, WH, WP, BM, BN, BK, 2>(X, W, rows, meta, hi_opaque(N), hi_opaque(K),
                                                                hi_opaque(row_nbytes), c, Xs, Ws, gemm_tid());
                 __syncthreads();
-                if (CN == 4)
-                    gemm_lean_mul_vk<TM, TXN, BK>((float(*)[4])acc, Xs, Ws, gemm_tid());
-                else
-                    gemm_lean_mul<TM, TXN, BK, CN>(acc, Xs, Ws, gemm_tid());
+                gemm_lean_mul<TM, TXN, BK, CN>(acc, Xs, Ws, gemm_tid());
             }
             gemm_lean_write<TM, TXN, CN>(acc, Y, meta[0], meta[1], meta[2], hi_opaque(N), gemm_tid());
             __syncthreads();  // every thread has read meta[5] and meta[2]
