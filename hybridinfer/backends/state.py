@@ -206,9 +206,10 @@ class SpareBlocks:
     def __len__(self) -> int:
         return len(self._kept)
 
-    def give(self, state: DecoderState) -> bool:
+    def give(self, state: DecoderState, rows: int | None = None) -> bool:
         """Keep `state`'s blocks if there is room and nothing but the state's own arrays views them (then the state
-        is emptied); True when kept. A state whose blocks are held elsewhere is left as it was."""
+        is emptied); True when kept. A state whose blocks are held elsewhere is left as it was. rows: the positions
+        of per-token rows written (default pos + SLACK_ROWS), which kept_bytes counts."""
         blocks = state.blocks
         if not blocks or len(self._kept) >= self.most:
             return False
@@ -217,7 +218,7 @@ class SpareBlocks:
             # the state's views, its blocks tuple and the call's argument; any more is a view held elsewhere
             if sys.getrefcount(blocks[j]) > own + 2:
                 return False
-        touched = self.touched(state, state.pos + self.SLACK_ROWS)
+        touched = self.touched(state, state.pos + self.SLACK_ROWS if rows is None else rows)
         state.arrays = {name: [None] * len(arrs) for name, arrs in state.arrays.items()}
         state.blocks, state.pos = (), 0
         self._kept.append((blocks, touched))
@@ -241,8 +242,7 @@ class SpareBlocks:
         state.blocks[0].fill(0)
         for _, _, a in state.held(True):
             a[:r] = 0
-        state.pos = max(0, r - self.SLACK_ROWS)  # give() counts rows up to pos + SLACK_ROWS as touched
-        return self.give(state)
+        return self.give(state, r)
 
     def take(self, state: DecoderState) -> bool:
         """Give the fresh `state` a kept set of its layout (DecoderState.adopt); False when none is kept."""
