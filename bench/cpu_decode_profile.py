@@ -2,13 +2,13 @@
 
     python bench/cpu_decode_profile.py -m model.gguf -t 16 [-n 16] [--isa native] [--pool]
 
-Times n real decode steps (one native call each after the first), then records the step afresh with every
-call labelled, turns on the native step's own clock (hi_replay_run: two clock reads per call), runs n more and
-prints, per kind of call, the time per token, its share of the step, and for weight products the weight bytes
-read and the GB/s they ran at (against the machine's read bandwidth measured by the same library). "Outside
-the native calls" is the wall time no call accounts for (Python, the embedding row, sampling). --pool instead
-runs plain steps with the thread pool's clocks on (SimdLib.pool_stats) and prints where a pooled call's wall
-time goes besides its chunks' work.
+Times n real decode steps (with --rows R, verify steps of R rows; one native call each after the first), then
+records the step afresh with every call labelled, turns on the native step's own clock (hi_replay_run: two clock
+reads per call), runs n more and prints, per kind of call, the time per token, its share of the step, and for
+weight products the weight bytes read and the GB/s they ran at (against the machine's read bandwidth measured by
+the same library). "Outside the native calls" is the wall time no call accounts for (Python, the embedding row,
+sampling, a verify step's rollback). --pool instead runs plain steps with the thread pool's clocks on
+(SimdLib.pool_stats) and prints where a pooled call's wall time goes besides its chunks' work.
 """
 
 from __future__ import annotations
@@ -58,6 +58,23 @@ def _start(eng):
     return st, int(np.argmax(eng.prefill([1, 2, 3, 4], st)[-1]))
 
 
+def _steps_fn(be, R: int):
+    """n steps of R rows from token t: plain greedy decode steps (R 1), or verify steps of R rows of one sequence
+    (its token and R - 1 drafts, every row rejected and rolled back as a fully missed draft is: the state's
+    position moves on by one a step)."""
+    if R == 1:
+        return lambda st, t, n: greedy_steps(be, st, t, n)
+
+    def steps(st, t, n):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            out, undos = be.forward_rows([([t] + [t] * (R - 1), st)], undo=True)
+            undos[0](1)
+            t = int(np.argmax(out[0][0]))
+        return t, time.perf_counter() - t0
+    return steps
+
+
 def _sweep(eng, dists: list[int], n: int, rounds: int) -> None:
     be = eng.backend
     st, t = _start(eng)
@@ -100,6 +117,9 @@ def main(argv=None) -> None:
     ap.add_argument("-t", "--threads", type=int, default=None)
     ap.add_argument("-n", "--tokens", type=int, default=16)
     ap.add_argument("--isa", default=None)
+    ap.add_argument("--rows", type=int, default=1,
+                    help="profile verify steps of this many rows of one sequence (rolled back to one) instead of "
+                         "plain decode steps")
     ap.add_argument("--weights", default="auto", choices=["auto", "copy", "mmap"])
     ap.add_argument("--sweep-prefetch", default="",
                     help="comma-separated prefetch distances (bytes): time plain decode steps at each, --rounds "
@@ -120,9 +140,10 @@ def main(argv=None) -> None:
         return
     simd = be.simd
     n_exp = getattr(eng.args, "n_expert", 1) or 1
+    step = _steps_fn(be, a.rows)
     st, t = _start(eng)
-    t, _ = greedy_steps(be, st, t, 1)  # recorded here
-    t, dt = greedy_steps(be, st, t, a.tokens)  # the plain step first, for comparison
+    t, _ = step(st, t, 1)  # recorded here
+    t, dt = step(st, t, a.tokens)  # the plain step first, for comparison
     real = dt * 1e9 / a.tokens
     labels: dict[int, tuple[str, int]] = {}  # id(Bound) -> (label, weight bytes it reads)
     real_bind = simd.bind
@@ -157,12 +178,12 @@ def main(argv=None) -> None:
     for ws in be._ws.values():  # rebind every call site so that each is labelled
         ws.calls.clear()
         ws.replays.clear()
-    be.forward([t], st, all_logits=False)
+    t, _ = step(st, t, 1)
     simd.bind = real_bind
     runs = [seg for ws in be._ws.values() for p in ws.replays.values() for seg in p.segments if type(seg) is Steps]
     for seg in runs:
         seg.ns = np.zeros(len(seg.calls), np.int64)
-    t, dt = greedy_steps(be, st, t, a.tokens)
+    t, dt = step(st, t, a.tokens)
     wall = dt * 1e9 / a.tokens
     times: dict[str, float] = defaultdict(float)
     nbytes: dict[str, int] = defaultdict(int)
@@ -176,8 +197,8 @@ def main(argv=None) -> None:
     bw = simd.read_bandwidth(1 << 30)
     n = a.tokens
     rows = sorted(times, key=lambda k: -times[k])
-    print(f"{simd!r}: {1e9 / real:.2f} tok/s ({real / 1e6:.2f} ms/token; {wall / 1e6:.2f} with each call clocked "
-          f"in the native step, as the table), read bandwidth {bw / 1e9:.1f} GB/s")
+    print(f"{simd!r}, {a.rows} row(s) a step: {1e9 / real:.2f} steps/s ({real / 1e6:.2f} ms/step; {wall / 1e6:.2f} "
+          f"with each call clocked in the native step, as the table), read bandwidth {bw / 1e9:.1f} GB/s")
     tot_b = sum(nbytes.values()) / n
     print(f"weights per token {tot_b / 1e9:.4g} GB (the products') -> floor {bw / tot_b:.1f} tok/s")
     print("| call | calls/tok | ms/tok | share | GB/tok | GB/s | % bw |\n|---|---|---|---|---|---|---|")

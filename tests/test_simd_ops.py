@@ -173,3 +173,22 @@ def test_bad_arguments_are_named(lib):
         lib.moe_combine(np.zeros((3, 8), np.float32), np.zeros((2, 2), np.float32), x)
     with pytest.raises(ValueError, match="q must be"):
         lib.split_qgate(x, np.zeros((2, 8), np.float32), None)
+
+
+def test_copy_many_copies_every_byte_over_the_pool(lib):
+    rng = np.random.default_rng(5)
+    # sizes around the native segment (256 KiB): none, a few bytes, one segment and a byte, many segments and a tail
+    shapes = [(0,), (3,), ((256 << 10) // 4 + 1,), (24, 128, 129), (5, 7)]
+    srcs = [rng.standard_normal(s).astype(np.float32) for s in shapes] + [rng.integers(0, 255, 999, np.uint8)]
+    dsts = [np.full_like(s, 7) for s in srcs]
+    lib.copy_many(dsts, srcs)
+    assert all(np.array_equal(d, s) for d, s in zip(dsts, srcs, strict=True))
+    lib.copy_many([], [])
+    with pytest.raises(ValueError, match="pair 1"):
+        lib.copy_many([dsts[0], dsts[1][:2]], [srcs[0], srcs[1]])
+    with pytest.raises(ValueError, match="as many sources"):
+        lib.copy_many(dsts[:2], srcs[:1])
+    ro = srcs[2].copy()
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="pair 0"):
+        lib.copy_many([ro], [srcs[2]])

@@ -157,6 +157,10 @@ int hi_vrows_rope_heads(hi_ctx *c, const float *qkv, const float *cos, const flo
 int hi_swiglu(hi_ctx *c, const float *g, int64_t g_row, const float *u, int64_t u_row, float *out, int64_t out_row,
               int64_t T, int64_t n);
 
+/* memcpy(dst[i], src[i], bytes[i]) for i < n (n <= 1024; no buffer overlaps another), in segments on the pool.
+ * -3: out of memory */
+int hi_copy_many(hi_ctx *c, int64_t n, void *const *dst, const void *const *src, const int64_t *bytes);
+
 /* all threads stream-read a fresh buffer of about nbytes (split in equal slices, first touched by their
  * reader); best of reps timed passes; returns bytes per second (<= 0 on failure) */
 double hi_read_bandwidth(hi_ctx *c, int64_t nbytes, int reps);

@@ -101,3 +101,51 @@ int hi_rope_multi(hi_ctx *c, float *x, int64_t T, int64_t H, int64_t hd, int64_t
                   const int32_t *mrope, int64_t n_rot, float theta_base, int neox, const float *freq_factors) {
     return hi_rope_rows(c, x, T, H, hd, pos0, shift, mrope, n_rot, theta_base, neox, freq_factors);
 }
+
+/* ---- hi_copy_many: several buffers copied in segments over the pool (a verify step's copies of the recurrent
+ * state: tens of MiB, which one thread copies at a fraction of what the cores together do) */
+
+#define HI_COPY_SEG ((int64_t)256 << 10)
+#define HI_COPY_MAX 1024
+
+typedef struct {
+    void *const *dst;
+    const void *const *src;
+    const int64_t *bytes;
+    int64_t first[HI_COPY_MAX + 1]; /* buffer i's segments are [first[i], first[i + 1]) */
+    int64_t n;
+} copy_job;
+
+static void copy_seg(void *arg, int64_t s) {
+    const copy_job *j = (const copy_job *)arg;
+    int64_t lo = 0, hi = j->n; /* the buffer whose segments hold s: first[lo] <= s < first[lo + 1] */
+    while (hi - lo > 1) {
+        const int64_t mid = (lo + hi) / 2;
+        if (j->first[mid] <= s) lo = mid;
+        else hi = mid;
+    }
+    const int64_t off = (s - j->first[lo]) * HI_COPY_SEG;
+    const int64_t len = j->bytes[lo] - off < HI_COPY_SEG ? j->bytes[lo] - off : HI_COPY_SEG;
+    memcpy((char *)j->dst[lo] + off, (const char *)j->src[lo] + off, (size_t)len);
+}
+
+int hi_copy_many(hi_ctx *c, int64_t n, void *const *dst, const void *const *src, const int64_t *bytes) {
+    if (!c || n < 0 || n > HI_COPY_MAX || (n && (!dst || !src || !bytes))) return -2;
+    copy_job *j = (copy_job *)malloc(sizeof(copy_job));
+    if (!j) return -3;
+    *j = (copy_job){.dst = dst, .src = src, .bytes = bytes, .n = n};
+    for (int64_t i = 0; i < n; i++) {
+        if (bytes[i] < 0 || (bytes[i] && (!dst[i] || !src[i]))) {
+            free(j);
+            return -2;
+        }
+        j->first[i + 1] = j->first[i] + (bytes[i] + HI_COPY_SEG - 1) / HI_COPY_SEG;
+    }
+    const int64_t total = j->first[n];
+    hi_ctx_lock(c);
+    if (total > 1) hi_ctx_run(c, copy_seg, j, total);
+    else if (total == 1) copy_seg(j, 0);
+    hi_ctx_unlock(c);
+    free(j);
+    return 0;
+}

@@ -128,6 +128,26 @@ class OpCalls:
         if rc:
             _check_rc(rc, "rms_norm")
 
+    def copy_many(self, dsts: list[np.ndarray], srcs: list[np.ndarray]) -> None:
+        """dst[...] = src for each pair, the bytes of all of them split over the pool (tens of MiB of recurrent
+        state, which one thread copies at a fraction of what the cores together do). Each pair C-contiguous, of
+        one dtype and shape, dst writable."""
+        if len(dsts) != len(srcs):
+            raise ValueError(f"copy_many takes as many sources as destinations, got {len(srcs)} and {len(dsts)}")
+        for i, (d, s) in enumerate(zip(dsts, srcs, strict=True)):
+            if not (type(d) is np.ndarray and type(s) is np.ndarray and d.flags.c_contiguous and s.flags.c_contiguous
+                    and d.flags.writeable and d.dtype == s.dtype and d.shape == s.shape):
+                raise ValueError(f"copy_many pair {i}: needs C-contiguous arrays of one dtype and shape, the "
+                                 f"destination writable; got {getattr(d, 'shape', d)!r} <- {getattr(s, 'shape', s)!r}")
+        ffi = self._ffi
+        n = len(dsts)
+        dp = ffi.new("void *[]", [ffi.from_buffer(d) for d in dsts]) if n else ffi.NULL
+        sp = ffi.new("void *[]", [ffi.from_buffer(s) for s in srcs]) if n else ffi.NULL
+        nb = ffi.new("int64_t[]", [d.nbytes for d in dsts]) if n else ffi.NULL
+        rc = self._lib.hi_copy_many(self._c, n, dp, sp, nb)
+        if rc:
+            _check_rc(rc, "copy_many")
+
     def split_qgate(self, qg: np.ndarray, q: np.ndarray, gate: np.ndarray | None) -> None:
         """ops.split_qgate: qg (T, H*2*hd), per head [query, gate] -> q (T, H, hd) C-contiguous and gate
         (T, H*hd); gate None: qg (T, H*hd) holds the queries alone (q = qg)."""

@@ -27,8 +27,7 @@ def forward_rows(model, chunks, undo: bool = False):
         return _one(model, *chunks[0], undo)
     parts, segs = Segments.of(chunks, model.args.n_vocab, "forward_rows")
     states = [st for st, _, _ in segs]
-    undos = [RowsUndo(st, b - a, partial(_gdn_again, model), _buffers(model, st)) for st, a, b in segs] if undo \
-        else None
+    undos = [_undo(model, st, b - a) for st, a, b in segs] if undo else None
     # a workspace of exactly these rows, split so, whose calls are bound: the step is recorded the first time these
     # sequences verify together with this split and replayed after (RowsReplay), each attention at its own position
     ws = model.workspace(0, max(st.n_ctx for st in states), split=tuple(len(ids) for ids in parts))
@@ -56,7 +55,7 @@ def _one(model, ids, st: DecoderState, undo: bool):
     st.check_room(T)
     ws = model.workspace(T, st.n_ctx, verify=True)
     ws.tok[:] = ids
-    u = RowsUndo(st, T, partial(_gdn_again, model), _buffers(model, st)) if undo else None
+    u = _undo(model, st, T) if undo else None
     rp = ws.replays.get(id(st))
     if rp is not None and rp.valid_for(st):
         out = rp.run(st)
@@ -71,6 +70,11 @@ def _one(model, ids, st: DecoderState, undo: bool):
         return got
     _kept(u, ws, st, None)
     return got, [u]
+
+
+def _undo(model, st: DecoderState, n: int) -> RowsUndo:
+    """The rollback of n rows of st: its recurrent arrays copied over the pool into the buffers kept for it."""
+    return RowsUndo(st, n, partial(_gdn_again, model), _buffers(model, st), model.simd.copy_many)
 
 
 def _kept(u: RowsUndo, ws, st: DecoderState, j: int | None) -> None:
