@@ -2,13 +2,14 @@
 
     python bench/cpu_decode_profile.py -m model.gguf -t 16 [-n 16] [--isa native] [--pool]
 
-Times n real decode steps (with --rows R, verify steps of R rows; one native call each after the first), then
-records the step afresh with every call labelled, turns on the native step's own clock (hi_replay_run: two clock
-reads per call), runs n more and prints, per kind of call, the time per token, its share of the step, and for
-weight products the weight bytes read and the GB/s they ran at (against the machine's read bandwidth measured by
-the same library). "Outside the native calls" is the wall time no call accounts for (Python, the embedding row,
-sampling, a verify step's rollback). --pool instead runs plain steps with the thread pool's clocks on
-(SimdLib.pool_stats) and prints where a pooled call's wall time goes besides its chunks' work.
+Times n real decode steps (with --rows R, verify steps of R rows; with --batch B, decode steps of B sequences; one
+native call each after the first), then records the step afresh with every call labelled, turns on the native
+step's own clock (hi_replay_run: two clock reads per call), runs n more and prints, per kind of call, the time per
+token, its share of the step, and for weight products the weight bytes read and the GB/s they ran at (against the
+machine's read bandwidth measured by the same library). "Outside the native calls" is the wall time no call
+accounts for (Python, the embedding row, sampling, a verify step's rollback). --pool instead runs plain steps with
+the thread pool's clocks on (SimdLib.pool_stats) and prints where a pooled call's wall time goes besides its
+chunks' work.
 """
 
 from __future__ import annotations
@@ -58,10 +59,20 @@ def _start(eng):
     return st, int(np.argmax(eng.prefill([1, 2, 3, 4], st)[-1]))
 
 
-def _steps_fn(be, R: int):
+def _steps_fn(eng, R: int, B: int):
     """n steps of R rows from token t: plain greedy decode steps (R 1), or verify steps of R rows of one sequence
     (its token and R - 1 drafts, every row rejected and rolled back as a fully missed draft is: the state's
-    position moves on by one a step)."""
+    position moves on by one a step); with B > 1, batched decode steps of B sequences of their own (st unused)."""
+    be = eng.backend
+    if B > 1:
+        sts = [_start(eng)[0] for _ in range(B)]
+
+        def batch(st, t, n):
+            t0 = time.perf_counter()
+            for _ in range(n):
+                t = int(np.argmax(be.decode_batch([t] * B, sts)[0]))
+            return t, time.perf_counter() - t0
+        return batch
     if R == 1:
         return lambda st, t, n: greedy_steps(be, st, t, n)
 
@@ -120,6 +131,8 @@ def main(argv=None) -> None:
     ap.add_argument("--rows", type=int, default=1,
                     help="profile verify steps of this many rows of one sequence (rolled back to one) instead of "
                          "plain decode steps")
+    ap.add_argument("--batch", type=int, default=1,
+                    help="profile batched decode steps of this many sequences (decode_batch) instead")
     ap.add_argument("--weights", default="auto", choices=["auto", "copy", "mmap"])
     ap.add_argument("--sweep-prefetch", default="",
                     help="comma-separated prefetch distances (bytes): time plain decode steps at each, --rounds "
@@ -130,7 +143,7 @@ def main(argv=None) -> None:
                          "threads' busy time, their start delay and finish spread, instead of the per-call table")
     a = ap.parse_args(argv)
     eng = Engine.load(a.model, backend="cpu", isa=None if a.isa in (None, "native") else a.isa,
-                      n_threads=a.threads, n_ctx=256, weights=a.weights)
+                      n_threads=a.threads, n_ctx=256, weights=a.weights, max_seqs=max(a.batch, 1) + 1)
     be = eng.backend
     if a.sweep_prefetch:
         _sweep(eng, [int(x) for x in a.sweep_prefetch.split(",")], a.tokens, a.rounds)
@@ -140,7 +153,7 @@ def main(argv=None) -> None:
         return
     simd = be.simd
     n_exp = getattr(eng.args, "n_expert", 1) or 1
-    step = _steps_fn(be, a.rows)
+    step = _steps_fn(eng, a.rows, a.batch)
     st, t = _start(eng)
     t, _ = step(st, t, 1)  # recorded here
     t, dt = step(st, t, a.tokens)  # the plain step first, for comparison
@@ -197,7 +210,8 @@ def main(argv=None) -> None:
     bw = simd.read_bandwidth(1 << 30)
     n = a.tokens
     rows = sorted(times, key=lambda k: -times[k])
-    print(f"{simd!r}, {a.rows} row(s) a step: {1e9 / real:.2f} steps/s ({real / 1e6:.2f} ms/step; {wall / 1e6:.2f} "
+    print(f"{simd!r}, {a.rows} row(s) of {a.batch} sequence(s) a step: {1e9 / real:.2f} steps/s "
+          f"({real / 1e6:.2f} ms/step; {wall / 1e6:.2f} "
           f"with each call clocked in the native step, as the table), read bandwidth {bw / 1e9:.1f} GB/s")
     tot_b = sum(nbytes.values()) / n
     print(f"weights per token {tot_b / 1e9:.4g} GB (the products') -> floor {bw / tot_b:.1f} tok/s")

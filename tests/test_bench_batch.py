@@ -66,6 +66,9 @@ def test_bench_batch(arch, oracle_gguf, tmp_path, capsys):
     for r in api:
         assert r["tokens"] == 2 * r["batch"] and r["tok_s"] == pytest.approx(r["tokens"] / r["seconds"])
         assert r["prefill_s"] > 0 and r["decode_tok_s"] > 0
+        # None where no step had every request decoding (one admitted after the others ended)
+        assert r["steady_tok_s"] is None or r["steady_tok_s"] > 0
+    assert api[0]["steady_tok_s"] > 0
     assert "Through `Engine.generate_batch`" in out and "| B | wall s | tok/s | x vs B=1 | decode tok/s |" in out
     # CPU prefill: the best ISA and SSSE3 (no llama-bench given: no llama.cpp rows, no ratios)
     pre = res["prefill"]
@@ -145,3 +148,15 @@ def test_batched_bench_cmd_holds_the_largest_batch():
 def test_bench_batch_bad_sizes(capsys):
     assert main(["bench", "batch", "-m", "x.gguf", "--batch-sizes", "1,0"]) == 2
     assert "--batch-sizes" in capsys.readouterr().err
+
+
+def test_all_decoding_window_counts_only_the_steps_where_every_request_decodes():
+    from hybridinfer.tools.benchmarks.batch_api import all_decoding_tok_s
+
+    # a step a second, its tokens taken 1 ms apart; request 0 decodes from step 0, request 1 from step 4 (its prompt
+    # prefilled meanwhile) and to step 11: steps 5..9 are the window, 2 tokens each, 5 seconds
+    a = [float(t) for t in range(10)]
+    b = [t + 0.001 for t in range(4, 12)]
+    assert all_decoding_tok_s([a, b]) == pytest.approx(10 / 5)
+    assert all_decoding_tok_s([a]) == pytest.approx(1.0)
+    assert all_decoding_tok_s([a, [20.0]]) is None and all_decoding_tok_s([a, []]) is None
