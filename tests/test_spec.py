@@ -247,6 +247,24 @@ def test_spec_cost_prices_recorded_steps_apart_and_probes_after_a_while():
     assert c.model(8)[1](32) < 0.02
 
 
+def test_verify_steps_seen_at_one_sequence_price_a_batch_s_rows_at_least_as_plain_rows():
+    """Verify steps measured at B = 1 only (4 rows, dearer than a plain step of one row: their own calls and
+    rollback), plain steps at B = 1 and 8: a verify step of the 8 sequences' 32 rows costs at least the verify
+    step seen plus a plain row's price for each extra row. The line through the plain step of 8 rows fell (the
+    B = 1 verify cost more than it) and priced 32 rows at 4 rows' seconds: every sequence drafted, and generate_batch
+    at B = 8 ran 31% slower than without drafts on the 16-core Xeon."""
+    c = sc.SpecCost()
+    for _ in range(3):
+        c.add(1, 0.010, drafted=False)
+        c.add(4, 0.030, drafted=True)
+        c.add(8, 0.024, drafted=False)
+    plain, verify, rec = c.model(8)
+    t0, r = c.plain.fit()
+    assert plain == pytest.approx(t0 + 8 * r) and r > 0.001
+    assert verify(32) >= 0.030 + 28 * r - 1e-9
+    assert sc.plan_k([0.6] * 8, [3] * 8, plain, verify, rec) == 0
+
+
 def test_a_verify_step_recorded_before_any_plain_one_counts_once_recordings_are_priced():
     """The Speculator's first step drafts and records; its seconds count (over record_x) as soon as plain steps give
     record_x, so a verify step that costs several plain ones stops the drafts without another probe."""

@@ -45,9 +45,12 @@ class StepCost:
     def weight(self) -> float:
         return self.s[0]
 
-    def fit(self, anchor: tuple[float, float] | None = None) -> tuple[float, float] | None:
+    def fit(self, anchor: tuple[float, float] | None = None, slope: float = 0.0) -> tuple[float, float] | None:
         """(t0, r), or None before any step. With one row count seen so far the slope is unknown: the line through
-        `anchor` (rows, seconds) and that point where given, else a memory-bound step (t0 nine tenths of it)."""
+        `anchor` (rows, seconds) and that point where given, its slope at least `slope` (a row of another kind of
+        step: verify steps seen only at B = 1, below a plain step of B = 8 rows that costs less, made that line fall
+        and priced 8 sequences' drafts at one sequence's verify step), else a memory-bound step (t0 nine tenths of
+        it)."""
         n, sx, sxx, sy, sxy = self.s
         if n < 1e-9:
             return None
@@ -55,7 +58,7 @@ class StepCost:
         if var <= 1e-9 * max(n * sxx, 1.0):
             t, rows = sy / n, max(sx / n, 1.0)
             if anchor is not None and abs(rows - anchor[0]) >= 0.5:
-                r = max((t - anchor[1]) / (rows - anchor[0]), 0.0)
+                r = max((t - anchor[1]) / (rows - anchor[0]), slope, 0.0)
                 return max(t - r * rows, 0.0), r
             return 0.9 * t, 0.1 * t / rows
         r = (n * sxy - sx * sy) / var
@@ -109,7 +112,8 @@ class SpecCost:
         if p is None:
             return None
         plain = line(p)(batch)
-        verify = line(p) if self.verify.weight < MIN_EVIDENCE else line(self.verify.fit(anchor=(batch, plain)))
+        verify = line(p) if self.verify.weight < MIN_EVIDENCE else \
+            line(self.verify.fit(anchor=(batch, plain), slope=p[1]))
         return plain, verify, self.record_x or 1.0
 
 
