@@ -23,7 +23,7 @@ def test_profile_table_accounts_for_the_step(oracle_gguf, capsys):
     path = str(oracle_gguf("qwen35moe", "q8_0"))
     _profile().main(["-m", path, "-t", "2", "-n", "3"])
     out = capsys.readouterr().out
-    m = re.search(r"\(([\d.]+) ms/token; ([\d.]+) with each call clocked", out)
+    m = re.search(r"\(([\d.]+) ms/step; ([\d.]+) with each call clocked", out)
     assert m and float(m.group(2)) > 0
     rows = [[c.strip() for c in r.strip("|").split("|")] for r in out.splitlines()
             if r.startswith("| ") and not r.startswith("| call")]
@@ -58,3 +58,17 @@ def test_profile_pool_table(oracle_gguf, capsys):
     _profile().main(["-m", str(oracle_gguf("qwen35moe", "q8_0")), "-t", "2", "-n", "3", "--pool"])
     rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| small") or r.startswith("| big")]
     assert rows and all(float(r.split("|")[4]) > 0 for r in rows)  # wall us per task
+
+
+def test_profile_of_verify_and_batched_steps(oracle_gguf, capsys):
+    """--rows 3: verify steps of one sequence, rolled back (the GDN layers' calls again outside the replay); --batch
+    2: batched decode steps (the many-row GDN and attention calls)."""
+    path = str(oracle_gguf("qwen35moe", "q8_0"))
+    for flag, calls in ((["--rows", "3"], ("gdn_layer", "attn_step")), (["--batch", "2"], ("gdn_rows", "attn_rows"))):
+        _profile().main(["-m", path, "-t", "2", "-n", "3", *flag])
+        out = capsys.readouterr().out
+        m = re.search(r"(\d) row\(s\) of (\d) sequence\(s\) a step: .*\(([\d.]+) ms/step", out)
+        want = ("3", "1") if flag[0] == "--rows" else ("1", "2")
+        assert m and (m.group(1), m.group(2)) == want and float(m.group(3)) > 0
+        names = [r.strip("|").split("|")[0].strip() for r in out.splitlines() if r.startswith("| ")]
+        assert all(c in names for c in calls), names
