@@ -250,3 +250,16 @@ def test_decode_replay_runs_the_recorded_step(arch, oracle_gguf, monkeypatch):
     st.restore(snap)
     assert np.array_equal(be.forward([ids[4]], st, all_logits=False)[0], fresh[1])
     assert np.array_equal(be.forward([ids[5]], st, all_logits=False)[0], fresh[2])
+
+
+def test_copied_gives_equal_arrays_of_their_own_small_and_pooled(oracle_gguf):
+    from hybridinfer.backends.cpu.backend import COPY_POOLED
+
+    be = _cpu(oracle_gguf("qwen35moe", "q8_0")).backend
+    rng = np.random.default_rng(3)
+    big = rng.standard_normal((4, COPY_POOLED // 16 + 7)).astype(np.float32)  # a little over the pooled threshold
+    for arrays in ([big[:1, :5]], [big, big[1:3]], [big, big[:, ::2]]):  # small; pooled (views of one buffer, strided)
+        got = be.copied(arrays)
+        assert len(got) == len(arrays)
+        for g, a in zip(got, arrays, strict=True):
+            assert np.array_equal(g, a) and not np.shares_memory(g, big) and g.flags.writeable

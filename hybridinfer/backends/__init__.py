@@ -44,6 +44,10 @@ class Backend(ABC):
         reads: the model's embedding of each position), (T, n_embd) float32. For Engine.embed."""
         raise NotImplementedError(f"the {type(self).__name__} backend computes no hidden states")
 
+    def copied(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
+        """Copies of `arrays` (logits the caller keeps past the backend's next call, whose buffers it reuses)."""
+        return [np.array(a, copy=True) for a in arrays]
+
     keep_hidden = False  # set (by the MTP drafter) on a backend whose hidden_rows keep what its calls compute
 
     def hidden_rows(self, state):
@@ -165,6 +169,9 @@ class GPUPrefillCPUDecode(Backend):
     def mtp(self, h, tokens, state, head: bool = True):
         """The MTP block runs where decode does: on the CPU model (drafting is decode work)."""
         return self.cpu.mtp(h, tokens, state, head)
+
+    def copied(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
+        return self.cpu.copied(arrays)
 
     def forward_rows(self, chunks, undo: bool = False):
         return self.cpu.forward_rows(chunks, undo)  # verify rows are decode work: the CPU's, as every decode step

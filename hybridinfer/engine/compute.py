@@ -249,7 +249,8 @@ class Compute:
         """One token for each sequence (Backend.decode_batch, each weight read once for all): logits (B, n_vocab),
         one array that is the caller's."""
         with self.lock:
-            return np.array(self._open().decode_batch(tokens, states), copy=True)
+            be = self._open()
+            return be.copied([be.decode_batch(tokens, states)])[0]
 
     def verify_rows(self, chunks) -> tuple[list[np.ndarray], list]:
         """A speculative verify step: each (ids, state) of `chunks` (a sequence's next token and its drafts, or its

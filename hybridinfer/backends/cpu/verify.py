@@ -41,7 +41,7 @@ def forward_rows(model, chunks, undo: bool = False):
         st.pos += len(ids)
         if undo:
             _kept(undos[j], ws, st, j)
-    got = [np.array(out[a:b], copy=True) for _, a, b in segs]
+    got = model.copied([out[a:b] for _, a, b in segs])
     return (got, undos) if undo else got
 
 
@@ -65,7 +65,7 @@ def _one(model, ids, st: DecoderState, undo: bool):
         model.keep_rows(st, st.pos, ws.x[:T])
     st.tokens[st.pos : st.pos + T] = ids
     st.pos += T
-    got = [np.array(out[:T], copy=True)]
+    got = model.copied([out[:T]])
     if not undo:
         return got
     _kept(u, ws, st, None)
