@@ -192,3 +192,13 @@ def test_copy_many_copies_every_byte_over_the_pool(lib):
     ro.flags.writeable = False
     with pytest.raises(ValueError, match="pair 0"):
         lib.copy_many([ro], [srcs[2]])
+    # rows of wider rows (a workspace's views), either side, rows past one segment each and many rows a segment
+    for T, n in ((3, 7), (5, (256 << 10) // 4 + 3), (600, 300)):
+        wide, src = rng.standard_normal((T, n + 5)).astype(np.float32), rng.standard_normal((T, n)).astype(np.float32)
+        lib.copy_many([wide[:, 2 : 2 + n]], [src])
+        assert np.array_equal(wide[:, 2 : 2 + n], src)
+        out = np.zeros((T, n), np.float32)
+        lib.copy_many([out, np.zeros(3, np.int8)], [wide[:, 1 : 1 + n], np.ones(3, np.int8)])
+        assert np.array_equal(out, wide[:, 1 : 1 + n])
+    with pytest.raises(ValueError, match="rows each contiguous"):
+        lib.copy_many([np.zeros((4, 3), np.float32)], [np.ones((3, 4), np.float32).T])

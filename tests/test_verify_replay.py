@@ -67,3 +67,9 @@ def test_several_sequences_verify_replayed_bit_identical_to_decode_steps(tmp_pat
                 _same_state(st, ref)
         # recorded once per split while the same three sequences go on together; replayed at every repeat
         assert walks == [(3, 2, 4), (1, 3, 2), (2, 1, 1)]
+        # each rollback's GDN calls bound once per state, pass and row count, and let go with the state
+        again = be.again_steps
+        assert set(again) <= {id(st) for st in states} and sum(map(len, again.values())) >= 1
+        for st in states:
+            eng.release(st)
+        assert not be.again_steps

@@ -157,9 +157,11 @@ int hi_vrows_rope_heads(hi_ctx *c, const float *qkv, const float *cos, const flo
 int hi_swiglu(hi_ctx *c, const float *g, int64_t g_row, const float *u, int64_t u_row, float *out, int64_t out_row,
               int64_t T, int64_t n);
 
-/* memcpy(dst[i], src[i], bytes[i]) for i < n (n <= 1024; no buffer overlaps another), in segments on the pool.
+/* for i < n (n <= 1024; no buffer overlaps another): rows[i] rows of row_bytes[i] bytes from src[i] to dst[i],
+ * row r at r * src_row[i] and r * dst_row[i] bytes (read only where rows[i] > 1), in segments on the pool.
  * -3: out of memory */
-int hi_copy_many(hi_ctx *c, int64_t n, void *const *dst, const void *const *src, const int64_t *bytes);
+int hi_copy_many(hi_ctx *c, int64_t n, void *const *dst, const int64_t *dst_row, const void *const *src,
+                 const int64_t *src_row, const int64_t *rows, const int64_t *row_bytes);
 
 /* all threads stream-read a fresh buffer of about nbytes (split in equal slices, first touched by their
  * reader); best of reps timed passes; returns bytes per second (<= 0 on failure) */
@@ -288,7 +290,7 @@ int hi_ctx_replica_hits(hi_ctx *c, int64_t *out, int reset);
 enum {
     HI_OP_QUANTIZE = 1, HI_OP_MATMUL, HI_OP_MATMUL_MANY, HI_OP_MOE_GATE_UP, HI_OP_MOE_DOWN, HI_OP_SWIGLU,
     HI_OP_GDN_LAYER, HI_OP_RMS_NORM, HI_OP_SPLIT_QGATE, HI_OP_SIGMOID_GATE, HI_OP_MOE_ROUTE, HI_OP_MOE_COMBINE,
-    HI_OP_ATTN_STEP, HI_OP_MOE_ROWS, HI_OP_GDN_ROWS, HI_OP_ATTN_ROWS, HI_OP_COUNT
+    HI_OP_ATTN_STEP, HI_OP_MOE_ROWS, HI_OP_GDN_ROWS, HI_OP_ATTN_ROWS, HI_OP_COPY_MANY, HI_OP_COUNT
 };
 enum { HI_STEP_ARGS = 28 };
 typedef union {

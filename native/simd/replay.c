@@ -65,6 +65,8 @@ static int hi_step_run(hi_ctx *c, const hi_step *s, int64_t pos) {
         return hi_attn_rows(c, I(0), P(1), I(2), I(3), I(4), P(5), P(6), I(7), P(8), P(9), (int)I(10), (int)I(11),
                             I(12), I(13), P(14), I(15), I(16), (float)F(17), (int)I(18), P(19), (float)F(20), P(21),
                             I(22), P(23), I(24), I(25), I(26), P(27));
+    case HI_OP_COPY_MANY:
+        return hi_copy_many(c, I(0), P(1), P(2), P(3), P(4), P(5), P(6));
     default:
         return -2;
     }

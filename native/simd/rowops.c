@@ -103,7 +103,8 @@ int hi_rope_multi(hi_ctx *c, float *x, int64_t T, int64_t H, int64_t hd, int64_t
 }
 
 /* ---- hi_copy_many: several buffers copied in segments over the pool (a verify step's copies of the recurrent
- * state: tens of MiB, which one thread copies at a fraction of what the cores together do) */
+ * state: tens of MiB, which one thread copies at a fraction of what the cores together do; and of its GDN calls'
+ * row inputs, views of wider rows, as a step of the recorded pass instead of a return to Python) */
 
 #define HI_COPY_SEG ((int64_t)256 << 10)
 #define HI_COPY_MAX 1024
@@ -111,8 +112,9 @@ int hi_rope_multi(hi_ctx *c, float *x, int64_t T, int64_t H, int64_t hd, int64_t
 typedef struct {
     void *const *dst;
     const void *const *src;
-    const int64_t *bytes;
+    const int64_t *dst_row, *src_row, *rows, *row_bytes;
     int64_t first[HI_COPY_MAX + 1]; /* buffer i's segments are [first[i], first[i + 1]) */
+    int64_t per[HI_COPY_MAX];       /* rows a segment (one row: bytes of HI_COPY_SEG) */
     int64_t n;
 } copy_job;
 
@@ -124,22 +126,41 @@ static void copy_seg(void *arg, int64_t s) {
         if (j->first[mid] <= s) lo = mid;
         else hi = mid;
     }
-    const int64_t off = (s - j->first[lo]) * HI_COPY_SEG;
-    const int64_t len = j->bytes[lo] - off < HI_COPY_SEG ? j->bytes[lo] - off : HI_COPY_SEG;
-    memcpy((char *)j->dst[lo] + off, (const char *)j->src[lo] + off, (size_t)len);
+    const int64_t k = s - j->first[lo], rb = j->row_bytes[lo];
+    char *d = (char *)j->dst[lo];
+    const char *x = (const char *)j->src[lo];
+    if (j->rows[lo] == 1) { /* one row: segments of its bytes */
+        const int64_t off = k * HI_COPY_SEG, len = rb - off < HI_COPY_SEG ? rb - off : HI_COPY_SEG;
+        memcpy(d + off, x + off, (size_t)len);
+        return;
+    }
+    const int64_t r0 = k * j->per[lo], r1 = r0 + j->per[lo] < j->rows[lo] ? r0 + j->per[lo] : j->rows[lo];
+    for (int64_t r = r0; r < r1; r++) memcpy(d + r * j->dst_row[lo], x + r * j->src_row[lo], (size_t)rb);
 }
 
-int hi_copy_many(hi_ctx *c, int64_t n, void *const *dst, const void *const *src, const int64_t *bytes) {
-    if (!c || n < 0 || n > HI_COPY_MAX || (n && (!dst || !src || !bytes))) return -2;
+int hi_copy_many(hi_ctx *c, int64_t n, void *const *dst, const int64_t *dst_row, const void *const *src,
+                 const int64_t *src_row, const int64_t *rows, const int64_t *row_bytes) {
+    if (!c || n < 0 || n > HI_COPY_MAX || (n && (!dst || !src || !dst_row || !src_row || !rows || !row_bytes)))
+        return -2;
     copy_job *j = (copy_job *)malloc(sizeof(copy_job));
     if (!j) return -3;
-    *j = (copy_job){.dst = dst, .src = src, .bytes = bytes, .n = n};
+    *j = (copy_job){.dst = dst, .src = src, .dst_row = dst_row, .src_row = src_row, .rows = rows,
+                    .row_bytes = row_bytes, .n = n};
     for (int64_t i = 0; i < n; i++) {
-        if (bytes[i] < 0 || (bytes[i] && (!dst[i] || !src[i]))) {
+        const int64_t R = rows[i], rb = row_bytes[i];
+        if (R < 0 || rb < 0 || (R > 1 && (dst_row[i] < rb || src_row[i] < rb)) || (R && rb && (!dst[i] || !src[i]))) {
             free(j);
             return -2;
         }
-        j->first[i + 1] = j->first[i] + (bytes[i] + HI_COPY_SEG - 1) / HI_COPY_SEG;
+        int64_t segs;
+        if (R == 1) {
+            j->per[i] = 1;
+            segs = (rb + HI_COPY_SEG - 1) / HI_COPY_SEG;
+        } else {
+            j->per[i] = rb >= HI_COPY_SEG ? 1 : (rb ? HI_COPY_SEG / rb : R);
+            segs = rb ? (R + j->per[i] - 1) / j->per[i] : 0;
+        }
+        j->first[i + 1] = j->first[i] + segs;
     }
     const int64_t total = j->first[n];
     hi_ctx_lock(c);

@@ -151,6 +151,7 @@ class CPUModel(MTPParts, Backend):
         self._ws: dict[tuple[int, int], Workspace] = {}
         self.shared_scratch: dict = {}
         self.undo_buffers: dict[int, list[np.ndarray]] = {}  # per state: cpu/verify.py
+        self.again_steps: dict[int, dict] = {}  # per state: its rollbacks' GDN calls, bound (cpu/verify.py)
         self.keep_hidden, self.hidden_kept = False, {}  # MTPParts.hidden_rows
 
     @property
@@ -375,6 +376,7 @@ class CPUModel(MTPParts, Backend):
         self._ws.clear()
         self.shared_scratch.clear()
         self.undo_buffers.clear()
+        self.again_steps.clear()
         self.layers, self.mats, self.replicas, self.out, self.tok_embd = [], [], None, None, None
         self.simd.close()
 
@@ -391,6 +393,7 @@ class CPUModel(MTPParts, Backend):
         """Drop the recorded steps and bound calls that hold this state's arrays (a finished sequence's memory
         goes with it, not when its replay would be pushed out)."""
         self.undo_buffers.pop(id(state), None)
+        self.again_steps.pop(id(state), None)
         self.hidden_kept.pop(id(state), None)
         mine = {id(a) for a in DecodeReplay._arrays(state)}
         for ws in self._ws.values():

@@ -185,14 +185,13 @@ class CPUOps:
         return y
 
     def _keep_inputs(self, i, xs: tuple, rest: tuple) -> None:
-        """Copy a GDN call's row inputs into buffers of the workspace's own, as a step of the recorded pass (so a
-        replay copies them too): ws.gdn_keep[i] = (copies, weights and scalars); i the layer, or (sequence, layer)
-        in a verify step of several sequences."""
+        """Copy a GDN call's row inputs into buffers of the workspace's own, as a native step of the recorded pass
+        (so a replay copies them too, without a return to Python between its calls): ws.gdn_keep[i] = (copies,
+        weights and scalars); i the layer, or (sequence, layer) in a verify step of several sequences."""
         ws = self.ws
         if i not in ws.gdn_keep:
             ws.gdn_keep[i] = (tuple(np.empty_like(x) for x in xs), rest)
-        bufs = ws.gdn_keep[i][0]
-        self.m._op(ws, _copy_all, bufs, xs)
+        self._call(("keep", i), "copy_many", list(ws.gdn_keep[i][0]), list(xs))
 
     # MoE --------------------------------------------------------------------------------------------------
     def moe(self, x, *, router: str, experts: tuple[str, str, str], shared: tuple[str, str, str] | None,
@@ -286,7 +285,3 @@ class CPUOps:
         self._call(("moe_rows", self.i), "moe_rows", (G.raw, G.qtype), (U.raw, U.qtype), (Dn.raw, Dn.qtype), G.rows,
                    G.cols, xq, idx, ws.eg[:n], ws.eu[:n], hq, ys, ws.moe_scratch, SHAPE)
 
-
-def _copy_all(dst: tuple, src: tuple) -> None:
-    for d, x in zip(dst, src, strict=True):
-        np.copyto(d, x)

@@ -130,21 +130,33 @@ class OpCalls:
 
     def copy_many(self, dsts: list[np.ndarray], srcs: list[np.ndarray]) -> None:
         """dst[...] = src for each pair, the bytes of all of them split over the pool (tens of MiB of recurrent
-        state, which one thread copies at a fraction of what the cores together do). Each pair C-contiguous, of
-        one dtype and shape, dst writable."""
+        state, which one thread copies at a fraction of what the cores together do). Each pair of one dtype and
+        shape, dst writable; each array C-contiguous, or 2-D rows each contiguous (views of wider rows)."""
         if len(dsts) != len(srcs):
             raise ValueError(f"copy_many takes as many sources as destinations, got {len(srcs)} and {len(dsts)}")
-        for i, (d, s) in enumerate(zip(dsts, srcs, strict=True)):
-            if not (type(d) is np.ndarray and type(s) is np.ndarray and d.flags.c_contiguous and s.flags.c_contiguous
-                    and d.flags.writeable and d.dtype == s.dtype and d.shape == s.shape):
-                raise ValueError(f"copy_many pair {i}: needs C-contiguous arrays of one dtype and shape, the "
-                                 f"destination writable; got {getattr(d, 'shape', d)!r} <- {getattr(s, 'shape', s)!r}")
         ffi = self._ffi
         n = len(dsts)
-        dp = ffi.new("void *[]", [ffi.from_buffer(d) for d in dsts]) if n else ffi.NULL
-        sp = ffi.new("void *[]", [ffi.from_buffer(s) for s in srcs]) if n else ffi.NULL
-        nb = ffi.new("int64_t[]", [d.nbytes for d in dsts]) if n else ffi.NULL
-        rc = self._lib.hi_copy_many(self._c, n, dp, sp, nb)
+        rows, rb, dst_row, src_row = [], [], [], []
+        for i, (d, x) in enumerate(zip(dsts, srcs, strict=True)):
+            if not (type(d) is np.ndarray and type(x) is np.ndarray and d.flags.writeable and d.dtype == x.dtype
+                    and d.shape == x.shape):
+                raise ValueError(f"copy_many pair {i}: needs arrays of one dtype and shape, the destination "
+                                 f"writable; got {getattr(d, 'shape', d)!r} <- {getattr(x, 'shape', x)!r}")
+            if d.flags.c_contiguous and x.flags.c_contiguous or d.size == 0:
+                rows.append(1), rb.append(d.nbytes), dst_row.append(d.nbytes), src_row.append(x.nbytes)
+                continue
+            row = d.shape[-1] * d.itemsize if d.ndim == 2 else 0
+            if not (row and all(a.strides[1] == a.itemsize and a.strides[0] >= row for a in (d, x))):
+                raise ValueError(f"copy_many pair {i}: arrays must be C-contiguous or 2-D rows each contiguous, got "
+                                 f"strides {d.strides} <- {x.strides}")
+            rows.append(d.shape[0]), rb.append(row), dst_row.append(d.strides[0]), src_row.append(x.strides[0])
+        def arg(t: str, v: list):
+            return ffi.new(t, v) if n else ffi.NULL
+
+        # addresses: the arrays stay alive through the call (and a bound call keeps them: SimdLib.bind)
+        rc = self._lib.hi_copy_many(self._c, n, arg("void *[]", [_ptr(ffi, "char *", d) for d in dsts]),
+                                    arg("int64_t[]", dst_row), arg("void *[]", [_ptr(ffi, "char *", x) for x in srcs]),
+                                    arg("int64_t[]", src_row), arg("int64_t[]", rows), arg("int64_t[]", rb))
         if rc:
             _check_rc(rc, "copy_many")
 

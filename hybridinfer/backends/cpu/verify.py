@@ -9,7 +9,7 @@ import numpy as np
 
 from ..state import DecoderState, RowsUndo, check_tokens
 from .graph_ops import Segments
-from .replay import DecodeReplay, RowsReplay
+from .replay import DecodeReplay, RowsReplay, Steps
 from .simd_gdn import gdn_scratch_size
 
 
@@ -74,7 +74,7 @@ def _one(model, ids, st: DecoderState, undo: bool):
 
 def _undo(model, st: DecoderState, n: int) -> RowsUndo:
     """The rollback of n rows of st: its recurrent arrays copied over the pool into the buffers kept for it."""
-    return RowsUndo(st, n, partial(_gdn_again, model), _buffers(model, st), model.simd.copy_many)
+    return RowsUndo(st, n, partial(_gdn_again, model, st), _buffers(model, st), model.simd.copy_many)
 
 
 def _kept(u: RowsUndo, ws, st: DecoderState, j: int | None) -> None:
@@ -96,13 +96,20 @@ def _buffers(model, st: DecoderState) -> list[np.ndarray]:
     return got
 
 
-def _gdn_again(model, kept: dict, n: int) -> None:
-    """The GDN calls kept by a verify pass, run again over their first n rows on the restored arrays."""
-    a = model.args
-    y = np.empty((n, a.ssm_n_v_heads * a.ssm_d_v), np.float32)
-    key = ("gdn-again", n)
-    if key not in model.shared_scratch:
-        model.shared_scratch[key] = np.zeros(
-            gdn_scratch_size(a.ssm_conv_channels, a.ssm_n_v_heads, a.ssm_d_v, min(n, 16)), np.float32)
-    for args in kept.values():
-        model.simd.gdn_layer(*(x[:n] for x in args[:4]), *args[4:], y, model.shared_scratch[key])
+def _gdn_again(model, st: DecoderState, kept: dict, n: int) -> None:
+    """The GDN calls kept by a verify pass, run again over their first n rows on the restored arrays: bound once per
+    state, pass and row count (model.again_steps, dropped at the state's release) and run as one native call, not a
+    return to Python per layer (per layer and sequence after a verify step of several)."""
+    mine = model.again_steps.setdefault(id(st), {})
+    # the copies' and the state's own arrays (args[9]: S) by identity: the bound calls keep them alive, so a key
+    # found holds these very arrays, even for a state whose id was another's before
+    key = (tuple((id(args[0]), id(args[9])) for args in kept.values()), n)
+    steps = mine.get(key)
+    if steps is None:
+        a = model.args
+        y = np.empty((n, a.ssm_n_v_heads * a.ssm_d_v), np.float32)
+        scratch = np.zeros(gdn_scratch_size(a.ssm_conv_channels, a.ssm_n_v_heads, a.ssm_d_v, min(n, 16)), np.float32)
+        calls = [model.simd.bind("gdn_layer", *(x[:n] for x in args[:4]), *args[4:], y, scratch)
+                 for args in kept.values()]
+        steps = mine[key] = Steps(model.simd, calls)
+    steps.run(0)
