@@ -136,22 +136,24 @@ class OpCalls:
             raise ValueError(f"copy_many takes as many sources as destinations, got {len(srcs)} and {len(dsts)}")
         ffi = self._ffi
         n = len(dsts)
-        rows, rb, dst_row, src_row = [], [], [], []
+        spans = []  # per pair: rows, bytes a row, the destination's and the source's row strides in bytes
         for i, (d, x) in enumerate(zip(dsts, srcs, strict=True)):
             if not (type(d) is np.ndarray and type(x) is np.ndarray and d.flags.writeable and d.dtype == x.dtype
                     and d.shape == x.shape):
                 raise ValueError(f"copy_many pair {i}: needs arrays of one dtype and shape, the destination "
                                  f"writable; got {getattr(d, 'shape', d)!r} <- {getattr(x, 'shape', x)!r}")
             if d.flags.c_contiguous and x.flags.c_contiguous or d.size == 0:
-                rows.append(1), rb.append(d.nbytes), dst_row.append(d.nbytes), src_row.append(x.nbytes)
+                spans.append((1, d.nbytes, d.nbytes, x.nbytes))
                 continue
             row = d.shape[-1] * d.itemsize if d.ndim == 2 else 0
             if not (row and all(a.strides[1] == a.itemsize and a.strides[0] >= row for a in (d, x))):
                 raise ValueError(f"copy_many pair {i}: arrays must be C-contiguous or 2-D rows each contiguous, got "
                                  f"strides {d.strides} <- {x.strides}")
-            rows.append(d.shape[0]), rb.append(row), dst_row.append(d.strides[0]), src_row.append(x.strides[0])
-        def arg(t: str, v: list):
-            return ffi.new(t, v) if n else ffi.NULL
+            spans.append((d.shape[0], row, d.strides[0], x.strides[0]))
+        rows, rb, dst_row, src_row = zip(*spans, strict=True) if n else ((),) * 4
+
+        def arg(t: str, v) -> object:
+            return ffi.new(t, list(v)) if n else ffi.NULL
 
         # addresses: the arrays stay alive through the call (and a bound call keeps them: SimdLib.bind)
         rc = self._lib.hi_copy_many(self._c, n, arg("void *[]", [_ptr(ffi, "char *", d) for d in dsts]),
