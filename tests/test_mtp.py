@@ -127,6 +127,29 @@ def test_mtp_attends_over_its_own_rows(made):
 
 
 @pytest.mark.parametrize("arch", list(SHAPES))
+@pytest.mark.parametrize("ctk", ["f32", "f16", "q8_0", "lm3"])
+def test_mtp_write_writes_the_rows_mtp_writes(made, arch, ctk):
+    """The drafter's catch-up (Backend.mtp_write: the block's K/V rows alone, no query, attention, FFN or head) writes
+    the same cache bytes as the whole block, in any K/V type, over rows given in one call or in pieces."""
+    ids = [int(x) for x in np.random.default_rng(8).integers(0, 512, 20)]
+    with Engine.load(made(arch, "q4_k_m"), backend="cpu", n_ctx=64, isa=ISA, n_threads=2, cache_type_k=ctk,
+                     cache_type_v=ctk) as eng:
+        be = eng.backend
+        h = be.hidden(ids, eng.new_state())
+        whole, parts = be.new_mtp_state(64), be.new_mtp_state(64)
+        be.mtp(h[:-1], ids[1:], whole, head=False)
+        be.mtp_write(h[:7], ids[1:8], parts)
+        be.mtp_write(h[7:-1], ids[8:], parts)
+        n = len(ids) - 1
+        assert whole.pos == parts.pos == n
+        assert np.array_equal(whole.tokens[:n], parts.tokens[:n])
+        for name in ("k", "v"):
+            want, got = getattr(whole, name)[0][:n], getattr(parts, name)[0][:n]
+            assert np.any(want != 0) and np.array_equal(got, want), name
+            assert not np.any(getattr(parts, name)[0][n:]), name  # nothing past its rows
+
+
+@pytest.mark.parametrize("arch", list(SHAPES))
 def test_the_block_leaves_the_trunk_alone(made, arch):
     """synth writes the block after the head, so the trunk draws the same values: the trunk's logits are the same
     bits with the block in the file as without it (the block is never run by the trunk)."""

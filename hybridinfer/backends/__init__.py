@@ -69,6 +69,11 @@ class Backend(ABC):
         not run."""
         raise MTPUnavailableError(f"the {type(self).__name__} backend cannot run a multi-token-prediction block")
 
+    def mtp_write(self, h, tokens, state) -> None:
+        """What `mtp` writes into `state` (the block's K/V rows of T positions), nothing returned: the drafter's
+        catch-up over accepted positions reads no output. A backend may skip every product the rows do not need."""
+        self.mtp(h, tokens, state, head=False)
+
     def preload(self, progress: bool = False) -> None:
         """Make the weights ready now (with a progress bar) instead of at first use."""
         return None  # nothing to prepare unless a backend says so
@@ -169,6 +174,9 @@ class GPUPrefillCPUDecode(Backend):
     def mtp(self, h, tokens, state, head: bool = True):
         """The MTP block runs where decode does: on the CPU model (drafting is decode work)."""
         return self.cpu.mtp(h, tokens, state, head)
+
+    def mtp_write(self, h, tokens, state) -> None:
+        self.cpu.mtp_write(h, tokens, state)
 
     def copied(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
         return self.cpu.copied(arrays)

@@ -140,7 +140,7 @@ class MTPDrafter:
         if start > q or len(toks) != q + 1 - start:
             return None
         m.ms.pos = m.true
-        self.be.mtp(rows[start - f : q - f + 1], toks, m.ms, head=False)
+        self.be.mtp_write(rows[start - f : q - f + 1], toks, m.ms)  # its K/V rows: no output is read
         m.true = m.ms.pos
         return rows[q - f], toks[-1]
 

@@ -351,10 +351,13 @@ static int attn_store_rope(hi_ctx *c, float *q, int64_t q_row, int64_t T, int64_
                            const int32_t *mrope) {
     const int64_t kv = Hkv * hd, kb = kv_row_bytes(k_type, Hkv, hd), vb = kv_row_bytes(v_type, Hkv, hd);
     const hi_kernels *kt = hi_ctx_kernels(c);
-    int rc = hi_rope_rows(c, q, T, H, hd, pos0, shift, mrope, n_rot, theta_base, neox, freq_factors);
-    if (rc) return rc;
-    if (rot_k)
-        for (int64_t t = 0; t < T; t++) kv_fwht(q + t * q_row, H * hd, rot_k);
+    int rc = 0;
+    if (H > 0) { /* no queries: the cache writes alone (hi_attn_store) */
+        rc = hi_rope_rows(c, q, T, H, hd, pos0, shift, mrope, n_rot, theta_base, neox, freq_factors);
+        if (rc) return rc;
+        if (rot_k)
+            for (int64_t t = 0; t < T; t++) kv_fwht(q + t * q_row, H * hd, rot_k);
+    }
     if (k_type == HI_T_F32 && !rot_k) { /* roped in place in the cache */
         for (int64_t t = 0; t < T; t++) memcpy(k_cache + (pos0 + t) * kb, k_new + t * kv_new_row, (size_t)kb);
         rc = hi_rope_rows(c, (float *)(k_cache + pos0 * kb), T, Hkv, hd, pos0, shift, mrope, n_rot, theta_base, neox,
@@ -388,6 +391,19 @@ static int attn_store_rope(hi_ctx *c, float *q, int64_t q_row, int64_t T, int64_
  * dividing hd, for a quantized type */
 static int rot_ok(int64_t n, int t, int64_t hd) {
     return n == 0 || (n >= 64 && !(n & (n - 1)) && hd % n == 0 && (t == HI_T_Q8_0 || t == HI_T_Q4_0 || hi_is_lm(t)));
+}
+
+int hi_attn_store(hi_ctx *c, int64_t T, int64_t hd, const float *k_new, const float *v_new, int64_t kv_new_row,
+                  void *k_cache, void *v_cache, int k_type, int v_type, int64_t n_ctx, int64_t Hkv, int64_t pos0,
+                  int64_t n_rot, float theta_base, int neox, const float *freq_factors, int64_t rot_k, int64_t rot_v,
+                  int64_t rope_shift, const int32_t *mrope) {
+    const int64_t kb = kv_row_bytes(k_type, Hkv, hd), vb = kv_row_bytes(v_type, Hkv, hd);
+    if (!c || !k_new || !v_new || !k_cache || !v_cache || T < 1 || Hkv < 1 || hd < 1 || kv_new_row < Hkv * hd ||
+        kb < 0 || vb < 0 || pos0 < 0 || pos0 > n_ctx - T || !rot_ok(rot_k, k_type, hd) || !rot_ok(rot_v, v_type, hd))
+        return -2;
+    return attn_store_rope(c, NULL, 0, T, 0, hd, k_new, v_new, kv_new_row, (uint8_t *)k_cache, (uint8_t *)v_cache,
+                           k_type, v_type, Hkv, pos0, n_rot, theta_base, neox, freq_factors, rot_k, rot_v, rope_shift,
+                           mrope);
 }
 
 int hi_attn_step(hi_ctx *c, float *q, int64_t T, int64_t H, int64_t hd, const float *k_new, const float *v_new,

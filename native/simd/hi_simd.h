@@ -268,6 +268,14 @@ int hi_attn_step(hi_ctx *c, float *q, int64_t T, int64_t H, int64_t hd, const fl
                  float *out, int64_t out_row, float *scratch, int64_t scratch_len, int ggml_op, int64_t rot_k,
                  int64_t rot_v, int64_t rope_shift, const int32_t *mrope);
 
+/* hi_attn_step's cache writes alone: the T new K rows roped (and rotated) and the V rows written at pos0.., no
+ * query and no attention. A row written here is the same bytes hi_attn_step writes for it: the MTP drafter's
+ * catch-up over accepted positions needs the block's K/V rows only, never its output. */
+int hi_attn_store(hi_ctx *c, int64_t T, int64_t hd, const float *k_new, const float *v_new, int64_t kv_new_row,
+                  void *k_cache, void *v_cache, int k_type, int v_type, int64_t n_ctx, int64_t Hkv, int64_t pos0,
+                  int64_t n_rot, float theta_base, int neox, const float *freq_factors, int64_t rot_k, int64_t rot_v,
+                  int64_t rope_shift, const int32_t *mrope);
+
 /* ---- per-node weight copies (replica.c) ------------------------------------------------------------------
  * A product's chunk reads its weights from the copy of its thread's replica (the same bytes, so the same result)
  * when the job's whole weight extent lies in a registered span. Spans: n_spans (0 clears the table) disjoint

@@ -37,9 +37,8 @@ def new_mtp_state(model, n_ctx: int) -> DecoderState:
     return DecoderState.new(graph.mtp_state_args(model.args), n_ctx)
 
 
-def mtp_forward(model, h, tokens, state: DecoderState, head: bool = True) -> tuple[np.ndarray | None, np.ndarray]:
-    """(logits (T, n_vocab) or None without `head`, hidden output (T, n_embd)), the caller's arrays; advances
-    `state` by T."""
+def _block_input(model, h, tokens, state: DecoderState):
+    """(ids, workspace, the block's input rows eh_proj([enorm(embedding), hnorm(h)])) for T rows of `state`."""
     blk, a, simd = _block(model), model.args, model.simd
     ids = check_tokens(tokens, a.n_vocab)
     T, D = len(ids), a.n_embd
@@ -47,12 +46,21 @@ def mtp_forward(model, h, tokens, state: DecoderState, head: bool = True) -> tup
     h = np.ascontiguousarray(np.asarray(h, np.float32).reshape(T, D))
     L = model.mtp_layer
     ws = model.workspace(max(T, 2), state.n_ctx)  # a prompt workspace: its calls are not bound
-    e, cat, res, x = ws.mix[:T], np.empty((T, 2 * D), np.float32), ws.h[:T], ws.x[:T]
+    e, cat, res = ws.mix[:T], np.empty((T, 2 * D), np.float32), ws.h[:T]
     t = model.tok_embd
     dequantize_rows(t.raw(), t.qtype, t.ne[0], ids, e)
     simd.rms_norm(e, None, L[blk.enorm], a.rms_eps, cat[:, :D])  # concat order: [enorm(e), hnorm(h)]
     simd.rms_norm(h, None, L[blk.hnorm], a.rms_eps, cat[:, D:])
     model.mm(L[blk.eh_proj], cat, res, ws)
+    return ids, ws, res
+
+
+def mtp_forward(model, h, tokens, state: DecoderState, head: bool = True) -> tuple[np.ndarray | None, np.ndarray]:
+    """(logits (T, n_vocab) or None without `head`, hidden output (T, n_embd)), the caller's arrays; advances
+    `state` by T."""
+    blk, a, simd = _block(model), model.args, model.simd
+    ids, ws, res = _block_input(model, h, tokens, state)
+    T, L, x = len(ids), model.mtp_layer, ws.x[: len(ids)]
     ops = CPUOps(model, ws, state)
     for j, br in enumerate(blk.branches):
         simd.rms_norm(res, None, L[br.norm], a.rms_eps, x)
@@ -67,6 +75,59 @@ def mtp_forward(model, h, tokens, state: DecoderState, head: bool = True) -> tup
     return logits, np.array(x, copy=True)
 
 
+class _Written(Exception):
+    """The K/V rows are in the cache: the rest of the block is not needed (mtp_write)."""
+
+
+class _KVRows(CPUOps):
+    """The block's description walked for its cache rows alone: of the attention's products only the K and V ones
+    (each row in its one-token float shape whatever else shares the call: the same bits as the whole pass), the
+    K heads normed, then the rows roped and written; the query, the attention, its output and the FFN are never
+    computed (a branch's walk stops at the write)."""
+
+    def linears(self, x: np.ndarray, *names: str) -> list:
+        got = iter(super().linears(x, *[n for n in names if n in KV_PRODUCTS]))
+        return [next(got) if n in KV_PRODUCTS else None for n in names]
+
+    def split_gate(self, qg):
+        return None, None
+
+    def head_norm(self, x, name: str):
+        return None if x is None else super().head_norm(x, name)
+
+    def attention(self, q, k, v):
+        a, st, i = self.a, self.st, self.i
+        T, hd = k.shape[0], a.head_dim
+        shift, table = self._rope_at(st, T)
+        self.m.simd.attn_store(k.reshape(T, -1, hd), v.reshape(T, -1, hd), st.k[i], st.v[i], st.pos, a.n_rot,
+                               a.rope_theta, a.rope_neox, self.m.freq_factors, *self.m.kv_types, *self.m.kv_rot,
+                               shift, table)
+        raise _Written
+
+
+# the products whose rows the attention writes into its cache (GGUF short names, as models/llama.attention reads)
+KV_PRODUCTS = ("attn_k", "attn_v")
+
+
+def mtp_write(model, h, tokens, state: DecoderState) -> None:
+    """The block's K/V rows of T positions, as mtp_forward writes them, and nothing else; advances `state` by T."""
+    blk, a = _block(model), model.args
+    ids, ws, res = _block_input(model, h, tokens, state)
+    T, L = len(ids), model.mtp_layer
+    ops = _KVRows(model, ws, state)
+    br = blk.branches[0]
+    x = ws.x[:T]
+    model.simd.rms_norm(res, None, L[br.norm], a.rms_eps, x)
+    try:
+        br.fn(ops.at(0, 0, ws.mix, ws.ffn, layer=L), a, x)
+    except _Written:
+        pass
+    else:
+        raise AssertionError("the MTP block's first branch wrote no K/V rows")
+    state.tokens[state.pos : state.pos + T] = ids
+    state.pos += T
+
+
 class MTPParts:
     """CPUModel's MTP methods (Backend.new_mtp_state, mtp, hidden_rows) and the keeping of its final-norm rows."""
 
@@ -78,6 +139,9 @@ class MTPParts:
 
     def mtp(self, h, tokens, state: DecoderState, head: bool = True) -> tuple[np.ndarray | None, np.ndarray]:
         return mtp_forward(self, h, tokens, state, head)
+
+    def mtp_write(self, h, tokens, state: DecoderState) -> None:
+        mtp_write(self, h, tokens, state)
 
     def keep_rows(self, state, first: int, rows: np.ndarray) -> None:
         keep_rows(self.hidden_kept, state, first, rows)

@@ -258,6 +258,29 @@ class OpCalls:
         if rc:
             _check_rc(rc, "attn_step")
 
+    def attn_store(self, k: np.ndarray, v: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, pos0: int,
+                   n_rot: int, theta_base: float, neox: bool, freq_factors: np.ndarray, k_type: int = F32,
+                   v_type: int = F32, rot_k: int = 0, rot_v: int = 0, rope_shift: int = 0,
+                   mrope: np.ndarray | None = None) -> None:
+        """attn_step's cache writes alone (no query, no attention): the same bytes at rows pos0.. of the caches."""
+        if getattr(k, "ndim", None) != 3:
+            raise ValueError(f"k must be (T, H_kv, hd) heads, got shape {getattr(k, 'shape', None)}")
+        hd = k.shape[2]
+        T, Hkv, kvs = _heads("k", k, hd)
+        if v.shape != k.shape or _heads("v", v, hd)[2] != kvs:
+            raise ValueError(f"k {k.shape} and v {v.shape} must be (T, H_kv, hd) with the same strides")
+        q = np.empty((T, Hkv, hd), np.float32)  # only for the caches' checks: the call reads no query
+        n_ctx = attention_args(q, k_cache, v_cache, pos0, np.empty((T, Hkv * hd), np.float32),
+                               np.empty(1, np.float32), True, k_type, v_type)[3]
+        ffi = self._ffi
+        rc = self._lib.hi_attn_store(
+            self._c, T, hd, _ptr(ffi, "float *", k), _ptr(ffi, "float *", v), kvs, _ptr(ffi, "char *", k_cache),
+            _ptr(ffi, "char *", v_cache), int(k_type), int(v_type), n_ctx, Hkv, int(pos0), int(n_rot),
+            float(np.float32(theta_base)), 1 if neox else 0, rope_freqs(ffi, freq_factors, n_rot), int(rot_k),
+            int(rot_v), int(rope_shift), _mrope_ptr(ffi, mrope, n_rot, T))
+        if rc:
+            _check_rc(rc, "attn_store")
+
     def attn_rows(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, k_caches, v_caches, positions, dpos: int,
                   out: np.ndarray, scratch: np.ndarray, n_rot: int, theta_base: float, neox: bool,
                   freq_factors: np.ndarray, k_type: int = F32, v_type: int = F32, rot_k: int = 0,
