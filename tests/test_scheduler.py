@@ -85,6 +85,53 @@ def test_decode_batch_replays_its_recorded_step(arch, quant, oracle_gguf, monkey
     assert ref() is None  # nothing the backend keeps holds the released sequence's cache
 
 
+@pytest.mark.parametrize("arch,quant", [("qwen35", "q4_k_m"), ("qwen35moe", "q4_k_m")])
+def test_a_new_set_of_as_many_sequences_takes_the_recording_over(arch, quant, oracle_gguf, monkeypatch):
+    """Members change at the same batch size (one ends and another joins; two at once; the old set again at other
+    positions): the first set's recording is pointed at the new members (BatchReplay.rebind), no pass through Python
+    again, and every row is bit-identical to its sequence alone. The ended sequence's memory goes at its release;
+    a state whose arrays have other shapes (another context length) is recorded anew."""
+    import gc
+    import weakref
+
+    eng = Engine.load(str(oracle_gguf(arch, quant)), backend="cpu", isa=ISA, n_ctx=96)
+    be, V = eng.backend, eng.args.n_vocab
+    prompts = [_ids(V, n, n + 70) for n in (4, 9, 2, 6, 3)]
+    alone, together = [eng.new_state() for _ in prompts], [eng.new_state() for _ in prompts]
+    for sts in (alone, together):
+        for st, p in zip(sts, prompts, strict=True):
+            eng.prefill(p, st)
+    passes = []
+    orig = be._forward
+    monkeypatch.setattr(be, "_forward", lambda *a, **k: passes.append(len(a[0])) or orig(*a, **k))
+    rng = np.random.default_rng(3)
+
+    def step(live):
+        toks = [int(rng.integers(0, V)) for _ in live]
+        want = np.stack([be.forward([t], alone[j], all_logits=False)[-1].copy()
+                         for t, j in zip(toks, live, strict=True)])
+        got = be.decode_batch(toks, [together[j] for j in live])
+        assert np.array_equal(got, want), live
+
+    for live in [[0, 1, 2]] * 3:
+        step(live)
+    ref = weakref.ref(together[1].k[next(i for i, t in enumerate(eng.args.layer_types) if t == "attention")])
+    be.release(together[1])
+    together[1] = None
+    gc.collect()
+    assert ref() is None  # the recording it was in let go of its arrays
+    for live in [[0, 3, 2]] * 2 + [[4, 3, 0]] * 2 + [[2, 0, 3]]:
+        step(live)
+    assert [p for p in passes if p > 1] == [3]  # one recording of three rows, pointed at each new set
+    for sts in (alone, together):  # another context length: arrays of other shapes
+        for j in (0, 1, 2):
+            sts[j] = be.new_state(64)
+            eng.prefill(prompts[j], sts[j])
+    passes.clear()
+    step([0, 1, 2])
+    assert [p for p in passes if p > 1] == [3]  # recorded anew
+
+
 def _requests(V: int) -> list[dict]:
     reqs = []
     for i in range(7):

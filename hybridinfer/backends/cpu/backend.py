@@ -321,6 +321,9 @@ class CPUModel(MTPParts, Backend):
         ws.tok[:] = ids
         rp = ws.replays.get(BatchReplay.key(states))
         delta = rp.delta(states) if rp is not None else None
+        if delta is None:  # another set of B sequences' recording, pointed at these (BatchReplay.rebind)
+            rp = BatchReplay.rebound(ws.replays, states)
+            delta = None if rp is None else 0
         if delta is not None:  # the same sequences as at the recorded step: one native call (and the embedding)
             out = rp.run(delta)
         else:
@@ -398,7 +401,8 @@ class CPUModel(MTPParts, Backend):
         mine = {id(a) for a in DecodeReplay._arrays(state)}
         for ws in self._ws.values():
             for k in [k for k, p in ws.replays.items() if p.holds(mine)]:
-                del ws.replays[k]
+                if not (type(ws.replays[k]) is BatchReplay and ws.replays[k].detach()):  # (kept for a rebind)
+                    del ws.replays[k]
             for k in [k for k, v in ws.calls.items()
                       if type(v) is tuple and len(v) == 2 and type(v[0]) is tuple and any(id(a) in mine for a in v[0])]:
                 del ws.calls[k]

@@ -12,6 +12,8 @@ addresses: a Steps keeps every array it points at alive (through the Bound calls
 from __future__ import annotations
 
 import weakref
+from bisect import bisect_right
+from functools import partial
 
 import numpy as np
 
@@ -22,6 +24,7 @@ from .simd_native import _check_rc
 # entry points whose argument at this index (after the context) is the token's position: a Bound of them is
 # called with the position, and a step of them gets it from hi_replay_run
 POS_ARGS = {"attn_step": 13, "attn_rows": 15}  # attn_rows: the offset added to its recorded positions
+POS_LISTS = {"attn_rows": 14}  # entry points whose argument at this index is a position per sequence (rebind)
 
 
 class Bound:
@@ -58,10 +61,14 @@ class Steps:
         self._own: list = []  # C arrays made here from list arguments
         self._failed = ffi.new("int64_t *")
         self.ns = None
-        for s, b in zip(self._arr, calls, strict=True):
-            self._pack(s, b)
+        # where addresses sit (for BatchReplay.rebind): (step, argument, value) of each pointer argument, and (step,
+        # argument, C array, the list it was made from) of each list argument
+        self.ptrs: list[tuple] = []
+        self.lists: list[tuple] = []
+        for k, (s, b) in enumerate(zip(self._arr, calls, strict=True)):
+            self._pack(s, b, k)
 
-    def _pack(self, s, b: Bound) -> None:
+    def _pack(self, s, b: Bound, k: int = 0) -> None:
         ffi = self._ffi
         s.op = getattr(self._lib, "HI_OP_" + b.name.upper())
         s.pos_arg = -1 if b.pos_arg is None else b.pos_arg
@@ -72,8 +79,11 @@ class Steps:
         for j, (t, v) in enumerate(zip(params, cargs, strict=True)):
             if t.kind == "pointer":
                 if isinstance(v, list | tuple):  # cffi converted it per call: one array now, kept
-                    v = ffi.new(ffi.getctype(t.item, "[]"), v)
+                    items, v = v, ffi.new(ffi.getctype(t.item, "[]"), v)
                     self._own.append(v)
+                    self.lists.append((k, j, v, items))
+                else:
+                    self.ptrs.append((k, j, v))
                 s.a[j].p = ffi.cast("void *", v)
             elif t.kind == "primitive" and t.cname in ("float", "double"):
                 s.a[j].f = float(v)
@@ -94,6 +104,60 @@ class Steps:
         rc = self._lib.hi_replay_run(self._simd._c, self._arr, len(self.calls), int(pos), self._failed, ns)
         if rc:
             _check_rc(rc, self.calls[self._failed[0]].name)
+
+    def lighten(self, where) -> tuple | None:
+        """Let go of the Bound calls (and so of the sequences' arrays they reference), keeping alive everything else
+        the packed steps point at. where: a _Where over the recorded sequences' arrays. Returns the sites to patch
+        (direct: [(step, argument, sequence, array)], listed: [(C array, index, sequence, array)], positions: [(C
+        array, sequence)]), or None, nothing changed, where an argument cannot be patched (an address inside a
+        sequence's array, not at its start)."""
+        ffi = self._ffi
+        direct, listed, positions = [], [], []
+        try:
+            for k, j, v in self.ptrs:
+                if POS_LISTS.get(self.calls[k].name) == j:  # a C array of the positions (its own memory)
+                    positions += [(v, i) for i in range(len(v))]
+                    continue
+                at = where.at(int(ffi.cast("uintptr_t", v)))
+                if at is not None:
+                    direct.append((k, j, *at))
+            for k, j, arr, items in self.lists:
+                if ffi.typeof(arr).item.kind == "pointer":
+                    for i, v in enumerate(items):
+                        at = where.at(int(ffi.cast("uintptr_t", v)))
+                        if at is not None:
+                            listed.append((arr, i, *at))
+                elif POS_LISTS.get(self.calls[k].name) == j:
+                    positions += [(arr, i) for i in range(len(items))]
+        except LookupError:
+            return None
+        hold = []  # what the Bound calls kept alive, but the sequences' arrays (those go with their sequences)
+        for b in self.calls:
+            hold += [y for y in _flat((*b.cargs, *b.keep)) if not where.holds(y, ffi)]
+        self._hold = hold
+        self.calls = [_Name(b.name) for b in self.calls]
+        self.ptrs, self.lists = [], []  # their values referenced the arrays too
+        return direct, listed, positions
+
+    def patch(self, sites, address, positions: list[int]) -> None:
+        """Point lighten's sites at address(sequence, array), the recorded positions at `positions` (a sequence's)."""
+        ffi = self._ffi
+        direct, listed, pos = sites
+        for k, j, seq, a in direct:
+            self._arr[k].a[j].p = ffi.cast("void *", address(seq, a))
+        for arr, i, seq, a in listed:
+            arr[i] = ffi.cast(ffi.typeof(arr).item, address(seq, a))
+        for arr, seq in pos:
+            arr[seq] = positions[seq]
+
+
+class _Name:
+    """A lightened step's name (errors and profiles name a failed or timed call)."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        self.name = name
 
 
 def segments(simd, steps: list) -> list:
@@ -164,23 +228,82 @@ class DecodeReplay:
         replays[id(st)] = cls(simd, st, steps, out)
 
 
+class _Where:
+    """The arrays of a recorded step's sequences by address: (sequence, array index) of an array's start, and a
+    LookupError for an address inside one (a view no patch can follow)."""
+
+    def __init__(self, arrays: list[list]):
+        self.start: dict[int, tuple[int, int]] = {}
+        spans = []
+        self.ids = set()
+        for j, arrs in enumerate(arrays):
+            for b, a in enumerate(arrs):
+                if a is None or not a.nbytes:
+                    continue
+                lo = a.ctypes.data
+                if lo in self.start:
+                    raise LookupError(lo)  # two arrays at one address: which one a pointer meant is unknown
+                self.start[lo] = (j, b)
+                spans.append((lo, lo + a.nbytes))
+                self.ids.add(id(a))
+        spans.sort()
+        self.lo, self.spans = [lo for lo, _ in spans], spans
+
+    def at(self, addr: int) -> tuple[int, int] | None:
+        hit = self.start.get(addr)
+        if hit is not None:
+            return hit
+        i = bisect_right(self.lo, addr) - 1
+        if i >= 0 and addr < self.spans[i][1]:
+            raise LookupError(addr)
+        return None
+
+    def holds(self, y, ffi) -> bool:
+        """whether y is one of the arrays, or a C pointer to one"""
+        if isinstance(y, np.ndarray):
+            return id(y) in self.ids
+        if isinstance(y, ffi.CData) and ffi.typeof(y).kind in ("pointer", "array"):
+            return int(ffi.cast("uintptr_t", y)) in self.start
+        return False
+
+
+def _flat(xs):
+    for x in xs:
+        yield from (x if isinstance(x, list | tuple) else (x,))
+
+
+def _layout(arrays: list) -> tuple:
+    return tuple(None if a is None else (a.shape, a.dtype.str) for a in arrays)
+
+
 class BatchReplay:
     """One decode step of B sequences (CPUModel.decode_batch) as recorded over a workspace of B rows, replayed in
     order like DecodeReplay. Every sequence advances one position a step, so the attention call (attn_rows) keeps the
     positions it was recorded with and the replay runs at the number of steps since: the offset it adds to them.
     Valid while the same states, in the same order, hold the same arrays and have all advanced by the same number
-    of steps."""
+    of steps.
+
+    Another set of B sequences whose arrays have the same shapes takes a recording over by `rebind`: the packed
+    steps' addresses of the old sequences' arrays and their positions are rewritten, which costs a small fraction
+    of recording the step again through Python (on a server, sequences join and leave every few steps). A sequence
+    that ends `detach`es the replays it is in: they let go of every sequence's arrays (its memory goes with it) and
+    wait for a rebind."""
 
     MAX_REPLAYS = 8  # per workspace: sets of sequences decoded in turn over it
 
     def __init__(self, simd, states: list[DecoderState], steps: list, out):
-        self.states = [weakref.ref(st) for st in states]
-        self.ids = [tuple(map(id, DecodeReplay._arrays(st))) for st in states]
-        self.arrays = [DecodeReplay._arrays(st) for st in states]  # kept alive: their ids cannot be reused
-        self.pos0 = [st.pos for st in states]
-        self.shifts = [shift_at(st.images, st.pos) for st in states]
-        self.out = out
+        self.out, self.ffi = out, simd._ffi
         self.segments = segments(simd, steps)
+        self._attach(states, [DecodeReplay._arrays(st) for st in states])
+        self.layout = [_layout(a) for a in self.arrays]
+        self.shifts = [shift_at(st.images, st.pos) for st in states]
+        self._sites: list | bool | None = None  # lightened steps' patch sites; False: cannot be rebound
+
+    def _attach(self, states: list[DecoderState], arrays: list[list]) -> None:
+        self.states = [weakref.ref(st) for st in states]
+        self.arrays = arrays  # kept alive: their ids cannot be reused
+        self.ids = [tuple(map(id, a)) for a in arrays]
+        self.pos0 = [st.pos for st in states]
 
     def holds(self, ids: set[int]) -> bool:
         """whether it keeps any of these arrays (by id) alive"""
@@ -204,6 +327,62 @@ class BatchReplay:
     def run(self, delta: int):
         run_segments(self.segments, delta)
         return self.out
+
+    def _lighten(self) -> bool:
+        """The steps' patch sites found once (and the Bound calls let go); False where it cannot be rebound."""
+        if self._sites is None:
+            self._sites = False
+            # Python steps (the embedding row, an expert cache's reads) must hold none of the sequences' arrays
+            if all(type(g) is Steps or type(g) is partial for g in self.segments):
+                try:
+                    where = _Where(self.arrays)
+                except LookupError:
+                    return False
+                sites = []
+                for g in self.segments:
+                    if type(g) is partial and any(where.holds(y, self.ffi)
+                                                  for y in _flat((*g.args, *g.keywords.values()))):
+                        return False
+                    if type(g) is Steps:
+                        got = g.lighten(where)
+                        if got is None:
+                            return False
+                        sites.append((g, got))
+                self._sites = sites
+        return self._sites is not False
+
+    def detach(self) -> bool:
+        """Let go of the sequences (one of them has ended); False where it cannot be rebound (then drop it)."""
+        if not self._lighten():
+            return False
+        self._attach([], [])
+        return True
+
+    def rebind(self, states: list[DecoderState]) -> bool:
+        """Point the recording at `states` (at their positions, offset 0), when their arrays have the recorded
+        shapes and their rope shifts the recorded ones; else False, nothing changed."""
+        if len(states) != len(self.layout):
+            return False
+        arrays = [DecodeReplay._arrays(st) for st in states]
+        if ([_layout(a) for a in arrays] != self.layout
+                or [shift_at(st.images, st.pos) for st in states] != self.shifts or not self._lighten()):
+            return False
+        pos = [st.pos for st in states]
+        for g, sites in self._sites:  # type: ignore[union-attr]
+            g.patch(sites, lambda j, b: arrays[j][b].ctypes.data, pos)
+        self._attach(states, arrays)
+        return True
+
+    @classmethod
+    def rebound(cls, replays: dict, states: list[DecoderState]) -> BatchReplay | None:
+        """A replay of the workspace taken over by `states` (the latest that can be), kept under their key."""
+        for k in reversed(list(replays)):
+            rp = replays[k]
+            if rp.rebind(states):
+                del replays[k]
+                replays[cls.key(states)] = rp
+                return rp
+        return None
 
     @classmethod
     def keep(cls, replays: dict, simd, states: list[DecoderState], steps: list, out) -> None:
