@@ -313,6 +313,43 @@ def test_a_sequence_whose_drafts_all_fail_backs_off():
     assert seq.spec.wait == 0 and spec.drafts([seq])[0]
 
 
+def test_a_drafter_whose_drafts_fail_stops_drafting_for_new_sequences():
+    """The prior a new sequence starts from counts the drafter's recent verifies: after six all-rejected ones a new
+    sequence does not draft once verify steps are priced (two rows at 1.2 a plain step); plain steps fade the record,
+    so after a long while without drafts the prior is back near its start and drafting is tried again; drafts that
+    are accepted raise it."""
+    from types import SimpleNamespace as NS
+
+    class Always:
+        def propose(self, history, k):
+            return [1] * k
+
+    spec = sp.Speculator(Always(), 3)
+    for _ in range(3):
+        spec.cost.add(1, 0.010, drafted=False)
+        spec.cost.add(2, 0.012, drafted=True)
+        spec.cost.add(4, 0.016, drafted=True)
+
+    def seq():
+        st = NS(n_ctx=1000, pos=10, tokens=np.zeros(1000, np.int32))
+        return NS(spec=None, next_tok=2, state=st, handle=NS(request=NS(max_tokens=500), generation=NS(tokens=[])))
+
+    first = seq()
+    assert spec.drafts([first])[0]  # 0.6 assumed: it drafts
+    for _ in range(6):
+        spec._count(first.spec, 1, 0)
+    assert spec.prior < 0.2
+    fresh = seq()
+    assert not any(spec.drafts([fresh])[0] for _ in range(20))
+    for _ in range(3000):  # plain steps: the record fades
+        spec.start(None)
+        spec.timed(1, False)
+    assert spec.prior > 0.5
+    for _ in range(20):
+        spec._count(first.spec, 2, 2)
+    assert spec.prior > 0.85
+
+
 def test_a_probe_of_a_batch_drafts_for_one_sequence():
     """Verify steps not priced yet (or not lately): at B > 1 the probe drafts for one sequence only, the one with
     the highest acceptance estimate, so every stream waits for B + k rows, not B (k + 1); once verify steps are
