@@ -30,10 +30,7 @@ def test_decode_batch_rows_bit_identical(arch, quant, oracle_gguf):
     eng = Engine.load(str(oracle_gguf(arch, quant)), backend="cpu", isa=ISA, n_ctx=96)
     V = eng.args.n_vocab
     prompts = [_ids(V, n, n) for n in (3, 7, 12, 5, 9, 1)]
-    alone, together = [eng.new_state() for _ in prompts], [eng.new_state() for _ in prompts]
-    for sts in (alone, together):
-        for st, p in zip(sts, prompts, strict=True):
-            eng.prefill(p, st)
+    alone, together = _prefilled(eng, prompts)
     rng = np.random.default_rng(1)
     for step in range(4):
         live = list(range(len(prompts)))[step % 2 :]  # the batch changes size and members between steps
@@ -46,6 +43,31 @@ def test_decode_batch_rows_bit_identical(arch, quant, oracle_gguf):
         assert a.pos == b.pos and np.array_equal(a.token_ids, b.token_ids)
 
 
+def _prefilled(eng, prompts: list[list[int]]):
+    """Two states per prompt, each prefilled: one decoded alone, one in batches."""
+    alone, together = [eng.new_state() for _ in prompts], [eng.new_state() for _ in prompts]
+    for sts in (alone, together):
+        for st, p in zip(sts, prompts, strict=True):
+            eng.prefill(p, st)
+    return alone, together
+
+
+def _passes(be, monkeypatch) -> list[int]:
+    """The row counts of the backend's passes through Python (recordings and prompt chunks), as they happen."""
+    passes: list[int] = []
+    orig = be._forward
+    monkeypatch.setattr(be, "_forward", lambda *a, **k: passes.append(len(a[0])) or orig(*a, **k))
+    return passes
+
+
+def _batch_step(be, rng, alone, together, live) -> None:
+    """One decode_batch of the `live` sequences, each row bit-identical to its sequence's own one-token forward."""
+    toks = [int(rng.integers(0, be.args.n_vocab)) for _ in live]
+    want = np.stack([be.forward([t], alone[j], all_logits=False)[-1].copy() for t, j in zip(toks, live, strict=True)])
+    got = be.decode_batch(toks, [together[j] for j in live])
+    assert np.array_equal(got, want), live
+
+
 @pytest.mark.parametrize("arch,quant", [("qwen35", "q4_k_m"), ("qwen35moe", "q4_k_m")])
 def test_decode_batch_replays_its_recorded_step(arch, quant, oracle_gguf, monkeypatch):
     """The same sequences decoded together step after step: the first step is recorded (one pass through Python),
@@ -56,23 +78,12 @@ def test_decode_batch_replays_its_recorded_step(arch, quant, oracle_gguf, monkey
 
     eng = Engine.load(str(oracle_gguf(arch, quant)), backend="cpu", isa=ISA, n_ctx=96)
     be, V = eng.backend, eng.args.n_vocab
-    prompts = [_ids(V, n, n + 50) for n in (4, 9, 2)]
-    alone, together = [eng.new_state() for _ in prompts], [eng.new_state() for _ in prompts]
-    for sts in (alone, together):
-        for st, p in zip(sts, prompts, strict=True):
-            eng.prefill(p, st)
-    passes = []
-    orig = be._forward
-    monkeypatch.setattr(be, "_forward", lambda *a, **k: passes.append(len(a[0])) or orig(*a, **k))
+    alone, together = _prefilled(eng, [_ids(V, n, n + 50) for n in (4, 9, 2)])
+    passes = _passes(be, monkeypatch)
     rng = np.random.default_rng(2)
     # members per step: all three for 4 steps (recorded once), then two (recorded again) for 3 steps
-    schedule = [[0, 1, 2]] * 4 + [[0, 2]] * 3
-    for step, live in enumerate(schedule):
-        toks = [int(rng.integers(0, V)) for _ in live]
-        want = np.stack([be.forward([t], alone[j], all_logits=False)[-1].copy()
-                         for t, j in zip(toks, live, strict=True)])
-        got = be.decode_batch(toks, [together[j] for j in live])
-        assert np.array_equal(got, want), (arch, step)
+    for live in [[0, 1, 2]] * 4 + [[0, 2]] * 3:
+        _batch_step(be, rng, alone, together, live)
     # B = 1 forwards record their own one-token replay once per state; the batch passes: 3 rows once, 2 rows once
     assert [p for p in passes if p > 1] == [3, 2]
     st = together[1]
@@ -97,21 +108,12 @@ def test_a_new_set_of_as_many_sequences_takes_the_recording_over(arch, quant, or
     eng = Engine.load(str(oracle_gguf(arch, quant)), backend="cpu", isa=ISA, n_ctx=96)
     be, V = eng.backend, eng.args.n_vocab
     prompts = [_ids(V, n, n + 70) for n in (4, 9, 2, 6, 3)]
-    alone, together = [eng.new_state() for _ in prompts], [eng.new_state() for _ in prompts]
-    for sts in (alone, together):
-        for st, p in zip(sts, prompts, strict=True):
-            eng.prefill(p, st)
-    passes = []
-    orig = be._forward
-    monkeypatch.setattr(be, "_forward", lambda *a, **k: passes.append(len(a[0])) or orig(*a, **k))
+    alone, together = _prefilled(eng, prompts)
+    passes = _passes(be, monkeypatch)
     rng = np.random.default_rng(3)
 
     def step(live):
-        toks = [int(rng.integers(0, V)) for _ in live]
-        want = np.stack([be.forward([t], alone[j], all_logits=False)[-1].copy()
-                         for t, j in zip(toks, live, strict=True)])
-        got = be.decode_batch(toks, [together[j] for j in live])
-        assert np.array_equal(got, want), live
+        _batch_step(be, rng, alone, together, live)
 
     for live in [[0, 1, 2]] * 3:
         step(live)
