@@ -216,7 +216,7 @@ def test_decode_replay_runs_the_recorded_step(arch, oracle_gguf, monkeypatch):
     """The first decode step of a state is recorded and later steps replay it without running the forward
     code, every native call of it in one hi_replay_run; they give exactly what a step recorded afresh (each call
     from Python) gives, also after a restore (positions are read when the step runs) and for a state whose
-    arrays were replaced (the step is recorded again)."""
+    arrays were replaced (the step is pointed at the new ones)."""
     from hybridinfer.backends.cpu.replay import Steps
 
     eng = _cpu(oracle_gguf(arch, "q8_0"))
@@ -250,6 +250,39 @@ def test_decode_replay_runs_the_recorded_step(arch, oracle_gguf, monkeypatch):
     st.restore(snap)
     assert np.array_equal(be.forward([ids[4]], st, all_logits=False)[0], fresh[1])
     assert np.array_equal(be.forward([ids[5]], st, all_logits=False)[0], fresh[2])
+
+
+@pytest.mark.parametrize("arch", ["qwen35moe", "qwen35"])
+def test_a_new_sequence_takes_an_ended_ones_recorded_step_over(arch, oracle_gguf, monkeypatch):
+    """One sequence decodes and ends (release: the replay lets go of its arrays, which are freed); the next
+    sequence's first decode step takes that recording over (DecodeReplay.rebind: no pass through Python) and every
+    step gives what steps recorded afresh give."""
+    import gc
+    import weakref
+
+    eng = _cpu(oracle_gguf(arch, "q8_0"))
+    be = eng.backend
+    ids = _ids(eng.args.n_vocab, 9, seed=6)
+    fresh = []
+    st = eng.new_state()
+    be.forward(ids[:4], st)
+    for t in ids[4:]:
+        be.workspace(1, st.n_ctx).replays.clear()
+        fresh.append(be.forward([t], st, all_logits=False)[0].copy())
+    first = eng.new_state()
+    be.forward(ids[:2], first)
+    for t in ids[2:5]:
+        be.forward([t], first, all_logits=False)
+    gone = weakref.ref(next(a for a in first.ssm + first.k if a is not None))
+    be.release(first)
+    first = None
+    gc.collect()
+    assert gone() is None
+    nxt = eng.new_state()
+    be.forward(ids[:4], nxt)
+    monkeypatch.setattr(type(be), "_forward", lambda *a, **k: pytest.fail("recorded again"))
+    got = [be.forward([t], nxt, all_logits=False)[0].copy() for t in ids[4:]]
+    assert np.array_equal(np.stack(got), np.stack(fresh))
 
 
 def test_copied_gives_equal_arrays_of_their_own_small_and_pooled(oracle_gguf):

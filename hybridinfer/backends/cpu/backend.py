@@ -279,6 +279,14 @@ class CPUModel(MTPParts, Backend):
             ws.rec = None
         return out
 
+    def replayed(self, ws, state: DecoderState) -> np.ndarray:
+        """A one-sequence step over ws: its recorded replay, another sequence's taken over (DecodeReplay.rebind), or
+        a new recording."""
+        rp = ws.replays.get(id(state))
+        if rp is None or not rp.valid_for(state):
+            rp = DecodeReplay.rebound(ws.replays, state, id(state))
+        return rp.run(state) if rp is not None else self.recorded(ws, state, DecodeReplay)
+
     def forward(self, tokens, state: DecoderState, all_logits: bool = True) -> np.ndarray:
         """Logits of the T tokens (all_logits) or of the last; advances the state. A decode step (T = 1)
         replays the operations recorded at the first step of this state over these buffers (replay.DecodeReplay):
@@ -290,11 +298,7 @@ class CPUModel(MTPParts, Backend):
         ws = self.workspace(2 if image_row else T, state.n_ctx)
         if T == 1 and not image_row:  # (an image's row takes its encoder row: never a recorded decode step)
             ws.tok[0] = ids[0]
-            rp = ws.replays.get(id(state))
-            if rp is not None and rp.valid_for(state):
-                out = rp.run(state)
-            else:
-                out = self.recorded(ws, state, DecodeReplay)
+            out = self.replayed(ws, state)
         else:
             out = self._forward(ids, state, ws, all_logits)
         if self.keep_hidden and (all_logits or T == 1):  # a prompt pass (neither) kept every row (prompt_rows)
@@ -322,7 +326,7 @@ class CPUModel(MTPParts, Backend):
         rp = ws.replays.get(BatchReplay.key(states))
         delta = rp.delta(states) if rp is not None else None
         if delta is None:  # another set of B sequences' recording, pointed at these (BatchReplay.rebind)
-            rp = BatchReplay.rebound(ws.replays, states)
+            rp = BatchReplay.rebound(ws.replays, states, BatchReplay.key(states))
             delta = None if rp is None else 0
         if delta is not None:  # the same sequences as at the recorded step: one native call (and the embedding)
             out = rp.run(delta)
@@ -401,7 +405,7 @@ class CPUModel(MTPParts, Backend):
         mine = {id(a) for a in DecodeReplay._arrays(state)}
         for ws in self._ws.values():
             for k in [k for k, p in ws.replays.items() if p.holds(mine)]:
-                if not (type(ws.replays[k]) is BatchReplay and ws.replays[k].detach()):  # (kept for a rebind)
+                if not (type(ws.replays[k]) in (BatchReplay, DecodeReplay) and ws.replays[k].detach()):  # (rebind)
                     del ws.replays[k]
             for k in [k for k, v in ws.calls.items()
                       if type(v) is tuple and len(v) == 2 and type(v[0]) is tuple and any(id(a) in mine for a in v[0])]:

@@ -188,46 +188,6 @@ def run_segments(segs: list, pos: int) -> None:
             s()
 
 
-class DecodeReplay:
-    """A decode step's operations as recorded over one workspace for one state, replayed in order: runs of
-    Bound calls as Steps (one native call each), the rest (zero-argument Python callables) as they are; the
-    position comes from the state when it runs. Valid while the state holds the same arrays (the replay keeps
-    them alive, so their ids cannot be reused)."""
-
-    MAX_REPLAYS = 16  # per workspace: sequences decoded in turn over it
-
-    def __init__(self, simd, state: DecoderState, steps: list, out):
-        self.state = weakref.ref(state)
-        self.shift = shift_at(state.images, state.pos)  # bound into the attention calls
-        self.arrays = self._arrays(state)
-        self.ids = tuple(map(id, self.arrays))
-        self.out = out
-        self.segments = segments(simd, steps)
-
-    def run(self, st: DecoderState):
-        run_segments(self.segments, st.pos)
-        return self.out
-
-    @staticmethod
-    def _arrays(st: DecoderState) -> list:
-        return st.buffers()
-
-    def holds(self, ids: set[int]) -> bool:
-        """whether it keeps any of these arrays (by id) alive"""
-        return any(i in ids for i in self.ids)
-
-    def valid_for(self, st: DecoderState) -> bool:
-        return (self.state() is st and tuple(map(id, self._arrays(st))) == self.ids
-                and shift_at(st.images, st.pos) == self.shift)
-
-    @classmethod
-    def keep(cls, replays: dict, simd, st: DecoderState, steps: list, out) -> None:
-        replays.pop(id(st), None)
-        while len(replays) >= cls.MAX_REPLAYS:
-            replays.pop(next(iter(replays)))
-        replays[id(st)] = cls(simd, st, steps, out)
-
-
 class _Where:
     """The arrays of a recorded step's sequences by address: (sequence, array index) of an array's start, and a
     LookupError for an address inside one (a view no patch can follow)."""
@@ -276,7 +236,114 @@ def _layout(arrays: list) -> tuple:
     return tuple(None if a is None else (a.shape, a.dtype.str) for a in arrays)
 
 
-class BatchReplay:
+class _Rebinds:
+    """What DecodeReplay and BatchReplay share to be taken over by other sequences (BatchReplay's docstring): the
+    recorded sequences' arrays (`arrays`, a list per sequence) found in the packed steps once (`_lighten`), then
+    rewritten for others whose arrays have the same shapes (`_repoint`)."""
+
+    _sites: list | bool | None = None  # lightened steps' patch sites; False: cannot be rebound
+    segments: list
+    ffi: object
+
+    def _lighten(self, arrays: list[list]) -> bool:
+        """The steps' patch sites found once (and the Bound calls let go); False where it cannot be rebound."""
+        if self._sites is None:
+            self._sites = False
+            # Python steps (the embedding row, an expert cache's reads) must hold none of the sequences' arrays
+            if all(type(g) is Steps or type(g) is partial for g in self.segments):
+                try:
+                    where = _Where(arrays)
+                except LookupError:
+                    return False
+                sites = []
+                for g in self.segments:
+                    if type(g) is partial and any(where.holds(y, self.ffi)
+                                                  for y in _flat((*g.args, *g.keywords.values()))):
+                        return False
+                    if type(g) is Steps:
+                        got = g.lighten(where)
+                        if got is None:
+                            return False
+                        sites.append((g, got))
+                self._sites = sites
+        return self._sites is not False
+
+    def _repoint(self, arrays: list[list], pos: list[int]) -> None:
+        for g, sites in self._sites:  # type: ignore[union-attr]
+            g.patch(sites, lambda j, b: arrays[j][b].ctypes.data, pos)
+
+    @classmethod
+    def rebound(cls, replays: dict, states, key):
+        """A replay of the workspace taken over by `states` (the latest that can be), kept under `key`."""
+        for k in reversed(list(replays)):
+            rp = replays[k]
+            if type(rp) is cls and rp.rebind(states):
+                del replays[k]
+                replays[key] = rp
+                return rp
+        return None
+
+
+class DecodeReplay(_Rebinds):
+    """A decode step's operations as recorded over one workspace for one state, replayed in order: runs of
+    Bound calls as Steps (one native call each), the rest (zero-argument Python callables) as they are; the
+    position comes from the state when it runs. Valid while the state holds the same arrays (the replay keeps
+    them alive, so their ids cannot be reused)."""
+
+    MAX_REPLAYS = 16  # per workspace: sequences decoded in turn over it
+
+    def __init__(self, simd, state: DecoderState, steps: list, out):
+        self.state = weakref.ref(state)
+        self.shift = shift_at(state.images, state.pos)  # bound into the attention calls
+        self.arrays = self._arrays(state)
+        self.ids = tuple(map(id, self.arrays))
+        self.layout = _layout(self.arrays)
+        self.out, self.ffi = out, simd._ffi
+        self.segments = segments(simd, steps)
+
+    def detach(self) -> bool:
+        """Let go of the state (it has ended); False where the replay cannot be rebound (then drop it)."""
+        if not self._lighten([self.arrays]):
+            return False
+        self.state, self.arrays, self.ids = (lambda: None), [], ()
+        return True
+
+    def rebind(self, st: DecoderState) -> bool:
+        """Point the recording at `st` when its arrays have the recorded shapes and its rope shift the recorded
+        one (each call takes the position from the state when it runs); else False, nothing changed."""
+        arrays = self._arrays(st)
+        if (_layout(arrays) != self.layout or shift_at(st.images, st.pos) != self.shift
+                or not self._lighten([self.arrays])):
+            return False
+        self._repoint([arrays], [st.pos])
+        self.state, self.arrays, self.ids = weakref.ref(st), arrays, tuple(map(id, arrays))
+        return True
+
+    def run(self, st: DecoderState):
+        run_segments(self.segments, st.pos)
+        return self.out
+
+    @staticmethod
+    def _arrays(st: DecoderState) -> list:
+        return st.buffers()
+
+    def holds(self, ids: set[int]) -> bool:
+        """whether it keeps any of these arrays (by id) alive"""
+        return any(i in ids for i in self.ids)
+
+    def valid_for(self, st: DecoderState) -> bool:
+        return (self.state() is st and tuple(map(id, self._arrays(st))) == self.ids
+                and shift_at(st.images, st.pos) == self.shift)
+
+    @classmethod
+    def keep(cls, replays: dict, simd, st: DecoderState, steps: list, out) -> None:
+        replays.pop(id(st), None)
+        while len(replays) >= cls.MAX_REPLAYS:
+            replays.pop(next(iter(replays)))
+        replays[id(st)] = cls(simd, st, steps, out)
+
+
+class BatchReplay(_Rebinds):
     """One decode step of B sequences (CPUModel.decode_batch) as recorded over a workspace of B rows, replayed in
     order like DecodeReplay. Every sequence advances one position a step, so the attention call (attn_rows) keeps the
     positions it was recorded with and the replay runs at the number of steps since: the offset it adds to them.
@@ -297,7 +364,6 @@ class BatchReplay:
         self._attach(states, [DecodeReplay._arrays(st) for st in states])
         self.layout = [_layout(a) for a in self.arrays]
         self.shifts = [shift_at(st.images, st.pos) for st in states]
-        self._sites: list | bool | None = None  # lightened steps' patch sites; False: cannot be rebound
 
     def _attach(self, states: list[DecoderState], arrays: list[list]) -> None:
         self.states = [weakref.ref(st) for st in states]
@@ -328,32 +394,9 @@ class BatchReplay:
         run_segments(self.segments, delta)
         return self.out
 
-    def _lighten(self) -> bool:
-        """The steps' patch sites found once (and the Bound calls let go); False where it cannot be rebound."""
-        if self._sites is None:
-            self._sites = False
-            # Python steps (the embedding row, an expert cache's reads) must hold none of the sequences' arrays
-            if all(type(g) is Steps or type(g) is partial for g in self.segments):
-                try:
-                    where = _Where(self.arrays)
-                except LookupError:
-                    return False
-                sites = []
-                for g in self.segments:
-                    if type(g) is partial and any(where.holds(y, self.ffi)
-                                                  for y in _flat((*g.args, *g.keywords.values()))):
-                        return False
-                    if type(g) is Steps:
-                        got = g.lighten(where)
-                        if got is None:
-                            return False
-                        sites.append((g, got))
-                self._sites = sites
-        return self._sites is not False
-
     def detach(self) -> bool:
         """Let go of the sequences (one of them has ended); False where it cannot be rebound (then drop it)."""
-        if not self._lighten():
+        if not self._lighten(self.arrays):
             return False
         self._attach([], [])
         return True
@@ -365,24 +408,11 @@ class BatchReplay:
             return False
         arrays = [DecodeReplay._arrays(st) for st in states]
         if ([_layout(a) for a in arrays] != self.layout
-                or [shift_at(st.images, st.pos) for st in states] != self.shifts or not self._lighten()):
+                or [shift_at(st.images, st.pos) for st in states] != self.shifts or not self._lighten(self.arrays)):
             return False
-        pos = [st.pos for st in states]
-        for g, sites in self._sites:  # type: ignore[union-attr]
-            g.patch(sites, lambda j, b: arrays[j][b].ctypes.data, pos)
+        self._repoint(arrays, [st.pos for st in states])
         self._attach(states, arrays)
         return True
-
-    @classmethod
-    def rebound(cls, replays: dict, states: list[DecoderState]) -> BatchReplay | None:
-        """A replay of the workspace taken over by `states` (the latest that can be), kept under their key."""
-        for k in reversed(list(replays)):
-            rp = replays[k]
-            if rp.rebind(states):
-                del replays[k]
-                replays[cls.key(states)] = rp
-                return rp
-        return None
 
     @classmethod
     def keep(cls, replays: dict, simd, states: list[DecoderState], steps: list, out) -> None:

@@ -9,7 +9,7 @@ import numpy as np
 
 from ..state import DecoderState, RowsUndo, check_tokens
 from .graph_ops import Segments
-from .replay import DecodeReplay, RowsReplay, Steps
+from .replay import RowsReplay, Steps
 from .simd_gdn import gdn_scratch_size
 
 
@@ -56,11 +56,7 @@ def _one(model, ids, st: DecoderState, undo: bool):
     ws = model.workspace(T, st.n_ctx, verify=True)
     ws.tok[:] = ids
     u = _undo(model, st, T) if undo else None
-    rp = ws.replays.get(id(st))
-    if rp is not None and rp.valid_for(st):
-        out = rp.run(st)
-    else:
-        out = model.recorded(ws, st, DecodeReplay)
+    out = model.replayed(ws, st)
     if model.keep_hidden:
         model.keep_rows(st, st.pos, ws.x[:T])
     st.tokens[st.pos : st.pos + T] = ids
