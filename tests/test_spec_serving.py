@@ -106,6 +106,9 @@ def test_bench_spec_batch_decodes_b_sequences_through_the_scheduler(tmp_path, ca
     fixed = [row for row in res["rows"] if row["k"] in (1, 2)]
     assert all(row["seen"] == row["acceptance"] and row["drafted_per_token"] > 0 for row in fixed)
     assert all(row["tok_s"] > 0 and row["no_draft_tok_s"] > 0 and row["cold_speedup"] > 0 for row in res["rows"])
+    # x no-draft: the best of the runs' ratios to the no-draft run beside each (one run here: the first's)
+    assert all(row["speedup"] == max(row["ratios"]) == row["cold_speedup"] and len(row["ratios"]) == 1
+               for row in res["rows"])
     assert "| verify (3 + 1 x 1 rows, rolled back) |" in out and "| decode (2 rows) |" in out
     assert main([*args, "--llama-server", "llama-server"]) == 2  # it runs one sequence
     assert "--batch" in capsys.readouterr().err
