@@ -211,6 +211,18 @@ REPLAY_CALLS = {
 }
 
 
+def _fresh_steps(eng, ids: list[int], n: int) -> list[np.ndarray]:
+    """The logits of a fresh sequence's decode steps over ids[n:] after a prompt of ids[:n], every step recorded
+    anew (no replay left to run or to take over)."""
+    be, st = eng.backend, eng.new_state()
+    be.forward(ids[:n], st)
+    out = []
+    for t in ids[n:]:
+        be.workspace(1, st.n_ctx).replays.clear()
+        out.append(be.forward([t], st, all_logits=False)[0].copy())
+    return out
+
+
 @pytest.mark.parametrize("arch", ["qwen35moe", "qwen35", "llama"])
 def test_decode_replay_runs_the_recorded_step(arch, oracle_gguf, monkeypatch):
     """The first decode step of a state is recorded and later steps replay it without running the forward
@@ -222,12 +234,7 @@ def test_decode_replay_runs_the_recorded_step(arch, oracle_gguf, monkeypatch):
     eng = _cpu(oracle_gguf(arch, "q8_0"))
     be = eng.backend
     ids = _ids(eng.args.n_vocab, 10, seed=4)
-    fresh = []  # every step recorded anew
-    st = eng.new_state()
-    be.forward(ids[:3], st)
-    for t in ids[3:]:
-        be.workspace(1, st.n_ctx).replays.clear()
-        fresh.append(be.forward([t], st, all_logits=False)[0].copy())
+    fresh = _fresh_steps(eng, ids, 3)
     st = eng.new_state()
     be.forward(ids[:3], st)
     got = [be.forward([ids[3]], st, all_logits=False)[0].copy()]
@@ -263,12 +270,7 @@ def test_a_new_sequence_takes_an_ended_ones_recorded_step_over(arch, oracle_gguf
     eng = _cpu(oracle_gguf(arch, "q8_0"))
     be = eng.backend
     ids = _ids(eng.args.n_vocab, 9, seed=6)
-    fresh = []
-    st = eng.new_state()
-    be.forward(ids[:4], st)
-    for t in ids[4:]:
-        be.workspace(1, st.n_ctx).replays.clear()
-        fresh.append(be.forward([t], st, all_logits=False)[0].copy())
+    fresh = _fresh_steps(eng, ids, 4)
     first = eng.new_state()
     be.forward(ids[:2], first)
     for t in ids[2:5]:

@@ -323,10 +323,11 @@ class CPUModel(MTPParts, Backend):
             st.check_room(1)
         ws = self.workspace(B, max(st.n_ctx for st in states), rows=True)
         ws.tok[:] = ids
-        rp = ws.replays.get(BatchReplay.key(states))
+        key = BatchReplay.key(states)
+        rp = ws.replays.get(key)
         delta = rp.delta(states) if rp is not None else None
         if delta is None:  # another set of B sequences' recording, pointed at these (BatchReplay.rebind)
-            rp = BatchReplay.rebound(ws.replays, states, BatchReplay.key(states))
+            rp = BatchReplay.rebound(ws.replays, states, key)
             delta = None if rp is None else 0
         if delta is not None:  # the same sequences as at the recorded step: one native call (and the embedding)
             out = rp.run(delta)

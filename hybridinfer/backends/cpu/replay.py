@@ -24,7 +24,7 @@ from .simd_native import _check_rc
 # entry points whose argument at this index (after the context) is the token's position: a Bound of them is
 # called with the position, and a step of them gets it from hi_replay_run
 POS_ARGS = {"attn_step": 13, "attn_rows": 15}  # attn_rows: the offset added to its recorded positions
-POS_LISTS = {"attn_rows": 14}  # entry points whose argument at this index is a position per sequence (rebind)
+POS_ARRAYS = {"attn_rows": 14}  # entry points whose argument at this index is an array of a position a sequence
 
 
 class Bound:
@@ -61,7 +61,7 @@ class Steps:
         self._own: list = []  # C arrays made here from list arguments
         self._failed = ffi.new("int64_t *")
         self.ns = None
-        # where addresses sit (for BatchReplay.rebind): (step, argument, value) of each pointer argument, and (step,
+        # where addresses sit (for a replay's rebind): (step, argument, value) of each pointer argument, and (step,
         # argument, C array, the list it was made from) of each list argument
         self.ptrs: list[tuple] = []
         self.lists: list[tuple] = []
@@ -115,20 +115,19 @@ class Steps:
         direct, listed, positions = [], [], []
         try:
             for k, j, v in self.ptrs:
-                if POS_LISTS.get(self.calls[k].name) == j:  # a C array of the positions (its own memory)
+                if POS_ARRAYS.get(self.calls[k].name) == j:  # a C array of the positions (its own memory)
                     positions += [(v, i) for i in range(len(v))]
                     continue
                 at = where.at(int(ffi.cast("uintptr_t", v)))
                 if at is not None:
                     direct.append((k, j, *at))
-            for k, j, arr, items in self.lists:
-                if ffi.typeof(arr).item.kind == "pointer":
-                    for i, v in enumerate(items):
-                        at = where.at(int(ffi.cast("uintptr_t", v)))
-                        if at is not None:
-                            listed.append((arr, i, *at))
-                elif POS_LISTS.get(self.calls[k].name) == j:
-                    positions += [(arr, i) for i in range(len(items))]
+            for _, _, arr, items in self.lists:
+                if ffi.typeof(arr).item.kind != "pointer":
+                    continue  # numbers (a rope shift a sequence): rebind requires the recorded ones
+                for i, v in enumerate(items):
+                    at = where.at(int(ffi.cast("uintptr_t", v)))
+                    if at is not None:
+                        listed.append((arr, i, *at))
         except LookupError:
             return None
         hold = []  # what the Bound calls kept alive, but the sequences' arrays (those go with their sequences)
