@@ -53,25 +53,30 @@ def _pool_round_trip(simd, reps: int = 2000) -> tuple[float, float]:
     return res[0], res[1]
 
 
-def _start(eng):
-    """A new sequence after a 4-token prompt: its state and the greedy next token."""
+def _start(eng, prompt=(1, 2, 3, 4)):
+    """A new sequence after a short prompt: its state and the greedy next token."""
     st = eng.new_state()
-    return st, int(np.argmax(eng.prefill([1, 2, 3, 4], st)[-1]))
+    return st, int(np.argmax(eng.prefill(list(prompt), st)[-1]))
 
 
 def _steps_fn(eng, R: int, B: int):
     """n steps of R rows from token t: plain greedy decode steps (R 1), or verify steps of R rows of one sequence
     (its token and R - 1 drafts, every row rejected and rolled back as a fully missed draft is: the state's
-    position moves on by one a step); with B > 1, batched decode steps of B sequences of their own (st unused)."""
+    position moves on by one a step); with B > 1, batched decode steps of B sequences of their own (st unused), each
+    from its own prompt and on its own greedy tokens: sequences fed the same token would route every row of an MoE
+    layer to the same experts, which a batch of real requests does not (random routing reads ~56 experts a layer
+    for 8 rows of the 35B-A3B, not 8)."""
     be = eng.backend
     if B > 1:
-        sts = [_start(eng)[0] for _ in range(B)]
+        starts = [_start(eng, (1 + b, 2 + 3 * b, 3 + 5 * b, 4 + 7 * b)) for b in range(B)]
+        sts, toks = [s for s, _ in starts], [t for _, t in starts]
 
         def batch(st, t, n):
+            nonlocal toks
             t0 = time.perf_counter()
             for _ in range(n):
-                t = int(np.argmax(be.decode_batch([t] * B, sts)[0]))
-            return t, time.perf_counter() - t0
+                toks = [int(x) for x in np.argmax(be.decode_batch(toks, sts), axis=-1)]
+            return toks[0], time.perf_counter() - t0
         return batch
     if R == 1:
         return lambda st, t, n: greedy_steps(be, st, t, n)
