@@ -127,3 +127,51 @@ def test_attention_decode_rows_equal_one_token_calls(libs, T, pos0, hd):
             assert np.array_equal(mm, want), isa
         elif pos0 + T > 16:  # the mode's reason: over more cache rows than a vector's lanes, tinyBLAS's order differs
             assert not np.array_equal(mm, want), isa
+
+
+
+def _moe_rows(lib, W, types, F, D, xq, idx, op, shared, n):
+    """moe_rows of the stacked experts W = (wg, wu, wd) of types (gate, down) over n work rows; the routed outputs"""
+    (wg, wu, wd), (gate_type, down_type) = W, types
+    T, k = idx.shape  # idx names the last expert, so that the scratch below is exactly what the call needs
+    eg, eu = np.zeros((n, F), np.float32), np.zeros((n, F), np.float32)
+    hq = np.zeros((n, lib.quantize(np.zeros(F, np.float32), down_type).nbytes), np.uint8)
+    ys = np.full((T * k, D), np.nan, np.float32)
+    scratch = np.zeros(lib.moe_rows_scratch(n, int(idx.max()) + 1, gate_type, D), np.uint8)
+    lib.moe_rows((wg, gate_type), (wu, gate_type), (wd, down_type), F, D, xq, idx, eg, eu, hq, ys, scratch, op, shared)
+    return ys
+
+
+@pytest.mark.parametrize("gate_type,down_type,op", [(12, 14, GGML_DECODE_ROWS), (8, 8, GGML_DECODE_ROWS),
+                                                    (13, 13, GGML_DECODE_ROWS), (12, 14, GGML_MUL_MAT_ID)])
+def test_moe_rows_shared_expert_rides_as_its_own_products(libs, gate_type, down_type, op):
+    """moe_rows with a shared expert in its pool runs: the routed outputs are those of the call without it, and the
+    shared expert's rows those of its own products (quantize, gate and up, SwiGLU, quantize, down: GGML_MUL_MAT's
+    shape where the routed pairs take GGML_MUL_MAT_ID's, else the same op), bit for bit, on every ISA."""
+    rng = np.random.default_rng(gate_type * 11 + down_type + op)
+    E, k, T, D, F = 7, 2, 5, 512, 256
+    wg, wu, wd = ([_weights(q, r, c, rng).reshape(-1).view(np.uint8) for _ in range(E)]
+                  for q, r, c in ((gate_type, F, D), (gate_type, F, D), (down_type, D, F)))
+    sg, su, sd = wg.pop(), wu.pop(), wd.pop()  # one expert's matrices apart: the shared expert
+    W, types = (np.concatenate(wg), np.concatenate(wu), np.concatenate(wd)), (gate_type, down_type)
+    x = rng.standard_normal((T, D)).astype(np.float32)
+    idx = np.stack([rng.choice(E - 1, k, replace=False) for _ in range(T)]).astype(np.int32)
+    idx[0, 0] = E - 2 if idx[0, 1] != E - 2 else idx[0, 0]
+    sop = GGML_MUL_MAT if op == GGML_MUL_MAT_ID else op
+    shared = ((sg, gate_type), (su, gate_type), (sd, down_type), np.full((T, D), np.nan, np.float32))
+    for isa, lib in libs.items():
+        xq = lib.quantize(x, gate_type)
+        alone = _moe_rows(lib, W, types, F, D, xq, idx, op, None, T * k)
+        assert np.array_equal(_moe_rows(lib, W, types, F, D, xq, idx, op, shared, T * k + T), alone), isa
+        g, u, want = np.zeros((T, F), np.float32), np.zeros((T, F), np.float32), np.zeros((T, D), np.float32)
+        lib.matmul(sg, gate_type, F, D, xq, g, sop)
+        lib.matmul(su, gate_type, F, D, xq, u, sop)
+        lib.swiglu(g, u, g)
+        lib.matmul(sd, down_type, D, F, lib.quantize(g, down_type), want, sop)
+        assert np.array_equal(shared[3], want), (isa, np.abs(shared[3] - want).max())
+    lib = libs[next(iter(libs))]
+    xq = lib.quantize(x, gate_type)
+    with pytest.raises(ValueError, match="shared expert's types"):
+        _moe_rows(lib, W, types, F, D, xq, idx, op, shared[:2] + ((sd, 0), shared[3]), T * k + T)
+    with pytest.raises(ValueError, match="eg has shape"):
+        _moe_rows(lib, W, types, F, D, xq, idx, op, shared, T * k)

@@ -302,16 +302,22 @@ static hi_mm hi_row_job(hi_ctx *c, int ggml_op, int qtype, const void *w, int64_
  * activation rows are prepared once per weight type and shared by the groups. */
 int hi_moe_grouped(hi_ctx *c, int nw, const int *qtypes, const void *const *ws, int64_t n_expert, int64_t rows,
                    int64_t cols, const void *xq, int64_t xq_row, int64_t npairs, int ngroups, const int32_t *experts,
-                   const int64_t *starts, float *const *outs, int64_t out_row, int ggml_op) {
+                   const int64_t *starts, float *const *outs, int64_t out_row, int ggml_op, const void *const *xws,
+                   int64_t xT, float *const *xouts, int xop) {
     if (nw < 1 || nw > 2 || ngroups < 1 || rows < 1 || n_expert < 1 || npairs < 1 ||
         !xq || !ws || !outs || !experts || !starts || out_row < rows || ggml_op < 0 || ggml_op > HI_GGML_DECODE_ROWS)
         return -2;
+    if (xws && (xT < 1 || xT >= npairs || !xouts || xop < 0 || xop > HI_GGML_DECODE_ROWS)) return -2;
+    if (xws)
+        for (int w = 0; w < nw; w++)
+            if (!xws[w] || !xouts[w]) return -2;
+    const int64_t routed = xws ? npairs - xT : npairs; /* the groups' pairs; the extra group's follow them */
     for (int w = 0; w < nw; w++) {
         const int e = hi_check_type(c, qtypes[w], cols);
         if (e) return e;
         if (!ws[w] || !outs[w] || hi_act_kind(qtypes[w]) != hi_act_kind(qtypes[0])) return -2;
     }
-    if (xq_row < hi_act_row_bytes(qtypes[0], cols) || starts[0] != 0 || starts[ngroups] != npairs) return -2;
+    if (xq_row < hi_act_row_bytes(qtypes[0], cols) || starts[0] != 0 || starts[ngroups] != routed) return -2;
     for (int g = 0; g < ngroups; g++)
         if (starts[g + 1] <= starts[g] || experts[g] < 0 || experts[g] >= n_expert) return -2;
     hi_mm jobs[HI_MAX_JOBS], prep[2];
@@ -345,6 +351,18 @@ int hi_moe_grouped(hi_ctx *c, int nw, const int *qtypes, const void *const *ws, 
         if (n + nw > HI_MAX_JOBS) { /* a pool task holds at most HI_MAX_JOBS jobs: the next groups in the next */
             hi_run_jobs(c, jobs, n);
             n = 0;
+        }
+    }
+    if (xws) { /* the extra group (a shared expert): its own matrices over the last xT pairs, in its own shape */
+        if (n + nw > HI_MAX_JOBS) {
+            hi_run_jobs(c, jobs, n);
+            n = 0;
+        }
+        for (int w = 0; w < nw; w++) {
+            hi_mm m = hi_job(c, xop, qtypes[w], xws[w], rows, cols, (const uint8_t *)xq + (size_t)routed * (size_t)xq_row,
+                             (size_t)xq_row, xT, xouts[w], (size_t)out_row);
+            if (s) hi_prep_share(&m, &prep[w], routed, nb);
+            jobs[n++] = m;
         }
     }
     if (n) hi_run_jobs(c, jobs, n);

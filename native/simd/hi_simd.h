@@ -59,10 +59,13 @@ int hi_matmul_many(hi_ctx *c, int n, const int *qtypes, const void *const *ws, c
                    const void *const *xqs, const int64_t *xq_rows, int64_t T, float *const *outs,
                    const int64_t *out_rows, int ggml_op);
 
-/* MoE over several tokens grouped by expert (hi_simd.c says how): one pool task for all groups */
+/* MoE over several tokens grouped by expert (hi_simd.c says how): one pool task for all groups; with xws (else
+ * NULL) an extra group, the last xT of the npairs rows against the matrices xws[w] (same types) into xouts[w], as
+ * ggml op xop (a shared expert, in the shape its own product would take) */
 int hi_moe_grouped(hi_ctx *c, int nw, const int *qtypes, const void *const *ws, int64_t n_expert, int64_t rows,
                    int64_t cols, const void *xq, int64_t xq_row, int64_t npairs, int ngroups, const int32_t *experts,
-                   const int64_t *starts, float *const *outs, int64_t out_row, int ggml_op);
+                   const int64_t *starts, float *const *outs, int64_t out_row, int ggml_op, const void *const *xws,
+                   int64_t xT, float *const *xouts, int xop);
 
 /* The routed experts of T tokens in one call (moe_rows.c says how): for pair p = t*k + j, e = idx[p],
  *   ys[p] = Wd[e] . q_down(swiglu(Wg[e] . xq_t, Wu[e] . xq_t))
@@ -70,12 +73,16 @@ int hi_moe_grouped(hi_ctx *c, int nw, const int *qtypes, const void *const *ws, 
  * the down matrix's activation format) are work rows; scratch of hi_moe_rows_scratch(T*k, n_expert, x_bytes,
  * n_embd) bytes (x_bytes: hi_act_row_bytes(gate_qt, n_embd)). ggml_op: GGML_DECODE_ROWS (each pair in its one-token
  * shape: several sequences' decode tokens, or a prompt's tokens independent of the chunk) or GGML_MUL_MAT_ID
- * (llama.cpp's shape for a prompt). */
+ * (llama.cpp's shape for a prompt). With sg non-NULL, a shared expert of the same types and shapes (sg, su
+ * n_ff x n_embd, sd n_embd x n_ff) rides in the same pool runs: s_out[t] (s_out_row apart) = Sd . q_down(swiglu(
+ * Sg . xq_t, Su . xq_t)), s_out_row == n_embd, in the shape its own products take (GGML_MUL_MAT for GGML_MUL_MAT_ID, else ggml_op); its
+ * rows follow the pairs' in eg, eu and hq (T*k + T rows), and the scratch is hi_moe_rows_scratch(T*k + T, ...). */
 int64_t hi_moe_rows_scratch(int64_t n_pairs, int64_t n_expert, int64_t x_bytes, int64_t n_embd);
 int hi_moe_rows(hi_ctx *c, int gate_qt, const void *wg, int up_qt, const void *wu, int down_qt, const void *wd,
                 int64_t n_expert, int64_t n_ff, int64_t n_embd, const void *xq, int64_t xq_row, int64_t T,
                 const int32_t *idx, int k, float *eg, float *eu, int64_t e_row, void *hq, int64_t hq_row, float *ys,
-                int64_t ys_row, void *scratch, int64_t scratch_bytes, int ggml_op);
+                int64_t ys_row, void *scratch, int64_t scratch_bytes, int ggml_op, const void *sg, const void *su,
+                const void *sd, float *s_out, int64_t s_out_row);
 
 /* MoE decode, gate and up fused: for i < k, e = ids[i] (0 <= e < n_expert):
  *   gate_out[i] = Wg[e] . xq,  up_out[i] = Wu[e] . xq
@@ -300,7 +307,7 @@ enum {
     HI_OP_GDN_LAYER, HI_OP_RMS_NORM, HI_OP_SPLIT_QGATE, HI_OP_SIGMOID_GATE, HI_OP_MOE_ROUTE, HI_OP_MOE_COMBINE,
     HI_OP_ATTN_STEP, HI_OP_MOE_ROWS, HI_OP_GDN_ROWS, HI_OP_ATTN_ROWS, HI_OP_COPY_MANY, HI_OP_COUNT
 };
-enum { HI_STEP_ARGS = 28 };
+enum { HI_STEP_ARGS = 32 };
 typedef union {
     int64_t i;
     double f;
@@ -309,7 +316,7 @@ typedef union {
 typedef struct {
     int32_t op;
     int32_t pos_arg;
-    hi_arg a[28]; /* HI_STEP_ARGS */
+    hi_arg a[32]; /* HI_STEP_ARGS */
 } hi_step;
 /* runs steps[0..n) at position pos; returns 0, or the first failing call's code with *failed = its index.
  * ns (NULL: not clocked): ns[i] += the nanoseconds step i took (two clock reads per step) */

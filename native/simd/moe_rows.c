@@ -26,25 +26,28 @@ int64_t hi_moe_rows_scratch(int64_t n_pairs, int64_t n_expert, int64_t x_bytes, 
 int hi_moe_rows(hi_ctx *c, int gate_qt, const void *wg, int up_qt, const void *wu, int down_qt, const void *wd,
                 int64_t n_expert, int64_t n_ff, int64_t n_embd, const void *xq, int64_t xq_row, int64_t T,
                 const int32_t *idx, int k, float *eg, float *eu, int64_t e_row, void *hq, int64_t hq_row, float *ys,
-                int64_t ys_row, void *scratch, int64_t scratch_bytes, int ggml_op) {
+                int64_t ys_row, void *scratch, int64_t scratch_bytes, int ggml_op, const void *sg, const void *su,
+                const void *sd, float *s_out, int64_t s_out_row) {
     if (!c || !wg || !wu || !wd || !xq || !idx || !eg || !eu || !hq || !ys || !scratch || T < 1 || k < 1 ||
         n_expert < 1 || n_ff < 1 || n_embd < 1 || e_row < n_ff || ys_row < n_embd)
         return -2;
-    const int64_t n = T * (int64_t)k;
+    if (sg && (!su || !sd || !s_out || s_out_row != n_embd)) return -2; /* its down rows n_embd apart, as the pairs' */
+    const int64_t n = T * (int64_t)k, ns = sg ? T : 0; /* the routed pairs, then the shared expert's rows */
+    const int sop = ggml_op == HI_GGML_MUL_MAT_ID ? HI_GGML_MUL_MAT : ggml_op;
     if (hi_act_row_bytes(gate_qt, n_embd) <= 0 || hi_act_row_bytes(gate_qt, n_embd) != hi_act_row_bytes(up_qt, n_embd) ||
         xq_row < hi_act_row_bytes(gate_qt, n_embd) || hi_act_row_bytes(down_qt, n_ff) <= 0 ||
         hq_row < hi_act_row_bytes(down_qt, n_ff))
         return -2;
     const int64_t xr = hi_act_row_bytes(gate_qt, n_embd); /* the gathered rows, packed */
-    const int64_t need = hi_moe_rows_scratch(n, n_expert, xr, n_embd);
+    const int64_t need = hi_moe_rows_scratch(n + ns, n_expert, xr, n_embd);
     if (need < 0 || scratch_bytes < need) return -2;
     uint8_t *s = (uint8_t *)scratch;
     uint8_t *xs = s;
-    s += al64((size_t)n * (size_t)xr);
+    s += al64((size_t)(n + ns) * (size_t)xr);
     float *out = (float *)s;
-    s += al64((size_t)n * (size_t)n_embd * 4);
+    s += al64((size_t)(n + ns) * (size_t)n_embd * 4);
     int32_t *order = (int32_t *)s;
-    s += al64((size_t)n * 4);
+    s += al64((size_t)(n + ns) * 4);
     int32_t *experts = (int32_t *)s;
     s += al64((size_t)n_expert * 4);
     int64_t *count = (int64_t *)s; /* pairs per expert, then each expert's next slot */
@@ -69,15 +72,18 @@ int hi_moe_rows(hi_ctx *c, int gate_qt, const void *wg, int up_qt, const void *w
     for (int64_t p = 0; p < n; p++) order[count[idx[p]]++] = (int32_t)p; /* stable: pairs in token order */
     for (int64_t q = 0; q < n; q++)
         memcpy(xs + (size_t)q * (size_t)xr, (const uint8_t *)xq + (size_t)(order[q] / k) * (size_t)xq_row, (size_t)xr);
+    for (int64_t t = 0; t < ns; t++) /* the shared expert's rows: every token, in order */
+        memcpy(xs + (size_t)(n + t) * (size_t)xr, (const uint8_t *)xq + (size_t)t * (size_t)xq_row, (size_t)xr);
     const int gu_qt[2] = {gate_qt, up_qt}, d_qt[1] = {down_qt};
-    const void *gu_w[2] = {wg, wu}, *d_w[1] = {wd};
+    const void *gu_w[2] = {wg, wu}, *d_w[1] = {wd}, *sgu_w[2] = {sg, su}, *sd_w[1] = {sd};
     float *gu_out[2] = {eg, eu}, *d_out[1] = {out};
-    int rc = hi_moe_grouped(c, 2, gu_qt, gu_w, n_expert, n_ff, n_embd, xs, xr, n, ng, experts, starts, gu_out, e_row,
-                            ggml_op);
-    if (!rc) rc = hi_swiglu(c, eg, e_row, eu, e_row, eg, e_row, n, n_ff);
-    if (!rc) rc = hi_quantize(c, down_qt, eg, e_row, n, n_ff, hq, hq_row);
-    if (!rc) rc = hi_moe_grouped(c, 1, d_qt, d_w, n_expert, n_embd, n_ff, hq, hq_row, n, ng, experts, starts, d_out,
-                                 n_embd, ggml_op);
+    float *sgu_out[2] = {eg + (size_t)n * (size_t)e_row, eu + (size_t)n * (size_t)e_row}, *sd_out[1] = {s_out};
+    int rc = hi_moe_grouped(c, 2, gu_qt, gu_w, n_expert, n_ff, n_embd, xs, xr, n + ns, ng, experts, starts, gu_out,
+                            e_row, ggml_op, sg ? sgu_w : NULL, ns, sgu_out, sop);
+    if (!rc) rc = hi_swiglu(c, eg, e_row, eu, e_row, eg, e_row, n + ns, n_ff);
+    if (!rc) rc = hi_quantize(c, down_qt, eg, e_row, n + ns, n_ff, hq, hq_row);
+    if (!rc) rc = hi_moe_grouped(c, 1, d_qt, d_w, n_expert, n_embd, n_ff, hq, hq_row, n + ns, ng, experts, starts,
+                                 d_out, n_embd, ggml_op, sg ? sd_w : NULL, ns, sd_out, sop);
     if (rc) return rc;
     for (int64_t q = 0; q < n; q++)
         memcpy(ys + (size_t)order[q] * (size_t)ys_row, out + q * n_embd, (size_t)n_embd * 4);

@@ -56,7 +56,8 @@ static int hi_step_run(hi_ctx *c, const hi_step *s, int64_t pos) {
                             I(22), (int)I(23), I(24), I(25), I(26), P(27));
     case HI_OP_MOE_ROWS:
         return hi_moe_rows(c, (int)I(0), P(1), (int)I(2), P(3), (int)I(4), P(5), I(6), I(7), I(8), P(9), I(10), I(11),
-                           P(12), (int)I(13), P(14), P(15), I(16), P(17), I(18), P(19), I(20), P(21), I(22), (int)I(23));
+                           P(12), (int)I(13), P(14), P(15), I(16), P(17), I(18), P(19), I(20), P(21), I(22), (int)I(23),
+                           P(24), P(25), P(26), P(27), I(28));
     case HI_OP_GDN_ROWS:
         return hi_gdn_rows(c, I(0), P(1), I(2), P(3), I(4), P(5), I(6), P(7), I(8), P(9), P(10), P(11), P(12), P(13),
                            P(14), I(15), I(16), I(17), I(18), I(19), I(20), (int)I(21), F(22), P(23), I(24), P(25),

@@ -218,7 +218,8 @@ class CPUOps:
         ys = ws.ed[: T * k]
         G, U, Dn = E3
         shared = None  # the shared expert's output when the routed experts' calls produced it
-        if S3 is not None and (cache is not None or T > 1 or not self._fuses(E3, S3)):
+        rides = S3 is not None and cache is None and (self._rides(E3, S3) if T > 1 else self._fuses(E3, S3))
+        if S3 is not None and not rides:
             shared = self._shared(x, S3)
         if T == 1:
             # the shared expert rides in the routed experts' calls where its products take their activation
@@ -245,7 +246,9 @@ class CPUOps:
             self._call(("down", id(Dn)), "moe_down", Dn.raw, Dn.qtype, Dn.rows, Dn.cols, hq[:k], ids, ys,
                        SHAPE, sh_d)
         else:  # several sequences' decode tokens, or a prompt's tokens: the routed pairs grouped by expert
-            self._moe_rows(E3, x, idx, ys, cache)
+            if rides:
+                shared = self.spare[:T]
+            self._moe_rows(E3, x, idx, ys, cache, S3 if rides else None, shared)
         out = self.out[:T]
         if S3 is None:
             self._call(("combine", i), "moe_combine", ys, w, out)
@@ -260,6 +263,12 @@ class CPUOps:
         return S3[0].rows == G.rows and len({act(t.qtype) for t in (G, U, S3[0], S3[1])}) == 1 and act(
             S3[2].qtype) == act(Dn.qtype)
 
+    @staticmethod
+    def _rides(E3, S3) -> bool:
+        """whether several rows' shared expert can ride in moe_rows' pool runs: its matrices of the routed
+        experts' types and shapes (its compute-bound rows then run beside the routed experts' memory-bound ones)"""
+        return all(s.qtype == e.qtype and s.rows == e.rows and s.cols == e.cols for s, e in zip(S3, E3, strict=True))
+
     def _shared(self, x, S3) -> np.ndarray:
         """The shared expert's output in the spare buffer (its own products)."""
         m, ws = self.m, self.ws
@@ -268,20 +277,23 @@ class CPUOps:
         self._call(("swiglu", id(Sg)), "swiglu", g, u, g)
         return m.mm(Sd, g, self.spare, ws)
 
-    def _moe_rows(self, E3, x: np.ndarray, idx: np.ndarray, ys: np.ndarray, cache=None) -> None:
+    def _moe_rows(self, E3, x: np.ndarray, idx: np.ndarray, ys: np.ndarray, cache=None, S3=None,
+                  s_out=None) -> None:
         """ys[t * k + j] = expert idx[t, j]'s output for token t, in one native call (moe_rows): the T x k pairs
         grouped by expert, so each selected expert is read once for all the tokens routed to it, each pair in its
-        one-token float shape (SHAPE: the same bits whichever tokens share the call). From an expert cache: one
-        call per run of rows whose experts it holds at once (ExpertCache.rows)."""
+        one-token float shape (SHAPE: the same bits whichever tokens share the call); with S3, the shared expert's
+        rows into s_out in the same call, as its own products give them. From an expert cache: one call per run of
+        rows whose experts it holds at once (ExpertCache.rows)."""
         m, ws = self.m, self.ws
         G, U, Dn = E3
-        n = idx.size
+        n = idx.size + (x.shape[0] if S3 is not None else 0)  # work rows: the pairs', then the shared expert's
         xq = m.quantize(G, x, ws)
         hq = ws.xq[m.simd.act_kind(Dn.qtype)][:n, : m.simd.act_row_bytes(Dn.qtype, Dn.cols)]
         if cache is not None:
             m._op(ws, cache.rows, m.simd, G.rows, G.cols, xq, idx, ws.eg[:n], ws.eu[:n], hq, ys, ws.moe_scratch,
                   SHAPE)
             return
+        shared = None if S3 is None else (*((t.raw, t.qtype) for t in S3), s_out)
         self._call(("moe_rows", self.i), "moe_rows", (G.raw, G.qtype), (U.raw, U.qtype), (Dn.raw, Dn.qtype), G.rows,
-                   G.cols, xq, idx, ws.eg[:n], ws.eu[:n], hq, ys, ws.moe_scratch, SHAPE)
+                   G.cols, xq, idx, ws.eg[:n], ws.eu[:n], hq, ys, ws.moe_scratch, SHAPE, shared)
 

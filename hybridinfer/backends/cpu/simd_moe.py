@@ -174,7 +174,7 @@ class MoECalls:
         rc = self._lib.hi_moe_grouped(
             self._c, len(qts), qts, [_ptr(ffi, "uint8_t *", w) for w in wps], ne, rows, cols,
             _ptr(ffi, "uint8_t *", xq), xs, npairs, ex.size, _ptr(ffi, "int32_t *", ex), _ptr(ffi, "int64_t *", st),
-            [_ptr(ffi, "float *", o) for o in outs], os_, _op(ggml_op))
+            [_ptr(ffi, "float *", o) for o in outs], os_, _op(ggml_op), ffi.NULL, 0, ffi.NULL, 0)
         if rc:
             _check_rc(rc, "moe_grouped")
 
@@ -188,13 +188,17 @@ class MoECalls:
 
     def moe_rows(self, gate, up, down, n_ff: int, n_embd: int, xq: np.ndarray, idx: np.ndarray, eg: np.ndarray,
                  eu: np.ndarray, hq: np.ndarray, ys: np.ndarray, scratch: np.ndarray,
-                 ggml_op: int = GGML_NONE) -> None:
+                 ggml_op: int = GGML_NONE, shared=None) -> None:
         """The routed experts of T tokens in one call: for pair p = t*k + j and e = idx[t, j],
         ys[p] = W_down[e] . q(swiglu(W_gate[e] . x_t, W_up[e] . x_t)), the pairs grouped by expert so each selected
         expert is read once (moe_rows.c). gate, up, down: (raw stacked expert tensor, qtype), gate and up n_ff x
         n_embd per expert, down n_embd x n_ff; xq (T, act_row_bytes(gate type, n_embd)) the tokens' quantized rows;
         idx (T, k) int32; eg, eu (T*k, n_ff) float32 and hq (T*k, act_row_bytes(down type, n_ff)) uint8 work rows;
-        ys (T*k, n_embd) float32; scratch uint8 of moe_rows_scratch bytes. ggml_op as in moe_grouped."""
+        ys (T*k, n_embd) float32; scratch uint8 of moe_rows_scratch bytes. ggml_op as in moe_grouped.
+        shared: None, or (w_sg, w_su, w_sd, s_out), a shared expert of the routed experts' types and shapes (one
+        expert's matrices) computed in the same pool runs into s_out (T, n_embd) float32, each row as its own
+        products give it; eg, eu and hq then hold T*k + T rows (the shared expert's last) and the scratch is
+        moe_rows_scratch(T*k + T, ...)."""
         (wg, gq), (wu, uq), (wd, dq) = ((w, _qtype(q)) for w, q in (gate, up, down))
         n_ff, n_embd = int(n_ff), int(n_embd)
         if n_ff < 1 or n_embd < 1:
@@ -214,21 +218,37 @@ class MoECalls:
         n = T * k
         if idx.min() < 0 or idx.max() >= ne:
             raise ValueError(f"idx holds an expert id outside [0, {ne})")
+        ffi = self._ffi
+        sh = [ffi.NULL] * 4
+        if shared is not None:
+            (sg, sgq), (su, suq), (sd, sdq), s_out = shared
+            if (_qtype(sgq), _qtype(suq), _qtype(sdq)) != (gq, uq, dq):
+                raise ValueError(f"the shared expert's types {type_name(_qtype(sgq))}, {type_name(_qtype(suq))}, "
+                                 f"{type_name(_qtype(sdq))} are not the routed experts' {type_name(gq)}, "
+                                 f"{type_name(uq)}, {type_name(dq)}")
+            sws = [_one_matrix(f"shared {nm}", w, q, c, r)
+                   for nm, w, q, c, r in (("gate", sg, gq, n_embd, n_ff), ("up", su, uq, n_embd, n_ff),
+                                          ("down", sd, dq, n_ff, n_embd))]
+            s_out = _array("s_out", s_out, (_F32,))
+            if _rows("s_out", s_out, n_embd, T, writable=True)[1] != n_embd:
+                raise ValueError(f"s_out must have rows {n_embd} floats apart, as the pairs' outputs")
+            sh = [_ptr(ffi, "uint8_t *", w) for w in sws] + [_ptr(ffi, "float *", s_out)]
+        nr = n + (T if shared is not None else 0)  # work rows: the pairs', then the shared expert's
         xq = _array("xq", xq, (_U8,))
         _, xs = _rows("xq", xq, act_row_bytes(gq, n_embd), T)
-        _, es = _rows("eg", _array("eg", eg, (_F32,)), n_ff, n, writable=True)
-        if _rows("eu", _array("eu", eu, (_F32,)), n_ff, n, writable=True)[1] != es:
+        _, es = _rows("eg", _array("eg", eg, (_F32,)), n_ff, nr, writable=True)
+        if _rows("eu", _array("eu", eu, (_F32,)), n_ff, nr, writable=True)[1] != es:
             raise ValueError("eg and eu must have the same row stride")
-        _, hs = _rows("hq", _array("hq", hq, (_U8,)), act_row_bytes(dq, n_ff), n, writable=True)
+        _, hs = _rows("hq", _array("hq", hq, (_U8,)), act_row_bytes(dq, n_ff), nr, writable=True)
         _, ysr = _rows("ys", _array("ys", ys, (_F32,)), n_embd, n, writable=True)
         scratch = _array("scratch", scratch, (_U8,))
-        need = self.moe_rows_scratch(n, ne, gq, n_embd)
+        need = self.moe_rows_scratch(nr, ne, gq, n_embd)
         if scratch.ndim != 1 or not scratch.flags.c_contiguous or scratch.nbytes < need:
             raise ValueError(f"scratch must be a contiguous uint8 array of at least {need} bytes, got {scratch.shape}")
-        ffi = self._ffi
         rc = self._lib.hi_moe_rows(
             self._c, gq, _ptr(ffi, "uint8_t *", wg), uq, _ptr(ffi, "uint8_t *", wu), dq, _ptr(ffi, "uint8_t *", wd),
             ne, n_ff, n_embd, _ptr(ffi, "uint8_t *", xq), xs, T, _ptr(ffi, "int32_t *", idx), k,
             _ptr(ffi, "float *", eg), _ptr(ffi, "float *", eu), es, _ptr(ffi, "uint8_t *", hq), hs,
-            _ptr(ffi, "float *", ys), ysr, _ptr(ffi, "uint8_t *", scratch), scratch.nbytes, _op(ggml_op))
+            _ptr(ffi, "float *", ys), ysr, _ptr(ffi, "uint8_t *", scratch), scratch.nbytes, _op(ggml_op), *sh,
+            n_embd)
         _check_rc(rc, "moe_rows")

@@ -40,7 +40,7 @@ class Workspace:
         for m in mats:
             kind, nb = simd.act_kind(m.qtype), simd.act_row_bytes(m.qtype, max(m.cols, D))
             if kind not in self.xq or self.xq[kind].shape[1] < nb:
-                self.xq[kind] = np.zeros((max(T, getattr(a, "n_expert_used", 1) * T + 1), nb), np.uint8)
+                self.xq[kind] = np.zeros((max(T, getattr(a, "n_expert_used", 1) * T + T), nb), np.uint8)
         self.logits = f(T, model.out.rows)
         for op in dict.fromkeys(kind_of(t).op for t in a.layer_types):  # the buffers of the mixers' ops
             getattr(self, f"op_{op}")(a, simd, T, n_ctx, rows)
@@ -48,10 +48,11 @@ class Workspace:
             k = a.n_expert_used
             self.router = f(T, a.n_expert)
             self.route_idx, self.route_w = np.zeros((T, k), np.int32), f(T, k)
-            # decode with a shared expert as wide as the routed ones: its rows follow theirs (CPUOps.moe_impl)
-            self.eg, self.eu, self.ed = f(T * k + 1, a.n_ff_exp), f(T * k + 1, a.n_ff_exp), f(T * k, D)
+            # a shared expert as wide as the routed ones: its rows follow theirs (CPUOps.moe_impl), one for decode,
+            # T for moe_rows
+            self.eg, self.eu, self.ed = f(T * k + T, a.n_ff_exp), f(T * k + T, a.n_ff_exp), f(T * k, D)
             if T > 1:  # moe_rows: its gathered inputs, outputs in expert order and grouping
-                need = max(simd.moe_rows_scratch(T * k, a.n_expert, L["ffn_gate_exps"].qtype, D)
+                need = max(simd.moe_rows_scratch(T * k + T, a.n_expert, L["ffn_gate_exps"].qtype, D)
                            for L in model.layers if "ffn_gate_exps" in L)
                 self.moe_scratch = np.zeros(need, np.uint8)
 
