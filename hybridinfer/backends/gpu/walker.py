@@ -93,12 +93,21 @@ class ManyStates:
     """Several prompts: each one's per-token rows go up to its own rows of the card's state before the pass (after a
     restore) and come down after it; the card's one copy of a layer's recurrent arrays is loaded with the prompt's
     before its first piece (zeroed at position 0, copied up after a restore) and queued down into page-locked
-    mirrors after its last, without waiting for the card."""
+    mirrors after its last, without waiting for the card. As with one prompt, a layer's mirrors go on into the host
+    states while the card works on later layers: between layers the host waits for the copies of the layer two
+    back and hands them to copier threads (numpy's copies let go of the GIL), which write the prompts' states while
+    the host queues the next layers. Copied at the end instead, 8 prompts' 63 MB each of the 35B-A3B's GDN state
+    (into fresh pages) took 0.34 s after a 0.37 s pass."""
+
+    COPIERS = 4  # threads writing mirrors into host states (a layer each at a time)
 
     def __init__(self, m, items: list[Item]):
         self.m, self.items, self.b = m, items, m.buf
         self.rows = [(name, i, card) for (name, i), card in self.b.state.items() if ARRAYS[name].per_token]
         self.pinned = pinned_states(m, len(items))
+        self.recurrent = {i for (name, i) in self.b.state if not ARRAYS[name].per_token}
+        self._pending: list[tuple[int, object]] = []  # (layer, event after its copies down were queued)
+        self._pool, self._jobs = None, []
 
     def up(self) -> None:
         self.m._owner = None  # the card's state buffers end holding pieces of several sequences
@@ -119,16 +128,46 @@ class ManyStates:
         return lambda: save_recurrent(self.m.drv, self.b, i, self.pinned[j], self.m.stream)
 
     def layer_done(self, i: int) -> None:
-        pass
+        if i in self.recurrent:  # every prompt's mirrors of layer i are queued by now (its pieces' `after`)
+            ev = self.m.drv.Event()
+            ev.record(self.m.stream)
+            self._pending.append((i, ev))
 
     def drain(self, i: int) -> None:
-        pass
+        self._hand_on(wait_through=i - 2)
+
+    def _hand_on(self, wait_through: int) -> None:
+        """Layers whose mirrors have arrived (waiting for those up to `wait_through`) to the copier threads."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        while self._pending:
+            i, ev = self._pending[0]
+            if i <= wait_through:
+                ev.synchronize()
+            elif not ev.query():
+                return
+            self._pending.pop(0)
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.COPIERS, thread_name_prefix="hybridinfer-state-down")
+            self._jobs.append(self._pool.submit(self._copy_layer, i))
+
+    def _copy_layer(self, i: int) -> None:
+        for j, it in enumerate(self.items):
+            for (name, l), mirror in self.pinned[j].items():
+                if l == i:
+                    np.copyto(it.state.arrays[name][i], mirror)
 
     def down(self) -> None:
-        for j, it in enumerate(self.items):
+        try:
+            self._hand_on(wait_through=1 << 30)
+            for job in self._jobs:
+                job.result()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+            self._pool, self._jobs = None, []
+        for it in self.items:
             st, p0, T = it.state, it.state.pos, len(it.ids)
-            for (name, i), mirror in self.pinned[j].items():
-                np.copyto(st.arrays[name][i], mirror)
             for name, i, card in self.rows:
                 st.arrays[name][i][p0 : p0 + T] = card[it.base + p0 : it.base + p0 + T].get()
             st.tokens[p0 : p0 + T] = it.ids
