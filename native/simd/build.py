@@ -30,7 +30,7 @@ _SOURCES = [
     "vrows.c",
 ]
 _HEADERS = [
-    "hi_simd.h", "hi_ctx.h", "hi_internal.h", "hi_pool.h", "hi_replica.h", "blocks.h",
+    "hi_simd.h", "hi_ctx.h", "hi_internal.h", "hi_jobs.h", "hi_pool.h", "hi_replica.h", "blocks.h",
     "kernels_body.h", "kernels_quant.h", "kernels_lanes.h", "kernels_tiles.h", "kernels_rows.h",
     "kernels_rows_vnni.h", "kernels_rows_avx2.h", "kernels_rows_ssse3.h", "kernels_rows_small.h", "kernels_attn.h",
     "kernels_fa.h", "kernels_fa_vnni.h", "kernels_fa_tiled.h", "kernels_gemm.h", "kernels_vattn.h",

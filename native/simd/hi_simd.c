@@ -15,6 +15,7 @@
 #include <string.h>
 
 #include "hi_ctx.h"
+#include "hi_jobs.h"
 
 /* the legacy 32-element types, whose activation rows are prepared per call (hi_prep_rows) */
 static int hi_is_legacy(int qtype) {
@@ -27,7 +28,7 @@ static int hi_is_kquant(int qtype) { return qtype == HI_T_Q4_K || qtype == HI_T_
 /* ================================================================================================ */
 /* context: hi_ctx.c; its scratch here */
 
-static uint8_t *hi_scratch(hi_ctx *c, size_t n) {
+uint8_t *hi_scratch(hi_ctx *c, size_t n) {
     if (n > c->scratch_cap) {
         free(c->scratch);
         c->scratch = NULL;
@@ -42,14 +43,14 @@ static uint8_t *hi_scratch(hi_ctx *c, size_t n) {
 
 /* whether products of weight type qtype prepare their activation rows first (hi_prep_rows): the legacy types
  * always, the K-quants on a unit with `kprep` */
-static int hi_needs_prep(const hi_ctx *c, int qtype) {
+int hi_needs_prep(const hi_ctx *c, int qtype) {
     qtype = hi_base_type(qtype);
     return hi_is_legacy(qtype) || (hi_is_kquant(qtype) && c->k->kprep);
 }
 
 /* bytes of prepared data for T activation rows of nb blocks of 32: legacy types corr (8 int32), dy, sy per
  * block; K-quants HI_KPREP_BYTES per 8 blocks (the larger: 132 bytes per block) */
-static size_t hi_prep_bytes(int64_t T, int64_t nb) { return (size_t)(T * nb) * (HI_KPREP_BYTES / 8); }
+size_t hi_prep_bytes(int64_t T, int64_t nb) { return (size_t)(T * nb) * (HI_KPREP_BYTES / 8); }
 
 /* prepare T activation rows (xq, xq_row bytes apart; nb blocks of 32 each) for m's weight type into scratch at
  * `at`, and point m at them: a legacy type's corr/dy/sy (rows at nb blocks), a K-quant's xk/xk_row */
@@ -73,7 +74,7 @@ static void hi_prep_rows(const hi_kernels *k, hi_mm *m, const uint8_t *xq, size_
 }
 
 /* m reads the prepared rows of `from` starting at its row t (nb blocks of 32 per row) */
-static void hi_prep_share(hi_mm *m, const hi_mm *from, int64_t t, int64_t nb) {
+void hi_prep_share(hi_mm *m, const hi_mm *from, int64_t t, int64_t nb) {
     m->corr = from->corr ? from->corr + (size_t)(t * nb) * 8 : NULL;
     m->dy = from->dy ? from->dy + t * nb : NULL;
     m->sy = from->sy ? from->sy + t * nb : NULL;
@@ -84,8 +85,8 @@ static void hi_prep_share(hi_mm *m, const hi_mm *from, int64_t t, int64_t nb) {
 /* m's preparation, if its type needs one, of its activation rows: shared with the first of jobs[0..n) with the
  * same rows (x) and weight type (a legacy type's lane correction depends on it; the K-quants share theirs), else made
  * at `at` */
-static void hi_prep_job(const hi_ctx *c, hi_mm *m, const hi_mm *jobs, int n, const uint8_t *xq, size_t xq_row,
-                        int64_t T, int64_t nb, uint8_t *at) {
+void hi_prep_job(const hi_ctx *c, hi_mm *m, const hi_mm *jobs, int n, const uint8_t *xq, size_t xq_row, int64_t T,
+                 int64_t nb, uint8_t *at) {
     if (!hi_needs_prep(c, m->qtype)) return;
     for (int i = 0; i < n; i++)
         if (jobs[i].x == m->x &&
@@ -98,8 +99,6 @@ static void hi_prep_job(const hi_ctx *c, hi_mm *m, const hi_mm *jobs, int n, con
 
 /* ---- batched products ---------------------------------------------------------------------------- */
 
-#define HI_MAX_K 64
-#define HI_MAX_JOBS (2 * HI_MAX_K + 2) /* the MoE gate/up call: k experts x 2 and the shared expert's two */
 
 /* A call's rows in chunks for the pool, in tiers of shrinking chunks: first each job's leading 3/4 of rows in big
  * chunks, then 3/4 of the rest of every job in chunks a quarter as big, then the last rows in chunks a quarter
@@ -149,7 +148,7 @@ static void hi_batch_chunk(void *a, int64_t i) {
 /* bytes of weights below which a call runs on the calling thread alone (waking the pool costs more) */
 #define HI_INLINE_BYTES (96 << 10)
 
-static void hi_run_jobs(hi_ctx *c, hi_mm *jobs, int njobs) {
+void hi_run_jobs(hi_ctx *c, hi_mm *jobs, int njobs) {
     for (int j = 0; j < njobs; j++) jobs[j].pf = c->pf_bytes;
     int64_t total_rows = 0, T = 1, bytes = 0;
     for (int j = 0; j < njobs; j++) {
@@ -202,8 +201,8 @@ static int hi_kshape(const hi_ctx *c, int ggml_op, int qtype, int64_t rows, int6
 }
 
 /* the job of one product (its K-quant preparation, if any, set by the caller) */
-static hi_mm hi_job(const hi_ctx *c, int ggml_op, int qtype, const void *w, int64_t rows, int64_t cols,
-                    const uint8_t *x, size_t x_row, int64_t T, float *out, size_t out_row) {
+hi_mm hi_job(const hi_ctx *c, int ggml_op, int qtype, const void *w, int64_t rows, int64_t cols,
+             const uint8_t *x, size_t x_row, int64_t T, float *out, size_t out_row) {
     const int base = hi_base_type(qtype);
     hi_mm m = {.qtype = base, .w = (const uint8_t *)w, .w_row = (size_t)hi_weight_row_bytes(base, cols), .rows = rows,
                .cols = cols, .x = x, .x_row = x_row, .T = T, .out = out, .out_row = out_row,
@@ -212,7 +211,7 @@ static hi_mm hi_job(const hi_ctx *c, int ggml_op, int qtype, const void *w, int6
     return m;
 }
 
-static int hi_check_type(const hi_ctx *c, int qtype, int64_t cols) {
+int hi_check_type(const hi_ctx *c, int qtype, int64_t cols) {
     if (hi_act_kind(qtype) == HI_ACT_NONE) return -1;
     if ((qtype & HI_T_ZIPPED) && !c->k->krepack) return -1; /* zipped rows, a unit without their kernels */
     if (hi_weight_row_bytes(qtype, cols) < 0) return -2;
@@ -292,82 +291,6 @@ static hi_mm hi_row_job(hi_ctx *c, int ggml_op, int qtype, const void *w, int64_
     hi_mm m = hi_vec_job(c, ggml_op ? HI_GGML_MUL_MAT : HI_GGML_NONE, qtype, w, rows, cols, xq, out);
     hi_prep_job(c, &m, jobs, n, xq, 0, 1, cols / 32, prep);
     return m;
-}
-
-/* MoE over several tokens, grouped by expert: the n routed (token, slot) pairs' input rows xq (npairs rows,
- * xq_row bytes apart) sorted so that group g (expert experts[g]) holds pairs starts[g] .. starts[g+1]-1; for each of
- * the nw (1 or 2: gate and up) stacked expert tensors ws[w] and each group,
- *     outs[w][p] = W_w[experts[g]] . x[p]    for p in the group,
- * the groups in pool tasks of up to HI_MAX_JOBS jobs, each selected expert's rows read once for all its pairs. The
- * activation rows are prepared once per weight type and shared by the groups. */
-int hi_moe_grouped(hi_ctx *c, int nw, const int *qtypes, const void *const *ws, int64_t n_expert, int64_t rows,
-                   int64_t cols, const void *xq, int64_t xq_row, int64_t npairs, int ngroups, const int32_t *experts,
-                   const int64_t *starts, float *const *outs, int64_t out_row, int ggml_op, const void *const *xws,
-                   int64_t xT, float *const *xouts, int xop) {
-    if (nw < 1 || nw > 2 || ngroups < 1 || rows < 1 || n_expert < 1 || npairs < 1 ||
-        !xq || !ws || !outs || !experts || !starts || out_row < rows || ggml_op < 0 || ggml_op > HI_GGML_DECODE_ROWS)
-        return -2;
-    if (xws && (xT < 1 || xT >= npairs || !xouts || xop < 0 || xop > HI_GGML_DECODE_ROWS)) return -2;
-    if (xws)
-        for (int w = 0; w < nw; w++)
-            if (!xws[w] || !xouts[w]) return -2;
-    const int64_t routed = xws ? npairs - xT : npairs; /* the groups' pairs; the extra group's follow them */
-    for (int w = 0; w < nw; w++) {
-        const int e = hi_check_type(c, qtypes[w], cols);
-        if (e) return e;
-        if (!ws[w] || !outs[w] || hi_act_kind(qtypes[w]) != hi_act_kind(qtypes[0])) return -2;
-    }
-    if (xq_row < hi_act_row_bytes(qtypes[0], cols) || starts[0] != 0 || starts[ngroups] != routed) return -2;
-    for (int g = 0; g < ngroups; g++)
-        if (starts[g + 1] <= starts[g] || experts[g] < 0 || experts[g] >= n_expert) return -2;
-    hi_mm jobs[HI_MAX_JOBS], prep[2];
-    pthread_mutex_lock(&c->mu);
-    const int64_t nb = cols / 32;
-    const size_t pb = hi_prep_bytes(npairs, nb);
-    uint8_t *s = NULL;
-    if (hi_needs_prep(c, qtypes[0]) || (nw > 1 && hi_needs_prep(c, qtypes[nw - 1]))) {
-        s = hi_scratch(c, (size_t)nw * pb);
-        if (!s) {
-            pthread_mutex_unlock(&c->mu);
-            return -3;
-        }
-    }
-    for (int w = 0; w < nw; w++) { /* every pair's row prepared once per weight type (shared where the types allow) */
-        prep[w] = hi_job(c, ggml_op, qtypes[w], ws[w], rows, cols, (const uint8_t *)xq, (size_t)xq_row, npairs,
-                         outs[w], (size_t)out_row);
-        if (s) hi_prep_job(c, &prep[w], prep, w, (const uint8_t *)xq, (size_t)xq_row, npairs, nb, s + (size_t)w * pb);
-    }
-    int n = 0;
-    for (int g = 0; g < ngroups; g++) {
-        const int64_t p0 = starts[g], T = starts[g + 1] - p0;
-        for (int w = 0; w < nw; w++) {
-            const size_t rb = (size_t)hi_weight_row_bytes(qtypes[w], cols);
-            hi_mm m = hi_job(c, ggml_op, qtypes[w], (const uint8_t *)ws[w] + (size_t)experts[g] * (size_t)rows * rb,
-                             rows, cols, (const uint8_t *)xq + (size_t)p0 * (size_t)xq_row, (size_t)xq_row, T,
-                             outs[w] + (size_t)p0 * (size_t)out_row, (size_t)out_row);
-            if (s) hi_prep_share(&m, &prep[w], p0, nb);
-            jobs[n++] = m;
-        }
-        if (n + nw > HI_MAX_JOBS) { /* a pool task holds at most HI_MAX_JOBS jobs: the next groups in the next */
-            hi_run_jobs(c, jobs, n);
-            n = 0;
-        }
-    }
-    if (xws) { /* the extra group (a shared expert): its own matrices over the last xT pairs, in its own shape */
-        if (n + nw > HI_MAX_JOBS) {
-            hi_run_jobs(c, jobs, n);
-            n = 0;
-        }
-        for (int w = 0; w < nw; w++) {
-            hi_mm m = hi_job(c, xop, qtypes[w], xws[w], rows, cols, (const uint8_t *)xq + (size_t)routed * (size_t)xq_row,
-                             (size_t)xq_row, xT, xouts[w], (size_t)out_row);
-            if (s) hi_prep_share(&m, &prep[w], routed, nb);
-            jobs[n++] = m;
-        }
-    }
-    if (n) hi_run_jobs(c, jobs, n);
-    pthread_mutex_unlock(&c->mu);
-    return 0;
 }
 
 int hi_moe_gate_up(hi_ctx *c, int gate_qtype, const void *wg, int up_qtype, const void *wu, int64_t n_expert,

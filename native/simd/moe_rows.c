@@ -8,11 +8,89 @@
  * computed as hi_moe_grouped computes it whatever the other groups hold, so the results do not depend on which
  * tokens share the call (with GGML_DECODE_ROWS: each pair in its one-token float shape).
  * Scratch (hi_moe_rows_scratch bytes): the gathered rows, the down outputs in group order, the order and groups.
+ * hi_moe_grouped, the grouped products themselves, is here too (hi_simd.c's drivers split each job's rows).
  */
+#include <pthread.h>
 #include <string.h>
 
-#include "hi_internal.h"
+#include "hi_jobs.h"
 #include "hi_simd.h"
+
+/* MoE over several tokens, grouped by expert: the n routed (token, slot) pairs' input rows xq (npairs rows,
+ * xq_row bytes apart) sorted so that group g (expert experts[g]) holds pairs starts[g] .. starts[g+1]-1; for each of
+ * the nw (1 or 2: gate and up) stacked expert tensors ws[w] and each group,
+ *     outs[w][p] = W_w[experts[g]] . x[p]    for p in the group,
+ * the groups in pool tasks of up to HI_MAX_JOBS jobs, each selected expert's rows read once for all its pairs. The
+ * activation rows are prepared once per weight type and shared by the groups. */
+int hi_moe_grouped(hi_ctx *c, int nw, const int *qtypes, const void *const *ws, int64_t n_expert, int64_t rows,
+                   int64_t cols, const void *xq, int64_t xq_row, int64_t npairs, int ngroups, const int32_t *experts,
+                   const int64_t *starts, float *const *outs, int64_t out_row, int ggml_op, const void *const *xws,
+                   int64_t xT, float *const *xouts, int xop) {
+    if (nw < 1 || nw > 2 || ngroups < 1 || rows < 1 || n_expert < 1 || npairs < 1 ||
+        !xq || !ws || !outs || !experts || !starts || out_row < rows || ggml_op < 0 || ggml_op > HI_GGML_DECODE_ROWS)
+        return -2;
+    if (xws && (xT < 1 || xT >= npairs || !xouts || xop < 0 || xop > HI_GGML_DECODE_ROWS)) return -2;
+    if (xws)
+        for (int w = 0; w < nw; w++)
+            if (!xws[w] || !xouts[w]) return -2;
+    const int64_t routed = xws ? npairs - xT : npairs; /* the groups' pairs; the extra group's follow them */
+    for (int w = 0; w < nw; w++) {
+        const int e = hi_check_type(c, qtypes[w], cols);
+        if (e) return e;
+        if (!ws[w] || !outs[w] || hi_act_kind(qtypes[w]) != hi_act_kind(qtypes[0])) return -2;
+    }
+    if (xq_row < hi_act_row_bytes(qtypes[0], cols) || starts[0] != 0 || starts[ngroups] != routed) return -2;
+    for (int g = 0; g < ngroups; g++)
+        if (starts[g + 1] <= starts[g] || experts[g] < 0 || experts[g] >= n_expert) return -2;
+    hi_mm jobs[HI_MAX_JOBS], prep[2];
+    pthread_mutex_lock(&c->mu);
+    const int64_t nb = cols / 32;
+    const size_t pb = hi_prep_bytes(npairs, nb);
+    uint8_t *s = NULL;
+    if (hi_needs_prep(c, qtypes[0]) || (nw > 1 && hi_needs_prep(c, qtypes[nw - 1]))) {
+        s = hi_scratch(c, (size_t)nw * pb);
+        if (!s) {
+            pthread_mutex_unlock(&c->mu);
+            return -3;
+        }
+    }
+    for (int w = 0; w < nw; w++) { /* every pair's row prepared once per weight type (shared where the types allow) */
+        prep[w] = hi_job(c, ggml_op, qtypes[w], ws[w], rows, cols, (const uint8_t *)xq, (size_t)xq_row, npairs,
+                         outs[w], (size_t)out_row);
+        if (s) hi_prep_job(c, &prep[w], prep, w, (const uint8_t *)xq, (size_t)xq_row, npairs, nb, s + (size_t)w * pb);
+    }
+    int n = 0;
+    for (int g = 0; g < ngroups; g++) {
+        const int64_t p0 = starts[g], T = starts[g + 1] - p0;
+        for (int w = 0; w < nw; w++) {
+            const size_t rb = (size_t)hi_weight_row_bytes(qtypes[w], cols);
+            hi_mm m = hi_job(c, ggml_op, qtypes[w], (const uint8_t *)ws[w] + (size_t)experts[g] * (size_t)rows * rb,
+                             rows, cols, (const uint8_t *)xq + (size_t)p0 * (size_t)xq_row, (size_t)xq_row, T,
+                             outs[w] + (size_t)p0 * (size_t)out_row, (size_t)out_row);
+            if (s) hi_prep_share(&m, &prep[w], p0, nb);
+            jobs[n++] = m;
+        }
+        if (n + nw > HI_MAX_JOBS) { /* a pool task holds at most HI_MAX_JOBS jobs: the next groups in the next */
+            hi_run_jobs(c, jobs, n);
+            n = 0;
+        }
+    }
+    if (xws) { /* the extra group (a shared expert): its own matrices over the last xT pairs, in its own shape */
+        if (n + nw > HI_MAX_JOBS) {
+            hi_run_jobs(c, jobs, n);
+            n = 0;
+        }
+        for (int w = 0; w < nw; w++) {
+            hi_mm m = hi_job(c, xop, qtypes[w], xws[w], rows, cols, (const uint8_t *)xq + (size_t)routed * (size_t)xq_row,
+                             (size_t)xq_row, xT, xouts[w], (size_t)out_row);
+            if (s) hi_prep_share(&m, &prep[w], routed, nb);
+            jobs[n++] = m;
+        }
+    }
+    if (n) hi_run_jobs(c, jobs, n);
+    pthread_mutex_unlock(&c->mu);
+    return 0;
+}
 
 static size_t al64(size_t n) { return (n + 63) & ~(size_t)63; }
 
