@@ -35,11 +35,20 @@ def _states_equal(a, b) -> None:
         assert (x is None and y is None) or np.array_equal(x[: a.pos], y[: a.pos])
 
 
+@pytest.mark.parametrize("pooled", [False, True])
 @pytest.mark.parametrize("arch", ["qwen35moe", "qwen35", "llama"])
-def test_warm_start_equals_cold_bit_for_bit(arch, oracle_gguf):
+def test_warm_start_equals_cold_bit_for_bit(arch, pooled, oracle_gguf, monkeypatch):
     path = oracle_gguf(arch, "q8_0")
     cold_eng = _cpu(path)
     warm_eng = _cpu(path, prefix_cache={"block_size": BLOCK}, snapshot_stride=32)
+    pooled_copies = []
+    if pooled:  # every restore's copy split over the thread pool (CPUModel.copy_into), as a large state's is
+        import hybridinfer.backends.cpu.backend as cpu_backend
+
+        monkeypatch.setattr(cpu_backend, "COPY_POOLED", 0)
+        simd = warm_eng.backend.simd
+        real = simd.copy_many
+        monkeypatch.setattr(simd, "copy_many", lambda d, x: pooled_copies.append(len(d)) or real(d, x))
     rng = np.random.default_rng(3)
     base = [int(x) for x in rng.integers(0, cold_eng.args.n_vocab, 140)]
     warm_eng.start(base, warm_eng.new_state())  # snapshots at 32, 64, 96, 128 and 140 (with its logits)
@@ -64,6 +73,7 @@ def test_warm_start_equals_cold_bit_for_bit(arch, oracle_gguf):
         _states_equal(st, st_cold)
     s = warm_eng.prefix_cache.stats
     assert s["hits"] >= 4 and s["reused_tokens"] >= 140 + 140 + 64 + 64
+    assert bool(pooled_copies) == pooled  # the restores went through the pool's copy (or numpy's)
 
 
 def test_generate_twice_reuses_and_agrees(smollm_path):

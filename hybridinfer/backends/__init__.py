@@ -48,6 +48,11 @@ class Backend(ABC):
         """Copies of `arrays` (logits the caller keeps past the backend's next call, whose buffers it reuses)."""
         return [np.array(a, copy=True) for a in arrays]
 
+    def copy_into(self, dsts: list[np.ndarray], srcs: list[np.ndarray]) -> None:
+        """dst[...] = src for each pair of one dtype and shape (a prefix-cache restore's state arrays)."""
+        for d, x in zip(dsts, srcs, strict=True):
+            np.copyto(d, x)
+
     keep_hidden = False  # set (by the MTP drafter) on a backend whose hidden_rows keep what its calls compute
 
     def hidden_rows(self, state):
@@ -180,6 +185,9 @@ class GPUPrefillCPUDecode(Backend):
 
     def copied(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
         return self.cpu.copied(arrays)
+
+    def copy_into(self, dsts: list[np.ndarray], srcs: list[np.ndarray]) -> None:
+        self.cpu.copy_into(dsts, srcs)
 
     def forward_rows(self, chunks, undo: bool = False):
         return self.cpu.forward_rows(chunks, undo)  # verify rows are decode work: the CPU's, as every decode step

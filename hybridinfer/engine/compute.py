@@ -147,7 +147,7 @@ class Compute:
                 hit = cache.lookup(kids, max_pos=len(ids) - 1, salt=salt)
             lg = None
             if hit is not None:
-                lg = cache.restore(hit, state)
+                lg = cache.restore(hit, state, self.backend.copy_into)
                 if state.images:  # the snapshot holds the images' key ids: the state its real tokens
                     state.tokens[: state.pos] = ids[: state.pos]
                 stats["reused_tokens"] = hit.pos

@@ -397,6 +397,15 @@ class CPUModel(MTPParts, Backend):
         self.simd.copy_many(got, [np.ascontiguousarray(a) for a in arrays])
         return got
 
+    def copy_into(self, dsts: list[np.ndarray], srcs: list[np.ndarray]) -> None:
+        """dst[...] = src for each pair, split over the pool once they are large: a restore writes a sequence's
+        whole recurrent state (18 MB on the 0.8B, 48 MiB on the 9B, 63 MB on the 35B-A3B) and its prefix's K/V rows
+        on the scheduler's thread, while every running sequence waits for the step."""
+        pairs = [(d, x) for d, x in zip(dsts, srcs, strict=True) if d.size]
+        if sum(d.nbytes for d, _ in pairs) < COPY_POOLED:
+            return super().copy_into(dsts, srcs)
+        self.simd.copy_many([d for d, _ in pairs], [np.ascontiguousarray(x) for _, x in pairs])
+
     def release(self, state: DecoderState) -> None:
         """Drop the recorded steps and bound calls that hold this state's arrays (a finished sequence's memory
         goes with it, not when its replay would be pushed out)."""

@@ -172,9 +172,10 @@ class PrefixCache:
         with self._lock:
             return known_blocks(self._indexes(), kc, len(t)) * self.block_size
 
-    def restore(self, hit: Hit, state) -> np.ndarray | None:
-        """Write the snapshot's tokens, K/V rows, conv and S states and pos into `state`'s existing buffers;
-        returns a copy of the stored logits of token hit.pos - 1, or None."""
+    def restore(self, hit: Hit, state, copy=None) -> np.ndarray | None:
+        """Write the snapshot's tokens, K/V rows, conv and S states and pos into `state`'s existing buffers (with
+        copy(dsts, srcs), the backend's copy, if given); returns a copy of the stored logits of token hit.pos - 1,
+        or None."""
         self._check_layout(state)
         chain = list(hit._chain)
         if not chain:
@@ -183,7 +184,7 @@ class PrefixCache:
             if chain is None:
                 raise SnapshotError(f"snapshot {hit.key} (position {hit.pos}) is no longer cached")
         t0 = time.perf_counter()
-        restore_chain(chain, state)
+        restore_chain(chain, state, copy)
         dt = time.perf_counter() - t0
         with self._lock:
             c = self._counters

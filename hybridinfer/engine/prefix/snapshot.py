@@ -154,9 +154,10 @@ def check_chain(chain) -> None:
             raise SnapshotError(f"broken snapshot chain at position {b.kv_from}")
 
 
-def restore_chain(chain, state) -> None:
+def restore_chain(chain, state, copy=None) -> None:
     """Write the state at chain[-1].pos into `state`'s existing buffers (every shape is checked before any
-    write, so a mismatch leaves the state as it was)."""
+    write, so a mismatch leaves the state as it was). copy(dsts, srcs): the backend's copy of the arrays
+    (Backend.copy_into), else numpy's."""
     check_chain(chain)
     last = chain[-1]
     if last.pos > state.n_ctx:
@@ -177,8 +178,11 @@ def restore_chain(chain, state) -> None:
     for dst, src, what in copies:
         if dst.shape != src.shape:
             raise SnapshotError(f"snapshot {what} has shape {src.shape}, the state expects {dst.shape}")
-    for dst, src, _ in copies:
-        np.copyto(dst, src)
+    if copy is None:
+        for dst, src, _ in copies:
+            np.copyto(dst, src)
+    else:
+        copy([d for d, _, _ in copies], [x for _, x, _ in copies])
     state.pos = last.pos
 
 
