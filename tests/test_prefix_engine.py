@@ -41,14 +41,17 @@ def test_warm_start_equals_cold_bit_for_bit(arch, pooled, oracle_gguf, monkeypat
     path = oracle_gguf(arch, "q8_0")
     cold_eng = _cpu(path)
     warm_eng = _cpu(path, prefix_cache={"block_size": BLOCK}, snapshot_stride=32)
-    pooled_copies = []
+    pooled_copies, saved_by_backend = [], []
     if pooled:  # every restore's copy split over the thread pool (CPUModel.copy_into), as a large state's is
         import hybridinfer.backends.cpu.backend as cpu_backend
 
         monkeypatch.setattr(cpu_backend, "COPY_POOLED", 0)
-        simd = warm_eng.backend.simd
-        real = simd.copy_many
+        simd, be = warm_eng.backend.simd, warm_eng.backend
+        real, real_copied = simd.copy_many, be.copied
         monkeypatch.setattr(simd, "copy_many", lambda d, x: pooled_copies.append(len(d)) or real(d, x))
+        # a snapshot's arrays (3-D K/V and S, unlike logits) copied by the backend, through the pool as well
+        monkeypatch.setattr(be, "copied", lambda arrs: saved_by_backend.append(max(a.ndim for a in arrs) >= 3)
+                            or real_copied(arrs))
     rng = np.random.default_rng(3)
     base = [int(x) for x in rng.integers(0, cold_eng.args.n_vocab, 140)]
     warm_eng.start(base, warm_eng.new_state())  # snapshots at 32, 64, 96, 128 and 140 (with its logits)
@@ -74,6 +77,7 @@ def test_warm_start_equals_cold_bit_for_bit(arch, pooled, oracle_gguf, monkeypat
     s = warm_eng.prefix_cache.stats
     assert s["hits"] >= 4 and s["reused_tokens"] >= 140 + 140 + 64 + 64
     assert bool(pooled_copies) == pooled  # the restores went through the pool's copy (or numpy's)
+    assert any(saved_by_backend) == pooled  # and the snapshots' copies
 
 
 def test_generate_twice_reuses_and_agrees(smollm_path):

@@ -166,7 +166,8 @@ class Compute:
                 at.add(shared)
             if keep_ends:
                 at.add(n)
-            save = lambda st, last: cache.save(st, last if st.pos == n else None, True, salt)  # noqa: E731
+            save = lambda st, last: cache.save(st, last if st.pos == n else None, True, salt,  # noqa: E731
+                                               self.backend.copied)
             return None, stats, PromptWork(ids, state, sorted(p for p in at if p > state.pos), save)
 
     def prefill_step(self, work: PromptWork, budget: int) -> np.ndarray | None:
@@ -266,7 +267,7 @@ class Compute:
         with self.lock:
             if self.prefix_cache is not None:
                 self._drafter_follows([state])  # the MTP block's rows up to the state's end, kept with it
-                self.prefix_cache.save(state, logits, defer_disk=True, salt=salt)
+                self.prefix_cache.save(state, logits, defer_disk=True, salt=salt, copied=self.backend.copied)
 
     def flush_snapshots(self) -> None:
         """Write the snapshots waiting for their disk copy (none without a disk store)."""

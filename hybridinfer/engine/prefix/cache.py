@@ -196,11 +196,12 @@ class PrefixCache:
 
     # save ------------------------------------------------------------------------------------------------
     def save(self, state, logits: np.ndarray | None = None, defer_disk: bool = False,
-             salt: str | None = None) -> str | None:
-        """Snapshot `state` at state.pos (its data is copied) with the logits of its last token (optional);
-        returns the key (hex), or None at pos 0. Already cached: only touched (and given the logits if it had
-        none). defer_disk: when the snapshot is in RAM, its disk copy is written by the next flush() (so a
-        prompt's time to first token does not include file writes and fsyncs). salt: as lookup's."""
+             salt: str | None = None, copied=None) -> str | None:
+        """Snapshot `state` at state.pos (its data is copied: by copied(arrays), the backend's, if given) with the
+        logits of its last token (optional); returns the key (hex), or None at pos 0. Already cached: only touched
+        (and given the logits if it had none). defer_disk: when the snapshot is in RAM, its disk copy is written by
+        the next flush() (so a prompt's time to first token does not include file writes and fsyncs). salt: as
+        lookup's."""
         self._check_layout(state)
         p = int(state.pos)
         if p <= 0:
@@ -211,7 +212,7 @@ class PrefixCache:
             bkey, tail, key = kc.locate(p)
             created = False
             if self.ram.budget > 0:
-                created |= self._save_ram(state, kc, bkey, tail, key, logits)
+                created |= self._save_ram(state, kc, bkey, tail, key, logits, copied)
             if self.disk is not None:
                 if defer_disk and key in self.ram:
                     self._pending.append(key)
@@ -245,7 +246,7 @@ class PrefixCache:
                     written += 1
             return written
 
-    def _save_ram(self, state, kc, bkey, tail, key, logits) -> bool:
+    def _save_ram(self, state, kc, bkey, tail, key, logits, copied=None) -> bool:
         ram, p = self.ram, state.pos
         old = ram.get(key)
         if old is not None:
@@ -260,7 +261,8 @@ class PrefixCache:
             pkey, ppos = (None, 0) if e is None else (e.key, e.pos)
             if ram.fits(rec + (p - ppos) * row + lg, pkey):
                 snap = from_state(state, key=key, block_key=bkey, tail=tail, parent=pkey, kv_from=ppos,
-                                  seg_blocks=kc.seg_blocks(ppos, p), logits=logits, tokens=kc.tokens)
+                                  seg_blocks=kc.seg_blocks(ppos, p), logits=logits, tokens=kc.tokens,
+                                  copied=copied)
                 return ram.put(snap)
         return False
 

@@ -121,14 +121,22 @@ class Snapshot(ChainLink):
 
 def from_state(state, *, key: bytes, block_key: bytes, tail, parent: bytes | None, kv_from: int,
                seg_blocks: tuple[bytes, ...], logits: np.ndarray | None = None, copy: bool = True,
-               tokens: np.ndarray | None = None) -> Snapshot:
+               tokens: np.ndarray | None = None, copied=None) -> Snapshot:
     """The snapshot of `state` at state.pos holding per-token rows [kv_from, pos). copy=False keeps views of the
-    state's buffers (only to write them out at once). tokens: the ids [0, pos) as the cache keys them (its images'
-    rows as their key ids, index.with_images; default the state's own)."""
+    state's buffers (only to write them out at once); else copied(arrays) makes the copies (the backend's,
+    Backend.copied), by default numpy's. tokens: the ids [0, pos) as the cache keys them (its images' rows as their
+    key ids, index.with_images; default the state's own)."""
     p = state.pos
+    views = [(name, i, a[kv_from:p] if s.per_token else a) for name, s in ARRAYS.items()
+             for i, a in enumerate(state.arrays[name]) if a is not None]
+    if not copy:
+        got = [np.asarray(v) for _, _, v in views]
+    else:
+        got = copied([v for _, _, v in views]) if copied is not None else [np.array(v) for _, _, v in views]
+    parts = {name: {} for name in ARRAYS}
+    for (name, i, _), a in zip(views, got, strict=True):
+        parts[name][i] = a
     cp = np.array if copy else np.asarray
-    parts = {name: {i: cp(a[kv_from:p] if s.per_token else a) for i, a in enumerate(state.arrays[name])
-                    if a is not None} for name, s in ARRAYS.items()}
     if logits is not None:
         logits = np.array(logits, dtype=np.float32).reshape(-1)  # always a copy: a backend may reuse its buffer
     return Snapshot(key=key, pos=p, block_key=block_key, tail=tuple(int(t) for t in tail), parent=parent,
