@@ -300,6 +300,48 @@ def test_several_prompts_load_and_save_their_own_recurrent_state(fake_card):
         assert np.isnan(pinned[0][s.name, i]).all()
 
 
+def test_several_prompts_states_come_down_during_the_pass(fake_card):
+    """walker.ManyStates: a layer's mirrors go on into the prompts' host states between later layers, on copier
+    threads, before the pass ends, each prompt its own; down() leaves every one complete, and a failed pass's
+    abort() leaves no copier running."""
+    import threading
+
+    from hybridinfer.backends.gpu import walker
+    from hybridinfer.backends.gpu.backend import Buffers
+
+    a = next(_args())
+    b = Buffers(a, 16, 64)
+    m = SimpleNamespace(buf=b, drv=fake_card, stream=None)
+    sts = [DecoderState.new(a, 64) for _ in range(3)]
+    moves = walker.ManyStates(m, [walker.Item(np.arange(4), st) for st in sts])
+    rng, want = np.random.default_rng(7), {}
+    for i in range(a.n_layer):
+        for j in range(len(sts)):  # the card computes prompt j's layer i, which goes down into its mirror
+            for (name, layer), card in b.state.items():
+                if layer == i and not ARRAYS[name].per_token:
+                    card.a[...] = rng.standard_normal(card.a.shape, dtype=np.float32)
+                    want[j, name, i] = card.a.copy()
+            moves.after(j, i)()
+        moves.layer_done(i)
+        moves.drain(i)
+        for job in list(moves._jobs):
+            job.result()
+        for (j, name, layer), w in want.items():  # two layers back and before: in the host state already
+            if layer <= i - 2:
+                assert np.array_equal(sts[j].arrays[name][layer], w), (i, j, name, layer)
+    assert any(layer < a.n_layer - 2 for _, _, layer in want)
+    moves.down()
+    for (j, name, layer), w in want.items():
+        assert np.array_equal(sts[j].arrays[name][layer], w), (j, name, layer)
+    failed = walker.ManyStates(m, [walker.Item(np.arange(4), DecoderState.new(a, 64))])
+    first = min(layer for _, _, layer in want)
+    failed.after(0, first)()
+    failed.layer_done(first)
+    failed.drain(first + 2)  # handed on to a copier
+    failed.abort()
+    assert not any(t.name.startswith("hybridinfer-state-down") and t.is_alive() for t in threading.enumerate())
+
+
 @pytest.mark.parametrize("kv", [("f32", "f32"), ("q8_0", "q4_0")])
 def test_streamed_kv_pass_through_one_slot(fake_card, kv):
     """Buffers kv_stream: no layer keeps K/V on the card, one slot per per-token array takes n_ctx rows and the hidden

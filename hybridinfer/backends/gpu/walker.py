@@ -81,6 +81,9 @@ class OneState:
     def drain(self, i: int) -> None:
         self.m.handoff.drain(wait_through=i - 2)
 
+    def abort(self) -> None:
+        pass  # its copies run on the caller's thread: none is left running
+
     def down(self) -> None:
         st = self.it.state
         st.tokens[self.p0 : self.p0 + len(self.it.ids)] = self.it.ids
@@ -157,15 +160,19 @@ class ManyStates:
                 if l == i:
                     np.copyto(it.state.arrays[name][i], mirror)
 
+    def abort(self) -> None:
+        """A failed pass: the copier threads' writes are over before the states go back to the caller."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+        self._pool, self._jobs, self._pending = None, [], []
+
     def down(self) -> None:
         try:
             self._hand_on(wait_through=1 << 30)
             for job in self._jobs:
                 job.result()
         finally:
-            if self._pool is not None:
-                self._pool.shutdown(wait=True)
-            self._pool, self._jobs = None, []
+            self.abort()
         for it in self.items:
             st, p0, T = it.state, it.state.pos, len(it.ids)
             for name, i, card in self.rows:
@@ -193,10 +200,19 @@ def walk(m, items: list[Item], all_logits: bool = False, rows_in=None, rows_out=
         it.snap0 = n_snap
         n_snap += len(it.snaps)
     m.use_layout(base > m.n_res)  # the K/V stay on the card where the pass's rows fit n_res, else they stream
+    moves = OneState(m, items[0]) if len(items) == 1 else ManyStates(m, items)
+    try:
+        return _walk(m, items, all_logits, rows_in, rows_out, moves, off, n_snap)
+    except BaseException:
+        moves.abort()  # no copy of this pass goes on writing into the states once the caller has them back
+        raise
+
+
+def _walk(m, items: list[Item], all_logits: bool, rows_in, rows_out, moves, off: int, n_snap: int) -> list:
+    """walk's pass, its items laid out (off: their rows, n_snap: their snapshots) and their state moves made."""
     a, b, s, C, st = m.args, m.buf, m.stream, m.chunk, m.streamer
     kv_layers = {i for i, arr in layer_arrays(a.layer_types) if arr.per_token} if b.kv_stream else set()
     prompts = [(it.state, it.base, len(it.ids)) for it in items]
-    moves = OneState(m, items[0]) if len(items) == 1 else ManyStates(m, items)
     t0 = time.perf_counter()
     moves.up()
     t_up = time.perf_counter()
