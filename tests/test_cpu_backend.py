@@ -298,3 +298,26 @@ def test_copied_gives_equal_arrays_of_their_own_small_and_pooled(oracle_gguf):
         assert len(got) == len(arrays)
         for g, a in zip(got, arrays, strict=True):
             assert np.array_equal(g, a) and not np.shares_memory(g, big) and g.flags.writeable
+
+
+def test_copy_into_writes_equal_arrays_small_pooled_and_casting(oracle_gguf, monkeypatch):
+    """CPUModel.copy_into (a restore's copies): small pairs by numpy, large ones over the pool, and pairs the pool's
+    copy does not take (another dtype, a strided destination) by numpy, which casts; every destination equal."""
+    from hybridinfer.backends.cpu.backend import COPY_POOLED
+
+    be = _cpu(oracle_gguf("qwen35moe", "q8_0")).backend
+    pooled = []
+    real = be.simd.copy_many
+    monkeypatch.setattr(be.simd, "copy_many", lambda d, x: pooled.append(len(d)) or real(d, x))
+    rng = np.random.default_rng(5)
+    big = rng.standard_normal((4, COPY_POOLED // 16 + 7)).astype(np.float32)
+    cases = [([np.zeros(5, np.float32)], [big[0, :5]], False),  # small
+             ([np.zeros_like(big), np.zeros((2, big.shape[1]), np.float32)], [big, big[1:3]], True),  # pooled
+             ([np.zeros(big.shape, np.float64)], [big], False),  # another dtype: numpy's cast
+             ([np.zeros((4, 2 * big.shape[1]), np.float32)[:, ::2]], [big], False)]  # a strided destination
+    for dsts, srcs, via_pool in cases:
+        pooled.clear()
+        be.copy_into(dsts, srcs)
+        assert bool(pooled) == via_pool
+        for d, x in zip(dsts, srcs, strict=True):
+            assert np.array_equal(d, x)

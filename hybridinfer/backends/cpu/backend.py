@@ -402,8 +402,9 @@ class CPUModel(MTPParts, Backend):
         whole recurrent state (18 MB on the 0.8B, 48 MiB on the 9B, 63 MB on the 35B-A3B) and its prefix's K/V rows
         on the scheduler's thread, while every running sequence waits for the step."""
         pairs = [(d, x) for d, x in zip(dsts, srcs, strict=True) if d.size]
-        if sum(d.nbytes for d, _ in pairs) < COPY_POOLED or not all(d.flags.c_contiguous for d, _ in pairs):
-            return super().copy_into(dsts, srcs)
+        if sum(d.nbytes for d, _ in pairs) < COPY_POOLED or not all(
+                d.flags.c_contiguous and d.dtype == x.dtype and d.shape == x.shape for d, x in pairs):
+            return super().copy_into(dsts, srcs)  # numpy's copy casts and broadcasts where the pool's would not
         self.simd.copy_many([d for d, _ in pairs], [np.ascontiguousarray(x) for _, x in pairs])
 
     def release(self, state: DecoderState) -> None:
