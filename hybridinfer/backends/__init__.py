@@ -11,6 +11,7 @@ from abc import ABC, abstractmethod
 import numpy as np
 
 from ..errors import BackendNotAvailableError, MTPUnavailableError, ParameterError
+from .state import copy_each
 
 BACKENDS = ("reference", "cpu", "gpu", "auto")
 
@@ -50,8 +51,7 @@ class Backend(ABC):
 
     def copy_into(self, dsts: list[np.ndarray], srcs: list[np.ndarray]) -> None:
         """dst[...] = src for each pair of one dtype and shape (a prefix-cache restore's state arrays)."""
-        for d, x in zip(dsts, srcs, strict=True):
-            np.copyto(d, x)
+        copy_each(dsts, srcs)
 
     keep_hidden = False  # set (by the MTP drafter) on a backend whose hidden_rows keep what its calls compute
 

@@ -273,7 +273,7 @@ class RowsUndo:
         step: fresh pages cost ten times the copy). copy(dsts, srcs): the backend's copy of those arrays (the CPU's
         splits them over its threads: one thread copied a 9B's 48 MiB in 8 ms, a sixth of a decode step)."""
         self.state, self.n, self.pos0, self.again = state, n, state.pos, again
-        self.copy = copy or _copy_each
+        self.copy = copy or copy_each
         held = [a for _, _, a in state.held(per_token=False)]
         if into is None:
             self.saved = [a.copy() for a in held]
@@ -299,7 +299,8 @@ class RowsUndo:
             self.again(self.kept, m)
 
 
-def _copy_each(dsts: list[np.ndarray], srcs: list[np.ndarray]) -> None:
+def copy_each(dsts: list[np.ndarray], srcs: list[np.ndarray]) -> None:
+    """dst[...] = src for each pair, numpy's copy one at a time (Backend.copy_into's default)."""
     for d, s in zip(dsts, srcs, strict=True):
         np.copyto(d, s)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -141,8 +142,6 @@ class ManyStates:
 
     def _hand_on(self, wait_through: int) -> None:
         """Layers whose mirrors have arrived (waiting for those up to `wait_through`) to the copier threads."""
-        from concurrent.futures import ThreadPoolExecutor
-
         while self._pending:
             i, ev = self._pending[0]
             if i <= wait_through:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 
+from ...backends.state import copy_each
 from ...errors import ContextLengthError, NotRegularFileError, SnapshotError
 from ...format import files
 from ...models.state_kinds import ARRAYS
@@ -165,7 +166,7 @@ def check_chain(chain) -> None:
 def restore_chain(chain, state, copy=None) -> None:
     """Write the state at chain[-1].pos into `state`'s existing buffers (every shape is checked before any
     write, so a mismatch leaves the state as it was). copy(dsts, srcs): the backend's copy of the arrays
-    (Backend.copy_into), else numpy's."""
+    (Backend.copy_into), else numpy's (copy_each)."""
     check_chain(chain)
     last = chain[-1]
     if last.pos > state.n_ctx:
@@ -186,11 +187,7 @@ def restore_chain(chain, state, copy=None) -> None:
     for dst, src, what in copies:
         if dst.shape != src.shape:
             raise SnapshotError(f"snapshot {what} has shape {src.shape}, the state expects {dst.shape}")
-    if copy is None:
-        for dst, src, _ in copies:
-            np.copyto(dst, src)
-    else:
-        copy([d for d, _, _ in copies], [x for _, x, _ in copies])
+    (copy or copy_each)([d for d, _, _ in copies], [x for _, x, _ in copies])
     state.pos = last.pos
 
 
