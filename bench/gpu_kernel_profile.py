@@ -26,6 +26,7 @@ def main(argv=None) -> None:
     ap.add_argument("--vram-budget", default=None)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--chunk", type=int, default=None, help="tokens per kernel call (GPUModel chunk)")
+    ap.add_argument("--card-profile", default=None, help="run the kernels as on this card class (e.g. fermi)")
     ap.add_argument("--host", action="store_true", help="also profile the host side of a pass (cProfile)")
     a = ap.parse_args(argv)
 
@@ -47,6 +48,8 @@ def main(argv=None) -> None:
     gm = GGUFModel(path)
     args = model_args(gm)
     kw = {"chunk": a.chunk} if a.chunk else {}
+    if a.card_profile:
+        kw["card_profile"] = a.card_profile
     m = GPUModel(gm, args, a.tokens + 8, vram_budget=parse_size(a.vram_budget) if a.vram_budget else None, **kw)
     ids = [int(x) for x in np.random.default_rng(0).integers(0, args.n_vocab, a.tokens)]
     m.forward(ids, m.new_state(a.tokens + 8), all_logits=False)  # compile and warm up

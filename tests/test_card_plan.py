@@ -82,6 +82,42 @@ def test_pace_holds_keep_the_timeline_and_never_release_early():
     assert lib.hi_pace_now_ns() - (start + 50_000_000) < 10**9
 
 
+def test_pace_start_waits_for_another_streams_share_of_the_bus():
+    """Two uploads on one card's clock (the weights' stream and the expert split's partial sums): a START while the
+    bus is booked waits until it is free and books after it, and the first upload's next piece waits for that
+    share too, so the bus carries both one after the other."""
+    import threading
+
+    from hybridinfer.backends.gpu.k_pace import END, NEXT, START, native
+
+    m = native()
+    ffi, lib = m.ffi, m.lib
+    clock = ffi.new("hi_pace_clock *")
+
+    def hold(mode, dur):
+        lib.hi_pace_hold(ffi.new("hi_pace_hold_arg *", {"clock": clock, "dur_ns": dur, "mode": mode}))
+
+    hold(START, 30_000_000)  # the weights' first piece holds the bus for 30 ms
+    start = clock.t_next - 30_000_000
+    got = {}
+
+    def other():  # the partial sums' upload, from another thread: 20 ms once the weights' piece is through
+        hold(START, 20_000_000)
+        got["at"] = lib.hi_pace_now_ns()
+        hold(END, 0)
+        got["end"] = lib.hi_pace_now_ns()
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+    assert got["at"] >= start + 30_000_000 and clock.t_next == start + 50_000_000
+    assert got["end"] >= start + 50_000_000
+    hold(NEXT, 10_000_000)  # the weights' second piece: after both
+    assert clock.t_next == start + 60_000_000 and lib.hi_pace_now_ns() >= start + 50_000_000
+    hold(END, 0)
+    assert lib.hi_pace_now_ns() >= start + 60_000_000
+
+
 # ---- the double-buffered schedule ---------------------------------------------------------------------------
 
 def test_pipeline_lies_between_perfect_overlap_and_none():

@@ -93,6 +93,13 @@ def cards(monkeypatch):
     return made
 
 
+def _fake_link(ex, k, m):
+    """expert_gpu.CardLink as far as a pass that reads no exchange uses it."""
+    link = types.SimpleNamespace(ex=ex)
+    link.reset = lambda: vars(link).update(calls=0, bytes=0, pending=[], sync_s=0.0, barrier_s=0.0)
+    return link
+
+
 def _load(path, budget, mode):
     return Engine.load(path, backend="gpu", n_ctx=CTX, spec_type="none", ram_budget=budget, devices=[0, 1],
                        split_mode=mode, expert_io="pread", readers=2)
@@ -251,7 +258,7 @@ def test_a_file_failing_mid_run_is_a_card_failed_error_naming_the_card(model, ca
     monkeypatch.setattr(mg, "walk", _reading_walk)
     monkeypatch.setattr(eg, "walk", _reading_walk)
     monkeypatch.setattr(eg, "Exchange", lambda n, rows, width: types.SimpleNamespace(n=n, barrier=threading.Barrier(n)))
-    monkeypatch.setattr(eg, "CardLink", lambda ex, k, m: types.SimpleNamespace(ex=ex))
+    monkeypatch.setattr(eg, "CardLink", _fake_link)
     path = str(tmp_path / "copy.gguf")
     shutil.copy(model[0], path)
     kw = {"micro_batch": 16} if mode == "layer" else {}  # layer: three micro-batches through the pipeline

@@ -172,6 +172,9 @@ class FakeEvent:
     def record(self, stream=None):
         pass
 
+    def wait_for_event(self, ev):  # as a stream
+        pass
+
     def query(self):
         return True
 
@@ -189,6 +192,7 @@ def fake_card(monkeypatch):
     drv = types.ModuleType("pycuda.driver")
     drv.pagelocked_empty = lambda shape, dt: np.full(shape, np.nan if np.dtype(dt).kind == "f" else 0xFF, dt)
     drv.Event = FakeEvent
+    drv.Stream = lambda flags=0: FakeEvent()
 
     def dtoh(host, src, stream=None):
         host[...] = src.a
@@ -233,7 +237,7 @@ def test_card_buffers_hold_the_declared_state(fake_card):
 
 
 @pytest.mark.parametrize("kv", [("f32", "f32"), ("q8_0", "f16"), ("q4_0", "q8_0")])
-@pytest.mark.parametrize("p0,T", [(0, 5), (7, 5), (3, 40)])  # T > chunk: the rows come down after the pass
+@pytest.mark.parametrize("p0,T", [(0, 5), (7, 5), (3, 40)])  # T > chunk: the rows come straight from the card
 def test_state_handoff_moves_exactly_the_declared_arrays(fake_card, p0, T, kv):
     """Also for K/V cache types: the card's rows and the pinned mirrors take the state's storage (fp16 values, or a
     quantized type's blocks as bytes) and move unchanged."""
@@ -268,6 +272,10 @@ def test_state_handoff_moves_exactly_the_declared_arrays(fake_card, p0, T, kv):
     for i in range(a.n_layer):
         h.layer_done(i, None)
         h.drain(wait_through=i - 2)
+    h.drain(wait_through=a.n_layer - 1)  # between layers, every layer drained is down whole: none is left to the end
+    for (name, j), card in b.state.items():
+        got = st.arrays[name][j][p0 : p0 + T] if ARRAYS[name].per_token else st.arrays[name][j]
+        assert np.array_equal(got, card.a[p0 : p0 + T] if ARRAYS[name].per_token else card.a), (name, j)
     h.finish()
     for (name, i), card in b.state.items():
         host, old = st.arrays[name][i], before[name, i]

@@ -261,10 +261,12 @@ def choose(layer_seconds: float, expert_seconds: float) -> str:
 # Exchanges a card keeps deferred (expert_gpu.CardLink.defer): a chunk's sums are needed only when the next layer
 # reads its rows, so up to a layer's chunks wait while the card computes the next ones (at one, a chunk's work
 # of 1,024 rows was shorter than the barrier and the emulated bus of the exchange before it, and the card
-# stalled). Buffer sets by call number mod PENDING + 1, host rows mod PENDING + 2 (CardLink says why).
+# stalled). Buffer sets by call number mod PENDING + 1, host rows mod PENDING + 1 + READ_LAG, and a card waits
+# for its upload of a call's rows READ_LAG barriers later (CardLink says why).
 PENDING = 3
+READ_LAG = 2
 LINK_SETS = PENDING + 1
-HOST_SLOTS = PENDING + 2
+HOST_SLOTS = PENDING + 1 + READ_LAG
 
 
 def link_bytes(args, chunk: int) -> int:

@@ -62,24 +62,28 @@ class Exchange:
 
 class CardLink:
     """One card's side of the Exchange: its index, the card buffers the exchange takes (expert_card.link_bytes),
-    and the emulated bus of the others' partials coming up (the profile's, as the weights' stream is paced; the
-    copy down is not).
+    and its upload stream, which carries the others' partials up without the card's thread waiting for them.
 
-    The uploads are paced by the card's own thread, which waits at the exchange anyway. The weights' pacer holds
-    its copy stream with host functions (k_pace), which the driver may run one at a time on one thread: holds on
-    the compute stream as well made each exchange wait for the weights' next piece, and the two ran one after the
-    other.
+    Under a paced bus (a card profile) the uploads go through the card's weight Pacer on that stream: one clock for
+    both, so the partials take their share of the bus the weights stream over, as on a real card (they had a clock
+    of their own, and the card's thread slept through each upload, so the card launched nothing meanwhile).
 
     Deferred (two cards, from the walker's row loop): a chunk's own partial goes down as soon as it is computed,
     and its exchange (barrier, the other's partial up, the sums added into the chunk's hidden rows) is done when a
     branch is about to read its rows (`settle(r0, r1)`: the next layer's mixer) or when more than
     expert_card.PENDING are deferred, so the card computes later chunks while its thread waits. Buffers (a chunk's
     own partial, its gated shared expert, the other's partial) by call number mod P + 1 (P = PENDING): call m's are
-    written again at call m + P + 1, queued after call m's adds (by then calls up to m have been settled). Host rows
-    by call number mod P + 2: a card queues its rows of call m after passing call m - P - 1's barrier, by when every
-    card has finished reading its rows of call m - P - 2 (each waits for its upload's copy before it goes on)."""
+    written again at call m + P + 1, whose upload is queued after this card's thread has seen call m + P + 1's
+    partial down, which its compute stream queued after call m's adds.
+
+    Host rows by call number mod S = expert_card.HOST_SLOTS: a card queues its rows of call c after passing call
+    c - P - 1's barrier (none deferred: c - 1's), and before any barrier n a card waits for its uploads of calls up
+    to n - expert_card.READ_LAG. So when a card writes call m + S's rows, every card has read call m's:
+    READ_LAG <= S - P - 1."""
 
     def __init__(self, ex: Exchange, k: int, m):
+        from collections import deque
+
         from pycuda import gpuarray
 
         self.ex, self.k, self.m, self.calls, self.bytes = ex, k, m, 0, 0
@@ -89,28 +93,35 @@ class CardLink:
         self.gate = [gpuarray.empty((C,), np.float32) for _ in sets]
         self.up_stream = m.drv.Stream()
         self.pending: list[tuple] = []
-        self.bus_bw = m.bus_bw
-        self.t_free = 0.0  # perf_counter seconds when the emulated bus is through with the last upload
-        # host seconds of a pass spent waiting for this card's own work up to the exchange, for the other cards,
-        # and for the emulated bus
-        self.sync_s, self.barrier_s, self.bus_s = 0.0, 0.0, 0.0
+        self.reads: deque = deque()  # (call, the event after this card's upload of its host rows)
+        # host seconds of a pass spent waiting for this card's own work up to the exchange (and its uploads of
+        # earlier calls), and for the other cards
+        self.sync_s, self.barrier_s = 0.0, 0.0
+
+    def reset(self) -> None:
+        """Before a pass."""
+        self.calls, self.bytes, self.pending, self.sync_s, self.barrier_s = 0, 0, [], 0.0, 0.0
+        self.reads.clear()
 
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.recv + self.part + self.shared + self.gate)
 
     def _down(self, out):
-        """out's rows down into this card's host rows of this call: (host slot, the event after the copy)."""
-        slot = self.calls % expert_card.HOST_SLOTS
+        """out's rows down into this card's host rows of this call: (call, host slot, the event after the copy)."""
+        call = self.calls
+        slot = call % expert_card.HOST_SLOTS
         self.calls += 1
         self.m.drv.memcpy_dtoh_async(self.ex.host[self.k][slot][: out.shape[0]], out.gpudata, self.m.stream)
         ev = self.m.drv.Event()
         ev.record(self.m.stream)
-        return slot, ev
+        return call, slot, ev
 
-    def _meet(self, ev) -> None:
+    def _meet(self, ev, call: int) -> None:
         t0 = time.perf_counter()
         ev.synchronize()
+        while self.reads and self.reads[0][0] <= call - expert_card.READ_LAG:
+            self.reads.popleft()[1].synchronize()
         t1 = time.perf_counter()
         self.ex.barrier.wait(BARRIER_S)
         self.sync_s += t1 - t0
@@ -120,15 +131,17 @@ class CardLink:
         """out (this card's partial, n rows) becomes every card's partial summed in card order, now."""
         ex, k, s = self.ex, self.k, self.m.stream
         n = out.shape[0]
-        slot, ev = self._down(out)
-        self._meet(ev)
+        call, slot, ev = self._down(out)
+        self._meet(ev, call)
         if ex.n == 2 or k == 0:  # out holds this card's partial: two cards' p_k + p_j is p_0 + p_1 exactly
             order = [j for j in range(ex.n) if j != k]
         else:  # out starts again from card 0's, and this card's own comes back up in its turn
-            self._up(out, ex.host[0][slot][:n])
+            self._up(out, ex.host[0][slot][:n], call)
             order = list(range(1, ex.n))
         for j in order:
-            self._up(self.recv[0][:n], ex.host[j][slot][:n])
+            after = self.m.drv.Event()
+            after.record(s)  # recv[0] free: the add before has read it
+            self._up(self.recv[0][:n], ex.host[j][slot][:n], call, after)
             ke.add(out, self.recv[0][:n], stream=s)
 
     def defer(self, part, shared, gate, h, rows) -> None:
@@ -141,46 +154,45 @@ class CardLink:
             for dst, src in ((self.shared[p][:n], shared), (self.gate[p][:n], gate)):
                 self.m.drv.memcpy_dtod_async(dst.gpudata, src.gpudata, src.nbytes, self.m.stream)
             shared, gate = self.shared[p][:n], self.gate[p][:n]
-        slot, ev = self._down(part)
+        call, slot, ev = self._down(part)
         self._settle_first(len(self.pending) + 1 - expert_card.PENDING)
-        self.pending.append((slot, ev, p, part, shared, gate, h, rows))
+        self.pending.append((call, slot, ev, p, part, shared, gate, h, rows))
 
     def settle(self, r0: int | None = None, r1: int | None = None) -> None:
         """The deferred exchanges done (their sums queued into their rows) up to the last one whose rows meet
         [r0, r1) (None: all). A branch's last chunk is left pending into the next layer, whose first chunks then
-        queue work for the card while this thread waits at the barrier and on the emulated bus."""
-        self._settle_first(len(self.pending) if r0 is None else due(r0, r1, [e[7] for e in self.pending]))
+        queue work for the card while this thread waits at the barrier."""
+        self._settle_first(len(self.pending) if r0 is None else due(r0, r1, [e[8] for e in self.pending]))
 
     def _settle_first(self, n: int) -> None:
         """The n exchanges deferred longest ago done (none where n <= 0)."""
         todo, self.pending = self.pending[: max(n, 0)], self.pending[max(n, 0) :]
         s, j = self.m.stream, 1 - self.k
-        for slot, ev, p, part, shared, gate, h, _ in todo:
+        for call, slot, ev, p, part, shared, gate, h, _ in todo:
             n = part.shape[0]
-            self._meet(ev)
-            done = self._up(self.recv[p][:n], self.ex.host[j][slot][:n], self.up_stream)
-            s.wait_for_event(done)
+            self._meet(ev, call)
+            self._up(self.recv[p][:n], self.ex.host[j][slot][:n], call)
             ke.add(part, self.recv[p][:n], stream=s)
             if shared is not None:
                 km.shared_add(part, shared, gate, stream=s)
             ke.add(h, part, stream=s)
-            done.synchronize()  # the other card's host rows read: it may write them again two calls on
 
-    def _up(self, dst, host, stream=None):
-        """host rows up into dst on `stream` (default the compute stream), after the emulated bus has carried them;
-        the event after the copy."""
-        stream = stream or self.m.stream
-        self.m.drv.memcpy_htod_async(dst.gpudata, host, stream)
+    def _up(self, dst, host, call: int, after=None) -> None:
+        """host rows (call's) up into dst on the upload stream, after the event `after` when given, paced with the
+        card's weights where its bus is (k_pace.Pacer); the compute stream waits for them, this thread does not."""
+        st, drv = self.up_stream, self.m.drv
+        if after is not None:
+            st.wait_for_event(after)
+        pacer = getattr(self.m.streamer, "pacer", None)
+        if pacer is not None:
+            pacer.upload([(int(dst.gpudata), host.reshape(-1).view(np.uint8))], st)
+        else:
+            drv.memcpy_htod_async(dst.gpudata, host, st)
         self.bytes += host.nbytes
-        if self.bus_bw is not None:
-            t = time.perf_counter()
-            self.t_free = max(t, self.t_free) + host.nbytes / self.bus_bw
-            if self.t_free > t:
-                time.sleep(self.t_free - t)
-            self.bus_s += time.perf_counter() - t
-        ev = self.m.drv.Event()
-        ev.record(stream)
-        return ev
+        ev = drv.Event()
+        ev.record(st)
+        self.reads.append((call, ev))
+        self.m.stream.wait_for_event(ev)
 
 
 class ExpertOps(GPUOps):
@@ -302,8 +314,8 @@ class ExpertParallelModel(CardsModel):
         got: list = [None] * K
         errs: list = [None] * K
         for c in self.cards:
-            c.m.link.calls, c.m.link.bytes, c.m.link.pending, c.totals = 0, 0, [], {}
-            c.m.link.sync_s, c.m.link.barrier_s, c.m.link.bus_s = 0.0, 0.0, 0.0
+            c.m.link.reset()
+            c.totals = {}
 
         def run(k: int) -> None:
             c = self.cards[k]
@@ -352,8 +364,7 @@ class ExpertParallelModel(CardsModel):
             "cards": [{"device": c.device, "experts": c.m.own, "bytes_h2d": t["bytes_h2d"], "copy_s": t["copy_s"],
                        "gpu_s": t["gpu_s"], "flops": t["work"]["flops"], "layers": (c.m.first, c.m.end),
                        "phases": t.get("phases", {}), "host_s": t.get("host_s", {}),
-                       "exchange_s": {"sync": c.m.link.sync_s, "barrier": c.m.link.barrier_s,
-                                      "bus": c.m.link.bus_s}}
+                       "exchange_s": {"sync": c.m.link.sync_s, "barrier": c.m.link.barrier_s}}
                       for c, t in zip(self.cards, ts, strict=True)]}
 
     def close(self) -> None:

@@ -5,8 +5,9 @@ the card's recurrent arrays (GDN conv and S) are zeroed in place (no copy); a st
 restore, or CPU decode since the last prefill) is copied up, recurrent arrays whole and per-token arrays (K/V) up to
 its position. Down: each layer's final recurrent arrays and its new per-token rows are queued for copy into pinned
 host memory as soon as the layer's last chunk is queued, and copied on into the host state between later layers
-once they have arrived, so both copies overlap the card's work. Per-token rows beyond one chunk come down
-synchronously after the pass.
+once they have arrived, so both copies overlap the card's work. Per-token rows beyond one chunk (a long prompt's
+K/V) come down between later layers too, straight into the host state on a stream of their own (after the pass,
+a 4,096-token prompt's 168 MB of the 35B-A3B's K/V took ~50 ms on the host after the card was through).
 """
 
 from __future__ import annotations
@@ -48,7 +49,10 @@ class StateHandoff:
         for (name, i), a in buf.state.items():
             self.layers.setdefault(i, []).append((ARRAYS[name], a, self.host[name, i]))
         self._st, self._p0, self._T, self._kv_rows = None, 0, 0, 0  # the pass in progress
+        # long per-token runs: not the legacy stream, which would wait for every layer queued after theirs
+        self.down = drv.Stream(flags=1)  # CU_STREAM_NON_BLOCKING
         self._pending: list[tuple[int, object]] = []  # (layer, event after its copies)
+        self._late: list = []  # (host rows, card rows) copied after the pass
 
     def upload(self, st: DecoderState, stream) -> None:
         """Make the card's copy equal `st` (zeroing recurrent arrays in place at position 0)."""
@@ -64,7 +68,7 @@ class StateHandoff:
         """A pass of T tokens from position p0 into `st` starts."""
         self._st, self._p0, self._T = st, p0, T
         self._kv_rows = T if T <= self.chunk else 0
-        self._pending = []
+        self._pending, self._late = [], []
 
     def layer_done(self, i: int, stream) -> None:
         """Queue layer i's final state for the host (call after its last chunk is queued on `stream`)."""
@@ -75,8 +79,7 @@ class StateHandoff:
                 d.memcpy_dtoh_async(host, card.gpudata, stream)
             elif n:
                 d.memcpy_dtoh_async(host[:n], card[p0 : p0 + n].gpudata, stream)
-            else:
-                continue
+            # else: a long run, copied straight from the card once the layer is through (drain)
             queued = True
         if not queued:
             return
@@ -97,22 +100,25 @@ class StateHandoff:
                 return
             self._pending.pop(0)
             st, p0, n = self._st, self._p0, self._kv_rows
-            for s, _, host in self.layers.get(i, ()):
+            for s, card, host in self.layers.get(i, ()):
                 if not s.per_token:
                     np.copyto(st.arrays[s.name][i], host)
                 elif n:
                     st.arrays[s.name][i][p0 : p0 + n] = host[:n]
+                else:  # the layer is through: its rows straight from the card (pageable: returns when copied)
+                    rows, src = st.arrays[s.name][i][p0 : p0 + self._T], card[p0 : p0 + self._T]
+                    if rows.dtype == src.dtype and rows.shape == src.shape and rows.flags.c_contiguous:
+                        self.drv.memcpy_dtoh_async(rows, src.gpudata, self.down)
+                    else:  # cast on the way: after the pass (a get() now would wait for the layers queued)
+                        self._late.append((rows, src))
 
     def finish(self) -> None:
-        """After the pass: the rest of the queued copies; per-token runs longer than a chunk straight from the
-        card."""
+        """After the pass: the rest of the queued copies."""
         self.drain(wait_through=1 << 30)
-        if not self._kv_rows:
-            st, p0, p1 = self._st, self._p0, self._p0 + self._T
-            for (name, i), card in self.buf.state.items():
-                if ARRAYS[name].per_token:
-                    st.arrays[name][i][p0:p1] = card[p0:p1].get()
-        self._st = None
+        self.down.synchronize()
+        for rows, src in self._late:
+            rows[...] = src.get()
+        self._st, self._late = None, []
 
 
 def kv_up(drv, buf, i: int, prompts, stream) -> None:

@@ -17,7 +17,10 @@ from dataclasses import dataclass
 
 from ...errors import ParameterError
 
-MAX_PIECE = 32 << 20  # bytes per paced piece: ~5 ms at 6 GB/s, so a hold's wake-up (microseconds) is lost in it
+# bytes per paced piece: ~1.4 ms at 6 GB/s, so a hold's wake-up (microseconds) is lost in it, and an upload queued on
+# another stream of the card (the expert split's partial sums) waits at most that long for the bus: with 32 MiB
+# pieces (~5.6 ms) a two-card pass of 4,096 tokens took 1.80-1.87 s, with 8 MiB 1.56 s (the 35B-A3B, fermi profile)
+MAX_PIECE = 8 << 20
 
 
 @dataclass(frozen=True)

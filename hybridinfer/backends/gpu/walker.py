@@ -218,30 +218,32 @@ def _walk(m, items: list[Item], all_logits: bool, rows_in, rows_out, moves, off:
     st.reset_timing()
     m.work = Work()
     if rows_in is None:
+        st.prefetch(m.first)  # the first layer's weights cross the bus while the host looks up the embeddings
         emb = np.empty((off, a.n_embd), np.float32)
         tok = m.tok_embd
         dequantize_rows(tok.raw(), tok.qtype, tok.ne[0], np.concatenate([it.ids for it in items]), emb)
         for it in items:  # an image's rows take its encoder rows
             for r0, r1, rows in mrope.image_rows(it.state.images, it.state.pos, len(it.ids)):
                 emb[it.off + r0 : it.off + r1] = rows
-        b.h[:off].set(emb)
-    else:  # a later card: the rows the card before it handed on
+        m.drv.memcpy_htod_async(b.h.gpudata, emb, s)
+    else:  # a later card: the rows the card before it handed on (synchronous: that card may write them again)
         b.h[:off].set(rows_in[:off])
-    # everything the layers need from the host goes up now: a synchronous copy inside the loop would wait for the
-    # copy stream too (legacy default stream) and undo the overlap of uploads and compute
+        st.prefetch(m.first)
+    # everything the layers need from the host goes up now, on the pass's stream: a synchronous copy (legacy
+    # default stream) would wait for the copy stream too and undo the overlap of uploads and compute
     rows_pos, pos4, sections = _positions(items, a)
-    b.pos[:off].set(rows_pos)
+    m.drv.memcpy_htod_async(b.pos.gpudata, np.ascontiguousarray(rows_pos, np.int32), s)
     if pos4 is not None:  # a pass with an image's rows: every row's four positions, on the card for the pass
         from pycuda import gpuarray
 
-        pos4 = gpuarray.to_gpu(pos4)
+        pos4 = gpuarray.to_gpu_async(pos4, stream=s)
     if n_snap and b.snap:  # each snapshot's row within the piece of its prompt holding it (none: rows alone)
-        b.snap_pos[:n_snap].set(np.array([p - _piece_start(it, p, C) for it in items for p in it.snaps], np.int32))
+        rows = np.array([p - _piece_start(it, p, C) for it in items for p in it.snaps], np.int32)
+        m.drv.memcpy_htod_async(b.snap_pos.gpudata, rows, s)
     snap_host = [it.state.sharing_rows(it.state.pos + p) for it in items for p in it.snaps]
     t_emb = time.perf_counter()
     ev0, ev1 = m._event(), m._event()
     ev0.record(s)
-    st.prefetch(m.first)
     moves.begin()
     n_chunks = m.counts_host.shape[1] if a.is_moe else 0
     used_chunks = 0
