@@ -324,8 +324,33 @@ def test_bench_prefill_efficiencies_come_from_the_right_rows():
 
     rows = [dict(engine="hybridinfer", config="--vram-budget 6GiB", tokens=947, h2d_frac=0.93, fma_frac=0.1),
             dict(engine="hybridinfer", config="whole model resident", tokens=947, h2d_frac=0.0, fma_frac=0.4),
-            dict(engine="llama.cpp", config="CPU only", tokens=947, tok_s=5.0)]
+            dict(engine="llama.cpp", config="CPU only", tokens=947, tok_s=5.0),
+            dict(engine="hybridinfer", config="2 GPU(s), --devices 0,1, split expert", tokens=947, h2d_frac=0.6,
+                 fma_frac=0.2)]
     assert efficiencies(rows) == {947: {"bus": 0.93, "compute_streamed": 0.1, "compute": 0.4}}
+
+
+def test_cards_rows_are_measured_against_the_slowest_cards_floor():
+    """bench prefill --devices: a row over cards is wall over its slowest card's floor (bus: the weights it streamed
+    and the rows that came up to it; compute: its FLOPs), with the cards' bus and FLOP/s summed against their summed
+    rates; one card's row is wall over max(bytes / bus, FLOPs / peak), as the single-card rows."""
+    from hybridinfer.tools.benchmarks.prefill_cards import card_figures, cards_floor
+
+    bw, peak = 6e9, 1e13
+    cards = [{"bytes_h2d": 6e9, "up_bytes": 1.2e9, "flops": 1e13, "copy_s": 1.0, "gpu_s": 1.4},
+             {"bytes_h2d": 6.6e9, "up_bytes": 1.2e9, "flops": 1.1e13, "copy_s": 1.1, "gpu_s": 1.5}]
+    assert cards_floor(cards, bw, peak) == pytest.approx(7.8e9 / bw)  # card 1's bus
+    assert cards_floor([dict(c, flops=3e13) for c in cards], bw, peak) == pytest.approx(3.0)  # compute
+    t = {"wall_s": 1.6, "gpu_s": 1.5, "bytes_h2d": 12.6e9, "work": {"flops": 2.1e13}, "cards": cards}
+    f = card_figures(t, bw, peak)
+    assert f["floor_ratio"] == pytest.approx(1.6 / 1.3)
+    assert f["h2d_gb_s"] == pytest.approx(12.0) and f["h2d_frac"] == pytest.approx(1.0)
+    assert f["gemm_tflops"] == pytest.approx(14.0) and f["fma_frac"] == pytest.approx(0.7)
+    one = {"wall_s": 3.0, "gpu_s": 2.9, "copy_s": 2.9, "bytes_h2d": 17.1e9, "work": {"flops": 2e13}}
+    assert card_figures(one, bw, peak)["floor_ratio"] == pytest.approx(3.0 / 2.85)
+    # the layer pipeline: the rows a later card takes up are on its bus, not on the first card's
+    layer = dict(t, cards=[{k: v for k, v in c.items() if k != "up_bytes"} for c in cards])
+    assert card_figures(layer, bw, peak, up_rows_bytes=3e9)["floor_ratio"] == pytest.approx(1.6 / (9.6e9 / bw))
 
 
 def test_bench_prefill_markdown_shows_the_counts_and_the_calibration():

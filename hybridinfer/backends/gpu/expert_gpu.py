@@ -361,7 +361,8 @@ class ExpertParallelModel(CardsModel):
             "copy_s": max(t["copy_s"] for t in ts), "gpu_s": max(t["gpu_s"] for t in ts),
             "bytes_h2d": sum(t["bytes_h2d"] for t in ts), "work": {"flops": sum(t["work"]["flops"] for t in ts)},
             "exchange_bytes": sum(c.m.link.bytes for c in self.cards),
-            "cards": [{"device": c.device, "experts": c.m.own, "bytes_h2d": t["bytes_h2d"], "copy_s": t["copy_s"],
+            "cards": [{"device": c.device, "experts": c.m.own, "bytes_h2d": t["bytes_h2d"],
+                       "up_bytes": c.m.link.bytes, "copy_s": t["copy_s"],
                        "gpu_s": t["gpu_s"], "flops": t["work"]["flops"], "layers": (c.m.first, c.m.end),
                        "phases": t.get("phases", {}), "host_s": t.get("host_s", {}),
                        "exchange_s": {"sync": c.m.link.sync_s, "barrier": c.m.link.barrier_s}}

@@ -150,7 +150,7 @@ def run(path: str, prompts=(128, 947, 4096), budget: int | None = 6 << 30, resid
         from .prefill_cards import run_cards
 
         r, info = run_cards(path, prompts, devices, budget or None, card_profile, bus_bw, kv_stream,
-                            split_modes=split_modes)
+                            split_modes=split_modes, bw=bw, peak=peak)
         rows += r
         infos += info
     for T in prompts:
@@ -170,8 +170,9 @@ def run(path: str, prompts=(128, 947, 4096), budget: int | None = 6 << 30, resid
 def efficiencies(rows: list[dict]) -> dict:
     """Per prompt length: the time model's calibration figures from this run's rows. compute: the fraction of the
     fp32 FMA peak the whole pass reaches with the model resident (no waits for the stream); bus: the fraction of
-    the bus rate the stream reaches under the budget (over the copy stream's busy time)."""
-    ours = [r for r in rows if r["engine"] == "hybridinfer"]
+    the bus rate the stream reaches under the budget (over the copy stream's busy time). The `--devices` rows
+    (prefill_cards.py) are not one card's figures."""
+    ours = [r for r in rows if r["engine"] == "hybridinfer" and "--devices" not in r["config"]]
     out: dict = {}
     for r in ours:
         e = out.setdefault(r["tokens"], {})

@@ -1,8 +1,10 @@
 """`bench prefill --devices 0,1`: prefill on one card and on several (gpu/multi_gpu.py), each card under the same
 budget and card profile; rows for the prefill benchmark's table (prefill.Row). The bytes each card streamed are
 checked against its placement's count once a micro-batch (`counts_agree`); FLOPs are the engine's count over
-every card and micro-batch (the head runs on each micro-batch's last row). The table's bus, FLOP/s, floor and
-VRAM columns are left at 0 for these rows: the cards' own rows measure those."""
+every card and micro-batch (the head runs on each micro-batch's last row). Bus and FLOP/s columns sum the cards'
+(each card's bytes over its own copy stream's busy time; FLOPs over the slowest card's compute span) against the
+cards' summed bus rate and FMA peak; the floor is the slowest card's (`cards_floor`); VRAM is what the cards
+allocated."""
 
 from __future__ import annotations
 
@@ -14,10 +16,31 @@ import numpy as np
 from .prefill import Row
 
 
+def cards_floor(cards: list[dict], bw: float, peak: float) -> float:
+    """Seconds no pass over these cards can beat: the slowest card's longer of its bus time (the weights it streamed,
+    `bytes_h2d`, and the rows that come up to it from the others, `up_bytes`, over the bus rate `bw`) and its
+    compute time (its counted `flops` over the FMA peak)."""
+    return max(max((c["bytes_h2d"] + c.get("up_bytes", 0)) / bw, c["flops"] / peak) for c in cards)
+
+
+def card_figures(t: dict, bw: float, peak: float, up_rows_bytes: int = 0) -> dict:
+    """Row figures of a pass's last_timing over cards (t["cards"]; none: one card): summed bus GB/s and its share of
+    the cards' bus rate, FLOP/s and its share of their peak, wall over cards_floor. up_rows_bytes: the hidden rows
+    a later card of the layer pipeline takes up (the expert split's partials are in its cards' "up_bytes")."""
+    cards = t.get("cards") or [{"bytes_h2d": t["bytes_h2d"], "flops": t["work"]["flops"], "copy_s": t["copy_s"]}]
+    cards = [dict(c, up_bytes=c.get("up_bytes", up_rows_bytes if k else 0)) for k, c in enumerate(cards)]
+    n = len(cards)
+    gb_s = sum(c["bytes_h2d"] / c["copy_s"] for c in cards if c["copy_s"] > 0) / 1e9
+    tflops = t["work"]["flops"] / max(t["gpu_s"], 1e-9) / 1e12
+    return {"h2d_gb_s": gb_s, "h2d_frac": gb_s * 1e9 / (n * bw), "gemm_tflops": tflops,
+            "fma_frac": tflops * 1e12 / (n * peak), "floor_ratio": t["wall_s"] / cards_floor(cards, bw, peak)}
+
+
 def run_cards(path: str, prompts, devices: list[int], budget: int | None, card_profile: str | None = None,
-              bus_bw: float | None = None, kv_stream: bool | None = None, seed: int = 0, split_modes=("auto",)):
+              bus_bw: float | None = None, kv_stream: bool | None = None, seed: int = 0, split_modes=("auto",),
+              bw: float = 6e9, peak: float = 1e13):
     """Rows of 1 card (devices[0]) and of all `devices` in each of `split_modes` (multi_gpu.open_cards's) for each
-    prompt length; and one info dict a config."""
+    prompt length; and one info dict a config. bw, peak: a card's bus rate and FMA peak (bytes/s, FLOP/s)."""
     from ...backends.gpu.backend import GPUModel
     from ...backends.gpu.multi_gpu import open_cards
     from ...format.gguf_model import GGUFModel
@@ -47,11 +70,14 @@ def run_cards(path: str, prompts, devices: list[int], budget: int | None, card_p
                 want = m.placement.stream_bytes_per_pass
             else:
                 want = sum(c.m.placement.stream_bytes_per_pass * c.totals["passes"] for c in m.cards)
-            mb = f", {t['micro_batches']} micro-batches" if mode and split_of(m) == "layer" else ""
+            layer = mode is not None and split_of(m) == "layer"
+            mb = f", {t['micro_batches']} micro-batches" if layer else ""
+            fig = card_figures(t, bw, peak, T * args.n_embd * 4 if layer else 0)
             rows.append(Row("hybridinfer", label + mb,
                             T, T / t["wall_s"], t["wall_s"], t["copy_s"], t["gpu_s"],
-                            max(0.0, t["wall_s"] - t["gpu_s"]), flops=t["work"]["flops"], h2d_bytes=t["bytes_h2d"],
-                            counts_agree=t["bytes_h2d"] == want))
+                            max(0.0, t["wall_s"] - t["gpu_s"]), vram_peak_gib=m.allocated_bytes / 2**30,
+                            flops=t["work"]["flops"], h2d_bytes=t["bytes_h2d"], counts_agree=t["bytes_h2d"] == want,
+                            **fig))
         ps = [m.placement] if mode is None else [c.m.placement for c in m.cards]
         infos.append({"config": label, "budget": budget, "load_s": load_s, "allocated_gib": m.allocated_bytes / 2**30,
                       "stream_gib_per_pass": sum(p.stream_bytes_per_pass for p in ps) / 2**30,
