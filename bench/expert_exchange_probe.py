@@ -1,7 +1,8 @@
 """Where a pass of the expert split spends its time, card by card (issue 34): the host seconds waiting for the
-card's own work up to each exchange, for the other card, and for the emulated bus of the partials' uploads, beside
-the weights' copy time. Run on a two-GPU host: python3 bench/expert_exchange_probe.py MODEL.gguf (the 35B-A3B synth,
-fermi profile, 5 GiB a card, 947 and 4,096 tokens)."""
+card's own work up to each exchange (and for its uploads of earlier partials), and for the other card, beside the
+weights' copy time (the partials' uploads share the card's paced bus with the weights: CardLink). Run on a
+two-GPU host: python3 bench/expert_exchange_probe.py MODEL.gguf (the 35B-A3B synth, fermi profile, 5 GiB a
+card, 947 and 4,096 tokens)."""
 import json
 import sys
 
