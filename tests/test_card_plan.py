@@ -334,7 +334,7 @@ def test_cards_rows_are_measured_against_the_slowest_cards_floor():
     """bench prefill --devices: a row over cards is wall over its slowest card's floor (bus: the weights it streamed
     and the rows that came up to it; compute: its FLOPs), with the cards' bus and FLOP/s summed against their summed
     rates; one card's row is wall over max(bytes / bus, FLOPs / peak), as the single-card rows."""
-    from hybridinfer.tools.benchmarks.prefill_cards import card_figures, cards_floor
+    from hybridinfer.tools.benchmarks.prefill import card_figures, cards_floor
 
     bw, peak = 6e9, 1e13
     cards = [{"bytes_h2d": 6e9, "up_bytes": 1.2e9, "flops": 1e13, "copy_s": 1.0, "gpu_s": 1.4},

@@ -16,6 +16,8 @@ import types
 import numpy as np
 import pytest
 
+from tests.test_state_kinds import FakeArray
+
 
 class Log:
     """The copies queued by both threads, checked as they come."""
@@ -41,18 +43,6 @@ class Op:
 
 def fake_pycuda(monkeypatch, log: Log, hosts: list):
     """hosts: (host-row array, (owner card, slot)) of the Exchange, filled once it exists."""
-
-    class Array:
-        def __init__(self, a):
-            self.a = a
-
-        shape = property(lambda self: self.a.shape)
-        nbytes = property(lambda self: self.a.nbytes)
-        size = property(lambda self: self.a.size)
-        gpudata = property(lambda self: self)
-
-        def __getitem__(self, k):
-            return Array(self.a[k])
 
     class Stream:
         def __init__(self, flags=0):
@@ -112,12 +102,12 @@ def fake_pycuda(monkeypatch, log: Log, hosts: list):
     drv.pagelocked_empty = lambda shape, dt, mem_flags=0: np.zeros(shape, dt)
     drv.host_alloc_flags = types.SimpleNamespace(PORTABLE=1)
     gpuarray = types.ModuleType("pycuda.gpuarray")
-    gpuarray.empty = lambda shape, dt: Array(np.zeros(shape, dt))
+    gpuarray.empty = lambda shape, dt: FakeArray(np.zeros(shape, dt))
     pkg = types.ModuleType("pycuda")
     pkg.driver, pkg.gpuarray = drv, gpuarray
     for name, mod in (("pycuda", pkg), ("pycuda.driver", drv), ("pycuda.gpuarray", gpuarray)):
         monkeypatch.setitem(sys.modules, name, mod)
-    return drv, Array, Stream
+    return drv, FakeArray, Stream
 
 
 def run_pass(monkeypatch, layers: int, chunks: int, jitter: float, seed: int) -> Log:

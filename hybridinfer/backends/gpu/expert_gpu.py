@@ -24,6 +24,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
+from collections import deque
 
 import numpy as np
 
@@ -82,8 +83,6 @@ class CardLink:
     READ_LAG <= S - P - 1."""
 
     def __init__(self, ex: Exchange, k: int, m):
-        from collections import deque
-
         from pycuda import gpuarray
 
         self.ex, self.k, self.m, self.calls, self.bytes = ex, k, m, 0, 0
@@ -183,7 +182,7 @@ class CardLink:
         st, drv = self.up_stream, self.m.drv
         if after is not None:
             st.wait_for_event(after)
-        pacer = getattr(self.m.streamer, "pacer", None)
+        pacer = self.m.streamer.pacer
         if pacer is not None:
             pacer.upload([(int(dst.gpudata), host.reshape(-1).view(np.uint8))], st)
         else:

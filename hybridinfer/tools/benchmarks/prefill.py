@@ -53,6 +53,26 @@ def gemm_flops(gm, args, T: int) -> float:
     return w.gemm + w.moe
 
 
+def cards_floor(cards: list[dict], bw: float, peak: float) -> float:
+    """Seconds no pass over these cards can beat: the slowest card's longer of its bus time (the weights it streamed,
+    `bytes_h2d`, and the rows that come up to it from the others, `up_bytes`, over the bus rate `bw`) and its
+    compute time (its counted `flops` over the FMA peak)."""
+    return max(max((c["bytes_h2d"] + c.get("up_bytes", 0)) / bw, c["flops"] / peak) for c in cards)
+
+
+def card_figures(t: dict, bw: float, peak: float, up_rows_bytes: int = 0) -> dict:
+    """Row figures of a pass's last_timing over cards (t["cards"]; none: one card): summed bus GB/s and its share of
+    the cards' bus rate, FLOP/s and its share of their peak, wall over cards_floor. up_rows_bytes: the hidden rows
+    a later card of the layer pipeline takes up (the expert split's partials are in its cards' "up_bytes")."""
+    cards = t.get("cards") or [{"bytes_h2d": t["bytes_h2d"], "flops": t["work"]["flops"], "copy_s": t["copy_s"]}]
+    cards = [dict(c, up_bytes=c.get("up_bytes", up_rows_bytes if k else 0)) for k, c in enumerate(cards)]
+    n = len(cards)
+    gb_s = sum(c["bytes_h2d"] / c["copy_s"] for c in cards if c["copy_s"] > 0) / 1e9
+    tflops = t["work"]["flops"] / max(t["gpu_s"], 1e-9) / 1e12
+    return {"h2d_gb_s": gb_s, "h2d_frac": gb_s * 1e9 / (n * bw), "gemm_tflops": tflops,
+            "fma_frac": tflops * 1e12 / (n * peak), "floor_ratio": t["wall_s"] / cards_floor(cards, bw, peak)}
+
+
 def run_ours(path: str, prompts, budget: int | None, config: str, bw: float, peak: float, seed: int = 0,
              bus_bw: float | None = None, card_profile: str | None = None, kv_stream: bool | None = None):
     import pycuda.driver as drv
@@ -89,12 +109,9 @@ def run_ours(path: str, prompts, budget: int | None, config: str, bw: float, pea
         flops = t["work"]["flops"]
         agree = (abs(flops - prefill_work(gm, args, T).flops) <= 1e-9 * flops
                  and t["bytes_h2d"] == m.placement.stream_bytes_per_pass)
-        floor = max(t["bytes_h2d"] / bw, flops / peak)
         rows.append(Row("hybridinfer", config, T, T / t["wall_s"], t["wall_s"], t["copy_s"], t["gpu_s"],
-                        max(0.0, t["wall_s"] - t["gpu_s"]), t["bytes_h2d"] / max(t["copy_s"], 1e-9) / 1e9,
-                        (t["bytes_h2d"] / max(t["copy_s"], 1e-9)) / bw if t["bytes_h2d"] else 0.0,
-                        flops / t["gpu_s"] / 1e12, flops / t["gpu_s"] / peak, t["wall_s"] / floor,
-                        (free0 - free1) / 2**30, flops, t["bytes_h2d"], agree))
+                        max(0.0, t["wall_s"] - t["gpu_s"]), vram_peak_gib=(free0 - free1) / 2**30, flops=flops,
+                        h2d_bytes=t["bytes_h2d"], counts_agree=agree, **card_figures(t, bw, peak)))
     from ...backends.gpu.loader import describe_compiles
 
     info = {"config": config, "budget": budget, "load_s": load_s, "compile": describe_compiles(m.compiled),

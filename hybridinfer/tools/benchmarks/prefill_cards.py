@@ -13,27 +13,7 @@ import time
 
 import numpy as np
 
-from .prefill import Row
-
-
-def cards_floor(cards: list[dict], bw: float, peak: float) -> float:
-    """Seconds no pass over these cards can beat: the slowest card's longer of its bus time (the weights it streamed,
-    `bytes_h2d`, and the rows that come up to it from the others, `up_bytes`, over the bus rate `bw`) and its
-    compute time (its counted `flops` over the FMA peak)."""
-    return max(max((c["bytes_h2d"] + c.get("up_bytes", 0)) / bw, c["flops"] / peak) for c in cards)
-
-
-def card_figures(t: dict, bw: float, peak: float, up_rows_bytes: int = 0) -> dict:
-    """Row figures of a pass's last_timing over cards (t["cards"]; none: one card): summed bus GB/s and its share of
-    the cards' bus rate, FLOP/s and its share of their peak, wall over cards_floor. up_rows_bytes: the hidden rows
-    a later card of the layer pipeline takes up (the expert split's partials are in its cards' "up_bytes")."""
-    cards = t.get("cards") or [{"bytes_h2d": t["bytes_h2d"], "flops": t["work"]["flops"], "copy_s": t["copy_s"]}]
-    cards = [dict(c, up_bytes=c.get("up_bytes", up_rows_bytes if k else 0)) for k, c in enumerate(cards)]
-    n = len(cards)
-    gb_s = sum(c["bytes_h2d"] / c["copy_s"] for c in cards if c["copy_s"] > 0) / 1e9
-    tflops = t["work"]["flops"] / max(t["gpu_s"], 1e-9) / 1e12
-    return {"h2d_gb_s": gb_s, "h2d_frac": gb_s * 1e9 / (n * bw), "gemm_tflops": tflops,
-            "fma_frac": tflops * 1e12 / (n * peak), "floor_ratio": t["wall_s"] / cards_floor(cards, bw, peak)}
+from .prefill import Row, card_figures
 
 
 def run_cards(path: str, prompts, devices: list[int], budget: int | None, card_profile: str | None = None,
