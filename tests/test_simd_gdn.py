@@ -61,15 +61,20 @@ def test_gdn_layer_matches_numba(libs, shape, mod, T):
     assert np.isfinite(y_want).all()
     libsel = libs.items() if shape != BIG or T < 17 else [(k, v) for k, v in libs.items() if k[0] == ISAS[-1]]
     for (isa, n), lib in libsel:
-        for chunk in (1, 5, T):  # tokens per chunk of the scratch
+        for chunk, out_of_place in ((1, False), (5, True), (T, False), (T, True)):  # tokens per scratch chunk
             y = np.full_like(y_want, np.nan)
             conv, S = state[0].copy(), state[1].copy()
+            src = ()
+            if out_of_place:  # the old state read from conv_in / S_in, the new one written to conv / S alone
+                src, conv, S = (conv, S), np.full_like(conv, np.nan), np.full_like(S, np.nan)
             scratch = np.full(ops_gdn.gdn_scratch_size(C, Hv, dv, chunk), np.nan, np.float32)
-            lib.gdn_layer(*inputs, *weights, conv, S, Hk, mod, EPS, y, scratch)
-            what = f"{isa}, {n} threads, chunks of {chunk}"
+            lib.gdn_layer(*inputs, *weights, conv, S, Hk, mod, EPS, y, scratch, *src)
+            what = f"{isa}, {n} threads, chunks of {chunk}, out of place {out_of_place}"
             np.testing.assert_array_equal(y, y_want, err_msg=what)
             np.testing.assert_array_equal(S, S_want, err_msg=what)
             np.testing.assert_array_equal(conv, conv_want, err_msg=what)
+            for got, was in zip(src, state if src else (), strict=True):  # never written
+                np.testing.assert_array_equal(got, was, err_msg=what)
 
 
 def test_gdn_layer_views_and_steps(libs):
@@ -142,6 +147,13 @@ def test_gdn_layer_bad_args(libs):
         call(S=ro)
     with pytest.raises(ValueError, match="y has shape"):
         call(y=np.zeros((3, Hv * dv), np.float32))
+    with pytest.raises(ValueError, match="conv_in and S_in together"):
+        call(S_in=good["S"].copy())
+    with pytest.raises(ValueError, match="S_in has shape"):
+        call(conv_in=good["conv"].copy(), S_in=np.zeros((Hv, dk, dv + 1), np.float32))
+    half = np.zeros((2, Hv, dk, dv), np.float32)  # an old state overlapping the new one
+    with pytest.raises(ValueError, match="overlap"):
+        call(conv_in=good["conv"].copy(), S_in=half[0], S=half.reshape(2 * Hv, dk, dv)[Hv // 2:Hv // 2 + Hv])
 
 
 def test_gdn_layer_timing(libs):

@@ -73,3 +73,28 @@ def test_several_sequences_verify_replayed_bit_identical_to_decode_steps(tmp_pat
         for st in states:
             eng.release(st)
         assert not be.again_steps
+
+
+def test_verify_without_undo_commits_and_a_stale_rollback_raises(tmp_path):
+    """The GDN state after a verify pass waits in buffers that the next pass reuses: without `undo` it is copied in
+    at once (the state equals one-token decode steps'); a rollback run after another pass raises, never restores
+    from buffers that another pass rewrote."""
+    from hybridinfer.tools.synth import synth_model
+
+    path = str(tmp_path / "moe.gguf")
+    synth_model(path, "qwen35moe", SHAPE, "q8_0", seed=4, mtp=False)
+    with Engine.load(path, backend="cpu", n_ctx=64, isa=ISA, n_threads=2, spec_type="none") as eng:
+        be = eng.backend
+        a, b, c = (eng.new_state() for _ in range(3))
+        for st in (a, b, c):
+            be.forward([5, 9, 11, 30], st, all_logits=False)
+        for several in (False, True):
+            rows = be.forward_rows([([40, 41, 42], a)] + ([([7], c)] if several else []))
+            for t, row in zip([40, 41, 42], rows[0], strict=True):
+                assert np.array_equal(row, be.forward([t], b, all_logits=False)[-1])
+            _same_state(a, b)
+        _, (u1,) = be.forward_rows([([50, 51], a)], undo=True)
+        _, (u2,) = be.forward_rows([([60, 61], c)], undo=True)
+        with pytest.raises(RuntimeError, match="another verify pass"):
+            u1(1)
+        u2(1)

@@ -263,39 +263,50 @@ class SpareBlocks:
 class RowsUndo:
     """Going back inside a pass over `n` rows of one state (speculative verify): `undo(m)` leaves the state as
     after the first m rows alone (1 <= m <= n), bit for bit. K/V rows past the position are never read again, so
-    only the recurrent arrays need it: they are copied before the pass, and either a copy is kept after every row
-    (`snap()`, a backend that runs the rows one at a time) or each GDN call's inputs are kept (`kept[layer]`: the
-    copies the pass made of its row inputs, cpu/verify.py) and `again(kept, m)` runs those calls over their first m
-    rows on the restored arrays."""
+    only the recurrent arrays need it. Either a copy is kept after every row (`snap()`, a backend that runs the rows
+    one at a time), or each GDN call's inputs are kept (`kept[layer]`: the copies the pass made of its row inputs,
+    cpu/verify.py) and `again(kept, m)` runs those calls over their first m rows on the arrays as they were before
+    the pass. Those arrays the pass wrote out of place (`pending`) still are; every other recurrent array is copied
+    before the pass and put back."""
 
-    def __init__(self, state: DecoderState, n: int, again=None, into: list[np.ndarray] | None = None, copy=None):
-        """into: buffers of the recurrent arrays' shapes to copy them into (a backend reuses them from step to
-        step: fresh pages cost ten times the copy). copy(dsts, srcs): the backend's copy of those arrays (the CPU's
-        splits them over its threads: one thread copied a 9B's 48 MiB in 8 ms, a sixth of a decode step)."""
+    def __init__(self, state: DecoderState, n: int, again=None, into: list[np.ndarray] | None = None, copy=None,
+                 pending: list[tuple[np.ndarray, np.ndarray]] | None = None, current=None):
+        """into: buffers of the copied arrays' shapes to copy them into (a backend reuses them from step to step:
+        fresh pages cost ten times the copy). copy(dsts, srcs): the backend's copy of those arrays (the CPU's splits
+        them over its threads: one thread copied a 9B's 48 MiB in 8 ms, a sixth of a decode step). pending: (the
+        state's array, where the pass left its value after the n rows) for each array the pass read and left as it
+        was: keeping all n rows copies those values in, fewer copies nothing. current(): whether those values are
+        still there (the backend's buffers for them serve its next pass): a rollback after that raises."""
         self.state, self.n, self.pos0, self.again = state, n, state.pos, again
         self.copy = copy or copy_each
-        held = [a for _, _, a in state.held(per_token=False)]
+        self.pending, self.current = list(pending or ()), current
+        skip = {id(a) for a, _ in self.pending}
+        self.copied = [a for _, _, a in state.held(per_token=False) if id(a) not in skip]
         if into is None:
-            self.saved = [a.copy() for a in held]
+            self.saved = [a.copy() for a in self.copied]
         else:
             self.saved = into
-            self.copy(into, held)
+            self.copy(into, self.copied)
         self.kept: dict[int, tuple] = {}
         self.after: list[list[np.ndarray]] = []
 
     def snap(self) -> None:
-        self.after.append([a.copy() for _, _, a in self.state.held(per_token=False)])
+        self.after.append([a.copy() for a in self.copied])
 
     def __call__(self, m: int) -> None:
         if not 1 <= m <= self.n:
             raise ValueError(f"undo keeps 1 to {self.n} rows, got {m}")
+        if self.pending and self.current is not None and not self.current():
+            raise RuntimeError("this verify step's rollback comes after another verify pass, which took its buffers")
         st = self.state
         st.pos = self.pos0 + m
-        if m == self.n or not self.saved:
+        if m == self.n:
+            if self.pending:
+                self.copy([a for a, _ in self.pending], [x for _, x in self.pending])
             return
-        back = self.after[m - 1] if self.after else self.saved
-        self.copy([a for _, _, a in st.held(per_token=False)], back)
-        if not self.after:
+        if self.saved:
+            self.copy(self.copied, self.after[m - 1] if self.after else self.saved)
+        if (self.saved or self.pending) and not self.after:
             self.again(self.kept, m)
 
 

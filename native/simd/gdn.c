@@ -36,6 +36,7 @@
 typedef struct {
     const float *u, *z, *b, *a, *conv_w, *ssm_a, *dt_bias, *norm_w;
     float *conv, *S, *y, *dbuf, *c;
+    const float *conv_in, *S_in; /* NULL: in place; else the state before token 0, never written */
     int64_t u_row, z_row, b_row, a_row, y_row;
     int64_t t0, nt, C, K, Hv, dk, dv, Hk, block;
     int head_map_mod, avx2;
@@ -49,19 +50,21 @@ static inline __attribute__((always_inline)) void gdn_conv_body(const gdn_args *
     const int64_t C = g->C, K = g->K, dk = g->dk;
     float *conv = g->conv;
     const float *conv_w = g->conv_w;
+    const float *cin = g->t0 == 0 && g->conv_in ? g->conv_in : conv; /* the window before this token */
     for (int64_t t = 0; t < g->nt; t++) {
         const float *ut = g->u + (g->t0 + t) * g->u_row;
         float *ct = g->c + t * C;
         for (int64_t ch = ch0; ch < ch1; ch++) {
             float acc = 0.0f;
-            for (int64_t tau = 0; tau < K - 1; tau++) acc += conv[tau * C + ch] * conv_w[ch * K + tau];
+            for (int64_t tau = 0; tau < K - 1; tau++) acc += cin[tau * C + ch] * conv_w[ch * K + tau];
             acc += ut[ch] * conv_w[ch * K + K - 1];
             ct[ch] = acc / (1.0f + expf(-acc));
         }
-        for (int64_t tau = 0; tau < K - 2; tau++)
-            for (int64_t ch = ch0; ch < ch1; ch++) conv[tau * C + ch] = conv[(tau + 1) * C + ch];
+        for (int64_t tau = 0; tau < K - 2; tau++) /* ascending: in place each row is read before it is written */
+            for (int64_t ch = ch0; ch < ch1; ch++) conv[tau * C + ch] = cin[(tau + 1) * C + ch];
         if (K > 1)
             for (int64_t ch = ch0; ch < ch1; ch++) conv[(K - 2) * C + ch] = ut[ch];
+        cin = conv;
     }
     const int64_t nqk = 2 * g->Hk;
     for (int64_t t = 0; t < g->nt; t++) {
@@ -87,6 +90,8 @@ static inline __attribute__((always_inline)) void gdn_head_body(const gdn_args *
     const int64_t Hv = g->Hv, dk = g->dk, dv = g->dv, Hk = g->Hk, C = g->C;
     const int64_t kh = g->head_map_mod ? j % Hk : j / (Hv / Hk);
     float *restrict Sj = g->S + j * dk * dv;
+    /* out of place (a verify step): token 0 reads S_in's head j, writes S's; every later token works on S */
+    const float *Sin = g->t0 == 0 && g->S_in && g->S_in != g->S ? g->S_in + j * dk * dv : NULL;
     float *restrict delta = g->dbuf + j * dv;
     const float *restrict nw = g->norm_w;
     for (int64_t t = 0; t < g->nt; t++) {
@@ -103,6 +108,7 @@ static inline __attribute__((always_inline)) void gdn_head_body(const gdn_args *
         /* the delta rule on column blocks of S[j] (GDN_EB lanes, held in registers, the block in L1): pass 1
          * S <- alpha S, delta <- S^T k, delta <- beta (v - delta); pass 2 S <- S + k delta^T, o <- S^T q.
          * Lane e of delta and o sums over i ascending as in numba_gdn, so blocking changes no result. */
+        const float *restrict src = t == 0 ? Sin : NULL; /* non-NULL: pass 1 reads the old S there */
         int64_t e0 = 0;
         for (; e0 + GDN_EB <= dv; e0 += GDN_EB) {
             float d[GDN_EB], acc[GDN_EB];
@@ -110,12 +116,24 @@ static inline __attribute__((always_inline)) void gdn_head_body(const gdn_args *
             for (int64_t i = 0; i < dk; i++) {
                 const float ki = k[i];
                 if (e0 == 0 && t == 0 && i + GDN_PF < dk) /* S[j] from memory: fetch whole rows ahead */
-                    for (int64_t p = GDN_EB; p < dv; p += 16) __builtin_prefetch(Sj + (i + GDN_PF) * dv + p, 1, 3);
+                    for (int64_t p = GDN_EB; p < dv; p += 16) {
+                        __builtin_prefetch(Sj + (i + GDN_PF) * dv + p, 1, 3);
+                        if (src) __builtin_prefetch(src + (i + GDN_PF) * dv + p, 0, 3);
+                    }
                 float *restrict row = Sj + i * dv + e0;
-                for (int ee = 0; ee < GDN_EB; ee++) {
-                    const float s = row[ee] * alpha;
-                    row[ee] = s;
-                    d[ee] += ki * s;
+                if (src) {
+                    const float *restrict in = src + i * dv + e0;
+                    for (int ee = 0; ee < GDN_EB; ee++) {
+                        const float s = in[ee] * alpha;
+                        row[ee] = s;
+                        d[ee] += ki * s;
+                    }
+                } else {
+                    for (int ee = 0; ee < GDN_EB; ee++) {
+                        const float s = row[ee] * alpha;
+                        row[ee] = s;
+                        d[ee] += ki * s;
+                    }
                 }
             }
             for (int ee = 0; ee < GDN_EB; ee++) {
@@ -138,10 +156,19 @@ static inline __attribute__((always_inline)) void gdn_head_body(const gdn_args *
             for (int64_t i = 0; i < dk; i++) {
                 const float ki = k[i];
                 float *restrict row = Sj + i * dv;
-                for (int64_t e = e0; e < dv; e++) {
-                    const float s = row[e] * alpha;
-                    row[e] = s;
-                    delta[e] += ki * s;
+                if (src) {
+                    const float *restrict in = src + i * dv;
+                    for (int64_t e = e0; e < dv; e++) {
+                        const float s = in[e] * alpha;
+                        row[e] = s;
+                        delta[e] += ki * s;
+                    }
+                } else {
+                    for (int64_t e = e0; e < dv; e++) {
+                        const float s = row[e] * alpha;
+                        row[e] = s;
+                        delta[e] += ki * s;
+                    }
                 }
             }
             for (int64_t e = e0; e < dv; e++) delta[e] = beta * (v[e] - delta[e]);
@@ -212,7 +239,8 @@ int hi_gdn_layer(hi_ctx *ctx, const float *u, int64_t u_row, const float *z, int
                  int64_t b_row, const float *a, int64_t a_row, const float *conv_w, const float *ssm_a,
                  const float *dt_bias, const float *norm_w, float *conv, float *S, int64_t T, int64_t C, int64_t K,
                  int64_t n_v_heads, int64_t d_k, int64_t d_v, int64_t n_k_heads, int head_map_mod, double eps,
-                 float *y, int64_t y_row, float *scratch, int64_t scratch_len) {
+                 float *y, int64_t y_row, float *scratch, int64_t scratch_len, const float *conv_in,
+                 const float *S_in) {
     gdn_args g;
     const int rc = gdn_init(&g, ctx, u, u_row, z, z_row, b, b_row, a, a_row, conv_w, ssm_a, dt_bias, norm_w, C, K,
                             n_v_heads, d_k, d_v, n_k_heads, head_map_mod, eps, y, y_row, scratch, scratch_len);
@@ -220,6 +248,8 @@ int hi_gdn_layer(hi_ctx *ctx, const float *u, int64_t u_row, const float *z, int
     if (T < 1 || !S || (K > 1 && !conv)) return -2;
     g.conv = conv;
     g.S = S;
+    g.conv_in = conv_in;
+    g.S_in = S_in;
     const int64_t Tc = (scratch_len - n_v_heads * d_v) / C;
     const int64_t nblk = (C + g.block - 1) / g.block;
     hi_ctx_lock(ctx);

@@ -207,12 +207,16 @@ void hi_ctx_pool_stats(hi_ctx *c, int on, double *out);
  * Hv*d_v, y_row) <- gated-normed output; contiguous: conv_w (C, K), ssm_a, dt_bias (Hv), norm_w (d_v),
  * conv (K-1, C) (oldest row first), S (Hv, d_k, d_v); C = 2*n_k_heads*d_k + Hv*d_v; head_map_mod: value
  * head j reads key head j % n_k_heads, else j / (Hv / n_k_heads); scratch of scratch_len >= Hv*d_v + C
- * floats (the conv outputs of (scratch_len - Hv*d_v) / C tokens per chunk). No allocation. */
+ * floats (the conv outputs of (scratch_len - Hv*d_v) / C tokens per chunk). No allocation.
+ * conv_in, S_in: NULL (the state in place), or the state before the first token, read there and never written: the
+ * state after the T tokens is then written to conv and S alone (a speculative verify step keeps the state it
+ * started from without a copy; the same bits as in place). */
 int hi_gdn_layer(hi_ctx *ctx, const float *u, int64_t u_row, const float *z, int64_t z_row, const float *b,
                  int64_t b_row, const float *a, int64_t a_row, const float *conv_w, const float *ssm_a,
                  const float *dt_bias, const float *norm_w, float *conv, float *S, int64_t T, int64_t C, int64_t K,
                  int64_t n_v_heads, int64_t d_k, int64_t d_v, int64_t n_k_heads, int head_map_mod, double eps,
-                 float *y, int64_t y_row, float *scratch, int64_t scratch_len);
+                 float *y, int64_t y_row, float *scratch, int64_t scratch_len, const float *conv_in,
+                 const float *S_in);
 
 /* hi_gdn_layer for one token of each of B sequences: row j of u, z, b, a, y is sequence j's token, conv[j] and
  * S[j] its states; scratch of B * (Hv*d_v + C) floats. Bit-identical to B calls of hi_gdn_layer (T = 1), in two

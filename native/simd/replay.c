@@ -39,7 +39,7 @@ static int hi_step_run(hi_ctx *c, const hi_step *s, int64_t pos) {
     case HI_OP_GDN_LAYER:
         return hi_gdn_layer(c, P(0), I(1), P(2), I(3), P(4), I(5), P(6), I(7), P(8), P(9), P(10), P(11), P(12),
                             P(13), I(14), I(15), I(16), I(17), I(18), I(19), I(20), (int)I(21), F(22), P(23), I(24),
-                            P(25), I(26));
+                            P(25), I(26), P(27), P(28));
     case HI_OP_RMS_NORM:
         return hi_rms_norm(c, P(0), I(1), P(2), I(3), I(4), I(5), I(6), P(7), F(8), P(9), I(10));
     case HI_OP_SPLIT_QGATE:

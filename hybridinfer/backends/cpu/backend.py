@@ -151,6 +151,9 @@ class CPUModel(MTPParts, Backend):
         self._ws: dict[tuple[int, int], Workspace] = {}
         self.shared_scratch: dict = {}
         self.undo_buffers: dict[int, list[np.ndarray]] = {}  # per state: cpu/verify.py
+        # per (sequence of a verify pass, GDN layer): the (conv, S) the pass leaves there (cpu/verify.py)
+        self.verify_outs: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+        self.verify_passes = 0
         self.again_steps: dict[int, dict] = {}  # per state: its rollbacks' GDN calls, bound (cpu/verify.py)
         self.keep_hidden, self.hidden_kept = False, {}  # MTPParts.hidden_rows
 
@@ -384,6 +387,7 @@ class CPUModel(MTPParts, Backend):
         self._ws.clear()
         self.shared_scratch.clear()
         self.undo_buffers.clear()
+        self.verify_outs.clear()
         self.again_steps.clear()
         self.layers, self.mats, self.replicas, self.out, self.tok_embd = [], [], None, None, None
         self.simd.close()
@@ -406,6 +410,14 @@ class CPUModel(MTPParts, Backend):
                 d.flags.c_contiguous and d.dtype == x.dtype and d.shape == x.shape for d, x in pairs):
             return super().copy_into(dsts, srcs)  # numpy's copy casts and broadcasts where the pool's would not
         self.simd.copy_many([d for d, _ in pairs], [np.ascontiguousarray(x) for _, x in pairs])
+
+    def verify_out(self, j: int, i: int, conv: np.ndarray, S: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Where a verify pass writes the GDN state of layer i of its sequence j after its rows (cpu/verify.py): one
+        pair of buffers per (j, i) for every pass and sequence, so a recorded pass keeps pointing at them."""
+        got = self.verify_outs.get((j, i))
+        if got is None or got[0].shape != conv.shape or got[1].shape != S.shape:
+            got = self.verify_outs[(j, i)] = (np.empty_like(conv), np.empty_like(S))
+        return got
 
     def release(self, state: DecoderState) -> None:
         """Drop the recorded steps and bound calls that hold this state's arrays (a finished sequence's memory

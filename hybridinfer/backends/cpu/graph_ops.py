@@ -172,6 +172,8 @@ class CPUOps:
                 args = (u[r0:r1], z[r0:r1], beta[r0:r1], alpha[r0:r1], *w, s.conv[i], s.ssm[i], *tail[:3])
                 if ws.gdn_keep is not None:  # a verify step over a workspace of its own: kept as recorded steps
                     self._keep_inputs((j, i), args[:4], (*w, *tail[:3]))
+                    self._verify_gdn((i, j), j, args, y[r0:r1])
+                    continue
                 self._call(("gdn", i, j), "gdn_layer", *args, y[r0:r1], ws.gdn_scratch,
                            arrays=(s.conv[i], s.ssm[i]))
         elif isinstance(st, list):
@@ -180,9 +182,20 @@ class CPUOps:
         else:
             if ws.gdn_keep is not None:  # a verify step: its inputs kept, to roll the state back (cpu/verify.py)
                 self._keep_inputs(i, (u, z, beta, alpha), (*w, *tail[:3]))
+                self._verify_gdn((i,), 0, (u, z, beta, alpha, *w, st.conv[i], st.ssm[i], *tail[:3]), y)
+                return y
             self._call(("gdn", i), "gdn_layer", u, z, beta, alpha, *w, st.conv[i], st.ssm[i], *tail,
                        arrays=(st.conv[i], st.ssm[i]))
         return y
+
+    def _verify_gdn(self, at: tuple, j: int, args: tuple, y) -> None:
+        """A verify step's GDN call (args: gdn_layer's up to eps, the state's conv and S among them) out of place: the
+        state read and left as it was, the state after the rows written to the model's buffers for sequence j
+        (CPUModel.verify_out), which the step's RowsUndo copies in or not (cpu/verify.py)."""
+        conv, S = args[8], args[9]
+        co, so = self.m.verify_out(j, self.i, conv, S)
+        self._call(("gdn", *at), "gdn_layer", *args[:8], co, so, *args[10:], y, self.ws.gdn_scratch, conv, S,
+                   arrays=(conv, S, co, so))
 
     def _keep_inputs(self, i, xs: tuple, rest: tuple) -> None:
         """Copy a GDN call's row inputs into buffers of the workspace's own, as a native step of the recorded pass

@@ -70,22 +70,31 @@ class GDNCalls:
 
     def gdn_layer(self, u: np.ndarray, z: np.ndarray, b: np.ndarray, a: np.ndarray, conv_w: np.ndarray,
                   ssm_a: np.ndarray, dt_bias: np.ndarray, norm_w: np.ndarray, conv: np.ndarray, S: np.ndarray,
-                  n_k_heads: int, head_map_mod: bool, eps: float, y: np.ndarray, scratch: np.ndarray) -> None:
+                  n_k_heads: int, head_map_mod: bool, eps: float, y: np.ndarray, scratch: np.ndarray,
+                  conv_in: np.ndarray | None = None, S_in: np.ndarray | None = None) -> None:
         """The Gated DeltaNet layer after its projections for T tokens, state (conv, S) in place: the C twin
         of the numba oracle's `gdn_layer` (same arguments, bit-identical results), its value heads split across the
         pool. u (T, C); z (T, H_v*d_v); b, a (T, H_v); y (T, H_v*d_v) (these may be views of wider rows,
         each row contiguous); conv_w (C, K), ssm_a, dt_bias (H_v,), norm_w (d_v,), conv (K-1, C),
         S (H_v, d_k, d_v), scratch (>= H_v*d_v + C,) C-contiguous; all float32, with
         C = 2*n_k_heads*d_k + H_v*d_v. A scratch of `gdn_scratch_size(C, H_v, d_v, Tc)` runs the
-        tokens in chunks of Tc."""
+        tokens in chunks of Tc. conv_in, S_in (both or neither): the state before the first token, read and never
+        written; the state after the T tokens goes to conv and S alone (the same bits as in place)."""
         T, C, K, Hv, dk, dv, Hk, rows, ptrs = self._gdn_args(u, z, b, a, conv_w, ssm_a, dt_bias, norm_w, S,
                                                              n_k_heads, y, scratch, lambda T, per: per)
         ptrs += [self._gdn_array("conv", conv, (K - 1, C), True), self._gdn_array("S", S, (Hv, dk, dv), True)]
         ffi = self._ffi
+        if (conv_in is None) != (S_in is None):
+            raise ValueError("gdn_layer takes conv_in and S_in together, or neither")
+        src = [ffi.NULL, ffi.NULL] if S_in is None else [
+            self._gdn_array("conv_in", conv_in, (K - 1, C), False), self._gdn_array("S_in", S_in, (Hv, dk, dv), False)]
+        if S_in is not None and (np.may_share_memory(S_in, S) or np.may_share_memory(conv_in, conv)) and not (
+                S_in is S and conv_in is conv):
+            raise ValueError("gdn_layer's conv_in / S_in overlap conv / S without being them")
         rc = self._lib.hi_gdn_layer(self._c, _ptr(ffi, "float *", u), rows[0], _ptr(ffi, "float *", z), rows[1],
                                     _ptr(ffi, "float *", b), rows[2], _ptr(ffi, "float *", a), rows[3], *ptrs, T, C, K,
                                     Hv, dk, dv, Hk, 1 if head_map_mod else 0, float(eps), _ptr(ffi, "float *", y),
-                                    rows[4], ffi.from_buffer("float[]", scratch), scratch.shape[0])
+                                    rows[4], ffi.from_buffer("float[]", scratch), scratch.shape[0], *src)
         if rc:
             _check_rc(rc, "gdn_layer")
 
