@@ -20,8 +20,10 @@ SHAPE = dict(n_embd=256, n_layer=4, n_head=4, n_head_kv=2, head_dim=64, n_ff=512
              ssm_n_group=2, ssm_dt_rank=4)
 
 # answers as `llama-bench -o json` does (tools/llama-bench: json_printer, one object per test, -fa values as ints),
-# pp and tg at the asked depth for each -fa value, and appends its arguments to argv.log; FAIL_AFTER=k: prints k
-# tests, then exits 1 mid-list as llama-bench does when a test fails
+# pp (where -p > 0) and tg at the asked depth for each -ngl and -fa value, and appends its arguments to argv.log;
+# a layer on the card adds 1000 tok/s, and the -ngl values come in ascending order, so a CPU (-ngl 0) row read
+# without the n_gpu_layers filter would be overwritten by the card's; FAIL_AFTER=k: prints k tests, then exits 1
+# mid-list as llama-bench does when a test fails
 FAKE = """\
 import json, os, sys
 a = sys.argv[1:]
@@ -29,12 +31,15 @@ with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "argv.log"), 
     f.write(" ".join(a) + "\\n")
 o = dict(zip(a[::2], a[1::2]))
 tests = []
-for fa in o["-fa"].split(","):
-    for p, n in ((int(o["-p"]), 0), (0, int(o["-n"]))):
-        tests.append({"build_commit": "fake", "model_filename": o["-m"], "n_threads": int(o["-t"]),
-                      "type_k": o["-ctk"], "type_v": o["-ctv"], "flash_attn": int(fa), "n_prompt": p, "n_gen": n,
-                      "n_depth": int(o["-d"]), "avg_ns": 1000, "stddev_ns": 0, "avg_ts": 100.0 + 10 * int(fa) + n,
-                      "stddev_ts": 0.0, "samples_ns": [1000], "samples_ts": [1.0]})
+for ngl in sorted(map(int, o.get("-ngl", "0").split(","))):
+    for fa in o["-fa"].split(","):
+        for p, n in ((int(o["-p"]), 0), (0, int(o["-n"]))):
+            if p or n:
+                tests.append({"build_commit": "fake", "model_filename": o["-m"], "n_threads": int(o["-t"]),
+                              "n_gpu_layers": ngl, "type_k": o["-ctk"], "type_v": o["-ctv"], "flash_attn": int(fa),
+                              "n_prompt": p, "n_gen": n, "n_depth": int(o["-d"]), "avg_ns": 1000, "stddev_ns": 0,
+                              "avg_ts": 100.0 + 10 * int(fa) + n + 1000 * (ngl > 0), "stddev_ts": 0.0,
+                              "samples_ns": [1000], "samples_ts": [1.0]})
 stop = int(os.environ.get("FAIL_AFTER", "-1"))
 body = ",\\n".join("  " + json.dumps(t) for t in (tests if stop < 0 else tests[:stop]))
 if stop >= 0:
@@ -144,6 +149,48 @@ def test_missing_llama_bench(model, tmp_path, capsys):
     assert rc == 2 and res is None and "--llama-bench" in capsys.readouterr().err  # said before anything runs
     got, err = context.measure_llama(str(tmp_path / "gone"), model, 2, 4, 2, 64, "f32", "f32", 1)
     assert got == {} and err.startswith("could not run")
+
+
+def test_bench_context_llama_bench_cuda(model, tmp_path, capsys):
+    """--llama-bench-cuda: -ngl 99,0 --no-host 1 -p 0, one call per depth and -fa value, the -ngl 0 rows alone."""
+    rc, res = _bench(model, tmp_path / "out", "--llama-bench-cuda", _fake(tmp_path), "--cache-types", "f32,f16,q8_0")
+    out = capsys.readouterr().out
+    assert rc == 0 and res["llama_bench"] is None and res["llama_bench_cuda"].endswith("llama-bench")
+    calls = [c.split() for c in (tmp_path / "argv.log").read_text().splitlines()]
+    want = [("f16", 64, "0"), ("f16", 64, "1"), ("f16", 256, "0"), ("f16", 256, "1"), ("q8_0", 64, "1"),
+            ("q8_0", 256, "1")]
+    assert len(calls) == len(want)
+    for call, (t, d, fa) in zip(calls, want, strict=True):
+        o = dict(zip(call[::2], call[1::2], strict=True))
+        assert (o["-d"], o["-ctk"], o["-ctv"], o["-fa"]) == (str(d), t, t, fa)
+        assert (o["-p"], o["-n"], o["-ngl"], o["--no-host"], o["-t"], o["-r"]) == ("0", "4", "99,0", "1", "2", "1")
+    rows = res["rows"]
+    assert "takes no f32" in rows[0]["llama_note"]
+    for r in rows[2:]:
+        assert r["llama_error"] is None and all(x.pop("tg_floor_frac") > 0 for x in r["llama"].values())
+    assert rows[2]["llama"] == {"0": {"tg_tok_s": 104.0}, "1": {"tg_tok_s": 114.0}}  # not the card's 1104 / 1114
+    assert rows[4]["llama"] == {"1": {"tg_tok_s": 114.0}}
+    assert rows[4]["tg_vs_llama"] == pytest.approx(rows[4]["tg_tok_s"] / 114.0) and "pp_vs_llama" not in rows[4]
+    assert "-ngl 99,0 --no-host 1" in out and "n_gpu_layers 0" in out
+    assert main(["bench", "context", "-m", model, "--llama-bench", "x", "--llama-bench-cuda", "y"]) == 2
+    assert "not both" in capsys.readouterr().err
+
+
+def test_llama_bench_cuda_command_and_rows():
+    cmd = context.llama_cmd("lb", "m.gguf", 16, 512, 32, 131072, "q8_0", "q8_0", 1, cuda=True, fa=1)
+    assert cmd == ["lb", "-m", "m.gguf", "-p", "0", "-n", "32", "-d", "131072", "-ctk", "q8_0", "-ctv", "q8_0",
+                   "-fa", "1", "-ngl", "99,0", "--no-host", "1", "-t", "16", "-r", "1", "-o", "json"]
+    assert "-ngl" not in context.llama_cmd("lb", "m.gguf", 16, 512, 32, 1024, "q8_0", "q8_0", 1)
+    # a made-up `-ngl 99,0 -o json` answer: the card's instance (prefilling the depth) first, then the CPU's
+    card = {"n_gpu_layers": 99, "type_k": "q8_0", "type_v": "q8_0", "flash_attn": 1, "n_prompt": 0, "n_gen": 32,
+            "n_depth": 32768, "avg_ts": 150.0}
+    cpu = dict(card, n_gpu_layers=0, avg_ts=21.5)
+    for rows in ([card, cpu], [cpu, card]):
+        got = context.llama_results(context.parse_llama_json(json.dumps(rows, indent=2)), 32768, "q8_0", "q8_0",
+                                    cpu_only=True)
+        assert got == {"1": {"tg_tok_s": 21.5}}
+    assert context.llama_results([card], 32768, "q8_0", "q8_0", cpu_only=True) == {}
+    assert context.llama_results([card], 32768, "q8_0", "q8_0") == {"1": {"tg_tok_s": 150.0}}  # a CPU build's
 
 
 def test_rewind_gives_the_state_at_its_mark(model):

@@ -178,12 +178,19 @@ def cmd_bench_context(a) -> int:
 
     depths = positive_ints("--depths", a.depths, "token counts")
     types = context.parse_cache_types(a.cache_types)
-    _check_tools(a, "--llama-bench")
+    if a.llama_bench and a.llama_bench_cuda:
+        raise ParameterError("give --llama-bench (a CPU build) or --llama-bench-cuda (a CUDA build), not both")
+    _check_tools(a, "--llama-bench", "--llama-bench-cuda")
     model = _bench_model(a)
     isa = None if a.isa in (None, "", "native") else a.isa
     res = context.run(model, a.threads, depths, types, a.p, a.n, a.backend, isa, a.llama_bench, a.reps,
-                      a.probe_bytes)
+                      a.probe_bytes, llama_bench_cuda=a.llama_bench_cuda)
     print(context_report.markdown(res))
+    if a.llama_bench_cuda:
+        print(f"\nllama.cpp: `{a.llama_bench_cuda} -p 0 -n {a.n} -d D -ctk K -ctv V -fa F -ngl 99,0 --no-host 1 "
+              f"-t {a.threads} -r {a.reps} -o json`, one call per depth and -fa value: the -ngl 99 instance prefills "
+              "the depth on the card, the -ngl 0 instance restores it from llama-bench's depth cache and decodes on "
+              "the CPU; only its n_gpu_layers 0 rows are shown (tg alone: a prompt batch at -ngl 0 goes to the card).")
     _save_bench(a.out_dir, f"context-{_model_stem(model)}-t{a.threads}", json.dumps(res, indent=1),
                 lambda png: context_report.plot(res, png))
     return 0
@@ -388,6 +395,12 @@ def add_bench_parsers(sub) -> None:
                    help="SIMD path: native, scalar, ssse3, avx2, avx512vnni")
     b.add_argument("--llama-bench", default=None, help="llama.cpp's llama-bench, run with -d at each depth, the same "
                    "types, flash attention off and on")
+    b.add_argument("--llama-bench-cuda", default=None, metavar="EXE",
+                   help="instead of --llama-bench: a CUDA build of llama-bench, run with -ngl 99,0 --no-host 1 -p 0 at "
+                   "each depth, so the card prefills the depth once (a CPU build takes hours at 128K) and "
+                   "llama-bench's depth cache restores it into the -ngl 0 instance, which decodes on the CPU with its "
+                   "weights repacked as a CPU build's; only its n_gpu_layers 0 rows count (tg only: a prompt batch "
+                   "at -ngl 0 is offloaded to the card)")
     b.add_argument("--probe-bytes", type=parse_size, default=None,
                    help="buffer of the read-bandwidth probe behind the decode floor (default: 8x the last-level "
                         "cache, at least 1GiB; 0: no probe, no floor)")

@@ -11,6 +11,16 @@ Floors: a decoded token reads the weights one token reads (decode.bytes_per_toke
 rows of every position before it. Those bytes over the read bandwidth measured just before and after the timed steps
 give the row's fraction of its floor. Prefill has no bandwidth floor; its GFLOP/s counts the products and the
 attention over the depth (gpu/work.prefill_work at pos0 = D).
+
+llama.cpp at depth with a CUDA build (llama_bench_cuda): a CPU-only llama-bench prefills the depth on the CPU, which
+at 32K-128K takes far longer than the decode it measures. llama-bench keeps the depth's state in one cache across its
+test instances (tools/llama-bench: ctx_state, restored with llama_state_seq_set_data when the depth matches), so
+`-ngl 99,0 --no-host 1 -p 0` prefills the depth once on the card (-ngl 99) and restores it into the -ngl 0 instance,
+whose decode runs on the CPU (a batch of one is never offloaded). --no-host 1 keeps that instance's weights in the
+CPU's repacked buffers, as a CPU-only build does, rather than unrepacked in pinned host memory. Only rows with
+n_gpu_layers 0 are llama.cpp's CPU figures. One call per depth and -fa value: the cache holds one depth, and a state
+saved with flash attention off (V transposed) is not restored into an instance with it on, which would prefill again
+on the CPU. No pp: a prompt batch at -ngl 0 is offloaded to the card.
 """
 
 from __future__ import annotations
@@ -159,10 +169,16 @@ def measure_ours(path: str, backend: str, k: str, v: str, depths: list[int], pro
 
 
 def llama_cmd(exe: str, path: str, threads: int, prompt: int, gen: int, depth: int, k: str, v: str,
-              reps: int) -> list[str]:
-    """llama-bench at one depth: pp and tg there with each flash-attention setting llama.cpp takes for the types."""
+              reps: int, cuda: bool = False, fa: int | None = None) -> list[str]:
+    """llama-bench at one depth: pp and tg there with each flash-attention setting llama.cpp takes for the types;
+    cuda (a CUDA build): tg alone at -fa fa, the depth prefilled on the card (-ngl 99) and restored into a CPU
+    instance (-ngl 0, --no-host 1: weights in the CPU's repacked buffers), as the module's docstring says."""
+    fas = ",".join(map(str, fa_values(k, v) if fa is None else (fa,)))
+    if cuda:
+        return [exe, "-m", path, "-p", "0", "-n", str(gen), "-d", str(depth), "-ctk", k, "-ctv", v, "-fa", fas,
+                "-ngl", "99,0", "--no-host", "1", "-t", str(threads), "-r", str(reps), "-o", "json"]
     return [exe, "-m", path, "-p", str(prompt), "-n", str(gen), "-d", str(depth), "-ctk", k, "-ctv", v,
-            "-fa", ",".join(map(str, fa_values(k, v))), "-t", str(threads), "-r", str(reps), "-o", "json"]
+            "-fa", fas, "-t", str(threads), "-r", str(reps), "-o", "json"]
 
 
 def parse_llama_json(text: str) -> list[dict]:
@@ -180,11 +196,14 @@ def parse_llama_json(text: str) -> list[dict]:
     return out
 
 
-def llama_results(rows: list[dict], depth: int, k: str, v: str) -> dict[str, dict]:
-    """{fa: {"pp_tok_s", "tg_tok_s"}} of llama-bench's objects at this depth and these types (fa as "0" / "1")."""
+def llama_results(rows: list[dict], depth: int, k: str, v: str, cpu_only: bool = False) -> dict[str, dict]:
+    """{fa: {"pp_tok_s", "tg_tok_s"}} of llama-bench's objects at this depth and these types (fa as "0" / "1");
+    cpu_only: those with n_gpu_layers 0 alone (a CUDA build's -ngl 99,0: the -ngl 99 rows are the card's)."""
     got: dict[str, dict] = {}
     for r in rows:
         if int(r.get("n_depth", depth)) != depth or (r.get("type_k", k), r.get("type_v", v)) != (k, v):
+            continue
+        if cpu_only and int(r.get("n_gpu_layers", -1)) != 0:
             continue
         n_p, n_g = int(r.get("n_prompt", 0)), int(r.get("n_gen", 0))
         what = "pp_tok_s" if n_p > 0 and n_g == 0 else "tg_tok_s" if n_g > 0 and n_p == 0 else None
@@ -193,29 +212,46 @@ def llama_results(rows: list[dict], depth: int, k: str, v: str) -> dict[str, dic
     return got
 
 
-def measure_llama(exe: str, path: str, threads: int, prompt: int, gen: int, depth: int, k: str, v: str,
-                  reps: int) -> tuple[dict[str, dict], str | None]:
-    """llama-bench's tok/s at one depth by flash-attention setting, and what went wrong (None: nothing)."""
-    cmd = llama_cmd(shutil.which(exe) or exe, path, threads, prompt, gen, depth, k, v, reps)
+def _llama_call(cmd: list[str], exe: str) -> tuple[list[dict], str | None]:
+    """One llama-bench run: the test objects it printed, and what went wrong (None: nothing)."""
     try:
         r = subprocess.run(cmd, capture_output=True, text=True)
     except OSError as e:
-        return {}, f"could not run {exe}: {e.strerror or e}"
-    got = llama_results(parse_llama_json(r.stdout), depth, k, v)
-    err = None
-    if r.returncode:
-        tail = (r.stderr.strip().splitlines() or [""])[-1][-200:]
-        how = f"exit status {r.returncode}"
-        if r.returncode < 0:
-            try:
-                how = f"killed by {signal.Signals(-r.returncode).name}"
-            except ValueError:
-                pass
-        err = f"{how}" + (f": {tail}" if tail else "") + (" (built for another CPU?)" if r.returncode ==
-                                                          -signal.SIGILL else "")
-    elif not got:
-        err = "no results at this depth and these types in its output"
-    return got, err
+        return [], f"could not run {exe}: {e.strerror or e}"
+    if not r.returncode:
+        return parse_llama_json(r.stdout), None
+    tail = (r.stderr.strip().splitlines() or [""])[-1][-200:]
+    how = f"exit status {r.returncode}"
+    if r.returncode < 0:
+        try:
+            how = f"killed by {signal.Signals(-r.returncode).name}"
+        except ValueError:
+            pass
+    return parse_llama_json(r.stdout), (f"{how}" + (f": {tail}" if tail else "")
+                                        + (" (built for another CPU?)" if r.returncode == -signal.SIGILL else ""))
+
+
+def measure_llama(exe: str, path: str, threads: int, prompt: int, gen: int, depth: int, k: str, v: str,
+                  reps: int, cuda: bool = False) -> tuple[dict[str, dict], str | None]:
+    """llama-bench's tok/s at one depth by flash-attention setting, and what went wrong (None: nothing). cuda: a
+    CUDA build, one call per -fa value, its n_gpu_layers 0 rows alone (llama_cmd, llama_results)."""
+    exe_path = shutil.which(exe) or exe
+    calls = ([llama_cmd(exe_path, path, threads, prompt, gen, depth, k, v, reps, True, fa) for fa in fa_values(k, v)]
+             if cuda else [llama_cmd(exe_path, path, threads, prompt, gen, depth, k, v, reps)])
+    got: dict[str, dict] = {}
+    errs = []
+    for cmd in calls:
+        rows, err = _llama_call(cmd, exe)
+        for fa, x in llama_results(rows, depth, k, v, cpu_only=cuda).items():
+            got.setdefault(fa, {}).update(x)
+        if err:
+            errs.append(err if len(calls) == 1 else f"-fa {cmd[cmd.index('-fa') + 1]}: {err}")
+        if err and err.startswith("could not run"):
+            break
+    if not errs and not got:
+        errs.append("no results at this depth and these types in its output"
+                    + (" with n_gpu_layers 0" if cuda else ""))
+    return got, "; ".join(errs) or None
 
 
 def decode_bytes(weights: int, recurrent: int, kv_per_token: int, depth: int, gen: int) -> tuple[float, float]:
@@ -227,9 +263,13 @@ def decode_bytes(weights: int, recurrent: int, kv_per_token: int, depth: int, ge
 
 def run(path: str, threads: int, depths=DEFAULT_DEPTHS, cache_types=(("f32", "f32"),), prompt: int = 512,
         gen: int = 32, backend: str = "cpu", isa: str | None = None, llama_bench: str | None = None, reps: int = 2,
-        bw_bytes: int | None = None, seed: int = 0) -> dict:
-    """Every cache type x depth: this engine's pp and tg, and llama-bench's where given. bw_bytes: the read-bandwidth
-    probe's buffer (None: decode.probe_bytes(); 0: no probe, no floors)."""
+        bw_bytes: int | None = None, seed: int = 0, llama_bench_cuda: str | None = None) -> dict:
+    """Every cache type x depth: this engine's pp and tg, and llama-bench's where given (llama_bench_cuda: a CUDA
+    build instead, its depth prefilled on the card and its tg on the CPU, as the module's docstring says). bw_bytes:
+    the read-bandwidth probe's buffer (None: decode.probe_bytes(); 0: no probe, no floors)."""
+    if llama_bench and llama_bench_cuda:
+        raise ParameterError("give llama-bench (CPU build) or llama-bench-cuda, not both")
+    peer = llama_bench_cuda or llama_bench
     from ...backends.cpu.simd import SimdLib
     from ...backends.gpu.work import prefill_work
     from ...engine.context import room_beside
@@ -267,12 +307,12 @@ def run(path: str, threads: int, depths=DEFAULT_DEPTHS, cache_types=(("f32", "f3
                         bw = effective_bandwidth(readings, [gen] * reps)
                         row.update(probe_gb_s=bw / 1e9, readings_gb_s=[x / 1e9 for x in readings],
                                    tg_floor_frac=row["tg_tok_s"] * total / bw)
-                if llama_bench and not row.get("skipped") and not (llama_knows(k) and llama_knows(v)):
+                if peer and not row.get("skipped") and not (llama_knows(k) and llama_knows(v)):
                     row["llama_note"] = (f"not run: llama-bench takes no {k if not llama_knows(k) else v} K/V "
                                          f"(its types: {', '.join(LLAMA_BENCH_KV)})")
-                elif llama_bench and not row.get("skipped"):
+                elif peer and not row.get("skipped"):
                     b0 = probe() if probe else None
-                    got, err = measure_llama(llama_bench, path, threads, prompt, gen, d, k, v, reps)
+                    got, err = measure_llama(peer, path, threads, prompt, gen, d, k, v, reps, bool(llama_bench_cuda))
                     row["llama"], row["llama_error"] = got, err
                     if probe and got:
                         bw = (b0 + probe()) / 2  # the llama-bench call's timings lie somewhere between them
@@ -287,7 +327,8 @@ def run(path: str, threads: int, depths=DEFAULT_DEPTHS, cache_types=(("f32", "f3
     return {"model": path, "arch": base.arch, "backend": backend, "isa": ran_isa, "threads": threads,
             "prompt": prompt, "gen": gen, "reps": reps, "depths": sorted(set(depths)),
             "cache_types": [type_label(k, v) for k, v in cache_types], "weights_bytes_per_token": weights,
-            "recurrent_bytes": recurrent, "llama_bench": llama_bench, "rows": rows}
+            "recurrent_bytes": recurrent, "llama_bench": llama_bench, "llama_bench_cuda": llama_bench_cuda,
+            "rows": rows}
 
 
 def _relative(rows: list[dict]) -> None:
