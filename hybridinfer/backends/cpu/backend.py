@@ -151,8 +151,7 @@ class CPUModel(MTPParts, Backend):
         self._ws: dict[tuple[int, int], Workspace] = {}
         self.shared_scratch: dict = {}
         self.undo_buffers: dict[int, list[np.ndarray]] = {}  # per state: cpu/verify.py
-        # per (sequence of a verify pass, GDN layer): the (conv, S) the pass leaves there (cpu/verify.py)
-        self.verify_outs: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+        self.verify_outs: dict[tuple[int, int], tuple] = {}  # per (sequence of a verify pass, GDN layer): verify_out
         self.verify_passes = 0
         self.again_steps: dict[int, dict] = {}  # per state: its rollbacks' GDN calls, bound (cpu/verify.py)
         self.keep_hidden, self.hidden_kept = False, {}  # MTPParts.hidden_rows
@@ -412,8 +411,7 @@ class CPUModel(MTPParts, Backend):
         self.simd.copy_many([d for d, _ in pairs], [np.ascontiguousarray(x) for _, x in pairs])
 
     def verify_out(self, j: int, i: int, conv: np.ndarray, S: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Where a verify pass writes the GDN state of layer i of its sequence j after its rows (cpu/verify.py): one
-        pair of buffers per (j, i) for every pass and sequence, so a recorded pass keeps pointing at them."""
+        """Where every verify pass writes layer i's GDN state of its sequence j after its rows (cpu/verify.py)."""
         got = self.verify_outs.get((j, i))
         if got is None or got[0].shape != conv.shape or got[1].shape != S.shape:
             got = self.verify_outs[(j, i)] = (np.empty_like(conv), np.empty_like(S))
