@@ -186,11 +186,6 @@ def cmd_bench_context(a) -> int:
     res = context.run(model, a.threads, depths, types, a.p, a.n, a.backend, isa, a.llama_bench, a.reps,
                       a.probe_bytes, llama_bench_cuda=a.llama_bench_cuda)
     print(context_report.markdown(res))
-    if a.llama_bench_cuda:
-        print(f"\nllama.cpp: `{a.llama_bench_cuda} -p 0 -n {a.n} -d D -ctk K -ctv V -fa F -ngl 99,0 --no-host 1 "
-              f"-t {a.threads} -r {a.reps} -o json`, one call per depth and -fa value: the -ngl 99 instance prefills "
-              "the depth on the card, the -ngl 0 instance restores it from llama-bench's depth cache and decodes on "
-              "the CPU; only its n_gpu_layers 0 rows are shown (tg alone: a prompt batch at -ngl 0 goes to the card).")
     _save_bench(a.out_dir, f"context-{_model_stem(model)}-t{a.threads}", json.dumps(res, indent=1),
                 lambda png: context_report.plot(res, png))
     return 0

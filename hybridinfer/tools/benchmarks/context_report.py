@@ -49,6 +49,13 @@ def markdown(res: dict) -> str:
                  f"-t {res['threads']} -r {res['reps']} -o json` (-fa 1 only for a quantized V; f32 not run: its -ctk"
                  f" takes no f32), shown as fa 0 / fa 1;"
                  f" x llama.cpp: against its faster setting.")
+    elif res.get("llama_bench_cuda"):
+        head += (f" llama.cpp: a CUDA build, `llama-bench -p 0 -n {res['gen']} -d D -ctk K -ctv V -fa F -ngl 99,0 "
+                 f"--no-host 1 -t {res['threads']} -r {res['reps']} -o json`, one call per depth and -fa value: the "
+                 "-ngl 99 instance prefills the depth on the card, the -ngl 0 instance restores it from llama-bench's "
+                 "depth cache and decodes on the CPU with repacked weights; only its n_gpu_layers 0 rows are shown "
+                 "(tg alone: at -ngl 0 a prompt batch goes to the card), as fa 0 / fa 1;"
+                 " x llama.cpp: against its faster setting.")
     first = min((r["depth"] for r in res["rows"] if "tg_tok_s" in r), default=None)
     out = [head, "",
            "| K/V | depth | K/V B/token | K/V total | K/V read/token | pp tok/s | pp GFLOP/s | tg tok/s | "
